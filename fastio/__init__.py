@@ -1,0 +1,65 @@
+"""fastio: the message types and zero-copy msgpack codec of the fastio stack.
+
+``fastio`` knows types and bytes, never sockets: it turns a message into frames
+``[header, *buffers]`` and back. See ``docs/PROTOCOL.md`` for the wire format.
+
+>>> import fastio
+>>> frames = fastio.encode(fastio.LLMRequest(input_ids=[1, 2, 3]))
+>>> fastio.decode(frames).input_ids == [1, 2, 3]
+True
+"""
+
+from fastio.codec import MESSAGE_TYPES, Decoder, Encoder, Message, decode, encode
+from fastio.errors import DecodeError, EncodeError, FastioError, MessageTooLarge
+from fastio.io_struct import (
+    AllocationMode,
+    AllocationType,
+    FinetuneSpec,
+    GenerationHyperparameters,
+    LLMRequest,
+    LLMResponse,
+    ParamSpec,
+    RolloutStat,
+    SaveLoadMeta,
+    SaverConfig,
+    VLMRequest,
+    VLMResponse,
+    WeightUpdateMeta,
+    WireStruct,
+)
+from fastio.protocol import PROTOCOL_VERSION, ExtCode, MsgKind
+from fastio.tokens import TokenArray
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "MESSAGE_TYPES",
+    "PROTOCOL_VERSION",
+    "AllocationMode",
+    "AllocationType",
+    "DecodeError",
+    "Decoder",
+    "EncodeError",
+    "Encoder",
+    "ExtCode",
+    "FastioError",
+    "FinetuneSpec",
+    "GenerationHyperparameters",
+    "LLMRequest",
+    "LLMResponse",
+    "Message",
+    "MessageTooLarge",
+    "MsgKind",
+    "ParamSpec",
+    "RolloutStat",
+    "SaveLoadMeta",
+    "SaverConfig",
+    "TokenArray",
+    "VLMRequest",
+    "VLMResponse",
+    "WeightUpdateMeta",
+    "WireStruct",
+    "__version__",
+    "decode",
+    "encode",
+]

@@ -1,0 +1,78 @@
+"""Wire constants of the fastio protocol, in one place.
+
+See ``docs/PROTOCOL.md`` for the full description of the frame layout.
+"""
+
+from __future__ import annotations
+
+import enum
+
+__all__ = [
+    "DEFAULT_INLINE_THRESHOLD",
+    "DEFAULT_MAX_MESSAGE_SIZE",
+    "DTYPE_NAMES",
+    "PROTOCOL_VERSION",
+    "ExtCode",
+    "MsgKind",
+]
+
+#: Version of the frame layout. A decoder rejects headers carrying another version.
+#: Bump it only for changes an old peer cannot read; appending a field with a
+#: default to a Struct is *not* such a change (see the schema-evolution rules).
+PROTOCOL_VERSION = 1
+
+#: Arrays whose data is smaller than this many bytes travel inside the header;
+#: larger ones travel as their own frame, sent without a copy.
+DEFAULT_INLINE_THRESHOLD = 256
+
+#: Default limit on the total size of one message's frames (16 GiB).
+DEFAULT_MAX_MESSAGE_SIZE = 16 << 30
+
+
+class MsgKind(enum.IntEnum):
+    """Struct tags: the first element of every encoded Struct (``array_like``).
+
+    Values are part of the wire format and never reused.
+    """
+
+    GENERATION_HYPERPARAMETERS = 1
+    LLM_REQUEST = 2
+    LLM_RESPONSE = 3
+    VLM_REQUEST = 4
+    VLM_RESPONSE = 5
+    FINETUNE_SPEC = 6
+    ALLOCATION_MODE = 7
+    PARAM_SPEC = 8
+    WEIGHT_UPDATE_META = 9
+    SAVER_CONFIG = 10
+    SAVE_LOAD_META = 11
+    ROLLOUT_STAT = 12
+
+
+class ExtCode(enum.IntEnum):
+    """msgpack extension type codes used for out-of-band and binary payloads."""
+
+    #: numpy array: payload ``[dtype, shape, data]``.
+    NDARRAY = 1
+    #: torch tensor: same payload as NDARRAY, decoded as a ``torch.Tensor``.
+    TENSOR = 2
+    #: PIL image: payload ``[mode, width, height, data]`` (raw pixel bytes).
+    IMAGE = 3
+
+
+#: Canonical dtype names on the wire (little-endian always).
+DTYPE_NAMES = (
+    "bool",
+    "int8",
+    "uint8",
+    "int16",
+    "uint16",
+    "int32",
+    "uint32",
+    "int64",
+    "uint64",
+    "float16",
+    "bfloat16",
+    "float32",
+    "float64",
+)
