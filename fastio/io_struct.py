@@ -5,25 +5,39 @@ Struct options, chosen once for every wire type (:class:`WireStruct`):
 
 ``array_like=True``
     A Struct encodes as a msgpack array of its fields in definition order, not a map:
-    no field names on the wire (smaller, faster), and the tag comes first. Schema
-    evolution therefore works by *appending* fields with defaults: an older reader
-    ignores trailing fields it does not know, a newer reader fills missing trailing
-    fields from their defaults (see ``docs/PROTOCOL.md``).
+    no field names on the wire (a 32k-token response header is ~100 bytes instead of
+    ~250, and encoding/decoding skips the key matching), and the tag comes first.
+    Schema evolution therefore works by *appending* fields with defaults: an older
+    reader ignores trailing fields it does not know, a newer reader fills missing
+    trailing fields from their defaults (see ``docs/PROTOCOL.md``).
 ``omit_defaults=True``
-    Trailing fields still at their default are not sent. Never changes meaning, since
-    the reader has the same defaults.
+    Trailing fields still at their default are not sent (with ``array_like`` only a
+    trailing run of defaults can be left out). Never changes meaning, since the reader
+    has the same defaults, and it is what makes a new field invisible to old readers
+    as long as it holds its default.
 ``gc=False``
     Instances are not tracked by the cyclic garbage collector. Thousands of requests
-    are alive at once; tracking them makes every GC pass slower. The types hold no
-    reference cycles (keep ``metadata`` free of cycles back to the request).
-``tag=MsgKind.*``
-    An integer tag per type so one receiver decodes whatever arrives (a tagged union).
+    and responses are alive at once in a rollout; tracking them makes every GC pass
+    slower and GC passes more frequent. Safe because the types hold no reference
+    cycles (keep ``metadata`` free of references back to the request).
+``tag=int(MsgKind.*)``, ``tag_field="__kind__"``
+    An integer tag per type, written as the first array element, so one receiver
+    decodes whatever arrives (a tagged union, ``decode(frames, type=None)``). Integer
+    tags are one byte on the wire; names would cost ~15. ``tag_field`` only names the
+    tag for msgspec's map form, which ``array_like`` never uses; it is set on the base
+    so every subclass is tagged.
 not ``frozen``
-    Rollout code mutates requests and responses (re-submission, accumulation).
+    Rollout code mutates requests and responses (re-submission after an interrupt
+    extends ``input_ids`` and accumulates output), as it does the seed's dataclasses.
+not ``forbid_unknown_fields``
+    That would make old readers reject newer peers' appended fields.
 
 Token arrays (``input_ids``, ``input_tokens``, ``output_tokens``, ``output_logprobs``,
 ``output_versions``, ``itl``) are :class:`~fastio.tokens.TokenArray`: lists and numpy
-arrays are accepted and converted on construction (numpy arrays without a copy).
+arrays are accepted and converted on construction (numpy arrays without a copy). Lists
+become ``int32`` token ids and versions (every vocabulary and version fits; a value
+that does not raises ``OverflowError``) and ``float64`` logprobs and latencies (the
+exact Python floats, as the seed kept them). Arrays keep their own dtype.
 """
 
 from __future__ import annotations
@@ -62,15 +76,18 @@ __all__ = [
 # Default element types when token fields are given as Python lists. Arrays passed in
 # keep their own dtype (no copy).
 _ID_DTYPE = np.int32
-_LOGPROB_DTYPE = np.float32
+_LOGPROB_DTYPE = np.float64
 _VERSION_DTYPE = np.int32
 _LATENCY_DTYPE = np.float64
 
 
 def _tokens(value: Any, dtype: Any) -> TokenArray:
-    if type(value) is TokenArray:
+    """Slow path of the token-field conversion in ``__post_init__``."""
+    if isinstance(value, TokenArray):
         return value
     if isinstance(value, np.ndarray):
+        return TokenArray(value)
+    if type(value).__module__ == "torch":
         return TokenArray(value)
     return TokenArray(value, dtype=dtype)
 
@@ -79,10 +96,24 @@ def _new_rid() -> str:
     return str(uuid.uuid4())
 
 
+#: Bumped whenever a WireStruct subclass is defined, so the codec knows when the union
+#: of message types (``decode(frames, type=None)``) must be rebuilt.
+_registry_generation = 0
+
+
 class WireStruct(
     msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag_field="__kind__"
 ):
-    """Base of every fastio wire type (see the module docstring for the options)."""
+    """Base of every fastio wire type (see the module docstring for the options).
+
+    Subclass it with ``tag=<unused MsgKind value>`` to define a new message type; the
+    codec's ``type=None`` union picks it up automatically.
+    """
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        global _registry_generation
+        super().__init_subclass__(**kwargs)
+        _registry_generation += 1
 
 
 class GenerationHyperparameters(WireStruct, tag=int(MsgKind.GENERATION_HYPERPARAMETERS)):
@@ -122,7 +153,10 @@ class LLMRequest(WireStruct, tag=int(MsgKind.LLM_REQUEST)):
     model_id: str | None = None
 
     def __post_init__(self) -> None:
-        self.input_ids = _tokens(self.input_ids, _ID_DTYPE)
+        # Runs on construction *and* on decode: the decoded field is already a
+        # TokenArray, so keep that case to one type check.
+        if type(self.input_ids) is not TokenArray:
+            self.input_ids = _tokens(self.input_ids, _ID_DTYPE)
 
 
 class LLMResponse(WireStruct, tag=int(MsgKind.LLM_RESPONSE)):
@@ -140,11 +174,18 @@ class LLMResponse(WireStruct, tag=int(MsgKind.LLM_RESPONSE)):
     itl: TokenArray = msgspec.field(default_factory=TokenArray)
 
     def __post_init__(self) -> None:
-        self.input_tokens = _tokens(self.input_tokens, _ID_DTYPE)
-        self.output_tokens = _tokens(self.output_tokens, _ID_DTYPE)
-        self.output_logprobs = _tokens(self.output_logprobs, _LOGPROB_DTYPE)
-        self.output_versions = _tokens(self.output_versions, _VERSION_DTYPE)
-        self.itl = _tokens(self.itl, _LATENCY_DTYPE)
+        # Runs on construction *and* on decode (then every field is a TokenArray
+        # already): one type check per field on that hot path.
+        if type(self.input_tokens) is not TokenArray:
+            self.input_tokens = _tokens(self.input_tokens, _ID_DTYPE)
+        if type(self.output_tokens) is not TokenArray:
+            self.output_tokens = _tokens(self.output_tokens, _ID_DTYPE)
+        if type(self.output_logprobs) is not TokenArray:
+            self.output_logprobs = _tokens(self.output_logprobs, _LOGPROB_DTYPE)
+        if type(self.output_versions) is not TokenArray:
+            self.output_versions = _tokens(self.output_versions, _VERSION_DTYPE)
+        if type(self.itl) is not TokenArray:
+            self.itl = _tokens(self.itl, _LATENCY_DTYPE)
 
     @property
     def input_len(self) -> int:
@@ -286,7 +327,10 @@ class AllocationMode(WireStruct, tag=int(MsgKind.ALLOCATION_MODE)):
                 f"invalid allocation mode {allocation_mode!r}: expected exactly one '+' "
                 f"between a generation and a training part, such as {_VALID_EXAMPLE}"
             )
-        backends = {"vllm": AllocationType.DECOUPLED_vLLM, "sglang": AllocationType.DECOUPLED_SGLANG}
+        backends = {
+            "vllm": AllocationType.DECOUPLED_vLLM,
+            "sglang": AllocationType.DECOUPLED_SGLANG,
+        }
         gen_idx = [i for i, p in enumerate(parts) if p.split(".", 1)[0] in backends and "." in p]
         if len(gen_idx) != 1:
             raise ValueError(
@@ -414,9 +458,10 @@ class SaveLoadMeta(WireStruct, tag=int(MsgKind.SAVE_LOAD_META)):
     path: str
     weight_format: str
     with_optim: bool
-    tokenizer: Any = None
-    processor: Any = None
-    base_model_path: str | None = None
+    # Required, as in the seed (None where there is none).
+    tokenizer: Any
+    processor: Any
+    base_model_path: str | None
     naive_distributed: bool = False
 
 

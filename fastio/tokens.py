@@ -19,22 +19,31 @@ operation                 behaviour
 ``t == seq``              ``True`` / ``False``, element by element as lists
 ``list(t)``, ``tolist``   a real list
 ``np.asarray(t)``         the underlying array, no copy
-``t.tensor()``            ``torch.from_numpy`` of it, no copy
+``torch.as_tensor(t)``    a tensor (``t.tensor()`` shares memory)
 ========================  ===============================================
 
-Operations whose list and array meanings disagree and that the seed's users do not
-apply (``t * 2``, ``t - x``, ``t < x``, ``t + 1``, item assignment) raise
-``TypeError`` with a hint, instead of silently doing the other thing. Use
-``t.array`` for numpy arithmetic.
+``seq`` is a list, tuple, range, 1-D numpy array or ``TokenArray``. Python numbers
+joining an array keep its dtype when they fit (numpy's rule for Python scalars), so
+``[-1] * n + versions`` stays ``int32``; numbers that do not fit (a float into an int
+array, an int beyond the dtype's range) widen the result instead of being truncated.
+
+Operations whose list and array meanings disagree (``t * 2``, ``t - x``, ``t < x``,
+``t + 1``, item assignment) raise ``TypeError`` with a hint, instead of silently doing
+the other thing. Item assignment is refused because slices are views: ``u = t[:]``
+then ``t[0] = 5`` would change ``u``, which a list never does. Use ``t.array`` for
+numpy arithmetic.
 
 Lifetime: a ``TokenArray`` produced by :func:`fastio.decode` is a view of a received
 frame and keeps that frame alive; it is writable when the frame is (``zmq.Frame``),
 read-only when it is ``bytes``. ``append``/``extend`` never write into a received
-frame: the first growth copies into a private buffer.
+frame, nor into memory any other array or encoded frame can see: the first growth
+copies into a private over-allocated buffer, later growth writes only past the end of
+every view handed out.
 """
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, SupportsIndex, overload
 
@@ -47,6 +56,7 @@ if TYPE_CHECKING:
 __all__ = ["TokenArray"]
 
 _NUMERIC_KINDS = frozenset("biuf")
+_EMPTY_INT = np.dtype(np.int64)
 
 
 def _hint(op: str) -> str:
@@ -54,6 +64,34 @@ def _hint(op: str) -> str:
         f"TokenArray does not support '{op}': a list would do one thing and a numpy "
         "array another. Use t.array for numpy arithmetic or t.tolist() for list behaviour."
     )
+
+
+def _weak(values: Sequence[Any], like: np.dtype[Any]) -> npt.NDArray[Any]:
+    """Python numbers as an array, in ``like``'s dtype when every value fits exactly.
+
+    numpy's rule for Python scalars (NEP 50) applied to a sequence, minus the silent
+    truncation: a value that does not fit widens the result instead.
+    """
+    if len(values) == 0:
+        return np.empty(0, like)
+    arr = np.asarray(values)
+    kind = arr.dtype.kind
+    if kind not in _NUMERIC_KINDS:
+        raise TypeError(f"TokenArray holds numbers only, got {arr.dtype} values")
+    if arr.dtype == like:
+        return arr
+    target = like.kind
+    if kind == "b" or (kind in "iu" and target in "iu"):
+        if kind != "b" and target in "iu":
+            info = np.iinfo(like)
+            if arr.min() < info.min or arr.max() > info.max:
+                return arr
+        return arr.astype(like)
+    if kind in "biu" and target == "f":
+        return arr.astype(like) if like.itemsize >= 8 else arr.astype(np.float64)
+    if kind == "f" and target == "f":
+        return arr.astype(like)
+    return arr
 
 
 class TokenArray(Sequence[Any]):
@@ -65,8 +103,9 @@ class TokenArray(Sequence[Any]):
         A list/tuple/iterable of numbers, a 1-D numpy array (wrapped, not copied), a CPU
         torch tensor (shared via ``.numpy()``), or another ``TokenArray`` (shared).
     dtype:
-        Element type when ``data`` is not already an array. Defaults to numpy's inference
-        (``int64`` for ints, ``float64`` for floats; ``int64`` when empty).
+        Element type when ``data`` is not already an array (a conversion otherwise).
+        Defaults to numpy's inference (``int64`` for ints, ``float64`` for floats;
+        ``int64`` when empty).
 
     Examples
     --------
@@ -83,7 +122,7 @@ class TokenArray(Sequence[Any]):
     #: Over-allocated private buffer that ``_a`` is a prefix of, or None.
     _buf: npt.NDArray[Any] | None
 
-    def __init__(self, data: Any = (), dtype: npt.DTypeLike = None) -> None:
+    def __init__(self, data: Any = (), dtype: npt.DTypeLike | None = None) -> None:
         self._buf = None
         if isinstance(data, TokenArray):
             arr = data._a
@@ -92,10 +131,14 @@ class TokenArray(Sequence[Any]):
         elif type(data).__module__ == "torch" and type(data).__name__ == "Tensor":
             arr = data.detach().cpu().numpy()
         else:
+            if isinstance(data, (str, bytes, dict)) or not isinstance(data, Iterable):
+                raise TypeError(
+                    f"TokenArray needs a sequence of numbers, got {type(data).__name__}"
+                )
             if not isinstance(data, (list, tuple)):
                 data = list(data)
             if dtype is None and len(data) == 0:
-                dtype = np.int64
+                dtype = _EMPTY_INT
             arr = np.asarray(data, dtype=dtype)
         if dtype is not None and arr.dtype != np.dtype(dtype):
             arr = arr.astype(dtype)
@@ -104,6 +147,14 @@ class TokenArray(Sequence[Any]):
         if arr.dtype.kind not in _NUMERIC_KINDS:
             raise TypeError(f"TokenArray needs a numeric dtype, got {arr.dtype}")
         self._a = arr
+
+    @classmethod
+    def _wrap(cls, arr: npt.NDArray[Any]) -> TokenArray:
+        """Wrap a 1-D numeric array without any checks (the codec's fast path)."""
+        self = _new(cls)
+        self._a = arr
+        self._buf = None
+        return self
 
     # -- access ------------------------------------------------------------------
     @property
@@ -118,20 +169,30 @@ class TokenArray(Sequence[Any]):
 
     def tolist(self) -> list[Any]:
         """A new Python list with the elements as Python scalars."""
-        return self._a.tolist()  # type: ignore[no-any-return]
+        out: list[Any] = self._a.tolist()
+        return out
 
     def tensor(self) -> torch.Tensor:
-        """A CPU ``torch.Tensor`` sharing memory with this array (no copy)."""
+        """A CPU ``torch.Tensor`` sharing memory with this array.
+
+        A read-only array (decoded from ``bytes``) is copied: torch has no read-only
+        tensors.
+        """
         import torch
 
-        return torch.from_numpy(self._a)
+        a = self._a
+        return torch.from_numpy(a if a.flags.writeable else a.copy())
 
     def copy(self) -> TokenArray:
         """An independent copy."""
-        return TokenArray(self._a.copy())
+        return TokenArray._wrap(self._a.copy())
 
-    def __array__(self, dtype: npt.DTypeLike = None, copy: bool | None = None) -> npt.NDArray[Any]:
+    def __array__(
+        self, dtype: npt.DTypeLike | None = None, copy: bool | None = None
+    ) -> npt.NDArray[Any]:
         if dtype is not None and np.dtype(dtype) != self._a.dtype:
+            if copy is False:
+                raise ValueError("TokenArray: a dtype conversion needs a copy")
             return self._a.astype(dtype)
         return self._a.copy() if copy else self._a
 
@@ -144,23 +205,36 @@ class TokenArray(Sequence[Any]):
     def __getitem__(self, index: slice) -> TokenArray: ...
     def __getitem__(self, index: SupportsIndex | slice) -> Any:
         if isinstance(index, slice):
-            return TokenArray(self._a[index])
-        return self._a[index].item()
+            return TokenArray._wrap(self._a[index])
+        try:
+            i = operator.index(index)
+        except TypeError:
+            raise TypeError(
+                f"TokenArray indices must be integers or slices, not {type(index).__name__}"
+            ) from None
+        try:
+            return self._a[i].item()
+        except IndexError:
+            raise IndexError("TokenArray index out of range") from None
 
     def __iter__(self) -> Iterator[Any]:
-        return iter(self._a.tolist())
+        items: list[Any] = self._a.tolist()
+        return iter(items)
 
     def __reversed__(self) -> Iterator[Any]:
-        return reversed(self._a.tolist())
+        items: list[Any] = self._a[::-1].tolist()
+        return iter(items)
 
     def __contains__(self, value: object) -> bool:
+        if not isinstance(value, (int, float, np.number)):
+            return False
         return bool((self._a == value).any())
 
     def __bool__(self) -> bool:
-        return self._a.shape[0] > 0
+        return len(self._a) > 0
 
     def __repr__(self) -> str:
-        return f"TokenArray({self._a.tolist()!r}, dtype={self._a.dtype})"
+        return f"TokenArray({self.tolist()!r}, dtype={self._a.dtype})"
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (TokenArray, (np.array(self._a),))
@@ -169,19 +243,21 @@ class TokenArray(Sequence[Any]):
         """Number of elements equal to ``value``."""
         return int((self._a == value).sum())
 
-    def index(self, value: Any, start: int = 0, stop: int | None = None) -> int:
+    def index(self, value: Any, start: SupportsIndex = 0, stop: SupportsIndex | None = None) -> int:
         """First index of ``value`` (``ValueError`` if absent), as ``list.index``."""
-        hits = np.flatnonzero(self._a[start:stop] == value)
+        begin, end, _ = slice(start, stop).indices(len(self))
+        hits = np.flatnonzero(self._a[begin:end] == value)
         if hits.size == 0:
             raise ValueError(f"{value!r} is not in TokenArray")
-        return int(hits[0]) + (start if start >= 0 else len(self) + start)
+        return int(hits[0]) + begin
 
     # -- comparison --------------------------------------------------------------
     def __eq__(self, other: object) -> bool:
         if isinstance(other, TokenArray):
             return bool(np.array_equal(self._a, other._a))
         if isinstance(other, (list, tuple)):
-            return self._a.tolist() == list(other)
+            # As lists: an int list never equals a tuple; element types compare by value.
+            return isinstance(other, list) and self.tolist() == other
         if isinstance(other, np.ndarray):
             return other.ndim == 1 and bool(np.array_equal(self._a, other))
         return NotImplemented
@@ -193,49 +269,52 @@ class TokenArray(Sequence[Any]):
     __hash__ = None  # type: ignore[assignment]  # mutable, like list
 
     # -- concatenation and growth ------------------------------------------------
-    @staticmethod
-    def _as_seq(other: Any, op: str) -> npt.NDArray[Any]:
+    def _coerce(self, other: Any, op: str) -> npt.NDArray[Any]:
         if isinstance(other, TokenArray):
             return other._a
-        if isinstance(other, np.ndarray) and other.ndim == 1:
+        if isinstance(other, np.ndarray):
+            if other.ndim != 1 or other.dtype.kind not in _NUMERIC_KINDS:
+                raise TypeError(_hint(f"{op} {other.ndim}-D {other.dtype} array"))
             return other
         if isinstance(other, (list, tuple, range)):
-            return np.asarray(other) if len(other) else np.empty(0, np.int64)
+            return _weak(other, self._a.dtype)
         raise TypeError(_hint(f"{op} {type(other).__name__}"))
 
     def _concat(self, first: npt.NDArray[Any], second: npt.NDArray[Any]) -> TokenArray:
-        if first.size == 0:
-            dtype = second.dtype if second.size else self._a.dtype
-        elif second.size == 0:
+        # An empty side does not take part in the type (as [] + list has no type).
+        if first.shape[0] == 0:
+            dtype = second.dtype
+        elif second.shape[0] == 0:
             dtype = first.dtype
         else:
             dtype = np.result_type(first.dtype, second.dtype)
-        return TokenArray(np.concatenate((first, second)).astype(dtype, copy=False))
+        out = np.empty(first.shape[0] + second.shape[0], dtype)
+        out[: first.shape[0]] = first
+        out[first.shape[0] :] = second
+        return TokenArray._wrap(out)
 
     def __add__(self, other: Any) -> TokenArray:
-        return self._concat(self._a, self._as_seq(other, "+"))
+        return self._concat(self._a, self._coerce(other, "+"))
 
     def __radd__(self, other: Any) -> TokenArray:
-        return self._concat(self._as_seq(other, "+"), self._a)
+        return self._concat(self._coerce(other, "+"), self._a)
 
     def __iadd__(self, other: Any) -> TokenArray:
-        self.extend(self._as_seq(other, "+="))
+        self.extend(self._coerce(other, "+="))
         return self
 
     def extend(self, values: Iterable[Any]) -> None:
-        """Append every element of ``values`` (amortised, never writes a received frame)."""
-        extra = (
-            self._as_seq(values, "extend")
-            if isinstance(values, (TokenArray, np.ndarray, list, tuple, range))
-            else np.asarray(list(values))
-        )
-        n, k = len(self), len(extra)
+        """Append every element of ``values`` (amortised; never writes a received frame)."""
+        if isinstance(values, (TokenArray, np.ndarray, list, tuple, range)):
+            extra = self._coerce(values, "extend")
+        elif isinstance(values, Iterable) and not isinstance(values, (str, bytes)):
+            extra = _weak(list(values), self._a.dtype)
+        else:
+            raise TypeError(f"extend needs an iterable of numbers, got {type(values).__name__}")
+        n, k = len(self), extra.shape[0]
         if k == 0:
             return
-        if n == 0 and self._buf is None:
-            dtype = extra.dtype
-        else:
-            dtype = np.result_type(self._a.dtype, extra.dtype)
+        dtype = extra.dtype if n == 0 else np.result_type(self._a.dtype, extra.dtype)
         buf = self._buf
         if buf is None or buf.dtype != dtype or buf.shape[0] < n + k:
             buf = np.empty(max(2 * (n + k), 16), dtype=dtype)
@@ -246,14 +325,17 @@ class TokenArray(Sequence[Any]):
 
     def append(self, value: Any) -> None:
         """Append one element."""
+        if not isinstance(value, (int, float, np.number)):
+            raise TypeError(f"TokenArray holds numbers only, got {type(value).__name__}")
         self.extend((value,))
 
-    def pop(self, index: int = -1) -> Any:
+    def pop(self, index: SupportsIndex = -1) -> Any:
         """Remove and return the element at ``index`` (default last)."""
         n = len(self)
         if n == 0:
             raise IndexError("pop from empty TokenArray")
-        i = index + n if index < 0 else index
+        i = operator.index(index)
+        i = i + n if i < 0 else i
         if not 0 <= i < n:
             raise IndexError("pop index out of range")
         value = self._a[i].item()
@@ -288,3 +370,9 @@ class TokenArray(Sequence[Any]):
 
     def __setitem__(self, index: Any, value: Any) -> None:
         raise TypeError(_hint("item assignment"))
+
+    def __delitem__(self, index: Any) -> None:
+        raise TypeError(_hint("del"))
+
+
+_new = object.__new__
