@@ -48,6 +48,18 @@ class MsgKind(enum.IntEnum):
     SAVE_LOAD_META = 11
     ROLLOUT_STAT = 12
 
+    # -- fabric messages (transport between rollout clients and generation workers),
+    # -- range 20-39; see ``fastio/fabric_msgs.py`` and the "Fabric" section of PROTOCOL.md
+    FABRIC_SUBMIT = 20
+    FABRIC_RESULT = 21
+    FABRIC_STREAM = 22
+    FABRIC_CANCEL = 23
+    FABRIC_HEARTBEAT = 24
+    FABRIC_CONTROL = 25
+    FABRIC_CONTROL_REPLY = 26
+    FABRIC_ERROR = 27
+    FABRIC_WORKER_STATUS = 28
+
 
 class ExtCode(enum.IntEnum):
     """msgpack extension type codes used for out-of-band and binary payloads."""

@@ -1,0 +1,200 @@
+"""Wire messages of the fabric between rollout clients and generation workers.
+
+Every fabric message is one fastio message (``[header, *buffers]``, see
+``docs/PROTOCOL.md``) whose body is one of the Structs below, tagged with a
+:class:`~fastio.protocol.MsgKind` in the range 20-39. A request or response travels
+*nested* in its envelope (:class:`Submit`, :class:`Result`), so a hop decodes once and
+token arrays stay zero-copy frames.
+
+Direction of each message (client = DEALER, worker = ROUTER)::
+
+    client -> worker : Submit, Cancel, Heartbeat (ping), Control, Error
+    worker -> client : Result, Stream, Heartbeat (pong), ControlReply, Error
+
+``id`` is chosen by the client, unique per *submission* on its connection (a re-sent or
+resumed request gets a new id), so a late answer to an old submission is recognised as
+stale and dropped.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, Literal, Union
+
+import msgspec
+
+from fastio.io_struct import LLMRequest, LLMResponse, VLMRequest, VLMResponse, WireStruct
+from fastio.protocol import MsgKind
+from fastio.tokens import TokenArray
+
+__all__ = [
+    "CLIENT_TO_WORKER",
+    "WORKER_TO_CLIENT",
+    "Cancel",
+    "Control",
+    "ControlOp",
+    "ControlReply",
+    "Error",
+    "ErrorCode",
+    "Heartbeat",
+    "Result",
+    "Stream",
+    "Submit",
+    "WorkerStatus",
+    "peek",
+]
+
+
+class ErrorCode(enum.IntEnum):
+    """Codes of :class:`Error` replies. Values are part of the wire format."""
+
+    #: Frames that are not a fastio message at all (bad header, truncated, garbage).
+    BAD_MESSAGE = 1
+    #: A header carrying another protocol version.
+    UNSUPPORTED_VERSION = 2
+    #: A well-formed message of a kind this side does not accept.
+    UNKNOWN_KIND = 3
+    #: The message's frames add up to more than the receiver's limit.
+    TOO_LARGE = 4
+    #: A Submit whose request does not validate (wrong types, bad values).
+    BAD_REQUEST = 5
+    #: The generate handler raised; ``message`` holds its error.
+    HANDLER_ERROR = 6
+    #: The worker holds too many requests; re-send later or elsewhere.
+    OVERLOADED = 7
+    #: The request was aborted by a controller.
+    ABORTED = 8
+    #: The request's worker-side time limit passed.
+    TIMEOUT = 9
+    #: A Control message naming an unknown operation.
+    UNKNOWN_OP = 10
+    #: The client could not use a worker's answer (sent back to the worker, informational).
+    BAD_RESPONSE = 11
+
+
+#: Operations of a :class:`Control` message.
+ControlOp = Literal["pause", "resume", "abort", "health"]
+
+
+class Submit(WireStruct, tag=int(MsgKind.FABRIC_SUBMIT)):
+    """Client -> worker: run one generation."""
+
+    id: int
+    request: Union[LLMRequest, VLMRequest]  # noqa: UP007 - msgspec tagged union
+    #: Seconds the worker may spend on it (0: no limit); the client enforces its own.
+    timeout: float = 0.0
+    #: Whether the worker should send :class:`Stream` chunks while generating.
+    stream: bool = True
+
+
+class Result(WireStruct, tag=int(MsgKind.FABRIC_RESULT)):
+    """Worker -> client: the final answer to a :class:`Submit` (ends the submission)."""
+
+    id: int
+    response: Union[LLMResponse, VLMResponse]  # noqa: UP007
+
+
+class Stream(WireStruct, tag=int(MsgKind.FABRIC_STREAM)):
+    """Worker -> client: output tokens produced since the previous chunk.
+
+    ``seq`` counts chunks of one submission from 0. The final :class:`Result` carries
+    the whole output again, so chunks serve progress and timing, not reassembly.
+    """
+
+    id: int
+    seq: int
+    output_tokens: TokenArray = msgspec.field(default_factory=TokenArray)
+    output_logprobs: TokenArray = msgspec.field(default_factory=TokenArray)
+    output_versions: TokenArray = msgspec.field(default_factory=TokenArray)
+
+
+class Cancel(WireStruct, tag=int(MsgKind.FABRIC_CANCEL)):
+    """Client -> worker: abandon submission ``id`` (no reply)."""
+
+    id: int
+
+
+class Heartbeat(WireStruct, tag=int(MsgKind.FABRIC_HEARTBEAT)):
+    """Both ways. A client pings each worker every interval; the worker answers at
+    once, echoing ``sent_at`` and adding its identity and load."""
+
+    sent_at: float = 0.0
+    #: Worker -> client only: a stable name and a random id of this process's life.
+    worker_id: str = ""
+    incarnation: str = ""
+    in_flight: int = 0
+    paused: bool = False
+    version: int = 0
+
+
+class WorkerStatus(WireStruct, tag=int(MsgKind.FABRIC_WORKER_STATUS)):
+    """A worker's state, carried by :class:`ControlReply`."""
+
+    worker_id: str = ""
+    incarnation: str = ""
+    version: int = 0
+    paused: bool = False
+    #: Requests whose handler is running.
+    running: int = 0
+    #: Requests waiting for resume or a concurrency slot.
+    waiting: int = 0
+    #: Counters since start (received, completed, cancelled, interrupted, errors,
+    #: bad_messages, auth_denied, undeliverable, dead_peers, ...).
+    counters: dict[str, int] = msgspec.field(default_factory=dict)
+
+
+class Control(WireStruct, tag=int(MsgKind.FABRIC_CONTROL)):
+    """Controller -> worker: one operation; answered by :class:`ControlReply` (same seq)."""
+
+    seq: int
+    op: str
+    #: pause: seconds to wait for running generations to stop before answering.
+    timeout: float = 30.0
+
+
+class ControlReply(WireStruct, tag=int(MsgKind.FABRIC_CONTROL_REPLY)):
+    """Worker -> controller: outcome of :class:`Control` ``seq``."""
+
+    seq: int
+    ok: bool
+    error: str = ""
+    status: WorkerStatus = msgspec.field(default_factory=WorkerStatus)
+
+
+class Error(WireStruct, tag=int(MsgKind.FABRIC_ERROR)):
+    """Either way: a message could not be served. ``id`` is the submission it concerns,
+    or -1 when the bad message could not be attributed to one."""
+
+    id: int
+    code: int
+    message: str = ""
+
+
+#: What a worker decodes (a tagged union).
+CLIENT_TO_WORKER = Union[Submit, Cancel, Heartbeat, Control, Error]  # noqa: UP007
+#: What a client or controller decodes.
+WORKER_TO_CLIENT = Union[Result, Stream, Heartbeat, ControlReply, Error]  # noqa: UP007
+
+_raw_list = msgspec.msgpack.Decoder(list[msgspec.Raw])
+_int = msgspec.msgpack.Decoder(int)
+
+
+def _buf(frame: Any) -> Any:
+    buf = getattr(frame, "buffer", None)
+    return frame if buf is None else buf
+
+
+def peek(frames: list[Any]) -> tuple[int | None, int | None, int | None]:
+    """Best-effort ``(protocol_version, kind, first_field)`` of a message that failed to
+    decode, so the error reply can name the submission id. Never raises; unknown parts
+    are ``None``. Only used on the error path."""
+    version = kind = first = None
+    try:
+        parts = _raw_list.decode(_buf(frames[0]))
+        version = _int.decode(parts[0])
+        body = _raw_list.decode(parts[2])
+        kind = _int.decode(body[0])
+        first = _int.decode(body[1])
+    except Exception:  # noqa: BLE001 - garbage in, partial answer out
+        pass
+    return version, kind, first

@@ -1,0 +1,738 @@
+"""Rollout side: an asyncio client that spreads requests over generation workers.
+
+One DEALER per worker carries every request to it, matched by a per-submission id in
+an in-flight table, so thousands of requests share one connection. Per request:
+
+* **Scheduling**: least outstanding requests among live workers with a free slot;
+  requests with the same ``rid`` go to the same worker while it lives (KV-cache reuse).
+* **Backpressure**: at most ``max_in_flight_per_worker`` on a worker; the rest wait in
+  the client's queue (memory grows with the requests callers are awaiting, nothing
+  more), never in a socket.
+* **Liveness**: the client pings every worker each ``heartbeat_interval``; a worker
+  silent for ``heartbeat_interval * heartbeat_liveness`` is dead, detected at most one
+  interval later. Its in-flight requests are re-sent elsewhere under new ids, so a late
+  answer from it is recognised as stale and dropped: the caller sees neither an error
+  nor a duplicate. A restarted worker answers pings again and rejoins.
+* **Interrupt and resume**: a response with ``stop_reason="interrupt"`` (the worker
+  paused for a weight update) is accumulated and the rest re-submitted with
+  ``input_ids + output so far`` and ``max_new_tokens`` reduced, until done. The caller
+  gets one :class:`~fastio.LLMResponse` whose ``output_versions`` say which weight
+  version produced each token.
+* **Streaming**: workers stream tokens; ``ttft`` and ``itl`` are measured from their
+  arrival times.
+* **Timeouts and cancellation**: past its timeout, or when the awaiting task is
+  cancelled, a request is cancelled on its worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable, Coroutine, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import msgspec
+import numpy as np
+import zmq
+
+from fastio import DecodeError, Decoder, Encoder, LLMRequest, LLMResponse, VLMRequest
+from fastio import fabric_msgs as fm
+from fastio.tokens import TokenArray
+from transport.errors import (
+    ClientClosed,
+    NoWorkers,
+    RemoteError,
+    RequestAborted,
+    RequestTimeout,
+)
+from transport.sockets import (
+    DEFAULT_HWM,
+    DEFAULT_MAX_MESSAGE_SIZE,
+    CurveConfig,
+    SocketPump,
+    make_dealer,
+)
+
+__all__ = ["ClientConfig", "FabricClient", "SyncFabricClient", "WorkerInfo"]
+
+log = logging.getLogger("transport.client")
+
+T = TypeVar("T")
+ChunkCallback = Callable[[TokenArray, TokenArray, TokenArray], None]
+
+
+@dataclass
+class ClientConfig:
+    """Settings of a :class:`FabricClient`.
+
+    Parameters
+    ----------
+    heartbeat_interval:
+        Seconds between pings to each worker.
+    heartbeat_liveness:
+        Intervals of silence after which a worker is dead (the zguide's Paranoid
+        Pirate uses 3). Detection takes at most ``interval * (liveness + 1)``.
+    request_timeout:
+        Default per-request timeout in seconds (the seed used 3600).
+    max_in_flight_per_worker:
+        Requests on one worker at once; the rest queue in the client. Keep it below the
+        worker's ``max_pending``.
+    max_resends:
+        Times a request may be re-sent after its worker died before it fails.
+    stream:
+        Ask workers to stream tokens (real ``ttft``/``itl``); off saves a message per
+        loop iteration of the worker per request.
+    max_message_size, hwm, curve:
+        See :mod:`transport.sockets`.
+    sticky_cache_size:
+        How many rid -> worker assignments are remembered.
+    """
+
+    heartbeat_interval: float = 1.0
+    heartbeat_liveness: int = 3
+    request_timeout: float = 3600.0
+    max_in_flight_per_worker: int = 1024
+    max_resends: int = 8
+    stream: bool = True
+    max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE
+    hwm: int = DEFAULT_HWM
+    curve: CurveConfig | None = None
+    sticky_cache_size: int = 100_000
+
+
+@dataclass
+class WorkerInfo:
+    """What the client knows about one worker."""
+
+    address: str
+    alive: bool
+    draining: bool
+    in_flight: int
+    worker_id: str
+    incarnation: str
+    version: int
+    paused: bool
+    last_seen_s_ago: float
+
+
+class _Call:
+    """One ``agenerate`` call, across re-sends and resumptions."""
+
+    __slots__ = (
+        "done", "fut", "interrupts", "orig", "out_lp", "out_tok", "out_ver", "resends",
+        "segment", "seg_streamed", "sub_id", "t0", "timer", "times", "worker", "on_chunk",
+    )  # fmt: skip
+
+    def __init__(self, req: LLMRequest, fut: asyncio.Future[LLMResponse], on_chunk: ChunkCallback | None) -> None:
+        self.orig = req
+        self.segment = req
+        self.fut = fut
+        self.t0 = time.perf_counter()
+        self.timer: asyncio.TimerHandle | None = None
+        self.worker: _Worker | None = None
+        self.sub_id = -1
+        self.out_tok: TokenArray | None = None
+        self.out_lp: TokenArray | None = None
+        self.out_ver: TokenArray | None = None
+        self.times: list[float] = []  # arrival time of every accumulated/streamed token
+        self.seg_streamed = 0
+        self.resends = 0
+        self.interrupts = 0
+        self.done = False
+        self.on_chunk = on_chunk
+
+
+class _Worker:
+    __slots__ = (
+        "address", "alive", "draining", "inflight", "incarnation", "last_seen", "paused", "pump",
+        "sticky_queue", "version", "worker_id",
+    )  # fmt: skip
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self.alive = False
+        self.draining = False
+        self.inflight: dict[int, _Call] = {}
+        self.sticky_queue: collections.deque[_Call] = collections.deque()
+        self.incarnation = ""
+        self.worker_id = ""
+        self.version = 0
+        self.paused = False
+        self.last_seen = 0.0
+        self.pump: SocketPump | None = None
+
+
+class FabricClient:
+    """Asyncio client of the fabric: ``await client.agenerate(req)``.
+
+    Parameters
+    ----------
+    workers:
+        Worker addresses (``tcp://host:port``, ``ipc://path``); more can be added and
+        removed at run time.
+    config:
+        :class:`ClientConfig`.
+
+    Examples
+    --------
+    >>> async def rollout():
+    ...     async with FabricClient(["tcp://127.0.0.1:5555"]) as client:
+    ...         req = LLMRequest(input_ids=[1, 2, 3])
+    ...         resp = await client.agenerate(req)
+    ...         return resp.output_tokens
+    """
+
+    def __init__(self, workers: Sequence[str] = (), config: ClientConfig | None = None) -> None:
+        self.config = config or ClientConfig()
+        self._initial = list(workers)
+        self._workers: dict[str, _Worker] = {}
+        self._order: list[_Worker] = []
+        self._queue: collections.deque[_Call] = collections.deque()
+        self._sticky: dict[str, str] = {}
+        self._ids = itertools.count(1)
+        self._rr = 0
+        self._enc = Encoder()
+        self._dec = Decoder(fm.WORKER_TO_CLIENT, max_message_size=self.config.max_message_size)
+        self._ctx: zmq.Context[Any] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._hb_timer: asyncio.TimerHandle | None = None
+        self._closed = False
+        self.stats: dict[str, int] = dict.fromkeys(
+            (
+                "submitted", "completed", "failed", "resent", "interrupted", "timeouts", "cancelled",
+                "stale", "bad_messages", "overloaded", "workers_died", "workers_joined",
+            ),
+            0,
+        )  # fmt: skip
+
+    # -- lifecycle ------------------------------------------------------------------
+    async def start(self) -> FabricClient:
+        """Open the sockets in the running loop (done on first use otherwise)."""
+        self._start()
+        return self
+
+    def _start(self) -> None:
+        if self._loop is not None:
+            return
+        if self._closed:
+            raise ClientClosed("the client is closed")
+        self._loop = asyncio.get_running_loop()
+        self._ctx = zmq.Context()
+        for address in self._initial:
+            self.add_worker(address)
+        self._hb_timer = self._loop.call_soon(self._heartbeat)
+
+    async def __aenter__(self) -> FabricClient:
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        """Fail pending requests with :class:`ClientClosed` and close the sockets."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._hb_timer is not None:
+            self._hb_timer.cancel()
+        calls = list(self._queue)
+        for w in self._order:
+            calls += list(w.inflight.values()) + list(w.sticky_queue)
+            if w.pump is not None:
+                w.pump.close()
+        for call in calls:
+            self._finish_error(call, ClientClosed("the client was closed"))
+        self._workers.clear()
+        self._order.clear()
+        self._queue.clear()
+        if self._ctx is not None:
+            self._ctx.term()
+
+    # -- workers --------------------------------------------------------------------
+    def add_worker(self, address: str) -> None:
+        """Start using the worker at ``address`` (it joins once it answers a ping)."""
+        if self._loop is None:
+            self._initial.append(address)
+            return
+        if address in self._workers:
+            w = self._workers[address]
+            w.draining = False
+            return
+        assert self._ctx is not None
+        w = _Worker(address)
+        sock = make_dealer(
+            self._ctx, address, hwm=self.config.hwm, max_message_size=self.config.max_message_size,
+            curve=self.config.curve,
+        )  # fmt: skip
+        w.pump = SocketPump(sock, lambda frames, w=w: self._on_message(w, frames))  # type: ignore[misc]
+        self._workers[address] = w
+        self._order.append(w)
+        self._probe(w, 0.002)
+
+    def _probe(self, w: _Worker, delay: float) -> None:
+        # Until a worker first answers, ping it at growing intervals from a few ms, so a
+        # new client starts sending without waiting a whole heartbeat interval.
+        if w.alive or self._closed or w.address not in self._workers:
+            return
+        self._ping(w)
+        if delay < self.config.heartbeat_interval:
+            assert self._loop is not None
+            self._loop.call_later(delay, self._probe, w, delay * 2)
+
+    def remove_worker(self, address: str) -> None:
+        """Stop sending to ``address``; its in-flight requests finish there first (or are
+        re-sent if it dies), then its socket closes."""
+        w = self._workers.get(address)
+        if w is None:
+            return
+        w.draining = True
+        self._requeue(list(w.sticky_queue))
+        w.sticky_queue.clear()
+        self._maybe_drop(w)
+        self._dispatch()
+
+    def _maybe_drop(self, w: _Worker) -> None:
+        if w.draining and not w.inflight:
+            self._workers.pop(w.address, None)
+            if w in self._order:
+                self._order.remove(w)
+            if w.pump is not None:
+                w.pump.close()
+
+    @property
+    def workers(self) -> list[WorkerInfo]:
+        """A snapshot of every worker's state as this client sees it."""
+        now = time.monotonic()
+        return [
+            WorkerInfo(
+                w.address, w.alive, w.draining, len(w.inflight), w.worker_id, w.incarnation,
+                w.version, w.paused, now - w.last_seen if w.last_seen else float("inf"),
+            )  # fmt: skip
+            for w in self._order
+        ]
+
+    @property
+    def pending(self) -> int:
+        """Requests queued in the client or in flight."""
+        return len(self._queue) + sum(len(w.inflight) + len(w.sticky_queue) for w in self._order)
+
+    # -- the call -------------------------------------------------------------------
+    async def agenerate(
+        self, req: LLMRequest, *, timeout: float | None = None, on_chunk: ChunkCallback | None = None
+    ) -> LLMResponse:
+        """Generate for ``req`` on some worker and return the whole response.
+
+        Parameters
+        ----------
+        req:
+            The request (its arrays are sent without a copy: do not mutate them until
+            this returns).
+        timeout:
+            Seconds (default ``config.request_timeout``).
+        on_chunk:
+            Called with ``(tokens, logprobs, versions)`` of every streamed chunk.
+
+        Raises
+        ------
+        RequestTimeout
+            Not done in time (it is cancelled on its worker).
+        RemoteError
+            The worker rejected or failed the request (:class:`RequestAborted` when a
+            controller aborted it).
+        NoWorkers
+            No worker is configured.
+        """
+        self._start()
+        if not self._workers:
+            raise NoWorkers("no generation worker configured; add_worker() first")
+        assert self._loop is not None
+        fut: asyncio.Future[LLMResponse] = self._loop.create_future()
+        call = _Call(req, fut, on_chunk)
+        t = self.config.request_timeout if timeout is None else timeout
+        call.timer = self._loop.call_later(t, self._on_timeout, call, t)
+        self.stats["submitted"] += 1
+        self._enqueue(call)
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            if not call.done:
+                self.stats["cancelled"] += 1
+                self._abandon(call)
+            raise
+
+    # -- scheduling -----------------------------------------------------------------
+    def _enqueue(self, call: _Call, front: bool = False) -> None:
+        w = self._target(call)
+        if w is not None and not self._queue:
+            self._send_call(w, call)
+        elif front:
+            self._queue.appendleft(call)
+        else:
+            self._queue.append(call)
+            self._dispatch()
+
+    def _target(self, call: _Call) -> _Worker | None:
+        """A worker to send ``call`` to now, or None. May park it on a sticky queue
+        (then returns None and the call is owned by that queue)."""
+        limit = self.config.max_in_flight_per_worker
+        addr = self._sticky.get(call.orig.rid)
+        if addr is not None:
+            w = self._workers.get(addr)
+            if w is not None and w.alive and not w.draining:
+                if len(w.inflight) < limit:
+                    return w
+                return None
+        best: _Worker | None = None
+        order = self._order
+        n = len(order)
+        if n == 0:
+            return None
+        self._rr = (self._rr + 1) % n
+        for i in range(n):
+            w = order[(self._rr + i) % n]
+            if w.alive and not w.draining and len(w.inflight) < limit and (
+                best is None or len(w.inflight) < len(best.inflight)
+            ):
+                best = w
+        return best
+
+    def _dispatch(self) -> None:
+        q = self._queue
+        limit = self.config.max_in_flight_per_worker
+        while q:
+            call = q[0]
+            if call.done:
+                q.popleft()
+                continue
+            addr = self._sticky.get(call.orig.rid)
+            if addr is not None:
+                w = self._workers.get(addr)
+                if w is not None and w.alive and not w.draining and len(w.inflight) >= limit:
+                    # Its worker is busy: wait there, do not block the others.
+                    q.popleft()
+                    w.sticky_queue.append(call)
+                    continue
+            target = self._target(call)
+            if target is None:
+                return
+            q.popleft()
+            self._send_call(target, call)
+
+    def _send_call(self, w: _Worker, call: _Call) -> None:
+        sub_id = next(self._ids)
+        call.worker = w
+        call.sub_id = sub_id
+        call.seg_streamed = 0
+        w.inflight[sub_id] = call
+        sticky = self._sticky
+        rid = call.orig.rid
+        if sticky.get(rid) != w.address:
+            if len(sticky) >= self.config.sticky_cache_size:
+                del sticky[next(iter(sticky))]
+            sticky[rid] = w.address
+        assert w.pump is not None
+        w.pump.send(self._enc.encode(fm.Submit(id=sub_id, request=call.segment, stream=self.config.stream)))
+
+    def _slot_freed(self, w: _Worker) -> None:
+        limit = self.config.max_in_flight_per_worker
+        sq = w.sticky_queue
+        while sq and len(w.inflight) < limit and w.alive and not w.draining:
+            call = sq.popleft()
+            if not call.done:
+                self._send_call(w, call)
+        if w.draining:
+            self._maybe_drop(w)
+        if self._queue:
+            self._dispatch()
+
+    def _requeue(self, calls: list[_Call]) -> None:
+        for call in reversed(calls):
+            if not call.done:
+                call.worker = None
+                self._queue.appendleft(call)
+
+    def _detach(self, call: _Call, send_cancel: bool) -> None:
+        w = call.worker
+        if w is not None and w.inflight.pop(call.sub_id, None) is not None:
+            if send_cancel and w.pump is not None:
+                w.pump.send(self._enc.encode(fm.Cancel(id=call.sub_id)))
+            call.worker = None
+            self._slot_freed(w)
+
+    def _abandon(self, call: _Call) -> None:
+        call.done = True
+        if call.timer is not None:
+            call.timer.cancel()
+        self._detach(call, send_cancel=True)
+
+    def _on_timeout(self, call: _Call, t: float) -> None:
+        if call.done:
+            return
+        self.stats["timeouts"] += 1
+        self._abandon(call)
+        if not call.fut.done():
+            call.fut.set_exception(RequestTimeout(f"request {call.orig.rid} not done within {t} s"))
+
+    def _finish_error(self, call: _Call, exc: BaseException) -> None:
+        if call.done:
+            return
+        call.done = True
+        if call.timer is not None:
+            call.timer.cancel()
+        self.stats["failed"] += 1
+        if not call.fut.done():
+            call.fut.set_exception(exc)
+
+    # -- heartbeats and liveness ------------------------------------------------------
+    def _ping(self, w: _Worker) -> None:
+        assert w.pump is not None
+        # A lost ping is harmless: no queueing for a worker that is down.
+        try:
+            w.pump.sock.send_multipart(
+                self._enc.encode(fm.Heartbeat(sent_at=time.time())), zmq.NOBLOCK, copy=False
+            )
+        except zmq.Again:
+            pass
+
+    def _heartbeat(self) -> None:
+        assert self._loop is not None
+        cfg = self.config
+        now = time.monotonic()
+        dead_after = cfg.heartbeat_interval * cfg.heartbeat_liveness
+        for w in list(self._order):
+            if w.alive and now - w.last_seen > dead_after:
+                self._worker_died(w, f"silent for {now - w.last_seen:.2f} s")
+            self._ping(w)
+        self._hb_timer = self._loop.call_later(cfg.heartbeat_interval, self._heartbeat)
+
+    def _worker_died(self, w: _Worker, why: str) -> None:
+        self.stats["workers_died"] += 1
+        w.alive = False
+        calls = list(w.inflight.values()) + list(w.sticky_queue)
+        w.inflight.clear()
+        w.sticky_queue.clear()
+        if w.pump is not None:
+            w.pump.discard_queued()
+        log.warning("worker %s is dead (%s): re-sending %d requests", w.address, why, len(calls))
+        live: list[_Call] = []
+        for call in calls:
+            if call.done:
+                continue
+            call.resends += 1
+            # Tokens of the lost attempt are forgotten; its timing too.
+            del call.times[len(call.out_tok) if call.out_tok is not None else 0 :]
+            if call.resends > self.config.max_resends:
+                self._finish_error(call, RemoteError(f"request {call.orig.rid}: {call.resends - 1} workers died under it", worker=w.address))
+            else:
+                live.append(call)
+        self.stats["resent"] += len(live)
+        self._requeue(live)
+        self._maybe_drop(w)
+        self._dispatch()
+
+    def _on_heartbeat(self, w: _Worker, hb: fm.Heartbeat) -> None:
+        if w.incarnation and hb.incarnation != w.incarnation and (w.inflight or w.sticky_queue):
+            # Restarted faster than the liveness timeout: what it had is lost.
+            self._worker_died(w, "restarted")
+        w.worker_id = hb.worker_id
+        w.incarnation = hb.incarnation
+        w.version = hb.version
+        w.paused = hb.paused
+        if not w.alive:
+            w.alive = True
+            self.stats["workers_joined"] += 1
+            log.info("worker %s (%s) joined", w.address, hb.worker_id)
+            self._dispatch()
+
+    # -- receiving --------------------------------------------------------------------
+    def _on_message(self, w: _Worker, frames: list[zmq.Frame]) -> None:
+        w.last_seen = time.monotonic()
+        try:
+            msg = self._dec.decode(frames)
+        except DecodeError as exc:
+            self._bad_message(w, frames, exc)
+            return
+        tp = type(msg)
+        if tp is fm.Result:
+            call = w.inflight.pop(msg.id, None)
+            if call is None:
+                self.stats["stale"] += 1
+                return
+            self._on_result(w, call, msg.response)
+            self._slot_freed(w)
+        elif tp is fm.Stream:
+            call = w.inflight.get(msg.id)
+            if call is None:
+                return
+            k = len(msg.output_tokens)
+            call.seg_streamed += k
+            now = time.perf_counter()
+            call.times.extend([now] * k)
+            if call.on_chunk is not None:
+                call.on_chunk(msg.output_tokens, msg.output_logprobs, msg.output_versions)
+        elif tp is fm.Heartbeat:
+            self._on_heartbeat(w, msg)
+        elif tp is fm.Error:
+            self._on_error(w, msg)
+        else:
+            self.stats["bad_messages"] += 1
+
+    def _bad_message(self, w: _Worker, frames: list[zmq.Frame], exc: DecodeError) -> None:
+        self.stats["bad_messages"] += 1
+        n = self.stats["bad_messages"]
+        if n <= 10 or (n & (n - 1)) == 0:
+            log.warning("bad message from worker %s: %s (occurrence %d)", w.address, exc, n)
+        _, kind, first = fm.peek(frames)
+        call = w.inflight.pop(first, None) if kind == fm.MsgKind.FABRIC_RESULT and first is not None else None
+        assert w.pump is not None
+        w.pump.send(
+            self._enc.encode(fm.Error(id=first if call is not None and first is not None else -1, code=int(fm.ErrorCode.BAD_RESPONSE), message=str(exc)))
+        )
+        if call is not None:
+            self._finish_error(call, RemoteError(f"malformed response from {w.address}: {exc}", code=int(fm.ErrorCode.BAD_RESPONSE), worker=w.address))
+            self._slot_freed(w)
+
+    def _on_error(self, w: _Worker, err: fm.Error) -> None:
+        call = w.inflight.pop(err.id, None)
+        if call is None:
+            log.warning("worker %s reports error %d: %s", w.address, err.code, err.message)
+            return
+        call.worker = None
+        if err.code == fm.ErrorCode.OVERLOADED:
+            self.stats["overloaded"] += 1
+            del call.times[len(call.out_tok) if call.out_tok is not None else 0 :]
+            self._queue.appendleft(call)
+        elif err.code == fm.ErrorCode.ABORTED:
+            self._finish_error(call, RequestAborted(err.message, code=err.code, worker=w.address))
+        else:
+            self._finish_error(call, RemoteError(f"worker {w.address}: {err.message}", code=err.code, worker=w.address))
+        self._slot_freed(w)
+
+    def _on_result(self, w: _Worker, call: _Call, resp: LLMResponse) -> None:
+        if call.done:
+            return
+        now = time.perf_counter()
+        n = len(resp.output_tokens)
+        # Tokens the stream did not announce (no streaming, or a final burst) arrive now.
+        base = len(call.out_tok) if call.out_tok is not None else 0
+        extra = base + n - len(call.times)
+        if extra > 0:
+            call.times.extend([now] * extra)
+        elif extra < 0:
+            del call.times[base + n :]
+        if call.out_tok is None and resp.stop_reason != "interrupt":
+            out = resp  # the common case: one segment, the worker's arrays as they are
+        else:
+            if call.out_tok is None:
+                call.out_tok = resp.output_tokens.copy()
+                call.out_lp = resp.output_logprobs.copy()
+                call.out_ver = resp.output_versions.copy()
+            else:
+                assert call.out_lp is not None and call.out_ver is not None
+                call.out_tok.extend(resp.output_tokens.array)
+                call.out_lp.extend(resp.output_logprobs.array)
+                call.out_ver.extend(resp.output_versions.array)
+            orig = call.orig
+            if resp.stop_reason == "interrupt":
+                produced = len(call.out_tok)
+                remaining = orig.gconfig.max_new_tokens - produced
+                if remaining > 0:
+                    call.interrupts += 1
+                    self.stats["interrupted"] += 1
+                    call.segment = _continuation(orig, call.out_tok, produced, remaining)
+                    self._enqueue(call, front=True)
+                    return
+            stop_reason = resp.stop_reason if resp.stop_reason != "interrupt" else "length"
+            out = msgspec.structs.replace(
+                resp,
+                output_tokens=call.out_tok,
+                output_logprobs=call.out_lp,
+                output_versions=call.out_ver,
+                stop_reason=stop_reason,
+            )
+        out.input_tokens = call.orig.input_ids
+        out.latency = now - call.t0
+        times = call.times
+        if times:
+            out.ttft = times[0] - call.t0
+            out.itl = TokenArray(np.diff(np.asarray(times, dtype=np.float64)))
+        else:
+            out.ttft = out.latency
+            out.itl = TokenArray(np.zeros(0, dtype=np.float64))
+        call.done = True
+        if call.timer is not None:
+            call.timer.cancel()
+        self.stats["completed"] += 1
+        if not call.fut.done():
+            call.fut.set_result(out)
+
+
+def _continuation(orig: LLMRequest, out_tok: TokenArray, produced: int, remaining: int) -> LLMRequest:
+    """The rest of an interrupted request: prompt plus output so far, fewer new tokens."""
+    g = orig.gconfig.new(max_new_tokens=remaining, min_new_tokens=max(0, orig.gconfig.min_new_tokens - produced))
+    ids = orig.input_ids + out_tok
+    if isinstance(orig, VLMRequest):
+        return VLMRequest(rid=orig.rid, input_ids=ids, gconfig=g, metadata=orig.metadata, model_id=orig.model_id, image_data=orig.image_data)
+    return LLMRequest(rid=orig.rid, input_ids=ids, gconfig=g, metadata=orig.metadata, model_id=orig.model_id)
+
+
+class SyncFabricClient:
+    """A :class:`FabricClient` driven from synchronous code: its loop runs in a
+    background thread.
+
+    Examples
+    --------
+    >>> with SyncFabricClient(["tcp://127.0.0.1:5555"]) as client:  # doctest: +SKIP
+    ...     resp = client.generate(LLMRequest(input_ids=[1, 2, 3]))
+    """
+
+    def __init__(self, workers: Sequence[str] = (), config: ClientConfig | None = None) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="fabric-client", daemon=True)
+        self._thread.start()
+        self.client = FabricClient(workers, config)
+        self._run(self.client.start())
+
+    def _run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            return fut.result(timeout)
+        except concurrent.futures.TimeoutError:
+            fut.cancel()
+            raise
+
+    def generate(self, req: LLMRequest, *, timeout: float | None = None) -> LLMResponse:
+        """Blocking :meth:`FabricClient.agenerate`."""
+        return self._run(self.client.agenerate(req, timeout=timeout))
+
+    def submit(self, req: LLMRequest, *, timeout: float | None = None) -> concurrent.futures.Future[LLMResponse]:
+        """Start a request; returns a ``concurrent.futures.Future``."""
+        return asyncio.run_coroutine_threadsafe(self.client.agenerate(req, timeout=timeout), self._loop)
+
+    def add_worker(self, address: str) -> None:
+        """Thread-safe :meth:`FabricClient.add_worker`."""
+        self._loop.call_soon_threadsafe(self.client.add_worker, address)
+
+    def remove_worker(self, address: str) -> None:
+        """Thread-safe :meth:`FabricClient.remove_worker`."""
+        self._loop.call_soon_threadsafe(self.client.remove_worker, address)
+
+    def close(self) -> None:
+        """Close the client and stop its thread."""
+        if self._thread.is_alive():
+            self._run(self.client.close(), timeout=10)
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=10)
+            self._loop.close()
+
+    def __enter__(self) -> SyncFabricClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

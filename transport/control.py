@@ -1,0 +1,232 @@
+"""Controller: pause, resume, abort and health of every generation worker.
+
+A small synchronous core (blocking sockets with poll timeouts: control operations are
+rare and short) with thin ``async`` twins that run it in a thread, so a trainer can
+call it from either world.
+
+The weight-update path uses it as::
+
+    ctl = FabricController(worker_addresses)
+    ctl.pause()            # returns once every worker has stopped generating
+    ...                    # publish weights; workers apply them, set engine.version
+    ctl.resume()           # interrupted requests continue on the new weights
+
+``pause()`` returns only when each worker has *no* handler running, so nothing
+generates with half-updated weights. Interrupted generations have already been answered
+with ``stop_reason="interrupt"``; their clients re-submit the rest, which waits on the
+worker until ``resume()``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import zmq
+
+from fastio import DecodeError, Decoder, Encoder
+from fastio import fabric_msgs as fm
+from transport.errors import ControlError
+from transport.sockets import DEFAULT_MAX_MESSAGE_SIZE, CurveConfig, make_dealer
+
+__all__ = ["FabricController"]
+
+
+class FabricController:
+    """Sends control operations to every worker and gathers their answers.
+
+    Parameters
+    ----------
+    workers:
+        Worker addresses.
+    curve:
+        CURVE keys when the workers require them.
+    timeout:
+        Default seconds to wait for each operation's answers.
+
+    Examples
+    --------
+    >>> ctl = FabricController(["tcp://127.0.0.1:5555"])  # doctest: +SKIP
+    >>> statuses = ctl.pause()  # doctest: +SKIP
+    >>> ctl.resume()  # doctest: +SKIP
+    >>> ctl.close()  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        workers: Sequence[str] = (),
+        *,
+        curve: CurveConfig | None = None,
+        timeout: float = 60.0,
+        max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE,
+    ) -> None:
+        self.timeout = timeout
+        self._curve = curve
+        self._max = max_message_size
+        self._ctx: zmq.Context[Any] = zmq.Context()
+        self._socks: dict[str, zmq.Socket[Any]] = {}
+        self._seq = itertools.count(1)
+        self._lock = threading.Lock()
+        self._enc = Encoder()
+        self._dec = Decoder(fm.WORKER_TO_CLIENT, max_message_size=max_message_size)
+        for address in workers:
+            self.add_worker(address)
+
+    @property
+    def addresses(self) -> list[str]:
+        """The workers this controller drives."""
+        return list(self._socks)
+
+    def add_worker(self, address: str) -> None:
+        """Drive one more worker."""
+        with self._lock:
+            if address not in self._socks:
+                self._socks[address] = make_dealer(
+                    self._ctx, address, max_message_size=self._max, curve=self._curve
+                )
+
+    def remove_worker(self, address: str) -> None:
+        """Stop driving a worker."""
+        with self._lock:
+            sock = self._socks.pop(address, None)
+            if sock is not None:
+                sock.close(linger=0)
+
+    # -- the core -----------------------------------------------------------------
+    def request(
+        self, op: str, *, timeout: float | None = None, strict: bool = True, op_timeout: float | None = None
+    ) -> dict[str, fm.WorkerStatus]:
+        """Send ``op`` to every worker and wait for all answers.
+
+        Parameters
+        ----------
+        op:
+            ``"pause"``, ``"resume"``, ``"abort"`` or ``"health"``.
+        timeout:
+            Seconds to wait for the answers (default :attr:`timeout`).
+        strict:
+            Raise :class:`ControlError` if a worker fails or does not answer in time.
+        op_timeout:
+            For pause: how long a worker waits for its generations to stop.
+
+        Returns
+        -------
+        dict
+            Worker address -> :class:`fastio.fabric_msgs.WorkerStatus` after the op.
+        """
+        t = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + t
+        with self._lock:
+            unsent: dict[zmq.Socket[Any], tuple[str, int]] = {}
+            waiting: dict[zmq.Socket[Any], tuple[str, int]] = {}
+            failed: dict[str, str] = {}
+            statuses: dict[str, fm.WorkerStatus] = {}
+            for address, sock in self._socks.items():
+                # Answers to earlier, timed-out operations may still sit in the socket.
+                _drain(sock)
+                unsent[sock] = (address, next(self._seq))
+            while unsent or waiting:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                # DEALERs use ZMQ_IMMEDIATE: a message goes out only on a live connection
+                # (never queued for a dead worker to find after its restart), so wait for
+                # POLLOUT, then send.
+                poller = zmq.Poller()
+                for sock in unsent:
+                    poller.register(sock, zmq.POLLOUT)
+                for sock in waiting:
+                    poller.register(sock, zmq.POLLIN)
+                for sock, ev in poller.poll(left * 1000):
+                    if ev & zmq.POLLOUT and sock in unsent:
+                        address, seq = unsent.pop(sock)
+                        msg = fm.Control(seq=seq, op=op, timeout=op_timeout if op_timeout is not None else 0.8 * t)
+                        try:
+                            sock.send_multipart(self._enc.encode(msg), zmq.NOBLOCK, copy=False)
+                        except zmq.Again:
+                            unsent[sock] = (address, seq)
+                            continue
+                        waiting[sock] = (address, seq)
+                    elif ev & zmq.POLLIN and sock in waiting:
+                        frames = sock.recv_multipart(copy=False)
+                        address, seq = waiting[sock]
+                        try:
+                            reply = self._dec.decode(frames)
+                        except DecodeError as exc:
+                            failed[address] = f"malformed reply: {exc}"
+                        else:
+                            if type(reply) is not fm.ControlReply or reply.seq != seq:
+                                continue  # a stale reply
+                            if reply.ok:
+                                statuses[address] = reply.status
+                            else:
+                                failed[address] = reply.error
+                        del waiting[sock]
+            for address, _ in unsent.values():
+                failed[address] = f"not reachable within {t} s"
+            for address, _ in waiting.values():
+                failed[address] = f"no answer within {t} s"
+        if failed and strict:
+            raise ControlError(
+                f"{op} failed on {len(failed)} of {len(self._socks)} workers: {failed}", failed, dict(statuses)
+            )
+        return statuses
+
+    def pause(self, timeout: float | None = None, *, strict: bool = True) -> dict[str, fm.WorkerStatus]:
+        """Pause every worker; returns once none is generating (see :meth:`request`)."""
+        return self.request("pause", timeout=timeout, strict=strict)
+
+    def resume(self, timeout: float | None = None, *, strict: bool = True) -> dict[str, fm.WorkerStatus]:
+        """Let every worker generate again."""
+        return self.request("resume", timeout=timeout, strict=strict)
+
+    def abort(self, timeout: float | None = None, *, strict: bool = True) -> dict[str, fm.WorkerStatus]:
+        """Abort every request on every worker (their callers get ``RequestAborted``)."""
+        return self.request("abort", timeout=timeout, strict=strict)
+
+    def health(self, timeout: float | None = None, *, strict: bool = False) -> dict[str, fm.WorkerStatus]:
+        """Status of every worker that answers in time (missing ones are not healthy)."""
+        return self.request("health", timeout=timeout, strict=strict)
+
+    # -- async twins ----------------------------------------------------------------
+    async def apause(self, timeout: float | None = None, *, strict: bool = True) -> dict[str, fm.WorkerStatus]:
+        """:meth:`pause` without blocking the event loop."""
+        return await asyncio.to_thread(self.pause, timeout, strict=strict)
+
+    async def aresume(self, timeout: float | None = None, *, strict: bool = True) -> dict[str, fm.WorkerStatus]:
+        """:meth:`resume` without blocking the event loop."""
+        return await asyncio.to_thread(self.resume, timeout, strict=strict)
+
+    async def aabort(self, timeout: float | None = None, *, strict: bool = True) -> dict[str, fm.WorkerStatus]:
+        """:meth:`abort` without blocking the event loop."""
+        return await asyncio.to_thread(self.abort, timeout, strict=strict)
+
+    async def ahealth(self, timeout: float | None = None, *, strict: bool = False) -> dict[str, fm.WorkerStatus]:
+        """:meth:`health` without blocking the event loop."""
+        return await asyncio.to_thread(self.health, timeout, strict=strict)
+
+    def close(self) -> None:
+        """Close the sockets (linger 0)."""
+        with self._lock:
+            for sock in self._socks.values():
+                sock.close(linger=0)
+            self._socks.clear()
+            self._ctx.term()
+
+    def __enter__(self) -> FabricController:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _drain(sock: zmq.Socket[Any]) -> None:
+    while True:
+        try:
+            sock.recv_multipart(zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return

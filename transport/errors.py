@@ -1,0 +1,82 @@
+"""Exceptions raised by :mod:`transport`.
+
+Exception tree::
+
+    TransportError                        root of everything transport raises
+    ├── RequestTimeout(TimeoutError)      a request's time limit passed (it was cancelled
+    │                                     on its worker)
+    ├── RemoteError                       a worker answered with an Error reply
+    │   └── RequestAborted                a controller aborted the request
+    ├── NoWorkers(RuntimeError)           no worker is configured
+    ├── ClientClosed(RuntimeError)        the client was closed while a request waited
+    └── ControlError                      a control operation failed on some workers
+
+Errors from the codec (``fastio.DecodeError``) are translated at the socket boundary:
+they never reach a caller as such, they become an Error reply or a counted, logged drop.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ClientClosed",
+    "ControlError",
+    "NoWorkers",
+    "RemoteError",
+    "RequestAborted",
+    "RequestTimeout",
+    "TransportError",
+]
+
+
+class TransportError(Exception):
+    """Root of every exception raised by transport."""
+
+
+class RequestTimeout(TransportError, TimeoutError):
+    """The request did not finish within its timeout."""
+
+
+class RemoteError(TransportError):
+    """A worker rejected or failed a request.
+
+    Attributes
+    ----------
+    code:
+        The :class:`fastio.fabric_msgs.ErrorCode` value of the reply.
+    worker:
+        Address of the worker that answered.
+    """
+
+    def __init__(self, message: str, *, code: int = 0, worker: str = "") -> None:
+        super().__init__(message)
+        self.code = code
+        self.worker = worker
+
+
+class RequestAborted(RemoteError):
+    """A controller aborted the request on its worker."""
+
+
+class NoWorkers(TransportError, RuntimeError):
+    """The client has no worker to send to."""
+
+
+class ClientClosed(TransportError, RuntimeError):
+    """The client was closed while the request was pending."""
+
+
+class ControlError(TransportError):
+    """A control operation did not succeed on every worker.
+
+    Attributes
+    ----------
+    failed:
+        Worker address -> why it failed (no answer in time, or its error text).
+    statuses:
+        Worker address -> :class:`fastio.fabric_msgs.WorkerStatus` of those that did.
+    """
+
+    def __init__(self, message: str, failed: dict[str, str], statuses: dict[str, object]) -> None:
+        super().__init__(message)
+        self.failed = failed
+        self.statuses = statuses

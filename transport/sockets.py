@@ -1,0 +1,333 @@
+"""Socket setup in one place, and the pump that ties a ZeroMQ socket to asyncio.
+
+Every fabric socket is made here, so its options are chosen once, deliberately:
+
+``ZMQ_MAXMSGSIZE``
+    Set on every socket: a peer that sends a single frame larger than the limit is
+    disconnected by libzmq before the frame is buffered. Multi-frame messages whose
+    *total* exceeds the limit are caught by the decoder and answered with an Error reply.
+High-water marks
+    A ROUTER silently drops a message for a peer whose pipe is at its HWM. Worker
+    ROUTERs therefore set ``ZMQ_ROUTER_MANDATORY``: at the HWM a non-blocking send
+    raises ``EAGAIN`` and the message waits in the pump's own queue (visible and counted,
+    never dropped); a send to a peer that has gone raises ``EHOSTUNREACH`` and is logged
+    and counted as undeliverable. DEALERs block (``EAGAIN``) at their HWM, again into
+    the pump's queue. The client bounds in-flight work per worker far below the HWM, so
+    in normal operation no queue grows.
+``ZMQ_IMMEDIATE`` on DEALERs
+    Messages are not queued for a worker whose connection is not up: a send to a down
+    worker fails at once instead of sitting in a pipe and reaching a *restarted* worker
+    later as a duplicate.
+``linger``
+    0 at close: unsent messages at shutdown belong to requests that are being abandoned
+    anyway.
+CURVE
+    Optional (:class:`CurveConfig`), off by default. Keys are ``zmq.auth`` certificate
+    files; a worker with ``authorized_clients_dir`` admits only the public keys found
+    there and logs and counts every refusal.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import zmq
+import zmq.auth
+from zmq.auth.thread import ThreadAuthenticator
+
+__all__ = [
+    "DEFAULT_HWM",
+    "DEFAULT_MAX_MESSAGE_SIZE",
+    "CurveConfig",
+    "SocketPump",
+    "WorkerAuthenticator",
+    "make_dealer",
+    "make_router",
+]
+
+log = logging.getLogger("transport.sockets")
+
+#: High-water mark (messages) of fabric sockets. Far above the per-worker in-flight
+#: bound, so it is reached only when a peer stops reading.
+DEFAULT_HWM = 100_000
+
+#: Default limit of one message (all frames) on the fabric: 1 GiB. Requests and
+#: responses are tokens; images of a VLM request stay far below it.
+DEFAULT_MAX_MESSAGE_SIZE = 1 << 30
+
+
+@dataclass(frozen=True)
+class CurveConfig:
+    """CurveZMQ keys, as certificate files written by ``zmq.auth.create_certificates``.
+
+    Parameters
+    ----------
+    secret_key_file:
+        This side's ``.key_secret`` certificate (holds its public and secret key).
+    server_public_key_file:
+        Client and controller side: the worker's ``.key`` (public) certificate.
+    authorized_clients_dir:
+        Worker side: a directory of client ``.key`` certificates that may connect.
+        ``None`` encrypts but admits any client that knows the server key.
+
+    Examples
+    --------
+    >>> import zmq.auth, tempfile
+    >>> d = tempfile.mkdtemp()
+    >>> pub, sec = zmq.auth.create_certificates(d, "worker")
+    >>> CurveConfig(secret_key_file=sec).secret_key_file == sec
+    True
+    """
+
+    secret_key_file: str
+    server_public_key_file: str | None = None
+    authorized_clients_dir: str | None = None
+
+
+def _set_common(sock: zmq.Socket[Any], hwm: int, max_message_size: int) -> None:
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, hwm)
+    sock.setsockopt(zmq.RCVHWM, hwm)
+    sock.setsockopt(zmq.MAXMSGSIZE, max_message_size)
+
+
+def make_router(
+    ctx: zmq.Context[Any],
+    bind: str | list[str],
+    *,
+    hwm: int = DEFAULT_HWM,
+    max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE,
+    curve: CurveConfig | None = None,
+) -> tuple[zmq.Socket[Any], list[str]]:
+    """A worker's ROUTER, bound to each address; returns it and the bound endpoints
+    (``tcp://127.0.0.1:0`` binds a free port and reports which)."""
+    sock = ctx.socket(zmq.ROUTER)
+    _set_common(sock, hwm, max_message_size)
+    sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    # Heartbeats are ours; TCP keepalive catches half-open connections on real networks.
+    sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
+    if curve is not None:
+        pub, sec = zmq.auth.load_certificate(curve.secret_key_file)
+        if sec is None:
+            raise ValueError(f"{curve.secret_key_file} holds no secret key")
+        sock.curve_secretkey = sec
+        sock.curve_publickey = pub
+        sock.curve_server = True
+    endpoints = []
+    for address in [bind] if isinstance(bind, str) else bind:
+        if address.startswith("tcp://") and address.endswith(":0"):
+            address = address[:-2] + ":*"
+        sock.bind(address)
+        endpoints.append(sock.getsockopt_string(zmq.LAST_ENDPOINT))
+    return sock, endpoints
+
+
+def make_dealer(
+    ctx: zmq.Context[Any],
+    address: str,
+    *,
+    hwm: int = DEFAULT_HWM,
+    max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE,
+    curve: CurveConfig | None = None,
+    reconnect_ivl_ms: int = 100,
+) -> zmq.Socket[Any]:
+    """A client's or controller's DEALER connected to one worker."""
+    sock = ctx.socket(zmq.DEALER)
+    _set_common(sock, hwm, max_message_size)
+    sock.setsockopt(zmq.IMMEDIATE, 1)
+    sock.setsockopt(zmq.RECONNECT_IVL, reconnect_ivl_ms)
+    sock.setsockopt(zmq.RECONNECT_IVL_MAX, max(reconnect_ivl_ms, 1000))
+    sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
+    if curve is not None:
+        if curve.server_public_key_file is None:
+            raise ValueError("CurveConfig.server_public_key_file is needed to connect")
+        pub, sec = zmq.auth.load_certificate(curve.secret_key_file)
+        if sec is None:
+            raise ValueError(f"{curve.secret_key_file} holds no secret key")
+        server_pub, _ = zmq.auth.load_certificate(curve.server_public_key_file)
+        sock.curve_secretkey = sec
+        sock.curve_publickey = pub
+        sock.curve_serverkey = server_pub
+    sock.connect(address)
+    return sock
+
+
+class WorkerAuthenticator:
+    """ZAP handler of a worker: admits the client keys of ``authorized_clients_dir``
+    (or any key when it is ``None``), logs and counts refusals.
+
+    Runs ``zmq.auth``'s authenticator thread on the worker's context; start it before
+    binding.
+    """
+
+    def __init__(self, ctx: zmq.Context[Any], curve: CurveConfig) -> None:
+        self.denied = 0
+        self._lock = threading.Lock()
+        self._allowed: set[bytes] | None = None
+        if curve.authorized_clients_dir is not None:
+            d = Path(curve.authorized_clients_dir)
+            if not d.is_dir():
+                raise ValueError(f"authorized_clients_dir {d} is not a directory")
+            self._allowed = set(zmq.auth.load_certificates(str(d)))
+        self._auth = ThreadAuthenticator(ctx, log=logging.getLogger("transport.auth"))
+        self._auth.start()
+        self._auth.configure_curve_callback(domain="*", credentials_provider=self)
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        """``zmq.auth`` credentials-provider hook: is ``key`` (z85 public key) admitted?"""
+        if self._allowed is None or key in self._allowed:
+            return True
+        with self._lock:
+            self.denied += 1
+        log.warning("refused CURVE client key %s (not in authorized_clients_dir)", key[:12])
+        return False
+
+    def stop(self) -> None:
+        """Stop the authenticator thread."""
+        self._auth.stop()
+
+
+class SocketPump:
+    """Ties a non-blocking ZeroMQ socket to the running asyncio loop.
+
+    Incoming multipart messages (lists of ``zmq.Frame``) are handed to ``on_recv`` in
+    batches from a reader callback on the socket's FD, without a future per message.
+    :meth:`send` never blocks: at the HWM (``EAGAIN``) the message waits in an ordered
+    queue retried on every wake-up and on a short timer.
+
+    The ZeroMQ FD is edge-triggered and our own sends can consume its readiness, so
+    after every send a drain is scheduled for the end of the loop iteration.
+    """
+
+    def __init__(
+        self,
+        sock: zmq.Socket[Any],
+        on_recv: Callable[[list[zmq.Frame]], None],
+        *,
+        on_undeliverable: Callable[[list[Any]], None] | None = None,
+        batch: int = 256,
+    ) -> None:
+        self.sock = sock
+        self.on_recv = on_recv
+        self.on_undeliverable = on_undeliverable
+        self.batch = batch
+        self.loop = asyncio.get_running_loop()
+        self.queue: deque[list[Any]] = deque()
+        self._scheduled = False
+        self._timer: asyncio.TimerHandle | None = None
+        self._closed = False
+        self._fd = sock.getsockopt(zmq.FD)
+        self.loop.add_reader(self._fd, self._drain)
+        self._schedule()
+
+    def _schedule(self) -> None:
+        if not self._scheduled and not self._closed:
+            self._scheduled = True
+            self.loop.call_soon(self._drain)
+
+    def _drain(self) -> None:
+        self._scheduled = False
+        if self._closed:
+            return
+        if self.queue:
+            self._flush()
+        sock = self.sock
+        recv = sock.recv_multipart
+        for _ in range(self.batch):
+            try:
+                frames = recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            except zmq.ZMQError as exc:  # pragma: no cover - socket closed under us
+                if exc.errno == zmq.ENOTSOCK:
+                    return
+                raise
+            try:
+                self.on_recv(frames)
+            except Exception:  # a bug in a handler must not stop the pump
+                log.exception("error handling an incoming message")
+            if self._closed:
+                return
+        # More may be waiting: let other callbacks run, then continue.
+        self._schedule()
+
+    def send(self, frames: list[Any]) -> None:
+        """Send one multipart message without blocking (queued at the HWM)."""
+        if self._closed:
+            return
+        if self.queue:
+            self.queue.append(frames)
+            self._arm_timer()
+            return
+        self._send_one(frames)
+        self._schedule()
+
+    def _send_one(self, frames: list[Any]) -> bool:
+        try:
+            self.sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            self.queue.append(frames)
+            self._arm_timer()
+            return False
+        except zmq.ZMQError as exc:
+            if exc.errno == errno.EHOSTUNREACH:
+                if self.on_undeliverable is not None:
+                    self.on_undeliverable(frames)
+                return True
+            raise
+        return True
+
+    def _flush(self) -> None:
+        q = self.queue
+        while q:
+            frames = q.popleft()
+            try:
+                self.sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                q.appendleft(frames)
+                self._arm_timer()
+                return
+            except zmq.ZMQError as exc:
+                if exc.errno != errno.EHOSTUNREACH:
+                    raise
+                if self.on_undeliverable is not None:
+                    self.on_undeliverable(frames)
+
+    def _arm_timer(self) -> None:
+        if self._timer is None and not self._closed:
+            self._timer = self.loop.call_later(0.002, self._on_timer)
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        if self.queue:
+            self._flush()
+            self._schedule()
+            if self.queue:
+                self._arm_timer()
+
+    def discard_queued(self) -> int:
+        """Drop messages still waiting for the HWM; returns how many (for the logs)."""
+        n = len(self.queue)
+        self.queue.clear()
+        return n
+
+    def close(self) -> None:
+        """Detach from the loop and close the socket (linger 0)."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._timer is not None:
+            self._timer.cancel()
+        try:
+            self.loop.remove_reader(self._fd)
+        except Exception:  # noqa: BLE001 - loop already closed
+            pass
+        self.sock.close(linger=0)

@@ -1,0 +1,636 @@
+"""Generation worker: a ROUTER socket hosting an async generate handler.
+
+The handler is the adapter point for an engine (vLLM, SGLang, or the reference engine
+of :mod:`transport.engine`)::
+
+    async def handler(req: LLMRequest, ctx: RequestContext) -> LLMResponse
+
+Each Submit runs as its own asyncio task, so thousands are in flight at once. The
+worker answers heartbeats, serves controller operations (pause / resume / abort /
+health), streams what ``ctx.emit`` is given, and never lets bad input stop it: an
+undecodable message gets an Error reply (when its sender can be named) and is logged
+and counted.
+
+Pause: new submissions wait; running handlers see ``ctx.interrupted`` become true and
+should return their partial output with ``stop_reason="interrupt"`` (the client
+re-submits the rest after resume). The pause reply is sent once no handler is running,
+so a weight update that starts after it never races a generation step.
+
+Run one as a process::
+
+    python -m transport.worker --bind tcp://127.0.0.1:5555 --engine reference
+
+It prints one JSON line ``{"ready": [endpoints], "pid": ...}`` when it serves.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import importlib
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+import zmq
+
+from fastio import DecodeError, Decoder, Encoder, LLMRequest, LLMResponse, MessageTooLarge
+from fastio import fabric_msgs as fm
+from fastio.protocol import PROTOCOL_VERSION, MsgKind
+from fastio.tokens import TokenArray
+from transport.sockets import (
+    DEFAULT_HWM,
+    DEFAULT_MAX_MESSAGE_SIZE,
+    CurveConfig,
+    SocketPump,
+    WorkerAuthenticator,
+    make_router,
+)
+
+__all__ = ["Handler", "RequestContext", "WorkerConfig", "WorkerServer", "echo_handler", "main"]
+
+log = logging.getLogger("transport.worker")
+
+Handler = Callable[[LLMRequest, "RequestContext"], Awaitable[LLMResponse]]
+#: A background job started with the server in its loop (e.g. a weight subscriber).
+Background = Callable[["WorkerServer"], Awaitable[None]]
+
+
+class _Engine(Protocol):
+    async def generate(self, req: LLMRequest, ctx: RequestContext) -> LLMResponse: ...
+
+
+@dataclass
+class WorkerConfig:
+    """Settings of a :class:`WorkerServer`.
+
+    Parameters
+    ----------
+    bind:
+        Addresses to bind (``tcp://127.0.0.1:0`` picks a free port; ``ipc://path``).
+    worker_id:
+        Stable name reported in heartbeats and status (default ``host:pid``).
+    max_concurrency:
+        Handlers running at once; more submissions wait for a slot.
+    max_pending:
+        Running plus waiting; a Submit beyond it gets an ``OVERLOADED`` Error reply.
+    client_timeout:
+        A client silent this long (no ping, no message) is presumed dead and its
+        requests are cancelled. Keep it a few times the clients' heartbeat interval.
+    max_message_size, hwm, curve:
+        See :mod:`transport.sockets`.
+    """
+
+    bind: str | list[str] = "tcp://127.0.0.1:0"
+    worker_id: str = ""
+    max_concurrency: int = 4096
+    max_pending: int = 65536
+    client_timeout: float = 10.0
+    max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE
+    hwm: int = DEFAULT_HWM
+    curve: CurveConfig | None = None
+    extra: dict[str, str] = field(default_factory=dict)
+
+
+class RequestContext:
+    """What a handler knows about its request besides the request itself.
+
+    Attributes
+    ----------
+    id:
+        The submission id (scoped to the client connection).
+    deadline:
+        ``time.monotonic()`` by which the client wants the answer (``inf``: none).
+    """
+
+    __slots__ = ("_aborted", "_lp", "_seq", "_server", "_tok", "_ver", "deadline", "id", "peer", "stream")
+
+    def __init__(self, server: WorkerServer, peer: bytes, id: int, stream: bool, deadline: float) -> None:
+        self._server = server
+        self.peer = peer
+        self.id = id
+        self.stream = stream
+        self.deadline = deadline
+        self._seq = 0
+        self._tok: list[int] = []
+        self._lp: list[float] = []
+        self._ver: list[int] = []
+        self._aborted = False
+
+    @property
+    def interrupted(self) -> bool:
+        """True once the worker is pausing: return the output so far with
+        ``stop_reason="interrupt"`` at the next step."""
+        return self._server.paused
+
+    def emit(self, token: int, logprob: float = 0.0, version: int = 0) -> None:
+        """Stream one generated token. Tokens emitted in the same loop iteration travel
+        in one Stream message; does nothing when the client asked for no stream."""
+        if not self.stream:
+            return
+        if not self._tok:
+            self._server._schedule_flush(self)
+        self._tok.append(token)
+        self._lp.append(logprob)
+        self._ver.append(version)
+
+    def _flush(self) -> None:
+        if not self._tok:
+            return
+        msg = fm.Stream(
+            id=self.id,
+            seq=self._seq,
+            output_tokens=TokenArray(np.array(self._tok, dtype=np.int32)),
+            output_logprobs=TokenArray(np.array(self._lp, dtype=np.float32)),
+            output_versions=TokenArray(np.array(self._ver, dtype=np.int32)),
+        )
+        self._seq += 1
+        self._tok, self._lp, self._ver = [], [], []
+        self._server._send(self.peer, msg)
+
+
+async def echo_handler(req: LLMRequest, ctx: RequestContext) -> LLMResponse:
+    """Answers with the prompt as the output (for benchmarks and tests)."""
+    return LLMResponse(input_tokens=req.input_ids, output_tokens=req.input_ids, stop_reason="stop")
+
+
+_ACCEPTED_KINDS = {MsgKind.FABRIC_SUBMIT, MsgKind.FABRIC_CANCEL, MsgKind.FABRIC_HEARTBEAT}
+_ACCEPTED_KINDS |= {MsgKind.FABRIC_CONTROL, MsgKind.FABRIC_ERROR}
+
+
+class WorkerServer:
+    """Serves a generate handler (or an engine with a ``generate`` method) on a ROUTER.
+
+    Parameters
+    ----------
+    handler:
+        ``async (req, ctx) -> LLMResponse``, or an engine object whose ``generate`` is
+        one; the engine is then :attr:`engine` (weight updates reach it there).
+    config:
+        :class:`WorkerConfig`.
+    background:
+        Coroutine functions ``f(server)`` started in the server's loop once it serves
+        and cancelled at close: the hook for a weight subscriber living in the worker
+        process. Keep them non-blocking (run heavy copies in a thread).
+
+    Examples
+    --------
+    >>> async def main():
+    ...     server = WorkerServer(echo_handler, WorkerConfig(bind="tcp://127.0.0.1:0"))
+    ...     endpoints = await server.start()
+    ...     await server.close()
+    """
+
+    def __init__(
+        self,
+        handler: Handler | _Engine,
+        config: WorkerConfig | None = None,
+        *,
+        background: Sequence[Background] = (),
+    ) -> None:
+        self.config = config or WorkerConfig()
+        gen = getattr(handler, "generate", None)
+        if gen is not None:
+            self.engine: Any = handler
+            self.handler: Handler = gen
+        else:
+            self.engine = None
+            self.handler = handler  # type: ignore[assignment]
+        self.worker_id = self.config.worker_id or f"{socket.gethostname()}:{os.getpid()}"
+        self.incarnation = uuid.uuid4().hex[:16]
+        self.background = list(background)
+        #: Callbacks run (in the loop) when a pause starts / when generation resumes.
+        self.on_pause: list[Callable[[], Any]] = []
+        self.on_resume: list[Callable[[], Any]] = []
+        self.endpoints: list[str] = []
+        self.counters: dict[str, int] = dict.fromkeys(
+            (
+                "received", "completed", "cancelled", "interrupted", "aborted", "errors",
+                "bad_messages", "overloaded", "undeliverable", "dead_peers", "error_replies_received",
+                "control",
+            ),
+            0,
+        )  # fmt: skip
+        self._paused = False
+        self._running = 0
+        self._tasks: dict[tuple[bytes, int], tuple[asyncio.Task[None], RequestContext]] = {}
+        self._peers: dict[bytes, float] = {}
+        self._enc = Encoder()
+        self._dec = Decoder(fm.CLIENT_TO_WORKER, max_message_size=self.config.max_message_size)
+        self._ctx: zmq.Context[Any] | None = None
+        self._pump: SocketPump | None = None
+        self._auth: WorkerAuthenticator | None = None
+        self._resumed: asyncio.Event | None = None
+        self._idle: asyncio.Event | None = None
+        self._slots: asyncio.Semaphore | None = None
+        self._flush_pending: list[RequestContext] = []
+        self._bg_tasks: list[asyncio.Task[Any]] = []
+        self._sweeper: asyncio.TimerHandle | None = None
+        self._closed: asyncio.Event | None = None
+        self._aux: set[asyncio.Task[Any]] = set()
+
+    # -- public state -------------------------------------------------------------------
+    @property
+    def paused(self) -> bool:
+        """Whether generation is paused."""
+        return self._paused
+
+    @property
+    def version(self) -> int:
+        """The engine's weight version (0 without an engine exposing one)."""
+        return int(getattr(self.engine, "version", 0))
+
+    def status(self) -> fm.WorkerStatus:
+        """A snapshot of this worker's state and counters."""
+        counters = dict(self.counters)
+        if self._auth is not None:
+            counters["auth_denied"] = self._auth.denied
+        return fm.WorkerStatus(
+            worker_id=self.worker_id,
+            incarnation=self.incarnation,
+            version=self.version,
+            paused=self._paused,
+            running=self._running,
+            waiting=len(self._tasks) - self._running,
+            counters=counters,
+        )
+
+    # -- lifecycle ----------------------------------------------------------------------
+    async def start(self) -> list[str]:
+        """Bind, start serving and the background jobs; returns the bound endpoints."""
+        cfg = self.config
+        self._ctx = zmq.Context()
+        if cfg.curve is not None:
+            self._auth = WorkerAuthenticator(self._ctx, cfg.curve)
+        sock, self.endpoints = make_router(
+            self._ctx, cfg.bind, hwm=cfg.hwm, max_message_size=cfg.max_message_size, curve=cfg.curve
+        )
+        self._resumed = asyncio.Event()
+        self._resumed.set()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._slots = asyncio.Semaphore(cfg.max_concurrency)
+        self._closed = asyncio.Event()
+        self._pump = SocketPump(sock, self._on_message, on_undeliverable=self._on_undeliverable)
+        self._sweeper = asyncio.get_running_loop().call_later(
+            cfg.client_timeout / 4, self._sweep_peers
+        )
+        for job in self.background:
+            task = asyncio.ensure_future(job(self))
+            task.add_done_callback(self._background_done)
+            self._bg_tasks.append(task)
+        log.info("worker %s serving on %s", self.worker_id, ", ".join(self.endpoints))
+        return self.endpoints
+
+    async def serve_forever(self) -> None:
+        """Serve until :meth:`close` is called (from a signal handler, say)."""
+        if self._pump is None:
+            await self.start()
+        assert self._closed is not None
+        await self._closed.wait()
+
+    async def close(self) -> None:
+        """Stop serving: cancel requests and background jobs, close the socket."""
+        for task in self._bg_tasks:
+            task.cancel()
+        for task, _ in list(self._tasks.values()):
+            task.cancel()
+        pending = [t for t, _ in self._tasks.values()] + self._bg_tasks
+        if pending:
+            await asyncio.wait(pending, timeout=5)
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+        if self._pump is not None:
+            self._pump.close()
+        if self._auth is not None:
+            self._auth.stop()
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None
+        if self._closed is not None:
+            self._closed.set()
+
+    def _background_done(self, task: asyncio.Task[Any]) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            log.error("background job failed", exc_info=task.exception())
+
+    # -- pause / resume / abort (also callable in-process) ------------------------------
+    async def pause(self, timeout: float = 30.0) -> bool:
+        """Stop generation: new requests wait, running ones are interrupted. Returns
+        True once no handler runs, False if some still run after ``timeout`` s."""
+        assert self._resumed is not None and self._idle is not None
+        if not self._paused:
+            self._paused = True
+            self._resumed.clear()
+            for cb in self.on_pause:
+                await _maybe_await(cb())
+        if self._running == 0:
+            return True
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+        except asyncio.TimeoutError:
+            return self._running == 0
+        return True
+
+    async def resume(self) -> None:
+        """Let generation continue (waiting requests start)."""
+        assert self._resumed is not None
+        if self._paused:
+            for cb in self.on_resume:
+                await _maybe_await(cb())
+            self._paused = False
+            self._resumed.set()
+
+    def abort_all(self) -> int:
+        """Abort every request (each answers ``ABORTED``); returns how many."""
+        n = 0
+        for task, ctx in list(self._tasks.values()):
+            ctx._aborted = True
+            task.cancel()
+            n += 1
+        return n
+
+    # -- sending ----------------------------------------------------------------------
+    def _send(self, peer: bytes, msg: Any) -> None:
+        assert self._pump is not None
+        frames = self._enc.encode(msg)
+        frames.insert(0, peer)
+        self._pump.send(frames)
+
+    def _send_error(self, peer: bytes, id: int, code: fm.ErrorCode, text: str) -> None:
+        self._send(peer, fm.Error(id=id, code=int(code), message=text))
+
+    def _on_undeliverable(self, frames: list[Any]) -> None:
+        self.counters["undeliverable"] += 1
+        peer = bytes(frames[0])
+        _log_counted(self.counters["undeliverable"], "dropped a reply: client %r is gone", peer)
+        self._forget_peer(peer)
+
+    def _schedule_flush(self, ctx: RequestContext) -> None:
+        if not self._flush_pending:
+            asyncio.get_running_loop().call_soon(self._flush_streams)
+        self._flush_pending.append(ctx)
+
+    def _flush_streams(self) -> None:
+        pending, self._flush_pending = self._flush_pending, []
+        for ctx in pending:
+            ctx._flush()
+
+    # -- receiving --------------------------------------------------------------------
+    def _on_message(self, frames: list[zmq.Frame]) -> None:
+        peer = frames[0].bytes
+        self._peers[peer] = time.monotonic()
+        body = frames[1:]
+        if not body:
+            self._bad(peer, -1, fm.ErrorCode.BAD_MESSAGE, "empty message")
+            return
+        try:
+            msg = self._dec.decode(body)
+        except MessageTooLarge as exc:
+            _, _, first = fm.peek(body)
+            self._bad(peer, first if first is not None else -1, fm.ErrorCode.TOO_LARGE, str(exc))
+            return
+        except DecodeError as exc:
+            self._bad_decode(peer, body, exc)
+            return
+        tp = type(msg)
+        if tp is fm.Submit:
+            self._on_submit(peer, msg)
+        elif tp is fm.Heartbeat:
+            self._send(
+                peer,
+                fm.Heartbeat(
+                    sent_at=msg.sent_at,
+                    worker_id=self.worker_id,
+                    incarnation=self.incarnation,
+                    in_flight=len(self._tasks),
+                    paused=self._paused,
+                    version=self.version,
+                ),
+            )
+        elif tp is fm.Cancel:
+            entry = self._tasks.get((peer, msg.id))
+            if entry is not None:
+                entry[0].cancel()
+        elif tp is fm.Control:
+            self.counters["control"] += 1
+            task = asyncio.ensure_future(self._on_control(peer, msg))
+            self._aux.add(task)
+            task.add_done_callback(self._aux.discard)
+        elif tp is fm.Error:
+            self.counters["error_replies_received"] += 1
+            log.warning("client %r reports error %s on id %s: %s", peer, msg.code, msg.id, msg.message)
+
+    def _bad(self, peer: bytes, id: int, code: fm.ErrorCode, text: str) -> None:
+        self.counters["bad_messages"] += 1
+        _log_counted(self.counters["bad_messages"], "bad message from %r: %s", peer, text)
+        self._send_error(peer, id, code, text)
+
+    def _bad_decode(self, peer: bytes, body: list[Any], exc: DecodeError) -> None:
+        version, kind, first = fm.peek(body)
+        if version is not None and version != PROTOCOL_VERSION:
+            self._bad(peer, -1, fm.ErrorCode.UNSUPPORTED_VERSION, str(exc))
+        elif kind == MsgKind.FABRIC_SUBMIT and first is not None:
+            self._bad(peer, first, fm.ErrorCode.BAD_REQUEST, str(exc))
+        elif kind is not None and kind not in _ACCEPTED_KINDS:
+            self._bad(peer, -1, fm.ErrorCode.UNKNOWN_KIND, f"message kind {kind} not accepted by a worker")
+        else:
+            self._bad(peer, -1, fm.ErrorCode.BAD_MESSAGE, str(exc))
+
+    def _on_submit(self, peer: bytes, sub: fm.Submit) -> None:
+        self.counters["received"] += 1
+        key = (peer, sub.id)
+        if key in self._tasks:
+            self._bad(peer, sub.id, fm.ErrorCode.BAD_REQUEST, f"id {sub.id} is already in flight")
+            return
+        if len(self._tasks) >= self.config.max_pending:
+            self.counters["overloaded"] += 1
+            self._send_error(peer, sub.id, fm.ErrorCode.OVERLOADED, "worker holds too many requests")
+            return
+        deadline = time.monotonic() + sub.timeout if sub.timeout > 0 else float("inf")
+        ctx = RequestContext(self, peer, sub.id, sub.stream, deadline)
+        task = asyncio.ensure_future(self._run(ctx, sub))
+        self._tasks[key] = (task, ctx)
+
+    async def _run(self, ctx: RequestContext, sub: fm.Submit) -> None:
+        assert self._resumed is not None and self._slots is not None and self._idle is not None
+        peer, id = ctx.peer, ctx.id
+        running = False
+        try:
+            while True:
+                if self._paused:
+                    await self._resumed.wait()
+                await self._slots.acquire()
+                if not self._paused:
+                    break
+                self._slots.release()
+            running = True
+            self._running += 1
+            self._idle.clear()
+            if sub.timeout > 0:
+                resp = await asyncio.wait_for(self.handler(sub.request, ctx), sub.timeout)
+            else:
+                resp = await self.handler(sub.request, ctx)
+            ctx._flush()
+            if resp.stop_reason == "interrupt":
+                self.counters["interrupted"] += 1
+            self.counters["completed"] += 1
+            self._send(peer, fm.Result(id=id, response=resp))
+        except asyncio.CancelledError:
+            if ctx._aborted:
+                self.counters["aborted"] += 1
+                self._send_error(peer, id, fm.ErrorCode.ABORTED, "aborted by a controller")
+            else:
+                self.counters["cancelled"] += 1
+        except asyncio.TimeoutError:
+            self.counters["errors"] += 1
+            self._send_error(peer, id, fm.ErrorCode.TIMEOUT, f"worker time limit {sub.timeout} s passed")
+        except Exception as exc:
+            self.counters["errors"] += 1
+            log.exception("handler failed on request %s", sub.request.rid)
+            try:
+                self._send_error(peer, id, fm.ErrorCode.HANDLER_ERROR, f"{type(exc).__name__}: {exc}")
+            except Exception:  # noqa: BLE001 - the reply itself cannot be built
+                log.exception("cannot send the error reply")
+        finally:
+            self._tasks.pop((peer, id), None)
+            if running:
+                self._slots.release()
+                self._running -= 1
+                if self._running == 0:
+                    self._idle.set()
+
+    async def _on_control(self, peer: bytes, msg: fm.Control) -> None:
+        ok, error = True, ""
+        if msg.op == "pause":
+            ok = await self.pause(msg.timeout)
+            if not ok:
+                error = f"{self._running} generations still running after {msg.timeout} s"
+        elif msg.op == "resume":
+            await self.resume()
+        elif msg.op == "abort":
+            self.abort_all()
+        elif msg.op == "health":
+            pass
+        else:
+            ok, error = False, f"unknown control op {msg.op!r}"
+            self.counters["bad_messages"] += 1
+        self._send(peer, fm.ControlReply(seq=msg.seq, ok=ok, error=error, status=self.status()))
+
+    # -- dead clients -----------------------------------------------------------------
+    def _sweep_peers(self) -> None:
+        now = time.monotonic()
+        limit = self.config.client_timeout
+        for peer, seen in list(self._peers.items()):
+            if now - seen > limit:
+                self.counters["dead_peers"] += 1
+                log.warning("client %r silent for %.1f s: cancelling its requests", peer, now - seen)
+                self._forget_peer(peer)
+        self._sweeper = asyncio.get_running_loop().call_later(limit / 4, self._sweep_peers)
+
+    def _forget_peer(self, peer: bytes) -> None:
+        self._peers.pop(peer, None)
+        for (p, _), (task, _ctx) in list(self._tasks.items()):
+            if p == peer:
+                task.cancel()
+
+
+async def _maybe_await(x: Any) -> None:
+    if asyncio.iscoroutine(x) or isinstance(x, asyncio.Future):
+        await x
+
+
+def _log_counted(n: int, fmt: str, *args: Any) -> None:
+    # Hostile input must not flood the log: the first ten, then every power of two.
+    if n <= 10 or (n & (n - 1)) == 0:
+        log.warning(fmt + " (occurrence %d)", *args, n)
+
+
+# -- command line ---------------------------------------------------------------------
+def _load_plugin(spec: str) -> Callable[..., Any]:
+    module, _, name = spec.partition(":")
+    if not name:
+        raise SystemExit(f"--plugin must be module:function, got {spec!r}")
+    fn: Callable[..., Any] = getattr(importlib.import_module(module), name)
+    return fn
+
+
+def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m transport.worker", description=__doc__.split("\n")[0])
+    p.add_argument("--bind", action="append", required=True, help="address to bind (repeatable)")
+    p.add_argument("--engine", choices=("reference", "echo"), default="reference")
+    p.add_argument("--worker-id", default="")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--vocab-size", type=int, default=256)
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--token-interval", type=float, default=0.0, help="simulated seconds per token")
+    p.add_argument("--max-concurrency", type=int, default=4096)
+    p.add_argument("--max-pending", type=int, default=65536)
+    p.add_argument("--client-timeout", type=float, default=10.0)
+    p.add_argument("--max-message-size", type=int, default=DEFAULT_MAX_MESSAGE_SIZE)
+    p.add_argument("--curve-secret", help="this worker's .key_secret certificate (enables CURVE)")
+    p.add_argument("--curve-clients", help="directory of authorized client .key certificates")
+    p.add_argument("--plugin", action="append", default=[], help="module:function(server, opts) run in the worker's loop")
+    p.add_argument("--plugin-opt", action="append", default=[], help="key=value passed to plugins")
+    p.add_argument("--log-level", default="WARNING")
+    return p.parse_args(argv)
+
+
+async def _amain(args: argparse.Namespace) -> None:
+    if args.engine == "reference":
+        from transport.engine import ReferenceEngine
+
+        handler: Any = ReferenceEngine(
+            vocab_size=args.vocab_size, hidden=args.hidden, layers=args.layers, seed=args.seed,
+            token_interval=args.token_interval,
+        )  # fmt: skip
+    else:
+        handler = echo_handler
+    curve = None
+    if args.curve_secret:
+        curve = CurveConfig(secret_key_file=args.curve_secret, authorized_clients_dir=args.curve_clients)
+    opts = dict(o.split("=", 1) for o in args.plugin_opt)
+    config = WorkerConfig(
+        bind=args.bind, worker_id=args.worker_id, max_concurrency=args.max_concurrency,
+        max_pending=args.max_pending, client_timeout=args.client_timeout,
+        max_message_size=args.max_message_size, curve=curve, extra=opts,
+    )  # fmt: skip
+    plugins = [_load_plugin(s) for s in args.plugin]
+    background: list[Background] = []
+    for plugin in plugins:
+        job = plugin
+        background.append(lambda server, job=job: job(server, opts))  # type: ignore[misc]
+    server = WorkerServer(handler, config, background=background)
+    endpoints = await server.start()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, lambda: asyncio.ensure_future(server.close()))
+    print(json.dumps({"ready": endpoints, "pid": os.getpid(), "worker_id": server.worker_id}), flush=True)
+    await server.serve_forever()
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Entry point of ``python -m transport.worker``."""
+    args = _parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
+    with contextlib.suppress(ImportError):
+        import torch
+
+        # One generation thread per worker process: workers share the cores.
+        torch.set_num_threads(1)
+    asyncio.run(_amain(args))
+
+
+if __name__ == "__main__":
+    main()
