@@ -60,6 +60,17 @@ class MsgKind(enum.IntEnum):
     FABRIC_ERROR = 27
     FABRIC_WORKER_STATUS = 28
 
+    # -- weight updates (trainer -> generation workers), range 40-59; see
+    # -- ``fastio/weight_msgs.py`` and the "Weight updates" section of PROTOCOL.md
+    WEIGHT_HELLO = 40
+    WEIGHT_WELCOME = 41
+    WEIGHT_ANNOUNCE = 42
+    WEIGHT_HEARTBEAT = 43
+    WEIGHT_FETCH = 44
+    WEIGHT_BUCKET = 45
+    WEIGHT_ACK = 46
+    WEIGHT_ERROR = 47
+
 
 class ExtCode(enum.IntEnum):
     """msgpack extension type codes used for out-of-band and binary payloads."""

@@ -1,0 +1,48 @@
+"""Weight updates from a trainer to generation workers.
+
+Four paths, one model of a version (flat buckets, see :mod:`transport.weights.bucket`):
+
+* :class:`WeightPublisher` / :class:`WeightSubscriber`: versioned, reliable publish and
+  subscribe over ZeroMQ, with a same-host shared-memory fast path chosen automatically;
+* :func:`update_weights`: the controller-side call that pauses generation, publishes,
+  waits for every worker and resumes;
+* :mod:`transport.weights.disk`: safetensors at ``WeightUpdateMeta.path``, atomically;
+* :mod:`transport.weights.dist`: a torch.distributed group (NCCL on GPUs, gloo on CPU).
+"""
+
+from transport.weights.bucket import (
+    DEFAULT_BUCKET_BYTES,
+    BucketApplier,
+    check_manifest,
+    pack_bucket,
+    plan_buckets,
+    state_digest,
+)
+from transport.weights.errors import (
+    ChecksumError,
+    UpdateIncomplete,
+    VersionUnavailable,
+    WeightMismatchError,
+    WeightUpdateError,
+)
+from transport.weights.publisher import UpdateResult, WeightPublisher, WorkerInfo
+from transport.weights.subscriber import UpdateStats, WeightSubscriber
+
+__all__ = [
+    "DEFAULT_BUCKET_BYTES",
+    "BucketApplier",
+    "ChecksumError",
+    "UpdateIncomplete",
+    "UpdateResult",
+    "UpdateStats",
+    "VersionUnavailable",
+    "WeightMismatchError",
+    "WeightPublisher",
+    "WeightSubscriber",
+    "WeightUpdateError",
+    "WorkerInfo",
+    "check_manifest",
+    "pack_bucket",
+    "plan_buckets",
+    "state_digest",
+]

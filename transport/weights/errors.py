@@ -1,0 +1,60 @@
+"""Exceptions raised by :mod:`transport.weights`.
+
+Exception tree::
+
+    TransportError                           root of transport (transport.errors)
+    └── WeightUpdateError                    a weight update did not happen as asked
+        ├── WeightMismatchError(ValueError)  names, shapes or dtypes of an update do not
+        │                                    match the worker's model
+        ├── ChecksumError(ValueError)        a bucket's bytes do not match its checksum
+        ├── VersionUnavailable               the publisher no longer holds that version
+        └── UpdateIncomplete(TimeoutError)   not every worker applied a version in time
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from transport.errors import TransportError
+
+if TYPE_CHECKING:
+    from transport.weights.publisher import UpdateResult
+
+__all__ = [
+    "ChecksumError",
+    "UpdateIncomplete",
+    "VersionUnavailable",
+    "WeightMismatchError",
+    "WeightUpdateError",
+]
+
+
+class WeightUpdateError(TransportError):
+    """Root of the weight-update errors."""
+
+
+class WeightMismatchError(WeightUpdateError, ValueError):
+    """An update's parameter names, shapes or dtypes do not match the model."""
+
+
+class ChecksumError(WeightUpdateError, ValueError):
+    """A bucket's bytes do not match the checksum announced for it."""
+
+
+class VersionUnavailable(WeightUpdateError):
+    """The publisher has retired the version asked for (a newer one replaced it)."""
+
+
+class UpdateIncomplete(WeightUpdateError, TimeoutError):
+    """Not every expected worker applied the version before the timeout.
+
+    Attributes
+    ----------
+    result:
+        The :class:`~transport.weights.publisher.UpdateResult`: who applied, who failed
+        and why, who never answered.
+    """
+
+    def __init__(self, message: str, result: UpdateResult) -> None:
+        super().__init__(message)
+        self.result = result

@@ -1,0 +1,665 @@
+"""Trainer side of weight updates: stage a version in flat buckets and serve it.
+
+Sockets (see ``docs/PROTOCOL.md``, "Weight updates"):
+
+* a ROUTER (``endpoint``) that answers Hello with Welcome (plus the latest manifest when
+  the worker is behind: the snapshot of the zguide's Clone pattern), serves Fetch with
+  the bucket's bytes as zero-copy frames, and collects Acks;
+* a PUB (``pub_endpoint``, told to workers in the Welcome) carrying sequence-numbered
+  Announce and Heartbeat notices only.
+
+A version is staged in one buffer, a shared-memory segment when ``/dev/shm`` allows it
+(same-host workers read it in place) and private memory otherwise. The buffer is the
+version's snapshot: late joiners and re-fetches are served from it, and it is reused for
+a later version only once no send may still read it and every worker that was expected
+to apply it has answered or is gone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import secrets
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import zmq
+
+import fastio
+from fastio.weight_msgs import (
+    SUBSCRIBER_TO_PUBLISHER,
+    WeightAck,
+    WeightAnnounce,
+    WeightBucket,
+    WeightError,
+    WeightFetch,
+    WeightHeartbeat,
+    WeightHello,
+    WeightWelcome,
+)
+from transport.weights import shm as _shm
+from transport.weights.bucket import (
+    DEFAULT_BUCKET_BYTES,
+    DEFAULT_CHECKSUM,
+    Hasher,
+    named_tensors,
+    pack_bucket,
+    plan_for,
+)
+from transport.weights.errors import UpdateIncomplete
+
+__all__ = ["DEFAULT_CHUNK_BYTES", "UpdateResult", "WeightPublisher", "WorkerInfo"]
+
+log = logging.getLogger("transport.weights.publisher")
+
+#: Size of the frames a bucket is cut into on the wire. pyzmq moves 8-16 MiB frames at
+#: full speed; one frame of hundreds of MiB is several times slower (one huge fresh
+#: allocation per message on the receiver).
+DEFAULT_CHUNK_BYTES = 8 << 20
+
+
+@dataclass
+class WorkerInfo:
+    """What the publisher knows of one subscriber (from its Hellos and Acks)."""
+
+    worker_id: str
+    host_id: str = ""
+    pid: int = 0
+    version: int = -1
+    digest: int | None = None
+    last_seen: float = 0.0
+    alive: bool = True
+
+
+@dataclass
+class UpdateResult:
+    """Outcome of one version across workers (:meth:`WeightPublisher.wait`).
+
+    Attributes
+    ----------
+    version:
+        The version waited for.
+    applied:
+        Worker id -> its Ack, for every worker that applied the version.
+    failed:
+        Worker id -> why it did not (its error, or that it was lost). A failed worker
+        kept its previous weights.
+    missing:
+        Expected workers that had not answered when the timeout passed.
+    elapsed_s:
+        Seconds from the announcement to the last answer (or the timeout).
+    """
+
+    version: int
+    applied: dict[str, WeightAck] = field(default_factory=dict)
+    failed: dict[str, str] = field(default_factory=dict)
+    missing: list[str] = field(default_factory=list)
+    elapsed_s: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        """Every expected worker applied the version."""
+        return not self.failed and not self.missing and bool(self.applied)
+
+
+class _Staged:
+    """One version's buffer, manifest and bookkeeping."""
+
+    def __init__(self, version: int, buf: torch.Tensor, seg: _shm.ShmSegment | None) -> None:
+        self.version = version
+        self.buf = buf
+        self.seg = seg
+        self.announce: WeightAnnounce | None = None
+        self.announced_at = 0.0
+        self.trackers: list[zmq.MessageTracker] = []
+        self.expected: set[str] = set()
+        self.acks: dict[str, WeightAck] = {}
+        self.lost: dict[str, str] = {}
+        self.done_at = 0.0
+
+    @property
+    def capacity(self) -> int:
+        return int(self.buf.numel())
+
+    def sends_done(self) -> bool:
+        self.trackers = [t for t in self.trackers if not t.done]
+        return not self.trackers
+
+    def answered(self) -> bool:
+        return all(w in self.acks or w in self.lost for w in self.expected)
+
+    def release(self) -> None:
+        self.buf = torch.empty(0, dtype=torch.uint8)
+        if self.seg is not None:
+            self.seg.close()
+            self.seg = None
+
+
+class WeightPublisher:
+    """Publishes versions of a model's weights to :class:`WeightSubscriber` workers.
+
+    Parameters
+    ----------
+    endpoint:
+        ROUTER address to bind (``tcp://127.0.0.1:*`` picks a free port; see
+        :attr:`endpoint` for the bound one). Workers connect here.
+    pub_endpoint:
+        PUB address to bind; by default next to ``endpoint`` (a free port, or
+        ``<ipc path>.pub``).
+    bucket_bytes:
+        Upper bound of a flat bucket.
+    chunk_bytes:
+        Size of the frames a bucket travels in over TCP.
+    shm:
+        Stage versions in ``/dev/shm`` so same-host workers read them without a socket
+        (``None``: when available). Falls back to private memory when it cannot.
+    checksum:
+        ``"xxh3_64"`` or ``"crc32"``.
+    heartbeat_interval:
+        Seconds between Heartbeat notices on PUB.
+    worker_timeout:
+        A worker silent this long (no Hello, Fetch or Ack) is declared lost.
+    keep_versions:
+        How many recent versions keep their buffer when no one needs them any more.
+    context:
+        ZeroMQ context (default: the global instance).
+
+    Examples
+    --------
+    >>> pub = WeightPublisher("tcp://127.0.0.1:*")  # doctest: +SKIP
+    >>> pub.publish(model.state_dict(), version=1)  # doctest: +SKIP
+    >>> pub.wait(1, timeout=30).ok  # doctest: +SKIP
+    True
+    """
+
+    def __init__(
+        self,
+        endpoint: str = "tcp://127.0.0.1:*",
+        *,
+        pub_endpoint: str | None = None,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        shm: bool | None = None,
+        checksum: str = DEFAULT_CHECKSUM,
+        heartbeat_interval: float = 0.5,
+        worker_timeout: float = 10.0,
+        keep_versions: int = 2,
+        context: zmq.Context[Any] | None = None,
+        fault_hook: Callable[[str, int, int], str | None] | None = None,
+    ) -> None:
+        Hasher(checksum)  # validates the name now rather than at the first publish
+        self.bucket_bytes = bucket_bytes
+        self.chunk_bytes = max(1, chunk_bytes)
+        self.checksum_algo = checksum
+        self.heartbeat_interval = heartbeat_interval
+        self.worker_timeout = worker_timeout
+        self.keep_versions = max(1, keep_versions)
+        self.publisher_id = secrets.token_hex(8)
+        self.host_id = _shm.host_id()
+        #: Counters: bad messages, fetches served, bytes sent, ...
+        self.counters: dict[str, int] = {}
+        # Test and chaos hook: (worker, version, bucket) -> None, "corrupt" or "die".
+        self._fault_hook = fault_hook
+        self._use_shm = _shm.available() if shm is None else bool(shm and _shm.available())
+        if self._use_shm:
+            _shm.cleanup_stale()
+        self._probe: tuple[str, str] = ("", "")
+        if self._use_shm:
+            try:
+                self._probe = _shm.write_probe()
+            except OSError as exc:
+                log.warning("no shared-memory fast path (%s); workers will use TCP", exc)
+                self._use_shm = False
+
+        self._ctx = context or zmq.Context.instance()
+        self._router = self._ctx.socket(zmq.ROUTER)
+        self._router.setsockopt(zmq.LINGER, 0)
+        # At the HWM a ROUTER drops silently; MANDATORY turns that into EAGAIN, which
+        # is answered as "busy" instead (workers bound their fetches by a window).
+        self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        # A restarted worker reuses its id; it takes the route over from the dead one.
+        self._router.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        self._router.setsockopt(zmq.SNDHWM, 10_000)
+        self._router.setsockopt(zmq.RCVHWM, 10_000)
+        # Workers only send small messages; anything larger is hostile: disconnect.
+        self._router.setsockopt(zmq.MAXMSGSIZE, 4 << 20)
+        self._router.bind(endpoint)
+        self.endpoint: str = self._router.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self._pub = self._ctx.socket(zmq.PUB)
+        self._pub.setsockopt(zmq.LINGER, 0)
+        self._pub.setsockopt(zmq.SNDHWM, 10_000)
+        self._pub.bind(pub_endpoint or _sibling(self.endpoint))
+        self.pub_endpoint: str = self._pub.getsockopt(zmq.LAST_ENDPOINT).decode()
+        wake_addr = f"inproc://fastio-weights-wake-{self.publisher_id}"
+        self._wake_r = self._ctx.socket(zmq.PAIR)
+        self._wake_r.bind(wake_addr)
+        self._wake_w = self._ctx.socket(zmq.PAIR)
+        self._wake_w.connect(wake_addr)
+        self._wake_lock = threading.Lock()
+
+        self._encoder = fastio.Encoder()
+        self._decoder = fastio.Decoder(SUBSCRIBER_TO_PUBLISHER, max_message_size=8 << 20)
+        self._cond = threading.Condition()
+        self._workers: dict[str, WorkerInfo] = {}
+        self._versions: dict[int, _Staged] = {}
+        self._latest: _Staged | None = None
+        self._pending: list[_Staged] = []
+        self._seq = 0
+        self._closed = False
+        self._thread = threading.Thread(
+            target=self._serve, name=f"weights-publisher-{self.publisher_id}", daemon=True
+        )
+        self._thread.start()
+
+    # -- public API ------------------------------------------------------------------
+    @property
+    def latest_version(self) -> int:
+        """The latest published version (``-1`` before the first)."""
+        with self._cond:
+            return self._latest.version if self._latest else -1
+
+    def workers(self) -> dict[str, WorkerInfo]:
+        """A snapshot of the known workers, by id."""
+        with self._cond:
+            return {k: WorkerInfo(**vars(v)) for k, v in self._workers.items()}
+
+    def wait_for_workers(self, n: int, timeout: float) -> list[str]:
+        """Wait until at least ``n`` live workers said Hello; returns their ids.
+
+        Raises ``TimeoutError`` when fewer are there after ``timeout`` seconds.
+        """
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                alive = sorted(w for w, i in self._workers.items() if i.alive)
+                if len(alive) >= n:
+                    return alive
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"{len(alive)} of {n} weight subscribers connected")
+                self._cond.wait(left)
+
+    def publish(self, state: Any, version: int) -> WeightAnnounce:
+        """Stage ``state`` as ``version`` and announce it to every worker.
+
+        Parameters
+        ----------
+        state:
+            An ``nn.Module``, a state dict or an iterable of ``(name, tensor)`` (e.g.
+            ``model.named_parameters()``); CPU or CUDA tensors of any supported dtype.
+        version:
+            Must be greater than every version published before.
+
+        Returns
+        -------
+        WeightAnnounce
+            The manifest sent to the workers. Returns once the version is staged and
+            announced; :meth:`wait` collects the workers' answers.
+        """
+        tensors = named_tensors(state)
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("publisher is closed")
+            if self._latest is not None and version <= self._latest.version:
+                raise ValueError(
+                    f"version {version} is not newer than the latest ({self._latest.version})"
+                )
+        plan = plan_for(tensors, self.bucket_bytes)
+        total = plan[-1].shm_offset + plan[-1].nbytes if plan else 0
+        staged = self._acquire(version, total)
+        for info in plan:
+            view = staged.buf[info.shm_offset : info.shm_offset + info.nbytes]
+            pack_bucket(info, tensors, view)
+            h = Hasher(self.checksum_algo)
+            h.update(view.numpy())
+            info.checksum = h.digest()
+        staged.announce = WeightAnnounce(
+            publisher_id=self.publisher_id,
+            seq=0,  # assigned by the serving thread, which owns the sequence
+            version=version,
+            checksum_algo=self.checksum_algo,
+            total_bytes=total,
+            buckets=plan,
+            shm_name=staged.seg.name if staged.seg is not None else "",
+        )
+        with self._cond:
+            self._pending.append(staged)
+        self._wake()
+        # Wait until the serving thread took it over, so that `wait` and the workers'
+        # Hellos see the new version from here on.
+        with self._cond:
+            while staged in self._pending and not self._closed:
+                self._cond.wait(1.0)
+        return staged.announce
+
+    def wait(
+        self, version: int, timeout: float, *, workers: Iterable[str] | None = None
+    ) -> UpdateResult:
+        """Wait until every expected worker answered ``version``, or ``timeout`` passed.
+
+        Parameters
+        ----------
+        version:
+            A published version.
+        timeout:
+            Seconds to wait at most.
+        workers:
+            The worker ids to wait for; default: the workers alive when the version
+            was announced, plus any that answered it since.
+
+        Returns
+        -------
+        UpdateResult
+            Never raises for workers' failures: ``result.ok`` says whether all applied.
+            (:meth:`publish_and_wait` raises instead.)
+        """
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            st = self._versions.get(version)
+            if st is None or st.announce is None:
+                raise KeyError(f"version {version} was not published by this publisher")
+            if workers is not None:
+                st.expected = set(workers)
+            while True:
+                if st.answered() and st.expected:
+                    break
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._cond.wait(min(left, 0.5))
+            res = UpdateResult(version)
+            for w in sorted(st.expected | set(st.acks)):
+                ack = st.acks.get(w)
+                if ack is not None and ack.ok:
+                    res.applied[w] = ack
+                elif ack is not None:
+                    res.failed[w] = ack.error or "failed"
+                elif w in st.lost:
+                    res.failed[w] = st.lost[w]
+                else:
+                    res.missing.append(w)
+            end = st.done_at if st.answered() and st.done_at else time.monotonic()
+            res.elapsed_s = end - st.announced_at
+            return res
+
+    def publish_and_wait(
+        self, state: Any, version: int, timeout: float, *, workers: Iterable[str] | None = None
+    ) -> UpdateResult:
+        """:meth:`publish` then :meth:`wait`; raises :class:`UpdateIncomplete` unless every
+        expected worker applied the version (the exception carries the result)."""
+        self.publish(state, version)
+        res = self.wait(version, timeout, workers=workers)
+        if not res.ok:
+            raise UpdateIncomplete(
+                f"version {version}: applied by {sorted(res.applied)}, failed "
+                f"{res.failed}, no answer from {res.missing}",
+                res,
+            )
+        return res
+
+    def close(self) -> None:
+        """Stop serving, close the sockets and free every staged buffer."""
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+            self._cond.notify_all()
+        self._wake()
+        self._thread.join(5.0)
+        for s in (self._router, self._pub, self._wake_r, self._wake_w):
+            s.close(linger=0)
+        with self._cond:
+            for st in self._versions.values():
+                st.release()
+            self._versions.clear()
+            self._latest = None
+        if self._probe[0]:
+            with contextlib.suppress(OSError):
+                (_shm.SHM_DIR / self._probe[0]).unlink()
+
+    def __enter__(self) -> WeightPublisher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- staging -----------------------------------------------------------------------
+    def _acquire(self, version: int, total: int) -> _Staged:
+        """A buffer for a new version: a free old one if large enough, else a new one."""
+        with self._cond:
+            for v, st in sorted(self._versions.items()):
+                if st is self._latest or st.capacity < total:
+                    continue
+                if st.sends_done() and st.answered():
+                    del self._versions[v]
+                    return _Staged(version, st.buf, st.seg)
+        seg: _shm.ShmSegment | None = None
+        if self._use_shm:
+            try:
+                seg = _shm.ShmSegment.create(total)
+            except OSError as exc:
+                log.warning(
+                    "cannot stage %d bytes in /dev/shm (%s); using private memory", total, exc
+                )
+        if seg is not None:
+            return _Staged(version, seg.tensor, seg)
+        return _Staged(version, torch.empty(total, dtype=torch.uint8), None)
+
+    def _retire(self) -> None:
+        """Free buffers of old versions that no one can still need (lock held)."""
+        old = [v for v in sorted(self._versions) if self._versions[v] is not self._latest]
+        excess = len(self._versions) - self.keep_versions
+        for v in old:
+            if excess <= 0:
+                break
+            st = self._versions[v]
+            if st.sends_done() and st.answered():
+                st.release()
+                del self._versions[v]
+                excess -= 1
+
+    def _wake(self) -> None:
+        with self._wake_lock, contextlib.suppress(zmq.ZMQError):
+            self._wake_w.send(b"", zmq.NOBLOCK)
+
+    # -- serving thread ----------------------------------------------------------------
+    def _count(self, key: str, n: int = 1) -> None:
+        self.counters[key] = self.counters.get(key, 0) + n
+
+    def _serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._router, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        next_hb = time.monotonic()
+        while True:
+            now = time.monotonic()
+            if now >= next_hb:
+                self._heartbeat(now)
+                next_hb = now + self.heartbeat_interval
+            try:
+                events = dict(poller.poll(int(max(0.0, next_hb - now) * 1000) + 1))
+            except zmq.ZMQError:
+                break
+            if self._wake_r in events:
+                while True:
+                    try:
+                        self._wake_r.recv(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                with self._cond:
+                    if self._closed:
+                        return
+                    pending, self._pending = self._pending, []
+                for st in pending:
+                    self._announce(st)
+            if self._router in events:
+                for _ in range(256):  # bounded, so heartbeats keep their rhythm
+                    try:
+                        frames = self._router.recv_multipart(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    self._handle(frames)
+
+    def _announce(self, st: _Staged) -> None:
+        assert st.announce is not None
+        with self._cond:
+            self._seq += 1
+            st.announce.seq = self._seq
+            st.announced_at = time.monotonic()
+            st.expected = {w for w, i in self._workers.items() if i.alive}
+            self._versions[st.version] = st
+            self._latest = st
+            self._retire()
+            self._cond.notify_all()
+        frames = self._encoder.encode(st.announce)
+        self._pub.send_multipart(frames, copy=False)
+        # Also straight to every known worker over the ROUTER: a SUB that has just
+        # connected misses PUB messages (the slow joiner); the heartbeat's sequence
+        # number would catch that, but only one heartbeat later.
+        for w in sorted(st.expected):
+            self._reply(w.encode(), frames)
+
+    def _heartbeat(self, now: float) -> None:
+        with self._cond:
+            for w, info in self._workers.items():
+                if info.alive and now - info.last_seen > self.worker_timeout:
+                    info.alive = False
+                    reason = f"worker lost: no message for {now - info.last_seen:.1f} s"
+                    log.warning("weight subscriber %s %s", w, reason)
+                    for st in self._versions.values():
+                        if w in st.expected and w not in st.acks:
+                            st.lost[w] = reason
+                            self._check_done(st)
+            latest = self._latest.version if self._latest else -1
+            self._retire()
+            self._cond.notify_all()
+        hb = WeightHeartbeat(self.publisher_id, self._seq, latest)
+        self._pub.send_multipart(self._encoder.encode(hb), copy=False)
+
+    def _check_done(self, st: _Staged) -> None:
+        if not st.done_at and st.expected and st.answered():
+            st.done_at = time.monotonic()
+
+    def _reply(self, ident: bytes, frames: list[Any], track: bool = False) -> Any:
+        try:
+            return self._router.send_multipart(
+                [ident, *frames], zmq.NOBLOCK, copy=False, track=track
+            )
+        except zmq.Again:
+            self._count("send_busy")
+        except zmq.ZMQError as exc:
+            if exc.errno != errno.EHOSTUNREACH:
+                raise
+            self._count("send_unroutable")
+        return None
+
+    def _handle(self, frames: list[zmq.Frame]) -> None:
+        ident = frames[0].bytes
+        wid = ident.decode("utf-8", "replace")
+        try:
+            msg = self._decoder.decode(frames[1:])
+        except fastio.DecodeError as exc:
+            self._count("bad_messages")
+            log.warning("bad message from weight subscriber %r: %s", wid, exc)
+            err = WeightError(-1, -1, f"bad message: {exc}")
+            self._reply(ident, self._encoder.encode(err))
+            return
+        now = time.monotonic()
+        with self._cond:
+            info = self._workers.get(wid)
+            if info is None:
+                info = self._workers[wid] = WorkerInfo(wid)
+            info.last_seen = now
+            if not info.alive:
+                info.alive = True
+                # Back from the dead (restarted): it is expected to catch up again.
+                for old in self._versions.values():
+                    old.lost.pop(wid, None)
+            if isinstance(msg, WeightHello):
+                info.host_id, info.pid = msg.host_id, msg.pid
+                info.version, info.digest = msg.version, msg.digest
+                latest = self._latest
+                if latest is not None and wid not in latest.acks:
+                    latest.expected.add(wid)
+                self._cond.notify_all()
+        if isinstance(msg, WeightHello):
+            announce = None
+            if latest is not None and msg.version < latest.version:
+                announce = latest.announce
+            welcome = WeightWelcome(
+                self.publisher_id,
+                self.host_id,
+                self.pub_endpoint,
+                self._seq,
+                self._probe[0],
+                self._probe[1],
+                announce,
+            )
+            self._reply(ident, self._encoder.encode(welcome))
+        elif isinstance(msg, WeightFetch):
+            self._serve_fetch(ident, wid, msg)
+        elif isinstance(msg, WeightAck):
+            with self._cond:
+                acked = self._versions.get(msg.version)
+                if acked is not None:
+                    acked.acks[wid] = msg
+                    acked.expected.add(wid)
+                    self._check_done(acked)
+                info.version = msg.current_version
+                if msg.digest is not None:
+                    info.digest = msg.digest
+                self._cond.notify_all()
+            if not msg.ok:
+                log.warning("worker %s failed version %d: %s", wid, msg.version, msg.error)
+
+    def _serve_fetch(self, ident: bytes, wid: str, msg: WeightFetch) -> None:
+        with self._cond:
+            st = self._versions.get(msg.version)
+            latest = self._latest.version if self._latest else -1
+        if st is None or st.announce is None:
+            err = WeightError(
+                msg.version,
+                msg.index,
+                f"version {msg.version} is not available (latest is {latest})",
+                latest,
+            )
+            self._reply(ident, self._encoder.encode(err))
+            return
+        if not 0 <= msg.index < len(st.announce.buckets):
+            err = WeightError(
+                msg.version, msg.index, f"no bucket {msg.index} in version {msg.version}", latest
+            )
+            self._reply(ident, self._encoder.encode(err))
+            return
+        info = st.announce.buckets[msg.index]
+        view = st.buf[info.shm_offset : info.shm_offset + info.nbytes]
+        step = self.chunk_bytes
+        chunks = [view[a : a + step].numpy() for a in range(0, info.nbytes, step)]
+        fault = self._fault_hook(wid, msg.version, msg.index) if self._fault_hook else None
+        if fault == "die":  # chaos testing: a publisher dying mid-update
+            os.kill(os.getpid(), 9)
+        if fault == "corrupt" and chunks:
+            bad = chunks[0].copy()  # never touch the staged snapshot itself
+            bad[len(bad) // 2] ^= 0xFF
+            chunks[0] = bad
+        frames = self._encoder.encode(WeightBucket(msg.version, msg.index, info.checksum, chunks))
+        tracker = self._reply(ident, frames, track=True)
+        if tracker is not None:
+            with self._cond:
+                st.trackers.append(tracker)
+            self._count("buckets_sent")
+            self._count("bytes_sent", info.nbytes)
+
+
+def _sibling(endpoint: str) -> str:
+    """A PUB address next to the ROUTER's: same host with a free port, or ``.pub``."""
+    if endpoint.startswith("tcp://"):
+        host = endpoint[6:].rsplit(":", 1)[0]
+        return f"tcp://{host}:*"
+    return endpoint + ".pub"

@@ -1,0 +1,657 @@
+"""Worker side of weight updates: follow a publisher, fetch, verify, apply, acknowledge.
+
+A subscriber runs one background thread that owns its sockets: a DEALER to the
+publisher's ROUTER (Hello heartbeats, Fetch, Ack) and a SUB on its PUB (Announce and
+Heartbeat notices, sequence-numbered).
+
+Never a mixed version (the trade-off chosen)
+---------------------------------------------
+Applying bucket k of version N before bucket k+1 has arrived and been verified would
+leave a mixed model if the rest never comes (publisher killed, corrupt bytes). Keeping
+the previous weights in that case needs *some* full copy: either an undo copy of what
+was overwritten or the new bytes held until all of them are verified. This module holds
+the new bytes, and only where they already are:
+
+* same host (shared memory): the publisher's segment *is* the staging area. The worker
+  verifies every bucket's checksum in place, then copies into its parameters: no extra
+  memory on the worker, one copy per byte.
+* over TCP: received buckets stay in the frames they arrived in (no copy); bucket k is
+  verified while bucket k+1 is on the wire, and once all are verified they are copied
+  into the parameters. The worker holds at most one version's frames, transiently.
+
+Either way the metadata (names, shapes, dtypes, layout) is checked before a byte is
+fetched, the parameters are written in place (references held by the engine stay valid)
+and the version is switched only after the last copy. ``atomic=False`` trades the
+guarantee for memory: each verified bucket is applied as it arrives (at most ``window``
+buckets held); if the version then fails the worker reports its weights as mixed, and
+:attr:`WeightSubscriber.consistent` is false until a later version completes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import zmq
+
+import fastio
+from fastio.weight_msgs import (
+    PUBLISHER_TO_SUBSCRIBER,
+    WeightAck,
+    WeightAnnounce,
+    WeightBucket,
+    WeightError,
+    WeightFetch,
+    WeightHeartbeat,
+    WeightHello,
+    WeightWelcome,
+)
+from transport.weights import shm as _shm
+from transport.weights.bucket import (
+    CHECKSUM_ALGOS,
+    BucketApplier,
+    Hasher,
+    check_manifest,
+    named_tensors,
+    state_digest,
+)
+from transport.weights.errors import ChecksumError, WeightUpdateError
+
+__all__ = ["UpdateStats", "WeightSubscriber"]
+
+log = logging.getLogger("transport.weights.subscriber")
+
+
+@dataclass
+class UpdateStats:
+    """Timings of the last update on this worker (seconds, monotonic clock).
+
+    ``buckets`` holds one dict per bucket: ``recv_s`` (from the update's start to its
+    arrival), ``verify_s`` and ``apply_s``.
+    """
+
+    version: int = -1
+    via: str = ""
+    bytes: int = 0
+    fetch_s: float = 0.0
+    verify_s: float = 0.0
+    apply_s: float = 0.0
+    total_s: float = 0.0
+    buckets: list[dict[str, float]] = field(default_factory=list)
+
+    def flat(self) -> dict[str, float]:
+        """A flat ``str -> float`` form for the Ack."""
+        out = {
+            "bytes": float(self.bytes),
+            "fetch_s": self.fetch_s,
+            "verify_s": self.verify_s,
+            "apply_s": self.apply_s,
+            "total_s": self.total_s,
+        }
+        for i, b in enumerate(self.buckets):
+            for k, v in b.items():
+                out[f"b{i}_{k}"] = v
+        return out
+
+
+class _Update:
+    """State of one version being fetched over TCP."""
+
+    def __init__(self, ann: WeightAnnounce) -> None:
+        self.ann = ann
+        self.t0 = time.monotonic()
+        self.todo = list(range(len(ann.buckets)))
+        self.todo.reverse()  # pop() from the end gives bucket 0 first
+        self.outstanding: dict[int, float] = {}
+        self.attempts: dict[int, int] = {}
+        self.received: dict[int, list[torch.Tensor]] = {}
+        self.stats = UpdateStats(ann.version, "tcp", ann.total_bytes)
+        self.stats.buckets = [{} for _ in ann.buckets]
+        self.applied: set[int] = set()
+
+
+class WeightSubscriber:
+    """Keeps a model's weights at the latest version a :class:`WeightPublisher` serves.
+
+    Parameters
+    ----------
+    endpoint:
+        The publisher's ROUTER address.
+    target:
+        An ``nn.Module`` (its state dict is updated in place) or a mapping of name ->
+        tensor to overwrite. CPU or CUDA tensors.
+    worker_id:
+        Unique id of this worker (default: a random one). A restarted worker may reuse
+        its id: the publisher then counts it as the same worker.
+    version:
+        The version the model holds now (``-1``: none).
+    shm:
+        Read same-host versions from shared memory when the handshake shows it works.
+    atomic:
+        Never leave mixed weights (see the module docstring); ``False`` applies buckets
+        as they arrive.
+    window:
+        Buckets requested ahead over TCP.
+    fetch_timeout:
+        Seconds before an unanswered Fetch is sent again.
+    retries:
+        Attempts per bucket (timeouts and checksum failures) before the version fails.
+    heartbeat_interval:
+        Seconds between Hellos to the publisher.
+    publisher_timeout:
+        With no message from the publisher for this long, a version in progress fails.
+    lock:
+        Held while copying into the parameters (e.g. the engine's forward lock).
+    on_applied:
+        Called with the new version after it was applied (in the subscriber's thread).
+    on_progress:
+        Called with ``(version, bucket_index)`` when a bucket arrived and was verified.
+    report_digest:
+        Send a digest of the weights (:func:`state_digest`) in Hellos and Acks.
+    strict:
+        The update must cover every tensor of ``target``.
+    context:
+        ZeroMQ context (default: the global instance).
+    max_message_size:
+        Largest frame accepted from the publisher (``ZMQ_MAXMSGSIZE``).
+
+    Examples
+    --------
+    >>> sub = WeightSubscriber("tcp://127.0.0.1:5555", model).start()  # doctest: +SKIP
+    >>> sub.wait_version(1, timeout=30)  # doctest: +SKIP
+    True
+    """
+
+    def __init__(
+        self,
+        endpoint: str,
+        target: Any,
+        *,
+        worker_id: str | None = None,
+        version: int = -1,
+        shm: bool = True,
+        atomic: bool = True,
+        window: int = 2,
+        fetch_timeout: float = 5.0,
+        retries: int = 3,
+        heartbeat_interval: float = 0.5,
+        publisher_timeout: float = 10.0,
+        lock: Any = None,
+        on_applied: Callable[[int], None] | None = None,
+        on_progress: Callable[[int, int], None] | None = None,
+        report_digest: bool = False,
+        strict: bool = True,
+        context: zmq.Context[Any] | None = None,
+        max_message_size: int = 1 << 30,
+    ) -> None:
+        self.endpoint = endpoint
+        self.targets = named_tensors(target)
+        self.worker_id = worker_id or f"w-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.shm = shm
+        self.atomic = atomic
+        self.window = max(1, window)
+        self.fetch_timeout = fetch_timeout
+        self.retries = max(1, retries)
+        self.heartbeat_interval = heartbeat_interval
+        self.publisher_timeout = publisher_timeout
+        self.lock = lock if lock is not None else contextlib.nullcontext()
+        self.on_applied = on_applied
+        self.on_progress = on_progress
+        self.report_digest = report_digest
+        self.strict = strict
+        self.max_message_size = max_message_size
+        #: Counters: bad messages, gaps, retries, versions applied / failed.
+        self.counters: dict[str, int] = {}
+        #: Error text of the last failed version ("" if none).
+        self.last_error = ""
+        #: Timings of the last applied version.
+        self.last_stats = UpdateStats()
+        self._version = version
+        self._consistent = True
+        self._digest: int | None = state_digest(self.targets) if report_digest else None
+        self._applier = BucketApplier(self.targets)
+        self._ctx = context or zmq.Context.instance()
+        self._cond = threading.Condition()
+        self._closed = False
+        self._thread: threading.Thread | None = None
+        self._host = _shm.host_id()
+        self._encoder = fastio.Encoder()
+        self._decoder = fastio.Decoder(
+            PUBLISHER_TO_SUBSCRIBER, max_message_size=max(max_message_size, 1 << 34)
+        )
+        # per publisher instance
+        self._pub_id = ""
+        self._pub_endpoint = ""
+        self._shm_ok = False
+        self._last_seq = 0
+        self._last_heard = 0.0
+        self._update: _Update | None = None
+        self._attempts: dict[tuple[str, int], int] = {}
+        self._given_up: set[tuple[str, int]] = set()
+        self._segments: dict[str, _shm.ShmSegment] = {}
+
+    # -- public API --------------------------------------------------------------------
+    @property
+    def version(self) -> int:
+        """The version the weights hold (last one applied completely)."""
+        return self._version
+
+    @property
+    def consistent(self) -> bool:
+        """False only in ``atomic=False`` mode after a version failed half-applied."""
+        return self._consistent
+
+    def start(self) -> WeightSubscriber:
+        """Start the background thread (returns ``self``)."""
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self._run, name=f"weights-subscriber-{self.worker_id}", daemon=True
+            )
+            self._thread.start()
+        return self
+
+    def wait_version(self, version: int, timeout: float) -> bool:
+        """Wait until the weights are at ``version`` or newer; False on timeout."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while self._version < version:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
+            return True
+
+    def close(self) -> None:
+        """Stop the thread and close the sockets."""
+        with self._cond:
+            self._closed = True
+        if self._thread is not None:
+            self._thread.join(10.0)
+
+    def __enter__(self) -> WeightSubscriber:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- thread ------------------------------------------------------------------------
+    def _count(self, key: str, n: int = 1) -> None:
+        self.counters[key] = self.counters.get(key, 0) + n
+
+    def _run(self) -> None:
+        self._dealer = self._ctx.socket(zmq.DEALER)
+        self._dealer.setsockopt(zmq.LINGER, 0)
+        self._dealer.setsockopt(zmq.ROUTING_ID, self.worker_id.encode())
+        self._dealer.setsockopt(zmq.MAXMSGSIZE, self.max_message_size)
+        self._dealer.setsockopt(zmq.RCVHWM, 10_000)
+        # Nothing is queued while the publisher is down: a restarted publisher must not
+        # receive a burst of stale Fetches meant for its predecessor.
+        self._dealer.setsockopt(zmq.IMMEDIATE, 1)
+        self._dealer.connect(self.endpoint)
+        self._sub = self._ctx.socket(zmq.SUB)
+        self._sub.setsockopt(zmq.LINGER, 0)
+        self._sub.setsockopt(zmq.MAXMSGSIZE, 64 << 20)
+        self._sub.setsockopt(zmq.SUBSCRIBE, b"")
+        poller = zmq.Poller()
+        poller.register(self._dealer, zmq.POLLIN)
+        poller.register(self._sub, zmq.POLLIN)
+        next_hello = 0.0
+        try:
+            while True:
+                with self._cond:
+                    if self._closed:
+                        return
+                now = time.monotonic()
+                if now >= next_hello:
+                    self._hello()
+                    next_hello = now + self.heartbeat_interval
+                    self._check_timeouts(now)
+                timeout = min(next_hello - now, 0.2)
+                events = dict(poller.poll(int(max(0.0, timeout) * 1000)))
+                if self._sub in events:
+                    self._drain(self._sub)
+                if self._dealer in events:
+                    self._drain(self._dealer)
+        except Exception:  # the thread must not die silently
+            log.exception("weight subscriber %s crashed", self.worker_id)
+            raise
+        finally:
+            self._dealer.close(linger=0)
+            self._sub.close(linger=0)
+            for seg in self._segments.values():
+                seg.close()
+            self._segments.clear()
+
+    def _drain(self, sock: zmq.Socket[Any]) -> None:
+        for _ in range(64):
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            try:
+                msg = self._decoder.decode(frames)
+            except fastio.DecodeError as exc:
+                self._count("bad_messages")
+                log.warning("bad message from the weight publisher: %s", exc)
+                continue
+            self._dispatch(msg)
+
+    def _send(self, msg: Any) -> None:
+        with contextlib.suppress(zmq.Again):
+            self._dealer.send_multipart(self._encoder.encode(msg), zmq.NOBLOCK, copy=False)
+
+    def _hello(self) -> None:
+        self._send(
+            WeightHello(self.worker_id, self._host, os.getpid(), self._version, self._digest)
+        )
+
+    def _dispatch(self, msg: Any) -> None:
+        if (
+            isinstance(msg, (WeightWelcome, WeightHeartbeat, WeightAnnounce))
+            and msg.publisher_id != self._pub_id
+        ):
+            if not isinstance(msg, WeightWelcome):
+                # A notice from a publisher we have not shaken hands with (it was
+                # restarted): ask it for its state.
+                self._hello()
+                return
+            self._new_publisher(msg)
+        self._last_heard = time.monotonic()
+        if isinstance(msg, WeightWelcome):
+            if msg.announce is not None:
+                self._consider(msg.announce)
+        elif isinstance(msg, WeightHeartbeat):
+            if msg.seq > self._last_seq:
+                self._count("gaps")  # an Announce was lost: ask for the snapshot
+                self._last_seq = msg.seq
+                self._hello()
+        elif isinstance(msg, WeightAnnounce):
+            if msg.seq > self._last_seq + 1:
+                self._count("gaps")
+            self._last_seq = max(self._last_seq, msg.seq)
+            self._consider(msg)
+        elif isinstance(msg, WeightBucket):
+            self._on_bucket(msg)
+        elif isinstance(msg, WeightError):
+            self._on_error(msg)
+
+    def _new_publisher(self, w: WeightWelcome) -> None:
+        if self._update is not None:
+            self._fail(self._update.ann.version, "the publisher was restarted mid-update")
+        self._pub_id = w.publisher_id
+        self._last_seq = w.seq
+        self._shm_ok = (
+            self.shm and w.host_id == self._host and _shm.read_probe(w.shm_probe, w.shm_token)
+        )
+        if w.pub_endpoint != self._pub_endpoint:
+            if self._pub_endpoint:
+                with contextlib.suppress(zmq.ZMQError):
+                    self._sub.disconnect(self._pub_endpoint)
+            self._pub_endpoint = w.pub_endpoint
+            self._sub.connect(w.pub_endpoint)
+        for seg in self._segments.values():
+            seg.close()
+        self._segments.clear()
+
+    # -- a version -------------------------------------------------------------------
+    def _consider(self, ann: WeightAnnounce) -> None:
+        if ann.version <= self._version and self._consistent:
+            return
+        if self._update is not None:
+            if self._update.ann.version >= ann.version:
+                return
+            self._abandon(f"superseded by version {ann.version}")
+        key = (ann.publisher_id, ann.version)
+        if key in self._given_up:
+            return
+        n = self._attempts[key] = self._attempts.get(key, 0) + 1
+        if n > self.retries:
+            self._given_up.add(key)
+            return
+        try:
+            if ann.checksum_algo not in CHECKSUM_ALGOS:
+                raise WeightUpdateError(f"checksum {ann.checksum_algo!r} not available here")
+            check_manifest(ann.buckets, self.targets, strict=self.strict)
+        except WeightUpdateError as exc:
+            self._given_up.add(key)  # a mismatch will not go away by retrying
+            self._fail(ann.version, str(exc), transport="")
+            return
+        if self._shm_ok and ann.shm_name:
+            try:
+                seg = self._segment(ann.shm_name)
+            except OSError as exc:
+                log.info("shared memory %s unusable (%s); fetching over TCP", ann.shm_name, exc)
+                self._count("shm_fallbacks")
+            else:
+                self._apply_shm(ann, seg)
+                return
+        self._update = _Update(ann)
+        self._pump()
+
+    def _segment(self, name: str) -> _shm.ShmSegment:
+        seg = self._segments.get(name)
+        if seg is None:
+            seg = _shm.ShmSegment.open(name)
+            # Keep the two most recent mappings: a publisher alternates between two.
+            while len(self._segments) >= 2:
+                self._segments.pop(next(iter(self._segments))).close()
+            self._segments[name] = seg
+        return seg
+
+    def _apply_shm(self, ann: WeightAnnounce, seg: _shm.ShmSegment) -> None:
+        t0 = time.monotonic()
+        stats = UpdateStats(ann.version, "shm", ann.total_bytes)
+        views: list[torch.Tensor] = []
+        try:
+            for b in ann.buckets:
+                if b.shm_offset + b.nbytes > seg.size:
+                    raise ChecksumError(f"bucket {b.index} lies outside the shared segment")
+                t = time.monotonic()
+                view = seg.tensor[b.shm_offset : b.shm_offset + b.nbytes]
+                h = Hasher(ann.checksum_algo)
+                h.update(view.numpy())
+                if h.digest() != b.checksum:
+                    raise ChecksumError(
+                        f"bucket {b.index} of version {ann.version} fails its checksum "
+                        "in shared memory"
+                    )
+                views.append(view)
+                dt = time.monotonic() - t
+                stats.verify_s += dt
+                stats.buckets.append({"recv_s": t - t0, "verify_s": dt})
+                if self.on_progress is not None:
+                    self.on_progress(ann.version, b.index)
+        except ChecksumError as exc:
+            self._count("checksum_failures")
+            self._fail(ann.version, str(exc), transport="shm")
+            return
+        self._commit(ann, [(b, [v]) for b, v in zip(ann.buckets, views, strict=True)], stats, t0)
+
+    def _pump(self) -> None:
+        """Keep ``window`` fetches in flight."""
+        up = self._update
+        if up is None:
+            return
+        now = time.monotonic()
+        while up.todo and len(up.outstanding) < self.window:
+            i = up.todo.pop()
+            up.outstanding[i] = now
+            up.attempts[i] = up.attempts.get(i, 0) + 1
+            self._send(WeightFetch(up.ann.version, i))
+
+    def _on_bucket(self, msg: WeightBucket) -> None:
+        up = self._update
+        if up is None or msg.version != up.ann.version or msg.index not in up.outstanding:
+            self._count("stale_buckets")
+            return
+        i = msg.index
+        info = up.ann.buckets[i]
+        del up.outstanding[i]
+        t = time.monotonic()
+        chunks: list[torch.Tensor] = []
+        h = Hasher(up.ann.checksum_algo)
+        total = 0
+        ok = True
+        for c in msg.chunks:
+            if not isinstance(c, np.ndarray) or c.dtype != np.uint8 or c.ndim != 1:
+                ok = False
+                break
+            h.update(c)
+            total += c.nbytes
+            chunks.append(_u8(c))
+        ok = ok and total == info.nbytes and h.digest() == info.checksum
+        dt = time.monotonic() - t
+        up.stats.verify_s += dt
+        if not ok:
+            self._count("checksum_failures")
+            if up.attempts.get(i, 0) >= self.retries:
+                self._fail(
+                    up.ann.version,
+                    f"bucket {i} of version {up.ann.version} failed its "
+                    f"checksum {up.attempts[i]} times",
+                )
+                return
+            self._count("refetches")
+            up.todo.append(i)
+            self._pump()
+            return
+        up.received[i] = chunks
+        up.stats.buckets[i].update(recv_s=t - up.t0, verify_s=dt)
+        if self.on_progress is not None:
+            self.on_progress(up.ann.version, i)
+        if not self.atomic:
+            ta = time.monotonic()
+            with self.lock:
+                self._consistent = False  # from here until the commit, weights are mixed
+                self._applier.apply(info, chunks)
+                self._applier.finish()
+            up.stats.buckets[i]["apply_s"] = time.monotonic() - ta
+            up.stats.apply_s += up.stats.buckets[i]["apply_s"]
+            up.applied.add(i)
+            up.received[i] = []  # applied: the frames can go
+        self._pump()
+        if not up.todo and not up.outstanding:
+            self._update = None
+            up.stats.fetch_s = time.monotonic() - up.t0
+            self._commit(
+                up.ann,
+                [(b, up.received[b.index]) for b in up.ann.buckets if b.index not in up.applied],
+                up.stats,
+                up.t0,
+            )
+
+    def _commit(
+        self,
+        ann: WeightAnnounce,
+        parts: list[tuple[Any, list[torch.Tensor]]],
+        stats: UpdateStats,
+        t0: float,
+    ) -> None:
+        with self.lock:
+            for b, chunks in parts:
+                ta = time.monotonic()
+                self._applier.apply(b, chunks)
+                dt = time.monotonic() - ta
+                stats.apply_s += dt
+                stats.buckets[b.index]["apply_s"] = dt
+            self._applier.finish()
+            with self._cond:
+                self._version = ann.version
+                self._consistent = True
+                self._cond.notify_all()
+        parts.clear()  # drop the frames now, not at the next update
+        stats.total_s = time.monotonic() - t0
+        self.last_stats = stats
+        self.last_error = ""
+        self._count("versions_applied")
+        if self.report_digest:
+            self._digest = state_digest(self.targets)
+        self._send(
+            WeightAck(
+                self.worker_id,
+                ann.version,
+                True,
+                ann.version,
+                "",
+                self._digest,
+                stats.via,
+                stats.flat(),
+            )
+        )
+        if self.on_applied is not None:
+            self.on_applied(ann.version)
+
+    def _fail(self, version: int, error: str, transport: str = "tcp") -> None:
+        if self._update is not None and self._update.ann.version == version:
+            if self._update.applied:
+                self._consistent = False
+                error += "; weights are mixed (atomic=False) until a later version completes"
+            self._update = None
+        self.last_error = error
+        self._count("versions_failed")
+        log.warning(
+            "weight version %d not applied (%s); keeping version %d", version, error, self._version
+        )
+        self._send(
+            WeightAck(self.worker_id, version, False, self._version, error, self._digest, transport)
+        )
+
+    def _abandon(self, why: str) -> None:
+        up = self._update
+        if up is not None:
+            self._fail(up.ann.version, why)
+
+    def _on_error(self, msg: WeightError) -> None:
+        up = self._update
+        self._count("errors_received")
+        if up is None or msg.version != up.ann.version:
+            log.warning("weight publisher error: %s", msg.reason)
+            return
+        self._fail(up.ann.version, f"publisher: {msg.reason}")
+        # A newer version exists: the next Hello brings its manifest.
+        self._hello()
+
+    def _check_timeouts(self, now: float) -> None:
+        up = self._update
+        if up is None:
+            return
+        if self._last_heard and now - self._last_heard > self.publisher_timeout:
+            self._fail(
+                up.ann.version,
+                f"publisher silent for {now - self._last_heard:.1f} s (dead?) mid-update",
+            )
+            return
+        for i, sent in list(up.outstanding.items()):
+            if now - sent < self.fetch_timeout:
+                continue
+            if up.attempts.get(i, 0) >= self.retries:
+                self._fail(
+                    up.ann.version,
+                    f"bucket {i} of version {up.ann.version}: no answer "
+                    f"after {up.attempts[i]} fetches",
+                )
+                return
+            self._count("refetches")
+            del up.outstanding[i]
+            up.todo.append(i)
+        self._pump()
+
+
+def _u8(arr: np.ndarray[Any, Any]) -> torch.Tensor:
+    """A uint8 tensor over a received chunk, no copy (frames from zmq are writable)."""
+    if not arr.flags.writeable:
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.from_numpy(arr)
+    return torch.from_numpy(arr)
