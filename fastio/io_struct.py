@@ -10,11 +10,11 @@ Struct options, chosen once for every wire type (:class:`WireStruct`):
     Schema evolution therefore works by *appending* fields with defaults: an older
     reader ignores trailing fields it does not know, a newer reader fills missing
     trailing fields from their defaults (see ``docs/PROTOCOL.md``).
-``omit_defaults=True``
-    Trailing fields still at their default are not sent (with ``array_like`` only a
-    trailing run of defaults can be left out). Never changes meaning, since the reader
-    has the same defaults, and it is what makes a new field invisible to old readers
-    as long as it holds its default.
+not ``omit_defaults``
+    msgspec ignores it for ``array_like`` Structs (every field is written, defaults
+    included; 0.23 verified by ``tests/fastio/test_codec.py``), so setting it would
+    only suggest a saving that does not happen. Readers still accept messages with
+    trailing fields missing (from older peers) and fill in the defaults.
 ``gc=False``
     Instances are not tracked by the cyclic garbage collector. Thousands of requests
     and responses are alive at once in a rollout; tracking them makes every GC pass
@@ -101,9 +101,7 @@ def _new_rid() -> str:
 _registry_generation = 0
 
 
-class WireStruct(
-    msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag_field="__kind__"
-):
+class WireStruct(msgspec.Struct, array_like=True, gc=False, tag_field="__kind__"):
     """Base of every fastio wire type (see the module docstring for the options).
 
     Subclass it with ``tag=<unused MsgKind value>`` to define a new message type; the
@@ -251,7 +249,8 @@ def _parse_strategy(text: str, role: str, whole: str) -> dict[str, int]:
     for axis, size in strategy.items():
         if size < 1:
             raise ValueError(
-                f"invalid allocation mode {whole!r}: {role} size {axis}{size} must be >= 1"
+                f"invalid allocation mode {whole!r}: {role} size {axis}{size} must be >= 1. "
+                f"A valid mode looks like {_VALID_EXAMPLE}"
             )
     return strategy
 

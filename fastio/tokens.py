@@ -310,7 +310,9 @@ class TokenArray(Sequence[Any]):
         elif isinstance(values, Iterable) and not isinstance(values, (str, bytes)):
             extra = _weak(list(values), self._a.dtype)
         else:
-            raise TypeError(f"extend needs an iterable of numbers, got {type(values).__name__}")
+            raise TypeError(
+                f"TokenArray.extend needs an iterable of numbers, got {type(values).__name__}"
+            )
         n, k = len(self), extra.shape[0]
         if k == 0:
             return
