@@ -150,7 +150,7 @@ class _Call:
 
 class _Worker:
     __slots__ = (
-        "address", "alive", "draining", "inflight", "incarnation", "last_seen", "paused", "pump",
+        "address", "alive", "draining", "inflight", "incarnation", "last_seen", "missed", "paused", "pump",
         "sticky_queue", "version", "worker_id",
     )  # fmt: skip
 
@@ -165,6 +165,7 @@ class _Worker:
         self.version = 0
         self.paused = False
         self.last_seen = 0.0
+        self.missed = 0
         self.pump: SocketPump | None = None
 
 
@@ -202,6 +203,7 @@ class FabricClient:
         self._ctx: zmq.Context[Any] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._hb_timer: asyncio.TimerHandle | None = None
+        self._last_tick = 0.0
         self._closed = False
         self.stats: dict[str, int] = dict.fromkeys(
             (
@@ -491,13 +493,16 @@ class FabricClient:
 
     # -- heartbeats and liveness ------------------------------------------------------
     def _ping(self, w: _Worker) -> None:
-        assert w.pump is not None
-        # A lost ping is harmless: no queueing for a worker that is down.
+        self._try_send(w, fm.Heartbeat(sent_at=time.time()))
+
+    def _try_send(self, w: _Worker, msg: Any) -> None:
+        # For messages whose loss is harmless (pings, cancels to a worker presumed
+        # dead): never queued, so nothing piles up for a worker that is down.
+        if w.pump is None:
+            return
         try:
-            w.pump.sock.send_multipart(
-                self._enc.encode(fm.Heartbeat(sent_at=time.time())), zmq.NOBLOCK, copy=False
-            )
-        except zmq.Again:
+            w.pump.sock.send_multipart(self._enc.encode(msg), zmq.NOBLOCK, copy=False)
+        except zmq.ZMQError:
             pass
 
     def _heartbeat(self) -> None:
@@ -505,20 +510,33 @@ class FabricClient:
         cfg = self.config
         now = time.monotonic()
         dead_after = cfg.heartbeat_interval * cfg.heartbeat_liveness
+        prev = self._last_tick
         for w in list(self._order):
-            if w.alive and now - w.last_seen > dead_after:
-                self._worker_died(w, f"silent for {now - w.last_seen:.2f} s")
+            if w.alive:
+                if w.pump is not None:
+                    # Our own loop may lag behind the socket: read what has arrived
+                    # before judging a worker silent.
+                    w.pump._drain()
+                # Paranoid Pirate: count silent intervals as *our* ticks, so a busy
+                # client loop (late ticks) does not mistake its own lag for a death.
+                w.missed = w.missed + 1 if w.last_seen < prev else 0
+                if w.missed >= cfg.heartbeat_liveness and now - w.last_seen > dead_after:
+                    self._worker_died(w, f"silent for {now - w.last_seen:.2f} s")
             self._ping(w)
+        self._last_tick = now
         self._hb_timer = self._loop.call_later(cfg.heartbeat_interval, self._heartbeat)
 
     def _worker_died(self, w: _Worker, why: str) -> None:
         self.stats["workers_died"] += 1
         w.alive = False
         calls = list(w.inflight.values()) + list(w.sticky_queue)
-        w.inflight.clear()
-        w.sticky_queue.clear()
         if w.pump is not None:
             w.pump.discard_queued()
+        for sub_id in w.inflight:
+            # In case it is only slow, not dead: stop it working for nobody.
+            self._try_send(w, fm.Cancel(id=sub_id))
+        w.inflight.clear()
+        w.sticky_queue.clear()
         log.warning("worker %s is dead (%s): re-sending %d requests", w.address, why, len(calls))
         live: list[_Call] = []
         for call in calls:
@@ -544,6 +562,7 @@ class FabricClient:
         w.incarnation = hb.incarnation
         w.version = hb.version
         w.paused = hb.paused
+        w.missed = 0
         if not w.alive:
             w.alive = True
             self.stats["workers_joined"] += 1

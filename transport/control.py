@@ -223,6 +223,12 @@ class FabricController:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    async def __aenter__(self) -> FabricController:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.close()
+
 
 def _drain(sock: zmq.Socket[Any]) -> None:
     while True:

@@ -1,0 +1,14 @@
+"""Worker plugins used by the fabric tests (loaded with ``--plugin module:function``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+async def bump_version_on_resume(server: Any, opts: dict[str, str]) -> None:
+    """Stands in for a weight subscriber: each resume follows a new weight version."""
+
+    def bump() -> None:
+        server.engine.version += 1
+
+    server.on_resume.append(bump)

@@ -1,0 +1,239 @@
+"""The fabric with real worker processes and real sockets (tcp on 127.0.0.1, ipc)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+
+from fastio import GenerationHyperparameters, LLMRequest
+from tests.transport.conftest import WorkerProc, await_for, wait_for
+from transport import (
+    ClientConfig,
+    FabricClient,
+    FabricController,
+    RequestAborted,
+    RequestTimeout,
+    SyncFabricClient,
+)
+
+# Tight heartbeats: a dead worker is found within 0.05 * (3 + 1) = 0.2 s.
+FAST = ClientConfig(heartbeat_interval=0.05, heartbeat_liveness=3, request_timeout=30)
+
+
+def req(ids: list[int], n: int = 8, rid: str | None = None, **g: Any) -> LLMRequest:
+    gconfig = GenerationHyperparameters(max_new_tokens=n, **g)
+    if rid is None:
+        return LLMRequest(input_ids=ids, gconfig=gconfig)
+    return LLMRequest(rid=rid, input_ids=ids, gconfig=gconfig)
+
+
+def received(ctl: FabricController) -> dict[str, int]:
+    return {a: s.counters["received"] for a, s in ctl.health(timeout=5).items()}
+
+
+def test_many_concurrent_requests(spawn: Callable[..., WorkerProc], bind: Callable[[str], str]) -> None:
+    w1 = spawn("--bind", bind("a"), "--engine", "echo", wait=False)
+    w2 = spawn("--bind", bind("b"), "--engine", "echo", wait=False)
+    addrs = [w1.wait_ready(), w2.wait_ready()]
+    rng = np.random.default_rng(0)
+    inputs = [rng.integers(0, 50_000, size=int(rng.integers(1, 300))).astype(np.int32) for _ in range(3000)]
+
+    async def main() -> None:
+        async with FabricClient(addrs, FAST) as client:
+            resps = await asyncio.gather(*(client.agenerate(LLMRequest(input_ids=x)) for x in inputs))
+            for x, r in zip(inputs, resps):
+                assert r.output_tokens == x.tolist()
+                assert r.input_tokens == x.tolist()
+                assert r.latency > 0 and r.ttft > 0
+            assert client.stats["completed"] == len(inputs)
+            assert client.pending == 0
+
+    asyncio.run(main())
+    with FabricController(addrs) as ctl:
+        counts = received(ctl)
+    # Least outstanding requests spreads the load over both workers.
+    assert sum(counts.values()) == len(inputs)
+    assert min(counts.values()) > len(inputs) // 10
+
+
+def test_reference_engine_generates_streams_and_is_deterministic(spawn: Callable[..., WorkerProc]) -> None:
+    w = spawn("--bind", "tcp://127.0.0.1:0", "--engine", "reference", "--seed", "3")
+    chunks: list[int] = []
+
+    async def main() -> None:
+        async with FabricClient([w.address], FAST) as client:
+            r = req([5, 6, 7], n=24, rid="fixed")
+            a = await client.agenerate(r, on_chunk=lambda t, lp, v: chunks.append(len(t)))
+            b = await client.agenerate(req([5, 6, 7], n=24, rid="fixed"))
+            c = await client.agenerate(req([5, 6, 8], n=24, rid="fixed", greedy=True))
+            assert a.output_len == 24 and a.stop_reason == "length"
+            assert a.output_tokens == b.output_tokens  # same rid, prompt, weights
+            assert a.output_tokens != c.output_tokens
+            assert list(a.output_versions) == [0] * 24
+            assert all(lp <= 0 for lp in a.output_logprobs)
+            assert len(a.itl) == 23 and 0 < a.ttft <= a.latency
+            stop = int(a.output_tokens[3])
+            s = await client.agenerate(req([5, 6, 7], n=24, rid="fixed", stop_token_ids=[stop]))
+            assert s.stop_reason == "stop" and int(s.output_tokens[-1]) == stop
+
+    asyncio.run(main())
+    assert sum(chunks) == 24 and len(chunks) >= 2  # really streamed
+
+
+def test_rid_stickiness_and_runtime_membership(spawn: Callable[..., WorkerProc]) -> None:
+    w1 = spawn("--bind", "tcp://127.0.0.1:0", "--engine", "echo", wait=False)
+    w2 = spawn("--bind", "tcp://127.0.0.1:0", "--engine", "echo", wait=False)
+    a1, a2 = w1.wait_ready(), w2.wait_ready()
+    ctl = FabricController([a1, a2])
+
+    async def main() -> None:
+        async with FabricClient([a1], FAST) as client:
+            await client.agenerate(req([1]))
+            client.add_worker(a2)
+            await await_for(lambda: all(i.alive for i in client.workers), what="w2 joins")
+            before = received(ctl)
+            for _ in range(3):  # n_samples of one rid, concurrently, several rounds
+                await asyncio.gather(*(client.agenerate(req([1, 2], rid="same")) for _ in range(20)))
+            after = received(ctl)
+            delta = {a: after[a] - before[a] for a in after}
+            assert sorted(delta.values()) == [0, 60]
+            await asyncio.gather(*(client.agenerate(req([3])) for _ in range(200)))
+            assert all(v > before[a] for a, v in received(ctl).items())
+            client.remove_worker(a1)
+            before = received(ctl)
+            await asyncio.gather(*(client.agenerate(req([4])) for _ in range(50)))
+            after = received(ctl)
+            assert after[a1] == before[a1] and after[a2] == before[a2] + 50
+
+    try:
+        asyncio.run(main())
+    finally:
+        ctl.close()
+
+
+def test_worker_sigkilled_midflight_requests_resent(spawn: Callable[..., WorkerProc], bind: Callable[[str], str]) -> None:
+    args = ("--engine", "reference", "--token-interval", "0.01")
+    w1 = spawn("--bind", bind("a"), *args, wait=False)
+    w2 = spawn("--bind", bind("b"), *args, wait=False)
+    a1, a2 = w1.wait_ready(), w2.wait_ready()
+
+    async def main() -> None:
+        async with FabricClient([a1, a2], FAST) as client:
+            await await_for(lambda: all(i.alive for i in client.workers), what="workers alive")
+            tasks = [asyncio.ensure_future(client.agenerate(req([i % 200], n=30))) for i in range(16)]
+            await await_for(lambda: all(i.in_flight > 0 for i in client.workers), what="both busy")
+            w1.kill()
+            t_kill = time.monotonic()
+            await await_for(lambda: client.stats["workers_died"] == 1, timeout=5, what="death detected")
+            detected = time.monotonic() - t_kill
+            # Bound: interval * (liveness + 1) plus scheduling slack.
+            assert detected < FAST.heartbeat_interval * (FAST.heartbeat_liveness + 1) + 0.3
+            resps = await asyncio.gather(*tasks)
+            assert all(r.output_len == 30 and r.stop_reason == "length" for r in resps)
+            assert client.stats["resent"] > 0
+            assert client.stats["completed"] == 16 and client.stats["failed"] == 0
+
+    asyncio.run(main())
+
+
+def test_worker_restarted_rejoins(spawn: Callable[..., WorkerProc]) -> None:
+    w = spawn("--bind", "tcp://127.0.0.1:0", "--engine", "echo")
+    address = w.address
+
+    async def main() -> None:
+        async with FabricClient([address], FAST) as client:
+            assert (await client.agenerate(req([1, 2]))).output_tokens == [1, 2]
+            inc = client.workers[0].incarnation
+            w.kill()
+            await await_for(lambda: not client.workers[0].alive, what="death detected")
+            pending = asyncio.ensure_future(client.agenerate(req([3, 4])))  # queued meanwhile
+            spawn("--bind", address, "--engine", "echo")  # same address
+            assert (await pending).output_tokens == [3, 4]
+            assert client.workers[0].alive and client.workers[0].incarnation != inc
+            assert client.stats["workers_joined"] == 2
+
+    asyncio.run(main())
+
+
+def test_pause_interrupt_resume_accumulates_versions(spawn: Callable[..., WorkerProc]) -> None:
+    w = spawn(
+        "--bind", "tcp://127.0.0.1:0", "--engine", "reference", "--token-interval", "0.004",
+        "--plugin", "tests.transport.plugins:bump_version_on_resume",
+    )  # fmt: skip
+    streamed = [0]
+
+    def on_chunk(t: Any, lp: Any, v: Any) -> None:
+        streamed[0] += len(t)
+
+    async def main() -> None:
+        async with FabricClient([w.address], FAST) as client, FabricController([w.address]) as ctl:
+            inputs = [[i, i + 1, i + 2] for i in range(8)]
+            tasks = [asyncio.ensure_future(client.agenerate(req(x, n=60), on_chunk=on_chunk)) for x in inputs]
+            await await_for(lambda: streamed[0] >= 40, what="generation under way")
+            statuses = await ctl.apause()
+            st = statuses[w.address]
+            assert st.paused and st.running == 0  # nothing generates once pause returns
+            await await_for(lambda: client.stats["interrupted"] >= 1, what="interrupts seen")
+            frozen = streamed[0]
+            hs = await ctl.ahealth()
+            assert hs[w.address].counters["interrupted"] >= 1
+            assert streamed[0] == frozen  # no token while paused
+            await ctl.aresume()
+            resps = await asyncio.gather(*tasks)
+            for x, r in zip(inputs, resps):
+                assert r.output_len == 60 and r.stop_reason == "length"
+                assert r.input_tokens == x  # the original prompt, not the continuation
+                assert len(r.output_logprobs) == 60 and len(r.itl) == 59
+                v = list(r.output_versions)
+                assert v == sorted(v) and set(v) <= {0, 1}
+            assert any(0 in r.output_versions for r in resps)
+            assert all(r.output_versions[-1] == 1 for r in resps)
+
+    asyncio.run(main())
+
+
+def test_cancel_and_timeout_abort_on_worker(spawn: Callable[..., WorkerProc]) -> None:
+    w = spawn("--bind", "tcp://127.0.0.1:0", "--engine", "reference", "--token-interval", "0.01")
+
+    async def main() -> None:
+        async with FabricClient([w.address], FAST) as client, FabricController([w.address]) as ctl:
+
+            def running() -> int:
+                return ctl.health()[w.address].running
+
+            task = asyncio.ensure_future(client.agenerate(req([1], n=100_000)))
+            await await_for(lambda: running() == 1, what="request running")
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            await await_for(lambda: running() == 0, what="worker aborted the request")
+            assert ctl.health()[w.address].counters["cancelled"] == 1
+
+            with pytest.raises(RequestTimeout):
+                await client.agenerate(req([2], n=100_000), timeout=0.2)
+            await await_for(lambda: ctl.health()[w.address].counters["cancelled"] == 2, what="timeout cancel")
+            assert client.stats["timeouts"] == 1 and client.stats["cancelled"] == 1
+
+            task = asyncio.ensure_future(client.agenerate(req([3], n=100_000)))
+            await await_for(lambda: running() == 1, what="request running")
+            await ctl.aabort()
+            with pytest.raises(RequestAborted):
+                await task
+            r = await client.agenerate(req([4], n=5))  # still serving
+            assert r.output_len == 5
+
+    asyncio.run(main())
+
+
+def test_sync_client(spawn: Callable[..., WorkerProc]) -> None:
+    w = spawn("--bind", "tcp://127.0.0.1:0", "--engine", "echo")
+    with SyncFabricClient([w.address], FAST) as client:
+        assert client.generate(req([7, 8, 9])).output_tokens == [7, 8, 9]
+        futs = [client.submit(req([i])) for i in range(100)]
+        assert [f.result(10).output_tokens[0] for f in futs] == list(range(100))
+    wait_for(lambda: True)
