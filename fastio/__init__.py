@@ -9,7 +9,16 @@
 True
 """
 
-from fastio.codec import MESSAGE_TYPES, Decoder, Encoder, Message, decode, encode
+from fastio.codec import (
+    MESSAGE_TYPES,
+    Decoder,
+    Encoder,
+    Frame,
+    Message,
+    decode,
+    encode,
+    message_types,
+)
 from fastio.errors import DecodeError, EncodeError, FastioError, MessageTooLarge
 from fastio.io_struct import (
     AllocationMode,
@@ -44,6 +53,7 @@ __all__ = [
     "ExtCode",
     "FastioError",
     "FinetuneSpec",
+    "Frame",
     "GenerationHyperparameters",
     "LLMRequest",
     "LLMResponse",
@@ -62,4 +72,5 @@ __all__ = [
     "__version__",
     "decode",
     "encode",
+    "message_types",
 ]

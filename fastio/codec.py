@@ -334,9 +334,9 @@ def _buffer(frame: Any) -> memoryview:
             buf = memoryview(frame)
         except TypeError as exc:
             raise DecodeError(f"frame of type {type(frame).__name__} is not bytes-like") from exc
+    if not buf.c_contiguous:
+        raise DecodeError("frame is not a contiguous buffer")
     if buf.format != "B" or buf.ndim != 1:
-        if not buf.c_contiguous:
-            raise DecodeError("frame is not a contiguous buffer")
         buf = buf.cast("B") if buf.nbytes else _EMPTY
     return buf
 
@@ -420,7 +420,7 @@ class Decoder:
             # Fast paths: our own encoder's frames and received bytes.
             if tf is bytes:
                 b = memoryview(f)
-            elif tf is memoryview and f.ndim == 1 and f.format == "B":
+            elif tf is memoryview and f.format == "B" and f.ndim == 1 and f.c_contiguous:
                 b = f
             else:
                 b = _buffer(f)
@@ -604,8 +604,11 @@ def _dec_hook(tp: Any, obj: Any) -> Any:
 def message_types() -> tuple[type[_s.WireStruct], ...]:
     """Every message type ``decode(frames, type=None)`` accepts right now.
 
-    These are the :class:`~fastio.WireStruct` subclasses with an integer tag, in tag
-    order: the seed types and any defined later (fabric and weight-update messages).
+    These are the :class:`~fastio.WireStruct` subclasses with an integer tag defined in
+    the ``fastio`` package, in tag order: the seed types and the fabric and
+    weight-update messages. Subclasses defined elsewhere (applications, tests) are
+    left out, so they can never collide with a wire tag; decode them by passing their
+    type explicitly.
     """
     found: dict[int, type[_s.WireStruct]] = {}
     stack: list[type[Any]] = [_s.WireStruct]
@@ -613,7 +616,11 @@ def message_types() -> tuple[type[_s.WireStruct], ...]:
         cls = stack.pop()
         stack.extend(cls.__subclasses__())
         tag = cls.__struct_config__.tag
-        if isinstance(tag, int) and not isinstance(tag, bool):
+        if (
+            isinstance(tag, int)
+            and not isinstance(tag, bool)
+            and cls.__module__.split(".", 1)[0] == "fastio"
+        ):
             other = found.get(tag)
             if other is not None and other is not cls:
                 raise TypeError(f"{cls.__qualname__} and {other.__qualname__} share tag {tag}")

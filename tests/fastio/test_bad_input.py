@@ -1,0 +1,255 @@
+"""Bad input raises fastio.DecodeError saying what is wrong: never another exception,
+a hang or a large allocation."""
+
+from __future__ import annotations
+
+import tracemalloc
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import msgpack
+import numpy as np
+import pytest
+import torch  # noqa: F401 - imported up front: the allocation checks must not see it
+
+import fastio
+from fastio import DecodeError, Decoder, LLMRequest, LLMResponse, MessageTooLarge
+
+MiB = 1 << 20
+
+
+def ext(code: int, payload: Any) -> msgpack.ExtType:
+    return msgpack.ExtType(code, msgpack.packb(payload))
+
+
+def header(body: Any, n_buffers: int = 0, version: int = 1) -> bytes:
+    return msgpack.packb([version, n_buffers, body])
+
+
+def resp_body(tokens: Any) -> list[Any]:
+    """An LLMResponse body (tag 3) whose output_tokens field is ``tokens``."""
+    return [3, [], tokens]
+
+
+@pytest.fixture
+def small_peak() -> Iterator[Callable[[], int]]:
+    """Peak bytes allocated (numpy included) while the test body runs."""
+    tracemalloc.start()
+    tracemalloc.reset_peak()
+    yield lambda: tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+
+
+def expect(frames: Any, match: str, type: Any = None, **kw: Any) -> DecodeError:
+    dec = Decoder(type, **kw)
+    with pytest.raises(DecodeError, match=match) as info:
+        dec.decode(frames)
+    assert isinstance(info.value, ValueError)
+    return info.value
+
+
+GOOD = fastio.encode(
+    LLMResponse(output_tokens=np.arange(1000, dtype=np.int32), output_logprobs=[0.5] * 300)
+)
+
+
+@pytest.mark.parametrize(
+    ("frames", "match"),
+    [
+        ([], "non-empty list of frames"),
+        (b"\x93\x01\x00\x90", "non-empty list of frames"),
+        ("frames", "non-empty list of frames"),
+        ([42], "not bytes-like"),
+        (["text"], "not bytes-like"),
+        ([None], "not bytes-like"),
+        ([b""], "malformed header"),
+        ([b"\xc1"], "malformed header"),
+        ([b"\x00"], "malformed header"),
+        ([b"garbage bytes that are not msgpack"], "malformed header"),
+        ([msgpack.packb([1, 0])], "expected \\[version, n_buffers, body\\]"),
+        ([msgpack.packb({"a": 1})], "malformed header"),
+        ([msgpack.packb(["1", 0, []])], "must be ints"),
+        ([header([12], version=2)], "unsupported protocol version 2"),
+        ([header([12], version=0)], "unsupported protocol version 0"),
+        ([header([12], version=-1)], "unsupported protocol version -1"),
+        ([header([12], n_buffers=1)], "wrong frame count: header announces 1 buffers, got 0"),
+        ([header([12]), b"x"], "wrong frame count: header announces 0 buffers, got 1"),
+        ([header([99])], "invalid message body.*99"),
+        ([header(["LLMRequest"])], "invalid message body"),
+        ([header([12, "many", 0, 0])], "invalid message body: Expected `int`, got `str`"),
+        ([header([3, [], [], [], [], "bogus"])], "invalid message body.*bogus"),
+        ([header([2, 42])], "invalid message body: Expected `str`, got `int`"),
+        ([header([2, "rid", "not tokens"])], "invalid message body.*array"),
+        ([header([2, "rid", [1, "x"]])], "invalid message body.*numbers"),
+        ([header([6, 1])], "invalid message body.*length"),
+        ([header([12, 1, 2, 3]) + b"\x00"], "invalid message body"),
+    ],
+)
+def test_malformed_frames(frames: Any, match: str) -> None:
+    expect(frames, match)
+
+
+def test_every_truncation_of_a_header() -> None:
+    h = GOOD[0]
+    for cut in range(len(h)):
+        with pytest.raises(DecodeError):
+            fastio.decode([h[:cut], *GOOD[1:]])
+
+
+def test_truncated_and_padded_buffer_frames() -> None:
+    short = [GOOD[0], bytes(GOOD[1])[:-1], GOOD[2]]
+    expect(short, "array int32\\[1000\\] needs 4000 bytes of data, got 3999")
+    long = [GOOD[0], bytes(GOOD[1]) + b"\x00", GOOD[2]]
+    expect(long, "needs 4000 bytes of data, got 4001")
+    expect(GOOD[:2], "wrong frame count: header announces 2 buffers, got 1")
+    expect([*GOOD, b"extra"], "wrong frame count: header announces 2 buffers, got 3")
+    swapped = [GOOD[0], GOOD[2], GOOD[1]]
+    expect(swapped, "needs 4000 bytes of data, got 2400")
+
+
+@pytest.mark.parametrize(
+    ("tokens", "frames", "match"),
+    [
+        (
+            ext(1, ["int32", [10**12], 1]),
+            [b"\x00" * 64],
+            "needs 4000000000000 bytes of data, got 64",
+        ),
+        (ext(1, ["int32", [10**12], b"\x00" * 8]), [], "needs 4000000000000 bytes"),
+        (ext(1, ["float64", [10**6, 10**6, 10**6], 1]), [b""], "bytes of data, got 0"),
+        (ext(2, ["bfloat16", [10**12], 1]), [b""], "tensor bfloat16.*needs 2000000000000"),
+        (ext(3, ["RGB", 10**6, 10**6, 1]), [b""], "image RGB 1000000x1000000 needs"),
+    ],
+)
+def test_absurd_lengths_fail_fast_without_allocating(
+    tokens: Any, frames: list[bytes], match: str, small_peak: Callable[[], int]
+) -> None:
+    h = header([3, [], [], [], [], "stop", 0.0, 0.0, tokens], n_buffers=len(frames))
+    with pytest.raises(DecodeError, match=match):
+        fastio.decode([h, *frames])
+    assert small_peak() < 1 * MiB
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"\x93\x01\x00\xdd\xff\xff\xff\xff",  # array32 of 4 billion items
+        b"\x93\x01\x00\xdb\xff\xff\xff\xff",  # str32 of 4 GiB
+        b"\x93\x01\x00\xc6\xff\xff\xff\xff",  # bin32 of 4 GiB
+        b"\x93\x01\x00\xdf\xff\xff\xff\xff",  # map32 of 4 billion pairs
+        b"\x93\x01\x00\xc9\xff\xff\xff\xff\x01",  # ext32 of 4 GiB
+        b"\xdd\xff\xff\xff\xff",  # header itself claims 4 billion items
+    ],
+)
+def test_msgpack_length_prefixes_fail_fast(raw: bytes, small_peak: Callable[[], int]) -> None:
+    with pytest.raises(DecodeError):
+        fastio.decode([raw])
+    assert small_peak() < 1 * MiB
+
+
+def test_deep_nesting_is_an_error_not_a_crash() -> None:
+    deep = b"\x93\x01\x00" + b"\x92\x02" * 100_000 + b"\xc0"
+    with pytest.raises(DecodeError):
+        fastio.decode([deep])
+    deep_any = b"\x93\x01\x00\x94\x02\xa1r\x90" + b"\x81\xa1k" * 100_000 + b"\xc0"
+    with pytest.raises(DecodeError):
+        fastio.decode([deep_any])
+
+
+@pytest.mark.parametrize(
+    ("descriptor", "frames", "match"),
+    [
+        (["int32", [4], 2], [b"\x00" * 16], "refers to frame 2, but the message has frames 1..1"),
+        (["int32", [4], 0], [b"\x00" * 16], "refers to frame 0"),
+        (["int32", [4], -1], [b"\x00" * 16], "refers to frame -1"),
+        (["int32", [4], 1], [], "refers to frame 1, but the message has no buffer frames"),
+        (["int32", [4], 2**64 - 1], [b"\x00" * 16], "refers to frame"),
+        (["int32", [-4], 1], [b"\x00" * 16], "negative dimension"),
+        (["int32", [2, -2], 1], [b"\x00" * 16], "negative dimension"),
+        (["int32", [1] * 65, 1], [b"\x00" * 4], "65 dimensions"),
+        (["int32", [5], 1], [b"\x00" * 16], "array int32\\[5\\] needs 20 bytes of data, got 16"),
+        (["int32", [5], b"\x00" * 16], [], "needs 20 bytes of data, got 16"),
+        (["complex128", [1], 1], [b"\x00" * 16], "unknown array dtype 'complex128'"),
+        (["bfloat16", [8], 1], [b"\x00" * 16], "bfloat16 only as a tensor"),
+        (["int32", [4]], [b"\x00" * 16], "malformed array descriptor"),
+        (["int32", 4, 1], [b"\x00" * 16], "malformed array descriptor"),
+        ([4, [4], 1], [b"\x00" * 16], "malformed array descriptor"),
+        (["int32", [4], "1"], [b"\x00" * 16], "malformed array descriptor"),
+        (["int32", [4], 1.0], [b"\x00" * 16], "malformed array descriptor"),
+    ],
+)
+def test_bad_array_descriptors(descriptor: Any, frames: list[bytes], match: str) -> None:
+    h = header(resp_body(ext(1, descriptor)), n_buffers=len(frames))
+    expect([h, *frames], match)
+    h = header({"a": ext(1, descriptor)}, n_buffers=len(frames))
+    expect([h, *frames], match, type=dict[str, Any])
+
+
+def test_non_1d_array_in_token_field() -> None:
+    h = header(resp_body(ext(1, ["int32", [2, 2], b"\x00" * 16])))
+    expect([h], "1-D")
+
+
+def test_bad_ext_payloads_and_codes() -> None:
+    expect([header(resp_body(msgpack.ExtType(9, b"")))], "unknown extension type code 9")
+    negative_code = header(resp_body(msgpack.ExtType(5, b"\x00"))).replace(b"\xd4\x05", b"\xd4\xff")
+    expect([negative_code], "invalid message body")
+    expect([header(resp_body(msgpack.ExtType(1, b"\xc1")))], "malformed array descriptor")
+    expect([header(resp_body(msgpack.ExtType(1, b"")))], "malformed array descriptor")
+
+
+@pytest.mark.parametrize(
+    ("descriptor", "match"),
+    [
+        (["float8", [2], b"\x00\x00"], "unknown tensor dtype 'float8'"),
+        (["float32", [2], b"\x00" * 7], "tensor float32\\[2\\] needs 8 bytes of data, got 7"),
+        (["float32", [-2], b""], "negative dimension"),
+    ],
+)
+def test_bad_tensor_descriptors(descriptor: Any, match: str) -> None:
+    expect([header({"t": ext(2, descriptor)})], match, type=dict[str, Any])
+
+
+@pytest.mark.parametrize(
+    ("descriptor", "match"),
+    [
+        (["P", 2, 2, b"\x00" * 4], "unsupported image mode 'P'"),
+        (["RGB", -2, 2, b""], "invalid image size -2x2"),
+        (["RGB", 2, 2, b"\x00" * 11], "image RGB 2x2 needs 12 bytes of data, got 11"),
+        (["RGB", 2, 2], "malformed image descriptor"),
+        (["RGB", 2, 2, 3], "refers to frame 3"),
+    ],
+)
+def test_bad_image_descriptors(descriptor: Any, match: str) -> None:
+    expect([header({"i": ext(3, descriptor)})], match, type=dict[str, Any])
+
+
+def test_message_size_limit() -> None:
+    big = fastio.encode(LLMResponse(output_tokens=np.zeros(10_000, np.int32)))
+    total = sum(memoryview(f).nbytes for f in big)
+    err = expect(
+        big, f"message of {total} bytes exceeds the limit of 1000 bytes", max_message_size=1000
+    )
+    assert isinstance(err, MessageTooLarge)
+    # The limit is checked before anything is parsed: garbage + size -> too large.
+    with pytest.raises(MessageTooLarge):
+        Decoder(max_message_size=10).decode([b"\xc1" * 11])
+    # At the limit it decodes.
+    assert Decoder(LLMResponse, max_message_size=total).decode(big).output_len == 10_000
+
+
+def test_frame_objects_that_are_not_contiguous() -> None:
+    strided = memoryview(np.arange(16, dtype=np.uint8)[::2])
+    expect([GOOD[0], strided, GOOD[2]], "not a contiguous buffer")
+
+
+def test_decoder_keeps_working_after_errors() -> None:
+    dec = Decoder(LLMResponse)
+    for bad in ([b"\xc1"], [header([99])], GOOD[:2]):
+        with pytest.raises(DecodeError):
+            dec.decode(bad)
+    assert dec.decode(GOOD).output_len == 1000
+
+
+def test_typed_decoder_wrong_type_message() -> None:
+    expect(fastio.encode(LLMRequest()), "invalid message body", type=LLMResponse)
