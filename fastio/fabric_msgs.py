@@ -195,6 +195,6 @@ def peek(frames: list[Any]) -> tuple[int | None, int | None, int | None]:
         body = _raw_list.decode(parts[2])
         kind = _int.decode(body[0])
         first = _int.decode(body[1])
-    except Exception:  # noqa: BLE001 - garbage in, partial answer out
+    except Exception:
         pass
     return version, kind, first

@@ -65,7 +65,6 @@ __all__ = [
 ]
 
 
-
 def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import contextlib
 import itertools
 import logging
 import threading
@@ -43,6 +44,7 @@ import zmq
 
 from fastio import DecodeError, Decoder, Encoder, LLMRequest, LLMResponse, VLMRequest
 from fastio import fabric_msgs as fm
+from fastio.protocol import MsgKind
 from fastio.tokens import TokenArray
 from transport.errors import (
     ClientClosed,
@@ -125,11 +127,27 @@ class _Call:
     """One ``agenerate`` call, across re-sends and resumptions."""
 
     __slots__ = (
-        "done", "fut", "interrupts", "orig", "out_lp", "out_tok", "out_ver", "resends",
-        "segment", "seg_streamed", "sub_id", "t0", "timer", "times", "worker", "on_chunk",
+        "done",
+        "fut",
+        "interrupts",
+        "on_chunk",
+        "orig",
+        "out_lp",
+        "out_tok",
+        "out_ver",
+        "resends",
+        "seg_streamed",
+        "segment",
+        "sub_id",
+        "t0",
+        "timer",
+        "times",
+        "worker",
     )  # fmt: skip
 
-    def __init__(self, req: LLMRequest, fut: asyncio.Future[LLMResponse], on_chunk: ChunkCallback | None) -> None:
+    def __init__(
+        self, req: LLMRequest, fut: asyncio.Future[LLMResponse], on_chunk: ChunkCallback | None
+    ) -> None:
         self.orig = req
         self.segment = req
         self.fut = fut
@@ -150,8 +168,18 @@ class _Call:
 
 class _Worker:
     __slots__ = (
-        "address", "alive", "draining", "inflight", "incarnation", "last_seen", "missed", "paused", "pump",
-        "sticky_queue", "version", "worker_id",
+        "address",
+        "alive",
+        "draining",
+        "incarnation",
+        "inflight",
+        "last_seen",
+        "missed",
+        "paused",
+        "pump",
+        "sticky_queue",
+        "version",
+        "worker_id",
     )  # fmt: skip
 
     def __init__(self, address: str) -> None:
@@ -228,7 +256,7 @@ class FabricClient:
         self._ctx = zmq.Context()
         for address in self._initial:
             self.add_worker(address)
-        self._hb_timer = self._loop.call_soon(self._heartbeat)
+        self._hb_timer = self._loop.call_later(0, self._heartbeat)
 
     async def __aenter__(self) -> FabricClient:
         return await self.start()
@@ -313,9 +341,16 @@ class FabricClient:
         now = time.monotonic()
         return [
             WorkerInfo(
-                w.address, w.alive, w.draining, len(w.inflight), w.worker_id, w.incarnation,
-                w.version, w.paused, now - w.last_seen if w.last_seen else float("inf"),
-            )  # fmt: skip
+                w.address,
+                w.alive,
+                w.draining,
+                len(w.inflight),
+                w.worker_id,
+                w.incarnation,
+                w.version,
+                w.paused,
+                now - w.last_seen if w.last_seen else float("inf"),
+            )
             for w in self._order
         ]
 
@@ -326,7 +361,11 @@ class FabricClient:
 
     # -- the call -------------------------------------------------------------------
     async def agenerate(
-        self, req: LLMRequest, *, timeout: float | None = None, on_chunk: ChunkCallback | None = None
+        self,
+        req: LLMRequest,
+        *,
+        timeout: float | None = None,
+        on_chunk: ChunkCallback | None = None,
     ) -> LLMResponse:
         """Generate for ``req`` on some worker and return the whole response.
 
@@ -398,8 +437,11 @@ class FabricClient:
         self._rr = (self._rr + 1) % n
         for i in range(n):
             w = order[(self._rr + i) % n]
-            if w.alive and not w.draining and len(w.inflight) < limit and (
-                best is None or len(w.inflight) < len(best.inflight)
+            if (
+                w.alive
+                and not w.draining
+                and len(w.inflight) < limit
+                and (best is None or len(w.inflight) < len(best.inflight))
             ):
                 best = w
         return best
@@ -439,7 +481,9 @@ class FabricClient:
                 del sticky[next(iter(sticky))]
             sticky[rid] = w.address
         assert w.pump is not None
-        w.pump.send(self._enc.encode(fm.Submit(id=sub_id, request=call.segment, stream=self.config.stream)))
+        w.pump.send(
+            self._enc.encode(fm.Submit(id=sub_id, request=call.segment, stream=self.config.stream))
+        )
 
     def _slot_freed(self, w: _Worker) -> None:
         limit = self.config.max_in_flight_per_worker
@@ -500,10 +544,8 @@ class FabricClient:
         # dead): never queued, so nothing piles up for a worker that is down.
         if w.pump is None:
             return
-        try:
+        with contextlib.suppress(zmq.ZMQError):
             w.pump.sock.send_multipart(self._enc.encode(msg), zmq.NOBLOCK, copy=False)
-        except zmq.ZMQError:
-            pass
 
     def _heartbeat(self) -> None:
         assert self._loop is not None
@@ -546,7 +588,13 @@ class FabricClient:
             # Tokens of the lost attempt are forgotten; its timing too.
             del call.times[len(call.out_tok) if call.out_tok is not None else 0 :]
             if call.resends > self.config.max_resends:
-                self._finish_error(call, RemoteError(f"request {call.orig.rid}: {call.resends - 1} workers died under it", worker=w.address))
+                self._finish_error(
+                    call,
+                    RemoteError(
+                        f"request {call.orig.rid}: {call.resends - 1} workers died under it",
+                        worker=w.address,
+                    ),
+                )
             else:
                 live.append(call)
         self.stats["resent"] += len(live)
@@ -608,13 +656,30 @@ class FabricClient:
         if n <= 10 or (n & (n - 1)) == 0:
             log.warning("bad message from worker %s: %s (occurrence %d)", w.address, exc, n)
         _, kind, first = fm.peek(frames)
-        call = w.inflight.pop(first, None) if kind == fm.MsgKind.FABRIC_RESULT and first is not None else None
+        call = (
+            w.inflight.pop(first, None)
+            if kind == MsgKind.FABRIC_RESULT and first is not None
+            else None
+        )
         assert w.pump is not None
         w.pump.send(
-            self._enc.encode(fm.Error(id=first if call is not None and first is not None else -1, code=int(fm.ErrorCode.BAD_RESPONSE), message=str(exc)))
+            self._enc.encode(
+                fm.Error(
+                    id=first if call is not None and first is not None else -1,
+                    code=int(fm.ErrorCode.BAD_RESPONSE),
+                    message=str(exc),
+                )
+            )
         )
         if call is not None:
-            self._finish_error(call, RemoteError(f"malformed response from {w.address}: {exc}", code=int(fm.ErrorCode.BAD_RESPONSE), worker=w.address))
+            self._finish_error(
+                call,
+                RemoteError(
+                    f"malformed response from {w.address}: {exc}",
+                    code=int(fm.ErrorCode.BAD_RESPONSE),
+                    worker=w.address,
+                ),
+            )
             self._slot_freed(w)
 
     def _on_error(self, w: _Worker, err: fm.Error) -> None:
@@ -630,7 +695,10 @@ class FabricClient:
         elif err.code == fm.ErrorCode.ABORTED:
             self._finish_error(call, RequestAborted(err.message, code=err.code, worker=w.address))
         else:
-            self._finish_error(call, RemoteError(f"worker {w.address}: {err.message}", code=err.code, worker=w.address))
+            self._finish_error(
+                call,
+                RemoteError(f"worker {w.address}: {err.message}", code=err.code, worker=w.address),
+            )
         self._slot_freed(w)
 
     def _on_result(self, w: _Worker, call: _Call, resp: LLMResponse) -> None:
@@ -692,13 +760,26 @@ class FabricClient:
             call.fut.set_result(out)
 
 
-def _continuation(orig: LLMRequest, out_tok: TokenArray, produced: int, remaining: int) -> LLMRequest:
+def _continuation(
+    orig: LLMRequest, out_tok: TokenArray, produced: int, remaining: int
+) -> LLMRequest:
     """The rest of an interrupted request: prompt plus output so far, fewer new tokens."""
-    g = orig.gconfig.new(max_new_tokens=remaining, min_new_tokens=max(0, orig.gconfig.min_new_tokens - produced))
+    g = orig.gconfig.new(
+        max_new_tokens=remaining, min_new_tokens=max(0, orig.gconfig.min_new_tokens - produced)
+    )
     ids = orig.input_ids + out_tok
     if isinstance(orig, VLMRequest):
-        return VLMRequest(rid=orig.rid, input_ids=ids, gconfig=g, metadata=orig.metadata, model_id=orig.model_id, image_data=orig.image_data)
-    return LLMRequest(rid=orig.rid, input_ids=ids, gconfig=g, metadata=orig.metadata, model_id=orig.model_id)
+        return VLMRequest(
+            rid=orig.rid,
+            input_ids=ids,
+            gconfig=g,
+            metadata=orig.metadata,
+            model_id=orig.model_id,
+            image_data=orig.image_data,
+        )
+    return LLMRequest(
+        rid=orig.rid, input_ids=ids, gconfig=g, metadata=orig.metadata, model_id=orig.model_id
+    )
 
 
 class SyncFabricClient:
@@ -713,7 +794,9 @@ class SyncFabricClient:
 
     def __init__(self, workers: Sequence[str] = (), config: ClientConfig | None = None) -> None:
         self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="fabric-client", daemon=True)
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="fabric-client", daemon=True
+        )
         self._thread.start()
         self.client = FabricClient(workers, config)
         self._run(self.client.start())
@@ -730,9 +813,13 @@ class SyncFabricClient:
         """Blocking :meth:`FabricClient.agenerate`."""
         return self._run(self.client.agenerate(req, timeout=timeout))
 
-    def submit(self, req: LLMRequest, *, timeout: float | None = None) -> concurrent.futures.Future[LLMResponse]:
+    def submit(
+        self, req: LLMRequest, *, timeout: float | None = None
+    ) -> concurrent.futures.Future[LLMResponse]:
         """Start a request; returns a ``concurrent.futures.Future``."""
-        return asyncio.run_coroutine_threadsafe(self.client.agenerate(req, timeout=timeout), self._loop)
+        return asyncio.run_coroutine_threadsafe(
+            self.client.agenerate(req, timeout=timeout), self._loop
+        )
 
     def add_worker(self, address: str) -> None:
         """Thread-safe :meth:`FabricClient.add_worker`."""

@@ -98,7 +98,12 @@ class FabricController:
 
     # -- the core -----------------------------------------------------------------
     def request(
-        self, op: str, *, timeout: float | None = None, strict: bool = True, op_timeout: float | None = None
+        self,
+        op: str,
+        *,
+        timeout: float | None = None,
+        strict: bool = True,
+        op_timeout: float | None = None,
     ) -> dict[str, fm.WorkerStatus]:
         """Send ``op`` to every worker and wait for all answers.
 
@@ -141,10 +146,14 @@ class FabricController:
                     poller.register(sock, zmq.POLLOUT)
                 for sock in waiting:
                     poller.register(sock, zmq.POLLIN)
-                for sock, ev in poller.poll(left * 1000):
+                for sock, ev in poller.poll(int(left * 1000) + 1):
                     if ev & zmq.POLLOUT and sock in unsent:
                         address, seq = unsent.pop(sock)
-                        msg = fm.Control(seq=seq, op=op, timeout=op_timeout if op_timeout is not None else 0.8 * t)
+                        msg = fm.Control(
+                            seq=seq,
+                            op=op,
+                            timeout=op_timeout if op_timeout is not None else 0.8 * t,
+                        )
                         try:
                             sock.send_multipart(self._enc.encode(msg), zmq.NOBLOCK, copy=False)
                         except zmq.Again:
@@ -172,40 +181,58 @@ class FabricController:
                 failed[address] = f"no answer within {t} s"
         if failed and strict:
             raise ControlError(
-                f"{op} failed on {len(failed)} of {len(self._socks)} workers: {failed}", failed, dict(statuses)
+                f"{op} failed on {len(failed)} of {len(self._socks)} workers: {failed}",
+                failed,
+                dict(statuses),
             )
         return statuses
 
-    def pause(self, timeout: float | None = None, *, strict: bool = True) -> dict[str, fm.WorkerStatus]:
+    def pause(
+        self, timeout: float | None = None, *, strict: bool = True
+    ) -> dict[str, fm.WorkerStatus]:
         """Pause every worker; returns once none is generating (see :meth:`request`)."""
         return self.request("pause", timeout=timeout, strict=strict)
 
-    def resume(self, timeout: float | None = None, *, strict: bool = True) -> dict[str, fm.WorkerStatus]:
+    def resume(
+        self, timeout: float | None = None, *, strict: bool = True
+    ) -> dict[str, fm.WorkerStatus]:
         """Let every worker generate again."""
         return self.request("resume", timeout=timeout, strict=strict)
 
-    def abort(self, timeout: float | None = None, *, strict: bool = True) -> dict[str, fm.WorkerStatus]:
+    def abort(
+        self, timeout: float | None = None, *, strict: bool = True
+    ) -> dict[str, fm.WorkerStatus]:
         """Abort every request on every worker (their callers get ``RequestAborted``)."""
         return self.request("abort", timeout=timeout, strict=strict)
 
-    def health(self, timeout: float | None = None, *, strict: bool = False) -> dict[str, fm.WorkerStatus]:
+    def health(
+        self, timeout: float | None = None, *, strict: bool = False
+    ) -> dict[str, fm.WorkerStatus]:
         """Status of every worker that answers in time (missing ones are not healthy)."""
         return self.request("health", timeout=timeout, strict=strict)
 
     # -- async twins ----------------------------------------------------------------
-    async def apause(self, timeout: float | None = None, *, strict: bool = True) -> dict[str, fm.WorkerStatus]:
+    async def apause(
+        self, timeout: float | None = None, *, strict: bool = True
+    ) -> dict[str, fm.WorkerStatus]:
         """:meth:`pause` without blocking the event loop."""
         return await asyncio.to_thread(self.pause, timeout, strict=strict)
 
-    async def aresume(self, timeout: float | None = None, *, strict: bool = True) -> dict[str, fm.WorkerStatus]:
+    async def aresume(
+        self, timeout: float | None = None, *, strict: bool = True
+    ) -> dict[str, fm.WorkerStatus]:
         """:meth:`resume` without blocking the event loop."""
         return await asyncio.to_thread(self.resume, timeout, strict=strict)
 
-    async def aabort(self, timeout: float | None = None, *, strict: bool = True) -> dict[str, fm.WorkerStatus]:
+    async def aabort(
+        self, timeout: float | None = None, *, strict: bool = True
+    ) -> dict[str, fm.WorkerStatus]:
         """:meth:`abort` without blocking the event loop."""
         return await asyncio.to_thread(self.abort, timeout, strict=strict)
 
-    async def ahealth(self, timeout: float | None = None, *, strict: bool = False) -> dict[str, fm.WorkerStatus]:
+    async def ahealth(
+        self, timeout: float | None = None, *, strict: bool = False
+    ) -> dict[str, fm.WorkerStatus]:
         """:meth:`health` without blocking the event loop."""
         return await asyncio.to_thread(self.health, timeout, strict=strict)
 

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from fastio import GenerationHyperparameters, LLMRequest, LLMResponse
+from fastio import GenerationHyperparameters, LLMRequest, LLMResponse, TokenArray
 
 if TYPE_CHECKING:
     from transport.worker import RequestContext
@@ -43,7 +43,9 @@ class TinyLM(nn.Module):
         Initial weights are drawn from it.
     """
 
-    def __init__(self, vocab_size: int = 256, hidden: int = 64, layers: int = 2, seed: int = 0) -> None:
+    def __init__(
+        self, vocab_size: int = 256, hidden: int = 64, layers: int = 2, seed: int = 0
+    ) -> None:
         super().__init__()
         self.vocab_size = vocab_size
         self.embed = nn.Embedding(vocab_size, hidden)
@@ -53,10 +55,15 @@ class TinyLM(nn.Module):
         g = torch.Generator().manual_seed(seed)
         with torch.no_grad():
             for p in self.parameters():
-                p.copy_(torch.randn(p.shape, generator=g) * (1.0 if p.dim() == 1 else 1.0 / p.shape[-1] ** 0.5))
+                p.copy_(
+                    torch.randn(p.shape, generator=g)
+                    * (1.0 if p.dim() == 1 else 1.0 / p.shape[-1] ** 0.5)
+                )
         self.eval()
 
-    def forward(self, ids: torch.Tensor, state: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, ids: torch.Tensor, state: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """``ids`` of shape (batch, time) -> logits (batch, time, vocab) and the new state."""
         x, state = self.rnn(self.embed(ids), state)
         return self.head(self.norm(x)), state
@@ -103,7 +110,9 @@ class ReferenceEngine:
         model: nn.Module | None = None,
     ) -> None:
         self.seed = seed
-        self.model: nn.Module = model if model is not None else TinyLM(vocab_size, hidden, layers, seed)
+        self.model: nn.Module = (
+            model if model is not None else TinyLM(vocab_size, hidden, layers, seed)
+        )
         self.vocab_size = int(getattr(self.model, "vocab_size", vocab_size))
         self.version = 0
         self.token_interval = token_interval
@@ -113,7 +122,11 @@ class ReferenceEngine:
         return torch.Generator().manual_seed(zlib.crc32(key))
 
     def _sample(
-        self, logits: torch.Tensor, g: GenerationHyperparameters, gen: torch.Generator, ban: list[int]
+        self,
+        logits: torch.Tensor,
+        g: GenerationHyperparameters,
+        gen: torch.Generator,
+        ban: list[int],
     ) -> tuple[int, float]:
         if ban:
             logits = logits.clone()
@@ -167,7 +180,9 @@ class ReferenceEngine:
                 if ctx is not None and ctx.interrupted:
                     stop = "interrupt"
                     break
-                ban = [t for t in stop_ids if t < self.vocab_size] if step < g.min_new_tokens else []
+                ban = (
+                    [t for t in stop_ids if t < self.vocab_size] if step < g.min_new_tokens else []
+                )
                 tok, lp = self._sample(last, g, gen, ban)
                 version = self.version
                 toks.append(tok)
@@ -186,8 +201,8 @@ class ReferenceEngine:
                 last = logits[0, -1]
         return LLMResponse(
             input_tokens=req.input_ids,
-            output_tokens=np.array(toks, dtype=np.int32),
-            output_logprobs=np.array(lps, dtype=np.float32),
-            output_versions=np.array(vers, dtype=np.int32),
+            output_tokens=TokenArray(np.array(toks, dtype=np.int32)),
+            output_logprobs=TokenArray(np.array(lps, dtype=np.float32)),
+            output_versions=TokenArray(np.array(vers, dtype=np.int32)),
             stop_reason=stop,
         )

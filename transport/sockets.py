@@ -30,6 +30,7 @@ CURVE
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import logging
 import threading
@@ -157,7 +158,8 @@ def make_dealer(
         sock.curve_publickey = pub
         sock.curve_serverkey = server_pub
     sock.connect(address)
-    return sock
+    dealer: zmq.Socket[Any] = sock
+    return dealer
 
 
 class WorkerAuthenticator:
@@ -224,7 +226,7 @@ class SocketPump:
         self._scheduled = False
         self._timer: asyncio.TimerHandle | None = None
         self._closed = False
-        self._fd = sock.getsockopt(zmq.FD)
+        self._fd: int = sock.getsockopt(zmq.FD)  # type: ignore[assignment]
         self.loop.add_reader(self._fd, self._drain)
         self._schedule()
 
@@ -326,8 +328,6 @@ class SocketPump:
         self._closed = True
         if self._timer is not None:
             self._timer.cancel()
-        try:
+        with contextlib.suppress(Exception):  # the loop may be closed already
             self.loop.remove_reader(self._fd)
-        except Exception:  # noqa: BLE001 - loop already closed
-            pass
         self.sock.close(linger=0)

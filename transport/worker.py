@@ -113,9 +113,22 @@ class RequestContext:
         ``time.monotonic()`` by which the client wants the answer (``inf``: none).
     """
 
-    __slots__ = ("_aborted", "_lp", "_seq", "_server", "_tok", "_ver", "deadline", "id", "peer", "stream")
+    __slots__ = (
+        "_aborted",
+        "_lp",
+        "_seq",
+        "_server",
+        "_tok",
+        "_ver",
+        "deadline",
+        "id",
+        "peer",
+        "stream",
+    )
 
-    def __init__(self, server: WorkerServer, peer: bytes, id: int, stream: bool, deadline: float) -> None:
+    def __init__(
+        self, server: WorkerServer, peer: bytes, id: int, stream: bool, deadline: float
+    ) -> None:
         self._server = server
         self.peer = peer
         self.id = id
@@ -429,7 +442,9 @@ class WorkerServer:
             task.add_done_callback(self._aux.discard)
         elif tp is fm.Error:
             self.counters["error_replies_received"] += 1
-            log.warning("client %r reports error %s on id %s: %s", peer, msg.code, msg.id, msg.message)
+            log.warning(
+                "client %r reports error %s on id %s: %s", peer, msg.code, msg.id, msg.message
+            )
 
     def _bad(self, peer: bytes, id: int, code: fm.ErrorCode, text: str) -> None:
         self.counters["bad_messages"] += 1
@@ -443,7 +458,9 @@ class WorkerServer:
         elif kind == MsgKind.FABRIC_SUBMIT and first is not None:
             self._bad(peer, first, fm.ErrorCode.BAD_REQUEST, str(exc))
         elif kind is not None and kind not in _ACCEPTED_KINDS:
-            self._bad(peer, -1, fm.ErrorCode.UNKNOWN_KIND, f"message kind {kind} not accepted by a worker")
+            self._bad(
+                peer, -1, fm.ErrorCode.UNKNOWN_KIND, f"message kind {kind} not accepted by a worker"
+            )
         else:
             self._bad(peer, -1, fm.ErrorCode.BAD_MESSAGE, str(exc))
 
@@ -455,7 +472,9 @@ class WorkerServer:
             return
         if len(self._tasks) >= self.config.max_pending:
             self.counters["overloaded"] += 1
-            self._send_error(peer, sub.id, fm.ErrorCode.OVERLOADED, "worker holds too many requests")
+            self._send_error(
+                peer, sub.id, fm.ErrorCode.OVERLOADED, "worker holds too many requests"
+            )
             return
         deadline = time.monotonic() + sub.timeout if sub.timeout > 0 else float("inf")
         ctx = RequestContext(self, peer, sub.id, sub.stream, deadline)
@@ -494,13 +513,17 @@ class WorkerServer:
                 self.counters["cancelled"] += 1
         except asyncio.TimeoutError:
             self.counters["errors"] += 1
-            self._send_error(peer, id, fm.ErrorCode.TIMEOUT, f"worker time limit {sub.timeout} s passed")
+            self._send_error(
+                peer, id, fm.ErrorCode.TIMEOUT, f"worker time limit {sub.timeout} s passed"
+            )
         except Exception as exc:
             self.counters["errors"] += 1
             log.exception("handler failed on request %s", sub.request.rid)
             try:
-                self._send_error(peer, id, fm.ErrorCode.HANDLER_ERROR, f"{type(exc).__name__}: {exc}")
-            except Exception:  # noqa: BLE001 - the reply itself cannot be built
+                self._send_error(
+                    peer, id, fm.ErrorCode.HANDLER_ERROR, f"{type(exc).__name__}: {exc}"
+                )
+            except Exception:
                 log.exception("cannot send the error reply")
         finally:
             self._tasks.pop((peer, id), None)
@@ -534,7 +557,9 @@ class WorkerServer:
         for peer, seen in list(self._peers.items()):
             if now - seen > limit:
                 self.counters["dead_peers"] += 1
-                log.warning("client %r silent for %.1f s: cancelling its requests", peer, now - seen)
+                log.warning(
+                    "client %r silent for %.1f s: cancelling its requests", peer, now - seen
+                )
                 self._forget_peer(peer)
         self._sweeper = asyncio.get_running_loop().call_later(limit / 4, self._sweep_peers)
 
@@ -566,7 +591,9 @@ def _load_plugin(spec: str) -> Callable[..., Any]:
 
 
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m transport.worker", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m transport.worker", description=__doc__.split("\n")[0]
+    )
     p.add_argument("--bind", action="append", required=True, help="address to bind (repeatable)")
     p.add_argument("--engine", choices=("reference", "echo"), default="reference")
     p.add_argument("--worker-id", default="")
@@ -581,7 +608,12 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--max-message-size", type=int, default=DEFAULT_MAX_MESSAGE_SIZE)
     p.add_argument("--curve-secret", help="this worker's .key_secret certificate (enables CURVE)")
     p.add_argument("--curve-clients", help="directory of authorized client .key certificates")
-    p.add_argument("--plugin", action="append", default=[], help="module:function(server, opts) run in the worker's loop")
+    p.add_argument(
+        "--plugin",
+        action="append",
+        default=[],
+        help="module:function(server, opts) run in the worker's loop",
+    )
     p.add_argument("--plugin-opt", action="append", default=[], help="key=value passed to plugins")
     p.add_argument("--log-level", default="WARNING")
     return p.parse_args(argv)
@@ -599,7 +631,9 @@ async def _amain(args: argparse.Namespace) -> None:
         handler = echo_handler
     curve = None
     if args.curve_secret:
-        curve = CurveConfig(secret_key_file=args.curve_secret, authorized_clients_dir=args.curve_clients)
+        curve = CurveConfig(
+            secret_key_file=args.curve_secret, authorized_clients_dir=args.curve_clients
+        )
     opts = dict(o.split("=", 1) for o in args.plugin_opt)
     config = WorkerConfig(
         bind=args.bind, worker_id=args.worker_id, max_concurrency=args.max_concurrency,
@@ -616,14 +650,21 @@ async def _amain(args: argparse.Namespace) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, lambda: asyncio.ensure_future(server.close()))
-    print(json.dumps({"ready": endpoints, "pid": os.getpid(), "worker_id": server.worker_id}), flush=True)
+    print(
+        json.dumps({"ready": endpoints, "pid": os.getpid(), "worker_id": server.worker_id}),
+        flush=True,
+    )
     await server.serve_forever()
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Entry point of ``python -m transport.worker``."""
     args = _parse_args(argv)
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
+    logging.basicConfig(
+        level=args.log_level,
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+        stream=sys.stderr,
+    )
     with contextlib.suppress(ImportError):
         import torch
 

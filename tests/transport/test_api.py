@@ -32,7 +32,17 @@ def test_all_is_sorted_and_complete(module: object) -> None:
 def test_fabric_kinds_in_range_and_unique() -> None:
     kinds = [k for k in MsgKind if k.name.startswith("FABRIC_")]
     assert all(20 <= k <= 39 for k in kinds)
-    structs = [fm.Submit, fm.Result, fm.Stream, fm.Cancel, fm.Heartbeat, fm.Control, fm.ControlReply, fm.Error, fm.WorkerStatus]
+    structs = [
+        fm.Submit,
+        fm.Result,
+        fm.Stream,
+        fm.Cancel,
+        fm.Heartbeat,
+        fm.Control,
+        fm.ControlReply,
+        fm.Error,
+        fm.WorkerStatus,
+    ]
     tags = [s.__struct_config__.tag for s in structs]
     assert sorted(tags) == sorted(int(k) for k in kinds)
 
@@ -44,9 +54,17 @@ def test_round_trips_keep_arrays_zero_copy() -> None:
     sub = fastio.decode(frames, type=fm.CLIENT_TO_WORKER)
     assert isinstance(sub, fm.Submit) and sub.id == 3 and sub.request.rid == "r"
     assert np.shares_memory(sub.request.input_ids.array, np.frombuffer(frames[1], np.uint8))
-    res = fastio.decode(fastio.encode(fm.Result(id=4, response=LLMResponse(output_tokens=ids))), type=fm.WORKER_TO_CLIENT)
+    res = fastio.decode(
+        fastio.encode(fm.Result(id=4, response=LLMResponse(output_tokens=ids))),
+        type=fm.WORKER_TO_CLIENT,
+    )
     assert isinstance(res, fm.Result) and res.response.output_tokens == ids.tolist()
-    for msg in (fm.Cancel(id=1), fm.Heartbeat(sent_at=2.0, worker_id="w"), fm.Control(seq=1, op="pause"), fm.Error(id=-1, code=1)):
+    for msg in (
+        fm.Cancel(id=1),
+        fm.Heartbeat(sent_at=2.0, worker_id="w"),
+        fm.Control(seq=1, op="pause"),
+        fm.Error(id=-1, code=1),
+    ):
         back = fastio.decode(fastio.encode(msg), type=type(msg))
         assert back == msg
 

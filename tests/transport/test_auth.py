@@ -14,7 +14,9 @@ from tests.transport.conftest import WorkerProc
 from transport import ClientConfig, CurveConfig, FabricClient, FabricController, RequestTimeout
 
 
-def test_curve_admits_authorized_keys_only(spawn: Callable[..., WorkerProc], tmp_path: Path) -> None:
+def test_curve_admits_authorized_keys_only(
+    spawn: Callable[..., WorkerProc], tmp_path: Path
+) -> None:
     keys, allowed = tmp_path / "keys", tmp_path / "allowed"
     keys.mkdir()
     allowed.mkdir()
@@ -31,7 +33,9 @@ def test_curve_admits_authorized_keys_only(spawn: Callable[..., WorkerProc], tmp
     rogue = CurveConfig(secret_key_file=rogue_sec, server_public_key_file=server_pub)
 
     async def main() -> None:
-        async with FabricClient([w.address], ClientConfig(heartbeat_interval=0.05, curve=good)) as client:
+        async with FabricClient(
+            [w.address], ClientConfig(heartbeat_interval=0.05, curve=good)
+        ) as client:
             assert (await client.agenerate(LLMRequest(input_ids=[1, 2]))).output_tokens == [1, 2]
         for curve in (rogue, None):  # wrong key, and no encryption at all
             cfg = ClientConfig(heartbeat_interval=0.05, curve=curve)

@@ -34,7 +34,9 @@ def recv_error(sock: zmq.Socket[Any], timeout: float = 5.0) -> fm.Error:
     return msg
 
 
-def test_garbage_to_worker_gets_error_replies_and_others_unaffected(spawn: Callable[..., WorkerProc]) -> None:
+def test_garbage_to_worker_gets_error_replies_and_others_unaffected(
+    spawn: Callable[..., WorkerProc],
+) -> None:
     w = spawn("--bind", "tcp://127.0.0.1:0", "--engine", "echo", "--max-message-size", str(LIMIT))
     ctx = zmq.Context()
     bad = ctx.socket(zmq.DEALER)
@@ -52,7 +54,9 @@ def test_garbage_to_worker_gets_error_replies_and_others_unaffected(spawn: Calla
         (raw([20, 8, [2, "rid", "ids?"]]), fm.ErrorCode.BAD_REQUEST, 8),
         (raw({"a": 1}), fm.ErrorCode.BAD_MESSAGE, -1),
         (
-            fastio.encode(fm.Submit(id=9, request=LLMRequest(input_ids=[1], metadata={"a": big, "b": big}))),
+            fastio.encode(
+                fm.Submit(id=9, request=LLMRequest(input_ids=[1], metadata={"a": big, "b": big}))
+            ),
             fm.ErrorCode.TOO_LARGE,
             9,
         ),
@@ -61,14 +65,21 @@ def test_garbage_to_worker_gets_error_replies_and_others_unaffected(spawn: Calla
     async def main() -> None:
         async with FabricClient([w.address], FAST) as client:
             # Honest traffic in flight while the garbage arrives.
-            tasks = [asyncio.ensure_future(client.agenerate(LLMRequest(input_ids=[i]))) for i in range(300)]
+            tasks = [
+                asyncio.ensure_future(client.agenerate(LLMRequest(input_ids=[i])))
+                for i in range(300)
+            ]
             for frames, code, id in cases:
                 bad.send_multipart(frames)
                 err = await asyncio.to_thread(recv_error, bad)
                 assert (err.code, err.id) == (code, id), err
                 assert err.message
             # One frame above ZMQ_MAXMSGSIZE: libzmq drops that connection, no reply.
-            bad.send_multipart(fastio.encode(fm.Submit(id=10, request=LLMRequest(input_ids=np.zeros(LIMIT, np.int32)))))
+            bad.send_multipart(
+                fastio.encode(
+                    fm.Submit(id=10, request=LLMRequest(input_ids=np.zeros(LIMIT, np.int32)))
+                )
+            )
             resps = await asyncio.gather(*tasks)
             assert [int(r.output_tokens[0]) for r in resps] == list(range(300))
             assert (await client.agenerate(LLMRequest(input_ids=[5]))).output_tokens == [5]
@@ -107,14 +118,25 @@ class FakeWorker:
                 continue
             ident, *frames = self.sock.recv_multipart()
             msg = fastio.decode(frames, type=fm.CLIENT_TO_WORKER)
-            send = lambda fr: self.sock.send_multipart([ident, *fr])  # noqa: E731
+
+            def send(fr: list[Any], ident: bytes = ident) -> None:
+                self.sock.send_multipart([ident, *fr])
+
             if isinstance(msg, fm.Heartbeat):
-                send(fastio.encode(fm.Heartbeat(sent_at=msg.sent_at, worker_id="fake", incarnation="x")))
+                send(
+                    fastio.encode(
+                        fm.Heartbeat(sent_at=msg.sent_at, worker_id="fake", incarnation="x")
+                    )
+                )
             elif isinstance(msg, fm.Error):
                 self.errors_received.append(msg)
             elif isinstance(msg, fm.Submit):
                 if msg.request.rid == "good":
-                    send(fastio.encode(fm.Result(id=msg.id, response=LLMResponse(output_tokens=[42]))))
+                    send(
+                        fastio.encode(
+                            fm.Result(id=msg.id, response=LLMResponse(output_tokens=[42]))
+                        )
+                    )
                     continue
                 send([b"\x00\x01 garbage"])
                 send(fastio.encode(LLMRequest(input_ids=[1])))  # a kind no client accepts

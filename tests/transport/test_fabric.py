@@ -36,17 +36,24 @@ def received(ctl: FabricController) -> dict[str, int]:
     return {a: s.counters["received"] for a, s in ctl.health(timeout=5).items()}
 
 
-def test_many_concurrent_requests(spawn: Callable[..., WorkerProc], bind: Callable[[str], str]) -> None:
+def test_many_concurrent_requests(
+    spawn: Callable[..., WorkerProc], bind: Callable[[str], str]
+) -> None:
     w1 = spawn("--bind", bind("a"), "--engine", "echo", wait=False)
     w2 = spawn("--bind", bind("b"), "--engine", "echo", wait=False)
     addrs = [w1.wait_ready(), w2.wait_ready()]
     rng = np.random.default_rng(0)
-    inputs = [rng.integers(0, 50_000, size=int(rng.integers(1, 300))).astype(np.int32) for _ in range(3000)]
+    inputs = [
+        rng.integers(0, 50_000, size=int(rng.integers(1, 300))).astype(np.int32)
+        for _ in range(3000)
+    ]
 
     async def main() -> None:
         async with FabricClient(addrs, FAST) as client:
-            resps = await asyncio.gather(*(client.agenerate(LLMRequest(input_ids=x)) for x in inputs))
-            for x, r in zip(inputs, resps):
+            resps = await asyncio.gather(
+                *(client.agenerate(LLMRequest(input_ids=x)) for x in inputs)
+            )
+            for x, r in zip(inputs, resps, strict=True):
                 assert r.output_tokens == x.tolist()
                 assert r.input_tokens == x.tolist()
                 assert r.latency > 0 and r.ttft > 0
@@ -61,7 +68,9 @@ def test_many_concurrent_requests(spawn: Callable[..., WorkerProc], bind: Callab
     assert min(counts.values()) > len(inputs) // 10
 
 
-def test_reference_engine_generates_streams_and_is_deterministic(spawn: Callable[..., WorkerProc]) -> None:
+def test_reference_engine_generates_streams_and_is_deterministic(
+    spawn: Callable[..., WorkerProc],
+) -> None:
     w = spawn("--bind", "tcp://127.0.0.1:0", "--engine", "reference", "--seed", "3")
     chunks: list[int] = []
 
@@ -98,7 +107,9 @@ def test_rid_stickiness_and_runtime_membership(spawn: Callable[..., WorkerProc])
             await await_for(lambda: all(i.alive for i in client.workers), what="w2 joins")
             before = received(ctl)
             for _ in range(3):  # n_samples of one rid, concurrently, several rounds
-                await asyncio.gather(*(client.agenerate(req([1, 2], rid="same")) for _ in range(20)))
+                await asyncio.gather(
+                    *(client.agenerate(req([1, 2], rid="same")) for _ in range(20))
+                )
             after = received(ctl)
             delta = {a: after[a] - before[a] for a in after}
             assert sorted(delta.values()) == [0, 60]
@@ -116,7 +127,9 @@ def test_rid_stickiness_and_runtime_membership(spawn: Callable[..., WorkerProc])
         ctl.close()
 
 
-def test_worker_sigkilled_midflight_requests_resent(spawn: Callable[..., WorkerProc], bind: Callable[[str], str]) -> None:
+def test_worker_sigkilled_midflight_requests_resent(
+    spawn: Callable[..., WorkerProc], bind: Callable[[str], str]
+) -> None:
     args = ("--engine", "reference", "--token-interval", "0.01")
     w1 = spawn("--bind", bind("a"), *args, wait=False)
     w2 = spawn("--bind", bind("b"), *args, wait=False)
@@ -125,11 +138,15 @@ def test_worker_sigkilled_midflight_requests_resent(spawn: Callable[..., WorkerP
     async def main() -> None:
         async with FabricClient([a1, a2], FAST) as client:
             await await_for(lambda: all(i.alive for i in client.workers), what="workers alive")
-            tasks = [asyncio.ensure_future(client.agenerate(req([i % 200], n=30))) for i in range(16)]
+            tasks = [
+                asyncio.ensure_future(client.agenerate(req([i % 200], n=30))) for i in range(16)
+            ]
             await await_for(lambda: all(i.in_flight > 0 for i in client.workers), what="both busy")
             w1.kill()
             t_kill = time.monotonic()
-            await await_for(lambda: client.stats["workers_died"] == 1, timeout=5, what="death detected")
+            await await_for(
+                lambda: client.stats["workers_died"] == 1, timeout=5, what="death detected"
+            )
             detected = time.monotonic() - t_kill
             # Bound: interval * (liveness + 1) plus scheduling slack.
             assert detected < FAST.heartbeat_interval * (FAST.heartbeat_liveness + 1) + 0.3
@@ -173,7 +190,10 @@ def test_pause_interrupt_resume_accumulates_versions(spawn: Callable[..., Worker
     async def main() -> None:
         async with FabricClient([w.address], FAST) as client, FabricController([w.address]) as ctl:
             inputs = [[i, i + 1, i + 2] for i in range(8)]
-            tasks = [asyncio.ensure_future(client.agenerate(req(x, n=60), on_chunk=on_chunk)) for x in inputs]
+            tasks = [
+                asyncio.ensure_future(client.agenerate(req(x, n=60), on_chunk=on_chunk))
+                for x in inputs
+            ]
             await await_for(lambda: streamed[0] >= 40, what="generation under way")
             statuses = await ctl.apause()
             st = statuses[w.address]
@@ -185,7 +205,7 @@ def test_pause_interrupt_resume_accumulates_versions(spawn: Callable[..., Worker
             assert streamed[0] == frozen  # no token while paused
             await ctl.aresume()
             resps = await asyncio.gather(*tasks)
-            for x, r in zip(inputs, resps):
+            for x, r in zip(inputs, resps, strict=True):
                 assert r.output_len == 60 and r.stop_reason == "length"
                 assert r.input_tokens == x  # the original prompt, not the continuation
                 assert len(r.output_logprobs) == 60 and len(r.itl) == 59
@@ -216,7 +236,9 @@ def test_cancel_and_timeout_abort_on_worker(spawn: Callable[..., WorkerProc]) ->
 
             with pytest.raises(RequestTimeout):
                 await client.agenerate(req([2], n=100_000), timeout=0.2)
-            await await_for(lambda: ctl.health()[w.address].counters["cancelled"] == 2, what="timeout cancel")
+            await await_for(
+                lambda: ctl.health()[w.address].counters["cancelled"] == 2, what="timeout cancel"
+            )
             assert client.stats["timeouts"] == 1 and client.stats["cancelled"] == 1
 
             task = asyncio.ensure_future(client.agenerate(req([3], n=100_000)))
