@@ -90,6 +90,8 @@ _MAX_NDIM = 64
 _EXT_NDARRAY = int(ExtCode.NDARRAY)
 _EXT_TENSOR = int(ExtCode.TENSOR)
 _EXT_IMAGE = int(ExtCode.IMAGE)
+_EXT_TOKENS = int(ExtCode.TOKENS)
+_ARRAY_CODES = frozenset((_EXT_NDARRAY, _EXT_TENSOR, _EXT_TOKENS))
 
 # Wire dtype name -> little-endian numpy dtype. bfloat16 has no numpy dtype: it only
 # travels as a torch tensor.
@@ -111,6 +113,7 @@ _image_meta = msgspec.msgpack.Decoder(tuple[str, int, int, int | bytes])
 _header_decoder = msgspec.msgpack.Decoder(list[msgspec.Raw])
 _int_decoder = msgspec.msgpack.Decoder(int)
 _Ext = msgspec.msgpack.Ext
+_new_object = object.__new__
 _EMPTY = memoryview(b"")
 
 # Bytes per pixel of the PIL modes carried as raw pixels; others convert first.
@@ -226,13 +229,22 @@ class Encoder:
         tp = type(obj)
         # Exact-type checks first: this hook runs for every array of every message.
         if tp is TokenArray:
-            return self._array_ext(obj._a)
+            arr = obj._a
+            name = _WIRE_NAMES.get(arr.dtype)
+            if name is not None and arr.flags.c_contiguous:
+                # _array_ext inlined for the common case: a large contiguous token array.
+                nbytes = arr.nbytes
+                if nbytes >= self.inline_threshold and nbytes:
+                    frames: list[Any] = self._local.frames
+                    frames.append(memoryview(arr).cast("B"))  # type: ignore[arg-type]
+                    return _Ext(_EXT_TOKENS, _meta_encode((name, arr.shape, len(frames) - 1)))
+            return self._array_ext(arr, _EXT_TOKENS)
         if tp is np.ndarray:
-            return self._array_ext(obj)
+            return self._array_ext(obj, _EXT_NDARRAY)
         if isinstance(obj, TokenArray):
-            return self._array_ext(obj.array)
+            return self._array_ext(obj.array, _EXT_TOKENS)
         if isinstance(obj, np.ndarray):
-            return self._array_ext(np.asarray(obj))
+            return self._array_ext(np.asarray(obj), _EXT_NDARRAY)
         if isinstance(obj, np.generic):
             return obj.item()
         if _is_tensor(obj):
@@ -256,7 +268,7 @@ class Encoder:
         frames.append(memoryview(arr).cast("B") if nbytes else _EMPTY)  # type: ignore[arg-type]
         return len(frames) - 1
 
-    def _array_ext(self, arr: np.ndarray[Any, Any]) -> msgspec.msgpack.Ext:
+    def _array_ext(self, arr: np.ndarray[Any, Any], code: int) -> msgspec.msgpack.Ext:
         name = _WIRE_NAMES.get(arr.dtype)
         if name is None:
             arr, name = _normalise_dtype(arr)
@@ -265,10 +277,10 @@ class Encoder:
         # _slot inlined: this is the per-array hot path of every message.
         nbytes = arr.nbytes
         if nbytes < self.inline_threshold:
-            return _Ext(_EXT_NDARRAY, _meta_encode((name, arr.shape, arr.tobytes())))
+            return _Ext(code, _meta_encode((name, arr.shape, arr.tobytes())))
         frames: list[Any] = self._local.frames
         frames.append(memoryview(arr).cast("B") if nbytes else _EMPTY)  # type: ignore[arg-type]
-        return _Ext(_EXT_NDARRAY, _meta_encode((name, arr.shape, len(frames) - 1)))
+        return _Ext(code, _meta_encode((name, arr.shape, len(frames) - 1)))
 
     def _tensor_ext(self, t: Any) -> msgspec.msgpack.Ext:
         if not _torch_names:
@@ -475,24 +487,35 @@ class Decoder:
         return data
 
     def _ext_hook(self, code: int, payload: memoryview) -> Any:
-        if code in (_EXT_NDARRAY, _EXT_TENSOR):
+        if code in _ARRAY_CODES:
             try:
                 name, shape, slot = _array_meta_decode(payload)
             except msgspec.DecodeError as exc:
                 raise DecodeError(f"malformed array descriptor: {exc}") from exc
-            if code == _EXT_NDARRAY and len(shape) == 1 and type(slot) is int:
-                # Fast path, every token array: a valid 1-D array in its own frame.
+            if len(shape) == 1 and type(slot) is int and code != _EXT_TENSOR:
+                # Fast path, every large token array: a valid 1-D array in its own frame.
                 dtype = _NP_DTYPES.get(name)
                 frames = self._local.frames
                 count = shape[0]
                 if dtype is not None and 0 < slot < len(frames) and count >= 0:
                     data = frames[slot]
                     if data.nbytes == count * dtype.itemsize:
-                        return np.frombuffer(data, dtype, count)
-            return self._array(code, name, shape, slot)
+                        arr = np.frombuffer(data, dtype, count)
+                        if code == _EXT_NDARRAY:
+                            return arr
+                        tokens = _new_object(TokenArray)  # TokenArray._wrap, inlined
+                        tokens._a = arr
+                        tokens._buf = None
+                        return tokens
+            arr = self._array(code, name, shape, slot)
+            if code != _EXT_TOKENS:
+                return arr
+            if arr.ndim != 1:
+                raise DecodeError(f"token array must be 1-D, got shape {list(arr.shape)}")
+            return TokenArray._wrap(arr)
         if code == _EXT_IMAGE:
             return self._image(payload)
-        raise DecodeError(f"unknown extension type code {code}; known: 1, 2, 3")
+        raise DecodeError(f"unknown extension type code {code}; known: 1, 2, 3, 4")
 
     def _array(self, code: int, name: str, shape: tuple[int, ...], slot: int | bytes) -> Any:
         """Checks and builds any array or tensor (the fast path's fallback)."""
@@ -585,6 +608,8 @@ def _parse_header(h: memoryview) -> tuple[int, memoryview]:
 
 def _dec_hook(tp: Any, obj: Any) -> Any:
     if tp is TokenArray:
+        if type(obj) is TokenArray:
+            return obj
         if type(obj) is np.ndarray:
             if obj.ndim != 1:
                 raise ValueError(f"token array must be 1-D, got shape {obj.shape}")

@@ -48,7 +48,7 @@ import os
 import re
 import socket
 import uuid
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import msgspec
 import numpy as np
@@ -81,15 +81,50 @@ _VERSION_DTYPE = np.int32
 _LATENCY_DTYPE = np.float64
 
 
-def _tokens(value: Any, dtype: Any) -> TokenArray:
-    """Slow path of the token-field conversion in ``__post_init__``."""
+def _tokens(value: Any, dtype: Any, field: str) -> TokenArray:
+    """Slow path of the token-field conversion in ``__post_init__``.
+
+    Lists convert to ``dtype`` when every value fits exactly; a float among token ids
+    or an id beyond the dtype's range raises instead of being truncated. This also
+    validates decoded fields (the fields are ``Any`` to msgspec, see ``_Tokens``).
+    """
     if isinstance(value, TokenArray):
         return value
-    if isinstance(value, np.ndarray):
+    if isinstance(value, np.ndarray) or type(value).__module__ == "torch":
         return TokenArray(value)
-    if type(value).__module__ == "torch":
-        return TokenArray(value)
-    return TokenArray(value, dtype=dtype)
+    if not isinstance(value, (list, tuple, range)):
+        raise TypeError(
+            f"{field} takes a list, tuple, numpy array or TokenArray of numbers, "
+            f"got {type(value).__name__}"
+        )
+    target = np.dtype(dtype)
+    if len(value) == 0:
+        return TokenArray._wrap(np.empty(0, target))
+    try:
+        arr = np.asarray(value)
+    except ValueError as exc:  # ragged nesting
+        raise ValueError(f"{field} must be a flat sequence of numbers") from exc
+    kind = arr.dtype.kind
+    if kind not in "biuf":
+        raise TypeError(f"{field} holds numbers, got {arr.dtype} values")
+    if arr.ndim != 1:
+        raise ValueError(f"{field} must be a flat sequence of numbers, got shape {arr.shape}")
+    if target.kind in "iu":
+        if kind == "f":
+            raise TypeError(f"{field} holds integers, got floats")
+        if kind in "iu":
+            info = np.iinfo(target)
+            if arr.min() < info.min or arr.max() > info.max:
+                raise OverflowError(f"{field}: value out of range for {target}")
+    return TokenArray._wrap(arr.astype(target))
+
+
+def _empty_ids() -> TokenArray:
+    return TokenArray._wrap(np.empty(0, _ID_DTYPE))
+
+
+def _empty_floats() -> TokenArray:
+    return TokenArray._wrap(np.empty(0, np.float64))
 
 
 def _new_rid() -> str:
@@ -99,6 +134,17 @@ def _new_rid() -> str:
 #: Bumped whenever a WireStruct subclass is defined, so the codec knows when the union
 #: of message types (``decode(frames, type=None)``) must be rebuilt.
 _registry_generation = 0
+
+
+if TYPE_CHECKING:
+    _Tokens = TokenArray
+else:
+    # msgspec sees token fields as Any: it then never calls the per-field dec_hook (five
+    # Python calls per response on the hot path). The codec decodes token arrays (ext
+    # code 4) straight into TokenArray, and __post_init__, which msgspec runs on decode
+    # too, converts or rejects anything else a peer sends (ndarray, list, garbage). Type
+    # checkers see TokenArray.
+    _Tokens = Any
 
 
 class WireStruct(msgspec.Struct, array_like=True, gc=False, tag_field="__kind__"):
@@ -145,7 +191,7 @@ class LLMRequest(WireStruct, tag=int(MsgKind.LLM_REQUEST)):
     """
 
     rid: str = msgspec.field(default_factory=_new_rid)
-    input_ids: TokenArray = msgspec.field(default_factory=TokenArray)
+    input_ids: _Tokens = msgspec.field(default_factory=_empty_ids)
     gconfig: GenerationHyperparameters = msgspec.field(default_factory=GenerationHyperparameters)
     metadata: dict[str, Any] = msgspec.field(default_factory=dict)
     model_id: str | None = None
@@ -154,36 +200,36 @@ class LLMRequest(WireStruct, tag=int(MsgKind.LLM_REQUEST)):
         # Runs on construction *and* on decode: the decoded field is already a
         # TokenArray, so keep that case to one type check.
         if type(self.input_ids) is not TokenArray:
-            self.input_ids = _tokens(self.input_ids, _ID_DTYPE)
+            self.input_ids = _tokens(self.input_ids, _ID_DTYPE, "input_ids")
 
 
 class LLMResponse(WireStruct, tag=int(MsgKind.LLM_RESPONSE)):
     """Generated tokens with their logprobs, weight versions and latency statistics."""
 
-    input_tokens: TokenArray = msgspec.field(default_factory=TokenArray)
-    output_tokens: TokenArray = msgspec.field(default_factory=TokenArray)
-    output_logprobs: TokenArray = msgspec.field(default_factory=TokenArray)
-    output_versions: TokenArray = msgspec.field(default_factory=TokenArray)
+    input_tokens: _Tokens = msgspec.field(default_factory=_empty_ids)
+    output_tokens: _Tokens = msgspec.field(default_factory=_empty_ids)
+    output_logprobs: _Tokens = msgspec.field(default_factory=_empty_floats)
+    output_versions: _Tokens = msgspec.field(default_factory=_empty_ids)
     stop_reason: Literal["length", "stop", "interrupt"] = "stop"
     latency: float = float("inf")
     #: Time to first token, seconds.
     ttft: float = float("inf")
     #: Inter-token latencies, seconds.
-    itl: TokenArray = msgspec.field(default_factory=TokenArray)
+    itl: _Tokens = msgspec.field(default_factory=_empty_floats)
 
     def __post_init__(self) -> None:
         # Runs on construction *and* on decode (then every field is a TokenArray
         # already): one type check per field on that hot path.
         if type(self.input_tokens) is not TokenArray:
-            self.input_tokens = _tokens(self.input_tokens, _ID_DTYPE)
+            self.input_tokens = _tokens(self.input_tokens, _ID_DTYPE, "input_tokens")
         if type(self.output_tokens) is not TokenArray:
-            self.output_tokens = _tokens(self.output_tokens, _ID_DTYPE)
+            self.output_tokens = _tokens(self.output_tokens, _ID_DTYPE, "output_tokens")
         if type(self.output_logprobs) is not TokenArray:
-            self.output_logprobs = _tokens(self.output_logprobs, _LOGPROB_DTYPE)
+            self.output_logprobs = _tokens(self.output_logprobs, _LOGPROB_DTYPE, "output_logprobs")
         if type(self.output_versions) is not TokenArray:
-            self.output_versions = _tokens(self.output_versions, _VERSION_DTYPE)
+            self.output_versions = _tokens(self.output_versions, _VERSION_DTYPE, "output_versions")
         if type(self.itl) is not TokenArray:
-            self.itl = _tokens(self.itl, _LATENCY_DTYPE)
+            self.itl = _tokens(self.itl, _LATENCY_DTYPE, "itl")
 
     @property
     def input_len(self) -> int:

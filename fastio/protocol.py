@@ -81,6 +81,10 @@ class ExtCode(enum.IntEnum):
     TENSOR = 2
     #: PIL image: payload ``[mode, width, height, data]`` (raw pixel bytes).
     IMAGE = 3
+    #: ``TokenArray``: same payload as NDARRAY with a 1-D shape, decoded as a
+    #: ``TokenArray``. A code of its own so the decoder builds the right type without
+    #: knowing which field it is in (the hot path skips msgspec's per-field hook).
+    TOKENS = 4
 
 
 #: Canonical dtype names on the wire (little-endian always).

@@ -343,7 +343,7 @@ def test_header_is_plain_msgpack() -> None:
     assert version == PROTOCOL_VERSION == 1 and n_buffers == len(frames) - 1 == 5
     assert body[0] == MsgKind.LLM_RESPONSE == 3
     ext = body[2]
-    assert isinstance(ext, msgpack.ExtType) and ext.code == ExtCode.NDARRAY
+    assert isinstance(ext, msgpack.ExtType) and ext.code == ExtCode.TOKENS == 4
     assert msgpack.unpackb(ext.data) == ["int32", [1000], 2]
     assert body[5:8] == ["length", 1.5, 0.25]
     inline = msgpack.unpackb(body[1].data)  # 300 int32 = 1200 bytes -> frame 1
