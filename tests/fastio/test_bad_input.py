@@ -253,3 +253,20 @@ def test_decoder_keeps_working_after_errors() -> None:
 
 def test_typed_decoder_wrong_type_message() -> None:
     expect(fastio.encode(LLMRequest()), "invalid message body", type=LLMResponse)
+
+
+def test_tokens_ext_must_be_1d() -> None:
+    expect([header(resp_body(ext(4, ["int32", [2, 2], b"\x00" * 16])))], "token array must be 1-D")
+    h = header(resp_body(ext(4, ["int32", [2, 2], 1])), n_buffers=1)
+    expect([h, b"\x00" * 16], "token array must be 1-D")
+    h = header(resp_body(ext(1, ["int32", [2, 2], 1])), n_buffers=1)
+    expect([h, b"\x00" * 16], "1-D")
+
+
+def test_token_fields_with_wrong_contents() -> None:
+    expect([header(resp_body(["a", "b"]))], "output_tokens holds numbers")
+    expect([header(resp_body([1.5]))], "output_tokens holds integers, got floats")
+    expect([header(resp_body([[1], [2]]))], "output_tokens must be a flat sequence")
+    expect([header(resp_body([2**40]))], "out of range")
+    expect([header(resp_body({"a": 1}))], "output_tokens takes a list")
+    expect([header(resp_body(ext(3, ["L", 1, 1, b"\x00"])))], "output_tokens takes a list")

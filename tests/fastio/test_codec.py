@@ -571,3 +571,33 @@ def test_encode_unsupported_object() -> None:
         fastio.encode({"x": object()})
     with pytest.raises(fastio.EncodeError):
         fastio.encode({1j: 2})
+
+
+def test_header_with_wider_msgpack_encodings() -> None:
+    """Any valid msgpack encoding of the header's array and ints is accepted."""
+    body = msgpack.packb([12, 1, 2, 3])
+    for prefix in (
+        b"\x93\x01\x00",
+        b"\xdc\x00\x03\x01\x00",
+        b"\xdd\x00\x00\x00\x03\xcd\x00\x01\xd0\x00",
+    ):
+        assert fastio.decode([prefix + body]) == RolloutStat(1, 2, 3)
+    # Ints where floats are expected, and float32, are accepted.
+    resp = fastio.decode(
+        [
+            b"\x93\x01\x00"
+            + msgpack.packb([3, [], [], [], [], "stop", 2, 0.5], use_single_float=True)
+        ]
+    )
+    assert resp.latency == 2.0 and resp.ttft == 0.5
+
+
+def test_token_arrays_and_ndarrays_keep_their_types_anywhere() -> None:
+    msg = {"tokens": TokenArray([1, 2, 3] * 100, dtype="int32"), "array": np.arange(300)}
+    back = fastio.decode(fastio.encode(msg), dict[str, Any])
+    assert type(back["tokens"]) is TokenArray and back["tokens"] == [1, 2, 3] * 100
+    assert type(back["array"]) is np.ndarray and np.array_equal(back["array"], np.arange(300))
+    # A numpy array sent by a peer into a token field becomes a TokenArray.
+    frames = fastio.encode([3, [], np.arange(500, dtype=np.int32)])
+    resp = fastio.decode(frames, LLMResponse)
+    assert type(resp.output_tokens) is TokenArray and resp.output_tokens == list(range(500))
