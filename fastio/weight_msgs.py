@@ -60,7 +60,7 @@ class WeightBucketInfo(msgspec.Struct, array_like=True, gc=False):
     """One flat bucket of a version: its size, checksum and tensors.
 
     ``checksum`` is computed over the bucket's ``nbytes`` bytes with the version's
-    ``checksum_algo``; ``shm_offset`` is where the bucket starts inside the version's
+    ``checksum_algo`` (``0`` while not yet known: see :class:`WeightBucket`); ``shm_offset`` is where the bucket starts inside the version's
     shared-memory segment (meaningless without one).
     """
 
@@ -134,22 +134,36 @@ class WeightHeartbeat(WireStruct, tag=int(MsgKind.WEIGHT_HEARTBEAT)):
 
 
 class WeightFetch(WireStruct, tag=int(MsgKind.WEIGHT_FETCH)):
-    """Subscriber -> publisher: send me bucket ``index`` of ``version``."""
+    """Subscriber -> publisher: send me bucket ``index`` of ``version``.
 
-    version: int
-    index: int
-
-
-class WeightBucket(WireStruct, tag=int(MsgKind.WEIGHT_BUCKET)):
-    """Publisher -> subscriber: the bytes of one bucket, as zero-copy frames.
-
-    ``chunks`` are 1-D ``uint8`` arrays (each its own frame) whose concatenation is the
-    bucket; ``checksum`` repeats the manifest's.
+    The publisher answers once the bucket is packed (a version is announced before its
+    buckets are packed, so that packing overlaps sending). With ``shm`` the worker reads
+    the bytes from shared memory and the answer is one :class:`WeightBucket` without
+    chunks: "ready, with this checksum".
     """
 
     version: int
     index: int
+    shm: bool = False
+
+
+class WeightBucket(WireStruct, tag=int(MsgKind.WEIGHT_BUCKET)):
+    """Publisher -> subscriber: one piece of a bucket's bytes, as zero-copy frames.
+
+    A Fetch is answered by the pieces of the bucket in order, each its own message
+    (``offset`` is where the piece starts in the bucket, ``last`` marks the final one),
+    so a receiver checksums piece k while piece k+1 is on the wire and the sender
+    interleaves pieces for several workers. ``chunks`` are 1-D ``uint8`` arrays (each a
+    frame) whose concatenation is the piece. ``checksum`` is the bucket's checksum and
+    authoritative (an Announce may go out before its buckets are packed and checksummed,
+    with zeros in their place).
+    """
+
+    version: int
+    index: int
+    offset: int
     checksum: int
+    last: bool
     chunks: list[Any]
 
 

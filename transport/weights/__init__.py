@@ -27,6 +27,11 @@ from transport.weights.errors import (
 )
 from transport.weights.publisher import UpdateResult, WeightPublisher, WorkerInfo
 from transport.weights.subscriber import UpdateStats, WeightSubscriber
+from transport.weights.update import (
+    attach_subscriber,
+    aupdate_weights,
+    update_weights,
+)
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
@@ -41,8 +46,11 @@ __all__ = [
     "WeightSubscriber",
     "WeightUpdateError",
     "WorkerInfo",
+    "attach_subscriber",
+    "aupdate_weights",
     "check_manifest",
     "pack_bucket",
     "plan_buckets",
     "state_digest",
+    "update_weights",
 ]

@@ -58,10 +58,11 @@ __all__ = ["DEFAULT_CHUNK_BYTES", "UpdateResult", "WeightPublisher", "WorkerInfo
 
 log = logging.getLogger("transport.weights.publisher")
 
-#: Size of the frames a bucket is cut into on the wire. pyzmq moves 8-16 MiB frames at
-#: full speed; one frame of hundreds of MiB is several times slower (one huge fresh
-#: allocation per message on the receiver).
-DEFAULT_CHUNK_BYTES = 8 << 20
+#: Size of the pieces a bucket is cut into on the wire, one message each. pyzmq moves
+#: 2-16 MiB messages at full speed; one frame of hundreds of MiB is several times slower
+#: (one huge fresh allocation per message on the receiver), and separate messages let
+#: the I/O thread interleave workers and the worker checksum while the next arrives.
+DEFAULT_CHUNK_BYTES = 4 << 20
 
 
 @dataclass
@@ -122,6 +123,9 @@ class _Staged:
         self.acks: dict[str, WeightAck] = {}
         self.lost: dict[str, str] = {}
         self.done_at = 0.0
+        #: Buckets packed so far (fetches for later ones wait in ``deferred``).
+        self.ready = 0
+        self.deferred: list[tuple[bytes, str, WeightFetch]] = []
 
     @property
     def capacity(self) -> int:
@@ -299,8 +303,9 @@ class WeightPublisher:
         Returns
         -------
         WeightAnnounce
-            The manifest sent to the workers. Returns once the version is staged and
-            announced; :meth:`wait` collects the workers' answers.
+            The manifest sent to the workers. Returns once every bucket is packed (the
+            caller may then change its tensors); workers fetch meanwhile, and
+            :meth:`wait` collects their answers.
         """
         tensors = named_tensors(state)
         with self._cond:
@@ -313,12 +318,6 @@ class WeightPublisher:
         plan = plan_for(tensors, self.bucket_bytes)
         total = plan[-1].shm_offset + plan[-1].nbytes if plan else 0
         staged = self._acquire(version, total)
-        for info in plan:
-            view = staged.buf[info.shm_offset : info.shm_offset + info.nbytes]
-            pack_bucket(info, tensors, view)
-            h = Hasher(self.checksum_algo)
-            h.update(view.numpy())
-            info.checksum = h.digest()
         staged.announce = WeightAnnounce(
             publisher_id=self.publisher_id,
             seq=0,  # assigned by the serving thread, which owns the sequence
@@ -328,14 +327,24 @@ class WeightPublisher:
             buckets=plan,
             shm_name=staged.seg.name if staged.seg is not None else "",
         )
+        # Announce first, then pack: workers' fetches for bucket k wait in the serving
+        # thread until it is packed, so packing bucket k+1 overlaps sending bucket k.
+        # Checksums are filled in as buckets are packed; every reply carries its own.
         with self._cond:
             self._pending.append(staged)
         self._wake()
-        # Wait until the serving thread took it over, so that `wait` and the workers'
-        # Hellos see the new version from here on.
         with self._cond:
             while staged in self._pending and not self._closed:
                 self._cond.wait(1.0)
+        for info in plan:
+            view = staged.buf[info.shm_offset : info.shm_offset + info.nbytes]
+            pack_bucket(info, tensors, view)
+            h = Hasher(self.checksum_algo)
+            h.update(view.numpy())
+            with self._cond:
+                info.checksum = h.digest()
+                staged.ready += 1
+            self._wake()
         return staged.announce
 
     def wait(
@@ -498,6 +507,7 @@ class WeightPublisher:
                     pending, self._pending = self._pending, []
                 for st in pending:
                     self._announce(st)
+                self._serve_deferred()
             if self._router in events:
                 for _ in range(256):  # bounded, so heartbeats keep their rhythm
                     try:
@@ -524,6 +534,17 @@ class WeightPublisher:
         # number would catch that, but only one heartbeat later.
         for w in sorted(st.expected):
             self._reply(w.encode(), frames)
+
+    def _serve_deferred(self) -> None:
+        with self._cond:
+            todo = []
+            for st in self._versions.values():
+                if st.deferred:
+                    keep = [d for d in st.deferred if d[2].index >= st.ready]
+                    todo += [d for d in st.deferred if d[2].index < st.ready]
+                    st.deferred = keep
+        for ident, wid, fetch in todo:
+            self._serve_fetch(ident, wid, fetch)
 
     def _heartbeat(self, now: float) -> None:
         with self._cond:
@@ -637,24 +658,42 @@ class WeightPublisher:
             )
             self._reply(ident, self._encoder.encode(err))
             return
+        with self._cond:
+            if msg.index >= st.ready:
+                st.deferred.append((ident, wid, msg))
+                return
         info = st.announce.buckets[msg.index]
         view = st.buf[info.shm_offset : info.shm_offset + info.nbytes]
-        step = self.chunk_bytes
-        chunks = [view[a : a + step].numpy() for a in range(0, info.nbytes, step)]
+        if msg.shm:
+            if st.seg is None:
+                err = WeightError(msg.version, msg.index, "no shared memory for this version")
+                self._reply(ident, self._encoder.encode(err))
+                return
+            # Same host: the bytes are in the segment already; this only says "ready".
+            notice = WeightBucket(msg.version, msg.index, 0, info.checksum, True, [])
+            self._reply(ident, self._encoder.encode(notice))
+            return
         fault = self._fault_hook(wid, msg.version, msg.index) if self._fault_hook else None
         if fault == "die":  # chaos testing: a publisher dying mid-update
             os.kill(os.getpid(), 9)
-        if fault == "corrupt" and chunks:
-            bad = chunks[0].copy()  # never touch the staged snapshot itself
-            bad[len(bad) // 2] ^= 0xFF
-            chunks[0] = bad
-        frames = self._encoder.encode(WeightBucket(msg.version, msg.index, info.checksum, chunks))
-        tracker = self._reply(ident, frames, track=True)
-        if tracker is not None:
+        step = self.chunk_bytes
+        starts = range(0, max(info.nbytes, 1), step)
+        for a in starts:
+            chunk = view[a : a + step].numpy()
+            if fault == "corrupt" and a == 0 and chunk.size:
+                chunk = chunk.copy()  # never touch the staged snapshot itself
+                chunk[chunk.size // 2] ^= 0xFF
+            last = a == starts[-1]
+            piece = WeightBucket(msg.version, msg.index, a, info.checksum, last, [chunk])
+            tracker = self._reply(ident, self._encoder.encode(piece), track=True)
+            if tracker is None:
+                # Not queued (HWM or peer gone): the worker's fetch times out and it asks
+                # again; the pieces already sent are discarded there as incomplete.
+                return
             with self._cond:
                 st.trackers.append(tracker)
-            self._count("buckets_sent")
-            self._count("bytes_sent", info.nbytes)
+        self._count("buckets_sent")
+        self._count("bytes_sent", info.nbytes)
 
 
 def _sibling(endpoint: str) -> str:

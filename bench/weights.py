@@ -1,0 +1,413 @@
+"""Weight-update suite: publish a transformer-like fp32 state dict to 2 worker processes.
+
+Cases (per model size), every one timed from "the trainer starts" to "both workers
+have applied the version into their live tensors":
+
+* ``tcp-<size>``: :class:`WeightPublisher` -> 2 :class:`WeightSubscriber` processes that
+  fetch over TCP loopback (the shared-memory path switched off on the workers);
+* ``shm-<size>``: the same with the same-host shared-memory path;
+
+each next to baselines measured in the same run, on the same worker processes:
+
+* ``gloo``: torch.distributed gloo, one broadcast per tensor straight into the
+  workers' tensors (the original system's process-group path), then a barrier;
+* ``gloo-bucketed``: :class:`transport.weights.dist.WeightGroup` (ours, flat buckets
+  over gloo), then a barrier;
+* ``disk``: :func:`save_weights` (safetensors, fsync, atomic rename) then both workers
+  :func:`load_weights`.
+
+``extra["buckets"]`` holds the per-bucket pipeline timing of the last fastio run on one
+worker: arrival (from the update's start), verify and apply seconds per bucket. Where
+CUDA exists, ``gpu-tcp``/``gpu-shm`` measure trainer GPU tensors to worker GPU tensors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import multiprocessing as mp
+import os
+import shutil
+import socket
+import tempfile
+import time
+from typing import Any
+
+import torch
+import zmq
+
+from bench.common import FASTIO, Measurement
+
+SUITE = "weights"
+_MIB = 1 << 20
+
+
+def make_state(
+    nbytes: int, hidden: int, vocab: int = 32000, seed: int = 0, device: str = "cpu"
+) -> dict[str, torch.Tensor]:
+    """A llama-like fp32 state dict of about ``nbytes``: embeddings, attention and MLP
+    matrices, norms (a realistic mix of a few huge, many large and many tiny tensors)."""
+    g = torch.Generator().manual_seed(seed)
+    ffn = int(hidden * 8 / 3) // 64 * 64
+    sd: dict[str, torch.Tensor] = {}
+
+    def add(name: str, *shape: int) -> None:
+        sd[name] = torch.randn(*shape, generator=g).to(device)
+
+    add("embed_tokens.weight", vocab, hidden)
+    add("lm_head.weight", vocab, hidden)
+    add("norm.weight", hidden)
+    layer_bytes = 4 * (4 * hidden * hidden + 3 * hidden * ffn + 2 * hidden)
+    n_layers = max(1, (nbytes - 2 * 4 * vocab * hidden) // layer_bytes)
+    for i in range(n_layers):
+        p = f"layers.{i}."
+        for m in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            add(p + f"self_attn.{m}.weight", hidden, hidden)
+        add(p + "mlp.gate_proj.weight", ffn, hidden)
+        add(p + "mlp.up_proj.weight", ffn, hidden)
+        add(p + "mlp.down_proj.weight", hidden, ffn)
+        add(p + "input_layernorm.weight", hidden)
+        add(p + "post_attention_layernorm.weight", hidden)
+    return sd
+
+
+def _nbytes(sd: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in sd.values())
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _gloo_group(port: int, rank: int, world: int, name: str) -> Any:
+    import torch.distributed as dist
+
+    td = datetime.timedelta(seconds=120)
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0, timeout=td)  # type: ignore[attr-defined]
+    return dist.ProcessGroupGloo(dist.PrefixStore(name, store), rank, world, td)  # type: ignore[attr-defined]
+
+
+def _bcast(pg: Any, t: torch.Tensor) -> Any:
+    import torch.distributed as dist
+
+    opts = dist.BroadcastOptions()
+    opts.rootRank = 0
+    return pg.broadcast([t], opts)
+
+
+def _worker(
+    idx: int,
+    ctrl: str,
+    tcp_ep: str,
+    shm_ep: str,
+    nbytes: int,
+    hidden: int,
+    gloo_port: int,
+    dist_meta: bytes,
+) -> None:
+    """One generation worker: two subscribers (TCP-only and shm) on the same tensors, and
+    a control DEALER that runs the baselines on command (plain-bytes commands)."""
+    import fastio
+    from transport.weights import WeightSubscriber
+    from transport.weights.disk import load_weights
+    from transport.weights.dist import WeightGroup
+
+    torch.set_num_threads(1)
+    sd = {k: torch.zeros_like(v) for k, v in make_state(nbytes, hidden, seed=0).items()}
+    subs = [
+        WeightSubscriber(tcp_ep, sd, worker_id=f"tcp-{idx}", shm=False).start(),
+        WeightSubscriber(shm_ep, sd, worker_id=f"shm-{idx}", shm=True).start(),
+    ]
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(ctrl)
+    sock.send(b"ready")
+    pg = group = None
+    meta = fastio.decode([dist_meta], fastio.WeightUpdateMeta)
+    try:
+        while True:
+            cmd, *args = sock.recv().split()
+            if cmd == b"quit":
+                break
+            if cmd == b"gloo":
+                if pg is None:
+                    pg = _gloo_group(gloo_port, idx + 1, 3, "bench-gloo")
+                for _ in range(int(args[0])):
+                    for t in sd.values():
+                        _bcast(pg, t).wait()
+                    pg.barrier().wait()
+            elif cmd == b"dist":
+                if group is None:
+                    group = WeightGroup(meta, idx + 1, bucket_bytes=int(args[1]), timeout=120)
+                for _ in range(int(args[0])):
+                    group.recv(sd, atomic=True)
+                    group.pg.barrier().wait()
+            elif cmd == b"disk":
+                load_weights(args[0].decode(), sd)
+            sock.send(b"ok")
+    finally:
+        for s in subs:
+            s.close()
+        sock.close(linger=0)
+
+
+def _bucket_table(ack: Any) -> list[dict[str, float]]:
+    st = ack.stats
+    out = []
+    i = 0
+    while f"b{i}_recv_s" in st:
+        out.append(
+            {k: round(st.get(f"b{i}_{k}", 0.0), 4) for k in ("recv_s", "verify_s", "apply_s")}
+        )
+        i += 1
+    return out
+
+
+def _run_size(nbytes: int, hidden: int, reps: int, quick: bool) -> list[Measurement]:
+    import fastio
+    from fastio import AllocationMode, WeightUpdateMeta
+    from transport.weights import WeightPublisher
+    from transport.weights.disk import save_weights
+    from transport.weights.dist import WeightGroup, param_specs
+
+    state = make_state(nbytes, hidden, seed=1)
+    size = _nbytes(state)
+    label = f"{size / (1 << 30):.2f}GiB" if size >= 1 << 30 else f"{size // _MIB}MiB"
+    bucket = 256 * _MIB
+    ctx = zmq.Context.instance()
+    ctrl = ctx.socket(zmq.ROUTER)
+    ctrl.setsockopt(zmq.LINGER, 0)
+    ctrl_ep = f"tcp://127.0.0.1:{_free_port()}"
+    ctrl.bind(ctrl_ep)
+    tcp_pub = WeightPublisher(shm=False, bucket_bytes=bucket)
+    shm_pub = WeightPublisher(shm=True, bucket_bytes=bucket)
+    gloo_port = _free_port()
+    alloc = AllocationMode.from_str("sglang.d2p1t1+d1p1t1")
+    meta = WeightUpdateMeta.from_param_specs(
+        alloc, param_specs(state), nccl_group_name="bench-dist", master_address="127.0.0.1"
+    )
+    meta_bytes = b"".join(bytes(f) for f in fastio.encode(meta))
+    spawn = mp.get_context("spawn")
+    procs = [
+        spawn.Process(
+            target=_worker,
+            args=(
+                i,
+                ctrl_ep,
+                tcp_pub.endpoint,
+                shm_pub.endpoint,
+                nbytes,
+                hidden,
+                gloo_port,
+                meta_bytes,
+            ),
+            daemon=True,
+        )
+        for i in range(2)
+    ]
+    for p in procs:
+        p.start()
+    idents: list[bytes] = []
+    out: list[Measurement] = []
+    tmp = tempfile.mkdtemp(prefix="fastio-bench-disk-")
+    try:
+        poller = zmq.Poller()
+        poller.register(ctrl, zmq.POLLIN)
+        while len(idents) < 2:
+            if not poller.poll(120_000):
+                raise RuntimeError("bench workers did not start")
+            ident, _ = ctrl.recv_multipart()
+            idents.append(ident)
+        tcp_pub.wait_for_workers(2, 60)
+        shm_pub.wait_for_workers(2, 60)
+
+        def command(cmd: bytes) -> None:
+            for ident in idents:
+                ctrl.send_multipart([ident, cmd])
+            for _ in idents:
+                if not poller.poll(300_000):
+                    raise RuntimeError(f"bench workers did not answer {cmd!r}")
+                ctrl.recv_multipart()
+
+        version = [0]
+
+        def fastio_case(pub: WeightPublisher, via: str) -> Measurement:
+            samples = []
+            last = None
+            for _ in range(reps + 1):  # first one warms up (page faults, allocations)
+                version[0] += 1
+                t0 = time.perf_counter()
+                pub.publish(state, version[0])
+                res = pub.wait(version[0], 300)
+                dt = time.perf_counter() - t0
+                if not res.ok:
+                    raise RuntimeError(f"weight update failed: {res}")
+                samples.append(dt)
+                last = res
+            assert last is not None
+            ack = next(iter(last.applied.values()))
+            if ack.via != via:
+                raise RuntimeError(f"expected the {via} path, workers used {ack.via}")
+            return Measurement.from_samples(
+                SUITE,
+                f"{via}-{label}",
+                FASTIO,
+                size,
+                samples[1:],
+                size_unit="bytes",
+                gb_per_s_per_worker=round(size / 1e9 / min(samples[1:]), 3),
+                buckets=_bucket_table(ack),
+                bucket_bytes=bucket,
+                worker_stats={
+                    k: round(v, 4)
+                    for k, v in ack.stats.items()
+                    if "_" in k and not k.startswith("b")
+                },
+            )
+
+        ours = [fastio_case(tcp_pub, "tcp"), fastio_case(shm_pub, "shm")]
+
+        # gloo, one broadcast per tensor into the live tensors (the reference's way)
+        pg = None
+
+        def gloo_per_tensor() -> list[float]:
+            nonlocal pg
+            for ident in idents:
+                ctrl.send_multipart([ident, b"gloo %d" % (reps + 1)])
+            if pg is None:
+                pg = _gloo_group(gloo_port, 0, 3, "bench-gloo")
+            samples = []
+            for _ in range(reps + 1):
+                t0 = time.perf_counter()
+                for t in state.values():
+                    _bcast(pg, t).wait()
+                pg.barrier().wait()
+                samples.append(time.perf_counter() - t0)
+            for _ in idents:
+                poller.poll(60_000)
+                ctrl.recv_multipart()
+            return samples[1:]
+
+        def gloo_bucketed() -> list[float]:
+            for ident in idents:
+                ctrl.send_multipart([ident, b"dist %d %d" % (reps + 1, bucket)])
+            group = WeightGroup(meta, 0, bucket_bytes=bucket, timeout=120)
+            samples = []
+            for _ in range(reps + 1):
+                t0 = time.perf_counter()
+                group.send(state)
+                group.pg.barrier().wait()
+                samples.append(time.perf_counter() - t0)
+            for _ in idents:
+                poller.poll(60_000)
+                ctrl.recv_multipart()
+            group.close()
+            return samples[1:]
+
+        def disk() -> list[float]:
+            samples = []
+            for _ in range(reps + 1):
+                version[0] += 1
+                t0 = time.perf_counter()
+                save_weights(tmp, state, version[0])
+                command(b"disk " + tmp.encode())
+                samples.append(time.perf_counter() - t0)
+            return samples[1:]
+
+        baselines = {"gloo": gloo_per_tensor(), "gloo-bucketed": gloo_bucketed()}
+        if not quick or size <= 256 * _MIB:
+            baselines["disk"] = disk()
+        for m in ours:
+            out.append(m)
+            for impl, samples in baselines.items():
+                out.append(
+                    Measurement.from_samples(
+                        SUITE,
+                        m.case,
+                        impl,
+                        size,
+                        samples,
+                        size_unit="bytes",
+                        gb_per_s_per_worker=round(size / 1e9 / min(samples), 3),
+                    )
+                )
+        with contextlib.suppress(zmq.ZMQError):
+            for ident in idents:
+                ctrl.send_multipart([ident, b"quit"])
+    finally:
+        for p in procs:
+            p.join(5)
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+        tcp_pub.close()
+        shm_pub.close()
+        ctrl.close(linger=0)
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _gpu_cases(nbytes: int, hidden: int, reps: int) -> list[Measurement]:
+    """Trainer CUDA tensors -> worker CUDA tensors through the fabric (one process, the
+    worker side in its thread), over TCP and through shared memory."""
+    from transport.weights import WeightPublisher, WeightSubscriber
+
+    state = make_state(nbytes, hidden, seed=1, device="cuda")
+    size = _nbytes(state)
+    out = []
+    for via in ("tcp", "shm"):
+        target = {k: torch.zeros_like(v) for k, v in state.items()}
+        with (
+            WeightPublisher(shm=via == "shm") as pub,
+            WeightSubscriber(pub.endpoint, target, shm=via == "shm"),
+        ):
+            pub.wait_for_workers(1, 30)
+            samples = []
+            for v in range(1, reps + 2):
+                t0 = time.perf_counter()
+                pub.publish(state, v)
+                res = pub.wait(v, 300)
+                if not res.ok:
+                    raise RuntimeError(f"GPU weight update failed: {res}")
+                samples.append(time.perf_counter() - t0)
+            out.append(
+                Measurement.from_samples(
+                    SUITE,
+                    f"gpu-{via}-{size // _MIB}MiB",
+                    FASTIO,
+                    size,
+                    samples[1:],
+                    size_unit="bytes",
+                    device=torch.cuda.get_device_name(),
+                )
+            )
+    return out
+
+
+def run(quick: bool) -> list[Measurement]:
+    """Measure weight updates; quick: one ~192 MiB model, 3 repeats."""
+    if quick:
+        plan = [(192 * _MIB, 512)]
+        reps = 3
+    else:
+        plan = [(256 * _MIB, 768), (1 << 30, 1024)]
+        reps = 5
+    out: list[Measurement] = []
+    for nbytes, hidden in plan:
+        out += _run_size(nbytes, hidden, reps, quick)
+    if torch.cuda.is_available():
+        out += _gpu_cases(plan[-1][0], plan[-1][1], reps)
+    return out
+
+
+if __name__ == "__main__":  # pragma: no cover - manual runs
+    import sys
+
+    for m in run("--quick" in sys.argv):
+        print(m.case, m.impl, f"{m.median_s:.3f}s", m.extra.get("gb_per_s_per_worker"))
+        if m.impl == FASTIO:
+            print("   buckets:", m.extra.get("buckets"))
+    os._exit(0)

@@ -1,0 +1,249 @@
+"""Disk path: versions as safetensors files under ``WeightUpdateMeta.path``, atomically.
+
+Layout under the directory ``path``::
+
+    v00000007/model.safetensors     one directory per version, complete before it has
+    v00000008/model.safetensors     its final name
+    LATEST                          {"version": 8, "dir": "v00000008"}
+
+Writing (the trainer): the file goes into a hidden temporary directory, is fsynced,
+the directory is renamed to its final name, then ``LATEST`` is replaced atomically
+(temporary file, fsync, ``os.replace``, fsync of the directory). A reader follows
+``LATEST``, so it sees either the previous complete version or the new complete one,
+never a half-written file, even if the trainer dies at any point. Old versions beyond
+``keep`` are deleted after the marker moved; a reader that lost the race to such a
+deletion retries with the new marker, and one that already opened a file keeps reading
+it (POSIX keeps unlinked files alive while open).
+
+Reading (a worker) maps the file and copies each tensor straight from the mapping into
+the live parameter (one copy per byte), after checking every name, shape and dtype
+from the header first, so a mismatching file leaves the weights untouched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import mmap
+import os
+import secrets
+import shutil
+import struct
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from fastio.io_struct import WeightUpdateMeta
+from fastio.weight_msgs import WeightBucketInfo, WeightTensor
+from transport.weights.bucket import BucketApplier, check_manifest, named_tensors
+from transport.weights.errors import WeightMismatchError, WeightUpdateError
+
+__all__ = ["MARKER", "latest_version", "load_weights", "save_weights"]
+
+#: Name of the file that points at the newest complete version.
+MARKER = "LATEST"
+_FILE = "model.safetensors"
+_ST_DTYPES = {
+    "F64": "float64",
+    "F32": "float32",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "I64": "int64",
+    "I32": "int32",
+    "I16": "int16",
+    "I8": "int8",
+    "U8": "uint8",
+    "BOOL": "bool",
+}
+
+
+def _root(where: WeightUpdateMeta | str | os.PathLike[str]) -> Path:
+    if isinstance(where, WeightUpdateMeta):
+        if where.type != "disk" or not where.path:
+            raise ValueError("a disk weight update needs WeightUpdateMeta(type='disk', path=...)")
+        return Path(where.path)
+    return Path(where)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_weights(
+    where: WeightUpdateMeta | str | os.PathLike[str], state: Any, version: int, *, keep: int = 2
+) -> Path:
+    """Write ``state`` as ``version`` and make it the latest, atomically.
+
+    Parameters
+    ----------
+    where:
+        A ``type="disk"`` :class:`WeightUpdateMeta` (its ``path``) or a directory.
+    state:
+        Module, state dict or ``(name, tensor)`` pairs (CPU or CUDA).
+    version:
+        Must be newer than the current latest.
+    keep:
+        How many versions to keep on disk (the newest ones).
+
+    Returns
+    -------
+    Path
+        The version's file.
+    """
+    root = _root(where)
+    root.mkdir(parents=True, exist_ok=True)
+    current = latest_version(root)
+    if current is not None and version <= current:
+        raise ValueError(f"version {version} is not newer than the latest on disk ({current})")
+    tensors = {n: t.detach().to("cpu").contiguous() for n, t in named_tensors(state).items()}
+    name = f"v{version:08d}"
+    tmp = root / f".tmp-{name}-{secrets.token_hex(4)}"
+    tmp.mkdir()
+    try:
+        f = tmp / _FILE
+        save_file(tensors, str(f), metadata={"fastio_version": str(version)})
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        _fsync_dir(tmp)
+        final = root / name
+        if final.exists():  # left by a writer that died before moving the marker
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _fsync_dir(root)
+    marker_tmp = root / f".{MARKER}.{secrets.token_hex(4)}"
+    marker_tmp.write_text(json.dumps({"version": version, "dir": name}))
+    fd = os.open(marker_tmp, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(marker_tmp, root / MARKER)
+    _fsync_dir(root)
+    _gc(root, keep=max(1, keep))
+    return root / name / _FILE
+
+
+def _gc(root: Path, keep: int) -> None:
+    versions = sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith("v"))
+    for p in versions[:-keep]:
+        shutil.rmtree(p, ignore_errors=True)
+    for p in root.iterdir():  # temporaries of writers that died
+        if p.name.startswith(".tmp-") and p.is_dir():
+            with contextlib.suppress(OSError):
+                if p.stat().st_mtime < os.path.getmtime(root / MARKER) - 60:
+                    shutil.rmtree(p, ignore_errors=True)
+
+
+def _marker(root: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads((root / MARKER).read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        raise WeightUpdateError(f"unreadable weight marker {root / MARKER}: {exc}") from exc
+    if not isinstance(data, dict) or not isinstance(data.get("version"), int):
+        raise WeightUpdateError(f"malformed weight marker {root / MARKER}: {data!r}")
+    return data
+
+
+def latest_version(where: WeightUpdateMeta | str | os.PathLike[str]) -> int | None:
+    """The newest complete version under ``where`` (``None`` if there is none)."""
+    m = _marker(_root(where))
+    return None if m is None else int(m["version"])
+
+
+def _parse(mm: mmap.mmap, path: Path) -> tuple[WeightBucketInfo, int]:
+    """The safetensors header as one bucket (offsets relative to the data start)."""
+    try:
+        (n,) = struct.unpack_from("<Q", mm, 0)
+        header = json.loads(bytes(mm[8 : 8 + n]))
+    except (struct.error, ValueError) as exc:
+        raise WeightUpdateError(f"{path}: not a safetensors file ({exc})") from exc
+    tensors = []
+    size = len(mm) - 8 - n
+    for name, spec in header.items():
+        if name == "__metadata__":
+            continue
+        dt = _ST_DTYPES.get(spec.get("dtype"))
+        if dt is None:
+            raise WeightMismatchError(f"{path}: unsupported dtype {spec.get('dtype')} of {name!r}")
+        a, b = spec["data_offsets"]
+        tensors.append(WeightTensor(name, dt, tuple(spec["shape"]), int(a), int(b) - int(a)))
+    tensors.sort(key=lambda t: t.offset)
+    return WeightBucketInfo(0, size, 0, tensors), 8 + n
+
+
+def load_weights(
+    where: WeightUpdateMeta | str | os.PathLike[str],
+    target: Any,
+    *,
+    version: int | None = None,
+    strict: bool = True,
+) -> int:
+    """Copy the latest (or the given) version into ``target`` in place.
+
+    Returns
+    -------
+    int
+        The version loaded.
+
+    Raises
+    ------
+    WeightMismatchError
+        Names, shapes or dtypes differ from ``target`` (nothing was written).
+    WeightUpdateError
+        No version on disk, or an unreadable file.
+    """
+    root = _root(where)
+    targets = named_tensors(target)
+    for _ in range(5):  # lost a race with the writer's clean-up: follow the new marker
+        if version is None:
+            m = _marker(root)
+            if m is None:
+                raise WeightUpdateError(f"no weights under {root} (no {MARKER} marker)")
+            v, d = int(m["version"]), str(m["dir"])
+        else:
+            v, d = version, f"v{version:08d}"
+        path = root / d / _FILE
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            if version is not None:
+                raise WeightUpdateError(f"version {version} is not on disk under {root}") from None
+            continue
+        try:
+            mm = mmap.mmap(fd, 0, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        try:
+            info, start = _parse(mm, path)
+            check_manifest([info], targets, strict=strict)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)  # read-only mapping, only read
+                data = (
+                    torch.frombuffer(mm, dtype=torch.uint8, offset=start)
+                    if info.nbytes
+                    else (torch.empty(0, dtype=torch.uint8))
+                )
+            applier = BucketApplier(targets)
+            applier.apply(info, [data])
+            applier.finish()
+            del data
+        finally:
+            with contextlib.suppress(BufferError):
+                mm.close()
+        return v
+    raise WeightUpdateError(f"could not read a stable version under {root}")
