@@ -23,7 +23,7 @@ from typing import Any, Literal, Union
 
 import msgspec
 
-from fastio.io_struct import LLMRequest, LLMResponse, VLMRequest, VLMResponse, WireStruct
+from fastio.io_struct import LLMRequest, VLMRequest, WireStruct
 from fastio.protocol import MsgKind
 from fastio.tokens import TokenArray
 
@@ -88,10 +88,18 @@ class Submit(WireStruct, tag=int(MsgKind.FABRIC_SUBMIT)):
 
 
 class Result(WireStruct, tag=int(MsgKind.FABRIC_RESULT)):
-    """Worker -> client: the final answer to a :class:`Submit` (ends the submission)."""
+    """Worker -> client: the final answer to a :class:`Submit` (ends the submission).
+
+    It carries what only the worker knows: the output. The client rebuilds the
+    :class:`~fastio.LLMResponse` around it (``input_tokens`` it sent itself; ``latency``,
+    ``ttft`` and ``itl`` it measures), so those never cross the wire.
+    """
 
     id: int
-    response: Union[LLMResponse, VLMResponse]  # noqa: UP007
+    output_tokens: TokenArray = msgspec.field(default_factory=TokenArray)
+    output_logprobs: TokenArray = msgspec.field(default_factory=TokenArray)
+    output_versions: TokenArray = msgspec.field(default_factory=TokenArray)
+    stop_reason: Literal["length", "stop", "interrupt"] = "stop"
 
 
 class Stream(WireStruct, tag=int(MsgKind.FABRIC_STREAM)):

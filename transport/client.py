@@ -38,11 +38,10 @@ from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-import msgspec
 import numpy as np
 import zmq
 
-from fastio import DecodeError, Decoder, Encoder, LLMRequest, LLMResponse, VLMRequest
+from fastio import DecodeError, Decoder, Encoder, LLMRequest, LLMResponse, VLMRequest, VLMResponse
 from fastio import fabric_msgs as fm
 from fastio.protocol import MsgKind
 from fastio.tokens import TokenArray
@@ -127,6 +126,7 @@ class _Call:
     """One ``agenerate`` call, across re-sends and resumptions."""
 
     __slots__ = (
+        "deadline",
         "done",
         "fut",
         "interrupts",
@@ -140,6 +140,7 @@ class _Call:
         "segment",
         "sub_id",
         "t0",
+        "timeout",
         "timer",
         "times",
         "worker",
@@ -153,6 +154,8 @@ class _Call:
         self.fut = fut
         self.t0 = time.perf_counter()
         self.timer: asyncio.TimerHandle | None = None
+        self.deadline = float("inf")
+        self.timeout = float("inf")
         self.worker: _Worker | None = None
         self.sub_id = -1
         self.out_tok: TokenArray | None = None
@@ -396,7 +399,12 @@ class FabricClient:
         fut: asyncio.Future[LLMResponse] = self._loop.create_future()
         call = _Call(req, fut, on_chunk)
         t = self.config.request_timeout if timeout is None else timeout
-        call.timer = self._loop.call_later(t, self._on_timeout, call, t)
+        call.deadline = time.monotonic() + t
+        call.timeout = t
+        if t < 30 * self.config.heartbeat_interval:
+            call.timer = self._loop.call_later(t, self._on_timeout, call, t)
+        # Longer timeouts are checked on every heartbeat tick (precision: one interval),
+        # which spares a timer per request when thousands are in flight.
         self.stats["submitted"] += 1
         self._enqueue(call)
         try:
@@ -553,6 +561,7 @@ class FabricClient:
         now = time.monotonic()
         dead_after = cfg.heartbeat_interval * cfg.heartbeat_liveness
         prev = self._last_tick
+        self._sweep_deadlines(now)
         for w in list(self._order):
             if w.alive:
                 if w.pump is not None:
@@ -567,6 +576,14 @@ class FabricClient:
             self._ping(w)
         self._last_tick = now
         self._hb_timer = self._loop.call_later(cfg.heartbeat_interval, self._heartbeat)
+
+    def _sweep_deadlines(self, now: float) -> None:
+        expired = [c for c in self._queue if c.deadline <= now and c.timer is None]
+        for w in self._order:
+            for group in (w.inflight.values(), w.sticky_queue):
+                expired += [c for c in group if c.deadline <= now and c.timer is None]
+        for call in expired:
+            self._on_timeout(call, call.timeout)
 
     def _worker_died(self, w: _Worker, why: str) -> None:
         self.stats["workers_died"] += 1
@@ -631,7 +648,7 @@ class FabricClient:
             if call is None:
                 self.stats["stale"] += 1
                 return
-            self._on_result(w, call, msg.response)
+            self._on_result(w, call, msg)
             self._slot_freed(w)
         elif tp is fm.Stream:
             call = w.inflight.get(msg.id)
@@ -701,11 +718,22 @@ class FabricClient:
             )
         self._slot_freed(w)
 
-    def _on_result(self, w: _Worker, call: _Call, resp: LLMResponse) -> None:
+    def _on_result(self, w: _Worker, call: _Call, res: fm.Result) -> None:
         if call.done:
             return
         now = time.perf_counter()
-        n = len(resp.output_tokens)
+        n = len(res.output_tokens)
+        orig = call.orig
+        if not call.times and call.out_tok is None and res.stop_reason != "interrupt":
+            # One segment, nothing streamed: every token arrived now. The worker's
+            # arrays become the response as they are (views of the received frames).
+            latency = now - call.t0
+            out = _response(
+                orig, res.output_tokens, res.output_logprobs, res.output_versions,
+                res.stop_reason, latency, latency, TokenArray(np.zeros(max(n - 1, 0))),
+            )  # fmt: skip
+            self._complete(call, out)
+            return
         # Tokens the stream did not announce (no streaming, or a final burst) arrive now.
         base = len(call.out_tok) if call.out_tok is not None else 0
         extra = base + n - len(call.times)
@@ -713,51 +741,69 @@ class FabricClient:
             call.times.extend([now] * extra)
         elif extra < 0:
             del call.times[base + n :]
-        if call.out_tok is None and resp.stop_reason != "interrupt":
-            out = resp  # the common case: one segment, the worker's arrays as they are
+        if call.out_tok is None:
+            toks, lps, vers = res.output_tokens, res.output_logprobs, res.output_versions
+            if res.stop_reason == "interrupt":
+                # Private copies: later segments are appended to them.
+                call.out_tok, call.out_lp, call.out_ver = toks.copy(), lps.copy(), vers.copy()
         else:
-            if call.out_tok is None:
-                call.out_tok = resp.output_tokens.copy()
-                call.out_lp = resp.output_logprobs.copy()
-                call.out_ver = resp.output_versions.copy()
-            else:
-                assert call.out_lp is not None and call.out_ver is not None
-                call.out_tok.extend(resp.output_tokens.array)
-                call.out_lp.extend(resp.output_logprobs.array)
-                call.out_ver.extend(resp.output_versions.array)
-            orig = call.orig
-            if resp.stop_reason == "interrupt":
-                produced = len(call.out_tok)
-                remaining = orig.gconfig.max_new_tokens - produced
-                if remaining > 0:
-                    call.interrupts += 1
-                    self.stats["interrupted"] += 1
-                    call.segment = _continuation(orig, call.out_tok, produced, remaining)
-                    self._enqueue(call, front=True)
-                    return
-            stop_reason = resp.stop_reason if resp.stop_reason != "interrupt" else "length"
-            out = msgspec.structs.replace(
-                resp,
-                output_tokens=call.out_tok,
-                output_logprobs=call.out_lp,
-                output_versions=call.out_ver,
-                stop_reason=stop_reason,
-            )
-        out.input_tokens = call.orig.input_ids
-        out.latency = now - call.t0
+            assert call.out_lp is not None and call.out_ver is not None
+            call.out_tok.extend(res.output_tokens.array)
+            call.out_lp.extend(res.output_logprobs.array)
+            call.out_ver.extend(res.output_versions.array)
+            toks, lps, vers = call.out_tok, call.out_lp, call.out_ver
+        stop_reason = res.stop_reason
+        if stop_reason == "interrupt":
+            assert call.out_tok is not None
+            produced = len(call.out_tok)
+            remaining = orig.gconfig.max_new_tokens - produced
+            if remaining > 0:
+                call.interrupts += 1
+                self.stats["interrupted"] += 1
+                call.segment = _continuation(orig, call.out_tok, produced, remaining)
+                self._enqueue(call, front=True)
+                return
+            stop_reason = "length"
+            assert call.out_lp is not None and call.out_ver is not None
+            toks, lps, vers = call.out_tok, call.out_lp, call.out_ver
         times = call.times
-        if times:
-            out.ttft = times[0] - call.t0
-            out.itl = TokenArray(np.diff(np.asarray(times, dtype=np.float64)))
-        else:
-            out.ttft = out.latency
-            out.itl = TokenArray(np.zeros(0, dtype=np.float64))
+        out = _response(
+            orig, toks, lps, vers, stop_reason, now - call.t0,
+            times[0] - call.t0 if times else now - call.t0,
+            TokenArray(np.diff(np.asarray(times, dtype=np.float64))) if times else TokenArray(np.zeros(0)),
+        )  # fmt: skip
+        self._complete(call, out)
+
+    def _complete(self, call: _Call, out: LLMResponse) -> None:
         call.done = True
         if call.timer is not None:
             call.timer.cancel()
         self.stats["completed"] += 1
         if not call.fut.done():
             call.fut.set_result(out)
+
+
+def _response(
+    orig: LLMRequest,
+    toks: Any,
+    lps: Any,
+    vers: Any,
+    stop_reason: Any,
+    latency: float,
+    ttft: float,
+    itl: TokenArray,
+) -> LLMResponse:
+    """The caller's response: the worker's output around the caller's own prompt."""
+    if isinstance(orig, VLMRequest):
+        return VLMResponse(
+            input_tokens=orig.input_ids, output_tokens=toks, output_logprobs=lps,
+            output_versions=vers, stop_reason=stop_reason, latency=latency, ttft=ttft, itl=itl,
+            input_images=list(orig.image_data or []),
+        )  # fmt: skip
+    return LLMResponse(
+        input_tokens=orig.input_ids, output_tokens=toks, output_logprobs=lps,
+        output_versions=vers, stop_reason=stop_reason, latency=latency, ttft=ttft, itl=itl,
+    )  # fmt: skip
 
 
 def _continuation(

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import contextlib
 import importlib
 import json
@@ -245,7 +246,8 @@ class WorkerServer:
         self._auth: WorkerAuthenticator | None = None
         self._resumed: asyncio.Event | None = None
         self._idle: asyncio.Event | None = None
-        self._slots: asyncio.Semaphore | None = None
+        self._max_running = self.config.max_concurrency
+        self._gate: collections.deque[asyncio.Future[None]] = collections.deque()
         self._flush_pending: list[RequestContext] = []
         self._bg_tasks: list[asyncio.Task[Any]] = []
         self._sweeper: asyncio.TimerHandle | None = None
@@ -292,7 +294,6 @@ class WorkerServer:
         self._resumed.set()
         self._idle = asyncio.Event()
         self._idle.set()
-        self._slots = asyncio.Semaphore(cfg.max_concurrency)
         self._closed = asyncio.Event()
         self._pump = SocketPump(sock, self._on_message, on_undeliverable=self._on_undeliverable)
         self._sweeper = asyncio.get_running_loop().call_later(
@@ -363,6 +364,16 @@ class WorkerServer:
                 await _maybe_await(cb())
             self._paused = False
             self._resumed.set()
+            self._open_gate(len(self._gate))
+
+    def _open_gate(self, n: int) -> None:
+        # Wake up to n waiting requests; each re-checks pause and the slot count.
+        gate = self._gate
+        while n > 0 and gate:
+            fut = gate.popleft()
+            if not fut.done():
+                fut.set_result(None)
+                n -= 1
 
     def abort_all(self) -> int:
         """Abort every request (each answers ``ABORTED``); returns how many."""
@@ -482,17 +493,16 @@ class WorkerServer:
         self._tasks[key] = (task, ctx)
 
     async def _run(self, ctx: RequestContext, sub: fm.Submit) -> None:
-        assert self._resumed is not None and self._slots is not None and self._idle is not None
+        assert self._idle is not None
         peer, id = ctx.peer, ctx.id
         running = False
         try:
-            while True:
-                if self._paused:
-                    await self._resumed.wait()
-                await self._slots.acquire()
-                if not self._paused:
-                    break
-                self._slots.release()
+            # Fast path: no pause, a free slot. Otherwise wait for a wake-up (resume or
+            # a finished request) and look again.
+            while self._paused or self._running >= self._max_running:
+                gate: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+                self._gate.append(gate)
+                await gate
             running = True
             self._running += 1
             self._idle.clear()
@@ -504,7 +514,16 @@ class WorkerServer:
             if resp.stop_reason == "interrupt":
                 self.counters["interrupted"] += 1
             self.counters["completed"] += 1
-            self._send(peer, fm.Result(id=id, response=resp))
+            self._send(
+                peer,
+                fm.Result(
+                    id=id,
+                    output_tokens=resp.output_tokens,
+                    output_logprobs=resp.output_logprobs,
+                    output_versions=resp.output_versions,
+                    stop_reason=resp.stop_reason,
+                ),
+            )
         except asyncio.CancelledError:
             if ctx._aborted:
                 self.counters["aborted"] += 1
@@ -528,10 +547,11 @@ class WorkerServer:
         finally:
             self._tasks.pop((peer, id), None)
             if running:
-                self._slots.release()
                 self._running -= 1
                 if self._running == 0:
                     self._idle.set()
+                if self._gate:
+                    self._open_gate(1)
 
     async def _on_control(self, peer: bytes, msg: fm.Control) -> None:
         ok, error = True, ""

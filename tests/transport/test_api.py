@@ -9,7 +9,7 @@ import pytest
 
 import fastio
 import transport
-from fastio import LLMRequest, LLMResponse
+from fastio import LLMRequest, TokenArray
 from fastio import fabric_msgs as fm
 from fastio.protocol import MsgKind
 
@@ -55,10 +55,11 @@ def test_round_trips_keep_arrays_zero_copy() -> None:
     assert isinstance(sub, fm.Submit) and sub.id == 3 and sub.request.rid == "r"
     assert np.shares_memory(sub.request.input_ids.array, np.frombuffer(frames[1], np.uint8))
     res = fastio.decode(
-        fastio.encode(fm.Result(id=4, response=LLMResponse(output_tokens=ids))),
+        fastio.encode(fm.Result(id=4, output_tokens=TokenArray(ids), stop_reason="length")),
         type=fm.WORKER_TO_CLIENT,
     )
-    assert isinstance(res, fm.Result) and res.response.output_tokens == ids.tolist()
+    assert isinstance(res, fm.Result) and res.output_tokens == ids.tolist()
+    assert res.stop_reason == "length" and res.output_logprobs == []
     for msg in (
         fm.Cancel(id=1),
         fm.Heartbeat(sent_at=2.0, worker_id="w"),

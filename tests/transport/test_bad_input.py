@@ -13,7 +13,7 @@ import pytest
 import zmq
 
 import fastio
-from fastio import GenerationHyperparameters, LLMRequest, LLMResponse
+from fastio import GenerationHyperparameters, LLMRequest, LLMResponse, TokenArray
 from fastio import fabric_msgs as fm
 from tests.transport.conftest import WorkerProc
 from transport import ClientConfig, FabricClient, FabricController, RemoteError
@@ -132,11 +132,7 @@ class FakeWorker:
                 self.errors_received.append(msg)
             elif isinstance(msg, fm.Submit):
                 if msg.request.rid == "good":
-                    send(
-                        fastio.encode(
-                            fm.Result(id=msg.id, response=LLMResponse(output_tokens=[42]))
-                        )
-                    )
+                    send(fastio.encode(fm.Result(id=msg.id, output_tokens=TokenArray([42]))))
                     continue
                 send([b"\x00\x01 garbage"])
                 send(fastio.encode(LLMRequest(input_ids=[1])))  # a kind no client accepts

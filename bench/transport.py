@@ -1,0 +1,304 @@
+"""Transport suite: the fabric (client + worker processes, echo handler) against raw
+pyzmq DEALER/ROUTER moving the same bytes, measured in the same run.
+
+Cases
+-----
+``rtt-small``
+    One small request at a time, client and one echo worker in two processes. fastio:
+    ``await client.agenerate(req)``; raw-pyzmq: blocking ``send_multipart`` /
+    ``recv_multipart`` of the same encoded bytes to a ROUTER that sends them back.
+    Median seconds per round trip. Target: fastio within 2x.
+``throughput-2w``
+    One client process, two echo worker processes, many requests in flight. fastio:
+    ``asyncio.gather`` of N ``agenerate`` calls; raw-pyzmq: a pipelined window of the
+    same bytes over two DEALERs, a reply frees a slot. Median seconds per request
+    (``extra["req_per_s"]``). Target: fastio at least 50% of raw.
+``inflight-10k``
+    10,000 requests submitted at once by one client to two echo workers (run in a
+    fresh process so its peak RSS is its own), three rounds: ``extra`` holds the peak
+    RSS and the RSS after each round, to show memory stays bounded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import select
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import zmq
+
+from bench.common import FASTIO, Measurement
+
+SUITE = "transport"
+RAW = "raw-pyzmq"
+ROOT = Path(__file__).resolve().parents[1]
+
+# A raw echo ROUTER: what a worker does with no fabric on top.
+_RAW_ECHO = """
+import sys, json, zmq
+ctx = zmq.Context(); s = ctx.socket(zmq.ROUTER); s.setsockopt(zmq.LINGER, 0)
+s.setsockopt(zmq.SNDHWM, 100000); s.setsockopt(zmq.RCVHWM, 100000)
+s.bind("tcp://127.0.0.1:*")
+print(json.dumps({"ready": [s.getsockopt_string(zmq.LAST_ENDPOINT)]}), flush=True)
+recv, send = s.recv_multipart, s.send_multipart
+while True:
+    send(recv(copy=False), copy=False)
+"""
+
+
+class _Proc:
+    def __init__(self, argv: list[str]) -> None:
+        env = dict(os.environ, PYTHONPATH=str(ROOT))
+        self.p = subprocess.Popen(argv, stdout=subprocess.PIPE, cwd=ROOT, env=env)
+        self.address = ""
+
+    def ready(self, timeout: float = 60) -> str:
+        assert self.p.stdout is not None
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if select.select([self.p.stdout], [], [], 0.1)[0]:
+                self.address = json.loads(self.p.stdout.readline())["ready"][0]
+                return self.address
+            if self.p.poll() is not None:
+                break
+        raise RuntimeError("benchmark worker did not start")
+
+    def kill(self) -> None:
+        self.p.kill()
+        self.p.wait(10)
+
+
+def _echo_worker() -> _Proc:
+    return _Proc(
+        [
+            sys.executable,
+            "-m",
+            "transport.worker",
+            "--bind",
+            "tcp://127.0.0.1:0",
+            "--engine",
+            "echo",
+        ]
+    )
+
+
+def _raw_worker() -> _Proc:
+    return _Proc([sys.executable, "-c", _RAW_ECHO])
+
+
+def _request(n_tokens: int, rid: str) -> Any:
+    from fastio import LLMRequest
+
+    return LLMRequest(rid=rid, input_ids=np.arange(n_tokens, dtype=np.int32))
+
+
+def _wire_bytes(n_tokens: int) -> list[bytes]:
+    """The bytes fastio puts on the wire for one small request (what raw pyzmq sends)."""
+    import fastio
+    from fastio import fabric_msgs as fm
+
+    frames = fastio.encode(fm.Submit(id=1, request=_request(n_tokens, "r" * 32)))
+    return [bytes(f) for f in frames]
+
+
+# -- the two cases, fastio and raw samples interleaved ------------------------------------
+# The machine is shared and noisy: alternating a fastio sample with a raw one exposes both
+# to the same noise, and medians are compared.
+
+
+class _RawClient:
+    """Blocking DEALERs to raw echo workers: the baseline's client side."""
+
+    def __init__(self, addresses: list[str]) -> None:
+        self.ctx = zmq.Context()
+        self.socks = []
+        for a in addresses:
+            s = self.ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            s.setsockopt(zmq.SNDHWM, 100000)
+            s.setsockopt(zmq.RCVHWM, 100000)
+            s.connect(a)
+            self.socks.append(s)
+        self.poller = zmq.Poller()
+        for s in self.socks:
+            self.poller.register(s, zmq.POLLIN)
+
+    def rtt(self, frames: list[bytes], number: int) -> float:
+        s = self.socks[0]
+        t0 = time.perf_counter()
+        for _ in range(number):
+            s.send_multipart(frames, copy=False)
+            s.recv_multipart(copy=False)
+        return (time.perf_counter() - t0) / number
+
+    def pipelined(self, frames: list[bytes], number: int, window: int) -> float:
+        socks = self.socks
+        sent = done = k = 0
+        t0 = time.perf_counter()
+        while sent < min(window, number):
+            socks[k % len(socks)].send_multipart(frames, copy=False)
+            k += 1
+            sent += 1
+        while done < number:
+            for s, _ in self.poller.poll():
+                while True:
+                    try:
+                        s.recv_multipart(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    done += 1
+                    if sent < number:
+                        s.send_multipart(frames, copy=False)
+                        sent += 1
+        return (time.perf_counter() - t0) / number
+
+    def close(self) -> None:
+        for s in self.socks:
+            s.close(0)
+        self.ctx.term()
+
+
+def _interleaved(
+    echo_addrs: list[str],
+    raw_addrs: list[str],
+    n_tokens: int,
+    rtt_number: int,
+    tp_number: int,
+    repeat: int,
+) -> dict[str, list[float]]:
+    from transport import ClientConfig, FabricClient
+
+    frames = _wire_bytes(n_tokens)
+    raw = _RawClient(raw_addrs)
+    out: dict[str, list[float]] = {"rtt-fastio": [], "rtt-raw": [], "tp-fastio": [], "tp-raw": []}
+
+    async def main() -> None:
+        # No streaming: an echo has nothing to stream, and raw pyzmq sends one reply.
+        cfg = ClientConfig(stream=False)
+        async with FabricClient(echo_addrs[:1], cfg) as one, FabricClient(echo_addrs, cfg) as two:
+            req = _request(n_tokens, "rtt")
+            for _ in range(200):  # warm-up (and the join)
+                await one.agenerate(req)
+            while not all(w.alive for w in two.workers):
+                await one.agenerate(req)
+            raw.rtt(frames, 200)
+            raw.pipelined(frames, 2000, 2048)
+            for r in range(repeat):
+                t0 = time.perf_counter()
+                for _ in range(rtt_number):
+                    await one.agenerate(req)
+                out["rtt-fastio"].append((time.perf_counter() - t0) / rtt_number)
+                out["rtt-raw"].append(raw.rtt(frames, rtt_number))
+
+                reqs = [_request(n_tokens, f"{r}-{i}") for i in range(tp_number)]
+                t0 = time.perf_counter()
+                await asyncio.gather(*(two.agenerate(q) for q in reqs))
+                out["tp-fastio"].append((time.perf_counter() - t0) / tp_number)
+                out["tp-raw"].append(raw.pipelined(frames, tp_number, 2048))
+
+    try:
+        asyncio.run(main())
+    finally:
+        raw.close()
+    return out
+
+
+# -- 10k in flight, in its own process -------------------------------------------------
+def _rss_kib() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    return 0
+
+
+def _inflight_child(addresses: list[str], n: int, rounds: int) -> dict[str, Any]:
+    import resource
+
+    from transport import ClientConfig, FabricClient
+
+    async def main() -> dict[str, Any]:
+        async with FabricClient(addresses, ClientConfig(stream=False)) as client:
+            while not all(w.alive for w in client.workers):
+                await asyncio.sleep(0.01)
+            base = _rss_kib()
+            after, times, peak_pending = [], [], 0
+            for r in range(rounds):
+                reqs = [_request(16, f"{r}-{i}") for i in range(n)]
+                t0 = time.perf_counter()
+                tasks = [asyncio.ensure_future(client.agenerate(q)) for q in reqs]
+                await asyncio.sleep(0)  # let every task submit: all n are in flight now
+                peak_pending = max(peak_pending, client.pending)
+                await asyncio.gather(*tasks)
+                times.append(time.perf_counter() - t0)
+                del reqs, tasks
+                after.append(_rss_kib())
+            return {
+                "times": times,
+                "rss_base_kib": base,
+                "rss_after_round_kib": after,
+                "peak_rss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+                "in_flight_observed": peak_pending,
+            }
+
+    return asyncio.run(main())
+
+
+def run(quick: bool) -> list[Measurement]:
+    """Measure every case (quick: fewer round trips and requests)."""
+    n_tokens = 16
+    frames = _wire_bytes(n_tokens)
+    size = sum(len(f) for f in frames)
+    rtt_number, repeat = (300, 7) if quick else (2000, 9)
+    tp_number = 3000 if quick else 20000
+    out: list[Measurement] = []
+
+    echo = [_echo_worker(), _echo_worker()]
+    raws = [_raw_worker(), _raw_worker()]
+    try:
+        echo_addrs = [p.ready() for p in echo]
+        raw_addrs = [p.ready() for p in raws]
+
+        res = _interleaved(echo_addrs, raw_addrs, n_tokens, rtt_number, tp_number, repeat)
+        unit = {"size_unit": "bytes"}
+        out.append(
+            Measurement.from_samples(SUITE, "rtt-small", FASTIO, size, res["rtt-fastio"], **unit)
+        )
+        out.append(Measurement.from_samples(SUITE, "rtt-small", RAW, size, res["rtt-raw"], **unit))
+        for impl, key in ((FASTIO, "tp-fastio"), (RAW, "tp-raw")):
+            m = Measurement.from_samples(SUITE, "throughput-2w", impl, size, res[key], **unit)
+            m.extra["req_per_s"] = round(1 / m.median_s)
+            out.append(m)
+
+        n = 10_000
+        child = subprocess.run(
+            [sys.executable, "-c", f"import json, bench.transport as t; print(json.dumps(t._inflight_child({echo_addrs!r}, {n}, 3)))"],
+            capture_output=True, text=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=300, check=True,
+        )  # fmt: skip
+        res = json.loads(child.stdout.strip().splitlines()[-1])
+        m = Measurement.from_samples(
+            SUITE, "inflight-10k", FASTIO, n, [t / n for t in res["times"]], size_unit="requests"
+        )
+        m.extra.update(
+            peak_rss_mib=round(res["peak_rss_kib"] / 1024, 1),
+            rss_base_mib=round(res["rss_base_kib"] / 1024, 1),
+            rss_after_rounds_mib=[round(x / 1024, 1) for x in res["rss_after_round_kib"]],
+            in_flight_observed=res["in_flight_observed"],
+        )
+        out.append(m)
+    finally:
+        for p in echo + raws:
+            p.kill()
+    return out
+
+
+if __name__ == "__main__":
+    for m in run(quick="--full" not in sys.argv):
+        print(m.case, m.impl, f"{m.median_s * 1e6:.1f} us", m.extra)
