@@ -338,8 +338,16 @@ def _normalise_dtype(arr: np.ndarray[Any, Any]) -> tuple[np.ndarray[Any, Any], s
     )
 
 
+# Frame types whose len() is their size in bytes and that np.frombuffer reads directly.
+# zmq.Frame joins when first seen (fastio does not import zmq itself).
+_LEN_SIZED: set[type] = {bytes, bytearray}
+
+
 def _buffer(frame: Any) -> memoryview:
     """A 1-D unsigned-byte memoryview of one frame (no copy)."""
+    tp = type(frame)
+    if tp.__module__.startswith("zmq") and tp.__name__ == "Frame":
+        _LEN_SIZED.add(tp)
     buf = getattr(frame, "buffer", None)  # zmq.Frame
     if not isinstance(buf, memoryview):
         try:
@@ -425,24 +433,29 @@ class Decoder:
         """
         if not isinstance(frames, (list, tuple)) or not frames:
             raise DecodeError("expected a non-empty list of frames [header, *buffers]")
-        bufs: list[memoryview] = []
+        # Frames stay as they are (no per-frame memoryview): the ext hook sizes them with
+        # len() or .nbytes and np.frombuffer reads any of them directly.
+        bufs: Sequence[Any] = frames
         total = 0
         for f in frames:
             tf = type(f)
-            # Fast paths: our own encoder's frames and received bytes.
-            if tf is bytes:
-                b = memoryview(f)
-            elif tf is memoryview and f.format == "B" and f.ndim == 1 and f.c_contiguous:
-                b = f
+            if tf is memoryview and f.c_contiguous:
+                total += f.nbytes
+            elif tf in _LEN_SIZED:
+                total += len(f)
             else:
-                b = _buffer(f)
-            bufs.append(b)
-            total += b.nbytes
+                bufs = [_buffer(f) for f in frames]
+                total = sum(b.nbytes for b in bufs)
+                break
         if total > self.max_message_size:
             raise MessageTooLarge(
                 f"message of {total} bytes exceeds the limit of {self.max_message_size} bytes"
             )
         h = bufs[0]
+        if type(h) is not memoryview:
+            h = memoryview(h)
+        if h.format != "B" or h.ndim != 1:
+            h = h.cast("B")
         # Fast path: what our encoder writes for < 128 buffers, [fixarray(3), 1, n, ...].
         if len(h) > 3 and h[0] == 0x93 and h[1] == PROTOCOL_VERSION and h[2] < 0x80:
             n_buffers = h[2]
@@ -477,7 +490,7 @@ class Decoder:
                     + (f"frames 1..{len(frames) - 1}" if len(frames) > 1 else "no buffer frames")
                 )
             data: Any = frames[slot]
-            got = data.nbytes
+            got = data.nbytes if type(data) is memoryview else len(data)
         else:
             got = len(slot)  # type: ignore[arg-type]
             # Inline data: a private writable copy (at most inline_threshold bytes).
@@ -499,7 +512,8 @@ class Decoder:
                 count = shape[0]
                 if dtype is not None and 0 < slot < len(frames) and count >= 0:
                     data = frames[slot]
-                    if data.nbytes == count * dtype.itemsize:
+                    size = data.nbytes if type(data) is memoryview else len(data)
+                    if size == count * dtype.itemsize:
                         arr = np.frombuffer(data, dtype, count)
                         if code == _EXT_NDARRAY:
                             return arr
@@ -550,7 +564,7 @@ class Decoder:
         if count == 0:
             t = torch.empty(shape, dtype=dtype)
         else:
-            if isinstance(data, memoryview) and data.readonly:
+            if memoryview(data).readonly:
                 data = bytearray(data)  # see the module docstring: torch cannot be read-only
             t = torch.frombuffer(data, dtype=dtype, count=count).reshape(shape)
         if self.device is not None:
