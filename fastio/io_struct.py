@@ -389,6 +389,22 @@ class AllocationMode(WireStruct, tag=int(MsgKind.ALLOCATION_MODE)):
         gen = _parse_strategy(gen_text, "generation", allocation_mode)
         return cls(backends[backend], {"*": train, "gen": gen})
 
+    @staticmethod
+    def extract_parallelism_strategy(allocation_mode: str) -> dict[str, dict[str, int]]:
+        """The seed's helper: ``"d2p2t1"`` -> ``{"*": {"d": 2, "p": 2, "t": 1}}``.
+
+        Raises ``ValueError`` unless the string names each of d, p, t once with a
+        positive size.
+        """
+        if not isinstance(allocation_mode, str):
+            raise ValueError(f"parallel strategy must be a string, got {allocation_mode!r}")
+        return {"*": _parse_strategy(allocation_mode, "parallel strategy", allocation_mode)}
+
+    @staticmethod
+    def extract_decoupled_alloc(allocation_mode: str) -> dict[str, dict[str, int]]:
+        """The seed's helper: ``parallel_strat`` of :meth:`from_str`'s result."""
+        return AllocationMode.from_str(allocation_mode).parallel_strat
+
 
 class ParamSpec(WireStruct, tag=int(MsgKind.PARAM_SPEC)):
     """Name, shape and dtype (a torch dtype name such as ``"bfloat16"``) of one parameter."""

@@ -226,6 +226,19 @@ def test_allocation_mode_malformed_says_what_and_how(text: str, what: str) -> No
     assert "sglang.d4p1t1+d2p2t1" in msg or "d4p1t1" in msg  # shows a valid form
 
 
+def test_allocation_mode_seed_helpers() -> None:
+    assert AllocationMode.extract_parallelism_strategy("t2d4p1") == {"*": {"t": 2, "d": 4, "p": 1}}
+    assert AllocationMode.extract_decoupled_alloc("d2p2t1+vllm.d4t1p1") == {
+        "*": {"d": 2, "p": 2, "t": 1},
+        "gen": {"d": 4, "t": 1, "p": 1},
+    }
+    for bad in ("d2p2", "x", "d2p2t1+"):
+        with pytest.raises(ValueError, match="d4p1t1"):
+            AllocationMode.extract_parallelism_strategy(bad)
+    with pytest.raises(ValueError):
+        AllocationMode.extract_decoupled_alloc("d4p1t1")
+
+
 @pytest.mark.parametrize("bad", [None, 42, b"sglang.d4p1t1+d2p2t1"])
 def test_allocation_mode_not_a_string(bad: object) -> None:
     with pytest.raises(ValueError, match="string"):
