@@ -5,8 +5,8 @@ Struct options, chosen once for every wire type (:class:`WireStruct`):
 
 ``array_like=True``
     A Struct encodes as a msgpack array of its fields in definition order, not a map:
-    no field names on the wire (a 32k-token response header is ~100 bytes instead of
-    ~250, and encoding/decoding skips the key matching), and the tag comes first.
+    no field names on the wire (an LLMResponse header is ~110 bytes instead of ~200,
+    and encoding/decoding skips the key matching), and the tag comes first.
     Schema evolution therefore works by *appending* fields with defaults: an older
     reader ignores trailing fields it does not know, a newer reader fills missing
     trailing fields from their defaults (see ``docs/PROTOCOL.md``).
@@ -37,7 +37,14 @@ Token arrays (``input_ids``, ``input_tokens``, ``output_tokens``, ``output_logpr
 arrays are accepted and converted on construction (numpy arrays without a copy). Lists
 become ``int32`` token ids and versions (every vocabulary and version fits; a value
 that does not raises ``OverflowError``) and ``float64`` logprobs and latencies (the
-exact Python floats, as the seed kept them). Arrays keep their own dtype.
+exact Python floats, as the seed kept them). Arrays keep their own dtype. A float among
+token ids raises ``TypeError`` rather than being truncated.
+
+Static typing: the token fields are annotated ``TokenArray`` for type checkers, so code
+that passes lists or arrays and wants to be ``mypy --strict`` clean wraps them in
+``TokenArray(...)``; at runtime lists, tuples, arrays and CPU tensors are all accepted.
+To msgspec the fields are ``Any`` (see ``_Tokens``) for decode speed; ``__post_init__``
+gives them their type on construction and on decode alike.
 """
 
 from __future__ import annotations
