@@ -592,12 +592,18 @@ class WeightPublisher:
             self._reply(ident, self._encoder.encode(err))
             return
         now = time.monotonic()
+        hello = isinstance(msg, WeightHello)
         with self._cond:
             info = self._workers.get(wid)
             if info is None:
-                info = self._workers[wid] = WorkerInfo(wid)
+                if not hello:
+                    # Only a Hello makes a peer a worker (and expected to apply versions);
+                    # a stray Fetch is still answered below, an Ack still recorded.
+                    info = WorkerInfo(wid, alive=False)
+                else:
+                    info = self._workers[wid] = WorkerInfo(wid)
             info.last_seen = now
-            if not info.alive:
+            if not info.alive and wid in self._workers:
                 info.alive = True
                 # Back from the dead (restarted): it is expected to catch up again.
                 for old in self._versions.values():
@@ -606,7 +612,7 @@ class WeightPublisher:
                 info.host_id, info.pid = msg.host_id, msg.pid
                 info.version, info.digest = msg.version, msg.digest
                 latest = self._latest
-                if latest is not None and wid not in latest.acks:
+                if latest is not None and msg.version < latest.version and wid not in latest.acks:
                     latest.expected.add(wid)
                 self._cond.notify_all()
         if isinstance(msg, WeightHello):
@@ -664,18 +670,20 @@ class WeightPublisher:
                 return
         info = st.announce.buckets[msg.index]
         view = st.buf[info.shm_offset : info.shm_offset + info.nbytes]
+        fault = self._fault_hook(wid, msg.version, msg.index) if self._fault_hook else None
+        if fault == "die":  # chaos testing: a publisher dying mid-update
+            os.kill(os.getpid(), 9)
         if msg.shm:
             if st.seg is None:
                 err = WeightError(msg.version, msg.index, "no shared memory for this version")
                 self._reply(ident, self._encoder.encode(err))
                 return
             # Same host: the bytes are in the segment already; this only says "ready".
-            notice = WeightBucket(msg.version, msg.index, 0, info.checksum, True, [])
+            # (A "corrupt" fault hook stands for bytes changed after they were hashed.)
+            bad = 1 if fault == "corrupt" else 0
+            notice = WeightBucket(msg.version, msg.index, 0, info.checksum ^ bad, True, [])
             self._reply(ident, self._encoder.encode(notice))
             return
-        fault = self._fault_hook(wid, msg.version, msg.index) if self._fault_hook else None
-        if fault == "die":  # chaos testing: a publisher dying mid-update
-            os.kill(os.getpid(), 9)
         step = self.chunk_bytes
         starts = range(0, max(info.nbytes, 1), step)
         for a in starts:

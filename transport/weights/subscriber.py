@@ -127,6 +127,7 @@ class _Partial:
     def __init__(self, hasher: Hasher) -> None:
         self.hasher = hasher
         self.size = 0
+        self.verify_s = 0.0
         self.chunks: list[torch.Tensor] = []
 
 
@@ -506,7 +507,9 @@ class WeightSubscriber:
             part.size += c.nbytes
             part.chunks.append(_u8(c))
         ok = ok and part.size <= info.nbytes
-        up.stats.verify_s += time.monotonic() - t
+        dt = time.monotonic() - t
+        up.stats.verify_s += dt
+        part.verify_s += dt
         if ok and not msg.last:
             return
         del up.outstanding[i]
@@ -525,7 +528,7 @@ class WeightSubscriber:
             up.todo.append(i)
             self._pump()
             return
-        up.stats.buckets[i].update(recv_s=t - up.t0)
+        up.stats.buckets[i].update(recv_s=t - up.t0, verify_s=part.verify_s)
         self._landed(up, i, part.chunks)
 
     def _on_shm_ready(self, up: _Update, msg: WeightBucket, t: float) -> None:

@@ -1,0 +1,557 @@
+"""Weight updates: bucketing, publisher/subscriber over real sockets (in one process,
+the worker side in its thread), shared memory and its fallback, disk, bad input.
+
+Multi-process faults (SIGKILL mid-update, corrupt buckets, mismatches) live in
+``test_weights_faults.py``; the process-group path and the fabric integration in
+``test_weights_dist.py``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import zmq
+
+import fastio
+import transport.weights as tw
+from fastio.weight_msgs import (
+    PUBLISHER_TO_SUBSCRIBER,
+    WeightBucket,
+    WeightError,
+    WeightFetch,
+    WeightHello,
+    WeightWelcome,
+)
+from transport.weights import (
+    BucketApplier,
+    ChecksumError,
+    WeightMismatchError,
+    WeightPublisher,
+    WeightSubscriber,
+    check_manifest,
+    pack_bucket,
+    plan_buckets,
+    state_digest,
+)
+from transport.weights import shm as wshm
+from transport.weights.bucket import ALIGNMENT, Hasher, checksum, plan_for
+from transport.weights.disk import MARKER, latest_version, load_weights, save_weights
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int8,
+          torch.uint8, torch.bool, torch.int32, torch.int16]  # fmt: skip
+
+
+def make_state(seed: int, *, scale: int = 1) -> dict[str, torch.Tensor]:
+    """A small state dict mixing dtypes and shapes (0-d, empty, odd sizes)."""
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "embed.weight": torch.randn(97 * scale, 33, generator=g),
+        "layers.0.attn.weight": torch.randn(64, 64, generator=g).to(torch.bfloat16),
+        "layers.0.mlp.weight": torch.randn(65, 31, generator=g).half(),
+        "layers.0.norm.weight": torch.randn(33, generator=g),
+        "scalar": torch.randn((), generator=g, dtype=torch.float64),
+        "empty": torch.empty(0, 5),
+        "steps": torch.randint(0, 1 << 40, (3,), generator=g),
+        "mask": torch.rand(17, generator=g) > 0.5,
+    }
+
+
+def zeros_like(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: torch.zeros_like(v) for k, v in sd.items()}
+
+
+def equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+# -- bucketing -----------------------------------------------------------------------
+def test_all_is_complete_and_sorted() -> None:
+    # isort style (ruff RUF022): CONSTANTS, then Classes, then functions
+    def key(n: str) -> tuple[int, str]:
+        return (0 if n.isupper() else 1 if n[0].isupper() else 2, n)
+
+    assert tw.__all__ == sorted(tw.__all__, key=key)
+    for name in tw.__all__:
+        assert hasattr(tw, name), name
+
+
+def test_plan_respects_bucket_size_alignment_and_order() -> None:
+    sd = make_state(0)
+    plan = plan_for(sd, bucket_bytes=4096)
+    names = [t.name for b in plan for t in b.tensors]
+    assert names == list(sd)
+    for b in plan:
+        assert b.nbytes <= 4096 or len(b.tensors) == 1  # only a lone big tensor exceeds
+        for t in b.tensors:
+            assert t.offset % ALIGNMENT == 0
+            assert t.nbytes == sd[t.name].numel() * sd[t.name].element_size()
+    # buckets lie back to back (aligned) in one segment
+    for a, b in itertools.pairwise(plan):
+        assert b.shm_offset >= a.shm_offset + a.nbytes
+        assert b.shm_offset % ALIGNMENT == 0
+
+
+def test_plan_rejects_duplicates_and_bad_sizes() -> None:
+    with pytest.raises(WeightMismatchError, match="duplicate"):
+        plan_buckets([("a", "float32", (2,)), ("a", "float32", (2,))])
+    with pytest.raises(ValueError):
+        plan_buckets([("a", "float32", (2,))], bucket_bytes=0)
+    with pytest.raises(WeightMismatchError, match="unknown dtype"):
+        plan_buckets([("a", "complex64", (2,))])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_pack_and_apply_roundtrip_every_dtype(dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(1)
+    src = {
+        "a": (torch.randn(7, 5, generator=g) * 50).to(dtype),
+        "b": (torch.randn(3, generator=g) * 50).to(dtype),
+        "c": (torch.randn((), generator=g) * 50).to(dtype),
+    }
+    plan = plan_for(src, 1 << 20)
+    dst = zeros_like(src)
+    for info in plan:
+        buf = torch.empty(info.nbytes, dtype=torch.uint8)
+        pack_bucket(info, src, buf)
+        BucketApplier(dst).apply(info, [buf])
+    assert equal(src, dst)
+
+
+def test_apply_from_chunks_split_anywhere_and_noncontiguous() -> None:
+    src = make_state(2)
+    src["t"] = torch.randn(12, 10).t()  # non-contiguous source
+    plan = plan_for(src, 1 << 20)
+    (info,) = plan
+    buf = torch.empty(info.nbytes, dtype=torch.uint8)
+    pack_bucket(info, src, buf)
+    rng = np.random.default_rng(0)
+    cuts = sorted(rng.choice(np.arange(1, info.nbytes), size=40, replace=False).tolist())
+    chunks = [buf[a:b] for a, b in zip([0, *cuts], [*cuts, info.nbytes], strict=True)]
+    dst = zeros_like(src)
+    dst["t"] = torch.zeros(12, 10).t()  # non-contiguous target: written in place
+    ref = dst["t"]
+    BucketApplier(dst).apply(info, chunks)
+    assert equal(src, dst)
+    assert dst["t"] is ref
+
+
+def test_padding_is_zeroed_so_checksums_are_deterministic() -> None:
+    src = {"a": torch.ones(3), "b": torch.ones(3)}
+    (info,) = plan_for(src, 1 << 20)
+    sums = []
+    for fill in (0x00, 0xAB):
+        buf = torch.full((info.nbytes,), fill, dtype=torch.uint8)
+        pack_bucket(info, src, buf)
+        sums.append(checksum([buf.numpy()]))
+    assert sums[0] == sums[1]
+
+
+def test_checksum_algorithms_match_their_libraries() -> None:
+    data = np.arange(100_000, dtype=np.uint32).view(np.uint8)
+    h = Hasher("crc32")
+    h.update(data[:777])
+    h.update(data[777:])
+    assert h.digest() == zlib.crc32(data)
+    if "xxh3_64" in tw.bucket.CHECKSUM_ALGOS:
+        import xxhash
+
+        assert checksum([data[:5], data[5:]], "xxh3_64") == xxhash.xxh3_64_intdigest(data)
+    with pytest.raises(ValueError, match="not available"):
+        Hasher("md5")
+
+
+def test_check_manifest_names_every_problem() -> None:
+    sd = make_state(0)
+    plan = plan_for(sd, 1 << 20)
+    check_manifest(plan, sd)
+    bad = dict(sd)
+    bad["layers.0.norm.weight"] = torch.zeros(34)
+    bad["embed.weight"] = torch.zeros(97, 33, dtype=torch.float16)
+    del bad["steps"]
+    bad["extra"] = torch.zeros(1)
+    with pytest.raises(WeightMismatchError) as ei:
+        check_manifest(plan, bad)
+    msg = str(ei.value)
+    assert "shape mismatch for 'layers.0.norm.weight'" in msg
+    assert "dtype mismatch for 'embed.weight'" in msg
+    assert "'steps' is not a parameter" in msg
+    assert "missing from the update: ['extra']" in msg
+    # not strict: a subset of the model may be updated
+    sub = {k: v for k, v in sd.items() if k != "mask"}
+    check_manifest(plan_for(sub, 1 << 20), sd, strict=False)
+
+
+# -- publisher / subscriber ----------------------------------------------------------
+@pytest.fixture
+def ctx() -> Iterator[zmq.Context[Any]]:
+    c: zmq.Context[Any] = zmq.Context()
+    yield c
+    c.term()
+
+
+class Pair:
+    """A publisher and its subscribers, closed at teardown."""
+
+    def __init__(self, ctx: zmq.Context[Any]) -> None:
+        self.ctx = ctx
+        self.pub: WeightPublisher | None = None
+        self.subs: list[WeightSubscriber] = []
+
+    def publisher(self, **kw: Any) -> WeightPublisher:
+        kw.setdefault("heartbeat_interval", 0.1)
+        self.pub = WeightPublisher(context=self.ctx, **kw)
+        return self.pub
+
+    def subscriber(self, target: Any, **kw: Any) -> WeightSubscriber:
+        assert self.pub is not None
+        kw.setdefault("heartbeat_interval", 0.1)
+        kw.setdefault("report_digest", True)
+        s = WeightSubscriber(self.pub.endpoint, target, context=self.ctx, **kw).start()
+        self.subs.append(s)
+        return s
+
+    def close(self) -> None:
+        for s in self.subs:
+            s.close()
+        if self.pub is not None:
+            self.pub.close()
+
+
+@pytest.fixture
+def pair(ctx: zmq.Context[Any]) -> Iterator[Pair]:
+    p = Pair(ctx)
+    yield p
+    p.close()
+
+
+@pytest.mark.parametrize("shm", [False, True], ids=["tcp", "shm"])
+def test_versions_reach_every_worker_in_place(pair: Pair, shm: bool) -> None:
+    pub = pair.publisher(bucket_bytes=8192, chunk_bytes=1000, shm=shm)
+    targets = [zeros_like(make_state(0)) for _ in range(2)]
+    refs = [dict(t) for t in targets]
+    subs = [pair.subscriber(t, shm=shm, worker_id=f"w{i}") for i, t in enumerate(targets)]
+    pub.wait_for_workers(2, 10)
+    for version in (1, 2, 3):
+        src = make_state(version)
+        res = pub.publish_and_wait(src, version, timeout=20)
+        assert sorted(res.applied) == ["w0", "w1"] and not res.failed and not res.missing
+        for t, ref in zip(targets, refs, strict=True):
+            assert equal(t, src)
+            assert all(t[k] is ref[k] for k in t)  # the same tensors, written in place
+        for ack in res.applied.values():
+            assert ack.digest == state_digest(src)
+            assert ack.via == ("shm" if shm and wshm.available() else "tcp")
+            assert ack.stats["b0_verify_s"] >= 0 and "b1_apply_s" in ack.stats
+    assert all(s.version == 3 for s in subs)
+    assert len(pub.publish(make_state(4), 4).buckets) > 2
+
+
+def test_ipc_endpoint(pair: Pair, tmp_path: Path) -> None:
+    pub = pair.publisher(endpoint=f"ipc://{tmp_path}/w.sock", shm=False)
+    assert pub.pub_endpoint == f"ipc://{tmp_path}/w.sock.pub"
+    t = zeros_like(make_state(0))
+    pair.subscriber(t)
+    pub.wait_for_workers(1, 10)
+    pub.publish_and_wait(make_state(5), 5, timeout=20)
+    assert equal(t, make_state(5))
+
+
+def test_late_joiner_catches_up_from_the_snapshot(pair: Pair) -> None:
+    pub = pair.publisher(bucket_bytes=4096)
+    pub.publish(make_state(1), 1)
+    pub.publish(make_state(2), 2)  # nobody listened: the snapshot is all there is
+    t = zeros_like(make_state(0))
+    sub = pair.subscriber(t)
+    assert sub.wait_version(2, 20)
+    assert equal(t, make_state(2))
+    assert pub.wait(2, 10).ok
+
+
+def test_newer_version_supersedes_one_in_flight(pair: Pair) -> None:
+    pub = pair.publisher(bucket_bytes=2048, chunk_bytes=512, shm=False)
+    t = zeros_like(make_state(0))
+    seen: list[tuple[int, int]] = []
+    sub = pair.subscriber(t, on_progress=lambda v, i: seen.append((v, i)))
+    pub.wait_for_workers(1, 10)
+    pub.publish(make_state(1), 1)
+    pub.publish(make_state(2), 2)
+    assert pub.wait(2, 20).ok
+    assert sub.version == 2 and equal(t, make_state(2))
+
+
+def test_transient_corruption_is_refetched(pair: Pair) -> None:
+    hits: list[int] = []
+
+    def corrupt_once(worker: str, version: int, index: int) -> str | None:
+        if index == 1 and not hits:
+            hits.append(index)
+            return "corrupt"
+        return None
+
+    pub = pair.publisher(bucket_bytes=4096, shm=False, fault_hook=corrupt_once)
+    t = zeros_like(make_state(0))
+    sub = pair.subscriber(t)
+    pub.wait_for_workers(1, 10)
+    assert pub.wait(pub.publish(make_state(1), 1).version, 20).ok
+    assert equal(t, make_state(1))
+    assert sub.counters["checksum_failures"] == 1 and sub.counters["refetches"] == 1
+
+
+def test_persistent_corruption_keeps_previous_weights(pair: Pair) -> None:
+    def corrupt(worker: str, version: int, index: int) -> str | None:
+        return "corrupt" if version == 2 and index == 2 else None
+
+    pub = pair.publisher(bucket_bytes=4096, shm=False, fault_hook=corrupt)
+    t = zeros_like(make_state(0))
+    sub = pair.subscriber(t, retries=2)
+    pub.wait_for_workers(1, 10)
+    pub.publish_and_wait(make_state(1), 1, timeout=20)
+    res = pub.wait(pub.publish(make_state(2), 2).version, 20)
+    assert not res.ok
+    (err,) = res.failed.values()
+    assert "bucket 2 of version 2 failed its checksum 2 times" in err
+    assert sub.version == 1 and equal(t, make_state(1))  # never mixed
+    assert pub.workers()[sub.worker_id].digest == state_digest(make_state(1))
+
+
+def test_corrupted_shared_memory_is_detected(pair: Pair) -> None:
+    if not wshm.available():
+        pytest.skip("no /dev/shm")
+
+    def corrupt(worker: str, version: int, index: int) -> str | None:
+        return "corrupt" if version == 2 and index == 1 else None
+
+    pub = pair.publisher(bucket_bytes=4096, shm=True, fault_hook=corrupt)
+    t = zeros_like(make_state(0))
+    sub = pair.subscriber(t)
+    pub.wait_for_workers(1, 10)
+    assert pub.publish_and_wait(make_state(1), 1, timeout=20).applied[sub.worker_id].via == "shm"
+    res = pub.wait(pub.publish(make_state(2), 2).version, 20)
+    assert "bucket 1 of version 2 fails its checksum in shared memory" in res.failed[sub.worker_id]
+    assert sub.version == 1 and equal(t, make_state(1))
+    # the next good version goes through
+    assert pub.publish_and_wait(make_state(3), 3, timeout=20).ok and equal(t, make_state(3))
+
+
+def test_mismatch_is_reported_before_touching_weights(pair: Pair) -> None:
+    pub = pair.publisher(shm=False)
+    good = zeros_like(make_state(0))
+    bad = zeros_like(make_state(0))
+    bad["layers.0.norm.weight"] = torch.zeros(32)
+    before = state_digest(bad)
+    pair.subscriber(good, worker_id="good")
+    sub_bad = pair.subscriber(bad, worker_id="bad")
+    pub.wait_for_workers(2, 10)
+    res = pub.wait(pub.publish(make_state(1), 1).version, 20)
+    assert list(res.applied) == ["good"]
+    assert "shape mismatch for 'layers.0.norm.weight'" in res.failed["bad"]
+    assert state_digest(bad) == before and sub_bad.version == -1
+    assert sub_bad.counters.get("versions_failed") == 1  # not retried at every Hello
+
+
+def test_streaming_mode_applies_as_buckets_arrive(pair: Pair) -> None:
+    pub = pair.publisher(bucket_bytes=4096, shm=False)
+    t = zeros_like(make_state(0))
+    sub = pair.subscriber(t, atomic=False)
+    pub.wait_for_workers(1, 10)
+    pub.publish_and_wait(make_state(1), 1, timeout=20)
+    assert equal(t, make_state(1)) and sub.consistent
+
+
+def test_shm_falls_back_to_tcp_when_the_segment_cannot_be_opened(
+    pair: Pair, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if not wshm.available():
+        pytest.skip("no /dev/shm")
+
+    def refuse(name: str) -> Any:
+        raise PermissionError(13, "denied (test)")
+
+    monkeypatch.setattr(wshm.ShmSegment, "open", staticmethod(refuse))
+    pub = pair.publisher(shm=True)
+    t = zeros_like(make_state(0))
+    sub = pair.subscriber(t)
+    pub.wait_for_workers(1, 10)
+    res = pub.publish_and_wait(make_state(1), 1, timeout=20)
+    assert next(iter(res.applied.values())).via == "tcp"
+    assert sub.counters["shm_fallbacks"] == 1 and equal(t, make_state(1))
+
+
+def test_other_host_or_private_dev_shm_uses_tcp(
+    pair: Pair, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A worker that cannot read the probe (another host, a container's own /dev/shm).
+    monkeypatch.setattr(wshm, "read_probe", lambda name, token: False)
+    pub = pair.publisher(shm=None)
+    t = zeros_like(make_state(0))
+    pair.subscriber(t)
+    pub.wait_for_workers(1, 10)
+    res = pub.publish_and_wait(make_state(1), 1, timeout=20)
+    assert next(iter(res.applied.values())).via == "tcp"
+
+
+def test_wait_reports_missing_workers_on_timeout(pair: Pair) -> None:
+    pub = pair.publisher(shm=False)
+    pub.publish(make_state(1), 1)
+    res = pub.wait(1, 0.3, workers=["ghost"])
+    assert res.missing == ["ghost"] and not res.ok
+    with pytest.raises(tw.UpdateIncomplete) as ei:
+        pub.publish_and_wait(make_state(2), 2, timeout=0.3, workers=["ghost"])
+    assert ei.value.result.missing == ["ghost"]
+    with pytest.raises(ValueError, match="not newer"):
+        pub.publish(make_state(2), 2)
+    with pytest.raises(KeyError):
+        pub.wait(99, 0.1)
+
+
+def test_garbage_to_the_publisher_is_answered_and_counted(pair: Pair, ctx: Any) -> None:
+    pub = pair.publisher(shm=False)
+    pub.publish(make_state(1), 1)
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.setsockopt(zmq.RCVTIMEO, 5000)
+    s.setsockopt(zmq.ROUTING_ID, b"probe-peer")
+    s.connect(pub.endpoint)
+    dec = fastio.Decoder(PUBLISHER_TO_SUBSCRIBER)
+    enc = fastio.Encoder()
+    try:
+        for garbage in ([b"\xff\x00garbage"], [b""], enc.encode(fastio.LLMRequest(input_ids=[1]))):
+            s.send_multipart(garbage)
+            reply = dec.decode(s.recv_multipart())
+            assert isinstance(reply, WeightError) and "bad message" in reply.reason
+        # unknown version and bucket: clear errors, the publisher keeps serving
+        s.send_multipart(enc.encode(WeightFetch(7, 0)))
+        err = dec.decode(s.recv_multipart())
+        assert isinstance(err, WeightError) and "not available (latest is 1)" in err.reason
+        s.send_multipart(enc.encode(WeightFetch(1, 999)))
+        assert "no bucket 999" in dec.decode(s.recv_multipart()).reason
+        s.send_multipart(enc.encode(WeightHello("probe", "h", 1)))
+        welcome = dec.decode(s.recv_multipart())
+        assert isinstance(welcome, WeightWelcome) and welcome.announce.version == 1
+        s.send_multipart(enc.encode(WeightFetch(1, 0)))
+        piece = dec.decode(s.recv_multipart())
+        assert isinstance(piece, WeightBucket) and piece.last
+    finally:
+        s.close(linger=0)
+    assert pub.counters["bad_messages"] == 3
+    assert list(pub.workers()) == ["probe-peer"]  # only the Hello made a worker
+    t = zeros_like(make_state(0))
+    sub = pair.subscriber(t)
+    assert pub.wait(1, 20, workers=[sub.worker_id]).ok
+
+
+def test_garbage_to_the_subscriber_is_counted(pair: Pair, ctx: Any) -> None:
+    # A rogue "publisher": the subscriber must survive its messages.
+    rogue = ctx.socket(zmq.ROUTER)
+    rogue.setsockopt(zmq.LINGER, 0)
+    port = rogue.bind_to_random_port("tcp://127.0.0.1")
+    t = zeros_like(make_state(0))
+    sub = WeightSubscriber(f"tcp://127.0.0.1:{port}", t, context=ctx, heartbeat_interval=0.1)
+    sub.start()
+    try:
+        assert rogue.poll(5000)
+        ident = rogue.recv_multipart()[0]
+        rogue.send_multipart([ident, b"\x00garbage"])
+        rogue.send_multipart([ident, *fastio.encode(WeightBucket(1, 0, 0, 0, True, []))])
+        from tests.transport.conftest import wait_for
+
+        wait_for(lambda: sub.counters.get("bad_messages") and sub.counters.get("stale_pieces"))
+        assert sub._thread is not None and sub._thread.is_alive()
+    finally:
+        sub.close()
+        rogue.close(linger=0)
+
+
+def test_shm_segment_survives_unlink_and_stale_ones_are_cleaned() -> None:
+    if not wshm.available():
+        pytest.skip("no /dev/shm")
+    seg = wshm.ShmSegment.create(4096)
+    seg.tensor[:4] = torch.tensor([1, 2, 3, 4], dtype=torch.uint8)
+    reader = wshm.ShmSegment.open(seg.name)
+    seg.close()  # the owner unlinks
+    assert not (wshm.SHM_DIR / seg.name).exists()
+    assert reader.tensor[:4].tolist() == [1, 2, 3, 4]
+    reader.close()
+    with pytest.raises(OSError):
+        wshm.ShmSegment.open("../etc/passwd")
+    stale = wshm.SHM_DIR / "fastio-w-999999999-deadbeef"
+    stale.write_bytes(b"x")
+    assert wshm.cleanup_stale() >= 1 and not stale.exists()
+
+
+# -- disk ----------------------------------------------------------------------------
+def test_disk_roundtrip_atomic_marker_and_gc(tmp_path: Path) -> None:
+    meta = fastio.WeightUpdateMeta(type="disk", path=str(tmp_path / "wu"))
+    assert latest_version(meta) is None
+    for v in (1, 2, 3):
+        save_weights(meta, make_state(v), v)
+    assert latest_version(meta) == 3
+    assert sorted(p.name for p in (tmp_path / "wu").iterdir()) == [MARKER, "v00000002", "v00000003"]
+    t = zeros_like(make_state(0))
+    ref = dict(t)
+    assert load_weights(meta, t) == 3
+    assert equal(t, make_state(3)) and all(t[k] is ref[k] for k in t)
+    assert load_weights(meta, t, version=2) == 2 and equal(t, make_state(2))
+    with pytest.raises(ValueError, match="not newer"):
+        save_weights(meta, make_state(1), 3)
+
+
+def test_disk_writer_dying_midway_leaves_the_previous_version(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import transport.weights.disk as wdisk
+
+    save_weights(tmp_path, make_state(1), 1)
+
+    def half_written(tensors: Any, path: str, metadata: Any = None) -> None:
+        Path(path).write_bytes(b"\x10\x00\x00\x00half")  # then the writer "dies"
+        raise OSError("disk full (test)")
+
+    monkeypatch.setattr(wdisk, "save_file", half_written)
+    with pytest.raises(OSError):
+        save_weights(tmp_path, make_state(2), 2)
+    assert latest_version(tmp_path) == 1
+    t = zeros_like(make_state(0))
+    assert load_weights(tmp_path, t) == 1 and equal(t, make_state(1))
+
+
+def test_disk_mismatch_leaves_weights_untouched(tmp_path: Path) -> None:
+    save_weights(tmp_path, make_state(1), 1)
+    t = zeros_like(make_state(0))
+    t["embed.weight"] = torch.zeros(97, 34)
+    before = state_digest(t)
+    with pytest.raises(WeightMismatchError, match=r"shape mismatch for 'embed\.weight'"):
+        load_weights(tmp_path, t)
+    assert state_digest(t) == before
+    with pytest.raises(tw.WeightUpdateError, match="no weights"):
+        load_weights(tmp_path / "nothing", t)
+
+
+def test_errors_form_one_tree() -> None:
+    from transport.errors import TransportError
+
+    for e in (ChecksumError, WeightMismatchError, tw.VersionUnavailable, tw.UpdateIncomplete):
+        assert issubclass(e, tw.WeightUpdateError) and issubclass(e, TransportError)
+    assert issubclass(WeightMismatchError, ValueError)
+    assert issubclass(tw.UpdateIncomplete, TimeoutError)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("shm", [False, True], ids=["tcp", "shm"])
+def test_cuda_tensors_on_both_sides(pair: Pair, shm: bool) -> None:
+    src = {k: v.cuda() for k, v in make_state(3).items()}
+    t = {k: torch.zeros_like(v) for k, v in src.items()}
+    pub = pair.publisher(bucket_bytes=4096, shm=shm)
+    pair.subscriber(t, shm=shm)
+    pub.wait_for_workers(1, 10)
+    pub.publish_and_wait(src, 1, timeout=30)
+    assert all(torch.equal(t[k], src[k]) for k in src)
+    assert all(v.is_cuda for v in t.values())
