@@ -18,7 +18,7 @@ from fastio import fabric_msgs as fm
 from tests.transport.conftest import WorkerProc
 from transport import ClientConfig, FabricClient, FabricController, RemoteError
 
-FAST = ClientConfig(heartbeat_interval=0.05, request_timeout=20)
+FAST = ClientConfig(heartbeat_interval=0.1, heartbeat_liveness=10, request_timeout=20)
 LIMIT = 100_000  # the worker's --max-message-size in these tests
 
 

@@ -21,8 +21,11 @@ from transport import (
     SyncFabricClient,
 )
 
-# Tight heartbeats: a dead worker is found within 0.05 * (3 + 1) = 0.2 s.
+# Tight heartbeats where death detection is tested: a dead worker is found within
+# 0.05 * (3 + 1) = 0.2 s. Elsewhere a looser liveness (1 s), so that a loaded machine
+# (other suites running) does not starve a worker into a false death.
 FAST = ClientConfig(heartbeat_interval=0.05, heartbeat_liveness=3, request_timeout=30)
+STEADY = ClientConfig(heartbeat_interval=0.1, heartbeat_liveness=10, request_timeout=30)
 
 
 def req(ids: list[int], n: int = 8, rid: str | None = None, **g: Any) -> LLMRequest:
@@ -49,7 +52,7 @@ def test_many_concurrent_requests(
     ]
 
     async def main() -> None:
-        async with FabricClient(addrs, FAST) as client:
+        async with FabricClient(addrs, STEADY) as client:
             resps = await asyncio.gather(
                 *(client.agenerate(LLMRequest(input_ids=x)) for x in inputs)
             )
@@ -75,7 +78,7 @@ def test_reference_engine_generates_streams_and_is_deterministic(
     chunks: list[int] = []
 
     async def main() -> None:
-        async with FabricClient([w.address], FAST) as client:
+        async with FabricClient([w.address], STEADY) as client:
             r = req([5, 6, 7], n=24, rid="fixed")
             a = await client.agenerate(r, on_chunk=lambda t, lp, v: chunks.append(len(t)))
             b = await client.agenerate(req([5, 6, 7], n=24, rid="fixed"))
@@ -101,7 +104,7 @@ def test_rid_stickiness_and_runtime_membership(spawn: Callable[..., WorkerProc])
     ctl = FabricController([a1, a2])
 
     async def main() -> None:
-        async with FabricClient([a1], FAST) as client:
+        async with FabricClient([a1], STEADY) as client:
             await client.agenerate(req([1]))
             client.add_worker(a2)
             await await_for(lambda: all(i.alive for i in client.workers), what="w2 joins")
@@ -188,7 +191,7 @@ def test_pause_interrupt_resume_accumulates_versions(spawn: Callable[..., Worker
         streamed[0] += len(t)
 
     async def main() -> None:
-        async with FabricClient([w.address], FAST) as client, FabricController([w.address]) as ctl:
+        async with FabricClient([w.address], STEADY) as client, FabricController([w.address]) as ctl:
             inputs = [[i, i + 1, i + 2] for i in range(8)]
             tasks = [
                 asyncio.ensure_future(client.agenerate(req(x, n=60), on_chunk=on_chunk))
@@ -221,7 +224,7 @@ def test_cancel_and_timeout_abort_on_worker(spawn: Callable[..., WorkerProc]) ->
     w = spawn("--bind", "tcp://127.0.0.1:0", "--engine", "reference", "--token-interval", "0.01")
 
     async def main() -> None:
-        async with FabricClient([w.address], FAST) as client, FabricController([w.address]) as ctl:
+        async with FabricClient([w.address], STEADY) as client, FabricController([w.address]) as ctl:
 
             def running() -> int:
                 return ctl.health()[w.address].running
@@ -254,7 +257,7 @@ def test_cancel_and_timeout_abort_on_worker(spawn: Callable[..., WorkerProc]) ->
 
 def test_sync_client(spawn: Callable[..., WorkerProc]) -> None:
     w = spawn("--bind", "tcp://127.0.0.1:0", "--engine", "echo")
-    with SyncFabricClient([w.address], FAST) as client:
+    with SyncFabricClient([w.address], STEADY) as client:
         assert client.generate(req([7, 8, 9])).output_tokens == [7, 8, 9]
         futs = [client.submit(req([i])) for i in range(100)]
         assert [f.result(10).output_tokens[0] for f in futs] == list(range(100))
