@@ -1,0 +1,195 @@
+"""Weight-update faults with real processes (spawned) and SIGKILL on purpose.
+
+Each test checks that every worker ends on a consistent version (the digest of its
+weights equals the digest of one complete version) and that the failure is reported
+clearly. Workers report their state through the protocol itself (Hello and Ack carry a
+digest of the weights), so the test observes them the way a trainer would.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import socket
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from tests.transport.conftest import wait_for
+from tests.transport.test_weights import make_state, zeros_like
+from transport.weights import WeightPublisher, WeightSubscriber, state_digest
+
+BUCKET = 2048  # many small buckets: "mid-update" has room
+
+
+def variant_target(variant: str) -> dict[str, torch.Tensor]:
+    """A worker's model: ``good`` matches the updates, the others do not."""
+    t = zeros_like(make_state(0))
+    if variant == "name":
+        t["layers.0.norm.renamed"] = t.pop("layers.0.norm.weight")
+    elif variant == "shape":
+        t["layers.0.mlp.weight"] = torch.zeros(65, 30, dtype=torch.float16)
+    elif variant == "dtype":
+        t["layers.0.attn.weight"] = torch.zeros(64, 64, dtype=torch.float32)
+    return t
+
+
+def subscriber_proc(endpoint: str, workers: list[tuple[str, str]], opts: dict[str, Any]) -> None:
+    """A worker process hosting one subscriber per (worker id, variant)."""
+    torch.set_num_threads(1)
+    die = opts.get("die_at")  # (worker id, version, bucket): SIGKILL ourselves there
+    subs = []
+    for wid, variant in workers:
+
+        def progress(version: int, bucket: int, wid: str = wid) -> None:
+            if die is not None and (wid, version, bucket) == tuple(die):
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        subs.append(
+            WeightSubscriber(
+                endpoint,
+                variant_target(variant),
+                worker_id=wid,
+                shm=opts.get("shm", False),
+                report_digest=True,
+                heartbeat_interval=0.1,
+                fetch_timeout=opts.get("fetch_timeout", 2.0),
+                publisher_timeout=opts.get("publisher_timeout", 10.0),
+                retries=2,
+                on_progress=progress,
+            ).start()
+        )
+    threading.Event().wait()  # until the test kills us
+
+
+def publisher_proc(endpoint: str, n_workers: int, die_at: tuple[int, int]) -> None:
+    """A trainer that publishes version 1, then dies serving bucket die_at[1] of version
+    die_at[0]."""
+    torch.set_num_threads(1)
+
+    def fault(worker: str, version: int, index: int) -> str | None:
+        return "die" if (version, index) == die_at else None
+
+    pub = WeightPublisher(
+        endpoint, bucket_bytes=BUCKET, shm=False, heartbeat_interval=0.1, fault_hook=fault
+    )
+    pub.wait_for_workers(n_workers, 60)
+    pub.publish_and_wait(make_state(1), 1, timeout=60)
+    pub.publish(make_state(2), 2)
+    pub.wait(2, 60)
+    raise SystemExit("the fault hook should have killed this process")
+
+
+@pytest.fixture
+def procs() -> Iterator[Callable[..., Any]]:
+    ctx = mp.get_context("spawn")
+    started: list[Any] = []
+
+    def start(target: Callable[..., None], *args: Any) -> Any:
+        p = ctx.Process(target=target, args=args, daemon=True)
+        p.start()
+        started.append(p)
+        return p
+
+    yield start
+    for p in started:
+        if p.is_alive():
+            p.kill()
+        p.join(10)
+
+
+@pytest.fixture
+def endpoint() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+
+
+def digest_of(version: int) -> int:
+    return state_digest(make_state(version))
+
+
+def test_subscriber_killed_mid_update(procs: Callable[..., Any]) -> None:
+    with WeightPublisher(
+        bucket_bytes=BUCKET, shm=False, heartbeat_interval=0.1, worker_timeout=1.5
+    ) as pub:
+        procs(subscriber_proc, pub.endpoint, [("a", "good")], {})
+        victim = procs(subscriber_proc, pub.endpoint, [("b", "good")], {"die_at": ("b", 2, 3)})
+        pub.wait_for_workers(2, 60)
+        assert pub.publish_and_wait(make_state(1), 1, timeout=60).ok
+        res = pub.wait(pub.publish(make_state(2), 2).version, 30)
+        victim.join(10)
+        assert victim.exitcode == -signal.SIGKILL
+        assert list(res.applied) == ["a"] and res.applied["a"].digest == digest_of(2)
+        assert "worker lost" in res.failed["b"]
+        # Restarted with the same id and fresh (zero) weights: it catches up from the
+        # snapshot to the current version.
+        procs(subscriber_proc, pub.endpoint, [("b", "good")], {})
+        wait_for(
+            lambda: pub.workers()["b"].version == 2 and pub.workers()["b"].alive,
+            30,
+            "the restarted worker to catch up",
+        )
+        assert pub.workers()["b"].digest == digest_of(2)
+        assert pub.wait(2, 10).ok
+
+
+def test_publisher_killed_mid_update(procs: Callable[..., Any], endpoint: str) -> None:
+    trainer = procs(publisher_proc, endpoint, 2, (2, 3))
+    procs(
+        subscriber_proc,
+        endpoint,
+        [("a", "good"), ("b", "good")],
+        {"publisher_timeout": 1.0, "fetch_timeout": 0.5},
+    )
+    trainer.join(90)
+    assert trainer.exitcode == -signal.SIGKILL
+    # A new trainer on the same address finds both workers still on version 1, intact.
+    with WeightPublisher(endpoint, bucket_bytes=BUCKET, shm=False, heartbeat_interval=0.1) as pub:
+        pub.wait_for_workers(2, 30)
+        wait_for(lambda: all(w.version == 1 for w in pub.workers().values()), 30, "workers' Hellos")
+        assert {w.digest for w in pub.workers().values()} == {digest_of(1)}
+        res = pub.publish_and_wait(make_state(3), 3, timeout=60)
+        assert {a.digest for a in res.applied.values()} == {digest_of(3)}
+
+
+@pytest.mark.parametrize("shm", [False, True], ids=["tcp", "shm"])
+def test_corrupted_bucket(procs: Callable[..., Any], shm: bool) -> None:
+    def corrupt(worker: str, version: int, index: int) -> str | None:
+        return "corrupt" if worker == "b" and version == 2 and index == 1 else None
+
+    with WeightPublisher(
+        bucket_bytes=BUCKET, shm=shm, heartbeat_interval=0.1, fault_hook=corrupt
+    ) as pub:
+        procs(subscriber_proc, pub.endpoint, [("a", "good"), ("b", "good")], {"shm": shm})
+        pub.wait_for_workers(2, 60)
+        assert pub.publish_and_wait(make_state(1), 1, timeout=60).ok
+        res = pub.wait(pub.publish(make_state(2), 2).version, 30)
+        assert list(res.applied) == ["a"] and res.applied["a"].digest == digest_of(2)
+        assert "bucket 1 of version 2" in res.failed["b"] and "checksum" in res.failed["b"]
+        wait_for(lambda: pub.workers()["b"].digest is not None, 10, "b's digest")
+        assert pub.workers()["b"].version == 1
+        assert pub.workers()["b"].digest == digest_of(1)  # previous weights, intact
+
+
+def test_name_shape_dtype_mismatch(procs: Callable[..., Any]) -> None:
+    variants = ["good", "name", "shape", "dtype"]
+    with WeightPublisher(bucket_bytes=BUCKET, heartbeat_interval=0.1) as pub:
+        procs(subscriber_proc, pub.endpoint, [(v, v) for v in variants], {"shm": True})
+        pub.wait_for_workers(4, 60)
+        res = pub.wait(pub.publish(make_state(1), 1).version, 30)
+        assert list(res.applied) == ["good"] and res.applied["good"].digest == digest_of(1)
+        assert "'layers.0.norm.weight' is not a parameter" in res.failed["name"]
+        assert "missing from the update: ['layers.0.norm.renamed']" in res.failed["name"]
+        assert "shape mismatch for 'layers.0.mlp.weight'" in res.failed["shape"]
+        assert "model has [65, 30], update has [65, 31]" in res.failed["shape"]
+        assert "dtype mismatch for 'layers.0.attn.weight'" in res.failed["dtype"]
+        assert "model has float32, update has bfloat16" in res.failed["dtype"]
+        workers = pub.workers()
+        for v in variants[1:]:
+            assert workers[v].version == -1
+            assert workers[v].digest == state_digest(variant_target(v))  # untouched
