@@ -115,6 +115,7 @@ _int_decoder = msgspec.msgpack.Decoder(int)
 _Ext = msgspec.msgpack.Ext
 _new_object = object.__new__
 _EMPTY = memoryview(b"")
+_BF16_STORAGE = np.dtype("<u2")
 
 # Bytes per pixel of the PIL modes carried as raw pixels; others convert first.
 _IMAGE_MODES = {
@@ -292,9 +293,9 @@ class Encoder:
             )
         if t.requires_grad:
             t = t.detach()
-        if t.device.type != "cpu":
+        if not t.is_cpu:
             # Device memory cannot be a frame: one copy through host memory.
-            t = t.to("cpu")
+            t = t.cpu()
         if not t.is_contiguous():
             t = t.contiguous()
         shape = tuple(t.shape)
@@ -561,12 +562,14 @@ class Decoder:
             raise DecodeError(f"unknown tensor dtype {name!r}; known: {sorted(_torch_dtypes)}")
         dtype, itemsize = entry
         data = self._data(slot, count * itemsize, lambda: f"tensor {name}{list(shape)}")
-        if count == 0:
-            t = torch.empty(shape, dtype=dtype)
-        else:
-            if memoryview(data).readonly:
-                data = bytearray(data)  # see the module docstring: torch cannot be read-only
-            t = torch.frombuffer(data, dtype=dtype, count=count).reshape(shape)
+        if memoryview(data).readonly:
+            data = bytearray(data)  # see the module docstring: torch cannot be read-only
+        # Through numpy: torch.frombuffer + reshape costs ~2.5 us, this ~1 us. bfloat16
+        # is viewed as uint16 there and reinterpreted by torch.
+        np_dtype = _NP_DTYPES.get(name, _BF16_STORAGE)
+        t = torch.from_numpy(np.frombuffer(data, np_dtype, count).reshape(shape))
+        if dtype is not t.dtype:
+            t = t.view(dtype)
         if self.device is not None:
             t = t.to(self.device)
         return t
