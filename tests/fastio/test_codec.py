@@ -605,3 +605,10 @@ def test_token_arrays_and_ndarrays_keep_their_types_anywhere() -> None:
     frames = fastio.encode([3, [], np.arange(500, dtype=np.int32)])
     resp = fastio.decode(frames, LLMResponse)
     assert type(resp.output_tokens) is TokenArray and resp.output_tokens == list(range(500))
+
+
+def test_decoder_device_moves_tensors() -> None:
+    """The device branch, exercised without a GPU through torch's "meta" device."""
+    t = torch.arange(1000, dtype=torch.bfloat16).reshape(10, 100)
+    back = Decoder(dict[str, Any], device="meta").decode(fastio.encode({"t": t}))["t"]
+    assert back.device.type == "meta" and back.shape == (10, 100) and back.dtype == torch.bfloat16
