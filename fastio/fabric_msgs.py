@@ -42,6 +42,7 @@ __all__ = [
     "Submit",
     "WorkerStatus",
     "peek",
+    "split",
 ]
 
 
@@ -206,3 +207,37 @@ def peek(frames: list[Any]) -> tuple[int | None, int | None, int | None]:
     except Exception:
         pass
     return version, kind, first
+
+
+def _n_buffers(frame: Any) -> int | None:
+    buf = _buf(frame)
+    # The common header starts 93 01 <n>: fixarray of 3, version, n as a positive fixint.
+    if len(buf) >= 3 and buf[0] == 0x93 and buf[1] < 0x80 and buf[2] < 0x80:
+        return int(buf[2])
+    try:
+        parts = _raw_list.decode(buf)
+        n = _int.decode(parts[1])
+    except Exception:
+        return None
+    return n if isinstance(n, int) and n >= 0 else None
+
+
+def split(frames: list[Any]) -> list[list[Any]]:
+    """Split the frames of one ZeroMQ message into the fastio messages it carries.
+
+    A fabric peer may send several fastio messages back to back in one ZeroMQ message
+    (each ``[header, *n_buffers frames]``, ``n_buffers`` read from its header). A frame
+    list that does not parse is returned as one message, for the decoder to reject.
+    """
+    if len(frames) == 1:
+        return [frames]
+    out = []
+    i, total = 0, len(frames)
+    while i < total:
+        n = _n_buffers(frames[i])
+        if n is None:
+            out.append(frames[i:])
+            break
+        out.append(frames[i : i + 1 + n])
+        i += 1 + n
+    return out

@@ -637,6 +637,13 @@ class FabricClient:
     # -- receiving --------------------------------------------------------------------
     def _on_message(self, w: _Worker, frames: list[zmq.Frame]) -> None:
         w.last_seen = time.monotonic()
+        if len(frames) == 1:
+            self._on_one(w, frames)
+        else:
+            for msg in fm.split(frames):
+                self._on_one(w, msg)
+
+    def _on_one(self, w: _Worker, frames: list[zmq.Frame]) -> None:
         try:
             msg = self._dec.decode(frames)
         except DecodeError as exc:

@@ -161,20 +161,20 @@ class FabricController:
                             continue
                         waiting[sock] = (address, seq)
                     elif ev & zmq.POLLIN and sock in waiting:
-                        frames = sock.recv_multipart(copy=False)
                         address, seq = waiting[sock]
-                        try:
-                            reply = self._dec.decode(frames)
-                        except DecodeError as exc:
-                            failed[address] = f"malformed reply: {exc}"
-                        else:
-                            if type(reply) is not fm.ControlReply or reply.seq != seq:
-                                continue  # a stale reply
-                            if reply.ok:
-                                statuses[address] = reply.status
+                        for frames in fm.split(sock.recv_multipart(copy=False)):
+                            try:
+                                reply = self._dec.decode(frames)
+                            except DecodeError as exc:
+                                failed[address] = f"malformed reply: {exc}"
                             else:
-                                failed[address] = reply.error
-                        del waiting[sock]
+                                if type(reply) is not fm.ControlReply or reply.seq != seq:
+                                    continue  # a stale reply
+                                if reply.ok:
+                                    statuses[address] = reply.status
+                                else:
+                                    failed[address] = reply.error
+                            waiting.pop(sock, None)
             for address, _ in unsent.values():
                 failed[address] = f"not reachable within {t} s"
             for address, _ in waiting.values():

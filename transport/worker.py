@@ -295,7 +295,9 @@ class WorkerServer:
         self._idle = asyncio.Event()
         self._idle.set()
         self._closed = asyncio.Event()
-        self._pump = SocketPump(sock, self._on_message, on_undeliverable=self._on_undeliverable)
+        self._pump = SocketPump(
+            sock, self._on_message, on_undeliverable=self._on_undeliverable, router=True
+        )
         self._sweeper = asyncio.get_running_loop().call_later(
             cfg.client_timeout / 4, self._sweep_peers
         )
@@ -414,7 +416,13 @@ class WorkerServer:
     def _on_message(self, frames: list[zmq.Frame]) -> None:
         peer = frames[0].bytes
         self._peers[peer] = time.monotonic()
-        body = frames[1:]
+        if len(frames) == 2:
+            self._on_one(peer, frames[1:])
+        else:
+            for body in fm.split(frames[1:]) if len(frames) > 2 else [[]]:
+                self._on_one(peer, body)
+
+    def _on_one(self, peer: bytes, body: list[zmq.Frame]) -> None:
         if not body:
             self._bad(peer, -1, fm.ErrorCode.BAD_MESSAGE, "empty message")
             return

@@ -29,7 +29,8 @@ def raw(body: Any) -> list[bytes]:
 
 def recv_error(sock: zmq.Socket[Any], timeout: float = 5.0) -> fm.Error:
     assert sock.poll(timeout * 1000), "no error reply"
-    msg = fastio.decode(sock.recv_multipart(), type=fm.WORKER_TO_CLIENT)
+    (frames,) = fm.split(sock.recv_multipart())  # one reply per ZeroMQ message here
+    msg = fastio.decode(frames, type=fm.WORKER_TO_CLIENT)
     assert isinstance(msg, fm.Error)
     return msg
 
@@ -117,27 +118,27 @@ class FakeWorker:
             if not self.sock.poll(20):
                 continue
             ident, *frames = self.sock.recv_multipart()
-            msg = fastio.decode(frames, type=fm.CLIENT_TO_WORKER)
+            for one in fm.split(frames):  # a client may coalesce messages
+                self._serve(ident, fastio.decode(one, type=fm.CLIENT_TO_WORKER))
 
-            def send(fr: list[Any], ident: bytes = ident) -> None:
-                self.sock.send_multipart([ident, *fr])
+    def _serve(self, ident: bytes, msg: Any) -> None:
+        def send(fr: list[Any]) -> None:
+            self.sock.send_multipart([ident, *fr])
 
-            if isinstance(msg, fm.Heartbeat):
-                send(
-                    fastio.encode(
-                        fm.Heartbeat(sent_at=msg.sent_at, worker_id="fake", incarnation="x")
-                    )
-                )
-            elif isinstance(msg, fm.Error):
-                self.errors_received.append(msg)
-            elif isinstance(msg, fm.Submit):
-                if msg.request.rid == "good":
-                    send(fastio.encode(fm.Result(id=msg.id, output_tokens=TokenArray([42]))))
-                    continue
-                send([b"\x00\x01 garbage"])
-                send(fastio.encode(LLMRequest(input_ids=[1])))  # a kind no client accepts
-                send(raw([21, 12345, 1]))  # a Result for nobody, malformed
-                send(raw([21, msg.id, "not a response"]))  # the answer, malformed
+        if isinstance(msg, fm.Heartbeat):
+            send(
+                fastio.encode(fm.Heartbeat(sent_at=msg.sent_at, worker_id="fake", incarnation="x"))
+            )
+        elif isinstance(msg, fm.Error):
+            self.errors_received.append(msg)
+        elif isinstance(msg, fm.Submit):
+            if msg.request.rid == "good":
+                send(fastio.encode(fm.Result(id=msg.id, output_tokens=TokenArray([42]))))
+                return
+            send([b"\x00\x01 garbage"])
+            send(fastio.encode(LLMRequest(input_ids=[1])))  # a kind no client accepts
+            send(raw([21, 12345, 1]))  # a Result for nobody, malformed
+            send(raw([21, msg.id, "not a response"]))  # the answer, malformed
 
     def close(self) -> None:
         self._stop.set()

@@ -191,7 +191,10 @@ def test_pause_interrupt_resume_accumulates_versions(spawn: Callable[..., Worker
         streamed[0] += len(t)
 
     async def main() -> None:
-        async with FabricClient([w.address], STEADY) as client, FabricController([w.address]) as ctl:
+        async with (
+            FabricClient([w.address], STEADY) as client,
+            FabricController([w.address]) as ctl,
+        ):
             inputs = [[i, i + 1, i + 2] for i in range(8)]
             tasks = [
                 asyncio.ensure_future(client.agenerate(req(x, n=60), on_chunk=on_chunk))
@@ -224,7 +227,10 @@ def test_cancel_and_timeout_abort_on_worker(spawn: Callable[..., WorkerProc]) ->
     w = spawn("--bind", "tcp://127.0.0.1:0", "--engine", "reference", "--token-interval", "0.01")
 
     async def main() -> None:
-        async with FabricClient([w.address], STEADY) as client, FabricController([w.address]) as ctl:
+        async with (
+            FabricClient([w.address], STEADY) as client,
+            FabricController([w.address]) as ctl,
+        ):
 
             def running() -> int:
                 return ctl.health()[w.address].running
