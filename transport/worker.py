@@ -583,19 +583,20 @@ class WorkerServer:
         now = time.monotonic()
         limit = self.config.client_timeout
         for peer, seen in list(self._peers.items()):
-            if now - seen > limit:
+            # A quiet controller holds no requests: forgotten without a fuss.
+            if now - seen > limit and self._forget_peer(peer):
                 self.counters["dead_peers"] += 1
-                log.warning(
-                    "client %r silent for %.1f s: cancelling its requests", peer, now - seen
-                )
-                self._forget_peer(peer)
+                log.warning("client %r silent for %.1f s: cancelled its requests", peer, now - seen)
         self._sweeper = asyncio.get_running_loop().call_later(limit / 4, self._sweep_peers)
 
-    def _forget_peer(self, peer: bytes) -> None:
+    def _forget_peer(self, peer: bytes) -> int:
         self._peers.pop(peer, None)
+        n = 0
         for (p, _), (task, _ctx) in list(self._tasks.items()):
             if p == peer:
                 task.cancel()
+                n += 1
+        return n
 
 
 async def _maybe_await(x: Any) -> None:

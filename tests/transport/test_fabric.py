@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -11,7 +14,7 @@ import numpy as np
 import pytest
 
 from fastio import GenerationHyperparameters, LLMRequest
-from tests.transport.conftest import WorkerProc, await_for, wait_for
+from tests.transport.conftest import ROOT, WorkerProc, await_for, wait_for
 from transport import (
     ClientConfig,
     FabricClient,
@@ -268,3 +271,44 @@ def test_sync_client(spawn: Callable[..., WorkerProc]) -> None:
         futs = [client.submit(req([i])) for i in range(100)]
         assert [f.result(10).output_tokens[0] for f in futs] == list(range(100))
     wait_for(lambda: True)
+
+
+CLIENT_SCRIPT = """
+import asyncio, sys
+from fastio import GenerationHyperparameters, LLMRequest
+from transport import ClientConfig, FabricClient
+
+async def main():
+    # No streaming: nothing is sent to the client until its requests end, so only the
+    # missing heartbeats can tell the worker that it died.
+    async with FabricClient([sys.argv[1]], ClientConfig(heartbeat_interval=0.05, stream=False)) as c:
+        g = GenerationHyperparameters(max_new_tokens=100_000)
+        await asyncio.gather(*(c.agenerate(LLMRequest(input_ids=[i], gconfig=g)) for i in range(3)))
+
+asyncio.run(main())
+"""
+
+
+def test_worker_cancels_requests_of_a_killed_client(spawn: Callable[..., WorkerProc]) -> None:
+    w = spawn(
+        "--bind", "tcp://127.0.0.1:0", "--engine", "reference", "--token-interval", "0.01",
+        "--client-timeout", "0.5",
+    )  # fmt: skip
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    client = subprocess.Popen([sys.executable, "-c", CLIENT_SCRIPT, w.address], env=env, cwd=ROOT)
+    try:
+        with FabricController([w.address]) as ctl:
+
+            def status() -> Any:
+                return ctl.health(timeout=5)[w.address]
+
+            wait_for(lambda: status().running == 3, timeout=30, what="client's requests running")
+            client.kill()
+            client.wait(10)
+            st = wait_for(
+                lambda: (s := status()).running == 0 and s, timeout=10, what="requests cancelled"
+            )
+            assert st.counters["dead_peers"] == 1 and st.counters["cancelled"] == 3
+    finally:
+        client.kill()
+        client.wait(10)
