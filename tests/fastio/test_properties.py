@@ -214,3 +214,47 @@ def test_mutated_frames_only_raise_decode_error(frames: list[bytes]) -> None:
     for tp in (None, LLMResponse, LLMRequest):
         with contextlib.suppress(DecodeError):
             fastio.decode(frames, tp)
+
+
+ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("append"), i32),
+        st.tuples(st.just("extend"), st.lists(i32, max_size=40)),
+        st.tuples(st.just("iadd"), st.lists(i32, max_size=40)),
+        st.tuples(st.just("pop"), st.integers(-50, 50)),
+        st.tuples(st.just("radd"), st.lists(i32, max_size=5)),
+        st.tuples(st.just("slice"), st.tuples(st.integers(-60, 60), st.integers(-60, 60))),
+        st.tuples(st.just("clear"), st.none()),
+    ),
+    max_size=30,
+)
+
+
+@FAST
+@given(st.lists(i32, max_size=50), ops)
+def test_token_array_matches_a_list(start: list[int], program: list[tuple[str, Any]]) -> None:
+    """A random program of list operations gives the same result on both."""
+    t, ref = fastio.TokenArray(start, dtype="int32"), list(start)
+    for op, arg in program:
+        if op == "append":
+            t.append(arg)
+            ref.append(arg)
+        elif op == "extend":
+            t.extend(arg)
+            ref.extend(arg)
+        elif op == "iadd":
+            t += arg
+            ref += arg
+        elif op == "pop":
+            if -len(ref) <= arg < len(ref):
+                assert t.pop(arg) == ref.pop(arg)
+        elif op == "radd":
+            t, ref = arg + t, arg + ref
+        elif op == "slice":
+            t, ref = t[arg[0] : arg[1]], ref[arg[0] : arg[1]]
+        else:
+            t.clear()
+            ref.clear()
+        assert t == ref and len(t) == len(ref) and t.dtype == np.int32
+    frames = fastio.encode(LLMRequest(input_ids=t))
+    assert fastio.decode(frames, LLMRequest).input_ids == ref
