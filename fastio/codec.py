@@ -237,7 +237,7 @@ class Encoder:
                 nbytes = arr.nbytes
                 if nbytes >= self.inline_threshold and nbytes:
                     frames: list[Any] = self._local.frames
-                    frames.append(memoryview(arr).cast("B"))  # type: ignore[arg-type]
+                    frames.append(memoryview(arr).cast("B"))
                     return _Ext(_EXT_TOKENS, _meta_encode((name, arr.shape, len(frames) - 1)))
             return self._array_ext(arr, _EXT_TOKENS)
         if tp is np.ndarray:
