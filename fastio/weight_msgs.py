@@ -154,9 +154,12 @@ class WeightBucket(WireStruct, tag=int(MsgKind.WEIGHT_BUCKET)):
     (``offset`` is where the piece starts in the bucket, ``last`` marks the final one),
     so a receiver checksums piece k while piece k+1 is on the wire and the sender
     interleaves pieces for several workers. ``chunks`` are 1-D ``uint8`` arrays (each a
-    frame) whose concatenation is the piece. ``checksum`` is the bucket's checksum and
-    authoritative (an Announce may go out before its buckets are packed and checksummed,
-    with zeros in their place).
+    frame) whose concatenation is the piece. ``checksum`` is the bucket's checksum, set
+    on the last piece (``0`` on the others) and authoritative (an Announce goes out
+    before its buckets are packed, with zeros in their place).
+
+    To a same-host worker (its Fetch said ``shm``) the pieces carry no chunks: each says
+    that ``nbytes`` bytes from ``offset`` are packed in the shared segment.
     """
 
     version: int
@@ -165,6 +168,7 @@ class WeightBucket(WireStruct, tag=int(MsgKind.WEIGHT_BUCKET)):
     checksum: int
     last: bool
     chunks: list[Any]
+    nbytes: int = 0
 
 
 class WeightAck(WireStruct, tag=int(MsgKind.WEIGHT_ACK)):

@@ -532,21 +532,36 @@ class WeightSubscriber:
         self._landed(up, i, part.chunks)
 
     def _on_shm_ready(self, up: _Update, msg: WeightBucket, t: float) -> None:
-        """Bucket ``msg.index`` is packed in the segment: verify it there, in place."""
+        """Bytes of bucket ``msg.index`` are packed in the segment: hash them in place
+        as they come; on the last notice compare with the checksum."""
         assert up.seg is not None
         i = msg.index
         info = up.ann.buckets[i]
-        del up.outstanding[i]
-        if msg.chunks or info.shm_offset + info.nbytes > up.seg.size:
-            self._fail(up.ann.version, f"bucket {i} lies outside the shared segment", "shm")
+        part = up.partial.get(i)
+        if part is None:
+            part = up.partial[i] = _Partial(Hasher(up.ann.checksum_algo))
+        up.outstanding[i] = t
+        lo = info.shm_offset + msg.offset
+        if (
+            msg.chunks
+            or msg.offset != part.size
+            or msg.nbytes < 0
+            or msg.offset + msg.nbytes > info.nbytes
+            or info.shm_offset + info.nbytes > up.seg.size
+        ):
+            self._fail(up.ann.version, f"bad shared-memory notice for bucket {i}", "shm")
             return
-        view = up.seg.tensor[info.shm_offset : info.shm_offset + info.nbytes]
-        h = Hasher(up.ann.checksum_algo)
-        h.update(view.numpy())
+        part.hasher.update(up.seg.tensor[lo : lo + msg.nbytes].numpy())
+        part.size += msg.nbytes
         dt = time.monotonic() - t
+        part.verify_s += dt
         up.stats.verify_s += dt
-        up.stats.buckets[i].update(recv_s=t - up.t0, verify_s=dt)
-        if h.digest() != msg.checksum:
+        if not msg.last:
+            return
+        del up.outstanding[i]
+        del up.partial[i]
+        up.stats.buckets[i].update(recv_s=t - up.t0, verify_s=part.verify_s)
+        if part.size != info.nbytes or part.hasher.digest() != msg.checksum:
             # The segment is the snapshot itself: fetching again would read the same bytes.
             self._count("checksum_failures")
             self._fail(
@@ -555,7 +570,7 @@ class WeightSubscriber:
                 "shm",
             )
             return
-        self._landed(up, i, [view])
+        self._landed(up, i, [up.seg.tensor[info.shm_offset : info.shm_offset + info.nbytes]])
 
     def _landed(self, up: _Update, i: int, chunks: list[torch.Tensor]) -> None:
         """Bucket ``i`` arrived and is verified: keep it (or apply it, ``atomic=False``)."""
