@@ -554,6 +554,8 @@ class FabricClient:
             return
         with contextlib.suppress(zmq.ZMQError):
             w.pump.sock.send_multipart(self._enc.encode(msg), zmq.NOBLOCK, copy=False)
+        # A send can consume the edge of ZeroMQ's FD: look for input at once.
+        w.pump.poke()
 
     def _heartbeat(self) -> None:
         assert self._loop is not None
@@ -563,11 +565,11 @@ class FabricClient:
         prev = self._last_tick
         self._sweep_deadlines(now)
         for w in list(self._order):
+            if w.pump is not None:
+                # Our own loop may lag behind the socket: read what has arrived before
+                # judging a worker silent.
+                w.pump.drain_now()
             if w.alive:
-                if w.pump is not None:
-                    # Our own loop may lag behind the socket: read what has arrived
-                    # before judging a worker silent.
-                    w.pump._drain()
                 # Paranoid Pirate: count silent intervals as *our* ticks, so a busy
                 # client loop (late ticks) does not mistake its own lag for a death.
                 w.missed = w.missed + 1 if w.last_seen < prev else 0

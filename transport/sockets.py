@@ -246,6 +246,17 @@ class SocketPump:
         self.loop.add_reader(self._fd, self._drain)
         self._schedule()
 
+    def poke(self) -> None:
+        """Look for input at the end of this loop iteration. Call it after using
+        :attr:`sock` directly: a send can consume the edge of ZeroMQ's FD, after which
+        the loop would not be told about messages already waiting."""
+        self._schedule()
+
+    def drain_now(self) -> None:
+        """Read and dispatch what has arrived, now (up to one batch)."""
+        if not self._closed:
+            self._drain()
+
     def _schedule(self) -> None:
         if not self._scheduled and not self._closed:
             self._scheduled = True

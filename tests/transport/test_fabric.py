@@ -69,8 +69,9 @@ def test_many_concurrent_requests(
     asyncio.run(main())
     with FabricController(addrs) as ctl:
         counts = received(ctl)
-    # Least outstanding requests spreads the load over both workers.
-    assert sum(counts.values()) == len(inputs)
+    # Least outstanding requests spreads the load over both workers (a worker falsely
+    # presumed dead on an overloaded machine would add re-sends, hence >=).
+    assert sum(counts.values()) >= len(inputs), counts
     assert min(counts.values()) > len(inputs) // 10
 
 
