@@ -55,10 +55,11 @@ class TinyLM(nn.Module):
         g = torch.Generator().manual_seed(seed)
         with torch.no_grad():
             for p in self.parameters():
-                p.copy_(
-                    torch.randn(p.shape, generator=g)
-                    * (1.0 if p.dim() == 1 else 1.0 / p.shape[-1] ** 0.5)
-                )
+                # Matrices ~ N(0, 1/fan_in), vectors small: varied, weight-driven text.
+                scale = 0.1 if p.dim() == 1 else 1.0 / p.shape[-1] ** 0.5
+                p.copy_(torch.randn(p.shape, generator=g) * scale)
+            self.norm.weight.add_(1.0)
+            self.head.weight.mul_(2.0)
         self.eval()
 
     def forward(
@@ -173,32 +174,34 @@ class ReferenceEngine:
         lps: list[float] = []
         vers: list[int] = []
         stop: Any = "length"
-        with torch.no_grad():
+        # Grad mode is thread state, and other requests' coroutines run at every await:
+        # a ``no_grad`` block must never span an await, so each step enters its own.
+        with torch.inference_mode():
             logits, state = self.model(torch.from_numpy(ids_np)[None])
-            last = logits[0, -1]
-            for step in range(g.max_new_tokens):
-                if ctx is not None and ctx.interrupted:
-                    stop = "interrupt"
-                    break
-                ban = (
-                    [t for t in stop_ids if t < self.vocab_size] if step < g.min_new_tokens else []
-                )
+        last = logits[0, -1]
+        for step in range(g.max_new_tokens):
+            if ctx is not None and ctx.interrupted:
+                stop = "interrupt"
+                break
+            ban = [t for t in stop_ids if t < self.vocab_size] if step < g.min_new_tokens else []
+            with torch.inference_mode():
                 tok, lp = self._sample(last, g, gen, ban)
-                version = self.version
-                toks.append(tok)
-                lps.append(lp)
-                vers.append(version)
-                if ctx is not None:
-                    ctx.emit(tok, lp, version)
-                if tok in stop_ids:
-                    stop = "stop"
-                    break
-                if step + 1 == g.max_new_tokens:
-                    break
-                # Yield between tokens: heartbeats, control and other requests interleave.
-                await asyncio.sleep(self.token_interval)
+            version = self.version
+            toks.append(tok)
+            lps.append(lp)
+            vers.append(version)
+            if ctx is not None:
+                ctx.emit(tok, lp, version)
+            if tok in stop_ids:
+                stop = "stop"
+                break
+            if step + 1 == g.max_new_tokens:
+                break
+            # Yield between tokens: heartbeats, control and other requests interleave.
+            await asyncio.sleep(self.token_interval)
+            with torch.inference_mode():
                 logits, state = self.model(torch.tensor([[tok]]), state)
-                last = logits[0, -1]
+            last = logits[0, -1]
         return LLMResponse(
             input_tokens=req.input_ids,
             output_tokens=TokenArray(np.array(toks, dtype=np.int32)),
