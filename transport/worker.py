@@ -614,7 +614,7 @@ def _log_counted(n: int, fmt: str, *args: Any) -> None:
 def _load_plugin(spec: str) -> Callable[..., Any]:
     module, _, name = spec.partition(":")
     if not name:
-        raise SystemExit(f"--plugin must be module:function, got {spec!r}")
+        raise SystemExit(f"expected module:function, got {spec!r}")
     fn: Callable[..., Any] = getattr(importlib.import_module(module), name)
     return fn
 
@@ -624,7 +624,11 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         prog="python -m transport.worker", description=__doc__.split("\n")[0]
     )
     p.add_argument("--bind", action="append", required=True, help="address to bind (repeatable)")
-    p.add_argument("--engine", choices=("reference", "echo"), default="reference")
+    p.add_argument(
+        "--engine",
+        default="reference",
+        help="reference | echo | module:factory (factory(opts) returns a handler or an engine)",
+    )
     p.add_argument("--worker-id", default="")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--vocab-size", type=int, default=256)
@@ -656,8 +660,11 @@ async def _amain(args: argparse.Namespace) -> None:
             vocab_size=args.vocab_size, hidden=args.hidden, layers=args.layers, seed=args.seed,
             token_interval=args.token_interval,
         )  # fmt: skip
-    else:
+    elif args.engine == "echo":
         handler = echo_handler
+    else:
+        # The adapter point for a real engine (vLLM, SGLang, ...): module:factory.
+        handler = _load_plugin(args.engine)(dict(o.split("=", 1) for o in args.plugin_opt))
     curve = None
     if args.curve_secret:
         curve = CurveConfig(

@@ -265,6 +265,16 @@ def test_cancel_and_timeout_abort_on_worker(spawn: Callable[..., WorkerProc]) ->
     asyncio.run(main())
 
 
+def test_custom_engine_factory_from_the_command_line(spawn: Callable[..., WorkerProc]) -> None:
+    w = spawn(
+        "--bind", "tcp://127.0.0.1:0", "--engine", "tests.transport.plugins:reversing_engine",
+        "--plugin-opt", "version=7",
+    )  # fmt: skip
+    with SyncFabricClient([w.address], STEADY) as client:
+        r = client.generate(req([1, 2, 3]))
+    assert r.output_tokens == [3, 2, 1] and r.output_versions == [7, 7, 7]
+
+
 def test_sync_client(spawn: Callable[..., WorkerProc]) -> None:
     w = spawn("--bind", "tcp://127.0.0.1:0", "--engine", "echo")
     with SyncFabricClient([w.address], STEADY) as client:
