@@ -173,10 +173,12 @@ class _Worker:
     __slots__ = (
         "address",
         "alive",
+        "cool_until",
         "draining",
         "incarnation",
         "inflight",
         "last_seen",
+        "limit",
         "missed",
         "paused",
         "pump",
@@ -198,6 +200,10 @@ class _Worker:
         self.last_seen = 0.0
         self.missed = 0
         self.pump: SocketPump | None = None
+        # In-flight bound, lowered to what the worker accepted when it answers
+        # OVERLOADED (it serves other clients too), raised again by one per answer.
+        self.limit = 0
+        self.cool_until = 0.0
 
 
 class FabricClient:
@@ -299,6 +305,7 @@ class FabricClient:
             return
         assert self._ctx is not None
         w = _Worker(address)
+        w.limit = self.config.max_in_flight_per_worker
         sock = make_dealer(
             self._ctx, address, hwm=self.config.hwm, max_message_size=self.config.max_message_size,
             curve=self.config.curve,
@@ -429,12 +436,11 @@ class FabricClient:
     def _target(self, call: _Call) -> _Worker | None:
         """A worker to send ``call`` to now, or None. May park it on a sticky queue
         (then returns None and the call is owned by that queue)."""
-        limit = self.config.max_in_flight_per_worker
         addr = self._sticky.get(call.orig.rid)
         if addr is not None:
             w = self._workers.get(addr)
             if w is not None and w.alive and not w.draining:
-                if len(w.inflight) < limit:
+                if len(w.inflight) < w.limit and _warm(w):
                     return w
                 return None
         best: _Worker | None = None
@@ -448,7 +454,8 @@ class FabricClient:
             if (
                 w.alive
                 and not w.draining
-                and len(w.inflight) < limit
+                and len(w.inflight) < w.limit
+                and _warm(w)
                 and (best is None or len(w.inflight) < len(best.inflight))
             ):
                 best = w
@@ -456,7 +463,6 @@ class FabricClient:
 
     def _dispatch(self) -> None:
         q = self._queue
-        limit = self.config.max_in_flight_per_worker
         while q:
             call = q[0]
             if call.done:
@@ -465,7 +471,7 @@ class FabricClient:
             addr = self._sticky.get(call.orig.rid)
             if addr is not None:
                 w = self._workers.get(addr)
-                if w is not None and w.alive and not w.draining and len(w.inflight) >= limit:
+                if w is not None and w.alive and not w.draining and len(w.inflight) >= w.limit:
                     # Its worker is busy: wait there, do not block the others.
                     q.popleft()
                     w.sticky_queue.append(call)
@@ -494,9 +500,8 @@ class FabricClient:
         )
 
     def _slot_freed(self, w: _Worker) -> None:
-        limit = self.config.max_in_flight_per_worker
         sq = w.sticky_queue
-        while sq and len(w.inflight) < limit and w.alive and not w.draining:
+        while sq and len(w.inflight) < w.limit and w.alive and not w.draining:
             call = sq.popleft()
             if not call.done:
                 self._send_call(w, call)
@@ -658,6 +663,8 @@ class FabricClient:
                 self.stats["stale"] += 1
                 return
             self._on_result(w, call, msg)
+            if w.limit < self.config.max_in_flight_per_worker:
+                w.limit += 1
             self._slot_freed(w)
         elif tp is fm.Stream:
             call = w.inflight.get(msg.id)
@@ -717,6 +724,12 @@ class FabricClient:
         if err.code == fm.ErrorCode.OVERLOADED:
             self.stats["overloaded"] += 1
             del call.times[len(call.out_tok) if call.out_tok is not None else 0 :]
+            w.limit = max(1, len(w.inflight))
+            if not w.inflight:
+                # Full with other clients' work: back off briefly instead of spinning.
+                w.cool_until = time.monotonic() + 0.01
+                assert self._loop is not None
+                self._loop.call_later(0.011, self._dispatch)
             self._queue.appendleft(call)
         elif err.code == fm.ErrorCode.ABORTED:
             self._finish_error(call, RequestAborted(err.message, code=err.code, worker=w.address))
@@ -790,6 +803,10 @@ class FabricClient:
         self.stats["completed"] += 1
         if not call.fut.done():
             call.fut.set_result(out)
+
+
+def _warm(w: _Worker) -> bool:
+    return not w.cool_until or w.cool_until <= time.monotonic()
 
 
 def _response(

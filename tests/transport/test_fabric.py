@@ -323,3 +323,25 @@ def test_worker_cancels_requests_of_a_killed_client(spawn: Callable[..., WorkerP
     finally:
         client.kill()
         client.wait(10)
+
+
+def test_overloaded_worker_pushes_back_without_loss(spawn: Callable[..., WorkerProc]) -> None:
+    # The worker holds at most 4 submissions; the client would send 64: the rest are
+    # answered OVERLOADED, re-queued by the client, and all complete.
+    w = spawn(
+        "--bind", "tcp://127.0.0.1:0", "--engine", "reference", "--token-interval", "0.002",
+        "--max-pending", "4",
+    )  # fmt: skip
+    cfg = ClientConfig(heartbeat_interval=0.1, heartbeat_liveness=10, max_in_flight_per_worker=64)
+
+    async def main() -> None:
+        async with FabricClient([w.address], cfg) as client:
+            resps = await asyncio.gather(*(client.agenerate(req([i], n=10)) for i in range(40)))
+            assert all(r.output_len == 10 for r in resps)
+            assert client.stats["overloaded"] >= 1 and client.stats["failed"] == 0
+            assert client.workers[0].in_flight == 0
+
+    asyncio.run(main())
+    with FabricController([w.address]) as ctl:
+        st = ctl.health(timeout=5)[w.address]
+    assert st.counters["completed"] == 40 and st.counters["overloaded"] >= 1
