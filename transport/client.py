@@ -427,15 +427,17 @@ class FabricClient:
         w = self._target(call)
         if w is not None and not self._queue:
             self._send_call(w, call)
-        elif front:
-            self._queue.appendleft(call)
         else:
-            self._queue.append(call)
+            if front:
+                self._queue.appendleft(call)
+            else:
+                self._queue.append(call)
             self._dispatch()
 
     def _target(self, call: _Call) -> _Worker | None:
-        """A worker to send ``call`` to now, or None. May park it on a sticky queue
-        (then returns None and the call is owned by that queue)."""
+        """The worker to send ``call`` to now, or None: its rid's worker while that one
+        lives (None when it is full), else the live worker with the fewest requests in
+        flight and a free slot."""
         addr = self._sticky.get(call.orig.rid)
         if addr is not None:
             w = self._workers.get(addr)
