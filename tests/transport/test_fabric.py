@@ -345,3 +345,16 @@ def test_overloaded_worker_pushes_back_without_loss(spawn: Callable[..., WorkerP
     with FabricController([w.address]) as ctl:
         st = ctl.health(timeout=5)[w.address]
     assert st.counters["completed"] == 40 and st.counters["overloaded"] >= 1
+
+
+def test_vlm_request_round_trip(spawn: Callable[..., WorkerProc]) -> None:
+    from PIL import Image
+
+    from fastio import VLMRequest, VLMResponse
+
+    w = spawn("--bind", "tcp://127.0.0.1:0", "--engine", "echo")
+    img = Image.new("RGB", (32, 16), (10, 20, 30))
+    with SyncFabricClient([w.address], STEADY) as client:
+        r = client.generate(VLMRequest(input_ids=[1, 2], image_data=[img, "https://x/y.png"]))
+    assert isinstance(r, VLMResponse) and r.output_tokens == [1, 2]
+    assert r.input_images[1] == "https://x/y.png" and r.input_images[0].size == (32, 16)
