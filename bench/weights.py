@@ -43,16 +43,25 @@ _MIB = 1 << 20
 
 
 def make_state(
-    nbytes: int, hidden: int, vocab: int = 32000, seed: int = 0, device: str = "cpu"
+    nbytes: int,
+    hidden: int,
+    vocab: int = 32000,
+    seed: int = 0,
+    device: str = "cpu",
+    zeros: bool = False,
 ) -> dict[str, torch.Tensor]:
     """A llama-like fp32 state dict of about ``nbytes``: embeddings, attention and MLP
-    matrices, norms (a realistic mix of a few huge, many large and many tiny tensors)."""
+    matrices, norms (a realistic mix of a few huge, many large and many tiny tensors).
+    ``zeros``: the same shapes, zero-filled (a worker's model before its first update)."""
     g = torch.Generator().manual_seed(seed)
     ffn = int(hidden * 8 / 3) // 64 * 64
     sd: dict[str, torch.Tensor] = {}
 
     def add(name: str, *shape: int) -> None:
-        sd[name] = torch.randn(*shape, generator=g).to(device)
+        if zeros:
+            sd[name] = torch.zeros(*shape, device=device)
+        else:
+            sd[name] = torch.randn(*shape, generator=g).to(device)
 
     add("embed_tokens.weight", vocab, hidden)
     add("lm_head.weight", vocab, hidden)
@@ -115,7 +124,7 @@ def _worker(
     from transport.weights.dist import WeightGroup
 
     torch.set_num_threads(1)
-    sd = {k: torch.zeros_like(v) for k, v in make_state(nbytes, hidden, seed=0).items()}
+    sd = make_state(nbytes, hidden, zeros=True)
     subs = [
         WeightSubscriber(tcp_ep, sd, worker_id=f"tcp-{idx}", shm=False).start(),
         WeightSubscriber(shm_ep, sd, worker_id=f"shm-{idx}", shm=True).start(),

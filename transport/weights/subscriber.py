@@ -623,6 +623,9 @@ class WeightSubscriber:
             if self.on_applied is not None:
                 self.on_applied(ann.version)
         parts.clear()  # drop the frames now, not at the next update
+        for key in [k for k in self._attempts if k[1] <= ann.version]:
+            del self._attempts[key]
+        self._given_up = {k for k in self._given_up if k[1] > ann.version}
         stats.total_s = time.monotonic() - t0
         self.last_stats = stats
         self.last_error = ""

@@ -66,8 +66,8 @@ def update_weights(
     Returns
     -------
     UpdateResult
-        Who applied the version, who failed and why, and the elapsed time (the
-        pause and resume included in ``extra`` timings: see ``result.elapsed_s``).
+        Who applied the version, who failed and why; ``elapsed_s`` is the whole call,
+        pause and resume included.
     """
     t0 = time.monotonic()
     controller.pause(timeout)
