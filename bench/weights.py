@@ -129,7 +129,7 @@ def _worker(
         WeightSubscriber(tcp_ep, sd, worker_id=f"tcp-{idx}", shm=False).start(),
         WeightSubscriber(shm_ep, sd, worker_id=f"shm-{idx}", shm=True).start(),
     ]
-    ctx = zmq.Context.instance()
+    ctx: zmq.Context[Any] = zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(ctrl)
@@ -186,7 +186,7 @@ def _run_size(nbytes: int, hidden: int, reps: int, quick: bool) -> list[Measurem
     size = _nbytes(state)
     label = f"{size / (1 << 30):.2f}GiB" if size >= 1 << 30 else f"{size // _MIB}MiB"
     bucket = 256 * _MIB
-    ctx = zmq.Context.instance()
+    ctx: zmq.Context[Any] = zmq.Context.instance()
     ctrl = ctx.socket(zmq.ROUTER)
     ctrl.setsockopt(zmq.LINGER, 0)
     ctrl_ep = f"tcp://127.0.0.1:{_free_port()}"
