@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -358,3 +359,30 @@ def test_vlm_request_round_trip(spawn: Callable[..., WorkerProc]) -> None:
         r = client.generate(VLMRequest(input_ids=[1, 2], image_data=[img, "https://x/y.png"]))
     assert isinstance(r, VLMResponse) and r.output_tokens == [1, 2]
     assert r.input_images[1] == "https://x/y.png" and r.input_images[0].size == (32, 16)
+
+
+def test_stalled_worker_is_replaced_then_rejoins(spawn: Callable[..., WorkerProc]) -> None:
+    # SIGSTOP looks like death to the client; after SIGCONT the worker's late answers
+    # for the re-sent requests must not reach the callers twice.
+    args = ("--engine", "reference", "--token-interval", "0.01")
+    w1 = spawn("--bind", "tcp://127.0.0.1:0", *args, wait=False)
+    w2 = spawn("--bind", "tcp://127.0.0.1:0", *args, wait=False)
+    a1, a2 = w1.wait_ready(), w2.wait_ready()
+
+    async def main() -> None:
+        async with FabricClient([a1, a2], FAST) as client:
+            await await_for(lambda: all(i.alive for i in client.workers), what="workers alive")
+            tasks = [asyncio.ensure_future(client.agenerate(req([i], n=20))) for i in range(12)]
+            await await_for(lambda: all(i.in_flight > 0 for i in client.workers), what="busy")
+            w1.proc.send_signal(signal.SIGSTOP)
+            try:
+                await await_for(lambda: client.stats["workers_died"] >= 1, what="stall detected")
+            finally:
+                w1.proc.send_signal(signal.SIGCONT)
+            resps = await asyncio.gather(*tasks)
+            assert all(r.output_len == 20 for r in resps)
+            assert client.stats["completed"] == 12 and client.stats["failed"] == 0
+            await await_for(lambda: all(i.alive for i in client.workers), what="w1 rejoins")
+            assert (await client.agenerate(req([1], n=3))).output_len == 3
+
+    asyncio.run(main())
