@@ -397,10 +397,10 @@ def _gpu_cases(nbytes: int, hidden: int, reps: int) -> list[Measurement]:
 
 
 def run(quick: bool) -> list[Measurement]:
-    """Measure weight updates; quick: one ~192 MiB model, 3 repeats."""
+    """Measure weight updates; quick: one ~192 MiB model, 5 repeats."""
     if quick:
         plan = [(192 * _MIB, 512)]
-        reps = 3
+        reps = 5
     else:
         plan = [(256 * _MIB, 768), (1 << 30, 1024)]
         reps = 5

@@ -23,6 +23,7 @@ import fastio
 import transport.weights as tw
 from fastio.weight_msgs import (
     PUBLISHER_TO_SUBSCRIBER,
+    WeightAnnounce,
     WeightBucket,
     WeightError,
     WeightFetch,
@@ -272,6 +273,42 @@ def test_late_joiner_catches_up_from_the_snapshot(pair: Pair) -> None:
     assert sub.wait_version(2, 20)
     assert equal(t, make_state(2))
     assert pub.wait(2, 10).ok
+
+
+def test_lost_announcements_are_detected_by_sequence_numbers(
+    pair: Pair, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """PUB drops (slow joiner, HWM): the Heartbeat's sequence number reveals the gap and
+    the worker fetches the state over the ROUTER."""
+    pub = pair.publisher(shm=False)
+    t = zeros_like(make_state(0))
+    sub = pair.subscriber(t)
+    pub.wait_for_workers(1, 10)
+    dec = fastio.Decoder(PUBLISHER_TO_SUBSCRIBER)
+
+    def is_announce(frames: list[Any]) -> bool:
+        return isinstance(dec.decode([bytes(f) for f in frames]), WeightAnnounce)
+
+    class DropAnnounces:
+        def __init__(self, sock: Any) -> None:
+            self.sock = sock
+
+        def send_multipart(self, frames: list[Any], *a: Any, **kw: Any) -> Any:
+            return None if is_announce(frames) else self.sock.send_multipart(frames, *a, **kw)
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.sock, name)
+
+    real_reply = pub._reply
+    monkeypatch.setattr(pub, "_pub", DropAnnounces(pub._pub))
+    monkeypatch.setattr(
+        pub, "_reply", lambda ident, frames, track=False: (
+            None if is_announce(frames) else real_reply(ident, frames, track)
+        ),
+    )  # fmt: skip
+    pub.publish(make_state(1), 1)
+    assert pub.wait(1, 20).ok and equal(t, make_state(1))
+    assert sub.counters["gaps"] >= 1
 
 
 def test_newer_version_supersedes_one_in_flight(pair: Pair) -> None:

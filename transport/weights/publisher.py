@@ -197,7 +197,7 @@ class WeightPublisher:
     keep_versions:
         How many recent versions keep their buffer when no one needs them any more.
     context:
-        ZeroMQ context (default: the global instance).
+        ZeroMQ context (default: a private one, terminated at :meth:`close`).
 
     Examples
     --------
@@ -246,7 +246,10 @@ class WeightPublisher:
                 log.warning("no shared-memory fast path (%s); workers will use TCP", exc)
                 self._use_shm = False
 
-        self._ctx = context or zmq.Context.instance()
+        # A private context by default: its I/O thread serves only the weights, and
+        # close() can terminate it without touching the application's sockets.
+        self._own_ctx = context is None
+        self._ctx = context or zmq.Context()
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
         # At the HWM a ROUTER drops silently; MANDATORY turns that into EAGAIN, which
@@ -446,6 +449,8 @@ class WeightPublisher:
         self._thread.join(5.0)
         for s in (self._router, self._pub, self._wake_r, self._wake_w):
             s.close(linger=0)
+        if self._own_ctx:
+            self._ctx.term()
         with self._cond:
             for st in self._versions.values():
                 st.release()
