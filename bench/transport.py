@@ -25,6 +25,7 @@ Cases
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import os
 import select
@@ -194,17 +195,25 @@ def _interleaved(
             raw.rtt(frames, 200)
             raw.pipelined(frames, 2000, 2048)
             for r in range(repeat):
-                t0 = time.perf_counter()
-                for _ in range(rtt_number):
-                    await one.agenerate(req)
-                out["rtt-fastio"].append((time.perf_counter() - t0) / rtt_number)
-                out["rtt-raw"].append(raw.rtt(frames, rtt_number))
+                # As bench.common.timeit: the cyclic GC is paused inside each sample, for
+                # both implementations (thousands of live tasks make its passes costly).
+                gc.collect()
+                gc.disable()
+                try:
+                    t0 = time.perf_counter()
+                    for _ in range(rtt_number):
+                        await one.agenerate(req)
+                    out["rtt-fastio"].append((time.perf_counter() - t0) / rtt_number)
+                    out["rtt-raw"].append(raw.rtt(frames, rtt_number))
 
-                reqs = [_request(n_tokens, f"{r}-{i}") for i in range(tp_number)]
-                t0 = time.perf_counter()
-                await asyncio.gather(*(two.agenerate(q) for q in reqs))
-                out["tp-fastio"].append((time.perf_counter() - t0) / tp_number)
-                out["tp-raw"].append(raw.pipelined(frames, tp_number, 2048))
+                    reqs = [_request(n_tokens, f"{r}-{i}") for i in range(tp_number)]
+                    t0 = time.perf_counter()
+                    await asyncio.gather(*(two.agenerate(q) for q in reqs))
+                    out["tp-fastio"].append((time.perf_counter() - t0) / tp_number)
+                    out["tp-raw"].append(raw.pipelined(frames, tp_number, 2048))
+                    del reqs
+                finally:
+                    gc.enable()
 
     try:
         asyncio.run(main())
