@@ -249,7 +249,7 @@ class WeightPublisher:
         # A private context by default: its I/O thread serves only the weights, and
         # close() can terminate it without touching the application's sockets.
         self._own_ctx = context is None
-        self._ctx = context or zmq.Context()
+        self._ctx: zmq.Context[Any] = context or zmq.Context()
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
         # At the HWM a ROUTER drops silently; MANDATORY turns that into EAGAIN, which
