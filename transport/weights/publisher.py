@@ -262,12 +262,12 @@ class WeightPublisher:
         # Workers only send small messages; anything larger is hostile: disconnect.
         self._router.setsockopt(zmq.MAXMSGSIZE, 4 << 20)
         self._router.bind(endpoint)
-        self.endpoint: str = self._router.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self.endpoint: str = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.setsockopt(zmq.LINGER, 0)
         self._pub.setsockopt(zmq.SNDHWM, 10_000)
         self._pub.bind(pub_endpoint or _sibling(self.endpoint))
-        self.pub_endpoint: str = self._pub.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self.pub_endpoint: str = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
         wake_addr = f"inproc://fastio-weights-wake-{self.publisher_id}"
         self._wake_r = self._ctx.socket(zmq.PAIR)
         self._wake_r.bind(wake_addr)
