@@ -143,7 +143,9 @@ class WeightGroup:
         if self.backend == "gloo":
             self.pg = tdist.ProcessGroupGloo(self._store, rank, self.world_size, td)
         else:  # pragma: no cover - needs GPUs
-            self.pg = tdist.ProcessGroupNCCL(self._store, rank, self.world_size)
+            opts = tdist.ProcessGroupNCCL.Options()
+            opts._timeout = td
+            self.pg = tdist.ProcessGroupNCCL(self._store, rank, self.world_size, opts)
         self._bufs: list[torch.Tensor] = []
         self._staging: torch.Tensor | None = None
         #: Per-bucket timings of the last send/recv (seconds).
