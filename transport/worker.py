@@ -44,6 +44,7 @@ from typing import Any, Protocol
 
 import numpy as np
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from fastio import DecodeError, Decoder, Encoder, LLMRequest, LLMResponse, MessageTooLarge
 from fastio import fabric_msgs as fm
@@ -231,7 +232,7 @@ class WorkerServer:
             (
                 "received", "completed", "cancelled", "interrupted", "aborted", "errors",
                 "bad_messages", "overloaded", "undeliverable", "dead_peers", "error_replies_received",
-                "control",
+                "control", "handshake_failed",
             ),
             0,
         )  # fmt: skip
@@ -243,6 +244,7 @@ class WorkerServer:
         self._dec = Decoder(fm.CLIENT_TO_WORKER, max_message_size=self.config.max_message_size)
         self._ctx: zmq.Context[Any] | None = None
         self._pump: SocketPump | None = None
+        self._monitor: SocketPump | None = None
         self._auth: WorkerAuthenticator | None = None
         self._resumed: asyncio.Event | None = None
         self._idle: asyncio.Event | None = None
@@ -298,6 +300,15 @@ class WorkerServer:
         self._pump = SocketPump(
             sock, self._on_message, on_undeliverable=self._on_undeliverable, router=True
         )
+        if cfg.curve is not None:
+            # A peer without CURVE, or with another server key, fails the handshake
+            # before any authenticator sees it: only a socket monitor can tell.
+            mon = sock.get_monitor_socket(
+                zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+                | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+            )
+            self._monitor = SocketPump(mon, self._on_monitor)
         self._sweeper = asyncio.get_running_loop().call_later(
             cfg.client_timeout / 4, self._sweep_peers
         )
@@ -327,6 +338,8 @@ class WorkerServer:
         if self._sweeper is not None:
             self._sweeper.cancel()
         if self._pump is not None:
+            if self._monitor is not None:
+                self._monitor.close()
             self._pump.close()
         if self._auth is not None:
             self._auth.stop()
@@ -464,6 +477,16 @@ class WorkerServer:
             log.warning(
                 "client %r reports error %s on id %s: %s", peer, msg.code, msg.id, msg.message
             )
+
+    def _on_monitor(self, frames: list[zmq.Frame]) -> None:
+        event = parse_monitor_message([f.bytes for f in frames])
+        self.counters["handshake_failed"] += 1
+        _log_counted(
+            self.counters["handshake_failed"],
+            "refused a peer at the CURVE handshake (%s on %s)",
+            zmq.Event(event["event"]).name,
+            event["endpoint"],
+        )
 
     def _bad(self, peer: bytes, id: int, code: fm.ErrorCode, text: str) -> None:
         self.counters["bad_messages"] += 1
