@@ -402,6 +402,27 @@ def test_streaming_mode_applies_as_buckets_arrive(pair: Pair) -> None:
     assert equal(t, make_state(1)) and sub.consistent
 
 
+def test_a_copy_failing_half_way_is_reported_as_mixed(pair: Pair) -> None:
+    pub = pair.publisher(bucket_bytes=4096, shm=False)
+    t = zeros_like(make_state(0))
+    sub = pair.subscriber(t)
+    pub.wait_for_workers(1, 10)
+    real = sub._applier.apply
+
+    def broken(info: Any, chunks: Any) -> None:
+        if info.index == 2:
+            raise RuntimeError("device lost (test)")
+        real(info, chunks)
+
+    sub._applier.apply = broken  # type: ignore[method-assign]
+    res = pub.wait(pub.publish(make_state(1), 1).version, 20)
+    assert "applying failed, weights are mixed" in res.failed[sub.worker_id]
+    assert not sub.consistent and sub.version == -1
+    sub._applier.apply = real  # type: ignore[method-assign]
+    assert pub.publish_and_wait(make_state(2), 2, timeout=20).ok
+    assert sub.consistent and equal(t, make_state(2))
+
+
 def test_shm_falls_back_to_tcp_when_the_segment_cannot_be_opened(
     pair: Pair, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -544,7 +544,11 @@ class WeightPublisher:
                         frames = self._router.recv_multipart(zmq.NOBLOCK, copy=False)
                     except zmq.Again:
                         break
-                    self._handle(frames)
+                    try:
+                        self._handle(frames)
+                    except Exception:  # one bad request must not stop the service
+                        self._count("internal_errors")
+                        log.exception("weight publisher: error serving a request")
 
     def _pack_step(self) -> bool:
         """Run one step of the version being packed; False when none is."""

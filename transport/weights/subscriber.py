@@ -364,7 +364,13 @@ class WeightSubscriber:
                 self._count("bad_messages")
                 log.warning("bad message from the weight publisher: %s", exc)
                 continue
-            self._dispatch(msg)
+            try:
+                self._dispatch(msg)
+            except Exception as exc:  # keep following the publisher; report the version
+                self._count("internal_errors")
+                log.exception("weight subscriber %s: error handling a message", self.worker_id)
+                if self._update is not None:
+                    self._fail(self._update.ann.version, f"internal error: {exc!r}")
 
     def _send(self, msg: Any) -> None:
         with contextlib.suppress(zmq.Again):
@@ -607,13 +613,20 @@ class WeightSubscriber:
         t0: float,
     ) -> None:
         with self.lock:
-            for b, chunks in parts:
-                ta = time.monotonic()
-                self._applier.apply(b, chunks)
-                dt = time.monotonic() - ta
-                stats.apply_s += dt
-                stats.buckets[b.index]["apply_s"] = dt
-            self._applier.finish()
+            try:
+                for b, chunks in parts:
+                    ta = time.monotonic()
+                    self._applier.apply(b, chunks)
+                    dt = time.monotonic() - ta
+                    stats.apply_s += dt
+                    stats.buckets[b.index]["apply_s"] = dt
+                self._applier.finish()
+            except Exception as exc:
+                # A copy failed half-way (device error, out of memory): the weights are
+                # now mixed, and say so until a later version completes.
+                self._consistent = False
+                self._fail(ann.version, f"applying failed, weights are mixed: {exc!r}")
+                return
             with self._cond:
                 self._version = ann.version
                 self._consistent = True
