@@ -484,6 +484,7 @@ class WeightPublisher:
                 log.warning(
                     "cannot stage %d bytes in /dev/shm (%s); using private memory", total, exc
                 )
+        self._count("buffers_created")
         if seg is not None:
             return _Staged(version, seg.tensor, seg)
         return _Staged(version, torch.empty(total, dtype=torch.uint8), None)
