@@ -84,6 +84,17 @@ def publisher_proc(endpoint: str, n_workers: int, die_at: tuple[int, int]) -> No
     raise SystemExit("the fault hook should have killed this process")
 
 
+def disk_writer_proc(path: str) -> None:
+    """A trainer saving version after version to disk until it is killed."""
+    from transport.weights.disk import save_weights
+
+    torch.set_num_threads(1)
+    v = 0
+    while True:
+        v += 1
+        save_weights(path, make_state(v, scale=400), v)
+
+
 @pytest.fixture
 def procs() -> Iterator[Callable[..., Any]]:
     ctx = mp.get_context("spawn")
@@ -193,3 +204,17 @@ def test_name_shape_dtype_mismatch(procs: Callable[..., Any]) -> None:
         for v in variants[1:]:
             assert workers[v].version == -1
             assert workers[v].digest == state_digest(variant_target(v))  # untouched
+
+
+def test_disk_writer_killed_mid_write(procs: Callable[..., Any], tmp_path: Any) -> None:
+    from transport.weights.disk import latest_version, load_weights
+
+    writer = procs(disk_writer_proc, str(tmp_path))
+    wait_for(lambda: (latest_version(tmp_path) or 0) >= 3, 60, "three versions on disk")
+    writer.kill()  # SIGKILL, most likely in the middle of writing the next version
+    writer.join(10)
+    assert writer.exitcode == -signal.SIGKILL
+    target = zeros_like(make_state(0, scale=400))
+    v = load_weights(tmp_path, target)
+    assert v >= 3
+    assert state_digest(target) == state_digest(make_state(v, scale=400))  # complete
