@@ -403,7 +403,7 @@ class BucketApplier:
             if ev is not None:
                 ev.synchronize()
             buf = self._pinned[i][: piece.numel()]
-            buf.copy_(piece)
+            copy_bytes(buf, piece)
             dst[a : a + piece.numel()].copy_(buf, non_blocking=True)
             ev = torch.cuda.Event()  # type: ignore[no-untyped-call]
             ev.record()
