@@ -455,6 +455,33 @@ def test_other_host_or_private_dev_shm_uses_tcp(
     assert next(iter(res.applied.values())).via == "tcp"
 
 
+def test_curve_admits_only_known_workers(pair: Pair, tmp_path: Path) -> None:
+    import zmq.auth
+
+    from transport.sockets import CurveConfig
+
+    keys, allowed = tmp_path / "keys", tmp_path / "allowed"
+    keys.mkdir()
+    allowed.mkdir()
+    _, pub_secret = zmq.auth.create_certificates(str(keys), "trainer")
+    good_public, good_secret = zmq.auth.create_certificates(str(keys), "good")
+    _, bad_secret = zmq.auth.create_certificates(str(keys), "stranger")
+    (allowed / "good.key").write_bytes(Path(good_public).read_bytes())
+    pub = pair.publisher(
+        curve=CurveConfig(secret_key_file=pub_secret, authorized_clients_dir=str(allowed))
+    )
+    server_key = str(keys / "trainer.key")
+    good = zeros_like(make_state(0))
+    bad = zeros_like(make_state(0))
+    pair.subscriber(good, worker_id="good", curve=CurveConfig(good_secret, server_key))
+    stranger = pair.subscriber(bad, worker_id="stranger", curve=CurveConfig(bad_secret, server_key))
+    pub.wait_for_workers(1, 10)
+    res = pub.publish_and_wait(make_state(1), 1, timeout=20)
+    assert list(res.applied) == ["good"] and equal(good, make_state(1))
+    assert not stranger.wait_version(1, 0.5) and "stranger" not in pub.workers()
+    assert pub._auth is not None and pub._auth.denied >= 1
+
+
 def test_wait_reports_missing_workers_on_timeout(pair: Pair) -> None:
     pub = pair.publisher(shm=False)
     pub.publish(make_state(1), 1)

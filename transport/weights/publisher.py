@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 import zmq
+import zmq.auth
 
 import fastio
 from fastio.weight_msgs import (
@@ -43,6 +44,7 @@ from fastio.weight_msgs import (
     WeightHello,
     WeightWelcome,
 )
+from transport.sockets import CurveConfig, WorkerAuthenticator
 from transport.weights import shm as _shm
 from transport.weights.bucket import (
     DEFAULT_BUCKET_BYTES,
@@ -198,6 +200,13 @@ class WeightPublisher:
         How many recent versions keep their buffer when no one needs them any more.
     context:
         ZeroMQ context (default: a private one, terminated at :meth:`close`).
+    curve:
+        CurveZMQ on both sockets (:class:`transport.CurveConfig`: this side's
+        ``.key_secret`` and, to admit only known workers, ``authorized_clients_dir``).
+        Off by default (loopback); turn it on whenever workers connect across hosts. A
+        worker with a wrong or missing key gets nothing, not even the announcements.
+    fault_hook:
+        Testing only: ``(worker, version, bucket) -> None | "corrupt" | "die"``.
 
     Examples
     --------
@@ -220,6 +229,7 @@ class WeightPublisher:
         worker_timeout: float = 10.0,
         keep_versions: int = 2,
         context: zmq.Context[Any] | None = None,
+        curve: CurveConfig | None = None,
         fault_hook: Callable[[str, int, int], str | None] | None = None,
     ) -> None:
         Hasher(checksum)  # validates the name now rather than at the first publish
@@ -250,7 +260,12 @@ class WeightPublisher:
         # close() can terminate it without touching the application's sockets.
         self._own_ctx = context is None
         self._ctx: zmq.Context[Any] = context or zmq.Context()
+        self._auth: WorkerAuthenticator | None = None
+        if curve is not None:
+            # The ZAP handler must run before the sockets bind.
+            self._auth = WorkerAuthenticator(self._ctx, curve)
         self._router = self._ctx.socket(zmq.ROUTER)
+        _curve_server(self._router, curve)
         self._router.setsockopt(zmq.LINGER, 0)
         # At the HWM a ROUTER drops silently; MANDATORY turns that into EAGAIN, which
         # is answered as "busy" instead (workers bound their fetches by a window).
@@ -264,6 +279,7 @@ class WeightPublisher:
         self._router.bind(endpoint)
         self.endpoint: str = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
         self._pub = self._ctx.socket(zmq.PUB)
+        _curve_server(self._pub, curve)
         self._pub.setsockopt(zmq.LINGER, 0)
         self._pub.setsockopt(zmq.SNDHWM, 10_000)
         self._pub.bind(pub_endpoint or _sibling(self.endpoint))
@@ -449,6 +465,8 @@ class WeightPublisher:
         self._thread.join(5.0)
         for s in (self._router, self._pub, self._wake_r, self._wake_w):
             s.close(linger=0)
+        if self._auth is not None:
+            self._auth.stop()
         if self._own_ctx:
             self._ctx.term()
         with self._cond:
@@ -826,6 +844,17 @@ def _pack_steps(
             told = st.packed = base + info.nbytes
             st.buckets_done = info.index + 1
         yield
+
+
+def _curve_server(sock: zmq.Socket[Any], curve: CurveConfig | None) -> None:
+    if curve is None:
+        return
+    public, secret = zmq.auth.load_certificate(curve.secret_key_file)
+    if secret is None:
+        raise ValueError(f"{curve.secret_key_file} holds no secret key")
+    sock.curve_secretkey = secret
+    sock.curve_publickey = public
+    sock.curve_server = True
 
 
 def _sibling(endpoint: str) -> str:

@@ -42,6 +42,7 @@ from typing import Any
 import numpy as np
 import torch
 import zmq
+import zmq.auth
 
 import fastio
 from fastio.weight_msgs import (
@@ -55,6 +56,7 @@ from fastio.weight_msgs import (
     WeightHello,
     WeightWelcome,
 )
+from transport.sockets import CurveConfig
 from transport.weights import shm as _shm
 from transport.weights.bucket import (
     CHECKSUM_ALGOS,
@@ -181,6 +183,9 @@ class WeightSubscriber:
         versions (see :func:`_tune_malloc`): received frames then reuse warm pages
         instead of faulting in fresh zeroed ones, which more than halves the receive
         cost. A process-wide setting; pass ``False`` to leave the allocator alone.
+    curve:
+        CurveZMQ keys (:class:`transport.CurveConfig`: this worker's ``.key_secret`` and
+        the publisher's public ``.key`` as ``server_public_key_file``).
 
     Examples
     --------
@@ -211,6 +216,7 @@ class WeightSubscriber:
         context: zmq.Context[Any] | None = None,
         max_message_size: int = 1 << 30,
         tune_malloc: bool = True,
+        curve: CurveConfig | None = None,
     ) -> None:
         self.endpoint = endpoint
         if tune_malloc:
@@ -230,6 +236,9 @@ class WeightSubscriber:
         self.report_digest = report_digest
         self.strict = strict
         self.max_message_size = max_message_size
+        if curve is not None and curve.server_public_key_file is None:
+            raise ValueError("CurveConfig.server_public_key_file is needed to subscribe")
+        self.curve = curve
         #: Counters: bad messages, gaps, retries, versions applied / failed.
         self.counters: dict[str, int] = {}
         #: Error text of the last failed version ("" if none).
@@ -247,7 +256,7 @@ class WeightSubscriber:
         self._host = _shm.host_id()
         self._encoder = fastio.Encoder()
         self._decoder = fastio.Decoder(
-            PUBLISHER_TO_SUBSCRIBER, max_message_size=max(max_message_size, 1 << 34)
+            PUBLISHER_TO_SUBSCRIBER, max_message_size=max_message_size + (1 << 20)
         )
         # per publisher instance
         self._pub_id = ""
@@ -310,6 +319,7 @@ class WeightSubscriber:
 
     def _run(self) -> None:
         self._dealer = self._ctx.socket(zmq.DEALER)
+        _curve_client(self._dealer, self.curve)
         self._dealer.setsockopt(zmq.LINGER, 0)
         self._dealer.setsockopt(zmq.ROUTING_ID, self.worker_id.encode())
         self._dealer.setsockopt(zmq.MAXMSGSIZE, self.max_message_size)
@@ -319,6 +329,7 @@ class WeightSubscriber:
         self._dealer.setsockopt(zmq.IMMEDIATE, 1)
         self._dealer.connect(self.endpoint)
         self._sub = self._ctx.socket(zmq.SUB)
+        _curve_client(self._sub, self.curve)
         self._sub.setsockopt(zmq.LINGER, 0)
         self._sub.setsockopt(zmq.MAXMSGSIZE, 64 << 20)
         self._sub.setsockopt(zmq.SUBSCRIBE, b"")
@@ -713,6 +724,18 @@ class WeightSubscriber:
             up.partial.pop(i, None)
             up.todo.append(i)
         self._pump()
+
+
+def _curve_client(sock: zmq.Socket[Any], curve: CurveConfig | None) -> None:
+    if curve is None or curve.server_public_key_file is None:
+        return
+    public, secret = zmq.auth.load_certificate(curve.secret_key_file)
+    if secret is None:
+        raise ValueError(f"{curve.secret_key_file} holds no secret key")
+    server, _ = zmq.auth.load_certificate(curve.server_public_key_file)
+    sock.curve_secretkey = secret
+    sock.curve_publickey = public
+    sock.curve_serverkey = server
 
 
 _MALLOC_TUNED = False

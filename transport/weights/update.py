@@ -165,11 +165,21 @@ async def subscribe(server: Any, opts: dict[str, str]) -> None:
     """Fabric worker plugin: follow the weight publisher at ``opts["weights_endpoint"]``.
 
     Options: ``weights_shm`` (default on), ``weights_digest`` (report weight digests,
-    default off), ``weights_publisher_timeout`` (seconds).
+    default off), ``weights_publisher_timeout`` (seconds), and for CurveZMQ
+    ``weights_curve_secret`` (this worker's ``.key_secret``) with
+    ``weights_curve_server`` (the publisher's ``.key``).
     """
+    from transport.sockets import CurveConfig
+
     endpoint = opts.get("weights_endpoint")
     if not endpoint:
         raise ValueError("the weights plugin needs --plugin-opt weights_endpoint=<address>")
+    curve = None
+    if opts.get("weights_curve_secret"):
+        curve = CurveConfig(
+            secret_key_file=opts["weights_curve_secret"],
+            server_public_key_file=opts.get("weights_curve_server"),
+        )
     sub = attach_subscriber(
         server,
         endpoint,
@@ -177,6 +187,7 @@ async def subscribe(server: Any, opts: dict[str, str]) -> None:
         shm=_flag(opts.get("weights_shm"), True),
         report_digest=_flag(opts.get("weights_digest"), False),
         publisher_timeout=float(opts.get("weights_publisher_timeout", "10")),
+        curve=curve,
     )
     try:
         await asyncio.Event().wait()  # lives as long as the server; cancelled at close
