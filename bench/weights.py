@@ -17,7 +17,9 @@ each next to baselines measured in the same run, on the same worker processes:
   :func:`load_weights`.
 
 ``extra["buckets"]`` holds the per-bucket pipeline timing of the last fastio run on one
-worker: arrival (from the update's start), verify and apply seconds per bucket. Where
+worker: arrival of the bucket's last byte (seconds from the worker's start of the
+update), seconds spent checksumming it and copying it into the weights;
+``extra["publish_returned_s"]`` is when ``publish()`` returned (every bucket packed). Where
 CUDA exists, ``gpu-tcp``/``gpu-shm`` measure trainer GPU tensors to worker GPU tensors.
 """
 
@@ -29,6 +31,7 @@ import multiprocessing as mp
 import os
 import shutil
 import socket
+import statistics
 import tempfile
 import time
 from typing import Any
@@ -245,11 +248,13 @@ def _run_size(nbytes: int, hidden: int, reps: int, quick: bool) -> list[Measurem
 
         def fastio_case(pub: WeightPublisher, via: str) -> Measurement:
             samples = []
+            packed = []
             last = None
             for _ in range(reps + 2):  # two warm up: each allocates one of the 2 buffers
                 version[0] += 1
                 t0 = time.perf_counter()
                 pub.publish(state, version[0])
+                packed.append(time.perf_counter() - t0)
                 res = pub.wait(version[0], 300)
                 dt = time.perf_counter() - t0
                 if not res.ok:
@@ -269,6 +274,7 @@ def _run_size(nbytes: int, hidden: int, reps: int, quick: bool) -> list[Measurem
                 size_unit="bytes",
                 gb_per_s_per_worker=round(size / 1e9 / min(samples[2:]), 3),
                 buckets=_bucket_table(ack),
+                publish_returned_s=round(statistics.median(packed[2:]), 4),
                 bucket_bytes=bucket,
                 worker_stats={
                     k: round(v, 4)
