@@ -9,7 +9,6 @@ tests of behaviour: they assert nothing about speed.
 from __future__ import annotations
 
 import pickle
-from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -18,53 +17,13 @@ import pytest
 import zmq
 
 import fastio
+from bench.codec import ListResponse, SeedResponse, _arrays, _as_lists
 
 N_TOKENS = 32768
 
 
-@dataclass
-class SeedResponse:
-    """The seed's dataclass form of a response: plain lists."""
-
-    input_tokens: list[int] = field(default_factory=list)
-    output_tokens: list[int] = field(default_factory=list)
-    output_logprobs: list[float] = field(default_factory=list)
-    output_versions: list[int] = field(default_factory=list)
-    stop_reason: str = "stop"
-    latency: float = float("inf")
-    ttft: float = float("inf")
-    itl: list[float] = field(default_factory=list)
-
-
-class ListResponse(msgspec.Struct, array_like=True):
-    """msgspec with plain list fields: the obvious msgspec port of the seed."""
-
-    input_tokens: list[int]
-    output_tokens: list[int]
-    output_logprobs: list[float]
-    output_versions: list[int]
-    stop_reason: str
-    latency: float
-    ttft: float
-    itl: list[float]
-
-
-def _arrays(n: int) -> dict[str, Any]:
-    rng = np.random.default_rng(0)
-    return {
-        "input_tokens": rng.integers(0, 150_000, 512, dtype=np.int32),
-        "output_tokens": rng.integers(0, 150_000, n, dtype=np.int32),
-        "output_logprobs": -rng.random(n, dtype=np.float32),
-        "output_versions": np.full(n, 3, dtype=np.int32),
-        "stop_reason": "length",
-        "latency": 1.5,
-        "ttft": 0.05,
-        "itl": rng.random(n) * 1e-3,
-    }
-
-
 def _lists(n: int) -> dict[str, Any]:
-    return {k: v.tolist() if isinstance(v, np.ndarray) else v for k, v in _arrays(n).items()}
+    return _as_lists(_arrays(n))
 
 
 @pytest.mark.benchmark(group="response_32k_roundtrip")
