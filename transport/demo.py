@@ -27,6 +27,7 @@ import ctypes
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -273,7 +274,15 @@ def _trainer_role(a: argparse.Namespace) -> None:
     push.setsockopt(zmq.LINGER, 2000)
     push.connect(a.report)
     ctl = FabricController(a.workers, curve=_curve_for_client(a.keys), timeout=60)
-    pub = WeightPublisher(a.publisher)
+    pub_curve = None
+    if a.keys:
+        from transport import CurveConfig
+
+        pub_curve = CurveConfig(
+            secret_key_file=os.path.join(a.keys, "trainer.key_secret"),
+            authorized_clients_dir=os.path.join(a.keys, "workers"),
+        )
+    pub = WeightPublisher(a.publisher, curve=pub_curve)
     print(json.dumps({"ready": pub.endpoint}), flush=True)
     pub.wait_for_workers(len(a.workers), timeout=60)
     version = 0
@@ -392,13 +401,13 @@ def _orchestrate(a: argparse.Namespace) -> int:
 
         keys_dir = str(tmp / "keys")
         os.makedirs(keys_dir)
-        create_certificates(keys_dir, "worker")
-        create_certificates(keys_dir, "client")
-        os.makedirs(os.path.join(keys_dir, "clients"))
-        # The worker admits the public keys found in clients/.
-        os.replace(
-            os.path.join(keys_dir, "client.key"), os.path.join(keys_dir, "clients", "client.key")
-        )
+        for name in ("worker", "client", "trainer"):
+            create_certificates(keys_dir, name)
+        # Workers admit the client public keys in clients/; the trainer's weight
+        # publisher admits the worker public keys in workers/.
+        for who, sub in (("client", "clients"), ("worker", "workers")):
+            os.makedirs(os.path.join(keys_dir, sub))
+            shutil.copy(os.path.join(keys_dir, f"{who}.key"), os.path.join(keys_dir, sub))
     vocab, hidden, layers = MODEL_SIZES[a.model_size]
     # Chosen before anything starts: workers connect to it (ZeroMQ retries until the
     # trainer binds), and the trainer is started once the workers' addresses are known.
@@ -433,6 +442,10 @@ def _orchestrate(a: argparse.Namespace) -> int:
             ]  # fmt: skip
             if keys_dir:
                 cmd += [
+                    "--plugin-opt",
+                    f"weights_curve_secret={keys_dir}/worker.key_secret",
+                    "--plugin-opt",
+                    f"weights_curve_server={keys_dir}/trainer.key",
                     "--curve-secret",
                     f"{keys_dir}/worker.key_secret",
                     "--curve-clients",
