@@ -31,8 +31,13 @@ def from_pytest_benchmark(path: Path) -> list[Measurement]:
         stats = b["stats"]
         out.append(
             Measurement(
-                "hotpaths", b["group"], b["extra_info"].get("impl", b["name"]), 0,
-                stats["median"], [], {"rounds": stats["rounds"], "min_s": stats["min"]},
+                "hotpaths",
+                b["group"],
+                b["extra_info"].get("impl", b["name"]),
+                0,
+                stats["median"],
+                [],
+                {"rounds": stats["rounds"], "min_s": stats["min"]},
             )
         )
     return out
@@ -45,11 +50,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="bench/out", help="directory for results.md/.json and plots")
     p.add_argument("--no-plots", action="store_true", help="skip PNG plots")
     p.add_argument("--check", metavar="REFERENCE", help="compare ratios with a reference JSON")
-    p.add_argument("--tolerance", type=float, default=0.5,
-                   help="allowed relative drop of a ratio before --check fails (default 0.5)")
-    p.add_argument("--pytest-json", metavar="PATH",
-                   help="also include a pytest-benchmark JSON (bench/test_hotpaths.py) as suite 'hotpaths'")
-    p.add_argument("--write-reference", metavar="PATH", help="write this run's ratios as a reference")
+    p.add_argument(
+        "--tolerance",
+        type=float,
+        default=0.5,
+        help="allowed relative drop of a ratio before --check fails (default 0.5)",
+    )
+    p.add_argument(
+        "--pytest-json",
+        metavar="PATH",
+        help="also include a pytest-benchmark JSON (bench/test_hotpaths.py) as suite 'hotpaths'",
+    )
+    p.add_argument(
+        "--lower-reference",
+        metavar="PATH",
+        help="merge this run's ratios into a reference, keeping the lower of the two per "
+        "ratio (run it a few times: the reference becomes the worst run, so the check "
+        "flags regressions, not noise)",
+    )
     args = p.parse_args(argv)
 
     out = Path(args.out)
@@ -66,7 +84,10 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         print(f"== suite {name} ...", flush=True)
         got = module.run(quick=args.quick)
-        print(f"== suite {name}: {len(got)} measurements in {time.perf_counter() - t0:.1f} s", flush=True)
+        print(
+            f"== suite {name}: {len(got)} measurements in {time.perf_counter() - t0:.1f} s",
+            flush=True,
+        )
         ms.extend(got)
 
     if args.pytest_json:
@@ -80,9 +101,13 @@ def main(argv: list[str] | None = None) -> int:
         for path in plot(ms, out):
             print("plot:", path)
     current = ratios(ms)
-    if args.write_reference:
-        Path(args.write_reference).write_text(json.dumps(current, indent=1, sort_keys=True) + "\n")
-        print("reference written:", args.write_reference)
+    if args.lower_reference:
+        path = Path(args.lower_reference)
+        merged = json.loads(path.read_text()) if path.exists() else {}
+        for key, value in current.items():
+            merged[key] = min(value, merged.get(key, value))
+        path.write_text(json.dumps(merged, indent=1, sort_keys=True) + "\n")
+        print("reference updated:", path)
     if args.check:
         reference = json.loads(Path(args.check).read_text())
         suites = set(args.suite.split(",")) | ({"hotpaths"} if args.pytest_json else set())

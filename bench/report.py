@@ -46,17 +46,22 @@ def _fmt_time(s: float) -> str:
 def markdown(ms: list[Measurement], info: dict[str, Any]) -> str:
     """A markdown report: one table per suite (median per impl, ratio to fastio)."""
     lines = ["# fastio benchmarks", ""]
-    lines.append(
-        "Machine: "
-        + ", ".join(f"{k}={v}" for k, v in info.items() if k not in ("argv",))
-    )
+    lines.append("Machine: " + ", ".join(f"{k}={v}" for k, v in info.items() if k not in ("argv",)))
     lines.append("")
-    lines.append("Ratio = baseline median / fastio median, measured in the same run (>1: fastio faster).")
+    lines.append(
+        "Ratio = baseline median / fastio median, measured in the same run (>1: fastio faster)."
+    )
     by_suite: dict[str, list[Measurement]] = defaultdict(list)
     for m in ms:
         by_suite[m.suite].append(m)
     for suite, items in by_suite.items():
-        lines += ["", f"## {suite}", "", "| case | impl | median | ratio | notes |", "|---|---|---|---|---|"]
+        lines += [
+            "",
+            f"## {suite}",
+            "",
+            "| case | impl | median | ratio | notes |",
+            "|---|---|---|---|---|",
+        ]
         fastio_median = {m.case: m.median_s for m in items if m.impl == FASTIO}
         for m in items:
             ours = fastio_median.get(m.case)
