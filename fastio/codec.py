@@ -108,8 +108,10 @@ if sys.byteorder != "little":  # pragma: no cover - no big-endian hosts in CI
     raise ImportError("fastio supports little-endian hosts only")
 
 _meta_encode = msgspec.msgpack.Encoder().encode
-_array_meta_decode = msgspec.msgpack.Decoder(tuple[str, tuple[int, ...], int | bytes]).decode
-_image_meta = msgspec.msgpack.Decoder(tuple[str, int, int, int | bytes])
+# Inline data decodes straight into a bytearray: the private writable copy the module
+# docstring promises, made by msgspec itself (no second copy).
+_array_meta_decode = msgspec.msgpack.Decoder(tuple[str, tuple[int, ...], int | bytearray]).decode
+_image_meta = msgspec.msgpack.Decoder(tuple[str, int, int, int | bytearray])
 _header_decoder = msgspec.msgpack.Decoder(list[msgspec.Raw])
 _int_decoder = msgspec.msgpack.Decoder(int)
 _Ext = msgspec.msgpack.Ext
@@ -239,6 +241,10 @@ class Encoder:
                     frames: list[Any] = self._local.frames
                     frames.append(memoryview(arr).cast("B"))
                     return _Ext(_EXT_TOKENS, _meta_encode((name, arr.shape, len(frames) - 1)))
+                if nbytes < self.inline_threshold:
+                    # Small token arrays (and the empty logprobs/versions of most
+                    # responses) travel inline: one msgpack call, no _array_ext.
+                    return _Ext(_EXT_TOKENS, _meta_encode((name, arr.shape, arr.tobytes())))
             return self._array_ext(arr, _EXT_TOKENS)
         if tp is np.ndarray:
             return self._array_ext(obj, _EXT_NDARRAY)
@@ -481,7 +487,7 @@ class Decoder:
             local.frames = None
 
     # -- hooks -----------------------------------------------------------------------
-    def _data(self, slot: int | bytes, nbytes: int, what: Any) -> Any:
+    def _data(self, slot: int | bytearray, nbytes: int, what: Any) -> Any:
         """The bytes an extension value refers to; ``what()`` describes it for errors."""
         if type(slot) is int:
             frames: list[memoryview] = self._local.frames
@@ -494,8 +500,8 @@ class Decoder:
             got = data.nbytes if type(data) is memoryview else len(data)
         else:
             got = len(slot)  # type: ignore[arg-type]
-            # Inline data: a private writable copy (at most inline_threshold bytes).
-            data = bytearray(slot)
+            # Inline data: already a private writable copy (a bytearray from msgspec).
+            data = slot
         if got != nbytes:
             raise DecodeError(f"{what()} needs {nbytes} bytes of data, got {got}")
         return data
@@ -506,14 +512,25 @@ class Decoder:
                 name, shape, slot = _array_meta_decode(payload)
             except msgspec.DecodeError as exc:
                 raise DecodeError(f"malformed array descriptor: {exc}") from exc
-            if len(shape) == 1 and type(slot) is int and code != _EXT_TENSOR:
-                # Fast path, every large token array: a valid 1-D array in its own frame.
+            if len(shape) == 1 and code != _EXT_TENSOR:
+                # Fast path, every token array: a valid 1-D array, in its own frame (large)
+                # or inline in the header (small: ``slot`` is already a private bytearray).
                 dtype = _NP_DTYPES.get(name)
-                frames = self._local.frames
                 count = shape[0]
-                if dtype is not None and 0 < slot < len(frames) and count >= 0:
-                    data = frames[slot]
-                    size = data.nbytes if type(data) is memoryview else len(data)
+                if dtype is not None and count >= 0:
+                    data: Any = slot
+                    if type(slot) is int:
+                        frames = self._local.frames
+                        data = frames[slot] if 0 < slot < len(frames) else None
+                        size = (
+                            -1
+                            if data is None
+                            else data.nbytes
+                            if type(data) is memoryview
+                            else len(data)
+                        )
+                    else:
+                        size = len(slot)  # type: ignore[arg-type]
                     if size == count * dtype.itemsize:
                         arr = np.frombuffer(data, dtype, count)
                         if code == _EXT_NDARRAY:
@@ -532,7 +549,7 @@ class Decoder:
             return self._image(payload)
         raise DecodeError(f"unknown extension type code {code}; known: 1, 2, 3, 4")
 
-    def _array(self, code: int, name: str, shape: tuple[int, ...], slot: int | bytes) -> Any:
+    def _array(self, code: int, name: str, shape: tuple[int, ...], slot: int | bytearray) -> Any:
         """Checks and builds any array or tensor (the fast path's fallback)."""
         if len(shape) > _MAX_NDIM:
             raise DecodeError(f"array has {len(shape)} dimensions, at most {_MAX_NDIM} allowed")
@@ -552,7 +569,7 @@ class Decoder:
         arr = np.frombuffer(data, dtype, count)
         return arr if len(shape) == 1 else arr.reshape(shape)
 
-    def _tensor(self, name: str, shape: tuple[int, ...], count: int, slot: int | bytes) -> Any:
+    def _tensor(self, name: str, shape: tuple[int, ...], count: int, slot: int | bytearray) -> Any:
         import torch
 
         if not _torch_dtypes:

@@ -37,8 +37,9 @@ import signal
 import socket
 import sys
 import time
+import types
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -62,6 +63,8 @@ from transport.sockets import (
 __all__ = ["Handler", "RequestContext", "WorkerConfig", "WorkerServer", "echo_handler", "main"]
 
 log = logging.getLogger("transport.worker")
+
+_CoroutineType = types.CoroutineType
 
 Handler = Callable[[LLMRequest, "RequestContext"], Awaitable[LLMResponse]]
 #: A background job started with the server in its loop (e.g. a weight subscriber).
@@ -91,6 +94,15 @@ class WorkerConfig:
         requests are cancelled. Keep it a few times the clients' heartbeat interval.
     max_message_size, hwm, curve:
         See :mod:`transport.sockets`.
+    extra:
+        Options for plugins (``--plugin-opt key=value``).
+    eager_start:
+        Run each handler's first step at once, in the callback that received its
+        Submit (as Python 3.12's eager tasks), instead of in a new task on the next
+        loop iteration: a handler that returns without awaiting costs no task, and
+        one that awaits continues in a task. During that first step
+        ``asyncio.current_task()`` is not the request's task; set False for handlers
+        that need it (``asyncio.timeout()`` before their first ``await``, say).
     """
 
     bind: str | list[str] = "tcp://127.0.0.1:0"
@@ -102,6 +114,7 @@ class WorkerConfig:
     hwm: int = DEFAULT_HWM
     curve: CurveConfig | None = None
     extra: dict[str, str] = field(default_factory=dict)
+    eager_start: bool = True
 
 
 class RequestContext:
@@ -509,80 +522,151 @@ class WorkerServer:
     def _on_submit(self, peer: bytes, sub: fm.Submit) -> None:
         self.counters["received"] += 1
         key = (peer, sub.id)
-        if key in self._tasks:
+        tasks = self._tasks
+        if key in tasks:
             self._bad(peer, sub.id, fm.ErrorCode.BAD_REQUEST, f"id {sub.id} is already in flight")
             return
-        if len(self._tasks) >= self.config.max_pending:
+        if len(tasks) >= self.config.max_pending:
             self.counters["overloaded"] += 1
             self._send_error(
                 peer, sub.id, fm.ErrorCode.OVERLOADED, "worker holds too many requests"
             )
             return
-        deadline = time.monotonic() + sub.timeout if sub.timeout > 0 else float("inf")
+        timeout = sub.timeout
+        deadline = time.monotonic() + timeout if timeout > 0 else float("inf")
         ctx = RequestContext(self, peer, sub.id, sub.stream, deadline)
+        if (
+            self.config.eager_start
+            and timeout <= 0
+            and not self._paused
+            and self._running < self._max_running
+        ):
+            self._start_eager(key, ctx, sub)
+            return
         task = asyncio.ensure_future(self._run(ctx, sub))
+        tasks[key] = (task, ctx)
+
+    def _start_eager(self, key: tuple[bytes, int], ctx: RequestContext, sub: fm.Submit) -> None:
+        # The handler's first step runs here, in the receive callback (as Python 3.12's
+        # eager tasks do): a handler that answers without waiting (an echo, a cache hit,
+        # a refusal) costs no task, no loop iteration and no timer, and its reply leaves
+        # in this same wake-up. A handler that awaits continues in a task from there.
+        assert self._idle is not None
+        self._running += 1
+        self._idle.clear()
+        try:
+            aw = self.handler(sub.request, ctx)
+            if type(aw) is not _CoroutineType:
+                # An awaitable that is not a coroutine (a Future, say): a task awaits it.
+                self._tasks[key] = (asyncio.ensure_future(self._run(ctx, sub, aw)), ctx)
+                return
+            step = aw.send(None)
+        except StopIteration as stop:
+            self._ended(ctx, sub, stop.value, None)
+            return
+        except (Exception, asyncio.CancelledError) as exc:
+            self._ended(ctx, sub, None, exc)
+            return
+        task = asyncio.ensure_future(self._run(ctx, sub, _Resume(aw, step)))
         self._tasks[key] = (task, ctx)
 
-    async def _run(self, ctx: RequestContext, sub: fm.Submit) -> None:
-        assert self._idle is not None
-        peer, id = ctx.peer, ctx.id
-        running = False
+    async def _run(
+        self, ctx: RequestContext, sub: fm.Submit, started: Awaitable[LLMResponse] | None = None
+    ) -> None:
+        """One request in a task; ``started``: its handler, already running (it holds
+        a slot since :meth:`_start_eager`)."""
+        resp: LLMResponse | None = None
+        err: BaseException | None = None
+        running = started is not None
         try:
-            # Fast path: no pause, a free slot. Otherwise wait for a wake-up (resume or
-            # a finished request) and look again.
-            while self._paused or self._running >= self._max_running:
-                gate: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-                self._gate.append(gate)
-                await gate
-            running = True
-            self._running += 1
-            self._idle.clear()
-            if sub.timeout > 0:
-                resp = await asyncio.wait_for(self.handler(sub.request, ctx), sub.timeout)
+            if started is not None:
+                resp = await started
             else:
-                resp = await self.handler(sub.request, ctx)
-            ctx._flush()
-            if resp.stop_reason == "interrupt":
-                self.counters["interrupted"] += 1
-            self.counters["completed"] += 1
-            self._send(
-                peer,
-                fm.Result(
-                    id=id,
-                    output_tokens=resp.output_tokens,
-                    output_logprobs=resp.output_logprobs,
-                    output_versions=resp.output_versions,
-                    stop_reason=resp.stop_reason,
-                ),
-            )
-        except asyncio.CancelledError:
-            if ctx._aborted:
-                self.counters["aborted"] += 1
-                self._send_error(peer, id, fm.ErrorCode.ABORTED, "aborted by a controller")
-            else:
-                self.counters["cancelled"] += 1
-        except asyncio.TimeoutError:
-            self.counters["errors"] += 1
-            self._send_error(
-                peer, id, fm.ErrorCode.TIMEOUT, f"worker time limit {sub.timeout} s passed"
-            )
-        except Exception as exc:
-            self.counters["errors"] += 1
-            log.exception("handler failed on request %s", sub.request.rid)
-            try:
-                self._send_error(
-                    peer, id, fm.ErrorCode.HANDLER_ERROR, f"{type(exc).__name__}: {exc}"
+                # Fast path: no pause, a free slot. Otherwise wait for a wake-up (resume
+                # or a finished request) and look again.
+                while self._paused or self._running >= self._max_running:
+                    gate: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+                    self._gate.append(gate)
+                    await gate
+                assert self._idle is not None
+                running = True
+                self._running += 1
+                self._idle.clear()
+                if sub.timeout > 0:
+                    resp = await asyncio.wait_for(self.handler(sub.request, ctx), sub.timeout)
+                else:
+                    resp = await self.handler(sub.request, ctx)
+        except (Exception, asyncio.CancelledError) as exc:
+            err = exc
+        if running:
+            self._ended(ctx, sub, resp, err)
+        else:  # cancelled while waiting for a slot: it never ran
+            self._tasks.pop((ctx.peer, ctx.id), None)
+            if isinstance(err, asyncio.CancelledError):
+                self._cancelled(ctx)
+
+    def _ended(
+        self,
+        ctx: RequestContext,
+        sub: fm.Submit,
+        resp: LLMResponse | None,
+        err: BaseException | None,
+    ) -> None:
+        """A handler holding a slot returned ``resp`` or raised ``err``: reply, free
+        the slot."""
+        peer, id = ctx.peer, ctx.id
+        try:
+            if err is None:
+                assert resp is not None
+                ctx._flush()
+                if resp.stop_reason == "interrupt":
+                    self.counters["interrupted"] += 1
+                self.counters["completed"] += 1
+                self._send(
+                    peer,
+                    fm.Result(
+                        id=id,
+                        output_tokens=resp.output_tokens,
+                        output_logprobs=resp.output_logprobs,
+                        output_versions=resp.output_versions,
+                        stop_reason=resp.stop_reason,
+                    ),
                 )
-            except Exception:
-                log.exception("cannot send the error reply")
+            elif isinstance(err, asyncio.CancelledError):
+                self._cancelled(ctx)
+            elif isinstance(err, asyncio.TimeoutError):
+                self.counters["errors"] += 1
+                self._send_error(
+                    peer, id, fm.ErrorCode.TIMEOUT, f"worker time limit {sub.timeout} s passed"
+                )
+            else:
+                self.counters["errors"] += 1
+                log.error("handler failed on request %s", sub.request.rid, exc_info=err)
+                self._send_error(
+                    peer, id, fm.ErrorCode.HANDLER_ERROR, f"{type(err).__name__}: {err}"
+                )
+        except Exception:
+            # A reply that cannot be built (a handler returning a wrong type, say) must
+            # not leak the slot.
+            self.counters["errors"] += 1
+            log.exception("cannot send the reply to request %s", sub.request.rid)
+            with contextlib.suppress(Exception):
+                self._send_error(peer, id, fm.ErrorCode.HANDLER_ERROR, "invalid handler output")
         finally:
             self._tasks.pop((peer, id), None)
-            if running:
-                self._running -= 1
-                if self._running == 0:
-                    self._idle.set()
-                if self._gate:
-                    self._open_gate(1)
+            self._running -= 1
+            if self._running == 0:
+                assert self._idle is not None
+                self._idle.set()
+            if self._gate:
+                self._open_gate(1)
+
+    def _cancelled(self, ctx: RequestContext) -> None:
+        if ctx._aborted:
+            self.counters["aborted"] += 1
+            self._send_error(ctx.peer, ctx.id, fm.ErrorCode.ABORTED, "aborted by a controller")
+        else:
+            self.counters["cancelled"] += 1
 
     async def _on_control(self, peer: bytes, msg: fm.Control) -> None:
         ok, error = True, ""
@@ -620,6 +704,38 @@ class WorkerServer:
                 task.cancel()
                 n += 1
         return n
+
+
+class _Resume:
+    """Awaitable that continues a coroutine already stepped once, from the value its
+    first step yielded: the task awaiting it drives the coroutine as if it had started
+    it (cancellation and errors are passed through)."""
+
+    __slots__ = ("_coro", "_step")
+
+    def __init__(self, coro: Coroutine[Any, Any, LLMResponse], step: Any) -> None:
+        self._coro = coro
+        self._step = step
+
+    def __await__(self) -> Generator[Any, None, LLMResponse]:
+        coro, out = self._coro, self._step
+        self._step = None
+        while True:
+            try:
+                yield out
+            except GeneratorExit:
+                coro.close()
+                raise
+            except BaseException as exc:
+                try:
+                    out = coro.throw(exc)
+                except StopIteration as stop:
+                    return stop.value  # type: ignore[no-any-return]
+            else:
+                try:
+                    out = coro.send(None)
+                except StopIteration as stop:
+                    return stop.value  # type: ignore[no-any-return]
 
 
 async def _maybe_await(x: Any) -> None:
