@@ -116,6 +116,7 @@ def _worker(
     shm_ep: str,
     nbytes: int,
     hidden: int,
+    vocab: int,
     gloo_port: int,
     dist_meta: bytes,
 ) -> None:
@@ -127,7 +128,7 @@ def _worker(
     from transport.weights.dist import WeightGroup
 
     torch.set_num_threads(1)
-    sd = make_state(nbytes, hidden, zeros=True)
+    sd = make_state(nbytes, hidden, vocab, zeros=True)
     subs = [
         WeightSubscriber(tcp_ep, sd, worker_id=f"tcp-{idx}", shm=False).start(),
         WeightSubscriber(shm_ep, sd, worker_id=f"shm-{idx}", shm=True).start(),
@@ -178,14 +179,14 @@ def _bucket_table(ack: Any) -> list[dict[str, float]]:
     return out
 
 
-def _run_size(nbytes: int, hidden: int, reps: int, quick: bool) -> list[Measurement]:
+def _run_size(nbytes: int, hidden: int, vocab: int, reps: int, quick: bool) -> list[Measurement]:
     import fastio
     from fastio import AllocationMode, WeightUpdateMeta
     from transport.weights import WeightPublisher
     from transport.weights.disk import save_weights
     from transport.weights.dist import WeightGroup, param_specs
 
-    state = make_state(nbytes, hidden, seed=1)
+    state = make_state(nbytes, hidden, vocab, seed=1)
     size = _nbytes(state)
     label = f"{size / (1 << 30):.2f}GiB" if size >= 1 << 30 else f"{size // _MIB}MiB"
     bucket = 256 * _MIB
@@ -213,6 +214,7 @@ def _run_size(nbytes: int, hidden: int, reps: int, quick: bool) -> list[Measurem
                 shm_pub.endpoint,
                 nbytes,
                 hidden,
+                vocab,
                 gloo_port,
                 meta_bytes,
             ),
@@ -267,7 +269,7 @@ def _run_size(nbytes: int, hidden: int, reps: int, quick: bool) -> list[Measurem
                 raise RuntimeError(f"expected the {via} path, workers used {ack.via}")
             return Measurement.from_samples(
                 SUITE,
-                f"{via}-{label}",
+                f"{via}@{label}",
                 FASTIO,
                 size,
                 samples[2:],
@@ -365,12 +367,12 @@ def _run_size(nbytes: int, hidden: int, reps: int, quick: bool) -> list[Measurem
     return out
 
 
-def _gpu_cases(nbytes: int, hidden: int, reps: int) -> list[Measurement]:
+def _gpu_cases(nbytes: int, hidden: int, vocab: int, reps: int) -> list[Measurement]:
     """Trainer CUDA tensors -> worker CUDA tensors through the fabric (one process, the
     worker side in its thread), over TCP and through shared memory."""
     from transport.weights import WeightPublisher, WeightSubscriber
 
-    state = make_state(nbytes, hidden, seed=1, device="cuda")
+    state = make_state(nbytes, hidden, vocab, seed=1, device="cuda")
     size = _nbytes(state)
     out = []
     for via in ("tcp", "shm"):
@@ -391,7 +393,7 @@ def _gpu_cases(nbytes: int, hidden: int, reps: int) -> list[Measurement]:
             out.append(
                 Measurement.from_samples(
                     SUITE,
-                    f"gpu-{via}-{size // _MIB}MiB",
+                    f"gpu-{via}@{size // _MIB}MiB",
                     FASTIO,
                     size,
                     samples[1:],
@@ -404,17 +406,19 @@ def _gpu_cases(nbytes: int, hidden: int, reps: int) -> list[Measurement]:
 
 def run(quick: bool) -> list[Measurement]:
     """Measure weight updates; quick: one ~192 MiB model, 5 repeats."""
+    # (bytes, hidden size, vocabulary): a model-size sweep for plotting update time
+    # against size; the small models get a small vocabulary so that the embeddings do
+    # not make up the whole model.
     if quick:
-        plan = [(192 * _MIB, 512)]
-        reps = 5
+        plan = [(32 * _MIB, 256, 8000), (192 * _MIB, 512, 32000)]
     else:
-        plan = [(256 * _MIB, 768), (1 << 30, 1024)]
-        reps = 5
+        plan = [(64 * _MIB, 512, 8000), (256 * _MIB, 768, 32000), (1 << 30, 1024, 32000)]
+    reps = 5
     out: list[Measurement] = []
-    for nbytes, hidden in plan:
-        out += _run_size(nbytes, hidden, reps, quick)
+    for nbytes, hidden, vocab in plan:
+        out += _run_size(nbytes, hidden, vocab, reps, quick)
     if torch.cuda.is_available():
-        out += _gpu_cases(plan[-1][0], plan[-1][1], reps)
+        out += _gpu_cases(*plan[-1], reps)
     return out
 
 

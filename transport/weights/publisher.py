@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 import zmq
 import zmq.auth
@@ -51,7 +52,6 @@ from transport.weights.bucket import (
     DEFAULT_CHECKSUM,
     Hasher,
     _flat_bytes,
-    copy_bytes,
     copy_tensor,
     named_tensors,
     plan_for,
@@ -69,8 +69,9 @@ log = logging.getLogger("transport.weights.publisher")
 DEFAULT_CHUNK_BYTES = 4 << 20
 
 
-#: Packing granularity: a block is copied, then hashed while it is still in cache.
-_BLOCK = 1 << 20
+#: Packing granularity: a block is copied, then hashed while it is still in cache (L2:
+#: measured here, 256 KiB blocks pack+hash at ~6 GB/s, 1 MiB blocks at ~5 GB/s).
+_BLOCK = 256 << 10
 
 
 @dataclass
@@ -806,25 +807,31 @@ def _pack_steps(
     pub: WeightPublisher, st: _Staged, plan: list[Any], tensors: dict[str, torch.Tensor]
 ) -> Iterator[None]:
     """Pack and hash bucket after bucket, block by block (a block is hashed while still
-    in cache), yielding to the serving loop after every ``chunk_bytes`` of progress."""
+    in cache), yielding to the serving loop after every ``chunk_bytes`` of progress.
+
+    The loop works on numpy views made once per tensor: slicing a torch tensor costs a
+    few microseconds, which over the thousands of blocks of a GiB added tens of ms.
+    """
     block = _BLOCK
     told = 0
     for info in plan:
         base = info.shm_offset
         bucket = st.buf[base : base + info.nbytes]
+        bnp = bucket.numpy()
         h = Hasher(pub.checksum_algo)
         cur = 0  # bytes of this bucket hashed so far
         for e in info.tensors:
             if e.offset > cur:
-                bucket[cur : e.offset].zero_()
+                bnp[cur : e.offset] = 0
             t = tensors[e.name].detach()
-            dst = bucket[e.offset : e.offset + e.nbytes]
             if t.device.type == "cpu" and t.is_contiguous():
-                src = _flat_bytes(t)
+                src = _flat_bytes(t).numpy()
+                off = e.offset
                 for a in range(0, e.nbytes, block):
-                    copy_bytes(dst[a : a + block], src[a : a + block])
-                    end = e.offset + min(a + block, e.nbytes)
-                    h.update(bucket[cur:end].numpy())
+                    b = min(a + block, e.nbytes)
+                    np.copyto(bnp[off + a : off + b], src[a:b])
+                    end = off + b
+                    h.update(bnp[cur:end])
                     cur = end
                     if base + cur - told >= pub.chunk_bytes:
                         told = base + cur
@@ -832,13 +839,13 @@ def _pack_steps(
                             st.packed = told
                         yield
             else:  # device or strided tensors: one copy, then hash the region
-                copy_tensor(dst, t)
+                copy_tensor(bucket[e.offset : e.offset + e.nbytes], t)
                 for a in range(cur, e.offset + e.nbytes, block):
-                    h.update(bucket[a : min(a + block, e.offset + e.nbytes)].numpy())
+                    h.update(bnp[a : min(a + block, e.offset + e.nbytes)])
                 cur = e.offset + e.nbytes
         if info.nbytes > cur:
-            bucket[cur:].zero_()
-            h.update(bucket[cur:].numpy())
+            bnp[cur:] = 0
+            h.update(bnp[cur:])
         with pub._cond:
             info.checksum = h.digest()
             told = st.packed = base + info.nbytes
