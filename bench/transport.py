@@ -1,18 +1,39 @@
 """Transport suite: the fabric (client + worker processes, echo handler) against raw
 pyzmq DEALER/ROUTER moving the same bytes, measured in the same run.
 
+Baselines (``raw-pyzmq``)
+-------------------------
+Every baseline moves *the same bytes* as fastio, over the *same socket types* and the
+*same process layout*: the exact frames fastio puts on the wire for the request
+(``fastio.encode(Submit(...))``: header, plus one zero-copy buffer frame when the token
+array is at least the inline threshold) go from DEALERs in this process to ROUTER echo
+processes (one per fabric worker, ``recv_multipart``/``send_multipart`` with
+``copy=False``, no Python work at all) and come back unchanged. The fabric's reply (a
+``Result`` carrying the same tokens) has about the size of its request, so both sides
+carry the same data both ways. The raw client is plain blocking pyzmq (no asyncio, no
+bookkeeping): what the fabric would cost if it were free.
+
 Cases
 -----
 ``rtt-small``
-    One small request at a time, client and one echo worker in two processes. fastio:
-    ``await client.agenerate(req)``; raw-pyzmq: blocking ``send_multipart`` /
-    ``recv_multipart`` of the same encoded bytes to a ROUTER that sends them back.
-    Median seconds per round trip. Target: fastio within 2x.
+    One small request (16 int32 tokens) at a time, client and one echo worker in two
+    processes. fastio: ``await client.agenerate(req)``; raw-pyzmq: blocking
+    ``send_multipart`` / ``recv_multipart`` of the same encoded bytes to a ROUTER that
+    sends them back. Median seconds per round trip. Target: fastio within 2x.
 ``throughput-2w``
     One client process, two echo worker processes, many requests in flight. fastio:
-    ``asyncio.gather`` of N ``agenerate`` calls; raw-pyzmq: a pipelined window of the
-    same bytes over two DEALERs, a reply frees a slot. Median seconds per request
+    ``asyncio.gather`` of N ``agenerate`` calls (the client keeps at most
+    ``max_in_flight_per_worker`` = 1024 per worker, so 2048 in flight); raw-pyzmq: the
+    same bytes pipelined over two DEALERs with the same window of 2048 (a reply frees a
+    slot; replies are drained non-blocking). Median seconds per request
     (``extra["req_per_s"]``). Target: fastio at least 50% of raw.
+``rtt@<size>``, ``throughput@<size>``
+    The same two measurements for requests whose token array is ``<size>`` bytes
+    (int32 tokens; ``size`` is that payload, ``extra["wire_bytes"]`` the whole message):
+    64 B, 64 KiB and 1 MiB in quick mode, plus 4 KiB in full mode. ``rtt@64`` and
+    ``throughput@64`` are the samples of ``rtt-small`` and ``throughput-2w``.
+    Throughput of large requests uses fewer requests, all in flight at once on both
+    sides (the raw window equals the request count, below the fabric's in-flight bound).
 ``inflight-10k``
     10,000 requests submitted at once by one client to two echo workers (run in a
     fresh process so its peak RSS is its own), three rounds: ``extra`` holds the peak
@@ -20,6 +41,9 @@ Cases
     in-flight request, to show memory stays bounded. (The client's rid -> worker cache
     keeps up to ``sticky_cache_size`` = 100,000 entries, so RSS creeps up a few MiB per
     round of fresh rids until it is full.)
+
+Samples of fastio and raw are interleaved (the machine is shared and noisy: both see
+the same noise) and the cyclic GC is paused inside each sample for both.
 """
 
 from __future__ import annotations
@@ -39,6 +63,7 @@ import numpy as np
 import zmq
 
 from bench.common import FASTIO, Measurement
+from fastio.tokens import TokenArray
 
 SUITE = "transport"
 RAW = "raw-pyzmq"
@@ -100,7 +125,7 @@ def _raw_worker() -> _Proc:
 def _request(n_tokens: int, rid: str) -> Any:
     from fastio import LLMRequest
 
-    return LLMRequest(rid=rid, input_ids=np.arange(n_tokens, dtype=np.int32))
+    return LLMRequest(rid=rid, input_ids=TokenArray(np.arange(n_tokens, dtype=np.int32)))
 
 
 def _wire_bytes(n_tokens: int) -> list[bytes]:
@@ -169,57 +194,74 @@ class _RawClient:
         self.ctx.term()
 
 
+class _Case:
+    """One payload size: how many round trips and requests, and the raw window."""
+
+    def __init__(self, n_tokens: int, rtt_number: int, tp_number: int, window: int) -> None:
+        self.n_tokens = n_tokens
+        self.rtt_number = rtt_number
+        self.tp_number = tp_number
+        self.window = window
+        self.frames = _wire_bytes(n_tokens)
+        # One prompt shared by every request of the case: requests only read it.
+        self.ids = TokenArray(np.arange(n_tokens, dtype=np.int32))
+        self.samples: dict[str, list[float]] = {
+            "rtt-fastio": [], "rtt-raw": [], "tp-fastio": [], "tp-raw": []
+        }  # fmt: skip
+
+    def request(self, rid: str) -> Any:
+        from fastio import LLMRequest
+
+        return LLMRequest(rid=rid, input_ids=self.ids)
+
+
 def _interleaved(
-    echo_addrs: list[str],
-    raw_addrs: list[str],
-    n_tokens: int,
-    rtt_number: int,
-    tp_number: int,
-    repeat: int,
-) -> dict[str, list[float]]:
+    echo_addrs: list[str], raw_addrs: list[str], cases: list[_Case], repeat: int
+) -> None:
     from transport import ClientConfig, FabricClient
 
-    frames = _wire_bytes(n_tokens)
     raw = _RawClient(raw_addrs)
-    out: dict[str, list[float]] = {"rtt-fastio": [], "rtt-raw": [], "tp-fastio": [], "tp-raw": []}
 
     async def main() -> None:
         # No streaming: an echo has nothing to stream, and raw pyzmq sends one reply.
         cfg = ClientConfig(stream=False)
         async with FabricClient(echo_addrs[:1], cfg) as one, FabricClient(echo_addrs, cfg) as two:
-            req = _request(n_tokens, "rtt")
+            req = cases[0].request("rtt")
             for _ in range(200):  # warm-up (and the join)
                 await one.agenerate(req)
             while not all(w.alive for w in two.workers):
                 await one.agenerate(req)
-            raw.rtt(frames, 200)
-            raw.pipelined(frames, 2000, 2048)
+            raw.rtt(cases[0].frames, 200)
+            raw.pipelined(cases[0].frames, 2000, 2048)
             for r in range(repeat):
-                # As bench.common.timeit: the cyclic GC is paused inside each sample, for
-                # both implementations (thousands of live tasks make its passes costly).
-                gc.collect()
-                gc.disable()
-                try:
-                    t0 = time.perf_counter()
-                    for _ in range(rtt_number):
-                        await one.agenerate(req)
-                    out["rtt-fastio"].append((time.perf_counter() - t0) / rtt_number)
-                    out["rtt-raw"].append(raw.rtt(frames, rtt_number))
+                for c in cases:
+                    out = c.samples
+                    req = c.request("rtt")
+                    reqs = [c.request(f"{r}-{i}") for i in range(c.tp_number)]
+                    # As bench.common.timeit: the cyclic GC is paused inside each sample,
+                    # for both implementations (thousands of live tasks make its passes
+                    # costly).
+                    gc.collect()
+                    gc.disable()
+                    try:
+                        t0 = time.perf_counter()
+                        for _ in range(c.rtt_number):
+                            await one.agenerate(req)
+                        out["rtt-fastio"].append((time.perf_counter() - t0) / c.rtt_number)
+                        out["rtt-raw"].append(raw.rtt(c.frames, c.rtt_number))
 
-                    reqs = [_request(n_tokens, f"{r}-{i}") for i in range(tp_number)]
-                    t0 = time.perf_counter()
-                    await asyncio.gather(*(two.agenerate(q) for q in reqs))
-                    out["tp-fastio"].append((time.perf_counter() - t0) / tp_number)
-                    out["tp-raw"].append(raw.pipelined(frames, tp_number, 2048))
-                    del reqs
-                finally:
-                    gc.enable()
+                        t0 = time.perf_counter()
+                        await asyncio.gather(*(two.agenerate(q) for q in reqs))
+                        out["tp-fastio"].append((time.perf_counter() - t0) / c.tp_number)
+                        out["tp-raw"].append(raw.pipelined(c.frames, c.tp_number, c.window))
+                        del reqs
+                    finally:
+                        gc.enable()
 
     try:
         asyncio.run(main())
     finally:
         raw.close()
-    return out
 
 
 # -- 10k in flight, in its own process -------------------------------------------------
@@ -277,13 +319,25 @@ def _inflight_child(addresses: list[str], n: int, rounds: int) -> dict[str, Any]
     return asyncio.run(main())
 
 
+def _cases(quick: bool) -> list[_Case]:
+    # The first case is the small request of rtt-small / throughput-2w.
+    if quick:
+        return [
+            _Case(16, 300, 3000, 2048),
+            _Case(16 * 1024, 100, 400, 400),
+            _Case(256 * 1024, 20, 32, 32),
+        ]
+    return [
+        _Case(16, 2000, 20000, 2048),
+        _Case(1024, 1000, 10000, 2048),
+        _Case(16 * 1024, 500, 2000, 2000),
+        _Case(256 * 1024, 100, 128, 128),
+    ]
+
+
 def run(quick: bool) -> list[Measurement]:
-    """Measure every case (quick: fewer round trips and requests)."""
-    n_tokens = 16
-    frames = _wire_bytes(n_tokens)
-    size = sum(len(f) for f in frames)
-    rtt_number, repeat = (300, 7) if quick else (2000, 9)
-    tp_number = 3000 if quick else 20000
+    """Measure every case (quick: fewer sizes, round trips and requests)."""
+    repeat = 7 if quick else 9
     out: list[Measurement] = []
 
     echo = [_echo_worker(), _echo_worker()]
@@ -292,16 +346,28 @@ def run(quick: bool) -> list[Measurement]:
         echo_addrs = [p.ready() for p in echo]
         raw_addrs = [p.ready() for p in raws]
 
-        res = _interleaved(echo_addrs, raw_addrs, n_tokens, rtt_number, tp_number, repeat)
-        unit = {"size_unit": "bytes"}
-        out.append(
-            Measurement.from_samples(SUITE, "rtt-small", FASTIO, size, res["rtt-fastio"], **unit)
-        )
-        out.append(Measurement.from_samples(SUITE, "rtt-small", RAW, size, res["rtt-raw"], **unit))
-        for impl, key in ((FASTIO, "tp-fastio"), (RAW, "tp-raw")):
-            m = Measurement.from_samples(SUITE, "throughput-2w", impl, size, res[key], **unit)
-            m.extra["req_per_s"] = round(1 / m.median_s)
-            out.append(m)
+        cases = _cases(quick)
+        _interleaved(echo_addrs, raw_addrs, cases, repeat)
+        for i, c in enumerate(cases):
+            payload = c.n_tokens * 4
+            unit = {"size_unit": "bytes", "wire_bytes": sum(len(f) for f in c.frames)}
+            names = [(f"rtt@{payload}", f"throughput@{payload}")]
+            if i == 0:
+                names.insert(0, ("rtt-small", "throughput-2w"))
+            for rtt_name, tp_name in names:
+                for impl, key in ((FASTIO, "rtt-fastio"), (RAW, "rtt-raw")):
+                    out.append(
+                        Measurement.from_samples(
+                            SUITE, rtt_name, impl, payload, c.samples[key], **unit
+                        )
+                    )
+                for impl, key in ((FASTIO, "tp-fastio"), (RAW, "tp-raw")):
+                    m = Measurement.from_samples(
+                        SUITE, tp_name, impl, payload, c.samples[key], **unit
+                    )
+                    m.extra["req_per_s"] = round(1 / m.median_s)
+                    m.extra["MiB_per_s"] = round(payload / m.median_s / 2**20, 1)
+                    out.append(m)
 
         n = 10_000
         child = subprocess.run(
