@@ -316,14 +316,16 @@ class FabricClient:
         self._probe(w, 0.002)
 
     def _probe(self, w: _Worker, delay: float) -> None:
-        # Until a worker first answers, ping it at growing intervals from a few ms, so a
-        # new client starts sending without waiting a whole heartbeat interval.
-        if w.alive or self._closed or w.address not in self._workers:
+        # Until a worker first answers, ping it at growing intervals from a few ms up to
+        # a quarter heartbeat interval, so a new client starts sending without waiting a
+        # whole interval. (Pings sent before the connection is up are dropped: the
+        # DEALER has ZMQ_IMMEDIATE; a busy loop can also make the early ones late.)
+        if w.alive or w.last_seen or self._closed or w.address not in self._workers:
             return
         self._ping(w)
-        if delay < self.config.heartbeat_interval:
-            assert self._loop is not None
-            self._loop.call_later(delay, self._probe, w, delay * 2)
+        assert self._loop is not None
+        cap = self.config.heartbeat_interval / 4
+        self._loop.call_later(delay, self._probe, w, min(delay * 2, cap))
 
     def remove_worker(self, address: str) -> None:
         """Stop sending to ``address``; its in-flight requests finish there first (or are
@@ -754,7 +756,7 @@ class FabricClient:
             latency = now - call.t0
             out = _response(
                 orig, res.output_tokens, res.output_logprobs, res.output_versions,
-                res.stop_reason, latency, latency, TokenArray(np.zeros(max(n - 1, 0))),
+                res.stop_reason, latency, latency, TokenArray._wrap(np.zeros(max(n - 1, 0))),
             )  # fmt: skip
             self._complete(call, out)
             return

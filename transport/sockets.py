@@ -34,6 +34,7 @@ import contextlib
 import errno
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -211,6 +212,11 @@ _send = zmq.backend.Socket.send
 _recv = zmq.backend.Socket.recv
 
 
+# Sends closer together than this (outside a receive batch) start a coalescing burst.
+_BURST_GAP_S = 50e-6
+_perf_counter = time.perf_counter
+
+
 def send_frames(sock: zmq.Socket[Any], frames: list[Any]) -> None:
     """``sock.send_multipart(frames, zmq.NOBLOCK, copy=False)``, cheaper.
 
@@ -251,9 +257,10 @@ class SocketPump:
     Coalescing: the first message of a burst is sent at once (no added latency);
     messages sent later in the same burst to the same destination are joined into one
     ZeroMQ message (fastio messages back to back, see PROTOCOL.md) and sent at its end.
-    A burst is one batch of incoming messages (replies sent by ``on_recv``), or one loop
-    iteration for sends from elsewhere (tasks). Under load this turns many small ZeroMQ
-    messages, each waking libzmq's I/O thread, into a few.
+    A burst is one batch of incoming messages (replies sent by ``on_recv``), or, for
+    sends from elsewhere (tasks), the rest of the loop iteration after two sends within
+    50 us of each other (a lone send costs no end-of-burst callback). Under load this
+    turns many small ZeroMQ messages, each waking libzmq's I/O thread, into a few.
 
     ``router=True``: frame 0 of each message is the ROUTER peer identity, the
     destination; it is written once per coalesced ZeroMQ message.
@@ -283,6 +290,7 @@ class SocketPump:
         self.router = router
         self.coalesce = coalesce
         self._burst = False
+        self._last_send = 0.0
         self._in_batch = False
         self._pending: dict[Any, list[Any]] = {}
         self._pending_n: dict[Any, int] = {}
@@ -352,9 +360,17 @@ class SocketPump:
         if self._closed:
             return
         if not self._burst:
-            self._burst = True
-            if not self._in_batch:
-                self.loop.call_soon(self._end_burst)
+            if self._in_batch:
+                self._burst = True
+            else:
+                # Outside a batch a burst needs a callback to end it (one more loop
+                # iteration). Start one only when sends come back to back; a lone send
+                # (one request at a time) just goes.
+                now = _perf_counter()
+                if now - self._last_send < _BURST_GAP_S:
+                    self._burst = True
+                    self.loop.call_soon(self._end_burst)
+                self._last_send = now
             self._send_now(frames)
             return
         key = frames[0] if self.router else None

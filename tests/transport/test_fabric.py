@@ -57,6 +57,9 @@ def test_many_concurrent_requests(
 
     async def main() -> None:
         async with FabricClient(addrs, STEADY) as client:
+            # Spreading is among live workers: start once both have joined (else a fast
+            # first worker can finish everything before the second's first pong).
+            await await_for(lambda: all(w.alive for w in client.workers), what="both joined")
             resps = await asyncio.gather(
                 *(client.agenerate(LLMRequest(input_ids=x)) for x in inputs)
             )
