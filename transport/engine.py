@@ -9,14 +9,17 @@ The model is an embedding, a GRU stack and a linear head. A recurrent state keep
 step O(1) without a KV cache; the weight-update path sees ordinary ``nn.Module``
 parameters of varied shapes (:attr:`ReferenceEngine.model`).
 
-Determinism: the weights are drawn from ``seed``; each request samples from its own
-generator seeded by ``(seed, rid, prompt length)``, so the same request on the same
-weights gives the same tokens whatever else runs concurrently.
+Randomness: the weights are drawn from ``seed``. Each generation samples from its own
+generator, fresh per generation, so the ``n_samples`` requests of one rid (a GRPO group)
+differ. A request with an integer ``metadata["seed"]`` samples from a generator seeded by
+``(seed, metadata seed, prompt length)`` instead: the same request on the same weights
+then gives the same tokens, whatever else runs concurrently.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import zlib
 from typing import TYPE_CHECKING, Any
 
@@ -117,9 +120,19 @@ class ReferenceEngine:
         self.vocab_size = int(getattr(self.model, "vocab_size", vocab_size))
         self.version = 0
         self.token_interval = token_interval
+        self._nonce = os.urandom(8).hex()
+        self._draws = 0
 
     def _generator(self, req: LLMRequest) -> torch.Generator:
-        key = f"{self.seed}/{req.rid}/{len(req.input_ids)}".encode()
+        # Samples of one rid (n_samples of a GRPO group share it) must differ, so each
+        # generation draws fresh randomness. ``metadata["seed"]`` (an int) makes one
+        # reproducible: same seed, prompt and weights -> same tokens.
+        seed = req.metadata.get("seed") if isinstance(req.metadata, dict) else None
+        if isinstance(seed, int) and not isinstance(seed, bool):
+            key = f"{self.seed}/{seed}/{len(req.input_ids)}".encode()
+        else:
+            self._draws += 1
+            key = f"{self.seed}/{self._nonce}/{self._draws}".encode()
         return torch.Generator().manual_seed(zlib.crc32(key))
 
     def _sample(

@@ -88,17 +88,27 @@ def test_reference_engine_generates_streams_and_is_deterministic(
     async def main() -> None:
         async with FabricClient([w.address], STEADY) as client:
             r = req([5, 6, 7], n=24, rid="fixed")
+            r.metadata["seed"] = 11
             a = await client.agenerate(r, on_chunk=lambda t, lp, v: chunks.append(len(t)))
-            b = await client.agenerate(req([5, 6, 7], n=24, rid="fixed"))
+            r2 = req([5, 6, 7], n=24, rid="fixed")
+            r2.metadata["seed"] = 11
+            b = await client.agenerate(r2)
             c = await client.agenerate(req([5, 6, 8], n=24, rid="fixed", greedy=True))
             assert a.output_len == 24 and a.stop_reason == "length"
-            assert a.output_tokens == b.output_tokens  # same rid, prompt, weights
+            assert a.output_tokens == b.output_tokens  # same seed, prompt, weights
             assert a.output_tokens != c.output_tokens
+            # Without a seed, the n_samples of one rid differ (a GRPO group has variance).
+            group = await asyncio.gather(
+                *(client.agenerate(req([5, 6, 7], n=24, rid="group")) for _ in range(4))
+            )
+            assert len({tuple(g.output_tokens) for g in group}) > 1
             assert list(a.output_versions) == [0] * 24
             assert all(lp <= 0 for lp in a.output_logprobs)
             assert len(a.itl) == 23 and 0 < a.ttft <= a.latency
             stop = int(a.output_tokens[3])
-            s = await client.agenerate(req([5, 6, 7], n=24, rid="fixed", stop_token_ids=[stop]))
+            rs = req([5, 6, 7], n=24, rid="fixed", stop_token_ids=[stop])
+            rs.metadata["seed"] = 11
+            s = await client.agenerate(rs)
             assert s.stop_reason == "stop" and int(s.output_tokens[-1]) == stop
 
     asyncio.run(main())
