@@ -250,6 +250,9 @@ class WorkerServer:
             0,
         )  # fmt: skip
         self._paused = False
+        #: How many times :meth:`pause` was called: lets an in-process pauser (a weight
+        #: copy) tell whether someone else paused the worker after it did.
+        self.pause_requests = 0
         self._running = 0
         self._tasks: dict[tuple[bytes, int], tuple[asyncio.Task[None], RequestContext]] = {}
         self._peers: dict[bytes, float] = {}
@@ -371,6 +374,7 @@ class WorkerServer:
         """Stop generation: new requests wait, running ones are interrupted. Returns
         True once no handler runs, False if some still run after ``timeout`` s."""
         assert self._resumed is not None and self._idle is not None
+        self.pause_requests += 1
         if not self._paused:
             self._paused = True
             self._resumed.clear()
