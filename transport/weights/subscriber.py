@@ -623,7 +623,12 @@ class WeightSubscriber:
         stats: UpdateStats,
         t0: float,
     ) -> None:
-        with self.lock:
+        try:
+            self.lock.__enter__()
+        except Exception as exc:  # e.g. the worker could not stop generating in time
+            self._fail(ann.version, f"not applied, the weights were not free: {exc}")
+            return
+        try:  # the lock's body (not a `with`: a lock that refuses fails the version)
             try:
                 for b, chunks in parts:
                     ta = time.monotonic()
@@ -646,6 +651,8 @@ class WeightSubscriber:
             # the engine already stamps the new version on what it generates.
             if self.on_applied is not None:
                 self.on_applied(ann.version)
+        finally:
+            self.lock.__exit__(None, None, None)
         parts.clear()  # drop the frames now, not at the next update
         for key in [k for k in self._attempts if k[1] <= ann.version]:
             del self._attempts[key]
