@@ -488,6 +488,16 @@ class FabricClient:
 
     def _send_call(self, w: _Worker, call: _Call) -> None:
         sub_id = next(self._ids)
+        try:
+            frames = self._enc.encode(
+                fm.Submit(id=sub_id, request=call.segment, stream=self.config.stream)
+            )
+        except Exception as exc:
+            # Encoded before it takes a slot: a request that cannot be sent (an
+            # EncodeError, say) fails alone, whether sent by its caller or dispatched
+            # from the queue inside a socket callback, and leaks nothing.
+            self._finish_error(call, exc)
+            return
         call.worker = w
         call.sub_id = sub_id
         call.seg_streamed = 0
@@ -499,9 +509,7 @@ class FabricClient:
                 del sticky[next(iter(sticky))]
             sticky[rid] = w.address
         assert w.pump is not None
-        w.pump.send(
-            self._enc.encode(fm.Submit(id=sub_id, request=call.segment, stream=self.config.stream))
-        )
+        w.pump.send(frames)
 
     def _slot_freed(self, w: _Worker) -> None:
         sq = w.sticky_queue
