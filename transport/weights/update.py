@@ -21,15 +21,46 @@ worker itself for the copy and resumes it after.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
+from transport.errors import ControlError
 from transport.weights.errors import UpdateIncomplete
 from transport.weights.publisher import UpdateResult, WeightPublisher
 from transport.weights.subscriber import WeightSubscriber
 
-__all__ = ["attach_subscriber", "aupdate_weights", "subscribe", "update_weights"]
+__all__ = [
+    "FabricUpdateResult",
+    "attach_subscriber",
+    "aupdate_weights",
+    "subscribe",
+    "update_weights",
+]
+
+
+@dataclass
+class FabricUpdateResult(UpdateResult):
+    """:class:`UpdateResult` of :func:`update_weights`, plus what the fabric reported.
+
+    Workers that could not be paused (``strict=False``) are in ``failed`` under their
+    address; workers that acknowledged the version but report an older one after the
+    resume are moved from ``applied`` to ``failed``.
+
+    Attributes
+    ----------
+    resume_failed:
+        Worker address -> why it did not confirm the resume (it may still be paused).
+    """
+
+    resume_failed: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        """Every expected worker applied the version and generates again."""
+        return super().ok and not self.resume_failed
 
 
 def update_weights(
@@ -41,7 +72,7 @@ def update_weights(
     *,
     workers: Any = None,
     strict: bool = True,
-) -> UpdateResult:
+) -> FabricUpdateResult:
     """Pause generation, publish ``state`` as ``version``, await every worker, resume.
 
     Parameters
@@ -55,35 +86,90 @@ def update_weights(
     version:
         The new version (greater than the last one).
     timeout:
-        Seconds for the pause and for the workers to apply the version.
+        Seconds for the pause, for the workers to apply the version, and for the resume.
     workers:
-        Weight-subscriber ids to wait for (default: every connected one).
+        Weight-subscriber ids to wait for (default: the worker id of every worker the
+        controller paused, whether or not its subscriber reached the publisher).
     strict:
-        Raise :class:`UpdateIncomplete` when a worker failed or did not answer. The
+        Raise :class:`transport.ControlError` when a worker could not be paused (after
+        resuming the others, before publishing), and :class:`UpdateIncomplete` when a
+        worker failed, did not answer, does not report the new version after the
+        resume, or did not confirm the resume. With ``strict=False`` the update goes on
+        with the workers that paused and the others are reported in ``failed``. The
         workers are resumed either way: a worker that failed kept its previous weights
         and keeps generating with them, under its previous version number.
 
     Returns
     -------
-    UpdateResult
-        Who applied the version, who failed and why; ``elapsed_s`` is the whole call,
-        pause and resume included.
+    FabricUpdateResult
+        Who applied the version, who failed and why, who did not resume; ``elapsed_s``
+        is the whole call, pause and resume included.
+
+    Raises
+    ------
+    transport.ControlError
+        ``strict`` and a worker could not be paused (nothing was published).
+    UpdateIncomplete
+        ``strict`` and the update did not reach every worker (see ``strict``).
     """
     t0 = time.monotonic()
-    controller.pause(timeout)
+    not_paused: dict[str, str] = {}
+    resumed: dict[str, Any] | None = None
+    resume_failed: dict[str, str] = {}
     try:
+        try:
+            paused = controller.pause(timeout)
+        except ControlError as exc:
+            paused, not_paused = dict(exc.statuses), dict(exc.failed)
+            if strict:
+                resumed, resume_failed = _resume(controller, timeout)
+                left = f"; resume failed on {resume_failed}" if resume_failed else ""
+                raise ControlError(
+                    f"{exc}; nothing published, the others resumed{left}",
+                    exc.failed,
+                    exc.statuses,
+                ) from exc
+        ids = [s.worker_id for s in paused.values()]
         publisher.publish(state, version)
-        res = publisher.wait(version, timeout, workers=workers)
+        # Wait for every paused worker by id: a worker whose subscriber never reached
+        # the publisher is unknown to it and would otherwise not be waited for at all.
+        res = publisher.wait(version, timeout, workers=workers if workers is not None else ids)
     finally:
-        controller.resume(timeout)
-    res.elapsed_s = time.monotonic() - t0
-    if strict and not res.ok:
+        if resumed is None:
+            resumed, resume_failed = _resume(controller, timeout)
+    out = FabricUpdateResult(
+        res.version,
+        dict(res.applied),
+        dict(res.failed),
+        list(res.missing),
+        resume_failed=resume_failed,
+    )
+    for address, why in not_paused.items():
+        out.failed.setdefault(address, f"not paused: {why}")
+    # An Ack says the subscriber applied the version; the worker's status says its
+    # engine serves it. Check both: they differ if, e.g., the worker restarted since.
+    for status in resumed.values():
+        wid = status.worker_id
+        if wid in out.applied and status.version < version:
+            del out.applied[wid]
+            out.failed[wid] = f"acknowledged, but reports version {status.version} after resume"
+    out.elapsed_s = time.monotonic() - t0
+    if strict and not out.ok:
         raise UpdateIncomplete(
-            f"version {version}: applied by {sorted(res.applied)}, failed {res.failed}, "
-            f"no answer from {res.missing}",
-            res,
+            f"version {version}: applied by {sorted(out.applied)}, failed {out.failed}, "
+            f"no answer from {out.missing}, not resumed {out.resume_failed}",
+            out,
         )
-    return res
+    return out
+
+
+def _resume(controller: Any, timeout: float) -> tuple[dict[str, Any], dict[str, str]]:
+    """Resume every worker (a worker whose pause timed out is paused too); one that
+    cannot be reached must not keep the others paused, so failures are returned."""
+    try:
+        return controller.resume(timeout), {}
+    except ControlError as exc:
+        return dict(exc.statuses), dict(exc.failed)
 
 
 async def aupdate_weights(
@@ -93,7 +179,7 @@ async def aupdate_weights(
     version: int,
     timeout: float = 60.0,
     **kwargs: Any,
-) -> UpdateResult:
+) -> FabricUpdateResult:
     """:func:`update_weights` for asyncio callers (runs in a thread)."""
     return await asyncio.to_thread(
         update_weights, controller, publisher, state, version, timeout, **kwargs
@@ -101,30 +187,74 @@ async def aupdate_weights(
 
 
 class _PausedWhileCopying:
-    """The subscriber's lock: the copy runs only while the worker is paused.
+    """The subscriber's lock: the copy runs only while the worker is paused and idle.
 
-    When the controller paused the worker already (the normal update) this does
-    nothing; otherwise it pauses the worker for the copy and resumes it afterwards.
+    ``__enter__`` always asks the server to pause: when a controller paused it already
+    (the normal update) that only waits until no handler runs; otherwise the lock owns
+    the pause. If the worker does not become idle in time, ``__enter__`` raises and the
+    subscriber fails the version (keeping the old weights) rather than copy under a
+    running generation. ``__exit__`` resumes only a pause the lock owns *and* that no
+    one renewed since (``server.pause_requests``): a controller that paused meanwhile
+    was told "nothing generates until you resume", so only its resume lets generation
+    go on. Conversely a controller's resume during the copy waits (an ``on_resume``
+    callback) until the copy is over.
     """
 
-    def __init__(self, server: Any, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, server: Any, loop: asyncio.AbstractEventLoop, timeout: float) -> None:
         self.server = server
         self.loop = loop
-        self._ours = False
+        self.timeout = timeout
+        self._mine: int | None = None  # server.pause_requests right after our own pause
+        self._free = asyncio.Event()  # set while no copy runs; used in the loop only
+        self._free.set()
+
+    async def hold_resume(self) -> None:
+        """``server.on_resume`` callback: a resume waits for a running copy."""
+        await self._free.wait()
+
+    async def _acquire(self) -> None:
+        s = self.server
+        ours = not s.paused
+        n = s.pause_requests  # pause() counts itself before its first await
+        self._free.clear()
+        ok = await s.pause(self.timeout)
+        self._mine = n + 1 if ours else None
+        if not ok:
+            await self._release()
+            raise RuntimeError(
+                f"worker {s.worker_id} still generating {self.timeout} s after pausing "
+                "for the weight copy"
+            )
+
+    async def _release(self) -> None:
+        s = self.server
+        mine, self._mine = self._mine, None
+        self._free.set()
+        if mine is not None and s.paused and s.pause_requests == mine:
+            await s.resume()
+
+    def _call(self, coro: Any) -> None:
+        fut = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        try:
+            fut.result(self.timeout + 10.0)
+        except concurrent.futures.TimeoutError:
+            fut.cancel()
+            raise
 
     def __enter__(self) -> None:
-        self._ours = not self.server.paused
-        if self._ours:
-            asyncio.run_coroutine_threadsafe(self.server.pause(), self.loop).result()
+        self._call(self._acquire())
 
     def __exit__(self, *exc: object) -> None:
-        if self._ours:
-            self._ours = False
-            asyncio.run_coroutine_threadsafe(self.server.resume(), self.loop).result()
+        self._call(self._release())
 
 
 def attach_subscriber(
-    server: Any, endpoint: str, loop: asyncio.AbstractEventLoop, **kwargs: Any
+    server: Any,
+    endpoint: str,
+    loop: asyncio.AbstractEventLoop,
+    *,
+    pause_timeout: float = 30.0,
+    **kwargs: Any,
 ) -> WeightSubscriber:
     """Start a :class:`WeightSubscriber` that keeps ``server.engine.model`` current.
 
@@ -136,6 +266,9 @@ def attach_subscriber(
         The publisher's ROUTER address.
     loop:
         The loop the server runs in (pause and resume are scheduled there).
+    pause_timeout:
+        Seconds a copy waits for the worker's generations to stop; past that the
+        version fails on this worker, which keeps its previous weights.
     **kwargs:
         Passed to :class:`WeightSubscriber` (``shm``, ``report_digest``, timeouts...).
     """
@@ -146,12 +279,14 @@ def attach_subscriber(
     def applied(version: int) -> None:
         engine.version = version
 
+    lock = _PausedWhileCopying(server, loop, pause_timeout)
+    server.on_resume.append(lock.hold_resume)
     kwargs.setdefault("worker_id", server.worker_id)
     return WeightSubscriber(
         endpoint,
         engine.model,
         version=int(getattr(engine, "version", -1)),
-        lock=_PausedWhileCopying(server, loop),
+        lock=lock,
         on_applied=applied,
         **kwargs,
     ).start()
@@ -165,7 +300,8 @@ async def subscribe(server: Any, opts: dict[str, str]) -> None:
     """Fabric worker plugin: follow the weight publisher at ``opts["weights_endpoint"]``.
 
     Options: ``weights_shm`` (default on), ``weights_digest`` (report weight digests,
-    default off), ``weights_publisher_timeout`` (seconds), and for CurveZMQ
+    default off), ``weights_publisher_timeout`` (seconds), ``weights_pause_timeout``
+    (seconds a copy waits for running generations to stop, default 30), and for CurveZMQ
     ``weights_curve_secret`` (this worker's ``.key_secret``) with
     ``weights_curve_server`` (the publisher's ``.key``).
     """
@@ -187,6 +323,7 @@ async def subscribe(server: Any, opts: dict[str, str]) -> None:
         shm=_flag(opts.get("weights_shm"), True),
         report_digest=_flag(opts.get("weights_digest"), False),
         publisher_timeout=float(opts.get("weights_publisher_timeout", "10")),
+        pause_timeout=float(opts.get("weights_pause_timeout", "30")),
         curve=curve,
     )
     try:
