@@ -126,6 +126,29 @@ def _tokens(value: Any, dtype: Any, field: str) -> TokenArray:
     return TokenArray._wrap(arr.astype(target))
 
 
+def _int_tokens(value: Any, dtype: Any, field: str) -> TokenArray:
+    """A token field of integers (ids, versions): lists convert, arrays must be integer.
+
+    A float or bool array passed as token ids is a bug in the caller's code (or a
+    hostile peer); it raises instead of travelling on.
+    """
+    t = value if type(value) is TokenArray else _tokens(value, dtype, field)
+    if t._a.dtype.kind not in "iu":
+        raise TypeError(f"{field} holds integers, got an array of {t._a.dtype}")
+    return t
+
+
+def _float_tokens(value: Any, dtype: Any, field: str) -> TokenArray:
+    """A token field of numbers (logprobs, latencies): bool arrays are rejected."""
+    t = value if type(value) is TokenArray else _tokens(value, dtype, field)
+    if t._a.dtype.kind not in "fiu":
+        raise TypeError(f"{field} holds numbers, got an array of {t._a.dtype}")
+    return t
+
+
+_STOP_REASONS = frozenset(("length", "stop", "interrupt"))
+
+
 def _empty_ids() -> TokenArray:
     return TokenArray._wrap(np.empty(0, _ID_DTYPE))
 
@@ -190,6 +213,18 @@ class GenerationHyperparameters(WireStruct, tag=int(MsgKind.GENERATION_HYPERPARA
         return GenerationHyperparameters(**values)
 
 
+def _gconfig(value: Any) -> GenerationHyperparameters:
+    """Accept the seed's own ``GenerationHyperparameters`` (a dataclass with the same
+    fields) or a mapping, converted once; anything else is a ``TypeError`` here rather
+    than a ``BAD_REQUEST`` from a worker later."""
+    try:
+        return msgspec.convert(value, GenerationHyperparameters, from_attributes=True)
+    except msgspec.ValidationError as exc:
+        raise TypeError(
+            f"gconfig must be a GenerationHyperparameters, got {type(value).__name__}: {exc}"
+        ) from exc
+
+
 class LLMRequest(WireStruct, tag=int(MsgKind.LLM_REQUEST)):
     """A generation request: prompt token ids and sampling parameters.
 
@@ -206,8 +241,9 @@ class LLMRequest(WireStruct, tag=int(MsgKind.LLM_REQUEST)):
     def __post_init__(self) -> None:
         # Runs on construction *and* on decode: the decoded field is already a
         # TokenArray, so keep that case to one type check.
-        if type(self.input_ids) is not TokenArray:
-            self.input_ids = _tokens(self.input_ids, _ID_DTYPE, "input_ids")
+        self.input_ids = _int_tokens(self.input_ids, _ID_DTYPE, "input_ids")
+        if type(self.gconfig) is not GenerationHyperparameters:
+            self.gconfig = _gconfig(self.gconfig)
 
 
 class LLMResponse(WireStruct, tag=int(MsgKind.LLM_RESPONSE)):
@@ -227,16 +263,17 @@ class LLMResponse(WireStruct, tag=int(MsgKind.LLM_RESPONSE)):
     def __post_init__(self) -> None:
         # Runs on construction *and* on decode (then every field is a TokenArray
         # already): one type check per field on that hot path.
-        if type(self.input_tokens) is not TokenArray:
-            self.input_tokens = _tokens(self.input_tokens, _ID_DTYPE, "input_tokens")
-        if type(self.output_tokens) is not TokenArray:
-            self.output_tokens = _tokens(self.output_tokens, _ID_DTYPE, "output_tokens")
-        if type(self.output_logprobs) is not TokenArray:
-            self.output_logprobs = _tokens(self.output_logprobs, _LOGPROB_DTYPE, "output_logprobs")
-        if type(self.output_versions) is not TokenArray:
-            self.output_versions = _tokens(self.output_versions, _VERSION_DTYPE, "output_versions")
-        if type(self.itl) is not TokenArray:
-            self.itl = _tokens(self.itl, _LATENCY_DTYPE, "itl")
+        self.input_tokens = _int_tokens(self.input_tokens, _ID_DTYPE, "input_tokens")
+        self.output_tokens = _int_tokens(self.output_tokens, _ID_DTYPE, "output_tokens")
+        self.output_logprobs = _float_tokens(
+            self.output_logprobs, _LOGPROB_DTYPE, "output_logprobs"
+        )
+        self.output_versions = _int_tokens(self.output_versions, _VERSION_DTYPE, "output_versions")
+        self.itl = _float_tokens(self.itl, _LATENCY_DTYPE, "itl")
+        if self.stop_reason not in _STOP_REASONS:
+            raise ValueError(
+                f"stop_reason must be one of {sorted(_STOP_REASONS)}, got {self.stop_reason!r}"
+            )
 
     @property
     def input_len(self) -> int:

@@ -381,3 +381,51 @@ def test_wire_structs_are_mutable_and_untracked() -> None:
         assert isinstance(cfg.tag, int)
     tags = [tp.__struct_config__.tag for tp in fastio.MESSAGE_TYPES]
     assert tags == [int(k) for k in fastio.MsgKind if k < 20]
+
+
+def test_token_fields_reject_arrays_of_the_wrong_kind() -> None:
+    import numpy as np
+
+    with pytest.raises(TypeError, match="input_ids holds integers"):
+        fastio.LLMRequest(input_ids=np.zeros(3))
+    with pytest.raises(TypeError, match="output_versions holds integers"):
+        fastio.LLMResponse(output_versions=np.ones(2, dtype=bool))
+    with pytest.raises(TypeError, match="itl holds numbers"):
+        fastio.LLMResponse(itl=np.ones(2, dtype=bool))
+    # A float array arriving in a token-id field is a DecodeError, not a silent pass.
+    bad = fastio.LLMResponse()
+    bad.output_tokens = fastio.TokenArray(np.zeros(4))  # attribute writes are unchecked
+    with pytest.raises(fastio.DecodeError, match="output_tokens holds integers"):
+        fastio.decode(fastio.encode(bad))
+    good = fastio.decode(fastio.encode(fastio.LLMResponse(output_logprobs=np.zeros(4, np.float32))))
+    assert good.output_logprobs == [0.0] * 4
+
+
+def test_seed_dataclass_gconfig_is_converted_and_garbage_rejected() -> None:
+    from dataclasses import dataclass, field
+
+    @dataclass
+    class SeedGconfig:  # the seed's own dataclass, as users construct it today
+        n_samples: int = 2
+        max_new_tokens: int = 7
+        min_new_tokens: int = 0
+        greedy: bool = True
+        top_p: float = 1.0
+        top_k: int = 100000000
+        temperature: float = 1.0
+        stop_token_ids: list[int] = field(default_factory=lambda: [3])
+
+    req = fastio.LLMRequest(gconfig=SeedGconfig())  # type: ignore[arg-type]
+    assert type(req.gconfig) is fastio.GenerationHyperparameters
+    assert (req.gconfig.max_new_tokens, req.gconfig.greedy, req.gconfig.stop_token_ids) == (
+        7,
+        True,
+        [3],
+    )
+    with pytest.raises(TypeError, match="gconfig must be a GenerationHyperparameters"):
+        fastio.LLMRequest(gconfig=3)  # type: ignore[arg-type]
+
+
+def test_stop_reason_is_validated_on_construction() -> None:
+    with pytest.raises(ValueError, match="stop_reason must be one of"):
+        fastio.LLMResponse(stop_reason="abort")  # type: ignore[arg-type]
