@@ -188,8 +188,43 @@ class RequestContext:
 
 
 async def echo_handler(req: LLMRequest, ctx: RequestContext) -> LLMResponse:
-    """Answers with the prompt as the output (for benchmarks and tests)."""
-    return LLMResponse(input_tokens=req.input_ids, output_tokens=req.input_ids, stop_reason="stop")
+    """Answers with the prompt as the output (for benchmarks and tests): logprobs 0, every
+    token of the worker's current weight version."""
+    n = len(req.input_ids)
+    return LLMResponse(
+        input_tokens=req.input_ids,
+        output_tokens=req.input_ids,
+        output_logprobs=TokenArray(np.zeros(n, dtype=np.float32)),
+        output_versions=TokenArray(np.full(n, ctx._server.version, dtype=np.int32)),
+        stop_reason="stop",
+    )
+
+
+class InvalidHandlerOutput(ValueError):
+    """A handler returned something that cannot be sent as a Result (the client gets
+    ``HANDLER_ERROR`` with this message)."""
+
+
+_STOP_REASONS = frozenset(("length", "stop", "interrupt"))
+
+
+def _output_problem(resp: Any) -> str | None:
+    """Why ``resp`` cannot be sent as a Result, or None."""
+    if not isinstance(resp, LLMResponse):
+        return f"the handler returned {type(resp).__name__}, not an LLMResponse"
+    try:
+        n = len(resp.output_tokens)
+        n_lp, n_ver = len(resp.output_logprobs), len(resp.output_versions)
+    except TypeError as exc:
+        return f"output arrays without a length ({exc})"
+    if n_lp != n or n_ver != n:
+        return (
+            "output_tokens, output_logprobs and output_versions must have equal lengths, "
+            f"got {n}, {n_lp} and {n_ver}"
+        )
+    if resp.stop_reason not in _STOP_REASONS:
+        return f"stop_reason must be one of {sorted(_STOP_REASONS)}, got {resp.stop_reason!r}"
+    return None
 
 
 _ACCEPTED_KINDS = {MsgKind.FABRIC_SUBMIT, MsgKind.FABRIC_CANCEL, MsgKind.FABRIC_HEARTBEAT}
@@ -620,6 +655,12 @@ class WorkerServer:
         the slot."""
         peer, id = ctx.peer, ctx.id
         try:
+            if err is None:
+                # Checked here, not at the client: a reply it could not decode would
+                # fail there as a BAD_RESPONSE with no word of what the handler did wrong.
+                problem = _output_problem(resp)
+                if problem is not None:
+                    err = InvalidHandlerOutput(problem)
             if err is None:
                 assert resp is not None
                 ctx._flush()

@@ -21,7 +21,9 @@ def reversing_engine(opts: dict[str, str]) -> Any:
     async def generate(req: Any, ctx: Any) -> Any:
         out = list(reversed(req.input_ids.tolist()))
         return LLMResponse(
-            output_tokens=out, output_versions=[int(opts.get("version", "0"))] * len(out)
+            output_tokens=out,
+            output_logprobs=[0.0] * len(out),
+            output_versions=[int(opts.get("version", "0"))] * len(out),
         )
 
     return generate

@@ -20,6 +20,17 @@ CFG = ClientConfig(heartbeat_interval=0.1, heartbeat_liveness=10, request_timeou
 SYNC, RAISE_FIRST, AWAIT_ONCE, SLOW, FUTURE, RAISE_LATER = range(6)
 
 
+def _echo(req: LLMRequest) -> LLMResponse:
+    # Logprobs and versions as long as the tokens: the worker refuses anything else.
+    n = len(req.input_ids) - 1
+    return LLMResponse(
+        output_tokens=req.input_ids[1:],
+        output_logprobs=[0.0] * n,
+        output_versions=[0] * n,
+        stop_reason="stop",
+    )
+
+
 def modes_engine(opts: dict[str, str]) -> Any:
     """``--engine tests.transport.test_eager:modes_engine``: ``input_ids[0]`` picks how
     the handler ends (the rest of the prompt is echoed back)."""
@@ -29,7 +40,7 @@ def modes_engine(opts: dict[str, str]) -> Any:
         if mode == FUTURE:
             # Not a coroutine: an awaitable the worker must await in a task.
             fut = asyncio.get_running_loop().create_future()
-            fut.set_result(LLMResponse(output_tokens=req.input_ids[1:], stop_reason="stop"))
+            fut.set_result(_echo(req))
             return fut
         return run(req, mode)
 
@@ -44,7 +55,7 @@ def modes_engine(opts: dict[str, str]) -> Any:
                 raise KeyError("failed after an await")
         elif mode == SLOW:
             await asyncio.sleep(60)
-        return LLMResponse(output_tokens=req.input_ids[1:], stop_reason="stop")
+        return _echo(req)
 
     return generate
 

@@ -11,8 +11,16 @@ from typing import Any
 import pytest
 
 from fastio import EncodeError, GenerationHyperparameters, LLMRequest
+from fastio import fabric_msgs as fm
 from tests.transport.conftest import WorkerProc, await_for
-from transport import ClientConfig, FabricClient
+from tests.transport.recovery_plugins import (
+    BAD_STOP,
+    GOOD,
+    NO_LOGPROBS,
+    NOT_A_RESPONSE,
+    SHORT_VERSIONS,
+)
+from transport import ClientConfig, FabricClient, RemoteError
 
 STEADY = ClientConfig(heartbeat_interval=0.1, heartbeat_liveness=10, request_timeout=30)
 
@@ -47,5 +55,46 @@ def test_unencodable_request_fails_alone_and_frees_its_slot(
                 await bad
             assert (await good).output_len == 4
             assert client.pending == 0 and client.stats["failed"] == 2
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize(
+    ("mode", "match"),
+    [
+        (NO_LOGPROBS, r"equal lengths, got 3, 0 and 3"),
+        (SHORT_VERSIONS, r"equal lengths, got 3, 3 and 1"),
+        (BAD_STOP, r"stop_reason must be one of .*'finished'"),
+        (NOT_A_RESPONSE, r"returned dict, not an LLMResponse"),
+    ],
+)
+def test_invalid_handler_output_is_a_handler_error(
+    spawn: Callable[..., WorkerProc], mode: int, match: str
+) -> None:
+    engine = "tests.transport.recovery_plugins:faulty_engine"
+    w = spawn("--bind", "tcp://127.0.0.1:0", "--engine", engine)
+
+    async def main() -> None:
+        async with FabricClient([w.address], STEADY) as client:
+            with pytest.raises(RemoteError, match=match) as info:
+                await client.agenerate(req([mode]), timeout=10)
+            assert info.value.code == fm.ErrorCode.HANDLER_ERROR
+            # The worker keeps serving.
+            ok = await client.agenerate(req([GOOD]), timeout=10)
+            assert ok.output_tokens == [7, 8, 9] and ok.stop_reason == "stop"
+            assert client.stats["bad_messages"] == 0
+
+    asyncio.run(main())
+
+
+def test_echo_handler_output_is_consistent(spawn: Callable[..., WorkerProc]) -> None:
+    w = spawn("--bind", "tcp://127.0.0.1:0", "--engine", "echo")
+
+    async def main() -> None:
+        async with FabricClient([w.address], STEADY) as client:
+            r = await client.agenerate(req([4, 5, 6]), timeout=10)
+            assert r.output_tokens == [4, 5, 6]
+            assert r.output_logprobs.tolist() == [0.0] * 3
+            assert r.output_versions.tolist() == [0] * 3
 
     asyncio.run(main())
