@@ -69,17 +69,13 @@ def test_fastio_protocol_constants_exported() -> None:
         assert getattr(fastio, name) is getattr(protocol, name)
 
 
-def test_transport_all_if_present() -> None:
-    try:
-        transport = importlib.import_module("transport")
-    except ImportError:  # pragma: no cover - transport not built yet
-        pytest.skip("no transport package")
-    names = getattr(transport, "__all__", None)
-    if names is None:
-        pytest.skip("transport has no __all__ yet")
+@pytest.mark.parametrize("package", ["transport", "transport.weights"])
+def test_transport_all_complete_and_sorted(package: str) -> None:
+    transport = importlib.import_module(package)
+    names = transport.__all__
     assert is_sorted(names) and len(set(names)) == len(names)
     for name in names:
         assert getattr(transport, name) is not None, name
     lazy = getattr(transport, "_LAZY", {})
-    public = own_public_names(transport, "transport") - {"TYPE_CHECKING"}
+    public = own_public_names(transport, package) - {"TYPE_CHECKING"}
     assert public | set(lazy) == set(names)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import select
 import signal
 import subprocess
 import sys
@@ -30,6 +31,27 @@ def _run_dir(output: str) -> str:
     m = re.search(r"logs in\s+(/\S+)", output.replace("\n", " "))
     assert m, output
     return m.group(1)
+
+
+def _wait_for_run_dir(p: subprocess.Popen[str], timeout: float) -> str:
+    """Read the demo's output (never blocking past ``timeout``) until it names its run
+    directory."""
+    assert p.stdout is not None
+    fd = p.stdout.fileno()
+    seen = b""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
+        if not ready:
+            break
+        chunk = os.read(fd, 4096)
+        if not chunk:
+            break
+        seen += chunk
+        m = re.search(r"logs in\s+(/\S+)\s", seen.decode(errors="replace"))
+        if m:
+            return m.group(1)
+    raise AssertionError(f"the demo did not start within {timeout} s: {seen!r}")
 
 
 def _children_of(run_dir: str) -> list[int]:
@@ -80,24 +102,10 @@ def test_demo_runs_updates_weights_and_ends_consistent(extra: list[str]) -> None
 def test_ctrl_c_stops_every_process(transport: str) -> None:
     p = _demo("--duration", "120", "--transport", transport, "--clients", "1",
               "--concurrency", "4", "--update-every", "1")  # fmt: skip
-    assert p.stdout is not None
-    seen = ""
-    run_dir = None
     deadline = time.monotonic() + 90
     try:
-        # Wait until every child is up (all five: 2 workers, trainer, 1 client + stragglers).
-        while time.monotonic() < deadline:
-            line = p.stdout.readline()
-            if not line:
-                break
-            seen += line
-            if run_dir is None and "logs in" in seen:
-                try:
-                    run_dir = _run_dir(seen)
-                except AssertionError:
-                    continue
-                break
-        assert run_dir is not None, seen
+        run_dir = _wait_for_run_dir(p, 90)
+        # Wait until the children are up (2 workers, the trainer, 1 client).
         while len(_children_of(run_dir)) < 4 and time.monotonic() < deadline:
             time.sleep(0.05)
         assert len(_children_of(run_dir)) >= 4
@@ -105,25 +113,15 @@ def test_ctrl_c_stops_every_process(transport: str) -> None:
         out, _ = p.communicate(timeout=90)
     finally:
         p.kill()
-    assert "summary" in out, seen + out
+    assert "summary" in out, out
     assert _wait_gone(run_dir, 10) == []
 
 
 def test_killed_orchestrator_takes_children_along() -> None:
     p = _demo("--duration", "120", "--clients", "1", "--concurrency", "2")
-    assert p.stdout is not None
-    seen = ""
     deadline = time.monotonic() + 90
-    run_dir = None
     try:
-        while run_dir is None and time.monotonic() < deadline:
-            seen += p.stdout.readline()
-            if "logs in" in seen:
-                try:
-                    run_dir = _run_dir(seen)
-                except AssertionError:
-                    continue
-        assert run_dir is not None, seen
+        run_dir = _wait_for_run_dir(p, 90)
         while len(_children_of(run_dir)) < 4 and time.monotonic() < deadline:
             time.sleep(0.05)
         assert len(_children_of(run_dir)) >= 4
