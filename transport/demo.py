@@ -55,7 +55,8 @@ MODEL_SIZES: dict[str, tuple[int, int, int]] = {
 
 # -- reports from the children (msgpack, not pickle) -----------------------------------
 class ClientReport(msgspec.Struct, tag="client"):
-    """Cumulative figures of one rollout client process."""
+    """Figures of one rollout client process: counters are cumulative, the sample lists
+    hold only what is new since the previous report (so reports stay small)."""
 
     client: int
     done: int = 0
@@ -236,16 +237,23 @@ async def _client_role(a: argparse.Namespace) -> None:
                 await asyncio.wait_for(stop.wait(), 0.5)
             rep.interrupted = client.stats["interrupted"]
             rep.resent = client.stats["resent"]
-            push.send(_report_enc.encode(rep))
+            _send_report(push, rep)
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         rep.interrupted = client.stats["interrupted"]
         rep.resent = client.stats["resent"]
     rep.final = True
-    push.send(_report_enc.encode(rep))
+    _send_report(push, rep)
     push.close()
     ctx.term()
+
+
+def _send_report(push: zmq.Socket[Any], rep: ClientReport) -> None:
+    push.send(_report_enc.encode(rep))
+    rep.latencies.clear()
+    rep.ttfts.clear()
+    rep.itls.clear()
 
 
 def _trainer_role(a: argparse.Namespace) -> None:
@@ -332,6 +340,9 @@ def _trainer_role(a: argparse.Namespace) -> None:
 @dataclass
 class _State:
     clients: dict[int, ClientReport] = field(default_factory=dict)
+    latencies: list[float] = field(default_factory=list)
+    ttfts: list[float] = field(default_factory=list)
+    itls: list[float] = field(default_factory=list)
     updates: list[UpdateReport] = field(default_factory=list)
     final: FinalCheck | None = None
     started: float = field(default_factory=time.perf_counter)
@@ -347,9 +358,7 @@ def _summary_table(st: _State, elapsed: float, title: str) -> Any:
     reps = list(st.clients.values())
     done = sum(r.done for r in reps)
     toks = sum(r.tokens for r in reps)
-    lat = [x for r in reps for x in r.latencies]
-    ttft = [x for r in reps for x in r.ttfts]
-    itl = [x for r in reps for x in r.itls]
+    lat, ttft, itl = st.latencies, st.ttfts, st.itls
     t = Table(title=title, show_header=True)
     t.add_column("metric")
     t.add_column("value", justify="right")
@@ -486,6 +495,9 @@ def _orchestrate(a: argparse.Namespace) -> int:
                 msg = _report_dec.decode(pull.recv())
                 if isinstance(msg, ClientReport):
                     st.clients[msg.client] = msg
+                    st.latencies += msg.latencies
+                    st.ttfts += msg.ttfts
+                    st.itls += msg.itls
                 elif isinstance(msg, UpdateReport):
                     st.updates.append(msg)
                 else:
