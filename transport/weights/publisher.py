@@ -206,8 +206,6 @@ class WeightPublisher:
         ``.key_secret`` and, to admit only known workers, ``authorized_clients_dir``).
         Off by default (loopback); turn it on whenever workers connect across hosts. A
         worker with a wrong or missing key gets nothing, not even the announcements.
-    fault_hook:
-        Testing only: ``(worker, version, bucket) -> None | "corrupt" | "die"``.
 
     Examples
     --------
@@ -231,7 +229,7 @@ class WeightPublisher:
         keep_versions: int = 2,
         context: zmq.Context[Any] | None = None,
         curve: CurveConfig | None = None,
-        fault_hook: Callable[[str, int, int], str | None] | None = None,
+        _fault_hook: Callable[[str, int, int], str | None] | None = None,
     ) -> None:
         Hasher(checksum)  # validates the name now rather than at the first publish
         self.bucket_bytes = bucket_bytes
@@ -245,7 +243,7 @@ class WeightPublisher:
         #: Counters: bad messages, fetches served, bytes sent, ...
         self.counters: dict[str, int] = {}
         # Test and chaos hook: (worker, version, bucket) -> None, "corrupt" or "die".
-        self._fault_hook = fault_hook
+        self._fault_hook = _fault_hook
         self._use_shm = _shm.available() if shm is None else bool(shm and _shm.available())
         if self._use_shm:
             _shm.cleanup_stale()
@@ -685,6 +683,12 @@ class WeightPublisher:
                 latest = self._latest
                 if latest is not None and msg.version < latest.version and wid not in latest.acks:
                     latest.expected.add(wid)
+                # A Hello at version >= v means v was applied even when its Ack was lost
+                # (a subscriber drops a send its socket cannot take): count it as the Ack.
+                for st in self._versions.values():
+                    if st.version <= msg.version and wid in st.expected and wid not in st.acks:
+                        st.acks[wid] = WeightAck(wid, st.version, True, msg.version, "", msg.digest)
+                        self._check_done(st)
                 self._cond.notify_all()
         if isinstance(msg, WeightHello):
             announce = None
