@@ -332,7 +332,7 @@ def test_transient_corruption_is_refetched(pair: Pair) -> None:
             return "corrupt"
         return None
 
-    pub = pair.publisher(bucket_bytes=4096, shm=False, fault_hook=corrupt_once)
+    pub = pair.publisher(bucket_bytes=4096, shm=False, _fault_hook=corrupt_once)
     t = zeros_like(make_state(0))
     sub = pair.subscriber(t)
     pub.wait_for_workers(1, 10)
@@ -345,7 +345,7 @@ def test_persistent_corruption_keeps_previous_weights(pair: Pair) -> None:
     def corrupt(worker: str, version: int, index: int) -> str | None:
         return "corrupt" if version == 2 and index == 2 else None
 
-    pub = pair.publisher(bucket_bytes=4096, shm=False, fault_hook=corrupt)
+    pub = pair.publisher(bucket_bytes=4096, shm=False, _fault_hook=corrupt)
     t = zeros_like(make_state(0))
     sub = pair.subscriber(t, retries=2)
     pub.wait_for_workers(1, 10)
@@ -365,7 +365,7 @@ def test_corrupted_shared_memory_is_detected(pair: Pair) -> None:
     def corrupt(worker: str, version: int, index: int) -> str | None:
         return "corrupt" if version == 2 and index == 1 else None
 
-    pub = pair.publisher(bucket_bytes=4096, shm=True, fault_hook=corrupt)
+    pub = pair.publisher(bucket_bytes=4096, shm=True, _fault_hook=corrupt)
     t = zeros_like(make_state(0))
     sub = pair.subscriber(t)
     pub.wait_for_workers(1, 10)

@@ -75,7 +75,7 @@ def publisher_proc(endpoint: str, n_workers: int, die_at: tuple[int, int]) -> No
         return "die" if (version, index) == die_at else None
 
     pub = WeightPublisher(
-        endpoint, bucket_bytes=BUCKET, shm=False, heartbeat_interval=0.1, fault_hook=fault
+        endpoint, bucket_bytes=BUCKET, shm=False, heartbeat_interval=0.1, _fault_hook=fault
     )
     pub.wait_for_workers(n_workers, 60)
     pub.publish_and_wait(make_state(1), 1, timeout=60)
@@ -174,7 +174,7 @@ def test_corrupted_bucket(procs: Callable[..., Any], shm: bool) -> None:
         return "corrupt" if worker == "b" and version == 2 and index == 1 else None
 
     with WeightPublisher(
-        bucket_bytes=BUCKET, shm=shm, heartbeat_interval=0.1, fault_hook=corrupt
+        bucket_bytes=BUCKET, shm=shm, heartbeat_interval=0.1, _fault_hook=corrupt
     ) as pub:
         procs(subscriber_proc, pub.endpoint, [("a", "good"), ("b", "good")], {"shm": shm})
         pub.wait_for_workers(2, 60)

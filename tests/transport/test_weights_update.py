@@ -16,10 +16,11 @@ from typing import Any
 import pytest
 
 from fastio import GenerationHyperparameters, LLMRequest
+from fastio.weight_msgs import WeightAck
 from tests.transport.conftest import wait_for
 from transport import ControlError, FabricController, SyncFabricClient
 from transport.engine import ReferenceEngine, TinyLM
-from transport.weights import UpdateIncomplete, WeightPublisher, update_weights
+from transport.weights import UpdateIncomplete, WeightPublisher, WeightSubscriber, update_weights
 from transport.weights.update import attach_subscriber
 
 PLUGIN = "transport.weights.update:subscribe"
@@ -204,3 +205,30 @@ def test_no_copy_while_a_generation_still_runs(
         assert st.version == 0, "copied into the weights under a running generation"
         assert not st.paused, "the copy's own pause was not undone"
         ctl.abort(timeout=5)
+
+
+# -- a lost Ack ---------------------------------------------------------------------------
+class _DropsFirstAck(WeightSubscriber):
+    """A subscriber whose first Ack is lost (as when its socket cannot take it)."""
+
+    dropped = 0
+
+    def _send(self, msg: Any) -> None:
+        if isinstance(msg, WeightAck) and not self.dropped:
+            self.dropped += 1
+            return
+        super()._send(msg)
+
+
+def test_a_lost_ack_is_recovered_from_the_next_hello(publisher: WeightPublisher) -> None:
+    sub = _DropsFirstAck(
+        publisher.endpoint, TinyLM(seed=0), worker_id="w", shm=False, heartbeat_interval=0.1
+    ).start()
+    try:
+        publisher.wait_for_workers(1, 10)
+        publisher.publish(TinyLM(seed=1), 1)
+        res = publisher.wait(1, 5, workers=["w"])
+        assert sub.dropped == 1
+        assert sorted(res.applied) == ["w"] and res.ok, res
+    finally:
+        sub.close()
