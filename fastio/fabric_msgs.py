@@ -71,6 +71,9 @@ class ErrorCode(enum.IntEnum):
     UNKNOWN_OP = 10
     #: The client could not use a worker's answer (sent back to the worker, informational).
     BAD_RESPONSE = 11
+    #: The worker gave the submission up by itself (it presumed the client gone, or could
+    #: not deliver its answer); sent when the client is heard from again. Re-send it.
+    LOST = 12
 
 
 #: Operations of a :class:`Control` message.

@@ -34,6 +34,7 @@ import itertools
 import logging
 import threading
 import time
+import uuid
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -234,6 +235,10 @@ class FabricClient:
         self._queue: collections.deque[_Call] = collections.deque()
         self._sticky: dict[str, str] = {}
         self._ids = itertools.count(1)
+        # One routing id per client, on every DEALER: a worker knows this client by it
+        # across reconnects, so answers survive a reset connection, and what the worker
+        # gave up on while we were away is reported back (Error LOST) to the right peer.
+        self._identity = b"fc-" + uuid.uuid4().hex.encode()
         self._rr = 0
         self._enc = Encoder()
         self._dec = Decoder(fm.WORKER_TO_CLIENT, max_message_size=self.config.max_message_size)
@@ -308,7 +313,7 @@ class FabricClient:
         w.limit = self.config.max_in_flight_per_worker
         sock = make_dealer(
             self._ctx, address, hwm=self.config.hwm, max_message_size=self.config.max_message_size,
-            curve=self.config.curve,
+            curve=self.config.curve, routing_id=self._identity,
         )  # fmt: skip
         w.pump = SocketPump(sock, lambda frames, w=w: self._on_message(w, frames))  # type: ignore[misc]
         self._workers[address] = w
@@ -730,7 +735,8 @@ class FabricClient:
     def _on_error(self, w: _Worker, err: fm.Error) -> None:
         call = w.inflight.pop(err.id, None)
         if call is None:
-            log.warning("worker %s reports error %d: %s", w.address, err.code, err.message)
+            if err.code != fm.ErrorCode.LOST:  # LOST of a call already ended: stale
+                log.warning("worker %s reports error %d: %s", w.address, err.code, err.message)
             return
         call.worker = None
         if err.code == fm.ErrorCode.OVERLOADED:
@@ -745,6 +751,24 @@ class FabricClient:
             self._queue.appendleft(call)
         elif err.code == fm.ErrorCode.ABORTED:
             self._finish_error(call, RequestAborted(err.message, code=err.code, worker=w.address))
+        elif err.code == fm.ErrorCode.LOST:
+            # The worker gave it up by itself (it took this client for dead while our
+            # loop stalled, or could not deliver the answer): re-send it, as if that
+            # worker had died under it.
+            call.resends += 1
+            del call.times[len(call.out_tok) if call.out_tok is not None else 0 :]
+            if call.resends > self.config.max_resends:
+                self._finish_error(
+                    call,
+                    RemoteError(
+                        f"request {call.orig.rid}: lost by workers {call.resends} times",
+                        code=err.code,
+                        worker=w.address,
+                    ),
+                )
+            else:
+                self.stats["resent"] += 1
+                self._queue.appendleft(call)
         else:
             self._finish_error(
                 call,

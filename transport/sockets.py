@@ -116,6 +116,9 @@ def make_router(
     sock = ctx.socket(zmq.ROUTER)
     _set_common(sock, hwm, max_message_size)
     sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    # A client reconnecting under its routing id (a reset connection) takes the id over
+    # from a connection the worker still thinks is up, so replies reach it again.
+    sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
     # Heartbeats are ours; TCP keepalive catches half-open connections on real networks.
     sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
     if curve is not None:
@@ -142,10 +145,18 @@ def make_dealer(
     max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE,
     curve: CurveConfig | None = None,
     reconnect_ivl_ms: int = 100,
+    routing_id: bytes | None = None,
 ) -> zmq.Socket[Any]:
-    """A client's or controller's DEALER connected to one worker."""
+    """A client's or controller's DEALER connected to one worker.
+
+    ``routing_id``: the identity the worker's ROUTER knows this peer by, kept across
+    reconnects (libzmq otherwise draws a new one per connection, and replies to the old
+    one are undeliverable). Unique per peer; must not start with a zero byte.
+    """
     sock = ctx.socket(zmq.DEALER)
     _set_common(sock, hwm, max_message_size)
+    if routing_id is not None:
+        sock.setsockopt(zmq.ROUTING_ID, routing_id)
     sock.setsockopt(zmq.IMMEDIATE, 1)
     sock.setsockopt(zmq.RECONNECT_IVL, reconnect_ivl_ms)
     sock.setsockopt(zmq.RECONNECT_IVL_MAX, max(reconnect_ivl_ms, 1000))

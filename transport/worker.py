@@ -229,6 +229,10 @@ def _output_problem(resp: Any) -> str | None:
 
 _ACCEPTED_KINDS = {MsgKind.FABRIC_SUBMIT, MsgKind.FABRIC_CANCEL, MsgKind.FABRIC_HEARTBEAT}
 _ACCEPTED_KINDS |= {MsgKind.FABRIC_CONTROL, MsgKind.FABRIC_ERROR}
+# Replies whose loss leaves a submission unanswered (a lost Stream chunk or pong does not).
+_ENDS_SUBMISSION = {int(MsgKind.FABRIC_RESULT), int(MsgKind.FABRIC_ERROR)}
+#: Seconds a worker remembers the submissions it gave up for a client that stays away.
+_LOST_TTL_S = 3600.0
 
 
 class WorkerServer:
@@ -280,7 +284,7 @@ class WorkerServer:
             (
                 "received", "completed", "cancelled", "interrupted", "aborted", "errors",
                 "bad_messages", "overloaded", "undeliverable", "dead_peers", "error_replies_received",
-                "control", "handshake_failed",
+                "control", "handshake_failed", "lost",
             ),
             0,
         )  # fmt: skip
@@ -291,6 +295,10 @@ class WorkerServer:
         self._running = 0
         self._tasks: dict[tuple[bytes, int], tuple[asyncio.Task[None], RequestContext]] = {}
         self._peers: dict[bytes, float] = {}
+        #: Submissions given up without an answer reaching their client (it seemed dead,
+        #: or its connection was down), per peer: (since when, ids). Each is reported
+        #: with an Error(LOST) when the peer pings again, so the client re-sends it.
+        self._lost: dict[bytes, tuple[float, list[int]]] = {}
         self._enc = Encoder()
         self._dec = Decoder(fm.CLIENT_TO_WORKER, max_message_size=self.config.max_message_size)
         self._ctx: zmq.Context[Any] | None = None
@@ -462,10 +470,40 @@ class WorkerServer:
         self._send(peer, fm.Error(id=id, code=int(code), message=text))
 
     def _on_undeliverable(self, frames: list[Any]) -> None:
+        # The peer's connection is down: gone for good, or reset and about to reconnect
+        # under the same routing id. Its running requests keep running (a reconnected
+        # client gets their answers; one that stays silent is forgotten after
+        # client_timeout); the submissions whose final answer is lost here are
+        # reported to it when it is heard from again.
         self.counters["undeliverable"] += 1
         peer = bytes(frames[0])
-        _log_counted(self.counters["undeliverable"], "dropped a reply: client %r is gone", peer)
-        self._forget_peer(peer)
+        _log_counted(
+            self.counters["undeliverable"], "client %r unreachable: a reply is dropped", peer
+        )
+        lost = []
+        for msg in fm.split(frames[1:]):
+            _, kind, first = fm.peek(msg)
+            if kind in _ENDS_SUBMISSION and first is not None and first >= 0:
+                lost.append(first)
+        self._note_lost(peer, lost)
+
+    def _note_lost(self, peer: bytes, ids: list[int]) -> None:
+        if not ids:
+            return
+        self.counters["lost"] += len(ids)
+        entry = self._lost.get(peer)
+        if entry is None:
+            self._lost[peer] = (time.monotonic(), ids)
+        else:
+            entry[1].extend(ids)
+
+    def _report_lost(self, peer: bytes) -> None:
+        _, ids = self._lost.pop(peer)
+        for id in ids:
+            # Undeliverable again (the peer left at once): noted again by the above.
+            self._send_error(
+                peer, id, fm.ErrorCode.LOST, "the worker gave up this submission; re-send it"
+            )
 
     def _schedule_flush(self, ctx: RequestContext) -> None:
         if not self._flush_pending:
@@ -504,6 +542,8 @@ class WorkerServer:
         if tp is fm.Submit:
             self._on_submit(peer, msg)
         elif tp is fm.Heartbeat:
+            if peer in self._lost:
+                self._report_lost(peer)
             self._send(
                 peer,
                 fm.Heartbeat(
@@ -734,6 +774,9 @@ class WorkerServer:
     def _sweep_peers(self) -> None:
         now = time.monotonic()
         limit = self.config.client_timeout
+        for peer, (since, _) in list(self._lost.items()):
+            if now - since > _LOST_TTL_S:  # that client is not coming back
+                del self._lost[peer]
         for peer, seen in list(self._peers.items()):
             # A quiet controller holds no requests: forgotten without a fuss.
             if now - seen > limit and self._forget_peer(peer):
@@ -742,13 +785,16 @@ class WorkerServer:
         self._sweeper = asyncio.get_running_loop().call_later(limit / 4, self._sweep_peers)
 
     def _forget_peer(self, peer: bytes) -> int:
+        # Presumed dead, but perhaps only stalled (a client whose loop blocked longer
+        # than client_timeout): what is cancelled here is reported if it pings again.
         self._peers.pop(peer, None)
-        n = 0
-        for (p, _), (task, _ctx) in list(self._tasks.items()):
+        lost = []
+        for (p, id), (task, _ctx) in list(self._tasks.items()):
             if p == peer:
                 task.cancel()
-                n += 1
-        return n
+                lost.append(id)
+        self._note_lost(peer, lost)
+        return len(lost)
 
 
 class _Resume:

@@ -5,6 +5,10 @@ whose loop stalled, a connection reset) must end with an answer, never with sile
 from __future__ import annotations
 
 import asyncio
+import select
+import socket
+import struct
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -12,7 +16,7 @@ import pytest
 
 from fastio import EncodeError, GenerationHyperparameters, LLMRequest
 from fastio import fabric_msgs as fm
-from tests.transport.conftest import WorkerProc, await_for
+from tests.transport.conftest import WorkerProc, await_for, wait_for
 from tests.transport.recovery_plugins import (
     BAD_STOP,
     GOOD,
@@ -20,7 +24,7 @@ from tests.transport.recovery_plugins import (
     NOT_A_RESPONSE,
     SHORT_VERSIONS,
 )
-from transport import ClientConfig, FabricClient, RemoteError
+from transport import ClientConfig, FabricClient, FabricController, RemoteError
 
 STEADY = ClientConfig(heartbeat_interval=0.1, heartbeat_liveness=10, request_timeout=30)
 
@@ -98,3 +102,162 @@ def test_echo_handler_output_is_consistent(spawn: Callable[..., WorkerProc]) -> 
             assert r.output_versions.tolist() == [0] * 3
 
     asyncio.run(main())
+
+
+def test_client_stalled_past_client_timeout_gets_its_requests_back(
+    spawn: Callable[..., WorkerProc],
+) -> None:
+    # The worker takes the client for dead after 0.5 s of silence and cancels its
+    # request; the client must learn it (Error LOST on its next ping) and re-send.
+    w = spawn(
+        "--bind", "tcp://127.0.0.1:0", "--engine", "reference", "--token-interval", "0.02",
+        "--client-timeout", "0.5",
+    )  # fmt: skip
+    cfg = ClientConfig(heartbeat_interval=0.1, heartbeat_liveness=50)
+
+    async def main() -> None:
+        async with FabricClient([w.address], cfg) as client:
+            with FabricController([w.address]) as ctl:
+
+                def status() -> Any:
+                    return ctl.health(timeout=5)[w.address]
+
+                await await_for(lambda: client.workers[0].alive, what="worker alive")
+                chunks: list[int] = []
+                task = asyncio.ensure_future(
+                    client.agenerate(
+                        req([1, 2, 3], n=100), timeout=12, on_chunk=lambda *a: chunks.append(1)
+                    )
+                )
+                await await_for(lambda: chunks, what="generation started")
+                # Block this client's loop (a synchronous reward computation, say) until
+                # the worker has given the client up and cancelled its request.
+                wait_for(lambda: status().counters["dead_peers"] == 1, what="client presumed dead")
+                assert status().running == 0
+                r = await task
+                assert r.output_len == 100 and r.stop_reason == "length"
+                assert client.stats["resent"] == 1 and client.stats["workers_died"] == 0
+                assert status().counters["lost"] == 1
+
+    asyncio.run(main())
+
+
+def _reset(s: socket.socket) -> None:
+    # Linger 0: close with a TCP RST, as a reset connection would end.
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    s.close()
+
+
+class ResettableProxy:
+    """A TCP forwarder between a client and a worker whose connections the test resets
+    (both processes stay up), and which can refuse connections for a while."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target = ("127.0.0.1", target_port)
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.address = f"tcp://127.0.0.1:{self.listener.getsockname()[1]}"
+        self.accepting = True
+        self._cut = threading.Event()
+        self._stop = threading.Event()
+        self._pairs: dict[socket.socket, socket.socket] = {}
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _close(self, s: socket.socket) -> None:
+        peer = self._pairs.pop(s, None)
+        if peer is not None:
+            self._pairs.pop(peer, None)
+            _reset(peer)
+        _reset(s)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            if self._cut.is_set():
+                for s in list(self._pairs):
+                    if s in self._pairs:
+                        self._close(s)
+                self._cut.clear()
+            readable, _, _ = select.select([self.listener, *self._pairs], [], [], 0.01)
+            for s in readable:
+                if s is self.listener:
+                    conn, _ = s.accept()
+                    if not self.accepting:
+                        _reset(conn)
+                        continue
+                    up = socket.create_connection(self.target)
+                    self._pairs[conn], self._pairs[up] = up, conn
+                elif s in self._pairs:
+                    try:
+                        data = s.recv(1 << 16)
+                        if data:
+                            self._pairs[s].sendall(data)
+                    except OSError:
+                        data = b""
+                    if not data:
+                        self._close(s)
+        for s in list(self._pairs):
+            s.close()
+        self.listener.close()
+
+    def reset_all(self) -> None:
+        """Reset every connection now (returns once done)."""
+        self._cut.set()
+        wait_for(lambda: not self._cut.is_set(), what="connections reset")
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+
+def test_connection_reset_keeps_the_client_and_its_answers(
+    spawn: Callable[..., WorkerProc],
+) -> None:
+    w = spawn("--bind", "tcp://127.0.0.1:0", "--engine", "reference", "--token-interval", "0.01")
+    proxy = ResettableProxy(int(w.address.rsplit(":", 1)[1]))
+    # Liveness of 5 s: the client never takes the worker for dead here, so only the
+    # worker can tell it what was lost.
+    cfg = ClientConfig(heartbeat_interval=0.1, heartbeat_liveness=50)
+
+    async def main() -> None:
+        async with FabricClient([proxy.address], cfg) as client:
+            with FabricController([w.address]) as ctl:
+                await await_for(lambda: client.workers[0].alive, what="worker alive")
+                chunks: list[int] = []
+
+                def on_chunk(*a: Any) -> None:
+                    chunks.append(1)
+
+                # 1. Reset mid-generation, reconnected at once: the client keeps its
+                # routing id, so the answer reaches it as if nothing had happened.
+                task = asyncio.ensure_future(
+                    client.agenerate(req([1, 2, 3], n=100), timeout=10, on_chunk=on_chunk)
+                )
+                await await_for(lambda: chunks, what="generation started")
+                proxy.reset_all()
+                r = await task
+                assert r.output_len == 100 and r.stop_reason == "length"
+                assert client.stats["resent"] == 0
+
+                # 2. The answer is sent while the client cannot reconnect: the worker
+                # reports the submission lost once the client is back; it is re-sent.
+                chunks.clear()
+                proxy.accepting = False
+                task = asyncio.ensure_future(
+                    client.agenerate(req([4, 5], n=30), timeout=10, on_chunk=on_chunk)
+                )
+                await await_for(lambda: chunks, what="generation started")
+                proxy.reset_all()
+                await await_for(
+                    lambda: ctl.health(timeout=5)[w.address].counters["lost"] == 1,
+                    what="answer undeliverable",
+                )
+                proxy.accepting = True
+                r = await task
+                assert r.output_len == 30 and r.stop_reason == "length"
+                assert client.stats["resent"] == 1 and client.stats["workers_died"] == 0
+                assert client.stats["failed"] == 0
+
+    try:
+        asyncio.run(main())
+    finally:
+        proxy.close()
