@@ -253,6 +253,7 @@ class WeightSubscriber:
         self._cond = threading.Condition()
         self._closed = False
         self._thread: threading.Thread | None = None
+        self._last_hello = 0.0
         self._host = _shm.host_id()
         self._encoder = fastio.Encoder()
         self._decoder = fastio.Decoder(
@@ -387,7 +388,15 @@ class WeightSubscriber:
         with contextlib.suppress(zmq.Again):
             self._dealer.send_multipart(self._encoder.encode(msg), zmq.NOBLOCK, copy=False)
 
+    def _keepalive(self) -> None:
+        """A Hello if one is due, from inside a long commit (or a lock's wait): a
+        worker silent for the publisher's ``worker_timeout`` is declared lost, and the
+        shared memory it still copies from could be reused for the next version."""
+        if time.monotonic() - self._last_hello >= self.heartbeat_interval:
+            self._hello()
+
     def _hello(self) -> None:
+        self._last_hello = time.monotonic()
         self._send(
             WeightHello(self.worker_id, self._host, os.getpid(), self._version, self._digest)
         )
@@ -636,6 +645,7 @@ class WeightSubscriber:
                     dt = time.monotonic() - ta
                     stats.apply_s += dt
                     stats.buckets[b.index]["apply_s"] = dt
+                    self._keepalive()
                 self._applier.finish()
             except Exception as exc:
                 # A copy failed half-way (device error, out of memory): the weights are
