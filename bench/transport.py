@@ -8,10 +8,12 @@ Every baseline moves *the same bytes* as fastio, over the *same socket types* an
 (``fastio.encode(Submit(...))``: header, plus one zero-copy buffer frame when the token
 array is at least the inline threshold) go from DEALERs in this process to ROUTER echo
 processes (one per fabric worker, ``recv_multipart``/``send_multipart`` with
-``copy=False``, no Python work at all) and come back unchanged. The fabric's reply (a
-``Result`` carrying the same tokens) has about the size of its request, so both sides
-carry the same data both ways. The raw client is plain blocking pyzmq (no asyncio, no
-bookkeeping): what the fabric would cost if it were free.
+``copy=False``, no decoding). The fabric's echo answers with a ``Result`` holding the
+tokens, their logprobs and versions (about 3x the request's payload), so the raw echo
+sends the request back plus one pre-built frame of the difference
+(``extra["reply_bytes"]``): both carry the same data both ways. The raw client is plain
+blocking pyzmq (no asyncio, no bookkeeping): what the fabric would cost if it were
+free.
 
 Cases
 -----
@@ -70,15 +72,24 @@ RAW = "raw-pyzmq"
 ROOT = Path(__file__).resolve().parents[1]
 
 # A raw echo ROUTER: what a worker does with no fabric on top.
+# A raw echo ROUTER: what a worker does with no fabric on top. It sends each request
+# back, plus one frame that makes the reply as large as the fabric's (a Result carries
+# tokens, logprobs and versions: about 3x the request's payload). argv[1] maps a
+# request's size in bytes (frames after the identity) to that extra size.
 _RAW_ECHO = """
 import sys, json, zmq
+pads = {int(k): zmq.Frame(bytes(v)) for k, v in json.loads(sys.argv[1]).items() if v > 0}
 ctx = zmq.Context(); s = ctx.socket(zmq.ROUTER); s.setsockopt(zmq.LINGER, 0)
 s.setsockopt(zmq.SNDHWM, 100000); s.setsockopt(zmq.RCVHWM, 100000)
 s.bind("tcp://127.0.0.1:*")
 print(json.dumps({"ready": [s.getsockopt_string(zmq.LAST_ENDPOINT)]}), flush=True)
 recv, send = s.recv_multipart, s.send_multipart
 while True:
-    send(recv(copy=False), copy=False)
+    m = recv(copy=False)
+    pad = pads.get(sum(len(f) for f in m[1:]))
+    if pad is not None:
+        m.append(pad)
+    send(m, copy=False)
 """
 
 
@@ -118,8 +129,23 @@ def _echo_worker() -> _Proc:
     )
 
 
-def _raw_worker() -> _Proc:
-    return _Proc([sys.executable, "-c", _RAW_ECHO])
+def _raw_worker(pads: dict[int, int] | None = None) -> _Proc:
+    return _Proc([sys.executable, "-c", _RAW_ECHO, json.dumps(pads or {})])
+
+
+def _reply_bytes(n_tokens: int) -> int:
+    """Bytes of the fabric's answer to an echo of ``n_tokens`` (a Result as the echo
+    handler builds it: the tokens, float32 logprobs and int32 versions)."""
+    import fastio
+    from fastio import fabric_msgs as fm
+
+    res = fm.Result(
+        id=1,
+        output_tokens=TokenArray(np.arange(n_tokens, dtype=np.int32)),
+        output_logprobs=TokenArray(np.zeros(n_tokens, dtype=np.float32)),
+        output_versions=TokenArray(np.zeros(n_tokens, dtype=np.int32)),
+    )
+    return sum(len(f) for f in fastio.encode(res))
 
 
 def _request(n_tokens: int, rid: str) -> Any:
@@ -203,6 +229,8 @@ class _Case:
         self.tp_number = tp_number
         self.window = window
         self.frames = _wire_bytes(n_tokens)
+        self.request_bytes = sum(len(f) for f in self.frames)
+        self.reply_bytes = _reply_bytes(n_tokens)
         # One prompt shared by every request of the case: requests only read it.
         self.ids = TokenArray(np.arange(n_tokens, dtype=np.int32))
         self.samples: dict[str, list[float]] = {
@@ -340,17 +368,22 @@ def run(quick: bool) -> list[Measurement]:
     repeat = 7 if quick else 9
     out: list[Measurement] = []
 
+    cases = _cases(quick)
+    pads = {c.request_bytes: c.reply_bytes - c.request_bytes for c in cases}
     echo = [_echo_worker(), _echo_worker()]
-    raws = [_raw_worker(), _raw_worker()]
+    raws = [_raw_worker(pads), _raw_worker(pads)]
     try:
         echo_addrs = [p.ready() for p in echo]
         raw_addrs = [p.ready() for p in raws]
 
-        cases = _cases(quick)
         _interleaved(echo_addrs, raw_addrs, cases, repeat)
         for i, c in enumerate(cases):
             payload = c.n_tokens * 4
-            unit = {"size_unit": "bytes", "wire_bytes": sum(len(f) for f in c.frames)}
+            unit = {
+                "size_unit": "bytes",
+                "wire_bytes": c.request_bytes,
+                "reply_bytes": c.reply_bytes,
+            }
             names = [(f"rtt@{payload}", f"throughput@{payload}")]
             if i == 0:
                 names.insert(0, ("rtt-small", "throughput-2w"))
