@@ -3,9 +3,13 @@
 Every fabric socket is made here, so its options are chosen once, deliberately:
 
 ``ZMQ_MAXMSGSIZE``
-    Set on every socket: a peer that sends a single frame larger than the limit is
-    disconnected by libzmq before the frame is buffered. Multi-frame messages whose
-    *total* exceeds the limit are caught by the decoder and answered with an Error reply.
+    Set on every socket. libzmq applies it per *frame*: a peer that sends a single
+    frame larger than the limit is disconnected before the frame is buffered. A
+    multi-frame message whose *total* exceeds the limit is answered with an Error reply
+    by the decoder, but only after libzmq has received and buffered the whole message:
+    the limit does not bound the memory a hostile peer can make a worker use (many
+    frames each below it). Only trusted peers should reach a worker (loopback, or CURVE
+    with ``authorized_clients_dir``).
 High-water marks
     A ROUTER silently drops a message for a peer whose pipe is at its HWM. Worker
     ROUTERs therefore set ``ZMQ_ROUTER_MANDATORY``: at the HWM a non-blocking send
@@ -15,9 +19,16 @@ High-water marks
     the pump's queue. The client bounds in-flight work per worker far below the HWM, so
     in normal operation no queue grows.
 ``ZMQ_IMMEDIATE`` on DEALERs
-    Messages are not queued for a worker whose connection is not up: a send to a down
-    worker fails at once instead of sitting in a pipe and reaching a *restarted* worker
-    later as a duplicate.
+    Messages are not queued in libzmq for a worker whose connection is not up: the send
+    fails with ``EAGAIN``. :class:`SocketPump` keeps such a message in its own queue and
+    retries it (every 2 ms, backing off to 100 ms while nothing gets through), so it
+    *can* reach a worker restarted at the same address; the client drops the queue
+    when it declares the worker dead, and the restarted worker's new incarnation makes
+    it re-send (new ids) and cancel whatever was delivered: never a duplicate answer.
+Routing ids and ``ZMQ_ROUTER_HANDOVER``
+    A client's DEALERs carry a routing id of their own (:func:`make_dealer`
+    ``routing_id``), kept across reconnects, and worker ROUTERs let a reconnecting peer
+    take its id over: answers still reach a client whose connection was reset.
 ``linger``
     0 at close: unsent messages at shutdown belong to requests that are being abandoned
     anyway.
@@ -223,6 +234,11 @@ _send = zmq.backend.Socket.send
 _recv = zmq.backend.Socket.recv
 
 
+# Retry interval of the queue of messages that met EAGAIN: from 2 ms, doubled while
+# nothing gets through, up to 100 ms.
+_RETRY_MIN_S = 0.002
+_RETRY_MAX_S = 0.1
+
 # Sends closer together than this (outside a receive batch) start a coalescing burst.
 _BURST_GAP_S = 50e-6
 _perf_counter = time.perf_counter
@@ -307,6 +323,7 @@ class SocketPump:
         self._pending_n: dict[Any, int] = {}
         self._scheduled = False
         self._timer: asyncio.TimerHandle | None = None
+        self._retry_s = _RETRY_MIN_S
         self._closed = False
         self._fd: int = sock.getsockopt(zmq.FD)  # type: ignore[assignment]
         self.loop.add_reader(self._fd, self._drain)
@@ -458,19 +475,27 @@ class SocketPump:
 
     def _arm_timer(self) -> None:
         if self._timer is None and not self._closed:
-            self._timer = self.loop.call_later(0.002, self._on_timer)
+            self._timer = self.loop.call_later(self._retry_s, self._on_timer)
 
     def _on_timer(self) -> None:
         self._timer = None
         if self.queue:
+            before = len(self.queue)
             self._flush()
             self._schedule()
             if self.queue:
+                # Nothing got through: a peer that is down (not one at its HWM, which
+                # drains) is retried less often until it is back or declared dead.
+                stuck = len(self.queue) >= before
+                self._retry_s = min(self._retry_s * 2, _RETRY_MAX_S) if stuck else _RETRY_MIN_S
                 self._arm_timer()
+                return
+        self._retry_s = _RETRY_MIN_S
 
     def discard_queued(self) -> int:
         """Drop messages not sent yet; returns how many ZeroMQ messages (for the logs)."""
         n = len(self.queue) + len(self._pending)
+        self._retry_s = _RETRY_MIN_S
         self.queue.clear()
         self._pending.clear()
         self._pending_n.clear()

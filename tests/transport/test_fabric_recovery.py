@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+import zmq
 
 from fastio import EncodeError, GenerationHyperparameters, LLMRequest
 from fastio import fabric_msgs as fm
@@ -25,6 +26,7 @@ from tests.transport.recovery_plugins import (
     SHORT_VERSIONS,
 )
 from transport import ClientConfig, FabricClient, FabricController, RemoteError
+from transport.sockets import SocketPump, make_dealer, make_router
 
 STEADY = ClientConfig(heartbeat_interval=0.1, heartbeat_liveness=10, request_timeout=30)
 
@@ -261,3 +263,30 @@ def test_connection_reset_keeps_the_client_and_its_answers(
         asyncio.run(main())
     finally:
         proxy.close()
+
+
+def test_pump_backs_off_while_its_peer_is_down_then_delivers(tmp_path: Any) -> None:
+    address = f"ipc://{tmp_path}/w.sock"
+
+    async def main() -> None:
+        ctx: zmq.Context[Any] = zmq.Context()
+        router = None
+        pump = SocketPump(make_dealer(ctx, address), lambda frames: None)
+        try:
+            pump.send([b"hello"])  # no connection (ZMQ_IMMEDIATE): queued in the pump
+            assert len(pump.queue) == 1
+            # Retried ever less often instead of every 2 ms while nothing gets through.
+            await await_for(lambda: pump._retry_s >= 0.05, what="retry backed off")
+            assert len(pump.queue) == 1
+            router, _ = make_router(ctx, address)
+            await await_for(lambda: not pump.queue, what="queued message sent")
+            assert router.poll(5000)
+            assert router.recv_multipart()[1:] == [b"hello"]
+            await await_for(lambda: pump._retry_s == 0.002, what="retry interval reset")
+        finally:
+            pump.close()
+            if router is not None:
+                router.close(linger=0)
+            ctx.term()
+
+    asyncio.run(main())
