@@ -1,26 +1,36 @@
 """Weight-update suite: publish a transformer-like fp32 state dict to 2 worker processes.
 
-Cases (per model size), every one timed from "the trainer starts" to "both workers
-have applied the version into their live tensors":
+A model-size sweep (quick: ~30 and ~184 MiB; full: ~55 MiB, ~241 MiB and ~1 GiB; the
+exact byte count is the case's ``size``, ``extra["size_unit"] == "bytes"``), so that
+update time can be plotted against model size. Per size, two cases, each timed from
+"the trainer calls ``publish()``" to "both workers have applied the version into their
+live tensors and the trainer has their acknowledgements":
 
-* ``tcp-<size>``: :class:`WeightPublisher` -> 2 :class:`WeightSubscriber` processes that
+* ``tcp@<size>``: :class:`WeightPublisher` -> 2 :class:`WeightSubscriber` processes that
   fetch over TCP loopback (the shared-memory path switched off on the workers);
-* ``shm-<size>``: the same with the same-host shared-memory path;
+* ``shm@<size>``: the same with the same-host shared-memory path.
 
-each next to baselines measured in the same run, on the same worker processes:
+Our side includes everything the guarantees cost: packing the trainer's tensors into
+the staging snapshot and hashing it (xxh3) on the trainer, the transfer, hashing every
+bucket again on each worker, and copying into the live tensors only once every bucket
+is verified (never a mixed version). Each case has the same three baselines, measured
+in the same run, with the same tensors, into the same worker processes' tensors:
 
-* ``gloo``: torch.distributed gloo, one broadcast per tensor straight into the
-  workers' tensors (the original system's process-group path), then a barrier;
-* ``gloo-bucketed``: :class:`transport.weights.dist.WeightGroup` (ours, flat buckets
-  over gloo), then a barrier;
+* ``gloo``: torch.distributed gloo (a 3-rank group: trainer = root + 2 workers), one
+  ``broadcast`` per tensor from the trainer's tensors straight into the workers' live
+  tensors (the original system's process-group path: no packing, no checksum, no
+  staging, no atomicity), then a barrier so the time covers the last receiver;
+* ``gloo-bucketed``: :class:`transport.weights.dist.WeightGroup` (ours: flat buckets
+  over the same gloo group, ``atomic=True``), then a barrier;
 * ``disk``: :func:`save_weights` (safetensors, fsync, atomic rename) then both workers
-  :func:`load_weights`.
+  :func:`load_weights` (skipped for the larger model in quick mode).
 
 ``extra["buckets"]`` holds the per-bucket pipeline timing of the last fastio run on one
 worker: arrival of the bucket's last byte (seconds from the worker's start of the
 update), seconds spent checksumming it and copying it into the weights;
 ``extra["publish_returned_s"]`` is when ``publish()`` returned (every bucket packed). Where
-CUDA exists, ``gpu-tcp``/``gpu-shm`` measure trainer GPU tensors to worker GPU tensors.
+CUDA exists, ``gpu-tcp@<size>``/``gpu-shm@<size>`` measure trainer GPU tensors to worker
+GPU tensors (one process).
 """
 
 from __future__ import annotations
