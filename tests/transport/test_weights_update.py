@@ -29,7 +29,9 @@ HERE = "tests.transport.test_weights_update"
 
 @pytest.fixture
 def publisher() -> Iterator[WeightPublisher]:
-    pub = WeightPublisher("tcp://127.0.0.1:*", shm=False, heartbeat_interval=0.1)
+    pub = WeightPublisher(
+        "tcp://127.0.0.1:*", shm=False, heartbeat_interval=0.1, worker_timeout=2.0
+    )
     yield pub
     pub.close()
 
@@ -191,7 +193,8 @@ def test_no_copy_while_a_generation_still_runs(
         "--engine",
         f"{HERE}:stubborn_engine",
         "--plugin-opt",
-        "weights_pause_timeout=0.5",
+        # Longer than the publisher's worker_timeout: the wait must not look like death.
+        "weights_pause_timeout=3",
     )
     publisher.wait_for_workers(1, 30)
     req = LLMRequest(input_ids=[1, 2], gconfig=GenerationHyperparameters(max_new_tokens=4))
@@ -201,6 +204,7 @@ def test_no_copy_while_a_generation_still_runs(
         publisher.publish(TinyLM(seed=1), 1)
         res = publisher.wait(1, 10, workers=["w"])
         assert "w" in res.failed and not res.applied, res
+        assert "still generating" in res.failed["w"], res.failed
         st = status(ctl)["w"]
         assert st.version == 0, "copied into the weights under a running generation"
         assert not st.paused, "the copy's own pause was not undone"

@@ -24,6 +24,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -186,6 +187,10 @@ async def aupdate_weights(
     )
 
 
+def _nothing() -> None:
+    pass
+
+
 class _PausedWhileCopying:
     """The subscriber's lock: the copy runs only while the worker is paused and idle.
 
@@ -204,6 +209,8 @@ class _PausedWhileCopying:
         self.server = server
         self.loop = loop
         self.timeout = timeout
+        #: Called while waiting on the loop (the subscriber's Hello when one is due).
+        self.keepalive: Callable[[], None] = _nothing
         self._mine: int | None = None  # server.pause_requests right after our own pause
         self._free = asyncio.Event()  # set while no copy runs; used in the loop only
         self._free.set()
@@ -235,11 +242,18 @@ class _PausedWhileCopying:
 
     def _call(self, coro: Any) -> None:
         fut = asyncio.run_coroutine_threadsafe(coro, self.loop)
-        try:
-            fut.result(self.timeout + 10.0)
-        except concurrent.futures.TimeoutError:
-            fut.cancel()
-            raise
+        deadline = time.monotonic() + self.timeout + 10.0
+        while True:
+            try:
+                fut.result(max(0.0, min(0.25, deadline - time.monotonic())))
+                return
+            except concurrent.futures.TimeoutError:
+                if time.monotonic() >= deadline:
+                    fut.cancel()
+                    raise
+                # Waiting for generations to stop can outlast the publisher's
+                # worker_timeout: keep saying we are alive meanwhile.
+                self.keepalive()
 
     def __enter__(self) -> None:
         self._call(self._acquire())
@@ -282,14 +296,17 @@ def attach_subscriber(
     lock = _PausedWhileCopying(server, loop, pause_timeout)
     server.on_resume.append(lock.hold_resume)
     kwargs.setdefault("worker_id", server.worker_id)
-    return WeightSubscriber(
+    sub = WeightSubscriber(
         endpoint,
         engine.model,
         version=int(getattr(engine, "version", -1)),
         lock=lock,
         on_applied=applied,
         **kwargs,
-    ).start()
+    )
+    # The lock is entered in the subscriber's thread, which may send on its socket.
+    lock.keepalive = sub._keepalive
+    return sub.start()
 
 
 def _flag(v: str | None, default: bool) -> bool:
