@@ -12,7 +12,10 @@ an in-flight table, so thousands of requests share one connection. Per request:
   silent for ``heartbeat_interval * heartbeat_liveness`` is dead, detected at most one
   interval later. Its in-flight requests are re-sent elsewhere under new ids, so a late
   answer from it is recognised as stale and dropped: the caller sees neither an error
-  nor a duplicate. A restarted worker answers pings again and rejoins.
+  nor a duplicate. A restarted worker answers pings again and rejoins. A request a
+  worker gave up by itself (it took this client for dead, or could not deliver the
+  answer while the connection was down) is reported ``LOST`` and re-sent the same way;
+  every DEALER carries this client's routing id, so a reconnect keeps its identity.
 * **Interrupt and resume**: a response with ``stop_reason="interrupt"`` (the worker
   paused for a weight update) is accumulated and the rest re-submitted with
   ``input_ids + output so far`` and ``max_new_tokens`` reduced, until done. The caller

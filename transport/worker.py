@@ -91,7 +91,9 @@ class WorkerConfig:
         Running plus waiting; a Submit beyond it gets an ``OVERLOADED`` Error reply.
     client_timeout:
         A client silent this long (no ping, no message) is presumed dead and its
-        requests are cancelled. Keep it a few times the clients' heartbeat interval.
+        requests are cancelled; should it ping again (it had only stalled), each is
+        reported to it as ``LOST`` and it re-sends them. Keep it a few times the
+        clients' heartbeat interval.
     max_message_size, hwm, curve:
         See :mod:`transport.sockets`.
     extra:
