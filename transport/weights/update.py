@@ -130,11 +130,12 @@ def update_weights(
                     exc.failed,
                     exc.statuses,
                 ) from exc
-        ids = [s.worker_id for s in paused.values()]
+        # (No worker paused at all: wait for those the publisher knows.)
+        ids = [s.worker_id for s in paused.values()] or None
         publisher.publish(state, version)
         # Wait for every paused worker by id: a worker whose subscriber never reached
         # the publisher is unknown to it and would otherwise not be waited for at all.
-        res = publisher.wait(version, timeout, workers=workers if workers is not None else ids)
+        res = publisher.wait(version, timeout, workers=ids if workers is None else workers)
     finally:
         if resumed is None:
             resumed, resume_failed = _resume(controller, timeout)
@@ -146,7 +147,11 @@ def update_weights(
         resume_failed=resume_failed,
     )
     for address, why in not_paused.items():
-        out.failed.setdefault(address, f"not paused: {why}")
+        # Known by its id if it answered the resume; one whose pause only timed out
+        # may still have applied the version safely (its copy waits for idle).
+        wid = resumed[address].worker_id if address in resumed else address
+        if wid not in out.applied:
+            out.failed.setdefault(wid, f"not paused: {why}")
     # An Ack says the subscriber applied the version; the worker's status says its
     # engine serves it. Check both: they differ if, e.g., the worker restarted since.
     for status in resumed.values():
@@ -224,7 +229,11 @@ class _PausedWhileCopying:
         ours = not s.paused
         n = s.pause_requests  # pause() counts itself before its first await
         self._free.clear()
-        ok = await s.pause(self.timeout)
+        try:
+            ok = await s.pause(self.timeout)
+        except BaseException:
+            self._free.set()  # never leave a controller's resume waiting on us
+            raise
         self._mine = n + 1 if ours else None
         if not ok:
             await self._release()
