@@ -164,7 +164,8 @@ class WeightSubscriber:
     publisher_timeout:
         With no message from the publisher for this long, a version in progress fails.
     lock:
-        Held while copying into the parameters (e.g. the engine's forward lock).
+        Held while copying into the parameters (e.g. the engine's forward lock). If
+        entering it raises, the version fails on this worker, which keeps its weights.
     on_applied:
         Called with the new version once it is in the weights, under ``lock`` and
         before the Ack is sent (in the subscriber's thread).
