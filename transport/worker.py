@@ -231,8 +231,6 @@ def _output_problem(resp: Any) -> str | None:
 
 _ACCEPTED_KINDS = {MsgKind.FABRIC_SUBMIT, MsgKind.FABRIC_CANCEL, MsgKind.FABRIC_HEARTBEAT}
 _ACCEPTED_KINDS |= {MsgKind.FABRIC_CONTROL, MsgKind.FABRIC_ERROR}
-# Replies whose loss leaves a submission unanswered (a lost Stream chunk or pong does not).
-_ENDS_SUBMISSION = {int(MsgKind.FABRIC_RESULT), int(MsgKind.FABRIC_ERROR)}
 #: Seconds a worker remembers the submissions it gave up for a client that stays away.
 _LOST_TTL_S = 3600.0
 
@@ -298,9 +296,10 @@ class WorkerServer:
         self._tasks: dict[tuple[bytes, int], tuple[asyncio.Task[None], RequestContext]] = {}
         self._peers: dict[bytes, float] = {}
         #: Submissions given up without an answer reaching their client (it seemed dead,
-        #: or its connection was down), per peer: (since when, ids). Each is reported
-        #: with an Error(LOST) when the peer pings again, so the client re-sends it.
-        self._lost: dict[bytes, tuple[float, list[int]]] = {}
+        #: or its connection was down), per peer: (since when, ids, undelivered Error
+        #: replies). When the peer pings again each id is reported with an Error(LOST),
+        #: so the client re-sends it, and each Error reply is sent again as it was.
+        self._lost: dict[bytes, tuple[float, list[int], list[list[Any]]]] = {}
         self._enc = Encoder()
         self._dec = Decoder(fm.CLIENT_TO_WORKER, max_message_size=self.config.max_message_size)
         self._ctx: zmq.Context[Any] | None = None
@@ -482,30 +481,40 @@ class WorkerServer:
         _log_counted(
             self.counters["undeliverable"], "client %r unreachable: a reply is dropped", peer
         )
-        lost = []
+        lost, replies = [], []
         for msg in fm.split(frames[1:]):
             _, kind, first = fm.peek(msg)
-            if kind in _ENDS_SUBMISSION and first is not None and first >= 0:
-                lost.append(first)
-        self._note_lost(peer, lost)
+            if first is None or first < 0:
+                continue
+            if kind == MsgKind.FABRIC_RESULT:
+                lost.append(first)  # an output can be large: generated again instead
+            elif kind == MsgKind.FABRIC_ERROR:
+                # Small, and its code matters (ABORTED, TIMEOUT, ...): kept to be sent
+                # again, as a private copy (the encoder's buffers are not ours to keep).
+                replies.append([bytes(f) for f in msg])
+        self._note_lost(peer, lost, replies)
 
-    def _note_lost(self, peer: bytes, ids: list[int]) -> None:
-        if not ids:
+    def _note_lost(self, peer: bytes, ids: list[int], replies: Sequence[list[Any]] = ()) -> None:
+        if not ids and not replies:
             return
-        self.counters["lost"] += len(ids)
+        self.counters["lost"] += len(ids) + len(replies)
         entry = self._lost.get(peer)
         if entry is None:
-            self._lost[peer] = (time.monotonic(), ids)
+            self._lost[peer] = (time.monotonic(), ids, list(replies))
         else:
             entry[1].extend(ids)
+            entry[2].extend(replies)
 
     def _report_lost(self, peer: bytes) -> None:
-        _, ids = self._lost.pop(peer)
+        assert self._pump is not None
+        _, ids, replies = self._lost.pop(peer)
+        # Undeliverable again (the peer left at once): noted again by the above.
         for id in ids:
-            # Undeliverable again (the peer left at once): noted again by the above.
             self._send_error(
                 peer, id, fm.ErrorCode.LOST, "the worker gave up this submission; re-send it"
             )
+        for msg in replies:
+            self._pump.send([peer, *msg])
 
     def _schedule_flush(self, ctx: RequestContext) -> None:
         if not self._flush_pending:
@@ -776,7 +785,7 @@ class WorkerServer:
     def _sweep_peers(self) -> None:
         now = time.monotonic()
         limit = self.config.client_timeout
-        for peer, (since, _) in list(self._lost.items()):
+        for peer, (since, _, _) in list(self._lost.items()):
             if now - since > _LOST_TTL_S:  # that client is not coming back
                 del self._lost[peer]
         for peer, seen in list(self._peers.items()):

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from fastio import LLMResponse
 
 #: ``input_ids[0]`` of a request picks what the handler returns.
-GOOD, NO_LOGPROBS, SHORT_VERSIONS, BAD_STOP, NOT_A_RESPONSE = range(5)
+GOOD, NO_LOGPROBS, SHORT_VERSIONS, BAD_STOP, NOT_A_RESPONSE, FAIL_LATE = range(6)
 
 
 def faulty_engine(opts: dict[str, str]) -> Any:
@@ -16,6 +17,9 @@ def faulty_engine(opts: dict[str, str]) -> Any:
     async def generate(req: Any, ctx: Any) -> Any:
         mode = int(req.input_ids[0])
         out = [7, 8, 9]
+        if mode == FAIL_LATE:
+            await asyncio.sleep(0.5)  # stands in for generation time
+            raise ValueError("failed late")
         if mode == NOT_A_RESPONSE:
             return {"output_tokens": out}
         if mode == NO_LOGPROBS:

@@ -20,6 +20,7 @@ from fastio import fabric_msgs as fm
 from tests.transport.conftest import WorkerProc, await_for, wait_for
 from tests.transport.recovery_plugins import (
     BAD_STOP,
+    FAIL_LATE,
     GOOD,
     NO_LOGPROBS,
     NOT_A_RESPONSE,
@@ -290,3 +291,40 @@ def test_pump_backs_off_while_its_peer_is_down_then_delivers(tmp_path: Any) -> N
             ctx.term()
 
     asyncio.run(main())
+
+
+def test_error_reply_sent_while_disconnected_is_replayed(
+    spawn: Callable[..., WorkerProc],
+) -> None:
+    w = spawn("--bind", "tcp://127.0.0.1:0", "--engine", engine_of_faults())
+    proxy = ResettableProxy(int(w.address.rsplit(":", 1)[1]))
+    cfg = ClientConfig(heartbeat_interval=0.1, heartbeat_liveness=50)
+
+    async def main() -> None:
+        async with FabricClient([proxy.address], cfg) as client:
+            with FabricController([w.address]) as ctl:
+
+                def counters() -> dict[str, int]:
+                    return ctl.health(timeout=5)[w.address].counters
+
+                await await_for(lambda: client.workers[0].alive, what="worker alive")
+                proxy.accepting = False
+                task = asyncio.ensure_future(client.agenerate(req([FAIL_LATE]), timeout=10))
+                await await_for(lambda: counters()["received"] == 1, what="submission received")
+                proxy.reset_all()
+                await await_for(lambda: counters()["lost"] == 1, what="error undeliverable")
+                proxy.accepting = True
+                # The worker's own answer, not a re-send: the handler failed.
+                with pytest.raises(RemoteError, match="failed late") as info:
+                    await task
+                assert info.value.code == fm.ErrorCode.HANDLER_ERROR
+                assert client.stats["resent"] == 0 and counters()["received"] == 1
+
+    try:
+        asyncio.run(main())
+    finally:
+        proxy.close()
+
+
+def engine_of_faults() -> str:
+    return "tests.transport.recovery_plugins:faulty_engine"
