@@ -70,9 +70,10 @@ log = logging.getLogger("transport.weights.publisher")
 #: worker hashing each piece while the next is on the wire.
 DEFAULT_CHUNK_BYTES = 1 << 20
 
-#: Same-host workers get a "bytes ready" notice at most every this many packed bytes
-#: (one message per notice per worker; the bytes themselves are in shared memory).
-_SHM_NOTICE_BYTES = 8 << 20
+#: Same-host workers get a "bytes ready" notice at most every this many chunks' worth
+#: of packed bytes (8 MiB by default): one message per notice per worker, while the
+#: bytes just packed are still in the last-level cache for the worker to hash.
+_SHM_NOTICE_CHUNKS = 8
 
 
 #: Packing granularity: a block is copied, then hashed while it is still in cache (L2:
@@ -193,7 +194,8 @@ class WeightPublisher:
     bucket_bytes:
         Upper bound of a flat bucket.
     chunk_bytes:
-        Size of the frames a bucket travels in over TCP.
+        Size of the frames a bucket travels in over TCP (same-host workers get a
+        "bytes ready" notice every 8 such chunks).
     shm:
         Stage versions in ``/dev/shm`` so same-host workers read them without a socket
         (``None``: when available). Falls back to private memory when it cannot.
@@ -776,7 +778,7 @@ class WeightPublisher:
             start = snd.cursor
             if snd.shm:
                 end = ready
-                if not complete and end - start < max(step, _SHM_NOTICE_BYTES):
+                if not complete and end - start < step * _SHM_NOTICE_CHUNKS:
                     break
             else:
                 end = min(start + step, info.nbytes)
