@@ -263,10 +263,13 @@ class WeightPublisher:
                 log.warning("no shared-memory fast path (%s); workers will use TCP", exc)
                 self._use_shm = False
 
-        # A private context by default: its I/O thread serves only the weights, and
-        # close() can terminate it without touching the application's sockets.
+        # A private context by default: its I/O threads serve only the weights, and
+        # close() can terminate it without touching the application's sockets. Two I/O
+        # threads, so that the kernel copies of sends to different workers can run on
+        # different cores (measured here: 184 MiB to 2 workers over TCP, median 0.33-0.50 s
+        # instead of 0.38-0.72 s with one, same CPU time).
         self._own_ctx = context is None
-        self._ctx: zmq.Context[Any] = context or zmq.Context()
+        self._ctx: zmq.Context[Any] = context or zmq.Context(io_threads=2)
         self._auth: WorkerAuthenticator | None = None
         if curve is not None:
             # The ZAP handler must run before the sockets bind.
