@@ -113,14 +113,19 @@ def plot(ms: list[Measurement], out_dir: Path) -> list[Path]:
         by_impl: dict[str, list[Measurement]] = defaultdict(list)
         for m in items:
             by_impl[m.impl].append(m)
+        # Throughput cases are plotted as throughput (higher is better), the rest as time.
+        rate_key = next(
+            (k for k in ("MiB_per_s", "req_per_s") if all(k in m.extra for m in items)), None
+        )
         for impl, pts in sorted(by_impl.items()):
             pts.sort(key=lambda m: m.size)
-            ax.plot([m.size for m in pts], [m.median_s for m in pts], marker="o", label=impl)
+            ys = [m.extra[rate_key] if rate_key else m.median_s for m in pts]
+            ax.plot([m.size for m in pts], ys, marker="o", label=impl)
         unit = items[0].extra.get("size_unit", "bytes")
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_xlabel(f"size ({unit})")
-        ax.set_ylabel("median time (s)")
+        ax.set_ylabel(rate_key.replace("_per_s", "/s") if rate_key else "median time (s)")
         ax.set_title(f"{suite}: {family}")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend()
