@@ -292,7 +292,15 @@ def _trainer_role(a: argparse.Namespace) -> None:
         )
     pub = WeightPublisher(a.publisher, curve=pub_curve)
     print(json.dumps({"ready": pub.endpoint}), flush=True)
-    pub.wait_for_workers(len(a.workers), timeout=60)
+    # Wait for every worker's subscriber, but stay responsive to a stop meanwhile.
+    joined_by = time.monotonic() + 120
+    while not stop:
+        try:
+            pub.wait_for_workers(len(a.workers), timeout=0.25)
+            break
+        except TimeoutError:
+            if time.monotonic() > joined_by:
+                raise
     version = 0
     next_update = time.monotonic() + a.update_every
     while not stop:
