@@ -317,7 +317,7 @@ def _trainer_role(a: argparse.Namespace) -> None:
         opt.step()
         version += 1
         t0 = time.perf_counter()
-        res = update_weights(ctl, pub, model, version, timeout=120, strict=False)
+        res = update_weights(ctl, pub, model, version, timeout=20, strict=False)
         rep = UpdateReport(
             version=version,
             seconds=time.perf_counter() - t0,

@@ -28,6 +28,7 @@ from transport.weights.errors import (
 from transport.weights.publisher import UpdateResult, WeightPublisher, WorkerInfo
 from transport.weights.subscriber import UpdateStats, WeightSubscriber
 from transport.weights.update import (
+    FabricUpdateResult,
     attach_subscriber,
     aupdate_weights,
     update_weights,
@@ -37,6 +38,7 @@ __all__ = [
     "DEFAULT_BUCKET_BYTES",
     "BucketApplier",
     "ChecksumError",
+    "FabricUpdateResult",
     "UpdateIncomplete",
     "UpdateResult",
     "UpdateStats",
