@@ -626,25 +626,30 @@ class FabricClient:
         log.warning("worker %s is dead (%s): re-sending %d requests", w.address, why, len(calls))
         live: list[_Call] = []
         for call in calls:
-            if call.done:
-                continue
-            call.resends += 1
-            # Tokens of the lost attempt are forgotten; its timing too.
-            del call.times[len(call.out_tok) if call.out_tok is not None else 0 :]
-            if call.resends > self.config.max_resends:
-                self._finish_error(
-                    call,
-                    RemoteError(
-                        f"request {call.orig.rid}: {call.resends - 1} workers died under it",
-                        worker=w.address,
-                    ),
-                )
-            else:
+            if not call.done and self._may_resend(call, w, "its worker died"):
                 live.append(call)
         self.stats["resent"] += len(live)
         self._requeue(live)
         self._maybe_drop(w)
         self._dispatch()
+
+    def _may_resend(self, call: _Call, w: _Worker, why: str, code: int = 0) -> bool:
+        """Count an attempt lost under ``call`` (worker death or a LOST report): forget
+        that attempt's tokens and timings, and fail the call past ``max_resends``.
+        Returns whether it may be sent again."""
+        call.resends += 1
+        del call.times[len(call.out_tok) if call.out_tok is not None else 0 :]
+        if call.resends <= self.config.max_resends:
+            return True
+        self._finish_error(
+            call,
+            RemoteError(
+                f"request {call.orig.rid}: attempt {call.resends} lost ({why}); giving up",
+                code=code,
+                worker=w.address,
+            ),
+        )
+        return False
 
     def _on_heartbeat(self, w: _Worker, hb: fm.Heartbeat) -> None:
         if w.incarnation and hb.incarnation != w.incarnation and (w.inflight or w.sticky_queue):
@@ -758,18 +763,7 @@ class FabricClient:
             # The worker gave it up by itself (it took this client for dead while our
             # loop stalled, or could not deliver the answer): re-send it, as if that
             # worker had died under it.
-            call.resends += 1
-            del call.times[len(call.out_tok) if call.out_tok is not None else 0 :]
-            if call.resends > self.config.max_resends:
-                self._finish_error(
-                    call,
-                    RemoteError(
-                        f"request {call.orig.rid}: lost by workers {call.resends} times",
-                        code=err.code,
-                        worker=w.address,
-                    ),
-                )
-            else:
+            if self._may_resend(call, w, "the worker lost it", code=err.code):
                 self.stats["resent"] += 1
                 self._queue.appendleft(call)
         else:
