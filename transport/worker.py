@@ -29,6 +29,7 @@ import argparse
 import asyncio
 import collections
 import contextlib
+import functools
 import importlib
 import json
 import logging
@@ -133,6 +134,7 @@ class RequestContext:
     __slots__ = (
         "_aborted",
         "_lp",
+        "_ran",
         "_seq",
         "_server",
         "_tok",
@@ -156,6 +158,7 @@ class RequestContext:
         self._lp: list[float] = []
         self._ver: list[int] = []
         self._aborted = False
+        self._ran = False  # its task started (see WorkerServer._reap)
 
     @property
     def interrupted(self) -> bool:
@@ -633,8 +636,35 @@ class WorkerServer:
         ):
             self._start_eager(key, ctx, sub)
             return
-        task = asyncio.ensure_future(self._run(ctx, sub))
-        tasks[key] = (task, ctx)
+        self._spawn(key, ctx, sub)
+
+    def _spawn(
+        self,
+        key: tuple[bytes, int],
+        ctx: RequestContext,
+        sub: fm.Submit,
+        started: Awaitable[LLMResponse] | None = None,
+    ) -> None:
+        task = asyncio.ensure_future(self._run(ctx, sub, started))
+        task.add_done_callback(functools.partial(self._reap, ctx, sub, started))
+        self._tasks[key] = (task, ctx)
+
+    def _reap(self, ctx: RequestContext, sub: fm.Submit, started: Any, _: object) -> None:
+        """A task ended. If it was cancelled (a Cancel or an abort in the same batch as
+        its Submit) before its first step, the body of :meth:`_run` never ran: do what
+        it would have done, or the request would hold its slot and table entry forever
+        (and a pause would wait for it) and an abort would never be answered."""
+        if ctx._ran:
+            return
+        if isinstance(started, _Resume):
+            started.close()
+        elif asyncio.isfuture(started):
+            started.cancel()
+        if started is not None:
+            self._ended(ctx, sub, None, asyncio.CancelledError())
+        else:
+            self._tasks.pop((ctx.peer, ctx.id), None)
+            self._cancelled(ctx)
 
     def _start_eager(self, key: tuple[bytes, int], ctx: RequestContext, sub: fm.Submit) -> None:
         # The handler's first step runs here, in the receive callback (as Python 3.12's
@@ -648,7 +678,7 @@ class WorkerServer:
             aw = self.handler(sub.request, ctx)
             if type(aw) is not _CoroutineType:
                 # An awaitable that is not a coroutine (a Future, say): a task awaits it.
-                self._tasks[key] = (asyncio.ensure_future(self._run(ctx, sub, aw)), ctx)
+                self._spawn(key, ctx, sub, aw)
                 return
             step = aw.send(None)
         except StopIteration as stop:
@@ -657,14 +687,14 @@ class WorkerServer:
         except (Exception, asyncio.CancelledError) as exc:
             self._ended(ctx, sub, None, exc)
             return
-        task = asyncio.ensure_future(self._run(ctx, sub, _Resume(aw, step)))
-        self._tasks[key] = (task, ctx)
+        self._spawn(key, ctx, sub, _Resume(aw, step))
 
     async def _run(
         self, ctx: RequestContext, sub: fm.Submit, started: Awaitable[LLMResponse] | None = None
     ) -> None:
         """One request in a task; ``started``: its handler, already running (it holds
         a slot since :meth:`_start_eager`)."""
+        ctx._ran = True
         resp: LLMResponse | None = None
         err: BaseException | None = None
         running = started is not None
@@ -818,6 +848,10 @@ class _Resume:
     def __init__(self, coro: Coroutine[Any, Any, LLMResponse], step: Any) -> None:
         self._coro = coro
         self._step = step
+
+    def close(self) -> None:
+        """End the handler's coroutine (its task was cancelled before awaiting it)."""
+        self._coro.close()
 
     def __await__(self) -> Generator[Any, None, LLMResponse]:
         coro, out = self._coro, self._step

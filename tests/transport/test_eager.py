@@ -118,3 +118,31 @@ def test_eager_handler_that_awaits_is_cancelled_on_the_worker(worker: WorkerProc
             assert resp.output_tokens == [5]
 
     asyncio.run(main())
+
+
+def test_cancel_in_the_same_batch_as_its_submit_frees_the_slot(worker: WorkerProc) -> None:
+    """A Cancel that arrives with its Submit (one coalesced message) cancels the task
+    before its first step: the worker must still free the slot and forget the id."""
+
+    async def main() -> None:
+        async with FabricClient([worker.address], CFG) as client:
+            await client.agenerate(LLMRequest(input_ids=[SYNC, 1]))  # joined
+            for _ in range(5):
+                for mode in (SLOW, FUTURE, AWAIT_ONCE):
+                    fut = client.agenerate(LLMRequest(input_ids=[mode, 2]))
+                    fut.cancel()  # same loop iteration: both go in one burst
+            with FabricController([worker.address]) as ctl:
+
+                def settled() -> bool:
+                    s = ctl.health(timeout=5)[worker.address]
+                    return s.running == 0 and s.waiting == 0 and s.counters["cancelled"] >= 5
+
+                await await_for(settled, what="every cancelled request freed its slot")
+                # A pause waits for running handlers: it must not wait for a ghost.
+                statuses = await ctl.apause(timeout=5)
+                assert statuses[worker.address].paused and statuses[worker.address].running == 0
+                await ctl.aresume()
+            resp = await client.agenerate(LLMRequest(input_ids=[SYNC, 5]))
+            assert resp.output_tokens == [5]
+
+    asyncio.run(main())
