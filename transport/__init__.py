@@ -14,7 +14,13 @@ The wire protocol is specified in ``docs/PROTOCOL.md`` (section "Fabric").
 
 from typing import TYPE_CHECKING, Any
 
-from transport.client import ClientConfig, FabricClient, SyncFabricClient, WorkerInfo
+from transport.client import (
+    ClientConfig,
+    FabricClient,
+    GenerateFuture,
+    SyncFabricClient,
+    WorkerInfo,
+)
 from transport.control import FabricController
 from transport.errors import (
     ClientClosed,
@@ -49,6 +55,7 @@ __all__ = [
     "CurveConfig",
     "FabricClient",
     "FabricController",
+    "GenerateFuture",
     "NoWorkers",
     "ReferenceEngine",
     "RemoteError",

@@ -64,7 +64,7 @@ from transport.sockets import (
     make_dealer,
 )
 
-__all__ = ["ClientConfig", "FabricClient", "SyncFabricClient", "WorkerInfo"]
+__all__ = ["ClientConfig", "FabricClient", "GenerateFuture", "SyncFabricClient", "WorkerInfo"]
 
 log = logging.getLogger("transport.client")
 
@@ -126,6 +126,54 @@ class WorkerInfo:
     last_seen_s_ago: float
 
 
+class GenerateFuture(asyncio.Future[LLMResponse], Coroutine[Any, Any, LLMResponse]):
+    """The pending result of :meth:`FabricClient.agenerate`.
+
+    An :class:`asyncio.Future` (``await`` it, ``asyncio.gather`` or ``asyncio.wait_for``
+    it: no task is made for it) that also speaks the coroutine protocol, so
+    ``asyncio.create_task``, ``TaskGroup.create_task`` and ``asyncio.run`` accept it
+    as they accept the coroutine of an ``async def agenerate``. Cancelling it, or the
+    task awaiting it, cancels the request on its worker.
+    """
+
+    __slots__ = ("_call", "_client")
+
+    def __init__(self, *, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        super().__init__(loop=loop)
+        self._call: _Call | None = None
+        self._client: FabricClient | None = None
+
+    def cancel(self, msg: Any | None = None) -> bool:
+        """Cancel the future and the request behind it."""
+        if not super().cancel(msg):
+            return False
+        call, client = self._call, self._client
+        self._call = None
+        if call is not None and client is not None:
+            client._cancelled(call)
+        return True
+
+    # -- the coroutine protocol, as ``async def f(): return await fut`` ------------------
+    def send(self, value: Any) -> Any:
+        """Step as a coroutine: yield this future until done, then return its result."""
+        if not self.done():
+            self._asyncio_future_blocking = True
+            return self
+        raise StopIteration(self.result())
+
+    def throw(self, typ: Any, val: Any = None, tb: Any = None) -> Any:
+        """An exception thrown in (a task cancelled before it waits): cancel the request
+        and raise it."""
+        exc = typ if isinstance(typ, BaseException) else (typ() if val is None else val)
+        if isinstance(exc, asyncio.CancelledError):
+            self.cancel()
+        raise exc
+
+    def close(self) -> None:
+        """Closing the coroutine abandons the request."""
+        self.cancel()
+
+
 class _Call:
     """One ``agenerate`` call, across re-sends and resumptions."""
 
@@ -151,7 +199,7 @@ class _Call:
     )  # fmt: skip
 
     def __init__(
-        self, req: LLMRequest, fut: asyncio.Future[LLMResponse], on_chunk: ChunkCallback | None
+        self, req: LLMRequest, fut: GenerateFuture, on_chunk: ChunkCallback | None
     ) -> None:
         self.orig = req
         self.segment = req
@@ -380,20 +428,28 @@ class FabricClient:
         return len(self._queue) + sum(len(w.inflight) + len(w.sticky_queue) for w in self._order)
 
     # -- the call -------------------------------------------------------------------
-    async def agenerate(
+    def agenerate(
         self,
         req: LLMRequest,
         *,
         timeout: float | None = None,
         on_chunk: ChunkCallback | None = None,
-    ) -> LLMResponse:
-        """Generate for ``req`` on some worker and return the whole response.
+    ) -> GenerateFuture:
+        """Generate for ``req`` on some worker; ``await`` the result for the whole
+        response.
+
+        Called inside the client's running loop, the request is on its way when this
+        returns, and the result is a :class:`GenerateFuture`: a future, so
+        ``asyncio.gather`` of thousands of them costs no task each, and a coroutine,
+        so ``asyncio.create_task`` and task groups take it too. Called with no running
+        loop (``asyncio.run(client.agenerate(req))``), it returns a coroutine that
+        submits when it first runs.
 
         Parameters
         ----------
         req:
             The request (its arrays are sent without a copy: do not mutate them until
-            this returns).
+            the response arrives).
         timeout:
             Seconds (default ``config.request_timeout``).
         on_chunk:
@@ -408,29 +464,48 @@ class FabricClient:
             controller aborted it).
         NoWorkers
             No worker is configured.
+
+        Cancelling the future (or the task awaiting it) cancels the request on its
+        worker. Errors are raised where the result is awaited, never by the call.
         """
-        self._start()
-        if not self._workers:
-            raise NoWorkers("no generation worker configured; add_worker() first")
-        assert self._loop is not None
-        fut: asyncio.Future[LLMResponse] = self._loop.create_future()
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return self._agenerate_in_loop(req, timeout, on_chunk)  # type: ignore[return-value]
+        fut = GenerateFuture(loop=loop)
+        try:
+            self._start()
+            if loop is not self._loop:
+                raise RuntimeError("this FabricClient belongs to another event loop")
+            if not self._workers:
+                raise NoWorkers("no generation worker configured; add_worker() first")
+        except Exception as exc:
+            fut.set_exception(exc)
+            return fut
         call = _Call(req, fut, on_chunk)
+        fut._call = call
+        fut._client = self
         t = self.config.request_timeout if timeout is None else timeout
         call.deadline = time.monotonic() + t
         call.timeout = t
         if t < 30 * self.config.heartbeat_interval:
-            call.timer = self._loop.call_later(t, self._on_timeout, call, t)
+            call.timer = loop.call_later(t, self._on_timeout, call, t)
         # Longer timeouts are checked on every heartbeat tick (precision: one interval),
         # which spares a timer per request when thousands are in flight.
         self.stats["submitted"] += 1
         self._enqueue(call)
-        try:
-            return await fut
-        except asyncio.CancelledError:
-            if not call.done:
-                self.stats["cancelled"] += 1
-                self._abandon(call)
-            raise
+        return fut
+
+    async def _agenerate_in_loop(
+        self, req: LLMRequest, timeout: float | None, on_chunk: ChunkCallback | None
+    ) -> LLMResponse:
+        return await self.agenerate(req, timeout=timeout, on_chunk=on_chunk)
+
+    def _cancelled(self, call: _Call) -> None:
+        """The caller cancelled ``call``'s future: stop it here and on its worker."""
+        if not call.done:
+            self.stats["cancelled"] += 1
+            self._abandon(call)
 
     # -- scheduling -----------------------------------------------------------------
     def _enqueue(self, call: _Call, front: bool = False) -> None:
@@ -555,6 +630,7 @@ class FabricClient:
             return
         self.stats["timeouts"] += 1
         self._abandon(call)
+        call.fut._call = None
         if not call.fut.done():
             call.fut.set_exception(RequestTimeout(f"request {call.orig.rid} not done within {t} s"))
 
@@ -565,8 +641,10 @@ class FabricClient:
         if call.timer is not None:
             call.timer.cancel()
         self.stats["failed"] += 1
-        if not call.fut.done():
-            call.fut.set_exception(exc)
+        fut = call.fut
+        fut._call = None
+        if not fut.done():
+            fut.set_exception(exc)
 
     # -- heartbeats and liveness ------------------------------------------------------
     def _ping(self, w: _Worker) -> None:
@@ -834,8 +912,10 @@ class FabricClient:
         if call.timer is not None:
             call.timer.cancel()
         self.stats["completed"] += 1
-        if not call.fut.done():
-            call.fut.set_result(out)
+        fut = call.fut
+        fut._call = None
+        if not fut.done():
+            fut.set_result(out)
 
 
 def _warm(w: _Worker) -> bool:
