@@ -28,7 +28,9 @@ from fastio.protocol import MsgKind
 from fastio.tokens import TokenArray
 
 __all__ = [
+    "BATCH_MARKER",
     "CLIENT_TO_WORKER",
+    "MAX_BATCHED_FRAME",
     "WORKER_TO_CLIENT",
     "Cancel",
     "Control",
@@ -41,6 +43,7 @@ __all__ = [
     "Stream",
     "Submit",
     "WorkerStatus",
+    "pack_batch",
     "peek",
     "split",
 ]
@@ -225,19 +228,53 @@ def _n_buffers(frame: Any) -> int | None:
     return n if isinstance(n, int) and n >= 0 else None
 
 
+#: First byte of a batch frame: msgpack's never-used code ``0xc1``, so no fastio header
+#: (a msgpack array) starts with it.
+BATCH_MARKER = 0xC1
+#: Single-frame messages up to this size are joined into batch frames by fastio senders
+#: (larger ones stay frames of their own: a batch copies what it carries).
+MAX_BATCHED_FRAME = 16 * 1024
+
+_batch_enc = msgspec.msgpack.Encoder()
+_batch_dec = msgspec.msgpack.Decoder(list[bytes])
+_BATCH_PREFIX = bytes([BATCH_MARKER])
+
+
+def pack_batch(headers: list[Any]) -> bytes:
+    """One batch frame carrying single-frame messages (their only frame, the header,
+    each): ``0xc1`` then a msgpack array of bin. A sender joins small messages so:
+    ZeroMQ costs about a microsecond per frame on each side, a batch costs that once."""
+    return _BATCH_PREFIX + _batch_enc.encode(headers)
+
+
 def split(frames: list[Any]) -> list[list[Any]]:
     """Split the frames of one ZeroMQ message into the fastio messages it carries.
 
     A fabric peer may send several fastio messages back to back in one ZeroMQ message
-    (each ``[header, *n_buffers frames]``, ``n_buffers`` read from its header). A frame
-    list that does not parse is returned as one message, for the decoder to reject.
+    (each ``[header, *n_buffers frames]``, ``n_buffers`` read from its header), and
+    single-frame messages packed into batch frames (see :func:`pack_batch`). A frame
+    list that does not parse is returned as one message, for the decoder to reject; so
+    is a batch frame that does not parse.
     """
     if len(frames) == 1:
-        return [frames]
-    out = []
+        buf = _buf(frames[0])
+        if not len(buf) or buf[0] != BATCH_MARKER:
+            return [frames]
+    out: list[list[Any]] = []
     i, total = 0, len(frames)
     while i < total:
-        n = _n_buffers(frames[i])
+        f = frames[i]
+        buf = _buf(f)
+        if len(buf) and buf[0] == BATCH_MARKER:
+            try:
+                items = _batch_dec.decode(memoryview(buf)[1:])
+            except msgspec.DecodeError:
+                out.append([f])  # not a batch: one bad message
+            else:
+                out.extend([h] for h in items)
+            i += 1
+            continue
+        n = _n_buffers(f)
         if n is None:
             out.append(frames[i:])
             break

@@ -366,7 +366,11 @@ class FabricClient:
             self._ctx, address, hwm=self.config.hwm, max_message_size=self.config.max_message_size,
             curve=self.config.curve, routing_id=self._identity,
         )  # fmt: skip
-        w.pump = SocketPump(sock, lambda frames, w=w: self._on_message(w, frames))  # type: ignore[misc]
+        w.pump = SocketPump(
+            sock,
+            lambda frames, w=w: self._on_message(w, frames),  # type: ignore[misc]
+            batch_frames=True,
+        )
         self._workers[address] = w
         self._order.append(w)
         self._probe(w, 0.002)
@@ -747,11 +751,8 @@ class FabricClient:
     # -- receiving --------------------------------------------------------------------
     def _on_message(self, w: _Worker, frames: list[zmq.Frame]) -> None:
         w.last_seen = time.monotonic()
-        if len(frames) == 1:
-            self._on_one(w, frames)
-        else:
-            for msg in fm.split(frames):
-                self._on_one(w, msg)
+        for msg in fm.split(frames):
+            self._on_one(w, msg)
 
     def _on_one(self, w: _Worker, frames: list[zmq.Frame]) -> None:
         try:

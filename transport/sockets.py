@@ -56,6 +56,8 @@ import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
+from fastio.fabric_msgs import MAX_BATCHED_FRAME, pack_batch
+
 __all__ = [
     "DEFAULT_HWM",
     "DEFAULT_MAX_MESSAGE_SIZE",
@@ -273,6 +275,27 @@ def recv_frames(sock: zmq.Socket[Any]) -> list[zmq.Frame]:
     return parts
 
 
+class _Joined:
+    """Messages to one destination being joined into one ZeroMQ message."""
+
+    __slots__ = ("frames", "n", "small")
+
+    def __init__(self, frames: list[Any]) -> None:
+        self.frames = frames  # the ROUTER identity, then finished parts
+        self.small: list[bytes] = []  # a run of small single-frame messages
+        self.n = 0
+
+    def close_batch(self) -> None:
+        small = self.small
+        self.frames.append(small[0] if len(small) == 1 else pack_batch(small))
+        self.small = []
+
+    def done(self) -> list[Any]:
+        if self.small:
+            self.close_batch()
+        return self.frames
+
+
 class SocketPump:
     """Ties a non-blocking ZeroMQ socket to the running asyncio loop.
 
@@ -283,7 +306,9 @@ class SocketPump:
 
     Coalescing: the first message of a burst is sent at once (no added latency);
     messages sent later in the same burst to the same destination are joined into one
-    ZeroMQ message (fastio messages back to back, see PROTOCOL.md) and sent at its end.
+    ZeroMQ message (fastio messages back to back, see PROTOCOL.md) and sent at its end;
+    with ``batch_frames`` (peers that split with :func:`fastio.fabric_msgs.split`), runs
+    of small single-frame messages among them travel as one batch frame.
     A burst is one batch of incoming messages (replies sent by ``on_recv``), or, for
     sends from elsewhere (tasks), the rest of the loop iteration after two sends within
     50 us of each other (a lone send costs no end-of-burst callback). Under load this
@@ -307,6 +332,7 @@ class SocketPump:
         batch: int = 256,
         router: bool = False,
         coalesce: int = 256,
+        batch_frames: bool = False,
     ) -> None:
         self.sock = sock
         self.on_recv = on_recv
@@ -319,8 +345,8 @@ class SocketPump:
         self._burst = False
         self._last_send = 0.0
         self._in_batch = False
-        self._pending: dict[Any, list[Any]] = {}
-        self._pending_n: dict[Any, int] = {}
+        self.batch_frames = batch_frames
+        self._pending: dict[Any, _Joined] = {}
         self._scheduled = False
         self._timer: asyncio.TimerHandle | None = None
         self._retry_s = _RETRY_MIN_S
@@ -402,18 +428,26 @@ class SocketPump:
             self._send_now(frames)
             return
         key = frames[0] if self.router else None
-        pending = self._pending.get(key)
-        if pending is None:
-            self._pending[key] = list(frames)
-            self._pending_n[key] = 1
-            return
-        pending.extend(frames[1:] if self.router else frames)
-        n = self._pending_n[key] + 1
-        if n >= self.coalesce:
-            del self._pending[key], self._pending_n[key]
-            self._send_now(pending)
+        joined = self._pending.get(key)
+        if joined is None:
+            joined = self._pending[key] = _Joined([key] if self.router else [])
+        body = len(frames) - 1 if self.router else len(frames)
+        last = frames[-1]
+        if (
+            body == 1
+            and self.batch_frames
+            and type(last) is bytes
+            and len(last) <= MAX_BATCHED_FRAME
+        ):
+            joined.small.append(last)
         else:
-            self._pending_n[key] = n
+            if joined.small:
+                joined.close_batch()
+            joined.frames.extend(frames[1:] if self.router else frames)
+        joined.n += 1
+        if joined.n >= self.coalesce:
+            del self._pending[key]
+            self._send_now(joined.done())
 
     def _end_burst(self) -> None:
         if not self._burst or self._in_batch:
@@ -423,9 +457,8 @@ class SocketPump:
         if self._pending:
             pending = self._pending
             self._pending = {}
-            self._pending_n = {}
-            for frames in pending.values():
-                self._send_now(frames)
+            for joined in pending.values():
+                self._send_now(joined.done())
 
     def _send_now(self, frames: list[Any]) -> None:
         if self.queue:
@@ -498,7 +531,6 @@ class SocketPump:
         self._retry_s = _RETRY_MIN_S
         self.queue.clear()
         self._pending.clear()
-        self._pending_n.clear()
         return n
 
     def close(self) -> None:

@@ -361,7 +361,11 @@ class WorkerServer:
         self._idle.set()
         self._closed = asyncio.Event()
         self._pump = SocketPump(
-            sock, self._on_message, on_undeliverable=self._on_undeliverable, router=True
+            sock,
+            self._on_message,
+            on_undeliverable=self._on_undeliverable,
+            router=True,
+            batch_frames=True,
         )
         if cfg.curve is not None:
             # A peer without CURVE, or with another server key, fails the handshake
@@ -533,11 +537,11 @@ class WorkerServer:
     def _on_message(self, frames: list[zmq.Frame]) -> None:
         peer = frames[0].bytes
         self._peers[peer] = time.monotonic()
-        if len(frames) == 2:
-            self._on_one(peer, frames[1:])
-        else:
-            for body in fm.split(frames[1:]) if len(frames) > 2 else [[]]:
+        if len(frames) > 1:
+            for body in fm.split(frames[1:]):
                 self._on_one(peer, body)
+        else:
+            self._on_one(peer, [])
 
     def _on_one(self, peer: bytes, body: list[zmq.Frame]) -> None:
         if not body:

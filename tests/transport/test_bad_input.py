@@ -54,6 +54,10 @@ def test_garbage_to_worker_gets_error_replies_and_others_unaffected(
         (raw([20, 7, "not a request"]), fm.ErrorCode.BAD_REQUEST, 7),
         (raw([20, 8, [2, "rid", "ids?"]]), fm.ErrorCode.BAD_REQUEST, 8),
         (raw({"a": 1}), fm.ErrorCode.BAD_MESSAGE, -1),
+        # Batch frames (0xc1 + msgpack array of bin): unparseable, or carrying garbage.
+        ([b"\xc1garbage"], fm.ErrorCode.BAD_MESSAGE, -1),
+        ([fm.pack_batch([b"\xff\x00junk"])], fm.ErrorCode.BAD_MESSAGE, -1),
+        ([fm.pack_batch(raw([20, 11, "not a request"]))], fm.ErrorCode.BAD_REQUEST, 11),
         (
             fastio.encode(
                 fm.Submit(id=9, request=LLMRequest(input_ids=[1], metadata={"a": big, "b": big}))
