@@ -196,13 +196,35 @@ async def echo_handler(req: LLMRequest, ctx: RequestContext) -> LLMResponse:
     """Answers with the prompt as the output (for benchmarks and tests): logprobs 0, every
     token of the worker's current weight version."""
     n = len(req.input_ids)
+    lp, ver = _echo_fill(n, ctx._server.version)
     return LLMResponse(
         input_tokens=req.input_ids,
         output_tokens=req.input_ids,
-        output_logprobs=TokenArray(np.zeros(n, dtype=np.float32)),
-        output_versions=TokenArray(np.full(n, ctx._server.version, dtype=np.int32)),
+        output_logprobs=TokenArray._wrap(lp),
+        output_versions=TokenArray._wrap(ver),
         stop_reason="stop",
     )
+
+
+_echo_cache: dict[tuple[int, int], tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]] = {}
+
+
+def _echo_fill(n: int, version: int) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
+    """Read-only zero logprobs and constant versions of length ``n``, shared between
+    echoes of the same length (they are only encoded): the benchmark's worker should
+    spend its time on the fabric, not on allocating constant arrays."""
+    key = (n, version)
+    arrays = _echo_cache.get(key)
+    if arrays is None:
+        lp = np.zeros(n, dtype=np.float32)
+        ver = np.full(n, version, dtype=np.int32)
+        lp.flags.writeable = ver.flags.writeable = False
+        arrays = (lp, ver)
+        if n <= 4096:
+            if len(_echo_cache) >= 256:
+                _echo_cache.clear()
+            _echo_cache[key] = arrays
+    return arrays
 
 
 class InvalidHandlerOutput(ValueError):
@@ -310,7 +332,9 @@ class WorkerServer:
         self._monitor: SocketPump | None = None
         self._auth: WorkerAuthenticator | None = None
         self._resumed: asyncio.Event | None = None
-        self._idle: asyncio.Event | None = None
+        # Futures of pause() calls waiting for no handler to run (set by _ended); not an
+        # Event toggled by every request: that cost ~1 us a request.
+        self._idle_waiters: list[asyncio.Future[None]] = []
         self._max_running = self.config.max_concurrency
         self._gate: collections.deque[asyncio.Future[None]] = collections.deque()
         self._flush_pending: list[RequestContext] = []
@@ -357,8 +381,6 @@ class WorkerServer:
         )
         self._resumed = asyncio.Event()
         self._resumed.set()
-        self._idle = asyncio.Event()
-        self._idle.set()
         self._closed = asyncio.Event()
         self._pump = SocketPump(
             sock,
@@ -424,7 +446,7 @@ class WorkerServer:
     async def pause(self, timeout: float = 30.0) -> bool:
         """Stop generation: new requests wait, running ones are interrupted. Returns
         True once no handler runs, False if some still run after ``timeout`` s."""
-        assert self._resumed is not None and self._idle is not None
+        assert self._resumed is not None
         self.pause_requests += 1
         if not self._paused:
             self._paused = True
@@ -433,8 +455,10 @@ class WorkerServer:
                 await _maybe_await(cb())
         if self._running == 0:
             return True
+        idle: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._idle_waiters.append(idle)
         try:
-            await asyncio.wait_for(self._idle.wait(), timeout)
+            await asyncio.wait_for(idle, timeout)
         except asyncio.TimeoutError:
             return self._running == 0
         return True
@@ -675,9 +699,7 @@ class WorkerServer:
         # eager tasks do): a handler that answers without waiting (an echo, a cache hit,
         # a refusal) costs no task, no loop iteration and no timer, and its reply leaves
         # in this same wake-up. A handler that awaits continues in a task from there.
-        assert self._idle is not None
         self._running += 1
-        self._idle.clear()
         try:
             aw = self.handler(sub.request, ctx)
             if type(aw) is not _CoroutineType:
@@ -712,10 +734,8 @@ class WorkerServer:
                     gate: asyncio.Future[None] = asyncio.get_running_loop().create_future()
                     self._gate.append(gate)
                     await gate
-                assert self._idle is not None
                 running = True
                 self._running += 1
-                self._idle.clear()
                 if sub.timeout > 0:
                     resp = await asyncio.wait_for(self.handler(sub.request, ctx), sub.timeout)
                 else:
@@ -785,9 +805,11 @@ class WorkerServer:
         finally:
             self._tasks.pop((peer, id), None)
             self._running -= 1
-            if self._running == 0:
-                assert self._idle is not None
-                self._idle.set()
+            if self._running == 0 and self._idle_waiters:
+                waiters, self._idle_waiters = self._idle_waiters, []
+                for idle in waiters:
+                    if not idle.done():
+                        idle.set_result(None)
             if self._gate:
                 self._open_gate(1)
 
