@@ -177,6 +177,33 @@ def _worker(
         sock.close(linger=0)
 
 
+def _cpu_s(pid: int) -> float:
+    """CPU seconds (user + system, all threads) a process has used so far (Linux)."""
+    if pid == os.getpid():
+        return time.process_time()
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class _CpuMeter:
+    """Per-process CPU seconds per update: trainer and each worker, over a timed loop."""
+
+    def __init__(self, pids: list[int]) -> None:
+        self.pids = [os.getpid(), *pids]
+        self.start = [_cpu_s(p) for p in self.pids]
+
+    def per_update(self, n: int) -> dict[str, float]:
+        used = [_cpu_s(p) - s for p, s in zip(self.pids, self.start, strict=True)]
+        names = ["trainer"] + [f"worker{i}" for i in range(len(self.pids) - 1)]
+        out = {name: round(u / max(n, 1), 3) for name, u in zip(names, used, strict=True)}
+        out["total"] = round(sum(used) / max(n, 1), 3)
+        return out
+
+
 def _bucket_table(ack: Any) -> list[dict[str, float]]:
     st = ack.stats
     out = []
@@ -257,12 +284,17 @@ def _run_size(nbytes: int, hidden: int, vocab: int, reps: int, quick: bool) -> l
                 ctrl.recv_multipart()
 
         version = [0]
+        pids = [p.pid for p in procs if p.pid is not None]
+        cpu: dict[str, dict[str, float]] = {}
 
         def fastio_case(pub: WeightPublisher, via: str) -> Measurement:
             samples = []
             packed = []
             last = None
-            for _ in range(reps + 2):  # two warm up: each allocates one of the 2 buffers
+            meter = _CpuMeter(pids)
+            for r in range(reps + 2):  # two warm up: each allocates one of the 2 buffers
+                if r == 2:
+                    meter = _CpuMeter(pids)
                 version[0] += 1
                 t0 = time.perf_counter()
                 pub.publish(state, version[0])
@@ -288,6 +320,7 @@ def _run_size(nbytes: int, hidden: int, vocab: int, reps: int, quick: bool) -> l
                 buckets=_bucket_table(ack),
                 publish_returned_s=round(statistics.median(packed[2:]), 4),
                 bucket_bytes=bucket,
+                cpu_s_per_update=meter.per_update(reps),
                 worker_stats={
                     k: round(v, 4)
                     for k, v in ack.stats.items()
@@ -307,7 +340,10 @@ def _run_size(nbytes: int, hidden: int, vocab: int, reps: int, quick: bool) -> l
             if pg is None:
                 pg = _gloo_group(gloo_port, 0, 3, "bench-gloo")
             samples = []
-            for _ in range(reps + 1):
+            meter = _CpuMeter(pids)
+            for r in range(reps + 1):
+                if r == 1:
+                    meter = _CpuMeter(pids)
                 t0 = time.perf_counter()
                 for t in state.values():
                     _bcast(pg, t).wait()
@@ -316,6 +352,7 @@ def _run_size(nbytes: int, hidden: int, vocab: int, reps: int, quick: bool) -> l
             for _ in idents:
                 poller.poll(60_000)
                 ctrl.recv_multipart()
+            cpu["gloo"] = meter.per_update(reps)
             return samples[1:]
 
         def gloo_bucketed() -> list[float]:
@@ -323,7 +360,10 @@ def _run_size(nbytes: int, hidden: int, vocab: int, reps: int, quick: bool) -> l
                 ctrl.send_multipart([ident, b"dist %d %d" % (reps + 1, bucket)])
             group = WeightGroup(meta, 0, bucket_bytes=bucket, timeout=120)
             samples = []
-            for _ in range(reps + 1):
+            meter = _CpuMeter(pids)
+            for r in range(reps + 1):
+                if r == 1:
+                    meter = _CpuMeter(pids)
                 t0 = time.perf_counter()
                 group.send(state)
                 group.pg.barrier().wait()
@@ -331,6 +371,7 @@ def _run_size(nbytes: int, hidden: int, vocab: int, reps: int, quick: bool) -> l
             for _ in idents:
                 poller.poll(60_000)
                 ctrl.recv_multipart()
+            cpu["gloo-bucketed"] = meter.per_update(reps)
             group.close()
             return samples[1:]
 
@@ -359,6 +400,7 @@ def _run_size(nbytes: int, hidden: int, vocab: int, reps: int, quick: bool) -> l
                         samples,
                         size_unit="bytes",
                         gb_per_s_per_worker=round(size / 1e9 / min(samples), 3),
+                        **({"cpu_s_per_update": cpu[impl]} if impl in cpu else {}),
                     )
                 )
         with contextlib.suppress(zmq.ZMQError):

@@ -15,6 +15,8 @@ the device copy of the previous one.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import zlib
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
@@ -330,6 +332,25 @@ def check_manifest(
         raise WeightMismatchError("; ".join(problems[:8]) + more)
 
 
+def _copy_span(
+    dst: np.ndarray[Any, Any], arrs: list[np.ndarray[Any, Any]], starts: list[int], offset: int
+) -> None:
+    """Copy bytes ``[offset, offset + dst.size)`` of a bucket held in the pieces ``arrs``
+    (piece ``k`` starts at byte ``starts[k]``) into ``dst``."""
+    n = dst.size
+    k = bisect.bisect_right(starts, offset) - 1
+    pos = 0
+    while pos < n:
+        if k >= len(arrs):
+            raise ValueError("bucket pieces end before the tensor does")
+        arr = arrs[k]
+        a = offset + pos - starts[k]
+        take = min(n - pos, arr.size - a)
+        np.copyto(dst[pos : pos + take], arr[a : a + take])
+        pos += take
+        k += 1
+
+
 def _chunk_spans(
     chunks: Sequence[torch.Tensor], lo: int, hi: int
 ) -> Iterator[tuple[torch.Tensor, int]]:
@@ -369,11 +390,22 @@ class BucketApplier:
         """Copy every tensor of bucket ``info`` from ``chunks`` (1-D uint8 CPU tensors
         whose concatenation is the bucket) into its target."""
         with torch.no_grad():
+            # CPU targets: numpy views of the chunks made once, the chunk holding a
+            # tensor's first byte found by bisection. (Walking the chunk list from the
+            # start and slicing torch tensors per piece cost ~20% on top of the memcpy
+            # for a GiB in 1 MiB chunks.)
+            arrs: list[np.ndarray[Any, Any]] | None = None
+            starts: list[int] = []
             for e in info.tensors:
                 dst = self.targets[e.name]
                 if e.nbytes == 0:
                     continue
-                if dst.is_contiguous():
+                if dst.device.type == "cpu" and dst.is_contiguous():
+                    if arrs is None:
+                        arrs = [c.numpy() for c in chunks]
+                        starts = list(itertools.accumulate((a.size for a in arrs), initial=0))
+                    _copy_span(_flat_bytes(dst).numpy(), arrs, starts, e.offset)
+                elif dst.is_contiguous():
                     dflat = _flat_bytes(dst)
                     for piece, rel in _chunk_spans(chunks, e.offset, e.offset + e.nbytes):
                         self._copy(dflat[rel : rel + piece.numel()], piece)
