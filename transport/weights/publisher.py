@@ -70,6 +70,10 @@ log = logging.getLogger("transport.weights.publisher")
 #: worker hashing each piece while the next is on the wire.
 DEFAULT_CHUNK_BYTES = 1 << 20
 
+#: I/O threads of the publisher's private context that carry the ROUTER's connections
+#: (the bucket bytes); one more carries the PUB's.
+_ROUTER_IO_THREADS = 2
+
 #: Same-host workers get a "bytes ready" notice at most every this many chunks' worth
 #: of packed bytes (8 MiB by default): one message per notice per worker, while the
 #: bytes just packed are still in the last-level cache for the worker to hash.
@@ -264,17 +268,23 @@ class WeightPublisher:
                 self._use_shm = False
 
         # A private context by default: its I/O threads serve only the weights, and
-        # close() can terminate it without touching the application's sockets. Two I/O
-        # threads, so that the kernel copies of sends to different workers can run on
-        # different cores (measured here: 184 MiB to 2 workers over TCP, median 0.33-0.50 s
-        # instead of 0.38-0.72 s with one, same CPU time).
+        # close() can terminate it without touching the application's sockets. The
+        # kernel copies of the bucket sends run in the I/O threads, so workers'
+        # connections must be spread over them: libzmq gives a new connection to the
+        # least loaded thread (counting listeners and every connection), which with two
+        # threads put both workers' ROUTER connections on one thread and their SUB
+        # connections on the other (measured: one I/O thread doing all 2 GiB of sends
+        # for 1 GiB to 2 workers). Hence thread 0 for the PUB (small notices) and
+        # threads 1..n for the ROUTER, whose connections then alternate between them.
         self._own_ctx = context is None
-        self._ctx: zmq.Context[Any] = context or zmq.Context(io_threads=2)
+        self._ctx: zmq.Context[Any] = context or zmq.Context(io_threads=1 + _ROUTER_IO_THREADS)
         self._auth: WorkerAuthenticator | None = None
         if curve is not None:
             # The ZAP handler must run before the sockets bind.
             self._auth = WorkerAuthenticator(self._ctx, curve)
         self._router = self._ctx.socket(zmq.ROUTER)
+        if self._own_ctx:
+            self._router.setsockopt(zmq.AFFINITY, ((1 << _ROUTER_IO_THREADS) - 1) << 1)
         _curve_server(self._router, curve)
         self._router.setsockopt(zmq.LINGER, 0)
         # At the HWM a ROUTER drops silently; MANDATORY turns that into EAGAIN, which
@@ -289,6 +299,8 @@ class WeightPublisher:
         self._router.bind(endpoint)
         self.endpoint: str = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
         self._pub = self._ctx.socket(zmq.PUB)
+        if self._own_ctx:
+            self._pub.setsockopt(zmq.AFFINITY, 1)
         _curve_server(self._pub, curve)
         self._pub.setsockopt(zmq.LINGER, 0)
         self._pub.setsockopt(zmq.SNDHWM, 10_000)
