@@ -96,7 +96,8 @@ class ClientConfig:
     max_message_size, hwm, curve:
         See :mod:`transport.sockets`.
     sticky_cache_size:
-        How many rid -> worker assignments are remembered.
+        How many rid -> worker assignments are remembered (when full, the older half
+        is forgotten).
     """
 
     heartbeat_interval: float = 1.0
@@ -593,7 +594,12 @@ class FabricClient:
         rid = call.orig.rid
         if sticky.get(rid) != w.address:
             if len(sticky) >= self.config.sticky_cache_size:
-                del sticky[next(iter(sticky))]
+                # Forget the older half at once. (Deleting the oldest entry one at a
+                # time costs O(n) per deletion: a dict's iteration skips the dead
+                # slots at its front, ~7 us per request at 100k entries.)
+                self._sticky = sticky = dict(
+                    itertools.islice(sticky.items(), len(sticky) // 2, None)
+                )
             sticky[rid] = w.address
         assert w.pump is not None
         w.pump.send(frames)

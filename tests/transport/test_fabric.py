@@ -149,6 +149,35 @@ def test_rid_stickiness_and_runtime_membership(spawn: Callable[..., WorkerProc])
         ctl.close()
 
 
+def test_sticky_cache_stays_bounded_and_keeps_recent_rids(
+    spawn: Callable[..., WorkerProc],
+) -> None:
+    ws = [spawn("--bind", "tcp://127.0.0.1:0", "--engine", "echo") for _ in range(2)]
+    cfg = ClientConfig(heartbeat_interval=0.1, heartbeat_liveness=10, sticky_cache_size=10)
+
+    async def main() -> None:
+        async with (
+            FabricClient([w.address for w in ws], cfg) as client,
+            FabricController([w.address for w in ws]) as ctl,
+        ):
+            await await_for(lambda: all(w.alive for w in client.workers), what="workers joined")
+            for i in range(35):
+                await client.agenerate(LLMRequest(rid=f"r{i}", input_ids=[i]))
+                assert len(client._sticky) <= 10
+            assert "r34" in client._sticky and "r0" not in client._sticky
+            # A rid still remembered keeps going to its worker.
+            home = client._sticky["r34"]
+            before = received(ctl)
+            for _ in range(6):
+                await client.agenerate(LLMRequest(rid="r34", input_ids=[1]))
+            after = received(ctl)
+            assert {a: after[a] - before[a] for a in after} == {
+                w.address: 6 if w.address == home else 0 for w in ws
+            }
+
+    asyncio.run(main())
+
+
 def test_worker_sigkilled_midflight_requests_resent(
     spawn: Callable[..., WorkerProc], bind: Callable[[str], str]
 ) -> None:
