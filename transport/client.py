@@ -1003,14 +1003,16 @@ class SyncFabricClient:
 
     def generate(self, req: LLMRequest, *, timeout: float | None = None) -> LLMResponse:
         """Blocking :meth:`FabricClient.agenerate`."""
-        return self._run(self.client.agenerate(req, timeout=timeout))
+        return self._run(self.client._agenerate_in_loop(req, timeout, None))
 
     def submit(
         self, req: LLMRequest, *, timeout: float | None = None
     ) -> concurrent.futures.Future[LLMResponse]:
         """Start a request; returns a ``concurrent.futures.Future``."""
+        # A coroutine that calls agenerate in the client's loop (called here, agenerate
+        # would bind to this thread's loop if it has one).
         return asyncio.run_coroutine_threadsafe(
-            self.client.agenerate(req, timeout=timeout), self._loop
+            self.client._agenerate_in_loop(req, timeout, None), self._loop
         )
 
     def add_worker(self, address: str) -> None:

@@ -390,6 +390,12 @@ def test_sync_client(spawn: Callable[..., WorkerProc]) -> None:
         assert client.generate(req([7, 8, 9])).output_tokens == [7, 8, 9]
         futs = [client.submit(req([i])) for i in range(100)]
         assert [f.result(10).output_tokens[0] for f in futs] == list(range(100))
+
+        async def from_a_loop() -> list[int]:
+            # Called from a thread that runs a loop of its own: still the client's loop.
+            return list(client.submit(req([4, 2])).result(10).output_tokens)
+
+        assert asyncio.run(from_a_loop()) == [4, 2]
     wait_for(lambda: True)
 
 
