@@ -143,6 +143,21 @@ def test_apply_from_chunks_split_anywhere_and_noncontiguous() -> None:
     assert dst["t"] is ref
 
 
+def test_apply_skips_empty_chunks_and_refuses_short_ones() -> None:
+    src = make_state(3)
+    (info,) = plan_for(src, 1 << 20)
+    buf = torch.empty(info.nbytes, dtype=torch.uint8)
+    pack_bucket(info, src, buf)
+    half = info.nbytes // 2
+    empty = buf[:0]
+    chunks = [empty, buf[:half], empty, empty, buf[half:], empty]
+    dst = zeros_like(src)
+    BucketApplier(dst).apply(info, chunks)
+    assert equal(src, dst)
+    with pytest.raises(ValueError, match="end before"):
+        BucketApplier(zeros_like(src)).apply(info, [buf[: info.nbytes - 8]])
+
+
 def test_padding_is_zeroed_so_checksums_are_deterministic() -> None:
     src = {"a": torch.ones(3), "b": torch.ones(3)}
     (info,) = plan_for(src, 1 << 20)
