@@ -257,6 +257,14 @@ def copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
     ``copy_`` splits large copies over its intra-op threads, which on a machine whose
     cores are all busy (trainer, workers and I/O threads) spin and wait; measured here
     it made 184 one-MiB block copies 2-4x slower than a single-threaded memcpy.
+
+    These copies are memory-bound, and glibc's ``memcpy`` switches to non-temporal
+    stores (no read-for-ownership of the destination) only for a single copy of at least
+    ``glibc.cpu.x86_non_temporal_threshold`` bytes (99 MiB on this 2-core VM), so a
+    parameter of a few MiB copies at ~150 ms/GiB instead of ~90. A worker process started
+    with ``GLIBC_TUNABLES=glibc.cpu.x86_non_temporal_threshold=524288`` applies a GiB in
+    ~0.10 s instead of ~0.15 s (measured, bench/weights); the library cannot change it
+    from inside a running process.
     """
     if dst.device.type == "cpu" and src.device.type == "cpu":
         np.copyto(dst.numpy(), src.numpy())
