@@ -125,9 +125,11 @@ class _GatedEngine:
 
     @version.setter
     def version(self, v: int) -> None:
-        n = self._server.pause_requests
+        # The copy's own pause is the worker's first; the gate opens at the controller's
+        # (counting from here instead raced with a controller pause landing between the
+        # copy's pause and this setter: the gate then waited for a pause never to come).
         deadline = time.monotonic() + 20
-        while self._server.pause_requests == n and time.monotonic() < deadline:
+        while self._server.pause_requests < 2 and time.monotonic() < deadline:
             time.sleep(0.005)  # polls a counter another thread bumps (bounded)
         self._server.engine.version = v
 
@@ -154,12 +156,17 @@ async def gated_subscribe(server: Any, opts: dict[str, str]) -> None:
         await asyncio.to_thread(sub.close)
 
 
-def test_a_controller_pause_during_a_copy_is_not_undone(
-    spawn: Callable[..., Any], publisher: WeightPublisher
-) -> None:
+def test_a_controller_pause_during_a_copy_is_not_undone(spawn: Callable[..., Any]) -> None:
+    # The gate holds the subscriber's thread (no Hellos) until the controller's pause
+    # lands, which under load took longer than the shared fixture's 2 s worker_timeout:
+    # the worker was then declared lost. (Hellos from inside the gate would be wrong: a
+    # Hello at the new version counts as its Ack, before the engine has the version.)
+    publisher = WeightPublisher(
+        "tcp://127.0.0.1:*", shm=False, heartbeat_interval=0.1, worker_timeout=30.0
+    )
     w = spawn(*worker_args("w", publisher.endpoint, "--plugin", f"{HERE}:gated_subscribe"))
     publisher.wait_for_workers(1, 30)
-    with FabricController([w.address]) as ctl:
+    with publisher, FabricController([w.address]) as ctl:
         # No controller pause: the subscriber pauses the worker for the copy itself.
         publisher.publish(TinyLM(seed=1), 1)
         wait_for(lambda: status(ctl)["w"].paused, 20, "the worker pausing for the copy")
