@@ -547,8 +547,16 @@ def run(quick: bool) -> list[Measurement]:
 
 
 if __name__ == "__main__":  # pragma: no cover - manual runs
+    import json
     import sys
 
+    if "--gpu-only" in sys.argv:
+        # bench/gpu_check.sh on a lent GPU machine: only the CUDA-to-CUDA cases.
+        for nbytes, hidden, vocab in ((192 * _MIB, 512, 32000), (1 << 30, 1024, 32000)):
+            for m in _gpu_cases(nbytes, hidden, vocab, 5):
+                row = {"case": m.case, "median_s": m.median_s, "samples": m.samples, **m.extra}
+                print(json.dumps(row), flush=True)
+        os._exit(0)
     for m in run("--quick" in sys.argv):
         print(m.case, m.impl, f"{m.median_s:.3f}s", m.extra.get("gb_per_s_per_worker"))
         if m.impl == FASTIO:
