@@ -64,6 +64,8 @@ __all__ = [
     "CurveConfig",
     "SocketPump",
     "WorkerAuthenticator",
+    "apply_curve_client",
+    "apply_curve_server",
     "make_dealer",
     "make_router",
     "recv_frames",
@@ -116,6 +118,35 @@ def _set_common(sock: zmq.Socket[Any], hwm: int, max_message_size: int) -> None:
     sock.setsockopt(zmq.MAXMSGSIZE, max_message_size)
 
 
+def apply_curve_server(sock: zmq.Socket[Any], curve: CurveConfig | None) -> None:
+    """Make ``sock`` a CURVE server with the keys of ``curve`` (nothing when ``None``).
+    Set before binding."""
+    if curve is None:
+        return
+    pub, sec = zmq.auth.load_certificate(curve.secret_key_file)
+    if sec is None:
+        raise ValueError(f"{curve.secret_key_file} holds no secret key")
+    sock.curve_secretkey = sec
+    sock.curve_publickey = pub
+    sock.curve_server = True
+
+
+def apply_curve_client(sock: zmq.Socket[Any], curve: CurveConfig | None) -> None:
+    """Make ``sock`` a CURVE client of the server whose public key ``curve`` names
+    (nothing when ``None``). Set before connecting."""
+    if curve is None:
+        return
+    if curve.server_public_key_file is None:
+        raise ValueError("CurveConfig.server_public_key_file is needed to connect")
+    pub, sec = zmq.auth.load_certificate(curve.secret_key_file)
+    if sec is None:
+        raise ValueError(f"{curve.secret_key_file} holds no secret key")
+    server_pub, _ = zmq.auth.load_certificate(curve.server_public_key_file)
+    sock.curve_secretkey = sec
+    sock.curve_publickey = pub
+    sock.curve_serverkey = server_pub
+
+
 def make_router(
     ctx: zmq.Context[Any],
     bind: str | list[str],
@@ -134,13 +165,7 @@ def make_router(
     sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
     # Heartbeats are ours; TCP keepalive catches half-open connections on real networks.
     sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
-    if curve is not None:
-        pub, sec = zmq.auth.load_certificate(curve.secret_key_file)
-        if sec is None:
-            raise ValueError(f"{curve.secret_key_file} holds no secret key")
-        sock.curve_secretkey = sec
-        sock.curve_publickey = pub
-        sock.curve_server = True
+    apply_curve_server(sock, curve)
     endpoints = []
     for address in [bind] if isinstance(bind, str) else bind:
         if address.startswith("tcp://") and address.endswith(":0"):
@@ -174,16 +199,7 @@ def make_dealer(
     sock.setsockopt(zmq.RECONNECT_IVL, reconnect_ivl_ms)
     sock.setsockopt(zmq.RECONNECT_IVL_MAX, max(reconnect_ivl_ms, 1000))
     sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
-    if curve is not None:
-        if curve.server_public_key_file is None:
-            raise ValueError("CurveConfig.server_public_key_file is needed to connect")
-        pub, sec = zmq.auth.load_certificate(curve.secret_key_file)
-        if sec is None:
-            raise ValueError(f"{curve.secret_key_file} holds no secret key")
-        server_pub, _ = zmq.auth.load_certificate(curve.server_public_key_file)
-        sock.curve_secretkey = sec
-        sock.curve_publickey = pub
-        sock.curve_serverkey = server_pub
+    apply_curve_client(sock, curve)
     sock.connect(address)
     dealer: zmq.Socket[Any] = sock
     return dealer

@@ -31,7 +31,6 @@ from typing import Any
 import numpy as np
 import torch
 import zmq
-import zmq.auth
 
 import fastio
 from fastio.weight_msgs import (
@@ -45,7 +44,7 @@ from fastio.weight_msgs import (
     WeightHello,
     WeightWelcome,
 )
-from transport.sockets import CurveConfig, WorkerAuthenticator
+from transport.sockets import CurveConfig, WorkerAuthenticator, apply_curve_server
 from transport.weights import shm as _shm
 from transport.weights.bucket import (
     DEFAULT_BUCKET_BYTES,
@@ -285,7 +284,7 @@ class WeightPublisher:
         self._router = self._ctx.socket(zmq.ROUTER)
         if self._own_ctx:
             self._router.setsockopt(zmq.AFFINITY, ((1 << _ROUTER_IO_THREADS) - 1) << 1)
-        _curve_server(self._router, curve)
+        apply_curve_server(self._router, curve)
         self._router.setsockopt(zmq.LINGER, 0)
         # At the HWM a ROUTER drops silently; MANDATORY turns that into EAGAIN, which
         # is answered as "busy" instead (workers bound their fetches by a window).
@@ -301,7 +300,7 @@ class WeightPublisher:
         self._pub = self._ctx.socket(zmq.PUB)
         if self._own_ctx:
             self._pub.setsockopt(zmq.AFFINITY, 1)
-        _curve_server(self._pub, curve)
+        apply_curve_server(self._pub, curve)
         self._pub.setsockopt(zmq.LINGER, 0)
         self._pub.setsockopt(zmq.SNDHWM, 10_000)
         self._pub.bind(pub_endpoint or _sibling(self.endpoint))
@@ -880,17 +879,6 @@ def _pack_steps(
             told = st.packed = base + info.nbytes
             st.buckets_done = info.index + 1
         yield
-
-
-def _curve_server(sock: zmq.Socket[Any], curve: CurveConfig | None) -> None:
-    if curve is None:
-        return
-    public, secret = zmq.auth.load_certificate(curve.secret_key_file)
-    if secret is None:
-        raise ValueError(f"{curve.secret_key_file} holds no secret key")
-    sock.curve_secretkey = secret
-    sock.curve_publickey = public
-    sock.curve_server = True
 
 
 def _sibling(endpoint: str) -> str:

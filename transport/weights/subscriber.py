@@ -42,7 +42,6 @@ from typing import Any
 import numpy as np
 import torch
 import zmq
-import zmq.auth
 
 import fastio
 from fastio.weight_msgs import (
@@ -56,7 +55,7 @@ from fastio.weight_msgs import (
     WeightHello,
     WeightWelcome,
 )
-from transport.sockets import CurveConfig
+from transport.sockets import CurveConfig, apply_curve_client
 from transport.weights import shm as _shm
 from transport.weights.bucket import (
     CHECKSUM_ALGOS,
@@ -321,7 +320,7 @@ class WeightSubscriber:
 
     def _run(self) -> None:
         self._dealer = self._ctx.socket(zmq.DEALER)
-        _curve_client(self._dealer, self.curve)
+        apply_curve_client(self._dealer, self.curve)
         self._dealer.setsockopt(zmq.LINGER, 0)
         self._dealer.setsockopt(zmq.ROUTING_ID, self.worker_id.encode())
         self._dealer.setsockopt(zmq.MAXMSGSIZE, self.max_message_size)
@@ -331,7 +330,7 @@ class WeightSubscriber:
         self._dealer.setsockopt(zmq.IMMEDIATE, 1)
         self._dealer.connect(self.endpoint)
         self._sub = self._ctx.socket(zmq.SUB)
-        _curve_client(self._sub, self.curve)
+        apply_curve_client(self._sub, self.curve)
         self._sub.setsockopt(zmq.LINGER, 0)
         self._sub.setsockopt(zmq.MAXMSGSIZE, 64 << 20)
         self._sub.setsockopt(zmq.SUBSCRIBE, b"")
@@ -742,18 +741,6 @@ class WeightSubscriber:
             up.partial.pop(i, None)
             up.todo.append(i)
         self._pump()
-
-
-def _curve_client(sock: zmq.Socket[Any], curve: CurveConfig | None) -> None:
-    if curve is None or curve.server_public_key_file is None:
-        return
-    public, secret = zmq.auth.load_certificate(curve.secret_key_file)
-    if secret is None:
-        raise ValueError(f"{curve.secret_key_file} holds no secret key")
-    server, _ = zmq.auth.load_certificate(curve.server_public_key_file)
-    sock.curve_secretkey = secret
-    sock.curve_publickey = public
-    sock.curve_serverkey = server
 
 
 _MALLOC_TUNED = False
