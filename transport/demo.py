@@ -166,6 +166,18 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+class _StopSignals:
+    """Notes SIGINT and SIGTERM (a blocking role polls ``seen`` between steps)."""
+
+    def __init__(self) -> None:
+        self.seen = False
+        signal.signal(signal.SIGINT, self._on_signal)
+        signal.signal(signal.SIGTERM, self._on_signal)
+
+    def _on_signal(self, *_: Any) -> None:
+        self.seen = True
+
+
 def _stop_event() -> asyncio.Event:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -263,14 +275,7 @@ def _trainer_role(a: argparse.Namespace) -> None:
     from transport.engine import TinyLM
     from transport.weights import WeightPublisher, state_digest, update_weights
 
-    stop = False
-
-    def on_signal(*_: Any) -> None:
-        nonlocal stop
-        stop = True
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    stop = _StopSignals()
     torch.manual_seed(1234)
     vocab, hidden, layers = MODEL_SIZES[a.model_size]
     model = TinyLM(vocab, hidden, layers, seed=a.seed)
@@ -294,7 +299,7 @@ def _trainer_role(a: argparse.Namespace) -> None:
     print(json.dumps({"ready": pub.endpoint}), flush=True)
     # Wait for every worker's subscriber, but stay responsive to a stop meanwhile.
     joined_by = time.monotonic() + 120
-    while not stop:
+    while not stop.seen:
         try:
             pub.wait_for_workers(len(a.workers), timeout=0.25)
             break
@@ -303,10 +308,10 @@ def _trainer_role(a: argparse.Namespace) -> None:
                 raise
     version = 0
     next_update = time.monotonic() + a.update_every
-    while not stop:
-        while not stop and time.monotonic() < next_update:
+    while not stop.seen:
+        while not stop.seen and time.monotonic() < next_update:
             time.sleep(min(0.05, max(0.0, next_update - time.monotonic())))
-        if stop:
+        if stop.seen:
             break
         # A real optimizer step on synthetic next-token data: the weights really change.
         x = torch.randint(0, vocab, (8, 32))
@@ -430,14 +435,7 @@ def _orchestrate(a: argparse.Namespace) -> int:
     # trainer binds), and the trainer is started once the workers' addresses are known.
     pub_addr = f"ipc://{tmp}/weights" if a.transport == "ipc" else f"tcp://127.0.0.1:{_free_port()}"
 
-    stopping = False
-
-    def on_sigint(*_: Any) -> None:
-        nonlocal stopping
-        stopping = True
-
-    signal.signal(signal.SIGINT, on_sigint)
-    signal.signal(signal.SIGTERM, on_sigint)
+    stop = _StopSignals()
     workers: list[subprocess.Popen[bytes]] = []
     clients: list[subprocess.Popen[bytes]] = []
     trainer: subprocess.Popen[bytes] | None = None
@@ -512,7 +510,7 @@ def _orchestrate(a: argparse.Namespace) -> int:
                     st.final = msg
 
         with Live(console=console, refresh_per_second=4, transient=True) as live:
-            while not stopping and time.perf_counter() < end:
+            while not stop.seen and time.perf_counter() < end:
                 drain(250)
                 dead = [p for p in (*workers, trainer, *clients) if p.poll() is not None]
                 if dead:

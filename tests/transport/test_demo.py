@@ -72,6 +72,16 @@ def _children_of(run_dir: str) -> list[int]:
     return found
 
 
+def _wait_children(run_dir: str, n: int, timeout: float) -> list[int]:
+    """The demo's processes once at least ``n`` are up (or what is up at the deadline)."""
+    deadline = time.monotonic() + timeout
+    up = _children_of(run_dir)
+    while len(up) < n and time.monotonic() < deadline:
+        time.sleep(0.05)  # polling a condition with a deadline, not synchronising
+        up = _children_of(run_dir)
+    return up
+
+
 def _wait_gone(run_dir: str, timeout: float) -> list[int]:
     deadline = time.monotonic() + timeout
     left = _children_of(run_dir)
@@ -102,13 +112,10 @@ def test_demo_runs_updates_weights_and_ends_consistent(extra: list[str]) -> None
 def test_ctrl_c_stops_every_process(transport: str) -> None:
     p = _demo("--duration", "120", "--transport", transport, "--clients", "1",
               "--concurrency", "4", "--update-every", "1")  # fmt: skip
-    deadline = time.monotonic() + 90
     try:
         run_dir = _wait_for_run_dir(p, 90)
         # Wait until the children are up (2 workers, the trainer, 1 client).
-        while len(_children_of(run_dir)) < 4 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert len(_children_of(run_dir)) >= 4
+        assert len(_wait_children(run_dir, 4, 90)) >= 4
         p.send_signal(signal.SIGINT)
         out, _ = p.communicate(timeout=90)
     finally:
@@ -119,12 +126,9 @@ def test_ctrl_c_stops_every_process(transport: str) -> None:
 
 def test_killed_orchestrator_takes_children_along() -> None:
     p = _demo("--duration", "120", "--clients", "1", "--concurrency", "2")
-    deadline = time.monotonic() + 90
     try:
         run_dir = _wait_for_run_dir(p, 90)
-        while len(_children_of(run_dir)) < 4 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert len(_children_of(run_dir)) >= 4
+        assert len(_wait_children(run_dir, 4, 90)) >= 4
     finally:
         p.kill()  # SIGKILL: no chance to clean up; PR_SET_PDEATHSIG must do it
         p.wait()
