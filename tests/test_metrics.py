@@ -48,7 +48,7 @@ def value(
     return samples.get((name, frozenset(labels.items())), 0.0)
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def endpoint() -> Iterator[int]:
     pytest.importorskip("prometheus_client")
     port = metrics.start_http_server(0)
@@ -142,13 +142,15 @@ def test_every_metric_is_exposed(endpoint: int) -> None:
         assert types.get(name) == kind, (attr, name)
 
 
-def test_endpoint_is_loopback_by_default_and_stops(endpoint: int) -> None:
-    server = metrics._servers[endpoint]
-    assert server.server_address[0] == "127.0.0.1"
-    metrics.stop_http_server(endpoint)
+def test_endpoint_is_loopback_by_default_and_stops() -> None:
+    pytest.importorskip("prometheus_client")
+    port = metrics.start_http_server(0)
+    assert metrics._servers[port].server_address[0] == "127.0.0.1"
+    assert scrape(port)
+    metrics.stop_http_server(port)
     with pytest.raises(urllib.error.URLError):
-        urllib.request.urlopen(f"http://127.0.0.1:{endpoint}/metrics", timeout=5)
-    metrics.stop_http_server(endpoint)  # a second stop is a no-op
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5)
+    metrics.stop_http_server(port)  # a second stop is a no-op
 
 
 def test_port_in_use_names_the_address() -> None:
