@@ -285,7 +285,7 @@ def plot(ms: list[Measurement], out_dir: Path, info: dict[str, Any] | None = Non
                 # 1-2-5 ticks over a few decades, one per decade over many.
                 decades = math.log10(max(ys) / min(ys))
                 ax.yaxis.set_major_locator(
-                    LogLocator(subs=(1.0, 2.0, 5.0) if decades < 3 else (1.0,))
+                    LogLocator(subs=(1.0, 2.0, 5.0) if decades < 4 else (1.0,))
                 )
                 ax.yaxis.set_minor_formatter(NullFormatter())
             else:
