@@ -25,7 +25,7 @@ from transport.weights.errors import (
     WeightMismatchError,
     WeightUpdateError,
 )
-from transport.weights.publisher import UpdateResult, WeightPublisher, WorkerInfo
+from transport.weights.publisher import SubscriberInfo, UpdateResult, WeightPublisher
 from transport.weights.subscriber import UpdateStats, WeightSubscriber
 from transport.weights.update import (
     FabricUpdateResult,
@@ -39,6 +39,7 @@ __all__ = [
     "BucketApplier",
     "ChecksumError",
     "FabricUpdateResult",
+    "SubscriberInfo",
     "UpdateIncomplete",
     "UpdateResult",
     "UpdateStats",
@@ -47,7 +48,6 @@ __all__ = [
     "WeightPublisher",
     "WeightSubscriber",
     "WeightUpdateError",
-    "WorkerInfo",
     "attach_subscriber",
     "aupdate_weights",
     "check_manifest",

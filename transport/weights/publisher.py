@@ -10,9 +10,15 @@ Sockets (see ``docs/PROTOCOL.md``, "Weight updates"):
 
 A version is staged in one buffer, a shared-memory segment when ``/dev/shm`` allows it
 (same-host workers read it in place) and private memory otherwise. The buffer is the
-version's snapshot: late joiners and re-fetches are served from it, and it is reused for
-a later version only once no send may still read it and every worker that was expected
-to apply it has answered or is gone.
+version's snapshot: late joiners and re-fetches are served from it.
+
+The buffer rule: a buffer that a worker's process may still read is never overwritten.
+A shared-memory segment may be mapped by any same-host worker for as long as that
+process lives (even one stopped, or declared lost), so each version gets a fresh
+segment, and retiring a version only unlinks its name: a worker's mapping of the
+unlinked file keeps that version's bytes (Linux frees them with the last mapping). A
+private buffer is only read by this process's own zero-copy sends; it is reused for a
+later version once no send may still read it (ZeroMQ's message trackers).
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import numpy as np
 import torch
 import zmq
@@ -38,6 +45,7 @@ from fastio.weight_msgs import (
     WeightAck,
     WeightAnnounce,
     WeightBucket,
+    WeightBucketInfo,
     WeightError,
     WeightFetch,
     WeightHeartbeat,
@@ -46,18 +54,23 @@ from fastio.weight_msgs import (
 )
 from transport.sockets import CurveConfig, WorkerAuthenticator, apply_curve_server
 from transport.weights import shm as _shm
+from transport.weights.binding import FLOAT_DTYPES, parse_dtype
 from transport.weights.bucket import (
     DEFAULT_BUCKET_BYTES,
     DEFAULT_CHECKSUM,
     Hasher,
     _flat_bytes,
     copy_tensor,
+    dtype_from_name,
+    dtype_name,
     named_tensors,
-    plan_for,
+    plan_buckets,
+    split_aliases,
 )
 from transport.weights.errors import UpdateIncomplete
+from transport.weights.ratelog import RateLimitedLog
 
-__all__ = ["DEFAULT_CHUNK_BYTES", "UpdateResult", "WeightPublisher", "WorkerInfo"]
+__all__ = ["DEFAULT_CHUNK_BYTES", "SubscriberInfo", "UpdateResult", "WeightPublisher"]
 
 log = logging.getLogger("transport.weights.publisher")
 
@@ -85,7 +98,7 @@ _BLOCK = 256 << 10
 
 
 @dataclass
-class WorkerInfo:
+class SubscriberInfo:
     """What the publisher knows of one subscriber (from its Hellos and Acks)."""
 
     worker_id: str
@@ -95,6 +108,8 @@ class WorkerInfo:
     digest: int | None = None
     last_seen: float = 0.0
     alive: bool = True
+    #: The one dtype it wants floating tensors in ("" if none declared).
+    dtype: str = ""
 
 
 @dataclass
@@ -253,12 +268,13 @@ class WeightPublisher:
         self.host_id = _shm.host_id()
         #: Counters: bad messages, fetches served, bytes sent, ...
         self.counters: dict[str, int] = {}
+        self._rlog = RateLimitedLog(log)
         # Test and chaos hook: (worker, version, bucket) -> None, "corrupt" or "die".
         self._fault_hook = _fault_hook
         self._use_shm = _shm.available() if shm is None else bool(shm and _shm.available())
         if self._use_shm:
             _shm.cleanup_stale()
-        self._probe: tuple[str, str] = ("", "")
+        self._probe: _shm.Probe | None = None
         if self._use_shm:
             try:
                 self._probe = _shm.write_probe()
@@ -315,7 +331,7 @@ class WeightPublisher:
         self._encoder = fastio.Encoder()
         self._decoder = fastio.Decoder(SUBSCRIBER_TO_PUBLISHER, max_message_size=8 << 20)
         self._cond = threading.Condition()
-        self._workers: dict[str, WorkerInfo] = {}
+        self._workers: dict[str, SubscriberInfo] = {}
         self._versions: dict[int, _Staged] = {}
         self._latest: _Staged | None = None
         self._pending: list[_Staged] = []
@@ -333,10 +349,10 @@ class WeightPublisher:
         with self._cond:
             return self._latest.version if self._latest else -1
 
-    def workers(self) -> dict[str, WorkerInfo]:
+    def workers(self) -> dict[str, SubscriberInfo]:
         """A snapshot of the known workers, by id."""
         with self._cond:
-            return {k: WorkerInfo(**vars(v)) for k, v in self._workers.items()}
+            return {k: SubscriberInfo(**vars(v)) for k, v in self._workers.items()}
 
     def wait_for_workers(self, n: int, timeout: float) -> list[str]:
         """Wait until at least ``n`` live workers said Hello; returns their ids.
@@ -372,7 +388,7 @@ class WeightPublisher:
             caller may then change its tensors); workers fetch meanwhile, and
             :meth:`wait` collects their answers.
         """
-        tensors = named_tensors(state)
+        tensors, aliases = split_aliases(named_tensors(state))
         with self._cond:
             if self._closed:
                 raise RuntimeError("publisher is closed")
@@ -380,7 +396,7 @@ class WeightPublisher:
                 raise ValueError(
                     f"version {version} is not newer than the latest ({self._latest.version})"
                 )
-        plan = plan_for(tensors, self.bucket_bytes)
+        plan = self._plan(tensors)
         total = plan[-1].shm_offset + plan[-1].nbytes if plan else 0
         staged = self._acquire(version, total)
         staged.announce = WeightAnnounce(
@@ -391,6 +407,7 @@ class WeightPublisher:
             total_bytes=total,
             buckets=plan,
             shm_name=staged.seg.name if staged.seg is not None else "",
+            aliases=aliases,
         )
         # The serving thread announces, then packs chunk by chunk, answering fetches in
         # between: bucket k's pieces are on the wire while the rest is being packed.
@@ -495,9 +512,8 @@ class WeightPublisher:
                 st.release()
             self._versions.clear()
             self._latest = None
-        if self._probe[0]:
-            with contextlib.suppress(OSError):
-                (_shm.SHM_DIR / self._probe[0]).unlink()
+        if self._probe is not None:
+            self._probe.close()
 
     def __enter__(self) -> WeightPublisher:
         return self
@@ -506,15 +522,49 @@ class WeightPublisher:
         self.close()
 
     # -- staging -----------------------------------------------------------------------
+    def _plan(self, tensors: dict[str, torch.Tensor]) -> list[WeightBucketInfo]:
+        """The buckets of a version, in the dtypes it travels in.
+
+        When every live worker asked for the same floating dtype and it is narrower
+        than a tensor's, the tensor is cast here while packing (fewer bytes to move);
+        otherwise it travels as it is and each worker casts during its copy.
+        """
+        with self._cond:
+            wanted = {i.dtype for i in self._workers.values() if i.alive}
+        cast = parse_dtype(wanted.pop()) if len(wanted) == 1 and "" not in wanted else None
+        wire: dict[str, torch.dtype] = {}
+        for n, t in tensors.items():
+            narrower = cast is not None and cast.itemsize < t.dtype.itemsize
+            wire[n] = cast if cast is not None and narrower and t.dtype in FLOAT_DTYPES else t.dtype
+        plan = plan_buckets(
+            ((n, dtype_name(wire[n]), tuple(t.shape)) for n, t in tensors.items()),
+            self.bucket_bytes,
+        )
+        for b in plan:
+            b.tensors = [
+                e
+                if wire[e.name] == tensors[e.name].dtype
+                else msgspec.structs.replace(e, src_dtype=dtype_name(tensors[e.name].dtype))
+                for e in b.tensors
+            ]
+        return plan
+
     def _acquire(self, version: int, total: int) -> _Staged:
-        """A buffer for a new version: a free old one if large enough, else a new one."""
+        """A buffer for a new version (the buffer rule, see the module docstring).
+
+        A shared-memory segment is never reused: a worker may hold a mapping of it for
+        as long as its process lives (stopped, slow, declared lost), so every version
+        gets a fresh segment and a retired one is only unlinked. A private buffer is
+        read only by this process's zero-copy sends, so it is reused once none of
+        them may still read it.
+        """
         with self._cond:
             for v, st in sorted(self._versions.items()):
-                if st is self._latest or st.capacity < total:
+                if st is self._latest or st.seg is not None or st.capacity < total:
                     continue
-                if st.sends_done() and st.answered():
+                if st.sends_done() and not st.active and st.answered():
                     del self._versions[v]
-                    return _Staged(version, st.buf, st.seg)
+                    return _Staged(version, st.buf, None)
         seg: _shm.ShmSegment | None = None
         if self._use_shm:
             try:
@@ -678,21 +728,29 @@ class WeightPublisher:
             msg = self._decoder.decode(frames[1:])
         except fastio.DecodeError as exc:
             self._count("bad_messages")
-            log.warning("bad message from weight subscriber %r: %s", wid, exc)
+            self._rlog.warning("bad message", "bad message from weight subscriber %r: %s", wid, exc)
             err = WeightError(-1, -1, f"bad message: {exc}")
             self._reply(ident, self._encoder.encode(err))
             return
         now = time.monotonic()
         hello = isinstance(msg, WeightHello)
+        if isinstance(msg, WeightAck) and wid not in self._workers:
+            # Only a Hello makes a peer a worker: an Ack from any other peer (a stray
+            # or spoofed one) must not fail an update. Counted, not recorded.
+            self._count("acks_from_strangers")
+            self._rlog.warning(
+                "Ack from a stranger", "ignored an Ack from %r, which never said Hello", wid
+            )
+            return
         with self._cond:
             info = self._workers.get(wid)
             if info is None:
                 if not hello:
                     # Only a Hello makes a peer a worker (and expected to apply versions);
-                    # a stray Fetch is still answered below, an Ack still recorded.
-                    info = WorkerInfo(wid, alive=False)
+                    # a stray Fetch is still answered below.
+                    info = SubscriberInfo(wid, alive=False)
                 else:
-                    info = self._workers[wid] = WorkerInfo(wid)
+                    info = self._workers[wid] = SubscriberInfo(wid)
             info.last_seen = now
             if not info.alive and wid in self._workers:
                 info.alive = True
@@ -702,6 +760,7 @@ class WeightPublisher:
             if isinstance(msg, WeightHello):
                 info.host_id, info.pid = msg.host_id, msg.pid
                 info.version, info.digest = msg.version, msg.digest
+                info.dtype = msg.dtype
                 latest = self._latest
                 if latest is not None and msg.version < latest.version and wid not in latest.acks:
                     latest.expected.add(wid)
@@ -721,8 +780,8 @@ class WeightPublisher:
                 self.host_id,
                 self.pub_endpoint,
                 self._seq,
-                self._probe[0],
-                self._probe[1],
+                self._probe.name if self._probe else "",
+                self._probe.token if self._probe else "",
                 announce,
             )
             self._reply(ident, self._encoder.encode(welcome))
@@ -740,7 +799,9 @@ class WeightPublisher:
                     info.digest = msg.digest
                 self._cond.notify_all()
             if not msg.ok:
-                log.warning("worker %s failed version %d: %s", wid, msg.version, msg.error)
+                self._rlog.warning(
+                    "failed version", "worker %s failed version %d: %s", wid, msg.version, msg.error
+                )
 
     def _serve_fetch(self, ident: bytes, wid: str, msg: WeightFetch) -> None:
         with self._cond:
@@ -852,6 +913,8 @@ def _pack_steps(
             if e.offset > cur:
                 bnp[cur : e.offset] = 0
             t = tensors[e.name].detach()
+            if e.src_dtype:  # cast for the workers (on the GPU for CUDA tensors)
+                t = t.to(dtype_from_name(e.dtype))
             if t.device.type == "cpu" and t.is_contiguous():
                 src = _flat_bytes(t).numpy()
                 off = e.offset

@@ -35,7 +35,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,15 +57,22 @@ from fastio.weight_msgs import (
 )
 from transport.sockets import CurveConfig, apply_curve_client
 from transport.weights import shm as _shm
+from transport.weights.binding import (
+    Binding,
+    DtypeSpec,
+    Rename,
+    advertised_dtype,
+    parse_dtype_spec,
+)
 from transport.weights.bucket import (
     CHECKSUM_ALGOS,
     BucketApplier,
     Hasher,
-    check_manifest,
     named_tensors,
     state_digest,
 )
 from transport.weights.errors import WeightUpdateError
+from transport.weights.ratelog import RateLimitedLog
 
 __all__ = ["UpdateStats", "WeightSubscriber"]
 
@@ -107,9 +114,10 @@ class UpdateStats:
 class _Update:
     """State of one version being fetched over TCP."""
 
-    def __init__(self, ann: WeightAnnounce, seg: _shm.ShmSegment | None) -> None:
+    def __init__(self, ann: WeightAnnounce, seg: _shm.ShmSegment | None, binding: Binding) -> None:
         self.ann = ann
         self.seg = seg
+        self.binding = binding
         self.t0 = time.monotonic()
         self.todo = list(range(len(ann.buckets)))
         self.todo.reverse()  # pop() from the end gives bucket 0 first
@@ -141,7 +149,8 @@ class WeightSubscriber:
         The publisher's ROUTER address.
     target:
         An ``nn.Module`` (its state dict is updated in place) or a mapping of name ->
-        tensor to overwrite. CPU or CUDA tensors.
+        tensor to overwrite. CPU or CUDA tensors. ``None`` with a ``loader`` that takes
+        every tensor.
     worker_id:
         Unique id of this worker (default: a random one). A restarted worker may reuse
         its id: the publisher then counts it as the same worker.
@@ -174,15 +183,34 @@ class WeightSubscriber:
         Send a digest of the weights (:func:`state_digest`) in Hellos and Acks.
     strict:
         The update must cover every tensor of ``target``.
+    dtype:
+        The dtypes wanted (see :mod:`transport.weights.binding`): ``None`` (exact
+        match), ``"auto"`` (each target's own dtype), one dtype for every floating
+        tensor, or a dict engine name -> dtype. Casts are bit-identical to
+        ``tensor.to(dtype)``; the trainer casts when every worker wants the same
+        narrower dtype (advertised in the Hello), else this worker casts in its copy.
+    rename:
+        Trainer name -> engine name: a dict (names not in it stay) or a callable
+        (returning ``None`` skips the tensor).
+    loader:
+        Called with an iterable of ``(engine name, tensor)`` for every tensor of a
+        version (aliases included, in the wanted dtype) once the whole version has
+        verified and the in-place copy (into ``target``) is done, under ``lock``: the
+        shape ``model.load_weights(...)`` takes. The tensors are read-only and valid
+        only during the call (copy what must outlive it). If it raises, the version
+        fails on this worker and is reported to the trainer; the engine's weights are
+        then in whatever state the loader left them (possibly mixed),
+        :attr:`consistent` is false and :attr:`version` stays the previous one until a
+        later version completes.
     context:
         ZeroMQ context (default: the global instance).
     max_message_size:
         Largest frame accepted from the publisher (``ZMQ_MAXMSGSIZE``).
     tune_malloc:
-        On glibc, keep the allocator from returning freed memory to the kernel between
-        versions (see :func:`_tune_malloc`): received frames then reuse warm pages
-        instead of faulting in fresh zeroed ones, which more than halves the receive
-        cost. A process-wide setting; pass ``False`` to leave the allocator alone.
+        Opt-in, process-wide: on glibc, keep the allocator from returning freed memory
+        to the kernel between versions (:func:`transport.weights.malloc.tune_malloc`):
+        received TCP frames then reuse warm pages instead of faulting in fresh zeroed
+        ones (see bench/results for the effect).
     curve:
         CurveZMQ keys (:class:`transport.CurveConfig`: this worker's ``.key_secret`` and
         the publisher's public ``.key`` as ``server_public_key_file``).
@@ -213,15 +241,26 @@ class WeightSubscriber:
         on_progress: Callable[[int, int], None] | None = None,
         report_digest: bool = False,
         strict: bool = True,
+        dtype: DtypeSpec = None,
+        rename: Rename = None,
+        loader: Callable[[Iterable[tuple[str, torch.Tensor]]], Any] | None = None,
         context: zmq.Context[Any] | None = None,
         max_message_size: int = 1 << 30,
-        tune_malloc: bool = True,
+        tune_malloc: bool = False,
         curve: CurveConfig | None = None,
     ) -> None:
         self.endpoint = endpoint
         if tune_malloc:
             _tune_malloc()
-        self.targets = named_tensors(target)
+        if target is None and loader is None:
+            raise ValueError("a WeightSubscriber needs a target, a loader or both")
+        if loader is not None and not atomic:
+            raise ValueError("a loader takes whole versions: it needs atomic=True")
+        self.targets = named_tensors(target) if target is not None else {}
+        self.dtype = parse_dtype_spec(dtype)
+        self.rename = rename
+        self.loader = loader
+        self._hello_dtype = advertised_dtype(self.dtype, self.targets)
         self.worker_id = worker_id or f"w-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.shm = shm
         self.atomic = atomic
@@ -241,6 +280,7 @@ class WeightSubscriber:
         self.curve = curve
         #: Counters: bad messages, gaps, retries, versions applied / failed.
         self.counters: dict[str, int] = {}
+        self._rlog = RateLimitedLog(log)
         #: Error text of the last failed version ("" if none).
         self.last_error = ""
         #: Timings of the last applied version.
@@ -280,6 +320,16 @@ class WeightSubscriber:
     def consistent(self) -> bool:
         """False only in ``atomic=False`` mode after a version failed half-applied."""
         return self._consistent
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called."""
+        return self._closed
+
+    @property
+    def last_heard(self) -> float:
+        """``time.monotonic()`` of the last message from the publisher (0: none yet)."""
+        return self._last_heard
 
     def start(self) -> WeightSubscriber:
         """Start the background thread (returns ``self``)."""
@@ -374,7 +424,7 @@ class WeightSubscriber:
                 msg = self._decoder.decode(frames)
             except fastio.DecodeError as exc:
                 self._count("bad_messages")
-                log.warning("bad message from the weight publisher: %s", exc)
+                self._rlog.warning("bad message", "bad message from the weight publisher: %s", exc)
                 continue
             try:
                 self._dispatch(msg)
@@ -398,7 +448,14 @@ class WeightSubscriber:
     def _hello(self) -> None:
         self._last_hello = time.monotonic()
         self._send(
-            WeightHello(self.worker_id, self._host, os.getpid(), self._version, self._digest)
+            WeightHello(
+                self.worker_id,
+                self._host,
+                os.getpid(),
+                self._version,
+                self._digest,
+                self._hello_dtype,
+            )
         )
 
     def _dispatch(self, msg: Any) -> None:
@@ -467,7 +524,15 @@ class WeightSubscriber:
         try:
             if ann.checksum_algo not in CHECKSUM_ALGOS:
                 raise WeightUpdateError(f"checksum {ann.checksum_algo!r} not available here")
-            check_manifest(ann.buckets, self.targets, strict=self.strict)
+            binding = Binding(
+                ann.buckets,
+                self.targets,
+                aliases=ann.aliases,
+                rename=self.rename,
+                dtype=self.dtype,
+                strict=self.strict,
+                loader=self.loader is not None,
+            )
         except WeightUpdateError as exc:
             self._given_up.add(key)  # a mismatch will not go away by retrying
             self._fail(ann.version, str(exc), transport="")
@@ -479,18 +544,22 @@ class WeightSubscriber:
             except OSError as exc:
                 log.info("shared memory %s unusable (%s); fetching over TCP", ann.shm_name, exc)
                 self._count("shm_fallbacks")
-        self._update = _Update(ann, seg)
+        self._update = _Update(ann, seg, binding)
         self._pump()
 
     def _segment(self, name: str) -> _shm.ShmSegment:
+        # Each version has its own segment (never rewritten while mapped here); the
+        # mapping is dropped when the version is done with (_drop_segment).
         seg = self._segments.get(name)
         if seg is None:
-            seg = _shm.ShmSegment.open(name)
-            # Keep the two most recent mappings: a publisher alternates between two.
-            while len(self._segments) >= 2:
-                self._segments.pop(next(iter(self._segments))).close()
-            self._segments[name] = seg
+            seg = self._segments[name] = _shm.ShmSegment.open(name)
         return seg
+
+    def _drop_segment(self, up: _Update) -> None:
+        if up.seg is not None:
+            seg = self._segments.pop(up.seg.name, None)
+            if seg is not None:
+                seg.close()
 
     def _pump(self) -> None:
         """Keep ``window`` fetches in flight."""
@@ -608,7 +677,7 @@ class WeightSubscriber:
             ta = time.monotonic()
             with self.lock:
                 self._consistent = False  # from here until the commit, weights are mixed
-                self._applier.apply(info, chunks)
+                self._applier.apply(info, chunks, up.binding.dests)
                 self._applier.finish()
             up.stats.buckets[i]["apply_s"] = time.monotonic() - ta
             up.stats.apply_s += up.stats.buckets[i]["apply_s"]
@@ -618,20 +687,21 @@ class WeightSubscriber:
         if not up.todo and not up.outstanding:
             self._update = None
             up.stats.fetch_s = time.monotonic() - up.t0
-            self._commit(
-                up.ann,
-                [(b, up.received[b.index]) for b in up.ann.buckets if b.index not in up.applied],
-                up.stats,
-                up.t0,
-            )
+            try:
+                self._commit(
+                    up,
+                    [
+                        (b, up.received[b.index])
+                        for b in up.ann.buckets
+                        if b.index not in up.applied
+                    ],
+                )
+            finally:
+                up.received.clear()
+                self._drop_segment(up)
 
-    def _commit(
-        self,
-        ann: WeightAnnounce,
-        parts: list[tuple[Any, list[torch.Tensor]]],
-        stats: UpdateStats,
-        t0: float,
-    ) -> None:
+    def _commit(self, up: _Update, parts: list[tuple[Any, list[torch.Tensor]]]) -> None:
+        ann, stats, t0 = up.ann, up.stats, up.t0
         try:
             self.lock.__enter__()
         except Exception as exc:  # e.g. the worker could not stop generating in time
@@ -641,7 +711,7 @@ class WeightSubscriber:
             try:
                 for b, chunks in parts:
                     ta = time.monotonic()
-                    self._applier.apply(b, chunks)
+                    self._applier.apply(b, chunks, up.binding.dests)
                     dt = time.monotonic() - ta
                     stats.apply_s += dt
                     stats.buckets[b.index]["apply_s"] = dt
@@ -653,6 +723,19 @@ class WeightSubscriber:
                 self._consistent = False
                 self._fail(ann.version, f"applying failed, weights are mixed: {exc!r}")
                 return
+            if self.loader is not None:
+                ta = time.monotonic()
+                try:
+                    self.loader(up.binding.named_tensors(parts))
+                except Exception as exc:
+                    self._consistent = False
+                    self._count("loader_failures")
+                    self._fail(
+                        ann.version,
+                        f"the loader raised {exc!r}; the engine's weights may be mixed",
+                    )
+                    return
+                stats.apply_s += time.monotonic() - ta
             with self._cond:
                 self._version = ann.version
                 self._consistent = True
@@ -691,6 +774,7 @@ class WeightSubscriber:
             if self._update.applied:
                 self._consistent = False
                 error += "; weights are mixed (atomic=False) until a later version completes"
+            self._drop_segment(self._update)
             self._update = None
         self.last_error = error
         self._count("versions_failed")
@@ -710,7 +794,7 @@ class WeightSubscriber:
         up = self._update
         self._count("errors_received")
         if up is None or msg.version != up.ann.version:
-            log.warning("weight publisher error: %s", msg.reason)
+            self._rlog.warning("publisher error", "weight publisher error: %s", msg.reason)
             return
         self._fail(up.ann.version, f"publisher: {msg.reason}")
         # A newer version exists: the next Hello brings its manifest.
