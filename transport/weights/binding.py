@@ -206,7 +206,7 @@ class Binding:
             if wire not in FLOAT_DTYPES or wanted not in FLOAT_DTYPES:
                 problems.append(f"cannot convert {en!r} from {e.dtype} to {dtype_name(wanted)}")
                 return
-            if e.src_dtype and e.src_dtype != dtype_name(wanted):
+            if e.src_dtype:  # a cast of a cast is not what tensor.to(wanted) gives
                 problems.append(
                     f"{en!r} travels as {e.dtype}, cast by the trainer from {e.src_dtype} for "
                     f"the other workers; this worker wants {dtype_name(wanted)}"

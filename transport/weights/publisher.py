@@ -799,9 +799,7 @@ class WeightPublisher:
                     info.digest = msg.digest
                 self._cond.notify_all()
             if not msg.ok:
-                self._rlog.warning(
-                    "failed version", "worker %s failed version %d: %s", wid, msg.version, msg.error
-                )
+                log.warning("worker %s failed version %d: %s", wid, msg.version, msg.error)
 
     def _serve_fetch(self, ident: bytes, wid: str, msg: WeightFetch) -> None:
         with self._cond:
