@@ -224,7 +224,13 @@ class Pair:
 
     def publisher(self, **kw: Any) -> WeightPublisher:
         kw.setdefault("heartbeat_interval", 0.1)
-        self.pub = WeightPublisher(context=self.ctx, **kw)
+        fault = kw.pop("fault", None)
+        if fault is not None:
+            from tests.transport.test_weights_faults import FaultyPublisher
+
+            self.pub = FaultyPublisher(fault, context=self.ctx, **kw)
+        else:
+            self.pub = WeightPublisher(context=self.ctx, **kw)
         return self.pub
 
     def subscriber(self, target: Any, **kw: Any) -> WeightSubscriber:
@@ -349,7 +355,7 @@ def test_transient_corruption_is_refetched(pair: Pair) -> None:
             return "corrupt"
         return None
 
-    pub = pair.publisher(bucket_bytes=4096, shm=False, _fault_hook=corrupt_once)
+    pub = pair.publisher(bucket_bytes=4096, shm=False, fault=corrupt_once)
     t = zeros_like(make_state(0))
     sub = pair.subscriber(t)
     pub.wait_for_workers(1, 10)
@@ -362,7 +368,7 @@ def test_persistent_corruption_keeps_previous_weights(pair: Pair) -> None:
     def corrupt(worker: str, version: int, index: int) -> str | None:
         return "corrupt" if version == 2 and index == 2 else None
 
-    pub = pair.publisher(bucket_bytes=4096, shm=False, _fault_hook=corrupt)
+    pub = pair.publisher(bucket_bytes=4096, shm=False, fault=corrupt)
     t = zeros_like(make_state(0))
     sub = pair.subscriber(t, retries=2)
     pub.wait_for_workers(1, 10)
@@ -382,7 +388,7 @@ def test_corrupted_shared_memory_is_detected(pair: Pair) -> None:
     def corrupt(worker: str, version: int, index: int) -> str | None:
         return "corrupt" if version == 2 and index == 1 else None
 
-    pub = pair.publisher(bucket_bytes=4096, shm=True, _fault_hook=corrupt)
+    pub = pair.publisher(bucket_bytes=4096, shm=True, fault=corrupt)
     t = zeros_like(make_state(0))
     sub = pair.subscriber(t)
     pub.wait_for_workers(1, 10)

@@ -284,16 +284,16 @@ def copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
 
     CPU to CPU goes through ``numpy.copyto`` (one plain memcpy, GIL released): torch's
     ``copy_`` splits large copies over its intra-op threads, which on a machine whose
-    cores are all busy (trainer, workers and I/O threads) spin and wait; measured here
-    it made 184 one-MiB block copies 2-4x slower than a single-threaded memcpy.
+    cores are all busy (trainer, workers and I/O threads) spin and wait, several times
+    slower than one single-threaded memcpy (figures in bench/results).
 
     These copies are memory-bound, and glibc's ``memcpy`` switches to non-temporal
     stores (no read-for-ownership of the destination) only for a single copy of at least
-    ``glibc.cpu.x86_non_temporal_threshold`` bytes (99 MiB on this 2-core VM), so a
-    parameter of a few MiB copies at ~150 ms/GiB instead of ~90. A worker process started
-    with ``GLIBC_TUNABLES=glibc.cpu.x86_non_temporal_threshold=524288`` applies a GiB in
-    ~0.10 s instead of ~0.15 s (measured, bench/weights); the library cannot change it
-    from inside a running process.
+    ``glibc.cpu.x86_non_temporal_threshold`` bytes (a fraction of the last-level cache),
+    so parameters of a few MiB copy slower than one large copy would. A worker process
+    started with ``GLIBC_TUNABLES=glibc.cpu.x86_non_temporal_threshold=524288`` applies
+    faster (bench/weights, bench/results); the library cannot change it from inside a
+    running process.
     """
     if dst.device.type == "cpu" and src.device.type == "cpu":
         np.copyto(dst.numpy(), src.numpy())

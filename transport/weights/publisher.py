@@ -24,181 +24,51 @@ later version once no send may still read it (ZeroMQ's message trackers).
 from __future__ import annotations
 
 import contextlib
-import errno
 import logging
-import os
 import secrets
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterable
 from typing import Any
 
-import msgspec
-import numpy as np
 import torch
 import zmq
 
 import fastio
-from fastio.weight_msgs import (
-    SUBSCRIBER_TO_PUBLISHER,
-    WeightAck,
-    WeightAnnounce,
-    WeightBucket,
-    WeightBucketInfo,
-    WeightError,
-    WeightFetch,
-    WeightHeartbeat,
-    WeightHello,
-    WeightWelcome,
-)
+from fastio.weight_msgs import SUBSCRIBER_TO_PUBLISHER, WeightAnnounce
+from transport import metrics
 from transport.sockets import CurveConfig, WorkerAuthenticator, apply_curve_server
 from transport.weights import shm as _shm
-from transport.weights.binding import FLOAT_DTYPES, parse_dtype
 from transport.weights.bucket import (
     DEFAULT_BUCKET_BYTES,
     DEFAULT_CHECKSUM,
     Hasher,
-    _flat_bytes,
-    copy_tensor,
-    dtype_from_name,
-    dtype_name,
     named_tensors,
-    plan_buckets,
     split_aliases,
 )
 from transport.weights.errors import UpdateIncomplete
 from transport.weights.ratelog import RateLimitedLog
+from transport.weights.results import SubscriberInfo, UpdateResult
+from transport.weights.serving import PublisherService
+from transport.weights.staging import Staged, pack_steps, plan_version
 
-__all__ = ["DEFAULT_CHUNK_BYTES", "SubscriberInfo", "UpdateResult", "WeightPublisher"]
+__all__ = ["DEFAULT_CHUNK_BYTES", "WeightPublisher"]
 
 log = logging.getLogger("transport.weights.publisher")
 
 #: Size of the pieces a bucket is cut into on the wire, one message each. One frame of
 #: hundreds of MiB is several times slower (one huge fresh allocation per message on the
 #: receiver), and separate messages let the I/O thread interleave workers and the worker
-#: checksum a piece while the next arrives. 1 MiB rather than 4: measured here (184 MiB,
-#: 2 workers, 2 cores) the last byte arrived after ~0.33 s instead of ~0.6 s, the
-#: worker hashing each piece while the next is on the wire.
+#: checksum a piece while the next arrives. 1 MiB rather than 4 lets the worker hash
+#: each piece while the next is on the wire (bench/results).
 DEFAULT_CHUNK_BYTES = 1 << 20
 
 #: I/O threads of the publisher's private context that carry the ROUTER's connections
 #: (the bucket bytes); one more carries the PUB's.
 _ROUTER_IO_THREADS = 2
 
-#: Same-host workers get a "bytes ready" notice at most every this many chunks' worth
-#: of packed bytes (8 MiB by default): one message per notice per worker, while the
-#: bytes just packed are still in the last-level cache for the worker to hash.
-_SHM_NOTICE_CHUNKS = 8
 
-
-#: Packing granularity: a block is copied, then hashed while it is still in cache (L2:
-#: measured here, 256 KiB blocks pack+hash at ~6 GB/s, 1 MiB blocks at ~5 GB/s).
-_BLOCK = 256 << 10
-
-
-@dataclass
-class SubscriberInfo:
-    """What the publisher knows of one subscriber (from its Hellos and Acks)."""
-
-    worker_id: str
-    host_id: str = ""
-    pid: int = 0
-    version: int = -1
-    digest: int | None = None
-    last_seen: float = 0.0
-    alive: bool = True
-    #: The one dtype it wants floating tensors in ("" if none declared).
-    dtype: str = ""
-
-
-@dataclass
-class UpdateResult:
-    """Outcome of one version across workers (:meth:`WeightPublisher.wait`).
-
-    Attributes
-    ----------
-    version:
-        The version waited for.
-    applied:
-        Worker id -> its Ack, for every worker that applied the version.
-    failed:
-        Worker id -> why it did not (its error, or that it was lost). A failed worker
-        kept its previous weights.
-    missing:
-        Expected workers that had not answered when the timeout passed.
-    elapsed_s:
-        Seconds from the announcement to the last answer (or the timeout).
-    """
-
-    version: int
-    applied: dict[str, WeightAck] = field(default_factory=dict)
-    failed: dict[str, str] = field(default_factory=dict)
-    missing: list[str] = field(default_factory=list)
-    elapsed_s: float = 0.0
-
-    @property
-    def ok(self) -> bool:
-        """Every expected worker applied the version."""
-        return not self.failed and not self.missing and bool(self.applied)
-
-
-class _Send:
-    """One Fetch being answered: where the next piece starts."""
-
-    __slots__ = ("corrupt", "cursor", "fetch", "ident", "shm")
-
-    def __init__(self, ident: bytes, fetch: WeightFetch, corrupt: bool) -> None:
-        self.ident = ident
-        self.fetch = fetch
-        self.shm = fetch.shm
-        self.cursor = 0
-        self.corrupt = corrupt
-
-
-class _Staged:
-    """One version's buffer, manifest and bookkeeping."""
-
-    def __init__(self, version: int, buf: torch.Tensor, seg: _shm.ShmSegment | None) -> None:
-        self.version = version
-        self.buf = buf
-        self.seg = seg
-        self.announce: WeightAnnounce | None = None
-        self.announced_at = 0.0
-        self.trackers: list[zmq.MessageTracker] = []
-        self.expected: set[str] = set()
-        self.acks: dict[str, WeightAck] = {}
-        self.lost: dict[str, str] = {}
-        self.done_at = 0.0
-        #: Bytes of the buffer packed so far (buckets are packed in order).
-        self.packed = 0
-        #: Buckets packed completely, their checksum known.
-        self.buckets_done = 0
-        #: Fetches being answered, piece by piece as packing progresses.
-        self.active: list[_Send] = []
-        #: The packing still to do (run by the serving thread), and its failure.
-        self.job: Iterator[None] | None = None
-        self.error: BaseException | None = None
-
-    @property
-    def capacity(self) -> int:
-        return int(self.buf.numel())
-
-    def sends_done(self) -> bool:
-        self.trackers = [t for t in self.trackers if not t.done]
-        return not self.trackers
-
-    def answered(self) -> bool:
-        return all(w in self.acks or w in self.lost for w in self.expected)
-
-    def release(self) -> None:
-        self.buf = torch.empty(0, dtype=torch.uint8)
-        if self.seg is not None:
-            self.seg.close()
-            self.seg = None
-
-
-class WeightPublisher:
+class WeightPublisher(PublisherService):
     """Publishes versions of a model's weights to :class:`WeightSubscriber` workers.
 
     Parameters
@@ -255,7 +125,6 @@ class WeightPublisher:
         keep_versions: int = 2,
         context: zmq.Context[Any] | None = None,
         curve: CurveConfig | None = None,
-        _fault_hook: Callable[[str, int, int], str | None] | None = None,
     ) -> None:
         Hasher(checksum)  # validates the name now rather than at the first publish
         self.bucket_bytes = bucket_bytes
@@ -269,8 +138,6 @@ class WeightPublisher:
         #: Counters: bad messages, fetches served, bytes sent, ...
         self.counters: dict[str, int] = {}
         self._rlog = RateLimitedLog(log)
-        # Test and chaos hook: (worker, version, bucket) -> None, "corrupt" or "die".
-        self._fault_hook = _fault_hook
         self._use_shm = _shm.available() if shm is None else bool(shm and _shm.available())
         if self._use_shm:
             _shm.cleanup_stale()
@@ -332,9 +199,9 @@ class WeightPublisher:
         self._decoder = fastio.Decoder(SUBSCRIBER_TO_PUBLISHER, max_message_size=8 << 20)
         self._cond = threading.Condition()
         self._workers: dict[str, SubscriberInfo] = {}
-        self._versions: dict[int, _Staged] = {}
-        self._latest: _Staged | None = None
-        self._pending: list[_Staged] = []
+        self._versions: dict[int, Staged] = {}
+        self._latest: Staged | None = None
+        self._pending: list[Staged] = []
         self._seq = 0
         self._closed = False
         self._thread = threading.Thread(
@@ -388,6 +255,7 @@ class WeightPublisher:
             caller may then change its tensors); workers fetch meanwhile, and
             :meth:`wait` collects their answers.
         """
+        t0 = time.monotonic()
         tensors, aliases = split_aliases(named_tensors(state))
         with self._cond:
             if self._closed:
@@ -396,7 +264,9 @@ class WeightPublisher:
                 raise ValueError(
                     f"version {version} is not newer than the latest ({self._latest.version})"
                 )
-        plan = self._plan(tensors)
+        with self._cond:
+            wanted = {i.dtype for i in self._workers.values() if i.alive}
+        plan = plan_version(tensors, wanted, self.bucket_bytes)
         total = plan[-1].shm_offset + plan[-1].nbytes if plan else 0
         staged = self._acquire(version, total)
         staged.announce = WeightAnnounce(
@@ -414,7 +284,14 @@ class WeightPublisher:
         # (Packing in this thread instead would fight the serving thread for the GIL at
         # every block: measured 20x slower.) Checksums are filled in as buckets are
         # packed; the last piece of each bucket carries its checksum.
-        staged.job = _pack_steps(self, staged, plan, tensors)
+        staged.job = pack_steps(
+            staged,
+            plan,
+            tensors,
+            checksum_algo=self.checksum_algo,
+            chunk_bytes=self.chunk_bytes,
+            cond=self._cond,
+        )
         with self._cond:
             self._pending.append(staged)
         self._wake()
@@ -425,6 +302,7 @@ class WeightPublisher:
                 raise staged.error
             if self._closed:
                 raise RuntimeError("publisher closed while publishing")
+        metrics.PUBLISHER_PHASE_SECONDS.labels(phase="pack").observe(time.monotonic() - t0)
         return staged.announce
 
     def wait(
@@ -475,15 +353,21 @@ class WeightPublisher:
                     res.missing.append(w)
             end = st.done_at if st.answered() and st.done_at else time.monotonic()
             res.elapsed_s = end - st.announced_at
-            return res
+            if res.failed and not st.failure_counted:
+                st.failure_counted = True
+                metrics.PUBLISHER_FAILURES.inc()
+        metrics.PUBLISHER_PHASE_SECONDS.labels(phase="wait").observe(res.elapsed_s)
+        return res
 
     def publish_and_wait(
         self, state: Any, version: int, timeout: float, *, workers: Iterable[str] | None = None
     ) -> UpdateResult:
         """:meth:`publish` then :meth:`wait`; raises :class:`UpdateIncomplete` unless every
         expected worker applied the version (the exception carries the result)."""
+        t0 = time.monotonic()
         self.publish(state, version)
         res = self.wait(version, timeout, workers=workers)
+        metrics.PUBLISHER_PHASE_SECONDS.labels(phase="total").observe(time.monotonic() - t0)
         if not res.ok:
             raise UpdateIncomplete(
                 f"version {version}: applied by {sorted(res.applied)}, failed "
@@ -522,34 +406,7 @@ class WeightPublisher:
         self.close()
 
     # -- staging -----------------------------------------------------------------------
-    def _plan(self, tensors: dict[str, torch.Tensor]) -> list[WeightBucketInfo]:
-        """The buckets of a version, in the dtypes it travels in.
-
-        When every live worker asked for the same floating dtype and it is narrower
-        than a tensor's, the tensor is cast here while packing (fewer bytes to move);
-        otherwise it travels as it is and each worker casts during its copy.
-        """
-        with self._cond:
-            wanted = {i.dtype for i in self._workers.values() if i.alive}
-        cast = parse_dtype(wanted.pop()) if len(wanted) == 1 and "" not in wanted else None
-        wire: dict[str, torch.dtype] = {}
-        for n, t in tensors.items():
-            narrower = cast is not None and cast.itemsize < t.dtype.itemsize
-            wire[n] = cast if cast is not None and narrower and t.dtype in FLOAT_DTYPES else t.dtype
-        plan = plan_buckets(
-            ((n, dtype_name(wire[n]), tuple(t.shape)) for n, t in tensors.items()),
-            self.bucket_bytes,
-        )
-        for b in plan:
-            b.tensors = [
-                e
-                if wire[e.name] == tensors[e.name].dtype
-                else msgspec.structs.replace(e, src_dtype=dtype_name(tensors[e.name].dtype))
-                for e in b.tensors
-            ]
-        return plan
-
-    def _acquire(self, version: int, total: int) -> _Staged:
+    def _acquire(self, version: int, total: int) -> Staged:
         """A buffer for a new version (the buffer rule, see the module docstring).
 
         A shared-memory segment is never reused: a worker may hold a mapping of it for
@@ -564,7 +421,7 @@ class WeightPublisher:
                     continue
                 if st.sends_done() and not st.active and st.answered():
                     del self._versions[v]
-                    return _Staged(version, st.buf, None)
+                    return Staged(version, st.buf, None)
         seg: _shm.ShmSegment | None = None
         if self._use_shm:
             try:
@@ -575,8 +432,8 @@ class WeightPublisher:
                 )
         self._count("buffers_created")
         if seg is not None:
-            return _Staged(version, seg.tensor, seg)
-        return _Staged(version, torch.empty(total, dtype=torch.uint8), None)
+            return Staged(version, seg.tensor, seg)
+        return Staged(version, torch.empty(total, dtype=torch.uint8), None)
 
     def _retire(self) -> None:
         """Free buffers of old versions that no one can still need (lock held)."""
@@ -594,352 +451,6 @@ class WeightPublisher:
     def _wake(self) -> None:
         with self._wake_lock, contextlib.suppress(zmq.ZMQError):
             self._wake_w.send(b"", zmq.NOBLOCK)
-
-    # -- serving thread ----------------------------------------------------------------
-    def _count(self, key: str, n: int = 1) -> None:
-        self.counters[key] = self.counters.get(key, 0) + n
-
-    def _serve(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._router, zmq.POLLIN)
-        poller.register(self._wake_r, zmq.POLLIN)
-        next_hb = time.monotonic()
-        while True:
-            now = time.monotonic()
-            if now >= next_hb:
-                self._heartbeat(now)
-                next_hb = now + self.heartbeat_interval
-            packing = self._pack_step()
-            try:
-                wait_ms = 0 if packing else int(max(0.0, next_hb - now) * 1000) + 1
-                events = dict(poller.poll(wait_ms))
-            except zmq.ZMQError:
-                break
-            if self._wake_r in events:
-                while True:
-                    try:
-                        self._wake_r.recv(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                with self._cond:
-                    if self._closed:
-                        return
-                    pending, self._pending = self._pending, []
-                for st in pending:
-                    self._announce(st)
-                self._advance_all()
-            if self._router in events:
-                for _ in range(256):  # bounded, so heartbeats keep their rhythm
-                    try:
-                        frames = self._router.recv_multipart(zmq.NOBLOCK, copy=False)
-                    except zmq.Again:
-                        break
-                    try:
-                        self._handle(frames)
-                    except Exception:  # one bad request must not stop the service
-                        self._count("internal_errors")
-                        log.exception("weight publisher: error serving a request")
-
-    def _pack_step(self) -> bool:
-        """Run one step of the version being packed; False when none is."""
-        st = self._latest
-        if st is None or st.job is None:
-            return False
-        try:
-            next(st.job)
-        except StopIteration:
-            done = True
-        except Exception as exc:  # reported to the publish() caller
-            st.error = exc
-            done = True
-        else:
-            done = False
-        if done:
-            with self._cond:
-                st.job = None
-                self._cond.notify_all()
-        self._advance_all()
-        return not done
-
-    def _announce(self, st: _Staged) -> None:
-        assert st.announce is not None
-        with self._cond:
-            self._seq += 1
-            st.announce.seq = self._seq
-            st.announced_at = time.monotonic()
-            st.expected = {w for w, i in self._workers.items() if i.alive}
-            self._versions[st.version] = st
-            self._latest = st
-            self._retire()
-            self._cond.notify_all()
-        frames = self._encoder.encode(st.announce)
-        self._pub.send_multipart(frames, copy=False)
-        # Also straight to every known worker over the ROUTER: a SUB that has just
-        # connected misses PUB messages (the slow joiner); the heartbeat's sequence
-        # number would catch that, but only one heartbeat later.
-        for w in sorted(st.expected):
-            self._reply(w.encode(), frames)
-
-    def _advance_all(self) -> None:
-        with self._cond:
-            work = [(st, snd) for st in self._versions.values() for snd in st.active]
-        for st, snd in work:
-            self._advance(st, snd)
-
-    def _heartbeat(self, now: float) -> None:
-        with self._cond:
-            for w, info in self._workers.items():
-                if info.alive and now - info.last_seen > self.worker_timeout:
-                    info.alive = False
-                    reason = f"worker lost: no message for {now - info.last_seen:.1f} s"
-                    log.warning("weight subscriber %s %s", w, reason)
-                    for st in self._versions.values():
-                        if w in st.expected and w not in st.acks:
-                            st.lost[w] = reason
-                            self._check_done(st)
-            latest = self._latest.version if self._latest else -1
-            self._retire()
-            self._cond.notify_all()
-        hb = WeightHeartbeat(self.publisher_id, self._seq, latest)
-        self._pub.send_multipart(self._encoder.encode(hb), copy=False)
-
-    def _check_done(self, st: _Staged) -> None:
-        if not st.done_at and st.expected and st.answered():
-            st.done_at = time.monotonic()
-
-    def _reply(self, ident: bytes, frames: list[Any], track: bool = False) -> Any:
-        try:
-            tracker = self._router.send_multipart(
-                [ident, *frames], zmq.NOBLOCK, copy=False, track=track
-            )
-            return tracker if track else True
-        except zmq.Again:
-            self._count("send_busy")
-        except zmq.ZMQError as exc:
-            if exc.errno != errno.EHOSTUNREACH:
-                raise
-            self._count("send_unroutable")
-        return None if track else False
-
-    def _handle(self, frames: list[zmq.Frame]) -> None:
-        ident = frames[0].bytes
-        wid = ident.decode("utf-8", "replace")
-        try:
-            msg = self._decoder.decode(frames[1:])
-        except fastio.DecodeError as exc:
-            self._count("bad_messages")
-            self._rlog.warning("bad message", "bad message from weight subscriber %r: %s", wid, exc)
-            err = WeightError(-1, -1, f"bad message: {exc}")
-            self._reply(ident, self._encoder.encode(err))
-            return
-        now = time.monotonic()
-        hello = isinstance(msg, WeightHello)
-        if isinstance(msg, WeightAck) and wid not in self._workers:
-            # Only a Hello makes a peer a worker: an Ack from any other peer (a stray
-            # or spoofed one) must not fail an update. Counted, not recorded.
-            self._count("acks_from_strangers")
-            self._rlog.warning(
-                "Ack from a stranger", "ignored an Ack from %r, which never said Hello", wid
-            )
-            return
-        with self._cond:
-            info = self._workers.get(wid)
-            if info is None:
-                if not hello:
-                    # Only a Hello makes a peer a worker (and expected to apply versions);
-                    # a stray Fetch is still answered below.
-                    info = SubscriberInfo(wid, alive=False)
-                else:
-                    info = self._workers[wid] = SubscriberInfo(wid)
-            info.last_seen = now
-            if not info.alive and wid in self._workers:
-                info.alive = True
-                # Back from the dead (restarted): it is expected to catch up again.
-                for old in self._versions.values():
-                    old.lost.pop(wid, None)
-            if isinstance(msg, WeightHello):
-                info.host_id, info.pid = msg.host_id, msg.pid
-                info.version, info.digest = msg.version, msg.digest
-                info.dtype = msg.dtype
-                latest = self._latest
-                if latest is not None and msg.version < latest.version and wid not in latest.acks:
-                    latest.expected.add(wid)
-                # A Hello at version >= v means v was applied even when its Ack was lost
-                # (a subscriber drops a send its socket cannot take): count it as the Ack.
-                for st in self._versions.values():
-                    if st.version <= msg.version and wid in st.expected and wid not in st.acks:
-                        st.acks[wid] = WeightAck(wid, st.version, True, msg.version, "", msg.digest)
-                        self._check_done(st)
-                self._cond.notify_all()
-        if isinstance(msg, WeightHello):
-            announce = None
-            if latest is not None and msg.version < latest.version:
-                announce = latest.announce
-            welcome = WeightWelcome(
-                self.publisher_id,
-                self.host_id,
-                self.pub_endpoint,
-                self._seq,
-                self._probe.name if self._probe else "",
-                self._probe.token if self._probe else "",
-                announce,
-            )
-            self._reply(ident, self._encoder.encode(welcome))
-        elif isinstance(msg, WeightFetch):
-            self._serve_fetch(ident, wid, msg)
-        elif isinstance(msg, WeightAck):
-            with self._cond:
-                acked = self._versions.get(msg.version)
-                if acked is not None:
-                    acked.acks[wid] = msg
-                    acked.expected.add(wid)
-                    self._check_done(acked)
-                info.version = msg.current_version
-                if msg.digest is not None:
-                    info.digest = msg.digest
-                self._cond.notify_all()
-            if not msg.ok:
-                log.warning("worker %s failed version %d: %s", wid, msg.version, msg.error)
-
-    def _serve_fetch(self, ident: bytes, wid: str, msg: WeightFetch) -> None:
-        with self._cond:
-            st = self._versions.get(msg.version)
-            latest = self._latest.version if self._latest else -1
-        if st is None or st.announce is None:
-            err = WeightError(
-                msg.version,
-                msg.index,
-                f"version {msg.version} is not available (latest is {latest})",
-                latest,
-            )
-            self._reply(ident, self._encoder.encode(err))
-            return
-        if not 0 <= msg.index < len(st.announce.buckets):
-            err = WeightError(
-                msg.version, msg.index, f"no bucket {msg.index} in version {msg.version}", latest
-            )
-            self._reply(ident, self._encoder.encode(err))
-            return
-        if msg.shm and st.seg is None:
-            err = WeightError(msg.version, msg.index, "no shared memory for this version")
-            self._reply(ident, self._encoder.encode(err))
-            return
-        fault = self._fault_hook(wid, msg.version, msg.index) if self._fault_hook else None
-        if fault == "die":  # chaos testing: a publisher dying mid-update
-            os.kill(os.getpid(), 9)
-        snd = _Send(ident, msg, fault == "corrupt")
-        with self._cond:
-            st.active.append(snd)
-        self._advance(st, snd)
-
-    def _advance(self, st: _Staged, snd: _Send) -> None:
-        """Send what is packed of the bucket ``snd`` asks for, from where it stopped.
-
-        Over TCP, pieces of ``chunk_bytes`` (the bytes, zero-copy from the buffer); for
-        a same-host worker, notices "bytes [offset, offset+nbytes) are ready" that it
-        hashes in shared memory as they come. The last piece carries the checksum.
-        """
-        assert st.announce is not None
-        info = st.announce.buckets[snd.fetch.index]
-        with self._cond:
-            ready = min(max(st.packed - info.shm_offset, 0), info.nbytes)
-            complete = info.index < st.buckets_done
-            checksum = info.checksum
-        step = self.chunk_bytes
-        v, k = snd.fetch.version, snd.fetch.index
-        while True:
-            start = snd.cursor
-            if snd.shm:
-                end = ready
-                if not complete and end - start < step * _SHM_NOTICE_CHUNKS:
-                    break
-            else:
-                end = min(start + step, info.nbytes)
-                if end > ready:
-                    break
-            last = complete and end == info.nbytes
-            if end == start and not last:
-                break
-            if snd.shm:
-                # (A "corrupt" fault stands for bytes changed after they were hashed.)
-                crc = checksum ^ 1 if last and snd.corrupt else checksum
-                piece = WeightBucket(v, k, start, crc if last else 0, last, [], end - start)
-                ok = self._reply(snd.ident, self._encoder.encode(piece)) is not False
-            else:
-                chunk = st.buf[info.shm_offset + start : info.shm_offset + end].numpy()
-                if snd.corrupt and start == 0 and chunk.size:
-                    chunk = chunk.copy()  # never touch the staged snapshot itself
-                    chunk[chunk.size // 2] ^= 0xFF
-                piece = WeightBucket(v, k, start, checksum if last else 0, last, [chunk])
-                tracker = self._reply(snd.ident, self._encoder.encode(piece), track=True)
-                ok = tracker is not None
-                if ok:
-                    with self._cond:
-                        st.trackers.append(tracker)
-            if not ok:
-                # Not queued (HWM or peer gone): the worker's fetch times out and it asks
-                # again; the pieces it got are discarded there as incomplete.
-                last = True
-            snd.cursor = end
-            if last:
-                with self._cond:
-                    st.active.remove(snd)
-                if ok:
-                    self._count("buckets_sent")
-                    self._count("bytes_sent", 0 if snd.shm else info.nbytes)
-                return
-
-
-def _pack_steps(
-    pub: WeightPublisher, st: _Staged, plan: list[Any], tensors: dict[str, torch.Tensor]
-) -> Iterator[None]:
-    """Pack and hash bucket after bucket, block by block (a block is hashed while still
-    in cache), yielding to the serving loop after every ``chunk_bytes`` of progress.
-
-    The loop works on numpy views made once per tensor: slicing a torch tensor costs a
-    few microseconds, which over the thousands of blocks of a GiB added tens of ms.
-    """
-    block = _BLOCK
-    told = 0
-    for info in plan:
-        base = info.shm_offset
-        bucket = st.buf[base : base + info.nbytes]
-        bnp = bucket.numpy()
-        h = Hasher(pub.checksum_algo)
-        cur = 0  # bytes of this bucket hashed so far
-        for e in info.tensors:
-            if e.offset > cur:
-                bnp[cur : e.offset] = 0
-            t = tensors[e.name].detach()
-            if e.src_dtype:  # cast for the workers (on the GPU for CUDA tensors)
-                t = t.to(dtype_from_name(e.dtype))
-            if t.device.type == "cpu" and t.is_contiguous():
-                src = _flat_bytes(t).numpy()
-                off = e.offset
-                for a in range(0, e.nbytes, block):
-                    b = min(a + block, e.nbytes)
-                    np.copyto(bnp[off + a : off + b], src[a:b])
-                    end = off + b
-                    h.update(bnp[cur:end])
-                    cur = end
-                    if base + cur - told >= pub.chunk_bytes:
-                        told = base + cur
-                        with pub._cond:
-                            st.packed = told
-                        yield
-            else:  # device or strided tensors: one copy, then hash the region
-                copy_tensor(bucket[e.offset : e.offset + e.nbytes], t)
-                for a in range(cur, e.offset + e.nbytes, block):
-                    h.update(bnp[a : min(a + block, e.offset + e.nbytes)])
-                cur = e.offset + e.nbytes
-        if info.nbytes > cur:
-            bnp[cur:] = 0
-            h.update(bnp[cur:])
-        with pub._cond:
-            info.checksum = h.digest()
-            told = st.packed = base + info.nbytes
-            st.buckets_done = info.index + 1
-        yield
 
 
 def _sibling(endpoint: str) -> str:

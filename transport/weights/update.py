@@ -33,7 +33,8 @@ from typing import Any
 
 from transport.errors import ControlError
 from transport.weights.errors import UpdateIncomplete, WeightUpdateError
-from transport.weights.publisher import UpdateResult, WeightPublisher
+from transport.weights.publisher import WeightPublisher
+from transport.weights.results import UpdateResult
 from transport.weights.subscriber import WeightSubscriber
 
 __all__ = [
