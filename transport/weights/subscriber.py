@@ -489,7 +489,7 @@ class WeightSubscriber(VersionFetch):
             ("total", stats.total_s),
         ):
             metrics.SUBSCRIBER_PHASE_SECONDS.labels(phase=phase).observe(secs)
-        metrics.SUBSCRIBER_BYTES.labels(path=stats.via).inc(stats.bytes)
+        metrics.SUBSCRIBER_BYTES.labels(path=stats.via).inc(sum(b.nbytes for b in ann.buckets))
         self.last_error = ""
         self._count("versions_applied")
         if self.report_digest:
