@@ -83,6 +83,31 @@ def test_a_stopped_worker_never_applies_a_mixed_version(
         worker.kill()
 
 
+def test_every_version_gets_a_segment_no_worker_has_seen() -> None:
+    if not wshm.available():
+        pytest.skip("no /dev/shm")
+    ctx: zmq.Context[Any] = zmq.Context()
+    pub = WeightPublisher(context=ctx, shm=True, heartbeat_interval=0.1)
+    target = zeros_like(make_state(0))
+    sub = WeightSubscriber(pub.endpoint, target, context=ctx).start()
+    try:
+        pub.wait_for_workers(1, 30)
+        names = []
+        for v in (1, 2, 3, 4):
+            names.append(pub.publish(make_state(v), v).shm_name)
+            assert pub.wait(v, 30).applied[sub.worker_id].via == "shm"
+            # the next one is made in the background, off the update's critical path
+            wait_for(lambda: pub._spare is not None, 30, "the spare segment")
+        assert len(set(names)) == 4 and equal(target, make_state(4))
+        assert pub.counters["spare_segments_used"] == 3
+        # retired versions are unlinked (the worker dropped its mappings at commit)
+        assert not any((wshm.SHM_DIR / n).exists() for n in names[:2])
+    finally:
+        sub.close()
+        pub.close()
+        ctx.term()
+
+
 # -- 2. only a Hello makes a peer a worker ------------------------------------------------
 def test_an_ack_from_a_peer_that_never_said_hello_is_ignored() -> None:
     ctx: zmq.Context[Any] = zmq.Context()

@@ -15,8 +15,10 @@ version's snapshot: late joiners and re-fetches are served from it.
 The buffer rule: a buffer that a worker's process may still read is never overwritten.
 A shared-memory segment may be mapped by any same-host worker for as long as that
 process lives (even one stopped, or declared lost), so each version gets a fresh
-segment, and retiring a version only unlinks its name: a worker's mapping of the
-unlinked file keeps that version's bytes (Linux frees them with the last mapping). A
+segment (made in the background after the previous publish, so that the kernel's
+zeroing of its pages is off the update's path), and retiring a version only unlinks
+its name: a worker's mapping of the unlinked file keeps that version's bytes (Linux
+frees them with the last mapping). A
 private buffer is only read by this process's own zero-copy sends; it is reused for a
 later version once no send may still read it (ZeroMQ's message trackers).
 """
@@ -201,6 +203,9 @@ class WeightPublisher(PublisherService):
         self._workers: dict[str, SubscriberInfo] = {}
         self._versions: dict[int, Staged] = {}
         self._latest: Staged | None = None
+        #: A fresh segment made in the background for the next version.
+        self._spare: _shm.ShmSegment | None = None
+        self._spare_busy = False
         self._pending: list[Staged] = []
         self._seq = 0
         self._closed = False
@@ -303,6 +308,7 @@ class WeightPublisher(PublisherService):
             if self._closed:
                 raise RuntimeError("publisher closed while publishing")
         metrics.PUBLISHER_PHASE_SECONDS.labels(phase="pack").observe(time.monotonic() - t0)
+        self._prepare_spare(staged.capacity)
         return staged.announce
 
     def wait(
@@ -396,6 +402,9 @@ class WeightPublisher(PublisherService):
                 st.release()
             self._versions.clear()
             self._latest = None
+            spare, self._spare = self._spare, None
+        if spare is not None:
+            spare.close()
         if self._probe is not None:
             self._probe.close()
 
@@ -424,6 +433,13 @@ class WeightPublisher(PublisherService):
                     return Staged(version, st.buf, None)
         seg: _shm.ShmSegment | None = None
         if self._use_shm:
+            with self._cond:
+                spare, self._spare = self._spare, None
+            if spare is not None and total <= spare.size <= 2 * total:
+                self._count("spare_segments_used")
+                return Staged(version, spare.tensor[:total], spare)
+            if spare is not None:
+                spare.close()
             try:
                 seg = _shm.ShmSegment.create(total)
             except OSError as exc:
@@ -434,6 +450,32 @@ class WeightPublisher(PublisherService):
         if seg is not None:
             return Staged(version, seg.tensor, seg)
         return Staged(version, torch.empty(total, dtype=torch.uint8), None)
+
+    def _prepare_spare(self, size: int) -> None:
+        """Create the next version's segment in the background, off the critical path
+        (a fresh segment costs the kernel's zeroing of every page). It is fresh: no
+        worker has seen its name, so the buffer rule holds."""
+        if not self._use_shm or size == 0:
+            return
+        with self._cond:
+            if self._closed or self._spare is not None or self._spare_busy:
+                return
+            self._spare_busy = True
+
+        def make() -> None:
+            seg: _shm.ShmSegment | None = None
+            # On failure it is made at publish time instead, where the error is reported.
+            with contextlib.suppress(OSError):
+                seg = _shm.ShmSegment.create(size)
+            with self._cond:
+                self._spare_busy = False
+                if seg is not None and not self._closed and self._spare is None:
+                    self._spare, seg = seg, None
+                self._cond.notify_all()
+            if seg is not None:
+                seg.close()
+
+        threading.Thread(target=make, name="weights-spare-segment", daemon=True).start()
 
     def _retire(self) -> None:
         """Free buffers of old versions that no one can still need (lock held)."""
