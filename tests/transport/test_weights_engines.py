@@ -272,7 +272,9 @@ def test_a_loader_that_raises_fails_the_version(ctx: Any, closing: Callable[[Any
             raise RuntimeError("engine refused (test)")
 
     pub = closing(WeightPublisher(context=ctx, heartbeat_interval=0.1))
-    sub = closing(WeightSubscriber(pub.endpoint, target, context=ctx, loader=loader).start())
+    sub = closing(
+        WeightSubscriber(pub.endpoint, target, context=ctx, loader=loader, retries=1).start()
+    )
     pub.wait_for_workers(1, 30)
     res = pub.wait(pub.publish(trainer, 1).version, 30)
     assert (

@@ -295,7 +295,7 @@ def test_workers_paused_by_a_dead_trainer_resume(
         "--plugin", "transport.weights.update:subscribe",
         "--plugin-opt", f"weights_endpoint={endpoint}",
         "--plugin-opt", "weights_shm=0",
-        "--plugin-opt", "weights_pause_lease=1.5",
+        "--plugin-opt", "weights_pause_lease=2.5",
     )  # fmt: skip
     events = mp.get_context("spawn").Queue()
     trainer = procs(pausing_trainer_proc, endpoint, w.address, events)
@@ -306,7 +306,7 @@ def test_workers_paused_by_a_dead_trainer_resume(
             return all(s.paused for s in ctl.health(timeout=5).values())
 
         # While the trainer lives (its publisher beats), the pause holds past the lease.
-        deadline = time.monotonic() + 3.0
+        deadline = time.monotonic() + 4.0
         while time.monotonic() < deadline:
             assert paused(), "a live trainer's pause was cut short"
         trainer.kill()
