@@ -24,7 +24,8 @@ class WorkerProc:
 
     def __init__(self, args: list[str]) -> None:
         self.args = args
-        env = dict(os.environ, PYTHONPATH=str(ROOT))
+        pp = os.environ.get("PYTHONPATH")
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), pp]) if pp else str(ROOT))
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "transport.worker", *args],
             stdout=subprocess.PIPE,

@@ -1,0 +1,55 @@
+"""Eager start: a handler's first step runs in the callback that took its Submit.
+
+As Python 3.12's eager tasks: a handler that answers without waiting (an echo, a cache
+hit, a refusal) costs no task, no loop iteration and no timer, and its reply leaves in
+the same wake-up. A handler that awaits continues in a task, driven through
+:class:`Resume`. This runs on the engine's loop, never on the socket thread.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Coroutine, Generator
+from typing import Any
+
+from fastio import LLMResponse
+
+__all__ = ["CoroutineType", "Resume"]
+
+CoroutineType = types.CoroutineType
+
+
+class Resume:
+    """Awaitable that continues a coroutine already stepped once, from the value its
+    first step yielded: the task awaiting it drives the coroutine as if it had started
+    it (cancellation and errors are passed through)."""
+
+    __slots__ = ("_coro", "_step")
+
+    def __init__(self, coro: Coroutine[Any, Any, LLMResponse], step: Any) -> None:
+        self._coro = coro
+        self._step = step
+
+    def close(self) -> None:
+        """End the handler's coroutine (its task was cancelled before awaiting it)."""
+        self._coro.close()
+
+    def __await__(self) -> Generator[Any, None, LLMResponse]:
+        coro, out = self._coro, self._step
+        self._step = None
+        while True:
+            try:
+                yield out
+            except GeneratorExit:
+                coro.close()
+                raise
+            except BaseException as exc:
+                try:
+                    out = coro.throw(exc)
+                except StopIteration as stop:
+                    return stop.value  # type: ignore[no-any-return]
+            else:
+                try:
+                    out = coro.send(None)
+                except StopIteration as stop:
+                    return stop.value  # type: ignore[no-any-return]
