@@ -166,13 +166,17 @@ def make_router(
     sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
     # Heartbeats are ours; TCP keepalive catches half-open connections on real networks.
     sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
-    apply_curve_server(sock, curve)
     endpoints = []
-    for address in [bind] if isinstance(bind, str) else bind:
-        if address.startswith("tcp://") and address.endswith(":0"):
-            address = address[:-2] + ":*"
-        sock.bind(address)
-        endpoints.append(sock.getsockopt_string(zmq.LAST_ENDPOINT))
+    try:
+        apply_curve_server(sock, curve)
+        for address in [bind] if isinstance(bind, str) else bind:
+            if address.startswith("tcp://") and address.endswith(":0"):
+                address = address[:-2] + ":*"
+            sock.bind(address)
+            endpoints.append(sock.getsockopt_string(zmq.LAST_ENDPOINT))
+    except BaseException:
+        sock.close(linger=0)  # or terminating its context would wait for it forever
+        raise
     return sock, endpoints
 
 

@@ -33,6 +33,8 @@ class WorkerProc:
             env=env,
         )
         self.address = ""
+        #: The ready line, parsed.
+        self.ready: dict[str, Any] = {}
         self.pid = self.proc.pid
 
     def wait_ready(self, timeout: float = 30.0) -> str:
@@ -45,7 +47,8 @@ class WorkerProc:
             ready, _, _ = select.select([self.proc.stdout], [], [], 0.1)
             if ready:
                 line = self.proc.stdout.readline()
-                self.address = json.loads(line)["ready"][0]
+                self.ready = json.loads(line)
+                self.address = self.ready["ready"][0]
                 return self.address
         raise TimeoutError("worker did not become ready")
 

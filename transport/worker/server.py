@@ -165,6 +165,7 @@ class WorkerServer:
         self._sweeper: asyncio.TimerHandle | None = None
         self._closed: asyncio.Event | None = None
         self._aux: set[asyncio.Task[Any]] = set()
+        self._starting = False
 
     # -- public state -------------------------------------------------------------------
     def _queue_depth(self) -> int:
@@ -235,6 +236,7 @@ class WorkerServer:
             task.add_done_callback(self._background_done)
             self._bg_tasks.append(task)
         if self._bg_tasks:
+            self._starting = True
             # A job that fails as it starts (bad options, say) fails the start: a
             # worker must not report ready without what it was told to run.
             await asyncio.sleep(0)
@@ -247,6 +249,7 @@ class WorkerServer:
                     raise RuntimeError(
                         f"background job {name} failed at start: {type(exc).__name__}: {exc}"
                     ) from exc
+            self._starting = False
         log.info("worker %s serving on %s", self.worker_id, ", ".join(self.endpoints))
         return self.endpoints
 
@@ -279,6 +282,8 @@ class WorkerServer:
             self._closed.set()
 
     def _background_done(self, task: asyncio.Task[Any]) -> None:
+        if self._starting:
+            return  # start() raises it
         if not task.cancelled() and task.exception() is not None:
             log.error("background job failed", exc_info=task.exception())
 
