@@ -3,9 +3,10 @@
 Modules, one concern each:
 
 - :mod:`transport.worker.server`: :class:`WorkerServer`, requests on the engine's loop,
-  pause / resume / abort, dead clients
+  dead clients
 - :mod:`transport.worker.iothread`: the socket thread (pings, bytes, bad input)
 - :mod:`transport.worker.context`: :class:`WorkerConfig`, :class:`RequestContext`
+- :mod:`transport.worker.pausing`: pause / resume / abort and controller operations
 - :mod:`transport.worker.eager`: the eager start of handlers
 - :mod:`transport.worker.lost`: replies lost to unreachable clients
 - :mod:`transport.worker.echo`: the echo engine

@@ -267,6 +267,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
         stream=sys.stderr,
     )
+    # The socket thread waits at most this long for the GIL held by engine code (the
+    # default 5 ms would be most of a pong's budget under a busy pure-Python engine).
+    sys.setswitchinterval(0.001)
     with contextlib.suppress(ImportError):
         import torch
 

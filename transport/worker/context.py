@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from fastio import LLMResponse
 from fastio import fabric_msgs as fm
 from fastio.tokens import TokenArray
 from transport import metrics
@@ -22,7 +23,7 @@ from transport.sockets import (
 if TYPE_CHECKING:
     from transport.worker.server import WorkerServer
 
-__all__ = ["RequestContext", "WorkerConfig"]
+__all__ = ["InvalidHandlerOutput", "RequestContext", "WorkerConfig", "output_problem"]
 
 
 @dataclass
@@ -116,7 +117,7 @@ class RequestContext:
         self._lp: list[float] = []
         self._ver: list[int] = []
         self._aborted = False
-        self._ran = False  # its task started (see WorkerServer._reap)
+        self._ran = False  # its task started (see transport.worker.eager.reap)
         self._t0 = time.monotonic()
         self._first = 0.0  # when the first token was emitted (0: none yet)
 
@@ -165,3 +166,30 @@ class RequestContext:
                 metrics.WORKER_TTFT.observe(now - self._t0)
         elif n_tokens > 1:
             metrics.WORKER_ITL.observe((now - self._first) / (n_tokens - 1))
+
+
+class InvalidHandlerOutput(ValueError):
+    """A handler returned something that cannot be sent as a Result (the client gets
+    ``HANDLER_ERROR`` with this message)."""
+
+
+_STOP_REASONS = frozenset(("length", "stop", "interrupt", "abort"))
+
+
+def output_problem(resp: Any) -> str | None:
+    """Why ``resp`` cannot be sent as a Result, or None."""
+    if not isinstance(resp, LLMResponse):
+        return f"the handler returned {type(resp).__name__}, not an LLMResponse"
+    try:
+        n = len(resp.output_tokens)
+        n_lp, n_ver = len(resp.output_logprobs), len(resp.output_versions)
+    except TypeError as exc:
+        return f"output arrays without a length ({exc})"
+    if n_lp != n or n_ver != n:
+        return (
+            "output_tokens, output_logprobs and output_versions must have equal lengths, "
+            f"got {n}, {n_lp} and {n_ver}"
+        )
+    if resp.stop_reason not in _STOP_REASONS:
+        return f"stop_reason must be one of {sorted(_STOP_REASONS)}, got {resp.stop_reason!r}"
+    return None

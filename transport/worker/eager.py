@@ -8,13 +8,19 @@ the same wake-up. A handler that awaits continues in a task, driven through
 
 from __future__ import annotations
 
+import asyncio
 import types
 from collections.abc import Coroutine, Generator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastio import LLMResponse
+from fastio import fabric_msgs as fm
 
-__all__ = ["CoroutineType", "Resume"]
+if TYPE_CHECKING:
+    from transport.worker.context import RequestContext
+    from transport.worker.server import WorkerServer
+
+__all__ = ["CoroutineType", "Resume", "reap", "start_eager"]
 
 CoroutineType = types.CoroutineType
 
@@ -53,3 +59,48 @@ class Resume:
                     out = coro.send(None)
                 except StopIteration as stop:
                     return stop.value  # type: ignore[no-any-return]
+
+
+def reap(
+    server: WorkerServer, ctx: RequestContext, sub: fm.Submit, started: Any, _: object
+) -> None:
+    """A task ended. If it was cancelled (a Cancel or an abort in the same batch as
+    its Submit) before its first step, the body of ``WorkerServer._run`` never ran: do what
+    it would have done, or the request would hold its slot and table entry forever
+    (and a pause would wait for it) and an abort would never be answered."""
+    if ctx._ran:
+        return
+    if isinstance(started, Resume):
+        started.close()
+    elif asyncio.isfuture(started):
+        started.cancel()
+    if started is not None:
+        server._ended(ctx, sub, None, asyncio.CancelledError())
+    else:
+        server._tasks.pop((ctx.peer, ctx.id), None)
+        server._cancelled(ctx)
+
+
+def start_eager(
+    server: WorkerServer, key: tuple[bytes, int], ctx: RequestContext, sub: fm.Submit
+) -> None:
+    """Run the handler's first step now (it takes a slot); continue in a task if it
+    awaits."""
+    server._running += 1
+    try:
+        aw = server.handler(sub.request, ctx)
+        if type(aw) is not CoroutineType:
+            if not hasattr(aw, "__await__"):  # a sync handler's answer
+                server._ended(ctx, sub, aw, None)  # type: ignore[arg-type]
+                return
+            # An awaitable that is not a coroutine (a Future, say): a task awaits it.
+            server._spawn(key, ctx, sub, aw)
+            return
+        step = aw.send(None)
+    except StopIteration as stop:
+        server._ended(ctx, sub, stop.value, None)
+        return
+    except (Exception, asyncio.CancelledError) as exc:
+        server._ended(ctx, sub, None, exc)
+        return
+    server._spawn(key, ctx, sub, Resume(aw, step))

@@ -11,7 +11,8 @@ queue and leave as one coalesced burst per wake-up.
 So a handler that blocks its loop for seconds (a sync ``time.sleep``, a torch forward
 run inline) delays its own requests, never a pong. The thread shares the GIL with the
 engine: a pure-Python engine step holding it delays the socket thread by at most the
-interpreter's switch interval (``sys.getswitchinterval()``, 5 ms by default).
+interpreter's switch interval (``sys.getswitchinterval()``; ``python -m transport.worker``
+sets 1 ms, Python's default is 5 ms).
 """
 
 from __future__ import annotations

@@ -38,12 +38,19 @@ from fastio import Encoder, LLMRequest, LLMResponse
 from fastio import fabric_msgs as fm
 from transport import metrics
 from transport.sockets import WorkerAuthenticator
-from transport.worker.context import RequestContext, WorkerConfig
-from transport.worker.eager import CoroutineType, Resume
+from transport.worker.context import (
+    InvalidHandlerOutput,
+    RequestContext,
+    WorkerConfig,
+    output_problem,
+)
+from transport.worker.eager import reap, start_eager
 from transport.worker.iothread import DROPPED, SocketThread, log_counted
 from transport.worker.lost import LostReplies
+from transport.worker.pausing import PauseControl
 
 __all__ = ["Background", "Handler", "InvalidHandlerOutput", "WorkerServer"]
+
 
 log = logging.getLogger("transport.worker")
 
@@ -56,34 +63,7 @@ class _Engine(Protocol):
     async def generate(self, req: LLMRequest, ctx: RequestContext) -> LLMResponse: ...
 
 
-class InvalidHandlerOutput(ValueError):
-    """A handler returned something that cannot be sent as a Result (the client gets
-    ``HANDLER_ERROR`` with this message)."""
-
-
-_STOP_REASONS = frozenset(("length", "stop", "interrupt", "abort"))
-
-
-def _output_problem(resp: Any) -> str | None:
-    """Why ``resp`` cannot be sent as a Result, or None."""
-    if not isinstance(resp, LLMResponse):
-        return f"the handler returned {type(resp).__name__}, not an LLMResponse"
-    try:
-        n = len(resp.output_tokens)
-        n_lp, n_ver = len(resp.output_logprobs), len(resp.output_versions)
-    except TypeError as exc:
-        return f"output arrays without a length ({exc})"
-    if n_lp != n or n_ver != n:
-        return (
-            "output_tokens, output_logprobs and output_versions must have equal lengths, "
-            f"got {n}, {n_lp} and {n_ver}"
-        )
-    if resp.stop_reason not in _STOP_REASONS:
-        return f"stop_reason must be one of {sorted(_STOP_REASONS)}, got {resp.stop_reason!r}"
-    return None
-
-
-class WorkerServer:
+class WorkerServer(PauseControl):
     """Serves a generate handler (or an engine with a ``generate`` method) on a ROUTER.
 
     Parameters
@@ -287,56 +267,6 @@ class WorkerServer:
         if not task.cancelled() and task.exception() is not None:
             log.error("background job failed", exc_info=task.exception())
 
-    # -- pause / resume / abort (also callable in-process) ------------------------------
-    async def pause(self, timeout: float = 30.0) -> bool:
-        """Stop generation: new requests wait, running ones are interrupted. Returns
-        True once no handler runs, False if some still run after ``timeout`` s."""
-        assert self._resumed is not None
-        self.pause_requests += 1
-        if not self._paused:
-            metrics.WORKER_PAUSES.inc()
-            self._paused = True
-            self._resumed.clear()
-            for cb in self.on_pause:
-                await _maybe_await(cb())
-        if self._running == 0:
-            return True
-        idle: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._idle_waiters.append(idle)
-        try:
-            await asyncio.wait_for(idle, timeout)
-        except asyncio.TimeoutError:
-            return self._running == 0
-        return True
-
-    async def resume(self) -> None:
-        """Let generation continue (waiting requests start)."""
-        assert self._resumed is not None
-        if self._paused:
-            for cb in self.on_resume:
-                await _maybe_await(cb())
-            self._paused = False
-            self._resumed.set()
-            self._open_gate(len(self._gate))
-
-    def _open_gate(self, n: int) -> None:
-        # Wake up to n waiting requests; each re-checks pause and the slot count.
-        gate = self._gate
-        while n > 0 and gate:
-            fut = gate.popleft()
-            if not fut.done():
-                fut.set_result(None)
-                n -= 1
-
-    def abort_all(self) -> int:
-        """Abort every request (each answers ``ABORTED``); returns how many."""
-        n = 0
-        for task, ctx in list(self._tasks.values()):
-            ctx._aborted = True
-            task.cancel()
-            n += 1
-        return n
-
     # -- sending ----------------------------------------------------------------------
     def _send(self, peer: bytes, msg: Any) -> None:
         assert self._io is not None
@@ -420,7 +350,7 @@ class WorkerServer:
             and not self._paused
             and self._running < self._max_running
         ):
-            self._start_eager(key, ctx, sub)
+            start_eager(self, key, ctx, sub)
             return
         self._spawn(key, ctx, sub)
 
@@ -432,53 +362,14 @@ class WorkerServer:
         started: Awaitable[LLMResponse] | None = None,
     ) -> None:
         task = asyncio.ensure_future(self._run(ctx, sub, started))
-        task.add_done_callback(functools.partial(self._reap, ctx, sub, started))
+        task.add_done_callback(functools.partial(reap, self, ctx, sub, started))
         self._tasks[key] = (task, ctx)
-
-    def _reap(self, ctx: RequestContext, sub: fm.Submit, started: Any, _: object) -> None:
-        """A task ended. If it was cancelled (a Cancel or an abort in the same batch as
-        its Submit) before its first step, the body of :meth:`_run` never ran: do what
-        it would have done, or the request would hold its slot and table entry forever
-        (and a pause would wait for it) and an abort would never be answered."""
-        if ctx._ran:
-            return
-        if isinstance(started, Resume):
-            started.close()
-        elif asyncio.isfuture(started):
-            started.cancel()
-        if started is not None:
-            self._ended(ctx, sub, None, asyncio.CancelledError())
-        else:
-            self._tasks.pop((ctx.peer, ctx.id), None)
-            self._cancelled(ctx)
-
-    def _start_eager(self, key: tuple[bytes, int], ctx: RequestContext, sub: fm.Submit) -> None:
-        # The handler's first step runs here, in the callback that took the Submit
-        # (see transport.worker.eager); a handler that awaits continues in a task.
-        self._running += 1
-        try:
-            aw = self.handler(sub.request, ctx)
-            if type(aw) is not CoroutineType:
-                if not hasattr(aw, "__await__"):  # a sync handler's answer
-                    self._ended(ctx, sub, aw, None)  # type: ignore[arg-type]
-                    return
-                # An awaitable that is not a coroutine (a Future, say): a task awaits it.
-                self._spawn(key, ctx, sub, aw)
-                return
-            step = aw.send(None)
-        except StopIteration as stop:
-            self._ended(ctx, sub, stop.value, None)
-            return
-        except (Exception, asyncio.CancelledError) as exc:
-            self._ended(ctx, sub, None, exc)
-            return
-        self._spawn(key, ctx, sub, Resume(aw, step))
 
     async def _run(
         self, ctx: RequestContext, sub: fm.Submit, started: Awaitable[LLMResponse] | None = None
     ) -> None:
         """One request in a task; ``started``: its handler, already running (it holds
-        a slot since :meth:`_start_eager`)."""
+        a slot since ``eager.start_eager``)."""
         ctx._ran = True
         resp: LLMResponse | None = None
         err: BaseException | None = None
@@ -525,7 +416,7 @@ class WorkerServer:
             if err is None:
                 # Checked here, not at the client: a reply it could not decode would
                 # fail there as a BAD_RESPONSE with no word of what the handler did wrong.
-                problem = _output_problem(resp)
+                problem = output_problem(resp)
                 if problem is not None:
                     err = InvalidHandlerOutput(problem)
             if err is None:
@@ -587,23 +478,6 @@ class WorkerServer:
         else:
             self.counters["cancelled"] += 1
 
-    async def _on_control(self, peer: bytes, msg: fm.Control) -> None:
-        ok, error = True, ""
-        if msg.op == "pause":
-            ok = await self.pause(msg.timeout)
-            if not ok:
-                error = f"{self._running} generations still running after {msg.timeout} s"
-        elif msg.op == "resume":
-            await self.resume()
-        elif msg.op == "abort":
-            self.abort_all()
-        elif msg.op == "health":
-            pass
-        else:
-            ok, error = False, f"unknown control op {msg.op!r}"
-            self.counters["bad_messages"] += 1
-        self._send(peer, fm.ControlReply(seq=msg.seq, ok=ok, error=error, status=self.status()))
-
     # -- dead clients -----------------------------------------------------------------
     def _sweep_peers(self) -> None:
         now = time.monotonic()
@@ -627,11 +501,6 @@ class WorkerServer:
                 lost.append(id)
         self._lost.note(peer, lost)
         return len(lost)
-
-
-async def _maybe_await(x: Any) -> None:
-    if asyncio.iscoroutine(x) or isinstance(x, asyncio.Future):
-        await x
 
 
 def _set_gauges(server: WorkerServer) -> None:
