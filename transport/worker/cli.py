@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import importlib
 import json
 import logging
@@ -255,6 +256,10 @@ async def _amain(args: argparse.Namespace) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, lambda: asyncio.ensure_future(server.close()))
+    # What exists now (torch, the engine, its model) lives as long as the process: out
+    # of the cyclic GC's sight, a full collection no longer walks it while holding the
+    # GIL for long enough to delay pongs.
+    gc.freeze()
     print(json.dumps(ready), flush=True)
     await server.serve_forever()
 
