@@ -122,6 +122,13 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=DEFAULT_PEER_QUEUE_LIMIT,
         help="bytes queued for a client that does not read before it is dropped",
     )
+    p.add_argument(
+        "--inline",
+        default="auto",
+        choices=("auto", "on", "off"),
+        help="serve the socket on the engine's loop (on: only for engines that never block; "
+        "auto: as the engine says, the echo does) instead of a thread of its own",
+    )
     p.add_argument("--curve-secret", help="this worker's .key_secret certificate (enables CURVE)")
     p.add_argument("--curve-clients", help="directory of authorized client .key certificates")
     p.add_argument(
@@ -234,6 +241,7 @@ async def _amain(args: argparse.Namespace) -> None:
         max_pending=args.max_pending, client_timeout=args.client_timeout,
         max_message_size=args.max_message_size, hwm=args.hwm, curve=curve,
         peer_queue_limit=args.peer_queue_limit, extra=dict(args.plugin_opt),
+        inline={"auto": None, "on": True, "off": False}[args.inline],
     )  # fmt: skip
     server = WorkerServer(handler, config, background=_plugins(args))
     try:

@@ -62,6 +62,12 @@ class WorkerConfig:
         that awaits continues in a task. During that first step
         ``asyncio.current_task()`` is not the request's task; set False for handlers
         that need it (``asyncio.timeout()`` before their first ``await``, say).
+    inline:
+        Serve the socket on the handler's loop instead of a thread of its own: for
+        handlers that never block (they await an engine that runs elsewhere, in another
+        process or a thread), it saves two thread hand-offs per request; a handler
+        that blocks then delays pongs too. ``None``: the handler's ``inline``
+        attribute decides (:func:`~transport.worker.echo_handler` sets it), else off.
     """
 
     bind: str | list[str] = "tcp://127.0.0.1:0"
@@ -75,6 +81,7 @@ class WorkerConfig:
     peer_queue_limit: int = DEFAULT_PEER_QUEUE_LIMIT
     extra: dict[str, str] = field(default_factory=dict)
     eager_start: bool = True
+    inline: bool | None = None
 
 
 class RequestContext:

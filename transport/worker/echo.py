@@ -46,3 +46,7 @@ def _echo_fill(n: int, version: int) -> tuple[np.ndarray[Any, Any], np.ndarray[A
                 _echo_cache.clear()
             _echo_cache[key] = arrays
     return arrays
+
+
+#: It never blocks: served on the socket's loop (``WorkerConfig.inline``).
+echo_handler.inline = True  # type: ignore[attr-defined]

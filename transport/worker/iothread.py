@@ -62,8 +62,11 @@ class SocketThread:
     the socket is bound (or raises what binding raised).
     """
 
-    def __init__(self, server: WorkerServer, ctx: zmq.Context[Any]) -> None:
+    def __init__(self, server: WorkerServer, ctx: zmq.Context[Any], threaded: bool = True) -> None:
         self.server = server
+        #: False: the socket is served on the engine's loop itself (handlers that never
+        #: block, see ``WorkerConfig.inline``): no thread, no hand-offs.
+        self.threaded = threaded
         self.ctx = ctx
         self.endpoints: list[str] = []
         #: Counters of what this thread handles (merged into the server's status).
@@ -91,8 +94,13 @@ class SocketThread:
         self._error: BaseException | None = None
 
     # -- lifecycle ----------------------------------------------------------------------
-    def start(self) -> list[str]:
+    async def start(self) -> list[str]:
         """Start the thread, bind; returns the bound endpoints."""
+        if not self.threaded:
+            self._ident = threading.get_ident()
+            self._loop = self._engine_loop
+            await self._setup()
+            return self.endpoints
         ready = threading.Event()
         self._thread = threading.Thread(
             target=self._run, args=(ready,), name="fastio-worker-io", daemon=True
@@ -146,6 +154,10 @@ class SocketThread:
 
     def close(self) -> None:
         """Send what is queued, close the socket, stop the thread."""
+        if not self.threaded:
+            if self._pump is not None:
+                self._stop()
+            return
         loop, thread = self._loop, self._thread
         if loop is None or thread is None or not thread.is_alive():
             return
@@ -160,7 +172,8 @@ class SocketThread:
         if self._pump is not None:
             self._pump.close()
         assert self._loop is not None
-        self._loop.stop()
+        if self.threaded:
+            self._loop.stop()
 
     # -- load, as the pongs report it -----------------------------------------------------
     def engine_lag(self) -> float:
@@ -204,6 +217,9 @@ class SocketThread:
         self._pump.send(frames)
 
     def _to_engine(self, peer: bytes, msg: Any) -> None:
+        if not self.threaded:
+            self.server._dispatch(peer, msg)
+            return
         self.inbox.append((time.monotonic(), peer, msg))
         if not self._in_scheduled:
             self._in_scheduled = True

@@ -54,6 +54,9 @@ __all__ = ["Background", "Handler", "InvalidHandlerOutput", "WorkerServer"]
 
 log = logging.getLogger("transport.worker")
 
+#: The labelled counter of the hot path, looked up once.
+_REQUESTS_OK = metrics.WORKER_REQUESTS.labels(outcome="ok")
+
 Handler = Callable[[LLMRequest, RequestContext], Awaitable[LLMResponse]]
 #: A background job started with the server in its loop (e.g. a weight subscriber).
 Background = Callable[["WorkerServer"], Awaitable[None]]
@@ -201,9 +204,12 @@ class WorkerServer(PauseControl):
         self._resumed = asyncio.Event()
         self._resumed.set()
         self._closed = asyncio.Event()
-        self._io = SocketThread(self, self._ctx)
+        inline = (
+            cfg.inline if cfg.inline is not None else bool(getattr(self.handler, "inline", False))
+        )
+        self._io = SocketThread(self, self._ctx, threaded=not inline)
         try:
-            self.endpoints = self._io.start()
+            self.endpoints = await self._io.start()
         except BaseException:
             await self.close()
             raise
@@ -296,23 +302,27 @@ class WorkerServer(PauseControl):
         # Cleared before taking: a message queued after this schedules another drain.
         io._in_scheduled = False
         inbox = io.inbox
+        dispatch = self._dispatch
         while inbox:
             _, peer, msg = inbox.popleft()
-            tp = type(msg)
-            if tp is fm.Submit:
-                self._on_submit(peer, msg)
-            elif tp is fm.Cancel:
-                entry = self._tasks.get((peer, msg.id))
-                if entry is not None:
-                    entry[0].cancel()
-            elif tp is fm.Control:
-                self.counters["control"] += 1
-                task = asyncio.ensure_future(self._on_control(peer, msg))
-                self._aux.add(task)
-                task.add_done_callback(self._aux.discard)
-            elif msg is DROPPED:
-                n = self._forget_peer(peer)
-                log.warning("client %r stopped reading: dropped, %d requests cancelled", peer, n)
+            dispatch(peer, msg)
+
+    def _dispatch(self, peer: bytes, msg: Any) -> None:
+        tp = type(msg)
+        if tp is fm.Submit:
+            self._on_submit(peer, msg)
+        elif tp is fm.Cancel:
+            entry = self._tasks.get((peer, msg.id))
+            if entry is not None:
+                entry[0].cancel()
+        elif tp is fm.Control:
+            self.counters["control"] += 1
+            task = asyncio.ensure_future(self._on_control(peer, msg))
+            self._aux.add(task)
+            task.add_done_callback(self._aux.discard)
+        elif msg is DROPPED:
+            n = self._forget_peer(peer)
+            log.warning("client %r stopped reading: dropped, %d requests cancelled", peer, n)
 
     def _bad(self, peer: bytes, id: int, code: fm.ErrorCode, text: str) -> None:
         self.counters["bad_messages"] += 1
@@ -425,7 +435,7 @@ class WorkerServer(PauseControl):
                 if resp.stop_reason == "interrupt":
                     self.counters["interrupted"] += 1
                 self.counters["completed"] += 1
-                metrics.WORKER_REQUESTS.labels(outcome="ok").inc()
+                _REQUESTS_OK.inc()
                 ctx._finished(len(resp.output_tokens))
                 self._send(
                     peer,
