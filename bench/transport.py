@@ -15,6 +15,10 @@ sends the request back plus one pre-built frame of the difference
 blocking pyzmq (no asyncio, no bookkeeping): what the fabric would cost if it were
 free.
 
+The echo worker serves its socket on the handler's loop (``WorkerConfig.inline``: the echo
+never blocks). Engines that may block run on a loop of their own behind the worker's
+socket thread and pay two thread hand-offs per request on top of these figures.
+
 Cases
 -----
 ``rtt-small``
