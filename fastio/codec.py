@@ -23,6 +23,21 @@ the inline threshold travel inside the header and decode as small private (writa
 copies. Torch tensors over a read-only frame are copied, because torch has no read-only
 tensors and a write would corrupt an immutable ``bytes`` object.
 
+Token arrays travel as extension codes ``16 + d`` (inline) and ``32 + d`` (buffer
+frame) whose dtype is the code: decoding one is a table lookup and ``np.frombuffer``,
+no nested msgpack decode (``docs/PROTOCOL.md``, "Extension types").
+
+Trust
+-----
+A :class:`Decoder` validates where data enters. msgspec checks every typed field and
+its constraints (sampling parameters, stop reasons) during the decode itself, in C.
+What msgspec cannot type (token fields are ``Any`` to it, for speed) is checked by the
+types' ``__post_init__`` unless the decoder is ``trusted=True``: then a peer could
+place a list or a float array in a token field unnoticed. The default is untrusted;
+use ``trusted=True`` only for frames this program produced itself (a queue between
+its own threads, a file it wrote). Anything read from a socket is untrusted. Either
+way the construction-time checks in ``__post_init__`` are not repeated on decode.
+
 Threads
 -------
 Per-call state (the list of buffers being built, the frames being read) lives in a
@@ -33,6 +48,8 @@ thread-local slot set for the duration of one call, never across calls, so one
 from __future__ import annotations
 
 import math
+import re
+import struct
 import sys
 import threading
 from collections.abc import Sequence
@@ -43,6 +60,7 @@ import numpy as np
 
 from fastio import io_struct as _s
 from fastio.errors import DecodeError, EncodeError, MessageTooLarge
+from fastio.io_struct import TRUSTED, UNTRUSTED, _state
 from fastio.protocol import (
     DEFAULT_INLINE_THRESHOLD,
     DEFAULT_MAX_MESSAGE_SIZE,
@@ -59,6 +77,7 @@ __all__ = [
     "Frame",
     "Message",
     "decode",
+    "enc_hook",
     "encode",
     "message_types",
 ]
@@ -107,6 +126,11 @@ for _name, _dt in list(_NP_DTYPES.items()):
 if sys.byteorder != "little":  # pragma: no cover - no big-endian hosts in CI
     raise ImportError("fastio supports little-endian hosts only")
 
+
+class _EncodeState(threading.local):
+    frames: Any = None
+
+
 _meta_encode = msgspec.msgpack.Encoder().encode
 # Inline data decodes straight into a bytearray: the private writable copy the module
 # docstring promises, made by msgspec itself (no second copy).
@@ -115,6 +139,24 @@ _image_meta = msgspec.msgpack.Decoder(tuple[str, int, int, int | bytearray])
 _header_decoder = msgspec.msgpack.Decoder(list[msgspec.Raw])
 _int_decoder = msgspec.msgpack.Decoder(int)
 _Ext = msgspec.msgpack.Ext
+_any_decoder = msgspec.msgpack.Decoder(ext_hook=lambda code, data: None)
+
+# Token arrays: ext code -> (numpy dtype, whether the payload is a frame index).
+_TOKENS_INLINE = int(ExtCode.TOKENS_INLINE)
+_TOKENS_FRAME = int(ExtCode.TOKENS_FRAME)
+_TOKEN_CODES: dict[int, tuple[np.dtype[Any], bool]] = {}
+_INLINE_CODE: dict[np.dtype[Any], int] = {}  # dtype -> inline ext code
+_FRAME_CODE: dict[np.dtype[Any], int] = {}  # dtype -> frame ext code
+_FRAME_REF = struct.Struct("<II")  # frame index, element count
+for _d, _name in enumerate(DTYPE_NAMES):
+    if _name in _NP_DTYPES:
+        _TOKEN_CODES[_TOKENS_INLINE + _d] = (_NP_DTYPES[_name], False)
+        _TOKEN_CODES[_TOKENS_FRAME + _d] = (_NP_DTYPES[_name], True)
+for _dt, _name in _WIRE_NAMES.items():
+    _INLINE_CODE[_dt] = _TOKENS_INLINE + DTYPE_NAMES.index(_name)
+    _FRAME_CODE[_dt] = _TOKENS_FRAME + DTYPE_NAMES.index(_name)
+
+
 _new_object = object.__new__
 _EMPTY = memoryview(b"")
 _BF16_STORAGE = np.dtype("<u2")
@@ -196,7 +238,7 @@ class Encoder:
         if not isinstance(inline_threshold, int) or inline_threshold < 0:
             raise ValueError(f"inline_threshold must be an int >= 0, got {inline_threshold!r}")
         self.inline_threshold = inline_threshold
-        self._local = threading.local()
+        self._local = _EncodeState()
         self._enc = msgspec.msgpack.Encoder(enc_hook=self._enc_hook)
 
     def encode(self, obj: Any) -> list[Any]:
@@ -213,7 +255,7 @@ class Encoder:
         """
         frames: list[Any] = [b""]
         local = self._local
-        if getattr(local, "frames", None) is not None:
+        if local.frames is not None:
             raise EncodeError("Encoder.encode is not re-entrant within one thread")
         local.frames = frames
         try:
@@ -233,19 +275,16 @@ class Encoder:
         # Exact-type checks first: this hook runs for every array of every message.
         if tp is TokenArray:
             arr = obj._a
-            name = _WIRE_NAMES.get(arr.dtype)
-            if name is not None and arr.flags.c_contiguous:
-                # _array_ext inlined for the common case: a large contiguous token array.
+            code = _INLINE_CODE.get(arr.dtype)
+            if code is not None and arr.flags.c_contiguous:
                 nbytes = arr.nbytes
-                if nbytes >= self.inline_threshold and nbytes:
-                    frames: list[Any] = self._local.frames
-                    frames.append(memoryview(arr).cast("B"))
-                    return _Ext(_EXT_TOKENS, _meta_encode((name, arr.shape, len(frames) - 1)))
                 if nbytes < self.inline_threshold:
-                    # Small token arrays (and the empty logprobs/versions of most
-                    # responses) travel inline: one msgpack call, no _array_ext.
-                    return _Ext(_EXT_TOKENS, _meta_encode((name, arr.shape, arr.tobytes())))
-            return self._array_ext(arr, _EXT_TOKENS)
+                    # The elements are the payload: msgspec copies them into the header.
+                    return _Ext(code, arr.data)
+                frames: list[Any] = self._local.frames
+                frames.append(arr.data.cast("B"))
+                return _Ext(code + 16, _FRAME_REF.pack(len(frames) - 1, arr.shape[0]))
+            return self._tokens_ext(arr)
         if tp is np.ndarray:
             return self._array_ext(obj, _EXT_NDARRAY)
         if isinstance(obj, TokenArray):
@@ -264,6 +303,18 @@ class Encoder:
             # they travel as the name/path the receiver loads them from.
             return name
         raise EncodeError(f"fastio cannot encode objects of type {tp.__module__}.{tp.__qualname__}")
+
+    def _tokens_ext(self, arr: np.ndarray[Any, Any]) -> msgspec.msgpack.Ext:
+        """Slow path of token arrays: a dtype to normalise or a strided view."""
+        if arr.dtype not in _INLINE_CODE:
+            arr, _ = _normalise_dtype(arr)
+        arr = np.ascontiguousarray(arr)  # one copy: the wire form is packed
+        code = _INLINE_CODE[arr.dtype]
+        if arr.nbytes < self.inline_threshold:
+            return _Ext(code, arr.tobytes())
+        frames: list[Any] = self._local.frames
+        frames.append(arr.data.cast("B"))
+        return _Ext(code + 16, _FRAME_REF.pack(len(frames) - 1, arr.shape[0]))
 
     def _slot(self, arr: np.ndarray[Any, Any]) -> int | bytes:
         """Inline bytes for a small C-contiguous array, else the index of its frame."""
@@ -419,6 +470,7 @@ class Decoder:
         *,
         max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE,
         device: Any = None,
+        trusted: bool = False,
     ) -> None:
         if type is None:
             types = message_types()
@@ -426,8 +478,15 @@ class Decoder:
         self.type = type
         self.max_message_size = max_message_size
         self.device = None if device is None or str(device) == "cpu" else device
-        self._local = threading.local()
-        self._dec = msgspec.msgpack.Decoder(type, ext_hook=self._ext_hook, dec_hook=_dec_hook)
+        #: Whether frames come from a trusted source (see "Trust" in the module docstring).
+        self.trusted = bool(trusted)
+        self._mode = TRUSTED if trusted else UNTRUSTED
+        # One msgspec call decodes the whole header, [version, n_buffers, body].
+        self._dec = msgspec.msgpack.Decoder(
+            tuple[int, int, type],  # type: ignore[valid-type]
+            ext_hook=self._ext_hook,
+            dec_hook=_dec_hook,
+        )
 
     def decode(self, frames: Sequence[Frame]) -> Any:
         """Decode a frame list (bytes, memoryview, bytearray or ``zmq.Frame`` items).
@@ -435,62 +494,71 @@ class Decoder:
         Raises
         ------
         DecodeError
-            Saying what is wrong with the frames; never any other exception for bad
-            input.
+            Saying what is wrong with the frames (for a value that breaks a field's
+            constraint: the field's path and the rule); never any other exception for
+            bad input.
         """
-        if not isinstance(frames, (list, tuple)) or not frames:
+        tf = type(frames)
+        if (tf is not list and tf is not tuple) or not frames:
             raise DecodeError("expected a non-empty list of frames [header, *buffers]")
-        # Frames stay as they are (no per-frame memoryview): the ext hook sizes them with
-        # len() or .nbytes and np.frombuffer reads any of them directly.
-        bufs: Sequence[Any] = frames
+        # Frames stay as they are: the ext hook hands them to np.frombuffer directly.
         total = 0
         for f in frames:
             tf = type(f)
-            if tf is memoryview and f.c_contiguous:
-                total += f.nbytes
-            elif tf in _LEN_SIZED:
+            if tf in _LEN_SIZED:
                 total += len(f)
+            elif tf is memoryview:
+                total += f.nbytes
             else:
-                bufs = [_buffer(f) for f in frames]
-                total = sum(b.nbytes for b in bufs)
-                break
+                total += _buffer(f).nbytes  # DecodeError if not bytes-like
         if total > self.max_message_size:
             raise MessageTooLarge(
                 f"message of {total} bytes exceeds the limit of {self.max_message_size} bytes"
             )
-        h = bufs[0]
-        if type(h) is not memoryview:
-            h = memoryview(h)
-        if h.format != "B" or h.ndim != 1:
-            h = h.cast("B")
-        # Fast path: what our encoder writes for < 128 buffers, [fixarray(3), 1, n, ...].
-        if len(h) > 3 and h[0] == 0x93 and h[1] == PROTOCOL_VERSION and h[2] < 0x80:
-            n_buffers = h[2]
-            body: Any = h[3:]
-        else:
-            n_buffers, body = _parse_header(h)
-        if n_buffers != len(bufs) - 1:
-            raise DecodeError(
-                f"wrong frame count: header announces {n_buffers} buffers, got {len(bufs) - 1}"
-            )
-        local = self._local
-        local.frames = bufs
+        st = _state
+        outer = st.frames, st.mode
+        st.frames = frames
+        st.mode = self._mode
         try:
-            return self._dec.decode(body)
-        except DecodeError:
-            raise
-        except msgspec.DecodeError as exc:
-            raise DecodeError(f"invalid message body: {exc}") from exc
+            version, n_buffers, msg = self._dec.decode(frames[0])
         except Exception as exc:  # boundary: nothing else may escape for bad input
-            raise DecodeError(f"invalid message body: {type(exc).__name__}: {exc}") from exc
+            raise self._diagnose(frames, exc) from exc
         finally:
-            local.frames = None
+            st.frames, st.mode = outer
+        if version != PROTOCOL_VERSION or n_buffers != len(frames) - 1:
+            raise self._diagnose(frames, None)
+        return msg
+
+    def _diagnose(self, frames: Sequence[Frame], exc: Exception | None) -> DecodeError:
+        """The error for frames that failed to decode: header problems first (as a
+        header-then-body parse would report them), then the body's own error."""
+        try:
+            h = _buffer(frames[0])
+            if len(h) > 3 and h[0] == 0x93 and h[1] == PROTOCOL_VERSION and h[2] < 0x80:
+                n_buffers = h[2]  # what our encoder writes: no general parse needed
+            else:
+                try:
+                    n_buffers, _ = _parse_header(h)
+                except RecursionError:
+                    raise DecodeError("malformed header: nested too deeply") from None
+            if n_buffers != len(frames) - 1:
+                raise DecodeError(
+                    f"wrong frame count: header announces {n_buffers} buffers, "
+                    f"got {len(frames) - 1}"
+                )
+        except DecodeError as err:
+            return err
+        if isinstance(exc, DecodeError):
+            return exc
+        if isinstance(exc, msgspec.DecodeError):
+            return DecodeError(f"invalid message body: {_body_error(self.type, frames[0], exc)}")
+        return DecodeError(f"invalid message body: {type(exc).__name__}: {exc}")
 
     # -- hooks -----------------------------------------------------------------------
     def _data(self, slot: int | bytearray, nbytes: int, what: Any) -> Any:
         """The bytes an extension value refers to; ``what()`` describes it for errors."""
         if type(slot) is int:
-            frames: list[memoryview] = self._local.frames
+            frames: list[memoryview] = _state.frames
             if not 0 < slot < len(frames):
                 raise DecodeError(
                     f"{what()} refers to frame {slot}, but the message has "
@@ -507,6 +575,35 @@ class Decoder:
         return data
 
     def _ext_hook(self, code: int, payload: memoryview) -> Any:
+        entry = _TOKEN_CODES.get(code)
+        if entry is not None:
+            dtype, in_frame = entry
+            try:
+                if in_frame:
+                    k, count = _FRAME_REF.unpack(payload)
+                    frames = _state.frames
+                    if not 0 < k < len(frames):
+                        raise DecodeError(
+                            f"token array refers to frame {k}, but the message has "
+                            + (
+                                f"frames 1..{len(frames) - 1}"
+                                if len(frames) > 1
+                                else "no buffer frames"
+                            )
+                        )
+                    f = frames[k]
+                    arr = np.frombuffer(f, dtype, count)
+                    if arr.nbytes != (len(f) if type(f) in _LEN_SIZED else memoryview(f).nbytes):
+                        raise ValueError
+                else:
+                    arr = np.frombuffer(payload, dtype)
+            except (ValueError, struct.error, BufferError) as exc:
+                raise _token_error(code, payload, exc) from None
+            tokens = _new_object(TokenArray)  # TokenArray._wrap, inlined
+            tokens._a = arr
+            tokens._buf = None
+            tokens._excl = False
+            return tokens
         if code in _ARRAY_CODES:
             try:
                 name, shape, slot = _array_meta_decode(payload)
@@ -515,12 +612,12 @@ class Decoder:
             if len(shape) == 1 and code != _EXT_TENSOR:
                 # Fast path, every token array: a valid 1-D array, in its own frame (large)
                 # or inline in the header (small: ``slot`` is already a private bytearray).
-                dtype = _NP_DTYPES.get(name)
+                np_dtype = _NP_DTYPES.get(name)
                 count = shape[0]
-                if dtype is not None and count >= 0:
+                if np_dtype is not None and count >= 0:
                     data: Any = slot
                     if type(slot) is int:
-                        frames = self._local.frames
+                        frames = _state.frames
                         data = frames[slot] if 0 < slot < len(frames) else None
                         size = (
                             -1
@@ -531,14 +628,11 @@ class Decoder:
                         )
                     else:
                         size = len(slot)  # type: ignore[arg-type]
-                    if size == count * dtype.itemsize:
-                        arr = np.frombuffer(data, dtype, count)
+                    if size == count * np_dtype.itemsize:
+                        arr = np.frombuffer(data, np_dtype, count)
                         if code == _EXT_NDARRAY:
                             return arr
-                        tokens = _new_object(TokenArray)  # TokenArray._wrap, inlined
-                        tokens._a = arr
-                        tokens._buf = None
-                        return tokens
+                        return TokenArray._wrap(arr)
             arr = self._array(code, name, shape, slot)
             if code != _EXT_TOKENS:
                 return arr
@@ -547,7 +641,10 @@ class Decoder:
             return TokenArray._wrap(arr)
         if code == _EXT_IMAGE:
             return self._image(payload)
-        raise DecodeError(f"unknown extension type code {code}; known: 1, 2, 3, 4")
+        raise DecodeError(
+            f"unknown extension type code {code}; known: 1, 2, 3, 4, "
+            "16-28 and 32-44 (token arrays, but not bfloat16: 26, 42)"
+        )
 
     def _array(self, code: int, name: str, shape: tuple[int, ...], slot: int | bytearray) -> Any:
         """Checks and builds any array or tensor (the fast path's fallback)."""
@@ -609,6 +706,25 @@ class Decoder:
         return Image.frombuffer(mode, (w, h), data, "raw", mode, 0, 1)
 
 
+def _token_error(code: int, payload: memoryview, exc: Exception) -> DecodeError:
+    """What is wrong with a token-array extension value that failed to decode."""
+    dtype, in_frame = _TOKEN_CODES[code]
+    if isinstance(exc, BufferError):
+        return DecodeError("frame is not a contiguous buffer")
+    if not in_frame:
+        return DecodeError(
+            f"token array of {dtype.name} needs a multiple of {dtype.itemsize} bytes of "
+            f"data, got {len(payload)}"
+        )
+    if len(payload) != _FRAME_REF.size:
+        return DecodeError(f"token array frame reference must be 8 bytes, got {len(payload)}")
+    k, count = _FRAME_REF.unpack(payload)
+    got = memoryview(_state.frames[k]).nbytes
+    return DecodeError(
+        f"token array {dtype.name}[{count}] needs {count * dtype.itemsize} bytes of data, got {got}"
+    )
+
+
 def _parse_header(h: memoryview) -> tuple[int, memoryview]:
     """General header parse (any msgpack int widths); checks the protocol version."""
     try:
@@ -640,6 +756,63 @@ def _parse_header(h: memoryview) -> tuple[int, memoryview]:
     return n_buffers, h[pos:]
 
 
+_PATH = re.compile(r" - at `\$((?:\[\d+\])*)(.*)`$")
+_INDEX = re.compile(r"\[(\d+)\]")
+
+
+def _body_error(tp: Any, header: Any, exc: Exception) -> str:
+    """msgspec's message with the path made relative to the body (``$[2]`` of the
+    header tuple is ``$``) and the field names it stands for (``array_like`` Structs
+    only number their fields), e.g. ``Expected `int` >= 1 - at `$[3][2]`
+    (LLMRequest.gconfig.max_new_tokens)``."""
+    text = str(exc)
+    m = _PATH.search(text)
+    if m is None:
+        return text
+    idx = [int(i) for i in _INDEX.findall(m.group(1))]
+    if not idx or idx[0] != 2:
+        return text
+    idx = idx[1:]
+    rest = m.group(2)
+    where = "$" + "".join(f"[{i}]" for i in idx) + rest
+    try:
+        names = _field_names(tp, _any_decoder.decode(_buffer(header))[2], idx)
+    except Exception:  # naming is best effort: the path above is exact
+        names = ""
+    return text[: m.start()] + f" - at `{where}`" + (f" ({names}{rest})" if names else "")
+
+
+def _field_names(tp: Any, value: Any, idx: list[int]) -> str:
+    """Dotted field names along ``idx`` in the raw decoded ``value`` of type ``tp``."""
+    import msgspec.inspect as mi
+
+    info: Any = mi.type_info(tp)
+    parts: list[str] = []
+    for i in idx:
+        while isinstance(info, mi.UnionType):  # pick the Struct the tag names
+            tag = value[0] if isinstance(value, list) and value else None
+            structs = [t for t in info.types if isinstance(t, mi.StructType) and t.tag == tag]
+            if not structs:
+                return ".".join(parts)
+            info = structs[0]
+        if isinstance(info, mi.StructType):
+            if not parts:
+                parts.append(info.cls.__name__)
+            if i == 0:
+                parts.append("(tag)")
+                return ".".join(parts)
+            field = info.fields[i - 1]
+            parts.append(field.name)
+            info = field.type
+        elif isinstance(info, (mi.ListType, mi.TupleType, mi.VarTupleType)):
+            parts[-1:] = [f"{parts[-1] if parts else ''}[{i}]"]
+            info = info.item_type if not isinstance(info, mi.TupleType) else info.item_types[i]
+        else:
+            return ".".join(parts)
+        value = value[i] if isinstance(value, list) and i < len(value) else None
+    return ".".join(parts)
+
+
 def _dec_hook(tp: Any, obj: Any) -> Any:
     if tp is TokenArray:
         if type(obj) is TokenArray:
@@ -658,6 +831,41 @@ def _dec_hook(tp: Any, obj: Any) -> Any:
     if isinstance(tp, type) and isinstance(obj, tp):
         return obj
     raise TypeError(f"expected {getattr(tp, '__name__', tp)}, got {type(obj).__name__}")
+
+
+def enc_hook(obj: Any) -> Any:
+    """``enc_hook`` for msgspec's other encoders: fastio's values as JSON-ready builtins.
+
+    ``TokenArray`` and numpy arrays become lists, numpy scalars Python numbers, torch
+    tensors nested lists, PIL images ``data:image/png;base64,...`` URLs (what SGLang
+    accepts as ``image_data``), tokenizers and processors their ``name_or_path``.
+
+    Examples
+    --------
+    >>> import msgspec, fastio
+    >>> resp = fastio.LLMResponse(output_tokens=[5, 6], latency=0.5, ttft=0.1)
+    >>> msgspec.json.encode(resp, enc_hook=fastio.enc_hook)[:24]
+    b'[3,[],[5,6],[],[],"stop"'
+    >>> msgspec.to_builtins(msgspec.structs.asdict(resp), enc_hook=fastio.enc_hook)["output_tokens"]
+    [5, 6]
+    """
+    if isinstance(obj, TokenArray):
+        return obj.tolist()
+    if isinstance(obj, (np.ndarray, np.generic)):
+        return obj.tolist()
+    if _is_tensor(obj):
+        return obj.tolist()
+    if _is_pil_image(obj):
+        import base64
+        import io
+
+        out = io.BytesIO()
+        obj.save(out, format="PNG")
+        return "data:image/png;base64," + base64.b64encode(out.getvalue()).decode()
+    name = getattr(obj, "name_or_path", None)
+    if isinstance(name, str):
+        return name
+    raise NotImplementedError(f"fastio.enc_hook cannot convert {type(obj).__qualname__}")
 
 
 def message_types() -> tuple[type[_s.WireStruct], ...]:

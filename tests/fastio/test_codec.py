@@ -59,7 +59,7 @@ def rng() -> np.random.Generator:
 def big_response(n: int = 4096) -> LLMResponse:
     r = rng()
     return LLMResponse(
-        input_tokens=r.integers(0, 150_000, 300, dtype=np.int32),
+        input_tokens=r.integers(0, 150_000, 2000, dtype=np.int32),
         output_tokens=r.integers(0, 150_000, n, dtype=np.int32),
         output_logprobs=-r.random(n, dtype=np.float32),
         output_versions=np.full(n, 3, np.int32),
@@ -340,18 +340,22 @@ def test_large_image_is_a_frame() -> None:
 
 
 def test_header_is_plain_msgpack() -> None:
-    resp = big_response(1000)
+    resp = big_response(2048)
+    resp.input_tokens = TokenArray(np.arange(300, dtype=np.int32))  # 1200 bytes: inline
     frames = fastio.encode(resp)
     header = msgpack.unpackb(frames[0], strict_map_key=False)
     version, n_buffers, body = header
-    assert version == PROTOCOL_VERSION == 1 and n_buffers == len(frames) - 1 == 5
+    assert version == PROTOCOL_VERSION == 1 and n_buffers == len(frames) - 1 == 4
     assert body[0] == MsgKind.LLM_RESPONSE == 3
+    # Token arrays: ext 32 + dtype index (int32 is 5) with [frame, count] as two u32 LE.
     ext = body[2]
-    assert isinstance(ext, msgpack.ExtType) and ext.code == ExtCode.TOKENS == 4
-    assert msgpack.unpackb(ext.data) == ["int32", [1000], 2]
+    assert isinstance(ext, msgpack.ExtType) and ext.code == ExtCode.TOKENS_FRAME + 5 == 37
+    assert ext.data == (1).to_bytes(4, "little") + (2048).to_bytes(4, "little")
+    assert body[3].code == ExtCode.TOKENS_FRAME + 11  # float32 logprobs
     assert body[5:8] == ["length", 1.5, 0.25]
-    inline = msgpack.unpackb(body[1].data)  # 300 int32 = 1200 bytes -> frame 1
-    assert inline == ["int32", [300], 1]
+    inline = body[1]  # 300 int32 = 1200 bytes: ext 16 + 5, the raw elements
+    assert inline.code == ExtCode.TOKENS_INLINE + 5 == 21
+    assert np.frombuffer(inline.data, "<i4").tolist() == list(range(300))
 
 
 def test_header_of_inline_arrays_and_defaults_is_plain_msgpack() -> None:
@@ -360,11 +364,28 @@ def test_header_of_inline_arrays_and_defaults_is_plain_msgpack() -> None:
     version, n_buffers, body = msgpack.unpackb(frames[0])
     assert (version, n_buffers) == (1, 0)
     assert body[0] == MsgKind.LLM_REQUEST and body[1] == "abc"
-    name, shape, data = msgpack.unpackb(body[2].data)
-    assert (name, shape) == ("int32", [3]) and np.frombuffer(data, "<i4").tolist() == [1, 2, 3]
+    assert body[2].code == 21 and np.frombuffer(body[2].data, "<i4").tolist() == [1, 2, 3]
     # Every field is written, defaults included (msgspec ignores omit_defaults for
     # array_like Structs): gconfig, metadata, model_id.
     assert body[3][0] == MsgKind.GENERATION_HYPERPARAMETERS and body[4:] == [{}, None]
+
+
+def test_inline_threshold_keeps_small_requests_in_one_frame() -> None:
+    assert DEFAULT_INLINE_THRESHOLD > 256
+    frames = fastio.encode(LLMRequest(input_ids=np.arange(64, dtype=np.int32)))
+    assert len(frames) == 1
+    batch = [LLMRequest(input_ids=np.arange(64, dtype=np.int32)) for _ in range(256)]
+    assert len(fastio.encode(batch)) == 1
+    below = DEFAULT_INLINE_THRESHOLD // 4 - 1
+    assert len(fastio.encode(LLMRequest(input_ids=np.arange(below, dtype=np.int32)))) == 1
+    at = DEFAULT_INLINE_THRESHOLD // 4
+    assert len(fastio.encode(LLMRequest(input_ids=np.arange(at, dtype=np.int32)))) == 2
+
+
+def test_legacy_tokens_ext_4_still_decodes() -> None:
+    ext = msgpack.ExtType(4, msgpack.packb(["int32", [3], np.arange(3, dtype="<i4").tobytes()]))
+    got = fastio.decode([msgpack.packb([1, 0, [3, [], ext]])])
+    assert got.output_tokens == [0, 1, 2] and got.output_tokens.dtype == np.int32
 
 
 def test_independent_encoder_output_decodes() -> None:
@@ -419,7 +440,10 @@ def test_decoded_from_bytes_is_read_only() -> None:
     resp = fastio.decode(frames, LLMResponse)
     assert not resp.output_tokens.array.flags.writeable
     small = fastio.decode(fastio.encode(LLMRequest(input_ids=[1, 2])), LLMRequest)
-    assert small.input_ids.array.flags.writeable  # inline: a private copy
+    assert not small.input_ids.array.flags.writeable  # inline: a view of the header
+    small.input_ids[0] = 7  # copy-on-write: assignment works, the frame stays as it was
+    small.input_ids += [3]
+    assert small.input_ids == [7, 2, 3]
 
 
 def test_decoded_frames_outlive_the_frame_list() -> None:
@@ -536,7 +560,7 @@ def test_shared_encoder_decoder_across_threads() -> None:
         try:
             barrier.wait(5)
             for i in range(200):
-                n = 100 + 37 * k + i
+                n = 1100 + 37 * k + i  # above the inline threshold: frames
                 resp = LLMResponse(
                     output_tokens=np.full(n, k, np.int32), output_logprobs=np.zeros(n)
                 )
@@ -556,7 +580,7 @@ def test_shared_encoder_decoder_across_threads() -> None:
 
 
 def test_decoder_device_cpu_is_a_view() -> None:
-    t = torch.arange(1000, dtype=torch.float32)
+    t = torch.arange(2000, dtype=torch.float32)
     frames = [bytearray(f) for f in fastio.encode({"t": t})]
     back = Decoder(dict[str, Any], device="cpu").decode(frames)["t"]
     assert np.shares_memory(back.numpy(), np.frombuffer(frames[1], np.uint8))
