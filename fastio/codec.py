@@ -18,10 +18,12 @@ big-endian arrays, CUDA tensors (through host memory) and PIL images (no buffer 
 
 *Decoding*: decoded arrays are views of the received frames, no copies. They stay valid
 as long as the array lives (it keeps the frame alive). They are writable when the frame
-is writable (``zmq.Frame``, ``bytearray``), read-only when it is ``bytes``. Arrays below
-the inline threshold travel inside the header and decode as small private (writable)
-copies. Torch tensors over a read-only frame are copied, because torch has no read-only
-tensors and a write would corrupt an immutable ``bytes`` object.
+is writable (``zmq.Frame``, ``bytearray``), read-only when it is ``bytes``. Token arrays
+below the inline threshold travel inside the header and decode as views of it too;
+other arrays below it decode as small private (writable) copies. ``TokenArray`` growth
+and item assignment never write into a received frame (they copy first). Torch tensors
+over a read-only frame are copied, because torch has no read-only tensors and a write
+would corrupt an immutable ``bytes`` object.
 
 Token arrays travel as extension codes ``16 + d`` (inline) and ``32 + d`` (buffer
 frame) whose dtype is the code: decoding one is a table lookup and ``np.frombuffer``,
@@ -29,14 +31,17 @@ no nested msgpack decode (``docs/PROTOCOL.md``, "Extension types").
 
 Trust
 -----
-A :class:`Decoder` validates where data enters. msgspec checks every typed field and
-its constraints (sampling parameters, stop reasons) during the decode itself, in C.
-What msgspec cannot type (token fields are ``Any`` to it, for speed) is checked by the
-types' ``__post_init__`` unless the decoder is ``trusted=True``: then a peer could
-place a list or a float array in a token field unnoticed. The default is untrusted;
-use ``trusted=True`` only for frames this program produced itself (a queue between
-its own threads, a file it wrote). Anything read from a socket is untrusted. Either
-way the construction-time checks in ``__post_init__`` are not repeated on decode.
+A :class:`Decoder` validates where data enters, in one pass. msgspec checks every
+typed field and its constraints (sampling parameters, stop reasons) during the decode
+itself, in C; the types' ``__post_init__`` checks what msgspec cannot type (token
+fields are ``Any`` to it, for speed: one type and one kind check each). The Python
+checks of construction (``GenerationHyperparameters(...)``) never run on decode.
+
+``Decoder(trusted=False)``, the default and the only right choice for anything read
+from a socket, also checks the frame list before parsing: that every frame is
+bytes-like and that together they stay under ``max_message_size``. ``trusted=True``
+skips that (one pass over the frames) for frames this program produced itself (a
+queue between its own threads, a file it wrote); every other check stays.
 
 Threads
 -------
@@ -60,7 +65,6 @@ import numpy as np
 
 from fastio import io_struct as _s
 from fastio.errors import DecodeError, EncodeError, MessageTooLarge
-from fastio.io_struct import TRUSTED, UNTRUSTED, _state
 from fastio.protocol import (
     DEFAULT_INLINE_THRESHOLD,
     DEFAULT_MAX_MESSAGE_SIZE,
@@ -125,10 +129,6 @@ for _name, _dt in list(_NP_DTYPES.items()):
     _WIRE_NAMES[np.dtype(_name)] = _name
 if sys.byteorder != "little":  # pragma: no cover - no big-endian hosts in CI
     raise ImportError("fastio supports little-endian hosts only")
-
-
-class _EncodeState(threading.local):
-    frames: Any = None
 
 
 _meta_encode = msgspec.msgpack.Encoder().encode
@@ -203,6 +203,7 @@ def _is_pil_image(obj: Any) -> bool:
 
 
 _PREFIXES: dict[int, bytes] = {}
+_SMALL_PREFIXES = tuple(b"\x93" + bytes([PROTOCOL_VERSION, n]) for n in range(128))
 
 
 def _header_prefix(n: int) -> bytes:
@@ -237,9 +238,42 @@ class Encoder:
     def __init__(self, *, inline_threshold: int = DEFAULT_INLINE_THRESHOLD) -> None:
         if not isinstance(inline_threshold, int) or inline_threshold < 0:
             raise ValueError(f"inline_threshold must be an int >= 0, got {inline_threshold!r}")
-        self.inline_threshold = inline_threshold
-        self._local = _EncodeState()
-        self._enc = msgspec.msgpack.Encoder(enc_hook=self._enc_hook)
+        self._threshold = inline_threshold
+        # Per thread: a msgspec encoder whose hook appends to that thread's frame list
+        # (a one-item box set for the duration of one call), so one Encoder serves many
+        # threads without a thread-local lookup per array.
+        self._tls = threading.local()
+
+    @property
+    def inline_threshold(self) -> int:
+        """Arrays with fewer bytes travel inside the header (read-only)."""
+        return self._threshold
+
+    def _thread_state(self) -> tuple[msgspec.msgpack.Encoder, list[Any]]:
+        box: list[Any] = [None]
+        threshold = self._threshold
+        inline_code = _INLINE_CODE
+        ext = _Ext
+        pack = _FRAME_REF.pack
+        other = self._enc_hook
+
+        def hook(obj: Any) -> Any:
+            # The hot path, every token array of every message, inlined.
+            if type(obj) is TokenArray:
+                arr = obj._a
+                code = inline_code.get(arr.dtype)
+                if code is not None and arr.flags.c_contiguous:
+                    if arr.nbytes < threshold:
+                        # The elements are the payload: msgspec copies them into the header.
+                        return ext(code, arr.data)
+                    frames = box[0]
+                    frames.append(arr.data.cast("B"))
+                    return ext(code + 16, pack(len(frames) - 1, arr.shape[0]))
+            return other(obj, box[0])
+
+        state = (msgspec.msgpack.Encoder(enc_hook=hook), box)
+        self._tls.state = state
+        return state
 
     def encode(self, obj: Any) -> list[Any]:
         """Encode ``obj`` into ``[header, *buffers]``.
@@ -253,50 +287,44 @@ class Encoder:
         EncodeError
             For objects fastio cannot put on the wire (unsupported types or dtypes).
         """
-        frames: list[Any] = [b""]
-        local = self._local
-        if local.frames is not None:
-            raise EncodeError("Encoder.encode is not re-entrant within one thread")
-        local.frames = frames
         try:
-            body = self._enc.encode(obj)
+            enc, box = self._tls.state
+        except AttributeError:
+            enc, box = self._thread_state()
+        if box[0] is not None:
+            raise EncodeError("Encoder.encode is not re-entrant within one thread")
+        frames: list[Any] = [b""]
+        box[0] = frames
+        try:
+            body = enc.encode(obj)
         except EncodeError:
             raise
         except (TypeError, ValueError, OverflowError, RuntimeError) as exc:
             raise EncodeError(f"cannot encode {type(obj).__name__}: {exc}") from exc
         finally:
-            local.frames = None
-        frames[0] = _header_prefix(len(frames) - 1) + body
+            box[0] = None
+        n = len(frames) - 1
+        frames[0] = (_SMALL_PREFIXES[n] if n < 128 else _header_prefix(n)) + body
         return frames
 
     # -- hooks -----------------------------------------------------------------------
-    def _enc_hook(self, obj: Any) -> Any:
+    def _enc_hook(self, obj: Any, frames: list[Any]) -> Any:
+        """Everything but the hot path: other arrays, tensors, images, live objects."""
         tp = type(obj)
-        # Exact-type checks first: this hook runs for every array of every message.
         if tp is TokenArray:
-            arr = obj._a
-            code = _INLINE_CODE.get(arr.dtype)
-            if code is not None and arr.flags.c_contiguous:
-                nbytes = arr.nbytes
-                if nbytes < self.inline_threshold:
-                    # The elements are the payload: msgspec copies them into the header.
-                    return _Ext(code, arr.data)
-                frames: list[Any] = self._local.frames
-                frames.append(arr.data.cast("B"))
-                return _Ext(code + 16, _FRAME_REF.pack(len(frames) - 1, arr.shape[0]))
-            return self._tokens_ext(arr)
+            return self._tokens_ext(obj._a, frames)
         if tp is np.ndarray:
-            return self._array_ext(obj, _EXT_NDARRAY)
+            return self._array_ext(obj, _EXT_NDARRAY, frames)
         if isinstance(obj, TokenArray):
-            return self._array_ext(obj.array, _EXT_TOKENS)
+            return self._tokens_ext(obj._a, frames)
         if isinstance(obj, np.ndarray):
-            return self._array_ext(np.asarray(obj), _EXT_NDARRAY)
+            return self._array_ext(np.asarray(obj), _EXT_NDARRAY, frames)
         if isinstance(obj, np.generic):
             return obj.item()
         if _is_tensor(obj):
-            return self._tensor_ext(obj)
+            return self._tensor_ext(obj, frames)
         if _is_pil_image(obj):
-            return self._image_ext(obj)
+            return self._image_ext(obj, frames)
         name = getattr(obj, "name_or_path", None)
         if isinstance(name, str):
             # Tokenizers and processors (SaveLoadMeta) never travel as live objects:
@@ -304,29 +332,29 @@ class Encoder:
             return name
         raise EncodeError(f"fastio cannot encode objects of type {tp.__module__}.{tp.__qualname__}")
 
-    def _tokens_ext(self, arr: np.ndarray[Any, Any]) -> msgspec.msgpack.Ext:
+    def _tokens_ext(self, arr: np.ndarray[Any, Any], frames: list[Any]) -> msgspec.msgpack.Ext:
         """Slow path of token arrays: a dtype to normalise or a strided view."""
         if arr.dtype not in _INLINE_CODE:
             arr, _ = _normalise_dtype(arr)
         arr = np.ascontiguousarray(arr)  # one copy: the wire form is packed
         code = _INLINE_CODE[arr.dtype]
-        if arr.nbytes < self.inline_threshold:
+        if arr.nbytes < self._threshold:
             return _Ext(code, arr.tobytes())
-        frames: list[Any] = self._local.frames
         frames.append(arr.data.cast("B"))
         return _Ext(code + 16, _FRAME_REF.pack(len(frames) - 1, arr.shape[0]))
 
-    def _slot(self, arr: np.ndarray[Any, Any]) -> int | bytes:
+    def _slot(self, arr: np.ndarray[Any, Any], frames: list[Any]) -> int | bytes:
         """Inline bytes for a small C-contiguous array, else the index of its frame."""
         nbytes = arr.nbytes
-        if nbytes < self.inline_threshold:
+        if nbytes < self._threshold:
             return arr.tobytes()
-        frames: list[Any] = self._local.frames
         # 1-D unsigned-byte views so that len(frame) is its size in bytes.
         frames.append(memoryview(arr).cast("B") if nbytes else _EMPTY)  # type: ignore[arg-type]
         return len(frames) - 1
 
-    def _array_ext(self, arr: np.ndarray[Any, Any], code: int) -> msgspec.msgpack.Ext:
+    def _array_ext(
+        self, arr: np.ndarray[Any, Any], code: int, frames: list[Any]
+    ) -> msgspec.msgpack.Ext:
         name = _WIRE_NAMES.get(arr.dtype)
         if name is None:
             arr, name = _normalise_dtype(arr)
@@ -334,13 +362,12 @@ class Encoder:
             arr = np.ascontiguousarray(arr)  # one copy: the wire form is C order
         # _slot inlined: this is the per-array hot path of every message.
         nbytes = arr.nbytes
-        if nbytes < self.inline_threshold:
+        if nbytes < self._threshold:
             return _Ext(code, _meta_encode((name, arr.shape, arr.tobytes())))
-        frames: list[Any] = self._local.frames
         frames.append(memoryview(arr).cast("B") if nbytes else _EMPTY)  # type: ignore[arg-type]
         return _Ext(code, _meta_encode((name, arr.shape, len(frames) - 1)))
 
-    def _tensor_ext(self, t: Any) -> msgspec.msgpack.Ext:
+    def _tensor_ext(self, t: Any, frames: list[Any]) -> msgspec.msgpack.Ext:
         if not _torch_names:
             _torch_tables()
         name = _torch_names.get(t.dtype)
@@ -363,9 +390,9 @@ class Encoder:
             import torch
 
             raw = t.reshape(-1).view(torch.uint8).numpy()
-        return _Ext(_EXT_TENSOR, _meta_encode((name, shape, self._slot(raw))))
+        return _Ext(_EXT_TENSOR, _meta_encode((name, shape, self._slot(raw, frames))))
 
-    def _image_ext(self, img: Any) -> msgspec.msgpack.Ext:
+    def _image_ext(self, img: Any, frames: list[Any]) -> msgspec.msgpack.Ext:
         if img.mode not in _IMAGE_MODES:
             # Palette and bilevel images travel as their decoded pixels.
             if img.mode == "1":
@@ -377,7 +404,7 @@ class Encoder:
         # PIL exposes no buffer of its pixels: one copy, on the encode side only.
         data = np.frombuffer(img.tobytes(), np.uint8)
         w, h = img.size
-        return _Ext(_EXT_IMAGE, _meta_encode((img.mode, w, h, self._slot(data))))
+        return _Ext(_EXT_IMAGE, _meta_encode((img.mode, w, h, self._slot(data, frames))))
 
 
 def _normalise_dtype(arr: np.ndarray[Any, Any]) -> tuple[np.ndarray[Any, Any], str]:
@@ -450,7 +477,11 @@ class Decoder:
         ``fastio.weight_msgs``).
     max_message_size:
         Frames adding up to more bytes raise :class:`~fastio.MessageTooLarge` before
-        anything is parsed.
+        anything is parsed (sizes by ``len()``: bytes for bytes-like frames).
+    trusted:
+        ``True`` skips the checks of the frame list before parsing (see "Trust" in the
+        module docstring); only for frames this program produced itself. Anything read
+        from a socket is untrusted, the default.
     device:
         Where decoded torch tensors go: ``None``/``"cpu"`` views the frame without a
         copy; e.g. ``"cuda:0"`` copies onto that device.
@@ -476,17 +507,70 @@ class Decoder:
             types = message_types()
             type = Union[types]  # noqa: UP007
         self.type = type
-        self.max_message_size = max_message_size
         self.device = None if device is None or str(device) == "cpu" else device
-        #: Whether frames come from a trusted source (see "Trust" in the module docstring).
-        self.trusted = bool(trusted)
-        self._mode = TRUSTED if trusted else UNTRUSTED
-        # One msgspec call decodes the whole header, [version, n_buffers, body].
-        self._dec = msgspec.msgpack.Decoder(
-            tuple[int, int, type],  # type: ignore[valid-type]
-            ext_hook=self._ext_hook,
+        self._max_message_size = max_message_size
+        self._trusted = bool(trusted)
+        # The size limit the decode checks, None when trusted (one attribute read).
+        self._limit = None if trusted else max_message_size
+        self._tls = threading.local()
+        # Built once here so that a type msgspec cannot decode fails at construction.
+        self._thread_state()
+
+    @property
+    def max_message_size(self) -> int:
+        """The size limit of one message's frames, in bytes (not checked when trusted)."""
+        return self._max_message_size
+
+    @property
+    def trusted(self) -> bool:
+        """Whether the frames come from a trusted source (see "Trust" in the module
+        docstring); read-only."""
+        return self._trusted
+
+    def _thread_state(self) -> tuple[msgspec.msgpack.Decoder[Any], list[Any]]:
+        """This thread's msgspec decoder, whose ext hook reads the frames of the call in
+        progress from a one-item box (no thread-local lookup per array)."""
+        box: list[Any] = [None]
+        codes = _TOKEN_CODES
+        frombuffer = np.frombuffer
+        unpack = _FRAME_REF.unpack
+        new = _new_object
+        other = self._ext_hook
+
+        def ext_hook(code: int, payload: memoryview) -> Any:
+            entry = codes.get(code)
+            if entry is None:
+                return other(code, payload, box[0])
+            dtype, in_frame = entry
+            try:
+                if in_frame:
+                    k, count = unpack(payload)
+                    frames = box[0]
+                    if not 0 < k < len(frames):
+                        raise _frame_error("token array", k, frames)
+                    arr = frombuffer(frames[k], dtype)  # ValueError unless whole items
+                    if arr.shape[0] != count:
+                        raise ValueError("frame size does not match the array")
+                else:
+                    arr = frombuffer(payload, dtype)
+            except DecodeError:
+                raise
+            except (ValueError, struct.error, BufferError) as exc:
+                raise _token_error(code, payload, box[0], exc) from None
+            tokens = new(TokenArray)  # TokenArray._wrap, inlined
+            tokens._a = arr
+            tokens._buf = None
+            tokens._excl = False
+            return tokens
+
+        dec = msgspec.msgpack.Decoder(
+            tuple[int, int, self.type],  # type: ignore[name-defined]
+            ext_hook=ext_hook,
             dec_hook=_dec_hook,
         )
+        state = (dec, box)
+        self._tls.state = state
+        return state
 
     def decode(self, frames: Sequence[Frame]) -> Any:
         """Decode a frame list (bytes, memoryview, bytearray or ``zmq.Frame`` items).
@@ -501,30 +585,32 @@ class Decoder:
         tf = type(frames)
         if (tf is not list and tf is not tuple) or not frames:
             raise DecodeError("expected a non-empty list of frames [header, *buffers]")
-        # Frames stay as they are: the ext hook hands them to np.frombuffer directly.
-        total = 0
-        for f in frames:
-            tf = type(f)
-            if tf in _LEN_SIZED:
-                total += len(f)
-            elif tf is memoryview:
-                total += f.nbytes
-            else:
-                total += _buffer(f).nbytes  # DecodeError if not bytes-like
-        if total > self.max_message_size:
-            raise MessageTooLarge(
-                f"message of {total} bytes exceeds the limit of {self.max_message_size} bytes"
-            )
-        st = _state
-        outer = st.frames, st.mode
-        st.frames = frames
-        st.mode = self._mode
+        limit = self._limit
+        if limit is not None:
+            # Frames stay as they are: np.frombuffer reads any of them directly. len() is
+            # the size in bytes of bytes, bytearray, zmq.Frame and byte memoryviews.
+            total = 0
+            try:
+                for f in frames:
+                    total += len(f)
+            except TypeError:
+                total = sum(_buffer(f).nbytes for f in frames)  # DecodeError: not bytes
+            if total > limit:
+                total = sum(_buffer(f).nbytes for f in frames)
+                raise MessageTooLarge(
+                    f"message of {total} bytes exceeds the limit of {limit} bytes"
+                )
         try:
-            version, n_buffers, msg = self._dec.decode(frames[0])
+            dec, box = self._tls.state
+        except AttributeError:
+            dec, box = self._thread_state()
+        box[0] = frames
+        try:
+            version, n_buffers, msg = dec.decode(frames[0])
         except Exception as exc:  # boundary: nothing else may escape for bad input
             raise self._diagnose(frames, exc) from exc
         finally:
-            st.frames, st.mode = outer
+            box[0] = None
         if version != PROTOCOL_VERSION or n_buffers != len(frames) - 1:
             raise self._diagnose(frames, None)
         return msg
@@ -555,10 +641,9 @@ class Decoder:
         return DecodeError(f"invalid message body: {type(exc).__name__}: {exc}")
 
     # -- hooks -----------------------------------------------------------------------
-    def _data(self, slot: int | bytearray, nbytes: int, what: Any) -> Any:
+    def _data(self, slot: int | bytearray, nbytes: int, what: Any, frames: Any) -> Any:
         """The bytes an extension value refers to; ``what()`` describes it for errors."""
         if type(slot) is int:
-            frames: list[memoryview] = _state.frames
             if not 0 < slot < len(frames):
                 raise DecodeError(
                     f"{what()} refers to frame {slot}, but the message has "
@@ -574,36 +659,8 @@ class Decoder:
             raise DecodeError(f"{what()} needs {nbytes} bytes of data, got {got}")
         return data
 
-    def _ext_hook(self, code: int, payload: memoryview) -> Any:
-        entry = _TOKEN_CODES.get(code)
-        if entry is not None:
-            dtype, in_frame = entry
-            try:
-                if in_frame:
-                    k, count = _FRAME_REF.unpack(payload)
-                    frames = _state.frames
-                    if not 0 < k < len(frames):
-                        raise DecodeError(
-                            f"token array refers to frame {k}, but the message has "
-                            + (
-                                f"frames 1..{len(frames) - 1}"
-                                if len(frames) > 1
-                                else "no buffer frames"
-                            )
-                        )
-                    f = frames[k]
-                    arr = np.frombuffer(f, dtype, count)
-                    if arr.nbytes != (len(f) if type(f) in _LEN_SIZED else memoryview(f).nbytes):
-                        raise ValueError
-                else:
-                    arr = np.frombuffer(payload, dtype)
-            except (ValueError, struct.error, BufferError) as exc:
-                raise _token_error(code, payload, exc) from None
-            tokens = _new_object(TokenArray)  # TokenArray._wrap, inlined
-            tokens._a = arr
-            tokens._buf = None
-            tokens._excl = False
-            return tokens
+    def _ext_hook(self, code: int, payload: memoryview, frames: Any) -> Any:
+        """Extension values other than the compact token arrays (codes 1-4)."""
         if code in _ARRAY_CODES:
             try:
                 name, shape, slot = _array_meta_decode(payload)
@@ -617,7 +674,6 @@ class Decoder:
                 if np_dtype is not None and count >= 0:
                     data: Any = slot
                     if type(slot) is int:
-                        frames = _state.frames
                         data = frames[slot] if 0 < slot < len(frames) else None
                         size = (
                             -1
@@ -633,20 +689,22 @@ class Decoder:
                         if code == _EXT_NDARRAY:
                             return arr
                         return TokenArray._wrap(arr)
-            arr = self._array(code, name, shape, slot)
+            arr = self._array(code, name, shape, slot, frames)
             if code != _EXT_TOKENS:
                 return arr
             if arr.ndim != 1:
                 raise DecodeError(f"token array must be 1-D, got shape {list(arr.shape)}")
             return TokenArray._wrap(arr)
         if code == _EXT_IMAGE:
-            return self._image(payload)
+            return self._image(payload, frames)
         raise DecodeError(
             f"unknown extension type code {code}; known: 1, 2, 3, 4, "
             "16-28 and 32-44 (token arrays, but not bfloat16: 26, 42)"
         )
 
-    def _array(self, code: int, name: str, shape: tuple[int, ...], slot: int | bytearray) -> Any:
+    def _array(
+        self, code: int, name: str, shape: tuple[int, ...], slot: int | bytearray, frames: Any
+    ) -> Any:
         """Checks and builds any array or tensor (the fast path's fallback)."""
         if len(shape) > _MAX_NDIM:
             raise DecodeError(f"array has {len(shape)} dimensions, at most {_MAX_NDIM} allowed")
@@ -655,18 +713,22 @@ class Decoder:
                 raise DecodeError(f"negative dimension in array shape {list(shape)}")
         count = math.prod(shape)
         if code == _EXT_TENSOR:
-            return self._tensor(name, shape, count, slot)
+            return self._tensor(name, shape, count, slot, frames)
         dtype = _NP_DTYPES.get(name)
         if dtype is None:
             raise DecodeError(
                 f"unknown array dtype {name!r}; known: {sorted(_NP_DTYPES)}"
                 + (" (bfloat16 only as a tensor, ext code 2)" if name == "bfloat16" else "")
             )
-        data = self._data(slot, count * dtype.itemsize, lambda: f"array {name}{list(shape)}")
+        data = self._data(
+            slot, count * dtype.itemsize, lambda: f"array {name}{list(shape)}", frames
+        )
         arr = np.frombuffer(data, dtype, count)
         return arr if len(shape) == 1 else arr.reshape(shape)
 
-    def _tensor(self, name: str, shape: tuple[int, ...], count: int, slot: int | bytearray) -> Any:
+    def _tensor(
+        self, name: str, shape: tuple[int, ...], count: int, slot: int | bytearray, frames: Any
+    ) -> Any:
         import torch
 
         if not _torch_dtypes:
@@ -675,7 +737,7 @@ class Decoder:
         if entry is None:
             raise DecodeError(f"unknown tensor dtype {name!r}; known: {sorted(_torch_dtypes)}")
         dtype, itemsize = entry
-        data = self._data(slot, count * itemsize, lambda: f"tensor {name}{list(shape)}")
+        data = self._data(slot, count * itemsize, lambda: f"tensor {name}{list(shape)}", frames)
         if memoryview(data).readonly:
             data = bytearray(data)  # see the module docstring: torch cannot be read-only
         # Through numpy: torch.frombuffer + reshape costs ~2.5 us, this ~1 us. bfloat16
@@ -688,7 +750,7 @@ class Decoder:
             t = t.to(self.device)
         return t
 
-    def _image(self, payload: memoryview) -> Any:
+    def _image(self, payload: memoryview, frames: Any) -> Any:
         from PIL import Image
 
         try:
@@ -700,13 +762,20 @@ class Decoder:
             raise DecodeError(f"unsupported image mode {mode!r}; known: {sorted(_IMAGE_MODES)}")
         if w < 0 or h < 0:
             raise DecodeError(f"invalid image size {w}x{h}")
-        data = self._data(slot, w * h * bpp, lambda: f"image {mode} {w}x{h}")
+        data = self._data(slot, w * h * bpp, lambda: f"image {mode} {w}x{h}", frames)
         if w == 0 or h == 0:
             return Image.new(mode, (w, h))
         return Image.frombuffer(mode, (w, h), data, "raw", mode, 0, 1)
 
 
-def _token_error(code: int, payload: memoryview, exc: Exception) -> DecodeError:
+def _frame_error(what: str, k: int, frames: Any) -> DecodeError:
+    return DecodeError(
+        f"{what} refers to frame {k}, but the message has "
+        + (f"frames 1..{len(frames) - 1}" if len(frames) > 1 else "no buffer frames")
+    )
+
+
+def _token_error(code: int, payload: memoryview, frames: Any, exc: Exception) -> DecodeError:
     """What is wrong with a token-array extension value that failed to decode."""
     dtype, in_frame = _TOKEN_CODES[code]
     if isinstance(exc, BufferError):
@@ -719,7 +788,7 @@ def _token_error(code: int, payload: memoryview, exc: Exception) -> DecodeError:
     if len(payload) != _FRAME_REF.size:
         return DecodeError(f"token array frame reference must be 8 bytes, got {len(payload)}")
     k, count = _FRAME_REF.unpack(payload)
-    got = memoryview(_state.frames[k]).nbytes
+    got = memoryview(frames[k]).nbytes
     return DecodeError(
         f"token array {dtype.name}[{count}] needs {count * dtype.itemsize} bytes of data, got {got}"
     )

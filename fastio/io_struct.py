@@ -45,12 +45,13 @@ Validation
 ----------
 Sampling parameters carry msgspec constraints (``msgspec.Meta``: ``max_new_tokens >=
 1``, ``0 < top_p <= 1``, ...; see :class:`GenerationHyperparameters`). They are checked
-once, where data enters: on construction (``__post_init__`` checks types and
-constraints, naming the field and the rule), and on decode by msgspec itself (the
-codec's :class:`~fastio.DecodeError` names the field path and the rule). A decode by
-:class:`fastio.Decoder` skips the construction checks msgspec has already made; an
-untrusted decode (the default) still checks what msgspec cannot see (token fields hold
-numeric arrays of the right kind), a trusted one skips that too.
+once, where data enters: on construction (``cls(...)`` checks types and constraints,
+naming the field and the rule, through the metaclass, so decoding never runs these
+checks), and on decode, ``msgspec.convert`` and ``msgspec.json.decode`` by msgspec
+itself, in C (the codec's :class:`~fastio.DecodeError` names the field path and the
+rule). What msgspec cannot see, that token fields hold numeric arrays of the right
+kind, ``__post_init__`` checks on every path: one type and one kind check per field.
+``msgspec.structs.replace`` checks nothing (use ``gconfig.new(...)``).
 
 Static typing: the token fields are annotated ``TokenArray`` for type checkers, so code
 that passes lists or arrays and wants to be ``mypy --strict`` clean wraps them in
@@ -67,7 +68,6 @@ import operator
 import os
 import re
 import socket
-import threading
 import uuid
 from typing import TYPE_CHECKING, Annotated, Any, Literal, Protocol
 
@@ -178,21 +178,6 @@ StopReason = Literal["length", "stop", "interrupt", "abort"]
 _STOP_REASONS = frozenset(("length", "stop", "interrupt", "abort"))
 
 
-class _DecodeState(threading.local):
-    """Per-thread state of the decode in progress (set by :class:`fastio.Decoder`).
-
-    ``mode`` is 0 outside a decode, :data:`UNTRUSTED` or :data:`TRUSTED` during one:
-    ``__post_init__`` then skips the checks msgspec has made already. ``frames`` is the
-    frame list the codec's extension hook reads buffer frames from.
-    """
-
-    mode = 0
-    frames: Any = None
-
-
-_state = _DecodeState()
-UNTRUSTED = 1
-TRUSTED = 2
 _TA = TokenArray
 
 
@@ -224,6 +209,22 @@ else:
     _Tokens = Any
 
 
+class _CheckedMeta(msgspec.StructMeta):
+    """Metaclass of the types with construction-time checks.
+
+    ``cls(...)`` runs ``cls._check_new(obj)`` after msgspec's own ``__init__``. Decoding
+    never calls it (msgspec builds decoded instances directly and checks the typed
+    fields and their constraints itself), so the checks run once, where data enters.
+    """
+
+    _check_new: Any
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        obj = super().__call__(*args, **kwargs)
+        cls._check_new(obj)
+        return obj
+
+
 class WireStruct(msgspec.Struct, array_like=True, gc=False, tag_field="__kind__"):
     """Base of every fastio wire type (see the module docstring for the options).
 
@@ -250,7 +251,9 @@ _Temperature = Annotated[float, msgspec.Meta(ge=0.0)]
 _TokenId = Annotated[int, msgspec.Meta(ge=0)]
 
 
-class GenerationHyperparameters(WireStruct, tag=int(MsgKind.GENERATION_HYPERPARAMETERS)):
+class GenerationHyperparameters(
+    WireStruct, tag=int(MsgKind.GENERATION_HYPERPARAMETERS), metaclass=_CheckedMeta
+):
     """Sampling parameters of one generation request (AReaL's defaults).
 
     Constraints, checked on construction and on decode (msgspec ``Meta``):
@@ -279,10 +282,9 @@ class GenerationHyperparameters(WireStruct, tag=int(MsgKind.GENERATION_HYPERPARA
     temperature: _Temperature = 1.0
     stop_token_ids: list[_TokenId] = msgspec.field(default_factory=list)
 
-    def __post_init__(self) -> None:
-        if _state.mode:
-            return  # decoding: msgspec checked every field already
-        _check_gconfig(self)
+    @staticmethod
+    def _check_new(obj: GenerationHyperparameters) -> None:
+        _check_gconfig(obj)
 
     def new(self, **kwargs: Any) -> GenerationHyperparameters:
         """A copy with the given fields changed (unknown names raise ``TypeError``)."""
@@ -367,7 +369,7 @@ def _gconfig(value: Any) -> GenerationHyperparameters:
         ) from exc
 
 
-class LLMRequest(WireStruct, tag=int(MsgKind.LLM_REQUEST)):
+class LLMRequest(WireStruct, tag=int(MsgKind.LLM_REQUEST), metaclass=_CheckedMeta):
     """A generation request: prompt token ids and sampling parameters.
 
     ``rid`` defaults to a fresh uuid4 string; requests sharing a rid are routed to the
@@ -381,18 +383,19 @@ class LLMRequest(WireStruct, tag=int(MsgKind.LLM_REQUEST)):
     model_id: str | None = None
 
     def __post_init__(self) -> None:
-        # Runs on construction *and* on decode. On decode msgspec has checked every typed
-        # field; the token field is Any to msgspec, so an untrusted decode checks it here.
-        mode = _state.mode
-        if mode:
-            ids = self.input_ids
-            if mode == TRUSTED or (type(ids) is _TA and ids._a.dtype.kind in "iu"):
-                return
-        self.input_ids = _int_tokens(self.input_ids, _ID_DTYPE, "input_ids")
-        if type(self.gconfig) is not GenerationHyperparameters:
-            self.gconfig = _gconfig(self.gconfig)
-        if not mode:
-            _check_request(self)
+        # Runs on construction and on decode. msgspec checks every typed field on decode;
+        # the token field is Any to msgspec (for speed), so it is checked here: one type
+        # and one kind check when it is a TokenArray already (every decode by fastio).
+        ids = self.input_ids
+        if type(ids) is not _TA or ids._a.dtype.kind not in "iu":
+            self.input_ids = _int_tokens(ids, _ID_DTYPE, "input_ids")
+
+    @staticmethod
+    def _check_new(obj: LLMRequest) -> None:
+        # Construction only: msgspec's decode and convert type gconfig themselves.
+        if type(obj.gconfig) is not GenerationHyperparameters:
+            obj.gconfig = _gconfig(obj.gconfig)
+        _check_request(obj)
 
 
 class LLMResponse(WireStruct, tag=int(MsgKind.LLM_RESPONSE)):
@@ -410,28 +413,25 @@ class LLMResponse(WireStruct, tag=int(MsgKind.LLM_RESPONSE)):
     itl: _Tokens = msgspec.field(default_factory=_empty_floats)
 
     def __post_init__(self) -> None:
-        # Runs on construction *and* on decode. On decode msgspec has checked the typed
-        # fields (stop_reason, floats); an untrusted decode checks the token fields (Any
-        # to msgspec) here, a trusted one nothing.
-        mode = _state.mode
-        if mode:
-            if mode == TRUSTED:
-                return
-            a, b, c = self.input_tokens, self.output_tokens, self.output_logprobs
-            d, e = self.output_versions, self.itl
-            if (
-                type(a) is _TA
-                and type(b) is _TA
-                and type(c) is _TA
-                and type(d) is _TA
-                and type(e) is _TA
-                and a._a.dtype.kind in "iu"
-                and b._a.dtype.kind in "iu"
-                and d._a.dtype.kind in "iu"
-                and c._a.dtype.kind in "fiu"
-                and e._a.dtype.kind in "fiu"
-            ):
-                return
+        # Runs on construction and on decode. msgspec checks the typed fields on decode
+        # (stop_reason, floats); the token fields are Any to msgspec, so they are checked
+        # here: a type and a kind check each when they are TokenArrays already.
+        a, b, c = self.input_tokens, self.output_tokens, self.output_logprobs
+        d, e = self.output_versions, self.itl
+        if (
+            type(a) is _TA
+            and type(b) is _TA
+            and type(c) is _TA
+            and type(d) is _TA
+            and type(e) is _TA
+            and a._a.dtype.kind in "iu"
+            and b._a.dtype.kind in "iu"
+            and d._a.dtype.kind in "iu"
+            and c._a.dtype.kind in "fiu"
+            and e._a.dtype.kind in "fiu"
+            and self.stop_reason in _STOP_REASONS
+        ):
+            return
         self.input_tokens = _int_tokens(self.input_tokens, _ID_DTYPE, "input_tokens")
         self.output_tokens = _int_tokens(self.output_tokens, _ID_DTYPE, "output_tokens")
         self.output_logprobs = _float_tokens(

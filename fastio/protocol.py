@@ -23,10 +23,11 @@ PROTOCOL_VERSION = 1
 
 #: Arrays whose data is smaller than this many bytes travel inside the header;
 #: larger ones travel as their own frame, sent without a copy. Chosen by measurement
-#: (``bench/codec.py``, case ``inline_threshold``): a ZeroMQ frame costs about as
-#: much as copying a few KiB, so a request of up to 1023 int32 tokens stays one frame
-#: (and can join a batch frame), a longer one sends its ids without a copy.
-DEFAULT_INLINE_THRESHOLD = 4096
+#: (``bench/codec.py``, case ``inline_threshold``): a ZeroMQ frame costs more than
+#: copying several KiB into the header, so a request of up to 2047 int32 tokens stays
+#: one frame (small enough to join a fabric batch frame, 16 KiB), a longer one sends
+#: its ids without a copy.
+DEFAULT_INLINE_THRESHOLD = 8192
 
 #: Default limit on the total size of one message's frames (16 GiB).
 DEFAULT_MAX_MESSAGE_SIZE = 16 << 30

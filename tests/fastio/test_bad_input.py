@@ -49,7 +49,7 @@ def expect(frames: Any, match: str, type: Any = None, **kw: Any) -> DecodeError:
 
 
 GOOD = fastio.encode(
-    LLMResponse(output_tokens=np.arange(4000, dtype=np.int32), output_logprobs=[0.5] * 600)
+    LLMResponse(output_tokens=np.arange(4000, dtype=np.int32), output_logprobs=[0.5] * 1200)
 )
 assert len(GOOD) == 3  # both arrays above the inline threshold
 
@@ -105,7 +105,7 @@ def test_truncated_and_padded_buffer_frames() -> None:
     expect(GOOD[:2], "wrong frame count: header announces 2 buffers, got 1")
     expect([*GOOD, b"extra"], "wrong frame count: header announces 2 buffers, got 3")
     swapped = [GOOD[0], GOOD[2], GOOD[1]]
-    expect(swapped, "needs 16000 bytes of data, got 4800")
+    expect(swapped, "needs 16000 bytes of data, got 9600")
 
 
 @pytest.mark.parametrize(

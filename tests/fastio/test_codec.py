@@ -59,7 +59,7 @@ def rng() -> np.random.Generator:
 def big_response(n: int = 4096) -> LLMResponse:
     r = rng()
     return LLMResponse(
-        input_tokens=r.integers(0, 150_000, 2000, dtype=np.int32),
+        input_tokens=r.integers(0, 150_000, 3000, dtype=np.int32),
         output_tokens=r.integers(0, 150_000, n, dtype=np.int32),
         output_logprobs=-r.random(n, dtype=np.float32),
         output_versions=np.full(n, 3, np.int32),
@@ -455,9 +455,12 @@ def test_decoded_frames_outlive_the_frame_list() -> None:
 
 
 def test_memoryview_frames_of_other_formats() -> None:
-    frames = fastio.encode({"a": np.arange(1000, dtype=np.float64)})
+    frames = fastio.encode({"a": np.arange(2000, dtype=np.float64)})
     typed = [frames[0], memoryview(np.frombuffer(frames[1], np.float64))]
-    assert np.array_equal(fastio.decode(typed, dict[str, Any])["a"], np.arange(1000.0))
+    assert np.array_equal(fastio.decode(typed, dict[str, Any])["a"], np.arange(2000.0))
+    tokens = fastio.encode(LLMResponse(output_tokens=np.arange(4000, dtype=np.int64)))
+    typed = [tokens[0], memoryview(np.frombuffer(tokens[1], np.int64))]
+    assert fastio.decode(typed, LLMResponse).output_tokens == list(range(4000))
 
 
 @pytest.fixture
@@ -560,7 +563,7 @@ def test_shared_encoder_decoder_across_threads() -> None:
         try:
             barrier.wait(5)
             for i in range(200):
-                n = 1100 + 37 * k + i  # above the inline threshold: frames
+                n = 2100 + 37 * k + i  # above the inline threshold: frames
                 resp = LLMResponse(
                     output_tokens=np.full(n, k, np.int32), output_logprobs=np.zeros(n)
                 )
@@ -580,7 +583,7 @@ def test_shared_encoder_decoder_across_threads() -> None:
 
 
 def test_decoder_device_cpu_is_a_view() -> None:
-    t = torch.arange(2000, dtype=torch.float32)
+    t = torch.arange(4000, dtype=torch.float32)
     frames = [bytearray(f) for f in fastio.encode({"t": t})]
     back = Decoder(dict[str, Any], device="cpu").decode(frames)["t"]
     assert np.shares_memory(back.numpy(), np.frombuffer(frames[1], np.uint8))

@@ -156,7 +156,7 @@ def test_extend_is_amortised() -> None:
 
 
 def test_growth_never_writes_into_a_decoded_frame() -> None:
-    resp = LLMResponse(output_tokens=np.arange(2000, dtype=np.int32))
+    resp = LLMResponse(output_tokens=np.arange(3000, dtype=np.int32))
     frames = fastio.encode(resp)
     received = [bytearray(f) for f in frames]  # writable, as zmq.Frame
     snapshot = [bytes(f) for f in received]
@@ -169,7 +169,7 @@ def test_growth_never_writes_into_a_decoded_frame() -> None:
     got.output_tokens += [-10]
     assert got.output_tokens[-4:] == [-7, -8, -9, -10]
     assert [bytes(f) for f in received] == snapshot  # frame untouched
-    assert view == list(range(2000))  # views of the old data unchanged
+    assert view == list(range(3000))  # views of the old data unchanged
 
 
 def test_growth_never_writes_into_a_read_only_frame() -> None:
@@ -181,11 +181,11 @@ def test_growth_never_writes_into_a_read_only_frame() -> None:
 
 
 def test_growth_never_writes_into_encoded_memory() -> None:
-    t = TokenArray(list(range(2000)), dtype="int32")
-    t.append(2000)  # now a prefix of an over-allocated private buffer
+    t = TokenArray(list(range(3000)), dtype="int32")
+    t.append(3000)  # now a prefix of an over-allocated private buffer
     frames = fastio.encode(LLMResponse(output_tokens=t))
     sent = bytes(frames[1])
-    t.extend(range(2001, 2050))
+    t.extend(range(3001, 3050))
     t.pop()
     t.append(-1)
     assert bytes(frames[1]) == sent

@@ -113,17 +113,26 @@ def test_valid_wire_request_decodes_in_both_trust_modes() -> None:
         assert req.gconfig.max_new_tokens == 7 and req.input_ids == [1, 2]
 
 
-def test_untrusted_decode_checks_token_fields_trusted_does_not() -> None:
+def test_token_fields_are_checked_in_both_trust_modes() -> None:
     # A float array where token ids go: msgspec sees Any, __post_init__ catches it.
     ext = msgpack.ExtType(16 + 12, np.array([1.5], "<f8").tobytes())  # float64 inline
     frames = [bytes(msgpack.packb([1, 0, [2, "rid", ext]]))]
-    with pytest.raises(DecodeError, match="input_ids holds integers"):
-        Decoder(LLMRequest).decode(frames)
-    # Trusted: the caller vouched for the frames, nothing beyond msgspec's own checks.
-    assert Decoder(LLMRequest, trusted=True).decode(frames).input_ids.dtype == np.float64
+    for trusted in (False, True):
+        with pytest.raises(DecodeError, match="input_ids holds integers"):
+            Decoder(LLMRequest, trusted=trusted).decode(frames)
     # msgspec's checks hold in both modes.
     with pytest.raises(DecodeError, match="Expected `int` >= 1"):
         Decoder(LLMRequest, trusted=True).decode([_wire_request(max_new_tokens=0)])
+
+
+def test_trusted_skips_the_size_limit_only() -> None:
+    frames = fastio.encode(LLMRequest(input_ids=np.arange(5000, dtype=np.int32)))
+    with pytest.raises(fastio.MessageTooLarge):
+        Decoder(LLMRequest, max_message_size=1000).decode(frames)
+    got = Decoder(LLMRequest, max_message_size=1000, trusted=True).decode(frames)
+    assert len(got.input_ids) == 5000
+    with pytest.raises(DecodeError, match="wrong frame count"):
+        Decoder(LLMRequest, trusted=True).decode(frames[:1])
 
 
 def test_construction_checks_are_not_repeated_on_decode() -> None:
