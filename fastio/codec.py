@@ -262,13 +262,16 @@ class Encoder:
             if type(obj) is TokenArray:
                 arr = obj._a
                 code = inline_code.get(arr.dtype)
-                if code is not None and arr.flags.c_contiguous:
-                    if arr.nbytes < threshold:
-                        # The elements are the payload: msgspec copies them into the header.
-                        return ext(code, arr.data)
-                    frames = box[0]
-                    frames.append(arr.data.cast("B"))
-                    return ext(code + 16, pack(len(frames) - 1, arr.shape[0]))
+                if code is not None:
+                    mv = arr.data
+                    if mv.c_contiguous:
+                        if mv.nbytes < threshold:
+                            # The elements are the payload: msgspec copies them into the
+                            # header.
+                            return ext(code, mv)
+                        frames = box[0]
+                        frames.append(mv.cast("B"))
+                        return ext(code + 16, pack(len(frames) - 1, len(mv)))
             return other(obj, box[0])
 
         state = (msgspec.msgpack.Encoder(enc_hook=hook), box)
@@ -582,42 +585,46 @@ class Decoder:
             constraint: the field's path and the rule); never any other exception for
             bad input.
         """
-        tf = type(frames)
-        if (tf is not list and tf is not tuple) or not frames:
-            raise DecodeError("expected a non-empty list of frames [header, *buffers]")
-        limit = self._limit
-        if limit is not None:
-            # Frames stay as they are: np.frombuffer reads any of them directly. len() is
-            # the size in bytes of bytes, bytearray, zmq.Frame and byte memoryviews.
-            total = 0
-            try:
-                for f in frames:
-                    total += len(f)
-            except TypeError:
-                total = sum(_buffer(f).nbytes for f in frames)  # DecodeError: not bytes
-            if total > limit:
-                total = sum(_buffer(f).nbytes for f in frames)
-                raise MessageTooLarge(
-                    f"message of {total} bytes exceeds the limit of {limit} bytes"
-                )
         try:
             dec, box = self._tls.state
         except AttributeError:
             dec, box = self._thread_state()
+        limit = self._limit
         box[0] = frames
         try:
+            if limit is not None:
+                # Frames stay as they are: np.frombuffer reads any of them directly. len()
+                # is the size in bytes of bytes, bytearray, zmq.Frame, byte memoryviews.
+                total = 0
+                for f in frames:
+                    total += len(f)
+                if total > limit:
+                    raise _Rejected
             version, n_buffers, msg = dec.decode(frames[0])
+            if version != PROTOCOL_VERSION or n_buffers != len(frames) - 1:
+                raise _Rejected
         except Exception as exc:  # boundary: nothing else may escape for bad input
+            # Everything about a bad message, in the order a reader checks it, is worked
+            # out here, off the hot path.
             raise self._diagnose(frames, exc) from exc
         finally:
             box[0] = None
-        if version != PROTOCOL_VERSION or n_buffers != len(frames) - 1:
-            raise self._diagnose(frames, None)
         return msg
 
-    def _diagnose(self, frames: Sequence[Frame], exc: Exception | None) -> DecodeError:
-        """The error for frames that failed to decode: header problems first (as a
-        header-then-body parse would report them), then the body's own error."""
+    def _diagnose(self, frames: Any, exc: Exception) -> DecodeError:
+        """The error for frames that failed to decode, checked in the order of the
+        protocol: the frame list, each frame, the size limit, the header, the frame
+        count, then the body's own error."""
+        tf = type(frames)
+        if (tf is not list and tf is not tuple) or not frames:
+            return DecodeError("expected a non-empty list of frames [header, *buffers]")
+        try:
+            total = sum(_buffer(f).nbytes for f in frames)
+        except DecodeError as err:
+            return err
+        limit = self._limit
+        if limit is not None and total > limit:
+            return MessageTooLarge(f"message of {total} bytes exceeds the limit of {limit} bytes")
         try:
             h = _buffer(frames[0])
             if len(h) > 3 and h[0] == 0x93 and h[1] == PROTOCOL_VERSION and h[2] < 0x80:
@@ -636,6 +643,8 @@ class Decoder:
             return err
         if isinstance(exc, DecodeError):
             return exc
+        if isinstance(exc, _Rejected):  # pragma: no cover - the header checks above caught it
+            return DecodeError("malformed header")
         if isinstance(exc, msgspec.DecodeError):
             return DecodeError(f"invalid message body: {_body_error(self.type, frames[0], exc)}")
         return DecodeError(f"invalid message body: {type(exc).__name__}: {exc}")
@@ -766,6 +775,10 @@ class Decoder:
         if w == 0 or h == 0:
             return Image.new(mode, (w, h))
         return Image.frombuffer(mode, (w, h), data, "raw", mode, 0, 1)
+
+
+class _Rejected(Exception):
+    """Raised on the decode hot path for a message :meth:`Decoder._diagnose` explains."""
 
 
 def _frame_error(what: str, k: int, frames: Any) -> DecodeError:

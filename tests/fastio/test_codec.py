@@ -639,3 +639,25 @@ def test_decoder_device_moves_tensors() -> None:
     t = torch.arange(1000, dtype=torch.bfloat16).reshape(10, 100)
     back = Decoder(dict[str, Any], device="meta").decode(fastio.encode({"t": t}))["t"]
     assert back.device.type == "meta" and back.shape == (10, 100) and back.dtype == torch.bfloat16
+
+
+def test_protocol_doc_examples_are_exact() -> None:
+    """The byte examples of docs/PROTOCOL.md ("Header"), byte for byte."""
+    frames = fastio.encode(
+        LLMResponse(
+            output_tokens=np.arange(3000, dtype=np.int32),
+            stop_reason="length",
+            latency=1.5,
+            ttft=0.25,
+        )
+    )
+    assert len(frames) == 2 and frames[1].nbytes == 12000
+    assert frames[0] == bytes.fromhex(
+        "930101 9903 c70015 d72501000000b80b0000 c7001c c70015 a66c656e677468"
+        " cb3ff8000000000000 cb3fd0000000000000 c7001c"
+    )
+    (req,) = fastio.encode(LLMRequest(rid="r", input_ids=[5, 6]))
+    assert req == bytes.fromhex(
+        "930100 9602a172 d7150500000006000000"
+        " 990101cd400000c2cb3ff0000000000000ce05f5e100cb3ff000000000000090 80c0"
+    )
