@@ -590,6 +590,7 @@ class Decoder:
         except AttributeError:
             dec, box = self._thread_state()
         limit = self._limit
+        outer = box[0]  # a decode inside a decode (a user type's hook) on this thread
         box[0] = frames
         try:
             if limit is not None:
@@ -608,7 +609,7 @@ class Decoder:
             # out here, off the hot path.
             raise self._diagnose(frames, exc) from exc
         finally:
-            box[0] = None
+            box[0] = outer
         return msg
 
     def _diagnose(self, frames: Any, exc: Exception) -> DecodeError:

@@ -6,7 +6,7 @@ import multiprocessing as mp
 import threading
 import warnings
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Union
 
 import msgpack
 import numpy as np
@@ -661,3 +661,36 @@ def test_protocol_doc_examples_are_exact() -> None:
         "930100 9602a172 d7150500000006000000"
         " 990101cd400000c2cb3ff0000000000000ce05f5e100cb3ff000000000000090 80c0"
     )
+
+
+_NESTED: list[Any] = []  # [decoder, frames] while the test below runs; what it decoded
+
+
+class _Inner(fastio.WireStruct, tag=1998):
+    a: TokenArray
+
+    def __post_init__(self) -> None:
+        if len(_NESTED) == 2:
+            dec, frames = _NESTED
+            _NESTED.append(dec.decode(frames)["x"])
+
+
+class _Outer(fastio.WireStruct, tag=1999):
+    inner: _Inner
+    b: TokenArray
+
+
+def test_decode_inside_a_decode_on_one_thread() -> None:
+    """A user type whose __post_init__ decodes with the same Decoder (same thread), while
+    the outer message still has a frame-backed array to read: both read their own."""
+    inner_frames = fastio.encode({"x": TokenArray(np.arange(3000, dtype=np.int32))})
+    outer = _Outer(_Inner(TokenArray(np.arange(4000, dtype=np.int32))), TokenArray(np.zeros(5000)))
+    dec = Decoder(Union[_Outer, dict[str, Any]])  # noqa: UP007
+    _NESTED[:] = [dec, inner_frames]
+    try:
+        got = dec.decode(fastio.encode(outer))
+    finally:
+        seen = _NESTED[2:]
+        _NESTED.clear()
+    assert got.inner.a == list(range(4000)) and got.b == [0.0] * 5000
+    assert seen[0] == list(range(3000))
