@@ -560,10 +560,8 @@ class Decoder:
                 raise
             except (ValueError, struct.error, BufferError) as exc:
                 raise _token_error(code, payload, box[0], exc) from None
-            tokens = new(TokenArray)  # TokenArray._wrap, inlined
+            tokens = new(TokenArray)  # TokenArray._wrap, inlined; _buf, _excl unset
             tokens._a = arr
-            tokens._buf = None
-            tokens._excl = False
             return tokens
 
         dec = msgspec.msgpack.Decoder(

@@ -132,7 +132,9 @@ class TokenArray(Sequence[Any]):
     #: Over-allocated private buffer that ``_a`` is a prefix of, or None.
     _buf: npt.NDArray[Any] | None
     #: True when no view of ``_a``'s memory exists outside this object, so item
-    #: assignment may write in place (copy-on-write otherwise).
+    #: assignment may write in place (copy-on-write otherwise). The decoder leaves
+    #: ``_buf`` and ``_excl`` unset (read with defaults None and False): two stores fewer
+    #: per decoded array.
     _excl: bool
 
     def __init__(self, data: Any = (), dtype: npt.DTypeLike | None = None) -> None:
@@ -354,7 +356,7 @@ class TokenArray(Sequence[Any]):
         if k == 0:
             return
         dtype = extra.dtype if n == 0 else _joined(self._a.dtype, extra.dtype)
-        buf = self._buf
+        buf = getattr(self, "_buf", None)  # unset on arrays fresh from the decoder
         if buf is None or buf.dtype != dtype or buf.shape[0] < n + k:
             buf = np.empty(max(2 * (n + k), 16), dtype=dtype)
             buf[:n] = self._a
@@ -414,7 +416,7 @@ class TokenArray(Sequence[Any]):
     def _own(self, dtype: np.dtype[Any]) -> npt.NDArray[Any]:
         """``_a`` as private writable memory of ``dtype`` (copies once if shared)."""
         a = self._a
-        if not self._excl or a.dtype != dtype or not a.flags.writeable:
+        if not getattr(self, "_excl", False) or a.dtype != dtype or not a.flags.writeable:
             a = a.astype(dtype)  # always a copy
             self._set_private(a)
         return a
