@@ -694,3 +694,31 @@ def test_decode_inside_a_decode_on_one_thread() -> None:
         _NESTED.clear()
     assert got.inner.a == list(range(4000)) and got.b == [0.0] * 5000
     assert seen[0] == list(range(3000))
+
+
+def test_protocol_doc_fabric_examples_are_exact() -> None:
+    """The token arrays of the fabric examples in docs/PROTOCOL.md, byte for byte."""
+    from fastio import fabric_msgs as fm
+
+    submit = fm.Submit(
+        id=7,
+        request=LLMRequest(
+            rid="r1",
+            input_ids=np.array([1, 2, 3], np.int32),
+            gconfig=GenerationHyperparameters(max_new_tokens=4),
+        ),
+    )
+    assert fastio.encode(submit)[0].startswith(
+        bytes.fromhex("930100951407 9602a27231 c70c15010000000200000003000000 9901010400c2")
+    )
+    result = fm.Result(
+        id=7,
+        output_tokens=TokenArray(np.array([5, 6], np.int32)),
+        output_logprobs=TokenArray(np.array([-0.5, -1.0], np.float32)),
+        output_versions=TokenArray(np.array([0, 0], np.int32)),
+        stop_reason="length",
+    )
+    assert fastio.encode(result) == [
+        bytes.fromhex("930100961507 d7150500000006000000 d71b000000bf000080bf d7150000000000000000")
+        + b"\xa6length"
+    ]
