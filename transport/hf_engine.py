@@ -69,7 +69,15 @@ from fastio._optional import require
 if TYPE_CHECKING:
     from transport.worker import RequestContext
 
-__all__ = ["MODEL_SIZES", "HFEngine", "build_model", "create_engine", "factory", "model_config"]
+__all__ = [
+    "MODEL_SIZES",
+    "HFEngine",
+    "build_model",
+    "create_engine",
+    "factory",
+    "load_pretrained",
+    "model_config",
+]
 
 log = logging.getLogger("transport.hf_engine")
 
@@ -159,7 +167,8 @@ def build_model(
     return model.to(dtype).eval()
 
 
-def _load_pretrained(path: str, dtype: torch.dtype) -> nn.Module:
+def load_pretrained(path: str, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """``AutoModelForCausalLM.from_pretrained`` on a local directory (never downloads)."""
     tf = _transformers()
     if not os.path.isdir(path):
         raise FileNotFoundError(f"model path {path!r} is not a directory (nothing is downloaded)")
@@ -716,7 +725,7 @@ def create_engine(
     if opts.get("threads") not in (None, ""):
         torch.set_num_threads(int(opts["threads"]))
     if model_path:
-        model = _load_pretrained(str(model_path), dtype)
+        model = load_pretrained(str(model_path), dtype)
     else:
         model = build_model(
             str(model_size), int(seed), str(opts.get("arch", "llama")), dtype,
