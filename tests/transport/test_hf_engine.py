@@ -283,6 +283,21 @@ def test_weights_copied_in_place_change_the_output(engine: HFEngine) -> None:
     assert after.output_versions.array.tolist() == [1] * 10
 
 
+def test_weight_left_linears_change_no_result_and_no_parameter(tiny: torch.nn.Module) -> None:
+    plain = HFEngine(build_model("tiny", seed=0), device="cpu", weight_left=False)
+    left = HFEngine(build_model("tiny", seed=0), device="cpu", weight_left=True)
+    try:
+        a, b = (
+            run(e.generate(req(PROMPTS[1], max_new_tokens=12, greedy=True))) for e in (plain, left)
+        )
+        assert a.output_tokens.array.tolist() == b.output_tokens.array.tolist()
+        np.testing.assert_allclose(a.output_logprobs.array, b.output_logprobs.array, atol=1e-4)
+        assert list(left.model.state_dict()) == list(tiny.state_dict())
+    finally:
+        plain.close()
+        left.close()
+
+
 def test_bad_input_is_refused_and_the_engine_keeps_serving(engine: HFEngine) -> None:
     with pytest.raises(ValueError, match="input ids"):
         run(engine.generate(req([1, 999999], max_new_tokens=3)))
