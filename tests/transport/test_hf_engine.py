@@ -18,6 +18,7 @@ pytest.importorskip("transformers")
 from fastio import GenerationHyperparameters, LLMRequest
 from tests.transport.conftest import wait_for
 from transport import FabricClient, FabricController, SyncFabricClient
+from transport.demo import hf_worker_args as demo_worker_args
 from transport.hf_engine import (
     MODEL_SIZES,
     HFEngine,
@@ -28,7 +29,6 @@ from transport.hf_engine import (
 from transport.weights import WeightPublisher, update_weights
 
 G = GenerationHyperparameters
-ENGINE = "transport.hf_engine:factory"
 PROMPTS = [[5, 6, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [42], [200, 3, 17, 90]]
 
 
@@ -355,9 +355,9 @@ def test_cuda_greedy_equals_an_argmax_loop_on_the_device() -> None:
 
 
 # -- in real worker processes -------------------------------------------------------------
-def hf_worker_args(*extra: str) -> list[str]:
-    return ["--bind", "tcp://127.0.0.1:0", "--engine", ENGINE, "--plugin-opt", "model_size=tiny",
-            "--plugin-opt", "device=cpu", *extra]  # fmt: skip
+def hf_worker_args(*extra: str, **opts: Any) -> list[str]:
+    """A worker serving the tiny model on CPU, whichever way this worker CLI takes it."""
+    return ["--bind", "tcp://127.0.0.1:0", *demo_worker_args("tiny", device="cpu", **opts), *extra]
 
 
 @pytest.mark.slow
@@ -398,7 +398,7 @@ def test_a_worker_serves_the_model_and_streams(
 def test_a_worker_pause_interrupts_and_the_client_completes_the_rest(
     spawn: Callable[..., Any], tiny: torch.nn.Module
 ) -> None:
-    w = spawn(*hf_worker_args("--plugin-opt", "token_interval=0.01"), wait=False)
+    w = spawn(*hf_worker_args(token_interval=0.01), wait=False)
     w.wait_ready(90)
     with FabricController([w.address]) as ctl, SyncFabricClient([w.address]) as client:
         fut = client.submit(req(PROMPTS[0], max_new_tokens=200, greedy=True))
