@@ -4,8 +4,11 @@ The model comes from a config with random weights (:data:`MODEL_SIZES`, Llama or
 layout, tied embeddings: for tests, benchmarks and the demo, nothing is downloaded) or
 from ``from_pretrained`` on a local directory. Serve it from a worker::
 
-    python -m transport.worker --bind tcp://127.0.0.1:5555 \\
-        --engine transport.hf_engine:factory --plugin-opt model_size=small
+    python -m transport.worker --bind tcp://127.0.0.1:5555 --engine hf --model-size small
+
+(:func:`create_engine` builds it; :func:`factory` is the same for a worker CLI's
+``--engine module:factory``, taking the options as ``key=value`` strings.)
+``python -m transport.hf_engine --bench`` measures its tokens/s at each size.
 
 Threads. All compute runs on one engine thread that owns the model; the worker's event
 loop never runs a forward, so it keeps answering heartbeats and moving bytes while the
@@ -651,7 +654,7 @@ def _sample_rows(
             thresh = kth.gather(1, pick.unsqueeze(1))
             thresh[torch.tensor([k >= vocab for k in ks], device=dev)] = float("-inf")
             filt = filt.masked_fill(filt < thresh, float("-inf"))
-        ps = [gs[i].top_p for i in sampled]
+        ps = [max(gs[i].top_p, 1e-9) for i in sampled]  # top_p <= 0 keeps the argmax
         if min(ps) < 1.0:
             top_p = torch.tensor([p if p < 1.0 else 2.0 for p in ps], device=dev).unsqueeze(1)
             sorted_l, order = torch.sort(filt, descending=True)

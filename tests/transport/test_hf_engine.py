@@ -149,9 +149,15 @@ def test_sampling_parameters_are_honoured(engine: HFEngine, tiny: torch.nn.Modul
     p = PROMPTS[1]
     greedy, _ = argmax_loop(tiny, p, 10)
     # top_k=1 and a tiny top_p leave only the argmax.
-    for g in (dict(top_k=1), dict(top_p=1e-6), dict(temperature=1e-6)):
+    for g in (dict(top_k=1), dict(top_p=1e-6), dict(temperature=1e-6), dict(temperature=0.0)):
         r = run(engine.generate(req(p, max_new_tokens=10, **g)))
         assert r.output_tokens.array.tolist() == greedy, g
+    # So do the degenerate 0s that construction refuses, set afterwards (the engine
+    # must not rely on validation).
+    for name in ("top_p", "top_k"):
+        odd = req(p, max_new_tokens=10)
+        setattr(odd.gconfig, name, 0)
+        assert run(engine.generate(odd)).output_tokens.array.tolist() == greedy, name
     # top_k=3 at temperature 2: every token among the 3 most likely of its step, and
     # its logprob is under the temperature-scaled distribution.
     for _ in range(3):
@@ -303,7 +309,9 @@ def test_bad_input_is_refused_and_the_engine_keeps_serving(engine: HFEngine) -> 
         run(engine.generate(req([1, 999999], max_new_tokens=3)))
     r = run(engine.generate(req([], max_new_tokens=3)))  # an empty prompt starts from BOS
     assert r.output_len == 3
-    assert run(engine.generate(req([1], max_new_tokens=0))).output_len == 0
+    none = req([1], max_new_tokens=1)
+    none.gconfig.max_new_tokens = 0  # refused at construction; set afterwards
+    assert run(engine.generate(none)).output_len == 0
 
 
 def test_create_engine_takes_strings_and_refuses_unknowns() -> None:
