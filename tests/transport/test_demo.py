@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -91,12 +92,14 @@ def _wait_gone(run_dir: str, timeout: float) -> list[int]:
     return left
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("extra", [[], ["--auth", "--transport", "ipc"]], ids=["tcp", "ipc-curve"])
 def test_demo_runs_updates_weights_and_ends_consistent(extra: list[str]) -> None:
     p = _demo("--duration", "6", "--update-every", "1.5", "--workers", "2", "--clients", "1",
               "--concurrency", "8", "--max-new-tokens", "32", *extra)  # fmt: skip
     try:
-        out, _ = p.communicate(timeout=150)
+        out, _ = p.communicate(timeout=250)
     finally:
         p.kill()
     assert p.returncode == 0, out
@@ -108,6 +111,8 @@ def test_demo_runs_updates_weights_and_ends_consistent(extra: list[str]) -> None
     assert _wait_gone(_run_dir(out), 10) == []
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("transport", ["ipc"])
 def test_ctrl_c_stops_every_process(transport: str) -> None:
     p = _demo("--duration", "120", "--transport", transport, "--clients", "1",
@@ -122,14 +127,115 @@ def test_ctrl_c_stops_every_process(transport: str) -> None:
         p.kill()
     assert "summary" in out, out
     assert _wait_gone(run_dir, 10) == []
+    shutil.rmtree(run_dir, ignore_errors=True)  # kept if nothing completed before Ctrl-C
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(300)
 def test_killed_orchestrator_takes_children_along() -> None:
     p = _demo("--duration", "120", "--clients", "1", "--concurrency", "2")
     try:
         run_dir = _wait_for_run_dir(p, 90)
         assert len(_wait_children(run_dir, 4, 90)) >= 4
     finally:
-        p.kill()  # SIGKILL: no chance to clean up; PR_SET_PDEATHSIG must do it
+        p.kill()  # SIGKILL: no chance to clean up; the children's watchdogs must do it
         p.wait()
     assert _wait_gone(run_dir, 15) == []
+    shutil.rmtree(run_dir, ignore_errors=True)  # the killed demo could not remove it
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_without_a_tty_it_prints_progress_lines_and_removes_its_directory() -> None:
+    p = _demo("--duration", "5", "--progress-every", "1", "--clients", "1",
+              "--concurrency", "4", "--update-every", "2")  # fmt: skip
+    try:
+        out, _ = p.communicate(timeout=250)
+    finally:
+        p.kill()
+    assert p.returncode == 0, out
+    progress = re.findall(r"^\[\s*\d+ s\] done \d+", out, re.M)
+    assert len(progress) >= 3, out
+    run_dir = _run_dir(out)
+    assert not os.path.exists(run_dir), "the run's directory was left behind"
+    assert "logs kept" not in out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_no_completed_request_is_a_failure_and_keeps_the_logs() -> None:
+    # Every step sleeps 5 s: no request (8 tokens at least) completes in 2 s.
+    p = _demo("--duration", "2", "--token-interval", "5", "--clients", "1",
+              "--concurrency", "2", "--update-every", "60")  # fmt: skip
+    try:
+        out, _ = p.communicate(timeout=250)
+    finally:
+        p.kill()
+    assert p.returncode == 1, out
+    assert "no request completed" in out, out
+    run_dir = _run_dir(out)
+    assert f"logs kept in {run_dir}" in out
+    assert os.path.exists(os.path.join(run_dir, "worker0.log"))
+    assert _wait_gone(run_dir, 10) == []
+    shutil.rmtree(run_dir)
+
+
+def test_a_failed_update_fails_the_run() -> None:
+    from transport.demo import ClientReport, FinalCheck, UpdateReport, _State, _verdict
+
+    st = _State()
+    st.clients[0] = ClientReport(client=0, done=5)
+    st.final = FinalCheck(version=2, trainer_digest="0", workers={"w": "0"}, equal=True)
+    st.updates = [UpdateReport(version=1, seconds=0.1), UpdateReport(version=2, seconds=0.1)]
+    assert _verdict(st, early=False) == ""
+    st.updates[1].ok = False
+    assert "versions [2]" in _verdict(st, early=False)
+    st.updates[1].ok = True
+    st.final.equal = False
+    assert "differ" in _verdict(st, early=False)
+    assert "early" in _verdict(st, early=True)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--workers", "0"], "--workers must be at least 1"),
+        (["--duration", "-1"], "--duration must be positive"),
+        (["--model-path", "/nonexistent/model"], "no config.json"),
+    ],
+)
+def test_user_errors_print_one_line(args: list[str], message: str) -> None:
+    p = subprocess.run(
+        [sys.executable, "-m", "transport.demo", *args],
+        cwd=ROOT, capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert p.returncode == 2, p
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], p.stderr
+    assert "Traceback" not in p.stderr
+
+
+def test_no_preexec_fn_in_the_threaded_parent() -> None:
+    # Children die with the demo through a pipe and a watchdog (see
+    # test_killed_orchestrator_takes_children_along), not through preexec_fn.
+    src = (ROOT / "transport" / "demo.py").read_text()
+    assert "preexec_fn=" not in src and "prctl" not in src
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_the_large_model_serves() -> None:
+    p = subprocess.Popen(
+        [sys.executable, "-m", "transport.demo", "--model-size", "large", "--duration", "20",
+         "--update-every", "8"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "COLUMNS": "200"},
+    )  # fmt: skip
+    try:
+        out, _ = p.communicate(timeout=550)
+    finally:
+        p.kill()
+    assert p.returncode == 0, out
+    done = int(re.search(r"requests done / failed\s*│\s*(\d+) / 0", out).group(1))  # type: ignore[union-attr]
+    assert done > 0, out
+    assert re.search(r"workers' weights == trainer's\s*│\s*yes", out), out
