@@ -437,3 +437,57 @@ def test_cuda_ipc_versions_to_a_worker_process(slots: int | None) -> None:  # pr
 def test_process_start_time_sees_this_process() -> None:
     assert process_start_time(os.getpid()) is not None
     assert process_start_time(1 << 22) is None
+
+
+# -- pinned host staging ---------------------------------------------------------------
+def test_pinned_staging_imports_on_cpu_and_applies_a_staged_version() -> None:
+    from transport.weights import pinned
+
+    src = make_state(3)
+    layout = plan_layout([(k, str(v.dtype)[6:], tuple(v.shape)) for k, v in src.items()], BUCKET)
+    staging = torch.zeros(sum(b.nbytes for b in layout), dtype=torch.uint8)
+    pos = 0
+    for b in layout:
+        for e in b.tensors:
+            staging[pos + e.offset : pos + e.offset + e.nbytes] = (
+                src[e.name].reshape(-1).view(torch.uint8)
+            )
+        pos += b.nbytes
+    dst = zeros()
+    pinned.apply_staged(layout, staging, dst)
+    assert equal(dst, src)
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="needs a CUDA device"):
+            pinned.PinnedRegion(torch.zeros(4096, dtype=torch.uint8))
+
+
+@pytest.mark.cuda
+@cuda
+def test_cuda_pinned_shared_memory_round_trip() -> None:  # pragma: no cover - CUDA
+    import mmap
+
+    from transport.weights import pinned
+
+    src = {k: v.cuda() for k, v in make_state(4).items()}
+    layout = plan_layout([(k, str(v.dtype)[6:], tuple(v.shape)) for k, v in src.items()], BUCKET)
+    total = sum(b.nbytes for b in layout)
+    fd = os.open("/dev/shm/fastio-test-pinned", os.O_CREAT | os.O_RDWR, 0o600)
+    try:
+        os.ftruncate(fd, total)
+        seg = mmap.mmap(fd, total)
+        with pinned.PinnedRegion(torch.frombuffer(seg, dtype=torch.uint8)) as host:
+            sums, done = pinned.stage_out(layout, src, host.tensor)
+            for ev in done:
+                ev.synchronize()
+            staging = torch.empty(total, dtype=torch.uint8, device="cuda")
+            want = [int(s.item()) for s in sums]
+            assert bool(pinned.stage_in(layout, host.tensor, staging, want).item())
+            want[0] += 1
+            assert not bool(pinned.stage_in(layout, host.tensor, staging, want).item())
+            dst = {k: torch.zeros_like(v) for k, v in src.items()}
+            pinned.apply_staged(layout, staging, dst)
+            assert equal(dst, src)
+        del host
+    finally:
+        os.close(fd)
+        os.unlink("/dev/shm/fastio-test-pinned")
