@@ -41,7 +41,9 @@ def dist_worker(meta: WeightUpdateMeta, server: int, tp_rank: int) -> None:
     """A generation rank: receives versions 1 (atomic) and 2 (streaming), checks them."""
     torch.set_num_threads(1)
     target = zeros_like(make_state(0))
-    group = WeightGroup(meta, worker_rank(meta, server, tp_rank), bucket_bytes=4096, timeout=60)
+    group = WeightGroup(
+        meta, worker_rank(meta, server, tp_rank), backend="gloo", bucket_bytes=4096, timeout=60
+    )
     group.recv(target, atomic=True)
     if not equal(target, make_state(1)):
         raise SystemExit(3)
@@ -62,7 +64,7 @@ def test_gloo_broadcast_of_buckets_to_worker_processes() -> None:
     for p in ps:
         p.start()
     try:
-        group = WeightGroup(meta, trainer_rank(), bucket_bytes=4096, timeout=60)
+        group = WeightGroup(meta, trainer_rank(), backend="gloo", bucket_bytes=4096, timeout=60)
         assert len(group.plan) > 2
         group.send(make_state(1))
         group.send(make_state(2))
@@ -216,7 +218,7 @@ def test_nccl_group_refuses_two_ranks_on_one_gpu_at_setup() -> None:
 
 
 def _trainer_forms_group_then_dies(meta: WeightUpdateMeta, q: Any) -> None:
-    group = WeightGroup(meta, trainer_rank(), bucket_bytes=4096, timeout=300)
+    group = WeightGroup(meta, trainer_rank(), backend="gloo", bucket_bytes=4096, timeout=300)
     q.put("formed")
     q.get()  # dies on command, before broadcasting anything
     del group
@@ -233,8 +235,9 @@ def _worker_recv_timed(meta: WeightUpdateMeta, q: Any, join_timeout: float | Non
     t0 = time.monotonic()
     try:
         group = WeightGroup(
-            meta, worker_rank(meta, 0), bucket_bytes=4096, timeout=300, join_timeout=join_timeout
-        )
+            meta, worker_rank(meta, 0), backend="gloo", bucket_bytes=4096, timeout=300,
+            join_timeout=join_timeout,
+        )  # fmt: skip
         q.put("formed")
         group.recv(zeros_like(make_state(0)))
         q.put(("received", time.monotonic() - t0))
@@ -276,7 +279,7 @@ def test_worker_fails_fast_when_its_trainer_dies_before_broadcasting() -> None:
 def _trainer_dies_while_forming(meta: WeightUpdateMeta) -> None:
     # World size 3 with one worker that never comes: the trainer waits in the group's
     # formation, listening on its store, until it is killed.
-    WeightGroup(meta, trainer_rank(), bucket_bytes=4096, timeout=300)
+    WeightGroup(meta, trainer_rank(), backend="gloo", bucket_bytes=4096, timeout=300)
 
 
 @pytest.mark.slow

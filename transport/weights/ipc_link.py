@@ -49,6 +49,8 @@ class IpcTrainerLink:
         self.endpoint: str = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         #: Refusals sent, by worker id (the worker should take another path).
         self.refused: dict[str, str] = {}
+        #: The last Hello of every worker (to offer another exporter's slots).
+        self.hellos: dict[str, IpcHello] = {}
         self.bad_frames = 0
 
     def _send(self, worker_id: str, msg: Any) -> None:
@@ -74,12 +76,23 @@ class IpcTrainerLink:
             if isinstance(msg, IpcHello):
                 if msg.worker_id != wid:
                     continue  # only a peer's own id counts
+                self.hellos[wid] = msg
                 offer = self.exporter.offer(msg)
                 if offer.error:
                     self.refused[wid] = offer.error
                 self._send(wid, offer)
             elif msg.worker_id == wid:
                 self.exporter.handle_ack(msg)
+
+    def swap(self, exporter: IpcExporter, workers: list[str]) -> None:
+        """Serve ``exporter`` from now on, offering its slots to ``workers`` (ids that
+        said hello); the old exporter is closed once they opened the new slots (a
+        worker unmaps the old ones when it opens an offer)."""
+        old, self.exporter = self.exporter, exporter
+        for wid in workers:
+            self._send(wid, exporter.offer(self.hellos[wid]))
+        self.wait_for_workers(len(workers))
+        old.close()
 
     def wait_for_workers(self, n: int, timeout: float = 60.0) -> None:
         """Serve until ``n`` workers have opened their slots."""
