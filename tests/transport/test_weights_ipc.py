@@ -161,6 +161,33 @@ def test_a_corrupt_bucket_is_refused_and_the_worker_keeps_its_version() -> None:
     assert not res.ok and "checksum" in res.failed["w"]
 
 
+def test_a_worker_that_joins_mid_version_takes_the_next_whole_one() -> None:
+    exp = IpcExporter(make_state(0), bucket_bytes=BUCKET, slots=None)
+    dst = zeros()
+    imp = IpcImporter(dst, worker_id="late")
+    acks: list[IpcAck] = []
+
+    def send(_: str, r: IpcReady) -> None:
+        acks.extend(imp.on_ready(r))
+
+    def join_after_first_bucket(_: str, r: IpcReady) -> None:
+        if r.bucket == 0 and not imp.offer:
+            exp.handle_ack(imp.open(exp.offer(imp.hello())))
+
+    other = IpcImporter(zeros(), worker_id="first")
+    exp.handle_ack(other.open(exp.offer(other.hello())))
+    exp.publish(make_state(1), 1, send=lambda w, r: send(w, r) if w == "late" else
+                join_after_first_bucket(w, r), wait=time.sleep)  # fmt: skip
+    assert acks and not any(a.ok for a in acks) and "came before" in acks[0].error
+    assert imp.version == -1 and equal(dst, zeros())
+    for a in acks:
+        exp.handle_ack(a)
+    acks.clear()
+    exp.drop_worker("first", dead=False)
+    exp.publish(make_state(2), 2, send=send, wait=time.sleep)
+    assert all(a.ok for a in acks) and imp.version == 2 and equal(dst, make_state(2))
+
+
 def test_refusals() -> None:
     exp = IpcExporter(make_state(0), bucket_bytes=BUCKET)
     # a process the trainer cannot see (another host or pid namespace)

@@ -552,6 +552,7 @@ class IpcImporter:
         self._staging: torch.Tensor | None = None
         self._copied_any = False
         self._starts: list[int] = []
+        self._expect = 0
 
     def hello(self) -> IpcHello:
         """The :class:`IpcHello` this worker sends (again after a trainer restart)."""
@@ -648,6 +649,11 @@ class IpcImporter:
             return [self._ack(r, False, "no such slot or bucket (no offer opened?)")]
         if r.version != self._partial:
             self._start(r.version)
+        if r.bucket != self._expect and not self._failed:
+            # Readies come in bucket order on one connection: a gap means this worker
+            # joined during the version (or lost a message): not a whole version.
+            self._failed = f"version {r.version}: bucket {r.bucket} came before {self._expect}"
+        self._expect = r.bucket + 1
         t0 = time.perf_counter()
         slot = self._slots[r.slot]
         b = self.offer.buckets[r.bucket]
@@ -698,6 +704,7 @@ class IpcImporter:
         self._partial = version
         self._held = []
         self._failed = ""
+        self._expect = 0
 
     def _complete(self, version: int) -> None:
         self.version = version
