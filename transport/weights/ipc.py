@@ -495,9 +495,12 @@ class IpcExporter:
         """Drop the slots (their memory is freed once no live worker maps them)."""
         self.reap()
         self.closed = True
+        cuda = self.device.type == "cuda"
         self._slots.clear()
         self._events.clear()
         self._cpu_handles.clear()
+        if cuda:  # pragma: no cover - CUDA: free blocks whose readers have all let go
+            _cuda.ipc_collect()
 
 
 # -- worker side -----------------------------------------------------------------------
@@ -553,6 +556,7 @@ class IpcImporter:
         self._copied_any = False
         self._starts: list[int] = []
         self._expect = 0
+        self._plans: dict[tuple[int, int], Any] = {}
 
     def hello(self) -> IpcHello:
         """The :class:`IpcHello` this worker sends (again after a trainer restart)."""
@@ -732,13 +736,19 @@ class IpcImporter:
         assert self.offer is not None
         total = sum(b.nbytes for b in self.offer.buckets)
         if self._staging is None or self._staging.numel() < total:
+            self._plans.clear()  # they may hold views of the old buffer
             self._staging = torch.empty(total, dtype=torch.uint8, device=self.device)
         return self._staging
 
     def _copy(self, b: IpcBucket, src: torch.Tensor) -> None:
-        dsts: list[torch.Tensor] = []
-        srcs: list[torch.Tensor] = []
-        with torch.no_grad():
+        # The views are built once per (bucket, source) and reused by every version:
+        # one batched copy per bucket, no Python call per tensor.
+        key = (b.index, src.data_ptr())
+        plan = self._plans.get(key)
+        if plan is None:
+            dsts: list[torch.Tensor] = []
+            srcs: list[torch.Tensor] = []
+            odd: list[tuple[torch.Tensor, torch.Tensor]] = []
             for e in b.tensors:
                 t = self.targets[e.name]
                 piece = src[e.offset : e.offset + e.nbytes]
@@ -746,11 +756,16 @@ class IpcImporter:
                     dsts.append(_byte_view(t))
                     srcs.append(piece)
                 else:  # rare: through a contiguous temporary
-                    tmp = torch.empty(e.shape, dtype=t.dtype, device=t.device)
-                    _byte_view(tmp).copy_(piece)
-                    t.copy_(tmp)
+                    odd.append((t, piece))
+            plan = self._plans[key] = (dsts, srcs, odd)
+        dsts, srcs, odd = plan
+        with torch.no_grad():
             if dsts:
                 torch._foreach_copy_(dsts, srcs, non_blocking=True)
+            for t, piece in odd:
+                tmp = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+                _byte_view(tmp).copy_(piece)
+                t.copy_(tmp)
 
     def _sync(self, slot: torch.Tensor) -> None:
         if slot.device.type == "cuda" or self.device.type == "cuda":  # pragma: no cover
@@ -771,6 +786,7 @@ class IpcImporter:
 
     def close_slots(self) -> None:
         """Unmap the trainer's slots (a new offer reopens)."""
+        self._plans.clear()
         self._slots.clear()
         self._events.clear()
         self.offer = None
