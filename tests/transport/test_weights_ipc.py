@@ -297,7 +297,9 @@ class Harness:
         self.ctx = mp.get_context("spawn")
         self.cmds = self.ctx.Queue()
         self.tout = self.ctx.Queue()
-        self.wout = self.ctx.Queue()
+        # One queue per process: a process killed while it holds a queue's lock would
+        # block every other writer of that queue.
+        self.outs: dict[str, Any] = {}
         self.trainer = self.ctx.Process(
             target=trainer_main, args=(self.cmds, self.tout, slots), daemon=True
         )
@@ -308,8 +310,11 @@ class Harness:
 
     def worker(self, wid: str, *, atomic: bool = True, hold: tuple[int, int] | None = None) -> Any:
         ctl = self.ctx.Queue()
+        self.outs[wid] = self.ctx.Queue()
         p = self.ctx.Process(
-            target=worker_main, args=(self.endpoint, wid, self.wout, ctl, atomic, hold), daemon=True
+            target=worker_main,
+            args=(self.endpoint, wid, self.outs[wid], ctl, atomic, hold),
+            daemon=True,
         )
         p.start()
         self.workers[wid], self.ctl[wid] = p, ctl
@@ -319,8 +324,8 @@ class Harness:
         self.cmds.put(cmd)
         return self.tout.get(timeout=120)
 
-    def expect(self, kind: str, timeout: float = 120) -> tuple[Any, ...]:
-        msg = self.wout.get(timeout=timeout)
+    def expect(self, wid: str, kind: str, timeout: float = 120) -> tuple[Any, ...]:
+        msg = self.outs[wid].get(timeout=timeout)
         assert msg[0] == kind, msg
         return tuple(msg)
 
@@ -352,11 +357,11 @@ def test_two_worker_processes_open_once_and_take_every_version(harness: Any) -> 
     assert h.ask("workers", 2) == ("workers", ["w0", "w1"])
     for v in (1, 2, 3):
         assert h.ask("publish", v) == ("published", v, ["w0", "w1"], {})
-        got = sorted(h.expect("applied")[1:] for _ in range(2))
+        got = [h.expect(w, "applied")[1:] for w in ("w0", "w1")]
         assert got == [("w0", v, True), ("w1", v, True)]
     for w in ("w0", "w1"):
         h.ctl[w].put("stop")
-    done = sorted(h.expect("done")[1:] for _ in range(2))
+    done = [h.expect(w, "done")[1:] for w in ("w0", "w1")]
     # each worker opened the trainer's slots once, for three versions
     assert [d[-1] for d in done] == [1, 1] and {d[1] for d in done} == {"stopped"}
     for p in h.workers.values():
@@ -371,16 +376,16 @@ def test_a_killed_worker_frees_its_slot_and_leaks_nothing(harness: Any) -> None:
     victim = h.worker("victim", hold=(2, 0))  # stops acking at version 2, bucket 0
     h.ask("workers", 2)
     assert h.ask("publish", 1)[2] == ["live", "victim"]
-    for _ in range(2):
-        h.expect("applied")
+    for w in ("live", "victim"):
+        h.expect(w, "applied")
     h.cmds.put(("publish", 2))
-    h.expect("holding")  # the trainer now waits for slot 0 (the victim may read it)
+    h.expect("victim", "holding")  # the trainer now waits for slot 0 (the victim may read it)
     os.kill(victim.pid, signal.SIGKILL)
     kind, v, applied, failed = h.tout.get(timeout=60)
     assert (kind, v, applied) == ("published", 2, ["live"]) and "gone" in failed["victim"]
-    assert h.expect("applied")[1:] == ("live", 2, True)
+    assert h.expect("live", "applied")[1:] == ("live", 2, True)
     h.ctl["live"].put("stop")
-    assert h.expect("done")[1:3] == ("live", "stopped")
+    assert h.expect("live", "done")[1:3] == ("live", "stopped")
     h.workers["live"].join(30)
     # the trainer released the dead worker's references: its memory goes with close()
     assert h.ask("close") == ("closed", [])
@@ -392,16 +397,18 @@ def test_a_killed_trainer_leaves_the_worker_on_a_complete_version(
     harness: Any, atomic: bool
 ) -> None:
     h = harness(2)
-    h.worker("w", atomic=atomic, hold=(2, 2))  # version 2 is half copied when it holds
+    # It holds bucket 1 of version 2 unacked: the trainer, which needs slot 1 again for
+    # the last bucket, stops after bucket 2; the worker never sees the last one.
+    h.worker("w", atomic=atomic, hold=(2, 1))
     h.ask("workers", 1)
     h.ask("publish", 1)
-    assert h.expect("applied")[1:] == ("w", 1, True)
+    assert h.expect("w", "applied")[1:] == ("w", 1, True)
     h.cmds.put(("publish", 2))
-    h.expect("holding")
+    h.expect("w", "holding")
     os.kill(h.trainer.pid, signal.SIGKILL)
     h.trainer.join(30)
     h.ctl["w"].put("resume")
-    _, _wid, reason, version, serving, state, opened = h.expect("done", 60)
+    _, _wid, reason, version, serving, state, opened = h.expect("w", "done", 60)
     assert (reason, version, opened) == ("trainer gone", 1, 1)
     if atomic:  # never a mixed version: the previous one, whole
         assert serving and state == "v1"
