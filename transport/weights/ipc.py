@@ -597,6 +597,7 @@ class IpcImporter:
                 f"trainer pid {offer.pid} is not visible from this worker: another host "
                 "or pid namespace; ipc needs one host"
             )
+        self.abandon()  # a version of a previous offer (trainer) never completes now
         self.close_slots()
         nack = IpcAck(self.worker_id, -1, -1, -1, False, self.version)
         try:
