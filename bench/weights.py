@@ -865,7 +865,48 @@ def run(quick: bool) -> list[Measurement]:
     for nbytes, hidden, vocab in plan:
         out += _run_size(nbytes, hidden, vocab, reps, quick)
     if torch.cuda.is_available():
-        out += _gpu_cases(*plan[-1], reps)
+        sizes = GPU_SIZES[:2] if quick else GPU_SIZES
+        out += gpu_measurements(gpu_suite("bench/results/gpu", sizes, reps))
+    return out
+
+
+def gpu_measurements(rows: list[dict[str, Any]]) -> list[Measurement]:
+    """The GPU suite's rows as :class:`Measurement` s for the report: each fastio case
+    (``gpu-ipc``/``gpu-ipc-whole`` per worker count, ``gpu-pinned``, ``gpu-shm``,
+    ``gpu-tcp``) next to the same size's baselines of the same run (raw CUDA IPC bucket,
+    device copy; pinned D2H + H2D for the pinned case)."""
+    by_size: dict[str, dict[str, dict[str, Any]]] = {}
+    for r in rows:
+        if "median_s" in r and "@" in r["case"]:
+            name, label = r["case"].split("@")
+            by_size.setdefault(label, {})[
+                name + (f"/{r['workers']}w" if "workers" in r else "")
+            ] = r
+    out = []
+    for label, cases in by_size.items():
+        raw = cases.get("raw-cuda-ipc-bucket")
+        d2d = cases.get("floor-d2d")
+        d2h, h2d = cases.get("floor-d2h-pinned"), cases.get("floor-h2d-pinned")
+        for name, r in cases.items():
+            if name.startswith(("raw-", "floor-")):
+                continue
+            case = f"gpu-{name.removeprefix('gpu-')}@{label}".replace("pinned-staging", "pinned")
+            size = int(r.get("size", 0))
+            out.append(Measurement.from_samples(
+                SUITE, case, FASTIO, size, r.get("samples", [r["median_s"]])[1:] or [r["median_s"]],
+                size_unit="bytes", **{k: v for k, v in r.items() if k not in ("case", "samples", "size", "median_s")},
+            ))  # fmt: skip
+            base: dict[str, float] = {}
+            if name.startswith("ipc"):
+                base = {
+                    k: b["median_s"] for k, b in (("raw-cuda-ipc", raw), ("d2d-copy", d2d)) if b
+                }
+            elif name.startswith("pinned") and d2h and h2d:
+                base = {"pinned-d2h+h2d": d2h["median_s"] + h2d["median_s"]}
+            for impl, sec in base.items():
+                out.append(
+                    Measurement.from_samples(SUITE, case, impl, size, [sec], size_unit="bytes")
+                )
     return out
 
 
