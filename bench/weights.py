@@ -8,7 +8,11 @@ live tensors and the trainer has their acknowledgements":
 
 * ``tcp@<size>``: :class:`WeightPublisher` -> 2 :class:`WeightSubscriber` processes that
   fetch over TCP loopback (the shared-memory path switched off on the workers);
-* ``shm@<size>``: the same with the same-host shared-memory path.
+* ``shm@<size>``: the same with the same-host shared-memory path;
+* ``ipc@<size>``: :mod:`transport.weights.ipc` over CPU shared storage (the trainer's
+  persistent buckets opened once by each worker; 32 MiB buckets, the whole model in
+  slots, every bucket verified before any is copied), driven by
+  :mod:`transport.weights.ipc_link`.
 
 Our side includes everything the guarantees cost: packing the trainer's tensors into
 the staging snapshot and hashing it (xxh3) on the trainer, the transfer, hashing every
@@ -37,7 +41,10 @@ xxh3 from memory and xxh3 in cache) and, for TCP, gloo's CPU seconds for the sam
 assuming no Python overhead and perfect use of the cores (see :func:`_floors`);
 ``extra["ceiling_ratio_vs_gloo"]`` is the best gloo ratio that floor allows. Where
 CUDA exists, ``gpu-tcp@<size>``/``gpu-shm@<size>`` measure trainer GPU tensors to worker
-GPU tensors (one process).
+GPU tensors (one process). ``python -m bench.weights --gpu-only`` runs the GPU suite
+(:func:`gpu_suite`: the ``ipc`` path with one and two worker processes, pinned staging,
+the device-copy and pinned-copy floors and a raw CUDA IPC bucket baseline) and writes its
+rows under ``--out`` (``bench/results/gpu/`` by default).
 """
 
 from __future__ import annotations
@@ -136,13 +143,19 @@ def _worker(
     vocab: int,
     gloo_port: int,
     dist_meta: bytes,
+    ipc_ep: str,
 ) -> None:
-    """One generation worker: two subscribers (TCP-only and shm) on the same tensors, and
-    a control DEALER that runs the baselines on command (plain-bytes commands)."""
+    """One generation worker: two subscribers (TCP-only and shm) and an ipc importer on
+    the same tensors, and a control DEALER that runs the baselines on command
+    (plain-bytes commands)."""
+    import threading
+
     import fastio
     from transport.weights import WeightSubscriber
     from transport.weights.disk import load_weights
     from transport.weights.dist import WeightGroup
+    from transport.weights.ipc import IpcImporter
+    from transport.weights.ipc_link import IpcWorkerLink
 
     torch.set_num_threads(1)
     sd = make_state(nbytes, hidden, vocab, zeros=True)
@@ -150,6 +163,9 @@ def _worker(
         WeightSubscriber(tcp_ep, sd, worker_id=f"tcp-{idx}", shm=False).start(),
         WeightSubscriber(shm_ep, sd, worker_id=f"shm-{idx}", shm=True).start(),
     ]
+    ipc = IpcWorkerLink(IpcImporter(sd, worker_id=f"ipc-{idx}"), ipc_ep)
+    ipc_thread = threading.Thread(target=ipc.run, daemon=True)
+    ipc_thread.start()
     ctx: zmq.Context[Any] = zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -170,8 +186,10 @@ def _worker(
                         _bcast(pg, t).wait()
                     pg.barrier().wait()
             elif cmd == b"dist":
-                if group is None:
-                    group = WeightGroup(meta, idx + 1, bucket_bytes=int(args[1]), timeout=120)
+                if group is None:  # CPU tensors: gloo also where CUDA exists
+                    group = WeightGroup(
+                        meta, idx + 1, backend="gloo", bucket_bytes=int(args[1]), timeout=120
+                    )
                 for _ in range(int(args[0])):
                     group.recv(sd, atomic=True)
                     group.pg.barrier().wait()
@@ -181,6 +199,9 @@ def _worker(
     finally:
         for s in subs:
             s.close()
+        ipc.stop()
+        ipc_thread.join(10)
+        ipc.close()
         sock.close(linger=0)
 
 
@@ -284,6 +305,8 @@ def _run_size(nbytes: int, hidden: int, vocab: int, reps: int, quick: bool) -> l
     from transport.weights import WeightPublisher
     from transport.weights.disk import save_weights
     from transport.weights.dist import WeightGroup, param_specs
+    from transport.weights.ipc import IpcExporter
+    from transport.weights.ipc_link import IpcTrainerLink
 
     state = make_state(nbytes, hidden, vocab, seed=1)
     size = _nbytes(state)
@@ -296,6 +319,10 @@ def _run_size(nbytes: int, hidden: int, vocab: int, reps: int, quick: bool) -> l
     ctrl.bind(ctrl_ep)
     tcp_pub = WeightPublisher(shm=False, bucket_bytes=bucket)
     shm_pub = WeightPublisher(shm=True, bucket_bytes=bucket)
+    # ipc: smaller buckets than the sockets' so that packing bucket k+1 overlaps the
+    # workers' checksum of bucket k (a bucket is announced only once it is whole)
+    ipc_bucket = 32 * _MIB
+    ipc_link = IpcTrainerLink(IpcExporter(state, bucket_bytes=ipc_bucket, slots=None))
     gloo_port = _free_port()
     alloc = AllocationMode.from_str("sglang.d2p1t1+d1p1t1")
     meta = WeightUpdateMeta.from_param_specs(
@@ -316,6 +343,7 @@ def _run_size(nbytes: int, hidden: int, vocab: int, reps: int, quick: bool) -> l
                 vocab,
                 gloo_port,
                 meta_bytes,
+                ipc_link.endpoint,
             ),
             daemon=True,
         )
@@ -336,6 +364,7 @@ def _run_size(nbytes: int, hidden: int, vocab: int, reps: int, quick: bool) -> l
             idents.append(ident)
         tcp_pub.wait_for_workers(2, 60)
         shm_pub.wait_for_workers(2, 60)
+        ipc_link.wait_for_workers(2, 60)
 
         def command(cmd: bytes) -> None:
             for ident in idents:
@@ -390,8 +419,35 @@ def _run_size(nbytes: int, hidden: int, vocab: int, reps: int, quick: bool) -> l
                 },
             )
 
+        def ipc_case() -> Measurement:
+            samples = []
+            meter = _CpuMeter(pids)
+            for r in range(reps + 2):
+                if r == 2:
+                    meter = _CpuMeter(pids)
+                version[0] += 1
+                t0 = time.perf_counter()
+                res = ipc_link.publish(state, version[0], timeout=300)
+                samples.append(time.perf_counter() - t0)
+                if not res.ok or len(res.applied) != 2:
+                    raise RuntimeError(f"ipc weight update failed: {res}")
+            ack = next(iter(res.applied.values()))
+            return Measurement.from_samples(
+                SUITE,
+                f"ipc@{label}",
+                FASTIO,
+                size,
+                samples[2:],
+                size_unit="bytes",
+                gb_per_s_per_worker=round(size / 1e9 / min(samples[2:]), 3),
+                bucket_bytes=ipc_bucket,
+                slots=ipc_link.exporter.n_slots,
+                cpu_s_per_update=meter.per_update(reps),
+                worker_stats={k: round(v, 4) for k, v in ack.stats.items()},
+            )
+
         prim = _primitives(state)
-        ours = [fastio_case(tcp_pub, "tcp"), fastio_case(shm_pub, "shm")]
+        ours = [fastio_case(tcp_pub, "tcp"), fastio_case(shm_pub, "shm"), ipc_case()]
 
         # gloo, one broadcast per tensor into the live tensors (the reference's way)
         pg = None
@@ -421,7 +477,7 @@ def _run_size(nbytes: int, hidden: int, vocab: int, reps: int, quick: bool) -> l
         def gloo_bucketed() -> list[float]:
             for ident in idents:
                 ctrl.send_multipart([ident, b"dist %d %d" % (reps + 1, bucket)])
-            group = WeightGroup(meta, 0, bucket_bytes=bucket, timeout=120)
+            group = WeightGroup(meta, 0, backend="gloo", bucket_bytes=bucket, timeout=120)
             samples = []
             meter = _CpuMeter(pids)
             for r in range(reps + 1):
@@ -459,8 +515,9 @@ def _run_size(nbytes: int, hidden: int, vocab: int, reps: int, quick: bool) -> l
             # What the guarantees leave reachable here: the floor and the best ratio
             # against gloo it allows (see _floors).
             m.extra["primitives_s"] = prim
-            m.extra["floor_s"] = floors[via]
-            m.extra["ceiling_ratio_vs_gloo"] = round(gloo_med / floors[via], 2)
+            if via in floors:
+                m.extra["floor_s"] = floors[via]
+                m.extra["ceiling_ratio_vs_gloo"] = round(gloo_med / floors[via], 2)
             out.append(m)
             for impl, samples in baselines.items():
                 out.append(
@@ -486,6 +543,7 @@ def _run_size(nbytes: int, hidden: int, vocab: int, reps: int, quick: bool) -> l
                 p.join(5)
         tcp_pub.close()
         shm_pub.close()
+        ipc_link.close()
         ctrl.close(linger=0)
         shutil.rmtree(tmp, ignore_errors=True)
     return out
@@ -528,6 +586,271 @@ def _gpu_cases(nbytes: int, hidden: int, vocab: int, reps: int) -> list[Measurem
     return out
 
 
+# -- GPU suite (bench/gpu_check.sh) -----------------------------------------------------
+#: (label, bytes, hidden, vocab) of the GPU suite: ~184 MiB, ~1 GiB and ~8 GiB fp32.
+GPU_SIZES = [
+    ("184MiB", 192 * _MIB, 512, 32000),
+    ("1GiB", 1 << 30, 1024, 32000),
+    ("8GiB", 8 << 30, 2048, 32000),
+]
+
+
+def _device_state(nbytes: int, hidden: int, vocab: int, seed: int) -> dict[str, torch.Tensor]:
+    """:func:`make_state`'s shapes, filled on the device (an 8 GiB state in a second)."""
+    sd = make_state(nbytes, hidden, vocab, device="cuda", zeros=True)
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    for t in sd.values():
+        t.normal_(generator=g)
+    return sd
+
+
+def _median_cuda(fn: Any, reps: int = 10) -> float:
+    fn()
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        out.append(time.perf_counter() - t0)
+    return statistics.median(out)
+
+
+def _gpu_ipc_worker(
+    endpoint: str, wid: str, nbytes: int, hidden: int, vocab: int, stop: Any
+) -> None:
+    """A worker process of the GPU suite: CUDA parameters fed by the ipc path."""
+    import threading
+
+    from transport.weights.ipc import IpcImporter
+    from transport.weights.ipc_link import IpcWorkerLink
+
+    torch.cuda.set_device(0)
+    sd = make_state(nbytes, hidden, vocab, device="cuda", zeros=True)
+    link = IpcWorkerLink(IpcImporter(sd, worker_id=wid), endpoint)
+
+    def stopper() -> None:
+        stop.wait()
+        link.stop()
+
+    threading.Thread(target=stopper, daemon=True).start()
+    link.run(poll_s=0.2)
+    link.close()
+
+
+def _copy_floors(size: int) -> dict[str, float]:
+    """Seconds to copy ``size`` bytes device to device, and each way through pinned
+    host memory (the floors of the ipc and pinned paths)."""
+    flat = torch.empty(size, dtype=torch.uint8, device="cuda")
+    flat2 = torch.empty_like(flat)
+    host = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+    return {
+        "d2d": _median_cuda(lambda: flat2.copy_(flat)),
+        "d2h-pinned": _median_cuda(lambda: host.copy_(flat, non_blocking=True), 5),
+        "h2d-pinned": _median_cuda(lambda: flat.copy_(host, non_blocking=True), 5),
+    }
+
+
+def _raw_ipc_worker(shapes: Any, dtypes: Any, q_in: Any, q_out: Any) -> None:
+    """The raw CUDA IPC baseline's worker (``shared/gpu/ipc_baseline.py``): one flat
+    bucket received once (torch.multiprocessing pickles its handle), copied into its
+    parameters every version, ack over a queue."""
+    torch.cuda.set_device(0)
+    params = [torch.zeros(s, dtype=d, device="cuda") for s, d in zip(shapes, dtypes, strict=True)]
+    bucket = None
+    while True:
+        msg = q_in.get()
+        if msg is None:
+            return
+        kind, version, payload = msg
+        if kind == "bucket":
+            bucket = payload
+            continue
+        assert bucket is not None
+        off = 0
+        for p in params:
+            nb = p.numel() * p.element_size()
+            p.view(-1).view(torch.uint8).copy_(bucket[off : off + nb])
+            off += nb
+        torch.cuda.synchronize()
+        q_out.put(version)
+
+
+def _raw_ipc(state: dict[str, torch.Tensor], reps: int) -> tuple[float, list[float]]:
+    import torch.multiprocessing as tmp
+
+    tensors = list(state.values())
+    total = _nbytes(state)
+    ctx = tmp.get_context("spawn")
+    q_in, q_out = ctx.Queue(), ctx.Queue()
+    w = ctx.Process(
+        target=_raw_ipc_worker,
+        args=([tuple(t.shape) for t in tensors], [t.dtype for t in tensors], q_in, q_out),
+        daemon=True,
+    )
+    w.start()
+    bucket = torch.empty(total, dtype=torch.uint8, device="cuda")
+    q_in.put(("bucket", 0, bucket))
+    samples = []
+    try:
+        for v in range(reps + 1):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            off = 0
+            for t in tensors:
+                nb = t.numel() * t.element_size()
+                bucket[off : off + nb].copy_(t.reshape(-1).view(torch.uint8))
+                off += nb
+            torch.cuda.synchronize()
+            q_in.put(("version", v, None))
+            if q_out.get(timeout=300) != v:
+                raise RuntimeError("raw ipc baseline: wrong version acked")
+            samples.append(time.perf_counter() - t0)
+        q_in.put(None)
+        w.join(30)
+    finally:
+        if w.is_alive():
+            w.kill()
+    return statistics.median(samples[1:]), samples
+
+
+def _pinned_staging(state: dict[str, torch.Tensor], reps: int) -> dict[str, Any]:
+    """Trainer CUDA tensors -> a /dev/shm mapping registered as pinned -> a device staging
+    -> CUDA targets, with device checksums both ways (:mod:`transport.weights.pinned`),
+    in one process: what the pinned shared-memory path costs without the sockets."""
+    import mmap
+
+    from transport.weights import pinned
+    from transport.weights.ipc import _dtype_name, plan_layout
+
+    layout = plan_layout(
+        ((k, _dtype_name(t.dtype), tuple(t.shape)) for k, t in state.items()), 256 * _MIB
+    )
+    total = sum(b.nbytes for b in layout)
+    path = f"/dev/shm/fastio-bench-pinned-{os.getpid()}"
+    fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
+    try:
+        os.ftruncate(fd, total)
+        seg = mmap.mmap(fd, total)
+        region = pinned.PinnedRegion(torch.frombuffer(seg, dtype=torch.uint8))
+        staging = torch.empty(total, dtype=torch.uint8, device="cuda")
+        targets = {k: torch.zeros_like(v) for k, v in state.items()}
+        samples, ok = [], True
+        for _ in range(reps + 1):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            sums, done = pinned.stage_out(layout, state, region.tensor)
+            want = [int(c.item()) for c in sums]
+            done[-1].synchronize()
+            ok = ok and bool(pinned.stage_in(layout, region.tensor, staging, want).item())
+            pinned.apply_staged(layout, staging, targets)
+            torch.cuda.synchronize()
+            samples.append(time.perf_counter() - t0)
+        ok = ok and all(torch.equal(targets[k], state[k]) for k in state)
+        region.close()
+        del region, seg
+        return {"median_s": statistics.median(samples[1:]), "samples": samples, "verified": ok}
+    finally:
+        os.close(fd)
+        os.unlink(path)
+
+
+def gpu_suite(
+    out_dir: str,
+    sizes: list[tuple[str, int, int, int]] | None = None,
+    reps: int = 5,
+    budget_s: float = 230.0,
+) -> list[dict[str, Any]]:  # pragma: no cover - needs a GPU
+    """The GPU weight-update suite, one JSON row per case (printed and appended to
+    ``<out_dir>/weights-gpu.jsonl``): per size, the floors (device copy, pinned copies
+    each way), the raw CUDA IPC bucket baseline, fastio's ``ipc`` path (two slots and
+    whole model; one and two worker processes on the trainer's GPU), pinned staging, and
+    at 184 MiB/1 GiB the socket paths (``gpu-tcp``/``gpu-shm``). Stops starting new
+    sizes after ``budget_s`` seconds (rows say what was skipped)."""
+    import json
+
+    from transport.weights.ipc import IpcExporter
+    from transport.weights.ipc_link import IpcTrainerLink
+
+    os.makedirs(out_dir, exist_ok=True)
+    rows: list[dict[str, Any]] = []
+    start = time.monotonic()
+
+    def emit(**row: Any) -> None:
+        rows.append(row)
+        line = json.dumps(row)
+        print(line, flush=True)
+        with open(os.path.join(out_dir, "weights-gpu.jsonl"), "a") as f:
+            f.write(line + "\n")
+
+    emit(case="device", name=torch.cuda.get_device_name(), torch=torch.__version__,
+         cuda=torch.version.cuda)  # fmt: skip
+    spawn = mp.get_context("spawn")
+    for label, nbytes, hidden, vocab in sizes or GPU_SIZES:
+        if time.monotonic() - start > budget_s:
+            emit(case=f"skipped@{label}", reason=f"over the {budget_s} s budget")
+            continue
+        state = _device_state(nbytes, hidden, vocab, seed=1)
+        size = _nbytes(state)
+        for name, sec in _copy_floors(size).items():
+            emit(case=f"floor-{name}@{label}", size=size, median_s=sec, gb_per_s=size / sec / 1e9)
+        raw_med, raw_samples = _raw_ipc(state, reps)
+        emit(case=f"raw-cuda-ipc-bucket@{label}", size=size, median_s=raw_med,
+             samples=raw_samples, gb_per_s=size / raw_med / 1e9)  # fmt: skip
+        stop = spawn.Event()
+        link = IpcTrainerLink(IpcExporter(state, slots=2))
+        procs: list[Any] = []
+        version = 0
+        try:
+            for mode, slots in (("ipc", 2), ("ipc-whole", None)):
+                if slots is None:
+                    link.swap(IpcExporter(state, slots=None), ["gpu0"])
+                for n_workers in (1, 2):
+                    while len(procs) < n_workers:
+                        wid = f"gpu{len(procs)}"
+                        procs.append(spawn.Process(
+                            target=_gpu_ipc_worker,
+                            args=(link.endpoint, wid, nbytes, hidden, vocab, stop), daemon=True,
+                        ))  # fmt: skip
+                        procs[-1].start()
+                        link.wait_for_workers(len(procs), 180)
+                    if n_workers == 2 and slots is None:
+                        link._send("gpu1", link.exporter.offer(link.hellos["gpu1"]))
+                        link.wait_for_workers(2, 60)
+                    samples = []
+                    for _ in range(reps + 1):
+                        version += 1
+                        torch.cuda.synchronize()
+                        t0 = time.perf_counter()
+                        res = link.publish(state, version, timeout=300)
+                        samples.append(time.perf_counter() - t0)
+                        if not res.ok or len(res.applied) != n_workers:
+                            raise RuntimeError(f"ipc update failed: {res}")
+                    med = statistics.median(samples[1:])
+                    emit(case=f"{mode}@{label}", workers=n_workers, size=size, median_s=med,
+                         samples=samples, gb_per_s=size / med / 1e9,
+                         slots=link.exporter.n_slots, ratio_vs_raw_ipc=med / raw_med,
+                         worker_stats=next(iter(res.applied.values())).stats)  # fmt: skip
+        finally:
+            stop.set()
+            for p in procs:
+                p.join(20)
+                if p.is_alive():
+                    p.kill()
+            link.close()
+        vfs = os.statvfs("/dev/shm")
+        if vfs.f_bavail * vfs.f_frsize > size + (1 << 30):  # a full tmpfs would SIGBUS us
+            emit(case=f"pinned-staging@{label}", size=size, **_pinned_staging(state, reps))
+        else:
+            emit(case=f"skipped-pinned-staging@{label}", reason="/dev/shm too small")
+        if nbytes <= 1 << 30:
+            for m in _gpu_cases(nbytes, hidden, vocab, reps):
+                emit(case=m.case, size=size, median_s=m.median_s, samples=m.samples)
+        del state
+        torch.cuda.empty_cache()
+    return rows
+
+
 def run(quick: bool) -> list[Measurement]:
     """Measure weight updates; quick: one ~192 MiB model, 5 repeats."""
     # (bytes, hidden size, vocabulary): a model-size sweep for plotting update time
@@ -542,20 +865,60 @@ def run(quick: bool) -> list[Measurement]:
     for nbytes, hidden, vocab in plan:
         out += _run_size(nbytes, hidden, vocab, reps, quick)
     if torch.cuda.is_available():
-        out += _gpu_cases(*plan[-1], reps)
+        sizes = GPU_SIZES[:2] if quick else GPU_SIZES
+        out += gpu_measurements(gpu_suite("bench/results/gpu", sizes, reps))
+    return out
+
+
+def gpu_measurements(rows: list[dict[str, Any]]) -> list[Measurement]:
+    """The GPU suite's rows as :class:`Measurement` s for the report: each fastio case
+    (``gpu-ipc``/``gpu-ipc-whole`` per worker count, ``gpu-pinned``, ``gpu-shm``,
+    ``gpu-tcp``) next to the same size's baselines of the same run (raw CUDA IPC bucket,
+    device copy; pinned D2H + H2D for the pinned case)."""
+    by_size: dict[str, dict[str, dict[str, Any]]] = {}
+    for r in rows:
+        if "median_s" in r and "@" in r["case"]:
+            name, label = r["case"].split("@")
+            by_size.setdefault(label, {})[
+                name + (f"/{r['workers']}w" if "workers" in r else "")
+            ] = r
+    out = []
+    for label, cases in by_size.items():
+        raw = cases.get("raw-cuda-ipc-bucket")
+        d2d = cases.get("floor-d2d")
+        d2h, h2d = cases.get("floor-d2h-pinned"), cases.get("floor-h2d-pinned")
+        for name, r in cases.items():
+            if name.startswith(("raw-", "floor-")):
+                continue
+            case = f"gpu-{name.removeprefix('gpu-')}@{label}".replace("pinned-staging", "pinned")
+            size = int(r.get("size", 0))
+            out.append(Measurement.from_samples(
+                SUITE, case, FASTIO, size, r.get("samples", [r["median_s"]])[1:] or [r["median_s"]],
+                size_unit="bytes", **{k: v for k, v in r.items() if k not in ("case", "samples", "size", "median_s")},
+            ))  # fmt: skip
+            base: dict[str, float] = {}
+            if name.startswith("ipc"):
+                base = {
+                    k: b["median_s"] for k, b in (("raw-cuda-ipc", raw), ("d2d-copy", d2d)) if b
+                }
+            elif name.startswith("pinned") and d2h and h2d:
+                base = {"pinned-d2h+h2d": d2h["median_s"] + h2d["median_s"]}
+            for impl, sec in base.items():
+                out.append(
+                    Measurement.from_samples(SUITE, case, impl, size, [sec], size_unit="bytes")
+                )
     return out
 
 
 if __name__ == "__main__":  # pragma: no cover - manual runs
-    import json
     import sys
 
     if "--gpu-only" in sys.argv:
-        # bench/gpu_check.sh on a lent GPU machine: only the CUDA-to-CUDA cases.
-        for nbytes, hidden, vocab in ((192 * _MIB, 512, 32000), (1 << 30, 1024, 32000)):
-            for m in _gpu_cases(nbytes, hidden, vocab, 5):
-                row = {"case": m.case, "median_s": m.median_s, "samples": m.samples, **m.extra}
-                print(json.dumps(row), flush=True)
+        # bench/gpu_check.sh on a lent GPU machine: the GPU suite only.
+        args = sys.argv[sys.argv.index("--gpu-only") + 1 :]
+        out_dir = args[args.index("--out") + 1] if "--out" in args else "bench/results/gpu"
+        budget = float(args[args.index("--budget") + 1]) if "--budget" in args else 230.0
+        gpu_suite(out_dir, budget_s=budget)
         os._exit(0)
     for m in run("--quick" in sys.argv):
         print(m.case, m.impl, f"{m.median_s:.3f}s", m.extra.get("gb_per_s_per_worker"))

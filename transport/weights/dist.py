@@ -14,6 +14,17 @@ next bucket is on the wire while the worker copies the previous one into its wei
 The group is a standalone process group (its own ``TCPStore`` and ``PrefixStore``), not
 the default one, so it coexists with the trainer's own ``init_process_group``.
 
+NCCL needs one device per rank. Before the NCCL group forms, every rank writes its host,
+its CUDA device count and the device it asked for (if any) into the store, and every rank
+derives the same assignment with :func:`assign_devices`: a rank without a request gets its
+local rank (its position among the group's ranks on its host). Two ranks on one device of
+one host are refused on every rank with a :class:`DeviceConflictError` that names them
+(same-GPU workers belong on the ``ipc`` path, :mod:`transport.weights.ipc`).
+
+Forming the group is bounded by ``join_timeout`` (a worker whose trainer died before the
+group formed fails after it, not after the collective ``timeout``); once formed, a
+trainer's death closes gloo's connections and a waiting worker fails at once.
+
 On a worker, ``atomic=True`` (default) receives every bucket into one staging buffer
 (allocated once, reused by later versions) before copying anything into the weights, so
 a broadcast that fails half-way (the trainer died: the collective times out) leaves the
@@ -24,8 +35,10 @@ bucket-sized buffers only) and a failure leaves the weights mixed.
 from __future__ import annotations
 
 import datetime
+import json
+import socket
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -47,7 +60,90 @@ from transport.weights.errors import WeightUpdateError
 # Typed loosely: the c10d classes are not re-exported in torch's stubs.
 tdist: Any = _tdist
 
-__all__ = ["WeightGroup", "param_specs", "trainer_rank", "worker_rank", "world_size"]
+__all__ = [
+    "DeviceConflictError",
+    "WeightGroup",
+    "assign_devices",
+    "param_specs",
+    "trainer_rank",
+    "worker_rank",
+    "world_size",
+]
+
+
+class DeviceConflictError(WeightUpdateError, ValueError):
+    """The NCCL group cannot give every rank its own CUDA device (raised on every rank
+    at setup, before NCCL is touched); the message names the ranks and the device."""
+
+
+def _names(ranks: Sequence[int]) -> str:
+    return (
+        ", ".join(str(r) for r in ranks[:-1]) + f" and {ranks[-1]}"
+        if len(ranks) > 1
+        else str(ranks[0])
+    )
+
+
+def assign_devices(
+    hosts: Sequence[str], device_counts: Sequence[int], requested: Sequence[int | None]
+) -> list[int]:
+    """The CUDA device of every rank of an NCCL group: ``requested[r]`` where given, else
+    rank ``r``'s local rank (its position, by rank, among the ranks on ``hosts[r]``)
+    counted over the devices no rank of that host asked for.
+
+    Pure: every rank calls it on the same inputs (exchanged through the group's store)
+    and gets the same answer or the same error.
+
+    Raises
+    ------
+    DeviceConflictError
+        Two ranks of one host on one device (NCCL refuses them: "Duplicate GPU
+        detected"), or a rank whose device its host does not have.
+
+    Examples
+    --------
+    >>> assign_devices(["a", "a", "b"], [2, 2, 1], [None, None, None])
+    [0, 1, 0]
+    """
+    if not len(hosts) == len(device_counts) == len(requested):
+        raise ValueError("hosts, device_counts and requested need one entry per rank")
+    advice = (
+        "NCCL needs one device per rank: give each rank its own GPU "
+        "(WeightGroup(device=...)), or put workers that share the trainer's GPU on the "
+        "ipc path"
+    )
+    by_host: dict[str, list[int]] = {}
+    for rank, host in enumerate(hosts):
+        by_host.setdefault(host, []).append(rank)
+    out: list[int] = []
+    for rank, (host, count, req) in enumerate(zip(hosts, device_counts, requested, strict=True)):
+        if req is None:
+            taken = {requested[r] for r in by_host[host]}
+            free = [d for d in range(count) if d not in taken]
+            waiting = [r for r in by_host[host] if requested[r] is None]
+            k = waiting.index(rank)
+            if k >= len(free):
+                raise DeviceConflictError(
+                    f"ranks {_names(by_host[host])} are on host {host!r}, which has "
+                    f"{count} CUDA device(s) ({len(free)} not asked for by a rank); {advice}"
+                )
+            out.append(free[k])
+        elif not 0 <= req < count:
+            raise DeviceConflictError(
+                f"rank {rank} asked for cuda:{req}, but host {host!r} has {count} CUDA "
+                f"device(s); {advice}"
+            )
+        else:
+            out.append(req)
+    owners: dict[tuple[str, int], list[int]] = {}
+    for rank, (host, dev) in enumerate(zip(hosts, out, strict=True)):
+        owners.setdefault((host, dev), []).append(rank)
+    for (host, dev), ranks in owners.items():
+        if len(ranks) > 1:
+            raise DeviceConflictError(
+                f"ranks {_names(ranks)} are all on cuda:{dev} of host {host!r}; {advice}"
+            )
+    return out
 
 
 def world_size(meta: WeightUpdateMeta) -> int:
@@ -96,6 +192,12 @@ class WeightGroup:
         Bucket size; must be the same on every rank (it shapes the plan).
     timeout:
         Seconds a collective may wait for the others before failing.
+    join_timeout:
+        Seconds forming the group may take (connecting to the trainer's store, waiting
+        for every rank); default ``min(timeout, 60)``.
+    device:
+        NCCL only: this rank's CUDA device index (default: its local rank, see
+        :func:`assign_devices`).
 
     Examples
     --------
@@ -112,6 +214,8 @@ class WeightGroup:
         backend: str | None = None,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         timeout: float = 300.0,
+        join_timeout: float | None = None,
+        device: int | None = None,
     ) -> None:
         if meta.type != "nccl":
             raise ValueError(f"WeightGroup needs a type='nccl' WeightUpdateMeta, got {meta.type!r}")
@@ -121,35 +225,60 @@ class WeightGroup:
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} outside the group of {self.world_size}")
         self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-        self.device = (
-            torch.device("cuda", torch.cuda.current_device())
-            if (self.backend == "nccl")
-            else torch.device("cpu")
-        )
         self.plan: list[WeightBucketInfo] = plan_buckets(
             ((p.name, p.dtype, p.shape) for p in meta.nccl_param_specs), bucket_bytes
         )
         td = datetime.timedelta(seconds=timeout)
-        store = tdist.TCPStore(
-            meta.nccl_master_address,
-            meta.nccl_master_port,
-            self.world_size,
-            is_master=rank == 0,
-            timeout=td,
-            wait_for_workers=False,
-        )
+        join = min(timeout, 60.0) if join_timeout is None else join_timeout
+        where = f"{meta.nccl_master_address}:{meta.nccl_master_port}"
+        try:
+            store = tdist.TCPStore(
+                meta.nccl_master_address,
+                meta.nccl_master_port,
+                self.world_size,
+                is_master=rank == 0,
+                timeout=datetime.timedelta(seconds=join),
+                wait_for_workers=False,
+            )
+        except (RuntimeError, OSError) as exc:  # DistNetworkError, DistStoreError
+            raise WeightUpdateError(
+                f"rank {rank}: the weight group's store at {where} was not reachable "
+                f"within join_timeout={join} s (trainer dead or not started): {exc}"
+            ) from exc
         self._store = tdist.PrefixStore(meta.nccl_group_name, store)
+        self.device = torch.device("cpu")
+        if self.backend == "nccl":
+            self.device = torch.device("cuda", self._exchange_devices(device))
         self.pg: Any
-        if self.backend == "gloo":
-            self.pg = tdist.ProcessGroupGloo(self._store, rank, self.world_size, td)
-        else:  # pragma: no cover - needs GPUs
-            opts = tdist.ProcessGroupNCCL.Options()
-            opts._timeout = td
-            self.pg = tdist.ProcessGroupNCCL(self._store, rank, self.world_size, opts)
+        try:
+            if self.backend == "gloo":
+                self.pg = tdist.ProcessGroupGloo(self._store, rank, self.world_size, td)
+            else:  # pragma: no cover - needs GPUs
+                torch.cuda.set_device(self.device)
+                opts = tdist.ProcessGroupNCCL.Options()
+                opts._timeout = td
+                self.pg = tdist.ProcessGroupNCCL(self._store, rank, self.world_size, opts)
+        except RuntimeError as exc:
+            raise WeightUpdateError(
+                f"rank {rank}: the weight group at {where} did not form within {join} s: {exc}"
+            ) from exc
+        # Setup is over: later store operations wait as long as a collective may.
+        store.set_timeout(td)
         self._bufs: list[torch.Tensor] = []
         self._staging: torch.Tensor | None = None
         #: Per-bucket timings of the last send/recv (seconds).
         self.last_timings: list[dict[str, float]] = []
+
+    def _exchange_devices(self, device: int | None) -> int:
+        """Every rank posts (host, CUDA device count, requested device) to the store and
+        reads everyone's; all derive the same :func:`assign_devices` (or the same error)."""
+        me = [socket.gethostname(), torch.cuda.device_count(), device]
+        self._store.set(f"fastio-device/{self.rank}", json.dumps(me))
+        rows = [
+            json.loads(bytes(self._store.get(f"fastio-device/{r}"))) for r in range(self.world_size)
+        ]
+        hosts, counts, requested = zip(*rows, strict=True) if rows else ((), (), ())
+        return assign_devices(list(hosts), list(counts), list(requested))[self.rank]
 
     def _buffer(self, i: int, nbytes: int) -> torch.Tensor:
         while len(self._bufs) <= i:
