@@ -3,7 +3,7 @@ own memory with generation workers on its node (CUDA IPC on a GPU, torch's share
 files on CPU) and says, per version, what it packed into them.
 
 Every message is one fastio message (``[header]``: none carries buffers) whose body is one
-of the Structs below, tagged in the range 60-69 (see :data:`IPC_TAGS`). The handles are
+of the Structs below, tagged in the range 60-63 (``MsgKind.IPC_*``) (see :data:`IPC_TAGS`). The handles are
 plain msgpack fields of :class:`IpcHandle`: bytes, integers and a flag. No pickle.
 
 Flow (trainer = exporter, worker = importer; see ``docs/PROTOCOL.md``, "The ipc path")::
@@ -25,6 +25,7 @@ from __future__ import annotations
 import msgspec
 
 from fastio.io_struct import WireStruct
+from fastio.protocol import MsgKind
 
 __all__ = [
     "IPC_TAGS",
@@ -39,7 +40,12 @@ __all__ = [
 ]
 
 #: Struct tags of the ipc messages (range 60-69 of ``fastio.protocol.MsgKind``).
-IPC_TAGS = {"IpcHello": 60, "IpcOffer": 61, "IpcReady": 62, "IpcAck": 63}
+IPC_TAGS = {
+    "IpcHello": int(MsgKind.IPC_HELLO),
+    "IpcOffer": int(MsgKind.IPC_OFFER),
+    "IpcReady": int(MsgKind.IPC_READY),
+    "IpcAck": int(MsgKind.IPC_ACK),
+}
 
 #: Bytes after a slot's payload: the checksum and the version of what was packed, two
 #: little-endian int64, written by the trainer (on its device) after the payload.

@@ -74,6 +74,11 @@ class MsgKind(enum.IntEnum):
     WEIGHT_BUCKET = 45
     WEIGHT_ACK = 46
     WEIGHT_ERROR = 47
+    # -- range 60-63; see ``fastio/ipc_msgs.py`` and "The ipc path" in PROTOCOL.md
+    IPC_HELLO = 60
+    IPC_OFFER = 61
+    IPC_READY = 62
+    IPC_ACK = 63
 
 
 class ExtCode(enum.IntEnum):
