@@ -21,6 +21,15 @@ its name: a worker's mapping of the unlinked file keeps that version's bytes (Li
 frees them with the last mapping). A
 private buffer is only read by this process's own zero-copy sends; it is reused for a
 later version once no send may still read it (ZeroMQ's message trackers).
+
+The path of each worker. A worker on this host whose process the trainer can see, and
+that can open the trainer's memory, takes the ``ipc`` path (:mod:`transport.weights.ipc`:
+persistent buckets of the trainer's memory, packed again every version, announced with
+``IpcReady`` on the same ROUTER) when ``ipc`` allows it: ``"auto"`` for CUDA tensors,
+``"cpu"`` for CPU tensors too (on CPU, torch's shared-memory files are slower than the
+``shm`` path: opt-in), ``"off"`` never. Every other worker, and an ``ipc`` worker whose
+offer was refused or whose version failed there, takes ``shm`` (same host) or ``tcp``.
+Each Ack says which (``via``), and :attr:`UpdateResult.paths` reports it per worker.
 """
 
 from __future__ import annotations
@@ -31,12 +40,13 @@ import secrets
 import threading
 import time
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Union
 
 import torch
 import zmq
 
 import fastio
+from fastio.ipc_msgs import IpcAck, IpcHello
 from fastio.weight_msgs import SUBSCRIBER_TO_PUBLISHER, WeightAnnounce
 from transport import metrics
 from transport.sockets import CurveConfig, WorkerAuthenticator, apply_curve_server
@@ -49,6 +59,7 @@ from transport.weights.bucket import (
     split_aliases,
 )
 from transport.weights.errors import UpdateIncomplete
+from transport.weights.ipc import IpcExporter, plan_layout
 from transport.weights.ratelog import RateLimitedLog
 from transport.weights.results import SubscriberInfo, UpdateResult
 from transport.weights.serving import PublisherService
@@ -68,6 +79,12 @@ DEFAULT_CHUNK_BYTES = 1 << 20
 #: I/O threads of the publisher's private context that carry the ROUTER's connections
 #: (the bucket bytes); one more carries the PUB's.
 _ROUTER_IO_THREADS = 2
+
+#: What the ROUTER accepts: the weight messages and the ipc path's Hello and Ack.
+_FROM_SUBSCRIBER = Union[SUBSCRIBER_TO_PUBLISHER, IpcHello, IpcAck]  # noqa: UP007
+
+#: Values of ``WeightPublisher(ipc=...)``.
+IPC_MODES = ("auto", "cpu", "off")
 
 
 class WeightPublisher(PublisherService):
@@ -104,6 +121,16 @@ class WeightPublisher(PublisherService):
         ``.key_secret`` and, to admit only known workers, ``authorized_clients_dir``).
         Off by default (loopback); turn it on whenever workers connect across hosts. A
         worker with a wrong or missing key gets nothing, not even the announcements.
+    ipc:
+        When same-host workers take the ``ipc`` path (see the module docstring):
+        ``"auto"`` (CUDA tensors), ``"cpu"`` (CPU tensors too) or ``"off"``.
+    ipc_slots:
+        Persistent buckets of the ``ipc`` path (2: double buffering; ``None``: the whole
+        model).
+    ipc_timeout:
+        Seconds :meth:`publish` waits for a live ``ipc`` worker to release a slot
+        before it raises :class:`~transport.weights.errors.WeightUpdateError` (a dead
+        worker's slots are released as soon as its process is gone).
 
     Examples
     --------
@@ -127,7 +154,18 @@ class WeightPublisher(PublisherService):
         keep_versions: int = 2,
         context: zmq.Context[Any] | None = None,
         curve: CurveConfig | None = None,
+        ipc: str = "auto",
+        ipc_slots: int | None = 2,
+        ipc_timeout: float = 60.0,
     ) -> None:
+        if ipc not in IPC_MODES:
+            raise ValueError(f"ipc must be one of {IPC_MODES}, not {ipc!r}")
+        self.ipc_mode = ipc
+        self.ipc_slots = ipc_slots
+        self.ipc_timeout = ipc_timeout
+        self._ipc: IpcExporter | None = None
+        self._ipc_hellos: dict[str, IpcHello] = {}
+        self._outbox: list[tuple[bytes, list[Any]]] = []
         Hasher(checksum)  # validates the name now rather than at the first publish
         self.bucket_bytes = bucket_bytes
         self.chunk_bytes = max(1, chunk_bytes)
@@ -198,7 +236,7 @@ class WeightPublisher(PublisherService):
         self._wake_lock = threading.Lock()
 
         self._encoder = fastio.Encoder()
-        self._decoder = fastio.Decoder(SUBSCRIBER_TO_PUBLISHER, max_message_size=8 << 20)
+        self._decoder = fastio.Decoder(_FROM_SUBSCRIBER, max_message_size=8 << 20)
         self._cond = threading.Condition()
         self._workers: dict[str, SubscriberInfo] = {}
         self._versions: dict[int, Staged] = {}
@@ -261,7 +299,8 @@ class WeightPublisher(PublisherService):
             :meth:`wait` collects their answers.
         """
         t0 = time.monotonic()
-        tensors, aliases = split_aliases(named_tensors(state))
+        everything = named_tensors(state)
+        tensors, aliases = split_aliases(dict(everything))
         with self._cond:
             if self._closed:
                 raise RuntimeError("publisher is closed")
@@ -269,6 +308,10 @@ class WeightPublisher(PublisherService):
                 raise ValueError(
                     f"version {version} is not newer than the latest ({self._latest.version})"
                 )
+        ipc = self._ipc_wanted(everything)
+        if ipc:
+            # Slots first: a worker that opens them defers the Announce below.
+            self._prepare_ipc(everything)
         with self._cond:
             wanted = {i.dtype for i in self._workers.values() if i.alive}
         plan = plan_version(tensors, wanted, self.bucket_bytes)
@@ -307,6 +350,10 @@ class WeightPublisher(PublisherService):
                 raise staged.error
             if self._closed:
                 raise RuntimeError("publisher closed while publishing")
+        if ipc:
+            # After the Announce (which ipc workers keep as their fallback), so that
+            # their Acks find the version registered.
+            self._publish_ipc(everything, version)
         metrics.PUBLISHER_PHASE_SECONDS.labels(phase="pack").observe(time.monotonic() - t0)
         self._prepare_spare(staged.capacity)
         return staged.announce
@@ -349,6 +396,8 @@ class WeightPublisher(PublisherService):
             res = UpdateResult(version)
             for w in sorted(st.expected | set(st.acks)):
                 ack = st.acks.get(w)
+                if ack is not None:
+                    res.paths[w] = ack.via
                 if ack is not None and ack.ok:
                     res.applied[w] = ack
                 elif ack is not None:
@@ -403,8 +452,11 @@ class WeightPublisher(PublisherService):
             self._versions.clear()
             self._latest = None
             spare, self._spare = self._spare, None
+            exp, self._ipc = self._ipc, None
         if spare is not None:
             spare.close()
+        if exp is not None:
+            exp.close()
         if self._probe is not None:
             self._probe.close()
 
@@ -413,6 +465,75 @@ class WeightPublisher(PublisherService):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    # -- the ipc path --------------------------------------------------------------------
+    def _ipc_wanted(self, tensors: dict[str, torch.Tensor]) -> bool:
+        if self.ipc_mode == "off" or not tensors:
+            return False
+        if self.ipc_mode == "cpu":
+            return True
+        return any(t.is_cuda for t in tensors.values())
+
+    def _queue(self, wid: str, msg: Any) -> None:
+        """Have the serving thread send ``msg`` to ``wid`` (lock held)."""
+        self._outbox.append((wid.encode(), self._encoder.encode(msg)))
+
+    def _prepare_ipc(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Slots for this layout (new ones when it changed), offered to every worker
+        that asked, which get a moment to open them."""
+        specs = [
+            (k, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for k, t in tensors.items()
+        ]
+        layout = plan_layout(specs, self.bucket_bytes)
+        with self._cond:
+            if self._ipc is None or self._ipc.layout != layout:
+                if self._ipc is not None:
+                    self._ipc.close()
+                self._ipc = IpcExporter(
+                    tensors,
+                    bucket_bytes=self.bucket_bytes,
+                    slots=self.ipc_slots,
+                    publisher_id=self.publisher_id,
+                )
+                # Workers that asked before: offered now, and given a moment to open.
+                offered = []
+                for wid, hello in self._ipc_hellos.items():
+                    info = self._workers.get(wid)
+                    if info is not None and info.alive:
+                        offer = self._ipc.offer(hello)
+                        self._queue(wid, offer)
+                        if not offer.error:
+                            offered.append(wid)
+                self._wake()
+                deadline = time.monotonic() + min(5.0, self.ipc_timeout)
+                exp = self._ipc
+                while not self._closed:
+                    waiting = [w for w in offered if w in exp.workers and not exp.workers[w].opened]
+                    left = deadline - time.monotonic()
+                    if not waiting or left <= 0:
+                        break
+                    self._cond.wait(min(left, 0.1))
+
+    def _publish_ipc(self, tensors: dict[str, torch.Tensor], version: int) -> None:
+        """Pack ``version`` into the ipc slots and send its IpcReady notices (under the
+        lock, released while a slot is still read; the serving thread sends)."""
+        with self._cond:
+            exp = self._ipc
+            assert exp is not None
+
+            def send(wid: str, ready: Any) -> None:
+                self._queue(wid, ready)
+                self._wake()
+
+            def wait(seconds: float) -> None:
+                self._cond.wait(seconds)
+
+            exp.publish(tensors, version, send=send, wait=wait, timeout=self.ipc_timeout)
+            readers = sum(w.opened for w in exp.workers.values())
+        self._wake()
+        nbytes = sum(b.nbytes for b in exp.layout)
+        metrics.PUBLISHER_BYTES.labels(path="ipc").inc(nbytes * readers)
+        self._count("ipc_versions")
 
     # -- staging -----------------------------------------------------------------------
     def _acquire(self, version: int, total: int) -> Staged:

@@ -26,6 +26,8 @@ class SubscriberInfo:
     alive: bool = True
     #: The one dtype it wants floating tensors in ("" if none declared).
     dtype: str = ""
+    #: The path its last answered version took: ``"ipc"``, ``"shm"`` or ``"tcp"``.
+    path: str = ""
 
 
 @dataclass
@@ -45,6 +47,9 @@ class UpdateResult:
         Expected workers that had not answered when the timeout passed.
     elapsed_s:
         Seconds from the announcement to the last answer (or the timeout).
+    paths:
+        Worker id -> the path its answer came by (``"ipc"``, ``"shm"`` or ``"tcp"``;
+        ``""`` when it failed before choosing one), for every worker that answered.
     """
 
     version: int
@@ -52,6 +57,7 @@ class UpdateResult:
     failed: dict[str, str] = field(default_factory=dict)
     missing: list[str] = field(default_factory=list)
     elapsed_s: float = 0.0
+    paths: dict[str, str] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:

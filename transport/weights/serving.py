@@ -19,6 +19,7 @@ from typing import Any
 import zmq
 
 import fastio
+from fastio.ipc_msgs import IpcAck, IpcHello
 from fastio.weight_msgs import (
     WeightAck,
     WeightBucket,
@@ -30,6 +31,7 @@ from fastio.weight_msgs import (
 )
 from transport import metrics
 from transport.weights import shm as _shm
+from transport.weights.ipc import IpcExporter
 from transport.weights.ratelog import RateLimitedLog
 from transport.weights.results import SubscriberInfo
 from transport.weights.staging import Send, Staged
@@ -69,6 +71,9 @@ class PublisherService:
     _seq: int
     _closed: bool
     _probe: _shm.Probe | None
+    _ipc: IpcExporter | None
+    _ipc_hellos: dict[str, IpcHello]
+    _outbox: list[tuple[bytes, list[Any]]]
 
     def _retire(self) -> None:
         raise NotImplementedError
@@ -103,6 +108,9 @@ class PublisherService:
                     if self._closed:
                         return
                     pending, self._pending = self._pending, []
+                    outbox, self._outbox = self._outbox, []
+                for ident, out in outbox:
+                    self._reply(ident, out)
                 for st in pending:
                     self._announce(st)
                 self._advance_all()
@@ -166,6 +174,18 @@ class PublisherService:
 
     def _heartbeat(self, now: float) -> None:
         with self._cond:
+            if self._ipc is not None:
+                # An ipc worker whose process is gone: its slots are released now, and
+                # it is lost at once (not after worker_timeout).
+                for w in self._ipc.reap():
+                    gone = self._workers.get(w)
+                    if gone is not None and gone.alive:
+                        gone.alive = False
+                        log.warning("weight subscriber %s lost: its process is gone", w)
+                        for st in self._versions.values():
+                            if w in st.expected and w not in st.acks:
+                                st.lost[w] = "worker lost: its process is gone"
+                                self._check_done(st)
             for w, info in self._workers.items():
                 if info.alive and now - info.last_seen > self.worker_timeout:
                     info.alive = False
@@ -211,6 +231,9 @@ class PublisherService:
             self._reply(ident, self._encoder.encode(err))
             return
         now = time.monotonic()
+        if isinstance(msg, (IpcHello, IpcAck)):
+            self._handle_ipc(ident, wid, msg, now)
+            return
         hello = isinstance(msg, WeightHello)
         if isinstance(msg, WeightAck) and wid not in self._workers:
             # Only a Hello makes a peer a worker: an Ack from any other peer (a stray
@@ -246,7 +269,9 @@ class PublisherService:
                 # (a subscriber drops a send its socket cannot take): count it as the Ack.
                 for st in self._versions.values():
                     if st.version <= msg.version and wid in st.expected and wid not in st.acks:
-                        st.acks[wid] = WeightAck(wid, st.version, True, msg.version, "", msg.digest)
+                        st.acks[wid] = WeightAck(
+                            wid, st.version, True, msg.version, "", msg.digest, info.path
+                        )
                         self._check_done(st)
                 self._cond.notify_all()
         if isinstance(msg, WeightHello):
@@ -273,11 +298,39 @@ class PublisherService:
                     acked.expected.add(wid)
                     self._check_done(acked)
                 info.version = msg.current_version
+                if msg.via:
+                    info.path = msg.via
                 if msg.digest is not None:
                     info.digest = msg.digest
                 self._cond.notify_all()
             if not msg.ok:
                 log.warning("worker %s failed version %d: %s", wid, msg.version, msg.error)
+
+    def _handle_ipc(self, ident: bytes, wid: str, msg: IpcHello | IpcAck, now: float) -> None:
+        """The ipc path's Hello (offer the slots, or remember it until the first
+        version that takes the path) and Ack (a slot released, a version's last bucket
+        done: the worker's WeightAck reports the version itself)."""
+        if msg.worker_id != wid:  # only a peer's own id counts
+            self._count("ipc_foreign_ids")
+            return
+        offer = None
+        with self._cond:
+            info = self._workers.get(wid)
+            if info is not None:
+                info.last_seen = now
+            if isinstance(msg, IpcHello):
+                if info is None:
+                    return  # a WeightHello comes first
+                self._ipc_hellos[wid] = msg
+                if self._ipc is not None:
+                    offer = self._ipc.offer(msg)
+            elif self._ipc is not None:
+                self._ipc.handle_ack(msg)
+                if msg.bucket == -2:
+                    self._ipc_hellos.pop(wid, None)
+            self._cond.notify_all()
+        if offer is not None:
+            self._reply(ident, self._encoder.encode(offer))
 
     def _serve_fetch(self, ident: bytes, wid: str, msg: WeightFetch) -> None:
         with self._cond:

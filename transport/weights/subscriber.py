@@ -36,12 +36,13 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, Union
 
 import torch
 import zmq
 
 import fastio
+from fastio.ipc_msgs import IpcAck, IpcOffer, IpcReady
 from fastio.weight_msgs import (
     PUBLISHER_TO_SUBSCRIBER,
     WeightAck,
@@ -58,6 +59,7 @@ from transport.weights import shm as _shm
 from transport.weights.binding import DtypeSpec, Rename, advertised_dtype, parse_dtype_spec
 from transport.weights.bucket import BucketApplier, named_tensors, state_digest
 from transport.weights.fetching import InFlight, VersionFetch
+from transport.weights.ipc import IpcImporter, IpcRefused
 from transport.weights.malloc import tune_malloc as _tune_malloc
 from transport.weights.ratelog import RateLimitedLog
 from transport.weights.results import UpdateStats
@@ -65,6 +67,12 @@ from transport.weights.results import UpdateStats
 __all__ = ["WeightSubscriber"]
 
 log = logging.getLogger("transport.weights.subscriber")
+
+#: What the DEALER and SUB accept: the weight messages and the ipc path's Offer and Ready.
+_FROM_PUBLISHER = Union[PUBLISHER_TO_SUBSCRIBER, IpcOffer, IpcReady]  # noqa: UP007
+
+#: Values of ``WeightSubscriber(path=...)`` (``None``: whatever the publisher offers).
+PATHS = ("ipc", "shm", "tcp")
 
 
 class WeightSubscriber(VersionFetch):
@@ -141,6 +149,15 @@ class WeightSubscriber(VersionFetch):
     curve:
         CurveZMQ keys (:class:`transport.CurveConfig`: this worker's ``.key_secret`` and
         the publisher's public ``.key`` as ``server_public_key_file``).
+    path:
+        Override of the path (see :mod:`transport.weights.publisher`): ``None`` takes
+        ``ipc`` whenever the publisher offers it and the worker can open the trainer's
+        memory (same host, no ``dtype``/``rename``/``loader``), else ``shm`` or
+        ``tcp``; ``"shm"`` never asks for ``ipc``; ``"tcp"`` neither, and no shared
+        memory; ``"ipc"`` is ``None`` that raises when ``ipc`` is impossible by
+        configuration. A version that fails on ``ipc`` is fetched by ``shm``/``tcp``.
+        :attr:`path` and :attr:`last_stats` (``via``) say which path the last version
+        took.
 
     Examples
     --------
@@ -175,8 +192,22 @@ class WeightSubscriber(VersionFetch):
         max_message_size: int = 1 << 30,
         tune_malloc: bool = False,
         curve: CurveConfig | None = None,
+        path: str | None = None,
     ) -> None:
         self.endpoint = endpoint
+        if path is not None and path not in PATHS:
+            raise ValueError(f"path must be None or one of {PATHS}, not {path!r}")
+        if path == "tcp":
+            shm = False
+        self._ipc_eligible = (
+            path in (None, "ipc")
+            and target is not None
+            and loader is None
+            and dtype is None
+            and rename is None
+        )
+        if path == "ipc" and not self._ipc_eligible:
+            raise ValueError("path='ipc' copies into `target` as is: no loader, dtype or rename")
         if tune_malloc:
             _tune_malloc()
         if target is None and loader is None:
@@ -224,7 +255,7 @@ class WeightSubscriber(VersionFetch):
         self._host = _shm.host_id()
         self._encoder = fastio.Encoder()
         self._decoder = fastio.Decoder(
-            PUBLISHER_TO_SUBSCRIBER, max_message_size=max_message_size + (1 << 20)
+            _FROM_PUBLISHER, max_message_size=max_message_size + (1 << 20)
         )
         # per publisher instance
         self._pub_id = ""
@@ -236,6 +267,16 @@ class WeightSubscriber(VersionFetch):
         self._attempts: dict[tuple[str, int], int] = {}
         self._given_up: set[tuple[str, int]] = set()
         self._segments: dict[str, _shm.ShmSegment] = {}
+        # the ipc path (per publisher instance)
+        self._imp: IpcImporter | None = None
+        self._pub_host = ""
+        self._ipc_asked = ""  # the publisher id an IpcHello went to
+        self._ipc_open = False
+        self._ipc_deferred: WeightAnnounce | None = None
+        self._ipc_failed: set[int] = set()
+        self._ipc_t0 = 0.0
+        #: Why the ipc path was refused ("" if it was not).
+        self.ipc_refused = ""
 
     # -- public API --------------------------------------------------------------------
     @property
@@ -247,6 +288,18 @@ class WeightSubscriber(VersionFetch):
     def consistent(self) -> bool:
         """False only in ``atomic=False`` mode after a version failed half-applied."""
         return self._consistent
+
+    @property
+    def path(self) -> str:
+        """The path of the last version applied (``"ipc"``, ``"shm"``, ``"tcp"``; ``""``
+        before the first)."""
+        return self.last_stats.via
+
+    @property
+    def ipc_open(self) -> bool:
+        """Whether this worker has the trainer's ipc slots open (its next versions come
+        by ``ipc``)."""
+        return self._ipc_open
 
     @property
     def closed(self) -> bool:
@@ -332,6 +385,7 @@ class WeightSubscriber(VersionFetch):
             log.exception("weight subscriber %s crashed", self.worker_id)
             raise
         finally:
+            self._ipc_close()
             self._dealer.close(linger=0)
             self._sub.close(linger=0)
             for seg in self._segments.values():
@@ -397,6 +451,7 @@ class WeightSubscriber(VersionFetch):
         if isinstance(msg, WeightWelcome):
             if msg.announce is not None:
                 self._consider(msg.announce)
+            self._ipc_hello(up_to_date=msg.announce is None)
         elif isinstance(msg, WeightHeartbeat):
             if msg.seq > self._last_seq:
                 self._count("gaps")  # an Announce was lost: ask for the snapshot
@@ -411,11 +466,17 @@ class WeightSubscriber(VersionFetch):
             self._on_bucket(msg)
         elif isinstance(msg, WeightError):
             self._on_error(msg)
+        elif isinstance(msg, IpcOffer):
+            self._on_ipc_offer(msg)
+        elif isinstance(msg, IpcReady):
+            self._on_ipc_ready(msg)
 
     def _new_publisher(self, w: WeightWelcome) -> None:
         if self._update is not None:
             self._fail(self._update.ann.version, "the publisher was restarted mid-update")
         self._pub_id = w.publisher_id
+        self._pub_host = w.host_id
+        self._ipc_reset()
         self._last_seq = w.seq
         self._shm_ok = (
             self.shm and w.host_id == self._host and _shm.read_probe(w.shm_probe, w.shm_token)
@@ -538,3 +599,181 @@ class WeightSubscriber(VersionFetch):
         self._fail(up.ann.version, f"publisher: {msg.reason}")
         # A newer version exists: the next Hello brings its manifest.
         self._hello()
+
+    # -- the ipc path ------------------------------------------------------------------
+    def _ipc_hello(self, *, up_to_date: bool) -> None:
+        """Ask this publisher for its ipc slots, once, when this worker could take
+        them and holds the latest version (a late joiner first catches up from the
+        snapshot by shm/tcp: the ipc path carries only versions whole)."""
+        if (
+            not self._ipc_eligible
+            or self._ipc_asked == self._pub_id
+            or not up_to_date
+            or self._update is not None
+            or self._pub_host != self._host
+        ):
+            return
+        if self._imp is None:
+            self._imp = IpcImporter(
+                self.targets, worker_id=self.worker_id, atomic=self.atomic, version=self._version
+            )
+        self._imp.version = self._version
+        self._ipc_asked = self._pub_id
+        self._send(self._imp.hello())
+
+    def _ipc_reset(self) -> None:
+        """A new publisher: the old one's slots and versions are gone."""
+        if self._imp is not None:
+            self._imp.abandon()
+            self._imp.close_slots()
+        self._ipc_asked = ""
+        self._ipc_open = False
+        self._ipc_deferred = None
+        self._ipc_failed.clear()
+
+    def _ipc_close(self) -> None:
+        imp, self._imp = self._imp, None
+        if imp is None:
+            return
+        bye = imp.release()
+        imp.close()
+        if bye is not None:
+            self._send(bye)
+
+    def _on_ipc_offer(self, offer: IpcOffer) -> None:
+        imp = self._imp
+        if imp is None or offer.publisher_id != self._pub_id:
+            return
+        imp.version = self._version
+        try:
+            ack = imp.open(offer)
+        except IpcRefused as exc:
+            self._ipc_open = False
+            self.ipc_refused = str(exc)
+            self._count("ipc_refused")
+            log.info("worker %s: no ipc path (%s); using shm/tcp", self.worker_id, exc)
+            return
+        self._send(ack)
+        self._ipc_open = ack.ok
+        self.ipc_refused = "" if ack.ok else ack.error
+        if not ack.ok:
+            self._count("ipc_refused")
+            log.info("worker %s: no ipc path (%s); using shm/tcp", self.worker_id, ack.error)
+
+    def _consider(self, ann: WeightAnnounce) -> None:
+        # With the ipc slots open, a version comes by IpcReady; its Announce is kept as
+        # the fallback, fetched by shm/tcp only if the version fails on the ipc path.
+        if self._ipc_open and ann.version not in self._ipc_failed:
+            if ann.version > self._version and (
+                self._ipc_deferred is None or ann.version > self._ipc_deferred.version
+            ):
+                self._ipc_deferred = ann
+            return
+        super()._consider(ann)
+
+    def _on_ipc_ready(self, r: IpcReady) -> None:
+        imp = self._imp
+        if imp is None or not self._ipc_open:
+            return
+        if r.bucket == 0:
+            self._ipc_t0 = time.monotonic()
+        before = imp.version
+        last = r.bucket == r.n_buckets - 1
+        locked = last or not self.atomic  # the live weights are written only then
+        acks: list[IpcAck]
+        if locked:
+            try:
+                self.lock.__enter__()
+            except Exception as exc:  # the weights are not free: refuse the version
+                held = [*imp._held, r]
+                imp.abandon()
+                why = f"not applied, the weights were not free: {exc}"
+                acks = [
+                    IpcAck(self.worker_id, h.version, h.bucket, h.slot, False, imp.version, why)
+                    for h in held
+                ]
+                self._ipc_after(r, acks, before)
+                return
+        try:
+            acks = imp.on_ready(r)
+            if imp.version != before:
+                with self._cond:
+                    self._version = imp.version
+                    self._consistent = True
+                    self._cond.notify_all()
+                if self.on_applied is not None:
+                    self.on_applied(imp.version)
+            elif not imp.serving:
+                self._consistent = False
+        finally:
+            if locked:
+                self.lock.__exit__(None, None, None)
+        self._ipc_after(r, acks, before)
+
+    def _ipc_after(self, r: IpcReady, acks: list[IpcAck], before: int) -> None:
+        """Send the slot acks, then report the version (applied, or fetched again by
+        shm/tcp when it failed here)."""
+        imp = self._imp
+        assert imp is not None
+        for a in acks:
+            self._send(a)
+        bad = next((a for a in acks if not a.ok), None)
+        if imp.version != before:
+            assert self.offer_layout_bytes is not None
+            stats = UpdateStats(
+                version=imp.version,
+                via="ipc",
+                bytes=self.offer_layout_bytes,
+                total_s=time.monotonic() - self._ipc_t0,
+            )
+            for a in acks:
+                stats.verify_s += a.stats.get("verify_s", 0.0)
+                stats.apply_s = max(stats.apply_s, a.stats.get("copy_s", 0.0))
+            self.last_stats = stats
+            self.last_error = ""
+            self._count("versions_applied")
+            self._count("ipc_versions_applied")
+            metrics.SUBSCRIBER_PHASE_SECONDS.labels(phase="total").observe(stats.total_s)
+            metrics.SUBSCRIBER_BYTES.labels(path="ipc").inc(stats.bytes)
+            if self._ipc_deferred is not None and self._ipc_deferred.version <= imp.version:
+                self._ipc_deferred = None
+            if self.report_digest:
+                self._digest = state_digest(self.targets)
+            self._send(
+                WeightAck(
+                    self.worker_id, imp.version, True, imp.version, "", self._digest, "ipc",
+                    stats.flat(),
+                )
+            )  # fmt: skip
+        elif bad is not None and bad.version not in self._ipc_failed:
+            self._ipc_failed.add(bad.version)
+            self._count("ipc_fallbacks")
+            log.warning(
+                "worker %s: version %d failed on the ipc path (%s); fetching it by shm/tcp",
+                self.worker_id, bad.version, bad.error,
+            )  # fmt: skip
+            ann = self._ipc_deferred
+            if ann is not None and ann.version == bad.version:
+                self._ipc_deferred = None
+                super()._consider(ann)
+            else:
+                self._fail(bad.version, bad.error, "ipc")
+
+    @property
+    def offer_layout_bytes(self) -> int | None:
+        """Bytes of one version on the ipc path (``None``: no offer open)."""
+        imp = self._imp
+        if imp is None or imp.offer is None:
+            return None
+        return sum(b.nbytes for b in imp.offer.buckets)
+
+    def _check_timeouts(self, now: float) -> None:
+        super()._check_timeouts(now)
+        imp = self._imp
+        if self._ipc_open and imp is not None and not imp.trainer_alive():
+            # The trainer is gone: a version half-read is dropped (the weights keep the
+            # last complete one); a restarted trainer offers its slots again.
+            imp.abandon()
+            imp.close_slots()
+            self._ipc_open = False
+            self._ipc_asked = ""

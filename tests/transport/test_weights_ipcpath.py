@@ -1,0 +1,161 @@
+"""The ipc path inside WeightPublisher / WeightSubscriber: chosen per worker, reported
+per worker (``UpdateResult.paths``, ``WeightSubscriber.path``), falling back to shm/tcp.
+
+Real processes; CPU shared storage (torch's ``_share_filename_cpu_``) stands in for CUDA
+IPC handles, so the publisher runs with ``ipc="cpu"`` (on CUDA tensors ``"auto"`` picks
+ipc by itself).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from tests.transport.conftest import wait_for
+from tests.transport.test_weights import make_state, zeros_like
+from transport.weights import WeightPublisher, WeightSubscriber, state_digest
+
+BUCKET = 2048  # several buckets per version: more than the two slots
+
+
+class _DieOnEntry:
+    """A lock whose ``n``-th entry SIGKILLs the process: the ipc path enters the lock
+    once per version, after reading every slot and before acking the last ones."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.count = 0
+
+    def __enter__(self) -> None:
+        self.count += 1
+        if self.count == self.n:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def worker_proc(endpoint: str, wid: str, opts: dict[str, Any]) -> None:
+    """One worker process hosting one subscriber until the test kills it."""
+    torch.set_num_threads(1)
+    if opts.get("refuse_ipc"):
+        from transport.weights.ipc import IpcImporter, IpcRefused
+
+        def refuse(self: Any, offer: Any) -> Any:
+            raise IpcRefused("refused by the test")
+
+        IpcImporter.open = refuse  # type: ignore[method-assign]
+    die = opts.get("die_on_lock")
+    WeightSubscriber(
+        endpoint,
+        zeros_like(make_state(0)),
+        worker_id=wid,
+        report_digest=True,
+        heartbeat_interval=0.1,
+        path=opts.get("path"),
+        lock=_DieOnEntry(die) if die else None,
+    ).start()
+    threading.Event().wait()
+
+
+@pytest.fixture
+def procs() -> Iterator[Callable[..., Any]]:
+    ctx = mp.get_context("spawn")
+    started: list[Any] = []
+
+    def start(target: Callable[..., None], *args: Any) -> Any:
+        p = ctx.Process(target=target, args=args, daemon=True)
+        p.start()
+        started.append(p)
+        return p
+
+    yield start
+    for p in started:
+        if p.is_alive():
+            p.kill()
+        p.join(10)
+
+
+def publisher(**kw: Any) -> WeightPublisher:
+    return WeightPublisher(
+        bucket_bytes=BUCKET, heartbeat_interval=0.1, worker_timeout=5.0, ipc="cpu", **kw
+    )
+
+
+def wait_ipc_open(pub: WeightPublisher, n: int) -> None:
+    """Until ``n`` workers asked for the ipc path (the slots are offered at the first
+    version that takes it)."""
+    wait_for(lambda: len(pub._ipc_hellos) >= n, 30, "the workers' IpcHello")
+
+
+@pytest.mark.slow
+def test_two_workers_take_the_ipc_path_bit_identical(procs: Callable[..., Any]) -> None:
+    with publisher() as pub:
+        for wid in ("a", "b"):
+            procs(worker_proc, pub.endpoint, wid, {})
+        pub.wait_for_workers(2, 60)
+        wait_ipc_open(pub, 2)
+        for v in (1, 2, 3):
+            res = pub.publish_and_wait(make_state(v), v, timeout=60)
+            assert sorted(res.applied) == ["a", "b"]
+            assert res.paths == {"a": "ipc", "b": "ipc"}
+            for ack in res.applied.values():
+                assert ack.via == "ipc" and ack.digest == state_digest(make_state(v))
+        assert pub.counters.get("ipc_versions") == 3
+        assert {w.path for w in pub.workers().values()} == {"ipc"}
+
+
+@pytest.mark.slow
+def test_a_refused_offer_falls_back_to_shm(procs: Callable[..., Any]) -> None:
+    with publisher() as pub:
+        procs(worker_proc, pub.endpoint, "ok", {})
+        procs(worker_proc, pub.endpoint, "refused", {"refuse_ipc": True})
+        procs(worker_proc, pub.endpoint, "forced-shm", {"path": "shm"})
+        pub.wait_for_workers(3, 60)
+        wait_ipc_open(pub, 2)  # "forced-shm" never asks
+        for v in (1, 2):
+            res = pub.publish_and_wait(make_state(v), v, timeout=60)
+            assert res.paths == {"forced-shm": "shm", "ok": "ipc", "refused": "shm"}
+            for ack in res.applied.values():
+                assert ack.digest == state_digest(make_state(v))
+
+
+@pytest.mark.slow
+def test_a_worker_killed_mid_version_does_not_block_the_next(
+    procs: Callable[..., Any],
+) -> None:
+    with publisher(ipc_timeout=30.0) as pub:
+        procs(worker_proc, pub.endpoint, "a", {})
+        victim = procs(worker_proc, pub.endpoint, "b", {"die_on_lock": 2})
+        pub.wait_for_workers(2, 60)
+        wait_ipc_open(pub, 2)
+        assert pub.publish_and_wait(make_state(1), 1, timeout=60).paths == {
+            "a": "ipc",
+            "b": "ipc",
+        }
+        # b dies holding version 2's slots (read, not acked).
+        res = pub.wait(pub.publish(make_state(2), 2).version, 30)
+        victim.join(10)
+        assert victim.exitcode == -signal.SIGKILL
+        assert list(res.applied) == ["a"] and res.paths["a"] == "ipc"
+        assert "lost" in res.failed["b"]
+        # The slots b held are released: version 3 is packed and applied by a.
+        res = pub.publish_and_wait(make_state(3), 3, timeout=30, workers=["a"])
+        assert res.applied["a"].digest == state_digest(make_state(3))
+        assert res.paths == {"a": "ipc"}
+
+
+def test_bad_path_values_are_refused() -> None:
+    with pytest.raises(ValueError, match="ipc must be"):
+        WeightPublisher(ipc="always")
+    with pytest.raises(ValueError, match="path must be"):
+        WeightSubscriber("tcp://127.0.0.1:1", zeros_like(make_state(0)), path="nccl")
+    with pytest.raises(ValueError, match="path='ipc'"):
+        WeightSubscriber("tcp://127.0.0.1:1", zeros_like(make_state(0)), path="ipc", dtype="auto")
