@@ -159,3 +159,25 @@ def test_bad_path_values_are_refused() -> None:
         WeightSubscriber("tcp://127.0.0.1:1", zeros_like(make_state(0)), path="nccl")
     with pytest.raises(ValueError, match="path='ipc'"):
         WeightSubscriber("tcp://127.0.0.1:1", zeros_like(make_state(0)), path="ipc", dtype="auto")
+
+
+@pytest.mark.slow
+def test_a_late_joiner_catches_up_by_shm_then_takes_ipc(procs: Callable[..., Any]) -> None:
+    with publisher() as pub:
+        procs(worker_proc, pub.endpoint, "a", {})
+        pub.wait_for_workers(1, 60)
+        wait_ipc_open(pub, 1)
+        assert pub.publish_and_wait(make_state(1), 1, timeout=60).paths == {"a": "ipc"}
+        procs(worker_proc, pub.endpoint, "late", {})
+        # It catches up from the snapshot (ipc carries only whole versions), then asks.
+        wait_for(
+            lambda: pub.workers().get("late") is not None and pub.workers()["late"].version == 1,
+            30,
+            "the late joiner to catch up",
+        )
+        assert pub.workers()["late"].path == "shm"
+        assert pub.workers()["late"].digest == state_digest(make_state(1))
+        wait_ipc_open(pub, 2)
+        res = pub.publish_and_wait(make_state(2), 2, timeout=60)
+        assert res.paths == {"a": "ipc", "late": "ipc"}
+        assert {a.digest for a in res.applied.values()} == {state_digest(make_state(2))}

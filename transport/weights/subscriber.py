@@ -753,7 +753,10 @@ class WeightSubscriber(VersionFetch):
                 self.worker_id, bad.version, bad.error,
             )  # fmt: skip
             ann = self._ipc_deferred
-            if ann is not None and ann.version == bad.version:
+            up = self._update
+            if bad.version <= self._version or (up is not None and up.ann.version == bad.version):
+                pass  # applied already, or being fetched by shm/tcp (opened mid-version)
+            elif ann is not None and ann.version == bad.version:
                 self._ipc_deferred = None
                 super()._consider(ann)
             else:
