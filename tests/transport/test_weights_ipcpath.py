@@ -181,3 +181,28 @@ def test_a_late_joiner_catches_up_by_shm_then_takes_ipc(procs: Callable[..., Any
         res = pub.publish_and_wait(make_state(2), 2, timeout=60)
         assert res.paths == {"a": "ipc", "late": "ipc"}
         assert {a.digest for a in res.applied.values()} == {state_digest(make_state(2))}
+
+
+@pytest.mark.slow
+def test_ipc_bytes_are_counted_under_the_ipc_label() -> None:
+    prom = pytest.importorskip("prometheus_client")
+
+    def value(name: str, path: str) -> float:
+        return float(prom.REGISTRY.get_sample_value(name, {"path": path}) or 0.0)
+
+    names = ("fastio_publisher_bytes_total", "fastio_subscriber_bytes_total")
+    before = {(n, p): value(n, p) for n in names for p in ("ipc", "shm", "tcp")}
+    with publisher() as pub:
+        sub = WeightSubscriber(pub.endpoint, zeros_like(make_state(0)), heartbeat_interval=0.1)
+        with sub:
+            pub.wait_for_workers(1, 30)
+            wait_ipc_open(pub, 1)
+            res = pub.publish_and_wait(make_state(1), 1, timeout=30)
+            assert res.paths == {sub.worker_id: "ipc"}
+            assert sub.path == "ipc" and sub.ipc_open and sub.version == 1
+            nbytes = sub.last_stats.bytes
+    assert nbytes > 0
+    for n in names:
+        assert value(n, "ipc") - before[(n, "ipc")] == nbytes
+        assert value(n, "shm") == before[(n, "shm")]  # the worker fetched nothing else
+        assert value(n, "tcp") == before[(n, "tcp")]
