@@ -206,3 +206,31 @@ def test_ipc_bytes_are_counted_under_the_ipc_label() -> None:
         assert value(n, "ipc") - before[(n, "ipc")] == nbytes
         assert value(n, "shm") == before[(n, "shm")]  # the worker fetched nothing else
         assert value(n, "tcp") == before[(n, "tcp")]
+
+
+@pytest.mark.slow
+def test_update_weights_over_the_ipc_path_with_real_workers(
+    spawn: Callable[..., Any],
+) -> None:
+    from transport import FabricController
+    from transport.engine import TinyLM
+    from transport.weights import update_weights
+
+    plugin = "transport.weights.update:subscribe"
+    with publisher() as pub:
+        workers = []
+        for wid, path in (("gpu0", "ipc"), ("far", "tcp")):
+            args = ["--bind", "tcp://127.0.0.1:0", "--worker-id", wid, "--plugin", plugin]
+            for opt in (f"weights_endpoint={pub.endpoint}", f"weights_path={path}"):
+                args += ["--plugin-opt", opt]
+            workers.append(spawn(*args, "--plugin-opt", "weights_digest=1"))
+        pub.wait_for_workers(2, 30)
+        wait_ipc_open(pub, 1)
+        with FabricController([w.address for w in workers]) as ctl:
+            for v in (1, 2):
+                model = TinyLM(seed=v)
+                res = update_weights(ctl, pub, model, version=v, timeout=30)
+                assert res.ok and res.paths == {"far": "tcp", "gpu0": "ipc"}
+                digest = state_digest(model.state_dict())
+                assert {a.digest for a in res.applied.values()} == {digest}
+                assert {s.version for s in ctl.health(timeout=5).values()} == {v}

@@ -152,6 +152,7 @@ def update_weights(
         dict(res.applied),
         dict(res.failed),
         list(res.missing),
+        paths=dict(res.paths),
         resume_failed=resume_failed,
     )
     for address, why in not_paused.items():
@@ -388,6 +389,7 @@ PLUGIN_OPTIONS = frozenset(
     {
         "weights_endpoint",
         "weights_shm",
+        "weights_path",
         "weights_digest",
         "weights_strict",
         "weights_dtype",
@@ -430,6 +432,10 @@ def subscriber_options(opts: dict[str, str], model: Any) -> dict[str, Any]:
                 kw[arg] = float(opts[key])
             except ValueError:
                 raise ValueError(f"{key}: expected seconds, got {opts[key]!r}") from None
+    if opts.get("weights_path"):
+        if opts["weights_path"] not in ("ipc", "shm", "tcp"):
+            raise ValueError(f"weights_path: ipc, shm or tcp, not {opts['weights_path']!r}")
+        kw["path"] = opts["weights_path"]
     if opts.get("weights_dtype"):
         try:
             kw["dtype"] = parse_dtype_spec(opts["weights_dtype"])
@@ -464,6 +470,9 @@ async def subscribe(server: Any, opts: dict[str, str]) -> None:
 
     * ``weights_endpoint``: the publisher's address (required);
     * ``weights_shm``: read same-host versions from shared memory (default 1);
+    * ``weights_path``: force a path, ``ipc``, ``shm`` or ``tcp`` (default: ``ipc``
+      when the publisher offers it and the worker can open the trainer's memory, else
+      ``shm``/``tcp``);
     * ``weights_digest``: report weight digests (default 0);
     * ``weights_strict``: the update must cover every parameter (default 1);
     * ``weights_dtype``: ``auto`` (each parameter's dtype) or one dtype name for every
