@@ -61,6 +61,7 @@ def worker_proc(endpoint: str, wid: str, opts: dict[str, Any]) -> None:
         heartbeat_interval=0.1,
         path=opts.get("path"),
         lock=_DieOnEntry(die) if die else None,
+        publisher_timeout=opts.get("publisher_timeout", 10.0),
     ).start()
     threading.Event().wait()
 
@@ -234,3 +235,25 @@ def test_update_weights_over_the_ipc_path_with_real_workers(
                 digest = state_digest(model.state_dict())
                 assert {a.digest for a in res.applied.values()} == {digest}
                 assert {s.version for s in ctl.health(timeout=5).values()} == {v}
+
+
+class _NoReadies(WeightPublisher):
+    """Offers the slots but never delivers a version by ipc (tests only)."""
+
+    def _publish_ipc(self, tensors: Any, version: int) -> None:
+        return None
+
+
+@pytest.mark.slow
+def test_a_version_that_never_comes_by_ipc_is_fetched_by_shm(
+    procs: Callable[..., Any],
+) -> None:
+    pub = _NoReadies(bucket_bytes=BUCKET, heartbeat_interval=0.1, ipc="cpu")
+    with pub:
+        procs(worker_proc, pub.endpoint, "a", {"publisher_timeout": 1.0})
+        pub.wait_for_workers(1, 60)
+        wait_ipc_open(pub, 1)
+        res = pub.publish_and_wait(make_state(1), 1, timeout=30)
+        assert pub._ipc is not None and pub._ipc.workers["a"].opened  # it deferred to ipc
+        assert res.paths == {"a": "shm"}
+        assert res.applied["a"].digest == state_digest(make_state(1))

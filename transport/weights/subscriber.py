@@ -273,6 +273,7 @@ class WeightSubscriber(VersionFetch):
         self._ipc_asked = ""  # the publisher id an IpcHello went to
         self._ipc_open = False
         self._ipc_deferred: WeightAnnounce | None = None
+        self._ipc_progress = 0.0  # monotonic time of the last IpcReady or deferral
         self._ipc_failed: set[int] = set()
         self._ipc_t0 = 0.0
         #: Why the ipc path was refused ("" if it was not).
@@ -668,6 +669,7 @@ class WeightSubscriber(VersionFetch):
                 self._ipc_deferred is None or ann.version > self._ipc_deferred.version
             ):
                 self._ipc_deferred = ann
+                self._ipc_progress = time.monotonic()
             return
         super()._consider(ann)
 
@@ -675,8 +677,9 @@ class WeightSubscriber(VersionFetch):
         imp = self._imp
         if imp is None or not self._ipc_open:
             return
+        self._ipc_progress = time.monotonic()
         if r.bucket == 0:
-            self._ipc_t0 = time.monotonic()
+            self._ipc_t0 = self._ipc_progress
         before = imp.version
         last = r.bucket == r.n_buckets - 1
         locked = last or not self.atomic  # the live weights are written only then
@@ -772,6 +775,22 @@ class WeightSubscriber(VersionFetch):
 
     def _check_timeouts(self, now: float) -> None:
         super()._check_timeouts(now)
+        ann = self._ipc_deferred
+        if (
+            ann is not None
+            and ann.version > self._version
+            and now - self._ipc_progress > self.publisher_timeout
+        ):
+            # An announced version that the ipc path does not deliver (this worker opened
+            # the slots after it began, or the trainer gave up on a slot): shm/tcp.
+            log.warning(
+                "worker %s: version %d did not come by ipc in %.1f s; fetching it by shm/tcp",
+                self.worker_id, ann.version, self.publisher_timeout,
+            )  # fmt: skip
+            self._ipc_deferred = None
+            self._ipc_failed.add(ann.version)
+            self._count("ipc_fallbacks")
+            super()._consider(ann)
         imp = self._imp
         if self._ipc_open and imp is not None and not imp.trainer_alive():
             # The trainer is gone: a version half-read is dropped (the weights keep the
