@@ -257,3 +257,26 @@ def test_a_version_that_never_comes_by_ipc_is_fetched_by_shm(
         assert pub._ipc is not None and pub._ipc.workers["a"].opened  # it deferred to ipc
         assert res.paths == {"a": "shm"}
         assert res.applied["a"].digest == state_digest(make_state(1))
+
+
+@pytest.mark.slow
+def test_a_closed_subscriber_says_goodbye_and_does_not_hold_slots() -> None:
+    with publisher(ipc_timeout=5.0) as pub:
+        subs = [
+            WeightSubscriber(pub.endpoint, zeros_like(make_state(0)), heartbeat_interval=0.1)
+            for _ in range(2)
+        ]
+        for s in subs:
+            s.start()
+        try:
+            pub.wait_for_workers(2, 30)
+            wait_ipc_open(pub, 2)
+            assert set(pub.publish_and_wait(make_state(1), 1, timeout=30).paths.values()) == {"ipc"}
+            subs[1].close()  # its process lives on: only its goodbye frees the slots
+            assert pub._ipc is not None
+            wait_for(lambda: subs[1].worker_id not in pub._ipc.workers, 10, "the goodbye")
+            res = pub.publish_and_wait(make_state(2), 2, timeout=30, workers=[subs[0].worker_id])
+            assert res.paths == {subs[0].worker_id: "ipc"}
+        finally:
+            for s in subs:
+                s.close()

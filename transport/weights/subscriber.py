@@ -386,8 +386,10 @@ class WeightSubscriber(VersionFetch):
             log.exception("weight subscriber %s crashed", self.worker_id)
             raise
         finally:
-            self._ipc_close()
-            self._dealer.close(linger=0)
+            # The ipc goodbye must reach the trainer (else it waits for this worker's
+            # acks until ipc_timeout): a short linger for it.
+            said_bye = self._ipc_close()
+            self._dealer.close(linger=500 if said_bye else 0)
             self._sub.close(linger=0)
             for seg in self._segments.values():
                 seg.close()
@@ -632,14 +634,16 @@ class WeightSubscriber(VersionFetch):
         self._ipc_deferred = None
         self._ipc_failed.clear()
 
-    def _ipc_close(self) -> None:
+    def _ipc_close(self) -> bool:
+        """Unmap the trainer's slots; whether a goodbye was sent."""
         imp, self._imp = self._imp, None
         if imp is None:
-            return
+            return False
         bye = imp.release()
         imp.close()
         if bye is not None:
             self._send(bye)
+        return bye is not None
 
     def _on_ipc_offer(self, offer: IpcOffer) -> None:
         imp = self._imp
