@@ -140,6 +140,15 @@ class Heartbeat(WireStruct, tag=int(MsgKind.FABRIC_HEARTBEAT)):
     in_flight: int = 0
     paused: bool = False
     version: int = 0
+    #: Worker -> client only: how busy it is. ``running``: handlers holding a slot;
+    #: ``waiting``: submissions received and not started (no free slot, a pause, or
+    #: not yet picked up by the engine); ``engine_lag``: seconds the engine side is
+    #: behind (age of the oldest received message it has not taken yet; 0 when it
+    #: keeps up). The socket thread answers pings whatever the engine does, so a busy
+    #: worker is told from a dead one by these, not by a missing pong.
+    running: int = 0
+    waiting: int = 0
+    engine_lag: float = 0.0
 
 
 class WorkerStatus(WireStruct, tag=int(MsgKind.FABRIC_WORKER_STATUS)):
