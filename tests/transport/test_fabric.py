@@ -28,8 +28,14 @@ from transport import (
 # Tight heartbeats where death detection is tested: a dead worker is found within
 # 0.05 * (3 + 1) = 0.2 s. Elsewhere a looser liveness (1 s), so that a loaded machine
 # (other suites running) does not starve a worker into a false death.
-FAST = ClientConfig(heartbeat_interval=0.05, heartbeat_liveness=3, request_timeout=30)
-STEADY = ClientConfig(heartbeat_interval=0.1, heartbeat_liveness=10, request_timeout=30)
+# connect_timeout: a worker restarted on a loaded machine may take longer than the
+# default 10 s to answer again; these tests wait for it rather than fail fast.
+FAST = ClientConfig(
+    heartbeat_interval=0.05, heartbeat_liveness=3, request_timeout=30, connect_timeout=60
+)
+STEADY = ClientConfig(
+    heartbeat_interval=0.1, heartbeat_liveness=10, request_timeout=30, connect_timeout=60
+)
 
 
 def req(ids: list[int], n: int = 8, rid: str | None = None, **g: Any) -> LLMRequest:
