@@ -22,7 +22,6 @@ from fastio import fabric_msgs as fm
 from fastio.tokens import TokenArray
 from tests.transport.conftest import await_for
 from transport import ClientConfig, FabricClient, RemoteError
-from transport.client.liveness import resend_delay
 
 FAST = ClientConfig(heartbeat_interval=0.05, heartbeat_liveness=3, request_timeout=30)
 
@@ -182,6 +181,8 @@ def test_resends_back_off_exponentially(scripted: Any) -> None:
 
 
 def test_resend_delay_is_exponential_jittered_and_bounded() -> None:
+    from transport.client.liveness import resend_delay
+
     assert resend_delay(1, 0.1, 5.0, rand=1.0) == pytest.approx(0.1)
     assert resend_delay(1, 0.1, 5.0, rand=0.0) == pytest.approx(0.05)
     assert resend_delay(4, 0.1, 5.0, rand=1.0) == pytest.approx(0.8)

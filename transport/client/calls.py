@@ -178,7 +178,8 @@ def absorb_result(call: Call, res: fm.Result) -> LLMResponse | None:
     now = time.perf_counter()
     n = len(res.output_tokens)
     base = call.base
-    call.chunks = []
+    if call.chunks:
+        call.chunks = []
     if call.on_chunk is not None:
         # Tokens the stream did not carry (no streaming, or a final burst).
         _deliver(call, base, res.output_tokens, res.output_logprobs, res.output_versions)
