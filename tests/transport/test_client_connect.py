@@ -59,6 +59,7 @@ def test_no_worker_fails_fast_naming_the_address(caplog: pytest.LogCaptureFixtur
     assert len(warned) == 1  # logged once, not per call
 
 
+@pytest.mark.slow
 def test_refused_curve_key_is_named(spawn: Callable[..., WorkerProc], tmp_path: Path) -> None:
     keys, allowed = tmp_path / "keys", tmp_path / "allowed"
     keys.mkdir()

@@ -118,6 +118,7 @@ def scripted() -> Any:
         w.stop()
 
 
+@pytest.mark.slow
 def test_busy_worker_is_not_declared_dead_and_nothing_is_resent(scripted: Any) -> None:
     # Each holds its request 20x longer than a silent worker would live (0.15 s), but
     # answers every ping and says it is busy: the client waits, and re-sends nothing.
