@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import zmq
 
-from fastio import Decoder, Encoder, LLMRequest
+from fastio import Decoder, Encoder, GenerationHyperparameters, LLMRequest
 from fastio import fabric_msgs as fm
 from fastio.tokens import TokenArray
 from tests.transport.conftest import await_for
@@ -37,12 +37,15 @@ class ScriptedWorker(threading.Thread):
         waiting: int = 0,
         engine_lag: float = 0.0,
         lose: bool = False,
+        stream_then_die: int = 0,
     ) -> None:
         super().__init__(daemon=True)
         self.hold, self.lose = hold, lose
+        self.stream_then_die = stream_then_die
         self.running, self.waiting, self.engine_lag = running, waiting, engine_lag
         self.pong = True
         self.submits: list[tuple[float, int]] = []  # (arrival, id)
+        self.requests: list[LLMRequest] = []
         self.cancels: list[int] = []
         self.pings = 0
         self._ctx = zmq.Context()
@@ -89,7 +92,19 @@ class ScriptedWorker(threading.Thread):
                         sock.send_multipart([peer, *enc.encode(hb)])
                 elif isinstance(msg, fm.Submit):
                     self.submits.append((time.monotonic(), msg.id))
-                    if self.lose:
+                    self.requests.append(msg.request)
+                    if self.stream_then_die:
+                        # Streams some tokens, then falls silent holding the request.
+                        k = self.stream_then_die
+                        chunk = fm.Stream(
+                            id=msg.id, seq=0,
+                            output_tokens=TokenArray(np.arange(100, 100 + k, dtype=np.int32)),
+                            output_logprobs=TokenArray(np.full(k, -0.5, dtype=np.float32)),
+                            output_versions=TokenArray(np.full(k, 3, dtype=np.int32)),
+                        )  # fmt: skip
+                        sock.send_multipart([peer, *enc.encode(chunk)])
+                        self.pong = False
+                    elif self.lose:
                         err = fm.Error(id=msg.id, code=int(fm.ErrorCode.LOST), message="lost")
                         sock.send_multipart([peer, *enc.encode(err)])
                     else:
@@ -155,6 +170,60 @@ def test_silent_worker_still_dies_and_its_request_moves(scripted: Any) -> None:
             assert (await fut).output_tokens == [7]
             assert client.stats["workers_died"] == 1 and client.stats["resent"] == 1
         assert len(b.submits) == 1
+
+    asyncio.run(main())
+
+
+def _collect(into: list[int]) -> Any:
+    def on_chunk(t: Any, lp: Any, v: Any) -> None:
+        into.extend(t.tolist())
+
+    return on_chunk
+
+
+def test_lost_attempt_keeps_its_streamed_tokens_and_the_resend_continues(
+    scripted: Any,
+) -> None:
+    a, b = scripted(stream_then_die=4), scripted()
+    prompt, n = [1, 2, 3], 10
+    got: list[int] = []
+
+    async def main() -> None:
+        async with FabricClient([a.address], FAST) as client:
+            await await_for(lambda: client.workers[0].alive, what="a alive")
+            g = GenerationHyperparameters(max_new_tokens=n, min_new_tokens=6)
+            fut = client.agenerate(LLMRequest(input_ids=prompt, gconfig=g), on_chunk=_collect(got))
+            await await_for(lambda: a.submits, what="a has it")
+            client.add_worker(b.address)  # where the rest will go
+            r = await fut
+            assert client.stats["workers_died"] == 1 and client.stats["resent"] == 1
+        cont = b.requests[0]
+        assert cont.input_ids == [*prompt, 100, 101, 102, 103]  # prompt + what streamed
+        assert cont.gconfig.max_new_tokens == n - 4 and cont.gconfig.min_new_tokens == 2
+        assert r.output_tokens[:4] == [100, 101, 102, 103]
+        assert r.output_tokens == got  # each position delivered once
+        assert r.output_versions[:4] == [3, 3, 3, 3] and r.input_tokens == prompt
+
+    asyncio.run(main())
+
+
+def test_lost_attempt_that_streamed_everything_completes_without_resend(
+    scripted: Any,
+) -> None:
+    a, b = scripted(stream_then_die=5), scripted()
+    got: list[int] = []
+
+    async def main() -> None:
+        async with FabricClient([a.address], FAST) as client:
+            await await_for(lambda: client.workers[0].alive, what="a alive")
+            g = GenerationHyperparameters(max_new_tokens=5)
+            fut = client.agenerate(LLMRequest(input_ids=[9], gconfig=g), on_chunk=_collect(got))
+            await await_for(lambda: a.submits, what="a has it")
+            client.add_worker(b.address)  # would take a re-send
+            r = await fut
+            assert r.output_tokens == [100, 101, 102, 103, 104] == got
+            assert r.stop_reason == "length" and client.stats["resent"] == 0
+        assert not b.submits
 
     asyncio.run(main())
 
