@@ -59,6 +59,22 @@ def test_no_worker_fails_fast_naming_the_address(caplog: pytest.LogCaptureFixtur
     assert len(warned) == 1  # logged once, not per call
 
 
+def test_no_worker_is_warned_about_once_without_any_call(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    address = f"tcp://127.0.0.1:{_free_port()}"
+
+    async def main() -> None:
+        async with FabricClient([address], QUICK) as client:
+            await asyncio.sleep(1.2)  # the time under test: connect_timeout (0.5 s) passes
+            assert client.workers[0].seen.startswith("never answered")
+
+    with caplog.at_level(logging.WARNING, logger="transport.client"):
+        asyncio.run(main())
+    warned = [r for r in caplog.records if "no generation worker" in r.getMessage()]
+    assert len(warned) == 1 and address in warned[0].getMessage()
+
+
 @pytest.mark.slow
 def test_refused_curve_key_is_named(spawn: Callable[..., WorkerProc], tmp_path: Path) -> None:
     keys, allowed = tmp_path / "keys", tmp_path / "allowed"

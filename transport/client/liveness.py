@@ -73,6 +73,9 @@ class Liveness(Scheduler):
             else:
                 w.poll_monitor()
             self._ping(w)
+        if not self._n_alive and not self._warned_none and self._no_worker_expired():
+            self._warned_none = True  # said once per stretch without a live worker
+            log.warning("%s", self._no_worker_error())
         self._last_tick = now
         self._hb_timer = self._loop.call_later(cfg.heartbeat_interval, self._heartbeat)
 
@@ -202,7 +205,7 @@ class Liveness(Scheduler):
             return
         err = self._no_worker_error()
         if not self._warned_none:
-            self._warned_none = True
+            self._warned_none = True  # said once per stretch without a live worker
             log.warning("%s", err)
         calls = list(self._queue) + list(self._backing_off)
         self._queue.clear()
