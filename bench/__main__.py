@@ -5,6 +5,11 @@ Examples
 ``python -m bench --quick``                       all suites, small sizes (< 2 min here)
 ``python -m bench --suite codec``                 one suite, full sizes
 ``python -m bench --quick --check bench/reference.json``   fail on a ratio regression
+``python -m bench --replot bench/results/results.json --out bench/results``   re-render
+the table and plots of a stored run without measuring
+
+``bench`` is not part of the installed package: run it from a checkout. Plots need
+matplotlib (``pip install -e '.[plots]'``); without it the tables are still written.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import time
 from pathlib import Path
 
 from bench.common import Measurement, machine_info
-from bench.report import check, markdown, plot, ratios, write_json
+from bench.report import check, markdown, plot, ratios, read_json, write_json
 
 SUITES = ("codec", "transport", "weights")
 
@@ -68,18 +73,47 @@ def main(argv: list[str] | None = None) -> int:
         "few times: the reference becomes the worst run, so the check flags regressions, "
         "not noise); an existing reference keeps its own list of ratios",
     )
+    p.add_argument(
+        "--replot",
+        metavar="RESULTS_JSON",
+        help="measure nothing: re-render results.md and the plots of a stored results.json",
+    )
     args = p.parse_args(argv)
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    # Checked before minutes of measuring, not after.
+    plots = not args.no_plots
+    if plots:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            plots = False
+            print(
+                "no plots: matplotlib is not installed (pip install 'fastio[plots]', or "
+                "pip install -e '.[plots]' in this checkout); tables only",
+                flush=True,
+            )
+    suites = [s.strip() for s in args.suite.split(",") if s.strip()]
+    for name in suites:
+        if name not in SUITES:
+            p.error(f"unknown suite {name!r}; choose from {SUITES}")
+
+    if args.replot:
+        ms, info = read_json(Path(args.replot))
+        (out / "results.md").write_text(markdown(ms, info))
+        write_json(out / "results.json", ms, info)
+        print("tables:", out / "results.md", out / "results.json")
+        for path in plot(ms, out, info) if plots else []:
+            print("plot:", path)
+        return 0
+
     info = machine_info()
     info["mode"] = "quick" if args.quick else "full"
     print("machine:", json.dumps(info), flush=True)
 
     ms: list[Measurement] = []
-    for name in [s.strip() for s in args.suite.split(",") if s.strip()]:
-        if name not in SUITES:
-            p.error(f"unknown suite {name!r}; choose from {SUITES}")
+    for name in suites:
         module = importlib.import_module(f"bench.{name}")
         t0 = time.perf_counter()
         print(f"== suite {name} ...", flush=True)
@@ -97,8 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     (out / "results.md").write_text(md)
     write_json(out / "results.json", ms, info)
     print(md)
-    if not args.no_plots:
-        for path in plot(ms, out):
+    if plots:
+        for path in plot(ms, out, info):
             print("plot:", path)
     current = ratios(ms)
     if args.lower_reference:
@@ -113,8 +147,8 @@ def main(argv: list[str] | None = None) -> int:
         print("reference updated:", path)
     if args.check:
         reference = json.loads(Path(args.check).read_text())
-        suites = set(args.suite.split(",")) | ({"hotpaths"} if args.pytest_json else set())
-        wanted = {k: v for k, v in reference.items() if k.split("/", 1)[0] in suites}
+        measured = set(suites) | ({"hotpaths"} if args.pytest_json else set())
+        wanted = {k: v for k, v in reference.items() if k.split("/", 1)[0] in measured}
         problems = check(current, wanted, args.tolerance)
         if problems:
             print("BENCHMARK REGRESSION:", *problems, sep="\n  ")

@@ -7,6 +7,7 @@ run, so reports compare ratios, not absolute times (these machines are shared an
 
 from __future__ import annotations
 
+import datetime
 import gc
 import os
 import platform
@@ -85,6 +86,7 @@ def machine_info() -> dict[str, Any]:
     import zmq
 
     info: dict[str, Any] = {
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "python": platform.python_version(),
         "platform": platform.platform(),
         "machine": platform.machine(),
@@ -101,6 +103,13 @@ def machine_info() -> dict[str, Any]:
         info["cuda"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     except ImportError:  # pragma: no cover - torch is a dependency
         info["torch"] = None
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((ln for ln in f if ln.startswith("model name")), "")
+        if model:
+            info["cpu_model"] = " ".join(model.split(":", 1)[1].split())
+    except OSError:
+        pass
     try:
         with open("/proc/meminfo") as f:
             info["mem_total_kib"] = int(f.readline().split()[1])

@@ -16,11 +16,13 @@ from fastio.codec import (
     Frame,
     Message,
     decode,
+    enc_hook,
     encode,
     message_types,
 )
 from fastio.errors import DecodeError, EncodeError, FastioError, MessageTooLarge
 from fastio.io_struct import (
+    MAX_NEW_TOKENS,
     AllocationMode,
     AllocationType,
     FinetuneSpec,
@@ -42,6 +44,7 @@ from fastio.tokens import TokenArray
 __version__ = "0.1.0"
 
 __all__ = [
+    "MAX_NEW_TOKENS",
     "MESSAGE_TYPES",
     "PROTOCOL_VERSION",
     "AllocationMode",
@@ -71,6 +74,7 @@ __all__ = [
     "WireStruct",
     "__version__",
     "decode",
+    "enc_hook",
     "encode",
     "message_types",
 ]

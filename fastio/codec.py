@@ -18,10 +18,30 @@ big-endian arrays, CUDA tensors (through host memory) and PIL images (no buffer 
 
 *Decoding*: decoded arrays are views of the received frames, no copies. They stay valid
 as long as the array lives (it keeps the frame alive). They are writable when the frame
-is writable (``zmq.Frame``, ``bytearray``), read-only when it is ``bytes``. Arrays below
-the inline threshold travel inside the header and decode as small private (writable)
-copies. Torch tensors over a read-only frame are copied, because torch has no read-only
-tensors and a write would corrupt an immutable ``bytes`` object.
+is writable (``zmq.Frame``, ``bytearray``), read-only when it is ``bytes``. Token arrays
+below the inline threshold travel inside the header and decode as views of it too;
+other arrays below it decode as small private (writable) copies. ``TokenArray`` growth
+and item assignment never write into a received frame (they copy first). Torch tensors
+over a read-only frame are copied, because torch has no read-only tensors and a write
+would corrupt an immutable ``bytes`` object.
+
+Token arrays travel as extension codes ``16 + d`` (inline) and ``32 + d`` (buffer
+frame) whose dtype is the code: decoding one is a table lookup and ``np.frombuffer``,
+no nested msgpack decode (``docs/PROTOCOL.md``, "Extension types").
+
+Trust
+-----
+A :class:`Decoder` validates where data enters, in one pass. msgspec checks every
+typed field and its constraints (sampling parameters, stop reasons) during the decode
+itself, in C; the types' ``__post_init__`` checks what msgspec cannot type (token
+fields are ``Any`` to it, for speed: one type and one kind check each). The Python
+checks of construction (``GenerationHyperparameters(...)``) never run on decode.
+
+``Decoder(trusted=False)``, the default and the only right choice for anything read
+from a socket, also checks the frame list before parsing: that every frame is
+bytes-like and that together they stay under ``max_message_size``. ``trusted=True``
+skips that (one pass over the frames) for frames this program produced itself (a
+queue between its own threads, a file it wrote); every other check stays.
 
 Threads
 -------
@@ -33,6 +53,8 @@ thread-local slot set for the duration of one call, never across calls, so one
 from __future__ import annotations
 
 import math
+import re
+import struct
 import sys
 import threading
 from collections.abc import Sequence
@@ -59,6 +81,7 @@ __all__ = [
     "Frame",
     "Message",
     "decode",
+    "enc_hook",
     "encode",
     "message_types",
 ]
@@ -107,6 +130,7 @@ for _name, _dt in list(_NP_DTYPES.items()):
 if sys.byteorder != "little":  # pragma: no cover - no big-endian hosts in CI
     raise ImportError("fastio supports little-endian hosts only")
 
+
 _meta_encode = msgspec.msgpack.Encoder().encode
 # Inline data decodes straight into a bytearray: the private writable copy the module
 # docstring promises, made by msgspec itself (no second copy).
@@ -115,6 +139,24 @@ _image_meta = msgspec.msgpack.Decoder(tuple[str, int, int, int | bytearray])
 _header_decoder = msgspec.msgpack.Decoder(list[msgspec.Raw])
 _int_decoder = msgspec.msgpack.Decoder(int)
 _Ext = msgspec.msgpack.Ext
+_any_decoder = msgspec.msgpack.Decoder(ext_hook=lambda code, data: None)
+
+# Token arrays: ext code -> (numpy dtype, whether the payload is a frame index).
+_TOKENS_INLINE = int(ExtCode.TOKENS_INLINE)
+_TOKENS_FRAME = int(ExtCode.TOKENS_FRAME)
+_TOKEN_CODES: dict[int, tuple[np.dtype[Any], bool]] = {}
+_INLINE_CODE: dict[np.dtype[Any], int] = {}  # dtype -> inline ext code
+_FRAME_CODE: dict[np.dtype[Any], int] = {}  # dtype -> frame ext code
+_FRAME_REF = struct.Struct("<II")  # frame index, element count
+for _d, _name in enumerate(DTYPE_NAMES):
+    if _name in _NP_DTYPES:
+        _TOKEN_CODES[_TOKENS_INLINE + _d] = (_NP_DTYPES[_name], False)
+        _TOKEN_CODES[_TOKENS_FRAME + _d] = (_NP_DTYPES[_name], True)
+for _dt, _name in _WIRE_NAMES.items():
+    _INLINE_CODE[_dt] = _TOKENS_INLINE + DTYPE_NAMES.index(_name)
+    _FRAME_CODE[_dt] = _TOKENS_FRAME + DTYPE_NAMES.index(_name)
+
+
 _new_object = object.__new__
 _EMPTY = memoryview(b"")
 _BF16_STORAGE = np.dtype("<u2")
@@ -161,6 +203,7 @@ def _is_pil_image(obj: Any) -> bool:
 
 
 _PREFIXES: dict[int, bytes] = {}
+_SMALL_PREFIXES = tuple(b"\x93" + bytes([PROTOCOL_VERSION, n]) for n in range(128))
 
 
 def _header_prefix(n: int) -> bytes:
@@ -195,9 +238,45 @@ class Encoder:
     def __init__(self, *, inline_threshold: int = DEFAULT_INLINE_THRESHOLD) -> None:
         if not isinstance(inline_threshold, int) or inline_threshold < 0:
             raise ValueError(f"inline_threshold must be an int >= 0, got {inline_threshold!r}")
-        self.inline_threshold = inline_threshold
-        self._local = threading.local()
-        self._enc = msgspec.msgpack.Encoder(enc_hook=self._enc_hook)
+        self._threshold = inline_threshold
+        # Per thread: a msgspec encoder whose hook appends to that thread's frame list
+        # (a one-item box set for the duration of one call), so one Encoder serves many
+        # threads without a thread-local lookup per array.
+        self._tls = threading.local()
+
+    @property
+    def inline_threshold(self) -> int:
+        """Arrays with fewer bytes travel inside the header (read-only)."""
+        return self._threshold
+
+    def _thread_state(self) -> tuple[msgspec.msgpack.Encoder, list[Any]]:
+        box: list[Any] = [None]
+        threshold = self._threshold
+        inline_code = _INLINE_CODE
+        ext = _Ext
+        pack = _FRAME_REF.pack
+        other = self._enc_hook
+
+        def hook(obj: Any) -> Any:
+            # The hot path, every token array of every message, inlined.
+            if type(obj) is TokenArray:
+                arr = obj._a
+                code = inline_code.get(arr.dtype)
+                if code is not None:
+                    mv = arr.data
+                    if mv.c_contiguous:
+                        if mv.nbytes < threshold:
+                            # The elements are the payload: msgspec copies them into the
+                            # header.
+                            return ext(code, mv)
+                        frames = box[0]
+                        frames.append(mv.cast("B"))
+                        return ext(code + 16, pack(len(frames) - 1, len(mv)))
+            return other(obj, box[0])
+
+        state = (msgspec.msgpack.Encoder(enc_hook=hook), box)
+        self._tls.state = state
+        return state
 
     def encode(self, obj: Any) -> list[Any]:
         """Encode ``obj`` into ``[header, *buffers]``.
@@ -211,53 +290,44 @@ class Encoder:
         EncodeError
             For objects fastio cannot put on the wire (unsupported types or dtypes).
         """
-        frames: list[Any] = [b""]
-        local = self._local
-        if getattr(local, "frames", None) is not None:
-            raise EncodeError("Encoder.encode is not re-entrant within one thread")
-        local.frames = frames
         try:
-            body = self._enc.encode(obj)
+            enc, box = self._tls.state
+        except AttributeError:
+            enc, box = self._thread_state()
+        if box[0] is not None:
+            raise EncodeError("Encoder.encode is not re-entrant within one thread")
+        frames: list[Any] = [b""]
+        box[0] = frames
+        try:
+            body = enc.encode(obj)
         except EncodeError:
             raise
         except (TypeError, ValueError, OverflowError, RuntimeError) as exc:
             raise EncodeError(f"cannot encode {type(obj).__name__}: {exc}") from exc
         finally:
-            local.frames = None
-        frames[0] = _header_prefix(len(frames) - 1) + body
+            box[0] = None
+        n = len(frames) - 1
+        frames[0] = (_SMALL_PREFIXES[n] if n < 128 else _header_prefix(n)) + body
         return frames
 
     # -- hooks -----------------------------------------------------------------------
-    def _enc_hook(self, obj: Any) -> Any:
+    def _enc_hook(self, obj: Any, frames: list[Any]) -> Any:
+        """Everything but the hot path: other arrays, tensors, images, live objects."""
         tp = type(obj)
-        # Exact-type checks first: this hook runs for every array of every message.
         if tp is TokenArray:
-            arr = obj._a
-            name = _WIRE_NAMES.get(arr.dtype)
-            if name is not None and arr.flags.c_contiguous:
-                # _array_ext inlined for the common case: a large contiguous token array.
-                nbytes = arr.nbytes
-                if nbytes >= self.inline_threshold and nbytes:
-                    frames: list[Any] = self._local.frames
-                    frames.append(memoryview(arr).cast("B"))
-                    return _Ext(_EXT_TOKENS, _meta_encode((name, arr.shape, len(frames) - 1)))
-                if nbytes < self.inline_threshold:
-                    # Small token arrays (and the empty logprobs/versions of most
-                    # responses) travel inline: one msgpack call, no _array_ext.
-                    return _Ext(_EXT_TOKENS, _meta_encode((name, arr.shape, arr.tobytes())))
-            return self._array_ext(arr, _EXT_TOKENS)
+            return self._tokens_ext(obj._a, frames)
         if tp is np.ndarray:
-            return self._array_ext(obj, _EXT_NDARRAY)
+            return self._array_ext(obj, _EXT_NDARRAY, frames)
         if isinstance(obj, TokenArray):
-            return self._array_ext(obj.array, _EXT_TOKENS)
+            return self._tokens_ext(obj._a, frames)
         if isinstance(obj, np.ndarray):
-            return self._array_ext(np.asarray(obj), _EXT_NDARRAY)
+            return self._array_ext(np.asarray(obj), _EXT_NDARRAY, frames)
         if isinstance(obj, np.generic):
             return obj.item()
         if _is_tensor(obj):
-            return self._tensor_ext(obj)
+            return self._tensor_ext(obj, frames)
         if _is_pil_image(obj):
-            return self._image_ext(obj)
+            return self._image_ext(obj, frames)
         name = getattr(obj, "name_or_path", None)
         if isinstance(name, str):
             # Tokenizers and processors (SaveLoadMeta) never travel as live objects:
@@ -265,17 +335,29 @@ class Encoder:
             return name
         raise EncodeError(f"fastio cannot encode objects of type {tp.__module__}.{tp.__qualname__}")
 
-    def _slot(self, arr: np.ndarray[Any, Any]) -> int | bytes:
+    def _tokens_ext(self, arr: np.ndarray[Any, Any], frames: list[Any]) -> msgspec.msgpack.Ext:
+        """Slow path of token arrays: a dtype to normalise or a strided view."""
+        if arr.dtype not in _INLINE_CODE:
+            arr, _ = _normalise_dtype(arr)
+        arr = np.ascontiguousarray(arr)  # one copy: the wire form is packed
+        code = _INLINE_CODE[arr.dtype]
+        if arr.nbytes < self._threshold:
+            return _Ext(code, arr.tobytes())
+        frames.append(arr.data.cast("B"))
+        return _Ext(code + 16, _FRAME_REF.pack(len(frames) - 1, arr.shape[0]))
+
+    def _slot(self, arr: np.ndarray[Any, Any], frames: list[Any]) -> int | bytes:
         """Inline bytes for a small C-contiguous array, else the index of its frame."""
         nbytes = arr.nbytes
-        if nbytes < self.inline_threshold:
+        if nbytes < self._threshold:
             return arr.tobytes()
-        frames: list[Any] = self._local.frames
         # 1-D unsigned-byte views so that len(frame) is its size in bytes.
         frames.append(memoryview(arr).cast("B") if nbytes else _EMPTY)  # type: ignore[arg-type]
         return len(frames) - 1
 
-    def _array_ext(self, arr: np.ndarray[Any, Any], code: int) -> msgspec.msgpack.Ext:
+    def _array_ext(
+        self, arr: np.ndarray[Any, Any], code: int, frames: list[Any]
+    ) -> msgspec.msgpack.Ext:
         name = _WIRE_NAMES.get(arr.dtype)
         if name is None:
             arr, name = _normalise_dtype(arr)
@@ -283,13 +365,12 @@ class Encoder:
             arr = np.ascontiguousarray(arr)  # one copy: the wire form is C order
         # _slot inlined: this is the per-array hot path of every message.
         nbytes = arr.nbytes
-        if nbytes < self.inline_threshold:
+        if nbytes < self._threshold:
             return _Ext(code, _meta_encode((name, arr.shape, arr.tobytes())))
-        frames: list[Any] = self._local.frames
         frames.append(memoryview(arr).cast("B") if nbytes else _EMPTY)  # type: ignore[arg-type]
         return _Ext(code, _meta_encode((name, arr.shape, len(frames) - 1)))
 
-    def _tensor_ext(self, t: Any) -> msgspec.msgpack.Ext:
+    def _tensor_ext(self, t: Any, frames: list[Any]) -> msgspec.msgpack.Ext:
         if not _torch_names:
             _torch_tables()
         name = _torch_names.get(t.dtype)
@@ -312,9 +393,9 @@ class Encoder:
             import torch
 
             raw = t.reshape(-1).view(torch.uint8).numpy()
-        return _Ext(_EXT_TENSOR, _meta_encode((name, shape, self._slot(raw))))
+        return _Ext(_EXT_TENSOR, _meta_encode((name, shape, self._slot(raw, frames))))
 
-    def _image_ext(self, img: Any) -> msgspec.msgpack.Ext:
+    def _image_ext(self, img: Any, frames: list[Any]) -> msgspec.msgpack.Ext:
         if img.mode not in _IMAGE_MODES:
             # Palette and bilevel images travel as their decoded pixels.
             if img.mode == "1":
@@ -326,7 +407,7 @@ class Encoder:
         # PIL exposes no buffer of its pixels: one copy, on the encode side only.
         data = np.frombuffer(img.tobytes(), np.uint8)
         w, h = img.size
-        return _Ext(_EXT_IMAGE, _meta_encode((img.mode, w, h, self._slot(data))))
+        return _Ext(_EXT_IMAGE, _meta_encode((img.mode, w, h, self._slot(data, frames))))
 
 
 def _normalise_dtype(arr: np.ndarray[Any, Any]) -> tuple[np.ndarray[Any, Any], str]:
@@ -399,7 +480,11 @@ class Decoder:
         ``fastio.weight_msgs``).
     max_message_size:
         Frames adding up to more bytes raise :class:`~fastio.MessageTooLarge` before
-        anything is parsed.
+        anything is parsed (sizes by ``len()``: bytes for bytes-like frames).
+    trusted:
+        ``True`` skips the checks of the frame list before parsing (see "Trust" in the
+        module docstring); only for frames this program produced itself. Anything read
+        from a socket is untrusted, the default.
     device:
         Where decoded torch tensors go: ``None``/``"cpu"`` views the frame without a
         copy; e.g. ``"cuda:0"`` copies onto that device.
@@ -419,15 +504,74 @@ class Decoder:
         *,
         max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE,
         device: Any = None,
+        trusted: bool = False,
     ) -> None:
         if type is None:
             types = message_types()
             type = Union[types]  # noqa: UP007
         self.type = type
-        self.max_message_size = max_message_size
         self.device = None if device is None or str(device) == "cpu" else device
-        self._local = threading.local()
-        self._dec = msgspec.msgpack.Decoder(type, ext_hook=self._ext_hook, dec_hook=_dec_hook)
+        self._max_message_size = max_message_size
+        self._trusted = bool(trusted)
+        # The size limit the decode checks, None when trusted (one attribute read).
+        self._limit = None if trusted else max_message_size
+        self._tls = threading.local()
+        # Built once here so that a type msgspec cannot decode fails at construction.
+        self._thread_state()
+
+    @property
+    def max_message_size(self) -> int:
+        """The size limit of one message's frames, in bytes (not checked when trusted)."""
+        return self._max_message_size
+
+    @property
+    def trusted(self) -> bool:
+        """Whether the frames come from a trusted source (see "Trust" in the module
+        docstring); read-only."""
+        return self._trusted
+
+    def _thread_state(self) -> tuple[msgspec.msgpack.Decoder[Any], list[Any]]:
+        """This thread's msgspec decoder, whose ext hook reads the frames of the call in
+        progress from a one-item box (no thread-local lookup per array)."""
+        box: list[Any] = [None]
+        codes = _TOKEN_CODES
+        frombuffer = np.frombuffer
+        unpack = _FRAME_REF.unpack
+        new = _new_object
+        other = self._ext_hook
+
+        def ext_hook(code: int, payload: memoryview) -> Any:
+            entry = codes.get(code)
+            if entry is None:
+                return other(code, payload, box[0])
+            dtype, in_frame = entry
+            try:
+                if in_frame:
+                    k, count = unpack(payload)
+                    frames = box[0]
+                    if not 0 < k < len(frames):
+                        raise _frame_error("token array", k, frames)
+                    arr = frombuffer(frames[k], dtype)  # ValueError unless whole items
+                    if arr.shape[0] != count:
+                        raise ValueError("frame size does not match the array")
+                else:
+                    arr = frombuffer(payload, dtype)
+            except DecodeError:
+                raise
+            except (ValueError, struct.error, BufferError) as exc:
+                raise _token_error(code, payload, box[0], exc) from None
+            tokens = new(TokenArray)  # TokenArray._wrap, inlined; _buf, _excl unset
+            tokens._a = arr
+            return tokens
+
+        dec = msgspec.msgpack.Decoder(
+            tuple[int, int, self.type],  # type: ignore[name-defined]
+            ext_hook=ext_hook,
+            dec_hook=_dec_hook,
+        )
+        state = (dec, box)
+        self._tls.state = state
+        return state
 
     def decode(self, frames: Sequence[Frame]) -> Any:
         """Decode a frame list (bytes, memoryview, bytearray or ``zmq.Frame`` items).
@@ -435,62 +579,79 @@ class Decoder:
         Raises
         ------
         DecodeError
-            Saying what is wrong with the frames; never any other exception for bad
-            input.
+            Saying what is wrong with the frames (for a value that breaks a field's
+            constraint: the field's path and the rule); never any other exception for
+            bad input.
         """
-        if not isinstance(frames, (list, tuple)) or not frames:
-            raise DecodeError("expected a non-empty list of frames [header, *buffers]")
-        # Frames stay as they are (no per-frame memoryview): the ext hook sizes them with
-        # len() or .nbytes and np.frombuffer reads any of them directly.
-        bufs: Sequence[Any] = frames
-        total = 0
-        for f in frames:
-            tf = type(f)
-            if tf is memoryview and f.c_contiguous:
-                total += f.nbytes
-            elif tf in _LEN_SIZED:
-                total += len(f)
-            else:
-                bufs = [_buffer(f) for f in frames]
-                total = sum(b.nbytes for b in bufs)
-                break
-        if total > self.max_message_size:
-            raise MessageTooLarge(
-                f"message of {total} bytes exceeds the limit of {self.max_message_size} bytes"
-            )
-        h = bufs[0]
-        if type(h) is not memoryview:
-            h = memoryview(h)
-        if h.format != "B" or h.ndim != 1:
-            h = h.cast("B")
-        # Fast path: what our encoder writes for < 128 buffers, [fixarray(3), 1, n, ...].
-        if len(h) > 3 and h[0] == 0x93 and h[1] == PROTOCOL_VERSION and h[2] < 0x80:
-            n_buffers = h[2]
-            body: Any = h[3:]
-        else:
-            n_buffers, body = _parse_header(h)
-        if n_buffers != len(bufs) - 1:
-            raise DecodeError(
-                f"wrong frame count: header announces {n_buffers} buffers, got {len(bufs) - 1}"
-            )
-        local = self._local
-        local.frames = bufs
         try:
-            return self._dec.decode(body)
-        except DecodeError:
-            raise
-        except msgspec.DecodeError as exc:
-            raise DecodeError(f"invalid message body: {exc}") from exc
+            dec, box = self._tls.state
+        except AttributeError:
+            dec, box = self._thread_state()
+        limit = self._limit
+        outer = box[0]  # a decode inside a decode (a user type's hook) on this thread
+        box[0] = frames
+        try:
+            if limit is not None:
+                # Frames stay as they are: np.frombuffer reads any of them directly. len()
+                # is the size in bytes of bytes, bytearray, zmq.Frame, byte memoryviews.
+                total = 0
+                for f in frames:
+                    total += len(f)
+                if total > limit:
+                    raise _Rejected
+            version, n_buffers, msg = dec.decode(frames[0])
+            if version != PROTOCOL_VERSION or n_buffers != len(frames) - 1:
+                raise _Rejected
         except Exception as exc:  # boundary: nothing else may escape for bad input
-            raise DecodeError(f"invalid message body: {type(exc).__name__}: {exc}") from exc
+            # Everything about a bad message, in the order a reader checks it, is worked
+            # out here, off the hot path.
+            raise self._diagnose(frames, exc) from exc
         finally:
-            local.frames = None
+            box[0] = outer
+        return msg
+
+    def _diagnose(self, frames: Any, exc: Exception) -> DecodeError:
+        """The error for frames that failed to decode, checked in the order of the
+        protocol: the frame list, each frame, the size limit, the header, the frame
+        count, then the body's own error."""
+        tf = type(frames)
+        if (tf is not list and tf is not tuple) or not frames:
+            return DecodeError("expected a non-empty list of frames [header, *buffers]")
+        try:
+            total = sum(_buffer(f).nbytes for f in frames)
+        except DecodeError as err:
+            return err
+        limit = self._limit
+        if limit is not None and total > limit:
+            return MessageTooLarge(f"message of {total} bytes exceeds the limit of {limit} bytes")
+        try:
+            h = _buffer(frames[0])
+            if len(h) > 3 and h[0] == 0x93 and h[1] == PROTOCOL_VERSION and h[2] < 0x80:
+                n_buffers = h[2]  # what our encoder writes: no general parse needed
+            else:
+                try:
+                    n_buffers, _ = _parse_header(h)
+                except RecursionError:
+                    raise DecodeError("malformed header: nested too deeply") from None
+            if n_buffers != len(frames) - 1:
+                raise DecodeError(
+                    f"wrong frame count: header announces {n_buffers} buffers, "
+                    f"got {len(frames) - 1}"
+                )
+        except DecodeError as err:
+            return err
+        if isinstance(exc, DecodeError):
+            return exc
+        if isinstance(exc, _Rejected):  # pragma: no cover - the header checks above caught it
+            return DecodeError("malformed header")
+        if isinstance(exc, msgspec.DecodeError):
+            return DecodeError(f"invalid message body: {_body_error(self.type, frames[0], exc)}")
+        return DecodeError(f"invalid message body: {type(exc).__name__}: {exc}")
 
     # -- hooks -----------------------------------------------------------------------
-    def _data(self, slot: int | bytearray, nbytes: int, what: Any) -> Any:
+    def _data(self, slot: int | bytearray, nbytes: int, what: Any, frames: Any) -> Any:
         """The bytes an extension value refers to; ``what()`` describes it for errors."""
         if type(slot) is int:
-            frames: list[memoryview] = self._local.frames
             if not 0 < slot < len(frames):
                 raise DecodeError(
                     f"{what()} refers to frame {slot}, but the message has "
@@ -506,7 +667,8 @@ class Decoder:
             raise DecodeError(f"{what()} needs {nbytes} bytes of data, got {got}")
         return data
 
-    def _ext_hook(self, code: int, payload: memoryview) -> Any:
+    def _ext_hook(self, code: int, payload: memoryview, frames: Any) -> Any:
+        """Extension values other than the compact token arrays (codes 1-4)."""
         if code in _ARRAY_CODES:
             try:
                 name, shape, slot = _array_meta_decode(payload)
@@ -515,12 +677,11 @@ class Decoder:
             if len(shape) == 1 and code != _EXT_TENSOR:
                 # Fast path, every token array: a valid 1-D array, in its own frame (large)
                 # or inline in the header (small: ``slot`` is already a private bytearray).
-                dtype = _NP_DTYPES.get(name)
+                np_dtype = _NP_DTYPES.get(name)
                 count = shape[0]
-                if dtype is not None and count >= 0:
+                if np_dtype is not None and count >= 0:
                     data: Any = slot
                     if type(slot) is int:
-                        frames = self._local.frames
                         data = frames[slot] if 0 < slot < len(frames) else None
                         size = (
                             -1
@@ -531,25 +692,27 @@ class Decoder:
                         )
                     else:
                         size = len(slot)  # type: ignore[arg-type]
-                    if size == count * dtype.itemsize:
-                        arr = np.frombuffer(data, dtype, count)
+                    if size == count * np_dtype.itemsize:
+                        arr = np.frombuffer(data, np_dtype, count)
                         if code == _EXT_NDARRAY:
                             return arr
-                        tokens = _new_object(TokenArray)  # TokenArray._wrap, inlined
-                        tokens._a = arr
-                        tokens._buf = None
-                        return tokens
-            arr = self._array(code, name, shape, slot)
+                        return TokenArray._wrap(arr)
+            arr = self._array(code, name, shape, slot, frames)
             if code != _EXT_TOKENS:
                 return arr
             if arr.ndim != 1:
                 raise DecodeError(f"token array must be 1-D, got shape {list(arr.shape)}")
             return TokenArray._wrap(arr)
         if code == _EXT_IMAGE:
-            return self._image(payload)
-        raise DecodeError(f"unknown extension type code {code}; known: 1, 2, 3, 4")
+            return self._image(payload, frames)
+        raise DecodeError(
+            f"unknown extension type code {code}; known: 1, 2, 3, 4, "
+            "16-28 and 32-44 (token arrays, but not bfloat16: 26, 42)"
+        )
 
-    def _array(self, code: int, name: str, shape: tuple[int, ...], slot: int | bytearray) -> Any:
+    def _array(
+        self, code: int, name: str, shape: tuple[int, ...], slot: int | bytearray, frames: Any
+    ) -> Any:
         """Checks and builds any array or tensor (the fast path's fallback)."""
         if len(shape) > _MAX_NDIM:
             raise DecodeError(f"array has {len(shape)} dimensions, at most {_MAX_NDIM} allowed")
@@ -558,18 +721,22 @@ class Decoder:
                 raise DecodeError(f"negative dimension in array shape {list(shape)}")
         count = math.prod(shape)
         if code == _EXT_TENSOR:
-            return self._tensor(name, shape, count, slot)
+            return self._tensor(name, shape, count, slot, frames)
         dtype = _NP_DTYPES.get(name)
         if dtype is None:
             raise DecodeError(
                 f"unknown array dtype {name!r}; known: {sorted(_NP_DTYPES)}"
                 + (" (bfloat16 only as a tensor, ext code 2)" if name == "bfloat16" else "")
             )
-        data = self._data(slot, count * dtype.itemsize, lambda: f"array {name}{list(shape)}")
+        data = self._data(
+            slot, count * dtype.itemsize, lambda: f"array {name}{list(shape)}", frames
+        )
         arr = np.frombuffer(data, dtype, count)
         return arr if len(shape) == 1 else arr.reshape(shape)
 
-    def _tensor(self, name: str, shape: tuple[int, ...], count: int, slot: int | bytearray) -> Any:
+    def _tensor(
+        self, name: str, shape: tuple[int, ...], count: int, slot: int | bytearray, frames: Any
+    ) -> Any:
         import torch
 
         if not _torch_dtypes:
@@ -578,7 +745,7 @@ class Decoder:
         if entry is None:
             raise DecodeError(f"unknown tensor dtype {name!r}; known: {sorted(_torch_dtypes)}")
         dtype, itemsize = entry
-        data = self._data(slot, count * itemsize, lambda: f"tensor {name}{list(shape)}")
+        data = self._data(slot, count * itemsize, lambda: f"tensor {name}{list(shape)}", frames)
         if memoryview(data).readonly:
             data = bytearray(data)  # see the module docstring: torch cannot be read-only
         # Through numpy: torch.frombuffer + reshape costs ~2.5 us, this ~1 us. bfloat16
@@ -591,7 +758,7 @@ class Decoder:
             t = t.to(self.device)
         return t
 
-    def _image(self, payload: memoryview) -> Any:
+    def _image(self, payload: memoryview, frames: Any) -> Any:
         from PIL import Image
 
         try:
@@ -603,10 +770,40 @@ class Decoder:
             raise DecodeError(f"unsupported image mode {mode!r}; known: {sorted(_IMAGE_MODES)}")
         if w < 0 or h < 0:
             raise DecodeError(f"invalid image size {w}x{h}")
-        data = self._data(slot, w * h * bpp, lambda: f"image {mode} {w}x{h}")
+        data = self._data(slot, w * h * bpp, lambda: f"image {mode} {w}x{h}", frames)
         if w == 0 or h == 0:
             return Image.new(mode, (w, h))
         return Image.frombuffer(mode, (w, h), data, "raw", mode, 0, 1)
+
+
+class _Rejected(Exception):
+    """Raised on the decode hot path for a message :meth:`Decoder._diagnose` explains."""
+
+
+def _frame_error(what: str, k: int, frames: Any) -> DecodeError:
+    return DecodeError(
+        f"{what} refers to frame {k}, but the message has "
+        + (f"frames 1..{len(frames) - 1}" if len(frames) > 1 else "no buffer frames")
+    )
+
+
+def _token_error(code: int, payload: memoryview, frames: Any, exc: Exception) -> DecodeError:
+    """What is wrong with a token-array extension value that failed to decode."""
+    dtype, in_frame = _TOKEN_CODES[code]
+    if isinstance(exc, BufferError):
+        return DecodeError("frame is not a contiguous buffer")
+    if not in_frame:
+        return DecodeError(
+            f"token array of {dtype.name} needs a multiple of {dtype.itemsize} bytes of "
+            f"data, got {len(payload)}"
+        )
+    if len(payload) != _FRAME_REF.size:
+        return DecodeError(f"token array frame reference must be 8 bytes, got {len(payload)}")
+    k, count = _FRAME_REF.unpack(payload)
+    got = memoryview(frames[k]).nbytes
+    return DecodeError(
+        f"token array {dtype.name}[{count}] needs {count * dtype.itemsize} bytes of data, got {got}"
+    )
 
 
 def _parse_header(h: memoryview) -> tuple[int, memoryview]:
@@ -640,6 +837,63 @@ def _parse_header(h: memoryview) -> tuple[int, memoryview]:
     return n_buffers, h[pos:]
 
 
+_PATH = re.compile(r" - at `\$((?:\[\d+\])*)(.*)`$")
+_INDEX = re.compile(r"\[(\d+)\]")
+
+
+def _body_error(tp: Any, header: Any, exc: Exception) -> str:
+    """msgspec's message with the path made relative to the body (``$[2]`` of the
+    header tuple is ``$``) and the field names it stands for (``array_like`` Structs
+    only number their fields), e.g. ``Expected `int` >= 1 - at `$[3][2]`
+    (LLMRequest.gconfig.max_new_tokens)``."""
+    text = str(exc)
+    m = _PATH.search(text)
+    if m is None:
+        return text
+    idx = [int(i) for i in _INDEX.findall(m.group(1))]
+    if not idx or idx[0] != 2:
+        return text
+    idx = idx[1:]
+    rest = m.group(2)
+    where = "$" + "".join(f"[{i}]" for i in idx) + rest
+    try:
+        names = _field_names(tp, _any_decoder.decode(_buffer(header))[2], idx)
+    except Exception:  # naming is best effort: the path above is exact
+        names = ""
+    return text[: m.start()] + f" - at `{where}`" + (f" ({names}{rest})" if names else "")
+
+
+def _field_names(tp: Any, value: Any, idx: list[int]) -> str:
+    """Dotted field names along ``idx`` in the raw decoded ``value`` of type ``tp``."""
+    import msgspec.inspect as mi
+
+    info: Any = mi.type_info(tp)
+    parts: list[str] = []
+    for i in idx:
+        while isinstance(info, mi.UnionType):  # pick the Struct the tag names
+            tag = value[0] if isinstance(value, list) and value else None
+            structs = [t for t in info.types if isinstance(t, mi.StructType) and t.tag == tag]
+            if not structs:
+                return ".".join(parts)
+            info = structs[0]
+        if isinstance(info, mi.StructType):
+            if not parts:
+                parts.append(info.cls.__name__)
+            if i == 0:
+                parts.append("(tag)")
+                return ".".join(parts)
+            field = info.fields[i - 1]
+            parts.append(field.name)
+            info = field.type
+        elif isinstance(info, (mi.ListType, mi.TupleType, mi.VarTupleType)):
+            parts[-1:] = [f"{parts[-1] if parts else ''}[{i}]"]
+            info = info.item_type if not isinstance(info, mi.TupleType) else info.item_types[i]
+        else:
+            return ".".join(parts)
+        value = value[i] if isinstance(value, list) and i < len(value) else None
+    return ".".join(parts)
+
+
 def _dec_hook(tp: Any, obj: Any) -> Any:
     if tp is TokenArray:
         if type(obj) is TokenArray:
@@ -658,6 +912,41 @@ def _dec_hook(tp: Any, obj: Any) -> Any:
     if isinstance(tp, type) and isinstance(obj, tp):
         return obj
     raise TypeError(f"expected {getattr(tp, '__name__', tp)}, got {type(obj).__name__}")
+
+
+def enc_hook(obj: Any) -> Any:
+    """``enc_hook`` for msgspec's other encoders: fastio's values as JSON-ready builtins.
+
+    ``TokenArray`` and numpy arrays become lists, numpy scalars Python numbers, torch
+    tensors nested lists, PIL images ``data:image/png;base64,...`` URLs (what SGLang
+    accepts as ``image_data``), tokenizers and processors their ``name_or_path``.
+
+    Examples
+    --------
+    >>> import msgspec, fastio
+    >>> resp = fastio.LLMResponse(output_tokens=[5, 6], latency=0.5, ttft=0.1)
+    >>> msgspec.json.encode(resp, enc_hook=fastio.enc_hook)[:24]
+    b'[3,[],[5,6],[],[],"stop"'
+    >>> msgspec.to_builtins(msgspec.structs.asdict(resp), enc_hook=fastio.enc_hook)["output_tokens"]
+    [5, 6]
+    """
+    if isinstance(obj, TokenArray):
+        return obj.tolist()
+    if isinstance(obj, (np.ndarray, np.generic)):
+        return obj.tolist()
+    if _is_tensor(obj):
+        return obj.tolist()
+    if _is_pil_image(obj):
+        import base64
+        import io
+
+        out = io.BytesIO()
+        obj.save(out, format="PNG")
+        return "data:image/png;base64," + base64.b64encode(out.getvalue()).decode()
+    name = getattr(obj, "name_or_path", None)
+    if isinstance(name, str):
+        return name
+    raise NotImplementedError(f"fastio.enc_hook cannot convert {type(obj).__qualname__}")
 
 
 def message_types() -> tuple[type[_s.WireStruct], ...]:

@@ -106,7 +106,8 @@ class Result(WireStruct, tag=int(MsgKind.FABRIC_RESULT)):
     output_tokens: TokenArray = msgspec.field(default_factory=TokenArray)
     output_logprobs: TokenArray = msgspec.field(default_factory=TokenArray)
     output_versions: TokenArray = msgspec.field(default_factory=TokenArray)
-    stop_reason: Literal["length", "stop", "interrupt"] = "stop"
+    #: ``"abort"``: a controller aborted the generation; the output so far.
+    stop_reason: Literal["length", "stop", "interrupt", "abort"] = "stop"
 
 
 class Stream(WireStruct, tag=int(MsgKind.FABRIC_STREAM)):

@@ -35,10 +35,23 @@ not ``forbid_unknown_fields``
 Token arrays (``input_ids``, ``input_tokens``, ``output_tokens``, ``output_logprobs``,
 ``output_versions``, ``itl``) are :class:`~fastio.tokens.TokenArray`: lists and numpy
 arrays are accepted and converted on construction (numpy arrays without a copy). Lists
-become ``int32`` token ids and versions (every vocabulary and version fits; a value
-that does not raises ``OverflowError``) and ``float64`` logprobs and latencies (the
-exact Python floats, as the seed kept them). Arrays keep their own dtype. A float among
-token ids raises ``TypeError`` rather than being truncated.
+become ``int32`` token ids and versions when every value fits (every vocabulary and
+version does), ``int64`` otherwise (``uint64`` for values in ``[2**63, 2**64)``; beyond
+64 bits ``OverflowError``: msgpack cannot carry them), and ``float64`` logprobs and
+latencies (the exact Python floats, as the seed kept them). Arrays keep their own dtype.
+A float among token ids raises ``TypeError`` rather than being truncated.
+
+Validation
+----------
+Sampling parameters carry msgspec constraints (``msgspec.Meta``: ``max_new_tokens >=
+1``, ``0 < top_p <= 1``, ...; see :class:`GenerationHyperparameters`). They are checked
+once, where data enters: on construction (``cls(...)`` checks types and constraints,
+naming the field and the rule, through the metaclass, so decoding never runs these
+checks), and on decode, ``msgspec.convert`` and ``msgspec.json.decode`` by msgspec
+itself, in C (the codec's :class:`~fastio.DecodeError` names the field path and the
+rule). What msgspec cannot see, that token fields hold numeric arrays of the right
+kind, ``__post_init__`` checks on every path: one type and one kind check per field.
+``msgspec.structs.replace`` checks nothing (use ``gconfig.new(...)``).
 
 Static typing: the token fields are annotated ``TokenArray`` for type checkers, so code
 that passes lists or arrays and wants to be ``mypy --strict`` clean wraps them in
@@ -51,11 +64,12 @@ from __future__ import annotations
 
 import enum
 import getpass
+import operator
 import os
 import re
 import socket
 import uuid
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import TYPE_CHECKING, Annotated, Any, Literal, Protocol
 
 import msgspec
 import numpy as np
@@ -64,6 +78,7 @@ from fastio.protocol import MsgKind
 from fastio.tokens import TokenArray
 
 __all__ = [
+    "MAX_NEW_TOKENS",
     "AllocationMode",
     "AllocationType",
     "FinetuneSpec",
@@ -112,6 +127,11 @@ def _tokens(value: Any, dtype: Any, field: str) -> TokenArray:
     except ValueError as exc:  # ragged nesting
         raise ValueError(f"{field} must be a flat sequence of numbers") from exc
     kind = arr.dtype.kind
+    if kind == "O" and arr.ndim == 1 and all(type(x) is int for x in value):
+        raise OverflowError(
+            f"{field}: integers beyond 64 bits cannot be stored or sent (int64, and uint64 "
+            "for values in [2**63, 2**64), are the widest)"
+        )
     if kind not in "biuf":
         raise TypeError(f"{field} holds numbers, got {arr.dtype} values")
     if arr.ndim != 1:
@@ -122,8 +142,14 @@ def _tokens(value: Any, dtype: Any, field: str) -> TokenArray:
         if kind in "iu":
             info = np.iinfo(target)
             if arr.min() < info.min or arr.max() > info.max:
-                raise OverflowError(f"{field}: value out of range for {target}")
-    return TokenArray._wrap(arr.astype(target))
+                # Wider ids are kept, as the seed's lists kept any int: numpy already
+                # chose int64 (or uint64 for values >= 2**63).
+                t = TokenArray._wrap(arr)
+                t._excl = True
+                return t
+    t = TokenArray._wrap(arr.astype(target))
+    t._excl = True
+    return t
 
 
 def _int_tokens(value: Any, dtype: Any, field: str) -> TokenArray:
@@ -146,7 +172,13 @@ def _float_tokens(value: Any, dtype: Any, field: str) -> TokenArray:
     return t
 
 
-_STOP_REASONS = frozenset(("length", "stop", "interrupt"))
+#: Stop reasons: the seed's three, plus ``"abort"``, SGLang's finish reason for a
+#: generation stopped by a pause (AReaL stores what its server sends).
+StopReason = Literal["length", "stop", "interrupt", "abort"]
+_STOP_REASONS = frozenset(("length", "stop", "interrupt", "abort"))
+
+
+_TA = TokenArray
 
 
 def _empty_ids() -> TokenArray:
@@ -177,6 +209,22 @@ else:
     _Tokens = Any
 
 
+class _CheckedMeta(msgspec.StructMeta):
+    """Metaclass of the types with construction-time checks.
+
+    ``cls(...)`` runs ``cls._check_new(obj)`` after msgspec's own ``__init__``. Decoding
+    never calls it (msgspec builds decoded instances directly and checks the typed
+    fields and their constraints itself), so the checks run once, where data enters.
+    """
+
+    _check_new: Any
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        obj = super().__call__(*args, **kwargs)
+        cls._check_new(obj)
+        return obj
+
+
 class WireStruct(msgspec.Struct, array_like=True, gc=False, tag_field="__kind__"):
     """Base of every fastio wire type (see the module docstring for the options).
 
@@ -190,17 +238,53 @@ class WireStruct(msgspec.Struct, array_like=True, gc=False, tag_field="__kind__"
         _registry_generation += 1
 
 
-class GenerationHyperparameters(WireStruct, tag=int(MsgKind.GENERATION_HYPERPARAMETERS)):
-    """Sampling parameters of one generation request."""
+#: Upper bound of ``max_new_tokens`` (2**24, 16M tokens): above any context length in
+#: use, low enough that a typo such as ``10**12`` is refused instead of served.
+MAX_NEW_TOKENS = 1 << 24
 
-    n_samples: int = 1
-    max_new_tokens: int = 16384
-    min_new_tokens: int = 0
+_NSamples = Annotated[int, msgspec.Meta(ge=1)]
+_MaxNew = Annotated[int, msgspec.Meta(ge=1, le=MAX_NEW_TOKENS)]
+_MinNew = Annotated[int, msgspec.Meta(ge=0, le=MAX_NEW_TOKENS)]
+_TopP = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
+_TopK = Annotated[int, msgspec.Meta(ge=1)]
+_Temperature = Annotated[float, msgspec.Meta(ge=0.0)]
+_TokenId = Annotated[int, msgspec.Meta(ge=0)]
+
+
+class GenerationHyperparameters(
+    WireStruct, tag=int(MsgKind.GENERATION_HYPERPARAMETERS), metaclass=_CheckedMeta
+):
+    """Sampling parameters of one generation request (AReaL's defaults).
+
+    Constraints, checked on construction and on decode (msgspec ``Meta``):
+
+    ==================  ========================================================
+    ``n_samples``       int >= 1
+    ``max_new_tokens``  int, 1 <= value <= :data:`MAX_NEW_TOKENS` (2**24)
+    ``min_new_tokens``  int, 0 <= value <= 2**24
+    ``greedy``          bool
+    ``top_p``           float, 0 < value <= 1
+    ``top_k``           int >= 1 (the default 100000000 means "no top-k")
+    ``temperature``     float >= 0
+    ``stop_token_ids``  list of int >= 0
+    ==================  ========================================================
+
+    A violation raises ``ValueError`` (``TypeError`` for a wrong type) naming the field
+    and the rule, e.g. ``max_new_tokens must be >= 1, got 0``.
+    """
+
+    n_samples: _NSamples = 1
+    max_new_tokens: _MaxNew = 16384
+    min_new_tokens: _MinNew = 0
     greedy: bool = False
-    top_p: float = 1.0
-    top_k: int = 100000000
-    temperature: float = 1.0
-    stop_token_ids: list[int] = msgspec.field(default_factory=list)
+    top_p: _TopP = 1.0
+    top_k: _TopK = 100000000
+    temperature: _Temperature = 1.0
+    stop_token_ids: list[_TokenId] = msgspec.field(default_factory=list)
+
+    @staticmethod
+    def _check_new(obj: GenerationHyperparameters) -> None:
+        _check_gconfig(obj)
 
     def new(self, **kwargs: Any) -> GenerationHyperparameters:
         """A copy with the given fields changed (unknown names raise ``TypeError``)."""
@@ -211,6 +295,66 @@ class GenerationHyperparameters(WireStruct, tag=int(MsgKind.GENERATION_HYPERPARA
             raise TypeError(f"GenerationHyperparameters has no field(s) {sorted(unknown)}")
         values.update(kwargs)
         return GenerationHyperparameters(**values)
+
+
+def _as_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    return operator.index(value)
+
+
+def _as_float(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise TypeError(f"{name} must be a float, got {type(value).__name__} {value!r}")
+    return float(value)
+
+
+def _bounds(name: str, value: float, ge: Any = None, gt: Any = None, le: Any = None) -> None:
+    if ge is not None and not value >= ge:
+        raise ValueError(f"{name} must be >= {ge}, got {value!r}")
+    if gt is not None and not value > gt:
+        raise ValueError(f"{name} must be > {gt}, got {value!r}")
+    if le is not None and not value <= le:
+        raise ValueError(f"{name} must be <= {le}, got {value!r}")
+
+
+def _check_gconfig(g: GenerationHyperparameters) -> None:
+    """The construction-time twin of the msgspec constraints on the fields."""
+    g.n_samples = n = _as_int("n_samples", g.n_samples)
+    _bounds("n_samples", n, ge=1)
+    g.max_new_tokens = n = _as_int("max_new_tokens", g.max_new_tokens)
+    _bounds("max_new_tokens", n, ge=1, le=MAX_NEW_TOKENS)
+    g.min_new_tokens = n = _as_int("min_new_tokens", g.min_new_tokens)
+    _bounds("min_new_tokens", n, ge=0, le=MAX_NEW_TOKENS)
+    if not isinstance(g.greedy, (bool, np.bool_)):
+        raise TypeError(f"greedy must be a bool, got {type(g.greedy).__name__} {g.greedy!r}")
+    g.greedy = bool(g.greedy)
+    g.top_p = x = _as_float("top_p", g.top_p)
+    _bounds("top_p", x, gt=0.0, le=1.0)
+    g.top_k = n = _as_int("top_k", g.top_k)
+    _bounds("top_k", n, ge=1)
+    g.temperature = x = _as_float("temperature", g.temperature)
+    _bounds("temperature", x, ge=0.0)
+    ids = g.stop_token_ids
+    if not isinstance(ids, list):
+        if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
+            raise TypeError(
+                f"stop_token_ids must be a list of ints, got {type(ids).__name__} {ids!r}"
+            )
+        g.stop_token_ids = ids = list(ids)
+    for i, v in enumerate(ids):
+        if type(v) is not int:
+            ids[i] = v = _as_int(f"stop_token_ids[{i}]", v)
+        _bounds(f"stop_token_ids[{i}]", v, ge=0)
+
+
+def _check_request(req: LLMRequest) -> None:
+    if not isinstance(req.rid, str):
+        raise TypeError(f"rid must be a str, got {type(req.rid).__name__} {req.rid!r}")
+    if not isinstance(req.metadata, dict):
+        raise TypeError(f"metadata must be a dict, got {type(req.metadata).__name__}")
+    if req.model_id is not None and not isinstance(req.model_id, str):
+        raise TypeError(f"model_id must be a str or None, got {type(req.model_id).__name__}")
 
 
 def _gconfig(value: Any) -> GenerationHyperparameters:
@@ -225,7 +369,7 @@ def _gconfig(value: Any) -> GenerationHyperparameters:
         ) from exc
 
 
-class LLMRequest(WireStruct, tag=int(MsgKind.LLM_REQUEST)):
+class LLMRequest(WireStruct, tag=int(MsgKind.LLM_REQUEST), metaclass=_CheckedMeta):
     """A generation request: prompt token ids and sampling parameters.
 
     ``rid`` defaults to a fresh uuid4 string; requests sharing a rid are routed to the
@@ -239,11 +383,19 @@ class LLMRequest(WireStruct, tag=int(MsgKind.LLM_REQUEST)):
     model_id: str | None = None
 
     def __post_init__(self) -> None:
-        # Runs on construction *and* on decode: the decoded field is already a
-        # TokenArray, so keep that case to one type check.
-        self.input_ids = _int_tokens(self.input_ids, _ID_DTYPE, "input_ids")
-        if type(self.gconfig) is not GenerationHyperparameters:
-            self.gconfig = _gconfig(self.gconfig)
+        # Runs on construction and on decode. msgspec checks every typed field on decode;
+        # the token field is Any to msgspec (for speed), so it is checked here: one type
+        # and one kind check when it is a TokenArray already (every decode by fastio).
+        ids = self.input_ids
+        if type(ids) is not _TA or ids._a.dtype.kind not in "iu":
+            self.input_ids = _int_tokens(ids, _ID_DTYPE, "input_ids")
+
+    @staticmethod
+    def _check_new(obj: LLMRequest) -> None:
+        # Construction only: msgspec's decode and convert type gconfig themselves.
+        if type(obj.gconfig) is not GenerationHyperparameters:
+            obj.gconfig = _gconfig(obj.gconfig)
+        _check_request(obj)
 
 
 class LLMResponse(WireStruct, tag=int(MsgKind.LLM_RESPONSE)):
@@ -253,7 +405,7 @@ class LLMResponse(WireStruct, tag=int(MsgKind.LLM_RESPONSE)):
     output_tokens: _Tokens = msgspec.field(default_factory=_empty_ids)
     output_logprobs: _Tokens = msgspec.field(default_factory=_empty_floats)
     output_versions: _Tokens = msgspec.field(default_factory=_empty_ids)
-    stop_reason: Literal["length", "stop", "interrupt"] = "stop"
+    stop_reason: StopReason = "stop"
     latency: float = float("inf")
     #: Time to first token, seconds.
     ttft: float = float("inf")
@@ -261,8 +413,25 @@ class LLMResponse(WireStruct, tag=int(MsgKind.LLM_RESPONSE)):
     itl: _Tokens = msgspec.field(default_factory=_empty_floats)
 
     def __post_init__(self) -> None:
-        # Runs on construction *and* on decode (then every field is a TokenArray
-        # already): one type check per field on that hot path.
+        # Runs on construction and on decode. msgspec checks the typed fields on decode
+        # (stop_reason, floats); the token fields are Any to msgspec, so they are checked
+        # here: a type and a kind check each when they are TokenArrays already.
+        a, b, c = self.input_tokens, self.output_tokens, self.output_logprobs
+        d, e = self.output_versions, self.itl
+        if (
+            type(a) is _TA
+            and type(b) is _TA
+            and type(c) is _TA
+            and type(d) is _TA
+            and type(e) is _TA
+            and a._a.dtype.kind in "iu"
+            and b._a.dtype.kind in "iu"
+            and d._a.dtype.kind in "iu"
+            and c._a.dtype.kind in "fiu"
+            and e._a.dtype.kind in "fiu"
+            and self.stop_reason in _STOP_REASONS
+        ):
+            return
         self.input_tokens = _int_tokens(self.input_tokens, _ID_DTYPE, "input_tokens")
         self.output_tokens = _int_tokens(self.output_tokens, _ID_DTYPE, "output_tokens")
         self.output_logprobs = _float_tokens(
@@ -504,17 +673,22 @@ class WeightUpdateMeta(WireStruct, tag=int(MsgKind.WEIGHT_UPDATE_META)):
 
     @classmethod
     def from_disk(cls, saver_config: SaverConfig) -> WeightUpdateMeta:
-        """Disk path under ``{fileroot}/checkpoints/{user}/{experiment}/{trial}/default``."""
-        path = os.path.join(
+        """Disk path ``{fileroot}/checkpoints/{user}/{experiment}/{trial}/default/weight_update``.
+
+        As the seed (through ``Saver.get_save_checkpoint_root``), this creates the
+        checkpoint root ``.../default`` (``os.makedirs(exist_ok=True)``) but not
+        ``weight_update`` itself, which the trainer writes.
+        """
+        root = os.path.join(
             saver_config.fileroot,
             "checkpoints",
             getpass.getuser(),
             saver_config.experiment_name,
             saver_config.trial_name,
             "default",
-            "weight_update",
         )
-        return cls(type="disk", path=path)
+        os.makedirs(root, exist_ok=True)
+        return cls(type="disk", path=os.path.join(root, "weight_update"))
 
     @classmethod
     def from_param_specs(

@@ -22,8 +22,12 @@ __all__ = [
 PROTOCOL_VERSION = 1
 
 #: Arrays whose data is smaller than this many bytes travel inside the header;
-#: larger ones travel as their own frame, sent without a copy.
-DEFAULT_INLINE_THRESHOLD = 256
+#: larger ones travel as their own frame, sent without a copy. Chosen by measurement
+#: (``bench/codec.py``, case ``inline_threshold``): a ZeroMQ frame costs more than
+#: copying several KiB into the header, so a request of up to 2047 int32 tokens stays
+#: one frame (small enough to join a fabric batch frame, 16 KiB), a longer one sends
+#: its ids without a copy.
+DEFAULT_INLINE_THRESHOLD = 8192
 
 #: Default limit on the total size of one message's frames (16 GiB).
 DEFAULT_MAX_MESSAGE_SIZE = 16 << 30
@@ -85,6 +89,13 @@ class ExtCode(enum.IntEnum):
     #: ``TokenArray``. A code of its own so the decoder builds the right type without
     #: knowing which field it is in (the hot path skips msgspec's per-field hook).
     TOKENS = 4
+    #: ``TokenArray`` with its data inline: codes ``16 + d`` for the dtype at index
+    #: ``d`` of :data:`DTYPE_NAMES`; the payload is the raw little-endian elements.
+    #: No nested msgpack value to decode: the dtype is the code, the length the payload's.
+    TOKENS_INLINE = 16
+    #: ``TokenArray`` in a buffer frame: codes ``32 + d``; the payload is 8 bytes, the
+    #: frame index and the element count, each a 4-byte little-endian unsigned int.
+    TOKENS_FRAME = 32
 
 
 #: Canonical dtype names on the wire (little-endian always).

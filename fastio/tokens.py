@@ -18,6 +18,8 @@ operation                 behaviour
 ``append``, ``pop``       as a list
 ``t == seq``              ``True`` / ``False``, element by element as lists
 ``list(t)``, ``tolist``   a real list
+``t[i] = x``, ``del t[i]`` as a list (slice assignment too); copy-on-write
+``t.copy()``              a new plain ``list`` (as ``list.copy``)
 ``np.asarray(t)``         the underlying array, no copy
 ``torch.as_tensor(t)``    a tensor (``t.tensor()`` shares memory)
 ========================  ===============================================
@@ -27,11 +29,19 @@ joining an array keep its dtype when they fit (numpy's rule for Python scalars),
 ``[-1] * n + versions`` stays ``int32``; numbers that do not fit (a float into an int
 array, an int beyond the dtype's range) widen the result instead of being truncated.
 
+Integers beyond the dtype's range widen it: ``int32`` to ``int64``, and ``uint64`` for
+values in ``[2**63, 2**64)``. Python ints beyond 64 bits raise ``OverflowError``: no
+numpy dtype holds them and msgpack, the wire format, cannot carry them.
+
 Operations whose list and array meanings disagree (``t * 2``, ``t - x``, ``t < x``,
-``t + 1``, item assignment) raise ``TypeError`` with a hint, instead of silently doing
-the other thing. Item assignment is refused because slices are views: ``u = t[:]``
-then ``t[0] = 5`` would change ``u``, which a list never does. Use ``t.array`` for
-numpy arithmetic.
+``t + 1``) raise ``TypeError`` with a hint, instead of silently doing the other thing.
+Use ``t.array`` for numpy arithmetic.
+
+Item assignment is copy-on-write, so it behaves as on a list although slices are
+views: ``u = t[:]`` then ``t[0] = 5`` leaves ``u`` alone. The first assignment after a
+view of the memory was handed out (a slice, ``t.array``, ``np.asarray(t)``,
+``t.tensor()``, a decoded frame, an array passed in) copies the elements once; later
+ones write in place. ``t.array`` is a numpy view: writes through it are numpy's.
 
 Lifetime: a ``TokenArray`` produced by :func:`fastio.decode` is a view of a received
 frame and keeps that frame alive; it is writable when the frame is (``zmq.Frame``),
@@ -74,7 +84,7 @@ def _weak(values: Sequence[Any], like: np.dtype[Any]) -> npt.NDArray[Any]:
     """
     if len(values) == 0:
         return np.empty(0, like)
-    arr = np.asarray(values)
+    arr = _numbers(values, None)
     kind = arr.dtype.kind
     if kind not in _NUMERIC_KINDS:
         raise TypeError(f"TokenArray holds numbers only, got {arr.dtype} values")
@@ -116,16 +126,23 @@ class TokenArray(Sequence[Any]):
     True
     """
 
-    __slots__ = ("_a", "_buf")
+    __slots__ = ("_a", "_buf", "_excl")
 
     _a: npt.NDArray[Any]
     #: Over-allocated private buffer that ``_a`` is a prefix of, or None.
     _buf: npt.NDArray[Any] | None
+    #: True when no view of ``_a``'s memory exists outside this object, so item
+    #: assignment may write in place (copy-on-write otherwise). The decoder leaves
+    #: ``_buf`` and ``_excl`` unset (read with defaults None and False): two stores fewer
+    #: per decoded array.
+    _excl: bool
 
     def __init__(self, data: Any = (), dtype: npt.DTypeLike | None = None) -> None:
         self._buf = None
+        self._excl = False
         if isinstance(data, TokenArray):
             arr = data._a
+            data._excl = False
         elif isinstance(data, np.ndarray):
             arr = data
         elif type(data).__module__ == "torch" and type(data).__name__ == "Tensor":
@@ -139,7 +156,8 @@ class TokenArray(Sequence[Any]):
                 data = list(data)
             if dtype is None and len(data) == 0:
                 dtype = _EMPTY_INT
-            arr = np.asarray(data, dtype=dtype)
+            arr = _numbers(data, dtype)
+            self._excl = True
         if dtype is not None and arr.dtype != np.dtype(dtype):
             arr = arr.astype(dtype)
         if arr.ndim != 1:
@@ -154,12 +172,14 @@ class TokenArray(Sequence[Any]):
         self = _new(cls)
         self._a = arr
         self._buf = None
+        self._excl = False
         return self
 
     # -- access ------------------------------------------------------------------
     @property
     def array(self) -> npt.NDArray[Any]:
         """The underlying 1-D numpy array (a view; no copy)."""
+        self._excl = False
         return self._a
 
     @property
@@ -181,10 +201,25 @@ class TokenArray(Sequence[Any]):
         import torch
 
         a = self._a
+        self._excl = False
         return torch.from_numpy(a if a.flags.writeable else a.copy())
 
-    def copy(self) -> TokenArray:
-        """An independent copy."""
+    def copy(self) -> list[Any]:
+        """A new plain ``list`` of the elements, as ``list.copy`` gives.
+
+        Code written for lists copies a token field before putting it in a JSON payload
+        (``{"input_ids": req.input_ids.copy()}``); a list is what ``json.dumps`` takes.
+        For an independent ``TokenArray`` use ``t[:]`` (a view that never sees later
+        changes of ``t``: growth and item assignment copy first) or
+        ``TokenArray(t.array.copy())``.
+        """
+        out: list[Any] = self._a.tolist()
+        return out
+
+    def __copy__(self) -> TokenArray:
+        return TokenArray._wrap(self._a.copy())
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> TokenArray:
         return TokenArray._wrap(self._a.copy())
 
     def __array__(
@@ -194,7 +229,10 @@ class TokenArray(Sequence[Any]):
             if copy is False:
                 raise ValueError("TokenArray: a dtype conversion needs a copy")
             return self._a.astype(dtype)
-        return self._a.copy() if copy else self._a
+        if copy:
+            return self._a.copy()
+        self._excl = False
+        return self._a
 
     def __len__(self) -> int:
         return int(self._a.shape[0])
@@ -205,6 +243,7 @@ class TokenArray(Sequence[Any]):
     def __getitem__(self, index: slice) -> TokenArray: ...
     def __getitem__(self, index: SupportsIndex | slice) -> Any:
         if isinstance(index, slice):
+            self._excl = False  # the slice shares memory: assignment copies first
             return TokenArray._wrap(self._a[index])
         try:
             i = operator.index(index)
@@ -287,7 +326,7 @@ class TokenArray(Sequence[Any]):
         elif second.shape[0] == 0:
             dtype = first.dtype
         else:
-            dtype = np.result_type(first.dtype, second.dtype)
+            dtype = _joined(first.dtype, second.dtype)
         out = np.empty(first.shape[0] + second.shape[0], dtype)
         out[: first.shape[0]] = first
         out[first.shape[0] :] = second
@@ -316,12 +355,13 @@ class TokenArray(Sequence[Any]):
         n, k = len(self), extra.shape[0]
         if k == 0:
             return
-        dtype = extra.dtype if n == 0 else np.result_type(self._a.dtype, extra.dtype)
-        buf = self._buf
+        dtype = extra.dtype if n == 0 else _joined(self._a.dtype, extra.dtype)
+        buf = getattr(self, "_buf", None)  # unset on arrays fresh from the decoder
         if buf is None or buf.dtype != dtype or buf.shape[0] < n + k:
             buf = np.empty(max(2 * (n + k), 16), dtype=dtype)
             buf[:n] = self._a
             self._buf = buf
+            self._excl = True
         buf[n : n + k] = extra
         self._a = buf[: n + k]
 
@@ -343,12 +383,108 @@ class TokenArray(Sequence[Any]):
         value = self._a[i].item()
         self._a = np.concatenate((self._a[:i], self._a[i + 1 :]))
         self._buf = None  # views of the old prefix must never see later appends
+        self._excl = True
         return value
 
     def clear(self) -> None:
         """Remove every element (keeps the dtype)."""
         self._a = self._a[:0]
         self._buf = None
+        self._excl = True
+
+    def insert(self, index: SupportsIndex, value: Any) -> None:
+        """Insert ``value`` before ``index``, as ``list.insert``."""
+        i, _, _ = slice(operator.index(index), None).indices(len(self))
+        self[i:i] = (value,)
+
+    def reverse(self) -> None:
+        """Reverse in place, as ``list.reverse``."""
+        self._set_private(self._a[::-1].copy())
+
+    def sort(self, *, reverse: bool = False) -> None:
+        """Sort in place, as ``list.sort`` (no ``key``)."""
+        a = np.sort(self._a)
+        self._set_private(a[::-1].copy() if reverse else a)
+
+    # -- item assignment (copy-on-write) ------------------------------------------
+    def _set_private(self, arr: npt.NDArray[Any]) -> None:
+        """Make a new array, which nobody else sees, the contents."""
+        self._a = arr
+        self._buf = None
+        self._excl = True
+
+    def _own(self, dtype: np.dtype[Any]) -> npt.NDArray[Any]:
+        """``_a`` as private writable memory of ``dtype`` (copies once if shared)."""
+        a = self._a
+        if not getattr(self, "_excl", False) or a.dtype != dtype or not a.flags.writeable:
+            a = a.astype(dtype)  # always a copy
+            self._set_private(a)
+        return a
+
+    def __setitem__(self, index: Any, value: Any) -> None:
+        if isinstance(index, slice):
+            start, stop, step = index.indices(len(self))
+            if isinstance(value, TokenArray):
+                values = value._a.copy()  # t[a:b] = t reads what it writes
+            elif isinstance(value, Iterable) and not isinstance(
+                value, (str, bytes, np.ndarray, list, tuple, range)
+            ):
+                values = _weak(list(value), self._a.dtype)
+            else:
+                values = self._coerce(value, "slice assignment")
+            if step == 1:
+                stop = max(stop, start)
+                a = self._a
+                self._set_private(self._concat3(a[:start], values, a[stop:]))
+                return
+            n_slot = len(range(start, stop, step))
+            if values.shape[0] != n_slot:
+                raise ValueError(
+                    f"attempt to assign sequence of size {values.shape[0]} "
+                    f"to extended slice of size {n_slot}"
+                )
+            dtype = _joined(self._a.dtype, values.dtype)
+            self._own(dtype)[index] = values
+            return
+        try:
+            i = operator.index(index)
+        except TypeError:
+            raise TypeError(
+                f"TokenArray indices must be integers or slices, not {type(index).__name__}"
+            ) from None
+        n = len(self)
+        if not -n <= i < n:
+            raise IndexError("TokenArray assignment index out of range")
+        if not isinstance(value, (int, float, np.number)):
+            raise TypeError(f"TokenArray holds numbers only, got {type(value).__name__}")
+        item = _weak([value], self._a.dtype)
+        self._own(_joined(self._a.dtype, item.dtype))[i] = item[0]
+
+    def _concat3(self, *parts: npt.NDArray[Any]) -> npt.NDArray[Any]:
+        # As _concat: an empty side does not take part in the type.
+        dtype = self._a.dtype
+        new = parts[1]
+        if new.shape[0]:
+            rest = parts[0].shape[0] + parts[2].shape[0]
+            dtype = _joined(dtype, new.dtype) if rest else new.dtype
+        return np.concatenate([p.astype(dtype, copy=False) for p in parts])
+
+    def __delitem__(self, index: Any) -> None:
+        if isinstance(index, slice):
+            keep = np.ones(len(self), bool)
+            keep[index] = False
+            self._set_private(self._a[keep])
+            return
+        try:
+            i = operator.index(index)
+        except TypeError:
+            raise TypeError(
+                f"TokenArray indices must be integers or slices, not {type(index).__name__}"
+            ) from None
+        n = len(self)
+        if not -n <= i < n:
+            raise IndexError("TokenArray assignment index out of range")
+        self.pop(i)
 
     # -- operations that would silently change meaning -----------------------------
     def __mul__(self, other: Any) -> TokenArray:
@@ -370,11 +506,32 @@ class TokenArray(Sequence[Any]):
 
     __le__ = __gt__ = __ge__ = __lt__
 
-    def __setitem__(self, index: Any, value: Any) -> None:
-        raise TypeError(_hint("item assignment"))
-
-    def __delitem__(self, index: Any) -> None:
-        raise TypeError(_hint("del"))
-
 
 _new = object.__new__
+
+
+def _joined(a: np.dtype[Any], b: np.dtype[Any]) -> np.dtype[Any]:
+    """The dtype holding both; never a float for two integer dtypes (int64 + uint64)."""
+    if a == b:
+        return a
+    out: np.dtype[Any] = np.result_type(a, b)
+    if out.kind == "f" and a.kind in "iu" and b.kind in "iu":
+        raise OverflowError(
+            f"TokenArray cannot join {a} and {b} values exactly: negative numbers and "
+            "numbers of 2**63 or more need more than 64 bits"
+        )
+    return out
+
+
+def _numbers(data: Sequence[Any], dtype: npt.DTypeLike | None) -> npt.NDArray[Any]:
+    """``np.asarray`` of Python numbers, with a clear error for ints beyond 64 bits."""
+    try:
+        arr = np.asarray(data, dtype=dtype)
+    except OverflowError as exc:
+        raise OverflowError(f"TokenArray: {exc}") from exc
+    if arr.dtype.kind == "O" and any(type(x) is int for x in data):
+        raise OverflowError(
+            "TokenArray holds integers of at most 64 bits (int64, or uint64 for values in "
+            "[2**63, 2**64)): no numpy dtype holds larger ones and the wire cannot carry them"
+        )
+    return arr

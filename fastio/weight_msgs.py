@@ -47,6 +47,8 @@ class WeightTensor(msgspec.Struct, array_like=True, frozen=True, gc=False):
 
     ``dtype`` is a torch dtype name (``"bfloat16"``, ``"float32"``, ...), ``offset`` the
     byte offset of its C-ordered data inside the bucket, ``nbytes`` its size in bytes.
+    ``src_dtype`` is the trainer's dtype when the trainer cast the tensor to ``dtype``
+    for the workers (``""``: it travels as the trainer holds it).
     """
 
     name: str
@@ -54,6 +56,7 @@ class WeightTensor(msgspec.Struct, array_like=True, frozen=True, gc=False):
     shape: tuple[int, ...]
     offset: int
     nbytes: int
+    src_dtype: str = ""
 
 
 class WeightBucketInfo(msgspec.Struct, array_like=True, gc=False):
@@ -76,7 +79,9 @@ class WeightHello(WireStruct, tag=int(MsgKind.WEIGHT_HELLO)):
 
     Carries the version the worker holds (``-1``: none) and, when known, a digest of
     its weights (:func:`transport.weights.state_digest`), so a publisher (also a
-    restarted one) learns every worker's state.
+    restarted one) learns every worker's state. ``dtype`` is the one dtype the worker
+    wants every floating tensor in (``""``: none declared); when every worker wants the
+    same narrower dtype, the trainer casts while packing.
     """
 
     worker_id: str
@@ -84,6 +89,7 @@ class WeightHello(WireStruct, tag=int(MsgKind.WEIGHT_HELLO)):
     pid: int
     version: int = -1
     digest: int | None = None
+    dtype: str = ""
 
 
 class WeightAnnounce(WireStruct, tag=int(MsgKind.WEIGHT_ANNOUNCE)):
@@ -92,6 +98,8 @@ class WeightAnnounce(WireStruct, tag=int(MsgKind.WEIGHT_ANNOUNCE)):
     Sent on PUB with the next sequence number, and nested in :class:`WeightWelcome`.
     ``shm_name`` names the shared-memory segment (under ``/dev/shm``) that holds every
     bucket at its ``shm_offset``; empty when the publisher staged in private memory.
+    ``aliases`` maps names that share memory with a travelling tensor (tied weights) to
+    that tensor's name: their bytes travel once and are applied to every name.
     """
 
     publisher_id: str
@@ -101,6 +109,7 @@ class WeightAnnounce(WireStruct, tag=int(MsgKind.WEIGHT_ANNOUNCE)):
     total_bytes: int
     buckets: list[WeightBucketInfo]
     shm_name: str = ""
+    aliases: dict[str, str] = msgspec.field(default_factory=dict)
 
 
 class WeightWelcome(WireStruct, tag=int(MsgKind.WEIGHT_WELCOME)):

@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import os
 import zlib
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -29,10 +29,17 @@ from torch import nn
 
 from fastio import GenerationHyperparameters, LLMRequest, LLMResponse, TokenArray
 
-if TYPE_CHECKING:
-    from transport.worker import RequestContext
+__all__ = ["GenerationContext", "ReferenceEngine", "TinyLM"]
 
-__all__ = ["ReferenceEngine", "TinyLM"]
+
+class GenerationContext(Protocol):
+    """What an engine needs of the worker's :class:`~transport.RequestContext` (the
+    engine does not import the worker: the worker imports engines)."""
+
+    @property
+    def interrupted(self) -> bool: ...
+
+    def emit(self, token: int, logprob: float = 0.0, version: int = 0) -> None: ...
 
 
 class TinyLM(nn.Module):
@@ -164,7 +171,7 @@ class ReferenceEngine:
         # The logprob is under the temperature-scaled distribution before top-k/top-p.
         return tok, float(logp[tok])
 
-    async def generate(self, req: LLMRequest, ctx: RequestContext | None = None) -> LLMResponse:
+    async def generate(self, req: LLMRequest, ctx: GenerationContext | None = None) -> LLMResponse:
         """Generate up to ``req.gconfig.max_new_tokens`` tokens after ``req.input_ids``.
 
         Returns ``stop_reason`` ``"stop"`` (a stop token, included in the output),

@@ -1,21 +1,33 @@
 """Prometheus metrics of the fabric and the weight path (optional extra ``metrics``).
 
 Every metric below exists whether or not ``prometheus-client`` is installed: without it
-they are no-ops, so instrumented code never branches on it. :func:`start_http_server`
-serves the exposition (``/metrics``) and needs the extra.
+they are no-ops, so instrumented code never branches on it (``ENABLED`` says which).
+:func:`start_http_server` serves the exposition (``GET /metrics``) from a daemon thread
+and needs the extra; it binds to loopback unless told otherwise.
 
-Names follow Prometheus conventions (``fastio_<side>_<what>_<unit>``). Labels are kept
-to small fixed sets.
+The metrics live in prometheus-client's default registry, which belongs to the process:
+each worker, client or trainer process serves its own figures on its own port, and a
+scraper sums them (they are not shared across ``fork``).
+
+Names follow Prometheus conventions (``fastio_<side>_<what>_<unit>``; counters gain
+``_total`` in the exposition). Labels are kept to small fixed sets.
+
+>>> from transport import metrics
+>>> metrics.CLIENT_RESENDS.inc()  # counts, or does nothing without prometheus-client
 """
 
 from __future__ import annotations
 
+import socket
+import threading
+from http.server import ThreadingHTTPServer
 from typing import Any
 
 __all__ = [
     "CLIENT_LATENCY",
     "CLIENT_RESENDS",
     "CLIENT_WORKER_DEATHS",
+    "ENABLED",
     "PUBLISHER_BYTES",
     "PUBLISHER_FAILURES",
     "PUBLISHER_PHASE_SECONDS",
@@ -31,6 +43,7 @@ __all__ = [
     "WORKER_REQUESTS",
     "WORKER_TTFT",
     "start_http_server",
+    "stop_http_server",
 ]
 
 _prom: Any
@@ -38,6 +51,9 @@ try:
     import prometheus_client as _prom
 except ImportError:  # pragma: no cover - exercised without the extra
     _prom = None
+
+ENABLED: bool = _prom is not None
+"""True when prometheus-client is installed and the metrics count."""
 
 
 class _Noop:
@@ -123,14 +139,65 @@ SUBSCRIBER_BYTES = _counter("fastio_subscriber_bytes", "Weight bytes applied", (
 SUBSCRIBER_FAILURES = _counter("fastio_subscriber_failures", "Versions refused or failed")
 
 
-def start_http_server(port: int, addr: str = "127.0.0.1") -> int:
-    """Serve ``/metrics`` on ``addr:port`` from a daemon thread; return the bound port.
+_servers: dict[int, ThreadingHTTPServer] = {}  # bound port -> server, for stop_http_server
+_servers_lock = threading.Lock()
 
-    ``port=0`` picks a free one. Raises ImportError naming the ``metrics`` extra when
-    prometheus-client is not installed.
+
+def start_http_server(port: int, addr: str = "127.0.0.1") -> int:
+    """Serve ``GET /metrics`` on ``addr:port`` from a daemon thread; return the bound port.
+
+    Parameters
+    ----------
+    port
+        TCP port; ``0`` picks a free one (read it from the return value).
+    addr
+        Address to bind. The default is loopback: the figures (request rates, weight
+        versions) are for the operator's scraper, so exposing them on other interfaces
+        (``"0.0.0.0"``, ``"::"``) is a deliberate choice.
+
+    Raises
+    ------
+    ImportError
+        prometheus-client is not installed (the message names ``fastio[metrics]``).
+    OSError
+        The port cannot be bound (the message names the address and port).
+
+    >>> port = start_http_server(0)  # doctest: +SKIP
+    >>> urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics")  # doctest: +SKIP
     """
     from fastio._optional import require
 
-    prom = require("prometheus_client", "metrics", "the metrics endpoint")
-    server, _thread = prom.start_http_server(port, addr=addr)
-    return int(server.server_port)
+    require("prometheus_client", "metrics", "the metrics endpoint")
+    from prometheus_client.exposition import MetricsHandler
+
+    if not 0 <= port <= 65535:
+        raise ValueError(f"metrics port must be in 0..65535, got {port}")
+    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+
+    class _Server(ThreadingHTTPServer):
+        address_family = family
+        daemon_threads = True
+
+    try:
+        server = _Server((addr, port), MetricsHandler.factory(_prom.REGISTRY))
+    except OSError as exc:
+        raise OSError(exc.errno, f"cannot serve metrics on {addr}:{port}: {exc.strerror}") from exc
+    bound = int(server.server_address[1])
+    with _servers_lock:
+        _servers[bound] = server
+    threading.Thread(
+        target=server.serve_forever, name=f"fastio-metrics-{bound}", daemon=True
+    ).start()
+    return bound
+
+
+def stop_http_server(port: int) -> None:
+    """Stop the endpoint :func:`start_http_server` started on ``port`` and free the port.
+
+    Unknown ports are ignored, so shutdown paths may call it unconditionally.
+    """
+    with _servers_lock:
+        server = _servers.pop(port, None)
+    if server is not None:
+        server.shutdown()
+        server.server_close()

@@ -61,6 +61,7 @@ from fastio.fabric_msgs import MAX_BATCHED_FRAME, pack_batch
 __all__ = [
     "DEFAULT_HWM",
     "DEFAULT_MAX_MESSAGE_SIZE",
+    "DEFAULT_PEER_QUEUE_LIMIT",
     "CurveConfig",
     "SocketPump",
     "WorkerAuthenticator",
@@ -165,13 +166,17 @@ def make_router(
     sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
     # Heartbeats are ours; TCP keepalive catches half-open connections on real networks.
     sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
-    apply_curve_server(sock, curve)
     endpoints = []
-    for address in [bind] if isinstance(bind, str) else bind:
-        if address.startswith("tcp://") and address.endswith(":0"):
-            address = address[:-2] + ":*"
-        sock.bind(address)
-        endpoints.append(sock.getsockopt_string(zmq.LAST_ENDPOINT))
+    try:
+        apply_curve_server(sock, curve)
+        for address in [bind] if isinstance(bind, str) else bind:
+            if address.startswith("tcp://") and address.endswith(":0"):
+                address = address[:-2] + ":*"
+            sock.bind(address)
+            endpoints.append(sock.getsockopt_string(zmq.LAST_ENDPOINT))
+    except BaseException:
+        sock.close(linger=0)  # or terminating its context would wait for it forever
+        raise
     return sock, endpoints
 
 
@@ -247,9 +252,27 @@ _NOBLOCK = int(zmq.NOBLOCK)
 _SNDMORE_NOBLOCK = int(zmq.SNDMORE) | _NOBLOCK
 # The Cython socket methods, without pyzmq's Python wrappers (send_multipart type-checks
 # every part and wraps every send; recv_multipart asks RCVMORE with a getsockopt per
-# frame): about 1 us saved per frame on the hot path.
-_send = zmq.backend.Socket.send
-_recv = zmq.backend.Socket.recv
+# frame): about 1 us saved per frame on the hot path. ``zmq.backend.Socket`` is not
+# pyzmq's documented API: the version range where it is tested is pinned in
+# pyproject.toml, and without it the public methods (same signature) are used.
+_backend_socket: Any = getattr(getattr(zmq, "backend", None), "Socket", None)
+_send: Callable[..., Any] = getattr(_backend_socket, "send", None) or zmq.Socket.send
+_recv: Callable[..., Any] = getattr(_backend_socket, "recv", None) or zmq.Socket.recv
+
+#: Bytes a ROUTER pump holds for one peer beyond libzmq's own pipe (which holds up to
+#: the HWM in messages) before that peer is dropped: its queue discarded and
+#: ``on_drop`` told. A peer that reads again drains its queue long before this.
+DEFAULT_PEER_QUEUE_LIMIT = 64 << 20
+
+
+def _nbytes(frames: list[Any]) -> int:
+    n = 0
+    for f in frames:
+        try:
+            n += memoryview(f).nbytes
+        except TypeError:  # pragma: no cover - not a buffer: counted as small
+            n += 64
+    return n
 
 
 # Retry interval of the queue of messages that met EAGAIN: from 2 ms, doubled while
@@ -318,7 +341,12 @@ class SocketPump:
     Incoming multipart messages (lists of ``zmq.Frame``) are handed to ``on_recv`` in
     batches from a reader callback on the socket's FD, without a future per message.
     :meth:`send` never blocks: at the HWM (``EAGAIN``) the message waits in an ordered
-    queue retried on every wake-up and on a short timer.
+    queue retried on every wake-up and on a short timer. Queues are per destination
+    (``router=True``: per peer): a peer that stops reading holds only its own messages,
+    everyone else's keep going. A peer whose queue grows past ``peer_queue_limit``
+    bytes is dropped: its queue is discarded, ``on_drop(peer)`` is called (once per
+    drop), :attr:`dropped` counts it, and later messages to it that meet a full pipe
+    are discarded at once (not queued) until one gets through again.
 
     Coalescing: the first message of a burst is sent at once (no added latency);
     messages sent later in the same burst to the same destination are joined into one
@@ -349,13 +377,25 @@ class SocketPump:
         router: bool = False,
         coalesce: int = 256,
         batch_frames: bool = False,
+        on_drop: Callable[[Any], None] | None = None,
+        peer_queue_limit: int = DEFAULT_PEER_QUEUE_LIMIT,
     ) -> None:
         self.sock = sock
         self.on_recv = on_recv
         self.on_undeliverable = on_undeliverable
+        self.on_drop = on_drop
+        self.peer_queue_limit = peer_queue_limit
         self.batch = batch
         self.loop = asyncio.get_running_loop()
-        self.queue: deque[list[Any]] = deque()
+        # Per destination (None for a DEALER): messages that met EAGAIN, in order, and
+        # their bytes.
+        self._queues: dict[Any, deque[list[Any]]] = {}
+        self._queued_bytes: dict[Any, int] = {}
+        self._dropped: set[Any] = set()
+        #: Peers dropped for not reading (a count of drops, for status and metrics).
+        self.dropped = 0
+        #: Messages discarded: queues of dropped peers, and sends to them meanwhile.
+        self.discarded = 0
         self.router = router
         self.coalesce = coalesce
         self._burst = False
@@ -370,6 +410,16 @@ class SocketPump:
         self._fd: int = sock.getsockopt(zmq.FD)  # type: ignore[assignment]
         self.loop.add_reader(self._fd, self._drain)
         self._schedule()
+
+    @property
+    def queue(self) -> list[list[Any]]:
+        """Every message waiting for a free pipe, all destinations (a copy)."""
+        return [m for q in self._queues.values() for m in q]
+
+    def queued(self, dest: Any = None) -> int:
+        """Messages waiting for ``dest`` (a ROUTER peer; ``None`` for a DEALER)."""
+        q = self._queues.get(dest)
+        return len(q) if q is not None else 0
 
     def poke(self) -> None:
         """Look for input at the end of this loop iteration. Call it after using
@@ -391,7 +441,7 @@ class SocketPump:
         self._scheduled = False
         if self._closed or self._in_batch:
             return
-        if self.queue:
+        if self._queues:
             self._flush()
         sock = self.sock
         on_recv = self.on_recv
@@ -465,11 +515,28 @@ class SocketPump:
             del self._pending[key]
             self._send_now(joined.done())
 
+    def send_many(self, messages: list[list[Any]]) -> None:
+        """Send several messages as one burst (coalesced per destination)."""
+        if len(messages) == 1 or self._burst or self._in_batch:
+            for frames in messages:
+                self.send(frames)
+            return
+        self._burst = True
+        try:
+            for frames in messages:
+                self.send(frames)
+        finally:
+            self._burst = False
+            self._send_pending()
+
     def _end_burst(self) -> None:
         if not self._burst or self._in_batch:
             # Ended already by its batch; or a batch runs now and will end it.
             return
         self._burst = False
+        self._send_pending()
+
+    def _send_pending(self) -> None:
         if self._pending:
             pending = self._pending
             self._pending = {}
@@ -477,10 +544,13 @@ class SocketPump:
                 self._send_now(joined.done())
 
     def _send_now(self, frames: list[Any]) -> None:
-        if self.queue:
-            self.queue.append(frames)
-            self._arm_timer()
-            return
+        if self._queues:
+            key = frames[0] if self.router else None
+            if key in self._queues:
+                # Behind messages already waiting for this destination: keep the order.
+                self._enqueue(key, frames)
+                self._arm_timer()
+                return
         self._send_one(frames)
         # The send may have taken the FD's edge: look now (this also re-arms it).
         if (
@@ -495,7 +565,11 @@ class SocketPump:
         try:
             send_frames(self.sock, frames)
         except zmq.Again:
-            self.queue.append(frames)
+            key = frames[0] if self.router else None
+            if key in self._dropped:
+                self.discarded += 1  # dropped and still not reading: not queued again
+                return False
+            self._enqueue(key, frames)
             self._arm_timer()
             return False
         except zmq.ZMQError as exc:
@@ -504,23 +578,62 @@ class SocketPump:
                     self.on_undeliverable(frames)
                 return True
             raise
+        if self._dropped and self.router:
+            self._dropped.discard(frames[0])  # it reads again
         return True
 
-    def _flush(self) -> None:
-        q = self.queue
-        while q:
-            frames = q.popleft()
+    def _enqueue(self, key: Any, frames: list[Any]) -> None:
+        q = self._queues.get(key)
+        if q is None:
+            q = self._queues[key] = deque()
+            self._queued_bytes[key] = 0
+        q.append(frames)
+        size = self._queued_bytes[key] + _nbytes(frames)
+        self._queued_bytes[key] = size
+        if self.router and size > self.peer_queue_limit:
+            self._drop(key)
+
+    def _drop(self, key: Any) -> None:
+        q = self._queues.pop(key, None)
+        self._queued_bytes.pop(key, None)
+        n = len(q) if q is not None else 0
+        self.discarded += n
+        self.dropped += 1
+        self._dropped.add(key)
+        log.warning(
+            "peer %r does not read: dropped it and %d queued messages (queue over %d bytes)",
+            bytes(key)[:32],
+            n,
+            self.peer_queue_limit,
+        )
+        if self.on_drop is not None:
             try:
-                send_frames(self.sock, frames)
-            except zmq.Again:
-                q.appendleft(frames)
-                self._arm_timer()
-                return
-            except zmq.ZMQError as exc:
-                if exc.errno != errno.EHOSTUNREACH:
-                    raise
-                if self.on_undeliverable is not None:
-                    self.on_undeliverable(frames)
+                self.on_drop(key)
+            except Exception:  # a bug there must not stop the pump
+                log.exception("on_drop failed")
+
+    def _flush(self) -> None:
+        # Each destination in turn, until its pipe is full: one that does not read
+        # holds up no one else.
+        for key, q in list(self._queues.items()):
+            while q:
+                frames = q[0]
+                try:
+                    send_frames(self.sock, frames)
+                except zmq.Again:
+                    break
+                except zmq.ZMQError as exc:
+                    if exc.errno != errno.EHOSTUNREACH:
+                        raise
+                    if self.on_undeliverable is not None:
+                        self.on_undeliverable(frames)
+                q.popleft()
+                self._queued_bytes[key] -= _nbytes(frames)
+            if not q and self._queues.get(key) is q:
+                del self._queues[key]
+                del self._queued_bytes[key]
+        if self._queues:
+            self._arm_timer()
 
     def _arm_timer(self) -> None:
         if self._timer is None and not self._closed:
@@ -528,24 +641,31 @@ class SocketPump:
 
     def _on_timer(self) -> None:
         self._timer = None
-        if self.queue:
-            before = len(self.queue)
+        if self._queues:
+            before = sum(len(q) for q in self._queues.values())
             self._flush()
             self._schedule()
-            if self.queue:
+            if self._queues:
                 # Nothing got through: a peer that is down (not one at its HWM, which
                 # drains) is retried less often until it is back or declared dead.
-                stuck = len(self.queue) >= before
+                stuck = sum(len(q) for q in self._queues.values()) >= before
                 self._retry_s = min(self._retry_s * 2, _RETRY_MAX_S) if stuck else _RETRY_MIN_S
                 self._arm_timer()
                 return
         self._retry_s = _RETRY_MIN_S
 
-    def discard_queued(self) -> int:
-        """Drop messages not sent yet; returns how many ZeroMQ messages (for the logs)."""
-        n = len(self.queue) + len(self._pending)
+    def discard_queued(self, dest: Any = ...) -> int:
+        """Drop messages not sent yet (all, or those for ``dest``); returns how many
+        ZeroMQ messages (for the logs)."""
+        if dest is not ...:
+            q = self._queues.pop(dest, None)
+            self._queued_bytes.pop(dest, None)
+            joined = self._pending.pop(dest, None)
+            return (len(q) if q is not None else 0) + (joined is not None)
+        n = sum(len(q) for q in self._queues.values()) + len(self._pending)
         self._retry_s = _RETRY_MIN_S
-        self.queue.clear()
+        self._queues.clear()
+        self._queued_bytes.clear()
         self._pending.clear()
         return n
 

@@ -6,7 +6,7 @@ import multiprocessing as mp
 import threading
 import warnings
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Union
 
 import msgpack
 import numpy as np
@@ -59,7 +59,7 @@ def rng() -> np.random.Generator:
 def big_response(n: int = 4096) -> LLMResponse:
     r = rng()
     return LLMResponse(
-        input_tokens=r.integers(0, 150_000, 300, dtype=np.int32),
+        input_tokens=r.integers(0, 150_000, 3000, dtype=np.int32),
         output_tokens=r.integers(0, 150_000, n, dtype=np.int32),
         output_logprobs=-r.random(n, dtype=np.float32),
         output_versions=np.full(n, 3, np.int32),
@@ -340,18 +340,22 @@ def test_large_image_is_a_frame() -> None:
 
 
 def test_header_is_plain_msgpack() -> None:
-    resp = big_response(1000)
+    resp = big_response(2048)
+    resp.input_tokens = TokenArray(np.arange(300, dtype=np.int32))  # 1200 bytes: inline
     frames = fastio.encode(resp)
     header = msgpack.unpackb(frames[0], strict_map_key=False)
     version, n_buffers, body = header
-    assert version == PROTOCOL_VERSION == 1 and n_buffers == len(frames) - 1 == 5
+    assert version == PROTOCOL_VERSION == 1 and n_buffers == len(frames) - 1 == 4
     assert body[0] == MsgKind.LLM_RESPONSE == 3
+    # Token arrays: ext 32 + dtype index (int32 is 5) with [frame, count] as two u32 LE.
     ext = body[2]
-    assert isinstance(ext, msgpack.ExtType) and ext.code == ExtCode.TOKENS == 4
-    assert msgpack.unpackb(ext.data) == ["int32", [1000], 2]
+    assert isinstance(ext, msgpack.ExtType) and ext.code == ExtCode.TOKENS_FRAME + 5 == 37
+    assert ext.data == (1).to_bytes(4, "little") + (2048).to_bytes(4, "little")
+    assert body[3].code == ExtCode.TOKENS_FRAME + 11  # float32 logprobs
     assert body[5:8] == ["length", 1.5, 0.25]
-    inline = msgpack.unpackb(body[1].data)  # 300 int32 = 1200 bytes -> frame 1
-    assert inline == ["int32", [300], 1]
+    inline = body[1]  # 300 int32 = 1200 bytes: ext 16 + 5, the raw elements
+    assert inline.code == ExtCode.TOKENS_INLINE + 5 == 21
+    assert np.frombuffer(inline.data, "<i4").tolist() == list(range(300))
 
 
 def test_header_of_inline_arrays_and_defaults_is_plain_msgpack() -> None:
@@ -360,11 +364,28 @@ def test_header_of_inline_arrays_and_defaults_is_plain_msgpack() -> None:
     version, n_buffers, body = msgpack.unpackb(frames[0])
     assert (version, n_buffers) == (1, 0)
     assert body[0] == MsgKind.LLM_REQUEST and body[1] == "abc"
-    name, shape, data = msgpack.unpackb(body[2].data)
-    assert (name, shape) == ("int32", [3]) and np.frombuffer(data, "<i4").tolist() == [1, 2, 3]
+    assert body[2].code == 21 and np.frombuffer(body[2].data, "<i4").tolist() == [1, 2, 3]
     # Every field is written, defaults included (msgspec ignores omit_defaults for
     # array_like Structs): gconfig, metadata, model_id.
     assert body[3][0] == MsgKind.GENERATION_HYPERPARAMETERS and body[4:] == [{}, None]
+
+
+def test_inline_threshold_keeps_small_requests_in_one_frame() -> None:
+    assert DEFAULT_INLINE_THRESHOLD > 256
+    frames = fastio.encode(LLMRequest(input_ids=np.arange(64, dtype=np.int32)))
+    assert len(frames) == 1
+    batch = [LLMRequest(input_ids=np.arange(64, dtype=np.int32)) for _ in range(256)]
+    assert len(fastio.encode(batch)) == 1
+    below = DEFAULT_INLINE_THRESHOLD // 4 - 1
+    assert len(fastio.encode(LLMRequest(input_ids=np.arange(below, dtype=np.int32)))) == 1
+    at = DEFAULT_INLINE_THRESHOLD // 4
+    assert len(fastio.encode(LLMRequest(input_ids=np.arange(at, dtype=np.int32)))) == 2
+
+
+def test_legacy_tokens_ext_4_still_decodes() -> None:
+    ext = msgpack.ExtType(4, msgpack.packb(["int32", [3], np.arange(3, dtype="<i4").tobytes()]))
+    got = fastio.decode([msgpack.packb([1, 0, [3, [], ext]])])
+    assert got.output_tokens == [0, 1, 2] and got.output_tokens.dtype == np.int32
 
 
 def test_independent_encoder_output_decodes() -> None:
@@ -419,7 +440,10 @@ def test_decoded_from_bytes_is_read_only() -> None:
     resp = fastio.decode(frames, LLMResponse)
     assert not resp.output_tokens.array.flags.writeable
     small = fastio.decode(fastio.encode(LLMRequest(input_ids=[1, 2])), LLMRequest)
-    assert small.input_ids.array.flags.writeable  # inline: a private copy
+    assert not small.input_ids.array.flags.writeable  # inline: a view of the header
+    small.input_ids[0] = 7  # copy-on-write: assignment works, the frame stays as it was
+    small.input_ids += [3]
+    assert small.input_ids == [7, 2, 3]
 
 
 def test_decoded_frames_outlive_the_frame_list() -> None:
@@ -431,9 +455,12 @@ def test_decoded_frames_outlive_the_frame_list() -> None:
 
 
 def test_memoryview_frames_of_other_formats() -> None:
-    frames = fastio.encode({"a": np.arange(1000, dtype=np.float64)})
+    frames = fastio.encode({"a": np.arange(2000, dtype=np.float64)})
     typed = [frames[0], memoryview(np.frombuffer(frames[1], np.float64))]
-    assert np.array_equal(fastio.decode(typed, dict[str, Any])["a"], np.arange(1000.0))
+    assert np.array_equal(fastio.decode(typed, dict[str, Any])["a"], np.arange(2000.0))
+    tokens = fastio.encode(LLMResponse(output_tokens=np.arange(4000, dtype=np.int64)))
+    typed = [tokens[0], memoryview(np.frombuffer(tokens[1], np.int64))]
+    assert fastio.decode(typed, LLMResponse).output_tokens == list(range(4000))
 
 
 @pytest.fixture
@@ -536,7 +563,7 @@ def test_shared_encoder_decoder_across_threads() -> None:
         try:
             barrier.wait(5)
             for i in range(200):
-                n = 100 + 37 * k + i
+                n = 2100 + 37 * k + i  # above the inline threshold: frames
                 resp = LLMResponse(
                     output_tokens=np.full(n, k, np.int32), output_logprobs=np.zeros(n)
                 )
@@ -556,7 +583,7 @@ def test_shared_encoder_decoder_across_threads() -> None:
 
 
 def test_decoder_device_cpu_is_a_view() -> None:
-    t = torch.arange(1000, dtype=torch.float32)
+    t = torch.arange(4000, dtype=torch.float32)
     frames = [bytearray(f) for f in fastio.encode({"t": t})]
     back = Decoder(dict[str, Any], device="cpu").decode(frames)["t"]
     assert np.shares_memory(back.numpy(), np.frombuffer(frames[1], np.uint8))
@@ -612,3 +639,86 @@ def test_decoder_device_moves_tensors() -> None:
     t = torch.arange(1000, dtype=torch.bfloat16).reshape(10, 100)
     back = Decoder(dict[str, Any], device="meta").decode(fastio.encode({"t": t}))["t"]
     assert back.device.type == "meta" and back.shape == (10, 100) and back.dtype == torch.bfloat16
+
+
+def test_protocol_doc_examples_are_exact() -> None:
+    """The byte examples of docs/PROTOCOL.md ("Header"), byte for byte."""
+    frames = fastio.encode(
+        LLMResponse(
+            output_tokens=np.arange(3000, dtype=np.int32),
+            stop_reason="length",
+            latency=1.5,
+            ttft=0.25,
+        )
+    )
+    assert len(frames) == 2 and frames[1].nbytes == 12000
+    assert frames[0] == bytes.fromhex(
+        "930101 9903 c70015 d72501000000b80b0000 c7001c c70015 a66c656e677468"
+        " cb3ff8000000000000 cb3fd0000000000000 c7001c"
+    )
+    (req,) = fastio.encode(LLMRequest(rid="r", input_ids=[5, 6]))
+    assert req == bytes.fromhex(
+        "930100 9602a172 d7150500000006000000"
+        " 990101cd400000c2cb3ff0000000000000ce05f5e100cb3ff000000000000090 80c0"
+    )
+
+
+_NESTED: list[Any] = []  # [decoder, frames] while the test below runs; what it decoded
+
+
+class _Inner(fastio.WireStruct, tag=1998):
+    a: TokenArray
+
+    def __post_init__(self) -> None:
+        if len(_NESTED) == 2:
+            dec, frames = _NESTED
+            _NESTED.append(dec.decode(frames)["x"])
+
+
+class _Outer(fastio.WireStruct, tag=1999):
+    inner: _Inner
+    b: TokenArray
+
+
+def test_decode_inside_a_decode_on_one_thread() -> None:
+    """A user type whose __post_init__ decodes with the same Decoder (same thread), while
+    the outer message still has a frame-backed array to read: both read their own."""
+    inner_frames = fastio.encode({"x": TokenArray(np.arange(3000, dtype=np.int32))})
+    outer = _Outer(_Inner(TokenArray(np.arange(4000, dtype=np.int32))), TokenArray(np.zeros(5000)))
+    dec = Decoder(Union[_Outer, dict[str, Any]])  # noqa: UP007
+    _NESTED[:] = [dec, inner_frames]
+    try:
+        got = dec.decode(fastio.encode(outer))
+    finally:
+        seen = _NESTED[2:]
+        _NESTED.clear()
+    assert got.inner.a == list(range(4000)) and got.b == [0.0] * 5000
+    assert seen[0] == list(range(3000))
+
+
+def test_protocol_doc_fabric_examples_are_exact() -> None:
+    """The token arrays of the fabric examples in docs/PROTOCOL.md, byte for byte."""
+    from fastio import fabric_msgs as fm
+
+    submit = fm.Submit(
+        id=7,
+        request=LLMRequest(
+            rid="r1",
+            input_ids=np.array([1, 2, 3], np.int32),
+            gconfig=GenerationHyperparameters(max_new_tokens=4),
+        ),
+    )
+    assert fastio.encode(submit)[0].startswith(
+        bytes.fromhex("930100951407 9602a27231 c70c15010000000200000003000000 9901010400c2")
+    )
+    result = fm.Result(
+        id=7,
+        output_tokens=TokenArray(np.array([5, 6], np.int32)),
+        output_logprobs=TokenArray(np.array([-0.5, -1.0], np.float32)),
+        output_versions=TokenArray(np.array([0, 0], np.int32)),
+        stop_reason="length",
+    )
+    assert fastio.encode(result) == [
+        bytes.fromhex("930100961507 d7150500000006000000 d71b000000bf000080bf d7150000000000000000")
+        + b"\xa6length"
+    ]

@@ -77,7 +77,7 @@ def test_newer_response_decodes_in_older_reader() -> None:
         output_logprobs=np.zeros(n, np.float32),
         stop_reason="length",
         cached_tokens=17,
-        routed_experts=np.arange(1000, dtype=np.int32),
+        routed_experts=np.arange(3000, dtype=np.int32),
     )
     frames = Encoder().encode(new)
     # The appended token array is a buffer frame the old reader never looks at.

@@ -54,13 +54,13 @@ json_like = st.recursive(
 gconfigs = st.builds(
     GenerationHyperparameters,
     n_samples=st.integers(1, 64),
-    max_new_tokens=st.integers(0, 2**20),
+    max_new_tokens=st.integers(1, 2**20),
     min_new_tokens=st.integers(0, 100),
     greedy=st.booleans(),
-    top_p=finite,
-    top_k=i64,
-    temperature=finite,
-    stop_token_ids=st.lists(i64, max_size=5),
+    top_p=st.floats(0.0, 1.0, exclude_min=True),
+    top_k=st.integers(1, 2**63 - 1),
+    temperature=st.floats(0.0, 1e300),
+    stop_token_ids=st.lists(st.integers(0, 2**63 - 1), max_size=5),
 )
 requests = st.builds(
     LLMRequest,
@@ -76,7 +76,7 @@ responses = st.builds(
     output_tokens=token_lists,
     output_logprobs=float_lists,
     output_versions=st.lists(st.integers(-1, 2**31 - 1), max_size=200),
-    stop_reason=st.sampled_from(["length", "stop", "interrupt"]),
+    stop_reason=st.sampled_from(["length", "stop", "interrupt", "abort"]),
     latency=st.floats(allow_nan=False),
     ttft=st.floats(allow_nan=False),
     itl=float_lists,

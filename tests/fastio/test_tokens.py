@@ -156,7 +156,7 @@ def test_extend_is_amortised() -> None:
 
 
 def test_growth_never_writes_into_a_decoded_frame() -> None:
-    resp = LLMResponse(output_tokens=np.arange(1000, dtype=np.int32))
+    resp = LLMResponse(output_tokens=np.arange(3000, dtype=np.int32))
     frames = fastio.encode(resp)
     received = [bytearray(f) for f in frames]  # writable, as zmq.Frame
     snapshot = [bytes(f) for f in received]
@@ -169,7 +169,7 @@ def test_growth_never_writes_into_a_decoded_frame() -> None:
     got.output_tokens += [-10]
     assert got.output_tokens[-4:] == [-7, -8, -9, -10]
     assert [bytes(f) for f in received] == snapshot  # frame untouched
-    assert view == list(range(1000))  # views of the old data unchanged
+    assert view == list(range(3000))  # views of the old data unchanged
 
 
 def test_growth_never_writes_into_a_read_only_frame() -> None:
@@ -181,11 +181,11 @@ def test_growth_never_writes_into_a_read_only_frame() -> None:
 
 
 def test_growth_never_writes_into_encoded_memory() -> None:
-    t = TokenArray(list(range(100)), dtype="int32")
-    t.append(100)  # now a prefix of an over-allocated private buffer
+    t = TokenArray(list(range(3000)), dtype="int32")
+    t.append(3000)  # now a prefix of an over-allocated private buffer
     frames = fastio.encode(LLMResponse(output_tokens=t))
     sent = bytes(frames[1])
-    t.extend(range(101, 150))
+    t.extend(range(3001, 3050))
     t.pop()
     t.append(-1)
     assert bytes(frames[1]) == sent
@@ -212,8 +212,9 @@ def test_conversions() -> None:
     assert TokenArray(torch.arange(3)).tolist() == [0, 1, 2]
     assert TokenArray(t).array is a
     assert t.tolist() == [0, 1, 2, 3, 4] and type(t.tolist()) is list
-    c = t.copy()
-    assert c == t and not np.shares_memory(c.array, a)
+    c = t.copy()  # as list.copy: a plain list (JSON payloads, AReaL's agenerate)
+    assert type(c) is list and c == [0, 1, 2, 3, 4]
+    assert copy.copy(t) == t and not np.shares_memory(copy.copy(t).array, a)
     assert copy.deepcopy(t) == t and pickle.loads(pickle.dumps(t)) == t
     assert repr(TokenArray([1, 2], dtype="int32")) == "TokenArray([1, 2], dtype=int32)"
     read_only = fastio.decode([bytes(f) for f in fastio.encode(LLMResponse(output_tokens=a))])
@@ -248,8 +249,8 @@ def test_constructor_validation() -> None:
         lambda t: t + np.zeros((2, 2)),
         lambda t: t < 1,
         lambda t: t >= [1],
-        lambda t: t.__setitem__(0, 5),
-        lambda t: t.__delitem__(0),
+        lambda t: t.__setitem__(0, "x"),
+        lambda t: t.__setitem__(0, [5]),
         lambda t: t.extend(5),
         lambda t: t.extend("ab"),
         lambda t: t.append("x"),
@@ -268,3 +269,52 @@ def test_imul_fails_loudly() -> None:
     t = TokenArray([1])
     with pytest.raises(TypeError, match=r"t\.array"):
         t *= 2
+
+
+def test_item_assignment_like_lists_copy_on_write() -> None:
+    t = TokenArray([1, 2, 3, 4], dtype="int32")
+    u = t[:]  # a view: assignment to t must not show through
+    t[0] = 9
+    t[-1] = 8
+    assert t == [9, 2, 3, 8] and u == [1, 2, 3, 4]
+    t[1:3] = [5, 6, 7]  # length-changing slice assignment, as lists
+    assert t == [9, 5, 6, 7, 8]
+    t[::2] = [0, 0, 0]
+    assert t == [0, 5, 0, 7, 0]
+    with pytest.raises(ValueError, match="extended slice"):
+        t[::2] = [1]
+    del t[0]
+    del t[1:3]
+    assert t == [5, 0]
+    with pytest.raises(IndexError):
+        t[5] = 1
+    t[0] = 2**40  # beyond int32: widens, as a list keeps any int
+    assert t == [2**40, 0] and t.dtype == np.int64
+    t.insert(1, 3)
+    assert t == [2**40, 3, 0]
+    a = np.arange(3, dtype=np.int32)
+    w = TokenArray(a)
+    w[0] = 7  # an array passed in is never written
+    assert a.tolist() == [0, 1, 2] and w == [7, 1, 2]
+    arr = w.array
+    w[1] = 5  # nor a view handed out before
+    assert arr.tolist() == [7, 1, 2]
+
+
+def test_item_assignment_never_writes_a_received_frame() -> None:
+    frames = [bytearray(f) for f in fastio.encode(LLMResponse(output_tokens=np.arange(2000)))]
+    snapshot = [bytes(f) for f in frames]
+    got = fastio.decode(frames, LLMResponse)
+    got.output_tokens[0] = -1
+    assert got.output_tokens[:2] == [-1, 1]
+    assert [bytes(f) for f in frames] == snapshot
+
+
+def test_ints_beyond_int64() -> None:
+    t = TokenArray([2**63])
+    assert t.dtype == np.uint64 and t == [2**63]
+    with pytest.raises(OverflowError, match="64 bits"):
+        TokenArray([2**64])
+    with pytest.raises(OverflowError, match="64 bits"):
+        t.append(-1)  # uint64 and a negative number: no exact 64-bit dtype
+    assert t == [2**63]

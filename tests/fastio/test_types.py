@@ -5,6 +5,7 @@ from __future__ import annotations
 import getpass
 import os
 import uuid
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -112,8 +113,13 @@ def test_token_fields_accept_lists_and_arrays() -> None:
     assert LLMResponse(output_versions=[-1, 3]).output_versions.dtype == np.int32
     with pytest.raises((TypeError, ValueError)):
         LLMRequest(input_ids=["a", "b"])
-    with pytest.raises(OverflowError):
-        LLMRequest(input_ids=[2**40])
+    # Ids beyond int32 are kept, as the seed kept any int: int64 (uint64 from 2**63).
+    big = LLMRequest(input_ids=[1, 2**40])
+    assert big.input_ids == [1, 2**40] and big.input_ids.dtype == np.int64
+    assert fastio.decode(fastio.encode(big)).input_ids == [1, 2**40]
+    assert LLMRequest(input_ids=[2**63]).input_ids.dtype == np.uint64
+    with pytest.raises(OverflowError, match="64 bits"):
+        LLMRequest(input_ids=[2**64])
 
 
 def test_llm_response_fields_and_lengths() -> None:
@@ -281,15 +287,20 @@ def test_weight_update_meta_fields() -> None:
     ]
 
 
-def test_weight_update_meta_from_disk_exact_path() -> None:
-    cfg = SaverConfig(experiment_name="exp", trial_name="t1", fileroot="/data/root")
+def test_weight_update_meta_from_disk_exact_path(tmp_path: Any) -> None:
+    root = str(tmp_path / "data" / "root")
+    cfg = SaverConfig(experiment_name="exp", trial_name="t1", fileroot=root)
     meta = WeightUpdateMeta.from_disk(cfg)
     assert meta.type == "disk"
     user = getpass.getuser()
-    assert meta.path == f"/data/root/checkpoints/{user}/exp/t1/default/weight_update"
+    assert meta.path == f"{root}/checkpoints/{user}/exp/t1/default/weight_update"
     assert meta.path == os.path.join(
-        "/data/root", "checkpoints", user, "exp", "t1", "default", "weight_update"
+        root, "checkpoints", user, "exp", "t1", "default", "weight_update"
     )
+    # As the seed's Saver.get_save_checkpoint_root: the checkpoint root exists, the
+    # weight_update directory is the trainer's to write.
+    assert os.path.isdir(os.path.dirname(meta.path)) and not os.path.exists(meta.path)
+    assert WeightUpdateMeta.from_disk(cfg) == meta  # exist_ok
     assert fastio.decode(fastio.encode(meta)) == meta
 
 
@@ -428,4 +439,5 @@ def test_seed_dataclass_gconfig_is_converted_and_garbage_rejected() -> None:
 
 def test_stop_reason_is_validated_on_construction() -> None:
     with pytest.raises(ValueError, match="stop_reason must be one of"):
-        fastio.LLMResponse(stop_reason="abort")  # type: ignore[arg-type]
+        fastio.LLMResponse(stop_reason="paused")  # type: ignore[arg-type]
+    assert fastio.LLMResponse(stop_reason="abort").stop_reason == "abort"

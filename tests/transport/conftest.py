@@ -24,7 +24,8 @@ class WorkerProc:
 
     def __init__(self, args: list[str]) -> None:
         self.args = args
-        env = dict(os.environ, PYTHONPATH=str(ROOT))
+        pp = os.environ.get("PYTHONPATH")
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), pp]) if pp else str(ROOT))
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "transport.worker", *args],
             stdout=subprocess.PIPE,
@@ -32,6 +33,8 @@ class WorkerProc:
             env=env,
         )
         self.address = ""
+        #: The ready line, parsed.
+        self.ready: dict[str, Any] = {}
         self.pid = self.proc.pid
 
     def wait_ready(self, timeout: float = 30.0) -> str:
@@ -44,7 +47,8 @@ class WorkerProc:
             ready, _, _ = select.select([self.proc.stdout], [], [], 0.1)
             if ready:
                 line = self.proc.stdout.readline()
-                self.address = json.loads(line)["ready"][0]
+                self.ready = json.loads(line)
+                self.address = self.ready["ready"][0]
                 return self.address
         raise TimeoutError("worker did not become ready")
 

@@ -9,6 +9,8 @@ Multi-process faults (SIGKILL mid-update, corrupt buckets, mismatches) live in
 from __future__ import annotations
 
 import itertools
+import os
+import time
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -222,7 +224,13 @@ class Pair:
 
     def publisher(self, **kw: Any) -> WeightPublisher:
         kw.setdefault("heartbeat_interval", 0.1)
-        self.pub = WeightPublisher(context=self.ctx, **kw)
+        fault = kw.pop("fault", None)
+        if fault is not None:
+            from tests.transport.test_weights_faults import FaultyPublisher
+
+            self.pub = FaultyPublisher(fault, context=self.ctx, **kw)
+        else:
+            self.pub = WeightPublisher(context=self.ctx, **kw)
         return self.pub
 
     def subscriber(self, target: Any, **kw: Any) -> WeightSubscriber:
@@ -347,7 +355,7 @@ def test_transient_corruption_is_refetched(pair: Pair) -> None:
             return "corrupt"
         return None
 
-    pub = pair.publisher(bucket_bytes=4096, shm=False, _fault_hook=corrupt_once)
+    pub = pair.publisher(bucket_bytes=4096, shm=False, fault=corrupt_once)
     t = zeros_like(make_state(0))
     sub = pair.subscriber(t)
     pub.wait_for_workers(1, 10)
@@ -360,7 +368,7 @@ def test_persistent_corruption_keeps_previous_weights(pair: Pair) -> None:
     def corrupt(worker: str, version: int, index: int) -> str | None:
         return "corrupt" if version == 2 and index == 2 else None
 
-    pub = pair.publisher(bucket_bytes=4096, shm=False, _fault_hook=corrupt)
+    pub = pair.publisher(bucket_bytes=4096, shm=False, fault=corrupt)
     t = zeros_like(make_state(0))
     sub = pair.subscriber(t, retries=2)
     pub.wait_for_workers(1, 10)
@@ -380,7 +388,7 @@ def test_corrupted_shared_memory_is_detected(pair: Pair) -> None:
     def corrupt(worker: str, version: int, index: int) -> str | None:
         return "corrupt" if version == 2 and index == 1 else None
 
-    pub = pair.publisher(bucket_bytes=4096, shm=True, _fault_hook=corrupt)
+    pub = pair.publisher(bucket_bytes=4096, shm=True, fault=corrupt)
     t = zeros_like(make_state(0))
     sub = pair.subscriber(t)
     pub.wait_for_workers(1, 10)
@@ -424,14 +432,15 @@ def test_a_copy_failing_half_way_is_reported_as_mixed(pair: Pair) -> None:
     pub.wait_for_workers(1, 10)
     real = sub._applier.apply
 
-    def broken(info: Any, chunks: Any) -> None:
+    def broken(info: Any, chunks: Any, dests: Any = None) -> None:
         if info.index == 2:
             raise RuntimeError("device lost (test)")
-        real(info, chunks)
+        real(info, chunks, dests)
 
     sub._applier.apply = broken  # type: ignore[method-assign]
     res = pub.wait(pub.publish(make_state(1), 1).version, 20)
     assert "applying failed, weights are mixed" in res.failed[sub.worker_id]
+    assert "device lost" in res.failed[sub.worker_id]
     assert not sub.consistent and sub.version == -1
     sub._applier.apply = real  # type: ignore[method-assign]
     assert pub.publish_and_wait(make_state(2), 2, timeout=20).ok
@@ -581,9 +590,14 @@ def test_shm_segment_survives_unlink_and_stale_ones_are_cleaned() -> None:
     reader.close()
     with pytest.raises(OSError):
         wshm.ShmSegment.open("../etc/passwd")
-    stale = wshm.SHM_DIR / "fastio-w-999999999-deadbeef"
+    stale = wshm.SHM_DIR / "fastio-w-deadbeef"  # no owner holds its lock
     stale.write_bytes(b"x")
+    os.utime(stale, (time.time() - 60, time.time() - 60))
+    live = wshm.ShmSegment.create(64)
+    os.utime(wshm.SHM_DIR / live.name, (time.time() - 60, time.time() - 60))
     assert wshm.cleanup_stale() >= 1 and not stale.exists()
+    assert (wshm.SHM_DIR / live.name).exists()  # its owner (this process) holds the lock
+    live.close()
 
 
 # -- disk ----------------------------------------------------------------------------
@@ -614,7 +628,7 @@ def test_disk_writer_dying_midway_leaves_the_previous_version(
         Path(path).write_bytes(b"\x10\x00\x00\x00half")  # then the writer "dies"
         raise OSError("disk full (test)")
 
-    monkeypatch.setattr(wdisk, "save_file", half_written)
+    monkeypatch.setattr(wdisk, "_save_file", half_written)
     with pytest.raises(OSError):
         save_weights(tmp_path, make_state(2), 2)
     assert latest_version(tmp_path) == 1

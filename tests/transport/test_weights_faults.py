@@ -16,14 +16,63 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import msgspec
 import pytest
 import torch
 
+import fastio
+from fastio.weight_msgs import PUBLISHER_TO_SUBSCRIBER, WeightBucket, WeightFetch
 from tests.transport.conftest import wait_for
 from tests.transport.test_weights import make_state, zeros_like
 from transport.weights import WeightPublisher, WeightSubscriber, state_digest
 
 BUCKET = 2048  # many small buckets: "mid-update" has room
+
+Fault = Callable[[str, int, int], "str | None"]
+
+
+class FaultyPublisher(WeightPublisher):
+    """A publisher with faults injected where the bytes leave it (tests only).
+
+    ``fault(worker, version, bucket)`` is asked at every Fetch: ``"die"`` SIGKILLs this
+    process there (a trainer dying mid-update); ``"corrupt"`` changes what that answer
+    carries, as bytes changed after they were hashed would: over TCP one byte of the
+    first piece is flipped (in a copy: the staged snapshot is never touched), through
+    shared memory the checksum of the last notice is off by one.
+    """
+
+    def __init__(self, fault: Fault, *args: Any, **kwargs: Any) -> None:
+        self._fault = fault
+        self._corrupt: set[tuple[bytes, int, int]] = set()
+        self._dec = fastio.Decoder(PUBLISHER_TO_SUBSCRIBER)
+        super().__init__(*args, **kwargs)
+
+    def _serve_fetch(self, ident: bytes, wid: str, msg: WeightFetch) -> None:
+        what = self._fault(wid, msg.version, msg.index)
+        if what == "die":
+            os.kill(os.getpid(), signal.SIGKILL)
+        key = (ident, msg.version, msg.index)
+        if what == "corrupt":
+            self._corrupt.add(key)
+        else:
+            self._corrupt.discard(key)
+        super()._serve_fetch(ident, wid, msg)
+
+    def _reply(self, ident: bytes, frames: list[Any], track: bool = False) -> Any:
+        if self._corrupt:
+            msg = self._dec.decode([bytes(memoryview(f)) for f in frames])
+            key = (ident, getattr(msg, "version", -1), getattr(msg, "index", -1))
+            if isinstance(msg, WeightBucket) and key in self._corrupt:
+                if msg.chunks and msg.offset == 0 and msg.chunks[0].size:
+                    chunk = msg.chunks[0].copy()
+                    chunk[chunk.size // 2] ^= 0xFF
+                    msg = msgspec.structs.replace(msg, chunks=[chunk, *msg.chunks[1:]])
+                elif not msg.chunks and msg.last:
+                    msg = msgspec.structs.replace(msg, checksum=msg.checksum ^ 1)
+                if msg.last:
+                    self._corrupt.discard(key)
+                frames = self._encoder.encode(msg)
+        return super()._reply(ident, frames, track)
 
 
 def variant_target(variant: str) -> dict[str, torch.Tensor]:
@@ -74,9 +123,7 @@ def publisher_proc(endpoint: str, n_workers: int, die_at: tuple[int, int]) -> No
     def fault(worker: str, version: int, index: int) -> str | None:
         return "die" if (version, index) == die_at else None
 
-    pub = WeightPublisher(
-        endpoint, bucket_bytes=BUCKET, shm=False, heartbeat_interval=0.1, _fault_hook=fault
-    )
+    pub = FaultyPublisher(fault, endpoint, bucket_bytes=BUCKET, shm=False, heartbeat_interval=0.1)
     pub.wait_for_workers(n_workers, 60)
     pub.publish_and_wait(make_state(1), 1, timeout=60)
     pub.publish(make_state(2), 2)
@@ -173,9 +220,7 @@ def test_corrupted_bucket(procs: Callable[..., Any], shm: bool) -> None:
     def corrupt(worker: str, version: int, index: int) -> str | None:
         return "corrupt" if worker == "b" and version == 2 and index == 1 else None
 
-    with WeightPublisher(
-        bucket_bytes=BUCKET, shm=shm, heartbeat_interval=0.1, _fault_hook=corrupt
-    ) as pub:
+    with FaultyPublisher(corrupt, bucket_bytes=BUCKET, shm=shm, heartbeat_interval=0.1) as pub:
         procs(subscriber_proc, pub.endpoint, [("a", "good"), ("b", "good")], {"shm": shm})
         pub.wait_for_workers(2, 60)
         assert pub.publish_and_wait(make_state(1), 1, timeout=60).ok

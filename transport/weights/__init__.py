@@ -8,6 +8,13 @@ Four paths, one model of a version (flat buckets, see :mod:`transport.weights.bu
   waits for every worker and resumes;
 * :mod:`transport.weights.disk`: safetensors at ``WeightUpdateMeta.path``, atomically;
 * :mod:`transport.weights.dist`: a torch.distributed group (NCCL on GPUs, gloo on CPU).
+
+Modules, by concern: ``bucket`` (layout, checksums, the in-place copy), ``binding``
+(names, aliases, dtypes of one version on one worker), ``staging`` (a version's buffer
+and its packing), ``publisher`` / ``serving`` (the trainer's API / its serving thread),
+``subscriber`` / ``fetching`` (the worker's API and commit / fetching and verifying one
+version), ``results`` (what updates report), ``errors``, ``shm``, ``disk``, ``update``
+(the fabric's pause-publish-resume and the worker plugin), ``ratelog``, ``malloc``.
 """
 
 from transport.weights.bucket import (
@@ -25,8 +32,9 @@ from transport.weights.errors import (
     WeightMismatchError,
     WeightUpdateError,
 )
-from transport.weights.publisher import UpdateResult, WeightPublisher, WorkerInfo
-from transport.weights.subscriber import UpdateStats, WeightSubscriber
+from transport.weights.publisher import WeightPublisher
+from transport.weights.results import SubscriberInfo, UpdateResult, UpdateStats
+from transport.weights.subscriber import WeightSubscriber
 from transport.weights.update import (
     FabricUpdateResult,
     attach_subscriber,
@@ -39,6 +47,7 @@ __all__ = [
     "BucketApplier",
     "ChecksumError",
     "FabricUpdateResult",
+    "SubscriberInfo",
     "UpdateIncomplete",
     "UpdateResult",
     "UpdateStats",
@@ -47,7 +56,6 @@ __all__ = [
     "WeightPublisher",
     "WeightSubscriber",
     "WeightUpdateError",
-    "WorkerInfo",
     "attach_subscriber",
     "aupdate_weights",
     "check_manifest",

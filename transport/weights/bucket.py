@@ -19,11 +19,12 @@ import bisect
 import itertools
 import zlib
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import torch
 
+from fastio._optional import require
 from fastio.weight_msgs import WeightBucketInfo, WeightTensor
 from transport.weights.errors import WeightMismatchError
 
@@ -43,7 +44,9 @@ __all__ = [
     "named_tensors",
     "pack_bucket",
     "plan_buckets",
+    "split_aliases",
     "state_digest",
+    "wire_tensor",
 ]
 
 #: Default bucket size: large enough that per-bucket overheads vanish, small enough that
@@ -88,8 +91,8 @@ def dtype_from_name(name: str) -> torch.dtype:
 
 # -- checksums -----------------------------------------------------------------------
 _xxhash: Any
-try:  # xxh3 reads at ~12 GB/s here, crc32 at ~4 GB/s: both far above the wire.
-    import xxhash as _xxhash
+try:  # xxh3 is several times faster than crc32 (bench/results); both far above the wire.
+    _xxhash = require("xxhash", "weights", "the xxh3_64 checksum")
 except ImportError:  # pragma: no cover - depends on the environment
     _xxhash = None
 
@@ -136,11 +139,6 @@ def checksum(buffers: Iterable[Any], algo: str = DEFAULT_CHECKSUM) -> int:
 
 
 # -- plans ---------------------------------------------------------------------------
-class _HasShape(Protocol):
-    @property
-    def shape(self) -> Any: ...
-
-
 def named_tensors(source: Any) -> dict[str, torch.Tensor]:
     """The tensors to update from an ``nn.Module`` (its state dict, detached views that
     share storage with the parameters) or a mapping of name -> tensor."""
@@ -151,6 +149,37 @@ def named_tensors(source: Any) -> dict[str, torch.Tensor]:
     if isinstance(source, Iterable):
         return dict(source)
     raise TypeError(f"expected an nn.Module or a mapping of tensors, got {type(source).__name__}")
+
+
+def split_aliases(
+    tensors: Mapping[str, torch.Tensor],
+) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Separate tensors that are the same memory under several names (tied weights).
+
+    Returns ``(unique, aliases)``: ``unique`` keeps the first name of each distinct
+    tensor, in order; ``aliases`` maps every other name to that first name. Two names
+    are aliases when they view the same bytes the same way (device, address, dtype,
+    shape and strides); tensors that merely overlap are distinct.
+
+    >>> w = torch.ones(2, 2)
+    >>> split_aliases({"embed": w, "head": w, "b": torch.zeros(2)})[1]
+    {'head': 'embed'}
+    """
+    unique: dict[str, torch.Tensor] = {}
+    aliases: dict[str, str] = {}
+    first: dict[tuple[Any, ...], str] = {}
+    for name, t in tensors.items():
+        if t.numel() == 0:
+            unique[name] = t
+            continue
+        key = (t.device, t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
+        seen = first.get(key)
+        if seen is None:
+            first[key] = name
+            unique[name] = t
+        else:
+            aliases[name] = seen
+    return unique, aliases
 
 
 def _numel(shape: Sequence[int]) -> int:
@@ -255,16 +284,16 @@ def copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
 
     CPU to CPU goes through ``numpy.copyto`` (one plain memcpy, GIL released): torch's
     ``copy_`` splits large copies over its intra-op threads, which on a machine whose
-    cores are all busy (trainer, workers and I/O threads) spin and wait; measured here
-    it made 184 one-MiB block copies 2-4x slower than a single-threaded memcpy.
+    cores are all busy (trainer, workers and I/O threads) spin and wait, several times
+    slower than one single-threaded memcpy (figures in bench/results).
 
     These copies are memory-bound, and glibc's ``memcpy`` switches to non-temporal
     stores (no read-for-ownership of the destination) only for a single copy of at least
-    ``glibc.cpu.x86_non_temporal_threshold`` bytes (99 MiB on this 2-core VM), so a
-    parameter of a few MiB copies at ~150 ms/GiB instead of ~90. A worker process started
-    with ``GLIBC_TUNABLES=glibc.cpu.x86_non_temporal_threshold=524288`` applies a GiB in
-    ~0.10 s instead of ~0.15 s (measured, bench/weights); the library cannot change it
-    from inside a running process.
+    ``glibc.cpu.x86_non_temporal_threshold`` bytes (a fraction of the last-level cache),
+    so parameters of a few MiB copy slower than one large copy would. A worker process
+    started with ``GLIBC_TUNABLES=glibc.cpu.x86_non_temporal_threshold=524288`` applies
+    faster (bench/weights, bench/results); the library cannot change it from inside a
+    running process.
     """
     if dst.device.type == "cpu" and src.device.type == "cpu":
         np.copyto(dst.numpy(), src.numpy())
@@ -375,6 +404,38 @@ def _chunk_spans(
             break
 
 
+def wire_tensor(e: WeightTensor, chunks: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Tensor ``e`` of a bucket held in ``chunks`` (1-D uint8 pieces in order), typed and
+    shaped: a view when it lies in one piece at an aligned offset, else a copy."""
+    dt = dtype_from_name(e.dtype)
+    size = torch.empty((), dtype=dt).element_size()
+    lo, hi = e.offset, e.offset + e.nbytes
+    base = 0
+    raw: torch.Tensor | None = None
+    for c in chunks:
+        n = c.numel()
+        if base <= lo and hi <= base + n and (lo - base) % size == 0:
+            raw = c[lo - base : hi - base]
+            break
+        if base + n > lo:
+            break
+        base += n
+    if raw is None:
+        raw = torch.empty(e.nbytes, dtype=torch.uint8)
+        base = 0
+        for c in chunks:
+            n = c.numel()
+            a, b = max(lo, base), min(hi, base + n)
+            if a < b:
+                raw[a - lo : b - lo].copy_(c[a - base : b - base])
+            base += n
+            if base >= hi:
+                break
+    if e.nbytes == 0:
+        return torch.empty(e.shape, dtype=dt)
+    return raw.view(dt).view(e.shape)
+
+
 class BucketApplier:
     """Copies received buckets into live tensors, in place.
 
@@ -394,9 +455,20 @@ class BucketApplier:
         self._turn = 0
         self._cuda = any(t.device.type == "cuda" for t in targets.values())
 
-    def apply(self, info: WeightBucketInfo, chunks: Sequence[torch.Tensor]) -> None:
+    def apply(
+        self,
+        info: WeightBucketInfo,
+        chunks: Sequence[torch.Tensor],
+        dests: Mapping[str, Sequence[str]] | None = None,
+    ) -> None:
         """Copy every tensor of bucket ``info`` from ``chunks`` (1-D uint8 CPU tensors
-        whose concatenation is the bucket) into its target."""
+        whose concatenation is the bucket) into its target.
+
+        ``dests`` maps a travelling name to the target names it goes to (renaming and
+        aliases, see :class:`transport.weights.binding.Binding`; default: its own name).
+        Names that are no target are skipped; a target of another dtype gets the cast
+        value (``Tensor.copy_`` semantics); targets that are one memory are written once.
+        """
         with torch.no_grad():
             # CPU targets: numpy views of the chunks made once, the chunk holding a
             # tensor's first byte found by bisection. (Walking the chunk list from the
@@ -405,23 +477,34 @@ class BucketApplier:
             arrs: list[np.ndarray[Any, Any]] | None = None
             starts: list[int] = []
             for e in info.tensors:
-                dst = self.targets[e.name]
                 if e.nbytes == 0:
                     continue
-                if dst.device.type == "cpu" and dst.is_contiguous():
-                    if arrs is None:
-                        arrs = [c.numpy() for c in chunks]
-                        starts = list(itertools.accumulate((a.size for a in arrs), initial=0))
-                    _copy_span(_flat_bytes(dst).numpy(), arrs, starts, e.offset)
-                elif dst.is_contiguous():
-                    dflat = _flat_bytes(dst)
-                    for piece, rel in _chunk_spans(chunks, e.offset, e.offset + e.nbytes):
-                        self._copy(dflat[rel : rel + piece.numel()], piece)
-                else:  # rare: assemble, then one strided copy
-                    tmp = torch.empty(e.nbytes, dtype=torch.uint8)
-                    for piece, rel in _chunk_spans(chunks, e.offset, e.offset + e.nbytes):
-                        copy_bytes(tmp[rel : rel + piece.numel()], piece)
-                    dst.copy_(tmp.view(dst.dtype).view(dst.shape))
+                names = (e.name,) if dests is None else dests.get(e.name, ())
+                written: set[tuple[Any, ...]] = set()
+                for name in names:
+                    dst = self.targets.get(name)
+                    if dst is None:
+                        continue
+                    key = (dst.device, dst.data_ptr(), dst.dtype, tuple(dst.shape), dst.stride())
+                    if key in written:
+                        continue  # tied on this side too: one copy
+                    written.add(key)
+                    if dtype_name(dst.dtype) != e.dtype:
+                        dst.copy_(wire_tensor(e, chunks))
+                    elif dst.device.type == "cpu" and dst.is_contiguous():
+                        if arrs is None:
+                            arrs = [c.numpy() for c in chunks]
+                            starts = list(itertools.accumulate((a.size for a in arrs), initial=0))
+                        _copy_span(_flat_bytes(dst).numpy(), arrs, starts, e.offset)
+                    elif dst.is_contiguous():
+                        dflat = _flat_bytes(dst)
+                        for piece, rel in _chunk_spans(chunks, e.offset, e.offset + e.nbytes):
+                            self._copy(dflat[rel : rel + piece.numel()], piece)
+                    else:  # rare: assemble, then one strided copy
+                        tmp = torch.empty(e.nbytes, dtype=torch.uint8)
+                        for piece, rel in _chunk_spans(chunks, e.offset, e.offset + e.nbytes):
+                            copy_bytes(tmp[rel : rel + piece.numel()], piece)
+                        dst.copy_(tmp.view(dst.dtype).view(dst.shape))
 
     def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         if dst.device.type != "cuda":
@@ -469,19 +552,3 @@ def state_digest(tensors: Mapping[str, torch.Tensor], names: Iterable[str] | Non
         h.update(n.encode())
         h.update(_flat_bytes(t.contiguous()).numpy())
     return h.digest()
-
-
-def _as_u8(x: Any) -> torch.Tensor:
-    """A uint8 tensor over a writable or read-only buffer, without a copy."""
-    import warnings
-
-    with warnings.catch_warnings():
-        # Read-only sources (shared memory mapped PROT_READ) are only ever read.
-        warnings.simplefilter("ignore", UserWarning)
-        if isinstance(x, torch.Tensor):
-            return x
-        return (
-            torch.frombuffer(x, dtype=torch.uint8)
-            if len(memoryview(x))
-            else torch.empty(0, dtype=torch.uint8)
-        )

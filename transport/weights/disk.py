@@ -34,11 +34,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
+from fastio._optional import require
 from fastio.io_struct import WeightUpdateMeta
 from fastio.weight_msgs import WeightBucketInfo, WeightTensor
-from transport.weights.bucket import BucketApplier, check_manifest, named_tensors
+from transport.weights.binding import Binding, DtypeSpec, Rename, parse_dtype_spec
+from transport.weights.bucket import BucketApplier, named_tensors, split_aliases
 from transport.weights.errors import WeightMismatchError, WeightUpdateError
 
 __all__ = ["MARKER", "latest_version", "load_weights", "save_weights"]
@@ -102,13 +103,25 @@ def save_weights(
     current = latest_version(root)
     if current is not None and version <= current:
         raise ValueError(f"version {version} is not newer than the latest on disk ({current})")
-    tensors = {n: t.detach().to("cpu").contiguous() for n, t in named_tensors(state).items()}
+    unique, aliases = split_aliases(named_tensors(state))
+    tensors: dict[str, torch.Tensor] = {}
+    storages: set[int] = set()
+    for n, t in unique.items():
+        t = t.detach().to("cpu").contiguous()
+        ptr = t.untyped_storage().data_ptr()
+        if t.numel() and ptr in storages:
+            t = t.clone()  # overlapping views of one storage: safetensors wants them apart
+        storages.add(ptr)
+        tensors[n] = t
     name = f"v{version:08d}"
     tmp = root / f".tmp-{name}-{secrets.token_hex(4)}"
     tmp.mkdir()
     try:
         f = tmp / _FILE
-        save_file(tensors, str(f), metadata={"fastio_version": str(version)})
+        meta = {"fastio_version": str(version)}
+        if aliases:  # tied weights: stored once, applied to every name
+            meta["fastio_aliases"] = json.dumps(aliases, sort_keys=True)
+        _save_file(tensors, str(f), metadata=meta)
         fd = os.open(f, os.O_RDONLY)
         try:
             os.fsync(fd)
@@ -134,6 +147,11 @@ def save_weights(
     _fsync_dir(root)
     _gc(root, keep=max(1, keep))
     return root / name / _FILE
+
+
+def _save_file(tensors: dict[str, torch.Tensor], path: str, metadata: dict[str, str]) -> None:
+    st = require("safetensors.torch", "weights", "saving weights to disk")
+    st.save_file(tensors, path, metadata=metadata)
 
 
 def _gc(root: Path, keep: int) -> None:
@@ -165,8 +183,9 @@ def latest_version(where: WeightUpdateMeta | str | os.PathLike[str]) -> int | No
     return None if m is None else int(m["version"])
 
 
-def _parse(mm: mmap.mmap, path: Path) -> tuple[WeightBucketInfo, int]:
-    """The safetensors header as one bucket (offsets relative to the data start)."""
+def _parse(mm: mmap.mmap, path: Path) -> tuple[WeightBucketInfo, int, dict[str, str]]:
+    """The safetensors header as one bucket (offsets relative to the data start), and
+    the aliases stored with it."""
     try:
         (n,) = struct.unpack_from("<Q", mm, 0)
         header = json.loads(bytes(mm[8 : 8 + n]))
@@ -174,6 +193,13 @@ def _parse(mm: mmap.mmap, path: Path) -> tuple[WeightBucketInfo, int]:
         raise WeightUpdateError(f"{path}: not a safetensors file ({exc})") from exc
     tensors = []
     size = len(mm) - 8 - n
+    aliases: dict[str, str] = {}
+    try:
+        raw = (header.get("__metadata__") or {}).get("fastio_aliases")
+        if raw:
+            aliases = {str(k): str(v) for k, v in json.loads(raw).items()}
+    except (AttributeError, ValueError) as exc:
+        raise WeightUpdateError(f"{path}: bad fastio_aliases metadata ({exc})") from exc
     for name, spec in header.items():
         if name == "__metadata__":
             continue
@@ -183,7 +209,7 @@ def _parse(mm: mmap.mmap, path: Path) -> tuple[WeightBucketInfo, int]:
         a, b = spec["data_offsets"]
         tensors.append(WeightTensor(name, dt, tuple(spec["shape"]), int(a), int(b) - int(a)))
     tensors.sort(key=lambda t: t.offset)
-    return WeightBucketInfo(0, size, 0, tensors), 8 + n
+    return WeightBucketInfo(0, size, 0, tensors), 8 + n, aliases
 
 
 def load_weights(
@@ -192,8 +218,14 @@ def load_weights(
     *,
     version: int | None = None,
     strict: bool = True,
+    dtype: DtypeSpec = None,
+    rename: Rename = None,
 ) -> int:
     """Copy the latest (or the given) version into ``target`` in place.
+
+    Tied weights stored once are applied to every name; ``dtype`` and ``rename`` work
+    as for :class:`transport.weights.WeightSubscriber` (casts bit-identical to
+    ``tensor.to(dtype)``).
 
     Returns
     -------
@@ -229,8 +261,15 @@ def load_weights(
         finally:
             os.close(fd)
         try:
-            info, start = _parse(mm, path)
-            check_manifest([info], targets, strict=strict)
+            info, start, aliases = _parse(mm, path)
+            binding = Binding(
+                [info],
+                targets,
+                aliases=aliases,
+                rename=rename,
+                dtype=parse_dtype_spec(dtype),
+                strict=strict,
+            )
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", UserWarning)  # read-only mapping, only read
                 data = (
@@ -239,7 +278,7 @@ def load_weights(
                     else (torch.empty(0, dtype=torch.uint8))
                 )
             applier = BucketApplier(targets)
-            applier.apply(info, [data])
+            applier.apply(info, [data], binding.dests)
             applier.finish()
             del data
         finally:

@@ -2,23 +2,28 @@
 
 Exception tree::
 
-    TransportError                           root of transport (transport.errors)
-    └── WeightUpdateError                    a weight update did not happen as asked
-        ├── WeightMismatchError(ValueError)  names, shapes or dtypes of an update do not
-        │                                    match the worker's model
-        ├── ChecksumError(ValueError)        a bucket's bytes do not match its checksum
-        ├── VersionUnavailable               the publisher no longer holds that version
-        └── UpdateIncomplete(TimeoutError)   not every worker applied a version in time
+    fastio.FastioError                       root of everything fastio raises
+    └── TransportError                       root of transport (transport.errors)
+        └── WeightUpdateError                a weight update did not happen as asked
+            ├── WeightMismatchError(ValueError)  names, shapes or dtypes of an update do
+            │                                    not match the worker's model
+            ├── ChecksumError(ValueError)        a bucket's bytes do not match its checksum
+            ├── VersionUnavailable               the publisher no longer holds that version
+            └── UpdateIncomplete(TimeoutError)   not every worker applied a version in time
+
+``WeightUpdateError`` derives from ``fastio.FastioError`` directly as well, so the tree
+holds whatever ``TransportError`` derives from.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from fastio.errors import FastioError
 from transport.errors import TransportError
 
 if TYPE_CHECKING:
-    from transport.weights.publisher import UpdateResult
+    from transport.weights.results import UpdateResult
 
 __all__ = [
     "ChecksumError",
@@ -29,7 +34,7 @@ __all__ = [
 ]
 
 
-class WeightUpdateError(TransportError):
+class WeightUpdateError(TransportError, FastioError):
     """Root of the weight-update errors."""
 
 
@@ -51,7 +56,7 @@ class UpdateIncomplete(WeightUpdateError, TimeoutError):
     Attributes
     ----------
     result:
-        The :class:`~transport.weights.publisher.UpdateResult`: who applied, who failed
+        The :class:`~transport.weights.results.UpdateResult`: who applied, who failed
         and why, who never answered.
     """
 

@@ -10,180 +10,67 @@ Sockets (see ``docs/PROTOCOL.md``, "Weight updates"):
 
 A version is staged in one buffer, a shared-memory segment when ``/dev/shm`` allows it
 (same-host workers read it in place) and private memory otherwise. The buffer is the
-version's snapshot: late joiners and re-fetches are served from it, and it is reused for
-a later version only once no send may still read it and every worker that was expected
-to apply it has answered or is gone.
+version's snapshot: late joiners and re-fetches are served from it.
+
+The buffer rule: a buffer that a worker's process may still read is never overwritten.
+A shared-memory segment may be mapped by any same-host worker for as long as that
+process lives (even one stopped, or declared lost), so each version gets a fresh
+segment (made in the background after the previous publish, so that the kernel's
+zeroing of its pages is off the update's path), and retiring a version only unlinks
+its name: a worker's mapping of the unlinked file keeps that version's bytes (Linux
+frees them with the last mapping). A
+private buffer is only read by this process's own zero-copy sends; it is reused for a
+later version once no send may still read it (ZeroMQ's message trackers).
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
 import logging
-import os
 import secrets
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterable
 from typing import Any
 
-import numpy as np
 import torch
 import zmq
 
 import fastio
-from fastio.weight_msgs import (
-    SUBSCRIBER_TO_PUBLISHER,
-    WeightAck,
-    WeightAnnounce,
-    WeightBucket,
-    WeightError,
-    WeightFetch,
-    WeightHeartbeat,
-    WeightHello,
-    WeightWelcome,
-)
+from fastio.weight_msgs import SUBSCRIBER_TO_PUBLISHER, WeightAnnounce
+from transport import metrics
 from transport.sockets import CurveConfig, WorkerAuthenticator, apply_curve_server
 from transport.weights import shm as _shm
 from transport.weights.bucket import (
     DEFAULT_BUCKET_BYTES,
     DEFAULT_CHECKSUM,
     Hasher,
-    _flat_bytes,
-    copy_tensor,
     named_tensors,
-    plan_for,
+    split_aliases,
 )
 from transport.weights.errors import UpdateIncomplete
+from transport.weights.ratelog import RateLimitedLog
+from transport.weights.results import SubscriberInfo, UpdateResult
+from transport.weights.serving import PublisherService
+from transport.weights.staging import Staged, pack_steps, plan_version
 
-__all__ = ["DEFAULT_CHUNK_BYTES", "UpdateResult", "WeightPublisher", "WorkerInfo"]
+__all__ = ["DEFAULT_CHUNK_BYTES", "WeightPublisher"]
 
 log = logging.getLogger("transport.weights.publisher")
 
 #: Size of the pieces a bucket is cut into on the wire, one message each. One frame of
 #: hundreds of MiB is several times slower (one huge fresh allocation per message on the
 #: receiver), and separate messages let the I/O thread interleave workers and the worker
-#: checksum a piece while the next arrives. 1 MiB rather than 4: measured here (184 MiB,
-#: 2 workers, 2 cores) the last byte arrived after ~0.33 s instead of ~0.6 s, the
-#: worker hashing each piece while the next is on the wire.
+#: checksum a piece while the next arrives. 1 MiB rather than 4 lets the worker hash
+#: each piece while the next is on the wire (bench/results).
 DEFAULT_CHUNK_BYTES = 1 << 20
 
 #: I/O threads of the publisher's private context that carry the ROUTER's connections
 #: (the bucket bytes); one more carries the PUB's.
 _ROUTER_IO_THREADS = 2
 
-#: Same-host workers get a "bytes ready" notice at most every this many chunks' worth
-#: of packed bytes (8 MiB by default): one message per notice per worker, while the
-#: bytes just packed are still in the last-level cache for the worker to hash.
-_SHM_NOTICE_CHUNKS = 8
 
-
-#: Packing granularity: a block is copied, then hashed while it is still in cache (L2:
-#: measured here, 256 KiB blocks pack+hash at ~6 GB/s, 1 MiB blocks at ~5 GB/s).
-_BLOCK = 256 << 10
-
-
-@dataclass
-class WorkerInfo:
-    """What the publisher knows of one subscriber (from its Hellos and Acks)."""
-
-    worker_id: str
-    host_id: str = ""
-    pid: int = 0
-    version: int = -1
-    digest: int | None = None
-    last_seen: float = 0.0
-    alive: bool = True
-
-
-@dataclass
-class UpdateResult:
-    """Outcome of one version across workers (:meth:`WeightPublisher.wait`).
-
-    Attributes
-    ----------
-    version:
-        The version waited for.
-    applied:
-        Worker id -> its Ack, for every worker that applied the version.
-    failed:
-        Worker id -> why it did not (its error, or that it was lost). A failed worker
-        kept its previous weights.
-    missing:
-        Expected workers that had not answered when the timeout passed.
-    elapsed_s:
-        Seconds from the announcement to the last answer (or the timeout).
-    """
-
-    version: int
-    applied: dict[str, WeightAck] = field(default_factory=dict)
-    failed: dict[str, str] = field(default_factory=dict)
-    missing: list[str] = field(default_factory=list)
-    elapsed_s: float = 0.0
-
-    @property
-    def ok(self) -> bool:
-        """Every expected worker applied the version."""
-        return not self.failed and not self.missing and bool(self.applied)
-
-
-class _Send:
-    """One Fetch being answered: where the next piece starts."""
-
-    __slots__ = ("corrupt", "cursor", "fetch", "ident", "shm")
-
-    def __init__(self, ident: bytes, fetch: WeightFetch, corrupt: bool) -> None:
-        self.ident = ident
-        self.fetch = fetch
-        self.shm = fetch.shm
-        self.cursor = 0
-        self.corrupt = corrupt
-
-
-class _Staged:
-    """One version's buffer, manifest and bookkeeping."""
-
-    def __init__(self, version: int, buf: torch.Tensor, seg: _shm.ShmSegment | None) -> None:
-        self.version = version
-        self.buf = buf
-        self.seg = seg
-        self.announce: WeightAnnounce | None = None
-        self.announced_at = 0.0
-        self.trackers: list[zmq.MessageTracker] = []
-        self.expected: set[str] = set()
-        self.acks: dict[str, WeightAck] = {}
-        self.lost: dict[str, str] = {}
-        self.done_at = 0.0
-        #: Bytes of the buffer packed so far (buckets are packed in order).
-        self.packed = 0
-        #: Buckets packed completely, their checksum known.
-        self.buckets_done = 0
-        #: Fetches being answered, piece by piece as packing progresses.
-        self.active: list[_Send] = []
-        #: The packing still to do (run by the serving thread), and its failure.
-        self.job: Iterator[None] | None = None
-        self.error: BaseException | None = None
-
-    @property
-    def capacity(self) -> int:
-        return int(self.buf.numel())
-
-    def sends_done(self) -> bool:
-        self.trackers = [t for t in self.trackers if not t.done]
-        return not self.trackers
-
-    def answered(self) -> bool:
-        return all(w in self.acks or w in self.lost for w in self.expected)
-
-    def release(self) -> None:
-        self.buf = torch.empty(0, dtype=torch.uint8)
-        if self.seg is not None:
-            self.seg.close()
-            self.seg = None
-
-
-class WeightPublisher:
+class WeightPublisher(PublisherService):
     """Publishes versions of a model's weights to :class:`WeightSubscriber` workers.
 
     Parameters
@@ -240,7 +127,6 @@ class WeightPublisher:
         keep_versions: int = 2,
         context: zmq.Context[Any] | None = None,
         curve: CurveConfig | None = None,
-        _fault_hook: Callable[[str, int, int], str | None] | None = None,
     ) -> None:
         Hasher(checksum)  # validates the name now rather than at the first publish
         self.bucket_bytes = bucket_bytes
@@ -253,12 +139,11 @@ class WeightPublisher:
         self.host_id = _shm.host_id()
         #: Counters: bad messages, fetches served, bytes sent, ...
         self.counters: dict[str, int] = {}
-        # Test and chaos hook: (worker, version, bucket) -> None, "corrupt" or "die".
-        self._fault_hook = _fault_hook
+        self._rlog = RateLimitedLog(log)
         self._use_shm = _shm.available() if shm is None else bool(shm and _shm.available())
         if self._use_shm:
             _shm.cleanup_stale()
-        self._probe: tuple[str, str] = ("", "")
+        self._probe: _shm.Probe | None = None
         if self._use_shm:
             try:
                 self._probe = _shm.write_probe()
@@ -315,10 +200,13 @@ class WeightPublisher:
         self._encoder = fastio.Encoder()
         self._decoder = fastio.Decoder(SUBSCRIBER_TO_PUBLISHER, max_message_size=8 << 20)
         self._cond = threading.Condition()
-        self._workers: dict[str, WorkerInfo] = {}
-        self._versions: dict[int, _Staged] = {}
-        self._latest: _Staged | None = None
-        self._pending: list[_Staged] = []
+        self._workers: dict[str, SubscriberInfo] = {}
+        self._versions: dict[int, Staged] = {}
+        self._latest: Staged | None = None
+        #: A fresh segment made in the background for the next version.
+        self._spare: _shm.ShmSegment | None = None
+        self._spare_busy = False
+        self._pending: list[Staged] = []
         self._seq = 0
         self._closed = False
         self._thread = threading.Thread(
@@ -333,10 +221,10 @@ class WeightPublisher:
         with self._cond:
             return self._latest.version if self._latest else -1
 
-    def workers(self) -> dict[str, WorkerInfo]:
+    def workers(self) -> dict[str, SubscriberInfo]:
         """A snapshot of the known workers, by id."""
         with self._cond:
-            return {k: WorkerInfo(**vars(v)) for k, v in self._workers.items()}
+            return {k: SubscriberInfo(**vars(v)) for k, v in self._workers.items()}
 
     def wait_for_workers(self, n: int, timeout: float) -> list[str]:
         """Wait until at least ``n`` live workers said Hello; returns their ids.
@@ -372,7 +260,8 @@ class WeightPublisher:
             caller may then change its tensors); workers fetch meanwhile, and
             :meth:`wait` collects their answers.
         """
-        tensors = named_tensors(state)
+        t0 = time.monotonic()
+        tensors, aliases = split_aliases(named_tensors(state))
         with self._cond:
             if self._closed:
                 raise RuntimeError("publisher is closed")
@@ -380,7 +269,9 @@ class WeightPublisher:
                 raise ValueError(
                     f"version {version} is not newer than the latest ({self._latest.version})"
                 )
-        plan = plan_for(tensors, self.bucket_bytes)
+        with self._cond:
+            wanted = {i.dtype for i in self._workers.values() if i.alive}
+        plan = plan_version(tensors, wanted, self.bucket_bytes)
         total = plan[-1].shm_offset + plan[-1].nbytes if plan else 0
         staged = self._acquire(version, total)
         staged.announce = WeightAnnounce(
@@ -391,13 +282,21 @@ class WeightPublisher:
             total_bytes=total,
             buckets=plan,
             shm_name=staged.seg.name if staged.seg is not None else "",
+            aliases=aliases,
         )
         # The serving thread announces, then packs chunk by chunk, answering fetches in
         # between: bucket k's pieces are on the wire while the rest is being packed.
         # (Packing in this thread instead would fight the serving thread for the GIL at
         # every block: measured 20x slower.) Checksums are filled in as buckets are
         # packed; the last piece of each bucket carries its checksum.
-        staged.job = _pack_steps(self, staged, plan, tensors)
+        staged.job = pack_steps(
+            staged,
+            plan,
+            tensors,
+            checksum_algo=self.checksum_algo,
+            chunk_bytes=self.chunk_bytes,
+            cond=self._cond,
+        )
         with self._cond:
             self._pending.append(staged)
         self._wake()
@@ -408,6 +307,8 @@ class WeightPublisher:
                 raise staged.error
             if self._closed:
                 raise RuntimeError("publisher closed while publishing")
+        metrics.PUBLISHER_PHASE_SECONDS.labels(phase="pack").observe(time.monotonic() - t0)
+        self._prepare_spare(staged.capacity)
         return staged.announce
 
     def wait(
@@ -458,15 +359,21 @@ class WeightPublisher:
                     res.missing.append(w)
             end = st.done_at if st.answered() and st.done_at else time.monotonic()
             res.elapsed_s = end - st.announced_at
-            return res
+            if res.failed and not st.failure_counted:
+                st.failure_counted = True
+                metrics.PUBLISHER_FAILURES.inc()
+        metrics.PUBLISHER_PHASE_SECONDS.labels(phase="wait").observe(res.elapsed_s)
+        return res
 
     def publish_and_wait(
         self, state: Any, version: int, timeout: float, *, workers: Iterable[str] | None = None
     ) -> UpdateResult:
         """:meth:`publish` then :meth:`wait`; raises :class:`UpdateIncomplete` unless every
         expected worker applied the version (the exception carries the result)."""
+        t0 = time.monotonic()
         self.publish(state, version)
         res = self.wait(version, timeout, workers=workers)
+        metrics.PUBLISHER_PHASE_SECONDS.labels(phase="total").observe(time.monotonic() - t0)
         if not res.ok:
             raise UpdateIncomplete(
                 f"version {version}: applied by {sorted(res.applied)}, failed "
@@ -495,9 +402,11 @@ class WeightPublisher:
                 st.release()
             self._versions.clear()
             self._latest = None
-        if self._probe[0]:
-            with contextlib.suppress(OSError):
-                (_shm.SHM_DIR / self._probe[0]).unlink()
+            spare, self._spare = self._spare, None
+        if spare is not None:
+            spare.close()
+        if self._probe is not None:
+            self._probe.close()
 
     def __enter__(self) -> WeightPublisher:
         return self
@@ -506,17 +415,31 @@ class WeightPublisher:
         self.close()
 
     # -- staging -----------------------------------------------------------------------
-    def _acquire(self, version: int, total: int) -> _Staged:
-        """A buffer for a new version: a free old one if large enough, else a new one."""
+    def _acquire(self, version: int, total: int) -> Staged:
+        """A buffer for a new version (the buffer rule, see the module docstring).
+
+        A shared-memory segment is never reused: a worker may hold a mapping of it for
+        as long as its process lives (stopped, slow, declared lost), so every version
+        gets a fresh segment and a retired one is only unlinked. A private buffer is
+        read only by this process's zero-copy sends, so it is reused once none of
+        them may still read it.
+        """
         with self._cond:
             for v, st in sorted(self._versions.items()):
-                if st is self._latest or st.capacity < total:
+                if st is self._latest or st.seg is not None or st.capacity < total:
                     continue
-                if st.sends_done() and st.answered():
+                if st.sends_done() and not st.active and st.answered():
                     del self._versions[v]
-                    return _Staged(version, st.buf, st.seg)
+                    return Staged(version, st.buf, None)
         seg: _shm.ShmSegment | None = None
         if self._use_shm:
+            with self._cond:
+                spare, self._spare = self._spare, None
+            if spare is not None and total <= spare.size <= 2 * total:
+                self._count("spare_segments_used")
+                return Staged(version, spare.tensor[:total], spare)
+            if spare is not None:
+                spare.close()
             try:
                 seg = _shm.ShmSegment.create(total)
             except OSError as exc:
@@ -525,8 +448,34 @@ class WeightPublisher:
                 )
         self._count("buffers_created")
         if seg is not None:
-            return _Staged(version, seg.tensor, seg)
-        return _Staged(version, torch.empty(total, dtype=torch.uint8), None)
+            return Staged(version, seg.tensor, seg)
+        return Staged(version, torch.empty(total, dtype=torch.uint8), None)
+
+    def _prepare_spare(self, size: int) -> None:
+        """Create the next version's segment in the background, off the critical path
+        (a fresh segment costs the kernel's zeroing of every page). It is fresh: no
+        worker has seen its name, so the buffer rule holds."""
+        if not self._use_shm or size == 0:
+            return
+        with self._cond:
+            if self._closed or self._spare is not None or self._spare_busy:
+                return
+            self._spare_busy = True
+
+        def make() -> None:
+            seg: _shm.ShmSegment | None = None
+            # On failure it is made at publish time instead, where the error is reported.
+            with contextlib.suppress(OSError):
+                seg = _shm.ShmSegment.create(size)
+            with self._cond:
+                self._spare_busy = False
+                if seg is not None and not self._closed and self._spare is None:
+                    self._spare, seg = seg, None
+                self._cond.notify_all()
+            if seg is not None:
+                seg.close()
+
+        threading.Thread(target=make, name="weights-spare-segment", daemon=True).start()
 
     def _retire(self) -> None:
         """Free buffers of old versions that no one can still need (lock held)."""
@@ -544,341 +493,6 @@ class WeightPublisher:
     def _wake(self) -> None:
         with self._wake_lock, contextlib.suppress(zmq.ZMQError):
             self._wake_w.send(b"", zmq.NOBLOCK)
-
-    # -- serving thread ----------------------------------------------------------------
-    def _count(self, key: str, n: int = 1) -> None:
-        self.counters[key] = self.counters.get(key, 0) + n
-
-    def _serve(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._router, zmq.POLLIN)
-        poller.register(self._wake_r, zmq.POLLIN)
-        next_hb = time.monotonic()
-        while True:
-            now = time.monotonic()
-            if now >= next_hb:
-                self._heartbeat(now)
-                next_hb = now + self.heartbeat_interval
-            packing = self._pack_step()
-            try:
-                wait_ms = 0 if packing else int(max(0.0, next_hb - now) * 1000) + 1
-                events = dict(poller.poll(wait_ms))
-            except zmq.ZMQError:
-                break
-            if self._wake_r in events:
-                while True:
-                    try:
-                        self._wake_r.recv(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                with self._cond:
-                    if self._closed:
-                        return
-                    pending, self._pending = self._pending, []
-                for st in pending:
-                    self._announce(st)
-                self._advance_all()
-            if self._router in events:
-                for _ in range(256):  # bounded, so heartbeats keep their rhythm
-                    try:
-                        frames = self._router.recv_multipart(zmq.NOBLOCK, copy=False)
-                    except zmq.Again:
-                        break
-                    try:
-                        self._handle(frames)
-                    except Exception:  # one bad request must not stop the service
-                        self._count("internal_errors")
-                        log.exception("weight publisher: error serving a request")
-
-    def _pack_step(self) -> bool:
-        """Run one step of the version being packed; False when none is."""
-        st = self._latest
-        if st is None or st.job is None:
-            return False
-        try:
-            next(st.job)
-        except StopIteration:
-            done = True
-        except Exception as exc:  # reported to the publish() caller
-            st.error = exc
-            done = True
-        else:
-            done = False
-        if done:
-            with self._cond:
-                st.job = None
-                self._cond.notify_all()
-        self._advance_all()
-        return not done
-
-    def _announce(self, st: _Staged) -> None:
-        assert st.announce is not None
-        with self._cond:
-            self._seq += 1
-            st.announce.seq = self._seq
-            st.announced_at = time.monotonic()
-            st.expected = {w for w, i in self._workers.items() if i.alive}
-            self._versions[st.version] = st
-            self._latest = st
-            self._retire()
-            self._cond.notify_all()
-        frames = self._encoder.encode(st.announce)
-        self._pub.send_multipart(frames, copy=False)
-        # Also straight to every known worker over the ROUTER: a SUB that has just
-        # connected misses PUB messages (the slow joiner); the heartbeat's sequence
-        # number would catch that, but only one heartbeat later.
-        for w in sorted(st.expected):
-            self._reply(w.encode(), frames)
-
-    def _advance_all(self) -> None:
-        with self._cond:
-            work = [(st, snd) for st in self._versions.values() for snd in st.active]
-        for st, snd in work:
-            self._advance(st, snd)
-
-    def _heartbeat(self, now: float) -> None:
-        with self._cond:
-            for w, info in self._workers.items():
-                if info.alive and now - info.last_seen > self.worker_timeout:
-                    info.alive = False
-                    reason = f"worker lost: no message for {now - info.last_seen:.1f} s"
-                    log.warning("weight subscriber %s %s", w, reason)
-                    for st in self._versions.values():
-                        if w in st.expected and w not in st.acks:
-                            st.lost[w] = reason
-                            self._check_done(st)
-            latest = self._latest.version if self._latest else -1
-            self._retire()
-            self._cond.notify_all()
-        hb = WeightHeartbeat(self.publisher_id, self._seq, latest)
-        self._pub.send_multipart(self._encoder.encode(hb), copy=False)
-
-    def _check_done(self, st: _Staged) -> None:
-        if not st.done_at and st.expected and st.answered():
-            st.done_at = time.monotonic()
-
-    def _reply(self, ident: bytes, frames: list[Any], track: bool = False) -> Any:
-        try:
-            tracker = self._router.send_multipart(
-                [ident, *frames], zmq.NOBLOCK, copy=False, track=track
-            )
-            return tracker if track else True
-        except zmq.Again:
-            self._count("send_busy")
-        except zmq.ZMQError as exc:
-            if exc.errno != errno.EHOSTUNREACH:
-                raise
-            self._count("send_unroutable")
-        return None if track else False
-
-    def _handle(self, frames: list[zmq.Frame]) -> None:
-        ident = frames[0].bytes
-        wid = ident.decode("utf-8", "replace")
-        try:
-            msg = self._decoder.decode(frames[1:])
-        except fastio.DecodeError as exc:
-            self._count("bad_messages")
-            log.warning("bad message from weight subscriber %r: %s", wid, exc)
-            err = WeightError(-1, -1, f"bad message: {exc}")
-            self._reply(ident, self._encoder.encode(err))
-            return
-        now = time.monotonic()
-        hello = isinstance(msg, WeightHello)
-        with self._cond:
-            info = self._workers.get(wid)
-            if info is None:
-                if not hello:
-                    # Only a Hello makes a peer a worker (and expected to apply versions);
-                    # a stray Fetch is still answered below, an Ack still recorded.
-                    info = WorkerInfo(wid, alive=False)
-                else:
-                    info = self._workers[wid] = WorkerInfo(wid)
-            info.last_seen = now
-            if not info.alive and wid in self._workers:
-                info.alive = True
-                # Back from the dead (restarted): it is expected to catch up again.
-                for old in self._versions.values():
-                    old.lost.pop(wid, None)
-            if isinstance(msg, WeightHello):
-                info.host_id, info.pid = msg.host_id, msg.pid
-                info.version, info.digest = msg.version, msg.digest
-                latest = self._latest
-                if latest is not None and msg.version < latest.version and wid not in latest.acks:
-                    latest.expected.add(wid)
-                # A Hello at version >= v means v was applied even when its Ack was lost
-                # (a subscriber drops a send its socket cannot take): count it as the Ack.
-                for st in self._versions.values():
-                    if st.version <= msg.version and wid in st.expected and wid not in st.acks:
-                        st.acks[wid] = WeightAck(wid, st.version, True, msg.version, "", msg.digest)
-                        self._check_done(st)
-                self._cond.notify_all()
-        if isinstance(msg, WeightHello):
-            announce = None
-            if latest is not None and msg.version < latest.version:
-                announce = latest.announce
-            welcome = WeightWelcome(
-                self.publisher_id,
-                self.host_id,
-                self.pub_endpoint,
-                self._seq,
-                self._probe[0],
-                self._probe[1],
-                announce,
-            )
-            self._reply(ident, self._encoder.encode(welcome))
-        elif isinstance(msg, WeightFetch):
-            self._serve_fetch(ident, wid, msg)
-        elif isinstance(msg, WeightAck):
-            with self._cond:
-                acked = self._versions.get(msg.version)
-                if acked is not None:
-                    acked.acks[wid] = msg
-                    acked.expected.add(wid)
-                    self._check_done(acked)
-                info.version = msg.current_version
-                if msg.digest is not None:
-                    info.digest = msg.digest
-                self._cond.notify_all()
-            if not msg.ok:
-                log.warning("worker %s failed version %d: %s", wid, msg.version, msg.error)
-
-    def _serve_fetch(self, ident: bytes, wid: str, msg: WeightFetch) -> None:
-        with self._cond:
-            st = self._versions.get(msg.version)
-            latest = self._latest.version if self._latest else -1
-        if st is None or st.announce is None:
-            err = WeightError(
-                msg.version,
-                msg.index,
-                f"version {msg.version} is not available (latest is {latest})",
-                latest,
-            )
-            self._reply(ident, self._encoder.encode(err))
-            return
-        if not 0 <= msg.index < len(st.announce.buckets):
-            err = WeightError(
-                msg.version, msg.index, f"no bucket {msg.index} in version {msg.version}", latest
-            )
-            self._reply(ident, self._encoder.encode(err))
-            return
-        if msg.shm and st.seg is None:
-            err = WeightError(msg.version, msg.index, "no shared memory for this version")
-            self._reply(ident, self._encoder.encode(err))
-            return
-        fault = self._fault_hook(wid, msg.version, msg.index) if self._fault_hook else None
-        if fault == "die":  # chaos testing: a publisher dying mid-update
-            os.kill(os.getpid(), 9)
-        snd = _Send(ident, msg, fault == "corrupt")
-        with self._cond:
-            st.active.append(snd)
-        self._advance(st, snd)
-
-    def _advance(self, st: _Staged, snd: _Send) -> None:
-        """Send what is packed of the bucket ``snd`` asks for, from where it stopped.
-
-        Over TCP, pieces of ``chunk_bytes`` (the bytes, zero-copy from the buffer); for
-        a same-host worker, notices "bytes [offset, offset+nbytes) are ready" that it
-        hashes in shared memory as they come. The last piece carries the checksum.
-        """
-        assert st.announce is not None
-        info = st.announce.buckets[snd.fetch.index]
-        with self._cond:
-            ready = min(max(st.packed - info.shm_offset, 0), info.nbytes)
-            complete = info.index < st.buckets_done
-            checksum = info.checksum
-        step = self.chunk_bytes
-        v, k = snd.fetch.version, snd.fetch.index
-        while True:
-            start = snd.cursor
-            if snd.shm:
-                end = ready
-                if not complete and end - start < step * _SHM_NOTICE_CHUNKS:
-                    break
-            else:
-                end = min(start + step, info.nbytes)
-                if end > ready:
-                    break
-            last = complete and end == info.nbytes
-            if end == start and not last:
-                break
-            if snd.shm:
-                # (A "corrupt" fault stands for bytes changed after they were hashed.)
-                crc = checksum ^ 1 if last and snd.corrupt else checksum
-                piece = WeightBucket(v, k, start, crc if last else 0, last, [], end - start)
-                ok = self._reply(snd.ident, self._encoder.encode(piece)) is not False
-            else:
-                chunk = st.buf[info.shm_offset + start : info.shm_offset + end].numpy()
-                if snd.corrupt and start == 0 and chunk.size:
-                    chunk = chunk.copy()  # never touch the staged snapshot itself
-                    chunk[chunk.size // 2] ^= 0xFF
-                piece = WeightBucket(v, k, start, checksum if last else 0, last, [chunk])
-                tracker = self._reply(snd.ident, self._encoder.encode(piece), track=True)
-                ok = tracker is not None
-                if ok:
-                    with self._cond:
-                        st.trackers.append(tracker)
-            if not ok:
-                # Not queued (HWM or peer gone): the worker's fetch times out and it asks
-                # again; the pieces it got are discarded there as incomplete.
-                last = True
-            snd.cursor = end
-            if last:
-                with self._cond:
-                    st.active.remove(snd)
-                if ok:
-                    self._count("buckets_sent")
-                    self._count("bytes_sent", 0 if snd.shm else info.nbytes)
-                return
-
-
-def _pack_steps(
-    pub: WeightPublisher, st: _Staged, plan: list[Any], tensors: dict[str, torch.Tensor]
-) -> Iterator[None]:
-    """Pack and hash bucket after bucket, block by block (a block is hashed while still
-    in cache), yielding to the serving loop after every ``chunk_bytes`` of progress.
-
-    The loop works on numpy views made once per tensor: slicing a torch tensor costs a
-    few microseconds, which over the thousands of blocks of a GiB added tens of ms.
-    """
-    block = _BLOCK
-    told = 0
-    for info in plan:
-        base = info.shm_offset
-        bucket = st.buf[base : base + info.nbytes]
-        bnp = bucket.numpy()
-        h = Hasher(pub.checksum_algo)
-        cur = 0  # bytes of this bucket hashed so far
-        for e in info.tensors:
-            if e.offset > cur:
-                bnp[cur : e.offset] = 0
-            t = tensors[e.name].detach()
-            if t.device.type == "cpu" and t.is_contiguous():
-                src = _flat_bytes(t).numpy()
-                off = e.offset
-                for a in range(0, e.nbytes, block):
-                    b = min(a + block, e.nbytes)
-                    np.copyto(bnp[off + a : off + b], src[a:b])
-                    end = off + b
-                    h.update(bnp[cur:end])
-                    cur = end
-                    if base + cur - told >= pub.chunk_bytes:
-                        told = base + cur
-                        with pub._cond:
-                            st.packed = told
-                        yield
-            else:  # device or strided tensors: one copy, then hash the region
-                copy_tensor(bucket[e.offset : e.offset + e.nbytes], t)
-                for a in range(cur, e.offset + e.nbytes, block):
-                    h.update(bnp[a : min(a + block, e.offset + e.nbytes)])
-                cur = e.offset + e.nbytes
-        if info.nbytes > cur:
-            bnp[cur:] = 0
-            h.update(bnp[cur:])
-        with pub._cond:
-            info.checksum = h.digest()
-            told = st.packed = base + info.nbytes
-            st.buckets_done = info.index + 1
-        yield
 
 
 def _sibling(endpoint: str) -> str:

@@ -14,22 +14,39 @@ the unlink (or the publisher's death) until the reader drops it.
 Whether the path is usable is decided by the subscriber, per publisher: same boot id
 (:func:`host_id`) *and* it can read the publisher's probe file and find the expected
 token in it (a container with a private ``/dev/shm`` fails this and falls back to TCP).
+
+Ownership is a lock, not a PID: the creator of a segment (or probe) keeps a file
+descriptor of it open with an exclusive ``flock`` for as long as it exists. The kernel
+drops that lock when the owner dies, whatever PID namespace it lived in, so
+:func:`cleanup_stale` removes exactly the files whose lock it can take. (A PID check
+would unlink live segments of a container that shares ``/dev/shm`` across PID
+namespaces, or keep dead ones whose PID was reused.)
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import mmap
 import os
 import secrets
 import socket
+import time
 import warnings
 from pathlib import Path
 
 import torch
 
-__all__ = ["SHM_DIR", "ShmSegment", "cleanup_stale", "host_id", "read_probe", "write_probe"]
+__all__ = [
+    "SHM_DIR",
+    "Probe",
+    "ShmSegment",
+    "cleanup_stale",
+    "host_id",
+    "read_probe",
+    "write_probe",
+]
 
 #: Where segments live (tmpfs on Linux).
 SHM_DIR = Path("/dev/shm")
@@ -56,10 +73,12 @@ class ShmSegment:
     Use :meth:`create` (publisher) or :meth:`open` (subscriber, read-only).
     """
 
-    def __init__(self, name: str, mm: mmap.mmap, size: int, owner: bool) -> None:
+    def __init__(self, name: str, mm: mmap.mmap, size: int, owner: bool, lock_fd: int = -1) -> None:
         self.name = name
         self.size = size
         self.owner = owner
+        #: The owner's descriptor holding the flock that marks the segment as live.
+        self._lock_fd = lock_fd
         self._mm: mmap.mmap | None = mm
         with warnings.catch_warnings():
             # A read-only mapping yields a read-only tensor: it is only ever read.
@@ -78,9 +97,9 @@ class ShmSegment:
         with ``posix_fallocate`` turns what would be a ``SIGBUS`` on a later write into
         this clean error, and the caller falls back to private memory.
         """
-        name = f"{_PREFIX}{os.getpid()}-{secrets.token_hex(6)}"
+        name = f"{_PREFIX}{secrets.token_hex(8)}"
         path = SHM_DIR / name
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        fd = _create_locked(path, os.O_RDWR)
         try:
             if size:
                 os.posix_fallocate(fd, 0, size)
@@ -91,12 +110,11 @@ class ShmSegment:
                 prot=mmap.PROT_READ | mmap.PROT_WRITE,
             )
         except BaseException:
-            os.close(fd)
             with contextlib.suppress(OSError):
                 path.unlink()
+            os.close(fd)
             raise
-        os.close(fd)
-        return cls(name, mm, size, owner=True)
+        return cls(name, mm, size, owner=True, lock_fd=fd)
 
     @classmethod
     def open(cls, name: str) -> ShmSegment:
@@ -122,6 +140,9 @@ class ShmSegment:
         """Drop the mapping (the owner also unlinks). Views handed out must be gone."""
         if self.owner:
             self.unlink()
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)
+            self._lock_fd = -1
         mm, self._mm = self._mm, None
         self.tensor = torch.empty(0, dtype=torch.uint8)
         if mm is not None:
@@ -129,16 +150,39 @@ class ShmSegment:
                 mm.close()
 
 
-def write_probe() -> tuple[str, str]:
-    """Create a probe file holding a random token; returns ``(name, token)``."""
-    token = secrets.token_hex(16)
-    name = f"{_PREFIX}{os.getpid()}-probe-{secrets.token_hex(4)}"
-    fd = os.open(SHM_DIR / name, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+def _create_locked(path: Path, mode: int) -> int:
+    """Create ``path`` exclusively and take the owner's lock on it (see the module
+    docstring); the descriptor stays open for as long as the file is live."""
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | mode, 0o600)
     try:
-        os.write(fd, token.encode())
-    finally:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BaseException:
         os.close(fd)
-    return name, token
+        raise
+    return fd
+
+
+class Probe:
+    """A probe file holding a random token, owned (locked) while this object lives."""
+
+    def __init__(self) -> None:
+        self.token = secrets.token_hex(16)
+        self.name = f"{_PREFIX}probe-{secrets.token_hex(6)}"
+        self._fd = _create_locked(SHM_DIR / self.name, os.O_WRONLY)
+        os.write(self._fd, self.token.encode())
+
+    def close(self) -> None:
+        """Unlink the probe and drop its lock."""
+        with contextlib.suppress(OSError):
+            (SHM_DIR / self.name).unlink()
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+def write_probe() -> Probe:
+    """Create a probe file holding a random token (:class:`Probe`: ``name``, ``token``)."""
+    return Probe()
 
 
 def read_probe(name: str, token: str) -> bool:
@@ -151,36 +195,41 @@ def read_probe(name: str, token: str) -> bool:
         return False
 
 
-def cleanup_stale() -> int:
-    """Unlink segments left in ``/dev/shm`` by publishers that died (their pid is gone).
+#: Files younger than this are left alone by :func:`cleanup_stale`: their creator may
+#: be between ``open`` and ``flock``.
+_GRACE_S = 10.0
 
-    Returns how many were removed. Only names with this module's prefix are touched.
+
+def cleanup_stale() -> int:
+    """Unlink segments and probes in ``/dev/shm`` whose owner is gone.
+
+    A file is stale when its owner's ``flock`` can be taken (the kernel released it when
+    the owner died, in any PID namespace). Returns how many were removed. Only names
+    with this module's prefix are touched.
     """
     removed = 0
     try:
         entries = list(SHM_DIR.iterdir())
     except OSError:
         return 0
+    now = time.time()
     for p in entries:
         if not p.name.startswith(_PREFIX):
             continue
         try:
-            pid = int(p.name[len(_PREFIX) :].split("-", 1)[0])
-        except ValueError:
+            fd = os.open(p, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
             continue
-        if pid == os.getpid() or _alive(pid):
-            continue
-        with contextlib.suppress(OSError):
-            p.unlink()
-            removed += 1
+        try:
+            if now - os.fstat(fd).st_mtime < _GRACE_S:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                continue  # the owner holds it: live
+            with contextlib.suppress(OSError):
+                p.unlink()
+                removed += 1
+        finally:
+            os.close(fd)
     return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)  # signal 0: existence check only, nothing is sent
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

@@ -35,11 +35,9 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable
 from typing import Any
 
-import numpy as np
 import torch
 import zmq
 
@@ -50,89 +48,26 @@ from fastio.weight_msgs import (
     WeightAnnounce,
     WeightBucket,
     WeightError,
-    WeightFetch,
     WeightHeartbeat,
     WeightHello,
     WeightWelcome,
 )
+from transport import metrics
 from transport.sockets import CurveConfig, apply_curve_client
 from transport.weights import shm as _shm
-from transport.weights.bucket import (
-    CHECKSUM_ALGOS,
-    BucketApplier,
-    Hasher,
-    check_manifest,
-    named_tensors,
-    state_digest,
-)
-from transport.weights.errors import WeightUpdateError
+from transport.weights.binding import DtypeSpec, Rename, advertised_dtype, parse_dtype_spec
+from transport.weights.bucket import BucketApplier, named_tensors, state_digest
+from transport.weights.fetching import InFlight, VersionFetch
+from transport.weights.malloc import tune_malloc as _tune_malloc
+from transport.weights.ratelog import RateLimitedLog
+from transport.weights.results import UpdateStats
 
-__all__ = ["UpdateStats", "WeightSubscriber"]
+__all__ = ["WeightSubscriber"]
 
 log = logging.getLogger("transport.weights.subscriber")
 
 
-@dataclass
-class UpdateStats:
-    """Timings of the last update on this worker (seconds, monotonic clock).
-
-    ``buckets`` holds one dict per bucket: ``recv_s`` (from the update's start to its
-    arrival), ``verify_s`` and ``apply_s``.
-    """
-
-    version: int = -1
-    via: str = ""
-    bytes: int = 0
-    fetch_s: float = 0.0
-    verify_s: float = 0.0
-    apply_s: float = 0.0
-    total_s: float = 0.0
-    buckets: list[dict[str, float]] = field(default_factory=list)
-
-    def flat(self) -> dict[str, float]:
-        """A flat ``str -> float`` form for the Ack."""
-        out = {
-            "bytes": float(self.bytes),
-            "fetch_s": self.fetch_s,
-            "verify_s": self.verify_s,
-            "apply_s": self.apply_s,
-            "total_s": self.total_s,
-        }
-        for i, b in enumerate(self.buckets):
-            for k, v in b.items():
-                out[f"b{i}_{k}"] = v
-        return out
-
-
-class _Update:
-    """State of one version being fetched over TCP."""
-
-    def __init__(self, ann: WeightAnnounce, seg: _shm.ShmSegment | None) -> None:
-        self.ann = ann
-        self.seg = seg
-        self.t0 = time.monotonic()
-        self.todo = list(range(len(ann.buckets)))
-        self.todo.reverse()  # pop() from the end gives bucket 0 first
-        self.outstanding: dict[int, float] = {}
-        self.attempts: dict[int, int] = {}
-        self.received: dict[int, list[torch.Tensor]] = {}
-        self.stats = UpdateStats(ann.version, "tcp" if seg is None else "shm", ann.total_bytes)
-        self.stats.buckets = [{} for _ in ann.buckets]
-        self.applied: set[int] = set()
-        self.partial: dict[int, _Partial] = {}
-
-
-class _Partial:
-    """A bucket whose pieces are arriving: the checksum so far, the frames kept."""
-
-    def __init__(self, hasher: Hasher) -> None:
-        self.hasher = hasher
-        self.size = 0
-        self.verify_s = 0.0
-        self.chunks: list[torch.Tensor] = []
-
-
-class WeightSubscriber:
+class WeightSubscriber(VersionFetch):
     """Keeps a model's weights at the latest version a :class:`WeightPublisher` serves.
 
     Parameters
@@ -141,7 +76,8 @@ class WeightSubscriber:
         The publisher's ROUTER address.
     target:
         An ``nn.Module`` (its state dict is updated in place) or a mapping of name ->
-        tensor to overwrite. CPU or CUDA tensors.
+        tensor to overwrite. CPU or CUDA tensors. ``None`` with a ``loader`` that takes
+        every tensor.
     worker_id:
         Unique id of this worker (default: a random one). A restarted worker may reuse
         its id: the publisher then counts it as the same worker.
@@ -174,15 +110,34 @@ class WeightSubscriber:
         Send a digest of the weights (:func:`state_digest`) in Hellos and Acks.
     strict:
         The update must cover every tensor of ``target``.
+    dtype:
+        The dtypes wanted (see :mod:`transport.weights.binding`): ``None`` (exact
+        match), ``"auto"`` (each target's own dtype), one dtype for every floating
+        tensor, or a dict engine name -> dtype. Casts are bit-identical to
+        ``tensor.to(dtype)``; the trainer casts when every worker wants the same
+        narrower dtype (advertised in the Hello), else this worker casts in its copy.
+    rename:
+        Trainer name -> engine name: a dict (names not in it stay) or a callable
+        (returning ``None`` skips the tensor).
+    loader:
+        Called with an iterable of ``(engine name, tensor)`` for every tensor of a
+        version (aliases included, in the wanted dtype) once the whole version has
+        verified and the in-place copy (into ``target``) is done, under ``lock``: the
+        shape ``model.load_weights(...)`` takes. The tensors are read-only and valid
+        only during the call (copy what must outlive it). If it raises, the version
+        fails on this worker and is reported to the trainer; the engine's weights are
+        then in whatever state the loader left them (possibly mixed),
+        :attr:`consistent` is false and :attr:`version` stays the previous one until a
+        later version completes.
     context:
         ZeroMQ context (default: the global instance).
     max_message_size:
         Largest frame accepted from the publisher (``ZMQ_MAXMSGSIZE``).
     tune_malloc:
-        On glibc, keep the allocator from returning freed memory to the kernel between
-        versions (see :func:`_tune_malloc`): received frames then reuse warm pages
-        instead of faulting in fresh zeroed ones, which more than halves the receive
-        cost. A process-wide setting; pass ``False`` to leave the allocator alone.
+        Opt-in, process-wide: on glibc, keep the allocator from returning freed memory
+        to the kernel between versions (:func:`transport.weights.malloc.tune_malloc`):
+        received TCP frames then reuse warm pages instead of faulting in fresh zeroed
+        ones (see bench/results for the effect).
     curve:
         CurveZMQ keys (:class:`transport.CurveConfig`: this worker's ``.key_secret`` and
         the publisher's public ``.key`` as ``server_public_key_file``).
@@ -213,15 +168,26 @@ class WeightSubscriber:
         on_progress: Callable[[int, int], None] | None = None,
         report_digest: bool = False,
         strict: bool = True,
+        dtype: DtypeSpec = None,
+        rename: Rename = None,
+        loader: Callable[[Iterable[tuple[str, torch.Tensor]]], Any] | None = None,
         context: zmq.Context[Any] | None = None,
         max_message_size: int = 1 << 30,
-        tune_malloc: bool = True,
+        tune_malloc: bool = False,
         curve: CurveConfig | None = None,
     ) -> None:
         self.endpoint = endpoint
         if tune_malloc:
             _tune_malloc()
-        self.targets = named_tensors(target)
+        if target is None and loader is None:
+            raise ValueError("a WeightSubscriber needs a target, a loader or both")
+        if loader is not None and not atomic:
+            raise ValueError("a loader takes whole versions: it needs atomic=True")
+        self.targets = named_tensors(target) if target is not None else {}
+        self.dtype = parse_dtype_spec(dtype)
+        self.rename = rename
+        self.loader = loader
+        self._hello_dtype = advertised_dtype(self.dtype, self.targets)
         self.worker_id = worker_id or f"w-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.shm = shm
         self.atomic = atomic
@@ -241,6 +207,7 @@ class WeightSubscriber:
         self.curve = curve
         #: Counters: bad messages, gaps, retries, versions applied / failed.
         self.counters: dict[str, int] = {}
+        self._rlog = RateLimitedLog(log)
         #: Error text of the last failed version ("" if none).
         self.last_error = ""
         #: Timings of the last applied version.
@@ -265,7 +232,7 @@ class WeightSubscriber:
         self._shm_ok = False
         self._last_seq = 0
         self._last_heard = 0.0
-        self._update: _Update | None = None
+        self._update: InFlight | None = None
         self._attempts: dict[tuple[str, int], int] = {}
         self._given_up: set[tuple[str, int]] = set()
         self._segments: dict[str, _shm.ShmSegment] = {}
@@ -280,6 +247,16 @@ class WeightSubscriber:
     def consistent(self) -> bool:
         """False only in ``atomic=False`` mode after a version failed half-applied."""
         return self._consistent
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called."""
+        return self._closed
+
+    @property
+    def last_heard(self) -> float:
+        """``time.monotonic()`` of the last message from the publisher (0: none yet)."""
+        return self._last_heard
 
     def start(self) -> WeightSubscriber:
         """Start the background thread (returns ``self``)."""
@@ -315,9 +292,6 @@ class WeightSubscriber:
         self.close()
 
     # -- thread ------------------------------------------------------------------------
-    def _count(self, key: str, n: int = 1) -> None:
-        self.counters[key] = self.counters.get(key, 0) + n
-
     def _run(self) -> None:
         self._dealer = self._ctx.socket(zmq.DEALER)
         apply_curve_client(self._dealer, self.curve)
@@ -374,7 +348,7 @@ class WeightSubscriber:
                 msg = self._decoder.decode(frames)
             except fastio.DecodeError as exc:
                 self._count("bad_messages")
-                log.warning("bad message from the weight publisher: %s", exc)
+                self._rlog.warning("bad message", "bad message from the weight publisher: %s", exc)
                 continue
             try:
                 self._dispatch(msg)
@@ -398,7 +372,14 @@ class WeightSubscriber:
     def _hello(self) -> None:
         self._last_hello = time.monotonic()
         self._send(
-            WeightHello(self.worker_id, self._host, os.getpid(), self._version, self._digest)
+            WeightHello(
+                self.worker_id,
+                self._host,
+                os.getpid(),
+                self._version,
+                self._digest,
+                self._hello_dtype,
+            )
         )
 
     def _dispatch(self, msg: Any) -> None:
@@ -449,189 +430,8 @@ class WeightSubscriber:
             seg.close()
         self._segments.clear()
 
-    # -- a version -------------------------------------------------------------------
-    def _consider(self, ann: WeightAnnounce) -> None:
-        if ann.version <= self._version and self._consistent:
-            return
-        if self._update is not None:
-            if self._update.ann.version >= ann.version:
-                return
-            self._abandon(f"superseded by version {ann.version}")
-        key = (ann.publisher_id, ann.version)
-        if key in self._given_up:
-            return
-        n = self._attempts[key] = self._attempts.get(key, 0) + 1
-        if n > self.retries:
-            self._given_up.add(key)
-            return
-        try:
-            if ann.checksum_algo not in CHECKSUM_ALGOS:
-                raise WeightUpdateError(f"checksum {ann.checksum_algo!r} not available here")
-            check_manifest(ann.buckets, self.targets, strict=self.strict)
-        except WeightUpdateError as exc:
-            self._given_up.add(key)  # a mismatch will not go away by retrying
-            self._fail(ann.version, str(exc), transport="")
-            return
-        seg = None
-        if self._shm_ok and ann.shm_name:
-            try:
-                seg = self._segment(ann.shm_name)
-            except OSError as exc:
-                log.info("shared memory %s unusable (%s); fetching over TCP", ann.shm_name, exc)
-                self._count("shm_fallbacks")
-        self._update = _Update(ann, seg)
-        self._pump()
-
-    def _segment(self, name: str) -> _shm.ShmSegment:
-        seg = self._segments.get(name)
-        if seg is None:
-            seg = _shm.ShmSegment.open(name)
-            # Keep the two most recent mappings: a publisher alternates between two.
-            while len(self._segments) >= 2:
-                self._segments.pop(next(iter(self._segments))).close()
-            self._segments[name] = seg
-        return seg
-
-    def _pump(self) -> None:
-        """Keep ``window`` fetches in flight."""
-        up = self._update
-        if up is None:
-            return
-        now = time.monotonic()
-        shm = up.seg is not None
-        # Through shared memory nothing but a "ready" notice comes back: ask for all.
-        window = len(up.ann.buckets) if shm else self.window
-        while up.todo and len(up.outstanding) < window:
-            i = up.todo.pop()
-            up.outstanding[i] = now
-            up.attempts[i] = up.attempts.get(i, 0) + 1
-            self._send(WeightFetch(up.ann.version, i, shm))
-
-    def _on_bucket(self, msg: WeightBucket) -> None:
-        up = self._update
-        if up is None or msg.version != up.ann.version or msg.index not in up.outstanding:
-            self._count("stale_pieces")
-            return
-        i = msg.index
-        info = up.ann.buckets[i]
-        t = time.monotonic()
-        if up.seg is not None:
-            self._on_shm_ready(up, msg, t)
-            return
-        part = up.partial.get(i)
-        if part is None:
-            part = up.partial[i] = _Partial(Hasher(up.ann.checksum_algo))
-        up.outstanding[i] = t  # progress: the fetch timeout counts from the last piece
-        ok = msg.offset == part.size
-        for c in msg.chunks:
-            if not ok:
-                break
-            if not isinstance(c, np.ndarray) or c.dtype != np.uint8 or c.ndim != 1:
-                ok = False
-                break
-            part.hasher.update(c)
-            part.size += c.nbytes
-            part.chunks.append(_u8(c))
-        ok = ok and part.size <= info.nbytes
-        dt = time.monotonic() - t
-        up.stats.verify_s += dt
-        part.verify_s += dt
-        if ok and not msg.last:
-            return
-        del up.outstanding[i]
-        del up.partial[i]
-        ok = ok and part.size == info.nbytes and part.hasher.digest() == msg.checksum
-        if not ok:
-            self._count("checksum_failures")
-            if up.attempts.get(i, 0) >= self.retries:
-                self._fail(
-                    up.ann.version,
-                    f"bucket {i} of version {up.ann.version} failed its checksum "
-                    f"{up.attempts[i]} times",
-                )
-                return
-            self._count("refetches")
-            up.todo.append(i)
-            self._pump()
-            return
-        up.stats.buckets[i].update(recv_s=t - up.t0, verify_s=part.verify_s)
-        self._landed(up, i, part.chunks)
-
-    def _on_shm_ready(self, up: _Update, msg: WeightBucket, t: float) -> None:
-        """Bytes of bucket ``msg.index`` are packed in the segment: hash them in place
-        as they come; on the last notice compare with the checksum."""
-        assert up.seg is not None
-        i = msg.index
-        info = up.ann.buckets[i]
-        part = up.partial.get(i)
-        if part is None:
-            part = up.partial[i] = _Partial(Hasher(up.ann.checksum_algo))
-        up.outstanding[i] = t
-        lo = info.shm_offset + msg.offset
-        if (
-            msg.chunks
-            or msg.offset != part.size
-            or msg.nbytes < 0
-            or msg.offset + msg.nbytes > info.nbytes
-            or info.shm_offset + info.nbytes > up.seg.size
-        ):
-            self._fail(up.ann.version, f"bad shared-memory notice for bucket {i}", "shm")
-            return
-        part.hasher.update(up.seg.tensor[lo : lo + msg.nbytes].numpy())
-        part.size += msg.nbytes
-        dt = time.monotonic() - t
-        part.verify_s += dt
-        up.stats.verify_s += dt
-        if not msg.last:
-            return
-        del up.outstanding[i]
-        del up.partial[i]
-        up.stats.buckets[i].update(recv_s=t - up.t0, verify_s=part.verify_s)
-        if part.size != info.nbytes or part.hasher.digest() != msg.checksum:
-            # The segment is the snapshot itself: fetching again would read the same bytes.
-            self._count("checksum_failures")
-            self._fail(
-                up.ann.version,
-                f"bucket {i} of version {up.ann.version} fails its checksum in shared memory",
-                "shm",
-            )
-            return
-        self._landed(up, i, [up.seg.tensor[info.shm_offset : info.shm_offset + info.nbytes]])
-
-    def _landed(self, up: _Update, i: int, chunks: list[torch.Tensor]) -> None:
-        """Bucket ``i`` arrived and is verified: keep it (or apply it, ``atomic=False``)."""
-        info = up.ann.buckets[i]
-        up.received[i] = chunks
-        if self.on_progress is not None:
-            self.on_progress(up.ann.version, i)
-        if not self.atomic:
-            ta = time.monotonic()
-            with self.lock:
-                self._consistent = False  # from here until the commit, weights are mixed
-                self._applier.apply(info, chunks)
-                self._applier.finish()
-            up.stats.buckets[i]["apply_s"] = time.monotonic() - ta
-            up.stats.apply_s += up.stats.buckets[i]["apply_s"]
-            up.applied.add(i)
-            up.received[i] = []  # applied: the frames can go
-        self._pump()
-        if not up.todo and not up.outstanding:
-            self._update = None
-            up.stats.fetch_s = time.monotonic() - up.t0
-            self._commit(
-                up.ann,
-                [(b, up.received[b.index]) for b in up.ann.buckets if b.index not in up.applied],
-                up.stats,
-                up.t0,
-            )
-
-    def _commit(
-        self,
-        ann: WeightAnnounce,
-        parts: list[tuple[Any, list[torch.Tensor]]],
-        stats: UpdateStats,
-        t0: float,
-    ) -> None:
+    def _commit(self, up: InFlight, parts: list[tuple[Any, list[torch.Tensor]]]) -> None:
+        ann, stats, t0 = up.ann, up.stats, up.t0
         try:
             self.lock.__enter__()
         except Exception as exc:  # e.g. the worker could not stop generating in time
@@ -641,7 +441,7 @@ class WeightSubscriber:
             try:
                 for b, chunks in parts:
                     ta = time.monotonic()
-                    self._applier.apply(b, chunks)
+                    self._applier.apply(b, chunks, up.binding.dests)
                     dt = time.monotonic() - ta
                     stats.apply_s += dt
                     stats.buckets[b.index]["apply_s"] = dt
@@ -653,6 +453,19 @@ class WeightSubscriber:
                 self._consistent = False
                 self._fail(ann.version, f"applying failed, weights are mixed: {exc!r}")
                 return
+            if self.loader is not None:
+                ta = time.monotonic()
+                try:
+                    self.loader(up.binding.named_tensors(parts))
+                except Exception as exc:
+                    self._consistent = False
+                    self._count("loader_failures")
+                    self._fail(
+                        ann.version,
+                        f"the loader raised {exc!r}; the engine's weights may be mixed",
+                    )
+                    return
+                stats.apply_s += time.monotonic() - ta
             with self._cond:
                 self._version = ann.version
                 self._consistent = True
@@ -669,6 +482,14 @@ class WeightSubscriber:
         self._given_up = {k for k in self._given_up if k[1] > ann.version}
         stats.total_s = time.monotonic() - t0
         self.last_stats = stats
+        for phase, secs in (
+            ("receive", stats.fetch_s),
+            ("verify", stats.verify_s),
+            ("apply", stats.apply_s),
+            ("total", stats.total_s),
+        ):
+            metrics.SUBSCRIBER_PHASE_SECONDS.labels(phase=phase).observe(secs)
+        metrics.SUBSCRIBER_BYTES.labels(path=stats.via).inc(sum(b.nbytes for b in ann.buckets))
         self.last_error = ""
         self._count("versions_applied")
         if self.report_digest:
@@ -691,9 +512,11 @@ class WeightSubscriber:
             if self._update.applied:
                 self._consistent = False
                 error += "; weights are mixed (atomic=False) until a later version completes"
+            self._drop_segment(self._update)
             self._update = None
         self.last_error = error
         self._count("versions_failed")
+        metrics.SUBSCRIBER_FAILURES.inc()
         log.warning(
             "weight version %d not applied (%s); keeping version %d", version, error, self._version
         )
@@ -710,76 +533,8 @@ class WeightSubscriber:
         up = self._update
         self._count("errors_received")
         if up is None or msg.version != up.ann.version:
-            log.warning("weight publisher error: %s", msg.reason)
+            self._rlog.warning("publisher error", "weight publisher error: %s", msg.reason)
             return
         self._fail(up.ann.version, f"publisher: {msg.reason}")
         # A newer version exists: the next Hello brings its manifest.
         self._hello()
-
-    def _check_timeouts(self, now: float) -> None:
-        up = self._update
-        if up is None:
-            return
-        if self._last_heard and now - self._last_heard > self.publisher_timeout:
-            self._fail(
-                up.ann.version,
-                f"publisher silent for {now - self._last_heard:.1f} s (dead?) mid-update",
-            )
-            return
-        for i, sent in list(up.outstanding.items()):
-            if now - sent < self.fetch_timeout:
-                continue
-            if up.attempts.get(i, 0) >= self.retries:
-                self._fail(
-                    up.ann.version,
-                    f"bucket {i} of version {up.ann.version}: no answer "
-                    f"after {up.attempts[i]} fetches",
-                )
-                return
-            self._count("refetches")
-            del up.outstanding[i]
-            up.partial.pop(i, None)
-            up.todo.append(i)
-        self._pump()
-
-
-_MALLOC_TUNED = False
-
-
-def _tune_malloc() -> None:
-    """glibc only: serve allocations up to 32 MiB from the heap, and trim the heap only
-    above 1 GiB free at its top.
-
-    libzmq allocates every received message with ``malloc``. A version's pieces are held
-    until the commit and then freed together; with glibc's defaults those pages go back
-    to the kernel, and the next version's pieces fault in fresh zeroed pages (measured
-    here: 0.45 s instead of 0.18 s for 184 MiB to two workers). 32 MiB is the largest
-    mmap threshold glibc itself would adopt dynamically.
-    """
-    global _MALLOC_TUNED
-    if _MALLOC_TUNED:
-        return
-    _MALLOC_TUNED = True
-    import ctypes
-    import ctypes.util
-    import platform
-
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
-        return
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        libc.mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD
-        libc.mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD
-    except (OSError, AttributeError):  # pragma: no cover - unusual libc
-        log.debug("mallopt unavailable; allocator left as it is")
-
-
-def _u8(arr: np.ndarray[Any, Any]) -> torch.Tensor:
-    """A uint8 tensor over a received chunk, no copy (frames from zmq are writable)."""
-    if not arr.flags.writeable:
-        import warnings
-
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
-            return torch.from_numpy(arr)
-    return torch.from_numpy(arr)

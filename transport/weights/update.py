@@ -23,23 +23,31 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import importlib
+import json
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from transport.errors import ControlError
-from transport.weights.errors import UpdateIncomplete
-from transport.weights.publisher import UpdateResult, WeightPublisher
+from transport.weights.errors import UpdateIncomplete, WeightUpdateError
+from transport.weights.publisher import WeightPublisher
+from transport.weights.results import UpdateResult
 from transport.weights.subscriber import WeightSubscriber
 
 __all__ = [
+    "PLUGIN_OPTIONS",
     "FabricUpdateResult",
     "attach_subscriber",
     "aupdate_weights",
     "subscribe",
+    "subscriber_options",
     "update_weights",
 ]
+
+log = logging.getLogger("transport.weights.update")
 
 
 @dataclass
@@ -277,6 +285,7 @@ def attach_subscriber(
     loop: asyncio.AbstractEventLoop,
     *,
     pause_timeout: float = 30.0,
+    pause_lease: float = 30.0,
     **kwargs: Any,
 ) -> WeightSubscriber:
     """Start a :class:`WeightSubscriber` that keeps ``server.engine.model`` current.
@@ -292,8 +301,14 @@ def attach_subscriber(
     pause_timeout:
         Seconds a copy waits for the worker's generations to stop; past that the
         version fails on this worker, which keeps its previous weights.
+    pause_lease:
+        A pause is a lease held by a live trainer: when the worker has been paused
+        (by anyone but its own copy) this many seconds with no message from the weight
+        publisher (the trainer died, say, during ``update_weights``), it resumes on its
+        last complete version and logs a warning. ``0`` disables the lease.
     **kwargs:
-        Passed to :class:`WeightSubscriber` (``shm``, ``report_digest``, timeouts...).
+        Passed to :class:`WeightSubscriber` (``shm``, ``report_digest``, ``dtype``,
+        ``rename``, ``loader``, timeouts...).
     """
     engine = server.engine
     if engine is None or not hasattr(engine, "model"):
@@ -315,43 +330,160 @@ def attach_subscriber(
     )
     # The lock is entered in the subscriber's thread, which may send on its socket.
     lock.keepalive = sub._keepalive
-    return sub.start()
+    sub.start()
+    if pause_lease > 0:
+        asyncio.run_coroutine_threadsafe(_pause_lease(server, sub, lock, pause_lease), loop)
+    return sub
+
+
+async def _pause_lease(
+    server: Any, sub: WeightSubscriber, lock: _PausedWhileCopying, lease: float
+) -> None:
+    """Resume a worker left paused by a trainer that is gone (see ``pause_lease``)."""
+    since: float | None = None
+    while not sub.closed:
+        await asyncio.sleep(min(1.0, lease / 4))
+        if not server.paused or not lock._free.is_set():
+            since = None  # generating, or paused by our own copy
+            continue
+        now = time.monotonic()
+        if since is None:
+            since = now
+        quiet = now - max(since, sub.last_heard)
+        if quiet >= lease:
+            log.warning(
+                "worker %s paused for %.1f s with no word from the weight publisher (the "
+                "trainer is gone?): resuming on version %d, the last complete one",
+                server.worker_id,
+                quiet,
+                sub.version,
+            )
+            await server.resume()
+            since = None
 
 
 def _flag(v: str | None, default: bool) -> bool:
-    return default if v is None else v.lower() in ("1", "true", "yes", "on")
+    if v is None:
+        return default
+    if v.lower() in ("1", "true", "yes", "on"):
+        return True
+    if v.lower() in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"expected a boolean (1/0, true/false, yes/no, on/off), got {v!r}")
+
+
+def _resolve(spec: str, what: str) -> Any:
+    """``module:attribute`` -> the attribute, or a ValueError that names ``what``."""
+    module, _, name = spec.partition(":")
+    if not module or not name:
+        raise ValueError(f"{what}: expected module:name, got {spec!r}")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"{what} {spec!r} cannot be loaded: {exc}") from exc
+
+
+#: Options of the worker plugin (``--plugin-opt key=value``), see :func:`subscribe`.
+PLUGIN_OPTIONS = frozenset(
+    {
+        "weights_endpoint",
+        "weights_shm",
+        "weights_digest",
+        "weights_strict",
+        "weights_dtype",
+        "weights_rename",
+        "weights_loader",
+        "weights_publisher_timeout",
+        "weights_pause_timeout",
+        "weights_pause_lease",
+        "weights_curve_secret",
+        "weights_curve_server",
+    }
+)
+
+
+def subscriber_options(opts: dict[str, str], model: Any) -> dict[str, Any]:
+    """The keyword arguments of :func:`attach_subscriber` from the plugin's options;
+    ``ValueError`` naming the option for anything unknown or malformed."""
+    from transport.sockets import CurveConfig
+    from transport.weights.binding import parse_dtype_spec
+
+    unknown = sorted(set(opts) - PLUGIN_OPTIONS)
+    if unknown:
+        raise ValueError(
+            f"unknown weights plugin option(s) {unknown}; known: {sorted(PLUGIN_OPTIONS)}"
+        )
+    if not opts.get("weights_endpoint"):
+        raise ValueError("the weights plugin needs --plugin-opt weights_endpoint=<address>")
+    kw: dict[str, Any] = {
+        "shm": _flag(opts.get("weights_shm"), True),
+        "report_digest": _flag(opts.get("weights_digest"), False),
+        "strict": _flag(opts.get("weights_strict"), True),
+    }
+    for key, arg in (
+        ("weights_publisher_timeout", "publisher_timeout"),
+        ("weights_pause_timeout", "pause_timeout"),
+        ("weights_pause_lease", "pause_lease"),
+    ):
+        if key in opts:
+            try:
+                kw[arg] = float(opts[key])
+            except ValueError:
+                raise ValueError(f"{key}: expected seconds, got {opts[key]!r}") from None
+    if opts.get("weights_dtype"):
+        try:
+            kw["dtype"] = parse_dtype_spec(opts["weights_dtype"])
+        except WeightUpdateError as exc:
+            raise ValueError(f"weights_dtype: {exc}") from None
+    rename = opts.get("weights_rename")
+    if rename:
+        if rename.lstrip().startswith("{"):
+            try:
+                kw["rename"] = {str(k): str(v) for k, v in json.loads(rename).items()}
+            except (ValueError, AttributeError) as exc:
+                raise ValueError(f"weights_rename: not a JSON object ({exc})") from None
+        else:
+            kw["rename"] = _resolve(rename, "weights_rename")
+    if opts.get("weights_loader"):
+        fn = _resolve(opts["weights_loader"], "weights_loader")
+        if not callable(fn):
+            raise ValueError(f"weights_loader {opts['weights_loader']!r} is not callable")
+        kw["loader"] = lambda weights: fn(model, weights)
+    if opts.get("weights_curve_secret"):
+        kw["curve"] = CurveConfig(
+            secret_key_file=opts["weights_curve_secret"],
+            server_public_key_file=opts.get("weights_curve_server"),
+        )
+    return kw
 
 
 async def subscribe(server: Any, opts: dict[str, str]) -> None:
     """Fabric worker plugin: follow the weight publisher at ``opts["weights_endpoint"]``.
 
-    Options: ``weights_shm`` (default on), ``weights_digest`` (report weight digests,
-    default off), ``weights_publisher_timeout`` (seconds), ``weights_pause_timeout``
-    (seconds a copy waits for running generations to stop, default 30), and for CurveZMQ
-    ``weights_curve_secret`` (this worker's ``.key_secret``) with
-    ``weights_curve_server`` (the publisher's ``.key``).
-    """
-    from transport.sockets import CurveConfig
+    Options (``--plugin-opt key=value``; any other key is an error):
 
-    endpoint = opts.get("weights_endpoint")
-    if not endpoint:
-        raise ValueError("the weights plugin needs --plugin-opt weights_endpoint=<address>")
-    curve = None
-    if opts.get("weights_curve_secret"):
-        curve = CurveConfig(
-            secret_key_file=opts["weights_curve_secret"],
-            server_public_key_file=opts.get("weights_curve_server"),
-        )
-    sub = attach_subscriber(
-        server,
-        endpoint,
-        asyncio.get_running_loop(),
-        shm=_flag(opts.get("weights_shm"), True),
-        report_digest=_flag(opts.get("weights_digest"), False),
-        publisher_timeout=float(opts.get("weights_publisher_timeout", "10")),
-        pause_timeout=float(opts.get("weights_pause_timeout", "30")),
-        curve=curve,
-    )
+    * ``weights_endpoint``: the publisher's address (required);
+    * ``weights_shm``: read same-host versions from shared memory (default 1);
+    * ``weights_digest``: report weight digests (default 0);
+    * ``weights_strict``: the update must cover every parameter (default 1);
+    * ``weights_dtype``: ``auto`` (each parameter's dtype) or one dtype name for every
+      floating tensor (``bfloat16``, ``float16``, ``float32``...);
+    * ``weights_rename``: a JSON object ``{"trainer name": "engine name"}`` or
+      ``module:name`` of a dict or a callable;
+    * ``weights_loader``: ``module:function`` called as ``function(model, weights)``
+      with each verified version (``weights``: ``(name, tensor)`` pairs), e.g. to
+      fuse q/k/v the way ``model.load_weights`` does;
+    * ``weights_publisher_timeout``, ``weights_pause_timeout`` (seconds a copy waits for
+      running generations to stop, default 30), ``weights_pause_lease`` (seconds
+      paused with a silent publisher before resuming, default 30, 0: never);
+    * ``weights_curve_secret`` (this worker's ``.key_secret``) with
+      ``weights_curve_server`` (the publisher's ``.key``) for CurveZMQ.
+
+    Raises ``ValueError`` at start for a missing endpoint or a bad or unknown option.
+    """
+    engine = server.engine
+    kw = subscriber_options(opts, getattr(engine, "model", None))
+    sub = attach_subscriber(server, opts["weights_endpoint"], asyncio.get_running_loop(), **kw)
     try:
         await asyncio.Event().wait()  # lives as long as the server; cancelled at close
     finally:

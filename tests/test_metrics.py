@@ -1,0 +1,208 @@
+"""transport.metrics: the Prometheus endpoint scraped over HTTP, and no-ops without the extra."""
+
+from __future__ import annotations
+
+import re
+import socket
+import subprocess
+import sys
+import textwrap
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from transport import metrics
+
+ROOT = Path(__file__).resolve().parents[1]
+
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)(?:\s+\d+)?$")
+_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
+
+
+def parse(text: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    """The samples of a text exposition: ``{(name, labels): value}``."""
+    out: dict[tuple[str, frozenset[tuple[str, str]]], float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        m = _SAMPLE.match(line)
+        assert m, f"not an exposition line: {line!r}"
+        name, labels, value = m.groups()
+        out[(name, frozenset(_LABEL.findall(labels or "")))] = float(value)
+    return out
+
+
+def scrape(port: int) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+        assert resp.status == 200
+        assert resp.headers["Content-Type"].startswith("text/plain")
+        return parse(resp.read().decode())
+
+
+def value(
+    samples: dict[tuple[str, frozenset[tuple[str, str]]], float], name: str, **labels: str
+) -> float:
+    return samples.get((name, frozenset(labels.items())), 0.0)
+
+
+@pytest.fixture(scope="module")
+def endpoint() -> Iterator[int]:
+    pytest.importorskip("prometheus_client")
+    port = metrics.start_http_server(0)
+    yield port
+    metrics.stop_http_server(port)
+
+
+def test_scrape_counts_what_was_recorded(endpoint: int) -> None:
+    # The registry is the process's: other tests may have counted already, so compare
+    # a scrape before with one after.
+    before = scrape(endpoint)
+    metrics.WORKER_REQUESTS.labels(outcome="ok").inc(3)
+    metrics.WORKER_REQUESTS.labels(outcome="error").inc()
+    metrics.WORKER_ERRORS.labels(code="bad_request").inc()
+    metrics.WORKER_INFLIGHT.set(7)
+    metrics.WORKER_QUEUE_DEPTH.set(2)
+    metrics.WORKER_TTFT.observe(0.003)  # bucket le=0.005
+    metrics.WORKER_E2E.observe(0.2)
+    metrics.WORKER_ITL.observe(0.0007)
+    metrics.WORKER_PAUSES.inc()
+    metrics.CLIENT_RESENDS.inc(2)
+    metrics.CLIENT_WORKER_DEATHS.inc()
+    metrics.CLIENT_LATENCY.observe(1.5)
+    metrics.PUBLISHER_PHASE_SECONDS.labels(phase="pack").observe(0.04)
+    metrics.PUBLISHER_BYTES.labels(path="shm").inc(1 << 30)
+    metrics.PUBLISHER_FAILURES.inc()
+    metrics.SUBSCRIBER_PHASE_SECONDS.labels(phase="apply").observe(0.02)
+    metrics.SUBSCRIBER_BYTES.labels(path="tcp").inc(4096)
+    metrics.SUBSCRIBER_FAILURES.inc()
+    after = scrape(endpoint)
+
+    def delta(name: str, **labels: str) -> float:
+        return value(after, name, **labels) - value(before, name, **labels)
+
+    assert delta("fastio_worker_requests_total", outcome="ok") == 3
+    assert delta("fastio_worker_requests_total", outcome="error") == 1
+    assert delta("fastio_worker_errors_total", code="bad_request") == 1
+    assert value(after, "fastio_worker_in_flight") == 7
+    assert value(after, "fastio_worker_queue_depth") == 2
+    assert delta("fastio_worker_ttft_seconds_count") == 1
+    assert delta("fastio_worker_ttft_seconds_sum") == pytest.approx(0.003)
+    assert delta("fastio_worker_ttft_seconds_bucket", le="0.0025") == 0
+    assert delta("fastio_worker_ttft_seconds_bucket", le="0.005") == 1
+    assert delta("fastio_worker_ttft_seconds_bucket", le="+Inf") == 1
+    assert delta("fastio_worker_e2e_seconds_bucket", le="0.25") == 1
+    assert delta("fastio_worker_e2e_seconds_bucket", le="0.1") == 0
+    assert delta("fastio_worker_inter_token_seconds_bucket", le="0.001") == 1
+    assert delta("fastio_worker_pauses_total") == 1
+    assert delta("fastio_client_resends_total") == 2
+    assert delta("fastio_client_worker_deaths_total") == 1
+    assert delta("fastio_client_latency_seconds_bucket", le="2.5") == 1
+    assert delta("fastio_client_latency_seconds_bucket", le="1.0") == 0
+    assert delta("fastio_publisher_phase_seconds_count", phase="pack") == 1
+    assert delta("fastio_publisher_bytes_total", path="shm") == 1 << 30
+    assert delta("fastio_publisher_failures_total") == 1
+    assert delta("fastio_subscriber_phase_seconds_sum", phase="apply") == pytest.approx(0.02)
+    assert delta("fastio_subscriber_bytes_total", path="tcp") == 4096
+    assert delta("fastio_subscriber_failures_total") == 1
+
+
+# The documented names: dashboards depend on them, so a rename fails here.
+EXPOSED = {
+    "CLIENT_LATENCY": ("fastio_client_latency_seconds", "histogram"),
+    "CLIENT_RESENDS": ("fastio_client_resends_total", "counter"),
+    "CLIENT_WORKER_DEATHS": ("fastio_client_worker_deaths_total", "counter"),
+    "PUBLISHER_BYTES": ("fastio_publisher_bytes_total", "counter"),
+    "PUBLISHER_FAILURES": ("fastio_publisher_failures_total", "counter"),
+    "PUBLISHER_PHASE_SECONDS": ("fastio_publisher_phase_seconds", "histogram"),
+    "SUBSCRIBER_BYTES": ("fastio_subscriber_bytes_total", "counter"),
+    "SUBSCRIBER_FAILURES": ("fastio_subscriber_failures_total", "counter"),
+    "SUBSCRIBER_PHASE_SECONDS": ("fastio_subscriber_phase_seconds", "histogram"),
+    "WORKER_E2E": ("fastio_worker_e2e_seconds", "histogram"),
+    "WORKER_ERRORS": ("fastio_worker_errors_total", "counter"),
+    "WORKER_INFLIGHT": ("fastio_worker_in_flight", "gauge"),
+    "WORKER_ITL": ("fastio_worker_inter_token_seconds", "histogram"),
+    "WORKER_PAUSES": ("fastio_worker_pauses_total", "counter"),
+    "WORKER_QUEUE_DEPTH": ("fastio_worker_queue_depth", "gauge"),
+    "WORKER_REQUESTS": ("fastio_worker_requests_total", "counter"),
+    "WORKER_TTFT": ("fastio_worker_ttft_seconds", "histogram"),
+}
+
+
+def test_every_metric_is_exposed(endpoint: int) -> None:
+    """Each metric of ``__all__`` is exposed under its documented name and type."""
+    assert {n for n in metrics.__all__ if n.isupper() and n != "ENABLED"} == set(EXPOSED)
+    with urllib.request.urlopen(f"http://127.0.0.1:{endpoint}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    types = dict(re.findall(r"^# TYPE (\S+) (\S+)$", text, re.M))
+    for attr, (name, kind) in EXPOSED.items():
+        # Labelled metrics show no sample before their first use; the TYPE line is there.
+        assert types.get(name) == kind, (attr, name)
+
+
+def test_endpoint_is_loopback_by_default_and_stops() -> None:
+    pytest.importorskip("prometheus_client")
+    port = metrics.start_http_server(0)
+    assert metrics._servers[port].server_address[0] == "127.0.0.1"
+    assert scrape(port)
+    metrics.stop_http_server(port)
+    with pytest.raises(urllib.error.URLError):
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5)
+    metrics.stop_http_server(port)  # a second stop is a no-op
+
+
+def test_port_in_use_names_the_address() -> None:
+    pytest.importorskip("prometheus_client")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        with pytest.raises(OSError, match=re.escape(f"127.0.0.1:{port}")):
+            metrics.start_http_server(port)
+    with pytest.raises(ValueError, match=re.escape("0..65535")):
+        metrics.start_http_server(70000)
+
+
+_WITHOUT_PROMETHEUS = textwrap.dedent(
+    """
+    import sys
+
+    class Block:
+        def find_spec(self, name, path=None, target=None):
+            if name == "prometheus_client" or name.startswith("prometheus_client."):
+                raise ImportError(f"blocked {name}")
+            return None
+
+    sys.meta_path.insert(0, Block())
+    from transport import metrics
+
+    assert not metrics.ENABLED
+    metrics.WORKER_REQUESTS.labels(outcome="ok").inc()
+    metrics.WORKER_INFLIGHT.inc(); metrics.WORKER_INFLIGHT.dec(); metrics.WORKER_QUEUE_DEPTH.set(3)
+    metrics.WORKER_TTFT.observe(0.1)
+    metrics.PUBLISHER_PHASE_SECONDS.labels(phase="pack").observe(0.1)
+    metrics.CLIENT_RESENDS.inc()
+    try:
+        metrics.start_http_server(0)
+    except ImportError as exc:
+        print("IMPORTERROR", exc)
+    else:
+        raise SystemExit("start_http_server served without prometheus_client")
+    assert "prometheus_client" not in sys.modules
+    """
+)
+
+
+def test_noops_without_prometheus_client() -> None:
+    out = subprocess.run(
+        [sys.executable, "-c", _WITHOUT_PROMETHEUS],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "IMPORTERROR" in out.stdout
+    assert "pip install 'fastio[metrics]'" in out.stdout

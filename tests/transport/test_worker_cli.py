@@ -1,0 +1,80 @@
+"""``python -m transport.worker`` as a user meets it: one-line errors with exit status 2
+(a plugin that fails as it starts: 1), no traceback, defaults in --help, a metrics
+endpoint."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import urllib.request
+from collections.abc import Callable
+
+import pytest
+
+from fastio import LLMRequest
+from tests.transport.conftest import ROOT, WorkerProc
+from transport import SyncFabricClient
+
+
+def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    pp = os.environ.get("PYTHONPATH")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), pp]) if pp else str(ROOT))
+    return subprocess.run(
+        [sys.executable, "-m", "transport.worker", *args],
+        capture_output=True, text=True, cwd=ROOT, env=env, timeout=timeout,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("args", "code", "words"),
+    [
+        (["--bind", "tcp://127.0.0.1:0", "--engine", "nope"], 2, "choose from reference, echo, hf"),
+        (["--bind", "tcp://127.0.0.1:0", "--engine-opt", "novalue"], 2, "expected key=value"),
+        (["--bind", "127.0.0.1:5555", "--engine", "echo"], 2, "cannot bind 127.0.0.1:5555"),
+        (["--bind", "tcp://127.0.0.1:0", "--engine", "no_such_mod:f"], 2, "cannot import"),
+        (["--bind", "tcp://127.0.0.1:0", "--engine", "echo", "--engine-opt", "a=1"], 2, "echo"),
+        (["--bind", "tcp://127.0.0.1:0", "--engine-opt", "depth=3"], 2, "reference engine takes"),
+        (["--bind", "tcp://127.0.0.1:0", "--log-level", "loud"], 2, "--log-level"),
+        (
+            ["--bind", "tcp://127.0.0.1:0", "--engine", "echo", "--log-level", "info",
+             "--plugin", "tests.transport.plugins:failing_plugin", "--plugin-opt", "x=1"],
+            1,
+            "failed at start: ValueError: bad plugin options ['x']",
+        ),
+    ],
+)  # fmt: skip
+def test_user_errors_are_one_line(args: list[str], code: int, words: str) -> None:
+    r = run_cli(*args)
+    assert r.returncode == code, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+    assert lines[0].startswith("python -m transport.worker: error:")
+    assert words in lines[0]
+    assert "ready" not in r.stdout  # never reported ready
+
+
+def test_help_shows_engines_and_defaults() -> None:
+    r = run_cli("--help")
+    assert r.returncode == 0
+    text = " ".join(r.stdout.split())
+    assert "{reference,echo,hf,module:factory}" in text
+    assert "(default: reference)" in text and "(default: WARNING)" in text
+    assert "--engine-opt" in text and "--plugin-opt" in text and "--metrics-port" in text
+    assert "--model-size {tiny,small,medium,large}" in text
+
+
+def test_metrics_endpoint_counts_requests(spawn: Callable[..., WorkerProc]) -> None:
+    pytest.importorskip("prometheus_client")
+    w = spawn("--bind", "tcp://127.0.0.1:0", "--engine", "echo", "--metrics-port", "0", wait=False)
+    w.wait_ready()
+    # The ready line carried the metrics port; read it again from the process's output.
+    port = w.ready["metrics"]
+    with SyncFabricClient([w.address]) as client:
+        for i in range(3):
+            client.generate(LLMRequest(input_ids=[i, 1]))
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    assert 'fastio_worker_requests_total{outcome="ok"} 3.0' in text
+    assert "fastio_worker_e2e_seconds_count 3.0" in text
+    assert "fastio_worker_in_flight 0.0" in text

@@ -1,0 +1,251 @@
+"""How a version's tensors land on one worker: names, aliases and dtypes.
+
+A version travels under the trainer's names, each distinct tensor once. A worker binds
+it to its engine before a byte is fetched (:class:`Binding`):
+
+* **aliases** (tied weights): names the manifest lists as the same memory as another
+  travelling tensor are applied from that tensor's bytes;
+* **renaming**: a dict or a callable maps trainer names to engine names (a callable
+  may return ``None`` to skip a tensor);
+* **dtypes**: the worker declares the dtypes it wants (one dtype for every floating
+  tensor, a dict by engine name, or ``"auto"``: the dtype of each in-place target). A
+  floating tensor travelling in another floating dtype is cast with ``Tensor.to``
+  semantics (round to nearest even), so the result is bit-identical to
+  ``tensor.to(dtype)`` on the trainer. Without a declaration dtypes must match exactly.
+
+The checks name every problem at once (:class:`WeightMismatchError`), and nothing has
+been written when they fail.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Union
+
+import torch
+
+from fastio.weight_msgs import WeightBucketInfo, WeightTensor
+from transport.weights.bucket import dtype_from_name, dtype_name, wire_tensor
+from transport.weights.errors import WeightMismatchError
+
+__all__ = [
+    "FLOAT_DTYPES",
+    "Binding",
+    "DtypeSpec",
+    "Rename",
+    "advertised_dtype",
+    "parse_dtype",
+    "parse_dtype_spec",
+]
+
+#: Dtypes converted into one another on request.
+FLOAT_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
+
+#: What a worker wants: ``None`` (exact dtypes), ``"auto"`` (each target's dtype), one
+#: dtype for every floating tensor, or engine name -> dtype.
+DtypeSpec = Union[torch.dtype, str, Mapping[str, Union[torch.dtype, str]], None]  # noqa: UP007
+#: Trainer name -> engine name, as a mapping or a callable (``None``: skip the tensor).
+Rename = Union[Mapping[str, str], Callable[[str], Union[str, None]], None]  # noqa: UP007
+
+
+def parse_dtype(x: torch.dtype | str) -> torch.dtype:
+    """A torch dtype from a dtype or its name (``"bfloat16"``, ``"torch.bfloat16"``,
+    ``"bf16"``, ``"fp32"``...); :class:`WeightMismatchError` if unknown."""
+    if isinstance(x, torch.dtype):
+        dtype_name(x)  # supported?
+        return x
+    name = x.removeprefix("torch.")
+    name = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32",
+            "float": "float32", "fp64": "float64", "double": "float64"}.get(name, name)  # fmt: skip
+    return dtype_from_name(name)
+
+
+def parse_dtype_spec(spec: DtypeSpec) -> DtypeSpec:
+    """Validate a :data:`DtypeSpec` (names become dtypes); raises on unknown dtypes."""
+    if spec is None or (isinstance(spec, str) and spec == "auto"):
+        return spec
+    if isinstance(spec, Mapping):
+        return {k: parse_dtype(v) for k, v in spec.items()}
+    return parse_dtype(spec)
+
+
+def advertised_dtype(spec: DtypeSpec, targets: Mapping[str, torch.Tensor]) -> str:
+    """The dtype a worker tells the publisher in its Hello: the one dtype it wants for
+    every floating tensor, or ``""`` when it has no single one (the trainer then sends
+    its own dtypes and the worker casts)."""
+    if spec is None or isinstance(spec, Mapping):
+        return ""
+    if isinstance(spec, str) and spec == "auto":
+        floats = {t.dtype for t in targets.values() if t.dtype in FLOAT_DTYPES}
+        return dtype_name(floats.pop()) if len(floats) == 1 else ""
+    return dtype_name(parse_dtype(spec))
+
+
+def _renamer(rename: Rename) -> Callable[[str], str | None]:
+    if rename is None:
+        return lambda n: n
+    if isinstance(rename, Mapping):
+        table = rename
+        return lambda n: table.get(n, n)
+    return rename
+
+
+class Binding:
+    """One version bound to one worker (see the module docstring).
+
+    Parameters
+    ----------
+    buckets:
+        The version's manifest.
+    targets:
+        Engine name -> the tensor copied into in place (may be empty with a loader).
+    aliases:
+        Trainer name -> the travelling trainer name whose bytes it shares.
+    rename, dtype:
+        See the module docstring.
+    strict:
+        Every target must be covered by the update.
+    loader:
+        A loader takes the tensors: names that are no target are then allowed.
+
+    Attributes
+    ----------
+    dests:
+        Travelling name -> the engine names it is applied to.
+    wanted:
+        Engine name -> the dtype it is delivered in.
+    """
+
+    def __init__(
+        self,
+        buckets: Sequence[WeightBucketInfo],
+        targets: Mapping[str, torch.Tensor],
+        *,
+        aliases: Mapping[str, str] | None = None,
+        rename: Rename = None,
+        dtype: DtypeSpec = None,
+        strict: bool = True,
+        loader: bool = False,
+    ) -> None:
+        self.dests: dict[str, list[str]] = {}
+        self.wanted: dict[str, torch.dtype] = {}
+        self.entries: dict[str, WeightTensor] = {}
+        to_engine = _renamer(rename)
+        problems: list[str] = []
+        wire_names: dict[str, WeightTensor] = {}
+        for b in buckets:
+            end = 0
+            for e in b.tensors:
+                if e.name in wire_names:
+                    problems.append(f"{e.name!r} appears twice in the update")
+                wire_names[e.name] = e
+                try:
+                    dt = dtype_from_name(e.dtype)
+                except WeightMismatchError as exc:
+                    problems.append(str(exc))
+                    continue
+                want = _numel(e.shape) * torch.empty((), dtype=dt).element_size()
+                if e.nbytes != want or e.offset < end or e.offset + e.nbytes > b.nbytes:
+                    problems.append(f"bad layout for {e.name!r} in bucket {b.index}")
+                end = e.offset + e.nbytes
+        names: dict[str, list[str]] = {n: [n] for n in wire_names}
+        for alias, canon in (aliases or {}).items():
+            if canon not in wire_names or alias in wire_names:
+                problems.append(f"bad alias {alias!r} -> {canon!r} in the manifest")
+                continue
+            names[canon].append(alias)
+        covered: dict[str, str] = {}
+        for wname, trainer_names in names.items():
+            e = wire_names[wname]
+            self.dests[wname] = []
+            for tname in trainer_names:
+                en = to_engine(tname)
+                if en is None:
+                    continue
+                if en in covered:
+                    problems.append(
+                        f"{en!r} would receive both {covered[en]!r} and {tname!r} (renaming)"
+                    )
+                    continue
+                covered[en] = tname
+                self.dests[wname].append(en)
+                self.entries[en] = e
+                self._check(en, e, targets.get(en), dtype, loader, problems)
+        if strict:
+            missing = [n for n in targets if n not in covered]
+            if missing:
+                more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+                problems.append(f"parameters missing from the update: {missing[:5]}{more}")
+        if problems:
+            more = f" (and {len(problems) - 8} more)" if len(problems) > 8 else ""
+            raise WeightMismatchError("; ".join(problems[:8]) + more)
+
+    def _check(
+        self,
+        en: str,
+        e: WeightTensor,
+        t: torch.Tensor | None,
+        spec: DtypeSpec,
+        loader: bool,
+        problems: list[str],
+    ) -> None:
+        try:
+            wire = dtype_from_name(e.dtype)
+        except WeightMismatchError:
+            return  # reported already
+        wanted = wire
+        if isinstance(spec, Mapping):
+            if en in spec:
+                wanted = parse_dtype(spec[en])
+        elif isinstance(spec, str) and spec == "auto":
+            if t is not None and t.dtype in FLOAT_DTYPES and wire in FLOAT_DTYPES:
+                wanted = t.dtype
+        elif spec is not None and wire in FLOAT_DTYPES:
+            wanted = parse_dtype(spec)
+        if wanted != wire:
+            if wire not in FLOAT_DTYPES or wanted not in FLOAT_DTYPES:
+                problems.append(f"cannot convert {en!r} from {e.dtype} to {dtype_name(wanted)}")
+                return
+            if e.src_dtype:  # a cast of a cast is not what tensor.to(wanted) gives
+                problems.append(
+                    f"{en!r} travels as {e.dtype}, cast by the trainer from {e.src_dtype} for "
+                    f"the other workers; this worker wants {dtype_name(wanted)}"
+                )
+                return
+        self.wanted[en] = wanted
+        if t is None:
+            if not loader:
+                problems.append(f"{en!r} is not a parameter of this worker's model")
+            return
+        if tuple(t.shape) != tuple(e.shape):
+            problems.append(
+                f"shape mismatch for {en!r}: model has {list(t.shape)}, update has {list(e.shape)}"
+            )
+        if t.dtype != wanted:
+            problems.append(
+                f"dtype mismatch for {en!r}: model has {dtype_name(t.dtype)}, "
+                f"update has {dtype_name(wanted)}"
+            )
+
+    def named_tensors(
+        self, buckets: Sequence[tuple[WeightBucketInfo, Sequence[torch.Tensor]]]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(engine name, tensor)`` for every tensor of the version, in the wanted
+        dtype: the argument of a loader (``model.load_weights``). Tensors in the wire
+        dtype are read-only views of the received bytes, valid during the call only."""
+        for info, chunks in buckets:
+            for e in info.tensors:
+                dests = self.dests.get(e.name, [])
+                if not dests:
+                    continue
+                t = wire_tensor(e, chunks)
+                for en in dests:
+                    want = self.wanted[en]
+                    yield en, (t if t.dtype == want else t.to(want))
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n

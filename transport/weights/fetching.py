@@ -1,0 +1,334 @@
+"""Fetching one version on the worker side: check, fetch, verify, hold.
+
+:class:`VersionFetch` is the part of :class:`transport.weights.WeightSubscriber` that
+turns an Announce into verified buckets: it binds the manifest to the worker's model
+(:class:`~transport.weights.binding.Binding`) before a byte moves, keeps ``window``
+Fetches in flight over TCP (all of them through shared memory), hashes pieces as they
+arrive, re-fetches what fails or times out, and hands the verified buckets to the
+commit. Nothing here writes into the model, except ``atomic=False`` mode.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from fastio.weight_msgs import WeightAnnounce, WeightBucket, WeightFetch
+from transport.weights import shm as _shm
+from transport.weights.binding import Binding, DtypeSpec, Rename
+from transport.weights.bucket import CHECKSUM_ALGOS, BucketApplier, Hasher
+from transport.weights.errors import WeightUpdateError
+from transport.weights.results import UpdateStats
+
+__all__ = ["InFlight", "Partial", "VersionFetch"]
+
+log = logging.getLogger("transport.weights.subscriber")
+
+
+class InFlight:
+    """State of one version being fetched over TCP."""
+
+    def __init__(self, ann: WeightAnnounce, seg: _shm.ShmSegment | None, binding: Binding) -> None:
+        self.ann = ann
+        self.seg = seg
+        self.binding = binding
+        self.t0 = time.monotonic()
+        self.todo = list(range(len(ann.buckets)))
+        self.todo.reverse()  # pop() from the end gives bucket 0 first
+        self.outstanding: dict[int, float] = {}
+        self.attempts: dict[int, int] = {}
+        self.received: dict[int, list[torch.Tensor]] = {}
+        self.stats = UpdateStats(ann.version, "tcp" if seg is None else "shm", ann.total_bytes)
+        self.stats.buckets = [{} for _ in ann.buckets]
+        self.applied: set[int] = set()
+        self.partial: dict[int, Partial] = {}
+
+
+class Partial:
+    """A bucket whose pieces are arriving: the checksum so far, the frames kept."""
+
+    def __init__(self, hasher: Hasher) -> None:
+        self.hasher = hasher
+        self.size = 0
+        self.verify_s = 0.0
+        self.chunks: list[torch.Tensor] = []
+
+
+class VersionFetch:
+    """The fetching half of :class:`transport.weights.WeightSubscriber`."""
+
+    # Set by WeightSubscriber.__init__ (see its parameters).
+    targets: dict[str, torch.Tensor]
+    atomic: bool
+    window: int
+    fetch_timeout: float
+    retries: int
+    strict: bool
+    dtype: DtypeSpec
+    rename: Rename
+    loader: Any
+    lock: Any
+    on_progress: Any
+    counters: dict[str, int]
+    _version: int
+    _consistent: bool
+    _applier: BucketApplier
+    _cond: threading.Condition
+    _shm_ok: bool
+    _last_heard: float
+    publisher_timeout: float
+    _update: InFlight | None
+    _attempts: dict[tuple[str, int], int]
+    _given_up: set[tuple[str, int]]
+    _segments: dict[str, _shm.ShmSegment]
+
+    def _count(self, key: str, n: int = 1) -> None:
+        self.counters[key] = self.counters.get(key, 0) + n
+
+    def _send(self, msg: Any) -> None:
+        raise NotImplementedError
+
+    def _fail(self, version: int, error: str, transport: str = "tcp") -> None:
+        raise NotImplementedError
+
+    def _abandon(self, why: str) -> None:
+        raise NotImplementedError
+
+    def _commit(self, up: InFlight, parts: list[tuple[Any, list[torch.Tensor]]]) -> None:
+        raise NotImplementedError
+
+    # -- a version -------------------------------------------------------------------
+    def _consider(self, ann: WeightAnnounce) -> None:
+        if ann.version <= self._version and self._consistent:
+            return
+        if self._update is not None:
+            if self._update.ann.version >= ann.version:
+                return
+            self._abandon(f"superseded by version {ann.version}")
+        key = (ann.publisher_id, ann.version)
+        if key in self._given_up:
+            return
+        n = self._attempts[key] = self._attempts.get(key, 0) + 1
+        if n > self.retries:
+            self._given_up.add(key)
+            return
+        try:
+            if ann.checksum_algo not in CHECKSUM_ALGOS:
+                raise WeightUpdateError(f"checksum {ann.checksum_algo!r} not available here")
+            binding = Binding(
+                ann.buckets,
+                self.targets,
+                aliases=ann.aliases,
+                rename=self.rename,
+                dtype=self.dtype,
+                strict=self.strict,
+                loader=self.loader is not None,
+            )
+        except WeightUpdateError as exc:
+            self._given_up.add(key)  # a mismatch will not go away by retrying
+            self._fail(ann.version, str(exc), transport="")
+            return
+        seg = None
+        if self._shm_ok and ann.shm_name:
+            try:
+                seg = self._segment(ann.shm_name)
+            except OSError as exc:
+                log.info("shared memory %s unusable (%s); fetching over TCP", ann.shm_name, exc)
+                self._count("shm_fallbacks")
+        self._update = InFlight(ann, seg, binding)
+        self._pump()
+
+    def _segment(self, name: str) -> _shm.ShmSegment:
+        # Each version has its own segment (never rewritten while mapped here); the
+        # mapping is dropped when the version is done with (_drop_segment).
+        seg = self._segments.get(name)
+        if seg is None:
+            seg = self._segments[name] = _shm.ShmSegment.open(name)
+        return seg
+
+    def _drop_segment(self, up: InFlight) -> None:
+        if up.seg is not None:
+            seg = self._segments.pop(up.seg.name, None)
+            if seg is not None:
+                seg.close()
+
+    def _pump(self) -> None:
+        """Keep ``window`` fetches in flight."""
+        up = self._update
+        if up is None:
+            return
+        now = time.monotonic()
+        shm = up.seg is not None
+        # Through shared memory nothing but a "ready" notice comes back: ask for all.
+        window = len(up.ann.buckets) if shm else self.window
+        while up.todo and len(up.outstanding) < window:
+            i = up.todo.pop()
+            up.outstanding[i] = now
+            up.attempts[i] = up.attempts.get(i, 0) + 1
+            self._send(WeightFetch(up.ann.version, i, shm))
+
+    def _on_bucket(self, msg: WeightBucket) -> None:
+        up = self._update
+        if up is None or msg.version != up.ann.version or msg.index not in up.outstanding:
+            self._count("stale_pieces")
+            return
+        i = msg.index
+        info = up.ann.buckets[i]
+        t = time.monotonic()
+        if up.seg is not None:
+            self._on_shm_ready(up, msg, t)
+            return
+        part = up.partial.get(i)
+        if part is None:
+            part = up.partial[i] = Partial(Hasher(up.ann.checksum_algo))
+        up.outstanding[i] = t  # progress: the fetch timeout counts from the last piece
+        ok = msg.offset == part.size
+        for c in msg.chunks:
+            if not ok:
+                break
+            if not isinstance(c, np.ndarray) or c.dtype != np.uint8 or c.ndim != 1:
+                ok = False
+                break
+            part.hasher.update(c)
+            part.size += c.nbytes
+            part.chunks.append(_u8(c))
+        ok = ok and part.size <= info.nbytes
+        dt = time.monotonic() - t
+        up.stats.verify_s += dt
+        part.verify_s += dt
+        if ok and not msg.last:
+            return
+        del up.outstanding[i]
+        del up.partial[i]
+        ok = ok and part.size == info.nbytes and part.hasher.digest() == msg.checksum
+        if not ok:
+            self._count("checksum_failures")
+            if up.attempts.get(i, 0) >= self.retries:
+                self._fail(
+                    up.ann.version,
+                    f"bucket {i} of version {up.ann.version} failed its checksum "
+                    f"{up.attempts[i]} times",
+                )
+                return
+            self._count("refetches")
+            up.todo.append(i)
+            self._pump()
+            return
+        up.stats.buckets[i].update(recv_s=t - up.t0, verify_s=part.verify_s)
+        self._landed(up, i, part.chunks)
+
+    def _on_shm_ready(self, up: InFlight, msg: WeightBucket, t: float) -> None:
+        """Bytes of bucket ``msg.index`` are packed in the segment: hash them in place
+        as they come; on the last notice compare with the checksum."""
+        assert up.seg is not None
+        i = msg.index
+        info = up.ann.buckets[i]
+        part = up.partial.get(i)
+        if part is None:
+            part = up.partial[i] = Partial(Hasher(up.ann.checksum_algo))
+        up.outstanding[i] = t
+        lo = info.shm_offset + msg.offset
+        if (
+            msg.chunks
+            or msg.offset != part.size
+            or msg.nbytes < 0
+            or msg.offset + msg.nbytes > info.nbytes
+            or info.shm_offset + info.nbytes > up.seg.size
+        ):
+            self._fail(up.ann.version, f"bad shared-memory notice for bucket {i}", "shm")
+            return
+        part.hasher.update(up.seg.tensor[lo : lo + msg.nbytes].numpy())
+        part.size += msg.nbytes
+        dt = time.monotonic() - t
+        part.verify_s += dt
+        up.stats.verify_s += dt
+        if not msg.last:
+            return
+        del up.outstanding[i]
+        del up.partial[i]
+        up.stats.buckets[i].update(recv_s=t - up.t0, verify_s=part.verify_s)
+        if part.size != info.nbytes or part.hasher.digest() != msg.checksum:
+            # The segment is the snapshot itself: fetching again would read the same bytes.
+            self._count("checksum_failures")
+            self._fail(
+                up.ann.version,
+                f"bucket {i} of version {up.ann.version} fails its checksum in shared memory",
+                "shm",
+            )
+            return
+        self._landed(up, i, [up.seg.tensor[info.shm_offset : info.shm_offset + info.nbytes]])
+
+    def _landed(self, up: InFlight, i: int, chunks: list[torch.Tensor]) -> None:
+        """Bucket ``i`` arrived and is verified: keep it (or apply it, ``atomic=False``)."""
+        info = up.ann.buckets[i]
+        up.received[i] = chunks
+        if self.on_progress is not None:
+            self.on_progress(up.ann.version, i)
+        if not self.atomic:
+            ta = time.monotonic()
+            with self.lock:
+                self._consistent = False  # from here until the commit, weights are mixed
+                self._applier.apply(info, chunks, up.binding.dests)
+                self._applier.finish()
+            up.stats.buckets[i]["apply_s"] = time.monotonic() - ta
+            up.stats.apply_s += up.stats.buckets[i]["apply_s"]
+            up.applied.add(i)
+            up.received[i] = []  # applied: the frames can go
+        self._pump()
+        if not up.todo and not up.outstanding:
+            self._update = None
+            up.stats.fetch_s = time.monotonic() - up.t0
+            try:
+                self._commit(
+                    up,
+                    [
+                        (b, up.received[b.index])
+                        for b in up.ann.buckets
+                        if b.index not in up.applied
+                    ],
+                )
+            finally:
+                up.received.clear()
+                self._drop_segment(up)
+
+    def _check_timeouts(self, now: float) -> None:
+        up = self._update
+        if up is None:
+            return
+        if self._last_heard and now - self._last_heard > self.publisher_timeout:
+            self._fail(
+                up.ann.version,
+                f"publisher silent for {now - self._last_heard:.1f} s (dead?) mid-update",
+            )
+            return
+        for i, sent in list(up.outstanding.items()):
+            if now - sent < self.fetch_timeout:
+                continue
+            if up.attempts.get(i, 0) >= self.retries:
+                self._fail(
+                    up.ann.version,
+                    f"bucket {i} of version {up.ann.version}: no answer "
+                    f"after {up.attempts[i]} fetches",
+                )
+                return
+            self._count("refetches")
+            del up.outstanding[i]
+            up.partial.pop(i, None)
+            up.todo.append(i)
+        self._pump()
+
+
+def _u8(arr: np.ndarray[Any, Any]) -> torch.Tensor:
+    """A uint8 tensor over a received chunk, no copy (frames from zmq are writable)."""
+    if not arr.flags.writeable:
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.from_numpy(arr)
+    return torch.from_numpy(arr)

@@ -1,0 +1,363 @@
+"""The publisher's serving thread: one loop that owns the sockets.
+
+It answers Hellos (Welcome, plus the snapshot of the latest version), Fetches (bucket
+pieces as zero-copy frames, or "ready" notices for same-host workers) and Acks,
+announces versions, sends heartbeats, declares silent workers lost, and runs the
+packing of the version being published step by step in between, so that bucket k is
+on the wire while the rest is packed. :class:`PublisherService` is the part of
+:class:`transport.weights.WeightPublisher` that runs in that thread.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import threading
+import time
+from typing import Any
+
+import zmq
+
+import fastio
+from fastio.weight_msgs import (
+    WeightAck,
+    WeightBucket,
+    WeightError,
+    WeightFetch,
+    WeightHeartbeat,
+    WeightHello,
+    WeightWelcome,
+)
+from transport import metrics
+from transport.weights import shm as _shm
+from transport.weights.ratelog import RateLimitedLog
+from transport.weights.results import SubscriberInfo
+from transport.weights.staging import Send, Staged
+
+__all__ = ["SHM_NOTICE_CHUNKS", "PublisherService"]
+
+log = logging.getLogger("transport.weights.publisher")
+
+#: Same-host workers get a "bytes ready" notice at most every this many chunks' worth
+#: of packed bytes (8 MiB by default): one message per notice per worker, while the
+#: bytes just packed are still in the last-level cache for the worker to hash.
+SHM_NOTICE_CHUNKS = 8
+
+
+class PublisherService:
+    """The serving half of :class:`transport.weights.WeightPublisher` (its thread)."""
+
+    # Set by WeightPublisher.__init__.
+    publisher_id: str
+    host_id: str
+    pub_endpoint: str
+    chunk_bytes: int
+    heartbeat_interval: float
+    worker_timeout: float
+    counters: dict[str, int]
+    _rlog: RateLimitedLog
+    _router: zmq.Socket[Any]
+    _pub: zmq.Socket[Any]
+    _wake_r: zmq.Socket[Any]
+    _encoder: fastio.Encoder
+    _decoder: fastio.Decoder
+    _cond: threading.Condition
+    _workers: dict[str, SubscriberInfo]
+    _versions: dict[int, Staged]
+    _latest: Staged | None
+    _pending: list[Staged]
+    _seq: int
+    _closed: bool
+    _probe: _shm.Probe | None
+
+    def _retire(self) -> None:
+        raise NotImplementedError
+
+    # -- serving thread ----------------------------------------------------------------
+    def _count(self, key: str, n: int = 1) -> None:
+        self.counters[key] = self.counters.get(key, 0) + n
+
+    def _serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._router, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        next_hb = time.monotonic()
+        while True:
+            now = time.monotonic()
+            if now >= next_hb:
+                self._heartbeat(now)
+                next_hb = now + self.heartbeat_interval
+            packing = self._pack_step()
+            try:
+                wait_ms = 0 if packing else int(max(0.0, next_hb - now) * 1000) + 1
+                events = dict(poller.poll(wait_ms))
+            except zmq.ZMQError:
+                break
+            if self._wake_r in events:
+                while True:
+                    try:
+                        self._wake_r.recv(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                with self._cond:
+                    if self._closed:
+                        return
+                    pending, self._pending = self._pending, []
+                for st in pending:
+                    self._announce(st)
+                self._advance_all()
+            if self._router in events:
+                for _ in range(256):  # bounded, so heartbeats keep their rhythm
+                    try:
+                        frames = self._router.recv_multipart(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    try:
+                        self._handle(frames)
+                    except Exception:  # one bad request must not stop the service
+                        self._count("internal_errors")
+                        log.exception("weight publisher: error serving a request")
+
+    def _pack_step(self) -> bool:
+        """Run one step of the version being packed; False when none is."""
+        st = self._latest
+        if st is None or st.job is None:
+            return False
+        try:
+            next(st.job)
+        except StopIteration:
+            done = True
+        except Exception as exc:  # reported to the publish() caller
+            st.error = exc
+            done = True
+        else:
+            done = False
+        if done:
+            with self._cond:
+                st.job = None
+                self._cond.notify_all()
+        self._advance_all()
+        return not done
+
+    def _announce(self, st: Staged) -> None:
+        assert st.announce is not None
+        with self._cond:
+            self._seq += 1
+            st.announce.seq = self._seq
+            st.announced_at = time.monotonic()
+            st.expected = {w for w, i in self._workers.items() if i.alive}
+            self._versions[st.version] = st
+            self._latest = st
+            self._retire()
+            self._cond.notify_all()
+        frames = self._encoder.encode(st.announce)
+        self._pub.send_multipart(frames, copy=False)
+        # Also straight to every known worker over the ROUTER: a SUB that has just
+        # connected misses PUB messages (the slow joiner); the heartbeat's sequence
+        # number would catch that, but only one heartbeat later.
+        for w in sorted(st.expected):
+            self._reply(w.encode(), frames)
+
+    def _advance_all(self) -> None:
+        with self._cond:
+            work = [(st, snd) for st in self._versions.values() for snd in st.active]
+        for st, snd in work:
+            self._advance(st, snd)
+
+    def _heartbeat(self, now: float) -> None:
+        with self._cond:
+            for w, info in self._workers.items():
+                if info.alive and now - info.last_seen > self.worker_timeout:
+                    info.alive = False
+                    reason = f"worker lost: no message for {now - info.last_seen:.1f} s"
+                    log.warning("weight subscriber %s %s", w, reason)
+                    for st in self._versions.values():
+                        if w in st.expected and w not in st.acks:
+                            st.lost[w] = reason
+                            self._check_done(st)
+            latest = self._latest.version if self._latest else -1
+            self._retire()
+            self._cond.notify_all()
+        hb = WeightHeartbeat(self.publisher_id, self._seq, latest)
+        self._pub.send_multipart(self._encoder.encode(hb), copy=False)
+
+    def _check_done(self, st: Staged) -> None:
+        if not st.done_at and st.expected and st.answered():
+            st.done_at = time.monotonic()
+
+    def _reply(self, ident: bytes, frames: list[Any], track: bool = False) -> Any:
+        try:
+            tracker = self._router.send_multipart(
+                [ident, *frames], zmq.NOBLOCK, copy=False, track=track
+            )
+            return tracker if track else True
+        except zmq.Again:
+            self._count("send_busy")
+        except zmq.ZMQError as exc:
+            if exc.errno != errno.EHOSTUNREACH:
+                raise
+            self._count("send_unroutable")
+        return None if track else False
+
+    def _handle(self, frames: list[zmq.Frame]) -> None:
+        ident = frames[0].bytes
+        wid = ident.decode("utf-8", "replace")
+        try:
+            msg = self._decoder.decode(frames[1:])
+        except fastio.DecodeError as exc:
+            self._count("bad_messages")
+            self._rlog.warning("bad message", "bad message from weight subscriber %r: %s", wid, exc)
+            err = WeightError(-1, -1, f"bad message: {exc}")
+            self._reply(ident, self._encoder.encode(err))
+            return
+        now = time.monotonic()
+        hello = isinstance(msg, WeightHello)
+        if isinstance(msg, WeightAck) and wid not in self._workers:
+            # Only a Hello makes a peer a worker: an Ack from any other peer (a stray
+            # or spoofed one) must not fail an update. Counted, not recorded.
+            self._count("acks_from_strangers")
+            self._rlog.warning(
+                "Ack from a stranger", "ignored an Ack from %r, which never said Hello", wid
+            )
+            return
+        with self._cond:
+            info = self._workers.get(wid)
+            if info is None:
+                if not hello:
+                    # Only a Hello makes a peer a worker (and expected to apply versions);
+                    # a stray Fetch is still answered below.
+                    info = SubscriberInfo(wid, alive=False)
+                else:
+                    info = self._workers[wid] = SubscriberInfo(wid)
+            info.last_seen = now
+            if not info.alive and wid in self._workers:
+                info.alive = True
+                # Back from the dead (restarted): it is expected to catch up again.
+                for old in self._versions.values():
+                    old.lost.pop(wid, None)
+            if isinstance(msg, WeightHello):
+                info.host_id, info.pid = msg.host_id, msg.pid
+                info.version, info.digest = msg.version, msg.digest
+                info.dtype = msg.dtype
+                latest = self._latest
+                if latest is not None and msg.version < latest.version and wid not in latest.acks:
+                    latest.expected.add(wid)
+                # A Hello at version >= v means v was applied even when its Ack was lost
+                # (a subscriber drops a send its socket cannot take): count it as the Ack.
+                for st in self._versions.values():
+                    if st.version <= msg.version and wid in st.expected and wid not in st.acks:
+                        st.acks[wid] = WeightAck(wid, st.version, True, msg.version, "", msg.digest)
+                        self._check_done(st)
+                self._cond.notify_all()
+        if isinstance(msg, WeightHello):
+            announce = None
+            if latest is not None and msg.version < latest.version:
+                announce = latest.announce
+            welcome = WeightWelcome(
+                self.publisher_id,
+                self.host_id,
+                self.pub_endpoint,
+                self._seq,
+                self._probe.name if self._probe else "",
+                self._probe.token if self._probe else "",
+                announce,
+            )
+            self._reply(ident, self._encoder.encode(welcome))
+        elif isinstance(msg, WeightFetch):
+            self._serve_fetch(ident, wid, msg)
+        elif isinstance(msg, WeightAck):
+            with self._cond:
+                acked = self._versions.get(msg.version)
+                if acked is not None:
+                    acked.acks[wid] = msg
+                    acked.expected.add(wid)
+                    self._check_done(acked)
+                info.version = msg.current_version
+                if msg.digest is not None:
+                    info.digest = msg.digest
+                self._cond.notify_all()
+            if not msg.ok:
+                log.warning("worker %s failed version %d: %s", wid, msg.version, msg.error)
+
+    def _serve_fetch(self, ident: bytes, wid: str, msg: WeightFetch) -> None:
+        with self._cond:
+            st = self._versions.get(msg.version)
+            latest = self._latest.version if self._latest else -1
+        if st is None or st.announce is None:
+            err = WeightError(
+                msg.version,
+                msg.index,
+                f"version {msg.version} is not available (latest is {latest})",
+                latest,
+            )
+            self._reply(ident, self._encoder.encode(err))
+            return
+        if not 0 <= msg.index < len(st.announce.buckets):
+            err = WeightError(
+                msg.version, msg.index, f"no bucket {msg.index} in version {msg.version}", latest
+            )
+            self._reply(ident, self._encoder.encode(err))
+            return
+        if msg.shm and st.seg is None:
+            err = WeightError(msg.version, msg.index, "no shared memory for this version")
+            self._reply(ident, self._encoder.encode(err))
+            return
+        snd = Send(ident, msg)
+        with self._cond:
+            st.active.append(snd)
+        self._advance(st, snd)
+
+    def _advance(self, st: Staged, snd: Send) -> None:
+        """Send what is packed of the bucket ``snd`` asks for, from where it stopped.
+
+        Over TCP, pieces of ``chunk_bytes`` (the bytes, zero-copy from the buffer); for
+        a same-host worker, notices "bytes [offset, offset+nbytes) are ready" that it
+        hashes in shared memory as they come. The last piece carries the checksum.
+        """
+        assert st.announce is not None
+        info = st.announce.buckets[snd.fetch.index]
+        with self._cond:
+            ready = min(max(st.packed - info.shm_offset, 0), info.nbytes)
+            complete = info.index < st.buckets_done
+            checksum = info.checksum
+        step = self.chunk_bytes
+        v, k = snd.fetch.version, snd.fetch.index
+        while True:
+            start = snd.cursor
+            if snd.shm:
+                end = ready
+                if not complete and end - start < step * SHM_NOTICE_CHUNKS:
+                    break
+            else:
+                end = min(start + step, info.nbytes)
+                if end > ready:
+                    break
+            last = complete and end == info.nbytes
+            if end == start and not last:
+                break
+            if snd.shm:
+                piece = WeightBucket(v, k, start, checksum if last else 0, last, [], end - start)
+                ok = self._reply(snd.ident, self._encoder.encode(piece)) is not False
+            else:
+                chunk = st.buf[info.shm_offset + start : info.shm_offset + end].numpy()
+                piece = WeightBucket(v, k, start, checksum if last else 0, last, [chunk])
+                tracker = self._reply(snd.ident, self._encoder.encode(piece), track=True)
+                ok = tracker is not None
+                if ok:
+                    with self._cond:
+                        st.trackers.append(tracker)
+            if not ok:
+                # Not queued (HWM or peer gone): the worker's fetch times out and it asks
+                # again; the pieces it got are discarded there as incomplete.
+                last = True
+            snd.cursor = end
+            if last:
+                with self._cond:
+                    st.active.remove(snd)
+                if ok:
+                    self._count("buckets_sent")
+                    self._count("bytes_sent", 0 if snd.shm else info.nbytes)
+                    metrics.PUBLISHER_BYTES.labels(path="shm" if snd.shm else "tcp").inc(
+                        info.nbytes
+                    )
+                return

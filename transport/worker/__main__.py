@@ -1,0 +1,5 @@
+"""``python -m transport.worker``."""
+
+from transport.worker.cli import main
+
+main()

@@ -1,0 +1,295 @@
+"""``python -m transport.worker``: a generation worker process.
+
+It prints one JSON line ``{"ready": [endpoints], "pid": ..., "worker_id": ...}`` (plus
+``"metrics": port`` with ``--metrics-port``) once it serves. A user error (a bad flag,
+an engine that cannot be built, an address that cannot be bound, a plugin that fails as
+it starts) prints one line on stderr and exits non-zero: 2 for a usage error, 1 for a
+plugin that failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import gc
+import importlib
+import json
+import logging
+import os
+import signal
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn
+
+import zmq
+
+from transport.sockets import (
+    DEFAULT_HWM,
+    DEFAULT_MAX_MESSAGE_SIZE,
+    DEFAULT_PEER_QUEUE_LIMIT,
+    CurveConfig,
+)
+from transport.worker.context import WorkerConfig
+from transport.worker.echo import echo_handler
+from transport.worker.server import Background, WorkerServer
+
+__all__ = ["main"]
+
+PROG = "python -m transport.worker"
+ENGINES = ("reference", "echo", "hf")
+_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+class UserError(Exception):
+    """An error the user can fix: printed as one line, exit status ``code``."""
+
+    def __init__(self, message: str, code: int = 2) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        # One line, not the usage block: the usage is one --help away.
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def _engine_spec(value: str) -> str:
+    if value in ENGINES or (":" in value and all(value.partition(":")[::2])):
+        return value
+    raise argparse.ArgumentTypeError(
+        f"invalid choice {value!r} (choose from {', '.join(ENGINES)}, or module:factory)"
+    )
+
+
+def _key_value(value: str) -> tuple[str, str]:
+    key, sep, val = value.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected key=value, got {value!r}")
+    return key, val
+
+
+def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = _Parser(
+        prog=PROG,
+        description="A generation worker: a ZeroMQ ROUTER serving a generate engine.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--bind", action="append", required=True, help="address to bind (repeatable)")
+    p.add_argument(
+        "--engine",
+        default="reference",
+        type=_engine_spec,
+        metavar="{reference,echo,hf,module:factory}",
+        help="the engine: the reference TinyLM, an echo, a transformers causal LM, or "
+        "module:factory (factory(engine_opts) returns a handler or an engine)",
+    )
+    p.add_argument(
+        "--engine-opt",
+        action="append",
+        default=[],
+        type=_key_value,
+        metavar="KEY=VALUE",
+        help="option for the engine factory (repeatable)",
+    )
+    p.add_argument(
+        "--model-size",
+        default="small",
+        choices=("tiny", "small", "medium", "large"),
+        help="--engine hf: the size of the randomly initialised model",
+    )
+    p.add_argument("--model-path", help="--engine hf: a local from_pretrained directory")
+    p.add_argument("--device", help="--engine hf: torch device (default: cuda when present)")
+    p.add_argument("--worker-id", default="", help="name in heartbeats (default host:pid)")
+    p.add_argument("--seed", type=int, default=0, help="weights seed of reference / hf")
+    p.add_argument("--vocab-size", type=int, default=256, help="reference: vocabulary")
+    p.add_argument("--hidden", type=int, default=64, help="reference: hidden size")
+    p.add_argument("--layers", type=int, default=2, help="reference: GRU layers")
+    p.add_argument(
+        "--token-interval", type=float, default=0.0, help="reference: simulated s per token"
+    )
+    p.add_argument("--max-concurrency", type=int, default=4096, help="handlers running at once")
+    p.add_argument("--max-pending", type=int, default=65536, help="running plus waiting")
+    p.add_argument(
+        "--client-timeout", type=float, default=10.0, help="s of silence before a client is dead"
+    )
+    p.add_argument("--max-message-size", type=int, default=DEFAULT_MAX_MESSAGE_SIZE, help="bytes")
+    p.add_argument("--hwm", type=int, default=DEFAULT_HWM, help="socket high-water mark")
+    p.add_argument(
+        "--peer-queue-limit",
+        type=int,
+        default=DEFAULT_PEER_QUEUE_LIMIT,
+        help="bytes queued for a client that does not read before it is dropped",
+    )
+    p.add_argument(
+        "--inline",
+        default="auto",
+        choices=("auto", "on", "off"),
+        help="serve the socket on the engine's loop (on: only for engines that never block; "
+        "auto: as the engine says, the echo does) instead of a thread of its own",
+    )
+    p.add_argument("--curve-secret", help="this worker's .key_secret certificate (enables CURVE)")
+    p.add_argument("--curve-clients", help="directory of authorized client .key certificates")
+    p.add_argument(
+        "--plugin",
+        action="append",
+        default=[],
+        help="module:function(server, plugin_opts), a background job in the worker's loop",
+    )
+    p.add_argument(
+        "--plugin-opt",
+        action="append",
+        default=[],
+        type=_key_value,
+        metavar="KEY=VALUE",
+        help="option passed to plugins (repeatable)",
+    )
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve Prometheus /metrics on 127.0.0.1 at this port (0 picks one); off if unset",
+    )
+    p.add_argument(
+        "--log-level", default="WARNING", type=str.upper, choices=_LEVELS, help="any case"
+    )
+    return p.parse_args(argv)
+
+
+def _load(spec: str, what: str) -> Callable[..., Any]:
+    module, _, name = spec.partition(":")
+    if not module or not name:
+        raise UserError(f"{what} {spec!r}: expected module:function")
+    try:
+        fn: Callable[..., Any] = getattr(importlib.import_module(module), name)
+    except ImportError as exc:
+        raise UserError(f"{what} {spec!r}: cannot import {module}: {exc}") from exc
+    except AttributeError as exc:
+        raise UserError(f"{what} {spec!r}: {module} has no {name!r}") from exc
+    return fn
+
+
+def _reference_kwargs(args: argparse.Namespace, opts: dict[str, str]) -> dict[str, Any]:
+    kwargs: dict[str, Any] = {
+        "vocab_size": args.vocab_size, "hidden": args.hidden, "layers": args.layers,
+        "seed": args.seed, "token_interval": args.token_interval,
+    }  # fmt: skip
+    for key, value in opts.items():
+        if key not in kwargs:
+            raise UserError(f"--engine-opt {key}: the reference engine takes {sorted(kwargs)}")
+        try:
+            kwargs[key] = type(kwargs[key])(value)
+        except ValueError as exc:
+            raise UserError(f"--engine-opt {key}={value}: {exc}") from exc
+    return kwargs
+
+
+def build_engine(args: argparse.Namespace) -> Any:
+    """The handler or engine ``--engine`` names, built with its options."""
+    opts = dict(args.engine_opt)
+    spec = args.engine
+    try:
+        if spec == "reference":
+            from transport.engine import ReferenceEngine
+
+            return ReferenceEngine(**_reference_kwargs(args, opts))
+        if spec == "echo":
+            if opts:
+                raise UserError("--engine echo takes no --engine-opt")
+            return echo_handler
+        if spec == "hf":
+            module = importlib.import_module("transport.hf_engine")
+            kwargs: dict[str, Any] = {"model_size": args.model_size, "seed": args.seed}
+            if args.model_path:
+                kwargs["model_path"] = args.model_path
+            if args.device:
+                kwargs["device"] = args.device
+            kwargs.update(opts)
+            return module.create_engine(**kwargs)
+        # The adapter point for a real engine (vLLM, SGLang, ...): module:factory.
+        return _load(spec, "--engine")(opts)
+    except UserError:
+        raise
+    except Exception as exc:
+        raise UserError(f"--engine {spec}: {type(exc).__name__}: {exc}") from exc
+
+
+def _plugins(args: argparse.Namespace) -> list[Background]:
+    opts = dict(args.plugin_opt)
+    jobs: list[Background] = []
+    for spec in args.plugin:
+        fn = _load(spec, "--plugin")
+
+        async def job(server: WorkerServer, fn: Callable[..., Any] = fn) -> None:
+            await fn(server, opts)
+
+        job.__qualname__ = spec
+        jobs.append(job)
+    return jobs
+
+
+async def _amain(args: argparse.Namespace) -> None:
+    handler = build_engine(args)
+    curve = None
+    if args.curve_secret:
+        curve = CurveConfig(
+            secret_key_file=args.curve_secret, authorized_clients_dir=args.curve_clients
+        )
+    config = WorkerConfig(
+        bind=args.bind, worker_id=args.worker_id, max_concurrency=args.max_concurrency,
+        max_pending=args.max_pending, client_timeout=args.client_timeout,
+        max_message_size=args.max_message_size, hwm=args.hwm, curve=curve,
+        peer_queue_limit=args.peer_queue_limit, extra=dict(args.plugin_opt),
+        inline={"auto": None, "on": True, "off": False}[args.inline],
+    )  # fmt: skip
+    server = WorkerServer(handler, config, background=_plugins(args))
+    try:
+        endpoints = await server.start()
+    except zmq.ZMQError as exc:
+        raise UserError(f"cannot bind {', '.join(args.bind)}: {exc}") from exc
+    except (OSError, ValueError) as exc:  # CURVE certificates
+        raise UserError(f"{type(exc).__name__}: {exc}") from exc
+    except RuntimeError as exc:  # a plugin failed as it started
+        raise UserError(str(exc), code=1) from exc
+    ready: dict[str, Any] = {"ready": endpoints, "pid": os.getpid(), "worker_id": server.worker_id}
+    if args.metrics_port is not None:
+        from transport.metrics import start_http_server
+
+        try:
+            ready["metrics"] = start_http_server(args.metrics_port)
+        except (ImportError, OSError) as exc:
+            await server.close()
+            raise UserError(f"--metrics-port {args.metrics_port}: {exc}") from exc
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, lambda: asyncio.ensure_future(server.close()))
+    # What exists now (torch, the engine, its model) lives as long as the process: out
+    # of the cyclic GC's sight, a full collection no longer walks it while holding the
+    # GIL for long enough to delay pongs.
+    gc.freeze()
+    print(json.dumps(ready), flush=True)
+    await server.serve_forever()
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Entry point of ``python -m transport.worker`` (see ``--help``)."""
+    args = _parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level,
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+        stream=sys.stderr,
+    )
+    # The socket thread waits at most this long for the GIL held by engine code (the
+    # default 5 ms would be most of a pong's budget under a busy pure-Python engine).
+    sys.setswitchinterval(0.001)
+    with contextlib.suppress(ImportError):
+        import torch
+
+        # One generation thread per worker process: workers share the cores.
+        torch.set_num_threads(1)
+    try:
+        asyncio.run(_amain(args))
+    except UserError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr, flush=True)
+        sys.exit(exc.code)

@@ -1,0 +1,356 @@
+"""The worker's socket thread: it owns the ROUTER, answers pings and moves bytes.
+
+Engine work never runs here. The thread runs an asyncio loop of its own with a
+:class:`~transport.sockets.SocketPump` on the ROUTER; it decodes what arrives, answers
+``Heartbeat`` pings and ``health`` controls itself (with the engine's load read from the
+server: running, waiting, engine lag), answers undecodable messages with an ``Error``,
+and hands every other message to the engine's loop through a queue (one wake-up per
+batch, not per message). Replies built on the engine's loop come back through another
+queue and leave as one coalesced burst per wake-up.
+
+So a handler that blocks its loop for seconds (a sync ``time.sleep``, a torch forward
+run inline) delays its own requests, never a pong. The thread shares the GIL with the
+engine: a pure-Python engine step holding it delays the socket thread by at most the
+interpreter's switch interval (``sys.getswitchinterval()``; ``python -m transport.worker``
+sets 1 ms, Python's default is 5 ms).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+from collections import deque
+from typing import TYPE_CHECKING, Any
+
+import zmq
+from zmq.utils.monitor import parse_monitor_message
+
+from fastio import DecodeError, Decoder, Encoder, MessageTooLarge
+from fastio import fabric_msgs as fm
+from fastio.protocol import PROTOCOL_VERSION, MsgKind
+from transport import metrics
+from transport.sockets import SocketPump, make_router
+
+if TYPE_CHECKING:
+    from transport.worker.server import WorkerServer
+
+__all__ = ["DROPPED", "SocketThread", "log_counted"]
+
+log = logging.getLogger("transport.worker")
+
+_ACCEPTED_KINDS = {MsgKind.FABRIC_SUBMIT, MsgKind.FABRIC_CANCEL, MsgKind.FABRIC_HEARTBEAT}
+_ACCEPTED_KINDS |= {MsgKind.FABRIC_CONTROL, MsgKind.FABRIC_ERROR}
+
+#: Put in the engine's queue for a peer the pump dropped (it stopped reading).
+DROPPED = object()
+
+
+def log_counted(n: int, fmt: str, *args: Any) -> None:
+    """Log the first ten occurrences, then every power of two: hostile input must not
+    flood the log."""
+    if n <= 10 or (n & (n - 1)) == 0:
+        log.warning(fmt + " (occurrence %d)", *args, n)
+
+
+class SocketThread:
+    """The ROUTER of one :class:`~transport.WorkerServer`, served from its own thread.
+
+    Created and started from the server's (engine's) loop: :meth:`start` returns once
+    the socket is bound (or raises what binding raised).
+    """
+
+    def __init__(self, server: WorkerServer, ctx: zmq.Context[Any], threaded: bool = True) -> None:
+        self.server = server
+        #: False: the socket is served on the engine's loop itself (handlers that never
+        #: block, see ``WorkerConfig.inline``): no thread, no hand-offs.
+        self.threaded = threaded
+        self.ctx = ctx
+        self.endpoints: list[str] = []
+        #: Counters of what this thread handles (merged into the server's status).
+        self.counters: dict[str, int] = dict.fromkeys(
+            (
+                "bad_messages", "undeliverable", "error_replies_received", "control",
+                "handshake_failed", "dropped_peers", "discarded",
+            ),
+            0,
+        )  # fmt: skip
+        #: (arrival time, peer, message) for the engine's loop, oldest first.
+        self.inbox: deque[tuple[float, bytes, Any]] = deque()
+        self._in_scheduled = False
+        self._outbox: deque[list[Any]] = deque()
+        self._out_scheduled = False
+        self._engine_loop = asyncio.get_running_loop()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._pump: SocketPump | None = None
+        self._monitor: SocketPump | None = None
+        self._enc = Encoder()
+        cfg = server.config
+        self._dec = Decoder(fm.CLIENT_TO_WORKER, max_message_size=cfg.max_message_size)
+        self._thread: threading.Thread | None = None
+        self._ident = -1
+        self._error: BaseException | None = None
+
+    # -- lifecycle ----------------------------------------------------------------------
+    async def start(self) -> list[str]:
+        """Start the thread, bind; returns the bound endpoints."""
+        if not self.threaded:
+            self._ident = threading.get_ident()
+            self._loop = self._engine_loop
+            await self._setup()
+            return self.endpoints
+        ready = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run, args=(ready,), name="fastio-worker-io", daemon=True
+        )
+        self._thread.start()
+        ready.wait()
+        if self._error is not None:
+            self._thread.join(5)
+            raise self._error
+        return self.endpoints
+
+    def _run(self, ready: threading.Event) -> None:
+        self._ident = threading.get_ident()
+        loop = self._loop = asyncio.new_event_loop()
+        try:
+            try:
+                loop.run_until_complete(self._setup())
+            except BaseException as exc:
+                self._error = exc
+                return
+            finally:
+                ready.set()
+            loop.run_forever()
+        finally:
+            loop.close()
+
+    async def _setup(self) -> None:
+        cfg = self.server.config
+        sock, self.endpoints = make_router(
+            self.ctx, cfg.bind, hwm=cfg.hwm, max_message_size=cfg.max_message_size,
+            curve=cfg.curve,
+        )  # fmt: skip
+        self._pump = SocketPump(
+            sock,
+            self._on_message,
+            on_undeliverable=self._on_undeliverable,
+            on_drop=self._on_drop,
+            peer_queue_limit=cfg.peer_queue_limit,
+            router=True,
+            batch_frames=True,
+        )
+        if cfg.curve is not None:
+            # A peer without CURVE, or with another server key, fails the handshake
+            # before any authenticator sees it: only a socket monitor can tell.
+            mon = sock.get_monitor_socket(
+                zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+                | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+            )
+            self._monitor = SocketPump(mon, self._on_monitor)
+
+    def close(self) -> None:
+        """Send what is queued, close the socket, stop the thread."""
+        if not self.threaded:
+            if self._pump is not None:
+                self._stop()
+            return
+        loop, thread = self._loop, self._thread
+        if loop is None or thread is None or not thread.is_alive():
+            return
+        with contextlib.suppress(RuntimeError):  # its loop is closed already
+            loop.call_soon_threadsafe(self._stop)
+        thread.join(10)
+
+    def _stop(self) -> None:
+        self._drain_outbox()
+        if self._monitor is not None:
+            self._monitor.close()
+        if self._pump is not None:
+            self._pump.close()
+        assert self._loop is not None
+        if self.threaded:
+            self._loop.stop()
+
+    # -- load, as the pongs report it -----------------------------------------------------
+    def engine_lag(self) -> float:
+        """Seconds the oldest message not yet taken by the engine's loop has waited."""
+        inbox = self.inbox
+        if inbox:
+            with contextlib.suppress(IndexError):  # taken meanwhile
+                return max(0.0, time.monotonic() - inbox[0][0])
+        return 0.0
+
+    # -- sending ------------------------------------------------------------------------
+    def post(self, frames: list[Any]) -> None:
+        """Send ``[peer, *body]``; from any thread (the engine's loop queues it here)."""
+        if threading.get_ident() == self._ident:
+            assert self._pump is not None
+            self._pump.send(frames)
+            return
+        self._outbox.append(frames)
+        if not self._out_scheduled:
+            self._out_scheduled = True
+            assert self._loop is not None
+            with contextlib.suppress(RuntimeError):  # closed: replies of a dying worker
+                self._loop.call_soon_threadsafe(self._drain_outbox)
+
+    def _drain_outbox(self) -> None:
+        # Cleared before taking: a post after this schedules another drain.
+        self._out_scheduled = False
+        out = self._outbox
+        if not out or self._pump is None:
+            return
+        msgs = []
+        while out:
+            msgs.append(out.popleft())
+        self._pump.send_many(msgs)
+
+    def _send(self, peer: bytes, msg: Any) -> None:
+        # On this thread only (its own encoder).
+        assert self._pump is not None
+        frames = self._enc.encode(msg)
+        frames.insert(0, peer)
+        self._pump.send(frames)
+
+    def _to_engine(self, peer: bytes, msg: Any) -> None:
+        if not self.threaded:
+            self.server._dispatch(peer, msg)
+            return
+        self.inbox.append((time.monotonic(), peer, msg))
+        if not self._in_scheduled:
+            self._in_scheduled = True
+            with contextlib.suppress(RuntimeError):  # the engine's loop is closed
+                self._engine_loop.call_soon_threadsafe(self.server._drain_inbox)
+
+    # -- receiving ----------------------------------------------------------------------
+    def _on_message(self, frames: list[zmq.Frame]) -> None:
+        peer = frames[0].bytes
+        self.server._peers[peer] = time.monotonic()
+        if len(frames) > 1:
+            for body in fm.split(frames[1:]):
+                self._on_one(peer, body)
+        else:
+            self._on_one(peer, [])
+
+    def _on_one(self, peer: bytes, body: list[zmq.Frame]) -> None:
+        if not body:
+            self._bad(peer, -1, fm.ErrorCode.BAD_MESSAGE, "empty message")
+            return
+        try:
+            msg = self._dec.decode(body)
+        except MessageTooLarge as exc:
+            _, _, first = fm.peek(body)
+            self._bad(peer, first if first is not None else -1, fm.ErrorCode.TOO_LARGE, str(exc))
+            return
+        except DecodeError as exc:
+            self._bad_decode(peer, body, exc)
+            return
+        tp = type(msg)
+        if tp is fm.Heartbeat:
+            self._pong(peer, msg)
+        elif tp is fm.Control and msg.op == "health":
+            # Liveness of the controller's view too: answered here, not by the engine.
+            self.counters["control"] += 1
+            self._send(peer, fm.ControlReply(seq=msg.seq, ok=True, status=self.server.status()))
+        elif tp is fm.Error:
+            self.counters["error_replies_received"] += 1
+            log.warning(
+                "client %r reports error %s on id %s: %s", peer, msg.code, msg.id, msg.message
+            )
+        else:  # Submit, Cancel, other Control ops: the engine's
+            self._to_engine(peer, msg)
+
+    def _pong(self, peer: bytes, msg: fm.Heartbeat) -> None:
+        s = self.server
+        if peer in s._lost:
+            self._report_lost(peer)
+        running = s._running
+        held = len(s._tasks)
+        queued = len(self.inbox)
+        self._send(
+            peer,
+            fm.Heartbeat(
+                sent_at=msg.sent_at,
+                worker_id=s.worker_id,
+                incarnation=s.incarnation,
+                in_flight=held + queued,
+                paused=s._paused,
+                version=s.version,
+                running=running,
+                waiting=max(0, held - running) + queued,
+                engine_lag=self.engine_lag(),
+            ),
+        )
+
+    def _report_lost(self, peer: bytes) -> None:
+        assert self._pump is not None
+        ids, replies = self.server._lost.pop(peer)
+        # Undeliverable again (the peer left at once): noted again by _on_undeliverable.
+        for id in ids:
+            self._send_error(
+                peer, id, fm.ErrorCode.LOST, "the worker gave up this submission; re-send it"
+            )
+        for reply in replies:
+            self._pump.send([peer, *reply])
+
+    def _send_error(self, peer: bytes, id: int, code: fm.ErrorCode, text: str) -> None:
+        metrics.WORKER_ERRORS.labels(code=code.name).inc()
+        self._send(peer, fm.Error(id=id, code=int(code), message=text))
+
+    def _bad(self, peer: bytes, id: int, code: fm.ErrorCode, text: str) -> None:
+        self.counters["bad_messages"] += 1
+        log_counted(self.counters["bad_messages"], "bad message from %r: %s", peer, text)
+        if code == fm.ErrorCode.BAD_REQUEST:
+            metrics.WORKER_REQUESTS.labels(outcome="rejected").inc()
+        self._send_error(peer, id, code, text)
+
+    def _bad_decode(self, peer: bytes, body: list[Any], exc: DecodeError) -> None:
+        version, kind, first = fm.peek(body)
+        if version is not None and version != PROTOCOL_VERSION:
+            self._bad(peer, -1, fm.ErrorCode.UNSUPPORTED_VERSION, str(exc))
+        elif kind == MsgKind.FABRIC_SUBMIT and first is not None:
+            self._bad(peer, first, fm.ErrorCode.BAD_REQUEST, f"invalid Submit: {exc}")
+        elif kind is not None and kind not in _ACCEPTED_KINDS:
+            self._bad(
+                peer, -1, fm.ErrorCode.UNKNOWN_KIND, f"message kind {kind} not accepted by a worker"
+            )
+        else:
+            self._bad(peer, -1, fm.ErrorCode.BAD_MESSAGE, str(exc))
+
+    def _on_undeliverable(self, frames: list[Any]) -> None:
+        # The peer's connection is down: gone for good, or reset and about to reconnect
+        # under the same routing id. Its running requests keep running (a reconnected
+        # client gets their answers; one that stays silent is forgotten after
+        # client_timeout); what is lost here is reported when it is heard from again.
+        self.counters["undeliverable"] += 1
+        peer = self.server._lost.note_undeliverable(frames)
+        log_counted(
+            self.counters["undeliverable"], "client %r unreachable: a reply is dropped", peer
+        )
+
+    def _on_drop(self, peer: Any) -> None:
+        # The pump dropped a peer that stopped reading (its queue over the limit; the
+        # pump logged it): its requests are cancelled by the engine's loop.
+        self.counters["dropped_peers"] += 1
+        self._to_engine(bytes(peer), DROPPED)
+
+    def _on_monitor(self, frames: list[zmq.Frame]) -> None:
+        event = parse_monitor_message([f.bytes for f in frames])
+        self.counters["handshake_failed"] += 1
+        log_counted(
+            self.counters["handshake_failed"],
+            "refused a peer at the CURVE handshake (%s on %s)",
+            zmq.Event(event["event"]).name,
+            event["endpoint"],
+        )
+
+    def snapshot_counters(self) -> dict[str, int]:
+        """This thread's counters (the pump's drop counts included)."""
+        out = dict(self.counters)
+        if self._pump is not None:
+            out["discarded"] = self._pump.discarded
+        return out
