@@ -317,7 +317,7 @@ def test_cancel_and_timeout_abort_on_worker(spawn: Callable[..., WorkerProc]) ->
 def test_custom_engine_factory_from_the_command_line(spawn: Callable[..., WorkerProc]) -> None:
     w = spawn(
         "--bind", "tcp://127.0.0.1:0", "--engine", "tests.transport.plugins:reversing_engine",
-        "--plugin-opt", "version=7",
+        "--engine-opt", "version=7",
     )  # fmt: skip
     with SyncFabricClient([w.address], STEADY) as client:
         r = client.generate(req([1, 2, 3]))

@@ -123,7 +123,9 @@ def on_stream(call: Call, msg: fm.Stream) -> None:
 def _append(call: Call, toks: TokenArray, lps: TokenArray, vers: TokenArray) -> None:
     if call.out_tok is None:
         # Private copies: later segments are appended to them.
-        call.out_tok, call.out_lp, call.out_ver = toks.copy(), lps.copy(), vers.copy()
+        call.out_tok, call.out_lp, call.out_ver = (
+            TokenArray._wrap(t.array.copy()) for t in (toks, lps, vers)
+        )
     else:
         assert call.out_lp is not None and call.out_ver is not None
         call.out_tok.extend(toks.array)
