@@ -4,7 +4,6 @@ and re-sends nothing (real worker processes; the engine is loaded with ``--engin
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import time
 from collections.abc import Callable
 from typing import Any
@@ -32,16 +31,7 @@ def blocking_engine(opts: dict[str, str]) -> Any:
     return generate
 
 
-# Answering pings while the engine blocks is the worker's part: a worker that is one
-# module (its sockets on the engine's loop) cannot; the package with a socket thread can.
-_spec = importlib.util.find_spec("transport.worker")
-_ONE_LOOP_WORKER = _spec is None or _spec.submodule_search_locations is None
-
-
 @pytest.mark.slow
-@pytest.mark.xfail(
-    _ONE_LOOP_WORKER, reason="this worker answers pings on its engine's loop", strict=True
-)
 def test_worker_blocked_in_its_engine_is_not_dead(spawn: Callable[..., WorkerProc]) -> None:
     # Silence for 0.15 s would kill a worker here; each request blocks its engine for
     # 2 s, 13x that. Pongs come from the worker's socket side, so nothing dies.
