@@ -23,8 +23,10 @@ from transport.client import (
 )
 from transport.control import FabricController
 from transport.errors import (
+    BadAddress,
     ClientClosed,
     ControlError,
+    NoWorkerAvailable,
     NoWorkers,
     RemoteError,
     RequestAborted,
@@ -49,6 +51,7 @@ _LAZY = {
 }
 
 __all__ = [
+    "BadAddress",
     "ClientClosed",
     "ClientConfig",
     "ControlError",
@@ -56,6 +59,7 @@ __all__ = [
     "FabricClient",
     "FabricController",
     "GenerateFuture",
+    "NoWorkerAvailable",
     "NoWorkers",
     "ReferenceEngine",
     "RemoteError",

@@ -2,14 +2,17 @@
 
 Exception tree::
 
-    TransportError                        root of everything transport raises
-    ├── RequestTimeout(TimeoutError)      a request's time limit passed (it was cancelled
-    │                                     on its worker)
-    ├── RemoteError                       a worker answered with an Error reply
-    │   └── RequestAborted                a controller aborted the request
-    ├── NoWorkers(RuntimeError)           no worker is configured
-    ├── ClientClosed(RuntimeError)        the client was closed while a request waited
-    └── ControlError                      a control operation failed on some workers
+    fastio.FastioError
+    └── TransportError                    root of everything transport raises
+        ├── RequestTimeout(TimeoutError)  a request's time limit passed (it was
+        │                                 cancelled on its worker)
+        ├── RemoteError                   a worker answered with an Error reply
+        │   └── RequestAborted            a controller aborted the request
+        ├── NoWorkers(RuntimeError)       no worker is configured
+        │   └── NoWorkerAvailable         none has been alive for ``connect_timeout``
+        ├── BadAddress(ValueError)        a worker address that cannot be used
+        ├── ClientClosed(RuntimeError)    the client was closed while a request waited
+        └── ControlError                  a control operation failed on some workers
 
 Errors from the codec (``fastio.DecodeError``) are translated at the socket boundary:
 they never reach a caller as such, they become an Error reply or a counted, logged drop.
@@ -17,9 +20,13 @@ they never reach a caller as such, they become an Error reply or a counted, logg
 
 from __future__ import annotations
 
+from fastio.errors import FastioError
+
 __all__ = [
+    "BadAddress",
     "ClientClosed",
     "ControlError",
+    "NoWorkerAvailable",
     "NoWorkers",
     "RemoteError",
     "RequestAborted",
@@ -28,7 +35,7 @@ __all__ = [
 ]
 
 
-class TransportError(Exception):
+class TransportError(FastioError):
     """Root of every exception raised by transport."""
 
 
@@ -59,6 +66,26 @@ class RequestAborted(RemoteError):
 
 class NoWorkers(TransportError, RuntimeError):
     """The client has no worker to send to."""
+
+
+class NoWorkerAvailable(NoWorkers):
+    """No worker has answered a ping for the client's ``connect_timeout``.
+
+    Attributes
+    ----------
+    seen:
+        Worker address -> what the client saw there (never answered; a refused CURVE
+        handshake; when it last answered).
+    """
+
+    def __init__(self, message: str, seen: dict[str, str]) -> None:
+        super().__init__(message)
+        self.seen = seen
+
+
+class BadAddress(TransportError, ValueError):
+    """A worker address the client cannot connect to (no scheme, a bad port, an
+    unsupported transport)."""
 
 
 class ClientClosed(TransportError, RuntimeError):

@@ -48,7 +48,7 @@ def test_fabric_kinds_in_range_and_unique() -> None:
 
 
 def test_round_trips_keep_arrays_zero_copy() -> None:
-    ids = np.arange(1000, dtype=np.int32)
+    ids = np.arange(100_000, dtype=np.int32)  # well above the inline threshold
     frames = fastio.encode(fm.Submit(id=3, request=LLMRequest(rid="r", input_ids=ids)))
     assert len(frames) == 2  # the token array travels as its own frame
     sub = fastio.decode(frames, type=fm.CLIENT_TO_WORKER)

@@ -20,7 +20,6 @@ from transport import (
     ClientConfig,
     FabricClient,
     FabricController,
-    GenerateFuture,
     RequestAborted,
     RequestTimeout,
     SyncFabricClient,
@@ -29,8 +28,14 @@ from transport import (
 # Tight heartbeats where death detection is tested: a dead worker is found within
 # 0.05 * (3 + 1) = 0.2 s. Elsewhere a looser liveness (1 s), so that a loaded machine
 # (other suites running) does not starve a worker into a false death.
-FAST = ClientConfig(heartbeat_interval=0.05, heartbeat_liveness=3, request_timeout=30)
-STEADY = ClientConfig(heartbeat_interval=0.1, heartbeat_liveness=10, request_timeout=30)
+# connect_timeout: a worker restarted on a loaded machine may take longer than the
+# default 10 s to answer again; these tests wait for it rather than fail fast.
+FAST = ClientConfig(
+    heartbeat_interval=0.05, heartbeat_liveness=3, request_timeout=30, connect_timeout=60
+)
+STEADY = ClientConfig(
+    heartbeat_interval=0.1, heartbeat_liveness=10, request_timeout=30, connect_timeout=60
+)
 
 
 def req(ids: list[int], n: int = 8, rid: str | None = None, **g: Any) -> LLMRequest:
@@ -309,75 +314,10 @@ def test_cancel_and_timeout_abort_on_worker(spawn: Callable[..., WorkerProc]) ->
     asyncio.run(main())
 
 
-def test_agenerate_result_works_as_future_task_and_coroutine(
-    spawn: Callable[..., WorkerProc],
-) -> None:
-    """agenerate returns a GenerateFuture: every way callers hold a coroutine's result
-    (a task, a task group, wait_for, gather, asyncio.run) works, and cancelling any of
-    them cancels the request on the worker."""
-    w = spawn("--bind", "tcp://127.0.0.1:0", "--engine", "reference", "--token-interval", "0.01")
-    client = FabricClient([w.address], STEADY)
-    # No running loop: a plain coroutine, which asyncio.run accepts; the client binds
-    # to that loop.
-    first = client.agenerate(req([1, 2], n=3))
-    assert asyncio.iscoroutine(first) and not isinstance(first, GenerateFuture)
-
-    async def main() -> None:
-        assert (await first).output_len == 3
-        async with FabricController([w.address]) as ctl:
-
-            def cancelled() -> int:
-                return ctl.health()[w.address].counters["cancelled"]
-
-            fut = client.agenerate(req([3], n=4))
-            assert isinstance(fut, GenerateFuture) and asyncio.isfuture(fut)
-            task = asyncio.create_task(client.agenerate(req([4], n=4)))
-            async with asyncio.TaskGroup() as tg:
-                in_group = tg.create_task(client.agenerate(req([5], n=4)))
-            both = await asyncio.gather(
-                fut, task, asyncio.wait_for(client.agenerate(req([6], n=4)), 10)
-            )
-            assert [r.output_len for r in both] == [4, 4, 4] and in_group.result().output_len == 4
-
-            for k, hold in enumerate(("future", "task", "wait_for")):
-                long = client.agenerate(req([7], n=100_000))
-                if hold == "future":
-                    long.cancel()
-                    awaited: Any = long
-                elif hold == "task":
-                    awaited = asyncio.create_task(long)
-                    await await_for(lambda: ctl.health()[w.address].running == 1, what="running")
-                    awaited.cancel()
-                else:
-                    awaited = asyncio.wait_for(long, 0.3)
-                with pytest.raises((asyncio.CancelledError, asyncio.TimeoutError)):
-                    await awaited
-                assert long.cancelled()
-                await await_for(
-                    lambda k=k: cancelled() == k + 1, what=f"{hold} cancel reached the worker"
-                )
-            assert ctl.health()[w.address].running == 0
-
-            # From another thread's loop: refused with a clear error, at the await.
-            wrong = await asyncio.to_thread(asyncio.run, _call_in_loop(client))
-            assert isinstance(wrong, RuntimeError) and "another event loop" in str(wrong)
-        await client.close()
-
-    asyncio.run(main())
-
-
-async def _call_in_loop(client: FabricClient) -> BaseException | None:
-    try:
-        await client.agenerate(req([1]))
-    except RuntimeError as exc:
-        return exc
-    return None
-
-
 def test_custom_engine_factory_from_the_command_line(spawn: Callable[..., WorkerProc]) -> None:
     w = spawn(
         "--bind", "tcp://127.0.0.1:0", "--engine", "tests.transport.plugins:reversing_engine",
-        "--plugin-opt", "version=7",
+        "--engine-opt", "version=7",
     )  # fmt: skip
     with SyncFabricClient([w.address], STEADY) as client:
         r = client.generate(req([1, 2, 3]))

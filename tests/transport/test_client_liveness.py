@@ -1,0 +1,279 @@
+"""Busy or dead, re-send back-off and load-aware scheduling, against scripted workers.
+
+A :class:`ScriptedWorker` is a real ROUTER socket served by its own thread, speaking the
+fabric protocol with behaviour a test sets: how long it holds a request, what load its
+pongs report, whether it answers pings at all, whether it gives every request up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import uuid
+from typing import Any
+
+import numpy as np
+import pytest
+import zmq
+
+from fastio import Decoder, Encoder, GenerationHyperparameters, LLMRequest
+from fastio import fabric_msgs as fm
+from fastio.tokens import TokenArray
+from tests.transport.conftest import await_for
+from transport import ClientConfig, FabricClient, RemoteError
+
+FAST = ClientConfig(heartbeat_interval=0.05, heartbeat_liveness=3, request_timeout=30)
+
+
+class ScriptedWorker(threading.Thread):
+    """A fabric worker whose behaviour the test scripts (see the module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        hold: float = 0.0,
+        running: int = 0,
+        waiting: int = 0,
+        engine_lag: float = 0.0,
+        lose: bool = False,
+        stream_then_die: int = 0,
+    ) -> None:
+        super().__init__(daemon=True)
+        self.hold, self.lose = hold, lose
+        self.stream_then_die = stream_then_die
+        self.running, self.waiting, self.engine_lag = running, waiting, engine_lag
+        self.pong = True
+        self.submits: list[tuple[float, int]] = []  # (arrival, id)
+        self.requests: list[LLMRequest] = []
+        self.cancels: list[int] = []
+        self.pings = 0
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.linger = 0
+        port = self._sock.bind_to_random_port("tcp://127.0.0.1")
+        self.address = f"tcp://127.0.0.1:{port}"
+        self._halt = threading.Event()
+        self._incarnation = uuid.uuid4().hex
+        self.start()
+
+    def run(self) -> None:
+        enc, dec = Encoder(), Decoder(fm.CLIENT_TO_WORKER)
+        pending: list[tuple[float, bytes, int, LLMRequest]] = []
+        sock = self._sock
+        while not self._halt.is_set():
+            now = time.monotonic()
+            due = [p for p in pending if p[0] <= now]
+            for p in due:
+                pending.remove(p)
+                _, peer, sid, req = p
+                n = len(req.input_ids)
+                res = fm.Result(
+                    id=sid,
+                    output_tokens=req.input_ids,
+                    output_logprobs=TokenArray(np.zeros(n, dtype=np.float32)),
+                    output_versions=TokenArray(np.zeros(n, dtype=np.int32)),
+                )
+                sock.send_multipart([peer, *enc.encode(res)])
+            if not sock.poll(10):
+                continue
+            peer, *body = sock.recv_multipart()
+            for frames in fm.split(body):
+                msg = dec.decode(frames)
+                if isinstance(msg, fm.Heartbeat):
+                    self.pings += 1
+                    if self.pong:
+                        hb = fm.Heartbeat(
+                            sent_at=msg.sent_at, worker_id="scripted",
+                            incarnation=self._incarnation, in_flight=len(pending),
+                            running=self.running, waiting=self.waiting,
+                            engine_lag=self.engine_lag,
+                        )  # fmt: skip
+                        sock.send_multipart([peer, *enc.encode(hb)])
+                elif isinstance(msg, fm.Submit):
+                    self.submits.append((time.monotonic(), msg.id))
+                    self.requests.append(msg.request)
+                    if self.stream_then_die:
+                        # Streams some tokens, then falls silent holding the request.
+                        k = self.stream_then_die
+                        chunk = fm.Stream(
+                            id=msg.id, seq=0,
+                            output_tokens=TokenArray(np.arange(100, 100 + k, dtype=np.int32)),
+                            output_logprobs=TokenArray(np.full(k, -0.5, dtype=np.float32)),
+                            output_versions=TokenArray(np.full(k, 3, dtype=np.int32)),
+                        )  # fmt: skip
+                        sock.send_multipart([peer, *enc.encode(chunk)])
+                        self.pong = False
+                    elif self.lose:
+                        err = fm.Error(id=msg.id, code=int(fm.ErrorCode.LOST), message="lost")
+                        sock.send_multipart([peer, *enc.encode(err)])
+                    else:
+                        pending.append((time.monotonic() + self.hold, peer, msg.id, msg.request))
+                elif isinstance(msg, fm.Cancel):
+                    self.cancels.append(msg.id)
+        sock.close(0)
+        self._ctx.term()
+
+    def stop(self) -> None:
+        self._halt.set()
+        self.join(5)
+
+
+@pytest.fixture
+def scripted() -> Any:
+    made: list[ScriptedWorker] = []
+
+    def make(**kw: Any) -> ScriptedWorker:
+        w = ScriptedWorker(**kw)
+        made.append(w)
+        return w
+
+    yield make
+    for w in made:
+        w.stop()
+
+
+@pytest.mark.slow
+def test_busy_worker_is_not_declared_dead_and_nothing_is_resent(scripted: Any) -> None:
+    # Each holds its request 20x longer than a silent worker would live (0.15 s), but
+    # answers every ping and says it is busy: the client waits, and re-sends nothing.
+    a = scripted(hold=3.0, running=1, engine_lag=2.5)
+    b = scripted(hold=3.0, running=1, engine_lag=2.5)
+
+    async def main() -> None:
+        async with FabricClient([a.address, b.address], FAST) as client:
+            await await_for(lambda: all(i.alive for i in client.workers), what="alive")
+            outs = await asyncio.gather(
+                client.agenerate(LLMRequest(input_ids=[1, 2])),
+                client.agenerate(LLMRequest(input_ids=[3])),
+            )
+            assert [o.output_tokens.tolist() for o in outs] == [[1, 2], [3]]
+            assert client.stats["workers_died"] == 0 and client.stats["resent"] == 0
+            info = client.workers[0]
+            assert info.alive and info.running == 1 and info.engine_lag == 2.5
+        assert len(a.submits) + len(b.submits) == 2 and not a.cancels and not b.cancels
+
+    asyncio.run(main())
+
+
+def test_silent_worker_still_dies_and_its_request_moves(scripted: Any) -> None:
+    a, b = scripted(hold=30.0), scripted(hold=0.0)
+
+    async def main() -> None:
+        async with FabricClient([a.address], FAST) as client:
+            await await_for(lambda: client.workers[0].alive, what="alive")
+            fut = client.agenerate(LLMRequest(input_ids=[7]))
+            await await_for(lambda: a.submits, what="submitted")
+            client.add_worker(b.address)
+            await await_for(lambda: client.workers[1].alive, what="b alive")
+            a.pong = False
+            assert (await fut).output_tokens == [7]
+            assert client.stats["workers_died"] == 1 and client.stats["resent"] == 1
+        assert len(b.submits) == 1
+
+    asyncio.run(main())
+
+
+def _collect(into: list[int]) -> Any:
+    def on_chunk(t: Any, lp: Any, v: Any) -> None:
+        into.extend(t.tolist())
+
+    return on_chunk
+
+
+def test_lost_attempt_keeps_its_streamed_tokens_and_the_resend_continues(
+    scripted: Any,
+) -> None:
+    a, b = scripted(stream_then_die=4), scripted()
+    prompt, n = [1, 2, 3], 10
+    got: list[int] = []
+
+    async def main() -> None:
+        async with FabricClient([a.address], FAST) as client:
+            await await_for(lambda: client.workers[0].alive, what="a alive")
+            g = GenerationHyperparameters(max_new_tokens=n, min_new_tokens=6)
+            fut = client.agenerate(LLMRequest(input_ids=prompt, gconfig=g), on_chunk=_collect(got))
+            await await_for(lambda: a.submits, what="a has it")
+            client.add_worker(b.address)  # where the rest will go
+            r = await fut
+            assert client.stats["workers_died"] == 1 and client.stats["resent"] == 1
+        cont = b.requests[0]
+        assert cont.input_ids == [*prompt, 100, 101, 102, 103]  # prompt + what streamed
+        assert cont.gconfig.max_new_tokens == n - 4 and cont.gconfig.min_new_tokens == 2
+        assert r.output_tokens[:4] == [100, 101, 102, 103]
+        assert r.output_tokens == got  # each position delivered once
+        assert r.output_versions[:4] == [3, 3, 3, 3] and r.input_tokens == prompt
+
+    asyncio.run(main())
+
+
+def test_lost_attempt_that_streamed_everything_completes_without_resend(
+    scripted: Any,
+) -> None:
+    a, b = scripted(stream_then_die=5), scripted()
+    got: list[int] = []
+
+    async def main() -> None:
+        async with FabricClient([a.address], FAST) as client:
+            await await_for(lambda: client.workers[0].alive, what="a alive")
+            g = GenerationHyperparameters(max_new_tokens=5)
+            fut = client.agenerate(LLMRequest(input_ids=[9], gconfig=g), on_chunk=_collect(got))
+            await await_for(lambda: a.submits, what="a has it")
+            client.add_worker(b.address)  # would take a re-send
+            r = await fut
+            assert r.output_tokens == [100, 101, 102, 103, 104] == got
+            assert r.stop_reason == "length" and client.stats["resent"] == 0
+        assert not b.submits
+
+    asyncio.run(main())
+
+
+def test_resends_back_off_exponentially(scripted: Any) -> None:
+    # A worker that gives every request up at once: without a back-off the client
+    # would re-send it as fast as the round trip allows.
+    w = scripted(lose=True)
+    cfg = ClientConfig(
+        heartbeat_interval=0.05, max_resends=4, resend_backoff=0.05, resend_backoff_max=10.0
+    )
+
+    async def main() -> None:
+        async with FabricClient([w.address], cfg) as client:
+            with pytest.raises(RemoteError, match="giving up"):
+                await client.agenerate(LLMRequest(input_ids=[1]))
+            assert client.stats["resent"] == 4
+
+    asyncio.run(main())
+    times = [t for t, _ in w.submits]
+    assert len(times) == 5
+    gaps = np.diff(times)
+    for k, gap in enumerate(gaps, start=1):
+        assert gap >= 0.5 * 0.05 * 2 ** (k - 1) * 0.95, (k, gaps)
+
+
+def test_resend_delay_is_exponential_jittered_and_bounded() -> None:
+    from transport.client.liveness import resend_delay
+
+    assert resend_delay(1, 0.1, 5.0, rand=1.0) == pytest.approx(0.1)
+    assert resend_delay(1, 0.1, 5.0, rand=0.0) == pytest.approx(0.05)
+    assert resend_delay(4, 0.1, 5.0, rand=1.0) == pytest.approx(0.8)
+    assert resend_delay(50, 0.1, 5.0, rand=1.0) == pytest.approx(5.0)
+    assert resend_delay(10_000, 0.1, 5.0, rand=0.0) == pytest.approx(2.5)
+    assert all(0.025 <= resend_delay(2, 0.05, 1.0) <= 0.1 for _ in range(100))
+
+
+def test_scheduler_prefers_the_less_loaded_worker(scripted: Any) -> None:
+    # Worker a reports 50 requests of other clients; b none: new work goes to b.
+    a = scripted(hold=1.0, running=40, waiting=10)
+    b = scripted(hold=1.0)
+
+    async def main() -> None:
+        async with FabricClient([a.address, b.address], FAST) as client:
+            await await_for(
+                lambda: all(i.alive for i in client.workers) and client.workers[0].running == 40,
+                what="both alive, a's load known",
+            )
+            futs = [client.agenerate(LLMRequest(input_ids=[i])) for i in range(6)]
+            await asyncio.gather(*futs)
+        assert len(b.submits) == 6 and not a.submits
+
+    asyncio.run(main())

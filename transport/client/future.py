@@ -1,0 +1,111 @@
+"""What :meth:`FabricClient.agenerate` returns: a plain future, and the task factory
+that lets ``create_task`` take it.
+
+A coroutine and a future cannot be one object for asyncio: ``asyncio.wait`` refuses
+whatever ``asyncio.iscoroutine`` accepts, and ``Task()`` (behind ``create_task`` and
+``TaskGroup.create_task``) accepts nothing else. :class:`GenerateFuture` is therefore a
+future and *not* a coroutine, so ``await``, ``gather``, ``wait``, ``as_completed``,
+``wait_for`` and ``shield`` take it as it is, with no task per request. For
+``create_task``, the client installs a task factory on its loop (chaining any factory
+set before) that wraps a :class:`GenerateFuture` in a small coroutine object awaiting it:
+a real task, made only where the caller asked for one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Coroutine, Generator
+from typing import TYPE_CHECKING, Any
+
+from fastio import LLMResponse
+
+if TYPE_CHECKING:
+    from transport.client.calls import Call
+
+__all__ = ["GenerateFuture", "install_task_factory"]
+
+
+class GenerateFuture(asyncio.Future[LLMResponse]):
+    """The pending result of :meth:`FabricClient.agenerate`: an :class:`asyncio.Future`.
+
+    ``await`` it, or hand it to ``asyncio.gather``, ``wait``, ``as_completed``,
+    ``wait_for`` or ``shield`` (no task is made for it). ``asyncio.create_task`` and
+    ``TaskGroup.create_task`` take it too, through the client's task factory (type
+    checkers, which know only coroutines there, need ``# type: ignore[arg-type]``).
+    Cancelling it, or a task or ``wait_for`` awaiting it, cancels the request on its
+    worker.
+    """
+
+    __slots__ = ("_call", "_canceller")
+
+    def __init__(self, *, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        super().__init__(loop=loop)
+        self._call: Call | None = None
+        self._canceller: Callable[[Call], None] | None = None
+
+    def cancel(self, msg: Any | None = None) -> bool:
+        """Cancel the future and the request behind it."""
+        if not super().cancel(msg):
+            return False
+        call, canceller = self._call, self._canceller
+        self._call = None
+        if call is not None and canceller is not None:
+            canceller(call)
+        return True
+
+
+class _Awaiting(Coroutine[Any, Any, LLMResponse]):
+    """``async def f(): return await fut`` as an object, so that a task cancelled (or
+    closed) before its first step still cancels the request, which a plain coroutine
+    that never started would not do."""
+
+    __slots__ = ("_fut",)
+
+    def __init__(self, fut: GenerateFuture) -> None:
+        self._fut = fut
+
+    def send(self, value: Any) -> Any:
+        fut = self._fut
+        if not fut.done():
+            fut._asyncio_future_blocking = True
+            return fut
+        raise StopIteration(fut.result())
+
+    def throw(self, typ: Any, val: Any = None, tb: Any = None) -> Any:
+        exc = typ if isinstance(typ, BaseException) else (typ() if val is None else val)
+        if isinstance(exc, asyncio.CancelledError):
+            self._fut.cancel()
+        raise exc
+
+    def close(self) -> None:
+        self._fut.cancel()
+
+    def __await__(self) -> Generator[Any, None, LLMResponse]:
+        return self._fut.__await__()
+
+
+_TaskFactory = Callable[..., "asyncio.Future[Any]"]
+
+
+def install_task_factory(loop: asyncio.AbstractEventLoop) -> None:
+    """Let ``loop.create_task`` (and so ``asyncio.create_task`` and task groups) take a
+    :class:`GenerateFuture`, as a task awaiting it. Other coroutines go to the factory
+    that was set before, or become plain tasks. Installing twice is a no-op; a factory
+    set later by the application replaces this one."""
+    prev: _TaskFactory | None = loop.get_task_factory()
+    if getattr(prev, "_fastio_generate", False):
+        return
+
+    def factory(
+        loop: asyncio.AbstractEventLoop,
+        coro: Coroutine[Any, Any, Any] | Generator[Any, None, Any],
+        **kwargs: Any,
+    ) -> asyncio.Future[Any]:
+        if isinstance(coro, GenerateFuture):
+            coro = _Awaiting(coro)
+        if prev is not None:
+            return prev(loop, coro, **kwargs)
+        return asyncio.Task(coro, loop=loop, **kwargs)
+
+    factory._fastio_generate = True  # type: ignore[attr-defined]
+    loop.set_task_factory(factory)

@@ -1,0 +1,223 @@
+"""The client's table entry for one worker, what a caller may see of it, and the check
+of worker addresses."""
+
+from __future__ import annotations
+
+import collections
+import re
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from transport.errors import BadAddress
+from transport.sockets import SocketPump
+
+if TYPE_CHECKING:
+    from transport.client.calls import Call
+
+__all__ = ["MONITOR_EVENTS", "Worker", "WorkerInfo", "check_address"]
+
+_HANDSHAKE_FAILED = (
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH,
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL,
+    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
+)
+#: Socket monitor events the client watches on each DEALER (to say why a worker was
+#: never heard from).
+MONITOR_EVENTS = (
+    zmq.EVENT_CONNECTED
+    | zmq.EVENT_CONNECT_RETRIED
+    | zmq.EVENT_HANDSHAKE_SUCCEEDED
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+)
+
+_SCHEMES = ("tcp", "ipc", "inproc")
+_ADDRESS = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://(.*)", re.DOTALL)
+
+
+def check_address(address: str) -> str:
+    """Return ``address`` if a client can connect to it, else raise :class:`BadAddress`
+    saying what is wrong: ``tcp://host:port`` (port 1-65535), ``ipc://path`` or
+    ``inproc://name``."""
+    if not isinstance(address, str):
+        raise BadAddress(f"worker address must be a str, got {type(address).__name__}")
+    m = _ADDRESS.fullmatch(address)
+    if m is None:
+        raise BadAddress(
+            f"worker address {address!r} has no scheme: expected tcp://host:port, "
+            "ipc://path or inproc://name"
+        )
+    scheme, rest = m.group(1), m.group(2)
+    if scheme not in _SCHEMES:
+        raise BadAddress(
+            f"worker address {address!r}: transport {scheme!r} is not supported "
+            f"(use one of {', '.join(_SCHEMES)})"
+        )
+    if not rest:
+        raise BadAddress(f"worker address {address!r} names no endpoint after {scheme}://")
+    if scheme == "tcp":
+        host, sep, port = rest.rpartition(":")
+        if not sep or not host:
+            raise BadAddress(f"worker address {address!r} needs a port: tcp://host:port")
+        if host == "*":
+            raise BadAddress(f"worker address {address!r}: '*' binds, a client needs a host")
+        if not port.isdigit() or not 0 < int(port) < 65536:
+            raise BadAddress(
+                f"worker address {address!r}: port {port!r} is not a number in 1-65535"
+            )
+    return address
+
+
+@dataclass
+class WorkerInfo:
+    """What the client knows about one worker.
+
+    ``running``, ``waiting`` and ``engine_lag`` are the worker's own figures from its
+    last pong (requests in its handlers, requests waiting there, seconds its engine is
+    behind its sockets), over all its clients.
+    """
+
+    address: str
+    alive: bool
+    draining: bool
+    in_flight: int
+    worker_id: str
+    incarnation: str
+    version: int
+    paused: bool
+    last_seen_s_ago: float
+    running: int = 0
+    waiting: int = 0
+    engine_lag: float = 0.0
+    #: What was seen at the address (answers, connection, handshake refusals).
+    seen: str = ""
+
+
+class Worker:
+    """The client's entry for one worker: its DEALER, its requests, its liveness."""
+
+    __slots__ = (
+        "address",
+        "alive",
+        "connect_retries",
+        "connected",
+        "cool_until",
+        "draining",
+        "engine_lag",
+        "handshake_failed",
+        "handshake_ok",
+        "incarnation",
+        "inflight",
+        "last_seen",
+        "limit",
+        "missed",
+        "monitor",
+        "others",
+        "paused",
+        "pump",
+        "running",
+        "sticky_queue",
+        "version",
+        "waiting",
+        "worker_id",
+    )  # fmt: skip
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self.alive = False
+        self.draining = False
+        self.inflight: dict[int, Call] = {}
+        self.sticky_queue: collections.deque[Call] = collections.deque()
+        self.incarnation = ""
+        self.worker_id = ""
+        self.version = 0
+        self.paused = False
+        self.last_seen = 0.0
+        self.missed = 0
+        self.pump: SocketPump | None = None
+        self.monitor: zmq.Socket[Any] | None = None
+        # In-flight bound, lowered to what the worker accepted when it answers
+        # OVERLOADED (it serves other clients too), raised again by one per answer.
+        self.limit = 0
+        self.cool_until = 0.0
+        # Busy figures of the last pong; ``others``: its requests not from this client.
+        self.running = 0
+        self.waiting = 0
+        self.engine_lag = 0.0
+        self.others = 0
+        # Socket monitor findings, for NoWorkerAvailable.
+        self.connected = False
+        self.connect_retries = 0
+        self.handshake_ok = False
+        self.handshake_failed: list[str] = []
+
+    def load(self) -> int:
+        """Requests ahead of a new one there: ours in flight plus the others' it
+        reported."""
+        return len(self.inflight) + self.others
+
+    def warm(self) -> bool:
+        """Not in a short back-off after an OVERLOADED answer."""
+        return not self.cool_until or self.cool_until <= time.monotonic()
+
+    def poll_monitor(self) -> None:
+        """Read the socket monitor's events (non-blocking)."""
+        mon = self.monitor
+        if mon is None:
+            return
+        while True:
+            try:
+                ev = recv_monitor_message(mon, zmq.NOBLOCK)
+            except zmq.ZMQError:
+                return
+            assert isinstance(ev, dict)
+            e = ev["event"]
+            if e in _HANDSHAKE_FAILED:
+                name = str(zmq.Event(e).name)
+                what = f"{name} {ev['value']}" if e == zmq.EVENT_HANDSHAKE_FAILED_AUTH else name
+                if len(self.handshake_failed) < 100:
+                    self.handshake_failed.append(what)
+            elif e == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self.handshake_ok = True
+            elif e == zmq.EVENT_CONNECTED:
+                self.connected = True
+            elif e == zmq.EVENT_CONNECT_RETRIED:
+                self.connect_retries += 1
+
+    def close(self) -> None:
+        if self.pump is not None:
+            if self.monitor is not None:
+                self.monitor.close(linger=0)
+                self.monitor = None
+            self.pump.close()
+
+    def seen(self, now: float, curve: bool) -> str:
+        """One line on what was seen at this address."""
+        if self.last_seen:
+            state = "alive" if self.alive else "dead"
+            return f"{state}, last answered {now - self.last_seen:.1f} s ago"
+        if self.handshake_failed:
+            n = len(self.handshake_failed)
+            mech = "CURVE" if curve else "ZMTP (it may expect CURVE)"
+            return (
+                f"never answered: it refused the {mech} handshake "
+                f"({self.handshake_failed[-1]}; {n}{'+' if n >= 100 else ''} times)"
+            )
+        if self.handshake_ok or self.connected:
+            return "never answered: connected, but no pong came back"
+        if self.connect_retries:
+            return f"never answered: no connection ({self.connect_retries} attempts refused)"
+        return "never answered: no connection"
+
+    def info(self, now: float, curve: bool) -> WorkerInfo:
+        return WorkerInfo(
+            self.address, self.alive, self.draining, len(self.inflight), self.worker_id,
+            self.incarnation, self.version, self.paused,
+            now - self.last_seen if self.last_seen else float("inf"),
+            self.running, self.waiting, self.engine_lag, self.seen(now, curve),
+        )  # fmt: skip
