@@ -23,6 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # Every test of these modules is slow.
 SLOW_MODULES = {
+    "tests/transport/test_client_asyncio.py": "one worker process serves every asyncio API",
     "tests/transport/test_demo.py": "runs the demo: trainer, workers and clients",
     "tests/transport/test_eager.py": "each fixture starts worker processes (8-10 s)",
     "tests/transport/test_weights_dist.py": "torch.distributed groups across processes",
@@ -39,7 +40,6 @@ SLOW_TESTS = {
         "test_handler_error_is_reported",
     ],
     "tests/transport/test_fabric.py": [
-        "test_agenerate_result_works_as_future_task_and_coroutine",
         "test_cancel_and_timeout_abort_on_worker",
         "test_custom_engine_factory_from_the_command_line",
         "test_many_concurrent_requests",
