@@ -356,6 +356,10 @@ async def _client_role(a: argparse.Namespace) -> None:
                     raise
                 except Exception:
                     rep.failed += 1
+                    # No worker alive (NoWorkerAvailable) fails at once: wait before the
+                    # next try instead of spinning.
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(stop.wait(), 1.0)
                     continue
                 rep.done += 1
                 rep.tokens += resp.output_len
