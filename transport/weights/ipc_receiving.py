@@ -66,7 +66,8 @@ class IpcReceiving(VersionFetch):
     _pub_id: str
 
     def _init_ipc(self, eligible: bool) -> None:
-        """No slots yet (per publisher instance, see :meth:`_ipc_reset`)."""
+        """The ipc state, no slots yet (``eligible``: from :func:`ipc_eligible`; reset for
+        each publisher instance by :meth:`_ipc_reset`)."""
         self._ipc_eligible = eligible
         self._imp: IpcImporter | None = None
         self._pub_host = ""
