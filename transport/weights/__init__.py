@@ -11,10 +11,13 @@ Four paths, one model of a version (flat buckets, see :mod:`transport.weights.bu
 
 Modules, by concern: ``bucket`` (layout, checksums, the in-place copy), ``binding``
 (names, aliases, dtypes of one version on one worker), ``staging`` (a version's buffer
-and its packing), ``publisher`` / ``serving`` (the trainer's API / its serving thread),
-``subscriber`` / ``fetching`` (the worker's API and commit / fetching and verifying one
-version), ``results`` (what updates report), ``errors``, ``shm``, ``disk``, ``update``
-(the fabric's pause-publish-resume and the worker plugin), ``ratelog``, ``malloc``.
+and its packing), ``publisher`` / ``serving`` / ``buffers`` / ``ipc_serving`` (the
+trainer's API / its serving thread / its staging buffers / its side of the ``ipc``
+path), ``subscriber`` / ``fetching`` / ``commit`` / ``ipc_receiving`` (the worker's API /
+fetching and verifying one version / committing it / the worker's side of the ``ipc``
+path), ``ipc`` / ``ipc_link`` (the ``ipc`` path's slots / a minimal driver of it),
+``results`` (what updates report), ``errors``, ``shm``, ``disk``, ``update`` (the
+fabric's pause-publish-resume and the worker plugin), ``ratelog``, ``malloc``.
 """
 
 from transport.weights.bucket import (

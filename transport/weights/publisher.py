@@ -10,24 +10,16 @@ Sockets (see ``docs/PROTOCOL.md``, "Weight updates"):
 
 A version is staged in one buffer, a shared-memory segment when ``/dev/shm`` allows it
 (same-host workers read it in place) and private memory otherwise. The buffer is the
-version's snapshot: late joiners and re-fetches are served from it.
-
-The buffer rule: a buffer that a worker's process may still read is never overwritten.
-A shared-memory segment may be mapped by any same-host worker for as long as that
-process lives (even one stopped, or declared lost), so each version gets a fresh
-segment (made in the background after the previous publish, so that the kernel's
-zeroing of its pages is off the update's path), and retiring a version only unlinks
-its name: a worker's mapping of the unlinked file keeps that version's bytes (Linux
-frees them with the last mapping). A
-private buffer is only read by this process's own zero-copy sends; it is reused for a
-later version once no send may still read it (ZeroMQ's message trackers).
+version's snapshot: late joiners and re-fetches are served from it. A buffer that a
+worker's process may still read is never overwritten (the buffer rule, see
+:mod:`transport.weights.buffers`).
 
 The path of each worker. A worker on this host whose process the trainer can see, and
 that can open the trainer's memory, takes the ``ipc`` path (:mod:`transport.weights.ipc`:
 persistent buckets of the trainer's memory, packed again every version, announced with
-``IpcReady`` on the same ROUTER) when ``ipc`` allows it: ``"auto"`` for CUDA tensors,
-``"cpu"`` for CPU tensors too (on CPU, torch's shared-memory files are slower than the
-``shm`` path: opt-in), ``"off"`` never. Every other worker, and an ``ipc`` worker whose
+``IpcReady`` on the same ROUTER; wired in :mod:`transport.weights.ipc_serving`) when
+``ipc`` allows it: ``"auto"`` for CUDA tensors, ``"cpu"`` for CPU tensors too (on CPU,
+torch's shared-memory files are slower than the ``shm`` path: opt-in), ``"off"`` never. Every other worker, and an ``ipc`` worker whose
 offer was refused or whose version failed there, takes ``shm`` (same host) or ``tcp``.
 Each Ack says which (``via``), and :attr:`UpdateResult.paths` reports it per worker.
 """
@@ -42,7 +34,6 @@ import time
 from collections.abc import Iterable
 from typing import Any, Union
 
-import torch
 import zmq
 
 import fastio
@@ -58,14 +49,14 @@ from transport.weights.bucket import (
     named_tensors,
     split_aliases,
 )
+from transport.weights.buffers import VersionBuffers
 from transport.weights.errors import UpdateIncomplete
-from transport.weights.ipc import IpcExporter, plan_layout
+from transport.weights.ipc_serving import IPC_MODES, IpcServing
 from transport.weights.ratelog import RateLimitedLog
 from transport.weights.results import SubscriberInfo, UpdateResult
-from transport.weights.serving import PublisherService
 from transport.weights.staging import Staged, pack_steps, plan_version
 
-__all__ = ["DEFAULT_CHUNK_BYTES", "WeightPublisher"]
+__all__ = ["DEFAULT_CHUNK_BYTES", "IPC_MODES", "WeightPublisher"]
 
 log = logging.getLogger("transport.weights.publisher")
 
@@ -83,11 +74,8 @@ _ROUTER_IO_THREADS = 2
 #: What the ROUTER accepts: the weight messages and the ipc path's Hello and Ack.
 _FROM_SUBSCRIBER = Union[SUBSCRIBER_TO_PUBLISHER, IpcHello, IpcAck]  # noqa: UP007
 
-#: Values of ``WeightPublisher(ipc=...)``.
-IPC_MODES = ("auto", "cpu", "off")
 
-
-class WeightPublisher(PublisherService):
+class WeightPublisher(IpcServing, VersionBuffers):
     """Publishes versions of a model's weights to :class:`WeightSubscriber` workers.
 
     Parameters
@@ -158,14 +146,7 @@ class WeightPublisher(PublisherService):
         ipc_slots: int | None = 2,
         ipc_timeout: float = 60.0,
     ) -> None:
-        if ipc not in IPC_MODES:
-            raise ValueError(f"ipc must be one of {IPC_MODES}, not {ipc!r}")
-        self.ipc_mode = ipc
-        self.ipc_slots = ipc_slots
-        self.ipc_timeout = ipc_timeout
-        self._ipc: IpcExporter | None = None
-        self._ipc_hellos: dict[str, IpcHello] = {}
-        self._outbox: list[tuple[bytes, list[Any]]] = []
+        self._init_ipc(ipc, ipc_slots, ipc_timeout)
         Hasher(checksum)  # validates the name now rather than at the first publish
         self.bucket_bytes = bucket_bytes
         self.chunk_bytes = max(1, chunk_bytes)
@@ -452,11 +433,9 @@ class WeightPublisher(PublisherService):
             self._versions.clear()
             self._latest = None
             spare, self._spare = self._spare, None
-            exp, self._ipc = self._ipc, None
         if spare is not None:
             spare.close()
-        if exp is not None:
-            exp.close()
+        self._close_ipc()
         if self._probe is not None:
             self._probe.close()
 
@@ -465,151 +444,6 @@ class WeightPublisher(PublisherService):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    # -- the ipc path --------------------------------------------------------------------
-    def _ipc_wanted(self, tensors: dict[str, torch.Tensor]) -> bool:
-        if self.ipc_mode == "off" or not tensors:
-            return False
-        if self.ipc_mode == "cpu":
-            return True
-        return any(t.is_cuda for t in tensors.values())
-
-    def _queue(self, wid: str, msg: Any) -> None:
-        """Have the serving thread send ``msg`` to ``wid`` (lock held)."""
-        self._outbox.append((wid.encode(), self._encoder.encode(msg)))
-
-    def _prepare_ipc(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Slots for this layout (new ones when it changed), offered to every worker
-        that asked, which get a moment to open them."""
-        specs = [
-            (k, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for k, t in tensors.items()
-        ]
-        layout = plan_layout(specs, self.bucket_bytes)
-        with self._cond:
-            if self._ipc is None or self._ipc.layout != layout:
-                if self._ipc is not None:
-                    self._ipc.close()
-                self._ipc = IpcExporter(
-                    tensors,
-                    bucket_bytes=self.bucket_bytes,
-                    slots=self.ipc_slots,
-                    publisher_id=self.publisher_id,
-                )
-                # Workers that asked before: offered now, and given a moment to open.
-                offered = []
-                for wid, hello in self._ipc_hellos.items():
-                    info = self._workers.get(wid)
-                    if info is not None and info.alive:
-                        offer = self._ipc.offer(hello)
-                        self._queue(wid, offer)
-                        if not offer.error:
-                            offered.append(wid)
-                self._wake()
-                deadline = time.monotonic() + min(5.0, self.ipc_timeout)
-                exp = self._ipc
-                while not self._closed:
-                    waiting = [w for w in offered if w in exp.workers and not exp.workers[w].opened]
-                    left = deadline - time.monotonic()
-                    if not waiting or left <= 0:
-                        break
-                    self._cond.wait(min(left, 0.1))
-
-    def _publish_ipc(self, tensors: dict[str, torch.Tensor], version: int) -> None:
-        """Pack ``version`` into the ipc slots and send its IpcReady notices (under the
-        lock, released while a slot is still read; the serving thread sends)."""
-        with self._cond:
-            exp = self._ipc
-            assert exp is not None
-
-            def send(wid: str, ready: Any) -> None:
-                self._queue(wid, ready)
-                self._wake()
-
-            def wait(seconds: float) -> None:
-                self._cond.wait(seconds)
-
-            exp.publish(tensors, version, send=send, wait=wait, timeout=self.ipc_timeout)
-            readers = sum(w.opened for w in exp.workers.values())
-        self._wake()
-        nbytes = sum(b.nbytes for b in exp.layout)
-        metrics.PUBLISHER_BYTES.labels(path="ipc").inc(nbytes * readers)
-        self._count("ipc_versions")
-
-    # -- staging -----------------------------------------------------------------------
-    def _acquire(self, version: int, total: int) -> Staged:
-        """A buffer for a new version (the buffer rule, see the module docstring).
-
-        A shared-memory segment is never reused: a worker may hold a mapping of it for
-        as long as its process lives (stopped, slow, declared lost), so every version
-        gets a fresh segment and a retired one is only unlinked. A private buffer is
-        read only by this process's zero-copy sends, so it is reused once none of
-        them may still read it.
-        """
-        with self._cond:
-            for v, st in sorted(self._versions.items()):
-                if st is self._latest or st.seg is not None or st.capacity < total:
-                    continue
-                if st.sends_done() and not st.active and st.answered():
-                    del self._versions[v]
-                    return Staged(version, st.buf, None)
-        seg: _shm.ShmSegment | None = None
-        if self._use_shm:
-            with self._cond:
-                spare, self._spare = self._spare, None
-            if spare is not None and total <= spare.size <= 2 * total:
-                self._count("spare_segments_used")
-                return Staged(version, spare.tensor[:total], spare)
-            if spare is not None:
-                spare.close()
-            try:
-                seg = _shm.ShmSegment.create(total)
-            except OSError as exc:
-                log.warning(
-                    "cannot stage %d bytes in /dev/shm (%s); using private memory", total, exc
-                )
-        self._count("buffers_created")
-        if seg is not None:
-            return Staged(version, seg.tensor, seg)
-        return Staged(version, torch.empty(total, dtype=torch.uint8), None)
-
-    def _prepare_spare(self, size: int) -> None:
-        """Create the next version's segment in the background, off the critical path
-        (a fresh segment costs the kernel's zeroing of every page). It is fresh: no
-        worker has seen its name, so the buffer rule holds."""
-        if not self._use_shm or size == 0:
-            return
-        with self._cond:
-            if self._closed or self._spare is not None or self._spare_busy:
-                return
-            self._spare_busy = True
-
-        def make() -> None:
-            seg: _shm.ShmSegment | None = None
-            # On failure it is made at publish time instead, where the error is reported.
-            with contextlib.suppress(OSError):
-                seg = _shm.ShmSegment.create(size)
-            with self._cond:
-                self._spare_busy = False
-                if seg is not None and not self._closed and self._spare is None:
-                    self._spare, seg = seg, None
-                self._cond.notify_all()
-            if seg is not None:
-                seg.close()
-
-        threading.Thread(target=make, name="weights-spare-segment", daemon=True).start()
-
-    def _retire(self) -> None:
-        """Free buffers of old versions that no one can still need (lock held)."""
-        old = [v for v in sorted(self._versions) if self._versions[v] is not self._latest]
-        excess = len(self._versions) - self.keep_versions
-        for v in old:
-            if excess <= 0:
-                break
-            st = self._versions[v]
-            if st.sends_done() and st.answered():
-                st.release()
-                del self._versions[v]
-                excess -= 1
 
     def _wake(self) -> None:
         with self._wake_lock, contextlib.suppress(zmq.ZMQError):

@@ -2,15 +2,18 @@
 
 A subscriber runs one background thread that owns its sockets: a DEALER to the
 publisher's ROUTER (Hello heartbeats, Fetch, Ack) and a SUB on its PUB (Announce and
-Heartbeat notices, sequence-numbered).
+Heartbeat notices, sequence-numbered). Its parts, by concern: fetching and verifying a
+version (:mod:`transport.weights.fetching`), committing it
+(:mod:`transport.weights.commit`) and the ``ipc`` path with its path choice and
+fallbacks (:mod:`transport.weights.ipc_receiving`).
 
 Never a mixed version (the trade-off chosen)
 ---------------------------------------------
 Applying bucket k of version N before bucket k+1 has arrived and been verified would
 leave a mixed model if the rest never comes (publisher killed, corrupt bytes). Keeping
 the previous weights in that case needs *some* full copy: either an undo copy of what
-was overwritten or the new bytes held until all of them are verified. This module holds
-the new bytes, and only where they already are:
+was overwritten or the new bytes held until all of them are verified. The subscriber
+holds the new bytes, and only where they already are:
 
 * same host (shared memory): the publisher's segment *is* the staging area. The worker
   verifies every bucket's checksum in place, then copies into its parameters: no extra
@@ -42,10 +45,9 @@ import torch
 import zmq
 
 import fastio
-from fastio.ipc_msgs import IpcAck, IpcOffer, IpcReady
+from fastio.ipc_msgs import IpcOffer, IpcReady
 from fastio.weight_msgs import (
     PUBLISHER_TO_SUBSCRIBER,
-    WeightAck,
     WeightAnnounce,
     WeightBucket,
     WeightError,
@@ -53,29 +55,26 @@ from fastio.weight_msgs import (
     WeightHello,
     WeightWelcome,
 )
-from transport import metrics
 from transport.sockets import CurveConfig, apply_curve_client
 from transport.weights import shm as _shm
 from transport.weights.binding import DtypeSpec, Rename, advertised_dtype, parse_dtype_spec
 from transport.weights.bucket import BucketApplier, named_tensors, state_digest
-from transport.weights.fetching import InFlight, VersionFetch
-from transport.weights.ipc import IpcImporter, IpcRefused
+from transport.weights.commit import VersionCommit
+from transport.weights.fetching import InFlight
+from transport.weights.ipc_receiving import PATHS, IpcReceiving, ipc_eligible
 from transport.weights.malloc import tune_malloc as _tune_malloc
 from transport.weights.ratelog import RateLimitedLog
 from transport.weights.results import UpdateStats
 
-__all__ = ["WeightSubscriber"]
+__all__ = ["PATHS", "WeightSubscriber"]
 
 log = logging.getLogger("transport.weights.subscriber")
 
 #: What the DEALER and SUB accept: the weight messages and the ipc path's Offer and Ready.
 _FROM_PUBLISHER = Union[PUBLISHER_TO_SUBSCRIBER, IpcOffer, IpcReady]  # noqa: UP007
 
-#: Values of ``WeightSubscriber(path=...)`` (``None``: whatever the publisher offers).
-PATHS = ("ipc", "shm", "tcp")
 
-
-class WeightSubscriber(VersionFetch):
+class WeightSubscriber(IpcReceiving, VersionCommit):
     """Keeps a model's weights at the latest version a :class:`WeightPublisher` serves.
 
     Parameters
@@ -195,19 +194,9 @@ class WeightSubscriber(VersionFetch):
         path: str | None = None,
     ) -> None:
         self.endpoint = endpoint
-        if path is not None and path not in PATHS:
-            raise ValueError(f"path must be None or one of {PATHS}, not {path!r}")
+        self._init_ipc(ipc_eligible(path, target, loader, dtype, rename))
         if path == "tcp":
             shm = False
-        self._ipc_eligible = (
-            path in (None, "ipc")
-            and target is not None
-            and loader is None
-            and dtype is None
-            and rename is None
-        )
-        if path == "ipc" and not self._ipc_eligible:
-            raise ValueError("path='ipc' copies into `target` as is: no loader, dtype or rename")
         if tune_malloc:
             _tune_malloc()
         if target is None and loader is None:
@@ -267,17 +256,6 @@ class WeightSubscriber(VersionFetch):
         self._attempts: dict[tuple[str, int], int] = {}
         self._given_up: set[tuple[str, int]] = set()
         self._segments: dict[str, _shm.ShmSegment] = {}
-        # the ipc path (per publisher instance)
-        self._imp: IpcImporter | None = None
-        self._pub_host = ""
-        self._ipc_asked = ""  # the publisher id an IpcHello went to
-        self._ipc_open = False
-        self._ipc_deferred: WeightAnnounce | None = None
-        self._ipc_progress = 0.0  # monotonic time of the last IpcReady or deferral
-        self._ipc_failed: set[int] = set()
-        self._ipc_t0 = 0.0
-        #: Why the ipc path was refused ("" if it was not).
-        self.ipc_refused = ""
 
     # -- public API --------------------------------------------------------------------
     @property
@@ -295,12 +273,6 @@ class WeightSubscriber(VersionFetch):
         """The path of the last version applied (``"ipc"``, ``"shm"``, ``"tcp"``; ``""``
         before the first)."""
         return self.last_stats.via
-
-    @property
-    def ipc_open(self) -> bool:
-        """Whether this worker has the trainer's ipc slots open (its next versions come
-        by ``ipc``)."""
-        return self._ipc_open
 
     @property
     def closed(self) -> bool:
@@ -494,105 +466,6 @@ class WeightSubscriber(VersionFetch):
             seg.close()
         self._segments.clear()
 
-    def _commit(self, up: InFlight, parts: list[tuple[Any, list[torch.Tensor]]]) -> None:
-        ann, stats, t0 = up.ann, up.stats, up.t0
-        try:
-            self.lock.__enter__()
-        except Exception as exc:  # e.g. the worker could not stop generating in time
-            self._fail(ann.version, f"not applied, the weights were not free: {exc}")
-            return
-        try:  # the lock's body (not a `with`: a lock that refuses fails the version)
-            try:
-                for b, chunks in parts:
-                    ta = time.monotonic()
-                    self._applier.apply(b, chunks, up.binding.dests)
-                    dt = time.monotonic() - ta
-                    stats.apply_s += dt
-                    stats.buckets[b.index]["apply_s"] = dt
-                    self._keepalive()
-                self._applier.finish()
-            except Exception as exc:
-                # A copy failed half-way (device error, out of memory): the weights are
-                # now mixed, and say so until a later version completes.
-                self._consistent = False
-                self._fail(ann.version, f"applying failed, weights are mixed: {exc!r}")
-                return
-            if self.loader is not None:
-                ta = time.monotonic()
-                try:
-                    self.loader(up.binding.named_tensors(parts))
-                except Exception as exc:
-                    self._consistent = False
-                    self._count("loader_failures")
-                    self._fail(
-                        ann.version,
-                        f"the loader raised {exc!r}; the engine's weights may be mixed",
-                    )
-                    return
-                stats.apply_s += time.monotonic() - ta
-            with self._cond:
-                self._version = ann.version
-                self._consistent = True
-                self._cond.notify_all()
-            # Still under the lock and before the Ack: once the trainer hears "applied",
-            # the engine already stamps the new version on what it generates.
-            if self.on_applied is not None:
-                self.on_applied(ann.version)
-        finally:
-            self.lock.__exit__(None, None, None)
-        parts.clear()  # drop the frames now, not at the next update
-        for key in [k for k in self._attempts if k[1] <= ann.version]:
-            del self._attempts[key]
-        self._given_up = {k for k in self._given_up if k[1] > ann.version}
-        stats.total_s = time.monotonic() - t0
-        self.last_stats = stats
-        for phase, secs in (
-            ("receive", stats.fetch_s),
-            ("verify", stats.verify_s),
-            ("apply", stats.apply_s),
-            ("total", stats.total_s),
-        ):
-            metrics.SUBSCRIBER_PHASE_SECONDS.labels(phase=phase).observe(secs)
-        metrics.SUBSCRIBER_BYTES.labels(path=stats.via).inc(sum(b.nbytes for b in ann.buckets))
-        self.last_error = ""
-        self._count("versions_applied")
-        if self.report_digest:
-            self._digest = state_digest(self.targets)
-        self._send(
-            WeightAck(
-                self.worker_id,
-                ann.version,
-                True,
-                ann.version,
-                "",
-                self._digest,
-                stats.via,
-                stats.flat(),
-            )
-        )
-
-    def _fail(self, version: int, error: str, transport: str = "tcp") -> None:
-        if self._update is not None and self._update.ann.version == version:
-            if self._update.applied:
-                self._consistent = False
-                error += "; weights are mixed (atomic=False) until a later version completes"
-            self._drop_segment(self._update)
-            self._update = None
-        self.last_error = error
-        self._count("versions_failed")
-        metrics.SUBSCRIBER_FAILURES.inc()
-        log.warning(
-            "weight version %d not applied (%s); keeping version %d", version, error, self._version
-        )
-        self._send(
-            WeightAck(self.worker_id, version, False, self._version, error, self._digest, transport)
-        )
-
-    def _abandon(self, why: str) -> None:
-        up = self._update
-        if up is not None:
-            self._fail(up.ann.version, why)
-
     def _on_error(self, msg: WeightError) -> None:
         up = self._update
         self._count("errors_received")
@@ -602,204 +475,3 @@ class WeightSubscriber(VersionFetch):
         self._fail(up.ann.version, f"publisher: {msg.reason}")
         # A newer version exists: the next Hello brings its manifest.
         self._hello()
-
-    # -- the ipc path ------------------------------------------------------------------
-    def _ipc_hello(self, *, up_to_date: bool) -> None:
-        """Ask this publisher for its ipc slots, once, when this worker could take
-        them and holds the latest version (a late joiner first catches up from the
-        snapshot by shm/tcp: the ipc path carries only versions whole)."""
-        if (
-            not self._ipc_eligible
-            or self._ipc_asked == self._pub_id
-            or not up_to_date
-            or self._update is not None
-            or self._pub_host != self._host
-        ):
-            return
-        if self._imp is None:
-            self._imp = IpcImporter(
-                self.targets, worker_id=self.worker_id, atomic=self.atomic, version=self._version
-            )
-        self._imp.version = self._version
-        self._ipc_asked = self._pub_id
-        self._send(self._imp.hello())
-
-    def _ipc_reset(self) -> None:
-        """A new publisher: the old one's slots and versions are gone."""
-        if self._imp is not None:
-            self._imp.abandon()
-            self._imp.close_slots()
-        self._ipc_asked = ""
-        self._ipc_open = False
-        self._ipc_deferred = None
-        self._ipc_failed.clear()
-
-    def _ipc_close(self) -> bool:
-        """Unmap the trainer's slots; whether a goodbye was sent."""
-        imp, self._imp = self._imp, None
-        if imp is None:
-            return False
-        bye = imp.release()
-        imp.close()
-        if bye is not None:
-            self._send(bye)
-        return bye is not None
-
-    def _on_ipc_offer(self, offer: IpcOffer) -> None:
-        imp = self._imp
-        if imp is None or offer.publisher_id != self._pub_id:
-            return
-        imp.version = self._version
-        try:
-            ack = imp.open(offer)
-        except IpcRefused as exc:
-            self._ipc_open = False
-            self.ipc_refused = str(exc)
-            self._count("ipc_refused")
-            log.info("worker %s: no ipc path (%s); using shm/tcp", self.worker_id, exc)
-            return
-        self._send(ack)
-        self._ipc_open = ack.ok
-        self.ipc_refused = "" if ack.ok else ack.error
-        if not ack.ok:
-            self._count("ipc_refused")
-            log.info("worker %s: no ipc path (%s); using shm/tcp", self.worker_id, ack.error)
-
-    def _consider(self, ann: WeightAnnounce) -> None:
-        # With the ipc slots open, a version comes by IpcReady; its Announce is kept as
-        # the fallback, fetched by shm/tcp only if the version fails on the ipc path.
-        if self._ipc_open and ann.version not in self._ipc_failed:
-            if ann.version > self._version and (
-                self._ipc_deferred is None or ann.version > self._ipc_deferred.version
-            ):
-                self._ipc_deferred = ann
-                self._ipc_progress = time.monotonic()
-            return
-        super()._consider(ann)
-
-    def _on_ipc_ready(self, r: IpcReady) -> None:
-        imp = self._imp
-        if imp is None or not self._ipc_open:
-            return
-        self._ipc_progress = time.monotonic()
-        if r.bucket == 0:
-            self._ipc_t0 = self._ipc_progress
-        before = imp.version
-        last = r.bucket == r.n_buckets - 1
-        locked = last or not self.atomic  # the live weights are written only then
-        acks: list[IpcAck]
-        if locked:
-            try:
-                self.lock.__enter__()
-            except Exception as exc:  # the weights are not free: refuse the version
-                held = [*imp._held, r]
-                imp.abandon()
-                why = f"not applied, the weights were not free: {exc}"
-                acks = [
-                    IpcAck(self.worker_id, h.version, h.bucket, h.slot, False, imp.version, why)
-                    for h in held
-                ]
-                self._ipc_after(r, acks, before)
-                return
-        try:
-            acks = imp.on_ready(r)
-            if imp.version != before:
-                with self._cond:
-                    self._version = imp.version
-                    self._consistent = True
-                    self._cond.notify_all()
-                if self.on_applied is not None:
-                    self.on_applied(imp.version)
-            elif not imp.serving:
-                self._consistent = False
-        finally:
-            if locked:
-                self.lock.__exit__(None, None, None)
-        self._ipc_after(r, acks, before)
-
-    def _ipc_after(self, r: IpcReady, acks: list[IpcAck], before: int) -> None:
-        """Send the slot acks, then report the version (applied, or fetched again by
-        shm/tcp when it failed here)."""
-        imp = self._imp
-        assert imp is not None
-        for a in acks:
-            self._send(a)
-        bad = next((a for a in acks if not a.ok), None)
-        if imp.version != before:
-            assert self.offer_layout_bytes is not None
-            stats = UpdateStats(
-                version=imp.version,
-                via="ipc",
-                bytes=self.offer_layout_bytes,
-                total_s=time.monotonic() - self._ipc_t0,
-            )
-            for a in acks:
-                stats.verify_s += a.stats.get("verify_s", 0.0)
-                stats.apply_s = max(stats.apply_s, a.stats.get("copy_s", 0.0))
-            self.last_stats = stats
-            self.last_error = ""
-            self._count("versions_applied")
-            self._count("ipc_versions_applied")
-            metrics.SUBSCRIBER_PHASE_SECONDS.labels(phase="total").observe(stats.total_s)
-            metrics.SUBSCRIBER_BYTES.labels(path="ipc").inc(stats.bytes)
-            if self._ipc_deferred is not None and self._ipc_deferred.version <= imp.version:
-                self._ipc_deferred = None
-            if self.report_digest:
-                self._digest = state_digest(self.targets)
-            self._send(
-                WeightAck(
-                    self.worker_id, imp.version, True, imp.version, "", self._digest, "ipc",
-                    stats.flat(),
-                )
-            )  # fmt: skip
-        elif bad is not None and bad.version not in self._ipc_failed:
-            self._ipc_failed.add(bad.version)
-            self._count("ipc_fallbacks")
-            log.warning(
-                "worker %s: version %d failed on the ipc path (%s); fetching it by shm/tcp",
-                self.worker_id, bad.version, bad.error,
-            )  # fmt: skip
-            ann = self._ipc_deferred
-            up = self._update
-            if bad.version <= self._version or (up is not None and up.ann.version == bad.version):
-                pass  # applied already, or being fetched by shm/tcp (opened mid-version)
-            elif ann is not None and ann.version == bad.version:
-                self._ipc_deferred = None
-                super()._consider(ann)
-            else:
-                self._fail(bad.version, bad.error, "ipc")
-
-    @property
-    def offer_layout_bytes(self) -> int | None:
-        """Bytes of one version on the ipc path (``None``: no offer open)."""
-        imp = self._imp
-        if imp is None or imp.offer is None:
-            return None
-        return sum(b.nbytes for b in imp.offer.buckets)
-
-    def _check_timeouts(self, now: float) -> None:
-        super()._check_timeouts(now)
-        ann = self._ipc_deferred
-        if (
-            ann is not None
-            and ann.version > self._version
-            and now - self._ipc_progress > self.publisher_timeout
-        ):
-            # An announced version that the ipc path does not deliver (this worker opened
-            # the slots after it began, or the trainer gave up on a slot): shm/tcp.
-            log.warning(
-                "worker %s: version %d did not come by ipc in %.1f s; fetching it by shm/tcp",
-                self.worker_id, ann.version, self.publisher_timeout,
-            )  # fmt: skip
-            self._ipc_deferred = None
-            self._ipc_failed.add(ann.version)
-            self._count("ipc_fallbacks")
-            super()._consider(ann)
-        imp = self._imp
-        if self._ipc_open and imp is not None and not imp.trainer_alive():
-            # The trainer is gone: a version half-read is dropped (the weights keep the
-            # last complete one); a restarted trainer offers its slots again.
-            imp.abandon()
-            imp.close_slots()
-            self._ipc_open = False
-            self._ipc_asked = ""
