@@ -30,6 +30,13 @@ On a worker, ``atomic=True`` (default) receives every bucket into one staging bu
 a broadcast that fails half-way (the trainer died: the collective times out) leaves the
 previous weights untouched; ``atomic=False`` copies each bucket as it lands (two
 bucket-sized buffers only) and a failure leaves the weights mixed.
+
+Buckets travel in the trainer's dtypes (the plan is the same on every rank). A worker
+whose parameters are in other floating dtypes (fp32 master weights, bf16 engine) passes
+``recv(..., dtype=...)`` with the meaning of the subscriber's option (one dtype, engine
+name -> dtype, or ``"auto"``: each target's own dtype; see
+:mod:`transport.weights.binding`) and casts during its copy out of the bucket, bit-identical
+to ``tensor.to(dtype)``. Without it dtypes must match exactly.
 """
 
 from __future__ import annotations
@@ -46,16 +53,17 @@ import torch.distributed as _tdist
 
 from fastio.io_struct import ParamSpec, WeightUpdateMeta
 from fastio.weight_msgs import WeightBucketInfo
+from transport.weights.binding import Binding, DtypeSpec, parse_dtype_spec
 from transport.weights.bucket import (
     DEFAULT_BUCKET_BYTES,
     BucketApplier,
-    check_manifest,
+    dtype_from_name,
     dtype_name,
     named_tensors,
     pack_bucket,
     plan_buckets,
 )
-from transport.weights.errors import WeightUpdateError
+from transport.weights.errors import WeightMismatchError, WeightUpdateError
 
 # Typed loosely: the c10d classes are not re-exported in torch's stubs.
 tdist: Any = _tdist
@@ -318,13 +326,21 @@ class WeightGroup:
             if w is not None:
                 w.wait()
 
-    def recv(self, target: Any, *, atomic: bool = True, strict: bool = True) -> None:
+    def recv(
+        self, target: Any, *, atomic: bool = True, strict: bool = True, dtype: DtypeSpec = None
+    ) -> None:
         """Workers: receive a version into ``target`` (module or name -> tensor).
+
+        ``dtype`` declares the dtypes wanted (``None``: exactly the trainer's; one dtype
+        for every floating tensor; engine name -> dtype; ``"auto"``: each target's own
+        dtype): a floating tensor is then cast during the copy out of the received
+        bucket, bit-identical to ``tensor.to(dtype)`` on the trainer.
 
         Raises
         ------
         WeightMismatchError
-            Before any collective, when the specs do not match ``target`` (the trainer
+            Before any collective, when the specs do not match ``target``: names,
+            shapes, or a dtype that differs where no cast was asked for (the trainer
             then times out in its broadcast: a mismatch is a deployment error).
         WeightUpdateError
             When a broadcast fails; with ``atomic=True`` the weights are untouched.
@@ -332,20 +348,33 @@ class WeightGroup:
         if self.rank == 0:
             raise RuntimeError("rank 0 sends")
         targets = named_tensors(target)
-        check_manifest(self.plan, targets, strict=strict)
+        spec = parse_dtype_spec(dtype)
+        try:
+            binding = Binding(self.plan, targets, dtype=spec, strict=strict)
+        except WeightMismatchError as exc:
+            if spec is None and "dtype mismatch" in str(exc):
+                raise WeightMismatchError(
+                    f"{exc} (recv(..., dtype=...) casts: a dtype, name -> dtype, or 'auto' "
+                    "for each parameter's own dtype)"
+                ) from None
+            raise
         applier = BucketApplier(targets)
         self.last_timings = []
         t0 = time.monotonic()
         try:
             if atomic:
-                self._recv_atomic(targets, applier, t0)
+                self._recv_atomic(targets, applier, binding, t0)
             else:
-                self._recv_streaming(applier, t0)
+                self._recv_streaming(applier, binding, t0)
         except RuntimeError as exc:
             raise WeightUpdateError(f"process-group weight broadcast failed: {exc}") from exc
 
     def _recv_atomic(
-        self, targets: Mapping[str, torch.Tensor], applier: BucketApplier, t0: float
+        self,
+        targets: Mapping[str, torch.Tensor],
+        applier: BucketApplier,
+        binding: Binding,
+        t0: float,
     ) -> None:
         total = self.plan[-1].shm_offset + self.plan[-1].nbytes if self.plan else 0
         if self._staging is None or self._staging.numel() < total:
@@ -361,24 +390,25 @@ class WeightGroup:
             views.append(self._staging[info.shm_offset : info.shm_offset + info.nbytes])
         for info, view in zip(self.plan, views, strict=True):
             ta = time.monotonic()
-            _apply(applier, info, view, targets)
+            _apply(applier, info, view, targets, binding)
             self.last_timings[info.index]["apply_s"] = time.monotonic() - ta
         applier.finish()
 
-    def _recv_streaming(self, applier: BucketApplier, t0: float) -> None:
+    def _recv_streaming(self, applier: BucketApplier, binding: Binding, t0: float) -> None:
         pending: list[tuple[WeightBucketInfo, torch.Tensor, Any]] = []
         for k, info in enumerate(self.plan):
             buf = self._buffer(k % 2, info.nbytes)
             pending.append((info, buf, self._bcast(buf)))
             if len(pending) == 2:
-                self._land(applier, *pending.pop(0), t0=t0)
+                self._land(applier, binding, *pending.pop(0), t0=t0)
         for p in pending:
-            self._land(applier, *p, t0=t0)
+            self._land(applier, binding, *p, t0=t0)
         applier.finish()
 
     def _land(
         self,
         applier: BucketApplier,
+        binding: Binding,
         info: WeightBucketInfo,
         buf: torch.Tensor,
         work: Any,
@@ -387,7 +417,7 @@ class WeightGroup:
     ) -> None:
         work.wait()
         ta = time.monotonic()
-        _apply(applier, info, buf, applier.targets)
+        _apply(applier, info, buf, applier.targets, binding)
         self.last_timings.append({"recv_s": ta - t0, "apply_s": time.monotonic() - ta})
 
     def close(self) -> None:
@@ -408,16 +438,22 @@ def _apply(
     info: WeightBucketInfo,
     buf: torch.Tensor,
     targets: Mapping[str, torch.Tensor],
+    binding: Binding,
 ) -> None:
+    """Copy a received bucket into the targets; ``copy_`` casts where the binding asked
+    for another dtype (the binding has checked names, shapes and dtypes)."""
     if buf.device.type == "cpu":
-        applier.apply(info, [buf])
+        applier.apply(info, [buf], binding.dests)
         return
     # pragma: no cover - device buffer: device-to-device copies, no host staging
     with torch.no_grad():  # pragma: no cover
         for e in info.tensors:
-            dst = targets[e.name]
-            src = buf[e.offset : e.offset + e.nbytes].view(dst.dtype).view(dst.shape)
-            dst.copy_(src, non_blocking=True)
+            if e.nbytes == 0:
+                continue
+            src = buf[e.offset : e.offset + e.nbytes].view(dtype_from_name(e.dtype))
+            src = src.view(tuple(e.shape))
+            for name in binding.dests.get(e.name, ()):
+                targets[name].copy_(src, non_blocking=True)
 
 
 def _pack_device(
