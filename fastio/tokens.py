@@ -446,6 +446,14 @@ class TokenArray(Sequence[Any]):
             dtype = _joined(self._a.dtype, values.dtype)
             self._own(dtype)[index] = values
             return
+        i = self._assignment_index(index)
+        if not isinstance(value, (int, float, np.number)):
+            raise TypeError(f"TokenArray holds numbers only, got {type(value).__name__}")
+        item = _weak([value], self._a.dtype)
+        self._own(_joined(self._a.dtype, item.dtype))[i] = item[0]
+
+    def _assignment_index(self, index: Any) -> int:
+        # As list: an int-like index within range, for item assignment and deletion.
         try:
             i = operator.index(index)
         except TypeError:
@@ -455,10 +463,7 @@ class TokenArray(Sequence[Any]):
         n = len(self)
         if not -n <= i < n:
             raise IndexError("TokenArray assignment index out of range")
-        if not isinstance(value, (int, float, np.number)):
-            raise TypeError(f"TokenArray holds numbers only, got {type(value).__name__}")
-        item = _weak([value], self._a.dtype)
-        self._own(_joined(self._a.dtype, item.dtype))[i] = item[0]
+        return i
 
     def _concat3(self, *parts: npt.NDArray[Any]) -> npt.NDArray[Any]:
         # As _concat: an empty side does not take part in the type.
@@ -475,15 +480,7 @@ class TokenArray(Sequence[Any]):
             keep[index] = False
             self._set_private(self._a[keep])
             return
-        try:
-            i = operator.index(index)
-        except TypeError:
-            raise TypeError(
-                f"TokenArray indices must be integers or slices, not {type(index).__name__}"
-            ) from None
-        n = len(self)
-        if not -n <= i < n:
-            raise IndexError("TokenArray assignment index out of range")
+        i = self._assignment_index(index)
         self.pop(i)
 
     # -- operations that would silently change meaning -----------------------------
