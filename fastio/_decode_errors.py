@@ -27,11 +27,9 @@ def _frame_error(what: str, k: int, frames: Any) -> DecodeError:
     )
 
 
-def _token_error(code: int, payload: memoryview, frames: Any, exc: Exception) -> DecodeError:
+def _token_error(code: int, payload: memoryview, frames: Any) -> DecodeError:
     """What is wrong with a token-array extension value that failed to decode."""
     dtype, in_frame = _TOKEN_CODES[code]
-    if isinstance(exc, BufferError):
-        return DecodeError("frame is not a contiguous buffer")
     if not in_frame:
         return DecodeError(
             f"token array of {dtype.name} needs a multiple of {dtype.itemsize} bytes of "
@@ -40,7 +38,12 @@ def _token_error(code: int, payload: memoryview, frames: Any, exc: Exception) ->
     if len(payload) != _FRAME_REF.size:
         return DecodeError(f"token array frame reference must be 8 bytes, got {len(payload)}")
     k, count = _FRAME_REF.unpack(payload)
-    got = memoryview(frames[k]).nbytes
+    if not 0 < k < len(frames):
+        return _frame_error("token array", k, frames)
+    try:
+        got = _buffer(frames[k]).nbytes
+    except DecodeError as err:  # not bytes-like, not contiguous
+        return err
     return DecodeError(
         f"token array {dtype.name}[{count}] needs {count * dtype.itemsize} bytes of data, got {got}"
     )

@@ -26,19 +26,19 @@ _EXT_IMAGE = int(ExtCode.IMAGE)
 _EXT_TOKENS = int(ExtCode.TOKENS)
 _ARRAY_CODES = frozenset((_EXT_NDARRAY, _EXT_TENSOR, _EXT_TOKENS))
 
+if sys.byteorder != "little":  # pragma: no cover - no big-endian hosts in CI
+    raise ImportError("fastio supports little-endian hosts only")
+
 # Wire dtype name -> little-endian numpy dtype. bfloat16 has no numpy dtype: it only
-# travels as a torch tensor.
+# travels as a torch tensor. These are numpy's own dtype instances (native order is
+# little-endian here), the ones arrays made the usual way carry: a dict lookup of such
+# an array's dtype then matches by identity, without numpy's dtype comparison.
 _NP_DTYPES: dict[str, np.dtype[Any]] = {
-    name: np.dtype(name).newbyteorder("<") for name in DTYPE_NAMES if name != "bfloat16"
+    name: np.dtype(name) for name in DTYPE_NAMES if name != "bfloat16"
 }
 # numpy dtype -> wire name, for the dtypes that need no conversion. Keyed by dtype
 # object: ``arr.dtype.name`` costs about 2 us per call, a dict lookup 30 ns.
 _WIRE_NAMES: dict[np.dtype[Any], str] = {dt: name for name, dt in _NP_DTYPES.items()}
-for _name, _dt in list(_NP_DTYPES.items()):
-    # Single-byte types have byteorder "|"; "=" equals "<" on every supported host.
-    _WIRE_NAMES[np.dtype(_name)] = _name
-if sys.byteorder != "little":  # pragma: no cover - no big-endian hosts in CI
-    raise ImportError("fastio supports little-endian hosts only")
 
 
 _meta_encode = msgspec.msgpack.Encoder().encode
@@ -52,12 +52,16 @@ _Ext = msgspec.msgpack.Ext
 _TOKENS_INLINE = int(ExtCode.TOKENS_INLINE)
 _TOKENS_FRAME = int(ExtCode.TOKENS_FRAME)
 _TOKEN_CODES: dict[int, tuple[np.dtype[Any], bool]] = {}
+_INLINE_DTYPES: dict[int, np.dtype[Any]] = {}  # inline ext code -> dtype
+_FRAME_DTYPES: dict[int, np.dtype[Any]] = {}  # frame ext code -> dtype
 _INLINE_CODE: dict[np.dtype[Any], int] = {}  # dtype -> inline ext code
 _FRAME_CODE: dict[np.dtype[Any], int] = {}  # dtype -> frame ext code
 _FRAME_REF = struct.Struct("<II")  # frame index, element count
 for _d, _name in enumerate(DTYPE_NAMES):
     if _name in _NP_DTYPES:
         _TOKEN_CODES[_TOKENS_INLINE + _d] = (_NP_DTYPES[_name], False)
+        _INLINE_DTYPES[_TOKENS_INLINE + _d] = _NP_DTYPES[_name]
+        _FRAME_DTYPES[_TOKENS_FRAME + _d] = _NP_DTYPES[_name]
         _TOKEN_CODES[_TOKENS_FRAME + _d] = (_NP_DTYPES[_name], True)
 for _dt, _name in _WIRE_NAMES.items():
     _INLINE_CODE[_dt] = _TOKENS_INLINE + DTYPE_NAMES.index(_name)

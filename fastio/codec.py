@@ -65,16 +65,23 @@ This module holds :class:`Encoder` and :class:`Decoder` (their per-call hot path
 from __future__ import annotations
 
 import struct
-import threading
+import sys
 from collections.abc import Sequence
-from typing import Any, Union
+from typing import Any, Literal, Union
 
 import msgspec
 import numpy as np
 
 from fastio import io_struct as _s
-from fastio._decode_errors import _body_error, _frame_error, _Rejected, _token_error
-from fastio._ext import _FRAME_REF, _INLINE_CODE, _TOKEN_CODES, _Ext
+from fastio._decode_errors import _body_error, _Rejected, _token_error
+from fastio._ext import (
+    _FRAME_DTYPES,
+    _FRAME_REF,
+    _INLINE_CODE,
+    _INLINE_DTYPES,
+    _TOKEN_CODES,
+    _Ext,
+)
 from fastio._ext_decode import _dec_hook, _ExtDecoderMixin
 from fastio._ext_encode import _ExtEncoderMixin
 from fastio._header import _SMALL_PREFIXES, _buffer, _header_prefix, _parse_header
@@ -146,18 +153,23 @@ class Encoder(_ExtEncoderMixin):
         if not isinstance(inline_threshold, int) or inline_threshold < 0:
             raise ValueError(f"inline_threshold must be an int >= 0, got {inline_threshold!r}")
         self._threshold = inline_threshold
-        # Per thread: a msgspec encoder whose hook appends to that thread's frame list
-        # (a one-item box set for the duration of one call), so one Encoder serves many
-        # threads without a thread-local lookup per array.
-        self._tls = threading.local()
+        # Idle per-call states (see "Threads" in the module docstring): a call pops one,
+        # or makes one when none is idle, and puts it back when done.
+        self._idle: list[list[Any]] = []
+        # The hot path, a closure over the encoder's state, called directly by
+        # ``enc.encode(obj)`` (the instance attribute shadows the method).
+        self.encode = self._encode = self._hot_encode()  # type: ignore[method-assign]
 
     @property
     def inline_threshold(self) -> int:
         """Arrays with fewer bytes travel inside the header (read-only)."""
         return self._threshold
 
-    def _thread_state(self) -> tuple[msgspec.msgpack.Encoder, list[Any]]:
-        box: list[Any] = [None]
+    def _new_state(self) -> list[Any]:
+        """A per-call state ``[encode, frames, n_guess]``: a msgspec encoder whose hook
+        appends buffers to ``frames``, the frame list of the call that holds the state,
+        and the buffer count of the last message this state encoded."""
+        state: list[Any] = [None, None, 0]
         threshold = self._threshold
         inline_code = _INLINE_CODE
         ext = _Ext
@@ -176,14 +188,50 @@ class Encoder(_ExtEncoderMixin):
                             # The elements are the payload: msgspec copies them into the
                             # header.
                             return ext(code, mv)
-                        frames = box[0]
+                        frames = state[1]
                         frames.append(mv.cast("B"))
                         return ext(code + 16, pack(len(frames) - 1, len(mv)))
-            return other(obj, box[0])
+            return other(obj, state[1])
 
-        state = (msgspec.msgpack.Encoder(enc_hook=hook), box)
-        self._tls.state = state
+        state[0] = msgspec.msgpack.Encoder(enc_hook=hook).encode
         return state
+
+    def _hot_encode(self) -> Any:
+        pop = self._idle.pop
+        push = self._idle.append
+        new_state = self._new_state
+        prefixes = _SMALL_PREFIXES
+        version = PROTOCOL_VERSION
+
+        def encode(obj: Any) -> list[Any]:
+            try:
+                state = pop()
+            except IndexError:  # every state is in use: other threads, a nested encode
+                state = new_state()
+            frames: list[Any] = [b""]
+            state[1] = frames
+            guess = state[2]
+            try:
+                # The whole header in one msgspec call, its buffer count guessed: the
+                # count of this state's last message (messages of one stream look
+                # alike). A wrong guess costs one copy of the header, to fix the count.
+                header = state[0]((version, guess, obj))
+            except EncodeError:
+                raise
+            except (TypeError, ValueError, OverflowError, RuntimeError) as exc:
+                raise EncodeError(f"cannot encode {type(obj).__name__}: {exc}") from exc
+            finally:
+                state[1] = None
+                push(state)
+            n = len(frames) - 1
+            if n != guess:
+                # A guess is below 128, one byte: the header starts b"\x93\x01<guess>".
+                header = (prefixes[n] if n < 128 else _header_prefix(n)) + header[3:]
+                state[2] = n if n < 128 else 0  # (the state may be in use again: a guess)
+            frames[0] = header
+            return frames
+
+        return encode
 
     def encode(self, obj: Any) -> list[Any]:
         """Encode ``obj`` into ``[header, *buffers]``.
@@ -197,25 +245,7 @@ class Encoder(_ExtEncoderMixin):
         EncodeError
             For objects fastio cannot put on the wire (unsupported types or dtypes).
         """
-        try:
-            enc, box = self._tls.state
-        except AttributeError:
-            enc, box = self._thread_state()
-        if box[0] is not None:
-            raise EncodeError("Encoder.encode is not re-entrant within one thread")
-        frames: list[Any] = [b""]
-        box[0] = frames
-        try:
-            body = enc.encode(obj)
-        except EncodeError:
-            raise
-        except (TypeError, ValueError, OverflowError, RuntimeError) as exc:
-            raise EncodeError(f"cannot encode {type(obj).__name__}: {exc}") from exc
-        finally:
-            box[0] = None
-        n = len(frames) - 1
-        frames[0] = (_SMALL_PREFIXES[n] if n < 128 else _header_prefix(n)) + body
-        return frames
+        return self._encode(obj)  # type: ignore[no-any-return]
 
 
 class Decoder(_ExtDecoderMixin):
@@ -265,9 +295,23 @@ class Decoder(_ExtDecoderMixin):
         self._trusted = bool(trusted)
         # The size limit the decode checks, None when trusted (one attribute read).
         self._limit = None if trusted else max_message_size
-        self._tls = threading.local()
-        # Built once here so that a type msgspec cannot decode fails at construction.
-        self._thread_state()
+        # A header alone: the size limit is its own length (no frame-list pass).
+        self._header_limit = sys.maxsize if trusted else max_message_size
+        # Messages of one frame (every message whose arrays are all inline) decode with
+        # one stateless msgspec call: the header's version and buffer count (0) are part
+        # of the type, and nothing refers to a buffer frame.
+        self._decode_one = msgspec.msgpack.Decoder(
+            tuple[Literal[PROTOCOL_VERSION], Literal[0], type],  # type: ignore[valid-type]
+            ext_hook=self._header_only_hook(),
+            dec_hook=_dec_hook,
+        ).decode
+        # Idle per-call states of messages with buffer frames (see "Threads" in the
+        # module docstring). The first is built here so that a type msgspec cannot
+        # decode fails at construction.
+        self._idle: list[list[Any]] = [self._new_state()]
+        # The hot path, a closure over the decoder's state, called directly by
+        # ``dec.decode(frames)`` (the instance attribute shadows the method).
+        self.decode = self._decode = self._hot_decode()  # type: ignore[method-assign]
 
     @property
     def max_message_size(self) -> int:
@@ -280,48 +324,145 @@ class Decoder(_ExtDecoderMixin):
         docstring); read-only."""
         return self._trusted
 
-    def _thread_state(self) -> tuple[msgspec.msgpack.Decoder[Any], list[Any]]:
-        """This thread's msgspec decoder, whose ext hook reads the frames of the call in
-        progress from a one-item box (no thread-local lookup per array)."""
-        box: list[Any] = [None]
-        codes = _TOKEN_CODES
+    def _header_only_hook(self) -> Any:
+        """The ext hook of one-frame messages: inline token arrays on the fast path;
+        a reference to a buffer frame is an error (there are none)."""
+        inline = _INLINE_DTYPES
+        frombuffer = np.frombuffer
+        new = _new_object
+        other = self._ext_hook
+        no_buffers = (None,)
+
+        def ext_hook(code: int, payload: memoryview) -> Any:
+            dtype = inline.get(code)
+            if dtype is not None:
+                try:
+                    arr = frombuffer(payload, dtype)  # ValueError unless whole items
+                except ValueError:
+                    raise _token_error(code, payload, no_buffers) from None
+                tokens = new(TokenArray)  # TokenArray._wrap, inlined; _buf, _excl unset
+                tokens._a = arr
+                return tokens
+            if code in _TOKEN_CODES:  # a token array in a buffer frame: there is none
+                raise _token_error(code, payload, no_buffers)
+            return other(code, payload, no_buffers)
+
+        return ext_hook
+
+    def _new_state(self) -> list[Any]:
+        """A per-call state ``[frames, decode, decode_two]``: msgspec decoders whose ext
+        hook reads buffer frames from ``frames``, the frame list of the call that holds
+        the state; ``decode_two`` is for messages of exactly two frames (its type says
+        one buffer, so msgspec checks the count)."""
+        state: list[Any] = [None, None, None]
+        frame_dtypes = _FRAME_DTYPES
+        inline = _INLINE_DTYPES
         frombuffer = np.frombuffer
         unpack = _FRAME_REF.unpack
         new = _new_object
         other = self._ext_hook
 
         def ext_hook(code: int, payload: memoryview) -> Any:
-            entry = codes.get(code)
-            if entry is None:
-                return other(code, payload, box[0])
-            dtype, in_frame = entry
-            try:
-                if in_frame:
+            dtype = frame_dtypes.get(code)
+            if dtype is not None:
+                # Malformed values fall through to the error below (try is free).
+                try:
                     k, count = unpack(payload)
-                    frames = box[0]
-                    if not 0 < k < len(frames):
-                        raise _frame_error("token array", k, frames)
-                    arr = frombuffer(frames[k], dtype)  # ValueError unless whole items
-                    if arr.shape[0] != count:
-                        raise ValueError("frame size does not match the array")
-                else:
+                    if k:  # frame 0 is the header
+                        arr = frombuffer(state[0][k], dtype)  # ValueError unless whole items
+                        if len(arr) == count:
+                            tokens = new(TokenArray)  # TokenArray._wrap, inlined
+                            tokens._a = arr
+                            return tokens
+                except (ValueError, TypeError, IndexError, BufferError, struct.error):
+                    pass
+                raise _token_error(code, payload, state[0])
+            dtype = inline.get(code)
+            if dtype is not None:
+                try:
                     arr = frombuffer(payload, dtype)
-            except DecodeError:
-                raise
-            except (ValueError, struct.error, BufferError) as exc:
-                raise _token_error(code, payload, box[0], exc) from None
-            tokens = new(TokenArray)  # TokenArray._wrap, inlined; _buf, _excl unset
-            tokens._a = arr
-            return tokens
+                except ValueError:
+                    raise _token_error(code, payload, state[0]) from None
+                tokens = new(TokenArray)
+                tokens._a = arr
+                return tokens
+            return other(code, payload, state[0])
 
-        dec = msgspec.msgpack.Decoder(
-            tuple[int, int, self.type],  # type: ignore[name-defined]
+        tp = self.type
+        state[1] = msgspec.msgpack.Decoder(
+            tuple[Literal[PROTOCOL_VERSION], int, tp],  # type: ignore[valid-type]
             ext_hook=ext_hook,
             dec_hook=_dec_hook,
-        )
-        state = (dec, box)
-        self._tls.state = state
+        ).decode
+        state[2] = msgspec.msgpack.Decoder(
+            tuple[Literal[PROTOCOL_VERSION], Literal[1], tp],  # type: ignore[valid-type]
+            ext_hook=ext_hook,
+            dec_hook=_dec_hook,
+        ).decode
         return state
+
+    def _hot_decode(self) -> Any:
+        decode_one = self._decode_one
+        header_limit = self._header_limit
+        limit = self._limit
+        pop = self._idle.pop
+        push = self._idle.append
+        new_state = self._new_state
+        diagnose = self._diagnose
+        rejected = _Rejected
+
+        def decode(frames: Sequence[Frame]) -> Any:
+            try:
+                count = len(frames)
+                if count == 1:
+                    # Every message whose arrays are all inline: one stateless call.
+                    header = frames[0]
+                    if len(header) > header_limit:
+                        raise rejected
+                    return decode_one(header)[2]
+                if count == 2:
+                    # One buffer frame: the sizes are two len() (the header limit is
+                    # the frame limit, or sys.maxsize when trusted).
+                    if len(frames[0]) + len(frames[1]) > header_limit:
+                        raise rejected
+                    try:
+                        state = pop()
+                    except IndexError:  # all in use: other threads, a nested decode
+                        state = new_state()
+                    state[0] = frames
+                    try:
+                        return state[2](frames[0])[2]
+                    finally:
+                        state[0] = None
+                        push(state)
+                if limit is not None:
+                    # Frames stay as they are: np.frombuffer reads any of them directly.
+                    # len() is the size in bytes of bytes, bytearray, zmq.Frame and byte
+                    # memoryviews.
+                    total = 0
+                    for f in frames:
+                        total += len(f)
+                    if total > limit:
+                        raise rejected
+                try:
+                    state = pop()
+                except IndexError:
+                    state = new_state()
+                state[0] = frames
+                try:
+                    msg = state[1](frames[0])
+                finally:
+                    state[0] = None
+                    push(state)
+                if msg[1] != count - 1:
+                    raise rejected
+                return msg[2]
+            except Exception as exc:  # boundary: nothing else may escape for bad input
+                # Everything about a bad message, in the order a reader checks it, is
+                # worked out here, off the hot path.
+                raise diagnose(frames, exc) from exc
+
+        return decode
 
     def decode(self, frames: Sequence[Frame]) -> Any:
         """Decode a frame list (bytes, memoryview, bytearray or ``zmq.Frame`` items).
@@ -333,32 +474,7 @@ class Decoder(_ExtDecoderMixin):
             constraint: the field's path and the rule); never any other exception for
             bad input.
         """
-        try:
-            dec, box = self._tls.state
-        except AttributeError:
-            dec, box = self._thread_state()
-        limit = self._limit
-        outer = box[0]  # a decode inside a decode (a user type's hook) on this thread
-        box[0] = frames
-        try:
-            if limit is not None:
-                # Frames stay as they are: np.frombuffer reads any of them directly. len()
-                # is the size in bytes of bytes, bytearray, zmq.Frame, byte memoryviews.
-                total = 0
-                for f in frames:
-                    total += len(f)
-                if total > limit:
-                    raise _Rejected
-            version, n_buffers, msg = dec.decode(frames[0])
-            if version != PROTOCOL_VERSION or n_buffers != len(frames) - 1:
-                raise _Rejected
-        except Exception as exc:  # boundary: nothing else may escape for bad input
-            # Everything about a bad message, in the order a reader checks it, is worked
-            # out here, off the hot path.
-            raise self._diagnose(frames, exc) from exc
-        finally:
-            box[0] = outer
-        return msg
+        return self._decode(frames)
 
     def _diagnose(self, frames: Any, exc: Exception) -> DecodeError:
         """The error for frames that failed to decode, checked in the order of the
