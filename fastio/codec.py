@@ -404,6 +404,7 @@ class Decoder(_ExtDecoderMixin):
     def _hot_decode(self) -> Any:
         decode_one = self._decode_one
         header_limit = self._header_limit
+        small_limit = min(header_limit, (1 << 30) - 1)
         limit = self._limit
         pop = self._idle.pop
         push = self._idle.append
@@ -417,13 +418,17 @@ class Decoder(_ExtDecoderMixin):
                 if count == 1:
                     # Every message whose arrays are all inline: one stateless call.
                     header = frames[0]
-                    if len(header) > header_limit:
+                    size = len(header)
+                    # Two compares: the first between small ints (the common case, the
+                    # interpreter's fast path), the second only for big messages.
+                    if size > small_limit and size > header_limit:
                         raise rejected
                     return decode_one(header)[2]
                 if count == 2:
                     # One buffer frame: the sizes are two len() (the header limit is
                     # the frame limit, or sys.maxsize when trusted).
-                    if len(frames[0]) + len(frames[1]) > header_limit:
+                    size = len(frames[0]) + len(frames[1])
+                    if size > small_limit and size > header_limit:
                         raise rejected
                     try:
                         state = pop()
