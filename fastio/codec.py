@@ -183,14 +183,20 @@ class Encoder(_ExtEncoderMixin):
                 code = inline_code.get(arr.dtype)
                 if code is not None:
                     mv = arr.data
-                    if mv.c_contiguous:
-                        if mv.nbytes < threshold:
-                            # The elements are the payload: msgspec copies them into the
-                            # header.
+                    if mv.nbytes < threshold:
+                        if mv.c_contiguous:
+                            # The elements are the payload: msgspec copies them into
+                            # the header.
                             return ext(code, mv)
-                        frames = state[1]
-                        frames.append(mv.cast("B"))
-                        return ext(code + 16, pack(len(frames) - 1, len(mv)))
+                    else:
+                        try:
+                            frame = mv.cast("B")  # TypeError unless C-contiguous
+                        except TypeError:
+                            pass
+                        else:
+                            frames = state[1]
+                            frames.append(frame)
+                            return ext(code + 16, pack(len(frames) - 1, len(mv)))
             return other(obj, state[1])
 
         state[0] = msgspec.msgpack.Encoder(enc_hook=hook).encode
