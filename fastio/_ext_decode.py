@@ -1,6 +1,6 @@
 """How :class:`fastio.Decoder` reads numpy arrays, torch tensors, PIL images and token
 arrays from extension values (all but the compact token-array hot path, which lives in
-``Decoder._thread_state``), and the ``dec_hook`` that turns arrays and lists into
+``Decoder._new_state``), and the ``dec_hook`` that turns arrays and lists into
 ``TokenArray`` fields."""
 
 from __future__ import annotations

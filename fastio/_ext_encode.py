@@ -1,6 +1,6 @@
 """How :class:`fastio.Encoder` writes numpy arrays, torch tensors, PIL images and token
 arrays as extension values (all but the inlined token-array hot path, which lives in
-``Encoder._thread_state``)."""
+``Encoder._new_state``)."""
 
 from __future__ import annotations
 

@@ -38,16 +38,24 @@ fields are ``Any`` to it, for speed: one type and one kind check each). The Pyth
 checks of construction (``GenerationHyperparameters(...)``) never run on decode.
 
 ``Decoder(trusted=False)``, the default and the only right choice for anything read
-from a socket, also checks the frame list before parsing: that every frame is
-bytes-like and that together they stay under ``max_message_size``. ``trusted=True``
-skips that (one pass over the frames) for frames this program produced itself (a
-queue between its own threads, a file it wrote); every other check stays.
+from a socket, also checks the frame list: that together the frames stay under
+``max_message_size`` (a message of one frame: its length; of two: two ``len()``;
+more: one pass), before parsing. The frames the header refers to must be bytes-like (the
+parse checks them).
+``trusted=True`` skips the size limit for frames this program produced itself (a
+queue between its own threads, a file it wrote); every other check stays. The frame
+count the header announces is checked either way (for one or two frames msgspec
+checks it, as part of the header's type).
 
 Threads
 -------
-Per-call state (the list of buffers being built, the frames being read) lives in a
-thread-local slot set for the duration of one call, never across calls, so one
-``Encoder``/``Decoder`` may be shared by threads.
+Per-call state (the list of buffers being built, the frames being read) is never kept
+on the instance between calls, so one ``Encoder``/``Decoder`` may be shared by threads
+and used re-entrantly. Messages of one frame need none: they go through one stateless
+msgspec encoder/decoder (msgspec keeps its own per-call state on the C stack).
+Messages with buffer frames take a per-call state (a msgspec encoder or decoder whose
+hook reads that call's frame list) from a list of idle ones, with ``list.pop`` and
+``list.append`` (atomic), and make a new one when every state is in use.
 
 Where the code lives
 --------------------
@@ -81,6 +89,8 @@ from fastio._ext import (
     _INLINE_DTYPES,
     _TOKEN_CODES,
     _Ext,
+    _is_pil_image,
+    _is_tensor,
 )
 from fastio._ext_decode import _dec_hook, _ExtDecoderMixin
 from fastio._ext_encode import _ExtEncoderMixin
@@ -128,6 +138,20 @@ Message = Union[MESSAGE_TYPES]  # type: ignore[valid-type]  # noqa: UP007
 Frame = Any
 
 _new_object = object.__new__
+
+
+class _NeedsFrames(Exception):
+    """Raised by the stateless encoder for an array that needs a frame of its own."""
+
+
+class _NoFrames(list[Any]):
+    """The frame list of the stateless encoder: adding a frame raises."""
+
+    def append(self, frame: Any) -> None:
+        raise _NeedsFrames
+
+
+_NO_FRAMES = _NoFrames([b""])
 
 
 class Encoder(_ExtEncoderMixin):
@@ -208,8 +232,23 @@ class Encoder(_ExtEncoderMixin):
         new_state = self._new_state
         prefixes = _SMALL_PREFIXES
         version = PROTOCOL_VERSION
+        # The buffer count of the last message, shared by the threads (a guess): 0
+        # means try the stateless encoder first, -1 that it failed last time.
+        last = [0]
+        stateless = msgspec.msgpack.Encoder(enc_hook=self._inline_hook()).encode
 
         def encode(obj: Any) -> list[Any]:
+            if not last[0]:
+                # Every array inline (every small message): one stateless msgspec call,
+                # no per-call state. An array that needs a frame of its own stops it.
+                try:
+                    return [stateless((version, 0, obj))]
+                except _NeedsFrames:
+                    last[0] = -1
+                except EncodeError:
+                    raise
+                except (TypeError, ValueError, OverflowError, RuntimeError) as exc:
+                    raise EncodeError(f"cannot encode {type(obj).__name__}: {exc}") from exc
             try:
                 state = pop()
             except IndexError:  # every state is in use: other threads, a nested encode
@@ -233,11 +272,34 @@ class Encoder(_ExtEncoderMixin):
             if n != guess:
                 # A guess is below 128, one byte: the header starts b"\x93\x01<guess>".
                 header = (prefixes[n] if n < 128 else _header_prefix(n)) + header[3:]
-                state[2] = n if n < 128 else 0  # (the state may be in use again: a guess)
+                # (The state may be in use again by now: these are guesses.)
+                state[2] = last[0] = n if n < 128 else 1
             frames[0] = header
             return frames
 
         return encode
+
+    def _inline_hook(self) -> Any:
+        """The hook of the stateless encoder: arrays inline, or :class:`_NeedsFrames`."""
+        threshold = self._threshold
+        inline_code = _INLINE_CODE
+        ext = _Ext
+        other = self._enc_hook
+
+        def hook(obj: Any) -> Any:
+            if type(obj) is TokenArray:
+                arr = obj._a
+                code = inline_code.get(arr.dtype)
+                if code is not None:
+                    mv = arr.data
+                    if mv.nbytes < threshold and mv.c_contiguous:
+                        return ext(code, mv)
+            elif _is_tensor(obj) or _is_pil_image(obj):
+                # They are converted (device to host, pixels) before the size is known.
+                raise _NeedsFrames
+            return other(obj, _NO_FRAMES)
+
+        return hook
 
     def encode(self, obj: Any) -> list[Any]:
         """Encode ``obj`` into ``[header, *buffers]``.

@@ -722,3 +722,97 @@ def test_protocol_doc_fabric_examples_are_exact() -> None:
         bytes.fromhex("930100961507 d7150500000006000000 d71b000000bf000080bf d7150000000000000000")
         + b"\xa6length"
     ]
+
+
+def _expect_header(frames: list[Any]) -> None:
+    """The header announces exactly the buffers that follow, and decodes."""
+    version, n_buffers, _ = msgpack.unpackb(frames[0], strict_map_key=False, raw=True)
+    assert (version, n_buffers) == (PROTOCOL_VERSION, len(frames) - 1)
+
+
+def test_one_encoder_alternating_message_shapes() -> None:
+    """The encoder writes the header in one call with the buffer count guessed from
+    the last message, and tries a stateless encode while messages stay inline: every
+    change of shape (inline, one frame, many frames, 200 frames, inline objects that
+    stop the stateless encoder) still gives the right header."""
+    enc, dec = Encoder(), Decoder(dict[str, Any])
+    big = np.arange(5000, dtype=np.int32)
+    shapes: list[dict[str, Any]] = [
+        {"a": TokenArray([1, 2, 3])},
+        {"a": TokenArray(big)},
+        {"a": TokenArray([4])},
+        {"a": TokenArray(big), "b": TokenArray(big + 1), "c": np.zeros(3000)},
+        {"a": TokenArray(big)},
+        {f"k{i}": TokenArray(big + i) for i in range(200)},
+        {"a": TokenArray([5, 6])},
+        {"t": torch.arange(4), "a": TokenArray([7])},  # inline tensor: stateful path
+        {"a": TokenArray([8])},
+        {"t": torch.arange(4000)},
+        {"s": np.float32(0.5), "a": TokenArray([9])},
+        {"i": Image.new("RGB", (2, 2))},
+        {"a": TokenArray([10])},
+    ]
+    for _ in range(2):
+        for msg in shapes:
+            frames = enc.encode(msg)
+            _expect_header(frames)
+            back = dec.decode(frames)
+            assert back.keys() == msg.keys()
+            for k, v in msg.items():
+                if isinstance(v, TokenArray):
+                    assert back[k] == v
+                elif isinstance(v, torch.Tensor):
+                    assert torch.equal(back[k], v)
+                elif isinstance(v, np.ndarray):
+                    assert np.array_equal(back[k], v)
+
+
+def test_shared_encoder_across_threads_with_mixed_shapes() -> None:
+    """Threads sharing one Encoder and Decoder, each sending inline and frame-backed
+    messages in its own rhythm: the shared guesses never corrupt a header."""
+    enc, dec = Encoder(), Decoder(LLMRequest)
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(4)
+
+    def work(k: int) -> None:
+        try:
+            barrier.wait(5)
+            for i in range(300):
+                n = 3000 if (i + k) % (k + 2) == 0 else 10 + k  # frame or inline
+                req = LLMRequest(rid=f"{k}-{i}", input_ids=np.full(n, k, np.int32))
+                frames = enc.encode(req)
+                _expect_header(frames)
+                assert len(frames) == (2 if n == 3000 else 1)
+                back = dec.decode(frames)
+                assert back.rid == req.rid and len(back.input_ids) == n
+                assert back.input_ids.count(k) == n
+        except BaseException as exc:  # reported by the assert below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+
+
+def test_encode_inside_an_encode() -> None:
+    """An encode started while another is in progress on the same thread (here from a
+    tokenizer-like object's name_or_path property) uses its own per-call state."""
+    enc = Encoder()
+    inner: list[list[Any]] = []
+
+    class Tok:
+        @property
+        def name_or_path(self) -> str:
+            inner.append(enc.encode({"x": TokenArray(np.arange(3000, dtype=np.int32))}))
+            return "tok"
+
+    for big in (False, True):
+        ids = np.arange(4000 if big else 4, dtype=np.int32)
+        frames = enc.encode({"tok": Tok(), "ids": TokenArray(ids)})
+        _expect_header(frames)
+        assert fastio.decode(frames, dict[str, Any])["ids"] == ids
+        _expect_header(inner[-1])
+        assert fastio.decode(inner[-1], dict[str, Any])["x"] == list(range(3000))
