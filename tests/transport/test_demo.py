@@ -181,19 +181,19 @@ def test_no_completed_request_is_a_failure_and_keeps_the_logs() -> None:
 
 
 def test_a_failed_update_fails_the_run() -> None:
-    from transport.demo import ClientReport, FinalCheck, UpdateReport, _State, _verdict
+    from transport.demo.reports import ClientReport, FinalCheck, RunState, UpdateReport, verdict
 
-    st = _State()
+    st = RunState()
     st.clients[0] = ClientReport(client=0, done=5)
     st.final = FinalCheck(version=2, trainer_digest="0", workers={"w": "0"}, equal=True)
     st.updates = [UpdateReport(version=1, seconds=0.1), UpdateReport(version=2, seconds=0.1)]
-    assert _verdict(st, early=False) == ""
+    assert verdict(st, early=False) == ""
     st.updates[1].ok = False
-    assert "versions [2]" in _verdict(st, early=False)
+    assert "versions [2]" in verdict(st, early=False)
     st.updates[1].ok = True
     st.final.equal = False
-    assert "differ" in _verdict(st, early=False)
-    assert "early" in _verdict(st, early=True)
+    assert "differ" in verdict(st, early=False)
+    assert "early" in verdict(st, early=True)
 
 
 @pytest.mark.parametrize(
@@ -218,7 +218,8 @@ def test_user_errors_print_one_line(args: list[str], message: str) -> None:
 def test_no_preexec_fn_in_the_threaded_parent() -> None:
     # Children die with the demo through a pipe and a watchdog (see
     # test_killed_orchestrator_takes_children_along), not through preexec_fn.
-    src = (ROOT / "transport" / "demo.py").read_text()
+    src = "".join(f.read_text() for f in (ROOT / "transport" / "demo").glob("*.py"))
+    assert "subprocess.Popen" in src  # the files that start the children were read
     assert "preexec_fn=" not in src and "prctl" not in src
 
 

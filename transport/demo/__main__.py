@@ -1,0 +1,7 @@
+"""``python -m transport.demo``."""
+
+import sys
+
+from transport.demo.cli import main
+
+sys.exit(main())
