@@ -242,6 +242,7 @@ async def _amain(args: argparse.Namespace) -> None:
         max_message_size=args.max_message_size, hwm=args.hwm, curve=curve,
         peer_queue_limit=args.peer_queue_limit, extra=dict(args.plugin_opt),
         inline={"auto": None, "on": True, "off": False}[args.inline],
+        latency_metrics=args.metrics_port is not None,
     )  # fmt: skip
     server = WorkerServer(handler, config, background=_plugins(args))
     try:
