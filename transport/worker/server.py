@@ -432,7 +432,8 @@ class WorkerServer(PauseControl):
                     err = InvalidHandlerOutput(problem)
             if err is None:
                 assert resp is not None
-                ctx._flush()
+                if ctx._tok:
+                    ctx._flush()
                 if resp.stop_reason == "interrupt":
                     self.counters["interrupted"] += 1
                 self.counters["completed"] += 1
