@@ -149,7 +149,8 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--metrics-port",
         type=int,
         default=None,
-        help="serve Prometheus /metrics on 127.0.0.1 at this port (0 picks one); off if unset",
+        help="serve Prometheus /metrics on 127.0.0.1 at this port (0 picks one) and record "
+        "the latency histograms; off if unset",
     )
     p.add_argument(
         "--log-level", default="WARNING", type=str.upper, choices=_LEVELS, help="any case"
