@@ -280,8 +280,13 @@ def _nbytes(frames: list[Any]) -> int:
 _RETRY_MIN_S = 0.002
 _RETRY_MAX_S = 0.1
 
-# Sends closer together than this (outside a receive batch) start a coalescing burst.
-_BURST_GAP_S = 50e-6
+# A send this soon after the previous one ended (outside a receive batch) starts a
+# coalescing burst. Measured from the end of the previous send: a send that wakes
+# libzmq's I/O thread can take far longer than this on a loaded machine (the I/O thread
+# takes the core), and a gap measured from its start would then never see the next
+# send as back to back, so no burst would start exactly when coalescing matters most.
+# One request at a time is a whole round trip apart.
+_BURST_GAP_S = 100e-6
 _perf_counter = time.perf_counter
 
 
@@ -354,8 +359,9 @@ class SocketPump:
     with ``batch_frames`` (peers that split with :func:`fastio.fabric_msgs.split`), runs
     of small single-frame messages among them travel as one batch frame.
     A burst is one batch of incoming messages (replies sent by ``on_recv``), or, for
-    sends from elsewhere (tasks), the rest of the loop iteration after two sends within
-    50 us of each other (a lone send costs no end-of-burst callback). Under load this
+    sends from elsewhere (tasks), the rest of the loop iteration after a send that
+    starts within 100 us of the end of the previous one (a lone send costs no
+    end-of-burst callback). Under load this
     turns many small ZeroMQ messages, each waking libzmq's I/O thread, into a few.
 
     ``router=True``: frame 0 of each message is the ROUTER peer identity, the
@@ -408,7 +414,7 @@ class SocketPump:
         self._retry_s = _RETRY_MIN_S
         self._closed = False
         self._fd: int = sock.getsockopt(zmq.FD)  # type: ignore[assignment]
-        self.loop.add_reader(self._fd, self._drain)
+        self.loop.add_reader(self._fd, self._on_readable)
         self._schedule()
 
     @property
@@ -437,7 +443,14 @@ class SocketPump:
             self._scheduled = True
             self.loop.call_soon(self._drain)
 
-    def _drain(self) -> None:
+    def _on_readable(self) -> None:
+        # The FD is readable: commands are pending, almost always a message's arrival.
+        # The first receive goes without asking ZMQ_EVENTS first (the receive
+        # processes the commands itself): one pyzmq getsockopt fewer per wake-up, about
+        # 2.5 us, at the price of an EAGAIN exception on the rare wake-up without input.
+        self._drain(True)
+
+    def _drain(self, readable: bool = False) -> None:
         self._scheduled = False
         if self._closed or self._in_batch:
             return
@@ -447,11 +460,11 @@ class SocketPump:
         on_recv = self.on_recv
         self._in_batch = True
         try:
-            for _ in range(self.batch):
+            for i in range(self.batch):
                 # Asking ZMQ_EVENTS before each receive (which also re-arms the FD) is
                 # cheaper than the EAGAIN exception of an empty recv, and sees input
                 # that our own sends (replies from on_recv) took the edge of.
-                if not sock.get(_EVENTS) & _POLLIN:  # type: ignore[operator]
+                if (i or not readable) and not sock.get(_EVENTS) & _POLLIN:  # type: ignore[operator]
                     return
                 try:
                     frames = recv_frames(sock)
@@ -486,11 +499,12 @@ class SocketPump:
                 # Outside a batch a burst needs a callback to end it (one more loop
                 # iteration). Start one only when sends come back to back; a lone send
                 # (one request at a time) just goes.
-                now = _perf_counter()
-                if now - self._last_send < _BURST_GAP_S:
+                if _perf_counter() - self._last_send < _BURST_GAP_S:
                     self._burst = True
                     self.loop.call_soon(self._end_burst)
-                self._last_send = now
+                self._send_now(frames)
+                self._last_send = _perf_counter()
+                return
             self._send_now(frames)
             return
         key = frames[0] if self.router else None

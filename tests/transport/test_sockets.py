@@ -100,3 +100,55 @@ def test_split_batches_in_order_and_rejects_bad_ones() -> None:
         assert "header" in str(exc)
     else:
         raise AssertionError("a bad batch frame decoded")
+
+
+def test_slow_sends_back_to_back_still_coalesce(monkeypatch: Any) -> None:
+    # On a loaded machine a send that wakes libzmq's I/O thread can take hundreds of
+    # microseconds (the I/O thread takes the core). Sends issued back to back must still
+    # start a burst: the gap is measured from the end of the previous send, not its start
+    # (which, with slow sends, never looked back to back, so nothing was coalesced).
+    import transport.sockets as sockets
+
+    clock = [0.0]
+    real_send = sockets.send_frames
+
+    def slow_send(sock: zmq.Socket[Any], frames: list[Any]) -> None:
+        clock[0] += 500e-6  # what the send costs, on a fake clock
+        real_send(sock, frames)
+
+    monkeypatch.setattr(sockets, "_perf_counter", lambda: clock[0])
+    monkeypatch.setattr(sockets, "send_frames", slow_send)
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    zmq_messages: list[list[zmq.Frame]] = []
+    got: list[list[Any]] = []
+    n = 50
+
+    async def main() -> None:
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.connect(f"tcp://127.0.0.1:{port}")
+        pump = SocketPump(dealer, lambda frames: None, batch_frames=True)
+        clock[0] = 1.0  # long after any earlier send
+        for i in range(n):
+            pump.send(fastio.encode(fm.Cancel(id=i)))
+
+        def drained() -> bool:
+            while router.poll(0):
+                m = router.recv_multipart(copy=False)
+                zmq_messages.append(m)
+                got.extend(fm.split(m[1:]))
+            return len(got) >= n
+
+        await await_for(drained, what="every message arrived")
+        pump.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        router.close(0)
+        ctx.term()
+    assert [fastio.decode(m, type=fm.CLIENT_TO_WORKER).id for m in got] == list(range(n))
+    # The first two go at once (the second starts the burst), the rest as one message.
+    assert len(zmq_messages) <= 3

@@ -149,7 +149,8 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--metrics-port",
         type=int,
         default=None,
-        help="serve Prometheus /metrics on 127.0.0.1 at this port (0 picks one); off if unset",
+        help="serve Prometheus /metrics on 127.0.0.1 at this port (0 picks one) and record "
+        "the latency histograms; off if unset",
     )
     p.add_argument(
         "--log-level", default="WARNING", type=str.upper, choices=_LEVELS, help="any case"
@@ -242,6 +243,7 @@ async def _amain(args: argparse.Namespace) -> None:
         max_message_size=args.max_message_size, hwm=args.hwm, curve=curve,
         peer_queue_limit=args.peer_queue_limit, extra=dict(args.plugin_opt),
         inline={"auto": None, "on": True, "off": False}[args.inline],
+        latency_metrics=args.metrics_port is not None,
     )  # fmt: skip
     server = WorkerServer(handler, config, background=_plugins(args))
     try:

@@ -250,7 +250,9 @@ class SocketThread:
             self._bad_decode(peer, body, exc)
             return
         tp = type(msg)
-        if tp is fm.Heartbeat:
+        if tp is fm.Submit and not self.threaded:  # inline: straight to the server
+            self.server._on_submit(peer, msg)
+        elif tp is fm.Heartbeat:
             self._pong(peer, msg)
         elif tp is fm.Control and msg.op == "health":
             # Liveness of the controller's view too: answered here, not by the engine.

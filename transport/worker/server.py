@@ -142,6 +142,7 @@ class WorkerServer(PauseControl):
         # Event toggled by every request: that cost ~1 us a request.
         self._idle_waiters: list[asyncio.Future[None]] = []
         self._max_running = self.config.max_concurrency
+        self._latency_metrics = self.config.latency_metrics
         self._gate: collections.deque[asyncio.Future[None]] = collections.deque()
         self._flush_pending: list[RequestContext] = []
         self._bg_tasks: list[asyncio.Task[Any]] = []
@@ -431,12 +432,14 @@ class WorkerServer(PauseControl):
                     err = InvalidHandlerOutput(problem)
             if err is None:
                 assert resp is not None
-                ctx._flush()
+                if ctx._tok:
+                    ctx._flush()
                 if resp.stop_reason == "interrupt":
                     self.counters["interrupted"] += 1
                 self.counters["completed"] += 1
                 _REQUESTS_OK.inc()
-                ctx._finished(len(resp.output_tokens))
+                if self._latency_metrics:
+                    ctx._finished(len(resp.output_tokens))
                 self._send(
                     peer,
                     fm.Result(

@@ -1,0 +1,45 @@
+"""The worker's latency histograms are recorded only when asked for
+(``WorkerConfig.latency_metrics``; the CLI's ``--metrics-port`` sets it, see
+test_worker_cli), request outcomes always."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from fastio import LLMRequest
+from transport import ClientConfig, FabricClient, WorkerConfig, WorkerServer, echo_handler
+
+prom = pytest.importorskip("prometheus_client")
+
+
+def _sample(name: str, **labels: str) -> float:
+    value = prom.REGISTRY.get_sample_value(name, labels)
+    return 0.0 if value is None else float(value)
+
+
+async def _serve_three(latency_metrics: bool) -> None:
+    server = WorkerServer(
+        echo_handler, WorkerConfig(bind="tcp://127.0.0.1:0", latency_metrics=latency_metrics)
+    )
+    endpoints = await server.start()
+    try:
+        async with FabricClient(endpoints, ClientConfig(stream=False)) as client:
+            for i in range(3):
+                resp = await asyncio.wait_for(client.agenerate(LLMRequest(input_ids=[i, 1])), 30)
+                assert resp.output_tokens.tolist() == [i, 1]
+    finally:
+        await server.close()
+
+
+@pytest.mark.parametrize("latency_metrics", [False, True])
+def test_latency_histograms_only_when_asked(latency_metrics: bool) -> None:
+    e2e = _sample("fastio_worker_e2e_seconds_count")
+    ttft = _sample("fastio_worker_ttft_seconds_count")
+    ok = _sample("fastio_worker_requests_total", outcome="ok")
+    asyncio.run(_serve_three(latency_metrics))
+    expected = 3.0 if latency_metrics else 0.0
+    assert _sample("fastio_worker_e2e_seconds_count") - e2e == expected
+    assert _sample("fastio_worker_ttft_seconds_count") - ttft == expected
+    assert _sample("fastio_worker_requests_total", outcome="ok") - ok == 3.0
