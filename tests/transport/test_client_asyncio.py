@@ -107,7 +107,7 @@ def test_wait_for(worker: str) -> None:
     async def scenario(client: FabricClient, cancelled: Any) -> None:
         assert (await asyncio.wait_for(client.agenerate(req([1])), 10)).output_len == 3
         long = client.agenerate(req([2], n=LONG))
-        with pytest.raises(asyncio.TimeoutError):
+        with pytest.raises(TimeoutError):
             await asyncio.wait_for(long, 0.3)
         assert long.cancelled()
         await until_cancelled(cancelled, 1)

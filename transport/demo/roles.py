@@ -79,7 +79,7 @@ async def client_role(a: argparse.Namespace) -> None:
                     rep.failed += 1
                     # No worker alive (NoWorkerAvailable) fails at once: wait before the
                     # next try instead of spinning.
-                    with contextlib.suppress(asyncio.TimeoutError):
+                    with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(stop.wait(), 1.0)
                     continue
                 rep.done += 1
@@ -98,7 +98,7 @@ async def client_role(a: argparse.Namespace) -> None:
 
         tasks = [asyncio.ensure_future(one_loop()) for _ in range(a.concurrency)]
         while not stop.is_set():
-            with contextlib.suppress(asyncio.TimeoutError):
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), 0.5)
             counters()
             send_report(push, rep)

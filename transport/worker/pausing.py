@@ -59,7 +59,7 @@ class PauseControl:
         self._idle_waiters.append(idle)
         try:
             await asyncio.wait_for(idle, timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return self._running == 0
         return True
 

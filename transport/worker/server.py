@@ -452,7 +452,7 @@ class WorkerServer(PauseControl):
                 )
             elif isinstance(err, asyncio.CancelledError):
                 self._cancelled(ctx)
-            elif isinstance(err, asyncio.TimeoutError):
+            elif isinstance(err, TimeoutError):
                 self.counters["errors"] += 1
                 metrics.WORKER_REQUESTS.labels(outcome="error").inc()
                 self._send_error(
