@@ -29,6 +29,10 @@ __all__ = ["InFlight", "Partial", "VersionFetch"]
 
 log = logging.getLogger("transport.weights.subscriber")
 
+#: Shared-memory mappings a subscriber keeps between versions (the publisher's pool
+#: holds two segments in turn for a steady stream of versions).
+_KEEP_MAPPINGS = 2
+
 
 class InFlight:
     """State of one version being fetched over TCP."""
@@ -144,18 +148,23 @@ class VersionFetch:
         self._pump()
 
     def _segment(self, name: str) -> _shm.ShmSegment:
-        # Each version has its own segment (never rewritten while mapped here); the
-        # mapping is dropped when the version is done with (_drop_segment).
-        seg = self._segments.get(name)
+        # Mappings are kept from version to version (the publisher packs the same
+        # segments again, so mapping anew each version would cost a page-table fill
+        # per version), the most recently used _KEEP_MAPPINGS of them: an older one
+        # may name a segment the publisher unlinked, whose pages this mapping pins.
+        seg = self._segments.pop(name, None)
         if seg is None:
-            seg = self._segments[name] = _shm.ShmSegment.open(name)
+            seg = _shm.ShmSegment.open(name)
+            while len(self._segments) >= _KEEP_MAPPINGS:
+                self._segments.pop(next(iter(self._segments))).close()
+        self._segments[name] = seg  # most recently used last
         return seg
 
-    def _drop_segment(self, up: InFlight) -> None:
-        if up.seg is not None:
-            seg = self._segments.pop(up.seg.name, None)
-            if seg is not None:
-                seg.close()
+    def _drop_segments(self) -> None:
+        """Unmap every kept segment (a new or silent publisher, closing)."""
+        for seg in self._segments.values():
+            seg.close()
+        self._segments.clear()
 
     def _pump(self) -> None:
         """Keep ``window`` fetches in flight."""
@@ -294,13 +303,15 @@ class VersionFetch:
                 )
             finally:
                 up.received.clear()
-                self._drop_segment(up)
 
     def _check_timeouts(self, now: float) -> None:
         up = self._update
+        silent = bool(self._last_heard) and now - self._last_heard > self.publisher_timeout
         if up is None:
+            if silent and self._segments:
+                self._drop_segments()  # a dead publisher's segments: do not pin them
             return
-        if self._last_heard and now - self._last_heard > self.publisher_timeout:
+        if silent:
             self._fail(
                 up.ann.version,
                 f"publisher silent for {now - self._last_heard:.1f} s (dead?) mid-update",

@@ -10,9 +10,9 @@ Sockets (see ``docs/PROTOCOL.md``, "Weight updates"):
 
 A version is staged in one buffer, a shared-memory segment when ``/dev/shm`` allows it
 (same-host workers read it in place) and private memory otherwise. The buffer is the
-version's snapshot: late joiners and re-fetches are served from it. A buffer that a
-worker's process may still read is never overwritten (the buffer rule, see
-:mod:`transport.weights.buffers`).
+version's snapshot: late joiners and re-fetches are served from it. Buffers are reused
+from version to version, but one that a worker's process may still read is never
+overwritten (the buffer rule, see :mod:`transport.weights.buffers`).
 
 The path of each worker. A worker on this host whose process the trainer can see, and
 that can open the trainer's memory, takes the ``ipc`` path (:mod:`transport.weights.ipc`:
@@ -222,9 +222,7 @@ class WeightPublisher(IpcServing, VersionBuffers):
         self._workers: dict[str, SubscriberInfo] = {}
         self._versions: dict[int, Staged] = {}
         self._latest: Staged | None = None
-        #: A fresh segment made in the background for the next version.
-        self._spare: _shm.ShmSegment | None = None
-        self._spare_busy = False
+        self._free_segments: list[_shm.ShmSegment] = []
         self._pending: list[Staged] = []
         self._seq = 0
         self._closed = False
@@ -336,7 +334,6 @@ class WeightPublisher(IpcServing, VersionBuffers):
             # their Acks find the version registered.
             self._publish_ipc(everything, version)
         metrics.PUBLISHER_PHASE_SECONDS.labels(phase="pack").observe(time.monotonic() - t0)
-        self._prepare_spare(staged.capacity)
         return staged.announce
 
     def wait(
@@ -428,13 +425,8 @@ class WeightPublisher(IpcServing, VersionBuffers):
         if self._own_ctx:
             self._ctx.term()
         with self._cond:
-            for st in self._versions.values():
-                st.release()
-            self._versions.clear()
+            self._close_buffers()
             self._latest = None
-            spare, self._spare = self._spare, None
-        if spare is not None:
-            spare.close()
         self._close_ipc()
         if self._probe is not None:
             self._probe.close()

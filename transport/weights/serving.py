@@ -31,7 +31,7 @@ from fastio.weight_msgs import (
 )
 from transport import metrics
 from transport.weights import shm as _shm
-from transport.weights.ipc import IpcExporter
+from transport.weights.ipc import IpcExporter, process_alive, process_start_time
 from transport.weights.ratelog import RateLimitedLog
 from transport.weights.results import SubscriberInfo
 from transport.weights.staging import Send, Staged
@@ -187,14 +187,22 @@ class PublisherService:
                                 st.lost[w] = "worker lost: its process is gone"
                                 self._check_done(st)
             for w, info in self._workers.items():
-                if info.alive and now - info.last_seen > self.worker_timeout:
-                    info.alive = False
+                if not info.alive:
+                    continue
+                if info.start_time and not process_alive(info.pid, info.start_time):
+                    # Same host, and its process is gone: lost now, not after
+                    # worker_timeout (and its shared memory is free again).
+                    reason = "worker lost: its process is gone"
+                elif now - info.last_seen > self.worker_timeout:
                     reason = f"worker lost: no message for {now - info.last_seen:.1f} s"
-                    log.warning("weight subscriber %s %s", w, reason)
-                    for st in self._versions.values():
-                        if w in st.expected and w not in st.acks:
-                            st.lost[w] = reason
-                            self._check_done(st)
+                else:
+                    continue
+                info.alive = False
+                log.warning("weight subscriber %s %s", w, reason)
+                for st in self._versions.values():
+                    if w in st.expected and w not in st.acks:
+                        st.lost[w] = reason
+                        self._check_done(st)
             latest = self._latest.version if self._latest else -1
             self._retire()
             self._cond.notify_all()
@@ -259,6 +267,8 @@ class PublisherService:
                 for old in self._versions.values():
                     old.lost.pop(wid, None)
             if isinstance(msg, WeightHello):
+                if (info.host_id, info.pid) != (msg.host_id, msg.pid):
+                    info.start_time = _visible_start(self.host_id, msg)
                 info.host_id, info.pid = msg.host_id, msg.pid
                 info.version, info.digest = msg.version, msg.digest
                 info.dtype = msg.dtype
@@ -268,6 +278,8 @@ class PublisherService:
                 # A Hello at version >= v means v was applied even when its Ack was lost
                 # (a subscriber drops a send its socket cannot take): count it as the Ack.
                 for st in self._versions.values():
+                    if st.version <= msg.version:
+                        st.readers.discard(wid)  # done with that version's bytes
                     if st.version <= msg.version and wid in st.expected and wid not in st.acks:
                         st.acks[wid] = WeightAck(
                             wid, st.version, True, msg.version, "", msg.digest, info.path
@@ -294,6 +306,7 @@ class PublisherService:
             with self._cond:
                 acked = self._versions.get(msg.version)
                 if acked is not None:
+                    acked.readers.discard(wid)  # an answer: done with the version's bytes
                     acked.acks[wid] = msg
                     acked.expected.add(wid)
                     self._check_done(acked)
@@ -358,6 +371,10 @@ class PublisherService:
         snd = Send(ident, msg)
         with self._cond:
             st.active.append(snd)
+            if msg.shm:
+                # It reads the segment from the first notice until it answers: the
+                # segment is not packed again before (the buffer rule).
+                st.readers.add(wid)
         self._advance(st, snd)
 
     def _advance(self, st: Staged, snd: Send) -> None:
@@ -414,3 +431,11 @@ class PublisherService:
                         info.nbytes
                     )
                 return
+
+
+def _visible_start(host_id: str, hello: WeightHello) -> int:
+    """The start time of the Hello's process when this process sees it (same host, and
+    the pid names the same process here: the start times agree); 0 otherwise."""
+    if hello.host_id != host_id or hello.pid <= 0 or hello.start_time <= 0:
+        return 0
+    return hello.start_time if process_start_time(hello.pid) == hello.start_time else 0

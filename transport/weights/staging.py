@@ -88,6 +88,10 @@ class Staged:
         self.trackers: list[zmq.MessageTracker] = []
         self.expected: set[str] = set()
         self.acks: dict[str, WeightAck] = {}
+        #: Workers that asked to read the shared-memory segment (a shm Fetch) and have
+        #: not answered this version since: the segment is not rewritten while one of
+        #: them may read it (see :mod:`transport.weights.buffers`).
+        self.readers: set[str] = set()
         self.lost: dict[str, str] = {}
         self.done_at = 0.0
         #: Whether a failure of this version was counted in the metrics.
@@ -113,11 +117,11 @@ class Staged:
     def answered(self) -> bool:
         return all(w in self.acks or w in self.lost for w in self.expected)
 
-    def release(self) -> None:
+    def take_segment(self) -> _shm.ShmSegment | None:
+        """Detach the buffer from this version (which can no longer be served)."""
+        seg, self.seg = self.seg, None
         self.buf = torch.empty(0, dtype=torch.uint8)
-        if self.seg is not None:
-            self.seg.close()
-            self.seg = None
+        return seg
 
 
 def pack_steps(

@@ -61,6 +61,7 @@ from transport.weights.binding import DtypeSpec, Rename, advertised_dtype, parse
 from transport.weights.bucket import BucketApplier, named_tensors, state_digest
 from transport.weights.commit import VersionCommit
 from transport.weights.fetching import InFlight
+from transport.weights.ipc import process_start_time
 from transport.weights.ipc_receiving import PATHS, IpcReceiving, ipc_eligible
 from transport.weights.malloc import tune_malloc as _tune_malloc
 from transport.weights.ratelog import RateLimitedLog
@@ -242,6 +243,7 @@ class WeightSubscriber(IpcReceiving, VersionCommit):
         self._thread: threading.Thread | None = None
         self._last_hello = 0.0
         self._host = _shm.host_id()
+        self._start_time = process_start_time(os.getpid()) or 0
         self._encoder = fastio.Encoder()
         self._decoder = fastio.Decoder(
             _FROM_PUBLISHER, max_message_size=max_message_size + (1 << 20)
@@ -363,9 +365,7 @@ class WeightSubscriber(IpcReceiving, VersionCommit):
             said_bye = self._ipc_close()
             self._dealer.close(linger=500 if said_bye else 0)
             self._sub.close(linger=0)
-            for seg in self._segments.values():
-                seg.close()
-            self._segments.clear()
+            self._drop_segments()
 
     def _drain(self, sock: zmq.Socket[Any]) -> None:
         for _ in range(64):
@@ -408,6 +408,7 @@ class WeightSubscriber(IpcReceiving, VersionCommit):
                 self._version,
                 self._digest,
                 self._hello_dtype,
+                self._start_time,
             )
         )
 
@@ -462,9 +463,7 @@ class WeightSubscriber(IpcReceiving, VersionCommit):
                     self._sub.disconnect(self._pub_endpoint)
             self._pub_endpoint = w.pub_endpoint
             self._sub.connect(w.pub_endpoint)
-        for seg in self._segments.values():
-            seg.close()
-        self._segments.clear()
+        self._drop_segments()
 
     def _on_error(self, msg: WeightError) -> None:
         up = self._update
