@@ -143,6 +143,35 @@ def test_segments_are_packed_again_only_after_every_reader_answered() -> None:
     assert not any((wshm.SHM_DIR / n).exists() for n in [*names, name8])
 
 
+def test_tcp_pieces_land_in_one_staging_buffer_kept_between_versions() -> None:
+    """Over TCP a worker copies each verified piece into a staging buffer it keeps (the
+    frames are freed at once); a bigger version gets a bigger one; ``atomic=False``
+    keeps none."""
+    ctx: zmq.Context[Any] = zmq.Context()
+    pub = WeightPublisher(context=ctx, shm=False, chunk_bytes=4096, heartbeat_interval=0.1)
+    target = zeros_like(make_state(0, scale=4))
+    sub = WeightSubscriber(pub.endpoint, target, context=ctx, shm=False).start()
+    loose_target = zeros_like(make_state(0, scale=4))
+    loose = WeightSubscriber(
+        pub.endpoint, loose_target, context=ctx, shm=False, atomic=False
+    ).start()
+    try:
+        pub.wait_for_workers(2, 30)
+        ptrs = set()
+        for v in (1, 2, 3):
+            assert pub.publish_and_wait(make_state(v, scale=4), v, timeout=30).ok
+            assert equal(target, make_state(v, scale=4))
+            assert equal(loose_target, make_state(v, scale=4))
+            assert sub._staging is not None
+            ptrs.add(sub._staging.ctypes.data)
+        assert len(ptrs) == 1 and loose._staging is None
+    finally:
+        sub.close()
+        loose.close()
+        pub.close()
+        ctx.term()
+
+
 def killed_reader_proc(endpoint: str, events: Any) -> None:
     """A worker that says when it verified version 2 and then never gets to its copy."""
     torch.set_num_threads(1)

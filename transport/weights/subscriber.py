@@ -18,15 +18,17 @@ holds the new bytes, and only where they already are:
 * same host (shared memory): the publisher's segment *is* the staging area. The worker
   verifies every bucket's checksum in place, then copies into its parameters: no extra
   memory on the worker, one copy per byte.
-* over TCP: received buckets stay in the frames they arrived in (no copy); bucket k is
-  verified while bucket k+1 is on the wire, and once all are verified they are copied
-  into the parameters. The worker holds at most one version's frames, transiently.
+* over TCP: each piece is hashed as it arrives and copied, while still in cache, into
+  a staging buffer the worker keeps from version to version (its frame is freed at
+  once, so the next piece lands in the same warm memory instead of fresh pages); once
+  every bucket is verified they are copied into the parameters. The worker holds one
+  version's bytes in that buffer.
 
 Either way the metadata (names, shapes, dtypes, layout) is checked before a byte is
 fetched, the parameters are written in place (references held by the engine stay valid)
 and the version is switched only after the last copy. ``atomic=False`` trades the
 guarantee for memory: each verified bucket is applied as it arrives (at most ``window``
-buckets held); if the version then fails the worker reports its weights as mixed, and
+buckets held, in their frames; no staging buffer); if the version then fails the worker reports its weights as mixed, and
 :attr:`WeightSubscriber.consistent` is false until a later version completes.
 """
 
@@ -41,6 +43,7 @@ import uuid
 from collections.abc import Callable, Iterable
 from typing import Any, Union
 
+import numpy as np
 import torch
 import zmq
 
@@ -258,6 +261,7 @@ class WeightSubscriber(IpcReceiving, VersionCommit):
         self._attempts: dict[tuple[str, int], int] = {}
         self._given_up: set[tuple[str, int]] = set()
         self._segments: dict[str, _shm.ShmSegment] = {}
+        self._staging: np.ndarray[Any, Any] | None = None
 
     # -- public API --------------------------------------------------------------------
     @property
