@@ -265,6 +265,11 @@ class IpcExporter:
         self.workers: dict[str, _Worker] = {}
         self._start_time = process_start_time(os.getpid()) or 0
         self._versions: dict[int, set[str]] = {}  # version -> workers it was sent to
+        #: The version every slot holds, when the slots hold a whole version (one slot
+        #: per bucket) and it was packed completely; ``-1`` otherwise.
+        self.held = -1
+        #: Readers of :meth:`snapshot` views still at work: :meth:`publish` waits for them.
+        self.snapshot_reads = 0
         self.closed = False
 
     # slots and handles
@@ -435,6 +440,12 @@ class IpcExporter:
         tensors = _named(state)
         _check_layout(self.layout, tensors)
         deadline = time.monotonic() + timeout
+        while self.snapshot_reads:  # the previous version is being copied out of the slots
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise WeightUpdateError("the slots are still read for a snapshot")
+            wait(min(left, 0.2))
+        self.held = -1
         n = len(self.layout)
         sent_to: set[str] = set()
         for b in self.layout:
@@ -460,6 +471,24 @@ class IpcExporter:
         self._versions[version] = sent_to
         for old in [v for v in self._versions if v < version - 8]:
             del self._versions[old]
+        self.held = version if self.n_slots >= n else -1
+
+    def snapshot(self, version: int) -> dict[str, torch.Tensor] | None:
+        """Typed views of every tensor of ``version`` in the slots, while the slots hold
+        it whole (else ``None``). Valid until the next :meth:`publish`; raise
+        :attr:`snapshot_reads` while reading them (publish waits for it to drop)."""
+        if self.held != version or self.closed:
+            return None
+        out: dict[str, torch.Tensor] = {}
+        for b in self.layout:
+            slot = self._slots[b.index]
+            for e in b.tensors:
+                dt = getattr(torch, e.dtype)
+                raw = slot[e.offset : e.offset + e.nbytes]
+                if raw.storage_offset() % torch.empty((), dtype=dt).element_size():
+                    raw = raw.clone()  # a view must be aligned to its dtype
+                out[e.name] = raw.view(dt).view(e.shape)
+        return out
 
     def result(
         self, version: int, *, wait: Callable[[float], None], timeout: float = 60.0

@@ -31,9 +31,10 @@ import logging
 import secrets
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any, Union
 
+import torch
 import zmq
 
 import fastio
@@ -295,7 +296,16 @@ class WeightPublisher(IpcServing, VersionBuffers):
             wanted = {i.dtype for i in self._workers.values() if i.alive}
         plan = plan_version(tensors, wanted, self.bucket_bytes)
         total = plan[-1].shm_offset + plan[-1].nbytes if plan else 0
-        staged = self._acquire(version, total)
+        # Staged for shm/tcp now only when someone will read it that way; otherwise
+        # the ipc slots are the snapshot, staged from on the first Hello or Fetch
+        # that needs it (a late joiner, a failed ipc version).
+        lazy = ipc and self._ipc_only()
+        staged = Staged(version, torch.empty(0, dtype=torch.uint8), None)
+        if lazy:
+            staged.unstaged = staged.ipc_packing = True
+            self._count("versions_not_staged")
+        else:
+            staged = self._acquire(version, total)
         staged.announce = WeightAnnounce(
             publisher_id=self.publisher_id,
             seq=0,  # assigned by the serving thread, which owns the sequence
@@ -311,14 +321,15 @@ class WeightPublisher(IpcServing, VersionBuffers):
         # (Packing in this thread instead would fight the serving thread for the GIL at
         # every block: measured 20x slower.) Checksums are filled in as buckets are
         # packed; the last piece of each bucket carries its checksum.
-        staged.job = pack_steps(
-            staged,
-            plan,
-            tensors,
-            checksum_algo=self.checksum_algo,
-            chunk_bytes=self.chunk_bytes,
-            cond=self._cond,
-        )
+        if not lazy:
+            staged.job = pack_steps(
+                staged,
+                plan,
+                tensors,
+                checksum_algo=self.checksum_algo,
+                chunk_bytes=self.chunk_bytes,
+                cond=self._cond,
+            )
         with self._cond:
             self._pending.append(staged)
         self._wake()
@@ -332,9 +343,65 @@ class WeightPublisher(IpcServing, VersionBuffers):
         if ipc:
             # After the Announce (which ipc workers keep as their fallback), so that
             # their Acks find the version registered.
-            self._publish_ipc(everything, version)
+            try:
+                self._publish_ipc(everything, version)
+            finally:
+                with self._cond:
+                    staged.ipc_packing = False
         metrics.PUBLISHER_PHASE_SECONDS.labels(phase="pack").observe(time.monotonic() - t0)
         return staged.announce
+
+    def _ipc_only(self) -> bool:
+        """Whether every live worker reads the next version by ``ipc`` and the slots
+        hold a whole version (a snapshot to stage from later)."""
+        with self._cond:
+            exp = self._ipc
+            if exp is None or exp.n_slots < len(exp.layout):
+                return False
+            return all(
+                w in exp.workers and exp.workers[w].opened
+                for w, i in self._workers.items()
+                if i.alive
+            )
+
+    def _stage_late(self, st: Staged) -> bool:
+        """Stage a version published only to ``ipc`` workers, from the ipc slots, while
+        they still hold it (serving thread). False when they no longer do."""
+        assert st.announce is not None
+        with self._cond:
+            if not st.unstaged:
+                return True
+            exp = self._ipc
+            src = exp.snapshot(st.version) if exp is not None else None
+            if exp is None or src is None:
+                return False
+            exp.snapshot_reads += 1
+        total = st.announce.total_bytes
+        fresh = self._acquire(st.version, total)
+        job = pack_steps(
+            st,
+            st.announce.buckets,
+            src,
+            checksum_algo=self.checksum_algo,
+            chunk_bytes=self.chunk_bytes,
+            cond=self._cond,
+        )
+
+        def reading() -> Iterator[None]:
+            try:
+                yield from job
+            finally:
+                with self._cond:
+                    exp.snapshot_reads -= 1
+                    self._cond.notify_all()
+
+        with self._cond:
+            st.buf, st.seg = fresh.buf, fresh.seg
+            st.announce.shm_name = st.seg.name if st.seg is not None else ""
+            st.unstaged = False
+            st.job = reading()
+        self._count("versions_staged_late")
+        return True
 
     def wait(
         self, version: int, timeout: float, *, workers: Iterable[str] | None = None

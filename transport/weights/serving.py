@@ -78,6 +78,15 @@ class PublisherService:
     def _retire(self) -> None:
         raise NotImplementedError
 
+    def _stage_late(self, st: Staged) -> bool:
+        raise NotImplementedError
+
+    def _ipc_reader(self, wid: str) -> bool:
+        """Whether worker ``wid`` has the ipc slots open (it reads versions there)."""
+        with self._cond:
+            w = self._ipc.workers.get(wid) if self._ipc is not None else None
+            return w is not None and w.opened
+
     # -- serving thread ----------------------------------------------------------------
     def _count(self, key: str, n: int = 1) -> None:
         self.counters[key] = self.counters.get(key, 0) + n
@@ -130,7 +139,10 @@ class PublisherService:
         """Run one step of the version being packed; False when none is."""
         st = self._latest
         if st is None or st.job is None:
-            return False
+            with self._cond:  # an older version staged late (from the ipc slots)
+                st = next((v for v in self._versions.values() if v.job is not None), None)
+            if st is None or st.job is None:
+                return False
         try:
             next(st.job)
         except StopIteration:
@@ -289,6 +301,10 @@ class PublisherService:
         if isinstance(msg, WeightHello):
             announce = None
             if latest is not None and msg.version < latest.version:
+                # A worker behind a version that went to ipc workers only: stage it
+                # now, so that the snapshot names its segment.
+                if not self._ipc_reader(wid):
+                    self._stage_late(latest)
                 announce = latest.announce
             welcome = WeightWelcome(
                 self.publisher_id,
@@ -354,6 +370,20 @@ class PublisherService:
                 msg.version,
                 msg.index,
                 f"version {msg.version} is not available (latest is {latest})",
+                latest,
+            )
+            self._reply(ident, self._encoder.encode(err))
+            return
+        if st.unstaged and not self._stage_late(st):
+            if st.ipc_packing:
+                # The slots do not hold it whole yet: no answer; the worker's Fetch
+                # times out and comes again, by when they do.
+                self._count("fetches_deferred")
+                return
+            err = WeightError(
+                msg.version,
+                msg.index,
+                f"version {msg.version} is no longer held (latest is {latest})",
                 latest,
             )
             self._reply(ident, self._encoder.encode(err))

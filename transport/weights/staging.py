@@ -104,6 +104,10 @@ class Staged:
         self.active: list[Send] = []
         #: The packing still to do (run by the serving thread), and its failure.
         self.job: Iterator[None] | None = None
+        #: Published to ``ipc`` workers only: no buffer yet (staged on first need).
+        self.unstaged = False
+        #: Being packed into the ipc slots (which become its snapshot once done).
+        self.ipc_packing = False
         self.error: BaseException | None = None
 
     @property
