@@ -161,6 +161,10 @@ class WeightSubscriber(IpcReceiving, VersionCommit):
         configuration. A version that fails on ``ipc`` is fetched by ``shm``/``tcp``.
         :attr:`path` and :attr:`last_stats` (``via``) say which path the last version
         took.
+    copy_threads:
+        Threads that copy a verified version into CPU parameters (``numpy.copyto``
+        releases the GIL); default :func:`~transport.weights.bucket.default_copy_threads`
+        (one per 4 cores, at most 4: on a small host every worker copies at once).
 
     Examples
     --------
@@ -196,6 +200,7 @@ class WeightSubscriber(IpcReceiving, VersionCommit):
         tune_malloc: bool = False,
         curve: CurveConfig | None = None,
         path: str | None = None,
+        copy_threads: int | None = None,
     ) -> None:
         self.endpoint = endpoint
         self._init_ipc(ipc_eligible(path, target, loader, dtype, rename))
@@ -239,7 +244,7 @@ class WeightSubscriber(IpcReceiving, VersionCommit):
         self._version = version
         self._consistent = True
         self._digest: int | None = state_digest(self.targets) if report_digest else None
-        self._applier = BucketApplier(self.targets)
+        self._applier = BucketApplier(self.targets, copy_threads=copy_threads)
         self._ctx = context or zmq.Context.instance()
         self._cond = threading.Condition()
         self._closed = False
