@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
+import numpy as np
 import torch
 
 from fastio.ipc_msgs import (
@@ -154,7 +155,17 @@ def checksum(payload: torch.Tensor) -> torch.Tensor:
     wrapping sum times the row's number (from 1), summed with wrap-around. Exact and
     order-independent, so the trainer's and the worker's devices agree bit for bit;
     catches stale, torn and shifted data (not an adversary). ``payload``: 1-D uint8, a
-    multiple of 512 bytes, 8-byte aligned."""
+    multiple of 512 bytes, 8-byte aligned.
+
+    On CPU the sums run in numpy, single-threaded: torch's intra-op threads spin and
+    wait on a host whose cores are busy (a trainer's), costing several times the
+    work itself (bench/results)."""
+    if payload.device.type == "cpu":
+        words = payload.numpy().view(np.int64).reshape(-1, _ROW // 8)
+        rows_np = words.sum(axis=1, dtype=np.int64)
+        n = rows_np.size
+        weights = np.arange(1, n + 1, dtype=np.int64)
+        return torch.tensor(int((rows_np * weights).sum(dtype=np.int64)), dtype=torch.int64)
     rows = payload.view(torch.int64).view(-1, _ROW // 8).sum(dim=1)
     key = (rows.numel(), rows.device)
     w = _WEIGHTS.get(key)
@@ -406,6 +417,13 @@ class IpcExporter:
     def _pack(self, b: IpcBucket, tensors: Mapping[str, torch.Tensor], slot: torch.Tensor) -> None:
         srcs = [_byte_view(tensors[e.name]) for e in b.tensors]
         used = b.tensors[-1].offset + b.tensors[-1].nbytes
+        if slot.device.type == "cpu" and all(s.device.type == "cpu" for s in srcs):
+            # numpy copies: one memcpy each, no intra-op threads (see checksum)
+            dst = slot.numpy()
+            for e, s in zip(b.tensors, srcs, strict=True):
+                np.copyto(dst[e.offset : e.offset + e.nbytes], s.numpy())
+            dst[used : b.nbytes] = 0
+            return
         if all(s.device == slot.device for s in srcs):
             torch.cat(srcs, out=slot[:used])
         else:  # sources elsewhere (e.g. CUDA tensors into CPU slots): one copy each
@@ -790,7 +808,10 @@ class IpcImporter:
             plan = self._plans[key] = (dsts, srcs, odd)
         dsts, srcs, odd = plan
         with torch.no_grad():
-            if dsts:
+            if dsts and src.device.type == "cpu" and self.device.type == "cpu":
+                for d, s in zip(dsts, srcs, strict=True):  # plain memcpys (see checksum)
+                    np.copyto(d.detach().numpy(), s.numpy())
+            elif dsts:
                 torch._foreach_copy_(dsts, srcs, non_blocking=True)
             for t, piece in odd:
                 tmp = torch.empty(t.shape, dtype=t.dtype, device=t.device)
