@@ -439,7 +439,7 @@ class PublisherService:
                 piece = WeightBucket(v, k, start, checksum if last else 0, last, [], end - start)
                 ok = self._reply(snd.ident, self._encoder.encode(piece)) is not False
             else:
-                chunk = st.buf[info.shm_offset + start : info.shm_offset + end].numpy()
+                chunk = st.view()[info.shm_offset + start : info.shm_offset + end]
                 piece = WeightBucket(v, k, start, checksum if last else 0, last, [chunk])
                 tracker = self._reply(snd.ident, self._encoder.encode(piece), track=True)
                 ok = tracker is not None
