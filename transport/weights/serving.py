@@ -36,14 +36,14 @@ from transport.weights.ratelog import RateLimitedLog
 from transport.weights.results import SubscriberInfo
 from transport.weights.staging import Send, Staged
 
-__all__ = ["SHM_NOTICE_CHUNKS", "PublisherService"]
+__all__ = ["SHM_NOTICE_BYTES", "PublisherService"]
 
 log = logging.getLogger("transport.weights.publisher")
 
-#: Same-host workers get a "bytes ready" notice at most every this many chunks' worth
-#: of packed bytes (8 MiB by default): one message per notice per worker, while the
-#: bytes just packed are still in the last-level cache for the worker to hash.
-SHM_NOTICE_CHUNKS = 8
+#: Same-host workers get a "bytes ready" notice at most every this many packed bytes:
+#: one message per notice per worker, while the bytes just packed are still in the
+#: last-level cache for the worker to hash.
+SHM_NOTICE_BYTES = 8 << 20
 
 
 class PublisherService:
@@ -426,7 +426,7 @@ class PublisherService:
             start = snd.cursor
             if snd.shm:
                 end = ready
-                if not complete and end - start < step * SHM_NOTICE_CHUNKS:
+                if not complete and end - start < max(step, SHM_NOTICE_BYTES):
                     break
             else:
                 end = min(start + step, info.nbytes)
