@@ -297,6 +297,9 @@ def test_garbage_to_a_subscriber_does_not_flood_the_logs(
     ctx: zmq.Context[Any] = zmq.Context()
     rogue = ctx.socket(zmq.ROUTER)
     rogue.setsockopt(zmq.LINGER, 0)
+    # No high-water mark: a ROUTER at its HWM (1000 by default) drops silently, and on a
+    # busy host the burst below outran the I/O thread (fewer than 1500 arrived).
+    rogue.setsockopt(zmq.SNDHWM, 0)
     port = rogue.bind_to_random_port("tcp://127.0.0.1")
     caplog.set_level(logging.WARNING, logger="transport.weights")
     sub = WeightSubscriber(f"tcp://127.0.0.1:{port}", zeros_like(make_state(0)), context=ctx)

@@ -30,6 +30,9 @@ __all__ = ["InFlight", "Partial", "VersionFetch"]
 
 log = logging.getLogger("transport.weights.subscriber")
 
+#: Hash-then-copy granularity over TCP (fits the L2 cache).
+_BLOCK = 256 << 10
+
 #: Shared-memory mappings a subscriber keeps between versions (the publisher's pool
 #: holds two segments in turn for a steady stream of versions).
 _KEEP_MAPPINGS = 2
@@ -236,10 +239,16 @@ class VersionFetch:
             if end > info.nbytes:
                 ok = False
                 break
-            part.hasher.update(c)
             if stage is not None:
-                np.copyto(stage[part.size : end], c)  # while c is in cache; c is freed next
+                # Hash a block, then copy it while it is in the L2 cache; the frame is
+                # freed once this message is handled.
+                base = part.size
+                for a in range(0, c.nbytes, _BLOCK):
+                    block = c[a : a + _BLOCK]
+                    part.hasher.update(block)
+                    np.copyto(stage[base + a : base + a + block.nbytes], block)
             else:
+                part.hasher.update(c)
                 part.chunks.append(_u8(c))
             part.size = end
         dt = time.monotonic() - t
