@@ -172,6 +172,30 @@ def test_tcp_pieces_land_in_one_staging_buffer_kept_between_versions() -> None:
         ctx.term()
 
 
+def test_a_subscriber_unmaps_the_segments_of_a_silent_publisher() -> None:
+    """Mappings are kept between versions, but not those of a publisher gone silent:
+    they would pin the memory of segments it unlinked."""
+    if not wshm.available():
+        pytest.skip("no /dev/shm")
+    ctx: zmq.Context[Any] = zmq.Context()
+    pub = WeightPublisher(context=ctx, shm=True, heartbeat_interval=0.1)
+    target = zeros_like(make_state(0))
+    sub = WeightSubscriber(
+        pub.endpoint, target, context=ctx, heartbeat_interval=0.1, publisher_timeout=0.5
+    ).start()
+    try:
+        pub.wait_for_workers(1, 30)
+        for v in (1, 2):
+            assert pub.publish_and_wait(make_state(v), v, timeout=30).ok
+        assert len(sub._segments) == 2  # kept: the next versions reuse them
+        pub.close()
+        wait_for(lambda: not sub._segments, 30, "the mappings to be dropped")
+    finally:
+        sub.close()
+        pub.close()
+        ctx.term()
+
+
 def killed_reader_proc(endpoint: str, events: Any) -> None:
     """A worker that says when it verified version 2 and then never gets to its copy."""
     torch.set_num_threads(1)
