@@ -378,7 +378,12 @@ class WeightPublisher(IpcServing, VersionBuffers):
                 return False
             exp.snapshot_reads += 1
         total = st.announce.total_bytes
-        fresh = self._acquire(st.version, total)
+        try:
+            fresh = self._acquire(st.version, total)
+        except BaseException:
+            with self._cond:
+                exp.snapshot_reads -= 1
+            raise
         job = pack_steps(
             st,
             st.announce.buckets,
