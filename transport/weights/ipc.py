@@ -99,6 +99,8 @@ class _Worker:
     exports: list[IpcHandle] = field(default_factory=list)
     acks: dict[int, IpcAck] = field(default_factory=dict)  # version -> its last bucket's ack
     failed: dict[int, str] = field(default_factory=dict)  # version -> why
+    #: ``time.monotonic()`` of its offer.
+    offered_at: float = field(default_factory=time.monotonic)
 
 
 @dataclass
