@@ -81,7 +81,10 @@ class WeightHello(WireStruct, tag=int(MsgKind.WEIGHT_HELLO)):
     its weights (:func:`transport.weights.state_digest`), so a publisher (also a
     restarted one) learns every worker's state. ``dtype`` is the one dtype the worker
     wants every floating tensor in (``""``: none declared); when every worker wants the
-    same narrower dtype, the trainer casts while packing.
+    same narrower dtype, the trainer casts while packing. ``start_time`` is the
+    worker process's start time (field 22 of ``/proc/<pid>/stat``; ``0``: unknown): a
+    trainer on the same host that sees the same ``pid`` with the same start time knows
+    when that process is gone, and no longer waits for it to release shared memory.
     """
 
     worker_id: str
@@ -90,6 +93,7 @@ class WeightHello(WireStruct, tag=int(MsgKind.WEIGHT_HELLO)):
     version: int = -1
     digest: int | None = None
     dtype: str = ""
+    start_time: int = 0
 
 
 class WeightAnnounce(WireStruct, tag=int(MsgKind.WEIGHT_ANNOUNCE)):

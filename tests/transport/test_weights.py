@@ -145,6 +145,26 @@ def test_apply_from_chunks_split_anywhere_and_noncontiguous() -> None:
     assert dst["t"] is ref
 
 
+@pytest.mark.parametrize("threads", [2, 3, 7])
+def test_copies_spread_over_threads_land_where_one_thread_puts_them(
+    threads: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import transport.weights.bucket as wb
+
+    monkeypatch.setattr(wb, "_THREAD_PIECE", 256)  # small pieces: tensors cut across threads
+    src = make_state(4, scale=8)
+    (info,) = plan_for(src, 1 << 20)
+    buf = torch.empty(info.nbytes, dtype=torch.uint8)
+    pack_bucket(info, src, buf)
+    third = info.nbytes // 3
+    chunks = [buf[:third], buf[third : 2 * third], buf[2 * third :]]
+    dst = zeros_like(src)
+    applier = BucketApplier(dst, copy_threads=threads)
+    applier.apply(info, chunks)
+    assert equal(src, dst)
+    assert applier._pool is not None  # the threads did run
+
+
 def test_apply_skips_empty_chunks_and_refuses_short_ones() -> None:
     src = make_state(3)
     (info,) = plan_for(src, 1 << 20)

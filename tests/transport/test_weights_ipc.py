@@ -525,3 +525,17 @@ def test_cuda_pinned_shared_memory_round_trip() -> None:  # pragma: no cover - C
     finally:
         os.close(fd)
         os.unlink("/dev/shm/fastio-test-pinned")
+
+
+def test_cpu_checksum_is_the_device_formula_bit_for_bit() -> None:
+    """The CPU sum64 (numpy, single-threaded) equals the torch formula the devices use,
+    wrap-around included."""
+    from transport.weights.ipc import checksum
+
+    g = torch.Generator().manual_seed(5)
+    for rows in (1, 3, 1000):
+        payload = torch.randint(0, 256, (rows * 512,), dtype=torch.uint8, generator=g)
+        payload[:64] = 255  # large words: sums wrap
+        words = payload.view(torch.int64).view(-1, 64).sum(dim=1)
+        ref = (words * torch.arange(1, words.numel() + 1, dtype=torch.int64)).sum()
+        assert int(checksum(payload)) == int(ref)

@@ -280,3 +280,33 @@ def test_a_closed_subscriber_says_goodbye_and_does_not_hold_slots() -> None:
         finally:
             for s in subs:
                 s.close()
+
+
+@pytest.mark.slow
+def test_a_version_read_only_by_ipc_is_staged_only_when_someone_needs_it(
+    procs: Callable[..., Any],
+) -> None:
+    """Every live worker on ipc and the slots holding whole versions: nothing is packed
+    for shm/tcp; a late joiner gets the version staged then, from the slots."""
+    with publisher(ipc_slots=None) as pub:
+        procs(worker_proc, pub.endpoint, "a", {})
+        pub.wait_for_workers(1, 60)
+        wait_ipc_open(pub, 1)
+        assert pub.publish_and_wait(make_state(1), 1, timeout=60).paths == {"a": "ipc"}
+        assert pub.counters["versions_not_staged"] == 1
+        assert "buffers_created" not in pub.counters  # no segment, no private buffer
+        procs(worker_proc, pub.endpoint, "late", {})
+        wait_for(
+            lambda: pub.workers().get("late") is not None and pub.workers()["late"].version == 1,
+            30,
+            "the late joiner to catch up",
+        )
+        assert pub.counters["versions_staged_late"] == 1
+        assert pub.workers()["late"].path == "shm"
+        assert pub.workers()["late"].digest == state_digest(make_state(1))
+        wait_ipc_open(pub, 2)
+        res = pub.publish_and_wait(make_state(2), 2, timeout=60)
+        assert res.paths == {"a": "ipc", "late": "ipc"}
+        assert {a.digest for a in res.applied.values()} == {state_digest(make_state(2))}
+        assert pub.counters["versions_not_staged"] == 2
+        assert pub.counters["buffers_created"] == 1  # only the late joiner's snapshot

@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import os
 import zlib
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -39,6 +41,7 @@ __all__ = [
     "checksum",
     "copy_bytes",
     "copy_tensor",
+    "default_copy_threads",
     "dtype_from_name",
     "dtype_name",
     "named_tensors",
@@ -447,8 +450,16 @@ class BucketApplier:
         Size of each of the two pinned host buffers used for CUDA targets.
     """
 
-    def __init__(self, targets: Mapping[str, torch.Tensor], *, pinned_bytes: int = 32 << 20):
+    def __init__(
+        self,
+        targets: Mapping[str, torch.Tensor],
+        *,
+        pinned_bytes: int = 32 << 20,
+        copy_threads: int | None = None,
+    ):
         self.targets = targets
+        self.copy_threads = default_copy_threads() if copy_threads is None else max(1, copy_threads)
+        self._pool: ThreadPoolExecutor | None = None
         self._pinned_bytes = pinned_bytes
         self._pinned: list[torch.Tensor] = []
         self._events: list[Any] = []
@@ -473,9 +484,11 @@ class BucketApplier:
             # CPU targets: numpy views of the chunks made once, the chunk holding a
             # tensor's first byte found by bisection. (Walking the chunk list from the
             # start and slicing torch tensors per piece cost ~20% on top of the memcpy
-            # for a GiB in 1 MiB chunks.)
+            # for a GiB in 1 MiB chunks.) Those plain copies are collected and run at
+            # the end, on copy_threads threads when there are several.
             arrs: list[np.ndarray[Any, Any]] | None = None
             starts: list[int] = []
+            plain: list[tuple[np.ndarray[Any, Any], int]] = []
             for e in info.tensors:
                 if e.nbytes == 0:
                     continue
@@ -495,7 +508,7 @@ class BucketApplier:
                         if arrs is None:
                             arrs = [c.numpy() for c in chunks]
                             starts = list(itertools.accumulate((a.size for a in arrs), initial=0))
-                        _copy_span(_flat_bytes(dst).numpy(), arrs, starts, e.offset)
+                        plain.append((_flat_bytes(dst).numpy(), e.offset))
                     elif dst.is_contiguous():
                         dflat = _flat_bytes(dst)
                         for piece, rel in _chunk_spans(chunks, e.offset, e.offset + e.nbytes):
@@ -505,6 +518,47 @@ class BucketApplier:
                         for piece, rel in _chunk_spans(chunks, e.offset, e.offset + e.nbytes):
                             copy_bytes(tmp[rel : rel + piece.numel()], piece)
                         dst.copy_(tmp.view(dst.dtype).view(dst.shape))
+            if plain and arrs is not None:
+                self._copy_plain(plain, arrs, starts)
+
+    def _copy_plain(
+        self,
+        jobs: list[tuple[np.ndarray[Any, Any], int]],
+        arrs: list[np.ndarray[Any, Any]],
+        starts: list[int],
+    ) -> None:
+        """Run the plain CPU copies: inline, or cut into pieces of at least
+        ``_THREAD_PIECE`` bytes spread over ``copy_threads`` threads (``np.copyto``
+        releases the GIL, so memory-bound copies of a large bucket run in parallel)."""
+        total = sum(d.size for d, _ in jobs)
+        threads = min(self.copy_threads, total // _THREAD_PIECE)
+        if threads <= 1:
+            for dst, off in jobs:
+                _copy_span(dst, arrs, starts, off)
+            return
+        share = -(-total // threads)
+        groups: list[list[tuple[np.ndarray[Any, Any], int]]] = [[] for _ in range(threads)]
+        g = filled = 0
+        for dst, off in jobs:
+            pos = 0
+            while pos < dst.size:
+                take = min(dst.size - pos, share - filled)
+                groups[g].append((dst[pos : pos + take], off + pos))
+                pos += take
+                filled += take
+                if filled >= share and g < threads - 1:
+                    g, filled = g + 1, 0
+
+        def run(group: list[tuple[np.ndarray[Any, Any], int]]) -> None:
+            for d, o in group:
+                _copy_span(d, arrs, starts, o)
+
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.copy_threads, thread_name_prefix="weights-copy")
+        futures = [self._pool.submit(run, grp) for grp in groups[1:] if grp]
+        run(groups[0])
+        for f in futures:
+            f.result()  # surfaces a failed copy
 
     def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         if dst.device.type != "cuda":
@@ -536,6 +590,21 @@ class BucketApplier:
         """Wait until every copy issued so far has landed (a no-op on CPU)."""
         if self._cuda:
             torch.cuda.synchronize()
+
+
+#: Smallest share of a bucket worth a copy thread of its own.
+_THREAD_PIECE = 8 << 20
+
+
+def default_copy_threads() -> int:
+    """Copy threads per worker by default: one per 4 cores this process may use, 1 to
+    4 (memory-bound copies gain little beyond that, and every worker on the host
+    copies at the same time)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        cores = os.cpu_count() or 1
+    return max(1, min(4, cores // 4))
 
 
 def state_digest(tensors: Mapping[str, torch.Tensor], names: Iterable[str] | None = None) -> int:

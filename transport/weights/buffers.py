@@ -1,30 +1,41 @@
 """Where the publisher stages a version: :class:`VersionBuffers`, the part of
-:class:`transport.weights.WeightPublisher` that acquires, prepares and retires buffers.
+:class:`transport.weights.WeightPublisher` that acquires, reuses and retires buffers.
 
 A version is staged in one buffer, a shared-memory segment when ``/dev/shm`` allows it
 (same-host workers read it in place) and private memory otherwise. The buffer is the
 version's snapshot: late joiners and re-fetches are served from it.
 
 The buffer rule: a buffer that a worker's process may still read is never overwritten.
-A shared-memory segment may be mapped by any same-host worker for as long as that
-process lives (even one stopped, or declared lost), so each version gets a fresh
-segment (made in the background after the previous publish, so that the kernel's
-zeroing of its pages is off the update's path), and retiring a version only unlinks
-its name: a worker's mapping of the unlinked file keeps that version's bytes (Linux
-frees them with the last mapping). A private buffer is only read by this process's own
-zero-copy sends; it is reused for a later version once no send may still read it
-(ZeroMQ's message trackers).
+
+* A shared-memory segment is read by the workers that asked for it (a Fetch with
+  ``shm``: its *readers*), through their own mappings, from the first "bytes ready"
+  notice until they answer the version (an Ack, ok or failed, or a Hello at that
+  version or newer: a worker answers only once it is done with the bytes). A segment
+  is packed again for a later version only when every reader of the version it holds
+  has answered, or its process is known to be gone (same host, same pid and start
+  time in :class:`~fastio.weight_msgs.WeightHello`). A reader that is silent but may
+  still run (stopped, slow, declared lost by ``worker_timeout``) never has its segment
+  rewritten: that segment leaves the pool, and is unlinked when its version retires
+  (a mapping of an unlinked file keeps its bytes: Linux frees them with the last
+  mapping), and the next version gets a fresh one. So a worker that verified version
+  N and copies later copies exactly version N, a dead or silent worker holds no
+  trainer memory beyond its own mapping, and no worker blocks reuse for good.
+* Reused segments are the point: a fresh one costs the kernel's zeroing and mapping of
+  every page (on the trainer) and a new mapping on every worker, several times the
+  cost of packing into a warm one (bench/results). Free segments wait in a pool of
+  at most ``keep_versions``.
+* A private buffer is only read by this process's own zero-copy sends; it is reused
+  for a later version once no send may still read it (ZeroMQ's message trackers).
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import threading
 
 import torch
 
 from transport.weights import shm as _shm
+from transport.weights.ipc import process_alive
 from transport.weights.serving import PublisherService
 from transport.weights.staging import Staged
 
@@ -39,34 +50,33 @@ class VersionBuffers(PublisherService):
     # Set by WeightPublisher.__init__.
     keep_versions: int
     _use_shm: bool
-    _spare: _shm.ShmSegment | None
-    _spare_busy: bool
+    #: Segments no reader may still read, ready to be packed again.
+    _free_segments: list[_shm.ShmSegment]
 
     def _acquire(self, version: int, total: int) -> Staged:
-        """A buffer for a new version (the buffer rule, see the module docstring).
-
-        A shared-memory segment is never reused: a worker may hold a mapping of it for
-        as long as its process lives (stopped, slow, declared lost), so every version
-        gets a fresh segment and a retired one is only unlinked. A private buffer is
-        read only by this process's zero-copy sends, so it is reused once none of
-        them may still read it.
-        """
+        """A buffer for a new version (the buffer rule, see the module docstring): a
+        free or reusable one of the right size, else a new one."""
         with self._cond:
+            seg = self._take_free(total)
             for v, st in sorted(self._versions.items()):
-                if st is self._latest or st.seg is not None or st.capacity < total:
+                if seg is not None:
+                    break
+                if st is self._latest or not st.sends_done() or st.active or not st.answered():
                     continue
-                if st.sends_done() and not st.active and st.answered():
+                if st.seg is None and st.capacity >= total:
                     del self._versions[v]
-                    return Staged(version, st.buf, None)
-        seg: _shm.ShmSegment | None = None
+                    buf = st.buf
+                    st.take_segment()
+                    self._count("buffers_reused")
+                    return Staged(version, buf, None)
+                if st.seg is not None and self._readers_done(st):
+                    del self._versions[v]
+                    self._recycle(st)
+                    seg = self._take_free(total)
+        if seg is not None:
+            self._count("buffers_reused")
+            return Staged(version, seg.tensor[:total], seg)
         if self._use_shm:
-            with self._cond:
-                spare, self._spare = self._spare, None
-            if spare is not None and total <= spare.size <= 2 * total:
-                self._count("spare_segments_used")
-                return Staged(version, spare.tensor[:total], spare)
-            if spare is not None:
-                spare.close()
             try:
                 seg = _shm.ShmSegment.create(total)
             except OSError as exc:
@@ -78,31 +88,52 @@ class VersionBuffers(PublisherService):
             return Staged(version, seg.tensor, seg)
         return Staged(version, torch.empty(total, dtype=torch.uint8), None)
 
-    def _prepare_spare(self, size: int) -> None:
-        """Create the next version's segment in the background, off the critical path
-        (a fresh segment costs the kernel's zeroing of every page). It is fresh: no
-        worker has seen its name, so the buffer rule holds."""
-        if not self._use_shm or size == 0:
-            return
-        with self._cond:
-            if self._closed or self._spare is not None or self._spare_busy:
-                return
-            self._spare_busy = True
+    def _take_free(self, total: int) -> _shm.ShmSegment | None:
+        """A pooled segment that fits ``total`` without wasting more than half (lock
+        held); the others stay pooled."""
+        for i, seg in enumerate(self._free_segments):
+            if total <= seg.size <= 2 * total or (total == 0 and seg.size == 0):
+                return self._free_segments.pop(i)
+        return None
 
-        def make() -> None:
-            seg: _shm.ShmSegment | None = None
-            # On failure it is made at publish time instead, where the error is reported.
-            with contextlib.suppress(OSError):
-                seg = _shm.ShmSegment.create(size)
-            with self._cond:
-                self._spare_busy = False
-                if seg is not None and not self._closed and self._spare is None:
-                    self._spare, seg = seg, None
-                self._cond.notify_all()
+    def _gone(self, wid: str) -> bool:
+        """Whether worker ``wid``'s process is known to be gone (lock held)."""
+        info = self._workers.get(wid)
+        return (
+            info is not None
+            and info.start_time > 0
+            and not process_alive(info.pid, info.start_time)
+        )
+
+    def _readers_done(self, st: Staged) -> bool:
+        """Whether no worker may still read ``st``'s segment (lock held)."""
+        st.readers = {w for w in st.readers if not self._gone(w)}
+        return not st.readers
+
+    def _recycle(self, st: Staged) -> None:
+        """Take ``st``'s buffer away from it: a segment no one may read goes to the pool
+        (bounded by ``keep_versions``), any other is unlinked (lock held)."""
+        reusable = self._readers_done(st)
+        seg = st.take_segment()
+        if seg is None:
+            return
+        if reusable and not self._closed and len(self._free_segments) < self.keep_versions:
+            self._free_segments.append(seg)
+            return
+        if not reusable:
+            self._count("segments_abandoned")  # a reader may still map it: never rewritten
+        seg.close()
+
+    def _close_buffers(self) -> None:
+        """Free every buffer (the publisher is closing; lock held)."""
+        for st in self._versions.values():
+            seg = st.take_segment()
             if seg is not None:
                 seg.close()
-
-        threading.Thread(target=make, name="weights-spare-segment", daemon=True).start()
+        self._versions.clear()
+        for seg in self._free_segments:
+            seg.close()
+        self._free_segments.clear()
 
     def _retire(self) -> None:
         """Free buffers of old versions that no one can still need (lock held)."""
@@ -113,6 +144,6 @@ class VersionBuffers(PublisherService):
                 break
             st = self._versions[v]
             if st.sends_done() and st.answered():
-                st.release()
+                self._recycle(st)
                 del self._versions[v]
                 excess -= 1

@@ -123,7 +123,6 @@ class VersionCommit(VersionFetch):
             if self._update.applied:
                 self._consistent = False
                 error += "; weights are mixed (atomic=False) until a later version completes"
-            self._drop_segment(self._update)
             self._update = None
         self.last_error = error
         self._count("versions_failed")

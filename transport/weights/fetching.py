@@ -10,6 +10,7 @@ commit. Nothing here writes into the model, except ``atomic=False`` mode.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -21,13 +22,20 @@ import torch
 from fastio.weight_msgs import WeightAnnounce, WeightBucket, WeightFetch
 from transport.weights import shm as _shm
 from transport.weights.binding import Binding, DtypeSpec, Rename
-from transport.weights.bucket import CHECKSUM_ALGOS, BucketApplier, Hasher
+from transport.weights.bucket import CHECKSUM_ALGOS, BucketApplier, Hasher, _align
 from transport.weights.errors import WeightUpdateError
 from transport.weights.results import UpdateStats
 
 __all__ = ["InFlight", "Partial", "VersionFetch"]
 
 log = logging.getLogger("transport.weights.subscriber")
+
+#: Hash-then-copy granularity over TCP (fits the L2 cache).
+_BLOCK = 256 << 10
+
+#: Shared-memory mappings a subscriber keeps between versions (the publisher's pool
+#: holds two segments in turn for a steady stream of versions).
+_KEEP_MAPPINGS = 2
 
 
 class InFlight:
@@ -47,6 +55,8 @@ class InFlight:
         self.stats.buckets = [{} for _ in ann.buckets]
         self.applied: set[int] = set()
         self.partial: dict[int, Partial] = {}
+        #: Over TCP with ``atomic``: per bucket, its region of the staging buffer.
+        self.stage: list[np.ndarray[Any, Any]] | None = None
 
 
 class Partial:
@@ -86,6 +96,7 @@ class VersionFetch:
     _attempts: dict[tuple[str, int], int]
     _given_up: set[tuple[str, int]]
     _segments: dict[str, _shm.ShmSegment]
+    _staging: np.ndarray[Any, Any] | None
 
     def _count(self, key: str, n: int = 1) -> None:
         self.counters[key] = self.counters.get(key, 0) + n
@@ -140,22 +151,51 @@ class VersionFetch:
             except OSError as exc:
                 log.info("shared memory %s unusable (%s); fetching over TCP", ann.shm_name, exc)
                 self._count("shm_fallbacks")
-        self._update = InFlight(ann, seg, binding)
+        up = InFlight(ann, seg, binding)
+        if seg is None and self.atomic:
+            try:
+                up.stage = self._stage_for(ann)
+            except MemoryError as exc:
+                self._fail(ann.version, f"no memory to receive the version: {exc!r}")
+                return
+        self._update = up
         self._pump()
 
+    def _stage_for(self, ann: WeightAnnounce) -> list[np.ndarray[Any, Any]]:
+        """Per bucket, where its bytes land over TCP: a region of one staging buffer
+        kept from version to version (reallocated only when a version needs more).
+
+        Each piece is hashed as it arrives, copied here while it is still in cache,
+        and its frame freed at once, so the allocator hands the next piece the same
+        warm memory; holding every frame until the commit instead faults in fresh
+        pages for each version (bench/results). The buffer is the version's only
+        copy on this side until every bucket is verified (never a mixed version)."""
+        sizes = [max(0, b.nbytes) for b in ann.buckets]
+        starts = list(itertools.accumulate((_align(n) for n in sizes), initial=0))
+        if self._staging is None or self._staging.size < starts[-1]:
+            self._staging = None  # the old one goes before the new one is made
+            self._staging = np.empty(starts[-1], dtype=np.uint8)
+        buf = self._staging
+        return [buf[a : a + n] for a, n in zip(starts, sizes, strict=False)]
+
     def _segment(self, name: str) -> _shm.ShmSegment:
-        # Each version has its own segment (never rewritten while mapped here); the
-        # mapping is dropped when the version is done with (_drop_segment).
-        seg = self._segments.get(name)
+        # Mappings are kept from version to version (the publisher packs the same
+        # segments again, so mapping anew each version would cost a page-table fill
+        # per version), the most recently used _KEEP_MAPPINGS of them: an older one
+        # may name a segment the publisher unlinked, whose pages this mapping pins.
+        seg = self._segments.pop(name, None)
         if seg is None:
-            seg = self._segments[name] = _shm.ShmSegment.open(name)
+            seg = _shm.ShmSegment.open(name)
+            while len(self._segments) >= _KEEP_MAPPINGS:
+                self._segments.pop(next(iter(self._segments))).close()
+        self._segments[name] = seg  # most recently used last
         return seg
 
-    def _drop_segment(self, up: InFlight) -> None:
-        if up.seg is not None:
-            seg = self._segments.pop(up.seg.name, None)
-            if seg is not None:
-                seg.close()
+    def _drop_segments(self) -> None:
+        """Unmap every kept segment (a new or silent publisher, closing)."""
+        for seg in self._segments.values():
+            seg.close()
+        self._segments.clear()
 
     def _pump(self) -> None:
         """Keep ``window`` fetches in flight."""
@@ -188,16 +228,29 @@ class VersionFetch:
             part = up.partial[i] = Partial(Hasher(up.ann.checksum_algo))
         up.outstanding[i] = t  # progress: the fetch timeout counts from the last piece
         ok = msg.offset == part.size
+        stage = up.stage[i] if up.stage is not None else None
         for c in msg.chunks:
             if not ok:
                 break
             if not isinstance(c, np.ndarray) or c.dtype != np.uint8 or c.ndim != 1:
                 ok = False
                 break
-            part.hasher.update(c)
-            part.size += c.nbytes
-            part.chunks.append(_u8(c))
-        ok = ok and part.size <= info.nbytes
+            end = part.size + c.nbytes
+            if end > info.nbytes:
+                ok = False
+                break
+            if stage is not None:
+                # Hash a block, then copy it while it is in the L2 cache; the frame is
+                # freed once this message is handled.
+                base = part.size
+                for a in range(0, c.nbytes, _BLOCK):
+                    block = c[a : a + _BLOCK]
+                    part.hasher.update(block)
+                    np.copyto(stage[base + a : base + a + block.nbytes], block)
+            else:
+                part.hasher.update(c)
+                part.chunks.append(_u8(c))
+            part.size = end
         dt = time.monotonic() - t
         up.stats.verify_s += dt
         part.verify_s += dt
@@ -220,7 +273,7 @@ class VersionFetch:
             self._pump()
             return
         up.stats.buckets[i].update(recv_s=t - up.t0, verify_s=part.verify_s)
-        self._landed(up, i, part.chunks)
+        self._landed(up, i, part.chunks if stage is None else [torch.from_numpy(stage)])
 
     def _on_shm_ready(self, up: InFlight, msg: WeightBucket, t: float) -> None:
         """Bytes of bucket ``msg.index`` are packed in the segment: hash them in place
@@ -294,13 +347,15 @@ class VersionFetch:
                 )
             finally:
                 up.received.clear()
-                self._drop_segment(up)
 
     def _check_timeouts(self, now: float) -> None:
         up = self._update
+        silent = bool(self._last_heard) and now - self._last_heard > self.publisher_timeout
         if up is None:
+            if silent and self._segments:
+                self._drop_segments()  # a dead publisher's segments: do not pin them
             return
-        if self._last_heard and now - self._last_heard > self.publisher_timeout:
+        if silent:
             self._fail(
                 up.ann.version,
                 f"publisher silent for {now - self._last_heard:.1f} s (dead?) mid-update",

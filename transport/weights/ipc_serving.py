@@ -75,24 +75,30 @@ class IpcServing(PublisherService):
                     slots=self.ipc_slots,
                     publisher_id=self.publisher_id,
                 )
-                # Workers that asked before: offered now, and given a moment to open.
-                offered = []
+                # Workers that asked before: offered now.
                 for wid, hello in self._ipc_hellos.items():
                     info = self._workers.get(wid)
                     if info is not None and info.alive:
-                        offer = self._ipc.offer(hello)
-                        self._queue(wid, offer)
-                        if not offer.error:
-                            offered.append(wid)
+                        self._queue(wid, self._ipc.offer(hello))
                 self._wake()
-                deadline = time.monotonic() + min(5.0, self.ipc_timeout)
-                exp = self._ipc
-                while not self._closed:
-                    waiting = [w for w in offered if w in exp.workers and not exp.workers[w].opened]
-                    left = deadline - time.monotonic()
-                    if not waiting or left <= 0:
-                        break
-                    self._cond.wait(min(left, 0.1))
+            # Every live worker offered the slots lately (now, or when it asked) and not
+            # yet done opening them gets a moment: else this version misses it.
+            grace = min(5.0, self.ipc_timeout)
+            deadline = time.monotonic() + grace
+            exp = self._ipc
+            while not self._closed:
+                waiting = [
+                    w
+                    for w, st in exp.workers.items()
+                    if not st.opened
+                    and time.monotonic() - st.offered_at < 2 * grace
+                    and w in self._workers
+                    and self._workers[w].alive
+                ]
+                left = deadline - time.monotonic()
+                if not waiting or left <= 0:
+                    break
+                self._cond.wait(min(left, 0.1))
 
     def _publish_ipc(self, tensors: dict[str, torch.Tensor], version: int) -> None:
         """Pack ``version`` into the ipc slots and send its IpcReady notices (under the

@@ -20,6 +20,9 @@ class SubscriberInfo:
     worker_id: str
     host_id: str = ""
     pid: int = 0
+    #: Its process's start time as this host sees it (0: not on this host, or its pid
+    #: is not visible here): with ``pid``, tells when that process is gone.
+    start_time: int = 0
     version: int = -1
     digest: int | None = None
     last_seen: float = 0.0

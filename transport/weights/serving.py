@@ -31,19 +31,19 @@ from fastio.weight_msgs import (
 )
 from transport import metrics
 from transport.weights import shm as _shm
-from transport.weights.ipc import IpcExporter
+from transport.weights.ipc import IpcExporter, process_alive, process_start_time
 from transport.weights.ratelog import RateLimitedLog
 from transport.weights.results import SubscriberInfo
 from transport.weights.staging import Send, Staged
 
-__all__ = ["SHM_NOTICE_CHUNKS", "PublisherService"]
+__all__ = ["SHM_NOTICE_BYTES", "PublisherService"]
 
 log = logging.getLogger("transport.weights.publisher")
 
-#: Same-host workers get a "bytes ready" notice at most every this many chunks' worth
-#: of packed bytes (8 MiB by default): one message per notice per worker, while the
-#: bytes just packed are still in the last-level cache for the worker to hash.
-SHM_NOTICE_CHUNKS = 8
+#: Same-host workers get a "bytes ready" notice at most every this many packed bytes:
+#: one message per notice per worker, while the bytes just packed are still in the
+#: last-level cache for the worker to hash.
+SHM_NOTICE_BYTES = 8 << 20
 
 
 class PublisherService:
@@ -77,6 +77,15 @@ class PublisherService:
 
     def _retire(self) -> None:
         raise NotImplementedError
+
+    def _stage_late(self, st: Staged) -> bool:
+        raise NotImplementedError
+
+    def _ipc_reader(self, wid: str) -> bool:
+        """Whether worker ``wid`` has the ipc slots open (it reads versions there)."""
+        with self._cond:
+            w = self._ipc.workers.get(wid) if self._ipc is not None else None
+            return w is not None and w.opened
 
     # -- serving thread ----------------------------------------------------------------
     def _count(self, key: str, n: int = 1) -> None:
@@ -130,7 +139,10 @@ class PublisherService:
         """Run one step of the version being packed; False when none is."""
         st = self._latest
         if st is None or st.job is None:
-            return False
+            with self._cond:  # an older version staged late (from the ipc slots)
+                st = next((v for v in self._versions.values() if v.job is not None), None)
+            if st is None or st.job is None:
+                return False
         try:
             next(st.job)
         except StopIteration:
@@ -187,14 +199,22 @@ class PublisherService:
                                 st.lost[w] = "worker lost: its process is gone"
                                 self._check_done(st)
             for w, info in self._workers.items():
-                if info.alive and now - info.last_seen > self.worker_timeout:
-                    info.alive = False
+                if not info.alive:
+                    continue
+                if info.start_time and not process_alive(info.pid, info.start_time):
+                    # Same host, and its process is gone: lost now, not after
+                    # worker_timeout (and its shared memory is free again).
+                    reason = "worker lost: its process is gone"
+                elif now - info.last_seen > self.worker_timeout:
                     reason = f"worker lost: no message for {now - info.last_seen:.1f} s"
-                    log.warning("weight subscriber %s %s", w, reason)
-                    for st in self._versions.values():
-                        if w in st.expected and w not in st.acks:
-                            st.lost[w] = reason
-                            self._check_done(st)
+                else:
+                    continue
+                info.alive = False
+                log.warning("weight subscriber %s %s", w, reason)
+                for st in self._versions.values():
+                    if w in st.expected and w not in st.acks:
+                        st.lost[w] = reason
+                        self._check_done(st)
             latest = self._latest.version if self._latest else -1
             self._retire()
             self._cond.notify_all()
@@ -259,6 +279,8 @@ class PublisherService:
                 for old in self._versions.values():
                     old.lost.pop(wid, None)
             if isinstance(msg, WeightHello):
+                if (info.host_id, info.pid) != (msg.host_id, msg.pid):
+                    info.start_time = _visible_start(self.host_id, msg)
                 info.host_id, info.pid = msg.host_id, msg.pid
                 info.version, info.digest = msg.version, msg.digest
                 info.dtype = msg.dtype
@@ -268,6 +290,8 @@ class PublisherService:
                 # A Hello at version >= v means v was applied even when its Ack was lost
                 # (a subscriber drops a send its socket cannot take): count it as the Ack.
                 for st in self._versions.values():
+                    if st.version <= msg.version:
+                        st.readers.discard(wid)  # done with that version's bytes
                     if st.version <= msg.version and wid in st.expected and wid not in st.acks:
                         st.acks[wid] = WeightAck(
                             wid, st.version, True, msg.version, "", msg.digest, info.path
@@ -277,6 +301,10 @@ class PublisherService:
         if isinstance(msg, WeightHello):
             announce = None
             if latest is not None and msg.version < latest.version:
+                # A worker behind a version that went to ipc workers only: stage it
+                # now, so that the snapshot names its segment.
+                if not self._ipc_reader(wid):
+                    self._stage_late(latest)
                 announce = latest.announce
             welcome = WeightWelcome(
                 self.publisher_id,
@@ -294,6 +322,7 @@ class PublisherService:
             with self._cond:
                 acked = self._versions.get(msg.version)
                 if acked is not None:
+                    acked.readers.discard(wid)  # an answer: done with the version's bytes
                     acked.acks[wid] = msg
                     acked.expected.add(wid)
                     self._check_done(acked)
@@ -345,6 +374,20 @@ class PublisherService:
             )
             self._reply(ident, self._encoder.encode(err))
             return
+        if st.unstaged and not self._stage_late(st):
+            if st.ipc_packing:
+                # The slots do not hold it whole yet: no answer; the worker's Fetch
+                # times out and comes again, by when they do.
+                self._count("fetches_deferred")
+                return
+            err = WeightError(
+                msg.version,
+                msg.index,
+                f"version {msg.version} is no longer held (latest is {latest})",
+                latest,
+            )
+            self._reply(ident, self._encoder.encode(err))
+            return
         if not 0 <= msg.index < len(st.announce.buckets):
             err = WeightError(
                 msg.version, msg.index, f"no bucket {msg.index} in version {msg.version}", latest
@@ -358,6 +401,10 @@ class PublisherService:
         snd = Send(ident, msg)
         with self._cond:
             st.active.append(snd)
+            if msg.shm:
+                # It reads the segment from the first notice until it answers: the
+                # segment is not packed again before (the buffer rule).
+                st.readers.add(wid)
         self._advance(st, snd)
 
     def _advance(self, st: Staged, snd: Send) -> None:
@@ -379,7 +426,7 @@ class PublisherService:
             start = snd.cursor
             if snd.shm:
                 end = ready
-                if not complete and end - start < step * SHM_NOTICE_CHUNKS:
+                if not complete and end - start < max(step, SHM_NOTICE_BYTES):
                     break
             else:
                 end = min(start + step, info.nbytes)
@@ -392,7 +439,7 @@ class PublisherService:
                 piece = WeightBucket(v, k, start, checksum if last else 0, last, [], end - start)
                 ok = self._reply(snd.ident, self._encoder.encode(piece)) is not False
             else:
-                chunk = st.buf[info.shm_offset + start : info.shm_offset + end].numpy()
+                chunk = st.view()[info.shm_offset + start : info.shm_offset + end]
                 piece = WeightBucket(v, k, start, checksum if last else 0, last, [chunk])
                 tracker = self._reply(snd.ident, self._encoder.encode(piece), track=True)
                 ok = tracker is not None
@@ -414,3 +461,11 @@ class PublisherService:
                         info.nbytes
                     )
                 return
+
+
+def _visible_start(host_id: str, hello: WeightHello) -> int:
+    """The start time of the Hello's process when this process sees it (same host, and
+    the pid names the same process here: the start times agree); 0 otherwise."""
+    if hello.host_id != host_id or hello.pid <= 0 or hello.start_time <= 0:
+        return 0
+    return hello.start_time if process_start_time(hello.pid) == hello.start_time else 0

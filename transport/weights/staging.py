@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator, Mapping
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -83,11 +84,17 @@ class Staged:
         self.version = version
         self.buf = buf
         self.seg = seg
+        self._view: np.ndarray[Any, Any] | None = None
+        self._view_of: torch.Tensor | None = None
         self.announce: WeightAnnounce | None = None
         self.announced_at = 0.0
         self.trackers: list[zmq.MessageTracker] = []
         self.expected: set[str] = set()
         self.acks: dict[str, WeightAck] = {}
+        #: Workers that asked to read the shared-memory segment (a shm Fetch) and have
+        #: not answered this version since: the segment is not rewritten while one of
+        #: them may read it (see :mod:`transport.weights.buffers`).
+        self.readers: set[str] = set()
         self.lost: dict[str, str] = {}
         self.done_at = 0.0
         #: Whether a failure of this version was counted in the metrics.
@@ -100,7 +107,18 @@ class Staged:
         self.active: list[Send] = []
         #: The packing still to do (run by the serving thread), and its failure.
         self.job: Iterator[None] | None = None
+        #: Published to ``ipc`` workers only: no buffer yet (staged on first need).
+        self.unstaged = False
+        #: Being packed into the ipc slots (which become its snapshot once done).
+        self.ipc_packing = False
         self.error: BaseException | None = None
+
+    def view(self) -> np.ndarray[Any, Any]:
+        """The buffer as a numpy array (slicing one costs a fraction of slicing a
+        tensor and taking ``.numpy()`` of it, once per piece sent)."""
+        if self._view is None or self._view_of is not self.buf:
+            self._view, self._view_of = self.buf.numpy(), self.buf
+        return self._view
 
     @property
     def capacity(self) -> int:
@@ -113,11 +131,12 @@ class Staged:
     def answered(self) -> bool:
         return all(w in self.acks or w in self.lost for w in self.expected)
 
-    def release(self) -> None:
+    def take_segment(self) -> _shm.ShmSegment | None:
+        """Detach the buffer from this version (which can no longer be served)."""
+        seg, self.seg = self.seg, None
         self.buf = torch.empty(0, dtype=torch.uint8)
-        if self.seg is not None:
-            self.seg.close()
-            self.seg = None
+        self._view = self._view_of = None
+        return seg
 
 
 def pack_steps(

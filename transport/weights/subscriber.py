@@ -18,15 +18,17 @@ holds the new bytes, and only where they already are:
 * same host (shared memory): the publisher's segment *is* the staging area. The worker
   verifies every bucket's checksum in place, then copies into its parameters: no extra
   memory on the worker, one copy per byte.
-* over TCP: received buckets stay in the frames they arrived in (no copy); bucket k is
-  verified while bucket k+1 is on the wire, and once all are verified they are copied
-  into the parameters. The worker holds at most one version's frames, transiently.
+* over TCP: each piece is hashed as it arrives and copied, while still in cache, into
+  a staging buffer the worker keeps from version to version (its frame is freed at
+  once, so the next piece lands in the same warm memory instead of fresh pages); once
+  every bucket is verified they are copied into the parameters. The worker holds one
+  version's bytes in that buffer.
 
 Either way the metadata (names, shapes, dtypes, layout) is checked before a byte is
 fetched, the parameters are written in place (references held by the engine stay valid)
 and the version is switched only after the last copy. ``atomic=False`` trades the
 guarantee for memory: each verified bucket is applied as it arrives (at most ``window``
-buckets held); if the version then fails the worker reports its weights as mixed, and
+buckets held, in their frames; no staging buffer); if the version then fails the worker reports its weights as mixed, and
 :attr:`WeightSubscriber.consistent` is false until a later version completes.
 """
 
@@ -41,6 +43,7 @@ import uuid
 from collections.abc import Callable, Iterable
 from typing import Any, Union
 
+import numpy as np
 import torch
 import zmq
 
@@ -61,6 +64,7 @@ from transport.weights.binding import DtypeSpec, Rename, advertised_dtype, parse
 from transport.weights.bucket import BucketApplier, named_tensors, state_digest
 from transport.weights.commit import VersionCommit
 from transport.weights.fetching import InFlight
+from transport.weights.ipc import process_start_time
 from transport.weights.ipc_receiving import PATHS, IpcReceiving, ipc_eligible
 from transport.weights.malloc import tune_malloc as _tune_malloc
 from transport.weights.ratelog import RateLimitedLog
@@ -157,6 +161,10 @@ class WeightSubscriber(IpcReceiving, VersionCommit):
         configuration. A version that fails on ``ipc`` is fetched by ``shm``/``tcp``.
         :attr:`path` and :attr:`last_stats` (``via``) say which path the last version
         took.
+    copy_threads:
+        Threads that copy a verified version into CPU parameters (``numpy.copyto``
+        releases the GIL); default :func:`~transport.weights.bucket.default_copy_threads`
+        (one per 4 cores, at most 4: on a small host every worker copies at once).
 
     Examples
     --------
@@ -192,6 +200,7 @@ class WeightSubscriber(IpcReceiving, VersionCommit):
         tune_malloc: bool = False,
         curve: CurveConfig | None = None,
         path: str | None = None,
+        copy_threads: int | None = None,
     ) -> None:
         self.endpoint = endpoint
         self._init_ipc(ipc_eligible(path, target, loader, dtype, rename))
@@ -235,13 +244,14 @@ class WeightSubscriber(IpcReceiving, VersionCommit):
         self._version = version
         self._consistent = True
         self._digest: int | None = state_digest(self.targets) if report_digest else None
-        self._applier = BucketApplier(self.targets)
+        self._applier = BucketApplier(self.targets, copy_threads=copy_threads)
         self._ctx = context or zmq.Context.instance()
         self._cond = threading.Condition()
         self._closed = False
         self._thread: threading.Thread | None = None
         self._last_hello = 0.0
         self._host = _shm.host_id()
+        self._start_time = process_start_time(os.getpid()) or 0
         self._encoder = fastio.Encoder()
         self._decoder = fastio.Decoder(
             _FROM_PUBLISHER, max_message_size=max_message_size + (1 << 20)
@@ -256,6 +266,7 @@ class WeightSubscriber(IpcReceiving, VersionCommit):
         self._attempts: dict[tuple[str, int], int] = {}
         self._given_up: set[tuple[str, int]] = set()
         self._segments: dict[str, _shm.ShmSegment] = {}
+        self._staging: np.ndarray[Any, Any] | None = None
 
     # -- public API --------------------------------------------------------------------
     @property
@@ -363,9 +374,7 @@ class WeightSubscriber(IpcReceiving, VersionCommit):
             said_bye = self._ipc_close()
             self._dealer.close(linger=500 if said_bye else 0)
             self._sub.close(linger=0)
-            for seg in self._segments.values():
-                seg.close()
-            self._segments.clear()
+            self._drop_segments()
 
     def _drain(self, sock: zmq.Socket[Any]) -> None:
         for _ in range(64):
@@ -408,6 +417,7 @@ class WeightSubscriber(IpcReceiving, VersionCommit):
                 self._version,
                 self._digest,
                 self._hello_dtype,
+                self._start_time,
             )
         )
 
@@ -462,9 +472,7 @@ class WeightSubscriber(IpcReceiving, VersionCommit):
                     self._sub.disconnect(self._pub_endpoint)
             self._pub_endpoint = w.pub_endpoint
             self._sub.connect(w.pub_endpoint)
-        for seg in self._segments.values():
-            seg.close()
-        self._segments.clear()
+        self._drop_segments()
 
     def _on_error(self, msg: WeightError) -> None:
         up = self._update
