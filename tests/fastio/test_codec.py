@@ -5,7 +5,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import threading
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Union
 
 import msgpack
@@ -554,32 +554,41 @@ def test_cross_process_echo(ctx: zmq.Context[Any]) -> None:
         proc.join(10)
 
 
-def test_shared_encoder_decoder_across_threads() -> None:
-    enc, dec = Encoder(), Decoder(LLMResponse)
+def _in_threads(body: Callable[[int], None], n: int = 4) -> None:
+    """Run ``body(k)`` for k in range(n) on n threads started together; re-raise what
+    any of them raised."""
     errors: list[BaseException] = []
-    barrier = threading.Barrier(4)
+    barrier = threading.Barrier(n)
 
-    def work(k: int) -> None:
+    def run(k: int) -> None:
         try:
             barrier.wait(5)
-            for i in range(200):
-                n = 2100 + 37 * k + i  # above the inline threshold: frames
-                resp = LLMResponse(
-                    output_tokens=np.full(n, k, np.int32), output_logprobs=np.zeros(n)
-                )
-                frames = enc.encode(resp)
-                back = dec.decode(frames)
-                assert len(frames) == 3
-                assert back.output_len == n and back.output_tokens.count(k) == n
+            body(k)
         except BaseException as exc:  # reported by the assert below
             errors.append(exc)
 
-    threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(n)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(60)
+    assert not any(t.is_alive() for t in threads), "a thread did not finish"
     assert not errors, errors
+
+
+def test_shared_encoder_decoder_across_threads() -> None:
+    enc, dec = Encoder(), Decoder(LLMResponse)
+
+    def work(k: int) -> None:
+        for i in range(200):
+            n = 2100 + 37 * k + i  # above the inline threshold: frames
+            resp = LLMResponse(output_tokens=np.full(n, k, np.int32), output_logprobs=np.zeros(n))
+            frames = enc.encode(resp)
+            back = dec.decode(frames)
+            assert len(frames) == 3
+            assert back.output_len == n and back.output_tokens.count(k) == n
+
+    _in_threads(work)
 
 
 def test_decoder_device_cpu_is_a_view() -> None:
@@ -771,30 +780,19 @@ def test_shared_encoder_across_threads_with_mixed_shapes() -> None:
     """Threads sharing one Encoder and Decoder, each sending inline and frame-backed
     messages in its own rhythm: the shared guesses never corrupt a header."""
     enc, dec = Encoder(), Decoder(LLMRequest)
-    errors: list[BaseException] = []
-    barrier = threading.Barrier(4)
 
     def work(k: int) -> None:
-        try:
-            barrier.wait(5)
-            for i in range(300):
-                n = 3000 if (i + k) % (k + 2) == 0 else 10 + k  # frame or inline
-                req = LLMRequest(rid=f"{k}-{i}", input_ids=np.full(n, k, np.int32))
-                frames = enc.encode(req)
-                _expect_header(frames)
-                assert len(frames) == (2 if n == 3000 else 1)
-                back = dec.decode(frames)
-                assert back.rid == req.rid and len(back.input_ids) == n
-                assert back.input_ids.count(k) == n
-        except BaseException as exc:  # reported by the assert below
-            errors.append(exc)
+        for i in range(300):
+            n = 3000 if (i + k) % (k + 2) == 0 else 10 + k  # frame or inline
+            req = LLMRequest(rid=f"{k}-{i}", input_ids=np.full(n, k, np.int32))
+            frames = enc.encode(req)
+            _expect_header(frames)
+            assert len(frames) == (2 if n == 3000 else 1)
+            back = dec.decode(frames)
+            assert back.rid == req.rid and len(back.input_ids) == n
+            assert back.input_ids.count(k) == n
 
-    threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert not errors, errors
+    _in_threads(work)
 
 
 def test_encode_inside_an_encode() -> None:
