@@ -158,6 +158,11 @@ class WeightFetch(WireStruct, tag=int(MsgKind.WEIGHT_FETCH)):
     version: int
     index: int
     shm: bool = False
+    #: The asking process (pid and start time, as in :class:`WeightHello`): with
+    #: ``shm`` the publisher keeps that process as a reader of the segment until that
+    #: same process answers or is gone. 0: the worker's last Hello names it.
+    pid: int = 0
+    start_time: int = 0
 
 
 class WeightBucket(WireStruct, tag=int(MsgKind.WEIGHT_BUCKET)):
@@ -200,6 +205,9 @@ class WeightAck(WireStruct, tag=int(MsgKind.WEIGHT_ACK)):
     digest: int | None = None
     via: str = ""
     stats: dict[str, float] = msgspec.field(default_factory=dict)
+    #: The answering process (see :class:`WeightFetch`); 0: the last Hello names it.
+    pid: int = 0
+    start_time: int = 0
 
 
 class WeightError(WireStruct, tag=int(MsgKind.WEIGHT_ERROR)):

@@ -20,7 +20,7 @@ import itertools
 import os
 import zlib
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any
 
 import numpy as np
@@ -556,7 +556,12 @@ class BucketApplier:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self.copy_threads, thread_name_prefix="weights-copy")
         futures = [self._pool.submit(run, grp) for grp in groups[1:] if grp]
-        run(groups[0])
+        try:
+            run(groups[0])
+        finally:
+            # Every copy has stopped before this returns or raises: none may still
+            # read the source (or write a target) once the version is answered.
+            wait(futures)
         for f in futures:
             f.result()  # surfaces a failed copy
 

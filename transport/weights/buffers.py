@@ -96,14 +96,12 @@ class VersionBuffers(PublisherService):
                 return self._free_segments.pop(i)
         return None
 
-    def _gone(self, wid: str) -> bool:
-        """Whether worker ``wid``'s process is known to be gone (lock held)."""
-        info = self._workers.get(wid)
-        return (
-            info is not None
-            and info.start_time > 0
-            and not process_alive(info.pid, info.start_time)
-        )
+    @staticmethod
+    def _gone(reader: tuple[str, int, int, int]) -> bool:
+        """Whether a reader process (see ``Staged.readers``) is known to be gone: its
+        start time was visible here and its pid no longer names that process."""
+        _, pid, _, visible = reader
+        return visible > 0 and not process_alive(pid, visible)
 
     def _readers_done(self, st: Staged) -> bool:
         """Whether no worker may still read ``st``'s segment (lock held)."""

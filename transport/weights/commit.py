@@ -11,6 +11,7 @@ saying when ``atomic=False`` left the weights mixed.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Any
 
@@ -115,6 +116,8 @@ class VersionCommit(VersionFetch):
                 self._digest,
                 stats.via,
                 stats.flat(),
+                os.getpid(),
+                self._start_time,
             )
         )
 
@@ -131,7 +134,18 @@ class VersionCommit(VersionFetch):
             "weight version %d not applied (%s); keeping version %d", version, error, self._version
         )
         self._send(
-            WeightAck(self.worker_id, version, False, self._version, error, self._digest, transport)
+            WeightAck(
+                self.worker_id,
+                version,
+                False,
+                self._version,
+                error,
+                self._digest,
+                transport,
+                {},
+                os.getpid(),
+                self._start_time,
+            )
         )
 
     def _abandon(self, why: str) -> None:

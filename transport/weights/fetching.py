@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import threading
 import time
 from typing import Any
@@ -91,6 +92,7 @@ class VersionFetch:
     _cond: threading.Condition
     _shm_ok: bool
     _last_heard: float
+    _start_time: int
     publisher_timeout: float
     _update: InFlight | None
     _attempts: dict[tuple[str, int], int]
@@ -210,7 +212,7 @@ class VersionFetch:
             i = up.todo.pop()
             up.outstanding[i] = now
             up.attempts[i] = up.attempts.get(i, 0) + 1
-            self._send(WeightFetch(up.ann.version, i, shm))
+            self._send(WeightFetch(up.ann.version, i, shm, os.getpid(), self._start_time))
 
     def _on_bucket(self, msg: WeightBucket) -> None:
         up = self._update

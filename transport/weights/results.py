@@ -23,6 +23,9 @@ class SubscriberInfo:
     #: Its process's start time as this host sees it (0: not on this host, or its pid
     #: is not visible here): with ``pid``, tells when that process is gone.
     start_time: int = 0
+    #: The start time its last Hello gave (with ``pid``, which process that is, even
+    #: when this host cannot see it).
+    hello_start_time: int = 0
     version: int = -1
     digest: int | None = None
     last_seen: float = 0.0

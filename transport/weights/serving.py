@@ -279,8 +279,15 @@ class PublisherService:
                 for old in self._versions.values():
                     old.lost.pop(wid, None)
             if isinstance(msg, WeightHello):
-                if (info.host_id, info.pid) != (msg.host_id, msg.pid):
+                if (info.host_id, info.pid, info.hello_start_time) != (
+                    msg.host_id,
+                    msg.pid,
+                    msg.start_time,
+                ):
+                    # Another process (a restart may even reuse the pid): its own start
+                    # time, never its predecessor's.
                     info.start_time = _visible_start(self.host_id, msg)
+                    info.hello_start_time = msg.start_time
                 info.host_id, info.pid = msg.host_id, msg.pid
                 info.version, info.digest = msg.version, msg.digest
                 info.dtype = msg.dtype
@@ -291,7 +298,8 @@ class PublisherService:
                 # (a subscriber drops a send its socket cannot take): count it as the Ack.
                 for st in self._versions.values():
                     if st.version <= msg.version:
-                        st.readers.discard(wid)  # done with that version's bytes
+                        # That process is done with that version's bytes.
+                        st.forget_reader(wid, msg.pid, msg.start_time)
                     if st.version <= msg.version and wid in st.expected and wid not in st.acks:
                         st.acks[wid] = WeightAck(
                             wid, st.version, True, msg.version, "", msg.digest, info.path
@@ -322,7 +330,8 @@ class PublisherService:
             with self._cond:
                 acked = self._versions.get(msg.version)
                 if acked is not None:
-                    acked.readers.discard(wid)  # an answer: done with the version's bytes
+                    # An answer: that process is done with the version's bytes.
+                    acked.forget_reader(*_process(wid, msg, info)[:3])
                     acked.acks[wid] = msg
                     acked.expected.add(wid)
                     self._check_done(acked)
@@ -400,11 +409,21 @@ class PublisherService:
             return
         snd = Send(ident, msg)
         with self._cond:
-            st.active.append(snd)
-            if msg.shm:
-                # It reads the segment from the first notice until it answers: the
-                # segment is not packed again before (the buffer rule).
-                st.readers.add(wid)
+            # Checked again under the lock that publish() takes to reuse buffers: the
+            # version may have been retired (its segment recycled) since the look-up.
+            held = self._versions.get(msg.version) is st and not (msg.shm and st.seg is None)
+            if held:
+                st.active.append(snd)
+                if msg.shm:
+                    # It reads the segment from the first notice until it answers: the
+                    # segment is not packed again before (the buffer rule).
+                    st.readers.add(_process(wid, msg, self._workers.get(wid)))
+        if not held:
+            err = WeightError(
+                msg.version, msg.index, f"version {msg.version} is no longer held", latest
+            )
+            self._reply(ident, self._encoder.encode(err))
+            return
         self._advance(st, snd)
 
     def _advance(self, st: Staged, snd: Send) -> None:
@@ -461,6 +480,23 @@ class PublisherService:
                         info.nbytes
                     )
                 return
+
+
+def _process(
+    wid: str, msg: WeightFetch | WeightAck, info: SubscriberInfo | None
+) -> tuple[str, int, int, int]:
+    """The process behind a Fetch or Ack, ``(worker_id, pid, start_time, visible)``:
+    the one the message names, else the one of the worker's last Hello. ``visible`` is
+    its start time when this process can tell that pid's liveness (same host, same pid
+    namespace), else 0 (then it is never taken for gone)."""
+    if info is not None and (
+        not msg.pid or (msg.pid, msg.start_time) == (info.pid, info.hello_start_time)
+    ):
+        return wid, info.pid, info.hello_start_time, info.start_time
+    if msg.pid:
+        seen = process_start_time(msg.pid) if msg.start_time > 0 else None
+        return wid, msg.pid, msg.start_time, msg.start_time if seen == msg.start_time else 0
+    return wid, 0, 0, 0
 
 
 def _visible_start(host_id: str, hello: WeightHello) -> int:

@@ -91,10 +91,12 @@ class Staged:
         self.trackers: list[zmq.MessageTracker] = []
         self.expected: set[str] = set()
         self.acks: dict[str, WeightAck] = {}
-        #: Workers that asked to read the shared-memory segment (a shm Fetch) and have
-        #: not answered this version since: the segment is not rewritten while one of
-        #: them may read it (see :mod:`transport.weights.buffers`).
-        self.readers: set[str] = set()
+        #: Processes ``(worker_id, pid, start_time, visible start_time)`` that asked to read the
+        #: shared-memory segment (a shm Fetch) and have not answered this version since:
+        #: the segment is not rewritten while one of them may read it (see
+        #: :mod:`transport.weights.buffers`). A process, not a worker id: a replacement
+        #: under the same id does not answer for its predecessor.
+        self.readers: set[tuple[str, int, int, int]] = set()
         self.lost: dict[str, str] = {}
         self.done_at = 0.0
         #: Whether a failure of this version was counted in the metrics.
@@ -112,6 +114,10 @@ class Staged:
         #: Being packed into the ipc slots (which become its snapshot once done).
         self.ipc_packing = False
         self.error: BaseException | None = None
+
+    def forget_reader(self, wid: str, pid: int, start_time: int) -> None:
+        """Process ``(wid, pid, start_time)`` answered: it reads this segment no more."""
+        self.readers = {r for r in self.readers if r[:3] != (wid, pid, start_time)}
 
     def view(self) -> np.ndarray[Any, Any]:
         """The buffer as a numpy array (slicing one costs a fraction of slicing a
