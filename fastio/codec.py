@@ -273,7 +273,12 @@ class Encoder(_ExtEncoderMixin):
                 # A guess is below 128, one byte: the header starts b"\x93\x01<guess>".
                 header = (prefixes[n] if n < 128 else _header_prefix(n)) + header[3:]
                 # (The state may be in use again by now: these are guesses.)
-                state[2] = last[0] = n if n < 128 else 1
+                state[2] = n if n < 128 else 1
+            if last[0] != n:
+                # Also when the guess was right: a message that took this path and
+                # needed no frame after all (a small tensor) turns the stateless path
+                # back on for the next.
+                last[0] = n if n < 128 else 1
             frames[0] = header
             return frames
 
