@@ -41,6 +41,7 @@ to ``tensor.to(dtype)``. Without it dtypes must match exactly.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import socket
@@ -285,6 +286,14 @@ class WeightGroup:
         rows = [
             json.loads(bytes(self._store.get(f"fastio-device/{r}"))) for r in range(self.world_size)
         ]
+        self._store.set(f"fastio-device-read/{self.rank}", "1")
+        if self.rank == 0:
+            # The store lives in this process: it stays up until every rank has read the
+            # rows, so that a refused group fails with the same error everywhere rather
+            # than with a vanished store on the ranks still reading. A rank that died
+            # meanwhile costs the store's timeout.
+            with contextlib.suppress(RuntimeError):
+                self._store.wait([f"fastio-device-read/{r}" for r in range(self.world_size)])
         hosts, counts, requested = zip(*rows, strict=True) if rows else ((), (), ())
         return assign_devices(list(hosts), list(counts), list(requested))[self.rank]
 
