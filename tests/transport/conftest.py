@@ -4,6 +4,7 @@ teardown, and addresses on tcp (random loopback ports) or ipc (a temporary dir).
 from __future__ import annotations
 
 import json
+import multiprocessing as mp
 import os
 import select
 import signal
@@ -111,3 +112,23 @@ async def await_for(cond: Callable[[], Any], timeout: float = 10.0, what: str = 
             return v
         await asyncio.sleep(0.005)  # poll tick; the loop keeps serving meanwhile
     raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.fixture
+def procs() -> Iterator[Callable[..., Any]]:
+    """Start ``target(*args)`` in spawned daemon processes; the test's end kills those
+    still alive."""
+    ctx = mp.get_context("spawn")
+    started: list[Any] = []
+
+    def start(target: Callable[..., None], *args: Any) -> Any:
+        p = ctx.Process(target=target, args=args, daemon=True)
+        p.start()
+        started.append(p)
+        return p
+
+    yield start
+    for p in started:
+        if p.is_alive():
+            p.kill()
+        p.join(10)

@@ -8,12 +8,11 @@ digest of the weights), so the test observes them the way a trainer would.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import signal
 import socket
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -140,24 +139,6 @@ def disk_writer_proc(path: str) -> None:
     while True:
         v += 1
         save_weights(path, make_state(v, scale=400), v)
-
-
-@pytest.fixture
-def procs() -> Iterator[Callable[..., Any]]:
-    ctx = mp.get_context("spawn")
-    started: list[Any] = []
-
-    def start(target: Callable[..., None], *args: Any) -> Any:
-        p = ctx.Process(target=target, args=args, daemon=True)
-        p.start()
-        started.append(p)
-        return p
-
-    yield start
-    for p in started:
-        if p.is_alive():
-            p.kill()
-        p.join(10)
 
 
 @pytest.fixture

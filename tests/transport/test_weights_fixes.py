@@ -24,7 +24,6 @@ import fastio
 from fastio.weight_msgs import WeightAck
 from tests.transport.conftest import wait_for
 from tests.transport.test_weights import equal, make_state, zeros_like
-from tests.transport.test_weights_faults import procs  # noqa: F401 (fixture)
 from transport.weights import WeightPublisher, WeightSubscriber, state_digest
 from transport.weights import shm as wshm
 
@@ -58,7 +57,7 @@ def slow_subscriber_proc(endpoint: str, events: Any) -> None:
 
 @pytest.mark.slow
 def test_a_stopped_worker_never_applies_a_mixed_version(
-    procs: Callable[..., Any],  # noqa: F811
+    procs: Callable[..., Any],
 ) -> None:
     if not wshm.available():
         pytest.skip("no /dev/shm")
@@ -213,7 +212,7 @@ def killed_reader_proc(endpoint: str, events: Any) -> None:
 
 @pytest.mark.slow
 def test_a_killed_reader_frees_its_segment_at_once(
-    procs: Callable[..., Any],  # noqa: F811
+    procs: Callable[..., Any],
 ) -> None:
     """Killed mid-version, a reader neither blocks the pool nor leaks trainer memory:
     its process is seen gone at the next heartbeat (same host, pid and start time), the
@@ -380,7 +379,7 @@ def segment_owner_proc(names: Any) -> None:
 
 
 def test_stale_segments_are_the_ones_whose_owner_died(
-    procs: Callable[..., Any],  # noqa: F811
+    procs: Callable[..., Any],
 ) -> None:
     if not wshm.available():
         pytest.skip("no /dev/shm")
@@ -414,7 +413,7 @@ def pausing_trainer_proc(endpoint: str, worker: str, events: Any) -> None:
 @pytest.mark.slow
 def test_workers_paused_by_a_dead_trainer_resume(
     spawn: Callable[..., Any],
-    procs: Callable[..., Any],  # noqa: F811
+    procs: Callable[..., Any],
     capfd: pytest.CaptureFixture[str],
 ) -> None:
     import socket

@@ -8,11 +8,10 @@ ipc by itself).
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import signal
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -64,24 +63,6 @@ def worker_proc(endpoint: str, wid: str, opts: dict[str, Any]) -> None:
         publisher_timeout=opts.get("publisher_timeout", 10.0),
     ).start()
     threading.Event().wait()
-
-
-@pytest.fixture
-def procs() -> Iterator[Callable[..., Any]]:
-    ctx = mp.get_context("spawn")
-    started: list[Any] = []
-
-    def start(target: Callable[..., None], *args: Any) -> Any:
-        p = ctx.Process(target=target, args=args, daemon=True)
-        p.start()
-        started.append(p)
-        return p
-
-    yield start
-    for p in started:
-        if p.is_alive():
-            p.kill()
-        p.join(10)
 
 
 def publisher(**kw: Any) -> WeightPublisher:

@@ -23,7 +23,6 @@ import fastio
 from fastio.weight_msgs import WeightBucket, WeightError, WeightFetch
 from tests.transport.conftest import wait_for
 from tests.transport.test_weights import make_state, zeros_like
-from tests.transport.test_weights_faults import procs  # noqa: F401 (fixture)
 from transport.weights import WeightPublisher, WeightSubscriber, serving, state_digest
 from transport.weights import shm as wshm
 
@@ -69,7 +68,7 @@ def _next(events: Any, kind: str, version: int, pid: int | None = None) -> tuple
 
 @pytest.mark.slow
 def test_a_replacement_under_the_same_id_does_not_answer_for_its_predecessor(
-    procs: Callable[..., Any],  # noqa: F811
+    procs: Callable[..., Any],
 ) -> None:
     """Process A (id "w") verified version 2 and is stopped before its copy; a
     replacement B under the same id applies version 2 and says so. A still reads
