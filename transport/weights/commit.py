@@ -78,14 +78,9 @@ class VersionCommit(VersionFetch):
                     )
                     return
                 stats.apply_s += time.monotonic() - ta
-            with self._cond:
-                self._version = ann.version
-                self._consistent = True
-                self._cond.notify_all()
             # Still under the lock and before the Ack: once the trainer hears "applied",
             # the engine already stamps the new version on what it generates.
-            if self.on_applied is not None:
-                self.on_applied(ann.version)
+            self._now_at(ann.version)
         finally:
             self.lock.__exit__(None, None, None)
         parts.clear()  # drop the frames now, not at the next update

@@ -85,6 +85,7 @@ class VersionFetch:
     loader: Any
     lock: Any
     on_progress: Any
+    on_applied: Any
     counters: dict[str, int]
     _version: int
     _consistent: bool
@@ -99,6 +100,16 @@ class VersionFetch:
     _given_up: set[tuple[str, int]]
     _segments: dict[str, _shm.ShmSegment]
     _staging: np.ndarray[Any, Any] | None
+
+    def _now_at(self, version: int) -> None:
+        """The weights are now all of ``version``: record it, wake waiters, and tell
+        ``on_applied`` (before any Ack goes out)."""
+        with self._cond:
+            self._version = version
+            self._consistent = True
+            self._cond.notify_all()
+        if self.on_applied is not None:
+            self.on_applied(version)
 
     def _count(self, key: str, n: int = 1) -> None:
         self.counters[key] = self.counters.get(key, 0) + n

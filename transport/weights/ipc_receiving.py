@@ -186,12 +186,7 @@ class IpcReceiving(VersionFetch):
         try:
             acks = imp.on_ready(r)
             if imp.version != before:
-                with self._cond:
-                    self._version = imp.version
-                    self._consistent = True
-                    self._cond.notify_all()
-                if self.on_applied is not None:
-                    self.on_applied(imp.version)
+                self._now_at(imp.version)
             elif not imp.serving:
                 self._consistent = False
         finally:
