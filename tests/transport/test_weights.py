@@ -32,6 +32,7 @@ from fastio.weight_msgs import (
     WeightHello,
     WeightWelcome,
 )
+from tests.transport.conftest import wait_for
 from transport.weights import (
     BucketApplier,
     ChecksumError,
@@ -390,7 +391,7 @@ def test_persistent_corruption_keeps_previous_weights(pair: Pair) -> None:
 
     pub = pair.publisher(bucket_bytes=4096, shm=False, fault=corrupt)
     t = zeros_like(make_state(0))
-    sub = pair.subscriber(t, retries=2)
+    sub = pair.subscriber(t, retries=2, atomic=True)
     pub.wait_for_workers(1, 10)
     pub.publish_and_wait(make_state(1), 1, timeout=20)
     res = pub.wait(pub.publish(make_state(2), 2).version, 20)
@@ -399,6 +400,35 @@ def test_persistent_corruption_keeps_previous_weights(pair: Pair) -> None:
     assert "bucket 2 of version 2 failed its checksum 2 times" in err
     assert sub.version == 1 and equal(t, make_state(1))  # never mixed
     assert pub.workers()[sub.worker_id].digest == state_digest(make_state(1))
+
+
+@pytest.mark.parametrize("shm", [False, True], ids=["tcp", "shm"])
+def test_a_later_bucket_failing_leaves_the_worker_refusing_to_serve(pair: Pair, shm: bool) -> None:
+    """Default (streaming) mode: buckets 0 and 1 are already in the weights when bucket
+    2 fails; the worker says it holds no complete version until the next one lands."""
+    if shm and not wshm.available():
+        pytest.skip("no /dev/shm")
+
+    def corrupt(worker: str, version: int, index: int) -> str | None:
+        return "corrupt" if version == 2 and index == 2 else None
+
+    pub = pair.publisher(bucket_bytes=4096, shm=shm, fault=corrupt)
+    t = zeros_like(make_state(0))
+    sub = pair.subscriber(t, retries=2, shm=shm, report_digest=True)
+    pub.wait_for_workers(1, 10)
+    assert pub.publish_and_wait(make_state(1), 1, timeout=20).ok and sub.consistent
+    res = pub.wait(pub.publish(make_state(2), 2).version, 20)
+    err = res.failed[sub.worker_id]
+    assert "bucket 2 of version 2" in err and "checksum" in err
+    assert "weights are mixed" in err and "not serving" in err
+    assert not sub.consistent and sub.version == 1 and not equal(t, make_state(1))
+    # Its Ack and Hellos report no complete version.
+    wait_for(lambda: pub.workers()[sub.worker_id].version == -1, 10, "the worker's report")
+    # The next complete version restores it.
+    res = pub.publish_and_wait(make_state(3), 3, timeout=20)
+    assert res.ok and sub.consistent and sub.version == 3 and equal(t, make_state(3))
+    assert res.applied[sub.worker_id].digest == state_digest(make_state(3))
+    wait_for(lambda: pub.workers()[sub.worker_id].version == 3, 10, "the Hello saying so")
 
 
 def test_corrupted_shared_memory_is_detected(pair: Pair) -> None:
@@ -410,7 +440,7 @@ def test_corrupted_shared_memory_is_detected(pair: Pair) -> None:
 
     pub = pair.publisher(bucket_bytes=4096, shm=True, fault=corrupt)
     t = zeros_like(make_state(0))
-    sub = pair.subscriber(t)
+    sub = pair.subscriber(t, atomic=True)
     pub.wait_for_workers(1, 10)
     assert pub.publish_and_wait(make_state(1), 1, timeout=20).applied[sub.worker_id].via == "shm"
     res = pub.wait(pub.publish(make_state(2), 2).version, 20)
@@ -448,7 +478,7 @@ def test_streaming_mode_applies_as_buckets_arrive(pair: Pair) -> None:
 def test_a_copy_failing_half_way_is_reported_as_mixed(pair: Pair) -> None:
     pub = pair.publisher(bucket_bytes=4096, shm=False)
     t = zeros_like(make_state(0))
-    sub = pair.subscriber(t)
+    sub = pair.subscriber(t, atomic=True)
     pub.wait_for_workers(1, 10)
     real = sub._applier.apply
 

@@ -1,8 +1,9 @@
 """Weight-update faults with real processes (spawned) and SIGKILL on purpose.
 
 Each test checks that every worker ends on a consistent version (the digest of its
-weights equals the digest of one complete version) and that the failure is reported
-clearly. Workers report their state through the protocol itself (Hello and Ack carry a
+weights equals the digest of one complete version) or, copying as it verifies
+(``atomic=False``, the default), says it holds none (version ``-1``) until the next
+complete version restores it, and that the failure is reported clearly. Workers report their state through the protocol itself (Hello and Ack carry a
 digest of the weights), so the test observes them the way a trainer would.
 """
 
@@ -109,6 +110,7 @@ def subscriber_proc(endpoint: str, workers: list[tuple[str, str]], opts: dict[st
                 publisher_timeout=opts.get("publisher_timeout", 10.0),
                 retries=2,
                 on_progress=progress,
+                atomic=opts.get("atomic"),
             ).start()
         )
     threading.Event().wait()  # until the test kills us
@@ -177,40 +179,66 @@ def test_subscriber_killed_mid_update(procs: Callable[..., Any]) -> None:
         assert pub.wait(2, 10).ok
 
 
-def test_publisher_killed_mid_update(procs: Callable[..., Any], endpoint: str) -> None:
+@pytest.mark.parametrize("atomic", [True, False], ids=["atomic", "streaming"])
+def test_publisher_killed_mid_update(
+    procs: Callable[..., Any], endpoint: str, atomic: bool
+) -> None:
     trainer = procs(publisher_proc, endpoint, 2, (2, 3))
     procs(
         subscriber_proc,
         endpoint,
         [("a", "good"), ("b", "good")],
-        {"publisher_timeout": 1.0, "fetch_timeout": 0.5},
+        {"publisher_timeout": 1.0, "fetch_timeout": 0.5, "atomic": atomic},
     )
     trainer.join(90)
     assert trainer.exitcode == -signal.SIGKILL
-    # A new trainer on the same address finds both workers still on version 1, intact.
     with WeightPublisher(endpoint, bucket_bytes=BUCKET, shm=False, heartbeat_interval=0.1) as pub:
         pub.wait_for_workers(2, 30)
-        wait_for(lambda: all(w.version == 1 for w in pub.workers().values()), 30, "workers' Hellos")
-        assert {w.digest for w in pub.workers().values()} == {digest_of(1)}
+        if atomic:
+            # A new trainer finds both workers still on version 1, intact.
+            wait_for(
+                lambda: all(w.version == 1 for w in pub.workers().values()), 30, "workers' Hellos"
+            )
+            assert {w.digest for w in pub.workers().values()} == {digest_of(1)}
+        else:
+            # Buckets 0-2 of version 2 were in the weights when the trainer died: both
+            # workers say they hold no complete version (and serve none).
+            wait_for(
+                lambda: all(w.version == -1 for w in pub.workers().values()), 30, "workers' Hellos"
+            )
+            assert digest_of(1) not in {w.digest for w in pub.workers().values()}
         res = pub.publish_and_wait(make_state(3), 3, timeout=60)
         assert {a.digest for a in res.applied.values()} == {digest_of(3)}
+        wait_for(lambda: all(w.version == 3 for w in pub.workers().values()), 30, "Hellos")
 
 
+@pytest.mark.parametrize("atomic", [True, False], ids=["atomic", "streaming"])
 @pytest.mark.parametrize("shm", [False, True], ids=["tcp", "shm"])
-def test_corrupted_bucket(procs: Callable[..., Any], shm: bool) -> None:
+def test_corrupted_bucket(procs: Callable[..., Any], shm: bool, atomic: bool) -> None:
     def corrupt(worker: str, version: int, index: int) -> str | None:
         return "corrupt" if worker == "b" and version == 2 and index == 1 else None
 
     with FaultyPublisher(corrupt, bucket_bytes=BUCKET, shm=shm, heartbeat_interval=0.1) as pub:
-        procs(subscriber_proc, pub.endpoint, [("a", "good"), ("b", "good")], {"shm": shm})
+        opts = {"shm": shm, "atomic": atomic}
+        procs(subscriber_proc, pub.endpoint, [("a", "good"), ("b", "good")], opts)
         pub.wait_for_workers(2, 60)
         assert pub.publish_and_wait(make_state(1), 1, timeout=60).ok
         res = pub.wait(pub.publish(make_state(2), 2).version, 30)
         assert list(res.applied) == ["a"] and res.applied["a"].digest == digest_of(2)
         assert "bucket 1 of version 2" in res.failed["b"] and "checksum" in res.failed["b"]
         wait_for(lambda: pub.workers()["b"].digest is not None, 10, "b's digest")
-        assert pub.workers()["b"].version == 1
-        assert pub.workers()["b"].digest == digest_of(1)  # previous weights, intact
+        if atomic:
+            assert pub.workers()["b"].version == 1
+            assert pub.workers()["b"].digest == digest_of(1)  # previous weights, intact
+        else:
+            # Bucket 0 of version 2 is in b's weights: b reports no complete version.
+            assert "weights are mixed" in res.failed["b"]
+            wait_for(lambda: pub.workers()["b"].version == -1, 10, "b's report")
+            assert pub.workers()["b"].digest not in (digest_of(1), digest_of(2))
+        # The next complete version restores b.
+        res = pub.publish_and_wait(make_state(3), 3, timeout=60)
+        assert res.ok and {a.digest for a in res.applied.values()} == {digest_of(3)}
+        wait_for(lambda: pub.workers()["b"].version == 3, 10, "b's Hello")
 
 
 def test_name_shape_dtype_mismatch(procs: Callable[..., Any]) -> None:

@@ -109,7 +109,7 @@ def test_segments_are_packed_again_only_after_every_reader_answered() -> None:
             verified.set()
 
     sub = WeightSubscriber(
-        pub.endpoint, target, context=ctx, lock=gate, on_progress=progress
+        pub.endpoint, target, context=ctx, lock=gate, on_progress=progress, atomic=True
     ).start()
     try:
         pub.wait_for_workers(1, 30)
@@ -143,13 +143,13 @@ def test_segments_are_packed_again_only_after_every_reader_answered() -> None:
 
 
 def test_tcp_pieces_land_in_one_staging_buffer_kept_between_versions() -> None:
-    """Over TCP a worker copies each verified piece into a staging buffer it keeps (the
+    """Over TCP an atomic worker copies each verified piece into a staging buffer it keeps (the
     frames are freed at once); a bigger version gets a bigger one; ``atomic=False``
     keeps none."""
     ctx: zmq.Context[Any] = zmq.Context()
     pub = WeightPublisher(context=ctx, shm=False, chunk_bytes=4096, heartbeat_interval=0.1)
     target = zeros_like(make_state(0, scale=4))
-    sub = WeightSubscriber(pub.endpoint, target, context=ctx, shm=False).start()
+    sub = WeightSubscriber(pub.endpoint, target, context=ctx, shm=False, atomic=True).start()
     loose_target = zeros_like(make_state(0, scale=4))
     loose = WeightSubscriber(
         pub.endpoint, loose_target, context=ctx, shm=False, atomic=False

@@ -42,16 +42,25 @@ class VersionCommit(VersionFetch):
     def _keepalive(self) -> None:
         raise NotImplementedError
 
+    @property
+    def reported_version(self) -> int:
+        """The version this worker reports in Hellos and Acks: the last complete one,
+        or ``-1`` while the weights are mixed (they hold no complete version)."""
+        return self._version if self._consistent else -1
+
     def _commit(self, up: InFlight, parts: list[tuple[Any, list[torch.Tensor]]]) -> None:
         ann, stats, t0 = up.ann, up.stats, up.t0
-        try:
-            self.lock.__enter__()
-        except Exception as exc:  # e.g. the worker could not stop generating in time
-            self._fail(ann.version, f"not applied, the weights were not free: {exc}")
-            return
+        if not up.locked:  # streaming mode holds it since the version's first write
+            try:
+                self.lock.__enter__()
+            except Exception as exc:  # e.g. the worker could not stop generating in time
+                self._fail(ann.version, f"not applied, the weights were not free: {exc}")
+                return
+            up.locked = True
         try:  # the lock's body (not a `with`: a lock that refuses fails the version)
             try:
                 for b, chunks in parts:
+                    up.wrote = True
                     ta = time.monotonic()
                     self._applier.apply(b, chunks, up.binding.dests)
                     dt = time.monotonic() - ta
@@ -82,7 +91,9 @@ class VersionCommit(VersionFetch):
             # the engine already stamps the new version on what it generates.
             self._now_at(ann.version)
         finally:
-            self.lock.__exit__(None, None, None)
+            # A failure above marked the weights mixed first: the lock sees it (the
+            # fabric's keeps the worker paused until a later version completes).
+            self._unhold(up)
         parts.clear()  # drop the frames now, not at the next update
         for key in [k for k in self._attempts if k[1] <= ann.version]:
             del self._attempts[key]
@@ -117,23 +128,33 @@ class VersionCommit(VersionFetch):
         )
 
     def _fail(self, version: int, error: str, transport: str = "tcp") -> None:
-        if self._update is not None and self._update.ann.version == version:
-            if self._update.applied:
-                self._consistent = False
-                error += "; weights are mixed (atomic=False) until a later version completes"
+        up = self._update
+        if up is not None and up.ann.version == version:
             self._update = None
+            if up.wrote:
+                self._consistent = False
+            # Left after the state is known: a lock may keep refusing to serve while
+            # the weights are mixed.
+            self._unhold(up)
+        if not self._consistent and "weights are mixed" not in error:
+            error += "; weights are mixed (atomic=False): not serving until a version completes"
+            if self.report_digest:
+                self._digest = state_digest(self.targets)
         self.last_error = error
         self._count("versions_failed")
         metrics.SUBSCRIBER_FAILURES.inc()
         log.warning(
-            "weight version %d not applied (%s); keeping version %d", version, error, self._version
+            "weight version %d not applied (%s); reporting version %d",
+            version,
+            error,
+            self.reported_version,
         )
         self._send(
             WeightAck(
                 self.worker_id,
                 version,
                 False,
-                self._version,
+                self.reported_version,
                 error,
                 self._digest,
                 transport,

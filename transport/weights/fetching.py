@@ -26,6 +26,7 @@ from transport.weights.binding import Binding, DtypeSpec, Rename
 from transport.weights.bucket import CHECKSUM_ALGOS, BucketApplier, Hasher, _align
 from transport.weights.errors import WeightUpdateError
 from transport.weights.results import UpdateStats
+from transport.weights.streaming import BucketStream
 
 __all__ = ["InFlight", "Partial", "VersionFetch"]
 
@@ -58,13 +59,20 @@ class InFlight:
         self.partial: dict[int, Partial] = {}
         #: Over TCP with ``atomic``: per bucket, its region of the staging buffer.
         self.stage: list[np.ndarray[Any, Any]] | None = None
+        #: Whether the subscriber's lock is held for this version (streaming mode:
+        #: from its first write until it commits or fails).
+        self.locked = False
+        #: Whether anything of this version was written into the weights.
+        self.wrote = False
 
 
 class Partial:
-    """A bucket whose pieces are arriving: the checksum so far, the frames kept."""
+    """A bucket whose pieces are arriving: the checksum so far, the frames kept; in
+    streaming mode (``atomic=False``) the stream that hashes and applies them."""
 
-    def __init__(self, hasher: Hasher) -> None:
+    def __init__(self, hasher: Hasher, stream: BucketStream | None = None) -> None:
         self.hasher = hasher
+        self.stream = stream
         self.size = 0
         self.verify_s = 0.0
         self.chunks: list[torch.Tensor] = []
@@ -238,10 +246,13 @@ class VersionFetch:
             return
         part = up.partial.get(i)
         if part is None:
-            part = up.partial[i] = Partial(Hasher(up.ann.checksum_algo))
+            part = up.partial[i] = self._partial(up, i)
         up.outstanding[i] = t  # progress: the fetch timeout counts from the last piece
         ok = msg.offset == part.size
         stage = up.stage[i] if up.stage is not None else None
+        stream = part.stream
+        if stream is not None and msg.chunks and not self._hold(up):
+            return
         for c in msg.chunks:
             if not ok:
                 break
@@ -252,7 +263,13 @@ class VersionFetch:
             if end > info.nbytes:
                 ok = False
                 break
-            if stage is not None:
+            if stream is not None:
+                # Hash a block, copy it into the weights while it is in cache; the
+                # frame is kept only for tensors that need their bytes whole.
+                stream.feed(c)
+                if stream.rest:
+                    part.chunks.append(_u8(c))
+            elif stage is not None:
                 # Hash a block, then copy it while it is in the L2 cache; the frame is
                 # freed once this message is handled.
                 base = part.size
@@ -286,7 +303,9 @@ class VersionFetch:
             self._pump()
             return
         up.stats.buckets[i].update(recv_s=t - up.t0, verify_s=part.verify_s)
-        self._landed(up, i, part.chunks if stage is None else [torch.from_numpy(stage)])
+        self._landed(
+            up, i, part.chunks if stage is None else [torch.from_numpy(stage)], part.stream
+        )
 
     def _on_shm_ready(self, up: InFlight, msg: WeightBucket, t: float) -> None:
         """Bytes of bucket ``msg.index`` are packed in the segment: hash them in place
@@ -296,7 +315,7 @@ class VersionFetch:
         info = up.ann.buckets[i]
         part = up.partial.get(i)
         if part is None:
-            part = up.partial[i] = Partial(Hasher(up.ann.checksum_algo))
+            part = up.partial[i] = self._partial(up, i)
         up.outstanding[i] = t
         lo = info.shm_offset + msg.offset
         if (
@@ -308,7 +327,12 @@ class VersionFetch:
         ):
             self._fail(up.ann.version, f"bad shared-memory notice for bucket {i}", "shm")
             return
-        part.hasher.update(up.seg.tensor[lo : lo + msg.nbytes].numpy())
+        if part.stream is not None:
+            if msg.nbytes and not self._hold(up):
+                return
+            part.stream.feed(up.seg.tensor[lo : lo + msg.nbytes].numpy())
+        else:
+            part.hasher.update(up.seg.tensor[lo : lo + msg.nbytes].numpy())
         part.size += msg.nbytes
         dt = time.monotonic() - t
         part.verify_s += dt
@@ -327,22 +351,60 @@ class VersionFetch:
                 "shm",
             )
             return
-        self._landed(up, i, [up.seg.tensor[info.shm_offset : info.shm_offset + info.nbytes]])
+        self._landed(
+            up,
+            i,
+            [up.seg.tensor[info.shm_offset : info.shm_offset + info.nbytes]],
+            part.stream,
+        )
 
-    def _landed(self, up: InFlight, i: int, chunks: list[torch.Tensor]) -> None:
-        """Bucket ``i`` arrived and is verified: keep it (or apply it, ``atomic=False``)."""
-        info = up.ann.buckets[i]
+    def _partial(self, up: InFlight, i: int) -> Partial:
+        """A bucket starting to arrive; in streaming mode with its :class:`BucketStream`."""
+        algo = up.ann.checksum_algo
+        if self.atomic:
+            return Partial(Hasher(algo))
+        stream = BucketStream(up.ann.buckets[i], self.targets, up.binding.dests, algo)
+        return Partial(stream.hasher, stream)
+
+    def _hold(self, up: InFlight) -> bool:
+        """Streaming mode: enter the lock before the version's first write, once (it is
+        left when the version commits or fails). False when the lock refused: the
+        version failed, nothing written."""
+        if up.locked:
+            return True
+        try:
+            self.lock.__enter__()
+        except Exception as exc:  # e.g. the worker could not stop generating in time
+            self._fail(up.ann.version, f"not applied, the weights were not free: {exc}")
+            return False
+        up.locked = up.wrote = True
+        return True
+
+    def _unhold(self, up: InFlight) -> None:
+        """Leave the lock :meth:`_hold` or the commit entered for ``up`` (if it did)."""
+        if up.locked:
+            up.locked = False
+            self.lock.__exit__(None, None, None)
+
+    def _landed(
+        self, up: InFlight, i: int, chunks: list[torch.Tensor], stream: BucketStream | None
+    ) -> None:
+        """Bucket ``i`` arrived and is verified: keep it, or, streaming, apply what its
+        stream could not (tensors that need their bytes whole)."""
         up.received[i] = chunks
         if self.on_progress is not None:
             self.on_progress(up.ann.version, i)
-        if not self.atomic:
-            ta = time.monotonic()
-            with self.lock:
-                self._consistent = False  # from here until the commit, weights are mixed
-                self._applier.apply(info, chunks, up.binding.dests)
+        if stream is not None:
+            # The copy of the plain tensors ran with the checksum (in ``verify_s``).
+            up.stats.buckets[i]["apply_s"] = 0.0
+            if stream.rest:
+                ta = time.monotonic()
+                if not self._hold(up):
+                    return
+                self._applier.apply(stream.rest_info(), chunks, up.binding.dests)
                 self._applier.finish()
-            up.stats.buckets[i]["apply_s"] = time.monotonic() - ta
-            up.stats.apply_s += up.stats.buckets[i]["apply_s"]
+                up.stats.buckets[i]["apply_s"] = time.monotonic() - ta
+                up.stats.apply_s += up.stats.buckets[i]["apply_s"]
             up.applied.add(i)
             up.received[i] = []  # applied: the frames can go
         self._pump()

@@ -62,6 +62,7 @@ class IpcReceiving(VersionFetch):
     last_stats: UpdateStats
     last_error: str
     _digest: int | None
+    _ipc_atomic: bool
     _host: str
     _pub_id: str
 
@@ -100,7 +101,10 @@ class IpcReceiving(VersionFetch):
             return
         if self._imp is None:
             self._imp = IpcImporter(
-                self.targets, worker_id=self.worker_id, atomic=self.atomic, version=self._version
+                self.targets,
+                worker_id=self.worker_id,
+                atomic=self._ipc_atomic,
+                version=self._version,
             )
         self._imp.version = self._version
         self._ipc_asked = self._pub_id
@@ -168,7 +172,7 @@ class IpcReceiving(VersionFetch):
             self._ipc_t0 = self._ipc_progress
         before = imp.version
         last = r.bucket == r.n_buckets - 1
-        locked = last or not self.atomic  # the live weights are written only then
+        locked = last or not imp.atomic  # the live weights are written only then
         acks: list[IpcAck]
         if locked:
             try:

@@ -48,7 +48,9 @@ class UpdateResult:
         Worker id -> its Ack, for every worker that applied the version.
     failed:
         Worker id -> why it did not (its error, or that it was lost). A failed worker
-        kept its previous weights.
+        kept its previous weights, unless its error says they are mixed (a
+        subscriber copying as it verifies, the default): it then reports version
+        ``-1`` and serves nothing until a later version completes.
     missing:
         Expected workers that had not answered when the timeout passed.
     elapsed_s:

@@ -181,7 +181,7 @@ class WeightSubscriber(IpcReceiving, VersionCommit):
         worker_id: str | None = None,
         version: int = -1,
         shm: bool = True,
-        atomic: bool = True,
+        atomic: bool | None = None,
         window: int = 2,
         fetch_timeout: float = 5.0,
         retries: int = 3,
@@ -210,7 +210,7 @@ class WeightSubscriber(IpcReceiving, VersionCommit):
             _tune_malloc()
         if target is None and loader is None:
             raise ValueError("a WeightSubscriber needs a target, a loader or both")
-        if loader is not None and not atomic:
+        if loader is not None and atomic is False:
             raise ValueError("a loader takes whole versions: it needs atomic=True")
         self.targets = named_tensors(target) if target is not None else {}
         self.dtype = parse_dtype_spec(dtype)
@@ -219,7 +219,11 @@ class WeightSubscriber(IpcReceiving, VersionCommit):
         self._hello_dtype = advertised_dtype(self.dtype, self.targets)
         self.worker_id = worker_id or f"w-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.shm = shm
-        self.atomic = atomic
+        #: shm/tcp: verify every bucket before the first write (``True``), or verify
+        #: and copy in one pass (``False``, the default without a ``loader``).
+        self.atomic = loader is not None if atomic is None else atomic
+        # The ipc path keeps its own default (atomic) unless told.
+        self._ipc_atomic = True if atomic is None else atomic
         self.window = max(1, window)
         self.fetch_timeout = fetch_timeout
         self.retries = max(1, retries)
@@ -414,7 +418,7 @@ class WeightSubscriber(IpcReceiving, VersionCommit):
                 self.worker_id,
                 self._host,
                 os.getpid(),
-                self._version,
+                self.reported_version,
                 self._digest,
                 self._hello_dtype,
                 self._start_time,

@@ -205,6 +205,10 @@ def _nothing() -> None:
     pass
 
 
+def _never() -> bool:
+    return False
+
+
 class _PausedWhileCopying:
     """The subscriber's lock: the copy runs only while the worker is paused and idle.
 
@@ -217,6 +221,11 @@ class _PausedWhileCopying:
     was told "nothing generates until you resume", so only its resume lets generation
     go on. Conversely a controller's resume during the copy waits (an ``on_resume``
     callback) until the copy is over.
+
+    A copy that ends with the weights mixed (a version that failed after its first
+    write, see :attr:`WeightSubscriber.consistent`) leaves the worker paused: nothing
+    is generated from a mixed version. Resumes (a controller's, the pause lease) wait
+    until a later version completes; the pause stays the lock's if it was.
     """
 
     def __init__(self, server: Any, loop: asyncio.AbstractEventLoop, timeout: float) -> None:
@@ -225,6 +234,8 @@ class _PausedWhileCopying:
         self.timeout = timeout
         #: Called while waiting on the loop (the subscriber's Hello when one is due).
         self.keepalive: Callable[[], None] = _nothing
+        #: Whether the weights are mixed now (the subscriber's ``not consistent``).
+        self.mixed: Callable[[], bool] = _never
         self._mine: int | None = None  # server.pause_requests right after our own pause
         self._free = asyncio.Event()  # set while no copy runs; used in the loop only
         self._free.set()
@@ -235,13 +246,16 @@ class _PausedWhileCopying:
 
     async def _acquire(self) -> None:
         s = self.server
-        ours = not s.paused
+        # Still holding the pause of a copy that left the weights mixed: ours again.
+        held = self._mine is not None and s.paused and s.pause_requests == self._mine
+        ours = held or not s.paused
         n = s.pause_requests  # pause() counts itself before its first await
         self._free.clear()
         try:
             ok = await s.pause(self.timeout)
         except BaseException:
-            self._free.set()  # never leave a controller's resume waiting on us
+            if not self.mixed():
+                self._free.set()  # never leave a controller's resume waiting on us
             raise
         self._mine = n + 1 if ours else None
         if not ok:
@@ -253,6 +267,8 @@ class _PausedWhileCopying:
 
     async def _release(self) -> None:
         s = self.server
+        if self.mixed():
+            return  # refuse to serve: stay paused, resumes wait (see the class doc)
         mine, self._mine = self._mine, None
         self._free.set()
         if mine is not None and s.paused and s.pause_requests == mine:
@@ -331,6 +347,7 @@ def attach_subscriber(
     )
     # The lock is entered in the subscriber's thread, which may send on its socket.
     lock.keepalive = sub._keepalive
+    lock.mixed = lambda: not sub.consistent
     sub.start()
     if pause_lease > 0:
         asyncio.run_coroutine_threadsafe(_pause_lease(server, sub, lock, pause_lease), loop)

@@ -1,0 +1,141 @@
+"""Verify-and-copy in one pass: a bucket hashed and applied block by block as it comes.
+
+The default (non-atomic) mode of :class:`transport.weights.WeightSubscriber` over
+``shm`` and ``tcp``: each block of a bucket (256 KiB, L2-sized) is hashed, then copied
+into the live parameters while it is still in cache, so the source is read from memory
+once and each parameter written once. A bucket's checksum is known only with its last
+byte, so the weights hold bytes not yet verified while a version is under way: the
+subscriber holds its ``lock`` from the first write to the end of the version, and a
+version that fails after its first write leaves the weights mixed, reported as such
+(:attr:`WeightSubscriber.consistent` false) until a later version completes.
+
+:class:`BucketStream` does the per-block work for the *plain* tensors of one bucket
+(CPU, contiguous, the dtype they travel in); the others (casts, CUDA targets, strided
+views) need the tensor's bytes whole and are applied by the
+:class:`~transport.weights.bucket.BucketApplier` once the bucket is complete.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from fastio.weight_msgs import WeightBucketInfo, WeightTensor
+from transport.weights.bucket import Hasher, _flat_bytes, dtype_name
+
+__all__ = ["BLOCK", "BucketStream"]
+
+#: Hash-then-copy granularity (fits the L2 cache).
+BLOCK = 256 << 10
+
+
+def _plain(dst: torch.Tensor, e: WeightTensor) -> bool:
+    return dst.device.type == "cpu" and dst.is_contiguous() and dtype_name(dst.dtype) == e.dtype
+
+
+class BucketStream:
+    """One bucket's bytes, fed in order: hashed and copied into the plain targets.
+
+    Parameters
+    ----------
+    info:
+        The bucket (its tensors' offsets within it).
+    targets:
+        Name -> live tensor.
+    dests:
+        Travelling name -> the target names it goes to (see
+        :class:`~transport.weights.binding.Binding`); a target reached twice (tied on
+        this side) is written once.
+    algo:
+        The checksum algorithm of the version.
+
+    Attributes
+    ----------
+    rest:
+        The tensors of the bucket that are not plain: apply them from the complete
+        bucket (:meth:`rest_info`).
+    size:
+        Bytes fed so far.
+    """
+
+    __slots__ = ("_k", "_spans", "hasher", "info", "rest", "size")
+
+    def __init__(
+        self,
+        info: WeightBucketInfo,
+        targets: Mapping[str, torch.Tensor],
+        dests: Mapping[str, Sequence[str]] | None,
+        algo: str,
+    ) -> None:
+        self.info = info
+        self.hasher = Hasher(algo)
+        self.size = 0
+        self._k = 0
+        # (first byte, end, destination arrays) per plain tensor, in bucket order.
+        self._spans: list[tuple[int, int, list[np.ndarray[Any, Any]]]] = []
+        self.rest: list[WeightTensor] = []
+        for e in sorted(info.tensors, key=lambda t: t.offset):
+            if e.nbytes == 0:
+                continue
+            names = (e.name,) if dests is None else dests.get(e.name, ())
+            outs: list[np.ndarray[Any, Any]] = []
+            seen: set[tuple[Any, ...]] = set()
+            other = False
+            for name in names:
+                dst = targets.get(name)
+                if dst is None:
+                    continue
+                key = (dst.device, dst.data_ptr(), dst.dtype, tuple(dst.shape), dst.stride())
+                if key in seen:
+                    continue
+                seen.add(key)
+                if _plain(dst, e):
+                    outs.append(_flat_bytes(dst).numpy())
+                else:
+                    other = True
+            if outs:
+                self._spans.append((e.offset, e.offset + e.nbytes, outs))
+            if other:
+                self.rest.append(e)
+
+    def rest_info(self) -> WeightBucketInfo:
+        """The bucket restricted to :attr:`rest` (for ``BucketApplier.apply``, whose
+        plain targets this stream wrote already: only the others are left)."""
+        import msgspec
+
+        return msgspec.structs.replace(self.info, tensors=self.rest)
+
+    def feed(self, data: np.ndarray[Any, Any]) -> None:
+        """Bytes ``[size, size + len(data))`` of the bucket (a 1-D uint8 array): hash
+        each block, then copy it where it goes while it is in cache."""
+        n = data.size
+        for a in range(0, n, BLOCK):
+            blk = data[a : a + BLOCK]
+            self.hasher.update(blk)
+            self._copy(self.size + a, blk)
+        self.size += n
+
+    def _copy(self, off: int, blk: np.ndarray[Any, Any]) -> None:
+        spans = self._spans
+        end = off + blk.size
+        k = self._k
+        while k < len(spans):
+            lo, hi, outs = spans[k]
+            if lo >= end:
+                break
+            a, b = max(lo, off), min(hi, end)
+            if a < b:
+                src = blk[a - off : b - off]
+                for d in outs:
+                    np.copyto(d[a - lo : b - lo], src)
+            if hi > end:
+                break
+            k += 1
+        self._k = k
+
+    def digest(self) -> int:
+        """The checksum of the bytes fed."""
+        return self.hasher.digest()
