@@ -205,6 +205,27 @@ def _worker(
         sock.close(linger=0)
 
 
+#: The environment the worker processes start with unless ``GLIBC_TUNABLES`` is set
+#: already (set it, even empty, to measure without): glibc's ``memcpy`` uses
+#: non-temporal stores from 128 KiB instead of its default (a fraction of the
+#: last-level cache, 48 MiB here), as :func:`transport.weights.bucket.copy_bytes`
+#: recommends for worker processes. The gloo baselines run in the same processes.
+WORKER_TUNABLES = "glibc.cpu.x86_non_temporal_threshold=131072"
+
+
+@contextlib.contextmanager
+def _worker_env() -> Any:
+    """``GLIBC_TUNABLES`` for the processes started inside (see ``WORKER_TUNABLES``)."""
+    if "GLIBC_TUNABLES" in os.environ:
+        yield
+        return
+    os.environ["GLIBC_TUNABLES"] = WORKER_TUNABLES
+    try:
+        yield
+    finally:
+        del os.environ["GLIBC_TUNABLES"]
+
+
 def _cpu_s(pid: int) -> float:
     """CPU seconds (user + system, all threads) a process has used so far (Linux)."""
     if pid == os.getpid():
@@ -368,8 +389,9 @@ def _run_size(nbytes: int, hidden: int, vocab: int, reps: int, quick: bool) -> l
         )
         for i in range(2)
     ]
-    for p in procs:
-        p.start()
+    with _worker_env():
+        for p in procs:
+            p.start()
     idents: list[bytes] = []
     out: list[Measurement] = []
     tmp = tempfile.mkdtemp(prefix="fastio-bench-disk-")
@@ -430,6 +452,7 @@ def _run_size(nbytes: int, hidden: int, vocab: int, reps: int, quick: bool) -> l
                 buckets=_bucket_table(ack),
                 publish_returned_s=round(statistics.median(packed[2:]), 4),
                 bucket_bytes=bucket,
+                worker_glibc_tunables=os.environ.get("GLIBC_TUNABLES", WORKER_TUNABLES),
                 cpu_s_per_update=meter.per_update(reps),
                 worker_stats={
                     k: round(v, 4)
@@ -740,7 +763,7 @@ def _pinned_staging(state: dict[str, torch.Tensor], reps: int) -> dict[str, Any]
     import mmap
 
     from transport.weights import pinned
-    from transport.weights.ipc import _dtype_name, plan_layout
+    from transport.weights.ipc_layout import _dtype_name, plan_layout
 
     layout = plan_layout(
         ((k, _dtype_name(t.dtype), tuple(t.shape)) for k, t in state.items()), 256 * _MIB

@@ -293,10 +293,11 @@ def copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
     These copies are memory-bound, and glibc's ``memcpy`` switches to non-temporal
     stores (no read-for-ownership of the destination) only for a single copy of at least
     ``glibc.cpu.x86_non_temporal_threshold`` bytes (a fraction of the last-level cache),
-    so parameters of a few MiB copy slower than one large copy would. A worker process
-    started with ``GLIBC_TUNABLES=glibc.cpu.x86_non_temporal_threshold=524288`` applies
-    faster (bench/weights, bench/results); the library cannot change it from inside a
-    running process.
+    so parameters of a few MiB copy slower than one large copy would, and the 256 KiB
+    blocks of a subscriber's verify-and-copy pass never reach it. A worker process
+    started with ``GLIBC_TUNABLES=glibc.cpu.x86_non_temporal_threshold=131072`` applies
+    faster (bench/weights starts its workers so, bench/results); the library cannot
+    change it from inside a running process.
     """
     if dst.device.type == "cpu" and src.device.type == "cpu":
         np.copyto(dst.numpy(), src.numpy())

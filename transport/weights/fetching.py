@@ -5,7 +5,9 @@ turns an Announce into verified buckets: it binds the manifest to the worker's m
 (:class:`~transport.weights.binding.Binding`) before a byte moves, keeps ``window``
 Fetches in flight over TCP (all of them through shared memory), hashes pieces as they
 arrive, re-fetches what fails or times out, and hands the verified buckets to the
-commit. Nothing here writes into the model, except ``atomic=False`` mode.
+commit. In ``atomic=False`` mode (the default) each bucket is also copied into the model
+as it is hashed (:class:`~transport.weights.streaming.BucketStream`), under the lock
+held from the version's first write; ``atomic=True`` writes nothing here.
 """
 
 from __future__ import annotations

@@ -7,29 +7,36 @@ version (:mod:`transport.weights.fetching`), committing it
 (:mod:`transport.weights.commit`) and the ``ipc`` path with its path choice and
 fallbacks (:mod:`transport.weights.ipc_receiving`).
 
-Never a mixed version (the trade-off chosen)
----------------------------------------------
-Applying bucket k of version N before bucket k+1 has arrived and been verified would
-leave a mixed model if the rest never comes (publisher killed, corrupt bytes). Keeping
-the previous weights in that case needs *some* full copy: either an undo copy of what
-was overwritten or the new bytes held until all of them are verified. The subscriber
-holds the new bytes, and only where they already are:
+Never serving a mixed version: two modes
+-----------------------------------------
+A bucket's checksum is known only once its last byte has arrived, and applying bucket k
+of version N before the rest has arrived and been verified leaves a mixed model if the
+rest never comes (publisher killed, corrupt bytes). Two answers, by ``atomic``:
 
-* same host (shared memory): the publisher's segment *is* the staging area. The worker
-  verifies every bucket's checksum in place, then copies into its parameters: no extra
-  memory on the worker, one copy per byte.
-* over TCP: each piece is hashed as it arrives and copied, while still in cache, into
-  a staging buffer the worker keeps from version to version (its frame is freed at
-  once, so the next piece lands in the same warm memory instead of fresh pages); once
-  every bucket is verified they are copied into the parameters. The worker holds one
-  version's bytes in that buffer.
+* ``atomic=False`` (the default without a ``loader``): verify and copy in one pass.
+  Each 256 KiB block of a bucket is hashed, then copied into the parameters while it
+  is still in cache (:mod:`transport.weights.streaming`): shared memory is read once,
+  a TCP piece is copied once and its frame freed at once, and the copy overlaps the
+  trainer's packing. The ``lock`` is held from the version's first write until it
+  completes. If the version fails after that (a bucket fails its checksum for good,
+  the publisher dies or goes silent, a newer version supersedes it), the weights are
+  mixed: :attr:`WeightSubscriber.consistent` is false, the worker reports version
+  ``-1`` (no complete version) in its Ack and Hellos, the failed Ack says "weights
+  are mixed", and the fabric's lock keeps the worker paused
+  (:func:`transport.weights.update.attach_subscriber`) until a later version, or the
+  same one fetched again, completes.
+* ``atomic=True``: the previous version stays whole until the new one is verified
+  entirely. Same host (shared memory): the publisher's segment *is* the staging area;
+  every bucket's checksum is verified in place, then copied into the parameters (no
+  extra memory on the worker). Over TCP: each piece is hashed as it arrives and copied,
+  while still in cache, into a staging buffer the worker keeps from version to version
+  (one version's bytes); once every bucket is verified they are copied into the
+  parameters. A failed version leaves the previous weights, and version, in place.
 
 Either way the metadata (names, shapes, dtypes, layout) is checked before a byte is
-fetched, the parameters are written in place (references held by the engine stay valid)
-and the version is switched only after the last copy. ``atomic=False`` trades the
-guarantee for memory: each verified bucket is applied as it arrives (at most ``window``
-buckets held, in their frames; no staging buffer); if the version then fails the worker reports its weights as mixed, and
-:attr:`WeightSubscriber.consistent` is false until a later version completes.
+fetched (a mismatch fails the version with the weights untouched), the parameters are
+written in place (references held by the engine stay valid) and the version is switched
+only after the last copy.
 """
 
 from __future__ import annotations
@@ -97,8 +104,12 @@ class WeightSubscriber(IpcReceiving, VersionCommit):
     shm:
         Read same-host versions from shared memory when the handshake shows it works.
     atomic:
-        Never leave mixed weights (see the module docstring); ``False`` applies buckets
-        as they arrive.
+        ``True``: keep the previous weights whole until a version is verified
+        entirely; ``False``: verify and copy in one pass, and refuse to serve (report
+        version ``-1``, :attr:`consistent` false) after a version that failed midway,
+        until a later one completes (see the module docstring). ``None`` (default):
+        ``False``, or ``True`` with a ``loader``. The ``ipc`` path is atomic unless
+        this is ``False``.
     window:
         Buckets requested ahead over TCP.
     fetch_timeout:
@@ -280,7 +291,10 @@ class WeightSubscriber(IpcReceiving, VersionCommit):
 
     @property
     def consistent(self) -> bool:
-        """False only in ``atomic=False`` mode after a version failed half-applied."""
+        """False while the weights are mixed: a version failed after its first write
+        (``atomic=False``), or a copy or the ``loader`` failed midway. The worker then
+        reports version ``-1`` and must not serve; a later complete version makes it
+        true again. :attr:`version` stays the last version applied completely."""
         return self._consistent
 
     @property

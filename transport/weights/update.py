@@ -105,8 +105,11 @@ def update_weights(
         worker failed, did not answer, does not report the new version after the
         resume, or did not confirm the resume. With ``strict=False`` the update goes on
         with the workers that paused and the others are reported in ``failed``. The
-        workers are resumed either way: a worker that failed kept its previous weights
-        and keeps generating with them, under its previous version number.
+        workers are resumed either way: a worker that failed before writing its
+        weights (or with ``atomic=True``) kept its previous ones and keeps generating
+        with them, under its previous version number; one whose failure left its
+        weights mixed (its error says so) stays paused, its resume answered only once
+        a later version completes there (until then it is in ``resume_failed``).
 
     Returns
     -------
@@ -407,6 +410,7 @@ PLUGIN_OPTIONS = frozenset(
         "weights_endpoint",
         "weights_shm",
         "weights_path",
+        "weights_atomic",
         "weights_digest",
         "weights_strict",
         "weights_dtype",
@@ -439,6 +443,8 @@ def subscriber_options(opts: dict[str, str], model: Any) -> dict[str, Any]:
         "report_digest": _flag(opts.get("weights_digest"), False),
         "strict": _flag(opts.get("weights_strict"), True),
     }
+    if "weights_atomic" in opts:
+        kw["atomic"] = _flag(opts["weights_atomic"], False)
     for key, arg in (
         ("weights_publisher_timeout", "publisher_timeout"),
         ("weights_pause_timeout", "pause_timeout"),
@@ -490,6 +496,10 @@ async def subscribe(server: Any, opts: dict[str, str]) -> None:
     * ``weights_path``: force a path, ``ipc``, ``shm`` or ``tcp`` (default: ``ipc``
       when the publisher offers it and the worker can open the trainer's memory, else
       ``shm``/``tcp``);
+    * ``weights_atomic``: 1 keeps the previous weights whole until a version is
+      verified entirely; 0 verifies and copies in one pass, and a version failing
+      midway keeps the worker paused until a later one completes (default: 0, or 1
+      with ``weights_loader``);
     * ``weights_digest``: report weight digests (default 0);
     * ``weights_strict``: the update must cover every parameter (default 1);
     * ``weights_dtype``: ``auto`` (each parameter's dtype) or one dtype name for every
