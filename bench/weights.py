@@ -15,10 +15,13 @@ live tensors and the trainer has their acknowledgements":
   :mod:`transport.weights.ipc_link`.
 
 Our side includes everything the guarantees cost: packing the trainer's tensors into
-the staging snapshot and hashing it (xxh3) on the trainer, the transfer, hashing every
-bucket again on each worker, and copying into the live tensors only once every bucket
-is verified (never a mixed version). Each case has the same three baselines, measured
-in the same run, with the same tensors, into the same worker processes' tensors:
+the staging snapshot and hashing it (xxh3) on the trainer, the transfer, and on each
+worker hashing every block again before copying it into the live tensors (the
+subscribers' default, ``atomic=False``: a version that fails midway leaves the worker
+refusing to serve until the next complete one, never serving a mixed version). The
+worker processes start with ``WORKER_TUNABLES`` (glibc's memcpy threshold for
+non-temporal stores). Each case has the same three baselines, measured in the same
+run, with the same tensors, into the same worker processes' tensors:
 
 * ``gloo``: torch.distributed gloo (a 3-rank group: trainer = root + 2 workers), one
   ``broadcast`` per tensor from the trainer's tensors straight into the workers' live
@@ -257,26 +260,31 @@ def _primitives(state: dict[str, torch.Tensor]) -> dict[str, float]:
     """Seconds this machine needs, single-threaded, for the unavoidable work of one
     version of ``state`` (best of 3, in the trainer process):
 
-    * ``copy_s``: copying every tensor into a flat buffer, one ``memcpy`` per tensor (a
-      worker's apply; the trainer's packing costs about the same);
-    * ``hash_s``: xxh3 over the flat buffer in 8 MiB pieces from memory (a worker's
-      verification);
+    * ``copy_s``: copying every tensor into a flat buffer, one ``memcpy`` per tensor (the
+      trainer's packing costs about the same);
+    * ``hash_s``: xxh3 over the flat buffer in 8 MiB pieces from memory;
     * ``hash_hot_s``: xxh3 over the same bytes while they are in cache (the trainer
       hashes each block right after copying it);
-    * ``stage_s``: a 1 MiB piece in cache copied to each MiB of a version-sized buffer
-      in turn (a TCP worker copying each received, hashed piece into its staging
-      buffer).
+    * ``fused_s``: a worker's verify-and-copy pass
+      (:class:`transport.weights.streaming.BucketStream`): each 256 KiB block of the
+      flat buffer hashed, then copied into the tensors.
+
+    Measured in the trainer process, which runs without the workers' memcpy tunable
+    (``WORKER_TUNABLES``): ``fused_s`` is what a worker started without it needs.
     """
     import numpy as np
 
-    from transport.weights.bucket import Hasher, checksum
+    from transport.weights.bucket import Hasher, checksum, plan_for
+    from transport.weights.streaming import BucketStream
 
     srcs = [t.detach().reshape(-1).view(torch.uint8).numpy() for t in state.values()]
     total = sum(a.size for a in srcs)
     buf = np.ones(total, dtype=np.uint8)  # written: no page faults in the timings
-    best = {"copy_s": 1e9, "hash_s": 1e9, "hash_hot_s": 1e9, "stage_s": 1e9}
     hot = buf[: 256 << 10]
-    piece = np.ones(1 << 20, dtype=np.uint8)
+    plan = plan_for(state, 1 << 62)
+    packed = np.zeros(sum(b.nbytes for b in plan), dtype=np.uint8)
+    dst = {k: v.clone() for k, v in state.items()}
+    best = {"copy_s": 1e9, "hash_s": 1e9, "hash_hot_s": 1e9, "fused_s": 1e9}
     for _ in range(3):
         t0 = time.perf_counter()
         pos = 0
@@ -291,15 +299,15 @@ def _primitives(state: dict[str, torch.Tensor]) -> dict[str, float]:
         for _ in range(max(1, total // hot.size)):
             checksum([hot], "xxh3_64")
         t3 = time.perf_counter()
-        for pos in range(0, total, piece.size):
-            n = min(piece.size, total - pos)
-            np.copyto(buf[pos : pos + n], piece[:n])
+        for b in plan:
+            st = BucketStream(b, dst, None, "xxh3_64")
+            st.feed(packed[b.shm_offset : b.shm_offset + b.nbytes])
         t4 = time.perf_counter()
         for k, v in (
             ("copy_s", t1 - t0),
             ("hash_s", t2 - t1),
             ("hash_hot_s", t3 - t2),
-            ("stage_s", t4 - t3),
+            ("fused_s", t4 - t3),
         ):
             best[k] = min(best[k], v)
     return {k: round(v, 4) for k, v in best.items()}
@@ -308,22 +316,17 @@ def _primitives(state: dict[str, torch.Tensor]) -> dict[str, float]:
 def _floors(prim: dict[str, float], gloo_cpu: float, cores: int) -> dict[str, float]:
     """Lower bounds of one update's wall time on this machine, from the primitives and
     gloo's CPU seconds for the same transfer, with no Python overhead at all and perfect
-    use of ``cores`` until the last bucket is verified; the copy into the live tensors
-    comes only then (never a mixed version), the two workers' copies side by side
-    (each on its own core; with fewer cores than workers they share them).
+    use of ``cores``: the trainer packs (copy + hot hash) while the two workers verify
+    and copy each block as it is packed (the subscribers' default), so the update ends
+    with the trainer's packing or when every core's share of the work is done.
 
-    * shm: the trainer packs (copy + hot hash) into a warm pooled segment while the two
-      workers hash it;
-    * tcp: the same plus, per worker, the copy of each hashed piece into its staging
-      buffer, plus the kernel's socket copies, taken to cost what they cost gloo.
+    * shm: packing plus two verify-and-copy passes;
+    * tcp: the same plus the kernel's socket copies, taken to cost what they cost gloo.
     """
     pack = prim["copy_s"] + prim["hash_hot_s"]
-    workers = 2
-    tail = prim["copy_s"] * workers / min(cores, workers)
-    before_tail = pack + workers * prim["hash_s"]
-    shm = max(pack, before_tail / cores) + tail
-    staged = before_tail + workers * prim.get("stage_s", 0.0)
-    tcp = max(pack, (staged + gloo_cpu) / cores) + tail
+    work = pack + 2 * prim["fused_s"]
+    shm = max(pack, work / cores)
+    tcp = max(pack, (work + gloo_cpu) / cores)
     return {"shm": round(shm, 4), "tcp": round(tcp, 4)}
 
 
