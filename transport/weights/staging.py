@@ -31,7 +31,7 @@ from transport.weights.bucket import (
 
 __all__ = ["BLOCK", "Send", "Staged", "pack_steps", "plan_version"]
 
-#: Packing granularity: a block is copied, then hashed while it is still in the L2
+#: Packing granularity: a block is hashed, then copied while it is still in the L2
 #: cache (256 KiB packs and hashes faster than 1 MiB blocks: bench/results).
 BLOCK = 256 << 10
 
@@ -154,8 +154,9 @@ def pack_steps(
     chunk_bytes: int,
     cond: threading.Condition,
 ) -> Iterator[None]:
-    """Pack and hash bucket after bucket, block by block (a block is hashed while still
-    in cache), yielding to the serving loop after every ``chunk_bytes`` of progress.
+    """Pack and hash bucket after bucket, block by block (each block of a tensor is
+    hashed, then copied while still in cache), yielding to the serving loop after every
+    ``chunk_bytes`` of progress.
 
     The loop works on numpy views made once per tensor: slicing a torch tensor costs a
     few microseconds, which over the thousands of blocks of a GiB added tens of ms.
@@ -171,6 +172,8 @@ def pack_steps(
         for e in info.tensors:
             if e.offset > cur:
                 bnp[cur : e.offset] = 0
+                h.update(bnp[cur : e.offset])
+                cur = e.offset
             t = tensors[e.name].detach()
             if e.src_dtype:  # cast for the workers (on the GPU for CUDA tensors)
                 t = t.to(dtype_from_name(e.dtype))
@@ -179,10 +182,12 @@ def pack_steps(
                 off = e.offset
                 for a in range(0, e.nbytes, block):
                     b = min(a + block, e.nbytes)
+                    # Hash the source block, then copy it from cache: the destination
+                    # is only written (with non-temporal stores where glibc's
+                    # threshold allows), never read back.
+                    h.update(src[a:b])
                     np.copyto(bnp[off + a : off + b], src[a:b])
-                    end = off + b
-                    h.update(bnp[cur:end])
-                    cur = end
+                    cur = off + b
                     if base + cur - told >= chunk_bytes:
                         told = base + cur
                         with cond:
