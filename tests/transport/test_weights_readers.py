@@ -75,25 +75,28 @@ def test_a_replacement_under_the_same_id_does_not_answer_for_its_predecessor(
     version 2's segment: it must not be packed again for a later version."""
     if not wshm.available():
         pytest.skip("no /dev/shm")
-    events = mp.get_context("spawn").Queue()
+    # One queue per process: a process stopped while its queue's feeder thread still
+    # holds the (cross-process) write lock would block the other one's reports.
+    events_a = mp.get_context("spawn").Queue()
+    events_b = mp.get_context("spawn").Queue()
     with WeightPublisher(shm=True, heartbeat_interval=0.1, worker_timeout=60) as pub:
-        procs(same_id_proc, pub.endpoint, events, True)
+        procs(same_id_proc, pub.endpoint, events_a, True)
         pub.wait_for_workers(1, 60)
         assert pub.publish_and_wait(make_state(1), 1, timeout=60).ok
         pub.publish(make_state(2), 2)
-        _, _, a_pid, _ = _next(events, "verified", 2)
-        os.kill(a_pid, signal.SIGSTOP)  # verified v2, not yet copied
+        _, _, a_pid, _ = _next(events_a, "verified", 2)
+        os.kill(a_pid, signal.SIGSTOP)  # verified v2, not yet committed
         try:
-            procs(same_id_proc, pub.endpoint, events, False)
-            _, _, b_pid, digest = _next(events, "applied", 2)
+            procs(same_id_proc, pub.endpoint, events_b, False)
+            _, _, b_pid, digest = _next(events_b, "applied", 2)
             assert b_pid != a_pid and digest == state_digest(make_state(2))
             wait_for(lambda: pub.workers()["w"].pid == b_pid, 30, "B's Hello")
             for v in (3, 4):  # the old rule packed v4 into v2's segment
                 pub.publish(make_state(v), v)
-                _next(events, "applied", v, b_pid)
+                _next(events_b, "applied", v, b_pid)
         finally:
             os.kill(a_pid, signal.SIGCONT)
-        _, _, _, digest = _next(events, "applied", 2, a_pid)
+        _, _, _, digest = _next(events_a, "applied", 2, a_pid)
         assert digest == state_digest(make_state(2)), "version 2 stamped on other bytes"
         assert pub.counters["segments_abandoned"] >= 1  # set aside, never rewritten
 
