@@ -72,6 +72,21 @@ for _dt, _name in _WIRE_NAMES.items():
     _INLINE_CODE[_dt] = _TOKENS_INLINE + DTYPE_NAMES.index(_name)
     _FRAME_CODE[_dt] = _TOKENS_FRAME + DTYPE_NAMES.index(_name)
 
+
+def _by_code(table: dict[int, np.dtype[Any]]) -> list[np.dtype[Any] | None]:
+    """``table`` as a list indexed by ext code (256 entries: msgpack codes are int8, and
+    a negative code indexes the upper half, which is all None): the decoder's hooks
+    look dtypes up with one list subscript instead of a ``dict.get`` call."""
+    out: list[np.dtype[Any] | None] = [None] * 256
+    for code, dtype in table.items():
+        out[code] = dtype
+    return out
+
+
+_INLINE_BY_CODE = _by_code(_INLINE_DTYPES)
+_FRAME_BY_CODE = _by_code(_FRAME_DTYPES)
+_REF_BY_CODE = _by_code(_REF_DTYPES)
+
 #: The compact frame references a token array in frame ``k`` (1-255) is written as:
 #: ``_REFS[inline_code][k]``, an ``Ext(inline_code + 32, bytes([k]))`` made on first use
 #: and shared from then on (Ext values are never mutated): the encoder's hot path

@@ -92,11 +92,11 @@ import numpy as np
 from fastio import io_struct as _s
 from fastio._decode_errors import _body_error, _Rejected, _token_error
 from fastio._ext import (
-    _FRAME_DTYPES,
+    _FRAME_BY_CODE,
     _FRAME_REF,
+    _INLINE_BY_CODE,
     _INLINE_CODE,
-    _INLINE_DTYPES,
-    _REF_DTYPES,
+    _REF_BY_CODE,
     _REFS,
     _TOKEN_CODES,
     _Ext,
@@ -412,14 +412,14 @@ class Decoder(_ExtDecoderMixin):
     def _header_only_hook(self) -> Any:
         """The ext hook of one-frame messages: inline token arrays on the fast path;
         a reference to a buffer frame is an error (there are none)."""
-        inline = _INLINE_DTYPES
+        inline = _INLINE_BY_CODE
         frombuffer = np.frombuffer
         new = _new_object
         other = self._ext_hook
         no_buffers = (None,)
 
         def ext_hook(code: int, payload: memoryview) -> Any:
-            dtype = inline.get(code)
+            dtype = inline[code]
             if dtype is not None:
                 try:
                     arr = frombuffer(payload, dtype)  # ValueError unless whole items
@@ -440,16 +440,17 @@ class Decoder(_ExtDecoderMixin):
         the state; ``decode_two`` is for messages of exactly two frames (its type says
         one buffer, so msgspec checks the count)."""
         state: list[Any] = [None, None, None]
-        frame_dtypes = _FRAME_DTYPES
-        ref_dtypes = _REF_DTYPES
-        inline = _INLINE_DTYPES
+        # dtype by ext code, None for other codes (list subscripts: see fastio._ext).
+        frame_dtypes = _FRAME_BY_CODE
+        ref_dtypes = _REF_BY_CODE
+        inline = _INLINE_BY_CODE
         frombuffer = np.frombuffer
         unpack = _FRAME_REF.unpack
         new = _new_object
         other = self._ext_hook
 
         def ext_hook(code: int, payload: memoryview) -> Any:
-            dtype = ref_dtypes.get(code)
+            dtype = ref_dtypes[code]
             if dtype is not None:
                 # A token array in frame k (one byte): the frame is the array.
                 # Malformed values fall through to the error below (try is free).
@@ -462,7 +463,7 @@ class Decoder(_ExtDecoderMixin):
                 except (ValueError, TypeError, IndexError, BufferError):
                     pass
                 raise _token_error(code, payload, state[0])
-            dtype = inline.get(code)
+            dtype = inline[code]
             if dtype is not None:
                 try:
                     arr = frombuffer(payload, dtype)
@@ -471,7 +472,7 @@ class Decoder(_ExtDecoderMixin):
                 tokens = new(TokenArray)
                 tokens._a = arr
                 return tokens
-            dtype = frame_dtypes.get(code)
+            dtype = frame_dtypes[code]
             if dtype is not None:
                 # The 8-byte reference (frame index, element count): frames from 256 on.
                 try:

@@ -317,3 +317,21 @@ def test_token_fields_with_wrong_contents() -> None:
     assert Decoder(LLMResponse).decode([header(resp_body([2**40]))]).output_tokens == [2**40]
     expect([header(resp_body({"a": 1}))], "output_tokens takes a list")
     expect([header(resp_body(ext(3, ["L", 1, 1, b"\x00"])))], "output_tokens takes a list")
+
+
+@pytest.mark.parametrize("code", [-128, -100, -2, 5, 15, 26, 29, 31, 42, 45, 47, 58, 61, 64, 127])
+def test_ext_codes_outside_the_tables(code: int) -> None:
+    """The decoder's hooks look dtypes up by ext code in 256-entry lists: negative codes
+    (the upper half), the bfloat16 codes and the gaps between the token ranges are
+    refused, with and without buffer frames."""
+
+    def frames_with(n: int) -> list[bytes]:
+        # fixext 1 with the code's byte (msgpack-python refuses to pack negative codes).
+        h = header(resp_body(msgpack.ExtType(7, b"\x01")), n)
+        h = h.replace(b"\xd4\x07\x01", b"\xd4" + bytes([code & 0xFF]) + b"\x01")
+        return [h, bytes(16)][: n + 1]
+
+    for frames in (frames_with(0), frames_with(1)):
+        for tp in (None, LLMResponse):
+            err = expect(frames, "unknown extension type code|invalid message body", tp)
+            assert str(code) in str(err) or code < 0
