@@ -835,3 +835,26 @@ def test_frames_past_255_use_the_8_byte_reference() -> None:
     # Received frames are bytes-like: the same header decodes them.
     received = [frames[0], *(bytes(f) for f in frames[1:])]
     assert fastio.decode(received, list[TokenArray])[299] == back[299]
+
+
+@pytest.mark.parametrize("n", [100, 5000])  # inline in the header, a frame of its own
+def test_token_arrays_strided_offset_and_big_endian(n: int) -> None:
+    """The encoder hands a token array's numpy array itself to msgspec (inline) or as the
+    frame: views at an offset send only their own elements; strided and big-endian
+    arrays take the slow path (one packed little-endian copy)."""
+    base = np.arange(4 * n, dtype=np.int32)
+    cases = {
+        "strided": TokenArray(base[::2][:n]),
+        "offset view": TokenArray(base)[n : 2 * n],
+        "big-endian": TokenArray(base[:n].astype(">i4")),
+        "int64 offset view": TokenArray(base.astype(np.int64))[1 : n + 1],
+    }
+    for name, ids in cases.items():
+        frames = fastio.encode(LLMRequest(input_ids=ids))
+        assert len(frames) == (1 if n == 100 else 2), name
+        if n != 100:
+            assert memoryview(frames[1]).nbytes == n * ids.array.dtype.itemsize, name
+        received = [frames[0], *(bytes(f) for f in frames[1:])]
+        back = fastio.decode(received, LLMRequest)
+        assert back.input_ids == ids.tolist(), name
+        assert back.input_ids.array.dtype == ids.array.dtype.newbyteorder("="), name
