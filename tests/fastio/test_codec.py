@@ -854,6 +854,9 @@ def test_token_arrays_strided_offset_and_big_endian(n: int) -> None:
         assert len(frames) == (1 if n == 100 else 2), name
         if n != 100:
             assert memoryview(frames[1]).nbytes == n * ids.array.dtype.itemsize, name
+            # The slow path (a packed copy) writes the compact reference too.
+            ref = msgpack.unpackb(frames[0])[2][2]
+            assert ref.code >= ExtCode.TOKENS_REF and ref.data == b"\x01", name
         received = [frames[0], *(bytes(f) for f in frames[1:])]
         back = fastio.decode(received, LLMRequest)
         assert back.input_ids == ids.tolist(), name
