@@ -9,7 +9,7 @@ from typing import Any
 
 import msgspec
 
-from fastio._ext import _FRAME_REF, _TOKEN_CODES
+from fastio._ext import _FRAME, _FRAME_REF, _INLINE, _TOKEN_CODES
 from fastio._header import _buffer
 from fastio.errors import DecodeError
 
@@ -29,21 +29,33 @@ def _frame_error(what: str, k: int, frames: Any) -> DecodeError:
 
 def _token_error(code: int, payload: memoryview, frames: Any) -> DecodeError:
     """What is wrong with a token-array extension value that failed to decode."""
-    dtype, in_frame = _TOKEN_CODES[code]
-    if not in_frame:
+    dtype, form = _TOKEN_CODES[code]
+    if form == _INLINE:
         return DecodeError(
             f"token array of {dtype.name} needs a multiple of {dtype.itemsize} bytes of "
             f"data, got {len(payload)}"
         )
-    if len(payload) != _FRAME_REF.size:
-        return DecodeError(f"token array frame reference must be 8 bytes, got {len(payload)}")
-    k, count = _FRAME_REF.unpack(payload)
+    if form == _FRAME:
+        if len(payload) != _FRAME_REF.size:
+            return DecodeError(f"token array frame reference must be 8 bytes, got {len(payload)}")
+        k, count = _FRAME_REF.unpack(payload)
+    else:
+        if len(payload) != 1:
+            return DecodeError(
+                f"compact token array frame reference must be 1 byte, got {len(payload)}"
+            )
+        k, count = payload[0], -1
     if not 0 < k < len(frames):
         return _frame_error("token array", k, frames)
     try:
         got = _buffer(frames[k]).nbytes
     except DecodeError as err:  # not bytes-like, not contiguous
         return err
+    if count < 0:
+        return DecodeError(
+            f"token array of {dtype.name} in frame {k} needs a multiple of {dtype.itemsize} "
+            f"bytes of data, got {got}"
+        )
     return DecodeError(
         f"token array {dtype.name}[{count}] needs {count * dtype.itemsize} bytes of data, got {got}"
     )

@@ -48,24 +48,59 @@ _array_meta_decode = msgspec.msgpack.Decoder(tuple[str, tuple[int, ...], int | b
 _image_meta = msgspec.msgpack.Decoder(tuple[str, int, int, int | bytearray])
 _Ext = msgspec.msgpack.Ext
 
-# Token arrays: ext code -> (numpy dtype, whether the payload is a frame index).
+# Token arrays: ext code -> (numpy dtype, payload form: _INLINE, _FRAME or _REF).
 _TOKENS_INLINE = int(ExtCode.TOKENS_INLINE)
 _TOKENS_FRAME = int(ExtCode.TOKENS_FRAME)
-_TOKEN_CODES: dict[int, tuple[np.dtype[Any], bool]] = {}
+_TOKENS_REF = int(ExtCode.TOKENS_REF)
+_INLINE, _FRAME, _REF = 0, 1, 2
+_TOKEN_CODES: dict[int, tuple[np.dtype[Any], int]] = {}
 _INLINE_DTYPES: dict[int, np.dtype[Any]] = {}  # inline ext code -> dtype
-_FRAME_DTYPES: dict[int, np.dtype[Any]] = {}  # frame ext code -> dtype
+_FRAME_DTYPES: dict[int, np.dtype[Any]] = {}  # frame ext code (8-byte payload) -> dtype
+_REF_DTYPES: dict[int, np.dtype[Any]] = {}  # compact frame ext code (1 byte) -> dtype
 _INLINE_CODE: dict[np.dtype[Any], int] = {}  # dtype -> inline ext code
 _FRAME_CODE: dict[np.dtype[Any], int] = {}  # dtype -> frame ext code
 _FRAME_REF = struct.Struct("<II")  # frame index, element count
 for _d, _name in enumerate(DTYPE_NAMES):
     if _name in _NP_DTYPES:
-        _TOKEN_CODES[_TOKENS_INLINE + _d] = (_NP_DTYPES[_name], False)
+        _TOKEN_CODES[_TOKENS_INLINE + _d] = (_NP_DTYPES[_name], _INLINE)
         _INLINE_DTYPES[_TOKENS_INLINE + _d] = _NP_DTYPES[_name]
         _FRAME_DTYPES[_TOKENS_FRAME + _d] = _NP_DTYPES[_name]
-        _TOKEN_CODES[_TOKENS_FRAME + _d] = (_NP_DTYPES[_name], True)
+        _TOKEN_CODES[_TOKENS_FRAME + _d] = (_NP_DTYPES[_name], _FRAME)
+        _REF_DTYPES[_TOKENS_REF + _d] = _NP_DTYPES[_name]
+        _TOKEN_CODES[_TOKENS_REF + _d] = (_NP_DTYPES[_name], _REF)
 for _dt, _name in _WIRE_NAMES.items():
     _INLINE_CODE[_dt] = _TOKENS_INLINE + DTYPE_NAMES.index(_name)
     _FRAME_CODE[_dt] = _TOKENS_FRAME + DTYPE_NAMES.index(_name)
+
+
+def _by_code(table: dict[int, np.dtype[Any]]) -> list[np.dtype[Any] | None]:
+    """``table`` as a list indexed by ext code (256 entries: msgpack codes are int8, and
+    a negative code indexes the upper half, which is all None): the decoder's hooks
+    look dtypes up with one list subscript instead of a ``dict.get`` call."""
+    out: list[np.dtype[Any] | None] = [None] * 256
+    for code, dtype in table.items():
+        out[code] = dtype
+    return out
+
+
+_INLINE_BY_CODE = _by_code(_INLINE_DTYPES)
+_FRAME_BY_CODE = _by_code(_FRAME_DTYPES)
+_REF_BY_CODE = _by_code(_REF_DTYPES)
+
+#: The compact frame references a token array in frame ``k`` (1-255) is written as:
+#: ``_REFS[inline_code][k]``, an ``Ext(inline_code + 32, bytes([k]))`` made on first use
+#: and shared from then on (Ext values are never mutated): the encoder's hot path
+#: allocates nothing for a reference.
+_REFS: list[list[Any]] = [[None] * 256 for _ in range(_TOKENS_INLINE + len(DTYPE_NAMES))]
+
+
+def _ref(code: int, k: int) -> Any:
+    """The compact reference to frame ``k`` (1-255) of a token array whose inline
+    code is ``code``, or the 8-byte form (code + 16) for a larger ``k``."""
+    if k > 255:
+        raise IndexError(k)
+    ref = _REFS[code][k] = msgspec.msgpack.Ext(code + _TOKENS_REF - _TOKENS_INLINE, bytes((k,)))
+    return ref
 
 
 _EMPTY = memoryview(b"")

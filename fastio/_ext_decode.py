@@ -94,7 +94,7 @@ class _ExtDecoderMixin:
             return self._image(payload, frames)
         raise DecodeError(
             f"unknown extension type code {code}; known: 1, 2, 3, 4, "
-            "16-28 and 32-44 (token arrays, but not bfloat16: 26, 42)"
+            "16-28, 32-44 and 48-60 (token arrays, but not bfloat16: 26, 42, 58)"
         )
 
     def _array(

@@ -18,12 +18,14 @@ from fastio._ext import (
     _IMAGE_MODES,
     _INLINE_CODE,
     _NP_DTYPES,
+    _REFS,
     _WIRE_NAMES,
     _Ext,
     _is_pil_image,
     _is_tensor,
     _meta_encode,
     _normalise_dtype,
+    _ref,
     _torch_dtypes,
     _torch_names,
     _torch_tables,
@@ -71,7 +73,10 @@ class _ExtEncoderMixin:
         if arr.nbytes < self._threshold:
             return _Ext(code, arr.tobytes())
         frames.append(arr.data.cast("B"))
-        return _Ext(code + 16, _FRAME_REF.pack(len(frames) - 1, arr.shape[0]))
+        k = len(frames) - 1
+        if k > 255:  # the compact reference holds the index in one byte
+            return _Ext(code + 16, _FRAME_REF.pack(k, arr.shape[0]))
+        return _REFS[code][k] or _ref(code, k)  # type: ignore[no-any-return]
 
     def _slot(self, arr: np.ndarray[Any, Any], frames: list[Any]) -> int | bytes:
         """Inline bytes for a small C-contiguous array, else the index of its frame."""

@@ -9,8 +9,10 @@ specification.
 
 Zero-copy contract
 ------------------
-*Encoding*: the buffer frames returned by :meth:`Encoder.encode` are byte memoryviews of
-the caller's arrays. Do not mutate those arrays until the send has completed (pyzmq:
+*Encoding*: the buffer frames returned by :meth:`Encoder.encode` are the caller's memory,
+not copies: a token array's frame is its numpy array itself (no memoryview is made on
+the hot path), any other array's or tensor's a 1-D byte memoryview. Every frame has the
+buffer protocol; ``memoryview(frame).nbytes`` is its size in bytes. Do not mutate those arrays until the send has completed (pyzmq:
 ``send_multipart(frames, copy=False, track=True)`` and wait on the tracker).
 ``TokenArray.append``/``extend`` never write into the part of memory already encoded.
 Copies happen only where the wire form differs from the memory: non-contiguous or
@@ -25,9 +27,12 @@ and item assignment never write into a received frame (they copy first). Torch t
 over a read-only frame are copied, because torch has no read-only tensors and a write
 would corrupt an immutable ``bytes`` object.
 
-Token arrays travel as extension codes ``16 + d`` (inline) and ``32 + d`` (buffer
-frame) whose dtype is the code: decoding one is a table lookup and ``np.frombuffer``,
-no nested msgpack decode (``docs/PROTOCOL.md``, "Extension types").
+Token arrays travel as extension codes ``16 + d`` (inline) and ``48 + d`` (buffer
+frame; ``32 + d`` from frame 256 on) whose dtype is the code: decoding one is a table
+lookup and ``np.frombuffer``, no nested msgpack decode. A reference to a buffer frame is
+one byte, the frame index, and the frame is the array, so the encoder reuses one
+extension value per dtype and frame index instead of packing one per array
+(``docs/PROTOCOL.md``, "Extension types").
 
 Trust
 -----
@@ -41,7 +46,11 @@ checks of construction (``GenerationHyperparameters(...)``) never run on decode.
 from a socket, also checks the frame list: that together the frames stay under
 ``max_message_size`` (a message of one frame: its length; of two: two ``len()``;
 more: one pass), before parsing. The frames the header refers to must be bytes-like (the
-parse checks them).
+parse checks them). ``len()`` is the size in bytes of what a socket delivers (``bytes``,
+``zmq.Frame``) and of bytes-like frames; an :class:`Encoder`'s token-array frames are
+numpy arrays, whose ``len()`` counts elements, so frames passed straight from an
+encoder to a decoder in one process are held to a limit up to 8 times looser (they are
+this program's own frames).
 ``trusted=True`` skips the size limit for frames this program produced itself (a
 queue between its own threads, a file it wrote); every other check stays. The frame
 count the header announces is checked either way (for one or two frames msgspec
@@ -83,14 +92,17 @@ import numpy as np
 from fastio import io_struct as _s
 from fastio._decode_errors import _body_error, _Rejected, _token_error
 from fastio._ext import (
-    _FRAME_DTYPES,
+    _FRAME_BY_CODE,
     _FRAME_REF,
+    _INLINE_BY_CODE,
     _INLINE_CODE,
-    _INLINE_DTYPES,
+    _REF_BY_CODE,
+    _REFS,
     _TOKEN_CODES,
     _Ext,
     _is_pil_image,
     _is_tensor,
+    _ref,
 )
 from fastio._ext_decode import _dec_hook, _ExtDecoderMixin
 from fastio._ext_encode import _ExtEncoderMixin
@@ -198,29 +210,29 @@ class Encoder(_ExtEncoderMixin):
         inline_code = _INLINE_CODE
         ext = _Ext
         pack = _FRAME_REF.pack
+        refs = _REFS
+        make_ref = _ref
         other = self._enc_hook
 
         def hook(obj: Any) -> Any:
-            # The hot path, every token array of every message, inlined.
+            # The hot path, every token array of every message, inlined. The array
+            # itself is the payload (inline) or the frame: no memoryview to make.
             if type(obj) is TokenArray:
                 arr = obj._a
                 code = inline_code.get(arr.dtype)
-                if code is not None:
-                    mv = arr.data
-                    if mv.nbytes < threshold:
-                        if mv.c_contiguous:
-                            # The elements are the payload: msgspec copies them into
-                            # the header.
-                            return ext(code, mv)
-                    else:
-                        try:
-                            frame = mv.cast("B")  # TypeError unless C-contiguous
-                        except TypeError:
-                            pass
-                        else:
-                            frames = state[1]
-                            frames.append(frame)
-                            return ext(code + 16, pack(len(frames) - 1, len(mv)))
+                if code is not None and arr.flags.c_contiguous:
+                    if arr.nbytes < threshold:
+                        # The elements are the payload: msgspec copies them into
+                        # the header.
+                        return ext(code, arr)  # type: ignore[arg-type]  # a buffer
+                    frames = state[1]
+                    frames.append(arr)
+                    k = len(frames) - 1
+                    try:
+                        ref = refs[code][k]  # shared, made once (see fastio._ext._REFS)
+                    except IndexError:  # frame 256 and on: the 8-byte reference
+                        return ext(code + 16, pack(k, len(arr)))
+                    return ref if ref is not None else make_ref(code, k)
             return other(obj, state[1])
 
         state[0] = msgspec.msgpack.Encoder(enc_hook=hook).encode
@@ -295,10 +307,8 @@ class Encoder(_ExtEncoderMixin):
             if type(obj) is TokenArray:
                 arr = obj._a
                 code = inline_code.get(arr.dtype)
-                if code is not None:
-                    mv = arr.data
-                    if mv.nbytes < threshold and mv.c_contiguous:
-                        return ext(code, mv)
+                if code is not None and arr.nbytes < threshold and arr.flags.c_contiguous:
+                    return ext(code, arr)  # type: ignore[arg-type]  # a buffer
             elif _is_tensor(obj) or _is_pil_image(obj):
                 # They are converted (device to host, pixels) before the size is known.
                 raise _NeedsFrames
@@ -309,9 +319,10 @@ class Encoder(_ExtEncoderMixin):
     def encode(self, obj: Any) -> list[Any]:
         """Encode ``obj`` into ``[header, *buffers]``.
 
-        The header is ``bytes``; buffers are 1-D byte memoryviews of the caller's arrays
-        (see the module docstring for how long they must stay unmodified). Send them
-        with ``socket.send_multipart(frames, copy=False)``.
+        The header is ``bytes``; buffers are the caller's memory: a token array's numpy
+        array itself, 1-D byte memoryviews of other arrays and tensors (see the module
+        docstring for how long they must stay unmodified; ``memoryview(f).nbytes`` is a
+        frame's size). Send them with ``socket.send_multipart(frames, copy=False)``.
 
         Raises
         ------
@@ -333,7 +344,8 @@ class Decoder(_ExtDecoderMixin):
         ``fastio.weight_msgs``).
     max_message_size:
         Frames adding up to more bytes raise :class:`~fastio.MessageTooLarge` before
-        anything is parsed (sizes by ``len()``: bytes for bytes-like frames).
+        anything is parsed (sizes by ``len()``: bytes for bytes-like frames and what a
+        socket delivers; see "Trust" in the module docstring).
     trusted:
         ``True`` skips the checks of the frame list before parsing (see "Trust" in the
         module docstring); only for frames this program produced itself. Anything read
@@ -400,14 +412,14 @@ class Decoder(_ExtDecoderMixin):
     def _header_only_hook(self) -> Any:
         """The ext hook of one-frame messages: inline token arrays on the fast path;
         a reference to a buffer frame is an error (there are none)."""
-        inline = _INLINE_DTYPES
+        inline = _INLINE_BY_CODE
         frombuffer = np.frombuffer
         new = _new_object
         other = self._ext_hook
         no_buffers = (None,)
 
         def ext_hook(code: int, payload: memoryview) -> Any:
-            dtype = inline.get(code)
+            dtype = inline[code]
             if dtype is not None:
                 try:
                     arr = frombuffer(payload, dtype)  # ValueError unless whole items
@@ -428,29 +440,30 @@ class Decoder(_ExtDecoderMixin):
         the state; ``decode_two`` is for messages of exactly two frames (its type says
         one buffer, so msgspec checks the count)."""
         state: list[Any] = [None, None, None]
-        frame_dtypes = _FRAME_DTYPES
-        inline = _INLINE_DTYPES
+        # dtype by ext code, None for other codes (list subscripts: see fastio._ext).
+        frame_dtypes = _FRAME_BY_CODE
+        ref_dtypes = _REF_BY_CODE
+        inline = _INLINE_BY_CODE
         frombuffer = np.frombuffer
         unpack = _FRAME_REF.unpack
         new = _new_object
         other = self._ext_hook
 
         def ext_hook(code: int, payload: memoryview) -> Any:
-            dtype = frame_dtypes.get(code)
+            dtype = ref_dtypes[code]
             if dtype is not None:
+                # A token array in frame k (one byte): the frame is the array.
                 # Malformed values fall through to the error below (try is free).
                 try:
-                    k, count = unpack(payload)
+                    (k,) = payload  # ValueError unless exactly one byte
                     if k:  # frame 0 is the header
-                        arr = frombuffer(state[0][k], dtype)  # ValueError unless whole items
-                        if len(arr) == count:
-                            tokens = new(TokenArray)  # TokenArray._wrap, inlined
-                            tokens._a = arr
-                            return tokens
-                except (ValueError, TypeError, IndexError, BufferError, struct.error):
+                        tokens = new(TokenArray)  # TokenArray._wrap, inlined
+                        tokens._a = frombuffer(state[0][k], dtype)  # ValueError unless whole items
+                        return tokens
+                except (ValueError, TypeError, IndexError, BufferError):
                     pass
                 raise _token_error(code, payload, state[0])
-            dtype = inline.get(code)
+            dtype = inline[code]
             if dtype is not None:
                 try:
                     arr = frombuffer(payload, dtype)
@@ -459,6 +472,20 @@ class Decoder(_ExtDecoderMixin):
                 tokens = new(TokenArray)
                 tokens._a = arr
                 return tokens
+            dtype = frame_dtypes[code]
+            if dtype is not None:
+                # The 8-byte reference (frame index, element count): frames from 256 on.
+                try:
+                    k, count = unpack(payload)
+                    if k:
+                        arr = frombuffer(state[0][k], dtype)
+                        if len(arr) == count:
+                            tokens = new(TokenArray)
+                            tokens._a = arr
+                            return tokens
+                except (ValueError, TypeError, IndexError, BufferError, struct.error):
+                    pass
+                raise _token_error(code, payload, state[0])
             return other(code, payload, state[0])
 
         tp = self.type

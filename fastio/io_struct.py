@@ -180,6 +180,15 @@ _STOP_REASONS = frozenset(("length", "stop", "interrupt", "abort"))
 
 _TA = TokenArray
 
+# The fast path of the token-field checks in ``__post_init__``: a set lookup of the
+# array's dtype (cheaper than ``dtype.kind in "iu"``). Other dtypes of the right kind
+# (non-native byte order, metadata) take the full check in ``_int_tokens`` /
+# ``_float_tokens``, which accepts them.
+_INT_DTYPES = frozenset(
+    np.dtype(n) for n in ("int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64")
+)
+_NUM_DTYPES = _INT_DTYPES | {np.dtype(n) for n in ("float16", "float32", "float64")}
+
 
 def _empty_ids() -> TokenArray:
     return TokenArray._wrap(np.empty(0, _ID_DTYPE))
@@ -385,9 +394,9 @@ class LLMRequest(WireStruct, tag=int(MsgKind.LLM_REQUEST), metaclass=_CheckedMet
     def __post_init__(self) -> None:
         # Runs on construction and on decode. msgspec checks every typed field on decode;
         # the token field is Any to msgspec (for speed), so it is checked here: one type
-        # and one kind check when it is a TokenArray already (every decode by fastio).
+        # and one dtype lookup when it is a TokenArray already (every decode by fastio).
         ids = self.input_ids
-        if type(ids) is not _TA or ids._a.dtype.kind not in "iu":
+        if type(ids) is not _TA or ids._a.dtype not in _INT_DTYPES:
             self.input_ids = _int_tokens(ids, _ID_DTYPE, "input_ids")
 
     @staticmethod
@@ -415,7 +424,7 @@ class LLMResponse(WireStruct, tag=int(MsgKind.LLM_RESPONSE)):
     def __post_init__(self) -> None:
         # Runs on construction and on decode. msgspec checks the typed fields on decode
         # (stop_reason, floats); the token fields are Any to msgspec, so they are checked
-        # here: a type and a kind check each when they are TokenArrays already.
+        # here: a type check and a dtype lookup each when they are TokenArrays already.
         a, b, c = self.input_tokens, self.output_tokens, self.output_logprobs
         d, e = self.output_versions, self.itl
         if (
@@ -424,11 +433,11 @@ class LLMResponse(WireStruct, tag=int(MsgKind.LLM_RESPONSE)):
             and type(c) is _TA
             and type(d) is _TA
             and type(e) is _TA
-            and a._a.dtype.kind in "iu"
-            and b._a.dtype.kind in "iu"
-            and d._a.dtype.kind in "iu"
-            and c._a.dtype.kind in "fiu"
-            and e._a.dtype.kind in "fiu"
+            and a._a.dtype in _INT_DTYPES
+            and b._a.dtype in _INT_DTYPES
+            and d._a.dtype in _INT_DTYPES
+            and c._a.dtype in _NUM_DTYPES
+            and e._a.dtype in _NUM_DTYPES
             and self.stop_reason in _STOP_REASONS
         ):
             return

@@ -100,7 +100,12 @@ class ExtCode(enum.IntEnum):
     TOKENS_INLINE = 16
     #: ``TokenArray`` in a buffer frame: codes ``32 + d``; the payload is 8 bytes, the
     #: frame index and the element count, each a 4-byte little-endian unsigned int.
+    #: Written for frame indices above 255; always accepted.
     TOKENS_FRAME = 32
+    #: ``TokenArray`` in a buffer frame, compact: codes ``48 + d``; the payload is one
+    #: byte, the frame index (1-255); the element count is the frame's length divided
+    #: by the itemsize. What the encoder writes for frames 1-255.
+    TOKENS_REF = 48
 
 
 #: Canonical dtype names on the wire (little-endian always).

@@ -98,14 +98,60 @@ def test_every_truncation_of_a_header() -> None:
 
 
 def test_truncated_and_padded_buffer_frames() -> None:
+    # The compact reference (ext 48 + d): the frame is the array, whole items only.
     short = [GOOD[0], bytes(GOOD[1])[:-1], GOOD[2]]
-    expect(short, "array int32\\[4000\\] needs 16000 bytes of data, got 15999")
+    expect(short, "token array of int32 in frame 1 needs a multiple of 4 bytes of data, got 15999")
     long = [GOOD[0], bytes(GOOD[1]) + b"\x00", GOOD[2]]
-    expect(long, "needs 16000 bytes of data, got 16001")
+    expect(long, "needs a multiple of 4 bytes of data, got 16001")
     expect(GOOD[:2], "wrong frame count: header announces 2 buffers, got 1")
     expect([*GOOD, b"extra"], "wrong frame count: header announces 2 buffers, got 3")
-    swapped = [GOOD[0], GOOD[2], GOOD[1]]
+
+
+def _legacy(frames: list[Any]) -> list[Any]:
+    """``frames`` with every compact token-array reference (ext 48 + d, one byte)
+    rewritten as the 8-byte form (ext 32 + d: frame index, element count)."""
+    version, n, body = msgpack.unpackb(frames[0])
+
+    def fix(v: Any) -> Any:
+        if isinstance(v, msgpack.ExtType) and 48 <= v.code < 64:
+            (k,) = v.data
+            itemsize = np.dtype(fastio.protocol.DTYPE_NAMES[v.code - 48]).itemsize
+            count = memoryview(frames[k]).nbytes // itemsize
+            return msgpack.ExtType(
+                v.code - 16, k.to_bytes(4, "little") + count.to_bytes(4, "little")
+            )
+        return [fix(x) for x in v] if isinstance(v, list) else v
+
+    return [msgpack.packb([version, n, fix(body)]), *frames[1:]]
+
+
+def test_legacy_frame_references_decode_and_check_the_count() -> None:
+    """The 8-byte reference (what encoders write from frame 256 on) carries the element
+    count: a frame of another length is refused even when it holds whole items."""
+    legacy = _legacy(GOOD)
+    assert fastio.decode(legacy) == fastio.decode(GOOD)
+    short = [legacy[0], bytes(GOOD[1])[:-4], GOOD[2]]
+    expect(short, "array int32\\[4000\\] needs 16000 bytes of data, got 15996")
+    expect([legacy[0], bytes(GOOD[1]) + b"\x00", GOOD[2]], "needs 16000 bytes of data, got 16001")
+    swapped = [legacy[0], GOOD[2], GOOD[1]]
     expect(swapped, "needs 16000 bytes of data, got 9600")
+
+
+@pytest.mark.parametrize(
+    ("payload", "match"),
+    [
+        (b"", "compact token array frame reference must be 1 byte, got 0"),
+        (b"\x01\x00", "compact token array frame reference must be 1 byte, got 2"),
+        (b"\x00", "token array refers to frame 0, but the message has frames 1..1"),
+        (b"\x02", "token array refers to frame 2, but the message has frames 1..1"),
+    ],
+)
+def test_malformed_compact_frame_references(payload: bytes, match: str) -> None:
+    frames = [header(resp_body(msgpack.ExtType(53, payload)), 1), bytes(16)]
+    expect(frames, match)
+    expect(frames, match, LLMResponse)
+    # Without buffer frames every frame reference is an error.
+    expect([header(resp_body(msgpack.ExtType(53, b"\x01")))], "no buffer frames")
 
 
 @pytest.mark.parametrize(
@@ -271,3 +317,21 @@ def test_token_fields_with_wrong_contents() -> None:
     assert Decoder(LLMResponse).decode([header(resp_body([2**40]))]).output_tokens == [2**40]
     expect([header(resp_body({"a": 1}))], "output_tokens takes a list")
     expect([header(resp_body(ext(3, ["L", 1, 1, b"\x00"])))], "output_tokens takes a list")
+
+
+@pytest.mark.parametrize("code", [-128, -100, -2, 5, 15, 26, 29, 31, 42, 45, 47, 58, 61, 64, 127])
+def test_ext_codes_outside_the_tables(code: int) -> None:
+    """The decoder's hooks look dtypes up by ext code in 256-entry lists: negative codes
+    (the upper half), the bfloat16 codes and the gaps between the token ranges are
+    refused, with and without buffer frames."""
+
+    def frames_with(n: int) -> list[bytes]:
+        # fixext 1 with the code's byte (msgpack-python refuses to pack negative codes).
+        h = header(resp_body(msgpack.ExtType(7, b"\x01")), n)
+        h = h.replace(b"\xd4\x07\x01", b"\xd4" + bytes([code & 0xFF]) + b"\x01")
+        return [h, bytes(16)][: n + 1]
+
+    for frames in (frames_with(0), frames_with(1)):
+        for tp in (None, LLMResponse):
+            err = expect(frames, "unknown extension type code|invalid message body", tp)
+            assert str(code) in str(err) or code < 0

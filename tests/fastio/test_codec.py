@@ -347,11 +347,12 @@ def test_header_is_plain_msgpack() -> None:
     version, n_buffers, body = header
     assert version == PROTOCOL_VERSION == 1 and n_buffers == len(frames) - 1 == 4
     assert body[0] == MsgKind.LLM_RESPONSE == 3
-    # Token arrays: ext 32 + dtype index (int32 is 5) with [frame, count] as two u32 LE.
+    # Token arrays in a frame: ext 48 + dtype index (int32 is 5), the frame index as
+    # one byte; the frame is the array (2048 int32).
     ext = body[2]
-    assert isinstance(ext, msgpack.ExtType) and ext.code == ExtCode.TOKENS_FRAME + 5 == 37
-    assert ext.data == (1).to_bytes(4, "little") + (2048).to_bytes(4, "little")
-    assert body[3].code == ExtCode.TOKENS_FRAME + 11  # float32 logprobs
+    assert isinstance(ext, msgpack.ExtType) and ext.code == ExtCode.TOKENS_REF + 5 == 53
+    assert ext.data == b"\x01" and memoryview(frames[1]).nbytes == 2048 * 4
+    assert body[3].code == ExtCode.TOKENS_REF + 11 and body[3].data == b"\x02"  # float32
     assert body[5:8] == ["length", 1.5, 0.25]
     inline = body[1]  # 300 int32 = 1200 bytes: ext 16 + 5, the raw elements
     assert inline.code == ExtCode.TOKENS_INLINE + 5 == 21
@@ -412,10 +413,12 @@ def test_encoded_frames_share_memory_with_source() -> None:
         strict=True,
     ):
         src = getattr(resp, field).array
-        assert isinstance(frame, memoryview) and frame.format == "B" and frame.ndim == 1
+        # A token array's frame is its numpy array itself (no memoryview is made).
+        view = memoryview(frame)
+        assert view.c_contiguous and view.ndim == 1
         assert np.shares_memory(np.frombuffer(frame, np.uint8), src)
         addr = np.frombuffer(frame, np.uint8).ctypes.data
-        assert addr == src.ctypes.data and frame.nbytes == src.nbytes
+        assert addr == src.ctypes.data and view.nbytes == src.nbytes
 
 
 def _address_range(buf: Any) -> tuple[int, int]:
@@ -662,7 +665,7 @@ def test_protocol_doc_examples_are_exact() -> None:
     )
     assert len(frames) == 2 and frames[1].nbytes == 12000
     assert frames[0] == bytes.fromhex(
-        "930101 9903 c70015 d72501000000b80b0000 c7001c c70015 a66c656e677468"
+        "930101 9903 c70015 d43501 c7001c c70015 a66c656e677468"
         " cb3ff8000000000000 cb3fd0000000000000 c7001c"
     )
     (req,) = fastio.encode(LLMRequest(rid="r", input_ids=[5, 6]))
@@ -814,3 +817,47 @@ def test_encode_inside_an_encode() -> None:
         assert fastio.decode(frames, dict[str, Any])["ids"] == ids
         _expect_header(inner[-1])
         assert fastio.decode(inner[-1], dict[str, Any])["x"] == list(range(3000))
+
+
+def test_frames_past_255_use_the_8_byte_reference() -> None:
+    """A compact reference holds the frame index in one byte: from frame 256 on the
+    encoder writes the 8-byte form (index, element count), and both decode."""
+    arrays = [TokenArray(np.full(2500 + i, i, np.int32)) for i in range(300)]
+    frames = fastio.encode(arrays)
+    assert len(frames) == 301
+    _, _, body = msgpack.unpackb(frames[0])
+    assert {e.code for e in body[:255]} == {ExtCode.TOKENS_REF + 5}
+    assert {e.code for e in body[255:]} == {ExtCode.TOKENS_FRAME + 5}
+    assert body[299].data == (300).to_bytes(4, "little") + (2799).to_bytes(4, "little")
+    back = fastio.decode(frames, list[TokenArray])
+    assert [len(t) for t in back] == [2500 + i for i in range(300)]
+    assert all(t[0] == i and t[-1] == i for i, t in enumerate(back))
+    # Received frames are bytes-like: the same header decodes them.
+    received = [frames[0], *(bytes(f) for f in frames[1:])]
+    assert fastio.decode(received, list[TokenArray])[299] == back[299]
+
+
+@pytest.mark.parametrize("n", [100, 5000])  # inline in the header, a frame of its own
+def test_token_arrays_strided_offset_and_big_endian(n: int) -> None:
+    """The encoder hands a token array's numpy array itself to msgspec (inline) or as the
+    frame: views at an offset send only their own elements; strided and big-endian
+    arrays take the slow path (one packed little-endian copy)."""
+    base = np.arange(4 * n, dtype=np.int32)
+    cases = {
+        "strided": TokenArray(base[::2][:n]),
+        "offset view": TokenArray(base)[n : 2 * n],
+        "big-endian": TokenArray(base[:n].astype(">i4")),
+        "int64 offset view": TokenArray(base.astype(np.int64))[1 : n + 1],
+    }
+    for name, ids in cases.items():
+        frames = fastio.encode(LLMRequest(input_ids=ids))
+        assert len(frames) == (1 if n == 100 else 2), name
+        if n != 100:
+            assert memoryview(frames[1]).nbytes == n * ids.array.dtype.itemsize, name
+            # The slow path (a packed copy) writes the compact reference too.
+            ref = msgpack.unpackb(frames[0])[2][2]
+            assert ref.code >= ExtCode.TOKENS_REF and ref.data == b"\x01", name
+        received = [frames[0], *(bytes(f) for f in frames[1:])]
+        back = fastio.decode(received, LLMRequest)
+        assert back.input_ids == ids.tolist(), name
+        assert back.input_ids.array.dtype == ids.array.dtype.newbyteorder("="), name

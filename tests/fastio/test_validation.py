@@ -11,7 +11,15 @@ import numpy as np
 import pytest
 
 import fastio
-from fastio import MAX_NEW_TOKENS, DecodeError, Decoder, GenerationHyperparameters, LLMRequest
+from fastio import (
+    MAX_NEW_TOKENS,
+    DecodeError,
+    Decoder,
+    GenerationHyperparameters,
+    LLMRequest,
+    LLMResponse,
+    TokenArray,
+)
 from fastio import fabric_msgs as fm
 
 DEFAULTS = GenerationHyperparameters()
@@ -154,3 +162,26 @@ def test_request_fields_are_typed_on_construction() -> None:
         LLMRequest(metadata=[1])  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="model_id must be a str or None"):
         LLMRequest(model_id=3)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("dtype", [">i4", ">u2", np.dtype("int32").newbyteorder(">")])
+def test_token_fields_accept_integer_arrays_of_any_byte_order(dtype: Any) -> None:
+    """The fast path of the token-field check is a lookup among the native dtypes;
+    integers in other byte orders take the full check and are accepted."""
+    ids = TokenArray(np.arange(5).astype(dtype))
+    req = LLMRequest(input_ids=ids)
+    assert req.input_ids == [0, 1, 2, 3, 4]
+    resp = LLMResponse(output_tokens=ids, output_logprobs=TokenArray(np.zeros(5, ">f8")))
+    assert resp.output_tokens == [0, 1, 2, 3, 4] and resp.output_logprobs == [0.0] * 5
+    back = fastio.decode(fastio.encode(req))
+    assert back.input_ids == [0, 1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("dtype", ["bool", "float32", "complex64"])
+def test_token_ids_refuse_non_integer_token_arrays(dtype: str) -> None:
+    ids = TokenArray.__new__(TokenArray)
+    ids._a = np.zeros(3, dtype)
+    with pytest.raises(TypeError, match="input_ids holds integers"):
+        LLMRequest(input_ids=ids)
+    with pytest.raises(TypeError, match="output_versions holds integers"):
+        LLMResponse(output_versions=ids)
