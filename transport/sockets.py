@@ -371,6 +371,13 @@ class SocketPump:
     a send outside a batch, ``ZMQ_EVENTS`` is asked at once (which also re-arms the FD)
     and a drain is scheduled if input waits; inside a batch, the batch asks it before
     every receive anyway.
+
+    ``defer_check``: a batch woken by the FD handles its first message, then leaves
+    the rest (and the ``ZMQ_EVENTS`` query that ends a batch) to a drain scheduled
+    behind whatever that message woke. For a requester (the client): the task woken by
+    a reply runs first and sends its next request, whose own query is then skipped (a
+    drain is due): one query per round trip instead of two, and none between a reply
+    and the next request.
     """
 
     def __init__(
@@ -385,8 +392,10 @@ class SocketPump:
         batch_frames: bool = False,
         on_drop: Callable[[Any], None] | None = None,
         peer_queue_limit: int = DEFAULT_PEER_QUEUE_LIMIT,
+        defer_check: bool = False,
     ) -> None:
         self.sock = sock
+        self.defer_check = defer_check
         self.on_recv = on_recv
         self.on_undeliverable = on_undeliverable
         self.on_drop = on_drop
@@ -461,6 +470,8 @@ class SocketPump:
         self._in_batch = True
         try:
             for i in range(self.batch):
+                if i and readable and self.defer_check:
+                    break  # the rest in a drain behind what the first message woke
                 # Asking ZMQ_EVENTS before each receive (which also re-arms the FD) is
                 # cheaper than the EAGAIN exception of an empty recv, and sees input
                 # that our own sends (replies from on_recv) took the edge of.
@@ -485,7 +496,10 @@ class SocketPump:
         finally:
             self._in_batch = False
             if self._burst and not self._closed:
-                self._end_burst()
+                # The batch's burst ends with it (what _end_burst does).
+                self._burst = False
+                if self._pending:
+                    self._send_pending()
 
     def send(self, frames: list[Any]) -> None:
         """Send one message without blocking (coalesced within a burst, queued at the
@@ -565,8 +579,16 @@ class SocketPump:
                 self._enqueue(key, frames)
                 self._arm_timer()
                 return
-        self._send_one(frames)
+        try:
+            send_frames(self.sock, frames)
+        except zmq.ZMQError as exc:
+            self._send_failed(frames, exc)
+        else:
+            if self._dropped and self.router:
+                self._dropped.discard(frames[0])  # it reads again
         # The send may have taken the FD's edge: look now (this also re-arms it).
+        # (Not inside a batch, which looks before every receive, nor when a drain is
+        # due anyway.)
         if (
             not self._in_batch
             and not self._scheduled
@@ -575,26 +597,19 @@ class SocketPump:
         ):
             self._schedule()
 
-    def _send_one(self, frames: list[Any]) -> bool:
-        try:
-            send_frames(self.sock, frames)
-        except zmq.Again:
+    def _send_failed(self, frames: list[Any], exc: zmq.ZMQError) -> None:
+        if isinstance(exc, zmq.Again):
             key = frames[0] if self.router else None
             if key in self._dropped:
                 self.discarded += 1  # dropped and still not reading: not queued again
-                return False
+                return
             self._enqueue(key, frames)
             self._arm_timer()
-            return False
-        except zmq.ZMQError as exc:
-            if exc.errno == errno.EHOSTUNREACH:
-                if self.on_undeliverable is not None:
-                    self.on_undeliverable(frames)
-                return True
-            raise
-        if self._dropped and self.router:
-            self._dropped.discard(frames[0])  # it reads again
-        return True
+        elif exc.errno == errno.EHOSTUNREACH:
+            if self.on_undeliverable is not None:
+                self.on_undeliverable(frames)
+        else:
+            raise exc
 
     def _enqueue(self, key: Any, frames: list[Any]) -> None:
         q = self._queues.get(key)

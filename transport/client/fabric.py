@@ -126,6 +126,7 @@ class FabricClient(Liveness):
             sock,
             lambda frames, w=w: self._on_message(w, frames),  # type: ignore[misc]
             batch_frames=True,
+            defer_check=True,
         )
         self._workers[address] = w
         self._order.append(w)

@@ -194,6 +194,13 @@ _STOP_REASONS = frozenset(("length", "stop", "interrupt", "abort"))
 
 def output_problem(resp: Any) -> str | None:
     """Why ``resp`` cannot be sent as a Result, or None."""
+    if type(resp) is LLMResponse:
+        # The usual answer: its construction made the arrays TokenArrays.
+        tok, lp, ver = resp.output_tokens, resp.output_logprobs, resp.output_versions
+        if type(tok) is TokenArray and type(lp) is TokenArray and type(ver) is TokenArray:
+            n = len(tok._a)
+            if len(lp._a) == n and len(ver._a) == n and resp.stop_reason in _STOP_REASONS:
+                return None
     if not isinstance(resp, LLMResponse):
         return f"the handler returned {type(resp).__name__}, not an LLMResponse"
     try:
