@@ -59,6 +59,7 @@ _REQUESTS_OK = metrics.WORKER_REQUESTS.labels(outcome="ok")
 #: Longest delay of an answer's count in WORKER_REQUESTS{outcome="ok"} (without
 #: WorkerConfig.latency_metrics; see WorkerServer._count_ok).
 _OK_REPORT_S = 0.2
+_INF = float("inf")
 
 Handler = Callable[[LLMRequest, RequestContext], Awaitable[LLMResponse]]
 #: A background job started with the server in its loop (e.g. a weight subscriber).
@@ -362,7 +363,7 @@ class WorkerServer(PauseControl):
             )
             return
         timeout = sub.timeout
-        deadline = time.monotonic() + timeout if timeout > 0 else float("inf")
+        deadline = time.monotonic() + timeout if timeout > 0 else _INF
         ctx = RequestContext(self, peer, sub.id, sub.stream, deadline)
         if (
             self.config.eager_start
@@ -441,7 +442,16 @@ class WorkerServer(PauseControl):
                     assert resp is not None
                     if ctx._tok:
                         ctx._flush()
-                    # The answer first, the bookkeeping after it.
+                    # Counted before the answer leaves: a health request its client
+                    # sends once it has every answer sees them all.
+                    counters = self.counters
+                    if resp.stop_reason == "interrupt":
+                        counters["interrupted"] += 1
+                    counters["completed"] += 1
+                    if self._latency_metrics:
+                        _REQUESTS_OK.inc()  # (scraped: counted at once)
+                    else:
+                        self._count_ok()
                     self._send(
                         peer,
                         fm.Result(
@@ -452,15 +462,8 @@ class WorkerServer(PauseControl):
                             stop_reason=resp.stop_reason,
                         ),
                     )
-                    counters = self.counters
-                    if resp.stop_reason == "interrupt":
-                        counters["interrupted"] += 1
-                    counters["completed"] += 1
                     if self._latency_metrics:
-                        _REQUESTS_OK.inc()
                         ctx._finished(len(resp.output_tokens))
-                    else:
-                        self._count_ok()
                     return
                 err = InvalidHandlerOutput(problem)
             if isinstance(err, asyncio.CancelledError):
