@@ -67,7 +67,9 @@ class WorkerConfig:
         (``WORKER_TTFT``, ``WORKER_ITL``, ``WORKER_E2E``). Off by default: each
         observation costs a few microseconds of the worker's time per request, spent
         for nothing where no one scrapes them. ``python -m transport.worker`` turns it on
-        with ``--metrics-port``. Request outcomes and errors are always counted.
+        with ``--metrics-port``. Request outcomes and errors are always counted;
+        without it, answers are added to ``WORKER_REQUESTS{outcome="ok"}`` in batches,
+        at most 0.2 s late (each increment takes a lock).
     inline:
         Serve the socket on the handler's loop instead of a thread of its own: for
         handlers that never block (they await an engine that runs elsewhere, in another
