@@ -267,7 +267,8 @@ def split(frames: list[Any]) -> list[list[Any]]:
     is a batch frame that does not parse.
     """
     if len(frames) == 1:
-        buf = _buf(frames[0])
+        f = frames[0]
+        buf = getattr(f, "buffer", f)  # _buf, inline: the hot path
         if not len(buf) or buf[0] != BATCH_MARKER:
             return [frames]
     out: list[list[Any]] = []

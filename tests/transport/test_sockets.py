@@ -152,3 +152,59 @@ def test_slow_sends_back_to_back_still_coalesce(monkeypatch: Any) -> None:
     assert [fastio.decode(m, type=fm.CLIENT_TO_WORKER).id for m in got] == list(range(n))
     # The first two go at once (the second starts the burst), the rest as one message.
     assert len(zmq_messages) <= 3
+
+
+def test_requester_pump_defers_its_input_check_and_loses_nothing() -> None:
+    # defer_check (the client's pumps): a wake-up handles one message and leaves the
+    # rest, and the input check, to a drain behind the task that message woke; that
+    # task sends at once and skips its own check. Each request here gets two answers
+    # at once and the task goes on at the first: the second must still arrive, round
+    # after round, whatever the timing.
+    import threading
+
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    stop = threading.Event()
+
+    def echo() -> None:
+        while not stop.is_set():
+            if router.poll(50):
+                peer, body = router.recv_multipart()
+                router.send_multipart([peer, body + b"a"])
+                router.send_multipart([peer, body + b"b"])
+
+    thread = threading.Thread(target=echo, daemon=True)
+    thread.start()
+    got: list[bytes] = []
+    rounds = 300
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        waiting: list[asyncio.Future[None]] = []
+
+        def on_recv(frames: list[zmq.Frame]) -> None:
+            got.append(frames[0].bytes)
+            if got[-1].endswith(b"a"):
+                waiting.pop().set_result(None)
+
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.connect(f"tcp://127.0.0.1:{port}")
+        pump = SocketPump(dealer, on_recv, defer_check=True)
+        for i in range(rounds):
+            fut = loop.create_future()
+            waiting.append(fut)
+            pump.send([b"%d" % i])
+            await asyncio.wait_for(fut, 10)
+        await await_for(lambda: len(got) == 2 * rounds, what="every second answer")
+        pump.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        stop.set()
+        thread.join(5)
+        router.close(0)
+        ctx.term()
+    assert got == [b"%d%s" % (i, s) for i in range(rounds) for s in (b"a", b"b")]

@@ -9,6 +9,7 @@ import asyncio
 import pytest
 
 from fastio import LLMRequest
+from tests.transport.conftest import await_for
 from transport import ClientConfig, FabricClient, WorkerConfig, WorkerServer, echo_handler
 
 prom = pytest.importorskip("prometheus_client")
@@ -42,4 +43,28 @@ def test_latency_histograms_only_when_asked(latency_metrics: bool) -> None:
     expected = 3.0 if latency_metrics else 0.0
     assert _sample("fastio_worker_e2e_seconds_count") - e2e == expected
     assert _sample("fastio_worker_ttft_seconds_count") - ttft == expected
+    assert _sample("fastio_worker_requests_total", outcome="ok") - ok == 3.0
+
+
+def test_ok_answers_are_counted_while_serving() -> None:
+    # Without latency metrics the ok count is added in batches: it still shows up
+    # within a fraction of a second, not only when the worker closes.
+    ok = _sample("fastio_worker_requests_total", outcome="ok")
+
+    async def main() -> None:
+        server = WorkerServer(echo_handler, WorkerConfig(bind="tcp://127.0.0.1:0"))
+        endpoints = await server.start()
+        try:
+            async with FabricClient(endpoints, ClientConfig(stream=False)) as client:
+                for i in range(3):
+                    await asyncio.wait_for(client.agenerate(LLMRequest(input_ids=[i])), 30)
+                await await_for(
+                    lambda: _sample("fastio_worker_requests_total", outcome="ok") - ok == 3.0,
+                    timeout=5,
+                    what="the ok count",
+                )
+        finally:
+            await server.close()
+
+    asyncio.run(main())
     assert _sample("fastio_worker_requests_total", outcome="ok") - ok == 3.0

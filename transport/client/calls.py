@@ -17,6 +17,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import numpy.typing as npt
 
 from fastio import LLMRequest, LLMResponse, VLMRequest, VLMResponse
 from fastio import fabric_msgs as fm
@@ -178,6 +179,19 @@ def absorb_result(call: Call, res: fm.Result) -> LLMResponse | None:
     """The current attempt ended with ``res``: the caller's response, or None when the
     call goes on (an interrupt with tokens left; ``call.segment`` is set)."""
     now = time.perf_counter()
+    if (
+        call.out_tok is None
+        and not call.times
+        and call.on_chunk is None
+        and res.stop_reason != "interrupt"
+    ):
+        # The usual call: one segment, nothing streamed, nothing to hand on_chunk (as
+        # below, without the bookkeeping).
+        latency = now - call.t0
+        return _response(
+            call.orig, res.output_tokens, res.output_logprobs, res.output_versions,
+            res.stop_reason, latency, latency, _zero_itl(len(res.output_tokens) - 1),
+        )  # fmt: skip
     n = len(res.output_tokens)
     base = call.base
     if call.chunks:
@@ -191,7 +205,7 @@ def absorb_result(call: Call, res: fm.Result) -> LLMResponse | None:
         latency = now - call.t0
         return _response(
             call.orig, res.output_tokens, res.output_logprobs, res.output_versions,
-            res.stop_reason, latency, latency, TokenArray._wrap(np.zeros(max(n - 1, 0))),
+            res.stop_reason, latency, latency, _zero_itl(n - 1),
         )  # fmt: skip
     # Tokens the stream did not announce arrive now.
     extra = base + n - len(call.times)
@@ -213,6 +227,25 @@ def absorb_result(call: Call, res: fm.Result) -> LLMResponse | None:
                 return None
             stop_reason = stop
     return _finish(call, toks, lps, vers, stop_reason, now)
+
+
+_zeros: dict[int, npt.NDArray[np.float64]] = {}
+
+
+def _zero_itl(n: int) -> TokenArray:
+    """``n`` zero inter-token latencies (tokens that arrived together), as a TokenArray
+    over a read-only array shared between responses of the same length (a TokenArray
+    copies before it changes an array it does not own)."""
+    if n <= 0:
+        n = 0
+    a = _zeros.get(n)
+    if a is None:
+        a = np.zeros(n)
+        if n > 512:  # (the cache holds at most 1 MiB)
+            return TokenArray._wrap(a)
+        a.flags.writeable = False
+        _zeros[n] = a
+    return TokenArray._wrap(a)
 
 
 def _finish(

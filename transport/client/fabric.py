@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import Sequence
 
@@ -124,8 +125,9 @@ class FabricClient(Liveness):
         w.monitor = sock.get_monitor_socket(MONITOR_EVENTS)
         w.pump = SocketPump(
             sock,
-            lambda frames, w=w: self._on_message(w, frames),  # type: ignore[misc]
+            functools.partial(self._on_message, w),
             batch_frames=True,
+            defer_check=True,
         )
         self._workers[address] = w
         self._order.append(w)
@@ -217,25 +219,27 @@ class FabricClient(Liveness):
         except RuntimeError:
             return self._agenerate_in_loop(req, timeout, on_chunk)  # type: ignore[return-value]
         fut = GenerateFuture(loop=loop)
-        try:
-            self._start()
-            if loop is not self._loop:
-                raise RuntimeError("this FabricClient belongs to another event loop")
-            if not self._workers:
-                raise NoWorkers("no generation worker configured; add_worker() first")
-            if not self._n_alive and self._no_worker_expired():
-                self.stats["no_worker"] += 1
-                raise self._no_worker_error()
-        except Exception as exc:
-            fut.set_exception(exc)
-            return fut
+        if loop is not self._loop or not self._n_alive or not self._workers:
+            try:
+                self._start()
+                if loop is not self._loop:
+                    raise RuntimeError("this FabricClient belongs to another event loop")
+                if not self._workers:
+                    raise NoWorkers("no generation worker configured; add_worker() first")
+                if not self._n_alive and self._no_worker_expired():
+                    self.stats["no_worker"] += 1
+                    raise self._no_worker_error()
+            except Exception as exc:
+                fut.set_exception(exc)
+                return fut
         call = Call(req, fut, on_chunk)
         fut._call = call
         fut._canceller = self._cancelled
-        t = self.config.request_timeout if timeout is None else timeout
+        config = self.config
+        t = config.request_timeout if timeout is None else timeout
         call.deadline = time.monotonic() + t
         call.timeout = t
-        if t < 30 * self.config.heartbeat_interval:
+        if t < 30 * config.heartbeat_interval:
             call.timer = loop.call_later(t, self._on_timeout, call, t)
         # Longer timeouts are checked on every heartbeat tick (precision: one interval),
         # which spares a timer per request when thousands are in flight.
@@ -271,7 +275,8 @@ class FabricClient(Liveness):
             self._on_result(call, msg)
             if w.limit < self.config.max_in_flight_per_worker:
                 w.limit += 1
-            self._slot_freed(w)
+            if w.sticky_queue or w.draining or self._queue:
+                self._slot_freed(w)
         elif tp is fm.Stream:
             call = w.inflight.get(msg.id)
             if call is not None:

@@ -36,18 +36,18 @@ class GenerateFuture(asyncio.Future[LLMResponse]):
     worker.
     """
 
+    # Set by the client right after construction (no __init__ of its own: asyncio's C
+    # one alone is cheaper, and this is made once per request).
     __slots__ = ("_call", "_canceller")
-
-    def __init__(self, *, loop: asyncio.AbstractEventLoop | None = None) -> None:
-        super().__init__(loop=loop)
-        self._call: Call | None = None
-        self._canceller: Callable[[Call], None] | None = None
+    _call: Call | None
+    _canceller: Callable[[Call], None] | None
 
     def cancel(self, msg: Any | None = None) -> bool:
         """Cancel the future and the request behind it."""
         if not super().cancel(msg):
             return False
-        call, canceller = self._call, self._canceller
+        call = getattr(self, "_call", None)
+        canceller = getattr(self, "_canceller", None)
         self._call = None
         if call is not None and canceller is not None:
             canceller(call)

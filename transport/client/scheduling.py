@@ -36,7 +36,7 @@ class Scheduler(ClientBase):
         if addr is not None:
             w = self._workers.get(addr)
             if w is not None and w.alive and not w.draining:
-                if len(w.inflight) < w.limit and w.warm():
+                if len(w.inflight) < w.limit and (not w.cool_until or w.warm()):
                     return w
                 return None
         best: Worker | None = None

@@ -23,6 +23,7 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import zmq
@@ -90,6 +91,9 @@ class SocketThread:
         cfg = server.config
         self._dec = Decoder(fm.CLIENT_TO_WORKER, max_message_size=cfg.max_message_size)
         self._thread: threading.Thread | None = None
+        #: :meth:`post` for the thread that started this one (the engine's loop):
+        #: served inline, the pump's own send (no check of the calling thread).
+        self.post_here: Callable[[list[Any]], None] = self.post
         self._ident = -1
         self._error: BaseException | None = None
 
@@ -100,6 +104,8 @@ class SocketThread:
             self._ident = threading.get_ident()
             self._loop = self._engine_loop
             await self._setup()
+            assert self._pump is not None
+            self.post_here = self._pump.send
             return self.endpoints
         ready = threading.Event()
         self._thread = threading.Thread(
