@@ -109,8 +109,8 @@ def update_weights(
         workers are resumed either way: a worker that failed before writing its
         weights (or with ``atomic=True``) kept its previous ones and keeps generating
         with them, under its previous version number; one whose failure left its
-        weights mixed (its error says so) stays paused, its resume answered only once
-        a later version completes there (until then it is in ``resume_failed``).
+        weights mixed (its error says so) stays paused: its resume is refused at once
+        (it is in ``resume_failed``) until a later version completes there.
 
     Returns
     -------
