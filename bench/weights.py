@@ -16,9 +16,10 @@ live tensors and the trainer has their acknowledgements":
 
 Our side includes everything the guarantees cost: packing the trainer's tensors into
 the staging snapshot and hashing it (xxh3) on the trainer, the transfer, and on each
-worker hashing every block again before copying it into the live tensors (the
-subscribers' default, ``atomic=False``: a version that fails midway leaves the worker
-refusing to serve until the next complete one, never serving a mixed version). The
+worker hashing every block again before copying it into the live tensors (one pass,
+``atomic=False``, passed explicitly: the fabric worker's default, where a version that
+fails midway leaves the worker refusing to serve until the next complete one, never
+serving a mixed version). The
 worker processes start with ``WORKER_TUNABLES`` (glibc's memcpy threshold for
 non-temporal stores). Each case has the same three baselines, measured in the same
 run, with the same tensors, into the same worker processes' tensors:
@@ -163,8 +164,8 @@ def _worker(
     torch.set_num_threads(1)
     sd = make_state(nbytes, hidden, vocab, zeros=True)
     subs = [
-        WeightSubscriber(tcp_ep, sd, worker_id=f"tcp-{idx}", shm=False).start(),
-        WeightSubscriber(shm_ep, sd, worker_id=f"shm-{idx}", shm=True).start(),
+        WeightSubscriber(tcp_ep, sd, worker_id=f"tcp-{idx}", shm=False, atomic=False).start(),
+        WeightSubscriber(shm_ep, sd, worker_id=f"shm-{idx}", shm=True, atomic=False).start(),
     ]
     ipc = IpcWorkerLink(IpcImporter(sd, worker_id=f"ipc-{idx}"), ipc_ep)
     ipc_thread = threading.Thread(target=ipc.run, daemon=True)
@@ -594,6 +595,21 @@ def _run_size(nbytes: int, hidden: int, vocab: int, reps: int, quick: bool) -> l
     return out
 
 
+class _FabricDefault:
+    """A no-op copy lock that declares it refuses to serve mixed weights, as the fabric
+    worker's does: the subscriber takes the fabric's default modes (one pass over
+    shm/tcp, the ``ipc`` path atomic), which ``atomic=False`` would not (it makes the
+    ``ipc`` path one-pass too). Nothing is served from these weights."""
+
+    refuses_mixed = True
+
+    def __enter__(self) -> None:
+        pass
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+
 def _gpu_cases(nbytes: int, hidden: int, vocab: int, reps: int) -> list[Measurement]:
     """Trainer CUDA tensors -> worker CUDA tensors through the fabric (one process, the
     worker side in its thread), over TCP and through shared memory."""
@@ -606,7 +622,7 @@ def _gpu_cases(nbytes: int, hidden: int, vocab: int, reps: int) -> list[Measurem
         target = {k: torch.zeros_like(v) for k, v in state.items()}
         with (
             WeightPublisher(shm=via == "shm") as pub,
-            WeightSubscriber(pub.endpoint, target, shm=via == "shm"),
+            WeightSubscriber(pub.endpoint, target, shm=via == "shm", lock=_FabricDefault()),
         ):
             pub.wait_for_workers(1, 30)
             samples = []

@@ -36,7 +36,10 @@ sets :attr:`HFEngine.version`; every token carries the version it was sampled un
   paragraph above, the copy cannot overlap a forward;
 * :attr:`HFEngine.step_lock` (a ``threading.Lock``, also :meth:`HFEngine.hold`): the
   thread holds it for each whole step, so a copy made under it (``WeightSubscriber(...,
-  lock=engine.step_lock)``) lands between two steps without pausing anyone.
+  lock=engine.step_lock)``) lands between two steps without pausing anyone. Such a
+  subscriber verifies the whole version before its first write (its default
+  ``atomic=True``): a plain lock is left when a version fails, so the one-pass mode,
+  which can leave the weights mixed, is the default only under the worker's pause.
 
 Sampling follows :class:`~fastio.GenerationHyperparameters`: ``greedy``, ``temperature``,
 ``top_k``, ``top_p``, ``stop_token_ids`` (the stop token is included in the output),

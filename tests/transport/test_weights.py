@@ -405,7 +405,7 @@ def test_persistent_corruption_keeps_previous_weights(pair: Pair) -> None:
 
 @pytest.mark.parametrize("shm", [False, True], ids=["tcp", "shm"])
 def test_a_later_bucket_failing_leaves_the_worker_refusing_to_serve(pair: Pair, shm: bool) -> None:
-    """Default (streaming) mode: buckets 0 and 1 are already in the weights when bucket
+    """One-pass mode (``atomic=False``): buckets 0 and 1 are already in the weights when bucket
     2 fails; the worker says it holds no complete version until the next one lands."""
     if shm and not wshm.available():
         pytest.skip("no /dev/shm")
@@ -415,7 +415,7 @@ def test_a_later_bucket_failing_leaves_the_worker_refusing_to_serve(pair: Pair, 
 
     pub = pair.publisher(bucket_bytes=4096, shm=shm, fault=corrupt)
     t = zeros_like(make_state(0))
-    sub = pair.subscriber(t, retries=2, shm=shm, report_digest=True)
+    sub = pair.subscriber(t, retries=2, shm=shm, report_digest=True, atomic=False)
     pub.wait_for_workers(1, 10)
     assert pub.publish_and_wait(make_state(1), 1, timeout=20).ok and sub.consistent
     res = pub.wait(pub.publish(make_state(2), 2).version, 20)

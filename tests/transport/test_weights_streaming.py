@@ -1,4 +1,4 @@
-"""Verify and copy in one pass (the subscriber's default, ``atomic=False``).
+"""Verify and copy in one pass (``atomic=False``, the fabric worker's default).
 
 The stream itself (bytes split anywhere, tied and cast targets), and a fabric worker
 whose version fails after its first write: it must not generate from its mixed weights
@@ -7,6 +7,7 @@ until a later version completes.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -64,7 +65,7 @@ def test_a_stream_leaves_cast_and_strided_targets_to_the_applier() -> None:
 
 
 def corrupt_bucket_1_of_version_2(worker: str, version: int, index: int) -> str | None:
-    return "corrupt" if version == 2 and index == 1 else None
+    return "corrupt" if version in (2, 4) and index == 1 else None
 
 
 @pytest.mark.slow
@@ -72,8 +73,10 @@ def test_a_worker_whose_version_failed_midway_serves_nothing_until_the_next(
     spawn: Callable[..., Any],
 ) -> None:
     """Version 2's bucket 0 is in the weights when bucket 1 fails for good: the worker
-    stays paused (the copy's own pause, and a controller's resume waits), reports no
-    complete version, and generates again once version 3 has landed whole."""
+    stays paused (the copy's own pause; a controller's resume is refused at once),
+    reports no complete version (health too), and generates again once version 3 has
+    landed whole. Version 4 fails the same way under a controller's pause: version 5
+    completing does not end that pause, only the controller's resume does."""
     pub = FaultyPublisher(
         corrupt_bucket_1_of_version_2,
         "tcp://127.0.0.1:*",
@@ -92,10 +95,23 @@ def test_a_worker_whose_version_failed_midway_serves_nothing_until_the_next(
         assert "weights are mixed" in res.failed["w"], res
         wait_for(lambda: pub.workers()["w"].version == -1, 20, "w reporting no version")
         st = status(ctl)["w"]
-        assert st.paused and st.version == 1, "a worker with mixed weights was resumed"
-        with pytest.raises(ControlError):
-            ctl.resume(timeout=1.0)  # waits for a complete version
+        assert st.paused and st.version == -1, "a worker with mixed weights was resumed"
+        t0 = time.monotonic()
+        with pytest.raises(ControlError, match="weights are mixed") as err:
+            ctl.resume(timeout=10.0)  # refused at once, not parked
+        assert time.monotonic() - t0 < 5.0 and "stays paused" in str(err.value)
         assert status(ctl)["w"].paused
         assert pub.publish_and_wait(TinyLM(seed=3), 3, timeout=30).ok
         wait_for(lambda: not status(ctl)["w"].paused, 20, "the worker generating again")
         assert status(ctl)["w"].version == 3
+        # Mixed again, now under a controller's pause (as update_weights does it).
+        res = pub.wait(pub.publish(TinyLM(seed=4), 4).version, 30, workers=["w"])
+        assert "weights are mixed" in res.failed["w"], res
+        ctl.pause(10.0)
+        with pytest.raises(ControlError, match="weights are mixed"):
+            ctl.resume(timeout=10.0)
+        assert pub.publish_and_wait(TinyLM(seed=5), 5, timeout=30).ok
+        st = status(ctl)["w"]
+        assert st.paused and st.version == 5, "version 5 ended the controller's pause"
+        ctl.resume(timeout=10.0)
+        assert not status(ctl)["w"].paused

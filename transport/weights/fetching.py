@@ -380,6 +380,9 @@ class VersionFetch:
             self._fail(up.ann.version, f"not applied, the weights were not free: {exc}")
             return False
         up.locked = up.wrote = True
+        # From the first write the weights hold no complete version: report -1 until
+        # the commit (``_now_at``) or, if the version fails, until a later one lands.
+        self._consistent = False
         return True
 
     def _unhold(self, up: InFlight) -> None:

@@ -174,18 +174,22 @@ class IpcReceiving(VersionFetch):
         last = r.bucket == r.n_buckets - 1
         locked = last or not imp.atomic  # the live weights are written only then
         acks: list[IpcAck]
+        up = self._update
+        if locked and up is not None and up.locked:
+            # A shm/tcp version (one-pass, after an ipc fallback) holds the lock on this
+            # very thread: never enter it twice. A newer ipc version supersedes it; an
+            # older one is refused.
+            if r.version > up.ann.version:
+                self._abandon(f"superseded by version {r.version} (ipc)")
+            else:
+                why = f"not applied, version {up.ann.version} is being written by shm/tcp"
+                self._ipc_refuse(r, why, before)
+                return
         if locked:
             try:
                 self.lock.__enter__()
             except Exception as exc:  # the weights are not free: refuse the version
-                held = [*imp._held, r]
-                imp.abandon()
-                why = f"not applied, the weights were not free: {exc}"
-                acks = [
-                    IpcAck(self.worker_id, h.version, h.bucket, h.slot, False, imp.version, why)
-                    for h in held
-                ]
-                self._ipc_after(r, acks, before)
+                self._ipc_refuse(r, f"not applied, the weights were not free: {exc}", before)
                 return
         try:
             acks = imp.on_ready(r)
@@ -196,6 +200,18 @@ class IpcReceiving(VersionFetch):
         finally:
             if locked:
                 self.lock.__exit__(None, None, None)
+        self._ipc_after(r, acks, before)
+
+    def _ipc_refuse(self, r: IpcReady, why: str, before: int) -> None:
+        """Refuse the version ``r`` belongs to: every slot held for it is acked failed."""
+        imp = self._imp
+        assert imp is not None
+        held = [*imp._held, r]
+        imp.abandon()
+        acks = [
+            IpcAck(self.worker_id, h.version, h.bucket, h.slot, False, imp.version, why)
+            for h in held
+        ]
         self._ipc_after(r, acks, before)
 
     def _ipc_after(self, r: IpcReady, acks: list[IpcAck], before: int) -> None:

@@ -13,19 +13,24 @@ A bucket's checksum is known only once its last byte has arrived, and applying b
 of version N before the rest has arrived and been verified leaves a mixed model if the
 rest never comes (publisher killed, corrupt bytes). Two answers, by ``atomic``:
 
-* ``atomic=False`` (the default without a ``loader``): verify and copy in one pass.
+* ``atomic=False`` (the default under a lock that refuses to serve mixed weights,
+  such as the fabric's, :func:`transport.weights.update.attach_subscriber`, without
+  a ``loader``): verify and copy in one pass.
   Each 256 KiB block of a bucket is hashed, then copied into the parameters while it
   is still in cache (:mod:`transport.weights.streaming`): shared memory is read once,
   a TCP piece is copied once and its frame freed at once, and the copy overlaps the
   trainer's packing. The ``lock`` is held from the version's first write until it
-  completes. If the version fails after that (a bucket fails its checksum for good,
+  completes (network waits included); meanwhile the worker reports version ``-1``.
+  If the version fails after that (a bucket fails its checksum for good,
   the publisher dies or goes silent, a newer version supersedes it), the weights are
   mixed: :attr:`WeightSubscriber.consistent` is false, the worker reports version
   ``-1`` (no complete version) in its Ack and Hellos, the failed Ack says "weights
   are mixed", and the fabric's lock keeps the worker paused
   (:func:`transport.weights.update.attach_subscriber`) until a later version, or the
   same one fetched again, completes.
-* ``atomic=True``: the previous version stays whole until the new one is verified
+* ``atomic=True`` (the default otherwise: a plain lock such as an engine's step lock
+  is left when a version fails, and the engine would serve what is in the weights):
+  the previous version stays whole until the new one is verified
   entirely. Same host (shared memory): the publisher's segment *is* the staging area;
   every bucket's checksum is verified in place, then copied into the parameters (no
   extra memory on the worker). Over TCP: each piece is hashed as it arrives and copied,
@@ -105,11 +110,15 @@ class WeightSubscriber(IpcReceiving, VersionCommit):
         Read same-host versions from shared memory when the handshake shows it works.
     atomic:
         ``True``: keep the previous weights whole until a version is verified
-        entirely; ``False``: verify and copy in one pass, and refuse to serve (report
-        version ``-1``, :attr:`consistent` false) after a version that failed midway,
-        until a later one completes (see the module docstring). ``None`` (default):
-        ``False``, or ``True`` with a ``loader``. The ``ipc`` path is atomic unless
-        this is ``False``.
+        entirely; ``False``: verify and copy in one pass, the weights mixed from the
+        version's first write to its end, and after a version that failed midway
+        until a later one completes (:attr:`consistent` false, version ``-1``
+        reported; see the module docstring). Only safe with a ``lock`` that refuses
+        to serve mixed weights. ``None`` (default): ``False`` when the ``lock``
+        declares it refuses to serve mixed weights (a true ``refuses_mixed``
+        attribute, as the fabric's lock of :func:`~transport.weights.update.attach_subscriber`
+        does) and there is no ``loader``, else ``True``. The ``ipc`` path is atomic
+        unless this is ``False``.
     window:
         Buckets requested ahead over TCP.
     fetch_timeout:
@@ -121,8 +130,13 @@ class WeightSubscriber(IpcReceiving, VersionCommit):
     publisher_timeout:
         With no message from the publisher for this long, a version in progress fails.
     lock:
-        Held while copying into the parameters (e.g. the engine's forward lock). If
-        entering it raises, the version fails on this worker, which keeps its weights.
+        Held while the parameters are written (e.g. the engine's forward lock): with
+        ``atomic`` for the copy of a verified version; in one-pass mode from the
+        version's first write to its end, network waits included. If entering it
+        raises, the version fails on this worker, which keeps its weights. A plain
+        lock is left when a one-pass version fails midway, so the engine would
+        generate from mixed weights: one-pass mode needs a lock that then keeps the
+        engine from serving (``refuses_mixed``, see ``atomic``).
     on_applied:
         Called with the new version once it is in the weights, under ``lock`` and
         before the Ack is sent (in the subscriber's thread).
@@ -231,8 +245,13 @@ class WeightSubscriber(IpcReceiving, VersionCommit):
         self.worker_id = worker_id or f"w-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.shm = shm
         #: shm/tcp: verify every bucket before the first write (``True``), or verify
-        #: and copy in one pass (``False``, the default without a ``loader``).
-        self.atomic = loader is not None if atomic is None else atomic
+        #: and copy in one pass (``False``: the default only under a lock that refuses
+        #: to serve mixed weights, see ``atomic``).
+        self.atomic = (
+            loader is not None or not getattr(lock, "refuses_mixed", False)
+            if atomic is None
+            else atomic
+        )
         # The ipc path keeps its own default (atomic) unless told.
         self._ipc_atomic = True if atomic is None else atomic
         self.window = max(1, window)
@@ -291,8 +310,9 @@ class WeightSubscriber(IpcReceiving, VersionCommit):
 
     @property
     def consistent(self) -> bool:
-        """False while the weights are mixed: a version failed after its first write
-        (``atomic=False``), or a copy or the ``loader`` failed midway. The worker then
+        """False while the weights are mixed: from a one-pass version's first write
+        (``atomic=False``) until it completes, after such a version failed, or after a
+        copy or the ``loader`` failed midway. The worker then
         reports version ``-1`` and must not serve; a later complete version makes it
         true again. :attr:`version` stays the last version applied completely."""
         return self._consistent
@@ -387,6 +407,15 @@ class WeightSubscriber(IpcReceiving, VersionCommit):
             log.exception("weight subscriber %s crashed", self.worker_id)
             raise
         finally:
+            # A version in flight holds the lock from its first write: fail it (the
+            # weights are mixed if it wrote) so the lock is left, never held for good.
+            if self._update is not None:
+                try:
+                    self._fail(self._update.ann.version, "the subscriber was closed mid-version")
+                except Exception:
+                    log.exception(
+                        "weight subscriber %s: failing the version at close", self.worker_id
+                    )
             # The ipc goodbye must reach the trainer (else it waits for this worker's
             # acks until ipc_timeout): a short linger for it.
             said_bye = self._ipc_close()

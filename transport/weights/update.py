@@ -36,6 +36,7 @@ from transport.weights.errors import UpdateIncomplete, WeightUpdateError
 from transport.weights.publisher import WeightPublisher
 from transport.weights.results import UpdateResult
 from transport.weights.subscriber import WeightSubscriber
+from transport.worker.pausing import ResumeRefused
 
 __all__ = [
     "PLUGIN_OPTIONS",
@@ -108,8 +109,8 @@ def update_weights(
         workers are resumed either way: a worker that failed before writing its
         weights (or with ``atomic=True``) kept its previous ones and keeps generating
         with them, under its previous version number; one whose failure left its
-        weights mixed (its error says so) stays paused, its resume answered only once
-        a later version completes there (until then it is in ``resume_failed``).
+        weights mixed (its error says so) stays paused: its resume is refused at once
+        (it is in ``resume_failed``) until a later version completes there.
 
     Returns
     -------
@@ -227,9 +228,15 @@ class _PausedWhileCopying:
 
     A copy that ends with the weights mixed (a version that failed after its first
     write, see :attr:`WeightSubscriber.consistent`) leaves the worker paused: nothing
-    is generated from a mixed version. Resumes (a controller's, the pause lease) wait
-    until a later version completes; the pause stays the lock's if it was.
+    is generated from a mixed version. A resume meanwhile is refused at once
+    (answered ``ok=False``, the error says the weights are mixed; the pause lease does
+    not resume either) and the engine's version reads ``-1`` (health); the pause
+    stays the lock's if it was, and a later complete version resumes only a pause
+    the lock owns (a controller's pause still waits for its own resume).
     """
+
+    #: Refuses to serve mixed weights: subscribers default to one-pass mode under it.
+    refuses_mixed = True
 
     def __init__(self, server: Any, loop: asyncio.AbstractEventLoop, timeout: float) -> None:
         self.server = server
@@ -244,8 +251,15 @@ class _PausedWhileCopying:
         self._free.set()
 
     async def hold_resume(self) -> None:
-        """``server.on_resume`` callback: a resume waits for a running copy."""
+        """``server.on_resume`` callback: a resume waits for a running copy, and is
+        refused (:class:`~transport.worker.pausing.ResumeRefused`) while the weights
+        are mixed."""
         await self._free.wait()
+        if self.mixed():
+            raise ResumeRefused(
+                f"worker {self.server.worker_id}: weights are mixed (a version failed "
+                "midway); it stays paused until a complete version lands"
+            )
 
     async def _acquire(self) -> None:
         s = self.server
@@ -257,8 +271,7 @@ class _PausedWhileCopying:
         try:
             ok = await s.pause(self.timeout)
         except BaseException:
-            if not self.mixed():
-                self._free.set()  # never leave a controller's resume waiting on us
+            self._free.set()  # never leave a controller's resume waiting on us
             raise
         self._mine = n + 1 if ours else None
         if not ok:
@@ -270,10 +283,14 @@ class _PausedWhileCopying:
 
     async def _release(self) -> None:
         s = self.server
+        self._free.set()  # the copy is over (resumes see whether it left them mixed)
         if self.mixed():
-            return  # refuse to serve: stay paused, resumes wait (see the class doc)
+            # Refuse to serve: stay paused, keep the pause ours, health says -1.
+            engine = getattr(s, "engine", None)
+            if engine is not None:
+                engine.version = -1
+            return
         mine, self._mine = self._mine, None
-        self._free.set()
         if mine is not None and s.paused and s.pause_requests == mine:
             await s.resume()
 
@@ -364,8 +381,8 @@ async def _pause_lease(
     since: float | None = None
     while not sub.closed:
         await asyncio.sleep(min(1.0, lease / 4))
-        if not server.paused or not lock._free.is_set():
-            since = None  # generating, or paused by our own copy
+        if not server.paused or not lock._free.is_set() or lock.mixed():
+            since = None  # generating, paused by our own copy, or mixed weights
             continue
         now = time.monotonic()
         if since is None:

@@ -17,7 +17,13 @@ from fastio import fabric_msgs as fm
 from transport import metrics
 from transport.worker.context import RequestContext
 
-__all__ = ["PauseControl"]
+__all__ = ["PauseControl", "ResumeRefused"]
+
+
+class ResumeRefused(RuntimeError):
+    """Raised by an ``on_resume`` callback to refuse a resume: the worker stays paused
+    and the resume is answered ``ok=False`` with this error (e.g. its weights are
+    mixed)."""
 
 
 class PauseControl:
@@ -64,7 +70,8 @@ class PauseControl:
         return True
 
     async def resume(self) -> None:
-        """Let generation continue (waiting requests start)."""
+        """Let generation continue (waiting requests start). :class:`ResumeRefused`
+        (from an ``on_resume`` callback) when the worker must stay paused."""
         assert self._resumed is not None
         if self._paused:
             for cb in self.on_resume:
@@ -98,7 +105,10 @@ class PauseControl:
             if not ok:
                 error = f"{self._running} generations still running after {msg.timeout} s"
         elif msg.op == "resume":
-            await self.resume()
+            try:
+                await self.resume()
+            except ResumeRefused as exc:
+                ok, error = False, str(exc)
         elif msg.op == "abort":
             self.abort_all()
         elif msg.op == "health":
