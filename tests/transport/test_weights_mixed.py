@@ -85,15 +85,18 @@ def test_a_one_pass_version_reports_no_version_from_its_first_write() -> None:
     v1, v2 = make_state(1, scale=50), make_state(2, scale=50)
     tgt = zeros_like(v1)
     seen: list[tuple[int, bool, int, bool]] = []
+    digests: list[int | None] = []
 
     def progress(version: int, index: int) -> None:
         if version == 2:
             mixed = state_digest(tgt) not in (state_digest(v1), state_digest(v2))
             seen.append((index, sub.consistent, sub.reported_version, mixed))
+            digests.append(sub._digest)  # what a Hello would carry now
 
     with WeightPublisher("tcp://127.0.0.1:*", bucket_bytes=16 << 10) as pub:
         sub = WeightSubscriber(
-            pub.endpoint, tgt, on_progress=progress, shm=False, atomic=False
+            pub.endpoint, tgt, on_progress=progress, shm=False, atomic=False,
+            report_digest=True,
         ).start()
         try:
             pub.wait_for_workers(1, 10)
@@ -105,6 +108,8 @@ def test_a_one_pass_version_reports_no_version_from_its_first_write() -> None:
     assert len(seen) > 1 and any(m for *_, m in seen), seen
     for index, consistent, reported, _ in seen:
         assert not consistent and reported == -1, (index, consistent, reported)
+    # No digest of version 1 beside version -1: the weights no longer hold it.
+    assert digests == [None] * len(seen), digests
 
 
 def test_close_mid_version_leaves_the_lock_and_says_the_weights_are_mixed() -> None:

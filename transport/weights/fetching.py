@@ -99,6 +99,7 @@ class VersionFetch:
     counters: dict[str, int]
     _version: int
     _consistent: bool
+    _digest: int | None
     _applier: BucketApplier
     _cond: threading.Condition
     _shm_ok: bool
@@ -381,8 +382,11 @@ class VersionFetch:
             return False
         up.locked = up.wrote = True
         # From the first write the weights hold no complete version: report -1 until
-        # the commit (``_now_at``) or, if the version fails, until a later one lands.
+        # the commit (``_now_at``) or, if the version fails, until a later one lands;
+        # the previous version's digest no longer describes them (``_fail`` sends the
+        # mixed weights' digest).
         self._consistent = False
+        self._digest = None
         return True
 
     def _unhold(self, up: InFlight) -> None:
