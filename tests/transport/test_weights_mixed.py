@@ -95,7 +95,11 @@ def test_a_one_pass_version_reports_no_version_from_its_first_write() -> None:
 
     with WeightPublisher("tcp://127.0.0.1:*", bucket_bytes=16 << 10) as pub:
         sub = WeightSubscriber(
-            pub.endpoint, tgt, on_progress=progress, shm=False, atomic=False,
+            pub.endpoint,
+            tgt,
+            on_progress=progress,
+            shm=False,
+            atomic=False,
             report_digest=True,
         ).start()
         try:
