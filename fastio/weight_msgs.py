@@ -123,6 +123,8 @@ class WeightWelcome(WireStruct, tag=int(MsgKind.WEIGHT_WELCOME)):
     that can read it shares the publisher's host *and* its ``/dev/shm`` and may read
     buckets from shared memory. ``announce`` is the latest version when the Hello showed
     the worker behind it (the snapshot of the Clone pattern), else ``None``.
+    ``data_port`` (0: none) is the publisher's data-link listener on its host, and
+    ``data_token`` the secret a worker presents there (``transport.weights.datalink``).
     """
 
     publisher_id: str
@@ -132,6 +134,8 @@ class WeightWelcome(WireStruct, tag=int(MsgKind.WEIGHT_WELCOME)):
     shm_probe: str = ""
     shm_token: str = ""
     announce: WeightAnnounce | None = None
+    data_port: int = 0
+    data_token: bytes = b""
 
 
 class WeightHeartbeat(WireStruct, tag=int(MsgKind.WEIGHT_HEARTBEAT)):
@@ -163,6 +167,9 @@ class WeightFetch(WireStruct, tag=int(MsgKind.WEIGHT_FETCH)):
     #: same process answers or is gone. 0: the worker's last Hello names it.
     pid: int = 0
     start_time: int = 0
+    #: Send the bytes on the worker's data link (``transport.weights.datalink``)
+    #: rather than as ZeroMQ frames (when the publisher has that link open).
+    data: bool = False
 
 
 class WeightBucket(WireStruct, tag=int(MsgKind.WEIGHT_BUCKET)):

@@ -37,7 +37,8 @@ class FaultyPublisher(WeightPublisher):
     ``fault(worker, version, bucket)`` is asked at every Fetch: ``"die"`` SIGKILLs this
     process there (a trainer dying mid-update); ``"corrupt"`` changes what that answer
     carries, as bytes changed after they were hashed would: over TCP one byte of the
-    first piece is flipped (in a copy: the staged snapshot is never touched), through
+    first piece is flipped (in a copy: the staged snapshot is never touched; ZeroMQ
+    frames and the data link alike), through
     shared memory the checksum of the last notice is off by one.
     """
 
@@ -57,6 +58,16 @@ class FaultyPublisher(WeightPublisher):
         else:
             self._corrupt.discard(key)
         super()._serve_fetch(ident, wid, msg)
+
+    def _link_send(self, snd: Any, piece: WeightBucket) -> Any:
+        key = (snd.ident, piece.version, piece.index)
+        if key in self._corrupt and piece.offset == 0 and piece.chunks[0].size:
+            chunk = piece.chunks[0].copy()
+            chunk[chunk.size // 2] ^= 0xFF
+            piece = msgspec.structs.replace(piece, chunks=[chunk])
+        if key in self._corrupt and piece.last:
+            self._corrupt.discard(key)
+        return super()._link_send(snd, piece)
 
     def _reply(self, ident: bytes, frames: list[Any], track: bool = False) -> Any:
         if self._corrupt:

@@ -21,11 +21,14 @@ from typing import Any
 
 import numpy as np
 import torch
+import zmq
 
 from fastio.weight_msgs import WeightAnnounce, WeightBucket, WeightFetch
+from transport.weights import datalink
 from transport.weights import shm as _shm
 from transport.weights.binding import Binding, DtypeSpec, Rename
 from transport.weights.bucket import CHECKSUM_ALGOS, BucketApplier, Hasher, _align
+from transport.weights.datalink import DataReceiver
 from transport.weights.errors import WeightUpdateError
 from transport.weights.results import UpdateStats
 from transport.weights.streaming import BucketStream
@@ -54,6 +57,8 @@ class InFlight:
         self.todo.reverse()  # pop() from the end gives bucket 0 first
         self.outstanding: dict[int, float] = {}
         self.attempts: dict[int, int] = {}
+        #: Per bucket fetched: whether its bytes were asked on the data link.
+        self.linked: dict[int, bool] = {}
         self.received: dict[int, list[torch.Tensor]] = {}
         self.stats = UpdateStats(ann.version, "tcp" if seg is None else "shm", ann.total_bytes)
         self.stats.buckets = [{} for _ in ann.buckets]
@@ -111,6 +116,11 @@ class VersionFetch:
     _given_up: set[tuple[str, int]]
     _segments: dict[str, _shm.ShmSegment]
     _staging: np.ndarray[Any, Any] | None
+    worker_id: str
+    endpoint: str
+    _poller: zmq.Poller | None
+    _link: DataReceiver | None
+    _link_offer: tuple[int, bytes] | None
 
     def _now_at(self, version: int) -> None:
         """The weights are now all of ``version``: record it, wake waiters, and tell
@@ -176,6 +186,8 @@ class VersionFetch:
                 log.info("shared memory %s unusable (%s); fetching over TCP", ann.shm_name, exc)
                 self._count("shm_fallbacks")
         up = InFlight(ann, seg, binding)
+        if seg is None:
+            self._open_link()
         if seg is None and self.atomic:
             try:
                 up.stage = self._stage_for(ann)
@@ -234,7 +246,9 @@ class VersionFetch:
             i = up.todo.pop()
             up.outstanding[i] = now
             up.attempts[i] = up.attempts.get(i, 0) + 1
-            self._send(WeightFetch(up.ann.version, i, shm, os.getpid(), self._start_time))
+            data = not shm and self._link is not None
+            up.linked[i] = data
+            self._send(WeightFetch(up.ann.version, i, shm, os.getpid(), self._start_time, data))
 
     def _on_bucket(self, msg: WeightBucket) -> None:
         up = self._update
@@ -284,14 +298,23 @@ class VersionFetch:
                 part.hasher.update(c)
                 part.chunks.append(_u8(c))
             part.size = end
+        self._piece_done(up, i, part, t, ok, msg.last, msg.checksum)
+
+    def _piece_done(
+        self, up: InFlight, i: int, part: Partial, t: float, ok: bool, last: bool, checksum: int
+    ) -> None:
+        """A TCP piece of bucket ``i`` was taken (``ok``: in order and in bounds): on
+        the last one (or a bad one) check the bucket, then keep it or fetch it again."""
+        info = up.ann.buckets[i]
+        stage = up.stage[i] if up.stage is not None else None
         dt = time.monotonic() - t
         up.stats.verify_s += dt
         part.verify_s += dt
-        if ok and not msg.last:
+        if ok and not last:
             return
         del up.outstanding[i]
         del up.partial[i]
-        ok = ok and part.size == info.nbytes and part.hasher.digest() == msg.checksum
+        ok = ok and part.size == info.nbytes and part.hasher.digest() == checksum
         if not ok:
             self._count("checksum_failures")
             if up.attempts.get(i, 0) >= self.retries:
@@ -309,6 +332,113 @@ class VersionFetch:
         self._landed(
             up, i, part.chunks if stage is None else [torch.from_numpy(stage)], part.stream
         )
+
+    # -- the data link (transport.weights.datalink) -----------------------------------
+    def _open_link(self) -> None:
+        """Connect the data link the publisher offers, if not open (a TCP version)."""
+        if self._link is not None or self._link_offer is None or self._poller is None:
+            return
+        port, token = self._link_offer
+        try:
+            self._link = datalink.connect(
+                self.endpoint, port, self.worker_id, token, min(self.fetch_timeout, 5.0)
+            )
+        except (OSError, ValueError) as exc:
+            # Not reachable (a firewall, another network namespace): ZeroMQ frames,
+            # for good with this publisher.
+            self._link_offer = None
+            self._count("data_link_refused")
+            log.info("weight data link unavailable (%s); fetching as ZeroMQ frames", exc)
+            return
+        self._poller.register(self._link, zmq.POLLIN)
+        self._count("data_links")
+
+    def _close_link(self) -> None:
+        link, self._link = self._link, None
+        if link is not None:
+            if self._poller is not None:
+                self._poller.unregister(link)
+            link.close()
+
+    def _link_failed(self, why: str) -> None:
+        """The data link broke: close it; the buckets asked on it are asked again as
+        ZeroMQ frames (the link is opened again for the next version)."""
+        self._count("data_link_failures")
+        log.warning("weight data link closed: %s", why)
+        self._close_link()
+        up = self._update
+        if up is None or up.seg is not None:
+            return
+        for i in [i for i in up.outstanding if up.linked.get(i)]:
+            del up.outstanding[i]
+            up.partial.pop(i, None)
+            up.todo.append(i)
+        self._pump()
+
+    def _on_data(self) -> None:
+        """A piece on the data link: its bytes go straight where they belong."""
+        link = self._link
+        assert link is not None
+        try:
+            p = link.header()
+            up = self._update
+            if (
+                up is None
+                or up.seg is not None
+                or p.version != up.ann.version
+                or p.index not in up.outstanding
+            ):
+                self._count("stale_pieces")
+                link.discard(p.nbytes)
+                return
+            i = p.index
+            if p.offset + p.nbytes > up.ann.buckets[i].nbytes:
+                raise datalink.DataLinkError(f"a piece beyond the end of bucket {i}")
+            t = time.monotonic()
+            part = up.partial.get(i)
+            if part is None:
+                part = up.partial[i] = self._partial(up, i)
+            up.outstanding[i] = t
+            ok = p.offset == part.size
+            if not ok:
+                link.discard(p.nbytes)
+            elif not self._take(up, i, part, link, p.nbytes):
+                return  # the version failed (its lock refused); the bytes were read away
+        except datalink.DataLinkError as exc:
+            self._link_failed(str(exc))
+            return
+        self._piece_done(up, i, part, t, ok, p.last, p.checksum)
+
+    def _take(self, up: InFlight, i: int, part: Partial, link: DataReceiver, n: int) -> bool:
+        """Receive ``n`` bytes of bucket ``i`` from the link where they go: the weights
+        (one-pass mode), the staging buffer (atomic), or a buffer kept for the bucket."""
+        stream = part.stream
+        if stream is not None:
+            if n and not self._hold(up):
+                link.discard(n)
+                return False
+            if stream.rest:
+                # Tensors that need their bytes whole: keep the piece for them.
+                c = np.empty(n, dtype=np.uint8)
+                link.fill(c)
+                stream.feed(c)
+                part.chunks.append(torch.from_numpy(c))
+            else:
+                stream.take(n, link.fill, link.scratch(_BLOCK))
+        elif up.stage is not None:
+            stage = up.stage[i]
+            base = part.size
+            for a in range(0, n, _BLOCK):
+                block = stage[base + a : base + min(a + _BLOCK, n)]
+                link.fill(block)
+                part.hasher.update(block)
+        else:
+            c = np.empty(n, dtype=np.uint8)
+            link.fill(c)
+            part.hasher.update(c)
+            part.chunks.append(torch.from_numpy(c))
+        part.size += n
+        return True
 
     def _on_shm_ready(self, up: InFlight, msg: WeightBucket, t: float) -> None:
         """Bytes of bucket ``msg.index`` are packed in the segment: hash them in place

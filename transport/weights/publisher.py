@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import secrets
+import socket
 import threading
 import time
 from collections.abc import Iterable, Iterator
@@ -51,6 +52,7 @@ from transport.weights.bucket import (
     split_aliases,
 )
 from transport.weights.buffers import VersionBuffers
+from transport.weights.datalink import DataListener, DataSender
 from transport.weights.errors import UpdateIncomplete
 from transport.weights.ipc_serving import IPC_MODES, IpcServing
 from transport.weights.ratelog import RateLimitedLog
@@ -111,6 +113,13 @@ class WeightPublisher(IpcServing, VersionBuffers):
         ``.key_secret`` and, to admit only known workers, ``authorized_clients_dir``).
         Off by default (loopback); turn it on whenever workers connect across hosts. A
         worker with a wrong or missing key gets nothing, not even the announcements.
+    data_link:
+        Send TCP workers' bucket bytes on a plain TCP connection per worker (a free
+        port on the ROUTER's host, offered in the Welcome) instead of as ZeroMQ frames:
+        each worker receives the bytes straight into its weights
+        (:mod:`transport.weights.datalink`). ``None`` (default): on for a ``tcp://``
+        endpoint without ``curve``; the link is not encrypted, so with ``curve`` it is
+        on only when ``True``. Workers that do not take it get ZeroMQ frames.
     ipc:
         When same-host workers take the ``ipc`` path (see the module docstring):
         ``"auto"`` (CUDA tensors), ``"cpu"`` (CPU tensors too) or ``"off"``.
@@ -144,6 +153,7 @@ class WeightPublisher(IpcServing, VersionBuffers):
         keep_versions: int = 2,
         context: zmq.Context[Any] | None = None,
         curve: CurveConfig | None = None,
+        data_link: bool | None = None,
         ipc: str = "auto",
         ipc_slots: int | None = 2,
         ipc_timeout: float = 60.0,
@@ -228,6 +238,17 @@ class WeightPublisher(IpcServing, VersionBuffers):
         self._pending: list[Staged] = []
         self._seq = 0
         self._closed = False
+        self._senders: dict[str, DataSender] = {}
+        self._data_token = b""
+        self._listener: DataListener | None = None
+        if self.endpoint.startswith("tcp://") and (
+            data_link or (data_link is None and curve is None)
+        ):
+            self._data_token = secrets.token_bytes(16)
+            try:
+                self._listener = DataListener(self.endpoint, self._data_token, self._admit_link)
+            except OSError as exc:
+                log.warning("no data link (%s); TCP workers get ZeroMQ frames", exc)
         self._thread = threading.Thread(
             target=self._serve, name=f"weights-publisher-{self.publisher_id}", daemon=True
         )
@@ -491,6 +512,13 @@ class WeightPublisher(IpcServing, VersionBuffers):
             self._cond.notify_all()
         self._wake()
         self._thread.join(5.0)
+        if self._listener is not None:
+            self._listener.close()
+        with self._cond:
+            senders = list(self._senders.values())
+        for sender in senders:
+            sender.close()
+            sender.join(5.0)
         for s in (self._router, self._pub, self._wake_r, self._wake_w):
             s.close(linger=0)
         if self._auth is not None:
@@ -509,6 +537,25 @@ class WeightPublisher(IpcServing, VersionBuffers):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def _admit_link(self, worker_id: str, sock: socket.socket) -> bool:
+        """A worker's data link, token checked (the listener's thread)."""
+        with self._cond:
+            if self._closed:
+                return False
+            old = self._senders.pop(worker_id, None)
+            self._senders[worker_id] = DataSender(
+                sock, worker_id, self.worker_timeout, self._link_closed
+            )
+            self._count("data_links")
+        if old is not None:
+            old.close()  # a restarted worker's: its replacement has the id now
+        return True
+
+    def _link_closed(self, sender: DataSender) -> None:
+        with self._cond:
+            if self._senders.get(sender.worker_id) is sender:
+                del self._senders[sender.worker_id]
 
     def _wake(self) -> None:
         with self._wake_lock, contextlib.suppress(zmq.ZMQError):

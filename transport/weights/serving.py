@@ -31,6 +31,7 @@ from fastio.weight_msgs import (
 )
 from transport import metrics
 from transport.weights import shm as _shm
+from transport.weights.datalink import PIECE, PIECE_MAGIC, DataListener, DataSender, Sent
 from transport.weights.ipc import IpcExporter, process_alive, process_start_time
 from transport.weights.ratelog import RateLimitedLog
 from transport.weights.results import SubscriberInfo
@@ -74,6 +75,9 @@ class PublisherService:
     _ipc: IpcExporter | None
     _ipc_hellos: dict[str, IpcHello]
     _outbox: list[tuple[bytes, list[Any]]]
+    _senders: dict[str, DataSender]
+    _data_token: bytes
+    _listener: DataListener | None
 
     def _retire(self) -> None:
         raise NotImplementedError
@@ -322,6 +326,8 @@ class PublisherService:
                 self._probe.name if self._probe else "",
                 self._probe.token if self._probe else "",
                 announce,
+                self._listener.port if self._listener is not None else 0,
+                self._data_token if self._listener is not None else b"",
             )
             self._reply(ident, self._encoder.encode(welcome))
         elif isinstance(msg, WeightFetch):
@@ -426,6 +432,27 @@ class PublisherService:
             return
         self._advance(st, snd)
 
+    def _link_send(self, snd: Send, piece: WeightBucket) -> Sent | None:
+        """Queue ``piece`` (one chunk) on the worker's data link; None without one."""
+        with self._cond:
+            sender = self._senders.get(snd.wid)
+        if sender is None:
+            return None
+        (chunk,) = piece.chunks
+        head = PIECE.pack(
+            PIECE_MAGIC,
+            piece.version,
+            piece.index,
+            piece.offset,
+            memoryview(chunk).nbytes,
+            piece.checksum,
+            piece.last,
+        )
+        sent = sender.send(head, chunk)
+        if sent is not None:
+            self._count("data_link_pieces")
+        return sent
+
     def _advance(self, st: Staged, snd: Send) -> None:
         """Send what is packed of the bucket ``snd`` asks for, from where it stopped.
 
@@ -459,8 +486,13 @@ class PublisherService:
                 ok = self._reply(snd.ident, self._encoder.encode(piece)) is not False
             else:
                 chunk = st.view()[info.shm_offset + start : info.shm_offset + end]
-                piece = WeightBucket(v, k, start, checksum if last else 0, last, [chunk])
-                tracker = self._reply(snd.ident, self._encoder.encode(piece), track=True)
+                tracker = None
+                if snd.fetch.data:
+                    piece = WeightBucket(v, k, start, checksum if last else 0, last, [chunk])
+                    tracker = self._link_send(snd, piece)
+                if tracker is None:  # no data link (or it closed): ZeroMQ frames
+                    piece = WeightBucket(v, k, start, checksum if last else 0, last, [chunk])
+                    tracker = self._reply(snd.ident, self._encoder.encode(piece), track=True)
                 ok = tracker is not None
                 if ok:
                     with self._cond:

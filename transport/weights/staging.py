@@ -28,6 +28,7 @@ from transport.weights.bucket import (
     dtype_name,
     plan_buckets,
 )
+from transport.weights.datalink import Sent
 
 __all__ = ["BLOCK", "Send", "Staged", "pack_steps", "plan_version"]
 
@@ -68,10 +69,11 @@ def plan_version(
 class Send:
     """One Fetch being answered: where the next piece starts."""
 
-    __slots__ = ("cursor", "fetch", "ident", "shm")
+    __slots__ = ("cursor", "fetch", "ident", "shm", "wid")
 
     def __init__(self, ident: bytes, fetch: WeightFetch) -> None:
         self.ident = ident
+        self.wid = ident.decode("utf-8", "replace")
         self.fetch = fetch
         self.shm = fetch.shm
         self.cursor = 0
@@ -88,7 +90,8 @@ class Staged:
         self._view_of: torch.Tensor | None = None
         self.announce: WeightAnnounce | None = None
         self.announced_at = 0.0
-        self.trackers: list[zmq.MessageTracker] = []
+        #: Sends that may still read the buffer: ZeroMQ trackers, data-link pieces.
+        self.trackers: list[zmq.MessageTracker | Sent] = []
         self.expected: set[str] = set()
         self.acks: dict[str, WeightAck] = {}
         #: Processes ``(worker_id, pid, start_time, visible start_time)`` that asked to read the

@@ -17,7 +17,7 @@ views) need the tensor's bytes whole and are applied by the
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -117,6 +117,38 @@ class BucketStream:
             self.hasher.update(blk)
             self._copy(self.size + a, blk)
         self.size += n
+
+    def take(
+        self,
+        n: int,
+        fill: Callable[[np.ndarray[Any, Any]], None],
+        scratch: np.ndarray[Any, Any],
+    ) -> None:
+        """Bytes ``[size, size + n)`` of the bucket, received by ``fill`` (which fills
+        the array it is given, e.g. from a socket): a block inside one plain tensor is
+        received straight into it and hashed there while in cache; anything else
+        (padding, a tensor written to twice) lands in ``scratch`` (at least
+        :data:`BLOCK` bytes) and goes through :meth:`feed`."""
+        end = self.size + n
+        spans = self._spans
+        while self.size < end:
+            off = self.size
+            k = self._k
+            while k < len(spans) and spans[k][1] <= off:
+                k += 1
+            self._k = k
+            lo, hi, outs = spans[k] if k < len(spans) else (end, end, [])
+            if lo <= off and len(outs) == 1:
+                m = min(BLOCK, end - off, hi - off)
+                dst = outs[0][off - lo : off - lo + m]
+                fill(dst)
+                self.hasher.update(dst)
+                self.size += m
+            else:
+                m = min(BLOCK, end - off, (hi if lo <= off else lo) - off)
+                blk = scratch[:m]
+                fill(blk)
+                self.feed(blk)
 
     def _copy(self, off: int, blk: np.ndarray[Any, Any]) -> None:
         spans = self._spans

@@ -75,6 +75,7 @@ from transport.weights import shm as _shm
 from transport.weights.binding import DtypeSpec, Rename, advertised_dtype, parse_dtype_spec
 from transport.weights.bucket import BucketApplier, named_tensors, state_digest
 from transport.weights.commit import VersionCommit
+from transport.weights.datalink import DataReceiver
 from transport.weights.fetching import InFlight
 from transport.weights.ipc import process_start_time
 from transport.weights.ipc_receiving import PATHS, IpcReceiving, ipc_eligible
@@ -190,6 +191,12 @@ class WeightSubscriber(IpcReceiving, VersionCommit):
         Threads that copy a verified version into CPU parameters (``numpy.copyto``
         releases the GIL); default :func:`~transport.weights.bucket.default_copy_threads`
         (one per 4 cores, at most 4: on a small host every worker copies at once).
+    data_link:
+        Over TCP, receive bucket bytes on the publisher's data link when it offers one
+        (a plain TCP connection to its host, :mod:`transport.weights.datalink`): the
+        bytes land straight in the weights (or the staging buffer), with no ZeroMQ
+        message buffers between. ``False``: always ZeroMQ frames. A link that fails
+        is closed and the rest of the version comes as ZeroMQ frames.
 
     Examples
     --------
@@ -226,8 +233,10 @@ class WeightSubscriber(IpcReceiving, VersionCommit):
         curve: CurveConfig | None = None,
         path: str | None = None,
         copy_threads: int | None = None,
+        data_link: bool = True,
     ) -> None:
         self.endpoint = endpoint
+        self.data_link = data_link
         self._init_ipc(ipc_eligible(path, target, loader, dtype, rename))
         if path == "tcp":
             shm = False
@@ -301,6 +310,10 @@ class WeightSubscriber(IpcReceiving, VersionCommit):
         self._given_up: set[tuple[str, int]] = set()
         self._segments: dict[str, _shm.ShmSegment] = {}
         self._staging: np.ndarray[Any, Any] | None = None
+        self._poller: zmq.Poller | None = None
+        #: The data link (open), and the publisher's offer of one (port, token).
+        self._link: DataReceiver | None = None
+        self._link_offer: tuple[int, bytes] | None = None
 
     # -- public API --------------------------------------------------------------------
     @property
@@ -383,7 +396,7 @@ class WeightSubscriber(IpcReceiving, VersionCommit):
         self._sub.setsockopt(zmq.LINGER, 0)
         self._sub.setsockopt(zmq.MAXMSGSIZE, 64 << 20)
         self._sub.setsockopt(zmq.SUBSCRIBE, b"")
-        poller = zmq.Poller()
+        poller = self._poller = zmq.Poller()
         poller.register(self._dealer, zmq.POLLIN)
         poller.register(self._sub, zmq.POLLIN)
         next_hello = 0.0
@@ -403,6 +416,8 @@ class WeightSubscriber(IpcReceiving, VersionCommit):
                     self._drain(self._sub)
                 if self._dealer in events:
                     self._drain(self._dealer)
+                if self._link is not None and self._link.fd in events:
+                    self._on_data()
         except Exception:  # the thread must not die silently
             log.exception("weight subscriber %s crashed", self.worker_id)
             raise
@@ -418,6 +433,7 @@ class WeightSubscriber(IpcReceiving, VersionCommit):
                     )
             # The ipc goodbye must reach the trainer (else it waits for this worker's
             # acks until ipc_timeout): a short linger for it.
+            self._close_link()
             said_bye = self._ipc_close()
             self._dealer.close(linger=500 if said_bye else 0)
             self._sub.close(linger=0)
@@ -508,6 +524,10 @@ class WeightSubscriber(IpcReceiving, VersionCommit):
             self._fail(self._update.ann.version, "the publisher was restarted mid-update")
         self._pub_id = w.publisher_id
         self._pub_host = w.host_id
+        self._close_link()
+        self._link_offer = (
+            (w.data_port, w.data_token) if self.data_link and w.data_port > 0 else None
+        )
         self._ipc_reset()
         self._last_seq = w.seq
         self._shm_ok = (
