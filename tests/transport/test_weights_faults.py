@@ -122,6 +122,7 @@ def subscriber_proc(endpoint: str, workers: list[tuple[str, str]], opts: dict[st
                 retries=2,
                 on_progress=progress,
                 atomic=opts.get("atomic"),
+                data_link=opts.get("data_link", True),
             ).start()
         )
     threading.Event().wait()  # until the test kills us
