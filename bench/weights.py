@@ -19,9 +19,13 @@ the staging snapshot and hashing it (xxh3) on the trainer, the transfer, and on 
 worker hashing every block again before copying it into the live tensors (one pass,
 ``atomic=False``, passed explicitly: the fabric worker's default, where a version that
 fails midway leaves the worker refusing to serve until the next complete one, never
-serving a mixed version). The
-worker processes start with ``WORKER_TUNABLES`` (glibc's memcpy threshold for
-non-temporal stores). Each case has the same three baselines, measured in the same
+serving a mixed version). The trainer and the worker processes start with
+``WORKER_TUNABLES`` (glibc's memcpy threshold for non-temporal stores, as the README
+recommends for both): :func:`run` measures the CPU cases in a child process started
+with it, unless ``GLIBC_TUNABLES`` is set already, when they run in the calling process
+and the workers start with its value (set it empty to measure without the tunable).
+Every CPU measurement's ``extra`` holds the values trainer and workers ran with
+(``trainer_glibc_tunables``, ``worker_glibc_tunables``). Each case has the same three baselines, measured in the same
 run, with the same tensors, into the same worker processes' tensors:
 
 * ``gloo``: torch.distributed gloo (a 3-rank group: trainer = root + 2 workers), one
@@ -209,12 +213,28 @@ def _worker(
         sock.close(linger=0)
 
 
-#: The environment the worker processes start with unless ``GLIBC_TUNABLES`` is set
-#: already (set it, even empty, to measure without): glibc's ``memcpy`` uses
-#: non-temporal stores from 128 KiB instead of its default (a fraction of the
-#: last-level cache, 48 MiB here), as :func:`transport.weights.bucket.copy_bytes`
-#: recommends for worker processes. The gloo baselines run in the same processes.
+#: The ``GLIBC_TUNABLES`` the trainer (a child process :func:`run` starts for the CPU
+#: cases) and the worker processes start with unless ``GLIBC_TUNABLES`` is set already
+#: (set it, even empty, to measure without): glibc's ``memcpy`` uses non-temporal
+#: stores from 128 KiB instead of its default (a fraction of the last-level cache), as
+#: :func:`transport.weights.bucket.copy_bytes` recommends and the README recommends for
+#: trainer and worker processes. The gloo baselines run in the same processes.
 WORKER_TUNABLES = "glibc.cpu.x86_non_temporal_threshold=131072"
+
+
+def _start_env(name: str) -> str | None:
+    """``name`` in the environment this process started with (what glibc read its
+    tunables from; ``None``: unset), not a later change of ``os.environ``."""
+    try:
+        with open("/proc/self/environ", "rb") as f:
+            entries = f.read().split(b"\0")
+    except OSError:  # not Linux: the environment as it is now
+        return os.environ.get(name)
+    prefix = name.encode() + b"="
+    for e in entries:
+        if e.startswith(prefix):
+            return e[len(prefix) :].decode(errors="replace")
+    return None
 
 
 @contextlib.contextmanager
@@ -270,8 +290,9 @@ def _primitives(state: dict[str, torch.Tensor]) -> dict[str, float]:
       (:class:`transport.weights.streaming.BucketStream`): each 256 KiB block of the
       flat buffer hashed, then copied into the tensors.
 
-    Measured in the trainer process, which runs without the workers' memcpy tunable
-    (``WORKER_TUNABLES``): ``fused_s`` is what a worker started without it needs.
+    Measured in the trainer process, which starts with the workers' ``GLIBC_TUNABLES``
+    (``WORKER_TUNABLES`` unless set otherwise, see :func:`run`): ``copy_s`` and
+    ``fused_s`` depend on it.
     """
     import numpy as np
 
@@ -355,6 +376,11 @@ def _run_size(nbytes: int, hidden: int, vocab: int, reps: int, quick: bool) -> l
     state = make_state(nbytes, hidden, vocab, seed=1)
     size = _nbytes(state)
     label = f"{size / (1 << 30):.2f}GiB" if size >= 1 << 30 else f"{size // _MIB}MiB"
+    # What glibc read in this (the trainer's) process and what the workers start with.
+    tunables = {
+        "trainer_glibc_tunables": _start_env("GLIBC_TUNABLES"),
+        "worker_glibc_tunables": os.environ.get("GLIBC_TUNABLES", WORKER_TUNABLES),
+    }
     bucket = 256 * _MIB
     ctx: zmq.Context[Any] = zmq.Context.instance()
     ctrl = ctx.socket(zmq.ROUTER)
@@ -456,7 +482,7 @@ def _run_size(nbytes: int, hidden: int, vocab: int, reps: int, quick: bool) -> l
                 buckets=_bucket_table(ack),
                 publish_returned_s=round(statistics.median(packed[2:]), 4),
                 bucket_bytes=bucket,
-                worker_glibc_tunables=os.environ.get("GLIBC_TUNABLES", WORKER_TUNABLES),
+                **tunables,
                 cpu_s_per_update=meter.per_update(reps),
                 worker_stats={
                     k: round(v, 4)
@@ -488,6 +514,7 @@ def _run_size(nbytes: int, hidden: int, vocab: int, reps: int, quick: bool) -> l
                 gb_per_s_per_worker=round(size / 1e9 / min(samples[2:]), 3),
                 bucket_bytes=ipc_bucket,
                 slots=ipc_link.exporter.n_slots,
+                **tunables,
                 cpu_s_per_update=meter.per_update(reps),
                 worker_stats={k: round(v, 4) for k, v in ack.stats.items()},
             )
@@ -575,6 +602,7 @@ def _run_size(nbytes: int, hidden: int, vocab: int, reps: int, quick: bool) -> l
                         samples,
                         size_unit="bytes",
                         gb_per_s_per_worker=round(size / 1e9 / min(samples), 3),
+                        **tunables,
                         **({"cpu_s_per_update": cpu[impl]} if impl in cpu else {}),
                     )
                 )
@@ -913,7 +941,28 @@ def gpu_suite(
 
 
 def run(quick: bool) -> list[Measurement]:
-    """Measure weight updates; quick: one ~192 MiB model, 5 repeats."""
+    """Measure weight updates; quick: a ~30 MiB and a ~184 MiB model, 5 repeats.
+
+    The CPU cases run with the trainer and its worker processes started with
+    ``WORKER_TUNABLES``: in a child process started for the trainer (results back as
+    JSON; its failure raises :class:`RuntimeError` with the end of its stderr), unless
+    ``GLIBC_TUNABLES`` is set in this process's environment (even empty), when they run
+    here, trainer and workers with that value. The GPU cases (where CUDA exists) run in
+    this process.
+    """
+    if "GLIBC_TUNABLES" in os.environ:
+        out = cpu_measurements(quick)
+    else:
+        out = _cpu_measurements_in_child(quick)
+    if torch.cuda.is_available():
+        sizes = GPU_SIZES[:2] if quick else GPU_SIZES
+        out += gpu_measurements(gpu_suite("bench/results/gpu", sizes, reps=5))
+    return out
+
+
+def cpu_measurements(quick: bool) -> list[Measurement]:
+    """The CPU cases (:func:`_run_size` per model size), in this process: the trainer
+    runs with whatever ``GLIBC_TUNABLES`` this process started with."""
     # (bytes, hidden size, vocabulary): a model-size sweep for plotting update time
     # against size; the small models get a small vocabulary so that the embeddings do
     # not make up the whole model.
@@ -925,10 +974,121 @@ def run(quick: bool) -> list[Measurement]:
     out: list[Measurement] = []
     for nbytes, hidden, vocab in plan:
         out += _run_size(nbytes, hidden, vocab, reps, quick)
-    if torch.cuda.is_available():
-        sizes = GPU_SIZES[:2] if quick else GPU_SIZES
-        out += gpu_measurements(gpu_suite("bench/results/gpu", sizes, reps))
     return out
+
+
+def _import_roots() -> list[str]:
+    """The directories ``bench``, ``fastio`` and ``transport`` are imported from here
+    (a checkout's root, usually one), for the child's ``PYTHONPATH``."""
+    import importlib
+
+    roots: list[str] = []
+    for name in ("bench", "fastio", "transport"):
+        mod = importlib.import_module(name)
+        paths = list(getattr(mod, "__path__", []))
+        if paths:
+            root = os.path.dirname(os.path.abspath(paths[0]))
+            if root not in roots:
+                roots.append(root)
+    return roots
+
+
+#: Lines of the child's stderr kept for the error it raises.
+_STDERR_TAIL = 40
+
+
+def _cpu_measurements_in_child(
+    quick: bool,
+    tunables: str = WORKER_TUNABLES,
+    target: str = "bench.weights:cpu_measurements",
+) -> list[Measurement]:
+    """``target(quick)`` (``module:function``, by default :func:`cpu_measurements`) in a
+    child Python process started with ``GLIBC_TUNABLES=tunables`` (glibc reads tunables
+    only at a process's start), the parent's ``sys.path`` roots of
+    ``bench``/``fastio``/``transport`` first on its ``PYTHONPATH``. The child writes
+    the measurements as JSON to a file this process reads (:meth:`Measurement.to_dict`
+    and back); its stdout goes to ours and its stderr too, the end of which a
+    failure's :class:`RuntimeError` carries."""
+    import collections
+    import json
+    import subprocess
+    import sys
+    import threading
+
+    pp = os.environ.get("PYTHONPATH")
+    env = dict(os.environ, GLIBC_TUNABLES=tunables)
+    env["PYTHONPATH"] = os.pathsep.join([*_import_roots(), *([pp] if pp else [])])
+    with tempfile.TemporaryDirectory(prefix="fastio-bench-weights-") as tmp:
+        result = os.path.join(tmp, "measurements.json")
+        proc = subprocess.Popen(
+            [sys.executable, "-c", "import bench.weights as w; w._child_main()", result, target]
+            + (["--quick"] if quick else []),
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
+        assert proc.stderr is not None
+        stderr = proc.stderr
+        tail: collections.deque[str] = collections.deque(maxlen=_STDERR_TAIL)
+
+        def pump() -> None:  # forward the child's stderr as it comes, keep its end
+            for raw in stderr:
+                line = raw.decode(errors="replace")
+                tail.append(line)
+                sys.stderr.write(line)
+            sys.stderr.flush()
+
+        reader = threading.Thread(target=pump, daemon=True)
+        reader.start()
+        try:
+            rc = proc.wait()
+        except BaseException:  # interrupted: let the child stop its workers, then kill
+            import signal
+
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            raise
+        finally:
+            reader.join(30)
+            stderr.close()
+        if rc != 0 or not os.path.exists(result):
+            raise RuntimeError(
+                f"the weights benchmark's trainer process (GLIBC_TUNABLES={tunables}) "
+                f"exited with {rc}; the end of its stderr:\n" + "".join(tail)
+            )
+        with open(result) as f:
+            doc = json.load(f)
+    return [Measurement(**m) for m in doc["measurements"]]
+
+
+def _child_main() -> None:
+    """The child of :func:`_cpu_measurements_in_child`: ``argv[1]`` is the JSON file to
+    write, ``argv[2]`` the ``module:function`` to call, ``--quick`` the mode."""
+    import importlib
+    import json
+    import sys
+    import traceback
+
+    path, target, quick = sys.argv[1], sys.argv[2], "--quick" in sys.argv[3:]
+    rc = 0
+    try:
+        module, _, func = target.partition(":")
+        ms = getattr(importlib.import_module(module), func)(quick)
+        tmp = path + ".part"
+        with open(tmp, "w") as f:
+            json.dump({"measurements": [m.to_dict() for m in ms]}, f)
+        os.replace(tmp, path)  # whole or absent: a child killed while writing is no result
+    except BaseException:
+        traceback.print_exc()
+        rc = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # As the __main__ block: no waiting on the threads and atexit hooks of the libraries.
+    os._exit(rc)
 
 
 def gpu_measurements(rows: list[dict[str, Any]]) -> list[Measurement]:

@@ -31,7 +31,8 @@ Routing ids and ``ZMQ_ROUTER_HANDOVER``
     take its id over: answers still reach a client whose connection was reset.
 ``linger``
     0 at close: unsent messages at shutdown belong to requests that are being abandoned
-    anyway.
+    anyway. :meth:`SocketPump.close` still hands libzmq what the pump holds (joined
+    replies of the last burst) before closing, without blocking.
 CURVE
     Optional (:class:`CurveConfig`), off by default. Keys are ``zmq.auth`` certificate
     files; a worker with ``authorized_clients_dir`` admits only the public keys found
@@ -412,7 +413,8 @@ class SocketPump:
         self._dropped: set[Any] = set()
         #: Peers dropped for not reading (a count of drops, for status and metrics).
         self.dropped = 0
-        #: Messages discarded: queues of dropped peers, and sends to them meanwhile.
+        #: Messages discarded: queues of dropped peers, and sends to them meanwhile;
+        #: at :meth:`close`, what could not be handed to libzmq.
         self.discarded = 0
         self.router = router
         self.coalesce = coalesce
@@ -704,12 +706,54 @@ class SocketPump:
         return n
 
     def close(self) -> None:
-        """Detach from the loop and close the socket (linger 0)."""
+        """Hand what the pump still holds to libzmq, then detach from the loop and close
+        the socket (linger 0).
+
+        Best effort and non-blocking: messages waiting for a free pipe are retried once
+        and messages being joined in a burst (replies sent by ``on_recv`` just before,
+        sends back to back) are sent, in order; what meets a full pipe, a peer that has
+        gone or a closed socket is discarded (counted in :attr:`discarded`) without an
+        error. With linger 0, libzmq itself may still discard what its I/O thread has
+        not written yet (see the module's notes on ``linger``).
+        """
         if self._closed:
             return
+        self._burst = False
+        if self._queues or self._pending:
+            try:
+                self._flush_for_close()
+            except Exception:  # a closed socket, a failing on_undeliverable: nothing to do
+                log.debug("flush at close failed", exc_info=True)
         self._closed = True
         if self._timer is not None:
             self._timer.cancel()
         with contextlib.suppress(Exception):  # the loop may be closed already
             self.loop.remove_reader(self._fd)
         self.sock.close(linger=0)
+
+    def _flush_for_close(self) -> None:
+        # The queues first (older); a destination whose queue is still stuck keeps its
+        # joined messages back too (they would overtake it), and both are discarded.
+        if self._queues:
+            self._flush()
+        pending = self._pending
+        self._pending = {}
+        for key, joined in pending.items():
+            if key in self._queues:
+                self.discarded += 1
+                continue
+            frames = joined.done()
+            try:
+                send_frames(self.sock, frames)
+            except zmq.ZMQError as exc:
+                if exc.errno != errno.EHOSTUNREACH or self.on_undeliverable is None:
+                    self.discarded += 1  # a full pipe, a closed socket
+                    continue
+                try:
+                    self.on_undeliverable(frames)
+                except Exception:  # a bug there must not stop the close
+                    log.exception("on_undeliverable failed")
+        for q in self._queues.values():
+            self.discarded += len(q)
+        self._queues.clear()
+        self._queued_bytes.clear()

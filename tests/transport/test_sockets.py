@@ -79,7 +79,7 @@ def test_coalesced_burst_keeps_order_and_batches_small_messages() -> None:
 def test_split_batches_in_order_and_rejects_bad_ones() -> None:
     def hb(i: int) -> bytes:
         (frame,) = fastio.encode(fm.Heartbeat(sent_at=float(i)))
-        return frame
+        return bytes(frame)
 
     big = fastio.encode(fm.Result(id=5, output_tokens=TokenArray(np.arange(5000))))
     assert len(big) == 2
@@ -208,3 +208,96 @@ def test_requester_pump_defers_its_input_check_and_loses_nothing() -> None:
         router.close(0)
         ctx.term()
     assert got == [b"%d%s" % (i, s) for i in range(rounds) for s in (b"a", b"b")]
+
+
+def _recv_all(sock: zmq.Socket[Any], timeout_ms: int = 2000) -> list[list[bytes]]:
+    """Every message that arrives on ``sock`` until none has for ``timeout_ms``."""
+    out = []
+    while sock.poll(timeout_ms):
+        out.append(sock.recv_multipart())
+        timeout_ms = 200  # the first may take a while; the rest come with it
+    return out
+
+
+def test_close_sends_the_replies_of_the_last_batch() -> None:
+    # A worker's pump that replies to a message and closes in the same batch (a
+    # shutdown request): the replies after the first are being joined when close()
+    # comes; they must still be handed to libzmq, not dropped with the pump. (inproc:
+    # what libzmq holds at a linger-0 close still reaches the peer, deterministically.)
+    ctx = zmq.Context()
+    client = ctx.socket(zmq.DEALER)
+    client.setsockopt(zmq.LINGER, 0)
+    undeliverable: list[list[Any]] = []
+
+    async def main() -> None:
+        router = ctx.socket(zmq.ROUTER)
+        router.setsockopt(zmq.LINGER, 0)
+        router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        router.bind("inproc://pump-close")
+        closed = asyncio.Event()
+
+        def on_recv(frames: list[zmq.Frame]) -> None:
+            peer = frames[0].bytes
+            for body in (b"a", b"b", b"c"):
+                pump.send([peer, body])
+            pump.send([b"gone-peer", b"x"])  # never connected: undeliverable, no error
+            pump.close()
+            closed.set()
+
+        pump = SocketPump(router, on_recv, router=True, on_undeliverable=undeliverable.append)
+        client.connect("inproc://pump-close")
+        client.send(b"bye")
+        await asyncio.wait_for(closed.wait(), 10)
+
+    try:
+        asyncio.run(main())
+        got = [part for m in _recv_all(client) for part in m]
+    finally:
+        client.close(0)
+        ctx.term()
+    assert got == [b"a", b"b", b"c"]
+    assert undeliverable == [[b"gone-peer", b"x"]]
+
+
+def test_close_sends_joined_messages_and_never_raises(monkeypatch: Any) -> None:
+    # Sends back to back from a task start a burst whose end is a loop callback; a
+    # close() before that callback must send what was joined, and a close on a socket
+    # that is already closed under the pump must not raise.
+    import transport.sockets as sockets
+
+    clock = [1.0]  # a fake clock: every send is back to back with the one before
+    monkeypatch.setattr(sockets, "_perf_counter", lambda: clock[0])
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    router.bind("inproc://pump-close-dealer")
+    n = 20
+
+    async def main() -> None:
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.connect("inproc://pump-close-dealer")
+        pump = SocketPump(dealer, lambda frames: None, batch_frames=True)
+        for i in range(n):
+            pump.send(fastio.encode(fm.Cancel(id=i)))
+        pump.close()
+
+        broken = ctx.socket(zmq.DEALER)
+        broken.connect("inproc://pump-close-dealer")
+        pump2 = SocketPump(broken, lambda frames: None)
+        for body in (b"first", b"starts-the-burst", b"joined"):
+            pump2.send([body])
+        broken.close(0)  # under the pump
+        pump2.close()
+        assert pump2.discarded == 1
+
+    try:
+        asyncio.run(main())
+        arrived = _recv_all(router)
+    finally:
+        router.close(0)
+        ctx.term()
+    raw = [m[1:] for m in arrived if m[1] in (b"first", b"starts-the-burst")]
+    assert raw == [[b"first"], [b"starts-the-burst"]]  # not b"joined": closed under it
+    got = [p for m in arrived if m[1:] not in raw for p in fm.split(m[1:])]
+    decoded = [fastio.decode(p, type=fm.CLIENT_TO_WORKER) for p in got]
+    assert [d.id for d in decoded if isinstance(d, fm.Cancel)] == list(range(n))
