@@ -273,3 +273,11 @@ def test_a_receiver_reports_a_closed_or_malformed_link() -> None:
     with pytest.raises(dl.DataLinkError, match="closed"):
         rx.fill(np.empty(10, dtype=np.uint8))
     rx.close()
+
+
+def test_the_worker_plugin_can_decline_the_link() -> None:
+    from transport.weights.update import subscriber_options
+
+    base = {"weights_endpoint": "tcp://127.0.0.1:1"}
+    assert subscriber_options({**base, "weights_data_link": "0"}, None)["data_link"] is False
+    assert "data_link" not in subscriber_options(base, None)  # the subscriber's default: on

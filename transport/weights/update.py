@@ -428,6 +428,7 @@ PLUGIN_OPTIONS = frozenset(
         "weights_shm",
         "weights_path",
         "weights_atomic",
+        "weights_data_link",
         "weights_digest",
         "weights_strict",
         "weights_dtype",
@@ -460,6 +461,8 @@ def subscriber_options(opts: dict[str, str], model: Any) -> dict[str, Any]:
         "report_digest": _flag(opts.get("weights_digest"), False),
         "strict": _flag(opts.get("weights_strict"), True),
     }
+    if "weights_data_link" in opts:
+        kw["data_link"] = _flag(opts["weights_data_link"], True)
     if "weights_atomic" in opts:
         kw["atomic"] = _flag(opts["weights_atomic"], False)
     for key, arg in (
@@ -517,6 +520,8 @@ async def subscribe(server: Any, opts: dict[str, str]) -> None:
       verified entirely; 0 verifies and copies in one pass, and a version failing
       midway keeps the worker paused until a later one completes (default: 0, or 1
       with ``weights_loader``);
+    * ``weights_data_link``: over TCP, take the publisher's data link when offered
+      (default 1; 0: bucket bytes as ZeroMQ frames);
     * ``weights_digest``: report weight digests (default 0);
     * ``weights_strict``: the update must cover every parameter (default 1);
     * ``weights_dtype``: ``auto`` (each parameter's dtype) or one dtype name for every
