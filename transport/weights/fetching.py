@@ -121,6 +121,7 @@ class VersionFetch:
     _poller: zmq.Poller | None
     _link: DataReceiver | None
     _link_offer: tuple[int, bytes] | None
+    max_message_size: int
 
     def _now_at(self, version: int) -> None:
         """The weights are now all of ``version``: record it, wake waiters, and tell
@@ -381,6 +382,9 @@ class VersionFetch:
         assert link is not None
         try:
             p = link.header()
+            if p.nbytes > self.max_message_size:
+                # Never read gigabytes away on the word of a header.
+                raise datalink.DataLinkError(f"a piece of {p.nbytes} bytes (larger than allowed)")
             up = self._update
             if (
                 up is None
