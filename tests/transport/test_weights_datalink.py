@@ -102,12 +102,12 @@ def test_versions_reach_worker_processes_on_the_link(
 
 
 class BreakingPublisher(WeightPublisher):
-    """Closes a worker's data link after the first piece of each of its fetches of
-    version 1 has been queued (the connection shut mid-version, later pieces dropped)."""
+    """Closes a worker's data link right after queueing the first piece of bucket 0 of
+    version 1 (the connection shut mid-bucket, with more of it still to be packed)."""
 
     def _link_send(self, snd: Any, piece: Any) -> Any:
         sent = super()._link_send(snd, piece)
-        if piece.version == 1 and piece.index == 1:
+        if (piece.version, piece.index, piece.offset) == (1, 0, 0):
             with self._cond:
                 sender = self._senders.get(snd.wid)
             if sender is not None:
@@ -115,28 +115,68 @@ class BreakingPublisher(WeightPublisher):
         return sent
 
 
-def test_a_link_that_breaks_mid_version_falls_back_to_frames() -> None:
-    state = make_state(1, scale=40)
+def two_tensors(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(1 << 20, generator=g), "v": torch.randn(1 << 18, generator=g)}
+
+
+@pytest.mark.parametrize("atomic", [True, False], ids=["atomic", "streaming"])
+def test_a_link_closed_by_the_trainer_mid_bucket_falls_back_to_frames(atomic: bool) -> None:
+    """The rest of the bucket must not follow as frames into the stream the worker was
+    reading (it took them for a bad checksum, three times, and failed the version)."""
+    state = two_tensors(1)
     dst = zeros_like(state)
     with (
-        BreakingPublisher(bucket_bytes=BUCKET, shm=False, heartbeat_interval=0.1) as pub,
+        BreakingPublisher(shm=False, heartbeat_interval=0.1, chunk_bytes=64 << 10) as pub,
         WeightSubscriber(
-            pub.endpoint, dst, shm=False, atomic=False, fetch_timeout=2.0, heartbeat_interval=0.1
+            pub.endpoint, dst, shm=False, atomic=atomic, fetch_timeout=2.0, heartbeat_interval=0.1
         ) as sub,
     ):
         pub.wait_for_workers(1, 30)
         res = pub.publish_and_wait(state, 1, timeout=30)
         assert res.ok, res
         assert equal(dst, state)
-        assert sub.counters["data_link_failures"] >= 1
-        assert sub.counters.get("versions_applied") == 1
+        assert sub.counters["data_link_failures"] == 1 and "checksum_failures" not in sub.counters
         # The next version opens the link again and travels on it.
         before = pub.counters["data_link_pieces"]
-        state2 = make_state(2, scale=40)
+        state2 = two_tensors(2)
         assert pub.publish_and_wait(state2, 2, timeout=30).ok
         assert equal(dst, state2)
         assert sub.counters["data_links"] == 2
         assert pub.counters["data_link_pieces"] > before
+
+
+class DroppingSubscriber(WeightSubscriber):
+    """Its end of the link fails after the first piece (as a 5 s stall would)."""
+
+    n = 0
+
+    def _on_data(self) -> None:
+        self.n += 1
+        if self.n == 2:
+            self._link_failed("injected by the test")
+            return
+        super()._on_data()
+
+
+@pytest.mark.parametrize("atomic", [True, False], ids=["atomic", "streaming"])
+def test_a_link_failing_on_the_worker_while_the_trainer_packs(atomic: bool) -> None:
+    """The worker asks the bucket again as frames while the trainer's first answer is
+    still going: the first answer ends, one stream of the bucket arrives."""
+    g = torch.Generator().manual_seed(3)
+    state = {"w": torch.randn(8 << 20, generator=g)}  # 32 MiB, one bucket, 128 pieces
+    dst = zeros_like(state)
+    with (
+        WeightPublisher(shm=False, heartbeat_interval=0.1, chunk_bytes=256 << 10) as pub,
+        DroppingSubscriber(
+            pub.endpoint, dst, shm=False, atomic=atomic, fetch_timeout=5.0, heartbeat_interval=0.1
+        ) as sub,
+    ):
+        pub.wait_for_workers(1, 30)
+        res = pub.publish_and_wait(state, 1, timeout=60)
+        assert res.ok, res
+        assert equal(dst, state)
+        assert sub.counters["data_link_failures"] == 1 and "checksum_failures" not in sub.counters
 
 
 def _hello(worker: str, token: bytes) -> bytes:
@@ -153,27 +193,61 @@ def _closed_by_peer(s: socket.socket) -> bool:
 
 
 def test_the_listener_refuses_strangers_and_keeps_serving() -> None:
-    """A wrong token, garbage, a silent peer: each connection is closed, nothing
-    registered, and a real worker still gets its version on the link."""
+    """A made-up token, another worker's token, garbage, silence: each connection is
+    closed, nothing registered; silent peers delay no one, and a real worker still
+    gets its versions on the link."""
     state = make_state(3)
     dst = zeros_like(state)
     with WeightPublisher(shm=False, heartbeat_interval=0.1) as pub:
         assert pub._listener is not None
         addr = ("127.0.0.1", pub._listener.port)
+        silent = [socket.create_connection(addr) for _ in range(4)]  # never say a word
         with socket.create_connection(addr) as s:
             s.sendall(_hello("intruder", b"x" * 16))
+            assert _closed_by_peer(s)
+        with socket.create_connection(addr) as s:  # a's token is not b's
+            s.sendall(_hello("b", dl.worker_token(pub._data_token, "a")))
             assert _closed_by_peer(s)
         with socket.create_connection(addr) as s:
             s.sendall(b"GET / HTTP/1.1\r\n\r\n")
             assert _closed_by_peer(s)
-        with socket.create_connection(addr) as s:
-            assert _closed_by_peer(s)  # said nothing: dropped after the handshake timeout
-        assert pub._listener.rejected == 3 and not pub._senders
-        with WeightSubscriber(pub.endpoint, dst, shm=False) as sub:
+        assert not pub._senders
+        with WeightSubscriber(pub.endpoint, dst, shm=False, heartbeat_interval=0.1) as sub:
             pub.wait_for_workers(1, 30)
-            assert pub.publish_and_wait(state, 1, timeout=30).ok
+            for v in (1, 2):
+                assert pub.publish_and_wait(state, v, timeout=30).ok
             assert equal(dst, state) and sub.counters["data_links"] == 1
-            assert pub.counters["data_link_pieces"] >= 1
+            assert "data_link_refused" not in sub.counters
+            assert pub.counters["data_link_pieces"] >= 2
+        for s in silent:
+            assert _closed_by_peer(s)  # dropped after the handshake deadline
+            s.close()
+        wait_for(lambda: pub._listener.rejected == 7, 10, "7 connections refused")
+
+
+def test_the_answer_byte_comes_before_any_piece() -> None:
+    """A piece queued the moment a link is registered (an answer already under way for
+    that worker) still reaches the socket after the handshake's answer."""
+    secret = b"s" * 16
+
+    def admit(wid: str, sock: socket.socket) -> bool:
+        sender = dl.DataSender(sock, wid, 5.0, lambda _: None, first=b"\x01")
+        sender.send(
+            dl.PIECE.pack(dl.PIECE_MAGIC, 1, 0, 0, 4, 7, True), np.arange(4, dtype=np.uint8)
+        )
+        return True
+
+    lst = dl.DataListener("tcp://127.0.0.1:1", secret, admit)
+    try:
+        rx = dl.connect("tcp://127.0.0.1:1", lst.port, "w", dl.worker_token(secret, "w"), 5.0)
+        p = rx.header()
+        got = np.empty(4, dtype=np.uint8)
+        rx.fill(got)
+        assert (p.version, p.nbytes, p.checksum, p.last) == (1, 4, 7, True)
+        assert got.tolist() == [0, 1, 2, 3]
+        rx.close()
+    finally:
+        lst.close()
 
 
 def test_no_link_with_curve_unless_asked(tmp_path: Any) -> None:

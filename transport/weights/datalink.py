@@ -10,8 +10,9 @@ ZeroMQ sockets; only the bytes move here.
 
 Protocol (``docs/PROTOCOL.md``): the publisher's Welcome carries the port of its data
 listener and a secret token. The worker connects to that port on the publisher's host
-and sends ``HELLO`` (magic, worker id, token); the publisher answers one byte ``1`` once
-the link is registered, and from then on writes the pieces of every Fetch that asks for the link (``data=True``) to
+and sends ``HELLO`` (magic, worker id, its token: an HMAC of its id under the publisher's
+secret); the publisher answers one byte ``1`` once the link is registered, and from then
+on writes the pieces of every Fetch that asks for the link (``data=True``) to
 that connection, each as a :data:`PIECE` header followed by its bytes. Headers are
 self-describing, so a worker drops a piece it no longer wants (a fetch it gave up) by
 reading it away; anything malformed closes the connection, and the worker fetches the
@@ -25,11 +26,13 @@ Worker side: :class:`DataReceiver`.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import hmac
 import logging
 import socket
 import struct
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -44,6 +47,7 @@ __all__ = [
     "DataSender",
     "Piece",
     "connect",
+    "worker_token",
 ]
 
 log = logging.getLogger("transport.weights.datalink")
@@ -60,6 +64,16 @@ PIECE_MAGIC = b"FIOP"
 PROTOCOL = 1
 _MAX_ID = 1024
 _MAX_TOKEN = 64
+#: Seconds a connection has to complete its HELLO (and a worker to get its answer).
+HANDSHAKE_TIMEOUT = 2.0
+#: Handshakes under way at once; more connections are closed at once.
+_MAX_HANDSHAKES = 64
+
+
+def worker_token(secret: bytes, worker_id: str) -> bytes:
+    """The token worker ``worker_id`` presents on the link: an HMAC of its id under the
+    publisher's secret (each worker learns only its own, in its Welcome)."""
+    return hmac.new(secret, worker_id.encode("utf-8"), hashlib.sha256).digest()[:16]
 
 
 class DataLinkError(ConnectionError):
@@ -129,12 +143,15 @@ class DataSender:
         worker_id: str,
         timeout: float,
         on_close: Callable[[DataSender], None],
+        first: bytes = b"",
     ) -> None:
         self.sock = sock
         self.worker_id = worker_id
         self.broken = False
         self._on_close = on_close
         self._queue: deque[tuple[bytes, Any, Sent]] = deque()
+        if first:  # written by this thread before any piece (one writer per socket)
+            self._queue.append((first, None, Sent()))
         self._cv = threading.Condition()
         _blocking(sock, timeout)
         self._thread = threading.Thread(
@@ -184,8 +201,9 @@ class DataSender:
                 header, data, sent = self._queue.popleft()
             try:
                 self.sock.sendall(header)
-                self.sock.sendall(data)
-            except OSError as exc:  # timeout, reset, closed
+                if data is not None:
+                    self.sock.sendall(data)
+            except Exception as exc:  # timeout, reset, closed; anything else closes it too
                 if not self.broken:
                     log.info("weight data link to %s closed: %s", self.worker_id, exc)
                 sent.done = True
@@ -202,16 +220,18 @@ class DataListener:
     endpoint:
         The publisher's ROUTER endpoint (``tcp://host:port``): the listener binds the
         same host, on a free port (:attr:`port`).
-    token:
-        The secret a worker must present (it learns it from the Welcome, which only a
-        worker admitted on the ROUTER receives).
+    secret:
+        The publisher's secret: worker ``w`` must present :func:`worker_token` of it
+        (it learns it from its Welcome, which only a worker admitted on the ROUTER
+        receives).
     admit:
-        Called with ``(worker_id, socket)`` for a connection that presented the token;
-        returns whether it is taken (else it is closed).
+        Called with ``(worker_id, socket)`` for a connection that presented its token
+        (from a handshake thread); returns whether it is taken (else it is closed). It
+        owes the worker the answer byte ``1`` before any piece.
     """
 
     def __init__(
-        self, endpoint: str, token: bytes, admit: Callable[[str, socket.socket], bool]
+        self, endpoint: str, secret: bytes, admit: Callable[[str, socket.socket], bool]
     ) -> None:
         host, family = _host_of(endpoint)
         self._sock = socket.socket(family, socket.SOCK_STREAM)
@@ -220,8 +240,9 @@ class DataListener:
         self._sock.listen(64)
         self._sock.settimeout(0.2)
         self.port: int = self._sock.getsockname()[1]
-        self._token = token
+        self._secret = secret
         self._admit = admit
+        self._slots = threading.Semaphore(_MAX_HANDSHAKES)
         self._closed = threading.Event()
         self.rejected = 0
         self._thread = threading.Thread(target=self._run, name="weights-data-accept", daemon=True)
@@ -242,41 +263,55 @@ class DataListener:
                 if self._closed.is_set():
                     return
                 continue
+            # Each handshake on a thread of its own, within a deadline: a peer that
+            # connects and dawdles delays no one else. Bounded in number.
+            if not self._slots.acquire(blocking=False):
+                self.rejected += 1
+                conn.close()
+                continue
+            threading.Thread(
+                target=self._admit_one, args=(conn,), name="weights-data-hello", daemon=True
+            ).start()
+
+    def _admit_one(self, conn: socket.socket) -> None:
+        try:
             try:
-                wid = self._handshake(conn)
+                wid = self._handshake(conn, time.monotonic() + HANDSHAKE_TIMEOUT)
             except (OSError, ValueError) as exc:
                 self.rejected += 1
                 log.warning("weight data link: refused a connection: %s", exc)
                 conn.close()
-                continue
-            if not self._admit(wid, conn):
+                return
+            if self._closed.is_set() or not self._admit(wid, conn):
                 self.rejected += 1
                 conn.close()
-                continue
-            # Only now: the worker asks for pieces on the link once it reads this.
-            with contextlib.suppress(OSError):
-                conn.sendall(b"\x01")
+        finally:
+            self._slots.release()
 
-    def _handshake(self, conn: socket.socket) -> str:
-        conn.settimeout(2.0)
+    def _handshake(self, conn: socket.socket, deadline: float) -> str:
         _tune(conn)
-        head = _recv_exact(conn, HELLO.size)
+        head = _recv_exact(conn, HELLO.size, deadline)
         magic, proto, n_id, n_token = HELLO.unpack(head)
         if magic != HELLO_MAGIC or proto != PROTOCOL:
             raise ValueError(f"not a fastio data link hello ({magic!r}, protocol {proto})")
         if n_id > _MAX_ID or n_token > _MAX_TOKEN:
             raise ValueError("hello too long")
-        body = _recv_exact(conn, n_id + n_token)
-        if not hmac.compare_digest(body[n_id:], self._token):
-            raise ValueError("wrong token")
-        return body[:n_id].decode("utf-8")
+        body = _recv_exact(conn, n_id + n_token, deadline)
+        wid = body[:n_id].decode("utf-8")
+        if not hmac.compare_digest(body[n_id:], worker_token(self._secret, wid)):
+            raise ValueError(f"wrong token for {wid!r}")
+        return wid
 
 
-def _recv_exact(conn: socket.socket, n: int) -> bytes:
+def _recv_exact(conn: socket.socket, n: int, deadline: float) -> bytes:
     buf = bytearray(n)
     view = memoryview(buf)
     got = 0
     while got < n:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("handshake too slow")
+        conn.settimeout(left)
         k = conn.recv_into(view[got:])
         if k == 0:
             raise ConnectionError("closed during the handshake")
@@ -293,7 +328,7 @@ def connect(endpoint: str, port: int, worker_id: str, token: bytes, timeout: flo
         _tune(sock)
         wid = worker_id.encode("utf-8")
         sock.sendall(HELLO.pack(HELLO_MAGIC, PROTOCOL, len(wid), len(token)) + wid + token)
-        if _recv_exact(sock, 1) != b"\x01":
+        if _recv_exact(sock, 1, time.monotonic() + timeout) != b"\x01":
             raise DataLinkError("the publisher refused the data link")
     except BaseException:
         sock.close()

@@ -37,6 +37,9 @@ __all__ = ["InFlight", "Partial", "VersionFetch"]
 
 log = logging.getLogger("transport.weights.subscriber")
 
+#: Seconds before a data link that could not be opened is tried again.
+LINK_RETRY_S = 60.0
+
 #: Hash-then-copy granularity over TCP (fits the L2 cache).
 _BLOCK = 256 << 10
 
@@ -121,6 +124,7 @@ class VersionFetch:
     _poller: zmq.Poller | None
     _link: DataReceiver | None
     _link_offer: tuple[int, bytes] | None
+    _link_retry_at: float
     max_message_size: int
 
     def _now_at(self, version: int) -> None:
@@ -265,8 +269,12 @@ class VersionFetch:
         part = up.partial.get(i)
         if part is None:
             part = up.partial[i] = self._partial(up, i)
+        if msg.offset != part.size:
+            # Left over from an earlier answer to this bucket (asked again): not ours.
+            self._count("stale_pieces")
+            return
         up.outstanding[i] = t  # progress: the fetch timeout counts from the last piece
-        ok = msg.offset == part.size
+        ok = True
         stage = up.stage[i] if up.stage is not None else None
         stream = part.stream
         if stream is not None and msg.chunks and not self._hold(up):
@@ -339,15 +347,17 @@ class VersionFetch:
         """Connect the data link the publisher offers, if not open (a TCP version)."""
         if self._link is not None or self._link_offer is None or self._poller is None:
             return
+        if time.monotonic() < self._link_retry_at:
+            return
         port, token = self._link_offer
         try:
             self._link = datalink.connect(
-                self.endpoint, port, self.worker_id, token, min(self.fetch_timeout, 5.0)
+                self.endpoint, port, self.worker_id, token, min(self.fetch_timeout, 2.0)
             )
         except (OSError, ValueError) as exc:
-            # Not reachable (a firewall, another network namespace): ZeroMQ frames,
-            # for good with this publisher.
-            self._link_offer = None
+            # Not reachable (a firewall, another network namespace) or refused: ZeroMQ
+            # frames, and no new attempt for a while (it blocks this thread).
+            self._link_retry_at = time.monotonic() + LINK_RETRY_S
             self._count("data_link_refused")
             log.info("weight data link unavailable (%s); fetching as ZeroMQ frames", exc)
             return
@@ -402,11 +412,14 @@ class VersionFetch:
             part = up.partial.get(i)
             if part is None:
                 part = up.partial[i] = self._partial(up, i)
-            up.outstanding[i] = t
-            ok = p.offset == part.size
-            if not ok:
+            if p.offset != part.size:
+                # Left over from an earlier answer to this bucket (asked again).
+                self._count("stale_pieces")
                 link.discard(p.nbytes)
-            elif not self._take(up, i, part, link, p.nbytes):
+                return
+            up.outstanding[i] = t
+            ok = True
+            if not self._take(up, i, part, link, p.nbytes):
                 return  # the version failed (its lock refused); the bytes were read away
         except datalink.DataLinkError as exc:
             self._link_failed(str(exc))

@@ -545,7 +545,7 @@ class WeightPublisher(IpcServing, VersionBuffers):
                 return False
             old = self._senders.pop(worker_id, None)
             self._senders[worker_id] = DataSender(
-                sock, worker_id, self.worker_timeout, self._link_closed
+                sock, worker_id, self.worker_timeout, self._link_closed, first=b"\x01"
             )
             self._count("data_links")
         if old is not None:

@@ -31,7 +31,14 @@ from fastio.weight_msgs import (
 )
 from transport import metrics
 from transport.weights import shm as _shm
-from transport.weights.datalink import PIECE, PIECE_MAGIC, DataListener, DataSender, Sent
+from transport.weights.datalink import (
+    PIECE,
+    PIECE_MAGIC,
+    DataListener,
+    DataSender,
+    Sent,
+    worker_token,
+)
 from transport.weights.ipc import IpcExporter, process_alive, process_start_time
 from transport.weights.ratelog import RateLimitedLog
 from transport.weights.results import SubscriberInfo
@@ -327,7 +334,7 @@ class PublisherService:
                 self._probe.token if self._probe else "",
                 announce,
                 self._listener.port if self._listener is not None else 0,
-                self._data_token if self._listener is not None else b"",
+                worker_token(self._data_token, wid) if self._listener is not None else b"",
             )
             self._reply(ident, self._encoder.encode(welcome))
         elif isinstance(msg, WeightFetch):
@@ -419,6 +426,12 @@ class PublisherService:
             # version may have been retired (its segment recycled) since the look-up.
             held = self._versions.get(msg.version) is st and not (msg.shm and st.seg is None)
             if held:
+                # A Fetch asked again (a timeout, a broken link) ends the earlier answer
+                # of that bucket to that worker: two streams of one bucket would mix.
+                for old in st.active:
+                    if old.wid == snd.wid and old.fetch.index == msg.index:
+                        old.cancelled = True
+                st.active = [a for a in st.active if not a.cancelled]
                 st.active.append(snd)
                 if msg.shm:
                     # It reads the segment from the first notice until it answers: the
@@ -461,6 +474,8 @@ class PublisherService:
         hashes in shared memory as they come. The last piece carries the checksum.
         """
         assert st.announce is not None
+        if snd.cancelled:
+            return
         info = st.announce.buckets[snd.fetch.index]
         with self._cond:
             ready = min(max(st.packed - info.shm_offset, 0), info.nbytes)
@@ -487,10 +502,19 @@ class PublisherService:
             else:
                 chunk = st.view()[info.shm_offset + start : info.shm_offset + end]
                 tracker = None
-                if snd.fetch.data:
+                if snd.fetch.data and snd.linked is not False:
                     piece = WeightBucket(v, k, start, checksum if last else 0, last, [chunk])
                     tracker = self._link_send(snd, piece)
-                if tracker is None:  # no data link (or it closed): ZeroMQ frames
+                    if tracker is None and snd.linked:
+                        # The link closed mid-bucket: this answer ends here (the worker
+                        # sees its link close and asks again, as frames).
+                        self._count("sends_ended_by_link")
+                        with self._cond:
+                            if snd in st.active:
+                                st.active.remove(snd)
+                        return
+                    snd.linked = tracker is not None
+                if tracker is None:  # no data link: ZeroMQ frames
                     piece = WeightBucket(v, k, start, checksum if last else 0, last, [chunk])
                     tracker = self._reply(snd.ident, self._encoder.encode(piece), track=True)
                 ok = tracker is not None
@@ -504,7 +528,8 @@ class PublisherService:
             snd.cursor = end
             if last:
                 with self._cond:
-                    st.active.remove(snd)
+                    if snd in st.active:
+                        st.active.remove(snd)
                 if ok:
                     self._count("buckets_sent")
                     self._count("bytes_sent", 0 if snd.shm else info.nbytes)

@@ -69,7 +69,7 @@ def plan_version(
 class Send:
     """One Fetch being answered: where the next piece starts."""
 
-    __slots__ = ("cursor", "fetch", "ident", "shm", "wid")
+    __slots__ = ("cancelled", "cursor", "fetch", "ident", "linked", "shm", "wid")
 
     def __init__(self, ident: bytes, fetch: WeightFetch) -> None:
         self.ident = ident
@@ -77,6 +77,11 @@ class Send:
         self.fetch = fetch
         self.shm = fetch.shm
         self.cursor = 0
+        #: Over TCP, the channel this answer took at its first piece (the data link or
+        #: ZeroMQ frames; ``None`` before): one bucket never comes on both.
+        self.linked: bool | None = None
+        #: Superseded by a later Fetch of the same bucket from the same worker.
+        self.cancelled = False
 
 
 class Staged:

@@ -314,6 +314,7 @@ class WeightSubscriber(IpcReceiving, VersionCommit):
         #: The data link (open), and the publisher's offer of one (port, token).
         self._link: DataReceiver | None = None
         self._link_offer: tuple[int, bytes] | None = None
+        self._link_retry_at = 0.0
 
     # -- public API --------------------------------------------------------------------
     @property
@@ -525,6 +526,7 @@ class WeightSubscriber(IpcReceiving, VersionCommit):
         self._pub_id = w.publisher_id
         self._pub_host = w.host_id
         self._close_link()
+        self._link_retry_at = 0.0
         self._link_offer = (
             (w.data_port, w.data_token) if self.data_link and w.data_port > 0 else None
         )
