@@ -120,32 +120,6 @@ def two_tensors(seed: int) -> dict[str, torch.Tensor]:
     return {"w": torch.randn(1 << 20, generator=g), "v": torch.randn(1 << 18, generator=g)}
 
 
-@pytest.mark.parametrize("atomic", [True, False], ids=["atomic", "streaming"])
-def test_a_link_closed_by_the_trainer_mid_bucket_falls_back_to_frames(atomic: bool) -> None:
-    """The rest of the bucket must not follow as frames into the stream the worker was
-    reading (it took them for a bad checksum, three times, and failed the version)."""
-    state = two_tensors(1)
-    dst = zeros_like(state)
-    with (
-        BreakingPublisher(shm=False, heartbeat_interval=0.1, chunk_bytes=64 << 10) as pub,
-        WeightSubscriber(
-            pub.endpoint, dst, shm=False, atomic=atomic, fetch_timeout=2.0, heartbeat_interval=0.1
-        ) as sub,
-    ):
-        pub.wait_for_workers(1, 30)
-        res = pub.publish_and_wait(state, 1, timeout=30)
-        assert res.ok, res
-        assert equal(dst, state)
-        assert sub.counters["data_link_failures"] == 1 and "checksum_failures" not in sub.counters
-        # The next version opens the link again and travels on it.
-        before = pub.counters["data_link_pieces"]
-        state2 = two_tensors(2)
-        assert pub.publish_and_wait(state2, 2, timeout=30).ok
-        assert equal(dst, state2)
-        assert sub.counters["data_links"] == 2
-        assert pub.counters["data_link_pieces"] > before
-
-
 class DroppingSubscriber(WeightSubscriber):
     """Its end of the link fails after the first piece (as a 5 s stall would)."""
 
@@ -160,23 +134,35 @@ class DroppingSubscriber(WeightSubscriber):
 
 
 @pytest.mark.parametrize("atomic", [True, False], ids=["atomic", "streaming"])
-def test_a_link_failing_on_the_worker_while_the_trainer_packs(atomic: bool) -> None:
-    """The worker asks the bucket again as frames while the trainer's first answer is
-    still going: the first answer ends, one stream of the bucket arrives."""
-    g = torch.Generator().manual_seed(3)
-    state = {"w": torch.randn(8 << 20, generator=g)}  # 32 MiB, one bucket, 128 pieces
+@pytest.mark.parametrize("side", ["trainer", "worker"])
+def test_a_link_failing_mid_bucket_falls_back_to_frames(side: str, atomic: bool) -> None:
+    """The link closes mid-bucket while the trainer is still packing: closed by the
+    trainer (the rest of the bucket must not follow as frames into the stream the
+    worker reads), or failing on the worker (which asks again as frames while the first
+    answer is still going). One stream of the bucket must arrive: before, the worker
+    took the mix for a bad checksum three times and failed the version. The next
+    version opens the link again."""
+    state = two_tensors(1)
     dst = zeros_like(state)
+    pub_cls = BreakingPublisher if side == "trainer" else WeightPublisher
+    sub_cls = DroppingSubscriber if side == "worker" else WeightSubscriber
     with (
-        WeightPublisher(shm=False, heartbeat_interval=0.1, chunk_bytes=256 << 10) as pub,
-        DroppingSubscriber(
+        pub_cls(shm=False, heartbeat_interval=0.1, chunk_bytes=64 << 10) as pub,
+        sub_cls(
             pub.endpoint, dst, shm=False, atomic=atomic, fetch_timeout=5.0, heartbeat_interval=0.1
         ) as sub,
     ):
         pub.wait_for_workers(1, 30)
-        res = pub.publish_and_wait(state, 1, timeout=60)
+        res = pub.publish_and_wait(state, 1, timeout=30)
         assert res.ok, res
         assert equal(dst, state)
         assert sub.counters["data_link_failures"] == 1 and "checksum_failures" not in sub.counters
+        before = pub.counters["data_link_pieces"]
+        state2 = two_tensors(2)
+        assert pub.publish_and_wait(state2, 2, timeout=30).ok
+        assert equal(dst, state2)
+        assert sub.counters["data_links"] == 2
+        assert pub.counters["data_link_pieces"] > before
 
 
 def _hello(worker: str, token: bytes) -> bytes:
@@ -269,13 +255,14 @@ def test_no_link_with_curve_unless_asked(tmp_path: Any) -> None:
         assert pub._listener is None
 
 
-def stop_after_bucket_0(endpoint: str, wid: str) -> None:
-    """A worker process that freezes itself (SIGSTOP) once bucket 0 of version 1 is in:
-    its data link stops being read with more buckets in flight."""
+def big_worker(endpoint: str, wid: str, freeze: bool) -> None:
+    """A worker process on :func:`big_state`; with ``freeze`` it stops itself (SIGSTOP)
+    once bucket 0 of version 1 is in: its data link stops being read with more
+    buckets in flight."""
     torch.set_num_threads(1)
 
     def progress(version: int, bucket: int) -> None:
-        if (version, bucket) == (1, 0):
+        if freeze and (version, bucket) == (1, 0):
             os.kill(os.getpid(), signal.SIGSTOP)
 
     WeightSubscriber(
@@ -304,8 +291,8 @@ def test_a_worker_that_stops_reading_holds_up_no_one(procs: Callable[..., Any]) 
     with WeightPublisher(
         bucket_bytes=4 << 20, shm=False, heartbeat_interval=0.1, worker_timeout=2.0
     ) as pub:
-        procs(subscriber_proc_big, pub.endpoint, "a")
-        b = procs(stop_after_bucket_0, pub.endpoint, "b")
+        procs(big_worker, pub.endpoint, "a", False)
+        b = procs(big_worker, pub.endpoint, "b", True)
         pub.wait_for_workers(2, 60)
         pub.publish(big_state(1), 1)
         res = pub.wait(1, 60)
@@ -315,19 +302,6 @@ def test_a_worker_that_stops_reading_holds_up_no_one(procs: Callable[..., Any]) 
         os.kill(b.pid, signal.SIGCONT)
         want = digest_of_big(1)
         wait_for(lambda: pub.workers()["b"].digest == want, 60, "b completing version 1")
-
-
-def subscriber_proc_big(endpoint: str, wid: str) -> None:
-    torch.set_num_threads(1)
-    WeightSubscriber(
-        endpoint,
-        zeros_like(big_state(1)),
-        worker_id=wid,
-        shm=False,
-        report_digest=True,
-        heartbeat_interval=0.1,
-    ).start()
-    threading.Event().wait()
 
 
 def digest_of_big(seed: int) -> int:

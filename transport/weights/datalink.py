@@ -35,7 +35,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -80,20 +80,15 @@ class DataLinkError(ConnectionError):
     """The data link failed or carried something malformed: it is closed."""
 
 
-class Piece:
+class Piece(NamedTuple):
     """A piece header read from the link."""
 
-    __slots__ = ("checksum", "index", "last", "nbytes", "offset", "version")
-
-    def __init__(
-        self, version: int, index: int, offset: int, nbytes: int, checksum: int, last: bool
-    ) -> None:
-        self.version = version
-        self.index = index
-        self.offset = offset
-        self.nbytes = nbytes
-        self.checksum = checksum
-        self.last = last
+    version: int
+    bucket: int
+    offset: int
+    nbytes: int
+    checksum: int
+    last: bool
 
 
 def _host_of(endpoint: str) -> tuple[str, socket.AddressFamily]:

@@ -400,12 +400,12 @@ class VersionFetch:
                 up is None
                 or up.seg is not None
                 or p.version != up.ann.version
-                or p.index not in up.outstanding
+                or p.bucket not in up.outstanding
             ):
                 self._count("stale_pieces")
                 link.discard(p.nbytes)
                 return
-            i = p.index
+            i = p.bucket
             if p.offset + p.nbytes > up.ann.buckets[i].nbytes:
                 raise datalink.DataLinkError(f"a piece beyond the end of bucket {i}")
             t = time.monotonic()
