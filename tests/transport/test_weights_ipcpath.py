@@ -291,3 +291,52 @@ def test_a_version_read_only_by_ipc_is_staged_only_when_someone_needs_it(
         assert {a.digest for a in res.applied.values()} == {state_digest(make_state(2))}
         assert pub.counters["versions_not_staged"] == 2
         assert pub.counters["buffers_created"] == 1  # only the late joiner's snapshot
+
+
+class _GatedIpc(WeightPublisher):
+    """Holds the packing of version 2 into the ipc slots until the test opens the gate."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.entered = threading.Event()
+        self.gate = threading.Event()
+        super().__init__(*args, **kwargs)
+
+    def _publish_ipc(self, state: Any, version: int) -> None:
+        if version == 2:
+            self.entered.set()
+            self.gate.wait(60)
+        super()._publish_ipc(state, version)
+
+
+@pytest.mark.slow
+def test_a_fetch_during_ipc_packing_is_answered_when_it_ends(procs: Callable[..., Any]) -> None:
+    """Every live worker reads by ipc, so version 2 is staged nowhere while it is packed
+    into the slots; a worker joining then over TCP asks for it and is answered as soon
+    as the packing ends, not when its Fetch times out (here 60 s, with no retry:
+    before, the version failed on it)."""
+    pub = _GatedIpc(bucket_bytes=BUCKET, heartbeat_interval=0.1, ipc="cpu", ipc_slots=None)
+    late = WeightSubscriber(
+        pub.endpoint,
+        zeros_like(make_state(0)),
+        worker_id="late",
+        path="tcp",
+        fetch_timeout=60.0,
+        retries=1,
+        heartbeat_interval=0.1,
+    )
+    with pub:
+        procs(worker_proc, pub.endpoint, "a", {})
+        pub.wait_for_workers(1, 60)
+        wait_ipc_open(pub, 1)
+        assert pub.publish_and_wait(make_state(1), 1, timeout=60).paths == {"a": "ipc"}
+        publishing = threading.Thread(target=pub.publish, args=(make_state(2), 2), daemon=True)
+        publishing.start()
+        assert pub.entered.wait(30)
+        with late:  # joins now
+            wait_for(lambda: pub.counters.get("fetches_deferred", 0) >= 1, 30, "a deferred fetch")
+            pub.gate.set()
+            publishing.join(30)
+            assert late.wait_version(2, 20), (late.last_error, late.counters)
+            assert state_digest(late.targets) == state_digest(make_state(2))
+            res = pub.wait(2, 30)
+            assert res.ok and res.paths == {"a": "ipc", "late": "tcp"}, res

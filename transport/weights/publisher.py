@@ -236,6 +236,7 @@ class WeightPublisher(IpcServing, VersionBuffers):
         self._latest: Staged | None = None
         self._free_segments: list[_shm.ShmSegment] = []
         self._pending: list[Staged] = []
+        self._parked: list[tuple[bytes, str, Any]] = []
         self._seq = 0
         self._closed = False
         self._senders: dict[str, DataSender] = {}
@@ -370,6 +371,7 @@ class WeightPublisher(IpcServing, VersionBuffers):
             finally:
                 with self._cond:
                     staged.ipc_packing = False
+                self._wake()  # fetches parked meanwhile are answered now
         metrics.PUBLISHER_PHASE_SECONDS.labels(phase="pack").observe(time.monotonic() - t0)
         return staged.announce
 

@@ -82,6 +82,8 @@ class PublisherService:
     _ipc: IpcExporter | None
     _ipc_hellos: dict[str, IpcHello]
     _outbox: list[tuple[bytes, list[Any]]]
+    #: Fetches of a version still being packed into the ipc slots (answered after).
+    _parked: list[tuple[bytes, str, WeightFetch]]
     _senders: dict[str, DataSender]
     _data_token: bytes
     _listener: DataListener | None
@@ -129,8 +131,11 @@ class PublisherService:
                         return
                     pending, self._pending = self._pending, []
                     outbox, self._outbox = self._outbox, []
+                    parked, self._parked = self._parked, []
                 for ident, out in outbox:
                     self._reply(ident, out)
+                for ident, wid, fetch in parked:
+                    self._serve_fetch(ident, wid, fetch)
                 for st in pending:
                     self._announce(st)
                 self._advance_all()
@@ -398,9 +403,16 @@ class PublisherService:
             return
         if st.unstaged and not self._stage_late(st):
             if st.ipc_packing:
-                # The slots do not hold it whole yet: no answer; the worker's Fetch
-                # times out and comes again, by when they do.
+                # The slots do not hold it whole yet: answered once they do (the
+                # publishing thread wakes this one), not at the worker's next Fetch.
                 self._count("fetches_deferred")
+                with self._cond:
+                    self._parked = [
+                        p
+                        for p in self._parked
+                        if (p[1], p[2].version, p[2].index) != (wid, msg.version, msg.index)
+                    ]
+                    self._parked.append((ident, wid, msg))
                 return
             err = WeightError(
                 msg.version,
