@@ -236,6 +236,21 @@ def test_the_answer_byte_comes_before_any_piece() -> None:
         lst.close()
 
 
+def test_the_link_listens_on_the_port_asked_for() -> None:
+    """A fixed port (firewalls, container port maps): offered and used."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    state = make_state(4)
+    dst = zeros_like(state)
+    with WeightPublisher(shm=False, data_port=port, heartbeat_interval=0.1) as pub:
+        assert pub._listener is not None and pub._listener.port == port
+        with WeightSubscriber(pub.endpoint, dst, shm=False, heartbeat_interval=0.1) as sub:
+            pub.wait_for_workers(1, 30)
+            assert pub.publish_and_wait(state, 1, timeout=30).ok
+            assert equal(dst, state) and sub.counters["data_links"] == 1
+
+
 def test_no_link_with_curve_unless_asked(tmp_path: Any) -> None:
     """The link is not encrypted: with CurveZMQ it is off unless asked for; an ipc://
     endpoint has no host to offer one on."""

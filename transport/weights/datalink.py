@@ -214,7 +214,7 @@ class DataListener:
     ----------
     endpoint:
         The publisher's ROUTER endpoint (``tcp://host:port``): the listener binds the
-        same host, on a free port (:attr:`port`).
+        same host, on ``port`` (0: a free one; see :attr:`port`).
     secret:
         The publisher's secret: worker ``w`` must present :func:`worker_token` of it
         (it learns it from its Welcome, which only a worker admitted on the ROUTER
@@ -226,12 +226,16 @@ class DataListener:
     """
 
     def __init__(
-        self, endpoint: str, secret: bytes, admit: Callable[[str, socket.socket], bool]
+        self,
+        endpoint: str,
+        secret: bytes,
+        admit: Callable[[str, socket.socket], bool],
+        port: int = 0,
     ) -> None:
         host, family = _host_of(endpoint)
         self._sock = socket.socket(family, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._sock.bind((host, 0))
+        self._sock.bind((host, port))
         self._sock.listen(64)
         self._sock.settimeout(0.2)
         self.port: int = self._sock.getsockname()[1]

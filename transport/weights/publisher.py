@@ -120,6 +120,9 @@ class WeightPublisher(IpcServing, VersionBuffers):
         (:mod:`transport.weights.datalink`). ``None`` (default): on for a ``tcp://``
         endpoint without ``curve``; the link is not encrypted, so with ``curve`` it is
         on only when ``True``. Workers that do not take it get ZeroMQ frames.
+    data_port:
+        The data link's port (0: a free one, told to workers in the handshake): set it
+        where a firewall or a container's port mapping must let it through.
     ipc:
         When same-host workers take the ``ipc`` path (see the module docstring):
         ``"auto"`` (CUDA tensors), ``"cpu"`` (CPU tensors too) or ``"off"``.
@@ -154,6 +157,7 @@ class WeightPublisher(IpcServing, VersionBuffers):
         context: zmq.Context[Any] | None = None,
         curve: CurveConfig | None = None,
         data_link: bool | None = None,
+        data_port: int = 0,
         ipc: str = "auto",
         ipc_slots: int | None = 2,
         ipc_timeout: float = 60.0,
@@ -247,7 +251,9 @@ class WeightPublisher(IpcServing, VersionBuffers):
         ):
             self._data_token = secrets.token_bytes(16)
             try:
-                self._listener = DataListener(self.endpoint, self._data_token, self._admit_link)
+                self._listener = DataListener(
+                    self.endpoint, self._data_token, self._admit_link, data_port
+                )
             except OSError as exc:
                 log.warning("no data link (%s); TCP workers get ZeroMQ frames", exc)
         self._thread = threading.Thread(
