@@ -86,6 +86,17 @@ class FaultyPublisher(WeightPublisher):
         return super()._reply(ident, frames, track)
 
 
+def corrupting_bucket_1(versions: set[int], **kw: Any) -> FaultyPublisher:
+    """A TCP publisher of 4 KiB buckets whose bucket 1 is corrupted in ``versions``."""
+
+    def fault(worker: str, version: int, index: int) -> str | None:
+        return "corrupt" if version in versions and index == 1 else None
+
+    return FaultyPublisher(
+        fault, "tcp://127.0.0.1:*", shm=False, bucket_bytes=4096, heartbeat_interval=0.1, **kw
+    )
+
+
 def variant_target(variant: str) -> dict[str, torch.Tensor]:
     """A worker's model: ``good`` matches the updates, the others do not."""
     t = zeros_like(make_state(0))

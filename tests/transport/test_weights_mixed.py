@@ -14,7 +14,7 @@ import pytest
 from fastio.ipc_msgs import IpcAck, IpcReady
 from tests.transport.conftest import wait_for
 from tests.transport.test_weights import equal, make_state, zeros_like
-from tests.transport.test_weights_faults import FaultyPublisher
+from tests.transport.test_weights_faults import FaultyPublisher, corrupting_bucket_1
 from transport.weights import WeightPublisher, WeightSubscriber, state_digest
 
 
@@ -54,23 +54,13 @@ def test_the_one_pass_mode_is_the_default_only_under_a_lock_that_refuses_mixed()
     assert not WeightSubscriber(ep, t, lock=threading.Lock(), atomic=False).atomic
 
 
-def corrupt_bucket_1_of_version_2(worker: str, version: int, index: int) -> str | None:
-    return "corrupt" if version == 2 and index == 1 else None
-
-
 def test_a_plain_lock_keeps_the_previous_version_whole_when_a_version_fails() -> None:
     """An engine's step lock is left when a version fails: by default nothing of it
     may be in the weights then (the engine would generate from them)."""
     lock = threading.Lock()
     v1, v2 = make_state(1, scale=20), make_state(2, scale=20)
     tgt = zeros_like(v1)
-    pub = FaultyPublisher(
-        corrupt_bucket_1_of_version_2,
-        "tcp://127.0.0.1:*",
-        shm=False,
-        bucket_bytes=4096,
-        heartbeat_interval=0.1,
-    )
+    pub = corrupting_bucket_1({2})
     with pub, WeightSubscriber(pub.endpoint, tgt, shm=False, lock=lock) as sub:
         pub.wait_for_workers(1, 10)
         assert pub.publish_and_wait(v1, 1, timeout=30).ok

@@ -17,7 +17,7 @@ import torch
 
 from tests.transport.conftest import wait_for
 from tests.transport.test_weights import equal, make_state, zeros_like
-from tests.transport.test_weights_faults import FaultyPublisher
+from tests.transport.test_weights_faults import corrupting_bucket_1
 from tests.transport.test_weights_update import status, worker_args
 from transport import ControlError, FabricController
 from transport.engine import TinyLM
@@ -64,10 +64,6 @@ def test_a_stream_leaves_cast_and_strided_targets_to_the_applier() -> None:
     assert np.array_equal(tied.numpy(), dst["a2"].numpy())
 
 
-def corrupt_bucket_1_of_version_2(worker: str, version: int, index: int) -> str | None:
-    return "corrupt" if version in (2, 4) and index == 1 else None
-
-
 @pytest.mark.slow
 def test_a_worker_whose_version_failed_midway_serves_nothing_until_the_next(
     spawn: Callable[..., Any],
@@ -77,14 +73,7 @@ def test_a_worker_whose_version_failed_midway_serves_nothing_until_the_next(
     reports no complete version (health too), and generates again once version 3 has
     landed whole. Version 4 fails the same way under a controller's pause: version 5
     completing does not end that pause, only the controller's resume does."""
-    pub = FaultyPublisher(
-        corrupt_bucket_1_of_version_2,
-        "tcp://127.0.0.1:*",
-        shm=False,
-        bucket_bytes=4096,
-        heartbeat_interval=0.1,
-        worker_timeout=30.0,
-    )
+    pub = corrupting_bucket_1({2, 4}, worker_timeout=30.0)
     w = spawn(*worker_args("w", pub.endpoint, "--plugin", PLUGIN))
     with pub, FabricController([w.address]) as ctl:
         pub.wait_for_workers(1, 30)
