@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import importlib.util
 import os
+import random
 import runpy
 import shutil
 import subprocess
@@ -25,12 +26,13 @@ from transport.demo.children import (
     spawn,
     stop_all,
     watch_parent,
-    worker_cmd,
 )
 from transport.demo.display import Display
 from transport.demo.reports import REPORT_DECODER, ClientReport, RunState, UpdateReport, verdict
-from transport.demo.roles import client_role, trainer_role
+from transport.demo.roles import client_role
 from transport.demo.sizes import SIZE_DEFAULTS, SIZES
+from transport.demo.supervise import WorkerPool
+from transport.demo.trainer import trainer_role
 
 __all__ = ["UserError", "main"]
 
@@ -43,6 +45,8 @@ def _check_args(a: argparse.Namespace) -> None:
     for name in ("workers", "clients", "concurrency", "max_new_tokens"):
         if getattr(a, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be at least 1")
+    if a.chaos and a.workers < 2:
+        raise UserError("--chaos needs --workers 2 or more (someone must serve meanwhile)")
     if a.prompt_len < 8:
         raise UserError("--prompt-len must be at least 8")
     for name in ("duration", "update_every"):
@@ -99,7 +103,7 @@ def _run(a: argparse.Namespace, tmp: Path) -> bool:
         common += ["--model-path", a.model_path]
 
     stop = StopSignals()
-    workers: list[subprocess.Popen[bytes]] = []
+    pool = WorkerPool(a, tmp, pub_addr, keys_dir, display.print)
     clients: list[subprocess.Popen[bytes]] = []
     trainer: subprocess.Popen[bytes] | None = None
     st = RunState()
@@ -109,21 +113,8 @@ def _run(a: argparse.Namespace, tmp: Path) -> bool:
             f"fastio demo: {a.workers} workers, {a.clients} clients x {a.concurrency} in flight, "
             f"model {model}, {a.transport}, auth {'on' if a.auth else 'off'}; logs in {tmp} "
         )
-        addrs: list[str] = []
-        for i in range(a.workers):
-            bind = f"ipc://{tmp}/worker{i}" if a.transport == "ipc" else "tcp://127.0.0.1:0"
-            workers.append(
-                spawn(worker_cmd(a, i, bind, pub_addr, keys_dir), tmp / f"worker{i}.log")
-            )
-        for i, p in enumerate(workers):
-            ready = read_ready(p, f"worker{i}", tmp / f"worker{i}.log", 300)
-            addrs.append(ready["ready"][0])
-            metrics = (
-                f", metrics http://127.0.0.1:{ready['metrics']}/metrics"
-                if "metrics" in ready
-                else ""
-            )
-            display.print(f"worker{i}: {addrs[-1]}{metrics}")
+        pool.start()
+        addrs = pool.addresses
         tcmd = ["-m", "transport.demo", "--role", "trainer", "--report", report_addr,
                 "--publisher", pub_addr, "--update-every", str(a.update_every),
                 "--workers-list", ",".join(addrs), *common]  # fmt: skip
@@ -141,10 +132,13 @@ def _run(a: argparse.Namespace, tmp: Path) -> bool:
             clients.append(spawn(ccmd, tmp / f"client{i}.log"))
         for i, p in enumerate(clients):
             read_ready(p, f"client{i}", tmp / f"client{i}.log", 120)
-        names = {f"worker{i}": p for i, p in enumerate(workers)}
-        names.update({f"client{i}": p for i, p in enumerate(clients)}, trainer=trainer)
+        names = {f"client{i}": p for i, p in enumerate(clients)}
+        names["trainer"] = trainer
         st.started = time.perf_counter()
         end = st.started + a.duration
+        # --chaos: one worker killed (and restarted) once the run is well under way.
+        chaos_at = st.started + 0.4 * a.duration if a.chaos else None
+        victim = random.Random(a.seed).randrange(a.workers)
         poller = zmq.Poller()
         poller.register(pull, zmq.POLLIN)
 
@@ -166,12 +160,27 @@ def _run(a: argparse.Namespace, tmp: Path) -> bool:
         with display:
             while not stop.seen and time.perf_counter() < end:
                 drain(250)
+                now = time.perf_counter()
+                if chaos_at is not None and now >= chaos_at:
+                    chaos_at = None
+                    pool.kill(victim, now - st.started)
+                pool.check(now - st.started, time.monotonic())
+                st.events, st.crashed = pool.events, pool.crashed
                 dead = [n for n, p in names.items() if p.poll() is not None]
                 if dead:
                     display.print(f"{dead[0]} exited early; see {tmp}/{dead[0]}.log")
                     early = True
                     break
                 display.update(st)
+            if not early and not stop.seen and pool.starting():
+                # The final check is over every worker: one restarting now is waited
+                # for, so that the summary shows it caught up.
+                at = time.perf_counter() - st.started
+                display.print(f"[{at:5.1f} s] waiting for {', '.join(pool.starting())} to be back")
+                while not stop.seen and pool.starting():
+                    drain(250)
+                    pool.check(time.perf_counter() - st.started, time.monotonic())
+                    display.update(st)
         elapsed = time.perf_counter() - st.started
         # Orderly stop: clients (final reports), then the trainer (final weight check).
         stop_all(clients, 30)
@@ -187,7 +196,7 @@ def _run(a: argparse.Namespace, tmp: Path) -> bool:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return False
     finally:
-        stop_all([*clients, *([trainer] if trainer else []), *workers], 15)
+        stop_all([*clients, *([trainer] if trainer else []), *pool.procs()], 15)
         pull.close()
         ctx.term()
 
@@ -222,6 +231,9 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         "--auth", action="store_true", help="CurveZMQ encryption + client authentication"
     )
     p.add_argument("--seed", type=int, default=0, help="the models' weights")
+    p.add_argument("--chaos", action="store_true",
+                   help="kill one worker with SIGKILL at 40%% of --duration; it is restarted "
+                        "and the run must still answer every request once")  # fmt: skip
     p.add_argument("--progress-every", type=float, default=5.0,
                    help="seconds between progress lines when the output is not a terminal")  # fmt: skip
     p.add_argument("--keep-logs", action="store_true",

@@ -15,8 +15,12 @@ class ClientReport(msgspec.Struct, tag="client"):
     hold only what is new since the previous report (so reports stay small)."""
 
     client: int
+    #: Requests handed to the client (``agenerate`` calls started).
+    sent: int = 0
     done: int = 0
     failed: int = 0
+    #: Requests still in flight when the client was told to stop (cut, not failed).
+    unfinished: int = 0
     tokens: int = 0
     latencies: list[float] = msgspec.field(default_factory=list)
     ttfts: list[float] = msgspec.field(default_factory=list)
@@ -25,6 +29,8 @@ class ClientReport(msgspec.Struct, tag="client"):
     multi_version: int = 0
     resent: int = 0
     died: int = 0
+    #: Late answers the client dropped (a re-sent request answered twice).
+    stale: int = 0
     final: bool = False
 
 
@@ -34,18 +40,41 @@ class UpdateReport(msgspec.Struct, tag="update"):
     version: int
     seconds: float
     ok: bool = True
+    #: Workers that were up and did not apply the version: what the run promised.
     failed: dict[str, str] = msgspec.field(default_factory=dict)
     loss: float = 0.0
     nbytes: int = 0
+    #: Workers down when the update began: left out (they catch up when back).
+    skipped: list[str] = msgspec.field(default_factory=list)
+    #: Workers that died during the update (gone or another incarnation after it).
+    lost: list[str] = msgspec.field(default_factory=list)
 
 
 class FinalCheck(msgspec.Struct, tag="final"):
-    """The trainer's end-of-run check of every worker's weights."""
+    """The trainer's end-of-run check of the weights of every worker alive then."""
 
     version: int
     trainer_digest: str
+    #: Worker id -> its weights' digest, for each worker that answered at the end.
     workers: dict[str, str]
+    #: Every answering worker holds the trainer's weights (and there is one at least).
     equal: bool
+    #: Worker addresses that did not answer at the end (dead, or restarting).
+    down: list[str] = msgspec.field(default_factory=list)
+
+
+class WorkerEvent(msgspec.Struct):
+    """A worker's death or return, as the demo process saw it."""
+
+    worker: str
+    #: Seconds since the run started.
+    at: float
+    #: "died" or "back".
+    kind: str
+    #: How it died ("SIGKILL", "exit status 1") or which restart brought it back.
+    detail: str = ""
+    #: Killed by the demo's ``--chaos``.
+    chaos: bool = False
 
 
 Report = ClientReport | UpdateReport | FinalCheck
@@ -62,6 +91,9 @@ class RunState:
     updates: list[UpdateReport] = field(default_factory=list)
     final: FinalCheck | None = None
     started: float = field(default_factory=time.perf_counter)
+    events: list[WorkerEvent] = field(default_factory=list)
+    #: Workers that ended on their own with a failure status (not killed by a signal).
+    crashed: list[str] = field(default_factory=list)
 
     def total(self, name: str) -> int:
         return sum(int(getattr(r, name)) for r in self.clients.values())
@@ -77,6 +109,7 @@ def summary_rows(st: RunState, elapsed: float) -> list[tuple[str, str]]:
     rows = [
         ("elapsed", f"{elapsed:.1f} s"),
         ("requests done / failed", f"{done} / {st.total('failed')}"),
+        ("requests sent / cut at stop", f"{st.total('sent')} / {st.total('unfinished')}"),
         ("requests/s", f"{done / max(elapsed, 1e-9):.1f}"),
         ("tokens/s", f"{toks / max(elapsed, 1e-9):.0f}"),
         (
@@ -88,41 +121,68 @@ def summary_rows(st: RunState, elapsed: float) -> list[tuple[str, str]]:
         ("interrupted (resumed) chunks", str(st.total("interrupted"))),
         ("responses spanning >1 weight version", str(st.total("multi_version"))),
         ("re-sent after worker loss", str(st.total("resent"))),
+        ("late duplicate answers dropped", str(st.total("stale"))),
         ("workers declared dead", str(st.total("died"))),
-        ("weight version", str(st.updates[-1].version if st.updates else 0)),
     ]
+    deaths = [e for e in st.events if e.kind == "died"]
+    backs = [e for e in st.events if e.kind == "back"]
+    rows.append(("workers lost / restarted", f"{len(deaths)} / {len(backs)}"))
+    for e in st.events:
+        how = f"{e.detail}{' (--chaos)' if e.chaos else ''}"
+        rows.append((f"  {e.worker} {e.kind}", f"at {e.at:.1f} s: {how}"))
+    rows.append(("weight version", str(st.updates[-1].version if st.updates else 0)))
     if st.updates:
         mib = st.updates[-1].nbytes / 2**20
         rows.append(("weight update (pause+publish+apply+resume)", f"{mib:.1f} MiB per version"))
     for u in st.updates[-8:]:
+        notes = [f"FAILED {u.failed}"] if u.failed else []
+        notes += [f"lost {', '.join(u.lost)}"] if u.lost else []
+        notes += [f"without {', '.join(u.skipped)} (down)"] if u.skipped else []
         rows.append(
-            (
-                f"  v{u.version}",
-                f"{u.seconds * 1e3:.0f} ms" + ("" if u.ok else f" FAILED {u.failed}"),
-            )
+            (f"  v{u.version}", f"{u.seconds * 1e3:.0f} ms" + "".join(f"; {n}" for n in notes))
         )
     if st.final is not None:
+        down = f", down: {', '.join(st.final.down)}" if st.final.down else ""
         rows.append(
             (
                 "workers' weights == trainer's",
                 ("yes" if st.final.equal else "NO")
-                + f" (v{st.final.version}, {len(st.final.workers)} workers)",
+                + f" (v{st.final.version}, {len(st.final.workers)} workers alive{down})",
             )
         )
     return rows
 
 
 def verdict(st: RunState, early: bool) -> str:
-    """Why the run failed ("" when it did not)."""
+    """Why the run failed ("" when it did not).
+
+    What the run promises: every request answered exactly once (none failed; each one
+    sent was answered or still in flight at the stop), every weight update applied by
+    each worker that was up through it, and the weights of the workers alive at the
+    end equal to the trainer's. A worker killed by a signal breaks none of that (its
+    requests are re-sent; it catches up when restarted); one that fails by itself does.
+    """
     if early:
-        return "a process exited early"
+        return "a client or the trainer exited early"
+    if st.crashed:
+        return f"worker(s) failed by themselves: {', '.join(st.crashed)}"
     if st.total("done") == 0:
         return "no request completed"
+    unreported = sorted(c for c, r in st.clients.items() if not r.final)
+    if unreported:
+        return f"client(s) {unreported} sent no final report"
+    if st.total("failed"):
+        return f"{st.total('failed')} request(s) failed"
+    unaccounted = st.total("sent") - st.total("done") - st.total("unfinished")
+    if unaccounted:
+        return f"{unaccounted} request(s) neither answered nor in flight at the stop"
     failed = [u.version for u in st.updates if not u.ok]
     if failed:
         return f"weight update(s) failed: versions {failed}"
     if st.final is None:
         return "the trainer did not report its final weight check"
     if not st.final.equal:
+        if not st.final.workers:
+            return "no worker was alive at the end"
         return "the workers' weights differ from the trainer's"
     return ""
