@@ -184,7 +184,7 @@ def test_a_failed_update_fails_the_run() -> None:
     from transport.demo.reports import ClientReport, FinalCheck, RunState, UpdateReport, verdict
 
     st = RunState()
-    st.clients[0] = ClientReport(client=0, done=5)
+    st.clients[0] = ClientReport(client=0, sent=5, done=5, final=True)
     st.final = FinalCheck(version=2, trainer_digest="0", workers={"w": "0"}, equal=True)
     st.updates = [UpdateReport(version=1, seconds=0.1), UpdateReport(version=2, seconds=0.1)]
     assert verdict(st, early=False) == ""
@@ -194,6 +194,31 @@ def test_a_failed_update_fails_the_run() -> None:
     st.final.equal = False
     assert "differ" in verdict(st, early=False)
     assert "early" in verdict(st, early=True)
+
+
+def test_the_verdict_judges_answers_not_deaths() -> None:
+    from transport.demo.reports import ClientReport, FinalCheck, RunState, WorkerEvent, verdict
+
+    st = RunState()
+    st.clients[0] = ClientReport(client=0, sent=9, done=7, unfinished=2, resent=3, final=True)
+    st.final = FinalCheck(1, "0", {"worker0": "0"}, equal=True, down=["worker1"])
+    # A worker killed by a signal and left down breaks no promise.
+    st.events = [WorkerEvent("worker1", 2.0, "died", "SIGKILL", chaos=True)]
+    assert verdict(st, early=False) == ""
+    st.crashed = ["worker1 (exit status 1: boom)"]
+    assert "worker1" in verdict(st, early=False)
+    st.crashed = []
+    st.clients[0].failed = 1
+    assert "1 request(s) failed" in verdict(st, early=False)
+    st.clients[0].failed = 0
+    st.clients[0].unfinished = 1  # one request neither answered nor cut
+    assert "neither answered" in verdict(st, early=False)
+    st.clients[0].unfinished = 2
+    st.clients[0].final = False
+    assert "final report" in verdict(st, early=False)
+    st.clients[0].final = True
+    st.final = FinalCheck(1, "0", {}, equal=False, down=["worker0", "worker1"])
+    assert "no worker was alive" in verdict(st, early=False)
 
 
 @pytest.mark.parametrize(
@@ -240,3 +265,87 @@ def test_the_large_model_serves() -> None:
     done = int(re.search(r"requests done / failed\s*│\s*(\d+) / 0", out).group(1))  # type: ignore[union-attr]
     assert done > 0, out
     assert re.search(r"workers' weights == trainer's\s*│\s*yes", out), out
+
+
+def _read_until(p: subprocess.Popen[str], pattern: str, timeout: float) -> str:
+    """The demo's output up to a line matching ``pattern`` (never blocking past
+    ``timeout``)."""
+    assert p.stdout is not None
+    fd = p.stdout.fileno()
+    seen = b""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
+        if not ready:
+            break
+        chunk = os.read(fd, 4096)
+        if not chunk:
+            break
+        seen += chunk
+        if re.search(pattern, seen.decode(errors="replace"), re.M):
+            return seen.decode(errors="replace")
+    raise AssertionError(f"no {pattern!r} within {timeout} s: {seen!r}")
+
+
+def _worker_pid(run_dir: str, name: str) -> int:
+    for pid in _children_of(run_dir):
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            args = f.read().split(b"\0")
+        if b"transport.worker" in args and name.encode() in args:
+            return pid
+    raise AssertionError(f"no process of {name} in {run_dir}")
+
+
+def _row(out: str, name: str) -> str:
+    m = re.search(rf"{re.escape(name)}\s*│\s*(.+?)\s*│", out)
+    assert m, out
+    return m.group(1)
+
+
+def _assert_survived(out: str, died: str) -> None:
+    """The run reports the death and its re-sends, and ends with every request
+    answered and the weights equal on both workers (the dead one restarted)."""
+    assert re.search(rf"{died} died \(SIGKILL\)", out), out
+    assert _row(out, "workers lost / restarted") == "1 / 1", out
+    assert re.search(rf"{died} back\s*│\s*at [\d.]+ s: restart 1", out), out
+    resent = int(_row(out, "re-sent after worker loss"))
+    assert resent >= 0, out  # what the kill caught in flight: reported, whatever it was
+    done, failed = map(int, _row(out, "requests done / failed").split(" / "))
+    assert done > 0 and failed == 0, out
+    assert re.search(r"workers' weights == trainer's\s*│\s*yes \(v\d+, 2 workers alive", out), out
+    assert "FAILED" not in out and "exited early" not in out, out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_chaos_kills_a_worker_and_the_run_survives() -> None:
+    p = _demo("--engine", "reference", "--duration", "8", "--update-every", "1", "--workers",
+              "2", "--clients", "1", "--concurrency", "8", "--chaos")  # fmt: skip
+    try:
+        out, _ = p.communicate(timeout=280)
+    finally:
+        p.kill()
+    assert p.returncode == 0, out
+    m = re.search(r"chaos: killing (worker\d) \(pid \d+\) with SIGKILL", out)
+    assert m, out
+    _assert_survived(out, m.group(1))
+    assert "(--chaos)" in _row(out, f"{m.group(1)} died"), out
+    assert _wait_gone(_run_dir(out), 10) == []
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_worker_killed_from_outside_is_survived() -> None:
+    p = _demo("--engine", "reference", "--duration", "10", "--update-every", "1", "--workers",
+              "2", "--clients", "1", "--concurrency", "8", "--progress-every", "0.5")  # fmt: skip
+    try:
+        head = _read_until(p, r"^\[\s*[\d.]+ s\] done [1-9]", 200)
+        os.kill(_worker_pid(_run_dir(head), "worker0"), signal.SIGKILL)
+        rest, _ = p.communicate(timeout=250)
+    finally:
+        p.kill()
+    out = head + rest
+    assert p.returncode == 0, out
+    _assert_survived(out, "worker0")
+    assert "--chaos" not in out, out
+    assert _wait_gone(_run_dir(out), 10) == []

@@ -16,9 +16,18 @@ Children report to this process over a PUSH/PULL socket (msgspec-encoded reports
 pickle). A live display (on a terminal; otherwise a progress line every few seconds)
 shows progress; at the end a summary table gives requests/s, tokens/s, latency
 percentiles, ttft and itl, weight-update latency per version, interrupted-and-resumed
-counts, re-sends and workers declared dead, and whether every worker's weights equal
-the trainer's. The exit status is 0 only if some request completed, every update
-succeeded and the weights ended equal.
+counts, re-sends, workers declared dead, lost and restarted, and whether the weights of
+the workers alive at the end equal the trainer's.
+
+A worker that dies (``kill -9`` by hand, or ``--chaos``, which SIGKILLs one at 40% of
+``--duration``) is reported and started again on its address: its clients re-send what
+it held to the other workers, the trainer updates the workers alive meanwhile, and the
+restarted worker catches up to the trainer's version. The exit status is 0 only if
+every request was answered exactly once (none failed; the ones still in flight at the
+stop are counted apart), every update reached each worker up through it, and the
+weights of the workers alive at the end equal the trainer's. A worker that fails by
+itself (a nonzero exit status, not a signal), a client or the trainer ending early
+fail the run.
 
 Ctrl-C (or the end of ``--duration``) shuts everything down in order. Children die with
 this process even if it is killed: each holds the read end of a pipe (its stdin) whose

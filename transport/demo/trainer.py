@@ -25,8 +25,9 @@ UPDATE_TIMEOUT = 20.0
 #: waited for this long while the others stand paused: kept short, yet ample for a
 #: worker to stop its step (the pause is answered between two steps).
 CONTROL_TIMEOUT = 6.0
-#: Seconds the final check waits for a restarted worker to catch up.
-CATCH_UP_TIMEOUT = 30.0
+#: Seconds the final check waits for every worker to be alive and caught up (spent in
+#: full only when a worker is down for good).
+CATCH_UP_TIMEOUT = 20.0
 
 
 def trainer_model(a: argparse.Namespace) -> tuple[Any, int, Any]:
@@ -126,8 +127,9 @@ def _update(a: argparse.Namespace, ctl: Any, pub: Any, model: Any, version: int)
 
 
 def _final_check(a: argparse.Namespace, pub: Any, model: Any, version: int) -> FinalCheck:
-    """Every worker alive now holds the trainer's weights (one that came back late is
-    given :data:`CATCH_UP_TIMEOUT` to catch up)."""
+    """Every worker alive at the end holds the trainer's weights. The demo process
+    waits for a restarting worker before it stops the trainer, so each worker not down
+    for good is given :data:`CATCH_UP_TIMEOUT` to say Hello and catch up."""
     from transport.weights import state_digest
 
     want = state_digest(model.state_dict())
@@ -139,7 +141,7 @@ def _final_check(a: argparse.Namespace, pub: Any, model: Any, version: int) -> F
             for info in live.values()
         }
         equal = bool(live) and all(d == want for d in digests.values())
-        if equal or time.monotonic() > deadline:
+        if (equal and len(live) == len(a.workers)) or time.monotonic() > deadline:
             break
         time.sleep(0.25)  # polling the publisher's view, with a deadline
     return FinalCheck(
