@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import socket
 import subprocess
@@ -51,6 +52,7 @@ def value(
 @pytest.fixture(scope="module")
 def endpoint() -> Iterator[int]:
     pytest.importorskip("prometheus_client")
+    metrics.expose(*metrics.ROLES)  # every side, as a process running them all would
     port = metrics.start_http_server(0)
     yield port
     metrics.stop_http_server(port)
@@ -78,6 +80,12 @@ def test_scrape_counts_what_was_recorded(endpoint: int) -> None:
     metrics.SUBSCRIBER_PHASE_SECONDS.labels(phase="apply").observe(0.02)
     metrics.SUBSCRIBER_BYTES.labels(path="tcp").inc(4096)
     metrics.SUBSCRIBER_FAILURES.inc()
+    metrics.WORKER_PAUSED.set(1)
+    metrics.WORKER_WEIGHT_VERSION.set(12)
+    tally = metrics.WorkerTally()
+    tally.result("length", 5, 7)
+    tally.result("interrupt", 3, 2)
+    tally.aborted()
     after = scrape(endpoint)
 
     def delta(name: str, **labels: str) -> float:
@@ -107,6 +115,13 @@ def test_scrape_counts_what_was_recorded(endpoint: int) -> None:
     assert delta("fastio_subscriber_phase_seconds_sum", phase="apply") == pytest.approx(0.02)
     assert delta("fastio_subscriber_bytes_total", path="tcp") == 4096
     assert delta("fastio_subscriber_failures_total") == 1
+    assert value(after, "fastio_worker_paused") == 1
+    assert value(after, "fastio_worker_weight_version") == 12
+    assert delta("fastio_worker_prompt_tokens_total") == 8
+    assert delta("fastio_worker_generation_tokens_total") == 9
+    for reason, n in (("stop", 0), ("length", 1), ("interrupt", 1), ("abort", 1)):
+        assert delta("fastio_worker_finished_requests_total", finished_reason=reason) == n
+    assert not [k for k in after if k[0].startswith("fastio_") and k[0].endswith("_created")]
 
 
 # The documented names: dashboards depend on them, so a rename fails here.
@@ -124,22 +139,80 @@ EXPOSED = {
     "WORKER_ERRORS": ("fastio_worker_errors_total", "counter"),
     "WORKER_INFLIGHT": ("fastio_worker_in_flight", "gauge"),
     "WORKER_ITL": ("fastio_worker_inter_token_seconds", "histogram"),
+    "WORKER_PAUSED": ("fastio_worker_paused", "gauge"),
     "WORKER_PAUSES": ("fastio_worker_pauses_total", "counter"),
     "WORKER_QUEUE_DEPTH": ("fastio_worker_queue_depth", "gauge"),
     "WORKER_REQUESTS": ("fastio_worker_requests_total", "counter"),
     "WORKER_TTFT": ("fastio_worker_ttft_seconds", "histogram"),
+    "WORKER_WEIGHT_VERSION": ("fastio_worker_weight_version", "gauge"),
+}
+# Series a worker's WorkerTally gives (summed over the process's servers when scraped).
+TALLIED = {
+    "fastio_worker_prompt_tokens_total": "counter",
+    "fastio_worker_generation_tokens_total": "counter",
+    "fastio_worker_finished_requests_total": "counter",
 }
 
 
 def test_every_metric_is_exposed(endpoint: int) -> None:
     """Each metric of ``__all__`` is exposed under its documented name and type."""
-    assert {n for n in metrics.__all__ if n.isupper() and n != "ENABLED"} == set(EXPOSED)
+    constants = {"ENABLED", "FINISHED_REASONS", "ROLES"}
+    assert {n for n in metrics.__all__ if n.isupper() and n not in constants} == set(EXPOSED)
     with urllib.request.urlopen(f"http://127.0.0.1:{endpoint}/metrics", timeout=10) as resp:
         text = resp.read().decode()
     types = dict(re.findall(r"^# TYPE (\S+) (\S+)$", text, re.M))
     for attr, (name, kind) in EXPOSED.items():
         # Labelled metrics show no sample before their first use; the TYPE line is there.
         assert types.get(name) == kind, (attr, name)
+    for name, kind in TALLIED.items():
+        assert types.get(name) == kind, name
+
+
+_ROLES_ONLY_WHEN_EXPOSED = textwrap.dedent(
+    """
+    import json
+    import urllib.request
+    from transport import metrics
+
+    metrics.CLIENT_RESENDS.inc()  # counted, not shown: this process runs no client yet
+    port = metrics.start_http_server(0)
+
+    def names():
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+            lines = r.read().decode().splitlines()
+        return {l.split("{")[0].split()[0] for l in lines if l.startswith("fastio_")}
+
+    print("BEFORE", json.dumps(sorted(names())))
+    metrics.expose("worker")
+    metrics.expose("worker")  # idempotent
+    print("WORKER", json.dumps(sorted(names())))
+    metrics.expose("client")
+    print("CLIENT", json.dumps(sorted(names())))
+    try:
+        metrics.expose("trainer")
+    except ValueError as exc:
+        print("BAD", exc)
+    """
+)
+
+
+def test_a_process_shows_only_the_roles_it_runs() -> None:
+    pytest.importorskip("prometheus_client")
+    out = subprocess.run(
+        [sys.executable, "-c", _ROLES_ONLY_WHEN_EXPOSED],
+        cwd=ROOT, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    lines = dict(line.split(" ", 1) for line in out.stdout.splitlines())
+    assert lines["BEFORE"] == "[]"
+    worker = json.loads(lines["WORKER"])
+    assert "fastio_worker_requests_total" not in worker  # labelled: no sample before use
+    assert "fastio_worker_paused" in worker and "fastio_worker_prompt_tokens_total" in worker
+    assert all(n.startswith("fastio_worker_") for n in worker), worker
+    client = json.loads(lines["CLIENT"])
+    assert "fastio_client_resends_total" in client  # the count from before it was shown
+    assert not [n for n in client if n.endswith("_created")], client
+    assert "unknown metrics role 'trainer'" in lines["BAD"]
 
 
 def test_endpoint_is_loopback_by_default_and_stops() -> None:

@@ -5,12 +5,19 @@ they are no-ops, so instrumented code never branches on it (``ENABLED`` says whi
 :func:`start_http_server` serves the exposition (``GET /metrics``) from a daemon thread
 and needs the extra; it binds to loopback unless told otherwise.
 
-The metrics live in prometheus-client's default registry, which belongs to the process:
-each worker, client or trainer process serves its own figures on its own port, and a
+Per process, per role. Each side's series appear in prometheus-client's default registry
+(the process's) once that side runs in the process, :func:`expose` says so:
+:class:`~transport.WorkerServer` exposes ``worker``, :class:`~transport.FabricClient`
+``client``, :class:`~transport.weights.WeightPublisher` ``publisher`` and
+:class:`~transport.weights.WeightSubscriber` ``subscriber``. A worker's endpoint thus
+shows worker (and subscriber) series, never a client's zeros. Counters and histograms
+carry no ``*_created`` twins (dropped from fastio's families only, never from other
+metrics of the process). Each process serves its own figures on its own port and a
 scraper sums them (they are not shared across ``fork``).
 
 Names follow Prometheus conventions (``fastio_<side>_<what>_<unit>``; counters gain
-``_total`` in the exposition). Labels are kept to small fixed sets.
+``_total`` in the exposition). Labels are kept to small fixed sets. Every series, with
+its type, labels and meaning: ``docs/metrics.md``.
 
 >>> from transport import metrics
 >>> metrics.CLIENT_RESENDS.inc()  # counts, or does nothing without prometheus-client
@@ -28,9 +35,11 @@ __all__ = [
     "CLIENT_RESENDS",
     "CLIENT_WORKER_DEATHS",
     "ENABLED",
+    "FINISHED_REASONS",
     "PUBLISHER_BYTES",
     "PUBLISHER_FAILURES",
     "PUBLISHER_PHASE_SECONDS",
+    "ROLES",
     "SUBSCRIBER_BYTES",
     "SUBSCRIBER_FAILURES",
     "SUBSCRIBER_PHASE_SECONDS",
@@ -38,10 +47,14 @@ __all__ = [
     "WORKER_ERRORS",
     "WORKER_INFLIGHT",
     "WORKER_ITL",
+    "WORKER_PAUSED",
     "WORKER_PAUSES",
     "WORKER_QUEUE_DEPTH",
     "WORKER_REQUESTS",
     "WORKER_TTFT",
+    "WORKER_WEIGHT_VERSION",
+    "WorkerTally",
+    "expose",
     "start_http_server",
     "stop_http_server",
 ]
@@ -81,62 +94,200 @@ _LATENCY_BUCKETS = (
 _TOKEN_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 
 
-def _counter(name: str, doc: str, labels: tuple[str, ...] = ()) -> Any:
-    return _prom.Counter(name, doc, labels) if _prom else _Noop()
+#: The sides of the fabric whose series a process can expose (see :func:`expose`).
+ROLES = ("worker", "client", "publisher", "subscriber")
+#: Values of the ``finished_reason`` label (a Result's ``stop_reason``; "abort" also
+#: counts requests a controller aborted, answered with an ABORTED error).
+FINISHED_REASONS = ("stop", "length", "interrupt", "abort")
+
+# role -> its metrics, created outside any registry; expose() registers them.
+_MEMBERS: dict[str, list[Any]] = {role: [] for role in ROLES}
 
 
-def _gauge(name: str, doc: str, labels: tuple[str, ...] = ()) -> Any:
-    return _prom.Gauge(name, doc, labels) if _prom else _Noop()
+def _member(role: str, metric: Any) -> Any:
+    _MEMBERS[role].append(metric)
+    return metric
+
+
+def _counter(role: str, name: str, doc: str, labels: tuple[str, ...] = ()) -> Any:
+    if not _prom:
+        return _Noop()
+    return _member(role, _prom.Counter(name, doc, labels, registry=None))
+
+
+def _gauge(role: str, name: str, doc: str, labels: tuple[str, ...] = ()) -> Any:
+    if not _prom:
+        return _Noop()
+    return _member(role, _prom.Gauge(name, doc, labels, registry=None))
 
 
 def _histogram(
-    name: str, doc: str, buckets: tuple[float, ...], labels: tuple[str, ...] = ()
+    role: str, name: str, doc: str, buckets: tuple[float, ...], labels: tuple[str, ...] = ()
 ) -> Any:
-    return _prom.Histogram(name, doc, labels, buckets=buckets) if _prom else _Noop()
+    if not _prom:
+        return _Noop()
+    return _member(role, _prom.Histogram(name, doc, labels, buckets=buckets, registry=None))
 
 
 # --- worker ---------------------------------------------------------------------------
 WORKER_REQUESTS = _counter(
-    "fastio_worker_requests", "Requests finished by this worker, by outcome", ("outcome",)
+    "worker", "fastio_worker_requests", "Requests finished by this worker, by outcome", ("outcome",)
 )  # outcome: ok | error | cancelled | rejected
-WORKER_ERRORS = _counter("fastio_worker_errors", "Error replies sent, by code", ("code",))
-WORKER_INFLIGHT = _gauge("fastio_worker_in_flight", "Requests whose handler is running")
-WORKER_QUEUE_DEPTH = _gauge("fastio_worker_queue_depth", "Requests waiting for a slot")
+WORKER_ERRORS = _counter("worker", "fastio_worker_errors", "Error replies sent, by code", ("code",))
+WORKER_INFLIGHT = _gauge("worker", "fastio_worker_in_flight", "Requests whose handler is running")
+WORKER_QUEUE_DEPTH = _gauge("worker", "fastio_worker_queue_depth", "Requests waiting for a slot")
 WORKER_TTFT = _histogram(
-    "fastio_worker_ttft_seconds", "Time from Submit to the first token", _LATENCY_BUCKETS
+    "worker", "fastio_worker_ttft_seconds", "Time from Submit to the first token", _LATENCY_BUCKETS
 )
 WORKER_ITL = _histogram(
-    "fastio_worker_inter_token_seconds", "Mean time between tokens per request", _TOKEN_BUCKETS
+    "worker",
+    "fastio_worker_inter_token_seconds",
+    "Mean time between tokens per request",
+    _TOKEN_BUCKETS,
 )
 WORKER_E2E = _histogram(
-    "fastio_worker_e2e_seconds", "Time from Submit to the Result", _LATENCY_BUCKETS
+    "worker", "fastio_worker_e2e_seconds", "Time from Submit to the Result", _LATENCY_BUCKETS
 )
-WORKER_PAUSES = _counter("fastio_worker_pauses", "Pauses (weight updates, controller)")
+WORKER_PAUSES = _counter("worker", "fastio_worker_pauses", "Pauses (weight updates, controller)")
+WORKER_WEIGHT_VERSION = _gauge(
+    "worker", "fastio_worker_weight_version", "Weight version the engine serves"
+)
+WORKER_PAUSED = _gauge("worker", "fastio_worker_paused", "1 while generation is paused, else 0")
 
 # --- client ---------------------------------------------------------------------------
-CLIENT_RESENDS = _counter("fastio_client_resends", "Requests re-sent to another worker")
-CLIENT_WORKER_DEATHS = _counter("fastio_client_worker_deaths", "Workers declared dead")
+CLIENT_RESENDS = _counter("client", "fastio_client_resends", "Requests re-sent to another worker")
+CLIENT_WORKER_DEATHS = _counter("client", "fastio_client_worker_deaths", "Workers declared dead")
 CLIENT_LATENCY = _histogram(
-    "fastio_client_latency_seconds", "agenerate: call to response", _LATENCY_BUCKETS
+    "client", "fastio_client_latency_seconds", "agenerate: call to response", _LATENCY_BUCKETS
 )
 
 # --- weights --------------------------------------------------------------------------
 PUBLISHER_PHASE_SECONDS = _histogram(
+    "publisher",
     "fastio_publisher_phase_seconds",
     "Weight update time per phase (pack, send, wait, total)",
     _LATENCY_BUCKETS,
     ("phase",),
 )
-PUBLISHER_BYTES = _counter("fastio_publisher_bytes", "Weight bytes published", ("path",))
-PUBLISHER_FAILURES = _counter("fastio_publisher_failures", "Versions some worker failed")
+PUBLISHER_BYTES = _counter(
+    "publisher", "fastio_publisher_bytes", "Weight bytes published", ("path",)
+)
+PUBLISHER_FAILURES = _counter(
+    "publisher", "fastio_publisher_failures", "Versions some worker failed"
+)
 SUBSCRIBER_PHASE_SECONDS = _histogram(
+    "subscriber",
     "fastio_subscriber_phase_seconds",
     "Weight apply time per phase (receive, verify, apply, total)",
     _LATENCY_BUCKETS,
     ("phase",),
 )
-SUBSCRIBER_BYTES = _counter("fastio_subscriber_bytes", "Weight bytes applied", ("path",))
-SUBSCRIBER_FAILURES = _counter("fastio_subscriber_failures", "Versions refused or failed")
+SUBSCRIBER_BYTES = _counter(
+    "subscriber", "fastio_subscriber_bytes", "Weight bytes applied", ("path",)
+)
+SUBSCRIBER_FAILURES = _counter(
+    "subscriber", "fastio_subscriber_failures", "Versions refused or failed"
+)
+
+
+class WorkerTally:
+    """What one worker server finished: tokens and finish reasons, as plain integers.
+
+    Written only by its server's loop (``+=`` on an int: no lock, no call into
+    prometheus-client on the request path) and summed over every server of the process
+    when scraped, as ``fastio_worker_prompt_tokens_total``,
+    ``fastio_worker_generation_tokens_total`` and
+    ``fastio_worker_finished_requests_total{finished_reason}``.
+    """
+
+    __slots__ = ("finished", "generation_tokens", "prompt_tokens")
+
+    def __init__(self) -> None:
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        #: finished_reason -> requests (the keys of :data:`FINISHED_REASONS`).
+        self.finished = dict.fromkeys(FINISHED_REASONS, 0)
+        with _tallies_lock:
+            _tallies.append(self)
+
+    def result(self, stop_reason: str, prompt_tokens: int, generation_tokens: int) -> None:
+        """A Result left: ``stop_reason`` is one of :data:`FINISHED_REASONS` (the
+        worker checked it before sending)."""
+        self.prompt_tokens += prompt_tokens
+        self.generation_tokens += generation_tokens
+        self.finished[stop_reason] += 1
+
+    def aborted(self) -> None:
+        """A controller's abort ended a request (answered with an ABORTED error)."""
+        self.finished["abort"] += 1
+
+
+_tallies: list[WorkerTally] = []  # every server's of this process (kept: counters never fall)
+_tallies_lock = threading.Lock()
+
+
+def _tally_families() -> list[Any]:
+    from prometheus_client.core import CounterMetricFamily
+
+    with _tallies_lock:
+        tallies = list(_tallies)
+    prompt = CounterMetricFamily(
+        "fastio_worker_prompt_tokens", "Prompt tokens of the requests answered with a Result"
+    )
+    prompt.add_metric([], sum(t.prompt_tokens for t in tallies))
+    gen = CounterMetricFamily(
+        "fastio_worker_generation_tokens", "Tokens generated in the Results sent"
+    )
+    gen.add_metric([], sum(t.generation_tokens for t in tallies))
+    finished = CounterMetricFamily(
+        "fastio_worker_finished_requests",
+        "Requests finished, by finish reason (stop, length, interrupt, abort)",
+        labels=("finished_reason",),
+    )
+    for reason in FINISHED_REASONS:
+        finished.add_metric([reason], sum(t.finished[reason] for t in tallies))
+    return [prompt, gen, finished]
+
+
+class _Role:
+    """The collector of one role's series, registered by :func:`expose`."""
+
+    def __init__(self, role: str) -> None:
+        self.role = role
+
+    def collect(self) -> Any:
+        for metric in _MEMBERS[self.role]:
+            for family in metric.collect():
+                # No *_created twin (a timestamp per counter dashboards do not read).
+                family.samples = [s for s in family.samples if not s.name.endswith("_created")]
+                yield family
+        if self.role == "worker":
+            yield from _tally_families()
+
+
+_exposed: set[str] = set()
+_exposed_lock = threading.Lock()
+
+
+def expose(*roles: str) -> None:
+    """Show the series of ``roles`` (of :data:`ROLES`) in this process's exposition.
+
+    The parts of the fabric call it as they start, so a process shows the series of
+    the sides it runs and no others. Idempotent; does nothing without
+    prometheus-client.
+
+    >>> expose("worker", "subscriber")
+    """
+    for role in roles:
+        if role not in _MEMBERS:
+            raise ValueError(f"unknown metrics role {role!r}; expected one of {ROLES}")
+    if _prom is None:
+        return
+    with _exposed_lock:
+        for role in roles:
+            if role not in _exposed:
+                _prom.REGISTRY.register(_Role(role))
+                _exposed.add(role)
 
 
 _servers: dict[int, ThreadingHTTPServer] = {}  # bound port -> server, for stop_http_server

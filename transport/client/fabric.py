@@ -66,6 +66,7 @@ class FabricClient(Liveness):
         install_task_factory(self._loop)
         self._ctx = zmq.Context()
         self._alive_at = time.monotonic()
+        metrics.expose("client")
         if self.config.metrics_port is not None:
             self.metrics_port = metrics.start_http_server(self.config.metrics_port)
         for address in self._initial:

@@ -169,6 +169,7 @@ class WeightPublisher(IpcServing, VersionBuffers):
         self.checksum_algo = checksum
         self.heartbeat_interval = heartbeat_interval
         self.worker_timeout = worker_timeout
+        metrics.expose("publisher")
         self.keep_versions = max(1, keep_versions)
         self.publisher_id = secrets.token_hex(8)
         self.host_id = _shm.host_id()

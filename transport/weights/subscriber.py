@@ -70,6 +70,7 @@ from fastio.weight_msgs import (
     WeightHello,
     WeightWelcome,
 )
+from transport import metrics
 from transport.sockets import CurveConfig, apply_curve_client
 from transport.weights import shm as _shm
 from transport.weights.binding import DtypeSpec, Rename, advertised_dtype, parse_dtype_spec
@@ -350,6 +351,7 @@ class WeightSubscriber(IpcReceiving, VersionCommit):
     def start(self) -> WeightSubscriber:
         """Start the background thread (returns ``self``)."""
         if self._thread is None:
+            metrics.expose("subscriber")
             self._thread = threading.Thread(
                 target=self._run, name=f"weights-subscriber-{self.worker_id}", daemon=True
             )

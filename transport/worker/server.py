@@ -147,6 +147,8 @@ class WorkerServer(PauseControl):
         self._idle_waiters: list[asyncio.Future[None]] = []
         self._max_running = self.config.max_concurrency
         self._latency_metrics = self.config.latency_metrics
+        #: Tokens and finish reasons, read when the metrics are scraped.
+        self._tally = metrics.WorkerTally()
         # Answers counted in WORKER_REQUESTS{outcome="ok"} in batches (see _count_ok).
         self._ok_unreported = 0
         self._ok_timer: asyncio.TimerHandle | None = None
@@ -448,6 +450,9 @@ class WorkerServer(PauseControl):
                     if resp.stop_reason == "interrupt":
                         counters["interrupted"] += 1
                     counters["completed"] += 1
+                    self._tally.result(
+                        resp.stop_reason, len(sub.request.input_ids), len(resp.output_tokens)
+                    )
                     if self._latency_metrics:
                         _REQUESTS_OK.inc()  # (scraped: counted at once)
                     else:
@@ -519,6 +524,7 @@ class WorkerServer(PauseControl):
         metrics.WORKER_REQUESTS.labels(outcome="cancelled").inc()
         if ctx._aborted:
             self.counters["aborted"] += 1
+            self._tally.aborted()
             self._send_error(ctx.peer, ctx.id, fm.ErrorCode.ABORTED, "aborted by a controller")
         else:
             self.counters["cancelled"] += 1
@@ -551,9 +557,12 @@ class WorkerServer(PauseControl):
 def _set_gauges(server: WorkerServer) -> None:
     # Read when scraped, not written per request (the hot path stays free of them).
     # One worker per process: the last server started is the one reported.
+    metrics.expose("worker")
     for gauge, fn in (
         (metrics.WORKER_INFLIGHT, lambda: server._running),
         (metrics.WORKER_QUEUE_DEPTH, lambda: server._queue_depth()),
+        (metrics.WORKER_WEIGHT_VERSION, lambda: server.version),
+        (metrics.WORKER_PAUSED, lambda: int(server._paused)),
     ):
         set_function = getattr(gauge, "set_function", None)
         if set_function is not None:
