@@ -227,6 +227,7 @@ def test_the_verdict_judges_answers_not_deaths() -> None:
         (["--workers", "0"], "--workers must be at least 1"),
         (["--duration", "-1"], "--duration must be positive"),
         (["--model-path", "/nonexistent/model"], "no config.json"),
+        (["--chaos", "--workers", "1"], "--chaos needs --workers 2 or more"),
     ],
 )
 def test_user_errors_print_one_line(args: list[str], message: str) -> None:
