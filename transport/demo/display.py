@@ -74,7 +74,8 @@ class Display:
             f"[{elapsed:5.0f} s] done {done} ({done / max(elapsed, 1e-9):.1f}/s), "
             f"failed {st.total('failed')}, {st.total('tokens') / max(elapsed, 1e-9):.0f} tok/s, "
             f"version {st.updates[-1].version if st.updates else 0}, "
-            f"re-sent {st.total('resent')}, workers dead {st.total('died')}"
+            f"re-sent {st.total('resent')}, workers dead {st.total('died')}, "
+            f"restarted {sum(e.kind == 'back' for e in st.events)}"
         )
 
     def summary(self, st: RunState, elapsed: float) -> None:
