@@ -144,10 +144,7 @@ def _is_slow(b: Block) -> bool:
 
 @pytest.mark.parametrize(
     "block",
-    [
-        pytest.param(b, id=b.id, marks=[pytest.mark.slow] if _is_slow(b) else [])
-        for b in PYTHON
-    ],
+    [pytest.param(b, id=b.id, marks=[pytest.mark.slow] if _is_slow(b) else []) for b in PYTHON],
 )
 def test_python_block_runs(block: Block, tmp_path: Path) -> None:
     if block.marker and block.marker[0] == "skip":
@@ -196,7 +193,9 @@ def _check_server(block: Block, script: Path, addr: str, tmp_path: Path) -> None
     )
     try:
         with SyncFabricClient([addr], ClientConfig(connect_timeout=60)) as client:
-            req = LLMRequest(input_ids=[1, 2, 3], gconfig=GenerationHyperparameters(max_new_tokens=4))
+            req = LLMRequest(
+                input_ids=[1, 2, 3], gconfig=GenerationHyperparameters(max_new_tokens=4)
+            )
             resp = client.generate(req, timeout=60)
         assert resp.output_len >= 1 and len(resp.output_versions) == resp.output_len
         assert proc.poll() is None, "the server exited"
