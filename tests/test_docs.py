@@ -106,21 +106,31 @@ def _env() -> dict[str, str]:
     return dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), pp]) if pp else str(ROOT))
 
 
-def _start_worker(weights: str | None) -> tuple[subprocess.Popen[str], str]:
+def _start_workers(n: int, weights: str | None, procs: list[subprocess.Popen[str]]) -> list[str]:
+    """Start ``n`` reference workers at once (each imports torch: seconds), add them to
+    ``procs`` (the caller stops them) and return their bound addresses."""
     args = [sys.executable, "-m", "transport.worker", "--bind", "tcp://127.0.0.1:0"]
     if weights:
         args += ["--plugin", "transport.weights.update:subscribe"]
         args += ["--plugin-opt", f"weights_endpoint={weights}"]
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, text=True, env=_env(), cwd=ROOT)
-    assert proc.stdout is not None
+    mine = [
+        subprocess.Popen(args, stdout=subprocess.PIPE, text=True, env=_env(), cwd=ROOT)
+        for _ in range(n)
+    ]
+    procs.extend(mine)
+    bound = []
     deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"worker exited with {proc.returncode}")
-        if select.select([proc.stdout], [], [], 0.2)[0]:
-            return proc, json.loads(proc.stdout.readline())["ready"][0]
-    proc.kill()
-    raise TimeoutError("worker did not print its ready line")
+    for proc in mine:
+        assert proc.stdout is not None
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"worker exited with {proc.returncode}")
+            if time.monotonic() > deadline:
+                raise TimeoutError("worker did not print its ready line")
+            if select.select([proc.stdout], [], [], 0.2)[0]:
+                bound.append(json.loads(proc.stdout.readline())["ready"][0])
+                break
+    return bound
 
 
 def _stop(proc: subprocess.Popen[str]) -> None:
@@ -156,9 +166,8 @@ def test_python_block_runs(block: Block, tmp_path: Path) -> None:
         if "weights" in args:
             weights = _free_address()
             code = code.replace(args["weights"], weights)
-        for addr in args.get("workers", "").split(",") if "workers" in args else []:
-            proc, bound = _start_worker(weights)
-            procs.append(proc)
+        wanted = args["workers"].split(",") if "workers" in args else []
+        for addr, bound in zip(wanted, _start_workers(len(wanted), weights, procs), strict=True):
             assert addr in code, f"{block.id}: {addr} is not in the block"
             code = code.replace(addr, bound)
         script = tmp_path / "block.py"
@@ -206,6 +215,24 @@ def _check_server(block: Block, script: Path, addr: str, tmp_path: Path) -> None
     finally:
         _stop(proc)
         log.close()
+
+
+def test_readme_benchmark_table_lists_every_case() -> None:
+    """Every case of the committed quick run is in the README's table, the ones where
+    fastio is behind included."""
+    results = json.loads((ROOT / "bench" / "results" / "quick" / "results.json").read_text())
+    text = (ROOT / "README.md").read_text()
+    table = text[text.index("## Benchmarks") :]
+    table = "\n".join(ln for ln in table.splitlines() if ln.startswith("|"))
+    cases = {m["case"].split("@")[0] for m in results["measurements"]}
+    missing = sorted(c for c in cases if f"`{c}`" not in table)
+    assert not missing, f"README's benchmark table lacks {missing}"
+    baselines = {m["impl"] for m in results["measurements"]} - {"fastio"}
+    named = {"vllm-style": "vLLM-style", "msgspec-lists": "msgspec lists"}
+    named |= {"msgspec-bytes": "msgspec bytes", "raw-pyzmq": "raw pyzmq", "frame": "a frame"}
+    named |= {"fastio-1k-tokens": "1k tokens", "fastio-16KiB": "16 KiB"}
+    absent = sorted(b for b in baselines if named.get(b, b) not in table)
+    assert not absent, f"README's benchmark table lacks the baselines {absent}"
 
 
 @functools.cache
