@@ -152,6 +152,7 @@ def _is_slow(b: Block) -> bool:
     return b.marker is not None or "torch" in b.code or "transport" in b.code
 
 
+@pytest.mark.timeout(3 * BLOCK_TIMEOUT)  # workers to start, the block, a server's check
 @pytest.mark.parametrize(
     "block",
     [pytest.param(b, id=b.id, marks=[pytest.mark.slow] if _is_slow(b) else []) for b in PYTHON],
