@@ -31,6 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from fastio.weight_msgs import WeightAck  # noqa: F401  (names FabricUpdateResult's inherited fields)
 from transport.errors import ControlError
 from transport.weights.errors import UpdateIncomplete, WeightUpdateError
 from transport.weights.publisher import WeightPublisher
