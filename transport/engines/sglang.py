@@ -129,6 +129,9 @@ class SGLangEngine(HTTPBridge):
 
     async def generate(self, req: LLMRequest, ctx: GenerationContext) -> LLMResponse:
         """Forward ``req`` to ``/generate`` and stream the answer through ``ctx``."""
+        # The worker runs a handler's first step outside any task (its eager start);
+        # aiohttp's timeouts need one: continue in the request's task.
+        await asyncio.sleep(0)
         aiohttp = self.aiohttp
         rid = self.new_rid()
         body = {
