@@ -24,7 +24,9 @@ SEED = 1  # the fakes' default weights seed
 def test_streams_every_token_once_with_its_version(
     spawn: Callable[..., WorkerProc], fake: Callable[..., FakeProc], mode: str
 ) -> None:
-    server = fake("sglang", "--token-interval", "0.002", *(["--incremental"] if mode == "incremental" else []))
+    server = fake(
+        "sglang", "--token-interval", "0.002", *(["--incremental"] if mode == "incremental" else [])
+    )
     w = spawn(*bridge_args("sglang", server.url))
     n, calls = 24, 6
     streams = Streams(calls)
@@ -87,7 +89,9 @@ def test_pause_interrupts_on_the_server_and_resume_continues_after_the_partial(
         async with FabricClient([w.address], FAST) as client:
             g = GenerationHyperparameters(max_new_tokens=n)
             futs = [
-                client.agenerate(LLMRequest(input_ids=[i, 1], gconfig=g), on_chunk=streams.on_chunk(i))
+                client.agenerate(
+                    LLMRequest(input_ids=[i, 1], gconfig=g), on_chunk=streams.on_chunk(i)
+                )
                 for i in range(calls)
             ]
             await await_for(lambda: all(streams.got(i) >= 3 for i in range(calls)), what="tokens")
@@ -123,7 +127,9 @@ def test_controller_abort_reaches_the_server(
     async def main() -> None:
         async with FabricClient([w.address], FAST) as client:
             g = GenerationHyperparameters(max_new_tokens=1000)
-            fut = client.agenerate(LLMRequest(input_ids=[1], gconfig=g), on_chunk=streams.on_chunk(0))
+            fut = client.agenerate(
+                LLMRequest(input_ids=[1], gconfig=g), on_chunk=streams.on_chunk(0)
+            )
             await await_for(lambda: streams.got(0) >= 2, what="tokens")
             with FabricController([w.address]) as ctl:
                 await asyncio.to_thread(ctl.abort)
@@ -135,6 +141,7 @@ def test_controller_abort_reaches_the_server(
     assert server.stats()["abort_requests"] >= 1 and server.stats()["aborted"] == 1
 
 
+@pytest.mark.slow
 def test_weight_version_lands_on_the_server_through_disk(
     spawn: Callable[..., WorkerProc], fake: Callable[..., FakeProc], tmp_path: Path
 ) -> None:
@@ -143,7 +150,9 @@ def test_weight_version_lands_on_the_server_through_disk(
     from transport.weights import WeightPublisher, update_weights
 
     server = fake("sglang")
-    pub = WeightPublisher("tcp://127.0.0.1:*", shm=False, heartbeat_interval=0.1, worker_timeout=5.0)
+    pub = WeightPublisher(
+        "tcp://127.0.0.1:*", shm=False, heartbeat_interval=0.1, worker_timeout=5.0
+    )
     wdir = tmp_path / "weights"
     w = spawn(
         *bridge_args("sglang", server.url, "--engine-opt", f"weights_dir={wdir}"),

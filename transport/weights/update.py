@@ -353,7 +353,8 @@ def attach_subscriber(
     model = getattr(engine, "model", None)
     load_weights = getattr(engine, "load_weights", None)
     if engine is None or (model is None and not callable(load_weights)):
-        raise TypeError("the worker's engine has no .model to update and no load_weights")
+        why = getattr(engine, "no_weights_reason", None)
+        raise TypeError(why or "the worker's engine has no .model to update and no load_weights")
     if callable(load_weights) and "loader" not in kwargs:
         # An engine that places weights itself (a server bridge, fused layouts) takes
         # each verified version whole, after the in-place copy into .model if any.

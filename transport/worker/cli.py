@@ -37,6 +37,9 @@ from transport.worker.server import Background, WorkerServer
 __all__ = ["main"]
 
 PROG = "python -m transport.worker"
+#: Engines that compute nothing in the worker: torch is not imported for them (seconds
+#: of start-up).
+_NO_TORCH = frozenset(("echo", "sglang", "vllm"))
 _LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
@@ -277,11 +280,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     # The socket thread waits at most this long for the GIL held by engine code (the
     # default 5 ms would be most of a pong's budget under a busy pure-Python engine).
     sys.setswitchinterval(0.001)
-    with contextlib.suppress(ImportError):
-        import torch
+    if args.engine not in _NO_TORCH:
+        with contextlib.suppress(ImportError):
+            import torch
 
-        # One generation thread per worker process: workers share the cores.
-        torch.set_num_threads(1)
+            # One generation thread per worker process: workers share the cores.
+            torch.set_num_threads(1)
     try:
         asyncio.run(_amain(args))
     except UserError as exc:

@@ -16,6 +16,7 @@ tests. Run: ``python -m tests.transport.fakes.sglang_server [--port 0] [options]
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from typing import Any
 
@@ -87,12 +88,18 @@ class SGLang(FakeState):
         try:
             seed = seed_of_path(str(body["model_path"]))
         except (KeyError, OSError) as exc:
-            return web.json_response({"success": False, "message": f"cannot load: {exc}"}, status=400)
+            return web.json_response(
+                {"success": False, "message": f"cannot load: {exc}"}, status=400
+            )
         self.seed = seed
         self.weight_version = str(body.get("weight_version", self.weight_version))
         self.count("reloads")
         return web.json_response(
-            {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0}
+            {
+                "success": True,
+                "message": "Succeeded to update model weights.",
+                "num_paused_requests": 0,
+            }
         )
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
@@ -144,14 +151,14 @@ class SGLang(FakeState):
                     await resp.write(self._chunk(rid, ids, out, lps, sent, None))
                     sent = len(out)
                 if self.token_interval:
-                    try:
+                    with contextlib.suppress(TimeoutError):  # a step, cut short by an abort
                         await asyncio.wait_for(abort.wait(), self.token_interval)
-                    except TimeoutError:
-                        pass
             if finish["type"] == "abort":
                 self.count("aborted")
             if resp is None:
-                return web.json_response(json.loads(self._chunk(rid, ids, out, lps, 0, finish, raw=True)))
+                return web.json_response(
+                    json.loads(self._chunk(rid, ids, out, lps, 0, finish, raw=True))
+                )
             await resp.write(self._chunk(rid, ids, out, lps, sent, finish))
             await resp.write(b"data: [DONE]\n\n")
             await resp.write_eof()
@@ -180,7 +187,9 @@ class SGLang(FakeState):
                 "completion_tokens": len(out),
                 "cached_tokens": 0,
                 "weight_version": self.weight_version,
-                "output_token_logprobs": [[lp, t, None] for lp, t in zip(lps[start:], out[start:])],
+                "output_token_logprobs": [
+                    [lp, t, None] for lp, t in zip(lps[start:], out[start:], strict=True)
+                ],
             },
         }
         data = json.dumps(body).encode()
