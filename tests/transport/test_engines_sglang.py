@@ -117,6 +117,31 @@ def test_pause_interrupts_on_the_server_and_resume_continues_after_the_partial(
     assert stats["generate"] == 2 * calls
 
 
+def test_pause_before_the_server_knows_the_request_still_interrupts_it(
+    spawn: Callable[..., WorkerProc], fake: Callable[..., FakeProc]
+) -> None:
+    # The abort sent at the pause finds no such rid on the server (still queued); the
+    # bridge aborts again once the server streams, instead of waiting for the end.
+    server = fake("sglang", "--token-interval", "0.02", "--register-delay", "0.5")
+    w = spawn(*bridge_args("sglang", server.url))
+    n = 400
+
+    async def main() -> object:
+        async with FabricClient([w.address], FAST) as client:
+            g = GenerationHyperparameters(max_new_tokens=n)
+            fut = client.agenerate(LLMRequest(input_ids=[2, 2], gconfig=g))
+            await await_for(lambda: server.stats().get("generate") == 1, what="the request queued")
+            with FabricController([w.address]) as ctl:
+                await asyncio.to_thread(ctl.pause, 10)
+                stats = server.stats()
+                assert stats.get("aborted") == 1 and stats["tokens"] < n // 4, stats
+                await asyncio.to_thread(ctl.resume, 10)
+            return await fut
+
+    r = asyncio.run(main())
+    assert r.output_tokens.tolist() == reference_output(SEED, [2, 2], n)  # type: ignore[attr-defined]
+
+
 def test_controller_abort_reaches_the_server(
     spawn: Callable[..., WorkerProc], fake: Callable[..., FakeProc]
 ) -> None:

@@ -96,13 +96,16 @@ def bridge_kwargs(
 class Flight:
     """One request in flight on the server."""
 
-    __slots__ = ("ctx", "first", "interrupted", "response", "rid")
+    __slots__ = ("blind_abort", "ctx", "first", "interrupted", "response", "rid")
 
     def __init__(self, rid: str, ctx: Any) -> None:
         self.rid = rid
         self.ctx = ctx
         self.first = False  # a token arrived
         self.interrupted = False  # the bridge asked the server to stop it (pause)
+        #: The abort left before the server streamed anything: it may have arrived
+        #: before the request did (then it is sent again at the first chunk).
+        self.blind_abort = False
         self.response: Any = None  # the open HTTP response (vLLM: closed to abort)
 
 

@@ -163,8 +163,10 @@ class SGLangEngine(HTTPBridge):
                         finish = meta.get("finish_reason")
                         if finish:
                             break
-                        if ctx.interrupted and not flight.interrupted:
-                            self._interrupt(flight)  # paused before its rid was known
+                        if ctx.interrupted and (not flight.interrupted or flight.blind_abort):
+                            # Paused while the request was on its way: the server
+                            # knows the rid now that it streams.
+                            self._interrupt(flight)
             except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, TimeoutError) as exc:
                 await self.server_gone(repr(exc))
             if not finish:
@@ -211,6 +213,7 @@ class SGLangEngine(HTTPBridge):
 
     # -- interrupt / abort ------------------------------------------------------------------
     def _interrupt(self, flight: Flight) -> None:
+        flight.blind_abort = not flight.first
         flight.interrupted = True
         self.spawn(self._abort(flight.rid))
 

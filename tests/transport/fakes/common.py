@@ -102,6 +102,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--hang-after", type=int, default=-1)
     p.add_argument("--die-after", type=int, default=-1)
     p.add_argument("--incremental", action="store_true", help="sglang: incremental chunks")
+    p.add_argument(
+        "--register-delay", type=float, default=0.0,
+        help="sglang: seconds a request waits (a queue) before its rid can be aborted",
+    )  # fmt: skip
     p.add_argument("--model", default="fake-model", help="vllm: the served model name")
     return p.parse_args(argv)
 

@@ -36,6 +36,7 @@ class SGLang(FakeState):
     def __init__(self, args: Any) -> None:
         super().__init__(args)
         self.incremental: bool = args.incremental
+        self.register_delay: float = args.register_delay
         self.running: dict[str, asyncio.Event] = {}  # rid -> abort event
         self.resumed = asyncio.Event()
         self.resumed.set()
@@ -110,6 +111,9 @@ class SGLang(FakeState):
         rid = str(body.get("rid") or f"r{len(self.running)}")
         stream = bool(body.get("stream"))
         self.count("generate")
+        if self.register_delay:
+            # Queued before the scheduler knows the rid: an abort now finds nothing.
+            await asyncio.sleep(self.register_delay)
         abort = asyncio.Event()
         self.running[rid] = abort
         resp: web.StreamResponse | None = None
