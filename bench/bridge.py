@@ -7,7 +7,9 @@ the figures are the transport's alone) answers. *direct*: this process posts
 ``/generate`` (streamed, the same body the bridge sends) and reads the server-sent
 events itself. *bridge*: this process calls a :class:`~transport.FabricClient` (streaming
 on), whose worker process (``--engine sglang``) does the same HTTP call. Reported:
-median and p90 latency of sequential requests, and requests/s with many in flight.
+median and p90 latency of sequential requests (direct and bridged requests interleaved
+one by one, so the machine's load drifts alike for both; the median of the per-pair
+differences is the bridge's overhead), and requests/s with many in flight.
 
 Run from a checkout: ``python -m bench.bridge [--requests 200] [--tokens 16]
 [--concurrency 32] [--total 1000] [--json out.json]`` (needs aiohttp: ``fastio[sglang]``).
@@ -64,58 +66,90 @@ def _body(i: int, tokens: int) -> bytes:
     )  # fmt: skip
 
 
-async def _direct(url: str, n: int, tokens: int, concurrency: int) -> list[float]:
-    import aiohttp
+class _Direct:
+    """This process calls the server over HTTP itself."""
 
-    from transport.engines.http import sse_events
+    def __init__(self, url: str, tokens: int) -> None:
+        import aiohttp
 
-    lat: list[float] = []
-    sem = asyncio.Semaphore(concurrency)
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        self.url, self.tokens = url, tokens
+        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
 
-        async def one(i: int) -> None:
-            async with sem:
+    async def one(self, i: int) -> None:
+        from transport.engines.http import sse_events
+
+        got = 0
+        async with self.session.post(
+            self.url + "/generate", data=_body(i, self.tokens),
+            headers={"Content-Type": "application/json"},
+        ) as resp:  # fmt: skip
+            async for chunk in sse_events(resp.content):
+                meta = chunk["meta_info"]
+                got = meta["completion_tokens"]
+                if meta["finish_reason"]:
+                    break
+        assert got == self.tokens
+
+    async def close(self) -> None:
+        await self.session.close()
+
+
+class _Bridge:
+    """This process calls a FabricClient whose worker calls the server."""
+
+    def __init__(self, address: str, tokens: int) -> None:
+        from fastio import GenerationHyperparameters
+        from transport import ClientConfig, FabricClient
+
+        self.client = FabricClient([address], ClientConfig(request_timeout=120))
+        self.g = GenerationHyperparameters(max_new_tokens=tokens)
+        self.tokens = tokens
+
+    async def one(self, i: int) -> None:
+        from fastio import LLMRequest
+
+        req = LLMRequest(input_ids=[1 + i % 97, 2, 3, 4, 5, 6, 7, 8], gconfig=self.g)
+        r = await self.client.agenerate(req, on_chunk=_ignore)
+        assert r.output_len == self.tokens
+
+    async def close(self) -> None:
+        await self.client.close()
+
+
+def _ignore(t: Any, lp: Any, v: Any) -> None:
+    pass
+
+
+async def _measure(
+    url: str, address: str, requests: int, tokens: int, concurrency: int, total: int
+) -> dict[str, Any]:
+    direct, bridge = _Direct(url, tokens), _Bridge(address, tokens)
+    try:
+        for i in range(min(20, requests)):  # warm-up: connections, caches
+            await direct.one(i)
+            await bridge.one(i)
+        # Sequential, interleaved one by one: the machine's load drifts alike for both.
+        seq: dict[str, list[float]] = {"direct-http": [], FASTIO: []}
+        for i in range(requests):
+            for impl, side in (("direct-http", direct), (FASTIO, bridge)):
                 t0 = time.perf_counter()
-                got = 0
-                async with session.post(
-                    url + "/generate", data=_body(i, tokens),
-                    headers={"Content-Type": "application/json"},
-                ) as resp:  # fmt: skip
-                    async for chunk in sse_events(resp.content):
-                        meta = chunk["meta_info"]
-                        got = meta["completion_tokens"]
-                        if meta["finish_reason"]:
-                            break
-                assert got == tokens
-                lat.append(time.perf_counter() - t0)
+                await side.one(i)
+                seq[impl].append(time.perf_counter() - t0)
+        rate: dict[str, float] = {}
+        for impl, side in (("direct-http", direct), (FASTIO, bridge)):
+            sem = asyncio.Semaphore(concurrency)
 
-        await asyncio.gather(*(one(i) for i in range(n)))
-    return lat
+            async def one(i: int, side: Any = side, sem: asyncio.Semaphore = sem) -> None:
+                async with sem:
+                    await side.one(i)
 
-
-async def _bridge(address: str, n: int, tokens: int, concurrency: int) -> list[float]:
-    from fastio import GenerationHyperparameters, LLMRequest
-    from transport import ClientConfig, FabricClient
-
-    lat: list[float] = []
-    sem = asyncio.Semaphore(concurrency)
-    g = GenerationHyperparameters(max_new_tokens=tokens)
-
-    def on_chunk(t: Any, lp: Any, v: Any) -> None:
-        pass
-
-    async with FabricClient([address], ClientConfig(request_timeout=120)) as client:
-
-        async def one(i: int) -> None:
-            async with sem:
-                t0 = time.perf_counter()
-                req = LLMRequest(input_ids=[1 + i % 97, 2, 3, 4, 5, 6, 7, 8], gconfig=g)
-                r = await client.agenerate(req, on_chunk=on_chunk)
-                assert r.output_len == tokens
-                lat.append(time.perf_counter() - t0)
-
-        await asyncio.gather(*(one(i) for i in range(n)))
-    return lat
+            t0 = time.perf_counter()
+            await asyncio.gather(*(one(i) for i in range(total)))
+            rate[impl] = total / (time.perf_counter() - t0)
+        return {"seq": seq, "rate": rate}
+    finally:
+        await direct.close()
+        await bridge.close()
 
 
 def run(
@@ -131,27 +165,25 @@ def run(
              "--engine-opt", f"url={url}", "--engine-opt", "health_interval=0"],
             "ready",
         )  # fmt: skip
-        address = wready["ready"][0]
+        res = asyncio.run(_measure(url, wready["ready"][0], requests, tokens, concurrency, total))
+        d, b = res["seq"]["direct-http"], res["seq"][FASTIO]
+        paired = sorted(y - x for x, y in zip(d, b, strict=True))
         out: list[Measurement] = []
-        warm = min(20, requests)
-        asyncio.run(_direct(url, warm, tokens, 1))
-        asyncio.run(_bridge(address, warm, tokens, 1))
-        for impl, fn, target in (("direct-http", _direct, url), (FASTIO, _bridge, address)):
-            seq = asyncio.run(fn(target, requests, tokens, 1))  # type: ignore[operator]
-            t0 = time.perf_counter()
-            conc = asyncio.run(fn(target, total, tokens, concurrency))  # type: ignore[operator]
-            wall = time.perf_counter() - t0
-            seq.sort()
+        for impl, seq in res["seq"].items():
+            s = sorted(seq)
+            extra: dict[str, Any] = {"p90_s": s[int(0.9 * (len(s) - 1))]}
+            if impl == FASTIO:
+                extra["paired_overhead_median_s"] = statistics.median(paired)
             out.append(
                 Measurement.from_samples(
-                    "bridge", f"sequential {tokens} tokens", impl, tokens, seq,
-                    p90_s=seq[int(0.9 * (len(seq) - 1))],
+                    "bridge", f"sequential {tokens} tokens", impl, tokens, seq, **extra
                 )
-            )  # fmt: skip
+            )
+            rate = res["rate"][impl]
             out.append(
                 Measurement.from_samples(
-                    "bridge", f"{concurrency} in flight", impl, tokens, [wall / total],
-                    requests_per_s=total / wall, median_latency_s=statistics.median(conc),
+                    "bridge", f"{concurrency} in flight", impl, tokens, [1 / rate],
+                    requests_per_s=rate,
                 )
             )  # fmt: skip
         return out
@@ -184,6 +216,10 @@ def main(argv: list[str] | None = None) -> None:
     )
     dp, bp = d.extra["p90_s"], b.extra["p90_s"]
     print(f"{'sequential p90 ms':24}{dp * 1e3:14.2f}{bp * 1e3:14.2f}{(bp - dp) * 1e3:+14.2f}")
+    paired = b.extra["paired_overhead_median_s"] * 1e3
+    print(
+        f"{'paired overhead ms':24}{'':14}{'':14}{paired:+14.2f}  (median of per-pair differences)"
+    )
     dc, bc = by[(conc_case, "direct-http")], by[(conc_case, FASTIO)]
     dr, br = dc.extra["requests_per_s"], bc.extra["requests_per_s"]
     print(f"{conc_case + ' req/s':24}{dr:14.0f}{br:14.0f}{br / dr:13.2f}x")
