@@ -96,7 +96,7 @@ class Hooked:
     async def continue_generation(self) -> None:
         self.calls.append("continue")
 
-    def load(self) -> int:
+    def queue_depth(self) -> int:
         return 3
 
 

@@ -15,7 +15,7 @@ per request, in its own task on the worker's event loop, with a
 ``close()``               awaited when the worker closes
 ``pause_generation()``    called when the worker pauses (interrupt what runs now)
 ``continue_generation()`` called when it resumes
-``load()``                requests the engine holds that wait for capacity inside it
+``queue_depth()``         requests the engine holds that wait for capacity inside it
                           (added to the ``waiting`` load in the worker's pongs)
 ``model``                 an ``nn.Module``: a weight update copies into it in place
 ``load_weights(pairs)``   called with every verified weight version as ``(name,
@@ -160,7 +160,7 @@ class EngineHooks(Protocol):
     def continue_generation(self) -> Awaitable[None] | None:
         """The worker resumes."""
 
-    def load(self) -> int:
+    def queue_depth(self) -> int:
         """Requests held inside the engine and not yet generating (called from the
         worker's socket thread: read a counter, take no lock)."""
         ...
@@ -181,9 +181,9 @@ def attach_engine(server: Any, engine: Any) -> None:
         hook = getattr(engine, name, None)
         if callable(hook):
             callbacks.append(hook)
-    load = getattr(engine, "load", None)
-    if callable(load):
-        server.engine_load = load
+    depth = getattr(engine, "queue_depth", None)
+    if callable(depth):
+        server.engine_load = depth
     start = getattr(engine, "start", None)
     close = getattr(engine, "close", None)
     if not (inspect.iscoroutinefunction(start) or inspect.iscoroutinefunction(close)):

@@ -204,7 +204,7 @@ class HTTPBridge:
             await self._session.close()
             self._session = None
 
-    def load(self) -> int:
+    def queue_depth(self) -> int:
         """Requests sent to the server that have no token yet (queued or in prefill)."""
         return sum(1 for f in list(self.flights.values()) if not f.first)
 

@@ -365,7 +365,7 @@ class SocketThread:
 
 
 def _engine_waiting(server: Any) -> int:
-    """Requests the engine holds and has not started (its ``load()``; 0 without one).
+    """Requests the engine holds and has not started (its ``queue_depth()``; 0 without one).
     A failing hook must not cost the pong."""
     load = server.engine_load
     if load is None:

@@ -114,7 +114,7 @@ class WorkerServer(PauseControl):
         #: Callbacks run (in the loop) when a pause starts / when generation resumes.
         self.on_pause: list[Callable[[], Any]] = []
         self.on_resume: list[Callable[[], Any]] = []
-        #: The engine's ``load()`` (requests waiting inside it), added to pongs' ``waiting``.
+        #: The engine's ``queue_depth()`` (requests waiting inside it), added to pongs' ``waiting``.
         self.engine_load: Callable[[], int] | None = None
         if self.engine is not None:
             attach_engine(self, self.engine)  # its optional hooks (transport.engines.api)
