@@ -31,7 +31,10 @@ OPTIONAL = {
     "matplotlib": ("plots", "matplotlib"),
     "prometheus_client": ("metrics", "prometheus-client"),
     "transformers": ("hf", "transformers"),
+    "aiohttp": ("sglang", "aiohttp"),
 }
+# Extras that install a distribution another extra's module needs too: extra -> dist.
+SECOND_EXTRAS = {"vllm": "aiohttp"}
 
 
 def _names(reqs: list[str]) -> set[str]:
@@ -46,7 +49,9 @@ def test_each_optional_import_has_its_extra() -> None:
     extras = PROJECT["optional-dependencies"]
     for module, (extra, dist) in OPTIONAL.items():
         assert dist in _names(extras[extra]), (module, extra)
-    everything = {e for e, _ in OPTIONAL.values()}
+    for extra, dist in SECOND_EXTRAS.items():
+        assert dist in _names(extras[extra]), extra
+    everything = {e for e, _ in OPTIONAL.values()} | set(SECOND_EXTRAS)
     assert extras["all"] == [f"fastio[{','.join(sorted(everything, key=list(extras).index))}]"]
     # The full test suite needs every extra: the test and dev extras pull them in.
     assert "fastio[all]" in extras["test"]

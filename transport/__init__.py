@@ -7,6 +7,8 @@ only the fabric envelope (:mod:`fastio.fabric_msgs`). Rooms:
 - :mod:`transport.worker`: the generation worker (ROUTER) hosting a generate handler
 - :mod:`transport.client`: the rollout client (a DEALER per worker)
 - :mod:`transport.control`: pause / resume / abort / health of all workers
+- :mod:`transport.engines`: the public engine interface (:class:`Engine`), the registry
+  of ``--engine`` names, the SGLang and vLLM bridges
 - :mod:`transport.engine`: a reference engine (tiny torch LM on CPU)
 
 The wire protocol is specified in ``docs/PROTOCOL.md`` (section "Fabric").
@@ -37,11 +39,14 @@ from transport.sockets import CurveConfig
 
 if TYPE_CHECKING:
     from transport.engine import ReferenceEngine, TinyLM
+    from transport.engines import Engine, GenerationContext
     from transport.worker import RequestContext, WorkerConfig, WorkerServer, echo_handler
 
 # Imported on first use: the engine needs torch, which a rollout client does not, and
 # ``python -m transport.worker`` must not find its module imported by the package.
 _LAZY = {
+    "Engine": "transport.engines",
+    "GenerationContext": "transport.engines",
     "ReferenceEngine": "transport.engine",
     "TinyLM": "transport.engine",
     "RequestContext": "transport.worker",
@@ -56,9 +61,11 @@ __all__ = [
     "ClientConfig",
     "ControlError",
     "CurveConfig",
+    "Engine",
     "FabricClient",
     "FabricController",
     "GenerateFuture",
+    "GenerationContext",
     "NoWorkerAvailable",
     "NoWorkers",
     "ReferenceEngine",

@@ -21,25 +21,16 @@ from __future__ import annotations
 import asyncio
 import os
 import zlib
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 
 from fastio import GenerationHyperparameters, LLMRequest, LLMResponse, TokenArray
+from transport.engines.api import GenerationContext
 
 __all__ = ["GenerationContext", "ReferenceEngine", "TinyLM"]
-
-
-class GenerationContext(Protocol):
-    """What an engine needs of the worker's :class:`~transport.RequestContext` (the
-    engine does not import the worker: the worker imports engines)."""
-
-    @property
-    def interrupted(self) -> bool: ...
-
-    def emit(self, token: int, logprob: float = 0.0, version: int = 0) -> None: ...
 
 
 class TinyLM(nn.Module):

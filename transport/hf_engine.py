@@ -85,7 +85,7 @@ from transport.hf_model import (
 )
 
 if TYPE_CHECKING:
-    from transport.worker import RequestContext
+    from transport.engines.api import GenerationContext
 
 __all__ = [
     "MODEL_SIZES",
@@ -290,7 +290,7 @@ class HFEngine:
             key = f"{self.seed}/{self._nonce}/{self._draws}".encode()
         return torch.Generator().manual_seed(zlib.crc32(key))
 
-    async def generate(self, req: LLMRequest, ctx: RequestContext | None = None) -> LLMResponse:
+    async def generate(self, req: LLMRequest, ctx: GenerationContext | None = None) -> LLMResponse:
         """Generate up to ``req.gconfig.max_new_tokens`` tokens after ``req.input_ids``.
 
         Returns ``stop_reason`` ``"stop"`` (a stop token, included in the output),

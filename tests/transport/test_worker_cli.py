@@ -29,7 +29,10 @@ def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]
 @pytest.mark.parametrize(
     ("args", "code", "words"),
     [
-        (["--bind", "tcp://127.0.0.1:0", "--engine", "nope"], 2, "choose from reference, echo, hf"),
+        (["--bind", "tcp://127.0.0.1:0", "--engine", "nope"], 2, "choose from reference, echo, hf, sglang, vllm"),
+        (["--bind", "tcp://127.0.0.1:0", "--engine", "sglang"], 2, "needs --engine-opt url=http://host:port"),
+        (["--bind", "tcp://127.0.0.1:0", "--engine", "vllm", "--engine-opt", "url=http://127.0.0.1:1"], 2, "cannot reach the vLLM server at http://127.0.0.1:1"),
+        (["--bind", "tcp://127.0.0.1:0", "--engine", "sglang", "--engine-opt", "url=http://127.0.0.1:1", "--engine-opt", "colour=red"], 2, "unknown option(s) ['colour']"),
         (["--bind", "tcp://127.0.0.1:0", "--engine-opt", "novalue"], 2, "expected key=value"),
         (["--bind", "127.0.0.1:5555", "--engine", "echo"], 2, "cannot bind 127.0.0.1:5555"),
         (["--bind", "tcp://127.0.0.1:0", "--engine", "no_such_mod:f"], 2, "cannot import"),
@@ -58,7 +61,7 @@ def test_help_shows_engines_and_defaults() -> None:
     r = run_cli("--help")
     assert r.returncode == 0
     text = " ".join(r.stdout.split())
-    assert "{reference,echo,hf,module:factory}" in text
+    assert "{reference,echo,hf,sglang,vllm,module:factory}" in text
     assert "(default: reference)" in text and "(default: WARNING)" in text
     assert "--engine-opt" in text and "--plugin-opt" in text and "--metrics-port" in text
     assert "--model-size {tiny,small,medium,large}" in text

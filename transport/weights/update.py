@@ -326,7 +326,9 @@ def attach_subscriber(
     pause_lease: float = 30.0,
     **kwargs: Any,
 ) -> WeightSubscriber:
-    """Start a :class:`WeightSubscriber` that keeps ``server.engine.model`` current.
+    """Start a :class:`WeightSubscriber` that keeps ``server.engine`` current: its
+    ``model`` by an in-place copy, its ``load_weights(pairs)`` (when it has one) with
+    each verified version (see :mod:`transport.engines.api`).
 
     Parameters
     ----------
@@ -349,8 +351,16 @@ def attach_subscriber(
         ``rename``, ``loader``, timeouts...).
     """
     engine = server.engine
-    if engine is None or not hasattr(engine, "model"):
-        raise TypeError("the worker's engine has no .model to update")
+    model = getattr(engine, "model", None)
+    load_weights = getattr(engine, "load_weights", None)
+    if engine is None or (model is None and not callable(load_weights)):
+        why = getattr(engine, "no_weights_reason", None)
+        raise TypeError(why or "the worker's engine has no .model to update and no load_weights")
+    if callable(load_weights) and "loader" not in kwargs:
+        # An engine that places weights itself (a server bridge, fused layouts) takes
+        # each verified version whole, after the in-place copy into .model if any.
+        kwargs["loader"] = load_weights
+        kwargs.setdefault("atomic", True)
 
     def applied(version: int) -> None:
         engine.version = version
@@ -360,7 +370,7 @@ def attach_subscriber(
     kwargs.setdefault("worker_id", server.worker_id)
     sub = WeightSubscriber(
         endpoint,
-        engine.model,
+        model,
         version=int(getattr(engine, "version", -1)),
         lock=lock,
         on_applied=applied,

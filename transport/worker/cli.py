@@ -24,6 +24,7 @@ from typing import Any, NoReturn
 
 import zmq
 
+from transport.engines.registry import ENGINES, resolve_engine
 from transport.sockets import (
     DEFAULT_HWM,
     DEFAULT_MAX_MESSAGE_SIZE,
@@ -31,13 +32,14 @@ from transport.sockets import (
     CurveConfig,
 )
 from transport.worker.context import WorkerConfig
-from transport.worker.echo import echo_handler
 from transport.worker.server import Background, WorkerServer
 
 __all__ = ["main"]
 
 PROG = "python -m transport.worker"
-ENGINES = ("reference", "echo", "hf")
+#: Engines that compute nothing in the worker: torch is not imported for them (seconds
+#: of start-up).
+_NO_TORCH = frozenset(("echo", "sglang", "vllm"))
 _LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
@@ -81,8 +83,9 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--engine",
         default="reference",
         type=_engine_spec,
-        metavar="{reference,echo,hf,module:factory}",
-        help="the engine: the reference TinyLM, an echo, a transformers causal LM, or "
+        metavar="{" + ",".join(ENGINES) + ",module:factory}",
+        help="the engine: the reference TinyLM, an echo, a transformers causal LM, a "
+        "bridge to a running SGLang or vLLM server (--engine-opt url=http://...), or "
         "module:factory (factory(engine_opts) returns a handler or an engine)",
     )
     p.add_argument(
@@ -171,47 +174,39 @@ def _load(spec: str, what: str) -> Callable[..., Any]:
     return fn
 
 
-def _reference_kwargs(args: argparse.Namespace, opts: dict[str, str]) -> dict[str, Any]:
-    kwargs: dict[str, Any] = {
-        "vocab_size": args.vocab_size, "hidden": args.hidden, "layers": args.layers,
-        "seed": args.seed, "token_interval": args.token_interval,
-    }  # fmt: skip
-    for key, value in opts.items():
-        if key not in kwargs:
-            raise UserError(f"--engine-opt {key}: the reference engine takes {sorted(kwargs)}")
-        try:
-            kwargs[key] = type(kwargs[key])(value)
-        except ValueError as exc:
-            raise UserError(f"--engine-opt {key}={value}: {exc}") from exc
-    return kwargs
+def _engine_opts(args: argparse.Namespace) -> dict[str, str]:
+    """``--engine-opt`` values, over the legacy flags of the reference and hf engines."""
+    opts: dict[str, str] = {}
+    if args.engine == "reference":
+        opts = {
+            "vocab_size": str(args.vocab_size), "hidden": str(args.hidden),
+            "layers": str(args.layers), "seed": str(args.seed),
+            "token_interval": str(args.token_interval),
+        }  # fmt: skip
+    elif args.engine == "hf":
+        opts = {"model_size": args.model_size, "seed": str(args.seed)}
+        if args.model_path:
+            opts["model_path"] = args.model_path
+        if args.device:
+            opts["device"] = args.device
+    opts.update(args.engine_opt)
+    return opts
 
 
 def build_engine(args: argparse.Namespace) -> Any:
-    """The handler or engine ``--engine`` names, built with its options."""
-    opts = dict(args.engine_opt)
+    """The handler or engine ``--engine`` names (:mod:`transport.engines.registry`),
+    built with its options."""
     spec = args.engine
     try:
-        if spec == "reference":
-            from transport.engine import ReferenceEngine
-
-            return ReferenceEngine(**_reference_kwargs(args, opts))
-        if spec == "echo":
-            if opts:
-                raise UserError("--engine echo takes no --engine-opt")
-            return echo_handler
-        if spec == "hf":
-            module = importlib.import_module("transport.hf_engine")
-            kwargs: dict[str, Any] = {"model_size": args.model_size, "seed": args.seed}
-            if args.model_path:
-                kwargs["model_path"] = args.model_path
-            if args.device:
-                kwargs["device"] = args.device
-            kwargs.update(opts)
-            return module.create_engine(**kwargs)
-        # The adapter point for a real engine (vLLM, SGLang, ...): module:factory.
-        return _load(spec, "--engine")(opts)
+        factory = resolve_engine(spec)
+    except ValueError as exc:
+        raise UserError(f"--engine {spec}: {exc}") from exc
+    try:
+        return factory(_engine_opts(args))
     except UserError:
         raise
+    except ValueError as exc:
+        raise UserError(f"--engine {spec}: {exc}") from exc
     except Exception as exc:
         raise UserError(f"--engine {spec}: {type(exc).__name__}: {exc}") from exc
 
@@ -285,11 +280,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     # The socket thread waits at most this long for the GIL held by engine code (the
     # default 5 ms would be most of a pong's budget under a busy pure-Python engine).
     sys.setswitchinterval(0.001)
-    with contextlib.suppress(ImportError):
-        import torch
+    if args.engine not in _NO_TORCH:
+        with contextlib.suppress(ImportError):
+            import torch
 
-        # One generation thread per worker process: workers share the cores.
-        torch.set_num_threads(1)
+            # One generation thread per worker process: workers share the cores.
+            torch.set_num_threads(1)
     try:
         asyncio.run(_amain(args))
     except UserError as exc:

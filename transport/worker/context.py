@@ -143,6 +143,11 @@ class RequestContext:
         ``stop_reason="interrupt"`` at the next step."""
         return self._server.paused
 
+    @property
+    def version(self) -> int:
+        """The weight version the worker serves now (its engine's ``version``)."""
+        return self._server.version
+
     def emit(self, token: int, logprob: float = 0.0, version: int = 0) -> None:
         """Stream one generated token. Tokens emitted in the same loop iteration travel
         in one Stream message; does nothing when the client asked for no stream.

@@ -6,16 +6,16 @@ import numpy as np
 
 from fastio import LLMRequest, LLMResponse
 from fastio.tokens import TokenArray
-from transport.worker.context import RequestContext
+from transport.engines.api import GenerationContext
 
 __all__ = ["echo_handler"]
 
 
-async def echo_handler(req: LLMRequest, ctx: RequestContext) -> LLMResponse:
+async def echo_handler(req: LLMRequest, ctx: GenerationContext) -> LLMResponse:
     """Answers with the prompt as the output (for benchmarks and tests): logprobs 0, every
     token of the worker's current weight version."""
     ids = req.input_ids
-    lp, ver = _echo_fill(len(ids), ctx._server.version)
+    lp, ver = _echo_fill(len(ids), ctx.version)
     return LLMResponse(
         input_tokens=ids,
         output_tokens=ids,

@@ -289,7 +289,7 @@ class SocketThread:
                 paused=s._paused,
                 version=s.version,
                 running=running,
-                waiting=max(0, held - running) + queued,
+                waiting=max(0, held - running) + queued + _engine_waiting(s),
                 engine_lag=self.engine_lag(),
             ),
         )
@@ -362,3 +362,15 @@ class SocketThread:
         if self._pump is not None:
             out["discarded"] = self._pump.discarded
         return out
+
+
+def _engine_waiting(server: Any) -> int:
+    """Requests the engine holds and has not started (its ``queue_depth()``; 0 without one).
+    A failing hook must not cost the pong."""
+    load = server.engine_load
+    if load is None:
+        return 0
+    try:
+        return max(0, int(load()))
+    except Exception:
+        return 0

@@ -30,13 +30,14 @@ import socket
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import zmq
 
 from fastio import Encoder, LLMRequest, LLMResponse
 from fastio import fabric_msgs as fm
 from transport import metrics
+from transport.engines.api import Engine, attach_engine
 from transport.sockets import WorkerAuthenticator
 from transport.worker.context import (
     InvalidHandlerOutput,
@@ -64,10 +65,6 @@ _INF = float("inf")
 Handler = Callable[[LLMRequest, RequestContext], Awaitable[LLMResponse]]
 #: A background job started with the server in its loop (e.g. a weight subscriber).
 Background = Callable[["WorkerServer"], Awaitable[None]]
-
-
-class _Engine(Protocol):
-    async def generate(self, req: LLMRequest, ctx: RequestContext) -> LLMResponse: ...
 
 
 class WorkerServer(PauseControl):
@@ -98,7 +95,7 @@ class WorkerServer(PauseControl):
 
     def __init__(
         self,
-        handler: Handler | _Engine,
+        handler: Handler | Engine,
         config: WorkerConfig | None = None,
         *,
         background: Sequence[Background] = (),
@@ -117,6 +114,10 @@ class WorkerServer(PauseControl):
         #: Callbacks run (in the loop) when a pause starts / when generation resumes.
         self.on_pause: list[Callable[[], Any]] = []
         self.on_resume: list[Callable[[], Any]] = []
+        #: The engine's ``queue_depth()`` (requests waiting inside it), added to pongs' ``waiting``.
+        self.engine_load: Callable[[], int] | None = None
+        if self.engine is not None:
+            attach_engine(self, self.engine)  # its optional hooks (transport.engines.api)
         self.endpoints: list[str] = []
         self.counters: dict[str, int] = dict.fromkeys(
             (

@@ -1,0 +1,154 @@
+"""A fake vLLM OpenAI-compatible server, as vLLM's public docs describe it.
+
+Endpoints: ``POST /v1/completions`` (``model``, ``prompt`` as token ids, ``max_tokens``,
+``min_tokens``, ``stop_token_ids``, ``logprobs``, ``return_tokens_as_token_ids``,
+``stream``; streamed as ``data: {...}`` chunks of ``text_completion`` objects, one
+token each, ending ``data: [DONE]``; ``choices[0].logprobs`` has ``tokens`` (``token_id:N``
+with ``return_tokens_as_token_ids``), ``token_logprobs``, ``top_logprobs``,
+``text_offset``; ``finish_reason`` ``null`` until ``length`` or ``stop``), ``GET
+/v1/models``, ``GET /health``; a client that closes its stream aborts its request
+(counted as ``disconnected``). No weight reload endpoint. ``GET /fake/stats`` for the
+tests. Run: ``python -m tests.transport.fakes.vllm_server [--port 0] [options]``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Any
+
+from aiohttp import web
+
+from tests.transport.fakes.common import FakeState, context_hash, next_token, parse_args, serve
+
+
+class VLLM(FakeState):
+    def __init__(self, args: Any) -> None:
+        super().__init__(args)
+        self.model: str = args.model
+        self.running = 0
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/fake/stats", self.get_stats)
+        return app
+
+    async def health(self, request: web.Request) -> web.Response:
+        await self.fault_point()
+        return web.Response(text="")
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response(
+            {"object": "list", "data": [{"id": self.model, "object": "model", "owned_by": "vllm"}]}
+        )
+
+    async def get_stats(self, request: web.Request) -> web.Response:
+        return web.json_response(
+            dict(self.stats, seed=self.seed, running=self.running, tokens=self.tokens)
+        )
+
+    def _choice(self, tok: int, lp: float, as_ids: bool, finish: Any) -> dict[str, Any]:
+        name = f"token_id:{tok}" if as_ids else f"<{tok}>"
+        return {
+            "index": 0,
+            "text": f"<{tok}>",
+            "logprobs": {
+                "text_offset": [0],
+                "token_logprobs": [lp],
+                "tokens": [name],
+                "top_logprobs": [{name: lp}],
+            },
+            "finish_reason": finish,
+            "stop_reason": None,
+        }
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        await self.fault_point()
+        body = await request.json()
+        if body.get("model") != self.model:
+            return web.json_response(
+                {"object": "error", "message": f"The model `{body.get('model')}` does not exist.",
+                 "type": "NotFoundError", "code": 404}, status=404,
+            )  # fmt: skip
+        prompt = body["prompt"]
+        if not (isinstance(prompt, list) and all(isinstance(t, int) for t in prompt)):
+            return web.json_response(
+                {"object": "error", "message": "token ids only here"}, status=400
+            )
+        self.count("completions")
+        as_ids = bool(body.get("return_tokens_as_token_ids"))
+        max_tokens = int(body.get("max_tokens") or 16)
+        min_tokens = int(body.get("min_tokens") or 0)
+        stop = set(body.get("stop_token_ids") or ())
+        cid = f"cmpl-{self.stats['completions']}"
+        created = int(time.time())
+        stream = bool(body.get("stream"))
+        self.running += 1
+        try:
+            resp: web.StreamResponse | None = None
+            if stream:
+                resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+                await resp.prepare(request)
+            h = context_hash(prompt)
+            choices: list[dict[str, Any]] = []
+            finish = None
+            n = 0
+            while finish is None:
+                await self.fault_point()
+                tok, lp = next_token(self.seed, h)
+                if tok in stop and n < min_tokens:
+                    tok = (tok + 1) % 256
+                h = context_hash([tok], h)
+                n += 1
+                self.tokens += 1
+                if tok in stop:
+                    finish = "stop"
+                elif n >= max_tokens:
+                    finish = "length"
+                choice = self._choice(tok, lp, as_ids, finish)
+                if resp is None:
+                    choices.append(choice)
+                else:
+                    chunk = {"id": cid, "object": "text_completion", "created": created,
+                             "model": self.model, "choices": [choice]}  # fmt: skip
+                    try:
+                        await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+                    except (ConnectionError, RuntimeError):
+                        self.count("disconnected")  # vLLM aborts the request
+                        return resp
+                    if self.token_interval:
+                        await asyncio.sleep(self.token_interval)  # the model's step time
+                    if request.transport is None or request.transport.is_closing():
+                        self.count("disconnected")
+                        return resp
+            if resp is None:
+                merged = {
+                    "index": 0, "text": "".join(c["text"] for c in choices),
+                    "logprobs": {k: [x for c in choices for x in c["logprobs"][k]]
+                                 for k in ("text_offset", "token_logprobs", "tokens", "top_logprobs")},
+                    "finish_reason": finish, "stop_reason": None,
+                }  # fmt: skip
+                return web.json_response(
+                    {"id": cid, "object": "text_completion", "created": created,
+                     "model": self.model, "choices": [merged],
+                     "usage": {"prompt_tokens": len(prompt), "completion_tokens": n,
+                               "total_tokens": len(prompt) + n}}
+                )  # fmt: skip
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+            return resp
+        finally:
+            self.running -= 1
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    serve(lambda: VLLM(args).app(), args.port)
+
+
+if __name__ == "__main__":
+    main()

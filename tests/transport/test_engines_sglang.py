@@ -1,0 +1,212 @@
+"""``--engine sglang`` against a fake SGLang server (tests/transport/fakes): real worker
+processes, a real FabricClient and controller, the server in its own process."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from fastio import GenerationHyperparameters, LLMRequest
+from tests.transport.conftest import WorkerProc, await_for, wait_for
+from tests.transport.engines_helpers import FAST, Streams, bridge_args, fake
+from tests.transport.fakes.common import FakeProc, reference_output, seed_of_path
+from transport import FabricClient, FabricController, RequestAborted
+
+__all__ = ["fake"]  # the fixture, imported for pytest
+
+SEED = 1  # the fakes' default weights seed
+
+
+@pytest.mark.parametrize("mode", ["cumulative", "incremental"])
+def test_streams_every_token_once_with_its_version(
+    spawn: Callable[..., WorkerProc], fake: Callable[..., FakeProc], mode: str
+) -> None:
+    server = fake(
+        "sglang", "--token-interval", "0.002", *(["--incremental"] if mode == "incremental" else [])
+    )
+    w = spawn(*bridge_args("sglang", server.url))
+    n, calls = 24, 6
+    streams = Streams(calls)
+
+    async def main() -> list[object]:
+        async with FabricClient([w.address], FAST) as client:
+            g = GenerationHyperparameters(max_new_tokens=n)
+            futs = [
+                client.agenerate(
+                    LLMRequest(input_ids=[i, 7, i], gconfig=g), on_chunk=streams.on_chunk(i)
+                )
+                for i in range(calls)
+            ]
+            return list(await asyncio.gather(*futs))
+
+    resps = asyncio.run(main())
+    for i, r in enumerate(resps):
+        want = reference_output(SEED, [i, 7, i], n)
+        assert r.output_tokens.tolist() == want  # type: ignore[attr-defined]
+        assert streams.tokens(i) == want, "a streamed chunk was dropped or repeated"
+        assert streams.logprobs(i) == pytest.approx(r.output_logprobs.tolist())  # type: ignore[attr-defined]
+        assert streams.versions(i) == [0] * n == r.output_versions.tolist()  # type: ignore[attr-defined]
+        assert r.stop_reason == "length"  # type: ignore[attr-defined]
+        assert len(streams.chunks[i]) > 1, "answered in one piece: not streamed"
+        assert len(r.itl) == n - 1  # type: ignore[attr-defined]
+    stats = server.stats()
+    assert stats["generate"] == calls and stats["tokens"] == n * calls
+
+
+def test_stop_token_and_sampling_reach_the_server(
+    spawn: Callable[..., WorkerProc], fake: Callable[..., FakeProc]
+) -> None:
+    server = fake("sglang")
+    w = spawn(*bridge_args("sglang", server.url))
+    prompt = [3, 4, 5]
+    full = reference_output(SEED, prompt, 40)
+    stop = full[5]
+    g = GenerationHyperparameters(max_new_tokens=40, stop_token_ids=[stop])
+
+    async def main() -> object:
+        async with FabricClient([w.address], FAST) as client:
+            return await client.agenerate(LLMRequest(input_ids=prompt, gconfig=g))
+
+    r = asyncio.run(main())
+    want = reference_output(SEED, prompt, 40, stop=(stop,))
+    assert r.output_tokens.tolist() == want and want[-1] == stop  # type: ignore[attr-defined]
+    assert r.stop_reason == "stop"  # type: ignore[attr-defined]
+
+
+@pytest.mark.slow
+def test_pause_interrupts_on_the_server_and_resume_continues_after_the_partial(
+    spawn: Callable[..., WorkerProc], fake: Callable[..., FakeProc]
+) -> None:
+    server = fake("sglang", "--token-interval", "0.02")
+    w = spawn(*bridge_args("sglang", server.url))
+    n, calls = 40, 4
+    streams = Streams(calls)
+
+    async def main() -> list[object]:
+        async with FabricClient([w.address], FAST) as client:
+            g = GenerationHyperparameters(max_new_tokens=n)
+            futs = [
+                client.agenerate(
+                    LLMRequest(input_ids=[i, 1], gconfig=g), on_chunk=streams.on_chunk(i)
+                )
+                for i in range(calls)
+            ]
+            await await_for(lambda: all(streams.got(i) >= 3 for i in range(calls)), what="tokens")
+            with FabricController([w.address]) as ctl:
+                await asyncio.to_thread(ctl.pause, 10)
+                # Paused: the server aborted every request; nothing runs there.
+                assert server.stats()["running"] == 0
+                assert server.stats().get("aborted", 0) == calls
+                held = [streams.got(i) for i in range(calls)]
+                assert all(0 < h < n for h in held)
+                await asyncio.to_thread(ctl.resume, 10)
+            return list(await asyncio.gather(*futs))
+
+    resps = asyncio.run(main())
+    for i, r in enumerate(resps):
+        want = reference_output(SEED, [i, 1], n)
+        assert r.output_tokens.tolist() == want and streams.tokens(i) == want  # type: ignore[attr-defined]
+        assert r.stop_reason == "length"  # type: ignore[attr-defined]
+    # The partial outputs came back: the resumed requests went on after them, so no
+    # token was generated twice on the server.
+    stats = server.stats()
+    assert stats["tokens"] == n * calls, stats
+    assert stats["generate"] == 2 * calls
+
+
+def test_pause_before_the_server_knows_the_request_still_interrupts_it(
+    spawn: Callable[..., WorkerProc], fake: Callable[..., FakeProc]
+) -> None:
+    # The abort sent at the pause finds no such rid on the server (still queued); the
+    # bridge aborts again once the server streams, instead of waiting for the end.
+    server = fake("sglang", "--token-interval", "0.02", "--register-delay", "0.5")
+    w = spawn(*bridge_args("sglang", server.url))
+    n = 400
+
+    async def main() -> object:
+        async with FabricClient([w.address], FAST) as client:
+            g = GenerationHyperparameters(max_new_tokens=n)
+            fut = client.agenerate(LLMRequest(input_ids=[2, 2], gconfig=g))
+            await await_for(lambda: server.stats().get("generate") == 1, what="the request queued")
+            with FabricController([w.address]) as ctl:
+                await asyncio.to_thread(ctl.pause, 10)
+                stats = server.stats()
+                assert stats.get("aborted") == 1 and stats["tokens"] < n // 4, stats
+                await asyncio.to_thread(ctl.resume, 10)
+            return await fut
+
+    r = asyncio.run(main())
+    assert r.output_tokens.tolist() == reference_output(SEED, [2, 2], n)  # type: ignore[attr-defined]
+
+
+def test_controller_abort_reaches_the_server(
+    spawn: Callable[..., WorkerProc], fake: Callable[..., FakeProc]
+) -> None:
+    server = fake("sglang", "--token-interval", "0.05")
+    w = spawn(*bridge_args("sglang", server.url))
+    streams = Streams(1)
+
+    async def main() -> None:
+        async with FabricClient([w.address], FAST) as client:
+            g = GenerationHyperparameters(max_new_tokens=1000)
+            fut = client.agenerate(
+                LLMRequest(input_ids=[1], gconfig=g), on_chunk=streams.on_chunk(0)
+            )
+            await await_for(lambda: streams.got(0) >= 2, what="tokens")
+            with FabricController([w.address]) as ctl:
+                await asyncio.to_thread(ctl.abort)
+            with pytest.raises(RequestAborted):
+                await fut
+
+    asyncio.run(main())
+    wait_for(lambda: server.stats()["running"] == 0, what="the server's request aborted")
+    assert server.stats()["abort_requests"] >= 1 and server.stats()["aborted"] == 1
+
+
+@pytest.mark.slow
+def test_weight_version_lands_on_the_server_through_disk(
+    spawn: Callable[..., WorkerProc], fake: Callable[..., FakeProc], tmp_path: Path
+) -> None:
+    import torch
+
+    from transport.weights import WeightPublisher, update_weights
+
+    server = fake("sglang")
+    pub = WeightPublisher(
+        "tcp://127.0.0.1:*", shm=False, heartbeat_interval=0.1, worker_timeout=5.0
+    )
+    wdir = tmp_path / "weights"
+    w = spawn(
+        *bridge_args("sglang", server.url, "--engine-opt", f"weights_dir={wdir}"),
+        "--worker-id", "sg", "--plugin", "transport.weights.update:subscribe",
+        "--plugin-opt", f"weights_endpoint={pub.endpoint}", "--plugin-opt", "weights_shm=0",
+    )  # fmt: skip
+    prompt = [9, 8, 7]
+    g = GenerationHyperparameters(max_new_tokens=12)
+    state = {"w": torch.arange(12, dtype=torch.float32).reshape(3, 4), "b": torch.ones(5)}
+
+    async def ask() -> object:
+        async with FabricClient([w.address], FAST) as client:
+            return await client.agenerate(LLMRequest(input_ids=prompt, gconfig=g))
+
+    try:
+        before = asyncio.run(ask())
+        assert before.output_tokens.tolist() == reference_output(SEED, prompt, 12)  # type: ignore[attr-defined]
+        pub.wait_for_workers(1, timeout=20)
+        with FabricController([w.address]) as ctl:
+            res = update_weights(ctl, pub, state, version=3, timeout=30)
+            assert res.ok and "sg" in res.applied
+            assert ctl.health()[w.address].version == 3
+        written = sorted(wdir.glob("v*/model.safetensors"))
+        assert len(written) == 1, "written once"
+        assert server.stats()["reloads"] == 1
+        new_seed = seed_of_path(str(written[0].parent))
+        after = asyncio.run(ask())
+        assert after.output_tokens.tolist() == reference_output(new_seed, prompt, 12)  # type: ignore[attr-defined]
+        assert after.output_tokens.tolist() != before.output_tokens.tolist()  # type: ignore[attr-defined]
+        assert after.output_versions.tolist() == [3] * 12  # type: ignore[attr-defined]
+    finally:
+        pub.close()

@@ -1,0 +1,129 @@
+"""``--engine vllm`` against a fake vLLM OpenAI-compatible server (tests/transport/fakes)."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+from collections.abc import Callable
+
+import pytest
+
+from fastio import GenerationHyperparameters, LLMRequest
+from tests.transport.conftest import WorkerProc, await_for, wait_for
+from tests.transport.engines_helpers import FAST, Streams, bridge_args, fake
+from tests.transport.fakes.common import FakeProc, reference_output
+from transport import FabricClient, FabricController, RequestAborted
+
+__all__ = ["fake"]
+
+SEED = 1
+
+
+def test_streams_every_token_once_and_stop_tokens(
+    spawn: Callable[..., WorkerProc], fake: Callable[..., FakeProc]
+) -> None:
+    server = fake("vllm", "--token-interval", "0.002")
+    w = spawn(*bridge_args("vllm", server.url))
+    n, calls = 20, 5
+    streams = Streams(calls + 1)
+    stop_prompt = [5, 5]
+    stop = reference_output(SEED, stop_prompt, 30)[4]
+
+    async def main() -> list[object]:
+        async with FabricClient([w.address], FAST) as client:
+            g = GenerationHyperparameters(max_new_tokens=n)
+            futs = [
+                client.agenerate(
+                    LLMRequest(input_ids=[i, 2], gconfig=g), on_chunk=streams.on_chunk(i)
+                )
+                for i in range(calls)
+            ]
+            gs = GenerationHyperparameters(max_new_tokens=30, stop_token_ids=[stop])
+            futs.append(client.agenerate(LLMRequest(input_ids=stop_prompt, gconfig=gs)))
+            return list(await asyncio.gather(*futs))
+
+    resps = asyncio.run(main())
+    for i, r in enumerate(resps[:calls]):
+        want = reference_output(SEED, [i, 2], n)
+        assert r.output_tokens.tolist() == want == streams.tokens(i)  # type: ignore[attr-defined]
+        assert streams.logprobs(i) == pytest.approx(r.output_logprobs.tolist())  # type: ignore[attr-defined]
+        assert streams.versions(i) == [0] * n
+        assert r.stop_reason == "length" and len(streams.chunks[i]) > 1  # type: ignore[attr-defined]
+    last = resps[-1]
+    assert last.output_tokens.tolist() == reference_output(SEED, stop_prompt, 30, stop=(stop,))  # type: ignore[attr-defined]
+    assert last.stop_reason == "stop"  # type: ignore[attr-defined]
+    assert server.stats()["completions"] == calls + 1
+
+
+@pytest.mark.slow
+def test_pause_closes_streams_and_resume_continues_after_the_partial(
+    spawn: Callable[..., WorkerProc], fake: Callable[..., FakeProc]
+) -> None:
+    server = fake("vllm", "--token-interval", "0.02")
+    w = spawn(*bridge_args("vllm", server.url))
+    n, calls = 40, 4
+    streams = Streams(calls)
+
+    async def main() -> list[object]:
+        async with FabricClient([w.address], FAST) as client:
+            g = GenerationHyperparameters(max_new_tokens=n)
+            futs = [
+                client.agenerate(
+                    LLMRequest(input_ids=[i, 3], gconfig=g), on_chunk=streams.on_chunk(i)
+                )
+                for i in range(calls)
+            ]
+            await await_for(lambda: all(streams.got(i) >= 3 for i in range(calls)), what="tokens")
+            with FabricController([w.address]) as ctl:
+                await asyncio.to_thread(ctl.pause, 10)
+                await await_for(lambda: server.stats()["running"] == 0, what="server idle")
+                assert server.stats().get("disconnected", 0) == calls
+                await asyncio.to_thread(ctl.resume, 10)
+            return list(await asyncio.gather(*futs))
+
+    resps = asyncio.run(main())
+    for i, r in enumerate(resps):
+        want = reference_output(SEED, [i, 3], n)
+        assert r.output_tokens.tolist() == want == streams.tokens(i)  # type: ignore[attr-defined]
+    # Every token received before the pause was kept (the server generated at most
+    # one more per request, the one in flight when its stream closed).
+    assert n * calls <= server.stats()["tokens"] <= n * calls + calls
+
+
+def test_controller_abort_closes_the_stream(
+    spawn: Callable[..., WorkerProc], fake: Callable[..., FakeProc]
+) -> None:
+    server = fake("vllm", "--token-interval", "0.05")
+    w = spawn(*bridge_args("vllm", server.url))
+    streams = Streams(1)
+
+    async def main() -> None:
+        async with FabricClient([w.address], FAST) as client:
+            g = GenerationHyperparameters(max_new_tokens=1000)
+            fut = client.agenerate(
+                LLMRequest(input_ids=[1], gconfig=g), on_chunk=streams.on_chunk(0)
+            )
+            await await_for(lambda: streams.got(0) >= 2, what="tokens")
+            with FabricController([w.address]) as ctl:
+                await asyncio.to_thread(ctl.abort)
+            with pytest.raises(RequestAborted):
+                await fut
+
+    asyncio.run(main())
+    wait_for(lambda: server.stats()["running"] == 0, what="the server's request ended")
+    assert server.stats()["disconnected"] == 1
+
+
+@pytest.mark.slow
+def test_weights_are_refused_at_start_with_a_clear_message(fake: Callable[..., FakeProc]) -> None:
+    server = fake("vllm")
+    r = subprocess.run(
+        [sys.executable, "-m", "transport.worker", *bridge_args("vllm", server.url),
+         "--plugin", "transport.weights.update:subscribe",
+         "--plugin-opt", "weights_endpoint=tcp://127.0.0.1:1"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert r.returncode == 1 and "ready" not in r.stdout
+    assert "documents no endpoint that reloads them" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
