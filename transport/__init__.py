@@ -14,14 +14,6 @@ The wire protocol is specified in ``docs/PROTOCOL.md`` (section "Fabric").
 
 from typing import TYPE_CHECKING, Any
 
-from transport.client import (
-    ClientConfig,
-    FabricClient,
-    GenerateFuture,
-    SyncFabricClient,
-    WorkerInfo,
-)
-from transport.control import FabricController
 from transport.errors import (
     BadAddress,
     ClientClosed,
@@ -33,19 +25,36 @@ from transport.errors import (
     RequestTimeout,
     TransportError,
 )
-from transport.sockets import CurveConfig
 
 if TYPE_CHECKING:
+    from transport.client import (
+        ClientConfig,
+        FabricClient,
+        GenerateFuture,
+        SyncFabricClient,
+        WorkerInfo,
+    )
+    from transport.control import FabricController
     from transport.engine import ReferenceEngine, TinyLM
+    from transport.sockets import CurveConfig
     from transport.worker import RequestContext, WorkerConfig, WorkerServer, echo_handler
 
-# Imported on first use: the engine needs torch, which a rollout client does not, and
-# ``python -m transport.worker`` must not find its module imported by the package.
+# Imported on first use, so that ``import transport.weights.bucket`` (or any one room)
+# loads neither the client nor the worker; the engine needs torch, which a rollout
+# client does not; and ``python -m transport.worker`` must not find its module
+# imported by the package.
 _LAZY = {
+    "ClientConfig": "transport.client",
+    "CurveConfig": "transport.sockets",
+    "FabricClient": "transport.client",
+    "FabricController": "transport.control",
+    "GenerateFuture": "transport.client",
     "ReferenceEngine": "transport.engine",
-    "TinyLM": "transport.engine",
     "RequestContext": "transport.worker",
+    "SyncFabricClient": "transport.client",
+    "TinyLM": "transport.engine",
     "WorkerConfig": "transport.worker",
+    "WorkerInfo": "transport.client",
     "WorkerServer": "transport.worker",
     "echo_handler": "transport.worker",
 }
@@ -77,9 +86,17 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'transport' has no attribute {name!r}")
     import importlib
 
-    return getattr(importlib.import_module(module), name)
+    module = _LAZY.get(name)
+    if module is not None:
+        return getattr(importlib.import_module(module), name)
+    if name.startswith("__"):
+        raise AttributeError(f"module 'transport' has no attribute {name!r}")
+    # ``import transport`` then ``transport.control.X``: the room is imported on first use.
+    try:
+        return importlib.import_module(f"transport.{name}")
+    except ModuleNotFoundError as exc:
+        if exc.name != f"transport.{name}":
+            raise
+        raise AttributeError(f"module 'transport' has no attribute {name!r}") from None

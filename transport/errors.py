@@ -14,6 +14,9 @@ Exception tree::
         ├── ClientClosed(RuntimeError)    the client was closed while a request waited
         └── ControlError                  a control operation failed on some workers
 
+    RuntimeError
+    └── ResumeRefused                     an ``on_resume`` callback refuses a resume
+
 Errors from the codec (``fastio.DecodeError``) are translated at the socket boundary:
 they never reach a caller as such, they become an Error reply or a counted, logged drop.
 """
@@ -31,6 +34,7 @@ __all__ = [
     "RemoteError",
     "RequestAborted",
     "RequestTimeout",
+    "ResumeRefused",
     "TransportError",
 ]
 
@@ -107,3 +111,9 @@ class ControlError(TransportError):
         super().__init__(message)
         self.failed = failed
         self.statuses = statuses
+
+
+class ResumeRefused(RuntimeError):
+    """Raised by an ``on_resume`` callback to refuse a resume: the worker stays paused
+    and the resume is answered ``ok=False`` with this error (e.g. its weights are
+    mixed)."""

@@ -18,6 +18,7 @@ from pathlib import Path
 import zmq
 
 import transport.demo as _pkg
+from fastio._optional import install_hint
 from transport.demo.children import (
     StopSignals,
     free_port,
@@ -54,7 +55,7 @@ def _check_args(a: argparse.Namespace) -> None:
         if not os.path.isfile(os.path.join(a.model_path, "config.json")):
             raise UserError(f"--model-path {a.model_path}: no config.json there")
     if a.engine == "hf" and importlib.util.find_spec("transformers") is None:
-        raise UserError("--engine hf needs transformers: pip install 'fastio[hf]'")
+        raise UserError(f"--engine hf needs transformers: {install_hint('hf')}")
 
 
 def _orchestrate(a: argparse.Namespace) -> int:

@@ -56,7 +56,13 @@ from collections.abc import Callable, Iterable
 from typing import Any, Union
 
 import numpy as np
-import torch
+
+try:
+    import torch
+except ImportError as exc:  # name the extra that brings torch
+    from fastio._optional import missing
+
+    raise missing("torch", "weights", "WeightSubscriber") from exc
 import zmq
 
 import fastio
