@@ -112,8 +112,7 @@ def _module_graph() -> dict[str, set[str]]:
                     base = ".".join([*up, base] if base else up)
                 # ``from pkg import sub`` depends on pkg.sub, not on pkg's __init__.
                 deps.update(
-                    f"{base}.{a.name}" if f"{base}.{a.name}" in files else base
-                    for a in node.names
+                    f"{base}.{a.name}" if f"{base}.{a.name}" in files else base for a in node.names
                 )
         graph[name] = {d for d in deps if d in files and d != name}
     return graph
@@ -263,4 +262,3 @@ def test_torch_tensor_without_torch_is_a_clear_decode_error() -> None:
     assert out.returncode == 0, out.stderr
     assert "torch is not installed" in out.stdout
     assert "pip install 'fastio[torch]'" in out.stdout
-
