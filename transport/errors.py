@@ -26,6 +26,7 @@ from __future__ import annotations
 from fastio.errors import FastioError
 
 __all__ = [
+    "EMPTY_PROMPT",
     "BadAddress",
     "ClientClosed",
     "ControlError",
@@ -37,6 +38,10 @@ __all__ = [
     "ResumeRefused",
     "TransportError",
 ]
+
+
+#: Why a request with no prompt tokens is refused, by the client and by a worker.
+EMPTY_PROMPT = "empty prompt: LLMRequest.input_ids has no tokens (a prompt needs at least one)"
 
 
 class TransportError(FastioError):

@@ -125,6 +125,7 @@ class Worker:
         "pump",
         "running",
         "sticky_queue",
+        "unresolved",
         "version",
         "waiting",
         "worker_id",
@@ -141,6 +142,8 @@ class Worker:
         self.version = 0
         self.paused = False
         self.last_seen = 0.0
+        #: Why the address's host name does not resolve ("" while it does, or unknown).
+        self.unresolved = ""
         self.missed = 0
         self.pump: SocketPump | None = None
         self.monitor: zmq.Socket[Any] | None = None
@@ -213,6 +216,8 @@ class Worker:
             )
         if self.handshake_ok or self.connected:
             return "never answered: connected, but no pong came back"
+        if self.unresolved:
+            return f"never answered: {self.unresolved}"
         if self.connect_retries:
             return f"never answered: no connection ({self.connect_retries} attempts refused)"
         return "never answered: no connection"
