@@ -91,7 +91,7 @@ from transport.hf_model import (
 )
 
 if TYPE_CHECKING:
-    from transport.worker import RequestContext
+    from transport.worker.context import RequestContext
 
 __all__ = [
     "MODEL_SIZES",

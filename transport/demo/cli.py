@@ -17,7 +17,6 @@ from pathlib import Path
 
 import zmq
 
-import transport.demo as _pkg
 from fastio._optional import install_hint
 from transport.demo.children import (
     StopSignals,
@@ -196,7 +195,7 @@ def _run(a: argparse.Namespace, tmp: Path) -> bool:
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m transport.demo",
-        description=(_pkg.__doc__ or "").splitlines()[0],
+        description="The whole system on one machine, in one command.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("--workers", type=int, default=2, help="generation worker processes")
