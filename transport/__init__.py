@@ -8,6 +8,10 @@ only the fabric envelope (:mod:`fastio.fabric_msgs`). Rooms:
 - :mod:`transport.client`: the rollout client (a DEALER per worker)
 - :mod:`transport.control`: pause / resume / abort / health of all workers
 - :mod:`transport.engine`: a reference engine (tiny torch LM on CPU)
+- :mod:`transport.addresses`: host names checked, wildcard hosts made reachable
+
+The rooms are imported on first use: ``import transport`` loads only the errors, and
+the base install (no torch) serves the client, the controller and the echo worker.
 
 The wire protocol is specified in ``docs/PROTOCOL.md`` (section "Fabric").
 """
