@@ -38,6 +38,7 @@ from fastio.io_struct import (
     WeightUpdateMeta,
     WireStruct,
 )
+from fastio.jsonhook import to_builtins, to_json
 from fastio.protocol import PROTOCOL_VERSION, ExtCode, MsgKind
 from fastio.tokens import TokenArray
 
@@ -77,4 +78,6 @@ __all__ = [
     "enc_hook",
     "encode",
     "message_types",
+    "to_builtins",
+    "to_json",
 ]

@@ -119,8 +119,8 @@ _IMAGE_MODES = {
     "I;16": 2,
 }
 
-# torch is a dependency, but importing it costs ~1 s: do it only when a tensor is
-# actually encoded (then torch is already in sys.modules) or decoded.
+# torch is optional (the ``torch`` extra) and slow to import: import it only when a
+# tensor is actually encoded (then torch is already in sys.modules) or decoded.
 _torch_names: dict[Any, str] = {}  # torch.dtype -> wire name
 _torch_dtypes: dict[str, tuple[Any, int]] = {}  # wire name -> (torch.dtype, itemsize)
 

@@ -26,6 +26,7 @@ from fastio._ext import (
     _torch_dtypes,
     _torch_tables,
 )
+from fastio._optional import install_hint
 from fastio.errors import DecodeError
 from fastio.tokens import TokenArray
 
@@ -124,8 +125,13 @@ class _ExtDecoderMixin:
     def _tensor(
         self, name: str, shape: tuple[int, ...], count: int, slot: int | bytearray, frames: Any
     ) -> Any:
-        import torch
-
+        try:
+            import torch
+        except ImportError as exc:
+            raise DecodeError(
+                f"a torch tensor {name}{list(shape)} arrived and torch is not installed: "
+                f"{install_hint('torch')}"
+            ) from exc
         if not _torch_dtypes:
             _torch_tables()
         entry = _torch_dtypes.get(name)

@@ -4,8 +4,31 @@ from __future__ import annotations
 
 import importlib
 from types import ModuleType
+from typing import Any
 
-__all__ = ["require"]
+__all__ = ["install_hint", "lazy", "missing", "require"]
+
+
+def install_hint(extra: str) -> str:
+    """The command that installs fastio's ``extra``, from an index and from a checkout.
+
+    >>> install_hint("weights")
+    "pip install 'fastio[weights]' (from a checkout: pip install '.[weights]')"
+    """
+    return f"pip install 'fastio[{extra}]' (from a checkout: pip install '.[{extra}]')"
+
+
+def missing(module: str, extra: str, purpose: str = "") -> ImportError:
+    """The ImportError for a missing optional ``module``: what needs it and the install
+    command, for ``except ImportError as exc: raise missing(...) from exc``.
+
+    >>> print(missing("torch", "weights", "weight updates"))
+    weight updates needs 'torch', which is not installed: pip install 'fastio[weights]' (from a checkout: pip install '.[weights]')
+    """
+    what = f"{purpose} needs " if purpose else ""
+    return ImportError(
+        f"{what}{module!r}, which is not installed: {install_hint(extra)}", name=module
+    )
 
 
 def require(module: str, extra: str, purpose: str = "") -> ModuleType:
@@ -17,7 +40,34 @@ def require(module: str, extra: str, purpose: str = "") -> ModuleType:
     try:
         return importlib.import_module(module)
     except ImportError as exc:
-        what = f"{purpose} needs " if purpose else ""
-        raise ImportError(
-            f"{what}{module!r}, which is not installed: pip install 'fastio[{extra}]'"
-        ) from exc
+        raise missing(module, extra, purpose) from exc
+
+
+class _Lazy(ModuleType):
+    """A stand-in for a module that imports it on first attribute access, then replaces
+    itself in the namespace that holds it, so later lookups cost nothing extra."""
+
+    def __init__(self, module: str, extra: str, purpose: str, namespace: dict[str, Any]) -> None:
+        super().__init__(module)
+        self._spec = (module, extra, purpose, namespace)
+
+    def __getattr__(self, attr: str) -> Any:
+        if attr.startswith("__"):  # copy, pickle and inspect probe dunders: stay lazy
+            raise AttributeError(attr)
+        module, extra, purpose, namespace = self._spec
+        real = require(module, extra, purpose)
+        for key, value in list(namespace.items()):
+            if value is self:
+                namespace[key] = real
+        return getattr(real, attr)
+
+
+def lazy(module: str, extra: str, purpose: str, namespace: dict[str, Any]) -> Any:
+    """A module imported on first use, for modules that need it only inside functions.
+
+    ``torch = lazy("torch", "torch", "weight buckets", globals())`` keeps ``import
+    transport.weights.bucket`` free of torch until a function touches ``torch.<name>``;
+    then :func:`require` imports it (or names the extra) and the global becomes torch.
+    Under ``TYPE_CHECKING`` import the module itself, so that annotations stay exact.
+    """
+    return _Lazy(module, extra, purpose, namespace)

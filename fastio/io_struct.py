@@ -68,7 +68,9 @@ import operator
 import os
 import re
 import socket
+import types
 import uuid
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Annotated, Any, Literal, Protocol
 
 import msgspec
@@ -368,13 +370,23 @@ def _check_request(req: LLMRequest) -> None:
 
 def _gconfig(value: Any) -> GenerationHyperparameters:
     """Accept the seed's own ``GenerationHyperparameters`` (a dataclass with the same
-    fields) or a mapping, converted once; anything else is a ``TypeError`` here rather
-    than a ``BAD_REQUEST`` from a worker later."""
+    fields) or a mapping of its fields, converted once; anything else is a ``TypeError``
+    here rather than a ``BAD_REQUEST`` from a worker later."""
+    hint = "pass a fastio.GenerationHyperparameters (or a dict of its fields)"
+    if isinstance(value, Mapping):
+        unknown = sorted(map(str, set(value) - set(GenerationHyperparameters.__struct_fields__)))
+        if unknown:
+            raise TypeError(f"gconfig has no field {', '.join(map(repr, unknown))}: {hint}")
+        # array_like Structs convert from arrays only: read the dict as attributes.
+        value = types.SimpleNamespace(**value)
     try:
         return msgspec.convert(value, GenerationHyperparameters, from_attributes=True)
     except msgspec.ValidationError as exc:
+        if isinstance(value, types.SimpleNamespace):
+            raise TypeError(f"gconfig dict is not valid: {exc}; {hint}") from exc
         raise TypeError(
-            f"gconfig must be a GenerationHyperparameters, got {type(value).__name__}: {exc}"
+            "gconfig must be a GenerationHyperparameters (or a dict of its fields), "
+            f"got {type(value).__name__}: {exc}"
         ) from exc
 
 
@@ -652,10 +664,16 @@ class _HasParamSpecs(Protocol):
 
 
 def _host_ip() -> str:
+    # As AReaL's gethostip: this host's name, resolved. A fallback to 127.0.0.1 would
+    # leave workers on other hosts waiting for a store they cannot reach.
+    name = socket.gethostname()
     try:
-        return socket.gethostbyname(socket.gethostname())
-    except OSError:
-        return "127.0.0.1"
+        return socket.gethostbyname(name)
+    except OSError as exc:
+        raise OSError(
+            f"cannot find this host's address: its name {name!r} does not resolve "
+            f"({getattr(exc, 'strerror', None) or exc}); pass master_address="
+        ) from exc
 
 
 def _free_port(host: str = "127.0.0.1") -> int:
@@ -710,7 +728,8 @@ class WeightUpdateMeta(WireStruct, tag=int(MsgKind.WEIGHT_UPDATE_META)):
     ) -> WeightUpdateMeta:
         """Process-group update of the given parameters.
 
-        ``master_address`` defaults to this host's IP, ``master_port`` to a free port.
+        ``master_address`` defaults to this host's IP (its host name, resolved; an
+        :class:`OSError` when the name does not resolve), ``master_port`` to a free port.
         """
         address = master_address or _host_ip()
         return cls(

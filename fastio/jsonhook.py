@@ -1,16 +1,17 @@
-"""``enc_hook`` for msgspec's JSON encoder and ``to_builtins``: fastio's values as
-JSON-ready builtins."""
+"""fastio's messages as JSON: :func:`to_builtins` and :func:`to_json` (named fields,
+token arrays as lists), and the ``enc_hook`` behind them for msgspec's own encoders."""
 
 from __future__ import annotations
 
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from fastio._ext import _is_pil_image, _is_tensor
 from fastio.tokens import TokenArray
 
-__all__ = ["enc_hook"]
+__all__ = ["enc_hook", "to_builtins", "to_json"]
 
 
 def enc_hook(obj: Any) -> Any:
@@ -46,3 +47,48 @@ def enc_hook(obj: Any) -> Any:
     if isinstance(name, str):
         return name
     raise NotImplementedError(f"fastio.enc_hook cannot convert {type(obj).__qualname__}")
+
+
+def _named(obj: Any) -> Any:
+    # Structs are array_like on the wire; for JSON every Struct, at any depth, becomes a
+    # dict of its named fields (msgspec.structs.asdict is shallow).
+    if isinstance(obj, msgspec.Struct):
+        return {f: _named(getattr(obj, f)) for f in obj.__struct_fields__}
+    if isinstance(obj, dict):
+        return {k: _named(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_named(v) for v in obj]
+    return obj
+
+
+def to_builtins(obj: Any) -> Any:
+    """A message (or any value holding messages) as JSON-ready builtins: every Struct a
+    ``dict`` of its named fields, token arrays and numpy arrays lists, tensors nested
+    lists, enums their values, ``bytes`` base64 strings, images data URLs.
+
+    The wire form of a message is positional (``array_like``); this is the form for
+    logs, JSON lines of trajectories and dashboards. It is one way: decode wire bytes
+    with :func:`fastio.decode`, not from this.
+
+    Examples
+    --------
+    >>> import fastio
+    >>> resp = fastio.LLMResponse(input_tokens=[1, 2], output_tokens=[5, 6], stop_reason="length")
+    >>> d = fastio.to_builtins(resp)
+    >>> d["output_tokens"], d["stop_reason"]
+    ([5, 6], 'length')
+    """
+    return msgspec.to_builtins(_named(obj), enc_hook=enc_hook)
+
+
+def to_json(obj: Any) -> bytes:
+    """:func:`to_builtins` encoded as one line of JSON (UTF-8 ``bytes``, no newline).
+
+    Examples
+    --------
+    >>> import json, fastio
+    >>> line = fastio.to_json(fastio.LLMRequest(rid="r1", input_ids=[1, 2, 3]))
+    >>> json.loads(line)["input_ids"]
+    [1, 2, 3]
+    """
+    return msgspec.json.encode(to_builtins(obj))

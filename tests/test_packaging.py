@@ -24,6 +24,7 @@ PROJECT = PYPROJECT["project"]
 # Optional imports (module -> extra). fastio._optional.require names the extra in its
 # ImportError, so these must agree with pyproject.toml.
 OPTIONAL = {
+    "torch": ("torch", "torch"),
     "PIL": ("vlm", "pillow"),
     "rich": ("demo", "rich"),
     "safetensors": ("weights", "safetensors"),
@@ -42,20 +43,66 @@ def _names(reqs: list[str]) -> set[str]:
 
 
 def test_core_dependencies_are_what_a_rollout_client_needs() -> None:
-    assert _names(PROJECT["dependencies"]) == {"msgspec", "pyzmq", "numpy", "torch"}
+    """The base install: types, codec, client, controller, echo worker. No torch."""
+    assert _names(PROJECT["dependencies"]) == {"msgspec", "pyzmq", "numpy"}
+
+
+def _closure(extra: str) -> set[str]:
+    """Distributions an extra installs, following ``fastio[...]`` references."""
+    extras = PROJECT["optional-dependencies"]
+    out: set[str] = set()
+    for req in extras[extra]:
+        m = re.fullmatch(r"fastio\[([a-z,]+)\]", req)
+        if m:
+            for inner in m.group(1).split(","):
+                out |= _closure(inner)
+        else:
+            out |= _names([req])
+    return out
 
 
 def test_each_optional_import_has_its_extra() -> None:
     extras = PROJECT["optional-dependencies"]
     for module, (extra, dist) in OPTIONAL.items():
         assert dist in _names(extras[extra]), (module, extra)
+    # ``all`` is every feature extra, in the order they are declared.
+    features = [e for e in extras if e not in ("all", "test", "dev")]
+    assert {e for e, _ in OPTIONAL.values()} <= set(features)
+    assert extras["all"] == [f"fastio[{','.join(features)}]"]
     for extra, dist in SECOND_EXTRAS.items():
         assert dist in _names(extras[extra]), extra
-    everything = {e for e, _ in OPTIONAL.values()} | set(SECOND_EXTRAS)
-    assert extras["all"] == [f"fastio[{','.join(sorted(everything, key=list(extras).index))}]"]
     # The full test suite needs every extra: the test and dev extras pull them in.
     assert "fastio[all]" in extras["test"]
     assert "fastio[test]" in extras["dev"]
+
+
+@pytest.mark.parametrize("extra", ["torch", "reference", "weights", "hf", "demo", "all", "dev"])
+def test_extras_that_need_torch_bring_it(extra: str) -> None:
+    assert "torch" in _closure(extra)
+
+
+@pytest.mark.parametrize("extra", ["vlm", "plots", "metrics"])
+def test_extras_that_need_no_torch_leave_it_out(extra: str) -> None:
+    assert "torch" not in _closure(extra)
+
+
+def test_license_file_is_the_apache_license_and_declared() -> None:
+    text = (ROOT / "LICENSE").read_text()
+    assert text.split()[:4] == ["Apache", "License", "Version", "2.0,"]
+    assert "END OF TERMS AND CONDITIONS" in text
+    assert PROJECT["license"] == "Apache-2.0"
+    assert PROJECT["license-files"] == ["LICENSE"]
+
+
+def test_missing_extra_hint_works_from_an_index_and_a_checkout() -> None:
+    from fastio._optional import require
+
+    with pytest.raises(ImportError) as info:
+        require("fastio_no_such_module", "weights", "a test")
+    msg = str(info.value)
+    assert "a test needs 'fastio_no_such_module'" in msg
+    assert "pip install 'fastio[weights]'" in msg
+    assert "from a checkout: pip install '.[weights]'" in msg
 
 
 def test_ships_fastio_and_transport_only() -> None:
@@ -107,7 +154,7 @@ def test_wheel_installs_without_bench(tmp_path: Path) -> None:
     the install, ``bench`` does not exist, and the metadata carries the one version."""
     src = tmp_path / "src"
     src.mkdir()
-    for name in ("pyproject.toml", "README.md"):
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
         shutil.copy(ROOT / name, src / name)
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
     for pkg in ("fastio", "transport", "bench", "tests"):
@@ -129,11 +176,15 @@ def test_wheel_installs_without_bench(tmp_path: Path) -> None:
         tops = {n.split("/", 1)[0] for n in z.namelist()}
         meta = email.message_from_bytes(z.read(f"fastio-{fastio.__version__}.dist-info/METADATA"))
         entry_points = z.read(f"fastio-{fastio.__version__}.dist-info/entry_points.txt").decode()
+        license_text = z.read(f"fastio-{fastio.__version__}.dist-info/licenses/LICENSE")
     assert tops == {"fastio", "transport", f"fastio-{fastio.__version__}.dist-info"}
     assert meta["Version"] == fastio.__version__
     assert meta["Requires-Python"] == ">=3.11"
     assert "fastio-worker = transport.worker:main" in entry_points
     assert "fastio-demo = transport.demo:main" in entry_points
+    assert meta["License-Expression"] == "Apache-2.0"
+    assert meta.get_all("License-File") == ["LICENSE"]
+    assert license_text == (ROOT / "LICENSE").read_bytes()
 
     target = tmp_path / "site"
     install = [*pip, "install", "--no-deps", "--no-index", "--target", str(target), str(wheel)]

@@ -24,8 +24,14 @@ import zlib
 from typing import Any
 
 import numpy as np
-import torch
-from torch import nn
+
+try:
+    import torch
+    from torch import nn
+except ImportError as exc:  # name the extra that brings torch
+    from fastio._optional import missing
+
+    raise missing("torch", "reference", "the reference engine (transport.engine)") from exc
 
 from fastio import GenerationHyperparameters, LLMRequest, LLMResponse, TokenArray
 from transport.engines.api import GenerationContext

@@ -14,6 +14,9 @@ Exception tree::
         ├── ClientClosed(RuntimeError)    the client was closed while a request waited
         └── ControlError                  a control operation failed on some workers
 
+    RuntimeError
+    └── ResumeRefused                     an ``on_resume`` callback refuses a resume
+
 Errors from the codec (``fastio.DecodeError``) are translated at the socket boundary:
 they never reach a caller as such, they become an Error reply or a counted, logged drop.
 """
@@ -23,6 +26,7 @@ from __future__ import annotations
 from fastio.errors import FastioError
 
 __all__ = [
+    "EMPTY_PROMPT",
     "BadAddress",
     "ClientClosed",
     "ControlError",
@@ -31,8 +35,13 @@ __all__ = [
     "RemoteError",
     "RequestAborted",
     "RequestTimeout",
+    "ResumeRefused",
     "TransportError",
 ]
+
+
+#: Why a request with no prompt tokens is refused, by the client and by a worker.
+EMPTY_PROMPT = "empty prompt: LLMRequest.input_ids has no tokens (a prompt needs at least one)"
 
 
 class TransportError(FastioError):
@@ -107,3 +116,9 @@ class ControlError(TransportError):
         super().__init__(message)
         self.failed = failed
         self.statuses = statuses
+
+
+class ResumeRefused(RuntimeError):
+    """Raised by an ``on_resume`` callback to refuse a resume: the worker stays paused
+    and the resume is answered ``ok=False`` with this error (e.g. its weights are
+    mixed)."""

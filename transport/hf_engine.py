@@ -67,8 +67,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
-from torch import nn
+
+try:
+    import torch
+    from torch import nn
+except ImportError as exc:  # name the extra that brings torch
+    from fastio._optional import missing
+
+    raise missing("torch", "hf", "the hf engine (transport.hf_engine)") from exc
 
 from fastio import GenerationHyperparameters, LLMRequest, LLMResponse, TokenArray
 from transport.hf_model import (

@@ -12,8 +12,13 @@ import os
 from collections.abc import Collection, Sequence
 from typing import Any, Protocol
 
-import torch
-from torch import nn
+try:
+    import torch
+    from torch import nn
+except ImportError as exc:  # name the extra that brings torch
+    from fastio._optional import missing
+
+    raise missing("torch", "hf", "the hf engine (transport.hf_model)") from exc
 
 from fastio import GenerationHyperparameters
 from fastio._optional import require

@@ -12,9 +12,8 @@ already streamed are kept the same way, and the re-send continues after them. So
 
 from __future__ import annotations
 
-import asyncio
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -22,74 +21,9 @@ import numpy.typing as npt
 from fastio import LLMRequest, LLMResponse, VLMRequest, VLMResponse
 from fastio import fabric_msgs as fm
 from fastio.tokens import TokenArray
-from transport.client.config import ChunkCallback
-from transport.client.future import GenerateFuture
-
-if TYPE_CHECKING:
-    from transport.client.workers import Worker
+from transport.client.workers import Call
 
 __all__ = ["Call", "absorb_result", "keep_streamed", "on_stream"]
-
-_Chunk = tuple[TokenArray, TokenArray, TokenArray]
-
-
-class Call:
-    """One ``agenerate`` call, across re-sends and resumptions."""
-
-    __slots__ = (
-        "backoff",
-        "chunks",
-        "deadline",
-        "delivered",
-        "done",
-        "fut",
-        "interrupts",
-        "on_chunk",
-        "orig",
-        "out_lp",
-        "out_tok",
-        "out_ver",
-        "resends",
-        "seg_streamed",
-        "segment",
-        "sub_id",
-        "t0",
-        "timeout",
-        "timer",
-        "times",
-        "worker",
-    )  # fmt: skip
-
-    def __init__(
-        self, req: LLMRequest, fut: GenerateFuture, on_chunk: ChunkCallback | None
-    ) -> None:
-        self.orig = req
-        self.segment = req  # what the current attempt asks for
-        self.fut = fut
-        self.t0 = time.perf_counter()
-        self.timer: asyncio.TimerHandle | None = None
-        self.backoff: asyncio.TimerHandle | None = None  # a re-send waiting its turn
-        self.deadline = float("inf")
-        self.timeout = float("inf")
-        self.worker: Worker | None = None
-        self.sub_id = -1
-        # Output of the finished segments (None until one ends with more to come).
-        self.out_tok: TokenArray | None = None
-        self.out_lp: TokenArray | None = None
-        self.out_ver: TokenArray | None = None
-        self.times: list[float] = []  # arrival time of every accumulated/streamed token
-        self.chunks: list[_Chunk] = []  # streamed chunks of the current attempt
-        self.seg_streamed = 0  # tokens streamed by the current attempt
-        self.delivered = 0  # output positions handed to on_chunk
-        self.resends = 0
-        self.interrupts = 0
-        self.done = False
-        self.on_chunk = on_chunk
-
-    @property
-    def base(self) -> int:
-        """Output position where the current attempt's tokens start."""
-        return len(self.out_tok) if self.out_tok is not None else 0
 
 
 def _deliver(call: Call, pos: int, toks: TokenArray, lps: TokenArray, vers: TokenArray) -> None:

@@ -13,12 +13,20 @@ from fastio import DecodeError, LLMRequest, LLMResponse
 from fastio import fabric_msgs as fm
 from fastio.protocol import MsgKind
 from transport import metrics
+from transport.addresses import resolve_problem, tcp_host
 from transport.client.calls import Call, absorb_result, on_stream
 from transport.client.config import ChunkCallback, ClientConfig
 from transport.client.future import GenerateFuture, install_task_factory
 from transport.client.liveness import Liveness, log
 from transport.client.workers import MONITOR_EVENTS, Worker, WorkerInfo, check_address
-from transport.errors import BadAddress, ClientClosed, NoWorkers, RemoteError, RequestAborted
+from transport.errors import (
+    EMPTY_PROMPT,
+    BadAddress,
+    ClientClosed,
+    NoWorkers,
+    RemoteError,
+    RequestAborted,
+)
 from transport.sockets import SocketPump, make_dealer
 
 __all__ = ["FabricClient"]
@@ -132,6 +140,9 @@ class FabricClient(Liveness):
         )
         self._workers[address] = w
         self._order.append(w)
+        if tcp_host(address) is not None:  # a host name: say so if it does not resolve
+            lookup = self._loop.run_in_executor(None, resolve_problem, address)
+            lookup.add_done_callback(functools.partial(_resolved, w))
         if not self._n_alive:
             self._alive_at = time.monotonic()  # a new worker gets its connect_timeout
         self._probe(w, 0.002)
@@ -211,6 +222,8 @@ class FabricClient(Liveness):
             each address and what was seen there.
         NoWorkers
             No worker is configured.
+        ValueError
+            ``req.input_ids`` is empty.
 
         Cancelling the future (or a task awaiting it) cancels the request on its
         worker. Errors are raised where the result is awaited, never by the call.
@@ -220,6 +233,9 @@ class FabricClient(Liveness):
         except RuntimeError:
             return self._agenerate_in_loop(req, timeout, on_chunk)  # type: ignore[return-value]
         fut = GenerateFuture(loop=loop)
+        if not len(req.input_ids):  # refused here rather than by a worker, a round trip later
+            fut.set_exception(ValueError(EMPTY_PROMPT))
+            return fut
         if loop is not self._loop or not self._n_alive or not self._workers:
             try:
                 self._start()
@@ -362,3 +378,11 @@ class FabricClient(Liveness):
                 RemoteError(f"worker {w.address}: {err.message}", code=err.code, worker=w.address),
             )
         self._slot_freed(w)
+
+
+def _resolved(w: Worker, lookup: asyncio.Future[str]) -> None:
+    if lookup.cancelled() or lookup.exception() is not None:
+        return
+    w.unresolved = lookup.result()
+    if w.unresolved:
+        log.warning("worker %s: %s; retrying until it does", w.address, w.unresolved)

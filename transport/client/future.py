@@ -15,12 +15,9 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Coroutine, Generator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fastio import LLMResponse
-
-if TYPE_CHECKING:
-    from transport.client.calls import Call
 
 __all__ = ["GenerateFuture", "install_task_factory"]
 
@@ -38,9 +35,11 @@ class GenerateFuture(asyncio.Future[LLMResponse]):
 
     # Set by the client right after construction (no __init__ of its own: asyncio's C
     # one alone is cheaper, and this is made once per request).
+    # The call is opaque here (handed back to the canceller), so that this module needs
+    # none of the client's others.
     __slots__ = ("_call", "_canceller")
-    _call: Call | None
-    _canceller: Callable[[Call], None] | None
+    _call: object | None
+    _canceller: Callable[[Any], None] | None
 
     def cancel(self, msg: Any | None = None) -> bool:
         """Cancel the future and the request behind it."""

@@ -1,24 +1,27 @@
-"""The client's table entry for one worker, what a caller may see of it, and the check
-of worker addresses."""
+"""The client's table entries: one per worker and one per ``agenerate`` call (each
+holds the other: a worker its calls in flight, a call the worker it is on), what a
+caller may see of a worker, and the check of worker addresses."""
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import re
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from fastio import LLMRequest
+from fastio.tokens import TokenArray
+from transport.client.config import ChunkCallback
+from transport.client.future import GenerateFuture
 from transport.errors import BadAddress
 from transport.sockets import SocketPump
 
-if TYPE_CHECKING:
-    from transport.client.calls import Call
-
-__all__ = ["MONITOR_EVENTS", "Worker", "WorkerInfo", "check_address"]
+__all__ = ["MONITOR_EVENTS", "Call", "Worker", "WorkerInfo", "check_address"]
 
 _HANDSHAKE_FAILED = (
     zmq.EVENT_HANDSHAKE_FAILED_AUTH,
@@ -122,6 +125,7 @@ class Worker:
         "pump",
         "running",
         "sticky_queue",
+        "unresolved",
         "version",
         "waiting",
         "worker_id",
@@ -138,6 +142,8 @@ class Worker:
         self.version = 0
         self.paused = False
         self.last_seen = 0.0
+        #: Why the address's host name does not resolve ("" while it does, or unknown).
+        self.unresolved = ""
         self.missed = 0
         self.pump: SocketPump | None = None
         self.monitor: zmq.Socket[Any] | None = None
@@ -210,6 +216,8 @@ class Worker:
             )
         if self.handshake_ok or self.connected:
             return "never answered: connected, but no pong came back"
+        if self.unresolved:
+            return f"never answered: {self.unresolved}"
         if self.connect_retries:
             return f"never answered: no connection ({self.connect_retries} attempts refused)"
         return "never answered: no connection"
@@ -221,3 +229,65 @@ class Worker:
             now - self.last_seen if self.last_seen else float("inf"),
             self.running, self.waiting, self.engine_lag, self.seen(now, curve),
         )  # fmt: skip
+
+
+_Chunk = tuple[TokenArray, TokenArray, TokenArray]
+
+
+class Call:
+    """One ``agenerate`` call, across re-sends and resumptions."""
+
+    __slots__ = (
+        "backoff",
+        "chunks",
+        "deadline",
+        "delivered",
+        "done",
+        "fut",
+        "interrupts",
+        "on_chunk",
+        "orig",
+        "out_lp",
+        "out_tok",
+        "out_ver",
+        "resends",
+        "seg_streamed",
+        "segment",
+        "sub_id",
+        "t0",
+        "timeout",
+        "timer",
+        "times",
+        "worker",
+    )  # fmt: skip
+
+    def __init__(
+        self, req: LLMRequest, fut: GenerateFuture, on_chunk: ChunkCallback | None
+    ) -> None:
+        self.orig = req
+        self.segment = req  # what the current attempt asks for
+        self.fut = fut
+        self.t0 = time.perf_counter()
+        self.timer: asyncio.TimerHandle | None = None
+        self.backoff: asyncio.TimerHandle | None = None  # a re-send waiting its turn
+        self.deadline = float("inf")
+        self.timeout = float("inf")
+        self.worker: Worker | None = None
+        self.sub_id = -1
+        # Output of the finished segments (None until one ends with more to come).
+        self.out_tok: TokenArray | None = None
+        self.out_lp: TokenArray | None = None
+        self.out_ver: TokenArray | None = None
+        self.times: list[float] = []  # arrival time of every accumulated/streamed token
+        self.chunks: list[_Chunk] = []  # streamed chunks of the current attempt
+        self.seg_streamed = 0  # tokens streamed by the current attempt
+        self.delivered = 0  # output positions handed to on_chunk
+        self.resends = 0
+        self.interrupts = 0
+        self.done = False
+        self.on_chunk = on_chunk
+
+    @property
+    def base(self) -> int:
+        """Output position where the current attempt's tokens start."""
+        return len(self.out_tok) if self.out_tok is not None else 0

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import zmq
 
-import transport.demo as _pkg
+from fastio._optional import install_hint
 from transport.demo.children import (
     StopSignals,
     free_port,
@@ -58,7 +58,7 @@ def _check_args(a: argparse.Namespace) -> None:
         if not os.path.isfile(os.path.join(a.model_path, "config.json")):
             raise UserError(f"--model-path {a.model_path}: no config.json there")
     if a.engine == "hf" and importlib.util.find_spec("transformers") is None:
-        raise UserError("--engine hf needs transformers: pip install 'fastio[hf]'")
+        raise UserError(f"--engine hf needs transformers: {install_hint('hf')}")
 
 
 def _orchestrate(a: argparse.Namespace) -> int:
@@ -204,7 +204,7 @@ def _run(a: argparse.Namespace, tmp: Path) -> bool:
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m transport.demo",
-        description=(_pkg.__doc__ or "").splitlines()[0],
+        description="The whole system on one machine, in one command.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("--workers", type=int, default=2, help="generation worker processes")

@@ -20,30 +20,66 @@ path), ``ipc`` / ``ipc_link`` (the ``ipc`` path's slots / a minimal driver of it
 fabric's pause-publish-resume and the worker plugin), ``ratelog``, ``malloc``.
 """
 
-from transport.weights.bucket import (
-    DEFAULT_BUCKET_BYTES,
-    BucketApplier,
-    check_manifest,
-    pack_bucket,
-    plan_buckets,
-    state_digest,
-)
-from transport.weights.errors import (
-    ChecksumError,
-    UpdateIncomplete,
-    VersionUnavailable,
-    WeightMismatchError,
-    WeightUpdateError,
-)
-from transport.weights.publisher import WeightPublisher
-from transport.weights.results import SubscriberInfo, UpdateResult, UpdateStats
-from transport.weights.subscriber import WeightSubscriber
-from transport.weights.update import (
-    FabricUpdateResult,
-    attach_subscriber,
-    aupdate_weights,
-    update_weights,
-)
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from transport.weights.bucket import (
+        DEFAULT_BUCKET_BYTES,
+        BucketApplier,
+        check_manifest,
+        pack_bucket,
+        plan_buckets,
+        state_digest,
+    )
+    from transport.weights.errors import (
+        ChecksumError,
+        UpdateIncomplete,
+        VersionUnavailable,
+        WeightMismatchError,
+        WeightUpdateError,
+    )
+    from transport.weights.publisher import (
+        WeightPublisher,
+    )
+    from transport.weights.results import (
+        SubscriberInfo,
+        UpdateResult,
+        UpdateStats,
+    )
+    from transport.weights.subscriber import (
+        WeightSubscriber,
+    )
+    from transport.weights.update import (
+        FabricUpdateResult,
+        attach_subscriber,
+        aupdate_weights,
+        update_weights,
+    )
+
+# Imported on first use: each room pulls in what it needs (torch, the data link, the
+# fabric) only when asked for, so ``import transport.weights.bucket`` stays light.
+_LAZY = {
+    "BucketApplier": "transport.weights.bucket",
+    "ChecksumError": "transport.weights.errors",
+    "DEFAULT_BUCKET_BYTES": "transport.weights.bucket",
+    "FabricUpdateResult": "transport.weights.update",
+    "SubscriberInfo": "transport.weights.results",
+    "UpdateIncomplete": "transport.weights.errors",
+    "UpdateResult": "transport.weights.results",
+    "UpdateStats": "transport.weights.results",
+    "VersionUnavailable": "transport.weights.errors",
+    "WeightMismatchError": "transport.weights.errors",
+    "WeightPublisher": "transport.weights.publisher",
+    "WeightSubscriber": "transport.weights.subscriber",
+    "WeightUpdateError": "transport.weights.errors",
+    "attach_subscriber": "transport.weights.update",
+    "aupdate_weights": "transport.weights.update",
+    "check_manifest": "transport.weights.bucket",
+    "pack_bucket": "transport.weights.bucket",
+    "plan_buckets": "transport.weights.bucket",
+    "state_digest": "transport.weights.bucket",
+    "update_weights": "transport.weights.update",
+}
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
@@ -67,3 +103,12 @@ __all__ = [
     "state_digest",
     "update_weights",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'transport.weights' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(module), name)

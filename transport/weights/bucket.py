@@ -16,19 +16,24 @@ the device copy of the previous one.
 from __future__ import annotations
 
 import bisect
+import functools
 import itertools
 import os
 import zlib
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
-from fastio._optional import require
+from fastio._optional import lazy, require
 from fastio.weight_msgs import WeightBucketInfo, WeightTensor
 from transport.weights.errors import WeightMismatchError
+
+if TYPE_CHECKING:
+    import torch
+else:  # torch is imported by the first function that needs it, not by this import
+    torch = lazy("torch", "weights", "weight buckets", globals())
 
 __all__ = [
     "ALIGNMENT",
@@ -59,35 +64,45 @@ DEFAULT_BUCKET_BYTES = 256 << 20
 #: Byte alignment of every tensor inside a bucket.
 ALIGNMENT = 64
 
-_DTYPES: dict[str, torch.dtype] = {
-    "bool": torch.bool,
-    "uint8": torch.uint8,
-    "int8": torch.int8,
-    "int16": torch.int16,
-    "int32": torch.int32,
-    "int64": torch.int64,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float32": torch.float32,
-    "float64": torch.float64,
-}
-_NAMES = {v: k for k, v in _DTYPES.items()}
+#: Wire names of the supported dtypes, each the name of its ``torch`` attribute.
+_DTYPE_NAMES = (
+    "bool",
+    "uint8",
+    "int8",
+    "int16",
+    "int32",
+    "int64",
+    "float16",
+    "bfloat16",
+    "float32",
+    "float64",
+)
+
+
+@functools.cache
+def _dtypes() -> dict[str, torch.dtype]:
+    return {n: getattr(torch, n) for n in _DTYPE_NAMES}
+
+
+@functools.cache
+def _names() -> dict[torch.dtype, str]:
+    return {v: k for k, v in _dtypes().items()}
 
 
 def dtype_name(dtype: torch.dtype) -> str:
     """Wire name of a torch dtype (``torch.bfloat16`` -> ``"bfloat16"``)."""
     try:
-        return _NAMES[dtype]
+        return _names()[dtype]
     except KeyError:
         raise WeightMismatchError(
-            f"unsupported dtype {dtype} for a weight update; supported: {sorted(_DTYPES)}"
+            f"unsupported dtype {dtype} for a weight update; supported: {sorted(_DTYPE_NAMES)}"
         ) from None
 
 
 def dtype_from_name(name: str) -> torch.dtype:
     """The torch dtype of a wire name; :class:`WeightMismatchError` if unknown."""
     try:
-        return _DTYPES[name]
+        return _dtypes()[name]
     except KeyError:
         raise WeightMismatchError(f"unknown dtype {name!r} in a weight update") from None
 

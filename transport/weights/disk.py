@@ -33,7 +33,12 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-import torch
+try:
+    import torch
+except ImportError as exc:  # name the extra that brings torch
+    from fastio._optional import missing
+
+    raise missing("torch", "weights", "transport.weights.disk") from exc
 
 from fastio._optional import require
 from fastio.io_struct import WeightUpdateMeta

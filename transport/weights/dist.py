@@ -49,8 +49,13 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import torch
-import torch.distributed as _tdist
+try:
+    import torch
+    import torch.distributed as _tdist
+except ImportError as exc:  # name the extra that brings torch
+    from fastio._optional import missing
+
+    raise missing("torch", "weights", "transport.weights.dist") from exc
 
 from fastio.io_struct import ParamSpec, WeightUpdateMeta
 from fastio.weight_msgs import WeightBucketInfo

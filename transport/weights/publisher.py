@@ -35,7 +35,12 @@ import time
 from collections.abc import Iterable, Iterator
 from typing import Any, Union
 
-import torch
+try:
+    import torch
+except ImportError as exc:  # name the extra that brings torch
+    from fastio._optional import missing
+
+    raise missing("torch", "weights", "WeightPublisher") from exc
 import zmq
 
 import fastio

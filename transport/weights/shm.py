@@ -11,9 +11,10 @@ process exits, pulling it from under the others. Plain files in ``/dev/shm`` beh
 documented here instead: the publisher creates and unlinks; a mapping stays valid after
 the unlink (or the publisher's death) until the reader drops it.
 
-Whether the path is usable is decided by the subscriber, per publisher: same boot id
-(:func:`host_id`) *and* it can read the publisher's probe file and find the expected
-token in it (a container with a private ``/dev/shm`` fails this and falls back to TCP).
+Whether the path is usable is decided by the subscriber, per publisher: the same boot
+id and the same ``/dev/shm`` (:func:`host_id`; host names do not matter) *and* it can
+read the publisher's probe file and find the expected token in it (a container with a
+private ``/dev/shm`` fails this and falls back to TCP).
 
 Ownership is a lock, not a PID: the creator of a segment (or probe) keeps a file
 descriptor of it open with an exclusive ``flock`` for as long as it exists. The kernel
@@ -31,7 +32,6 @@ import fcntl
 import mmap
 import os
 import secrets
-import socket
 import time
 import warnings
 from pathlib import Path
@@ -54,12 +54,23 @@ _PREFIX = "fastio-w-"
 
 
 def host_id() -> str:
-    """``hostname/boot-id``: equal for two processes only on the same running kernel."""
+    """``boot-id/shm-device:inode``: equal for two processes only on the same running
+    kernel *and* with the same ``/dev/shm`` (the same tmpfs, whatever its mount point).
+
+    Host names do not enter it: containers that share ``/dev/shm`` under other host names
+    are local to each other, and a container with a private ``/dev/shm`` on the same
+    kernel is not.
+    """
     try:
         boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
     except OSError:
         boot = "?"
-    return f"{socket.gethostname()}/{boot}"
+    try:
+        st = os.stat(SHM_DIR)
+        shm = f"{st.st_dev}:{st.st_ino}"
+    except OSError:
+        shm = "none"
+    return f"{boot}/{shm}"
 
 
 def available() -> bool:

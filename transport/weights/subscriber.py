@@ -56,7 +56,13 @@ from collections.abc import Callable, Iterable
 from typing import Any, Union
 
 import numpy as np
-import torch
+
+try:
+    import torch
+except ImportError as exc:  # name the extra that brings torch
+    from fastio._optional import missing
+
+    raise missing("torch", "weights", "WeightSubscriber") from exc
 import zmq
 
 import fastio
@@ -71,6 +77,7 @@ from fastio.weight_msgs import (
     WeightWelcome,
 )
 from transport import metrics
+from transport.addresses import warn_if_unresolvable, with_reachable_host
 from transport.sockets import CurveConfig, apply_curve_client
 from transport.weights import shm as _shm
 from transport.weights.binding import DtypeSpec, Rename, advertised_dtype, parse_dtype_spec
@@ -349,9 +356,13 @@ class WeightSubscriber(IpcReceiving, VersionCommit):
         return self._last_heard
 
     def start(self) -> WeightSubscriber:
-        """Start the background thread (returns ``self``)."""
+        """Start the background thread (returns ``self``). A publisher host name that
+        does not resolve is logged as a WARNING (the thread keeps trying)."""
         if self._thread is None:
             metrics.expose("subscriber")
+            warn_if_unresolvable(
+                self.endpoint, log, f"weight subscriber {self.worker_id}, publisher"
+            )
             self._thread = threading.Thread(
                 target=self._run, name=f"weights-subscriber-{self.worker_id}", daemon=True
             )
@@ -537,12 +548,15 @@ class WeightSubscriber(IpcReceiving, VersionCommit):
         self._shm_ok = (
             self.shm and w.host_id == self._host and _shm.read_probe(w.shm_probe, w.shm_token)
         )
-        if w.pub_endpoint != self._pub_endpoint:
+        # A publisher bound to every interface reports 0.0.0.0: its PUB is on the host
+        # this worker reached its ROUTER at.
+        pub_endpoint = with_reachable_host(w.pub_endpoint, self.endpoint)
+        if pub_endpoint != self._pub_endpoint:
             if self._pub_endpoint:
                 with contextlib.suppress(zmq.ZMQError):
                     self._sub.disconnect(self._pub_endpoint)
-            self._pub_endpoint = w.pub_endpoint
-            self._sub.connect(w.pub_endpoint)
+            self._pub_endpoint = pub_endpoint
+            self._sub.connect(pub_endpoint)
         self._drop_segments()
 
     def _on_error(self, msg: WeightError) -> None:

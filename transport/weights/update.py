@@ -32,12 +32,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastio.weight_msgs import WeightAck  # noqa: F401  (names FabricUpdateResult's inherited fields)
-from transport.errors import ControlError
+from transport.errors import ControlError, ResumeRefused
 from transport.weights.errors import UpdateIncomplete, WeightUpdateError
 from transport.weights.publisher import WeightPublisher
 from transport.weights.results import UpdateResult
 from transport.weights.subscriber import WeightSubscriber
-from transport.worker.pausing import ResumeRefused
 
 __all__ = [
     "PLUGIN_OPTIONS",
@@ -253,7 +252,7 @@ class _PausedWhileCopying:
 
     async def hold_resume(self) -> None:
         """``server.on_resume`` callback: a resume waits for a running copy, and is
-        refused (:class:`~transport.worker.pausing.ResumeRefused`) while the weights
+        refused (:class:`~transport.errors.ResumeRefused`) while the weights
         are mixed."""
         await self._free.wait()
         if self.mixed():

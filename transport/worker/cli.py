@@ -158,7 +158,11 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--log-level", default="WARNING", type=str.upper, choices=_LEVELS, help="any case"
     )
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.plugin_opt and not args.plugin:
+        keys = ", ".join(sorted({k for k, _ in args.plugin_opt}))
+        p.error(f"--plugin-opt {keys} given without --plugin: no plugin would read it")
+    return args
 
 
 def _load(spec: str, what: str) -> Callable[..., Any]:

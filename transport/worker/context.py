@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -19,9 +19,6 @@ from transport.sockets import (
     DEFAULT_PEER_QUEUE_LIMIT,
     CurveConfig,
 )
-
-if TYPE_CHECKING:
-    from transport.worker.server import WorkerServer
 
 __all__ = ["InvalidHandlerOutput", "RequestContext", "WorkerConfig", "output_problem"]
 
@@ -93,6 +90,20 @@ class WorkerConfig:
     latency_metrics: bool = False
 
 
+class _Server(Protocol):
+    """What a :class:`RequestContext` uses of its :class:`~transport.WorkerServer`
+    (declared here so that this module needs not import the server's)."""
+
+    @property
+    def config(self) -> WorkerConfig: ...
+    @property
+    def paused(self) -> bool: ...
+    @property
+    def version(self) -> int: ...
+    def _schedule_flush(self, ctx: RequestContext) -> None: ...
+    def _send(self, peer: bytes, msg: Any) -> None: ...
+
+
 class RequestContext:
     """What a handler knows about its request besides the request itself.
 
@@ -121,7 +132,7 @@ class RequestContext:
     )
 
     def __init__(
-        self, server: WorkerServer, peer: bytes, id: int, stream: bool, deadline: float
+        self, server: _Server, peer: bytes, id: int, stream: bool, deadline: float
     ) -> None:
         self._server = server
         self.peer = peer

@@ -10,17 +10,42 @@ from __future__ import annotations
 
 import asyncio
 import types
-from collections.abc import Coroutine, Generator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable, Coroutine, Generator
+from typing import Any, Protocol
 
-from fastio import LLMResponse
+from fastio import LLMRequest, LLMResponse
 from fastio import fabric_msgs as fm
-
-if TYPE_CHECKING:
-    from transport.worker.context import RequestContext
-    from transport.worker.server import WorkerServer
+from transport.worker.context import RequestContext
 
 __all__ = ["CoroutineType", "Resume", "reap", "start_eager"]
+
+
+class _Server(Protocol):
+    """What the eager start uses of a :class:`~transport.WorkerServer` (declared here so
+    that this module needs not import the server's)."""
+
+    _running: int
+
+    @property
+    def handler(self) -> Callable[[LLMRequest, RequestContext], Awaitable[LLMResponse]]: ...
+    @property
+    def _tasks(self) -> dict[tuple[bytes, int], tuple[asyncio.Task[None], RequestContext]]: ...
+    def _ended(
+        self,
+        ctx: RequestContext,
+        sub: fm.Submit,
+        resp: LLMResponse | None,
+        err: BaseException | None,
+    ) -> None: ...
+    def _cancelled(self, ctx: RequestContext) -> None: ...
+    def _spawn(
+        self,
+        key: tuple[bytes, int],
+        ctx: RequestContext,
+        sub: fm.Submit,
+        started: Awaitable[LLMResponse] | None = None,
+    ) -> None: ...
+
 
 CoroutineType = types.CoroutineType
 
@@ -61,9 +86,7 @@ class Resume:
                     return stop.value  # type: ignore[no-any-return]
 
 
-def reap(
-    server: WorkerServer, ctx: RequestContext, sub: fm.Submit, started: Any, _: object
-) -> None:
+def reap(server: _Server, ctx: RequestContext, sub: fm.Submit, started: Any, _: object) -> None:
     """A task ended. If it was cancelled (a Cancel or an abort in the same batch as
     its Submit) before its first step, the body of ``WorkerServer._run`` never ran: do what
     it would have done, or the request would hold its slot and table entry forever
@@ -82,7 +105,7 @@ def reap(
 
 
 def start_eager(
-    server: WorkerServer, key: tuple[bytes, int], ctx: RequestContext, sub: fm.Submit
+    server: _Server, key: tuple[bytes, int], ctx: RequestContext, sub: fm.Submit
 ) -> None:
     """Run the handler's first step now (it takes a slot); continue in a task if it
     awaits."""

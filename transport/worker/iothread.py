@@ -24,7 +24,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import zmq
 from zmq.utils.monitor import parse_monitor_message
@@ -34,9 +34,8 @@ from fastio import fabric_msgs as fm
 from fastio.protocol import PROTOCOL_VERSION, MsgKind
 from transport import metrics
 from transport.sockets import SocketPump, make_router
-
-if TYPE_CHECKING:
-    from transport.worker.server import WorkerServer
+from transport.worker.context import RequestContext, WorkerConfig
+from transport.worker.lost import LostReplies
 
 __all__ = ["DROPPED", "SocketThread", "log_counted"]
 
@@ -56,6 +55,34 @@ def log_counted(n: int, fmt: str, *args: Any) -> None:
         log.warning(fmt + " (occurrence %d)", *args, n)
 
 
+class _Server(Protocol):
+    """What the socket thread uses of its :class:`~transport.WorkerServer` (declared here
+    so that this module needs not import the server's)."""
+
+    @property
+    def config(self) -> WorkerConfig: ...
+    @property
+    def worker_id(self) -> str: ...
+    @property
+    def incarnation(self) -> str: ...
+    @property
+    def version(self) -> int: ...
+    @property
+    def _paused(self) -> bool: ...
+    @property
+    def _running(self) -> int: ...
+    @property
+    def _tasks(self) -> dict[tuple[bytes, int], tuple[asyncio.Task[None], RequestContext]]: ...
+    @property
+    def _peers(self) -> dict[bytes, float]: ...
+    @property
+    def _lost(self) -> LostReplies: ...
+    def status(self) -> fm.WorkerStatus: ...
+    def _dispatch(self, peer: bytes, msg: Any) -> None: ...
+    def _drain_inbox(self) -> None: ...
+    def _on_submit(self, peer: bytes, sub: fm.Submit) -> None: ...
+
+
 class SocketThread:
     """The ROUTER of one :class:`~transport.WorkerServer`, served from its own thread.
 
@@ -63,7 +90,7 @@ class SocketThread:
     the socket is bound (or raises what binding raised).
     """
 
-    def __init__(self, server: WorkerServer, ctx: zmq.Context[Any], threaded: bool = True) -> None:
+    def __init__(self, server: _Server, ctx: zmq.Context[Any], threaded: bool = True) -> None:
         self.server = server
         #: False: the socket is served on the engine's loop itself (handlers that never
         #: block, see ``WorkerConfig.inline``): no thread, no hand-offs.

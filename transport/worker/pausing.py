@@ -15,15 +15,10 @@ from typing import Any
 
 from fastio import fabric_msgs as fm
 from transport import metrics
+from transport.errors import ResumeRefused
 from transport.worker.context import RequestContext
 
 __all__ = ["PauseControl", "ResumeRefused"]
-
-
-class ResumeRefused(RuntimeError):
-    """Raised by an ``on_resume`` callback to refuse a resume: the worker stays paused
-    and the resume is answered ``ok=False`` with this error (e.g. its weights are
-    mixed)."""
 
 
 class PauseControl:

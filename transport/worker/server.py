@@ -38,6 +38,7 @@ from fastio import Encoder, LLMRequest, LLMResponse
 from fastio import fabric_msgs as fm
 from transport import metrics
 from transport.engines.api import Engine, attach_engine
+from transport.errors import EMPTY_PROMPT
 from transport.sockets import WorkerAuthenticator
 from transport.worker.context import (
     InvalidHandlerOutput,
@@ -358,6 +359,10 @@ class WorkerServer(PauseControl):
                 peer, sub.id, fm.ErrorCode.BAD_REQUEST, f"Submit.id must be >= 0, got {sub.id}"
             )
             return
+        if not len(sub.request.input_ids):
+            # An engine would generate from nothing until max_new_tokens: refuse it.
+            self._bad(peer, sub.id, fm.ErrorCode.BAD_REQUEST, EMPTY_PROMPT)
+            return
         if len(tasks) >= self.config.max_pending:
             self.counters["overloaded"] += 1
             metrics.WORKER_REQUESTS.labels(outcome="rejected").inc()
@@ -483,7 +488,15 @@ class WorkerServer(PauseControl):
             else:
                 self.counters["errors"] += 1
                 metrics.WORKER_REQUESTS.labels(outcome="error").inc()
-                log.error("handler failed on request %s", sub.request.rid, exc_info=err)
+                if isinstance(err, ValueError):
+                    # The engine refused this request's input (ids outside its
+                    # vocabulary, say): the sender's mistake, one line, no traceback.
+                    log.warning(
+                        "request %s refused by the engine: %s: %s",
+                        sub.request.rid, type(err).__name__, err,
+                    )  # fmt: skip
+                else:
+                    log.error("handler failed on request %s", sub.request.rid, exc_info=err)
                 self._send_error(
                     peer, id, fm.ErrorCode.HANDLER_ERROR, f"{type(err).__name__}: {err}"
                 )

@@ -1,0 +1,90 @@
+"""Host names in ``tcp://`` addresses: checked so that a name that does not resolve is
+said as such (ZeroMQ itself only retries, and reports refused attempts), and wildcard
+hosts (``tcp://*:port`` binds) replaced by an address a peer can reach."""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import socket
+import threading
+
+__all__ = ["resolve_problem", "tcp_host", "warn_if_unresolvable", "with_reachable_host"]
+
+_WILDCARDS = frozenset({"*", "0.0.0.0", "::", "[::]"})
+
+
+def tcp_host(address: str) -> tuple[str, int] | None:
+    """``(host, port)`` of a ``tcp://host:port`` address whose host is a name to look up;
+    None for other schemes, IP literals, wildcards and forms ZeroMQ alone understands
+    (interface names with ``;``, bracketed IPv6).
+
+    >>> tcp_host("tcp://trainer:5600"), tcp_host("tcp://127.0.0.1:5600"), tcp_host("ipc://x")
+    (('trainer', 5600), None, None)
+    """
+    if not address.startswith("tcp://"):
+        return None
+    host, sep, port = address[len("tcp://") :].rpartition(":")
+    if not sep or not host or not port.isdigit() or host in _WILDCARDS:
+        return None
+    if host.startswith("[") or ";" in host:
+        return None
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return host, int(port)
+    return None
+
+
+def resolve_problem(address: str) -> str:
+    """``"cannot resolve host 'NAME' (reason)"`` when ``address``'s host name does not
+    resolve here; ``""`` when it does or there is no name to resolve. Blocks for as long
+    as the system resolver takes: call it off any event loop.
+    """
+    hp = tcp_host(address)
+    if hp is None:
+        return ""
+    host, port = hp
+    try:
+        socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        return f"cannot resolve host {host!r} ({exc.strerror or exc})"
+    except OSError:  # anything else from the resolver is not a verdict on the name
+        return ""
+    return ""
+
+
+def warn_if_unresolvable(address: str, log: logging.Logger, what: str) -> None:
+    """Check ``address``'s host name on a daemon thread and log one WARNING when it does
+    not resolve (the caller goes on: ZeroMQ keeps retrying, and a name may appear
+    later)."""
+    if tcp_host(address) is None:
+        return
+
+    def check() -> None:
+        problem = resolve_problem(address)
+        if problem:
+            log.warning("%s %s: %s; retrying until it does", what, address, problem)
+
+    threading.Thread(target=check, name="fastio-resolve", daemon=True).start()
+
+
+def with_reachable_host(advertised: str, reached: str) -> str:
+    """``advertised`` (an endpoint a peer reported, e.g. a PUB beside its ROUTER) with a
+    wildcard host (``0.0.0.0``, ``::``, ``*``: it was bound to every interface) replaced
+    by the host of ``reached``, the address this side already reached that peer at.
+
+    >>> with_reachable_host("tcp://0.0.0.0:7001", "tcp://trainer:7000")
+    'tcp://trainer:7001'
+    >>> with_reachable_host("tcp://10.0.0.5:7001", "tcp://trainer:7000")
+    'tcp://10.0.0.5:7001'
+    """
+    if not (advertised.startswith("tcp://") and reached.startswith("tcp://")):
+        return advertised
+    host, sep, port = advertised[len("tcp://") :].rpartition(":")
+    if not sep or host not in _WILDCARDS:
+        return advertised
+    reached_host = reached[len("tcp://") :].rpartition(":")[0]
+    if not reached_host or reached_host in _WILDCARDS:
+        return advertised
+    return f"tcp://{reached_host}:{port}"
