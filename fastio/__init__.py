@@ -20,7 +20,15 @@ from fastio.codec import (
     encode,
     message_types,
 )
-from fastio.errors import DecodeError, EncodeError, FastioError, MessageTooLarge
+from fastio.errors import (
+    DecodeError,
+    EncodeError,
+    FastioError,
+    FrameError,
+    IncompatiblePeer,
+    MessageTooLarge,
+    UnsupportedVersion,
+)
 from fastio.io_struct import (
     MAX_NEW_TOKENS,
     AllocationMode,
@@ -38,7 +46,7 @@ from fastio.io_struct import (
     WeightUpdateMeta,
     WireStruct,
 )
-from fastio.protocol import PROTOCOL_VERSION, ExtCode, MsgKind
+from fastio.protocol import MIN_PROTOCOL_VERSION, PROTOCOL_VERSION, ExtCode, MsgKind, TokenEncoding
 from fastio.tokens import TokenArray
 
 __version__ = "0.1.0"
@@ -46,6 +54,7 @@ __version__ = "0.1.0"
 __all__ = [
     "MAX_NEW_TOKENS",
     "MESSAGE_TYPES",
+    "MIN_PROTOCOL_VERSION",
     "PROTOCOL_VERSION",
     "AllocationMode",
     "AllocationType",
@@ -57,7 +66,9 @@ __all__ = [
     "FastioError",
     "FinetuneSpec",
     "Frame",
+    "FrameError",
     "GenerationHyperparameters",
+    "IncompatiblePeer",
     "LLMRequest",
     "LLMResponse",
     "Message",
@@ -68,6 +79,8 @@ __all__ = [
     "SaveLoadMeta",
     "SaverConfig",
     "TokenArray",
+    "TokenEncoding",
+    "UnsupportedVersion",
     "VLMRequest",
     "VLMResponse",
     "WeightUpdateMeta",
