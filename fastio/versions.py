@@ -8,9 +8,9 @@ exactly what every one of them reads. :func:`encoder_for` turns such a statement
 into the :class:`~fastio.Encoder` to write to that peer with, or raises
 :class:`~fastio.IncompatiblePeer` naming both sides' versions.
 
-Heartbeats themselves (and the Error refusing a peer) carry no token arrays and are
-written at version 1 (:data:`HANDSHAKE`), which every version reads: two peers can
-always tell each other what they read.
+Pings (and the Error refusing a peer) carry no token arrays and are written at
+version 1 (:data:`VERSION_1`), which every version reads: two peers can always tell
+each other what they read.
 
 >>> from fastio import fabric_msgs as fm
 >>> encoder_for(fm.Heartbeat()).version  # a version-1 peer: ext 4 at version 1
@@ -28,7 +28,7 @@ from fastio.codec import Encoder
 from fastio.errors import IncompatiblePeer
 from fastio.protocol import MIN_PROTOCOL_VERSION, PROTOCOL_VERSION, READS, TokenEncoding
 
-__all__ = ["HANDSHAKE", "STATED", "describe", "encoder_for", "pick"]
+__all__ = ["STATED", "VERSION_1", "describe", "encoder_for", "pick"]
 
 #: What this side states in its Heartbeats (keyword arguments of ``Heartbeat``).
 STATED: dict[str, Any] = {
@@ -37,9 +37,11 @@ STATED: dict[str, Any] = {
     "token_encodings": int(READS),
 }
 
-#: Writes pings, pongs to peers not heard from and version refusals: version 1, which
-#: every version reads (these messages carry no token arrays).
-HANDSHAKE = Encoder(version=MIN_PROTOCOL_VERSION)
+#: Writes version 1 (token arrays as ext 4), which every version reads: for messages
+#: to a peer not heard from (pings, replies before its first ping, version refusals)
+#: and for messages that carry no token arrays and no capability exchange (controls,
+#: weight updates), whose bytes are the same in both versions.
+VERSION_1 = Encoder(version=1)
 
 _T = TokenEncoding
 # Best first: the forms this side writes, with the bits a reader needs for each.

@@ -111,7 +111,7 @@ def test_encoder_writes_each_older_form_byte_for_byte(era: str) -> None:
 def test_heartbeat_gained_only_trailing_fields() -> None:
     """Today's ping is an old one with three fields appended, which old readers skip."""
     old = load("ext4", "ping")[0]
-    new = versions.HANDSHAKE.encode(fm.Heartbeat(sent_at=1.5, **versions.STATED))[0]
+    new = versions.VERSION_1.encode(fm.Heartbeat(sent_at=1.5, **versions.STATED))[0]
     assert old[:3] == new[:3] == b"\x93\x01\x00"  # version 1, no buffers
     assert old[3] == 0x9A and new[3] == 0x9D  # array of 10 -> 13
     assert new[4:].startswith(old[4:])
