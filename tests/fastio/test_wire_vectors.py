@@ -188,3 +188,27 @@ def test_encoder_rejects_unknown_versions_and_forms() -> None:
             Encoder(**bad)
     assert Encoder().version == PROTOCOL_VERSION and Encoder().tokens is TokenEncoding.REF
     assert Encoder(version=1).tokens is TokenEncoding.TOKENS
+
+
+def test_protocol_doc_version_examples_are_exact() -> None:
+    """The ping and the version-1 Submit of docs/PROTOCOL.md ("Example bytes")."""
+    from fastio import GenerationHyperparameters, LLMRequest
+
+    ping = versions.VERSION_1.encode(fm.Heartbeat(sent_at=1.5, **versions.STATED))
+    assert ping == [
+        bytes.fromhex(
+            "930100 9d18 cb3ff8000000000000 a0a000c200 0000cb0000000000000000 020107"
+        )
+    ]
+    req = LLMRequest(
+        rid="r1",
+        input_ids=np.array([1, 2, 3], np.int32),
+        gconfig=GenerationHyperparameters(max_new_tokens=4),
+    )
+    old = versions.encoder_for(fm.Heartbeat()).encode(fm.Submit(id=7, request=req))
+    assert old[0].startswith(
+        bytes.fromhex("930100951407 9602a27231")
+        + bytes.fromhex("c71704 93 a5")
+        + b"int32"
+        + bytes.fromhex("9103 c40c 010000000200000003000000")
+    )
