@@ -103,6 +103,7 @@ class ExtCode(enum.IntEnum):
     #: ``TokenArray``: same payload as NDARRAY with a 1-D shape, decoded as a
     #: ``TokenArray``. A code of its own so the decoder builds the right type without
     #: knowing which field it is in (the hot path skips msgspec's per-field hook).
+    #: What fastio writes at protocol version 1: every version-1 reader reads it.
     TOKENS = 4
     #: ``TokenArray`` with its data inline: codes ``16 + d`` for the dtype at index
     #: ``d`` of :data:`DTYPE_NAMES`; the payload is the raw little-endian elements.

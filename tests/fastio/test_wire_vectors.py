@@ -5,7 +5,7 @@ is ext 4 at version 1, the one form every version-1 reader reads, at any size.""
 
 from __future__ import annotations
 
-import sys
+import importlib.util
 from pathlib import Path
 from typing import Any
 
@@ -20,8 +20,20 @@ from fastio import fabric_msgs as fm
 from fastio.protocol import MIN_PROTOCOL_VERSION, PROTOCOL_VERSION, READS, TokenEncoding
 
 VECTORS = Path(__file__).parent / "wire_vectors"
-sys.path.insert(0, str(VECTORS))
-import record  # noqa: E402  (the recorder defines the recorded messages)
+
+
+def _load_recorder() -> Any:
+    """``wire_vectors/record.py``, which defines the recorded messages."""
+    spec = importlib.util.spec_from_file_location(
+        "fastio_wire_vectors_record", VECTORS / "record.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+record = _load_recorder()
 
 ERAS = ["ext4", "compact", "ref"]
 #: The encoder settings that wrote each directory (its release's defaults).
@@ -196,9 +208,7 @@ def test_protocol_doc_version_examples_are_exact() -> None:
 
     ping = versions.VERSION_1.encode(fm.Heartbeat(sent_at=1.5, **versions.STATED))
     assert ping == [
-        bytes.fromhex(
-            "930100 9d18 cb3ff8000000000000 a0a000c200 0000cb0000000000000000 020107"
-        )
+        bytes.fromhex("930100 9d18 cb3ff8000000000000 a0a000c200 0000cb0000000000000000 020107")
     ]
     req = LLMRequest(
         rid="r1",

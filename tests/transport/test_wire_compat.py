@@ -292,6 +292,11 @@ def test_live_worker_refuses_a_client_it_cannot_serve_once(echo_worker: str) -> 
         plain.send_multipart(versions.VERSION_1.encode(fm.Heartbeat(sent_at=3.0)))
         ((frames),) = recv_messages(plain)
         assert fastio.decode(frames).sent_at == 3.0
+        assert ext_codes(frames)[0] == 1  # it stated nothing: version 1
+        # A peer of this version is answered in version 2.
+        plain.send_multipart(versions.VERSION_1.encode(fm.Heartbeat(**versions.STATED)))
+        ((frames),) = recv_messages(plain)
+        assert ext_codes(frames)[0] == 2
         assert not future.poll(300)
     finally:
         future.close(0)
