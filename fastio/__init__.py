@@ -20,7 +20,15 @@ from fastio.codec import (
     encode,
     message_types,
 )
-from fastio.errors import DecodeError, EncodeError, FastioError, MessageTooLarge
+from fastio.errors import (
+    DecodeError,
+    EncodeError,
+    FastioError,
+    FrameError,
+    IncompatiblePeer,
+    MessageTooLarge,
+    UnsupportedVersion,
+)
 from fastio.io_struct import (
     MAX_NEW_TOKENS,
     AllocationMode,
@@ -39,7 +47,7 @@ from fastio.io_struct import (
     WireStruct,
 )
 from fastio.jsonhook import to_builtins, to_json
-from fastio.protocol import PROTOCOL_VERSION, ExtCode, MsgKind
+from fastio.protocol import MIN_PROTOCOL_VERSION, PROTOCOL_VERSION, ExtCode, MsgKind, TokenEncoding
 from fastio.tokens import TokenArray
 
 __version__ = "0.1.0"
@@ -47,6 +55,7 @@ __version__ = "0.1.0"
 __all__ = [
     "MAX_NEW_TOKENS",
     "MESSAGE_TYPES",
+    "MIN_PROTOCOL_VERSION",
     "PROTOCOL_VERSION",
     "AllocationMode",
     "AllocationType",
@@ -58,7 +67,9 @@ __all__ = [
     "FastioError",
     "FinetuneSpec",
     "Frame",
+    "FrameError",
     "GenerationHyperparameters",
+    "IncompatiblePeer",
     "LLMRequest",
     "LLMResponse",
     "Message",
@@ -69,6 +80,8 @@ __all__ = [
     "SaveLoadMeta",
     "SaverConfig",
     "TokenArray",
+    "TokenEncoding",
+    "UnsupportedVersion",
     "VLMRequest",
     "VLMResponse",
     "WeightUpdateMeta",

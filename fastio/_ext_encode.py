@@ -14,6 +14,7 @@ from fastio._ext import (
     _EXT_IMAGE,
     _EXT_NDARRAY,
     _EXT_TENSOR,
+    _EXT_TOKENS,
     _FRAME_REF,
     _IMAGE_MODES,
     _INLINE_CODE,
@@ -31,6 +32,7 @@ from fastio._ext import (
     _torch_tables,
 )
 from fastio.errors import EncodeError
+from fastio.protocol import TokenEncoding
 from fastio.tokens import TokenArray
 
 
@@ -38,6 +40,7 @@ class _ExtEncoderMixin:
     """The extension-value writers of :class:`fastio.Encoder` (its base class)."""
 
     _threshold: int
+    _tokens: TokenEncoding
 
     # -- hooks -----------------------------------------------------------------------
     def _enc_hook(self, obj: Any, frames: list[Any]) -> Any:
@@ -65,7 +68,11 @@ class _ExtEncoderMixin:
         raise EncodeError(f"fastio cannot encode objects of type {tp.__module__}.{tp.__qualname__}")
 
     def _tokens_ext(self, arr: np.ndarray[Any, Any], frames: list[Any]) -> msgspec.msgpack.Ext:
-        """Slow path of token arrays: a dtype to normalise or a strided view."""
+        """Slow path of token arrays: a dtype to normalise or a strided view, and the
+        older token encodings (ext 4, and 32 + d for every frame) for older peers."""
+        tokens = self._tokens
+        if tokens is TokenEncoding.TOKENS:
+            return self._array_ext(arr, _EXT_TOKENS, frames)
         if arr.dtype not in _INLINE_CODE:
             arr, _ = _normalise_dtype(arr)
         arr = np.ascontiguousarray(arr)  # one copy: the wire form is packed
@@ -74,7 +81,9 @@ class _ExtEncoderMixin:
             return _Ext(code, arr.tobytes())
         frames.append(arr.data.cast("B"))
         k = len(frames) - 1
-        if k > 255:  # the compact reference holds the index in one byte
+        if k > 255 or tokens is TokenEncoding.COMPACT:
+            # The 8-byte reference (frame index, element count); the compact one holds
+            # the index in one byte.
             return _Ext(code + 16, _FRAME_REF.pack(k, arr.shape[0]))
         return _REFS[code][k] or _ref(code, k)  # type: ignore[no-any-return]
 

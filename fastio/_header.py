@@ -9,24 +9,35 @@ from typing import Any
 import msgspec
 
 from fastio._ext import _EMPTY, _meta_encode
-from fastio.errors import DecodeError
-from fastio.protocol import PROTOCOL_VERSION
+from fastio.errors import FrameError, UnsupportedVersion
+from fastio.protocol import MIN_PROTOCOL_VERSION, PROTOCOL_VERSION
 
 _header_decoder = msgspec.msgpack.Decoder(list[msgspec.Raw])
 _int_decoder = msgspec.msgpack.Decoder(int)
 
-_PREFIXES: dict[int, bytes] = {}
-_SMALL_PREFIXES = tuple(b"\x93" + bytes([PROTOCOL_VERSION, n]) for n in range(128))
+#: The protocol versions a decoder reads, oldest first.
+_READ_VERSIONS = tuple(range(MIN_PROTOCOL_VERSION, PROTOCOL_VERSION + 1))
+
+_PREFIXES: dict[tuple[int, int], bytes] = {}
+#: Header prefixes ``93 <version> <n>`` of fewer than 128 buffers, by version.
+_SMALL_PREFIXES = {v: tuple(b"\x93" + bytes([v, n]) for n in range(128)) for v in _READ_VERSIONS}
 
 
-def _header_prefix(n: int) -> bytes:
-    prefix = _PREFIXES.get(n)
+def _header_prefix(n: int, version: int = PROTOCOL_VERSION) -> bytes:
+    prefix = _PREFIXES.get((n, version))
     if prefix is None:
         # msgpack fixarray(3), version, n_buffers (both as msgpack ints)
-        prefix = b"\x93" + _meta_encode(PROTOCOL_VERSION) + _meta_encode(n)
+        prefix = b"\x93" + _meta_encode(version) + _meta_encode(n)
         if n < 1024:
-            _PREFIXES[n] = prefix
+            _PREFIXES[(n, version)] = prefix
     return prefix
+
+
+def _unsupported(version: int) -> UnsupportedVersion:
+    lo, hi = MIN_PROTOCOL_VERSION, PROTOCOL_VERSION
+    return UnsupportedVersion(
+        f"unsupported protocol version {version}; this decoder reads versions {lo}-{hi}"
+    )
 
 
 # Frame types whose len() is their size in bytes and that np.frombuffer reads directly.
@@ -44,9 +55,9 @@ def _buffer(frame: Any) -> memoryview:
         try:
             buf = memoryview(frame)
         except TypeError as exc:
-            raise DecodeError(f"frame of type {type(frame).__name__} is not bytes-like") from exc
+            raise FrameError(f"frame of type {type(frame).__name__} is not bytes-like") from exc
     if not buf.c_contiguous:
-        raise DecodeError("frame is not a contiguous buffer")
+        raise FrameError("frame is not a contiguous buffer")
     if buf.format != "B" or buf.ndim != 1:
         buf = buf.cast("B") if buf.nbytes else _EMPTY
     return buf
@@ -72,31 +83,29 @@ def _read_int(h: memoryview, pos: int) -> tuple[int, int] | None:
 
 
 def _parse_header(h: memoryview) -> tuple[int, memoryview]:
-    """General header parse (any msgpack int widths); checks the protocol version."""
+    """General header parse (any msgpack int widths); checks the protocol version
+    (:class:`~fastio.UnsupportedVersion` outside the versions it reads)."""
     try:
         parts = _header_decoder.decode(h)
     except msgspec.DecodeError as exc:
-        raise DecodeError(f"malformed header: {exc}") from exc
+        raise FrameError(f"malformed header: {exc}") from exc
     if len(parts) != 3:
-        raise DecodeError(
+        raise FrameError(
             f"malformed header: expected [version, n_buffers, body], got {len(parts)} items"
         )
     try:
         version = _int_decoder.decode(parts[0])
         n_buffers = _int_decoder.decode(parts[1])
     except msgspec.DecodeError as exc:
-        raise DecodeError(f"malformed header: version and n_buffers must be ints: {exc}") from exc
-    if version != PROTOCOL_VERSION:
-        raise DecodeError(
-            f"unsupported protocol version {version}; this decoder speaks version "
-            f"{PROTOCOL_VERSION}"
-        )
+        raise FrameError(f"malformed header: version and n_buffers must be ints: {exc}") from exc
+    if not MIN_PROTOCOL_VERSION <= version <= PROTOCOL_VERSION:
+        raise _unsupported(version)
     # The body is the header's tail after the two ints (Raw holds a copy we do not need).
     # msgspec accepted an array of 3, so the first byte is fixarray, array16 or array32.
     pos = {0xDC: 3, 0xDD: 5}.get(h[0], 1)
     for _ in range(2):
         parsed = _read_int(h, pos)
         if parsed is None:  # pragma: no cover - msgspec accepted the ints above
-            raise DecodeError("malformed header")
+            raise FrameError("malformed header")
         pos = parsed[1]
     return n_buffers, h[pos:]

@@ -27,8 +27,10 @@ and item assignment never write into a received frame (they copy first). Torch t
 over a read-only frame are copied, because torch has no read-only tensors and a write
 would corrupt an immutable ``bytes`` object.
 
-Token arrays travel as extension codes ``16 + d`` (inline) and ``48 + d`` (buffer
-frame; ``32 + d`` from frame 256 on) whose dtype is the code: decoding one is a table
+Token arrays travel (at protocol version 2, the default) as extension codes ``16 + d``
+(inline) and ``48 + d`` (buffer frame; ``32 + d`` from frame 256 on) whose dtype is the
+code; ``Encoder(version=1)`` writes ext 4 for peers of version 1 instead
+(:mod:`fastio.versions` picks per peer). Decoding a compact one is a table
 lookup and ``np.frombuffer``, no nested msgpack decode. A reference to a buffer frame is
 one byte, the frame index, and the frame is the array, so the encoder reuses one
 extension value per dtype and frame index instead of packing one per array
@@ -106,13 +108,22 @@ from fastio._ext import (
 )
 from fastio._ext_decode import _dec_hook, _ExtDecoderMixin
 from fastio._ext_encode import _ExtEncoderMixin
-from fastio._header import _SMALL_PREFIXES, _buffer, _header_prefix, _parse_header
-from fastio.errors import DecodeError, EncodeError, MessageTooLarge
+from fastio._header import (
+    _READ_VERSIONS,
+    _SMALL_PREFIXES,
+    _buffer,
+    _header_prefix,
+    _parse_header,
+    _unsupported,
+)
+from fastio.errors import DecodeError, EncodeError, FrameError, MessageTooLarge
 from fastio.jsonhook import enc_hook
 from fastio.protocol import (
     DEFAULT_INLINE_THRESHOLD,
     DEFAULT_MAX_MESSAGE_SIZE,
+    MIN_PROTOCOL_VERSION,
     PROTOCOL_VERSION,
+    TokenEncoding,
 )
 from fastio.tokens import TokenArray
 
@@ -151,6 +162,11 @@ Frame = Any
 
 _new_object = object.__new__
 
+#: The header's version as the decoders' msgspec types check it: any version read.
+_VERSION_TYPE: Any = Literal.__getitem__(_READ_VERSIONS)
+#: The token encodings an Encoder can write.
+_WRITES = (TokenEncoding.TOKENS, TokenEncoding.COMPACT, TokenEncoding.REF)
+
 
 class _NeedsFrames(Exception):
     """Raised by the stateless encoder for an array that needs a frame of its own."""
@@ -174,6 +190,14 @@ class Encoder(_ExtEncoderMixin):
     inline_threshold:
         Arrays with fewer bytes than this travel inside the header; the others as their
         own zero-copy frame. ``0`` sends every array as a frame.
+    version:
+        The protocol version written in the header (``MIN_PROTOCOL_VERSION`` ..
+        ``PROTOCOL_VERSION``): the version the reader speaks.
+    tokens:
+        How token arrays are written, one :class:`~fastio.protocol.TokenEncoding`: by
+        default ``REF`` at version 2 and ``TOKENS`` (ext 4, which every version-1 reader
+        reads) at version 1. :mod:`fastio.versions` picks both for a peer from what it
+        states it reads.
 
     Examples
     --------
@@ -185,10 +209,26 @@ class Encoder(_ExtEncoderMixin):
     2
     """
 
-    def __init__(self, *, inline_threshold: int = DEFAULT_INLINE_THRESHOLD) -> None:
+    def __init__(
+        self,
+        *,
+        inline_threshold: int = DEFAULT_INLINE_THRESHOLD,
+        version: int = PROTOCOL_VERSION,
+        tokens: TokenEncoding | None = None,
+    ) -> None:
         if not isinstance(inline_threshold, int) or inline_threshold < 0:
             raise ValueError(f"inline_threshold must be an int >= 0, got {inline_threshold!r}")
+        if version not in _READ_VERSIONS:
+            raise ValueError(
+                f"version must be {MIN_PROTOCOL_VERSION}..{PROTOCOL_VERSION}, got {version!r}"
+            )
+        if tokens is None:
+            tokens = TokenEncoding.REF if version >= 2 else TokenEncoding.TOKENS
+        if tokens not in _WRITES:
+            raise ValueError(f"tokens must be one of {[t.name for t in _WRITES]}, got {tokens!r}")
         self._threshold = inline_threshold
+        self._version = version
+        self._tokens = TokenEncoding(tokens)
         # Idle per-call states (see "Threads" in the module docstring): a call pops one,
         # or makes one when none is idle, and puts it back when done.
         self._idle: list[list[Any]] = []
@@ -200,6 +240,16 @@ class Encoder(_ExtEncoderMixin):
     def inline_threshold(self) -> int:
         """Arrays with fewer bytes travel inside the header (read-only)."""
         return self._threshold
+
+    @property
+    def version(self) -> int:
+        """The protocol version written in every header (read-only)."""
+        return self._version
+
+    @property
+    def tokens(self) -> TokenEncoding:
+        """How token arrays are written (read-only)."""
+        return self._tokens
 
     def _new_state(self) -> list[Any]:
         """A per-call state ``[encode, frames, n_guess]``: a msgspec encoder whose hook
@@ -213,6 +263,10 @@ class Encoder(_ExtEncoderMixin):
         refs = _REFS
         make_ref = _ref
         other = self._enc_hook
+        if self._tokens is not TokenEncoding.REF:
+            # Older forms, for older peers: the general path (_tokens_ext) writes them.
+            state[0] = msgspec.msgpack.Encoder(enc_hook=lambda obj: other(obj, state[1])).encode
+            return state
 
         def hook(obj: Any) -> Any:
             # The hot path, every token array of every message, inlined. The array
@@ -242,8 +296,8 @@ class Encoder(_ExtEncoderMixin):
         pop = self._idle.pop
         push = self._idle.append
         new_state = self._new_state
-        prefixes = _SMALL_PREFIXES
-        version = PROTOCOL_VERSION
+        version = self._version
+        prefixes = _SMALL_PREFIXES[version]
         # The buffer count of the last message, shared by the threads (a guess): 0
         # means try the stateless encoder first, -1 that it failed last time.
         last = [0]
@@ -282,8 +336,8 @@ class Encoder(_ExtEncoderMixin):
                 push(state)
             n = len(frames) - 1
             if n != guess:
-                # A guess is below 128, one byte: the header starts b"\x93\x01<guess>".
-                header = (prefixes[n] if n < 128 else _header_prefix(n)) + header[3:]
+                # A guess is below 128, one byte: the header starts 93 <version> <guess>.
+                header = (prefixes[n] if n < 128 else _header_prefix(n, version)) + header[3:]
                 # (The state may be in use again by now: these are guesses.)
                 state[2] = n if n < 128 else 1
             if last[0] != n:
@@ -299,11 +353,12 @@ class Encoder(_ExtEncoderMixin):
     def _inline_hook(self) -> Any:
         """The hook of the stateless encoder: arrays inline, or :class:`_NeedsFrames`."""
         threshold = self._threshold
-        inline_code = _INLINE_CODE
+        inline_code = _INLINE_CODE if self._tokens is TokenEncoding.REF else {}
         ext = _Ext
         other = self._enc_hook
 
         def hook(obj: Any) -> Any:
+            # (Other token encodings miss inline_code: _tokens_ext writes them.)
             if type(obj) is TokenArray:
                 arr = obj._a
                 code = inline_code.get(arr.dtype)
@@ -386,7 +441,7 @@ class Decoder(_ExtDecoderMixin):
         # one stateless msgspec call: the header's version and buffer count (0) are part
         # of the type, and nothing refers to a buffer frame.
         self._decode_one = msgspec.msgpack.Decoder(
-            tuple[Literal[PROTOCOL_VERSION], Literal[0], type],  # type: ignore[valid-type]
+            tuple[_VERSION_TYPE, Literal[0], type],  # type: ignore[valid-type]
             ext_hook=self._header_only_hook(),
             dec_hook=_dec_hook,
         ).decode
@@ -490,12 +545,12 @@ class Decoder(_ExtDecoderMixin):
 
         tp = self.type
         state[1] = msgspec.msgpack.Decoder(
-            tuple[Literal[PROTOCOL_VERSION], int, tp],  # type: ignore[valid-type]
+            tuple[_VERSION_TYPE, int, tp],  # type: ignore[valid-type]
             ext_hook=ext_hook,
             dec_hook=_dec_hook,
         ).decode
         state[2] = msgspec.msgpack.Decoder(
-            tuple[Literal[PROTOCOL_VERSION], Literal[1], tp],  # type: ignore[valid-type]
+            tuple[_VERSION_TYPE, Literal[1], tp],  # type: ignore[valid-type]
             ext_hook=ext_hook,
             dec_hook=_dec_hook,
         ).decode
@@ -587,7 +642,7 @@ class Decoder(_ExtDecoderMixin):
         count, then the body's own error."""
         tf = type(frames)
         if (tf is not list and tf is not tuple) or not frames:
-            return DecodeError("expected a non-empty list of frames [header, *buffers]")
+            return FrameError("expected a non-empty list of frames [header, *buffers]")
         try:
             total = sum(_buffer(f).nbytes for f in frames)
         except DecodeError as err:
@@ -597,15 +652,18 @@ class Decoder(_ExtDecoderMixin):
             return MessageTooLarge(f"message of {total} bytes exceeds the limit of {limit} bytes")
         try:
             h = _buffer(frames[0])
-            if len(h) > 3 and h[0] == 0x93 and h[1] == PROTOCOL_VERSION and h[2] < 0x80:
-                n_buffers = h[2]  # what our encoder writes: no general parse needed
+            if len(h) > 3 and h[0] == 0x93 and h[2] < 0x80 and h[1] < 0x80:
+                # What our encoder writes: no general parse needed.
+                if h[1] not in _READ_VERSIONS:
+                    raise _unsupported(h[1])
+                n_buffers = h[2]
             else:
                 try:
                     n_buffers, _ = _parse_header(h)
                 except RecursionError:
-                    raise DecodeError("malformed header: nested too deeply") from None
+                    raise FrameError("malformed header: nested too deeply") from None
             if n_buffers != len(frames) - 1:
-                raise DecodeError(
+                raise FrameError(
                     f"wrong frame count: header announces {n_buffers} buffers, "
                     f"got {len(frames) - 1}"
                 )
@@ -614,7 +672,7 @@ class Decoder(_ExtDecoderMixin):
         if isinstance(exc, DecodeError):
             return exc
         if isinstance(exc, _Rejected):  # pragma: no cover - the header checks above caught it
-            return DecodeError("malformed header")
+            return FrameError("malformed header")
         if isinstance(exc, msgspec.DecodeError):
             return DecodeError(f"invalid message body: {_body_error(self.type, frames[0], exc)}")
         return DecodeError(f"invalid message body: {type(exc).__name__}: {exc}")

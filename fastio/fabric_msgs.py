@@ -150,6 +150,13 @@ class Heartbeat(WireStruct, tag=int(MsgKind.FABRIC_HEARTBEAT)):
     running: int = 0
     waiting: int = 0
     engine_lag: float = 0.0
+    #: Both ways: what the sender reads: protocol versions ``protocol_min`` ..
+    #: ``protocol`` and the token encodings (bits of ``fastio.protocol.TokenEncoding``).
+    #: The defaults describe a peer of version 1, which states nothing: each side
+    #: writes to the other what it reads (``fastio.versions``).
+    protocol: int = 1
+    protocol_min: int = 1
+    token_encodings: int = 1
 
 
 class WorkerStatus(WireStruct, tag=int(MsgKind.FABRIC_WORKER_STATUS)):

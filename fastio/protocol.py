@@ -11,15 +11,25 @@ __all__ = [
     "DEFAULT_INLINE_THRESHOLD",
     "DEFAULT_MAX_MESSAGE_SIZE",
     "DTYPE_NAMES",
+    "MIN_PROTOCOL_VERSION",
     "PROTOCOL_VERSION",
+    "READS",
     "ExtCode",
     "MsgKind",
+    "TokenEncoding",
 ]
 
-#: Version of the frame layout. A decoder rejects headers carrying another version.
-#: Bump it only for changes an old peer cannot read; appending a field with a
-#: default to a Struct is *not* such a change (see the schema-evolution rules).
-PROTOCOL_VERSION = 1
+#: Version of the wire protocol this code writes by default, and the newest it reads.
+#: Version 2: peers state what they read in their Heartbeats, token arrays may use
+#: every code of :class:`ExtCode`. Version 1 (fastio before version 2): nothing
+#: stated; the one token-array code every version-1 reader reads is ext 4. Bump it for
+#: any change an older peer cannot read (see "Versions" in docs/PROTOCOL.md); appending
+#: a field with a default to a Struct is not such a change.
+PROTOCOL_VERSION = 2
+
+#: The oldest version this code reads and writes. A decoder rejects headers outside
+#: ``MIN_PROTOCOL_VERSION .. PROTOCOL_VERSION`` (``fastio.UnsupportedVersion``).
+MIN_PROTOCOL_VERSION = 1
 
 #: Arrays whose data is smaller than this many bytes travel inside the header;
 #: larger ones travel as their own frame, sent without a copy. Chosen by measurement
@@ -93,6 +103,7 @@ class ExtCode(enum.IntEnum):
     #: ``TokenArray``: same payload as NDARRAY with a 1-D shape, decoded as a
     #: ``TokenArray``. A code of its own so the decoder builds the right type without
     #: knowing which field it is in (the hot path skips msgspec's per-field hook).
+    #: What fastio writes at protocol version 1: every version-1 reader reads it.
     TOKENS = 4
     #: ``TokenArray`` with its data inline: codes ``16 + d`` for the dtype at index
     #: ``d`` of :data:`DTYPE_NAMES`; the payload is the raw little-endian elements.
@@ -106,6 +117,24 @@ class ExtCode(enum.IntEnum):
     #: byte, the frame index (1-255); the element count is the frame's length divided
     #: by the itemsize. What the encoder writes for frames 1-255.
     TOKENS_REF = 48
+
+
+class TokenEncoding(enum.IntFlag):
+    """Forms of token arrays on the wire, as bits: a peer states the forms it reads
+    (``Heartbeat.token_encodings``), an :class:`~fastio.Encoder` writes one of them."""
+
+    #: ext 4 ``[dtype, shape, data]``: what every reader of every version reads.
+    TOKENS = 1
+    #: ext ``16 + d`` inline and ``32 + d`` (frame index and element count) in a frame.
+    COMPACT = 2
+    #: ext ``48 + d`` (a one-byte frame index) in a frame, with ext ``16 + d`` inline
+    #: and ``32 + d`` for frames from 256 on: what fastio writes by default. Writing it
+    #: needs a peer that reads COMPACT too.
+    REF = 4
+
+
+#: The token encodings this code's decoder reads.
+READS = TokenEncoding.TOKENS | TokenEncoding.COMPACT | TokenEncoding.REF
 
 
 #: Canonical dtype names on the wire (little-endian always).

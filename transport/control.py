@@ -28,7 +28,7 @@ from typing import Any
 
 import zmq
 
-from fastio import DecodeError, Decoder, Encoder
+from fastio import DecodeError, Decoder, versions
 from fastio import fabric_msgs as fm
 from transport.errors import ControlError
 from transport.sockets import DEFAULT_MAX_MESSAGE_SIZE, CurveConfig, make_dealer
@@ -71,7 +71,8 @@ class FabricController:
         self._socks: dict[str, zmq.Socket[Any]] = {}
         self._seq = itertools.count(1)
         self._lock = threading.Lock()
-        self._enc = Encoder()
+        # Controls carry no token arrays: version 1, which every worker reads.
+        self._enc = versions.VERSION_1
         self._dec = Decoder(fm.WORKER_TO_CLIENT, max_message_size=max_message_size)
         for address in workers:
             self.add_worker(address)

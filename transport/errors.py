@@ -10,6 +10,8 @@ Exception tree::
         │   └── RequestAborted            a controller aborted the request
         ├── NoWorkers(RuntimeError)       no worker is configured
         │   └── NoWorkerAvailable         none has been alive for ``connect_timeout``
+        │       └── IncompatibleWorkers   every worker speaks protocol versions or
+        │                                 token encodings this client cannot serve
         ├── BadAddress(ValueError)        a worker address that cannot be used
         ├── ClientClosed(RuntimeError)    the client was closed while a request waited
         └── ControlError                  a control operation failed on some workers
@@ -30,6 +32,7 @@ __all__ = [
     "BadAddress",
     "ClientClosed",
     "ControlError",
+    "IncompatibleWorkers",
     "NoWorkerAvailable",
     "NoWorkers",
     "RemoteError",
@@ -90,6 +93,11 @@ class NoWorkerAvailable(NoWorkers):
     def __init__(self, message: str, seen: dict[str, str]) -> None:
         super().__init__(message)
         self.seen = seen
+
+
+class IncompatibleWorkers(NoWorkerAvailable):
+    """Every worker answered, and none speaks a protocol version (or token encoding)
+    this client can use; ``seen`` names each one's versions and this client's."""
 
 
 class BadAddress(TransportError, ValueError):

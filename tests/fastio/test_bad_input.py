@@ -70,7 +70,10 @@ assert len(GOOD) == 3  # both arrays above the inline threshold
         ([msgpack.packb([1, 0])], "expected \\[version, n_buffers, body\\]"),
         ([msgpack.packb({"a": 1})], "malformed header"),
         ([msgpack.packb(["1", 0, []])], "must be ints"),
-        ([header([12], version=2)], "unsupported protocol version 2"),
+        (
+            [header([12], version=3)],
+            "unsupported protocol version 3; this decoder reads versions 1-2",
+        ),
         ([header([12], version=0)], "unsupported protocol version 0"),
         ([header([12], version=-1)], "unsupported protocol version -1"),
         ([header([12], n_buffers=1)], "wrong frame count: header announces 1 buffers, got 0"),

@@ -345,7 +345,7 @@ def test_header_is_plain_msgpack() -> None:
     frames = fastio.encode(resp)
     header = msgpack.unpackb(frames[0], strict_map_key=False)
     version, n_buffers, body = header
-    assert version == PROTOCOL_VERSION == 1 and n_buffers == len(frames) - 1 == 4
+    assert version == PROTOCOL_VERSION == 2 and n_buffers == len(frames) - 1 == 4
     assert body[0] == MsgKind.LLM_RESPONSE == 3
     # Token arrays in a frame: ext 48 + dtype index (int32 is 5), the frame index as
     # one byte; the frame is the array (2048 int32).
@@ -363,7 +363,7 @@ def test_header_of_inline_arrays_and_defaults_is_plain_msgpack() -> None:
     frames = fastio.encode(LLMRequest(rid="abc", input_ids=[1, 2, 3]))
     assert len(frames) == 1
     version, n_buffers, body = msgpack.unpackb(frames[0])
-    assert (version, n_buffers) == (1, 0)
+    assert (version, n_buffers) == (2, 0)
     assert body[0] == MsgKind.LLM_REQUEST and body[1] == "abc"
     assert body[2].code == 21 and np.frombuffer(body[2].data, "<i4").tolist() == [1, 2, 3]
     # Every field is written, defaults included (msgspec ignores omit_defaults for
@@ -665,12 +665,12 @@ def test_protocol_doc_examples_are_exact() -> None:
     )
     assert len(frames) == 2 and frames[1].nbytes == 12000
     assert frames[0] == bytes.fromhex(
-        "930101 9903 c70015 d43501 c7001c c70015 a66c656e677468"
+        "930201 9903 c70015 d43501 c7001c c70015 a66c656e677468"
         " cb3ff8000000000000 cb3fd0000000000000 c7001c"
     )
     (req,) = fastio.encode(LLMRequest(rid="r", input_ids=[5, 6]))
     assert req == bytes.fromhex(
-        "930100 9602a172 d7150500000006000000"
+        "930200 9602a172 d7150500000006000000"
         " 990101cd400000c2cb3ff0000000000000ce05f5e100cb3ff000000000000090 80c0"
     )
 
@@ -721,7 +721,7 @@ def test_protocol_doc_fabric_examples_are_exact() -> None:
         ),
     )
     assert fastio.encode(submit)[0].startswith(
-        bytes.fromhex("930100951407 9602a27231 c70c15010000000200000003000000 9901010400c2")
+        bytes.fromhex("930200951407 9602a27231 c70c15010000000200000003000000 9901010400c2")
     )
     result = fm.Result(
         id=7,
@@ -731,7 +731,7 @@ def test_protocol_doc_fabric_examples_are_exact() -> None:
         stop_reason="length",
     )
     assert fastio.encode(result) == [
-        bytes.fromhex("930100961507 d7150500000006000000 d71b000000bf000080bf d7150000000000000000")
+        bytes.fromhex("930200961507 d7150500000006000000 d71b000000bf000080bf d7150000000000000000")
         + b"\xa6length"
     ]
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import zmq
 
-from fastio import Decoder, Encoder, LLMResponse
+from fastio import Decoder, LLMResponse, versions
 from fastio import fabric_msgs as fm
 from transport import metrics
 from transport.client.calls import Call
@@ -43,7 +43,9 @@ class ClientBase:
         # gave up on while we were away is reported back (Error LOST) to the right peer.
         self._identity = b"fc-" + uuid.uuid4().hex.encode()
         self._rr = 0
-        self._enc = Encoder()
+        # Pings, and Cancels to a worker presumed dead: version 1, which every worker
+        # reads (a worker's own encoder, Worker.enc, is chosen from its pongs).
+        self._enc = versions.VERSION_1
         self._dec = Decoder(fm.WORKER_TO_CLIENT, max_message_size=self.config.max_message_size)
         self._ctx: zmq.Context[Any] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -91,7 +93,7 @@ class ClientBase:
 
     # -- messages whose loss is harmless -----------------------------------------------
     def _ping(self, w: Worker) -> None:
-        self._try_send(w, fm.Heartbeat(sent_at=time.time()))
+        self._try_send(w, fm.Heartbeat(sent_at=time.time(), **versions.STATED))
 
     def _try_send(self, w: Worker, msg: Any) -> None:
         # Pings, and cancels to a worker presumed dead: never queued, so nothing piles

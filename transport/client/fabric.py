@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import zmq
 
-from fastio import DecodeError, LLMRequest, LLMResponse
+from fastio import DecodeError, IncompatiblePeer, LLMRequest, LLMResponse, versions
 from fastio import fabric_msgs as fm
 from fastio.protocol import MsgKind
 from transport import metrics
@@ -23,6 +23,7 @@ from transport.errors import (
     EMPTY_PROMPT,
     BadAddress,
     ClientClosed,
+    IncompatibleWorkers,
     NoWorkers,
     RemoteError,
     RequestAborted,
@@ -246,6 +247,9 @@ class FabricClient(Liveness):
                 if not self._n_alive and self._no_worker_expired():
                     self.stats["no_worker"] += 1
                     raise self._no_worker_error()
+                if not self._n_alive and self._all_incompatible():
+                    self.stats["no_worker"] += 1
+                    raise self._incompatible_error()
             except Exception as exc:
                 fut.set_exception(exc)
                 return fut
@@ -299,8 +303,12 @@ class FabricClient(Liveness):
             if call is not None:
                 on_stream(call, msg)
         elif tp is fm.Heartbeat:
-            self._on_heartbeat(w, msg)
+            self._on_pong(w, msg)
         elif tp is fm.Error:
+            if msg.code == fm.ErrorCode.UNSUPPORTED_VERSION and msg.id == -1 and not w.alive:
+                # The worker refuses to speak with this client (its versions).
+                self._refused_by(w, f"worker {w.address} refused this client: {msg.message}")
+                return
             self._on_error(w, msg)
         else:
             self.stats["bad_messages"] += 1
@@ -328,7 +336,7 @@ class FabricClient(Liveness):
         )
         assert w.pump is not None
         w.pump.send(
-            self._enc.encode(
+            w.enc.encode(
                 fm.Error(
                     id=first if call is not None and first is not None else -1,
                     code=int(fm.ErrorCode.BAD_RESPONSE),
@@ -379,6 +387,46 @@ class FabricClient(Liveness):
             )
         self._slot_freed(w)
 
+    # -- versions: what each worker reads ------------------------------------------------
+    def _on_pong(self, w: Worker, hb: fm.Heartbeat) -> None:
+        """A pong states what the worker reads: write to it in that, or refuse it."""
+        try:
+            w.enc = versions.encoder_for(hb)
+        except IncompatiblePeer as exc:
+            name = f" ({hb.worker_id})" if hb.worker_id else ""
+            self._refused_by(w, f"worker {w.address}{name}: {exc}")
+            return
+        if w.incompatible:
+            log.info("worker %s now speaks a version this client reads", w.address)
+            w.incompatible = ""
+        self._on_heartbeat(w, hb)
+
+    def _refused_by(self, w: Worker, why: str) -> None:
+        """``w`` answers, in versions this client cannot use: say so once, send it
+        nothing (its requests go elsewhere), and fail what waits if no worker is left."""
+        if w.incompatible != why:
+            log.error("%s", why)
+            w.incompatible = why
+        if w.alive or w.inflight or w.sticky_queue:
+            self._worker_died(w, "it speaks an incompatible protocol version")
+        if self._n_alive or not self._all_incompatible():
+            return
+        err = self._incompatible_error()
+        calls = list(self._queue) + list(self._backing_off)
+        self._queue.clear()
+        for call in calls:
+            if not call.done:
+                self.stats["no_worker"] += 1
+                self._finish_error(call, IncompatibleWorkers(str(err), err.seen))
+
+    def _all_incompatible(self) -> bool:
+        order = self._order
+        return bool(order) and all(w.incompatible for w in order)
+
+    def _incompatible_error(self) -> IncompatibleWorkers:
+        seen = {w.address: w.seen(time.monotonic(), False) for w in self._order}
+        where = "; ".join(f"{a}: {s}" for a, s in seen.items())
+        return IncompatibleWorkers(f"no generation worker this client can use ({where})", seen)
 
 def _resolved(w: Worker, lookup: asyncio.Future[str]) -> None:
     if lookup.cancelled() or lookup.exception() is not None:

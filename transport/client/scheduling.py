@@ -78,7 +78,7 @@ class Scheduler(ClientBase):
     def _send_call(self, w: Worker, call: Call) -> None:
         sub_id = next(self._ids)
         try:
-            frames = self._enc.encode(
+            frames = w.enc.encode(  # what this worker reads
                 fm.Submit(id=sub_id, request=call.segment, stream=self.config.stream)
             )
         except Exception as exc:
@@ -142,7 +142,7 @@ class Scheduler(ClientBase):
         w = call.worker
         if w is not None and w.inflight.pop(call.sub_id, None) is not None:
             if send_cancel and w.pump is not None:
-                w.pump.send(self._enc.encode(fm.Cancel(id=call.sub_id)))
+                w.pump.send(w.enc.encode(fm.Cancel(id=call.sub_id)))
             call.worker = None
             self._slot_freed(w)
 

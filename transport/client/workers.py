@@ -14,7 +14,7 @@ from typing import Any
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from fastio import LLMRequest
+from fastio import Encoder, LLMRequest, versions
 from fastio.tokens import TokenArray
 from transport.client.config import ChunkCallback
 from transport.client.future import GenerateFuture
@@ -111,10 +111,12 @@ class Worker:
         "connected",
         "cool_until",
         "draining",
+        "enc",
         "engine_lag",
         "handshake_failed",
         "handshake_ok",
         "incarnation",
+        "incompatible",
         "inflight",
         "last_seen",
         "limit",
@@ -161,6 +163,10 @@ class Worker:
         self.connect_retries = 0
         self.handshake_ok = False
         self.handshake_failed: list[str] = []
+        #: The encoder this worker reads (from the versions its pongs state; version 1
+        #: until it answers), and why it cannot be used ("" when it can).
+        self.enc: Encoder = versions.VERSION_1
+        self.incompatible = ""
 
     def load(self) -> int:
         """Requests ahead of a new one there: ours in flight plus the others' it
@@ -204,6 +210,8 @@ class Worker:
 
     def seen(self, now: float, curve: bool) -> str:
         """One line on what was seen at this address."""
+        if self.incompatible:
+            return f"incompatible: {self.incompatible}"
         if self.last_seen:
             state = "alive" if self.alive else "dead"
             return f"{state}, last answered {now - self.last_seen:.1f} s ago"

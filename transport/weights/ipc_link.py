@@ -19,7 +19,11 @@ import zmq
 import fastio
 from fastio.errors import DecodeError
 from fastio.ipc_msgs import IpcAck, IpcHello, IpcOffer, IpcReady
+from fastio.versions import VERSION_1
 from transport.weights.ipc import IpcExporter, IpcImporter, IpcRefused, IpcResult
+
+# No token arrays here: version 1, which every release reads.
+_encode = VERSION_1.encode
 
 __all__ = ["IpcTrainerLink", "IpcWorkerLink"]
 
@@ -56,7 +60,7 @@ class IpcTrainerLink:
     def _send(self, worker_id: str, msg: Any) -> None:
         # A gone peer (ROUTER_MANDATORY raises): its slots are released by reap().
         with contextlib.suppress(zmq.ZMQError):
-            self.sock.send_multipart([worker_id.encode(), *fastio.encode(msg)], copy=False)
+            self.sock.send_multipart([worker_id.encode(), *_encode(msg)], copy=False)
 
     def pump(self, timeout: float) -> None:
         """Receive for up to ``timeout`` seconds (returns after the first batch)."""
@@ -143,7 +147,7 @@ class IpcWorkerLink:
         """Serve; returns the reason (also in :attr:`reason`). ``on_ready`` runs before
         each bucket is taken, ``on_version`` after each version completes."""
         imp = self.importer
-        self.sock.send_multipart(fastio.encode(imp.hello()))
+        self.sock.send_multipart(_encode(imp.hello()))
         while not self._stop:
             if not self.sock.poll(int(poll_s * 1000)):
                 if imp.offer is not None and not imp.trainer_alive():
@@ -161,13 +165,13 @@ class IpcWorkerLink:
                 except IpcRefused as exc:
                     self.reason = f"refused: {exc}"
                     return self.reason
-                self.sock.send_multipart(fastio.encode(ack))
+                self.sock.send_multipart(_encode(ack))
                 continue
             if on_ready is not None:
                 on_ready(msg)
             before = imp.version
             for a in imp.on_ready(msg):
-                self.sock.send_multipart(fastio.encode(a))
+                self.sock.send_multipart(_encode(a))
             if on_version is not None and imp.version != before:
                 on_version(imp.version)
         self.reason = "stopped"
@@ -179,5 +183,5 @@ class IpcWorkerLink:
         self.importer.close()
         if bye is not None:
             with contextlib.suppress(zmq.ZMQError):
-                self.sock.send_multipart(fastio.encode(bye), zmq.NOBLOCK)
+                self.sock.send_multipart(_encode(bye), zmq.NOBLOCK)
         self.sock.close(linger=1000)

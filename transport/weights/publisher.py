@@ -45,6 +45,7 @@ import zmq
 
 import fastio
 from fastio.ipc_msgs import IpcAck, IpcHello
+from fastio.versions import VERSION_1
 from fastio.weight_msgs import SUBSCRIBER_TO_PUBLISHER, WeightAnnounce
 from transport import metrics
 from transport.sockets import CurveConfig, WorkerAuthenticator, apply_curve_server
@@ -238,7 +239,8 @@ class WeightPublisher(IpcServing, VersionBuffers):
         self._wake_w.connect(wake_addr)
         self._wake_lock = threading.Lock()
 
-        self._encoder = fastio.Encoder()
+        # Weight messages carry no token arrays: version 1, which every release reads.
+        self._encoder = VERSION_1
         self._decoder = fastio.Decoder(_FROM_SUBSCRIBER, max_message_size=8 << 20)
         self._cond = threading.Condition()
         self._workers: dict[str, SubscriberInfo] = {}

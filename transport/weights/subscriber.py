@@ -67,6 +67,7 @@ import zmq
 
 import fastio
 from fastio.ipc_msgs import IpcOffer, IpcReady
+from fastio.versions import VERSION_1
 from fastio.weight_msgs import (
     PUBLISHER_TO_SUBSCRIBER,
     WeightAnnounce,
@@ -303,7 +304,8 @@ class WeightSubscriber(IpcReceiving, VersionCommit):
         self._last_hello = 0.0
         self._host = _shm.host_id()
         self._start_time = process_start_time(os.getpid()) or 0
-        self._encoder = fastio.Encoder()
+        # Weight messages carry no token arrays: version 1, which every release reads.
+        self._encoder = VERSION_1
         self._decoder = fastio.Decoder(
             _FROM_PUBLISHER, max_message_size=max_message_size + (1 << 20)
         )

@@ -29,9 +29,18 @@ from typing import Any, Protocol
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from fastio import DecodeError, Decoder, Encoder, MessageTooLarge
+from fastio import (
+    DecodeError,
+    Decoder,
+    Encoder,
+    FrameError,
+    IncompatiblePeer,
+    MessageTooLarge,
+    UnsupportedVersion,
+    versions,
+)
 from fastio import fabric_msgs as fm
-from fastio.protocol import PROTOCOL_VERSION, MsgKind
+from fastio.protocol import MsgKind
 from transport import metrics
 from transport.sockets import SocketPump, make_router
 from transport.worker.context import RequestContext, WorkerConfig
@@ -46,6 +55,10 @@ _ACCEPTED_KINDS |= {MsgKind.FABRIC_CONTROL, MsgKind.FABRIC_ERROR}
 
 #: Put in the engine's queue for a peer the pump dropped (it stopped reading).
 DROPPED = object()
+
+#: Peers whose encoder is remembered; past it the table starts afresh (a forgotten peer
+#: gets version-1 replies, which every peer reads, until its next ping).
+_MAX_ENCODERS = 65536
 
 
 def log_counted(n: int, fmt: str, *args: Any) -> None:
@@ -101,7 +114,7 @@ class SocketThread:
         self.counters: dict[str, int] = dict.fromkeys(
             (
                 "bad_messages", "undeliverable", "error_replies_received", "control",
-                "handshake_failed", "dropped_peers", "discarded",
+                "handshake_failed", "dropped_peers", "discarded", "incompatible_peers",
             ),
             0,
         )  # fmt: skip
@@ -114,7 +127,13 @@ class SocketThread:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._pump: SocketPump | None = None
         self._monitor: SocketPump | None = None
-        self._enc = Encoder()
+        #: The encoder each peer reads, from the versions its pings state
+        #: (``fastio.versions``); peers not heard from get ``versions.VERSION_1``
+        #: (version 1, ext 4: what every peer reads). Read by the engine's loop too.
+        self.encoders: dict[bytes, Encoder] = {}
+        self._enc = versions.VERSION_1
+        #: Peers refused for their versions, with the reason they were sent (once).
+        self._refused: dict[bytes, str] = {}
         cfg = server.config
         self._dec = Decoder(fm.CLIENT_TO_WORKER, max_message_size=cfg.max_message_size)
         self._thread: threading.Thread | None = None
@@ -245,7 +264,7 @@ class SocketThread:
     def _send(self, peer: bytes, msg: Any) -> None:
         # On this thread only (its own encoder).
         assert self._pump is not None
-        frames = self._enc.encode(msg)
+        frames = self.encoders.get(peer, self._enc).encode(msg)
         frames.insert(0, peer)
         self._pump.send(frames)
 
@@ -300,6 +319,16 @@ class SocketThread:
             self._to_engine(peer, msg)
 
     def _pong(self, peer: bytes, msg: fm.Heartbeat) -> None:
+        try:
+            enc = versions.encoder_for(msg)
+        except IncompatiblePeer as exc:
+            self._refuse(peer, str(exc))
+            return
+        encoders = self.encoders
+        if encoders.get(peer) is not enc:
+            if len(encoders) >= _MAX_ENCODERS:
+                encoders.clear()
+            encoders[peer] = enc
         s = self.server
         if peer in s._lost:
             self._report_lost(peer)
@@ -318,8 +347,29 @@ class SocketThread:
                 running=running,
                 waiting=max(0, held - running) + queued + _engine_waiting(s),
                 engine_lag=self.engine_lag(),
+                **versions.STATED,
             ),
         )
+
+    def _refuse(self, peer: bytes, why: str) -> None:
+        """A peer whose pings state versions this worker cannot serve: one Error naming
+        both sides' versions (at version 1, which every peer reads), and no pong, so it
+        never takes this worker for one it can use."""
+        if self._refused.get(peer) == why:
+            return
+        if len(self._refused) >= _MAX_ENCODERS:
+            self._refused.clear()
+        self._refused[peer] = why
+        self.counters["incompatible_peers"] += 1
+        text = f"worker {self.server.worker_id} cannot serve this client: {why}"
+        log_counted(self.counters["incompatible_peers"], "client %r refused: %s", peer, text)
+        self.encoders.pop(peer, None)
+        metrics.WORKER_ERRORS.labels(code=fm.ErrorCode.UNSUPPORTED_VERSION.name).inc()
+        assert self._pump is not None
+        frames = versions.VERSION_1.encode(
+            fm.Error(id=-1, code=int(fm.ErrorCode.UNSUPPORTED_VERSION), message=text)
+        )
+        self._pump.send([peer, *frames])
 
     def _report_lost(self, peer: bytes) -> None:
         assert self._pump is not None
@@ -344,9 +394,14 @@ class SocketThread:
         self._send_error(peer, id, code, text)
 
     def _bad_decode(self, peer: bytes, body: list[Any], exc: DecodeError) -> None:
-        version, kind, first = fm.peek(body)
-        if version is not None and version != PROTOCOL_VERSION:
+        _, kind, first = fm.peek(body)
+        if isinstance(exc, UnsupportedVersion):
             self._bad(peer, -1, fm.ErrorCode.UNSUPPORTED_VERSION, str(exc))
+        elif isinstance(exc, FrameError):
+            # Not a fastio message (header, frame count): BAD_MESSAGE, attributed to
+            # the Submit when its id can be read, so that its caller hears of it.
+            id = first if kind == MsgKind.FABRIC_SUBMIT and first is not None else -1
+            self._bad(peer, id, fm.ErrorCode.BAD_MESSAGE, str(exc))
         elif kind == MsgKind.FABRIC_SUBMIT and first is not None:
             self._bad(peer, first, fm.ErrorCode.BAD_REQUEST, f"invalid Submit: {exc}")
         elif kind is not None and kind not in _ACCEPTED_KINDS:

@@ -34,7 +34,7 @@ from typing import Any
 
 import zmq
 
-from fastio import Encoder, LLMRequest, LLMResponse
+from fastio import LLMRequest, LLMResponse, versions
 from fastio import fabric_msgs as fm
 from transport import metrics
 from transport.engines.api import Engine, attach_engine
@@ -139,7 +139,8 @@ class WorkerServer(PauseControl):
         #: Submissions given up without an answer reaching their client (it seemed dead,
         #: or its connection was down): reported Error(LOST) when the peer pings again.
         self._lost = LostReplies()
-        self._enc = Encoder()
+        #: Replies to peers not heard from: version 1, which every peer reads.
+        self._enc = versions.VERSION_1
         self._ctx: zmq.Context[Any] | None = None
         self._io: SocketThread | None = None
         self._auth: WorkerAuthenticator | None = None
@@ -290,10 +291,12 @@ class WorkerServer(PauseControl):
 
     # -- sending ----------------------------------------------------------------------
     def _send(self, peer: bytes, msg: Any) -> None:
-        assert self._io is not None
-        frames = self._enc.encode(msg)
+        io = self._io
+        assert io is not None
+        # Each peer gets what it reads (the versions its pings state; see SocketThread).
+        frames = io.encoders.get(peer, self._enc).encode(msg)
         frames.insert(0, peer)
-        self._io.post_here(frames)
+        io.post_here(frames)
 
     def _send_error(self, peer: bytes, id: int, code: fm.ErrorCode, text: str) -> None:
         metrics.WORKER_ERRORS.labels(code=code.name).inc()
