@@ -277,3 +277,30 @@ def test_scheduler_prefers_the_less_loaded_worker(scripted: Any) -> None:
         assert len(b.submits) == 6 and not a.submits
 
     asyncio.run(main())
+
+
+def test_a_load_view_older_than_a_heartbeat_is_not_used(scripted: Any) -> None:
+    # a reported 50 requests of other clients, then fell silent (a late pong, a link
+    # slow to heal): alive still, but its figure is older than one heartbeat interval
+    # and may be long gone. The client goes by what it knows exactly, its own requests
+    # in flight, and spreads the burst; it does not pile it onto b.
+    a = scripted(hold=1.0, running=40, waiting=10)
+    b = scripted(hold=1.0)
+    cfg = ClientConfig(heartbeat_interval=0.05, heartbeat_liveness=40, request_timeout=30)
+
+    async def main() -> None:
+        async with FabricClient([a.address, b.address], cfg) as client:
+            await await_for(
+                lambda: all(i.alive for i in client.workers) and client.workers[0].running == 40,
+                what="both alive, a's load known",
+            )
+            a.pong = False
+            await await_for(
+                lambda: client.workers[0].last_seen_s_ago > 3 * 0.05, what="a's view stale"
+            )
+            futs = [client.agenerate(LLMRequest(input_ids=[i])) for i in range(20)]
+            await asyncio.gather(*futs)
+            assert client.stats["workers_died"] == 0
+        assert len(a.submits) >= 6 and len(b.submits) >= 6, (len(a.submits), len(b.submits))
+
+    asyncio.run(main())

@@ -1,0 +1,107 @@
+"""Balancing from the first request: a burst sent right after connecting is spread over
+the workers that are up, Cancels are not counted as load, and two clients' bursts do not
+pile onto one worker (real worker processes, real sockets)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+
+import fastio
+from fastio import LLMRequest
+from fastio import fabric_msgs as fm
+from tests.transport.conftest import WorkerProc, await_for, wait_for
+from tests.transport.test_worker_liveness import dealer, ping
+from transport import ClientConfig, FabricClient, FabricController
+
+ENGINES = "tests.transport.plugins"
+CFG = ClientConfig(heartbeat_interval=0.1, heartbeat_liveness=10, request_timeout=30)
+
+
+def received(addresses: list[str]) -> list[int]:
+    with FabricController(addresses) as ctl:
+        health = ctl.health(timeout=5)
+    return [health[a].counters["received"] for a in addresses]
+
+
+def two_workers(spawn: Callable[..., WorkerProc], *args: str) -> list[str]:
+    w1 = spawn("--bind", "tcp://127.0.0.1:0", *args, wait=False)
+    w2 = spawn("--bind", "tcp://127.0.0.1:0", *args, wait=False)
+    return [w1.wait_ready(), w2.wait_ready()]
+
+
+def test_burst_right_after_connect_is_spread(spawn: Callable[..., WorkerProc]) -> None:
+    # The README's rollout: gather at once after connecting. Nothing has answered a ping
+    # yet when the 40 are submitted; the first pong must not take them all.
+    addresses = two_workers(spawn, "--engine", "echo")
+
+    async def main() -> None:
+        async with FabricClient(addresses, CFG) as client:
+            outs = await asyncio.gather(
+                *(client.agenerate(LLMRequest(input_ids=[i])) for i in range(40))
+            )
+            assert [o.output_tokens.tolist() for o in outs] == [[i] for i in range(40)]
+
+    for _ in range(2):
+        before = received(addresses)
+        asyncio.run(main())
+        counts = [b - a for a, b in zip(before, received(addresses), strict=True)]
+        assert sum(counts) == 40 and min(counts) >= 0.3 * 40, counts
+
+
+def test_two_clients_bursting_at_once_are_each_spread(
+    spawn: Callable[..., WorkerProc],
+) -> None:
+    # Two rollout clients start together, each gathering 40 long requests: each client
+    # spreads its burst, so neither worker ends up holding both.
+    addresses = two_workers(
+        spawn, "--engine", f"{ENGINES}:slow_engine", "--engine-opt", "seconds=1"
+    )
+    split: list[list[int]] = []
+
+    async def one_client() -> None:
+        async with FabricClient(addresses, CFG) as client:
+            futs = [client.agenerate(LLMRequest(input_ids=[i])) for i in range(40)]
+            # Where each went, read once all are in flight (each is held 1 s there).
+            await await_for(lambda: sum(i.in_flight for i in client.workers) == 40)
+            split.append([i.in_flight for i in client.workers])
+            await asyncio.gather(*futs)
+
+    async def main() -> None:
+        await asyncio.gather(one_client(), one_client())
+
+    asyncio.run(main())
+    assert all(min(s) >= 0.3 * 40 for s in split), split
+    counts = received(addresses)
+    assert sum(counts) == 80 and min(counts) >= 0.3 * 80, (counts, split)
+
+
+def test_queued_cancels_are_not_reported_as_waiting_work(
+    spawn: Callable[..., WorkerProc],
+) -> None:
+    # A blocking handler holds the engine's loop, so what arrives meanwhile waits in the
+    # socket thread's inbox: two Submits and a batch of 200 Cancels (what a client sends
+    # after a partition heals). The pong counts the two Submits, not the Cancels.
+    w = spawn(
+        "--bind", "tcp://127.0.0.1:0", "--engine", f"{ENGINES}:blocking_engine",
+        "--engine-opt", "seconds=20",
+    )  # fmt: skip
+    ctx: zmq.Context[Any] = zmq.Context()
+    try:
+        s = dealer(ctx, w.address)
+        s.send_multipart(fastio.encode(fm.Submit(id=1, request=LLMRequest(input_ids=[1]))))
+        wait_for(lambda: ping(s).running == 1, what="the engine blocked in its handler")
+        for i in (2, 3):
+            s.send_multipart(fastio.encode(fm.Submit(id=i, request=LLMRequest(input_ids=[i]))))
+        for i in range(1000, 1200):
+            s.send_multipart(fastio.encode(fm.Cancel(id=i)))
+        hb = ping(s)
+        # (A sync handler started at once is not yet among the held requests: in_flight
+        # may leave it out; running + waiting counts it.)
+        assert (hb.running, hb.waiting) == (1, 2) and hb.in_flight <= 3, hb
+        assert hb.engine_lag > 0  # the engine's loop is behind: that much is true
+    finally:
+        ctx.destroy(linger=0)
