@@ -5,13 +5,14 @@ pile onto one worker (real worker processes, real sockets)."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from typing import Any
 
 import zmq
 
 import fastio
-from fastio import LLMRequest
+from fastio import LLMRequest, LLMResponse
 from fastio import fabric_msgs as fm
 from tests.transport.conftest import WorkerProc, await_for, wait_for
 from tests.transport.test_worker_liveness import dealer, ping
@@ -77,6 +78,59 @@ def test_two_clients_bursting_at_once_are_each_spread(
     assert all(min(s) >= 0.3 * 40 for s in split), split
     counts = received(addresses)
     assert sum(counts) == 80 and min(counts) >= 0.3 * 80, (counts, split)
+
+
+def parking_engine(opts: dict[str, str]) -> Any:
+    """``--engine tests.transport.test_client_balance:parking_engine``: a prompt starting
+    with 0 blocks the engine's loop for ``block`` seconds (a forward pass run inline);
+    any other waits there (yielding) for a minute."""
+    block = float(opts.get("block", "20"))
+
+    async def generate(req: Any, ctx: Any) -> Any:
+        if req.input_ids[0] == 0:
+            time.sleep(block)  # blocks the engine's loop, on purpose
+        else:
+            await asyncio.sleep(60)
+        n = len(req.input_ids)
+        return LLMResponse(
+            output_tokens=req.input_ids, output_logprobs=[0.0] * n, output_versions=[0] * n
+        )
+
+    return generate
+
+
+def submit(s: zmq.Socket[Any], id: int, first: int) -> None:
+    s.send_multipart(fastio.encode(fm.Submit(id=id, request=LLMRequest(input_ids=[first]))))
+
+
+def test_cancels_on_their_way_are_not_reported_as_load(
+    spawn: Callable[..., WorkerProc],
+) -> None:
+    # What a client sends a worker after a partition heals: Cancels of requests the
+    # worker still holds, and of others, in one batch. They wait in the socket thread's
+    # inbox while the engine's loop is blocked; the pong must count neither the
+    # Cancels nor the held requests they are about to end, only real work: the
+    # blocked handler and one new Submit.
+    w = spawn(
+        "--bind", "tcp://127.0.0.1:0", "--engine",
+        "tests.transport.test_client_balance:parking_engine",
+    )  # fmt: skip
+    ctx: zmq.Context[Any] = zmq.Context()
+    try:
+        s = dealer(ctx, w.address)
+        submit(s, 1, 1)
+        submit(s, 2, 2)
+        wait_for(lambda: ping(s).running == 2, what="two parked requests")
+        submit(s, 3, 0)  # blocks the engine's loop
+        wait_for(lambda: ping(s).running == 3, what="the engine blocked in its handler")
+        for i in (1, 2, *range(1000, 1200)):
+            s.send_multipart(fastio.encode(fm.Cancel(id=i)))
+        submit(s, 4, 4)
+        hb = ping(s)
+        assert (hb.running, hb.waiting) == (1, 1) and hb.in_flight <= 2, hb
+        assert hb.engine_lag > 0  # the engine's loop is behind: that much is true
+    finally:
+        ctx.destroy(linger=0)
 
 
 def test_queued_cancels_are_not_reported_as_waiting_work(
