@@ -59,14 +59,14 @@ def test_two_clients_bursting_at_once_are_each_spread(
     # Two rollout clients start together, each gathering 40 long requests: each client
     # spreads its burst, so neither worker ends up holding both.
     addresses = two_workers(
-        spawn, "--engine", f"{ENGINES}:slow_engine", "--engine-opt", "seconds=1"
+        spawn, "--engine", f"{ENGINES}:slow_engine", "--engine-opt", "seconds=0.5"
     )
     split: list[list[int]] = []
 
     async def one_client() -> None:
         async with FabricClient(addresses, CFG) as client:
             futs = [client.agenerate(LLMRequest(input_ids=[i])) for i in range(40)]
-            # Where each went, read once all are in flight (each is held 1 s there).
+            # Where each went, read once all are in flight (each is held 0.5 s there).
             await await_for(lambda: sum(i.in_flight for i in client.workers) == 40)
             split.append([i.in_flight for i in client.workers])
             await asyncio.gather(*futs)

@@ -295,9 +295,9 @@ def test_a_load_view_older_than_a_heartbeat_is_not_used(scripted: Any) -> None:
                 what="both alive, a's load known",
             )
             a.pong = False
-            await await_for(
-                lambda: client.workers[0].last_seen_s_ago > 3 * 0.05, what="a's view stale"
-            )
+            await await_for(lambda: client.workers[0].last_seen_s_ago > 3 * 0.05, what="a silent")
+            # Dropped at the first tick without a pong since the one before.
+            await await_for(lambda: not client.workers[0].load_current, what="a's view old")
             futs = [client.agenerate(LLMRequest(input_ids=[i])) for i in range(20)]
             await asyncio.gather(*futs)
             assert client.stats["workers_died"] == 0

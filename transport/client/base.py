@@ -54,6 +54,11 @@ class ClientBase:
         # window runs from here.
         self._alive_at = 0.0
         self._n_alive = 0
+        # While no worker has answered yet, new calls wait in the queue for every
+        # worker that is up to answer (see Liveness._gate_check), so that the first
+        # burst is spread over them all rather than taken by the first to answer.
+        self._gating = False
+        self._gate_timer: asyncio.TimerHandle | None = None
         self._warned_none = False
         self._closed = False
         # A histogram observation costs a few microseconds per request (a sizeable part
