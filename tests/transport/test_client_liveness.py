@@ -8,6 +8,7 @@ pongs report, whether it answers pings at all, whether it gives every request up
 from __future__ import annotations
 
 import asyncio
+import socket
 import threading
 import time
 import uuid
@@ -304,3 +305,30 @@ def test_a_load_view_older_than_a_heartbeat_is_not_used(scripted: Any) -> None:
         assert len(a.submits) >= 6 and len(b.submits) >= 6, (len(a.submits), len(b.submits))
 
     asyncio.run(main())
+
+
+def test_first_burst_does_not_wait_for_a_refused_or_silent_worker(scripted: Any) -> None:
+    # The first calls wait for every worker that may be up to answer, but not for one
+    # whose connection is refused (nothing listens there), and for a silent one only
+    # min(heartbeat_interval, connect_timeout).
+    live = scripted()
+    silent = scripted()
+    silent.pong = False
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        refused = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    cfg = ClientConfig(heartbeat_interval=30.0, connect_timeout=30.0, request_timeout=60)
+
+    async def burst(addresses: list[str], config: ClientConfig) -> float:
+        async with FabricClient(addresses, config) as client:
+            t = time.monotonic()
+            await asyncio.gather(*(client.agenerate(LLMRequest(input_ids=[i])) for i in range(10)))
+            return time.monotonic() - t
+
+    # The grace here is 30 s: a burst done well within it did not wait for the refused.
+    took = asyncio.run(burst([live.address, refused], cfg))
+    assert took < 10.0, took
+    short = ClientConfig(heartbeat_interval=0.5, heartbeat_liveness=60, request_timeout=60)
+    took = asyncio.run(burst([live.address, silent.address], short))
+    assert 0.4 <= took < 10.0, took
+    assert len(live.submits) == 20 and not silent.submits
