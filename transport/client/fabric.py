@@ -149,6 +149,8 @@ class FabricClient(Liveness):
         self._requeue(list(w.sticky_queue))
         w.sticky_queue.clear()
         self._maybe_drop(w)
+        if self._gating:
+            self._gate_check()  # no longer waited for
         self._dispatch()
 
     @property
