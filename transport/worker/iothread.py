@@ -300,6 +300,8 @@ class SocketThread:
             key = (peer, msg.id)
             if key in self.server._tasks:
                 self._doomed.add(key)
+                if len(self._doomed) > 4096:  # pruned at pongs; a peer may never ping
+                    self._doomed_held()
             self._to_engine(peer, msg)
         else:  # other Control ops: the engine's
             self._to_engine(peer, msg)
