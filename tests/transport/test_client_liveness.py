@@ -332,3 +332,25 @@ def test_first_burst_does_not_wait_for_a_refused_or_silent_worker(scripted: Any)
     took = asyncio.run(burst([live.address, silent.address], short))
     assert 0.4 <= took < 10.0, took
     assert len(live.submits) == 20 and not silent.submits
+
+
+def test_backlog_after_all_workers_died_is_spread_when_they_come_back(scripted: Any) -> None:
+    # Both workers fall silent (a partition, say) and are declared dead; calls made
+    # meanwhile wait in the client. When both answer again, the first pong must not
+    # take the whole backlog.
+    a, b = scripted(hold=0.5), scripted(hold=0.5)
+    cfg = ClientConfig(
+        heartbeat_interval=0.05, heartbeat_liveness=3, connect_timeout=30, request_timeout=30
+    )
+
+    async def main() -> None:
+        async with FabricClient([a.address, b.address], cfg) as client:
+            await await_for(lambda: all(i.alive for i in client.workers), what="both alive")
+            a.pong = b.pong = False
+            await await_for(lambda: client.stats["workers_died"] == 2, what="both dead")
+            futs = [client.agenerate(LLMRequest(input_ids=[i])) for i in range(20)]
+            a.pong = b.pong = True
+            await asyncio.gather(*futs)
+        assert len(a.submits) >= 6 and len(b.submits) >= 6, (len(a.submits), len(b.submits))
+
+    asyncio.run(main())

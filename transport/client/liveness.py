@@ -117,6 +117,12 @@ class Liveness(Scheduler):
             self.stats["workers_joined"] += 1
             log.info("worker %s (%s) joined", w.address, hb.worker_id)
             if self._gating:
+                if not self._first_back:
+                    self._first_back = w.last_seen
+                    # Those that died with it may be back too: ask now, not next tick.
+                    for o in self._order:
+                        if not o.alive and o.last_seen and not o.draining:
+                            self._ping(o)
                 self._gate_check()
             else:
                 self._dispatch()
@@ -124,20 +130,28 @@ class Liveness(Scheduler):
     # -- the first answers --------------------------------------------------------------
     def _gate_check(self) -> None:
         """End the wait for first answers once no worker that may be up is still
-        unheard from within its grace (``min(heartbeat_interval, connect_timeout)``
-        from when it was added), and send what waited.
+        unheard from within its grace, and send what waited. The grace is
+        ``min(heartbeat_interval, connect_timeout)``: from when a worker was added
+        (never heard from), or from when the first came back (all had died).
 
         A worker that is up answers the first pings within milliseconds; one whose
         connection (or handshake) was refused is not up and is not waited for; one
-        that stays silent costs the first calls that grace, once."""
-        if not self._gating:
-            return
+        that stays silent costs the waiting calls that grace, once. Of the dead, only
+        those that fell silent with the last one (the same outage) are waited for."""
+        if not self._gating or not self._n_alive:
+            return  # nothing to send to yet: checked again when one answers
         cfg = self.config
         grace = min(cfg.heartbeat_interval, cfg.connect_timeout)
+        # Deaths of one outage are found within about a detection time of each other.
+        outage = self._alive_at - 2 * cfg.heartbeat_interval * (cfg.heartbeat_liveness + 1)
         now = time.monotonic()
         until = 0.0
         for w in self._order:
-            if w.alive or w.last_seen or w.draining:
+            if w.alive or w.draining:
+                continue
+            if w.last_seen:  # died
+                if w.died_at >= outage:
+                    until = max(until, self._first_back + grace)
                 continue
             w.poll_monitor()
             if not w.refused():
@@ -148,6 +162,7 @@ class Liveness(Scheduler):
                 self._gate_timer = self._loop.call_later(until - now, self._gate_timeout)
             return
         self._gating = False
+        self._first_back = 0.0
         if self._gate_timer is not None:
             self._gate_timer.cancel()
             self._gate_timer = None
@@ -164,9 +179,11 @@ class Liveness(Scheduler):
         metrics.CLIENT_WORKER_DEATHS.inc()
         if w.alive:
             w.alive = False
+            w.died_at = time.monotonic()
             self._n_alive -= 1
             if not self._n_alive:
                 self._alive_at = time.monotonic()
+                self._gating = True  # the first back must not take the whole backlog
         calls = list(w.inflight.values()) + list(w.sticky_queue)
         if w.pump is not None:
             w.pump.discard_queued()

@@ -111,6 +111,7 @@ class Worker:
         "connect_retries",
         "connected",
         "cool_until",
+        "died_at",
         "draining",
         "engine_lag",
         "handshake_failed",
@@ -153,6 +154,7 @@ class Worker:
         # OVERLOADED (it serves other clients too), raised again by one per answer.
         self.limit = 0
         self.cool_until = 0.0
+        self.died_at = 0.0
         # Busy figures of the last pong (received at ``load_at``); ``others``: its
         # requests not from this client, 0 once that pong is a heartbeat round old
         # (``load_current`` false).
