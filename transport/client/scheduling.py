@@ -9,7 +9,8 @@ steering a whole burst by it piles the burst onto one worker). Cancels and other
 control messages a worker has not yet handled are not load: its pong leaves them out.
 Until every worker that is up has first answered (within
 ``min(heartbeat_interval, connect_timeout)`` of being added), new calls wait in the
-client's queue, so a burst sent right after connecting is spread over them all.
+client's queue, so a burst sent right after connecting is spread over them all; after
+every worker died, the first back waits as long for those of the same outage.
 """
 
 from __future__ import annotations
