@@ -8,6 +8,7 @@ pongs report, whether it answers pings at all, whether it gives every request up
 from __future__ import annotations
 
 import asyncio
+import socket
 import threading
 import time
 import uuid
@@ -275,5 +276,81 @@ def test_scheduler_prefers_the_less_loaded_worker(scripted: Any) -> None:
             futs = [client.agenerate(LLMRequest(input_ids=[i])) for i in range(6)]
             await asyncio.gather(*futs)
         assert len(b.submits) == 6 and not a.submits
+
+    asyncio.run(main())
+
+
+def test_a_load_view_older_than_a_heartbeat_is_not_used(scripted: Any) -> None:
+    # a reported 50 requests of other clients, then fell silent (a late pong, a link
+    # slow to heal): alive still, but its figure is older than one heartbeat interval
+    # and may be long gone. The client goes by what it knows exactly, its own requests
+    # in flight, and spreads the burst; it does not pile it onto b.
+    a = scripted(hold=1.0, running=40, waiting=10)
+    b = scripted(hold=1.0)
+    cfg = ClientConfig(heartbeat_interval=0.05, heartbeat_liveness=40, request_timeout=30)
+
+    async def main() -> None:
+        async with FabricClient([a.address, b.address], cfg) as client:
+            await await_for(
+                lambda: all(i.alive for i in client.workers) and client.workers[0].running == 40,
+                what="both alive, a's load known",
+            )
+            a.pong = False
+            await await_for(lambda: client.workers[0].last_seen_s_ago > 3 * 0.05, what="a silent")
+            # Dropped at the first tick without a pong since the one before.
+            await await_for(lambda: not client.workers[0].load_current, what="a's view old")
+            futs = [client.agenerate(LLMRequest(input_ids=[i])) for i in range(20)]
+            await asyncio.gather(*futs)
+            assert client.stats["workers_died"] == 0
+        assert len(a.submits) >= 6 and len(b.submits) >= 6, (len(a.submits), len(b.submits))
+
+    asyncio.run(main())
+
+
+def test_first_burst_does_not_wait_for_a_refused_or_silent_worker(scripted: Any) -> None:
+    # The first calls wait for every worker that may be up to answer, but not for one
+    # whose connection is refused (nothing listens there), and for a silent one only
+    # min(heartbeat_interval, connect_timeout).
+    live = scripted()
+    silent = scripted()
+    silent.pong = False
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        refused = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    cfg = ClientConfig(heartbeat_interval=30.0, connect_timeout=30.0, request_timeout=60)
+
+    async def burst(addresses: list[str], config: ClientConfig) -> float:
+        async with FabricClient(addresses, config) as client:
+            t = time.monotonic()
+            await asyncio.gather(*(client.agenerate(LLMRequest(input_ids=[i])) for i in range(10)))
+            return time.monotonic() - t
+
+    # The grace here is 30 s: a burst done well within it did not wait for the refused.
+    took = asyncio.run(burst([live.address, refused], cfg))
+    assert took < 10.0, took
+    short = ClientConfig(heartbeat_interval=0.5, heartbeat_liveness=60, request_timeout=60)
+    took = asyncio.run(burst([live.address, silent.address], short))
+    assert 0.4 <= took < 10.0, took
+    assert len(live.submits) == 20 and not silent.submits
+
+
+def test_backlog_after_all_workers_died_is_spread_when_they_come_back(scripted: Any) -> None:
+    # Both workers fall silent (a partition, say) and are declared dead; calls made
+    # meanwhile wait in the client. When both answer again, the first pong must not
+    # take the whole backlog.
+    a, b = scripted(hold=0.5), scripted(hold=0.5)
+    cfg = ClientConfig(
+        heartbeat_interval=0.05, heartbeat_liveness=3, connect_timeout=30, request_timeout=30
+    )
+
+    async def main() -> None:
+        async with FabricClient([a.address, b.address], cfg) as client:
+            await await_for(lambda: all(i.alive for i in client.workers), what="both alive")
+            a.pong = b.pong = False
+            await await_for(lambda: client.stats["workers_died"] == 2, what="both dead")
+            futs = [client.agenerate(LLMRequest(input_ids=[i])) for i in range(20)]
+            a.pong = b.pong = True
+            await asyncio.gather(*futs)
+        assert len(a.submits) >= 6 and len(b.submits) >= 6, (len(a.submits), len(b.submits))
 
     asyncio.run(main())

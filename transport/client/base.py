@@ -56,6 +56,13 @@ class ClientBase:
         # window runs from here.
         self._alive_at = 0.0
         self._n_alive = 0
+        # While no worker is alive (none has answered yet, or all died), calls wait
+        # in the queue, and when one answers, for every other worker that may be up
+        # (see Liveness._gate_check): the first to answer must not take them all.
+        self._gating = False
+        # When the first worker came back while gating after all had died.
+        self._first_back = 0.0
+        self._gate_timer: asyncio.TimerHandle | None = None
         self._warned_none = False
         self._closed = False
         # A histogram observation costs a few microseconds per request (a sizeable part

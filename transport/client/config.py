@@ -21,7 +21,12 @@ class ClientConfig:
     Parameters
     ----------
     heartbeat_interval:
-        Seconds between pings to each worker.
+        Seconds between pings to each worker. A worker's report of other clients'
+        load counts in scheduling while its pong answers the latest or the previous
+        ping. Requests made before any worker answered wait for every worker that may
+        be up to answer first (a refused connection is not waited for), at most this
+        long (or ``connect_timeout`` if shorter), so the first burst is spread; after
+        every worker died, the first back waits as long for the others.
     heartbeat_liveness:
         Intervals without a pong after which a worker is dead (the zguide's Paranoid
         Pirate uses 3). Detection takes at most ``interval * (liveness + 1)``. Only

@@ -93,7 +93,7 @@ class FabricClient(Liveness):
         if self._closed:
             return
         self._closed = True
-        for timer in (self._hb_timer, self._nw_timer):
+        for timer in (self._hb_timer, self._nw_timer, self._gate_timer):
             if timer is not None:
                 timer.cancel()
         calls = list(self._queue) + list(self._backing_off)
@@ -123,6 +123,7 @@ class FabricClient(Liveness):
         assert self._ctx is not None
         w = Worker(address)
         w.limit = self.config.max_in_flight_per_worker
+        w.added_at = time.monotonic()
         try:
             sock = make_dealer(
                 self._ctx, address, hwm=self.config.hwm,
@@ -146,6 +147,9 @@ class FabricClient(Liveness):
             lookup.add_done_callback(functools.partial(_resolved, w))
         if not self._n_alive:
             self._alive_at = time.monotonic()  # a new worker gets its connect_timeout
+            # Calls made before any worker answers wait for every one that is up, so
+            # that the first to answer does not take them all.
+            self._gating = True
         self._probe(w, 0.002)
 
     def remove_worker(self, address: str) -> None:
@@ -158,6 +162,8 @@ class FabricClient(Liveness):
         self._requeue(list(w.sticky_queue))
         w.sticky_queue.clear()
         self._maybe_drop(w)
+        if self._gating:
+            self._gate_check()  # no longer waited for
         self._dispatch()
 
     @property

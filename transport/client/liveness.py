@@ -47,6 +47,8 @@ class Liveness(Scheduler):
         # DEALER has ZMQ_IMMEDIATE; a busy loop can also make the early ones late.)
         if w.alive or w.last_seen or self._closed or w.address not in self._workers:
             return
+        if self._gating:
+            self._gate_check()  # a refused connection ends the wait for this one
         self._ping(w)
         assert self._loop is not None
         cap = self.config.heartbeat_interval / 4
@@ -68,6 +70,11 @@ class Liveness(Scheduler):
                 # Paranoid Pirate: count silent intervals as *our* ticks, so a busy
                 # client loop (late ticks) does not mistake its own lag for a death.
                 w.missed = w.missed + 1 if w.last_seen < prev else 0
+                if w.load_at < prev and w.load_current:
+                    # No pong since the last tick: its load figures are a heartbeat
+                    # round old. Go by our own requests there until the next pong.
+                    w.load_current = False
+                    w.others = 0
                 if w.missed >= cfg.heartbeat_liveness and now - w.last_seen > dead_after:
                     self._worker_died(w, f"no pong for {now - w.last_seen:.2f} s")
             else:
@@ -100,6 +107,8 @@ class Liveness(Scheduler):
         w.waiting = hb.waiting
         w.engine_lag = hb.engine_lag
         w.others = max(0, max(hb.in_flight, hb.running + hb.waiting) - len(w.inflight))
+        w.load_at = w.last_seen  # set as this message arrived
+        w.load_current = True
         w.missed = 0
         if not w.alive:
             w.alive = True
@@ -107,7 +116,62 @@ class Liveness(Scheduler):
             self._warned_none = False
             self.stats["workers_joined"] += 1
             log.info("worker %s (%s) joined", w.address, hb.worker_id)
-            self._dispatch()
+            if self._gating:
+                if not self._first_back:
+                    self._first_back = w.last_seen
+                    # Those that died with it may be back too: ask now, not next tick.
+                    for o in self._order:
+                        if not o.alive and o.last_seen and not o.draining:
+                            self._ping(o)
+                self._gate_check()
+            else:
+                self._dispatch()
+
+    # -- the first answers --------------------------------------------------------------
+    def _gate_check(self) -> None:
+        """End the wait for first answers once no worker that may be up is still
+        unheard from within its grace, and send what waited. The grace is
+        ``min(heartbeat_interval, connect_timeout)``: from when a worker was added
+        (never heard from), or from when the first came back (all had died).
+
+        A worker that is up answers the first pings within milliseconds; one whose
+        connection (or handshake) was refused is not up and is not waited for; one
+        that stays silent costs the waiting calls that grace, once. Of the dead, only
+        those that fell silent with the last one (the same outage) are waited for."""
+        if not self._gating or not self._n_alive:
+            return  # nothing to send to yet: checked again when one answers
+        cfg = self.config
+        grace = min(cfg.heartbeat_interval, cfg.connect_timeout)
+        # Deaths of one outage are found within about a detection time of each other.
+        outage = self._alive_at - 2 * cfg.heartbeat_interval * (cfg.heartbeat_liveness + 1)
+        now = time.monotonic()
+        until = 0.0
+        for w in self._order:
+            if w.alive or w.draining:
+                continue
+            if w.last_seen:  # died
+                if w.died_at >= outage:
+                    until = max(until, self._first_back + grace)
+                continue
+            w.poll_monitor()
+            if not w.refused():
+                until = max(until, w.added_at + grace)
+        if until > now:
+            if self._gate_timer is None:
+                assert self._loop is not None
+                self._gate_timer = self._loop.call_later(until - now, self._gate_timeout)
+            return
+        self._gating = False
+        self._first_back = 0.0
+        if self._gate_timer is not None:
+            self._gate_timer.cancel()
+            self._gate_timer = None
+        self._dispatch()
+
+    def _gate_timeout(self) -> None:
+        self._gate_timer = None
+        if not self._closed:
+            self._gate_check()
 
     # -- losing an attempt --------------------------------------------------------------
     def _worker_died(self, w: Worker, why: str) -> None:
@@ -115,9 +179,11 @@ class Liveness(Scheduler):
         metrics.CLIENT_WORKER_DEATHS.inc()
         if w.alive:
             w.alive = False
+            w.died_at = time.monotonic()
             self._n_alive -= 1
             if not self._n_alive:
                 self._alive_at = time.monotonic()
+                self._gating = True  # the first back must not take the whole backlog
         calls = list(w.inflight.values()) + list(w.sticky_queue)
         if w.pump is not None:
             w.pump.discard_queued()

@@ -1,5 +1,17 @@
 """Where each call goes: sticky rids, the least-loaded live worker, the client's queue,
-and taking a call back (cancel, timeout)."""
+and taking a call back (cancel, timeout).
+
+A worker's load is what a new request would wait behind there: this client's requests
+in flight on it, which the client knows exactly, plus the other clients' requests the
+worker reported in its last pong, counted only while that pong is current (it answers
+the latest or the previous heartbeat ping; an older report may be long out of date, and
+steering a whole burst by it piles the burst onto one worker). Cancels and other
+control messages a worker has not yet handled are not load: its pong leaves them out.
+Until every worker that is up has first answered (within
+``min(heartbeat_interval, connect_timeout)`` of being added), new calls wait in the
+client's queue, so a burst sent right after connecting is spread over them all; after
+every worker died, the first back waits as long for those of the same outage.
+"""
 
 from __future__ import annotations
 
@@ -43,7 +55,7 @@ class Scheduler(ClientBase):
         best_load = 0
         order = self._order
         n = len(order)
-        if n == 0:
+        if n == 0 or self._gating:
             return None
         self._rr = (self._rr + 1) % n
         for i in range(n):

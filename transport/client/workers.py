@@ -82,7 +82,9 @@ class WorkerInfo:
 
     ``running``, ``waiting`` and ``engine_lag`` are the worker's own figures from its
     last pong (requests in its handlers, requests waiting there, seconds its engine is
-    behind its sockets), over all its clients.
+    behind its sockets), over all its clients. ``load_current``: those figures answer
+    this client's latest or previous ping, and so count where it sends requests; an
+    older report is not used (see :class:`transport.client.scheduling.Scheduler`).
     """
 
     address: str
@@ -99,17 +101,20 @@ class WorkerInfo:
     engine_lag: float = 0.0
     #: What was seen at the address (answers, connection, handshake refusals).
     seen: str = ""
+    load_current: bool = False
 
 
 class Worker:
     """The client's entry for one worker: its DEALER, its requests, its liveness."""
 
     __slots__ = (
+        "added_at",
         "address",
         "alive",
         "connect_retries",
         "connected",
         "cool_until",
+        "died_at",
         "draining",
         "enc",
         "engine_lag",
@@ -120,6 +125,8 @@ class Worker:
         "inflight",
         "last_seen",
         "limit",
+        "load_at",
+        "load_current",
         "missed",
         "monitor",
         "others",
@@ -135,6 +142,8 @@ class Worker:
 
     def __init__(self, address: str) -> None:
         self.address = address
+        #: When the client started using it (its first pongs are waited for from here).
+        self.added_at = 0.0
         self.alive = False
         self.draining = False
         self.inflight: dict[int, Call] = {}
@@ -153,7 +162,12 @@ class Worker:
         # OVERLOADED (it serves other clients too), raised again by one per answer.
         self.limit = 0
         self.cool_until = 0.0
-        # Busy figures of the last pong; ``others``: its requests not from this client.
+        self.died_at = 0.0
+        # Busy figures of the last pong (received at ``load_at``); ``others``: its
+        # requests not from this client, 0 once that pong is a heartbeat round old
+        # (``load_current`` false).
+        self.load_at = 0.0
+        self.load_current = False
         self.running = 0
         self.waiting = 0
         self.engine_lag = 0.0
@@ -170,8 +184,14 @@ class Worker:
 
     def load(self) -> int:
         """Requests ahead of a new one there: ours in flight plus the others' it
-        reported."""
+        reported in a pong that is still current (0 once it is not)."""
         return len(self.inflight) + self.others
+
+    def refused(self) -> bool:
+        """Never answered, and the connection or its handshake was refused: not up."""
+        return not self.last_seen and (
+            bool(self.handshake_failed) or (self.connect_retries > 0 and not self.connected)
+        )
 
     def warm(self) -> bool:
         """Not in a short back-off after an OVERLOADED answer."""
@@ -236,6 +256,7 @@ class Worker:
             self.incarnation, self.version, self.paused,
             now - self.last_seen if self.last_seen else float("inf"),
             self.running, self.waiting, self.engine_lag, self.seen(now, curve),
+            self.load_current,
         )  # fmt: skip
 
 

@@ -120,6 +120,10 @@ class SocketThread:
         )  # fmt: skip
         #: (arrival time, peer, message) for the engine's loop, oldest first.
         self.inbox: deque[tuple[float, bytes, Any]] = deque()
+        #: Submits put in the inbox so far (written by this thread only).
+        self._submits_in = 0
+        #: Held requests whose Cancel is on its way to the engine's loop (this thread's).
+        self._doomed: set[tuple[bytes, int]] = set()
         self._in_scheduled = False
         self._outbox: deque[list[Any]] = deque()
         self._out_scheduled = False
@@ -236,6 +240,26 @@ class SocketThread:
                 return max(0.0, time.monotonic() - inbox[0][0])
         return 0.0
 
+    def queued_submits(self) -> int:
+        """Submits in the inbox, not yet taken by the engine's loop.
+
+        Only Submits are work: a batch of Cancels (a client that comes back after a
+        partition cancels what it re-sent elsewhere) or controls waiting there are not,
+        and counted as waiting work they would steer clients away from this worker.
+        Submits in less the engine's count of those it took (``received``, counted as
+        it takes each one): two counters, each written by one thread, so no lock."""
+        return max(0, self._submits_in - self.server.counters["received"])
+
+    def _doomed_held(self) -> int:
+        """Held requests with a Cancel received and not yet carried out: about to go,
+        so not load. (Those the engine has ended are forgotten here.)"""
+        doomed = self._doomed
+        if not doomed:
+            return 0
+        tasks = self.server._tasks
+        self._doomed = doomed = {k for k in doomed if k in tasks}
+        return len(doomed)
+
     # -- sending ------------------------------------------------------------------------
     def post(self, frames: list[Any]) -> None:
         """Send ``[peer, *body]``; from any thread (the engine's loop queues it here)."""
@@ -315,7 +339,17 @@ class SocketThread:
             log.warning(
                 "client %r reports error %s on id %s: %s", peer, msg.code, msg.id, msg.message
             )
-        else:  # Submit, Cancel, other Control ops: the engine's
+        elif tp is fm.Submit:
+            self._submits_in += 1
+            self._to_engine(peer, msg)
+        elif tp is fm.Cancel:
+            key = (peer, msg.id)
+            if key in self.server._tasks:
+                self._doomed.add(key)
+                if len(self._doomed) > 4096:  # pruned at pongs; a peer may never ping
+                    self._doomed_held()
+            self._to_engine(peer, msg)
+        else:  # other Control ops: the engine's
             self._to_engine(peer, msg)
 
     def _pong(self, peer: bytes, msg: fm.Heartbeat) -> None:
@@ -332,9 +366,16 @@ class SocketThread:
         s = self.server
         if peer in s._lost:
             self._report_lost(peer)
+        # The engine's load, as what a new request would wait behind: Submits held or
+        # queued for it, less those a Cancel already on its way will end (counted off
+        # the waiting ones first).
         running = s._running
         held = len(s._tasks)
-        queued = len(self.inbox)
+        doomed = self._doomed_held()
+        if doomed:
+            running = max(0, running - max(0, doomed - max(0, held - running)))
+            held = max(0, held - doomed)
+        queued = self.queued_submits()
         self._send(
             peer,
             fm.Heartbeat(

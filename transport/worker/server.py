@@ -168,7 +168,7 @@ class WorkerServer(PauseControl):
         """Submissions received and not running: waiting for a slot, a resume, or the
         engine's loop to take them."""
         io = self._io
-        return max(0, len(self._tasks) - self._running) + (len(io.inbox) if io else 0)
+        return max(0, len(self._tasks) - self._running) + (io.queued_submits() if io else 0)
 
     @property
     def paused(self) -> bool:
