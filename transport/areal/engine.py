@@ -37,10 +37,10 @@ from areal.utils import logging as areal_logging
 from areal.utils import stats_tracker
 from areal.utils.dynamic_import import import_from_string
 
-from transport.areal.convert import to_llm_request, to_model_response
-from transport.areal.weights import disk_root, wait_for_version
 from fastio import LLMRequest, LLMResponse
 from fastio.tokens import TokenArray
+from transport.areal.convert import to_llm_request, to_model_response
+from transport.areal.weights import disk_root, wait_for_version
 from transport.client import ClientConfig, FabricClient
 from transport.control import FabricController
 
