@@ -100,8 +100,7 @@ class FabricInferenceEngine(InferenceEngine):  # type: ignore[misc]
         self._version = 0
         self._lock = threading.Lock()
         self._executor: WorkflowExecutor | None = None
-        # Weight-update futures: one thread, so updates complete in the order asked.
-        self._updates = concurrent.futures.ThreadPoolExecutor(1, "fabric-weights")
+        self._updates: concurrent.futures.ThreadPoolExecutor | None = None
         self._initialized = False
         self.logger = areal_logging.getLogger("FabricInferenceEngine")
 
@@ -132,6 +131,8 @@ class FabricInferenceEngine(InferenceEngine):  # type: ignore[misc]
         # Raises ControlError naming each worker that did not answer in time.
         self.controller.request("health", timeout=timeout)
         self._start_client()
+        # Weight-update futures: one thread, so updates complete in the order asked.
+        self._updates = concurrent.futures.ThreadPoolExecutor(1, "fabric-weights")
         self._executor = WorkflowExecutor(config=self.config, inference_engine=self)
         self._executor.initialize(
             logger=self.logger, train_data_parallel_size=train_data_parallel_size
@@ -144,7 +145,10 @@ class FabricInferenceEngine(InferenceEngine):  # type: ignore[misc]
         if self._executor is not None:
             self._executor.destroy()
             self._executor = None
-        self._updates.shutdown(wait=True)
+        if self._updates is not None:
+            # A wait in progress ends by its own timeout; queued ones are dropped.
+            self._updates.shutdown(wait=True, cancel_futures=True)
+            self._updates = None
         self._stop_client()
         if self.controller is not None:
             self.controller.close()
@@ -187,6 +191,11 @@ class FabricInferenceEngine(InferenceEngine):  # type: ignore[misc]
         if self.controller is None:
             raise RuntimeError("the engine is not initialized (call initialize first)")
         return self.controller
+
+    def _submit(self, fn: Callable[..., None], *args: Any) -> concurrent.futures.Future[None]:
+        if self._updates is None:
+            raise RuntimeError("the engine is not initialized (call initialize first)")
+        return self._updates.submit(fn, *args)
 
     # -- generation -----------------------------------------------------------------------
     async def agenerate(self, req: Any) -> Any:
@@ -237,7 +246,7 @@ class FabricInferenceEngine(InferenceEngine):  # type: ignore[misc]
         disk_root(meta)  # a clear error now for a meta that is not a disk one
         expected = self._expected(meta)
         ctl = self._ctl()
-        return self._updates.submit(self._await_version, ctl, expected, "disk")
+        return self._submit(self._await_version, ctl, expected, "disk")
 
     def init_weights_update_group(
         self, meta: Any, xccl_group_ranks: list[int] | None = None
@@ -245,7 +254,7 @@ class FabricInferenceEngine(InferenceEngine):  # type: ignore[misc]
         """Nothing to set up: each worker's weight subscriber connected to the trainer's
         :class:`~transport.weights.WeightPublisher` when it started. The future checks
         that every worker answers."""
-        return self._updates.submit(self._check_workers, self._ctl())
+        return self._submit(self._check_workers, self._ctl())
 
     def update_weights_from_distributed(
         self, meta: Any, param_specs: list[Any]
@@ -256,7 +265,7 @@ class FabricInferenceEngine(InferenceEngine):  # type: ignore[misc]
         the publisher's manifest describes the version."""
         expected = self._expected(meta)
         ctl = self._ctl()
-        return self._updates.submit(self._await_version, ctl, expected, "publisher")
+        return self._submit(self._await_version, ctl, expected, "publisher")
 
     @staticmethod
     def _check_workers(ctl: FabricController) -> None:
