@@ -243,7 +243,7 @@ def test_rollout_batches_around_weight_updates_from_the_publisher(
         w = workers(
             "--worker-id", "w", "--plugin", "transport.weights.update:subscribe",
             "--plugin-opt", f"weights_endpoint={pub.endpoint}", "--plugin-opt", "weights_shm=0",
-            token_interval=0.02,
+            token_interval=0.05,  # the mid-episode update lands while it generates (3 s)
         )  # fmt: skip
         pub.wait_for_workers(1, 60)
         engine = make_engine([w.address], on_chunk=on_chunk)
@@ -273,9 +273,9 @@ def test_rollout_batches_around_weight_updates_from_the_publisher(
             # version 1, those after it version 2, in one trajectory.
             model2 = build_model("tiny", seed=11)
             prompt = next(p for p in ([3 + i, 40, 50] for i in range(60))
-                          if PAD not in (g := greedy(model1, p, 40)) and EOS not in g)  # fmt: skip
+                          if PAD not in (g := greedy(model1, p, 60)) and EOS not in g)  # fmt: skip
             long = RLVRWorkflow(
-                reward_fn=reward, gconfig=AGen(max_new_tokens=40, greedy=True), tokenizer=tok,
+                reward_fn=reward, gconfig=AGen(max_new_tokens=60, greedy=True), tokenizer=tok,
                 get_input_ids_fn=lambda *_: list(prompt),
             )  # fmt: skip
             with lock:
@@ -296,7 +296,7 @@ def test_rollout_batches_around_weight_updates_from_the_publisher(
             k = vers.count(1)
             assert 5 <= k < len(out) and vers == [1] * k + [2] * (len(out) - k), vers
             assert out[:k] == greedy(model1, prompt, k)
-            assert out[k:] == greedy(model2, prompt + out[:k], 40 - k)
+            assert out[k:] == greedy(model2, prompt + out[:k], 60 - k)
             # The stream saw every token once, with the same versions.
             assert list(itertools.chain.from_iterable(c[1] for c in chunks)) == out
             assert list(itertools.chain.from_iterable(c[2] for c in chunks)) == vers
