@@ -185,6 +185,23 @@ def test_disk_root_undoes_arealss_per_version_path(tmp_path: Path) -> None:
         disk_root(WeightUpdateMeta(type="xccl"))
 
 
+def test_initialize_names_a_worker_that_does_not_answer() -> None:
+    import socket
+
+    from transport import ControlError
+
+    with socket.socket() as s:  # a free port, no worker behind it
+        s.bind(("127.0.0.1", 0))
+        addr = f"127.0.0.1:{s.getsockname()[1]}"
+    config = InferenceEngineConfig(backend="fastio:d1", setup_timeout=0.5)
+    engine = FabricInferenceEngine(config)
+    with pytest.raises(ControlError, match=f"tcp://{addr}"):
+        engine.initialize(addr=[addr])
+    assert not engine.initialized and engine.controller is None
+    with pytest.raises(RuntimeError, match="not initialized"):
+        asyncio.run(engine.agenerate(ModelRequest(input_ids=[1])))
+
+
 # -- with worker processes ------------------------------------------------------------------
 @pytest.mark.slow
 @pytest.mark.timeout(400)  # two process starts of torch + transformers on a loaded machine

@@ -128,8 +128,13 @@ class FabricInferenceEngine(InferenceEngine):  # type: ignore[misc]
         self.addresses = [_address(a) for a in addresses]
         timeout = float(self.config.setup_timeout)
         self.controller = FabricController(self.addresses, timeout=min(60.0, timeout))
-        # Raises ControlError naming each worker that did not answer in time.
-        self.controller.request("health", timeout=timeout)
+        try:
+            # Raises ControlError naming each worker that did not answer in time.
+            self.controller.request("health", timeout=timeout)
+        except BaseException:
+            self.controller.close()
+            self.controller = None
+            raise
         self._start_client()
         # Weight-update futures: one thread, so updates complete in the order asked.
         self._updates = concurrent.futures.ThreadPoolExecutor(1, "fabric-weights")
