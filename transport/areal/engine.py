@@ -1,0 +1,425 @@
+"""``FabricInferenceEngine``: AReaL's ``InferenceEngine`` with the fastio fabric as its
+transport.
+
+Where AReaL's ``RemoteSGLangEngine`` speaks HTTP+JSON to SGLang servers, this engine
+speaks the fabric to fastio generation workers (``fastio-worker``, any engine behind
+them):
+
+==================================  ===================================================
+``agenerate``                       one :class:`~transport.FabricClient` request;
+                                    interrupted generations are completed by the client;
+                                    each token keeps the version that produced it
+``pause_generation`` / ``continue``  :class:`~transport.FabricController` pause / resume
+``update_weights_from_disk``        fastio's disk route (see :mod:`.weights`)
+``update_weights_from_distributed`` fastio's weight publisher (see :mod:`.weights`)
+``submit`` / ``wait`` /             AReaL's own ``WorkflowExecutor``, as AReaL's remote
+``rollout_batch`` / ``prepare_...`` engines hand them over
+``pause`` / ``resume``              the executor's pause (no new rollouts)
+``set_version`` / ``get_version``   the client's version (staleness control)
+==================================  ===================================================
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import functools
+import os
+import threading
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from areal.api import InferenceEngine, ModelResponse, RolloutWorkflow
+from areal.infra.remote_inf_engine import GroupedRolloutWorkflow
+from areal.infra.workflow_executor import WorkflowExecutor
+from areal.utils import logging as areal_logging
+from areal.utils import stats_tracker
+from areal.utils.dynamic_import import import_from_string
+
+from fastio import LLMRequest, LLMResponse
+from fastio.tokens import TokenArray
+from transport.areal.convert import to_llm_request, to_model_response
+from transport.areal.weights import disk_root, wait_for_version
+from transport.client import ClientConfig, FabricClient
+from transport.control import FabricController
+
+__all__ = ["ChunkObserver", "FabricInferenceEngine"]
+
+#: ``on_chunk(rid, tokens, logprobs, versions)``: output not delivered before.
+ChunkObserver = Callable[[str, TokenArray, TokenArray, TokenArray], None]
+
+
+def _address(addr: str) -> str:
+    # AReaL passes servers as host:port; the fabric takes ZeroMQ addresses.
+    return addr if "://" in addr else f"tcp://{addr}"
+
+
+class FabricInferenceEngine(InferenceEngine):  # type: ignore[misc]
+    """AReaL's ``InferenceEngine`` over the fastio fabric.
+
+    Parameters
+    ----------
+    config:
+        AReaL's ``InferenceEngineConfig`` (``request_timeout``, ``setup_timeout`` and the
+        executor's settings: ``max_concurrent_rollouts``, ``consumer_batch_size``,
+        ``max_head_offpolicyness``...).
+    client_config:
+        The fabric client's settings (:class:`~transport.ClientConfig`).
+    weights_timeout:
+        Seconds a weight update's future waits for every worker to report the version.
+    on_chunk:
+        Called as ``on_chunk(rid, tokens, logprobs, versions)`` while output arrives
+        (every output position once, across interrupts; on the client's thread: keep
+        it short), e.g. to watch rollouts progress.
+
+    Examples
+    --------
+    >>> engine = FabricInferenceEngine(InferenceEngineConfig(backend="fastio:d1"))  # doctest: +SKIP
+    >>> engine.initialize(addr=["tcp://127.0.0.1:5555"])  # doctest: +SKIP
+    >>> batch = engine.rollout_batch(data, workflow=RLVRWorkflow(...))  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        config: Any,
+        client_config: ClientConfig | None = None,
+        *,
+        weights_timeout: float = 300.0,
+        on_chunk: ChunkObserver | None = None,
+    ) -> None:
+        self.config = config
+        self.client_config = client_config
+        self.weights_timeout = weights_timeout
+        self.on_chunk = on_chunk
+        self.addresses: list[str] = []
+        self.client: FabricClient | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self.controller: FabricController | None = None
+        self._version = 0
+        self._lock = threading.Lock()
+        self._executor: WorkflowExecutor | None = None
+        self._updates: concurrent.futures.ThreadPoolExecutor | None = None
+        self._initialized = False
+        self.logger = areal_logging.getLogger("FabricInferenceEngine")
+
+    # -- lifecycle ----------------------------------------------------------------------
+    def initialize(
+        self,
+        engine_id: str | None = None,
+        addr: str | list[str] | None = None,
+        train_data_parallel_size: int | None = None,
+    ) -> None:
+        """Connect to the workers at ``addr`` (ZeroMQ addresses or ``host:port``; default
+        ``$AREAL_LLM_SERVER_ADDRS``, comma-separated), wait until each answers (up to
+        ``config.setup_timeout``) and start AReaL's workflow executor."""
+        self.engine_id = engine_id or uuid.uuid4().hex
+        self.logger = areal_logging.getLogger(f"[FabricInferenceEngine {self.engine_id}]")
+        if addr:
+            addresses = addr if isinstance(addr, list) else [addr]
+        else:
+            addresses = [a for a in os.getenv("AREAL_LLM_SERVER_ADDRS", "").split(",") if a]
+        if not addresses:
+            raise RuntimeError(
+                "No configured fastio workers. Pass their addresses to initialize(addr=...) "
+                "or set AREAL_LLM_SERVER_ADDRS."
+            )
+        self.addresses = [_address(a) for a in addresses]
+        timeout = float(self.config.setup_timeout)
+        self.controller = FabricController(self.addresses, timeout=min(60.0, timeout))
+        try:
+            # Raises ControlError naming each worker that did not answer in time.
+            self.controller.request("health", timeout=timeout)
+        except BaseException:
+            self.controller.close()
+            self.controller = None
+            raise
+        self._start_client()
+        # Weight-update futures: one thread, so updates complete in the order asked.
+        self._updates = concurrent.futures.ThreadPoolExecutor(1, "fabric-weights")
+        self._executor = WorkflowExecutor(config=self.config, inference_engine=self)
+        self._executor.initialize(
+            logger=self.logger, train_data_parallel_size=train_data_parallel_size
+        )
+        self._initialized = True
+
+    def destroy(self) -> None:
+        """Stop the executor, close the client and the controller."""
+        self._initialized = False
+        if self._executor is not None:
+            self._executor.destroy()
+            self._executor = None
+        if self._updates is not None:
+            # A wait in progress ends by its own timeout; queued ones are dropped.
+            self._updates.shutdown(wait=True, cancel_futures=True)
+            self._updates = None
+        self._stop_client()
+        if self.controller is not None:
+            self.controller.close()
+            self.controller = None
+
+    def _start_client(self) -> None:
+        # The client lives on a loop of its own: AReaL calls agenerate from its
+        # executor's loop, from asyncio.run, from any thread, and a FabricClient
+        # belongs to one loop.
+        self.client = FabricClient(self.addresses, self.client_config)
+        self._loop = loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=loop.run_forever, name="fabric-areal-client", daemon=True
+        )
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(self.client.start(), loop).result(30)
+
+    def _stop_client(self) -> None:
+        loop, client, thread = self._loop, self.client, self._thread
+        self._loop = self.client = self._thread = None
+        if loop is None or client is None or thread is None:
+            return
+        asyncio.run_coroutine_threadsafe(client.close(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()
+
+    @property
+    def initialized(self) -> bool:
+        return self._initialized
+
+    @property
+    def workflow_executor(self) -> WorkflowExecutor:
+        """AReaL's executor that runs this engine's workflows."""
+        if self._executor is None:
+            raise RuntimeError("WorkflowExecutor is not initialized")
+        return self._executor
+
+    def _ctl(self) -> FabricController:
+        if self.controller is None:
+            raise RuntimeError("the engine is not initialized (call initialize first)")
+        return self.controller
+
+    def _submit(self, fn: Callable[..., None], *args: Any) -> concurrent.futures.Future[None]:
+        if self._updates is None:
+            raise RuntimeError("the engine is not initialized (call initialize first)")
+        return self._updates.submit(fn, *args)
+
+    # -- generation -----------------------------------------------------------------------
+    async def agenerate(self, req: Any) -> Any:
+        """Generate for AReaL's ``ModelRequest`` on some worker; AReaL's
+        ``ModelResponse``. Runs in any event loop (the executor's, ``asyncio.run``...):
+        the request travels on the client's own loop, and cancelling the awaiting task
+        cancels it on its worker."""
+        loop = self._loop
+        if loop is None:
+            raise RuntimeError("the engine is not initialized (call initialize first)")
+        llm_req = to_llm_request(req)
+        fut = asyncio.run_coroutine_threadsafe(self._generate(llm_req), loop)
+        resp = await asyncio.wrap_future(fut)
+        return to_model_response(req, resp, ModelResponse)
+
+    async def _generate(self, req: LLMRequest) -> LLMResponse:
+        assert self.client is not None
+        cb = self.on_chunk
+        return await self.client.agenerate(
+            req,
+            timeout=float(self.config.request_timeout),
+            on_chunk=None if cb is None else functools.partial(cb, req.rid),
+        )
+
+    # -- versions and weights -----------------------------------------------------------
+    def set_version(self, version: int) -> None:
+        """Set the version the executor's staleness control counts from."""
+        with self._lock:
+            self._version = version
+
+    def get_version(self) -> int:
+        with self._lock:
+            return self._version
+
+    def _expected(self, meta: Any) -> int:
+        if meta.version is not None:
+            return int(meta.version)
+        # No version in the meta: any version newer than every worker reports now.
+        statuses = self._ctl().health(strict=True)
+        return max(s.version for s in statuses.values()) + 1
+
+    def update_weights_from_disk(self, meta: Any) -> concurrent.futures.Future[None]:
+        """Wait until every worker has loaded ``meta.version`` through fastio's disk
+        route: the trainer writes it with :func:`transport.areal.save_for_rollout` under
+        :func:`transport.areal.disk_root` of ``meta``, the workers follow that directory
+        (``--plugin transport.weights.disk_follow:follow --plugin-opt disk_root=DIR``).
+        As with AReaL's engines it may be called before the trainer writes."""
+        disk_root(meta)  # a clear error now for a meta that is not a disk one
+        expected = self._expected(meta)
+        ctl = self._ctl()
+        return self._submit(self._await_version, ctl, expected, "disk")
+
+    def init_weights_update_group(
+        self, meta: Any, xccl_group_ranks: list[int] | None = None
+    ) -> concurrent.futures.Future[None]:
+        """Nothing to set up: each worker's weight subscriber connected to the trainer's
+        :class:`~transport.weights.WeightPublisher` when it started. The future checks
+        that every worker answers."""
+        return self._submit(self._check_workers, self._ctl())
+
+    def update_weights_from_distributed(
+        self, meta: Any, param_specs: list[Any]
+    ) -> concurrent.futures.Future[None]:
+        """Wait until every worker has applied ``meta.version``, which the trainer
+        publishes with its :class:`~transport.weights.WeightPublisher` (every worker runs
+        ``--plugin transport.weights.update:subscribe``). ``param_specs`` are not needed:
+        the publisher's manifest describes the version."""
+        expected = self._expected(meta)
+        ctl = self._ctl()
+        return self._submit(self._await_version, ctl, expected, "publisher")
+
+    @staticmethod
+    def _check_workers(ctl: FabricController) -> None:
+        ctl.request("health", strict=True)
+
+    def _await_version(self, ctl: FabricController, version: int, route: str) -> None:
+        seen = wait_for_version(ctl, version, self.weights_timeout)
+        self.logger.info("version %d on every worker via the %s route: %s", version, route, seen)
+
+    # -- pause ----------------------------------------------------------------------------
+    def pause_generation(self) -> None:
+        """Pause every worker; returns once none generates. Running generations end
+        with ``interrupt`` and their clients re-submit the rest, which waits on the
+        worker until :meth:`continue_generation`."""
+        self._ctl().pause()
+
+    def continue_generation(self) -> None:
+        """Resume every worker (waiting and interrupted requests go on)."""
+        self._ctl().resume()
+
+    def pause(self) -> None:
+        """Pause the executor's submission of new rollouts (AReaL's ``pause``)."""
+        self.workflow_executor.pause()
+
+    def resume(self) -> None:
+        self.workflow_executor.resume()
+
+    # -- rollouts: AReaL's executor ---------------------------------------------------------
+    def _resolve_workflow(
+        self, workflow: Any, workflow_kwargs: dict[str, Any] | None, group_size: int
+    ) -> Any:
+        # The RolloutWorkflow cases of AReaL's RemoteInfEngine._resolve_workflow; agent
+        # workflows need AReaL's OpenAI proxy over HTTP, which the fabric does not serve.
+        if isinstance(workflow, str):
+            try:
+                workflow = import_from_string(workflow)
+            except (ValueError, ImportError, AttributeError) as exc:
+                raise ValueError(f"Failed to import workflow from string: {exc}") from exc
+        if isinstance(workflow, RolloutWorkflow):
+            resolved = workflow
+        elif isinstance(workflow, type) and issubclass(workflow, RolloutWorkflow):
+            if workflow_kwargs is None:
+                raise ValueError(
+                    f"workflow_kwargs is required when workflow is a class ({workflow})"
+                )
+            resolved = workflow(**workflow_kwargs)
+        else:
+            raise ValueError(
+                f"{workflow!r} is not a RolloutWorkflow: agent workflows need AReaL's "
+                "OpenAI proxy, which FabricInferenceEngine does not serve"
+            )
+        if group_size > 1:
+            resolved = GroupedRolloutWorkflow(resolved, group_size, self.logger)
+        return resolved
+
+    @staticmethod
+    def _resolve_accept(fn: Callable[[dict[str, Any]], bool] | str | None) -> Any:
+        if isinstance(fn, str):
+            fn = import_from_string(fn)
+        if fn is not None and not callable(fn):
+            raise TypeError(f"should_accept_fn {fn!r} is not callable")
+        return fn
+
+    def submit(
+        self,
+        data: dict[str, Any],
+        workflow: Any,
+        workflow_kwargs: dict[str, Any] | None = None,
+        should_accept_fn: Callable[[dict[str, Any]], bool] | str | None = None,
+        group_size: int = 1,
+        task_id: int | None = None,
+        is_eval: bool = False,
+        **_: Any,
+    ) -> int:
+        """AReaL's ``submit``: the executor runs the workflow with this engine."""
+        return int(
+            self.workflow_executor.submit(
+                data,
+                workflow=self._resolve_workflow(workflow, workflow_kwargs, group_size),
+                should_accept_fn=self._resolve_accept(should_accept_fn),
+                task_id=task_id,
+                is_eval=is_eval,
+            )
+        )
+
+    def wait(
+        self, count: int, timeout: float | None = None, raise_timeout: bool = True
+    ) -> list[dict[str, Any] | None]:
+        result: list[dict[str, Any] | None] = self.workflow_executor.wait(
+            count, timeout=timeout, raise_timeout=raise_timeout
+        )
+        return result
+
+    def wait_for_task(
+        self, task_id: int, timeout: float | None = None, raise_timeout: bool = True
+    ) -> dict[str, Any] | None:
+        result: dict[str, Any] | None = self.workflow_executor.wait_for_task(
+            task_id, timeout, raise_timeout
+        )
+        return result
+
+    def rollout_batch(
+        self,
+        data: list[dict[str, Any]],
+        workflow: Any,
+        workflow_kwargs: dict[str, Any] | None = None,
+        group_size: int = 1,
+    ) -> list[dict[str, Any]]:
+        """AReaL's ``rollout_batch``: submit every item, wait for all."""
+        result: list[dict[str, Any]] = self.workflow_executor.rollout_batch(
+            data=data, workflow=self._resolve_workflow(workflow, workflow_kwargs, group_size)
+        )
+        return result
+
+    def prepare_batch(
+        self,
+        dataloader: Any,
+        workflow: Any,
+        workflow_kwargs: dict[str, Any] | None = None,
+        should_accept_fn: Callable[[dict[str, Any]], bool] | str | None = None,
+        group_size: int = 1,
+        dynamic_bs: bool = False,
+    ) -> list[dict[str, Any]]:
+        """AReaL's ``prepare_batch`` (staleness-controlled asynchronous rollout)."""
+        result: list[dict[str, Any]] = self.workflow_executor.prepare_batch(
+            dataloader=dataloader,
+            workflow=self._resolve_workflow(workflow, workflow_kwargs, group_size),
+            should_accept_fn=self._resolve_accept(should_accept_fn),
+            dynamic_bs=dynamic_bs,
+        )
+        return result
+
+    # -- the rest of AReaL's interface ---------------------------------------------------------
+    def export_stats(self) -> dict[str, float]:
+        """The scalars the workflows recorded (AReaL's ``stats_tracker``)."""
+        stats: dict[str, float] = stats_tracker.export_all(reduce_group=None)
+        return stats
+
+    def offload(self) -> None:
+        raise NotImplementedError("the fabric has no offload operation")
+
+    def onload(self, tags: list[str] | None = None) -> None:
+        raise NotImplementedError("the fabric has no onload operation")
+
+    def launch_server(self, server_args: dict[str, Any]) -> Any:
+        raise NotImplementedError(
+            "start generation workers with fastio-worker and pass their addresses to "
+            "initialize(addr=...)"
+        )
+
+    def teardown_server(self) -> None:
+        raise NotImplementedError("the engine launches no server")
