@@ -3,14 +3,17 @@
 * ``WeightUpdateMeta(type="disk")``: the trainer writes the version with
   :func:`save_for_rollout` (fastio's atomic safetensors layout,
   :mod:`transport.weights.disk`) under :func:`disk_root` of the meta; every worker runs
-  the disk plugin on that directory (``--plugin transport.weights.disk_follow:follow
-  --plugin-opt disk_root=DIR``) and loads it while paused.
+  fastio's disk plugin on that directory (``--plugin transport.weights.disk_follow:follow
+  --plugin-opt disk_root=DIR``) and loads it while paused. AReaL pauses and resumes the
+  workers itself, so this is the write of
+  :func:`transport.weights.disk_follow.update_weights_on_disk` without its pause.
 * ``WeightUpdateMeta(type="xccl")`` (AReaL's distributed update): the trainer publishes
   with a :class:`transport.weights.WeightPublisher` that every worker's weight plugin
   (``transport.weights.update:subscribe``) follows.
 
 Either way the rollout side's future is done once every worker reports the version in
-its status (:func:`wait_for_version`), which a worker does only after the weights are in
+its status (:func:`wait_for_version`, the wait of the disk route's trainer side,
+:mod:`transport.weights.disk_follow`), which a worker does only after the weights are in
 place: AReaL's ``fut.result()`` means what it means with SGLang.
 """
 
@@ -18,13 +21,11 @@ from __future__ import annotations
 
 import os
 import re
-import time
 from pathlib import Path
 from typing import Any
 
-from transport.control import FabricController
-from transport.errors import ControlError
-from transport.weights.errors import WeightUpdateError
+from transport.weights.disk import save_weights
+from transport.weights.disk_follow import wait_for_version
 
 __all__ = ["disk_root", "save_for_rollout", "wait_for_version"]
 
@@ -52,42 +53,7 @@ def save_for_rollout(meta: Any, state: Any, version: int | None = None, *, keep:
     ``meta.version``) under :func:`disk_root` of ``meta``, atomically.
 
     Returns the version's file."""
-    from transport.weights.disk import save_weights
-
     v = meta.version if version is None else version
     if v is None:
         raise ValueError("no version: pass version= or use meta.with_version(v)")
     return save_weights(disk_root(meta), state, int(v), keep=keep)
-
-
-def wait_for_version(
-    controller: FabricController, version: int, timeout: float, poll: float = 0.02
-) -> dict[str, int]:
-    """Block until every worker of ``controller`` reports ``version`` or newer.
-
-    Returns worker address -> version reported.
-
-    Raises
-    ------
-    WeightUpdateError
-        Not every worker reports it within ``timeout`` (the message lists what each
-        one reports; a worker whose load was refused says why in its log).
-    """
-    deadline = time.monotonic() + timeout
-    seen: dict[str, int] = {}
-    addresses = controller.addresses
-    while True:
-        left = deadline - time.monotonic()
-        try:
-            statuses = controller.health(max(0.05, min(5.0, left)), strict=False)
-        except ControlError:
-            statuses = {}
-        seen = {a: s.version for a, s in statuses.items()}
-        if all(seen.get(a, -1) >= version for a in addresses):
-            return seen
-        if left <= 0:
-            report = {a: seen.get(a, "no answer") for a in addresses}
-            raise WeightUpdateError(
-                f"version {version} not reported by every worker within {timeout} s: {report}"
-            )
-        time.sleep(min(poll, max(0.0, left)))  # the health polling period

@@ -4,8 +4,6 @@
   hooks (:class:`EngineHooks`)
 - :mod:`transport.engines.registry`: ``--engine NAME`` -> ``module:factory``
 - :mod:`transport.engines.builtin`: factories of ``reference``, ``echo``, ``hf``
-- :mod:`transport.engines.disk`: the disk route (a version written once by the trainer,
-  loaded by every worker's engine)
 - :mod:`transport.engines.sglang`, :mod:`transport.engines.vllm`: bridges to running
   SGLang / vLLM servers over HTTP (extras ``fastio[sglang]`` / ``fastio[vllm]``;
   imported only when named)

@@ -25,7 +25,8 @@ What each part of the fabric's contract becomes:
   as safetensors under ``weights_dir`` and has the server load it with ``POST
   /update_weights_from_disk``; the version is acknowledged to the trainer when the
   server says ``success``, and only then does the worker's version move.
-  :meth:`SGLangEngine.load_weights_from_disk` loads a version a trainer already wrote.
+  :meth:`SGLangEngine.load_weights_from_disk` loads a version a trainer already wrote
+  (the disk route's plugin, :mod:`transport.weights.disk_follow`, calls it).
   ``/pause_generation`` and ``/continue_generation`` bracket the load where the server
   has them;
 * a server that dies or hangs: the worker closes and its clients fail over (see

@@ -7,6 +7,8 @@ Four paths, one model of a version (flat buckets, see :mod:`transport.weights.bu
 * :func:`update_weights`: the controller-side call that pauses generation, publishes,
   waits for every worker and resumes;
 * :mod:`transport.weights.disk`: safetensors at ``WeightUpdateMeta.path``, atomically;
+  :mod:`transport.weights.disk_follow` drives it (the worker plugin that follows a
+  directory, the trainer's ``update_weights_on_disk``);
 * :mod:`transport.weights.dist`: a torch.distributed group (NCCL on GPUs, gloo on CPU).
 
 Modules, by concern: ``bucket`` (layout, checksums, the in-place copy), ``binding``
@@ -16,8 +18,9 @@ trainer's API / its serving thread / its staging buffers / its side of the ``ipc
 path), ``subscriber`` / ``fetching`` / ``commit`` / ``ipc_receiving`` (the worker's API /
 fetching and verifying one version / committing it / the worker's side of the ``ipc``
 path), ``ipc`` / ``ipc_link`` (the ``ipc`` path's slots / a minimal driver of it),
-``results`` (what updates report), ``errors``, ``shm``, ``disk``, ``update`` (the
-fabric's pause-publish-resume and the worker plugin), ``ratelog``, ``malloc``.
+``results`` (what updates report), ``errors``, ``shm``, ``disk``, ``disk_follow`` (the
+disk route's worker plugin and trainer call), ``update`` (the fabric's
+pause-publish-resume and the worker plugin), ``ratelog``, ``malloc``.
 """
 
 from typing import TYPE_CHECKING, Any

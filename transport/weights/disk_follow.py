@@ -1,35 +1,48 @@
-"""Worker side of the disk path: follow a directory of versions and load each new one.
+"""The disk route's two drivers: a worker plugin that follows a directory of versions,
+and the trainer call that writes one version and waits until every worker holds it.
 
 A trainer writes versions with :func:`transport.weights.disk.save_weights` (atomic
-safetensors files and a ``LATEST`` marker). A worker started with this plugin::
+safetensors files and a ``LATEST`` marker moved last), either alone or through
+:func:`update_weights_on_disk`, which pauses the workers, writes the version once,
+waits until every worker reports it (its health status) and resumes them::
 
-    python -m transport.worker ... --plugin transport.weights.disk_follow:follow \\
+    update_weights_on_disk(controller, "/shared/weights", model, version=step)
+
+A worker started with this plugin::
+
+    fastio-worker ... --plugin transport.weights.disk_follow:follow \\
         --plugin-opt disk_root=/shared/weights
 
-watches the marker and loads every newer complete version into ``engine.model`` in
-place, then sets ``engine.version``; the worker's status (health, pongs) reports it, so
-a controller sees when every worker holds a version. A copy never overlaps a generation
-step: it runs while the worker is paused. When a controller paused the worker already
-(the usual ``pause -> write -> wait -> resume`` of a weight update) the copy only waits
-until no handler runs, and a resume meanwhile waits for the copy to end; otherwise the
-follower pauses the worker itself for the copy and resumes it after.
+watches the marker and has its engine load every newer complete version, then sets
+``engine.version``; the worker's status (health, pongs) reports it, so a controller
+sees when every worker holds a version. The engine loads it with ``await
+engine.load_weights_from_disk(path, version)`` when it has that hook (the SGLang bridge
+hands the directory to its server), else by copying the file into ``engine.model`` in
+place, after checking every name, shape and dtype, so a version that does not fit the
+model is refused before any byte is written.
 
-A version whose names, shapes or dtypes do not match the model is refused before any
-byte is written (the worker keeps its weights and version, and logs why); it is not
-retried, a later version is.
+A load never overlaps a generation step: it runs while the worker is paused. When a
+controller paused the worker already (the usual ``pause -> write -> wait -> resume`` of
+a weight update) the load only waits until no handler runs, and a resume meanwhile
+waits for the load to end; otherwise the follower pauses the worker itself and resumes
+it after. A version that fails to load (refused, or the engine's hook raised) is logged
+and not retried, a later version is; the worker keeps its weights and its version.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
-from transport.weights.disk import latest_version, load_weights
+from transport.control import FabricController
+from transport.errors import ControlError
+from transport.weights.disk import latest_version, load_weights, save_weights
 from transport.weights.errors import WeightUpdateError
 
-__all__ = ["DISK_OPTIONS", "DiskFollower", "follow"]
+__all__ = ["DISK_OPTIONS", "DiskFollower", "follow", "update_weights_on_disk", "wait_for_version"]
 
 log = logging.getLogger("transport.weights.disk_follow")
 
@@ -43,16 +56,18 @@ class DiskFollower:
     Parameters
     ----------
     server:
-        A :class:`transport.WorkerServer` whose engine has ``model`` and ``version``.
+        A :class:`transport.WorkerServer` whose engine has ``version`` and either an
+        ``async load_weights_from_disk(path, version)`` hook or a ``model``.
     root:
         The directory :func:`~transport.weights.disk.save_weights` writes into.
     poll:
         Seconds between two looks at the marker (one small file read).
     pause_timeout:
-        Seconds a copy waits for running generations to stop; past that the version
+        Seconds a load waits for running generations to stop; past that the version
         is tried again at the next look.
     strict:
-        Every parameter of the model must be in the file.
+        Every parameter of the model must be in the file (the in-place copy; a hook
+        decides for itself).
     """
 
     def __init__(
@@ -65,8 +80,14 @@ class DiskFollower:
         strict: bool = True,
     ) -> None:
         engine = server.engine
-        if engine is None or not hasattr(engine, "model"):
-            raise TypeError("the worker's engine has no .model to load weights into")
+        if engine is None:
+            raise TypeError("the disk plugin needs an engine object, not a bare handler")
+        self.hook = getattr(engine, "load_weights_from_disk", None)
+        if self.hook is None and getattr(engine, "model", None) is None:
+            raise TypeError(
+                f"engine {type(engine).__name__} has no load_weights_from_disk and no .model "
+                "to load weights into"
+            )
         if poll <= 0 or pause_timeout <= 0:
             raise ValueError("disk_poll and disk_pause_timeout must be positive")
         self.server = server
@@ -77,12 +98,12 @@ class DiskFollower:
         self.strict = strict
         #: The last version refused (not retried; a newer one is).
         self.refused: int | None = None
-        self._free = asyncio.Event()  # set while no copy runs
+        self._free = asyncio.Event()  # set while no load runs
         self._free.set()
         server.on_resume.append(self._hold_resume)
 
     async def _hold_resume(self) -> None:
-        # A controller's resume must not let generation start under a running copy.
+        # A controller's resume must not let generation start under a running load.
         await self._free.wait()
 
     async def run(self) -> None:
@@ -97,9 +118,20 @@ class DiskFollower:
                 await self.load(v)
             await asyncio.sleep(self.poll)  # the polling period, not a synchronisation
 
+    async def _load(self, version: int) -> int:
+        """Have the engine load ``version``; the version it serves after."""
+        if self.hook is not None:
+            await self.hook(str(self.root / f"v{version:08d}"), version)
+            return version
+        # Without a version the newest complete one is read: one written meanwhile
+        # (and the clean-up of this one) does not fail the load.
+        return await asyncio.to_thread(
+            load_weights, self.root, self.engine.model, strict=self.strict
+        )
+
     async def load(self, version: int) -> bool:
-        """Load ``version`` (or a newer one written meanwhile) while the worker is
-        paused; True when the engine serves it."""
+        """Load ``version`` (or, by copy, a newer one written meanwhile) while the
+        worker is paused; True when the engine serves it."""
         s = self.server
         ours = not s.paused
         n = s.pause_requests
@@ -115,10 +147,8 @@ class DiskFollower:
                 )
                 return False
             try:
-                loaded = await asyncio.to_thread(
-                    load_weights, self.root, self.engine.model, strict=self.strict
-                )
-            except WeightUpdateError as exc:
+                loaded = await self._load(version)
+            except Exception as exc:  # the engine's own loader may raise anything
                 self.refused = version
                 log.error(
                     "worker %s: version %d from %s refused, keeping version %d: %s",
@@ -153,9 +183,13 @@ async def follow(server: Any, opts: dict[str, str]) -> None:
 
     Options (``--plugin-opt key=value``): ``disk_root`` (required), ``disk_poll``
     (seconds, default 0.05), ``disk_pause_timeout`` (seconds, default 30),
-    ``disk_strict`` (default 1). Raises ``ValueError`` at start for a missing root or a
-    malformed value.
+    ``disk_strict`` (default 1). Keys without the ``disk_`` prefix are left to other
+    plugins. Raises ``ValueError`` at start for a missing root, an unknown ``disk_``
+    key or a malformed value, ``TypeError`` for an engine that cannot load weights.
     """
+    unknown = sorted(k for k in opts if k.startswith("disk_") and k not in DISK_OPTIONS)
+    if unknown:
+        raise ValueError(f"unknown disk plugin option(s) {unknown}; known: {sorted(DISK_OPTIONS)}")
     root = opts.get("disk_root")
     if not root:
         raise ValueError("the disk plugin needs --plugin-opt disk_root=<directory>")
@@ -169,3 +203,85 @@ async def follow(server: Any, opts: dict[str, str]) -> None:
     if "disk_strict" in opts:
         kw["strict"] = _flag(opts["disk_strict"])
     await DiskFollower(server, root, **kw).run()
+
+
+def wait_for_version(
+    controller: FabricController, version: int, timeout: float, poll: float = 0.02
+) -> dict[str, int]:
+    """Block until every worker of ``controller`` reports ``version`` or newer.
+
+    Returns worker address -> version reported.
+
+    Raises
+    ------
+    WeightUpdateError
+        Not every worker reports it within ``timeout`` (the message lists what each
+        one reports; a worker whose load was refused says why in its log).
+    """
+    deadline = time.monotonic() + timeout
+    seen: dict[str, int] = {}
+    addresses = controller.addresses
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            statuses = controller.health(max(0.05, min(5.0, left)), strict=False)
+        except ControlError:
+            statuses = {}
+        seen = {a: s.version for a, s in statuses.items()}
+        if all(seen.get(a, -1) >= version for a in addresses):
+            return seen
+        if left <= 0:
+            report = {a: seen.get(a, "no answer") for a in addresses}
+            raise WeightUpdateError(
+                f"version {version} not reported by every worker within {timeout} s: {report}"
+            )
+        time.sleep(min(poll, max(0.0, left)))  # the health polling period
+
+
+def update_weights_on_disk(
+    controller: FabricController,
+    where: Any,
+    state: Any,
+    version: int,
+    timeout: float = 60.0,
+    *,
+    keep: int = 2,
+) -> dict[str, int]:
+    """Pause the workers, write ``version`` once under ``where``, wait until every
+    worker reports it, resume them.
+
+    Parameters
+    ----------
+    controller:
+        A :class:`transport.FabricController` of the workers that follow ``where``.
+    where:
+        The directory (or a ``type="disk"`` ``WeightUpdateMeta``) the workers follow.
+    state:
+        Module, state dict or ``(name, tensor)`` pairs.
+    version:
+        Newer than the latest on disk.
+    timeout:
+        Seconds for the pause, and for every worker to report the version.
+    keep:
+        How many versions stay on disk.
+
+    Returns
+    -------
+    dict
+        Worker address -> the version it reports after the resume.
+
+    Raises
+    ------
+    transport.ControlError
+        A worker could not be paused or resumed.
+    transport.weights.WeightUpdateError
+        Not every worker reported the version within ``timeout`` (the message lists
+        what each one reports; the workers are resumed either way).
+    """
+    controller.pause(timeout)
+    try:
+        save_weights(where, state, version, keep=keep)
+        wait_for_version(controller, version, timeout)
+    finally:
+        statuses = controller.resume(timeout)
+    return {a: s.version for a, s in statuses.items()}
