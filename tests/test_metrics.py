@@ -65,8 +65,10 @@ def test_scrape_counts_what_was_recorded(endpoint: int) -> None:
     metrics.WORKER_REQUESTS.labels(outcome="ok").inc(3)
     metrics.WORKER_REQUESTS.labels(outcome="error").inc()
     metrics.WORKER_ERRORS.labels(code="bad_request").inc()
-    metrics.WORKER_INFLIGHT.set(7)
-    metrics.WORKER_QUEUE_DEPTH.set(2)
+    # A worker started in this process earlier binds these gauges to itself (read when
+    # scraped), which a plain set() would not override: bind them here the same way.
+    metrics.WORKER_INFLIGHT.set_function(lambda: 7)
+    metrics.WORKER_QUEUE_DEPTH.set_function(lambda: 2)
     metrics.WORKER_TTFT.observe(0.003)  # bucket le=0.005
     metrics.WORKER_E2E.observe(0.2)
     metrics.WORKER_ITL.observe(0.0007)
@@ -80,8 +82,8 @@ def test_scrape_counts_what_was_recorded(endpoint: int) -> None:
     metrics.SUBSCRIBER_PHASE_SECONDS.labels(phase="apply").observe(0.02)
     metrics.SUBSCRIBER_BYTES.labels(path="tcp").inc(4096)
     metrics.SUBSCRIBER_FAILURES.inc()
-    metrics.WORKER_PAUSED.set(1)
-    metrics.WORKER_WEIGHT_VERSION.set(12)
+    metrics.WORKER_PAUSED.set_function(lambda: 1)
+    metrics.WORKER_WEIGHT_VERSION.set_function(lambda: 12)
     tally = metrics.WorkerTally()
     tally.result("length", 5, 7)
     tally.result("interrupt", 3, 2)
