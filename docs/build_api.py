@@ -8,6 +8,7 @@ module that does not import, a broken docstring), so CI catches a broken referen
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import sys
 import warnings
 from pathlib import Path
@@ -32,6 +33,12 @@ MODULES = [
     "transport.control",
     "transport.errors",
     "transport.sockets",
+    "transport.addresses",
+    "transport.engines",
+    "transport.engines.api",
+    "transport.engines.registry",
+    "transport.engines.sglang",
+    "transport.engines.vllm",
     "transport.engine",
     "transport.hf_engine",
     "transport.metrics",
@@ -47,6 +54,12 @@ MODULES = [
     "transport.weights.ipc",
     "transport.weights.datalink",
 ]
+
+#: AReaL's rollout engine over the fabric: documented where the ``areal`` package is
+#: installed (``.ci/areal.sh``), left out elsewhere (it imports ``areal``).
+AREAL_MODULES = ["transport.areal", "transport.areal.engine"]
+if importlib.util.find_spec("areal") is not None:
+    MODULES += AREAL_MODULES
 
 
 def _resolve_lazy_names() -> None:
