@@ -159,7 +159,8 @@ def _reply_bytes(n_tokens: int) -> int:
         output_logprobs=TokenArray(np.zeros(n_tokens, dtype=np.float32)),
         output_versions=TokenArray(np.zeros(n_tokens, dtype=np.int32)),
     )
-    return sum(len(f) for f in fastio.encode(res))
+    # memoryview: len() of a numpy frame counts its elements, not its bytes.
+    return sum(memoryview(f).nbytes for f in fastio.encode(res))
 
 
 def _request(n_tokens: int, rid: str) -> Any:
