@@ -1,5 +1,6 @@
 """Transport suite: the fabric (client + worker processes, echo handler) against raw
-pyzmq DEALER/ROUTER moving the same bytes, measured in the same run.
+pyzmq DEALER/ROUTER moving the same bytes and a vLLM-style asyncio client, measured in
+the same run.
 
 Baselines (``raw-pyzmq``)
 -------------------------
@@ -14,6 +15,18 @@ sends the request back plus one pre-built frame of the difference
 (``extra["reply_bytes"]``): both carry the same data both ways. The raw client is plain
 blocking pyzmq (no asyncio, no bookkeeping): what the fabric would cost if it were
 free.
+
+Peer (``vllm-style``)
+---------------------
+:mod:`bench.vllm_style`: an asyncio client in the technique of vLLM V1's
+``AsyncMPClient`` (a ``zmq.asyncio`` DEALER per engine, an output-handler task resolving
+futures, msgspec with numpy token frames) and a blocking echo engine answering the same
+bytes as the fabric's echo. Measured at 1k- and 32k-token prompts (``rtt@4096``,
+``rtt@131072`` and their throughputs).
+
+Every round trip and throughput measurement also reports ``extra["cpu_us_per_req"]``:
+CPU microseconds per request of the client process and its workers together, over all
+samples (less sensitive to a loaded machine than wall time).
 
 The echo worker serves its socket on the handler's loop (``WorkerConfig.inline``: the echo
 never blocks). Engines that may block run on a loop of their own behind the worker's
@@ -36,17 +49,18 @@ Cases
 ``rtt@<size>``, ``throughput@<size>``
     The same two measurements for requests whose token array is ``<size>`` bytes
     (int32 tokens; ``size`` is that payload, ``extra["wire_bytes"]`` the whole message):
-    64 B, 64 KiB and 1 MiB in quick mode, plus 4 KiB in full mode. ``rtt@64`` and
+    64 B, 4 KiB, 64 KiB, 128 KiB, 256 KiB, 1 MiB and 4 MiB. ``rtt@64`` and
     ``throughput@64`` are the samples of ``rtt-small`` and ``throughput-2w``.
     Throughput of large requests uses fewer requests, all in flight at once on both
     sides (the raw window equals the request count, below the fabric's in-flight bound).
-``inflight-10k``
-    10,000 requests submitted at once by one client to two echo workers (run in a
-    fresh process so its peak RSS is its own), three rounds: ``extra`` holds the peak
-    RSS during the rounds, the RSS before and after each round, and the peak growth per
-    in-flight request, to show memory stays bounded. (The client's rid -> worker cache
-    keeps up to ``sticky_cache_size`` = 100,000 entries, so RSS creeps up a few MiB per
-    round of fresh rids until it is full.)
+``inflight-100k``
+    100,000 requests submitted at once by one client to two echo workers
+    (:mod:`bench.inflight`; a fresh process so its RSS is its own), two rounds:
+    ``extra["client_kib_per_request"]`` is what the client holds per request (its RSS
+    growth as it takes them, the caller's requests already built; target at most 2),
+    ``peak_kib_per_request`` the peak growth with the caller's requests and the
+    responses, ``errors`` the requests that failed (target 0). (The client's rid ->
+    worker cache keeps up to ``sticky_cache_size`` = 100,000 entries.)
 ``pong-idle``, ``pong-busy-4000``
     Pong latency (median is reported; ``extra`` has p50/p99/max and the number of
     pings) of a worker measured by a DEALER pinging every 10 ms: idle, and while two
@@ -58,8 +72,10 @@ Cases
     worker's queue for it. ``extra`` holds the other peer's p99 during that window and
     without that peer (same duration, just before), and their ratio. Target: at most 2.
 
-Samples of fastio and raw are interleaved (the machine is shared and noisy: both see
-the same noise) and the cyclic GC is paused inside each sample for both.
+Samples of every implementation are interleaved (the machine is shared and noisy: all
+see the same noise) and the cyclic GC is paused inside each sample for all.
+``python -m bench.transport [--full] [--fabric-only] [--uvloop] [--pongs]`` runs the
+suite alone (``--uvloop``: clients and fabric workers on uvloop).
 """
 
 from __future__ import annotations
@@ -79,37 +95,16 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import zmq
 
 from bench.codec import VRequest
 from bench.common import FASTIO, Measurement
+from bench.raw import RAW_ECHO, RawClient
 from bench.vllm_style import VLLM
 from fastio.tokens import TokenArray
 
 SUITE = "transport"
 RAW = "raw-pyzmq"
 ROOT = Path(__file__).resolve().parents[1]
-
-# A raw echo ROUTER: what a worker does with no fabric on top.
-# A raw echo ROUTER: what a worker does with no fabric on top. It sends each request
-# back, plus one frame that makes the reply as large as the fabric's (a Result carries
-# tokens, logprobs and versions: about 3x the request's payload). argv[1] maps a
-# request's size in bytes (frames after the identity) to that extra size.
-_RAW_ECHO = """
-import sys, json, zmq
-pads = {int(k): zmq.Frame(bytes(v)) for k, v in json.loads(sys.argv[1]).items() if v > 0}
-ctx = zmq.Context(); s = ctx.socket(zmq.ROUTER); s.setsockopt(zmq.LINGER, 0)
-s.setsockopt(zmq.SNDHWM, 100000); s.setsockopt(zmq.RCVHWM, 100000)
-s.bind("tcp://127.0.0.1:*")
-print(json.dumps({"ready": [s.getsockopt_string(zmq.LAST_ENDPOINT)]}), flush=True)
-recv, send = s.recv_multipart, s.send_multipart
-while True:
-    m = recv(copy=False)
-    pad = pads.get(sum(len(f) for f in m[1:]))
-    if pad is not None:
-        m.append(pad)
-    send(m, copy=False)
-"""
 
 
 class _Proc:
@@ -135,14 +130,12 @@ class _Proc:
 
 
 def _echo_worker(loop: str = "asyncio") -> _Proc:
-    return _Proc(
-        [sys.executable, "-m", "transport.worker", "--bind", "tcp://127.0.0.1:0", "--engine",
-         "echo", "--loop", loop]
-    )  # fmt: skip
+    argv = [sys.executable, "-m", "transport.worker", "--bind", "tcp://127.0.0.1:0"]
+    return _Proc([*argv, "--engine", "echo", *(["--loop", loop] if loop != "asyncio" else [])])
 
 
 def _raw_worker(pads: dict[int, int] | None = None) -> _Proc:
-    return _Proc([sys.executable, "-c", _RAW_ECHO, json.dumps(pads or {})])
+    return _Proc([sys.executable, "-c", RAW_ECHO, json.dumps(pads or {})])
 
 
 def _vllm_worker() -> _Proc:
@@ -183,58 +176,6 @@ def _wire_bytes(n_tokens: int) -> list[bytes]:
 # -- the two cases, fastio and raw samples interleaved ------------------------------------
 # The machine is shared and noisy: alternating a fastio sample with a raw one exposes both
 # to the same noise, and medians are compared.
-
-
-class _RawClient:
-    """Blocking DEALERs to raw echo workers: the baseline's client side."""
-
-    def __init__(self, addresses: list[str]) -> None:
-        self.ctx = zmq.Context()
-        self.socks = []
-        for a in addresses:
-            s = self.ctx.socket(zmq.DEALER)
-            s.setsockopt(zmq.LINGER, 0)
-            s.setsockopt(zmq.SNDHWM, 100000)
-            s.setsockopt(zmq.RCVHWM, 100000)
-            s.connect(a)
-            self.socks.append(s)
-        self.poller = zmq.Poller()
-        for s in self.socks:
-            self.poller.register(s, zmq.POLLIN)
-
-    def rtt(self, frames: list[bytes], number: int) -> float:
-        s = self.socks[0]
-        t0 = time.perf_counter()
-        for _ in range(number):
-            s.send_multipart(frames, copy=False)
-            s.recv_multipart(copy=False)
-        return (time.perf_counter() - t0) / number
-
-    def pipelined(self, frames: list[bytes], number: int, window: int) -> float:
-        socks = self.socks
-        sent = done = k = 0
-        t0 = time.perf_counter()
-        while sent < min(window, number):
-            socks[k % len(socks)].send_multipart(frames, copy=False)
-            k += 1
-            sent += 1
-        while done < number:
-            for s, _ in self.poller.poll():
-                while True:
-                    try:
-                        s.recv_multipart(zmq.NOBLOCK, copy=False)
-                    except zmq.Again:
-                        break
-                    done += 1
-                    if sent < number:
-                        s.send_multipart(frames, copy=False)
-                        sent += 1
-        return (time.perf_counter() - t0) / number
-
-    def close(self) -> None:
-        for s in self.socks:
-            s.close(0)
-        self.ctx.term()
 
 
 class _Case:
@@ -304,7 +245,7 @@ def _interleaved(
     from transport import ClientConfig, FabricClient
 
     echo_addrs = [p.address for p in workers[FASTIO]]
-    raw = _RawClient([p.address for p in workers[RAW]])
+    raw = RawClient([p.address for p in workers[RAW]])
     pids = {impl: [p.p.pid for p in procs] for impl, procs in workers.items()}
 
     async def main() -> None:
@@ -349,7 +290,7 @@ def _interleaved(
 
 
 async def _round(
-    c: _Case, r: int, one: Any, two: Any, raw: _RawClient, v_one: Any, v_two: Any,
+    c: _Case, r: int, one: Any, two: Any, raw: RawClient, v_one: Any, v_two: Any,
     pids: dict[str, list[int]],
 ) -> None:  # fmt: skip
     """One sample of each implementation, round trip and throughput, for case ``c``."""
@@ -468,7 +409,7 @@ def run(quick: bool, fabric_only: bool = False, loop: str = "asyncio") -> list[M
         if not fabric_only:
             from bench.inflight import inflight
 
-            out.append(inflight([p.address for p in workers[FASTIO]], 10_000))
+            out.append(inflight([p.address for p in workers[FASTIO]], 100_000, 2))
     finally:
         for p in procs:
             p.kill()

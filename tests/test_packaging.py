@@ -31,6 +31,7 @@ OPTIONAL = {
     "matplotlib": ("plots", "matplotlib"),
     "prometheus_client": ("metrics", "prometheus-client"),
     "transformers": ("hf", "transformers"),
+    "uvloop": ("uvloop", "uvloop"),
 }
 
 
