@@ -55,6 +55,12 @@ class RawClient:
             s.recv_multipart(copy=False)
         return (time.perf_counter() - t0) / number
 
+    def rtt_once(self, frames: list[bytes]) -> None:
+        """One round trip."""
+        s = self.socks[0]
+        s.send_multipart(frames, copy=False)
+        s.recv_multipart(copy=False)
+
     def pipelined(self, frames: list[bytes], number: int, window: int) -> float:
         socks = self.socks
         sent = done = k = 0

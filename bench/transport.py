@@ -73,7 +73,8 @@ Cases
     without that peer (same duration, just before), and their ratio. Target: at most 2.
 
 Samples of every implementation are interleaved (the machine is shared and noisy: all
-see the same noise) and the cyclic GC is paused inside each sample for all.
+see the same noise; round trips alternate in chunks of 20, a sample being a chunk's
+median) and the cyclic GC is paused inside each sample for all.
 ``python -m bench.transport [--full] [--fabric-only] [--uvloop] [--pongs]`` runs the
 suite alone (``--uvloop``: clients and fabric workers on uvloop).
 """
@@ -81,6 +82,7 @@ suite alone (``--uvloop``: clients and fabric workers on uvloop).
 from __future__ import annotations
 
 import asyncio
+import functools
 import gc
 import inspect
 import json
@@ -289,6 +291,34 @@ def _interleaved(
         raw.close()
 
 
+async def _rtt_chunks(c: _Case, rtts: list[tuple[str, list[int], Callable[[], Any]]]) -> None:
+    """Round trips of each implementation in alternating chunks of 20; a sample is
+    the median round trip of a chunk. Load on a shared machine comes in bursts of
+    milliseconds: fine alternation exposes every implementation to the same bursts,
+    and medians keep a burst from deciding a sample."""
+    done = 0
+    while done < c.rtt_number:
+        m = min(_RTT_CHUNK, c.rtt_number - done)
+        done += m
+        for key, pids, one_rtt in rtts:
+            cpu0 = time.process_time() + sum(_proc_cpu(p) for p in pids)
+            times = []
+            for _ in range(m):
+                t0 = time.perf_counter()
+                r = one_rtt()
+                if r is not None:
+                    await r
+                times.append(time.perf_counter() - t0)
+            cpu = time.process_time() + sum(_proc_cpu(p) for p in pids) - cpu0
+            c.samples[key].append(float(np.median(times)))
+            acc = c.cpu[key]
+            acc[0] += cpu
+            acc[1] += m
+
+
+_RTT_CHUNK = 20
+
+
 async def _round(
     c: _Case, r: int, one: Any, two: Any, raw: RawClient, v_one: Any, v_two: Any,
     pids: dict[str, list[int]],
@@ -301,24 +331,19 @@ async def _round(
         vreq = VRequest(rid="rtt", input_ids=c.ids.array)
         vreqs = [VRequest(rid=f"{r}-{i}", input_ids=c.ids.array) for i in range(c.tp_number)]
 
-    async def rtt_fastio() -> None:
-        for _ in range(c.rtt_number):
-            await one.agenerate(req)
-
-    async def rtt_vllm() -> None:
-        for _ in range(c.rtt_number):
-            await v_one.generate(vreq)
+    rtts: list[tuple[str, list[int], Callable[[], Any]]] = [
+        ("rtt-" + FASTIO, pids[FASTIO][:1], lambda: one.agenerate(req)),
+        ("rtt-" + RAW, pids[RAW][:1], functools.partial(raw.rtt_once, c.frames)),
+    ]
+    if peer:
+        rtts.append(("rtt-" + VLLM, pids[VLLM][:1], lambda: v_one.generate(vreq)))
 
     # As bench.common.timeit: the cyclic GC is paused inside each sample, for every
     # implementation (thousands of live tasks make its passes costly).
     gc.collect()
     gc.disable()
     try:
-        n = c.rtt_number
-        await _sample(c, "rtt-" + FASTIO, pids[FASTIO][:1], n, rtt_fastio)
-        await _sample(c, "rtt-" + RAW, pids[RAW][:1], n, lambda: raw.rtt(c.frames, n))
-        if peer:
-            await _sample(c, "rtt-" + VLLM, pids[VLLM][:1], n, rtt_vllm)
+        await _rtt_chunks(c, rtts)
         n = c.tp_number
         await _sample(
             c, "tp-" + FASTIO, pids[FASTIO], n,
