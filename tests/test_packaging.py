@@ -33,6 +33,7 @@ OPTIONAL = {
     "prometheus_client": ("metrics", "prometheus-client"),
     "transformers": ("hf", "transformers"),
     "aiohttp": ("sglang", "aiohttp"),
+    "uvloop": ("uvloop", "uvloop"),
 }
 # Extras that install a distribution another extra's module needs too: extra -> dist.
 SECOND_EXTRAS = {"vllm": "aiohttp"}

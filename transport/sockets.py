@@ -293,6 +293,14 @@ _RETRY_MAX_S = 0.1
 _BURST_GAP_S = 100e-6
 _perf_counter = time.perf_counter
 
+# A joined ZeroMQ message is sent once it holds this many bytes, and a message this
+# large is never joined: ZeroMQ hands a message over whole, so the receiver of a large
+# joined one would idle until all of it had arrived. Far above what joining saves
+# (microseconds per message), far below what the wire moves in a millisecond.
+_JOIN_LIMIT = 256 << 10
+# Marks "no message to this destination in the burst yet" in SocketPump._pending.
+_FIRST: Any = object()
+
 
 def send_frames(sock: zmq.Socket[Any], frames: list[Any]) -> None:
     """``sock.send_multipart(frames, zmq.NOBLOCK, copy=False)``, cheaper.
@@ -326,12 +334,13 @@ def recv_frames(sock: zmq.Socket[Any]) -> list[zmq.Frame]:
 class _Joined:
     """Messages to one destination being joined into one ZeroMQ message."""
 
-    __slots__ = ("frames", "n", "small")
+    __slots__ = ("frames", "n", "size", "small")
 
     def __init__(self, frames: list[Any]) -> None:
         self.frames = frames  # the ROUTER identity, then finished parts
         self.small: list[bytes] = []  # a run of small single-frame messages
         self.n = 0
+        self.size = 0  # bytes of the messages joined
 
     def close_batch(self) -> None:
         small = self.small
@@ -357,16 +366,18 @@ class SocketPump:
     drop), :attr:`dropped` counts it, and later messages to it that meet a full pipe
     are discarded at once (not queued) until one gets through again.
 
-    Coalescing: the first message of a burst is sent at once (no added latency);
-    messages sent later in the same burst to the same destination are joined into one
-    ZeroMQ message (fastio messages back to back, see PROTOCOL.md) and sent at its end;
-    with ``batch_frames`` (peers that split with :func:`fastio.fabric_msgs.split`), runs
-    of small single-frame messages among them travel as one batch frame.
-    A burst is one batch of incoming messages (replies sent by ``on_recv``), or, for
-    sends from elsewhere (tasks), the rest of the loop iteration after a send that
-    starts within 100 us of the end of the previous one (a lone send costs no
-    end-of-burst callback). Under load this
-    turns many small ZeroMQ messages, each waking libzmq's I/O thread, into a few.
+    Coalescing: the first message of a burst to each destination is sent at once (no
+    added latency); messages sent later in the same burst to the same destination are
+    joined into one ZeroMQ message (fastio messages back to back, see PROTOCOL.md) and
+    sent at its end, or as soon as the joined message holds 256 KiB; a message that
+    large is never joined (the receiver could not start on it before the whole joined
+    message arrived). With ``batch_frames`` (peers that split with
+    :func:`fastio.fabric_msgs.split`), runs of small single-frame messages among them
+    travel as one batch frame. A burst is one batch of incoming messages (replies sent
+    by ``on_recv``), or, for sends from elsewhere (tasks), what is sent until the next
+    drain after a send that starts within 100 us of the end of the previous one (a
+    lone send costs no drain). Under load this turns many small ZeroMQ messages, each
+    waking libzmq's I/O thread, into a few.
 
     ``router=True``: frame 0 of each message is the ROUTER peer identity, the
     destination; it is written once per coalesced ZeroMQ message.
@@ -422,7 +433,9 @@ class SocketPump:
         self._last_send = 0.0
         self._in_batch = False
         self.batch_frames = batch_frames
-        self._pending: dict[Any, _Joined] = {}
+        # Per destination sent to in the current burst: the messages being joined
+        # (None: one went at once, none joined yet).
+        self._pending: dict[Any, _Joined | None] = {}
         self._scheduled = False
         self._timer: asyncio.TimerHandle | None = None
         self._retry_s = _RETRY_MIN_S
@@ -503,7 +516,8 @@ class SocketPump:
         finally:
             self._in_batch = False
             if self._burst and not self._closed:
-                # The batch's burst ends with it (what _end_burst does).
+                # The burst ends with the batch (or with this drain, for one started
+                # by sends back to back).
                 self._burst = False
                 if self._pending:
                     self._send_pending()
@@ -515,39 +529,61 @@ class SocketPump:
             return
         if not self._burst:
             if self._in_batch:
+                self._burst = True  # it ends with the batch
+            elif _perf_counter() - self._last_send < _BURST_GAP_S:
+                # Back to back: a burst, ended by the next drain (no callback of its
+                # own: one is often due anyway). A lone send (one request at a time)
+                # just goes.
                 self._burst = True
+                self._schedule()
             else:
-                # Outside a batch a burst needs a callback to end it (one more loop
-                # iteration). Start one only when sends come back to back; a lone send
-                # (one request at a time) just goes.
-                if _perf_counter() - self._last_send < _BURST_GAP_S:
-                    self._burst = True
-                    self.loop.call_soon(self._end_burst)
                 self._send_now(frames)
                 self._last_send = _perf_counter()
                 return
+        router = self.router
+        key = frames[0] if router else None
+        pending = self._pending
+        joined = pending.get(key, _FIRST)
+        if joined is _FIRST:
+            # The first message to a destination in a burst goes at once: a lone reply
+            # never waits for the end of its batch.
+            pending[key] = None
+            self._send_now(frames)
+            if not self._in_batch:
+                self._last_send = _perf_counter()
+            return
+        body = len(frames) - 1 if router else len(frames)
+        last = frames[-1]
+        if body == 1 and type(last) is bytes:
+            size = len(last)
+            if self.batch_frames and size <= MAX_BATCHED_FRAME:
+                if joined is None:
+                    joined = pending[key] = _Joined([key] if router else [])
+                joined.small.append(last)
+                self._joined(key, joined, size)
+                return
+        else:
+            size = _nbytes(frames)
+        if size >= _JOIN_LIMIT:
+            # Large: never joined (the receiver could not start on it before the
+            # whole joined message arrived); what waits for it goes first.
+            if joined is not None:
+                pending[key] = None
+                self._send_now(joined.done())
             self._send_now(frames)
             return
-        key = frames[0] if self.router else None
-        joined = self._pending.get(key)
         if joined is None:
-            joined = self._pending[key] = _Joined([key] if self.router else [])
-        body = len(frames) - 1 if self.router else len(frames)
-        last = frames[-1]
-        if (
-            body == 1
-            and self.batch_frames
-            and type(last) is bytes
-            and len(last) <= MAX_BATCHED_FRAME
-        ):
-            joined.small.append(last)
-        else:
-            if joined.small:
-                joined.close_batch()
-            joined.frames.extend(frames[1:] if self.router else frames)
+            joined = pending[key] = _Joined([key] if router else [])
+        if joined.small:
+            joined.close_batch()
+        joined.frames.extend(frames[1:] if router else frames)
+        self._joined(key, joined, size)
+
+    def _joined(self, key: Any, joined: _Joined, size: int) -> None:
         joined.n += 1
-        if joined.n >= self.coalesce:
-            del self._pending[key]
+        joined.size += size
+        if joined.n >= self.coalesce or joined.size >= _JOIN_LIMIT:
+            self._pending[key] = None
             self._send_now(joined.done())
 
     def send_many(self, messages: list[list[Any]]) -> None:
@@ -564,19 +600,13 @@ class SocketPump:
             self._burst = False
             self._send_pending()
 
-    def _end_burst(self) -> None:
-        if not self._burst or self._in_batch:
-            # Ended already by its batch; or a batch runs now and will end it.
-            return
-        self._burst = False
-        self._send_pending()
-
     def _send_pending(self) -> None:
         if self._pending:
             pending = self._pending
             self._pending = {}
             for joined in pending.values():
-                self._send_now(joined.done())
+                if joined is not None:
+                    self._send_now(joined.done())
 
     def _send_now(self, frames: list[Any]) -> None:
         if self._queues:
@@ -698,7 +728,8 @@ class SocketPump:
             self._queued_bytes.pop(dest, None)
             joined = self._pending.pop(dest, None)
             return (len(q) if q is not None else 0) + (joined is not None)
-        n = sum(len(q) for q in self._queues.values()) + len(self._pending)
+        n = sum(len(q) for q in self._queues.values())
+        n += sum(j is not None for j in self._pending.values())
         self._retry_s = _RETRY_MIN_S
         self._queues.clear()
         self._queued_bytes.clear()
@@ -739,6 +770,8 @@ class SocketPump:
         pending = self._pending
         self._pending = {}
         for key, joined in pending.items():
+            if joined is None:
+                continue
             if key in self._queues:
                 self.discarded += 1
                 continue

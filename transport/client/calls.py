@@ -16,12 +16,12 @@ import time
 from typing import Any
 
 import numpy as np
-import numpy.typing as npt
 
 from fastio import LLMRequest, LLMResponse, VLMRequest, VLMResponse
 from fastio import fabric_msgs as fm
 from fastio.tokens import TokenArray
 from transport.client.workers import Call
+from transport.constant import constant
 
 __all__ = ["Call", "absorb_result", "keep_streamed", "on_stream"]
 
@@ -163,23 +163,11 @@ def absorb_result(call: Call, res: fm.Result) -> LLMResponse | None:
     return _finish(call, toks, lps, vers, stop_reason, now)
 
 
-_zeros: dict[int, npt.NDArray[np.float64]] = {}
-
-
 def _zero_itl(n: int) -> TokenArray:
-    """``n`` zero inter-token latencies (tokens that arrived together), as a TokenArray
-    over a read-only array shared between responses of the same length (a TokenArray
+    """``n`` zero inter-token latencies (tokens that arrived together): a TokenArray
+    over a read-only view of one shared zero array, whatever ``n`` (a TokenArray
     copies before it changes an array it does not own)."""
-    if n <= 0:
-        n = 0
-    a = _zeros.get(n)
-    if a is None:
-        a = np.zeros(n)
-        if n > 512:  # (the cache holds at most 1 MiB)
-            return TokenArray._wrap(a)
-        a.flags.writeable = False
-        _zeros[n] = a
-    return TokenArray._wrap(a)
+    return TokenArray._wrap(constant(n, np.float64))
 
 
 def _finish(

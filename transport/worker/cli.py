@@ -132,6 +132,13 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="serve the socket on the engine's loop (on: only for engines that never block; "
         "auto: as the engine says, the echo does) instead of a thread of its own",
     )
+    p.add_argument(
+        "--loop",
+        default="asyncio",
+        choices=("asyncio", "uvloop"),
+        help="event loop of the engine's loop and the socket thread (uvloop: pip install "
+        "'fastio[uvloop]')",
+    )
     p.add_argument("--curve-secret", help="this worker's .key_secret certificate (enables CURVE)")
     p.add_argument("--curve-clients", help="directory of authorized client .key certificates")
     p.add_argument(
@@ -273,6 +280,17 @@ async def _amain(args: argparse.Namespace) -> None:
     await server.serve_forever()
 
 
+def _use_loop(kind: str) -> None:
+    """Make every loop of this process (the engine's, the socket thread's) a ``kind``
+    loop."""
+    if kind == "uvloop":
+        try:
+            import uvloop
+        except ImportError as exc:
+            raise UserError("--loop uvloop needs uvloop: pip install 'fastio[uvloop]'") from exc
+        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """Entry point of ``python -m transport.worker`` (see ``--help``)."""
     args = _parse_args(argv)
@@ -291,6 +309,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             # One generation thread per worker process: workers share the cores.
             torch.set_num_threads(1)
     try:
+        _use_loop(args.loop)
         asyncio.run(_amain(args))
     except UserError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr, flush=True)

@@ -6,6 +6,7 @@ import numpy as np
 
 from fastio import LLMRequest, LLMResponse
 from fastio.tokens import TokenArray
+from transport.constant import constant
 from transport.engines.api import GenerationContext
 
 __all__ = ["echo_handler"]
@@ -26,29 +27,19 @@ async def echo_handler(req: LLMRequest, ctx: GenerationContext) -> LLMResponse:
     )
 
 
-_echo_cache: dict[tuple[int, int], tuple[TokenArray, TokenArray]] = {}
-
 #: The echo measures no inter-token latency (the worker never sends it: only encoded).
-_NO_ITL = TokenArray._wrap(np.empty(0, np.float64))
-_NO_ITL._a.flags.writeable = False
+_NO_ITL = TokenArray._wrap(constant(0, np.float64))
 
 
 def _echo_fill(n: int, version: int) -> tuple[TokenArray, TokenArray]:
-    """Read-only zero logprobs and constant versions of length ``n``, shared between
-    echoes of the same length (the server only encodes them): the benchmark's worker
-    should spend its time on the fabric, not on allocating constant arrays."""
-    key = (n, version)
-    arrays = _echo_cache.get(key)
-    if arrays is None:
-        lp = np.zeros(n, dtype=np.float32)
-        ver = np.full(n, version, dtype=np.int32)
-        lp.flags.writeable = ver.flags.writeable = False
-        arrays = (TokenArray._wrap(lp), TokenArray._wrap(ver))
-        if n <= 4096:
-            if len(_echo_cache) >= 256:
-                _echo_cache.clear()
-            _echo_cache[key] = arrays
-    return arrays
+    """Read-only zero logprobs and constant versions of length ``n``: views of arrays
+    shared by every echo (the server only encodes them), so the benchmark's worker
+    spends its time on the fabric, not on allocating and filling arrays that grow with
+    the message."""
+    return (
+        TokenArray._wrap(constant(n, np.float32)),
+        TokenArray._wrap(constant(n, np.int32, version)),
+    )
 
 
 #: It never blocks: served on the socket's loop (``WorkerConfig.inline``).

@@ -1,0 +1,56 @@
+"""Constant arrays shared by responses: the client's zero itl and the echo's fillers
+are read-only views of one array, whatever the length (no allocation per message)."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+
+from fastio import LLMRequest, TokenArray
+from transport.client.calls import _zero_itl
+from transport.constant import MAX_SHARED, constant
+from transport.worker.echo import echo_handler
+
+
+def test_constant_views_are_read_only_correct_and_shared() -> None:
+    a = constant(5000, np.float64)
+    b = constant(100_000, np.float64)  # grows the shared array
+    c = constant(7, np.int32, 3)
+    assert a.shape == (5000,) and b.shape == (100_000,) and not a.any() and not b.any()
+    assert c.tolist() == [3] * 7 and c.dtype == np.int32
+    assert constant(0, np.float64).shape == (0,) and constant(-1, np.float64).shape == (0,)
+    for v in (a, b, c):
+        assert not v.flags.writeable and v.flags.c_contiguous
+    assert np.shares_memory(b, constant(60_000, np.float64))
+    assert a.tolist() == [0.0] * 5000  # the old array's view is intact after the growth
+    big = constant(MAX_SHARED + 1, np.uint8)
+    assert not big.flags.writeable and len(big) == MAX_SHARED + 1
+
+
+def test_zero_itl_of_long_responses_shares_memory_and_copies_on_write() -> None:
+    x, y = _zero_itl(32_767), _zero_itl(20_000)
+    assert len(x) == 32_767 and len(y) == 20_000 and not x.array.any()
+    assert np.shares_memory(x.array, y.array)
+    # A caller changing its response's itl gets its own copy; the shared zeros stay.
+    x[0] = 1.5
+    assert x[0] == 1.5 and not _zero_itl(32_767).array.any()
+    x += TokenArray(np.ones(32_767))
+    assert not _zero_itl(32_767).array.any()
+
+
+def test_echo_fillers_of_long_prompts_are_shared() -> None:
+    ctx: Any = SimpleNamespace(_server=SimpleNamespace(version=4))
+    ids = list(range(10_000))
+
+    async def two() -> Any:
+        return [await echo_handler(LLMRequest(input_ids=ids), ctx) for _ in range(2)]
+
+    r1, r2 = asyncio.run(two())
+    assert r1.output_tokens.tolist() == ids
+    assert r1.output_logprobs.tolist() == [0.0] * 10_000
+    assert r1.output_versions.tolist() == [4] * 10_000
+    assert np.shares_memory(r1.output_logprobs.array, r2.output_logprobs.array)
+    assert np.shares_memory(r1.output_versions.array, r2.output_versions.array)

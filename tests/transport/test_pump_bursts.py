@@ -1,0 +1,113 @@
+"""SocketPump bursts, per destination and by size: a lone reply is not held behind
+another peer's, and large messages are never joined into one ZeroMQ message."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import numpy as np
+import zmq
+
+import fastio
+from fastio import LLMRequest, TokenArray
+from fastio import fabric_msgs as fm
+from tests.transport.conftest import await_for
+from transport.sockets import SocketPump
+
+
+def test_lone_reply_to_a_second_peer_leaves_before_the_batch_ends() -> None:
+    # A worker's batch answers peer A, then sends one message to peer B: B's is the
+    # first to B in the burst and must go at once, not wait in the pump until the
+    # batch has read everything that is waiting.
+    ctx = zmq.Context()
+    a = ctx.socket(zmq.DEALER)
+    b = ctx.socket(zmq.DEALER)
+    for s in (a, b):
+        s.setsockopt(zmq.LINGER, 0)
+    seen_in_batch: list[bool] = []
+
+    async def main() -> None:
+        router = ctx.socket(zmq.ROUTER)
+        router.setsockopt(zmq.LINGER, 0)
+        router.bind("inproc://pump-lone")
+        b.setsockopt(zmq.ROUTING_ID, b"peer-b")
+        for s in (a, b):
+            s.connect("inproc://pump-lone")
+        b.send(b"hello")  # the router learns B
+        learned = asyncio.Event()
+
+        def on_recv(frames: list[zmq.Frame]) -> None:
+            if frames[1].bytes == b"hello":
+                learned.set()
+                return
+            pump.send([frames[0].bytes, b"to-a"])
+            pump.send([b"peer-b", b"to-b"])
+            # Still inside the batch: B's message must already be on its way.
+            seen_in_batch.append(bool(b.poll(2000)))
+
+        pump = SocketPump(router, on_recv, router=True)
+        await asyncio.wait_for(learned.wait(), 10)
+        a.send(b"go")
+        await await_for(lambda: seen_in_batch, what="the batch")
+        pump.close()
+
+    try:
+        asyncio.run(main())
+        assert b.recv() == b"to-b"
+        assert a.poll(2000) and a.recv() == b"to-a"
+    finally:
+        a.close(0)
+        b.close(0)
+        ctx.term()
+    assert seen_in_batch == [True]
+
+
+def _submit(i: int, n_tokens: int) -> list[Any]:
+    ids = TokenArray(np.full(n_tokens, i, dtype=np.int32))
+    return fastio.encode(fm.Submit(id=i, request=LLMRequest(input_ids=ids)))
+
+
+def test_large_messages_are_not_joined_and_joined_ones_are_bounded() -> None:
+    # A burst of large messages (1 MiB token arrays): each its own ZeroMQ message, so
+    # the receiver starts on the first while the rest are on the wire. A burst of
+    # medium ones (64 KiB) is joined, but into messages of bounded size.
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    zmq_messages: list[list[zmq.Frame]] = []
+    got: list[list[Any]] = []
+    sizes = [1 << 18] * 5 + [1 << 14] * 40  # tokens: 1 MiB each, then 64 KiB each
+
+    async def main() -> None:
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.connect(f"tcp://127.0.0.1:{port}")
+        pump = SocketPump(dealer, lambda frames: None, batch_frames=True)
+        pump.send_many([_submit(i, n) for i, n in enumerate(sizes)])
+
+        def drained() -> bool:
+            while router.poll(0):
+                m = router.recv_multipart(copy=False)
+                zmq_messages.append(m)
+                got.extend(fm.split(m[1:]))
+            return len(got) >= len(sizes)
+
+        await await_for(drained, what="every message arrived")
+        pump.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        router.close(0)
+        ctx.term()
+    decoded = [fastio.decode(m, type=fm.CLIENT_TO_WORKER) for m in got]
+    assert [d.id for d in decoded] == list(range(len(sizes)))
+    assert all(np.all(d.request.input_ids.array == d.id) for d in decoded)
+    per_message = [sum(len(f) for f in m[1:]) for m in zmq_messages]
+    # The five large ones alone; the medium ones joined, at most 256 KiB plus one.
+    assert per_message[:5] == [
+        sum(memoryview(f).nbytes for f in _submit(i, 1 << 18)) for i in range(5)
+    ]
+    assert 40 // 5 <= len(per_message) - 5 < 40
+    assert max(per_message[5:]) < (256 + 65) << 10
