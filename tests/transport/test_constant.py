@@ -42,7 +42,7 @@ def test_zero_itl_of_long_responses_shares_memory_and_copies_on_write() -> None:
 
 
 def test_echo_fillers_of_long_prompts_are_shared() -> None:
-    ctx: Any = SimpleNamespace(_server=SimpleNamespace(version=4))
+    ctx: Any = SimpleNamespace(version=4)
     ids = list(range(10_000))
 
     async def two() -> Any:
