@@ -12,7 +12,7 @@ live tensors and the trainer has their acknowledgements":
 * ``ipc@<size>``: :mod:`transport.weights.ipc` over CPU shared storage (the trainer's
   persistent buckets opened once by each worker; 32 MiB buckets, the whole model in
   slots, every bucket verified before any is copied), driven by
-  :mod:`transport.weights.ipc_link`.
+  :mod:`bench.ipc_link`.
 
 Our side includes everything the guarantees cost: packing the trainer's tensors into
 the staging snapshot and hashing it (xxh3) on the trainer, the transfer, and on each
@@ -159,11 +159,11 @@ def _worker(
     import threading
 
     import fastio
+    from bench.ipc_link import IpcWorkerLink
     from transport.weights import WeightSubscriber
     from transport.weights.disk import load_weights
     from transport.weights.dist import WeightGroup
     from transport.weights.ipc import IpcImporter
-    from transport.weights.ipc_link import IpcWorkerLink
 
     torch.set_num_threads(1)
     sd = make_state(nbytes, hidden, vocab, zeros=True)
@@ -366,12 +366,12 @@ def _bucket_table(ack: Any) -> list[dict[str, float]]:
 
 def _run_size(nbytes: int, hidden: int, vocab: int, reps: int, quick: bool) -> list[Measurement]:
     import fastio
+    from bench.ipc_link import IpcTrainerLink
     from fastio import AllocationMode, WeightUpdateMeta
     from transport.weights import WeightPublisher
     from transport.weights.disk import save_weights
     from transport.weights.dist import WeightGroup, param_specs
     from transport.weights.ipc import IpcExporter
-    from transport.weights.ipc_link import IpcTrainerLink
 
     state = make_state(nbytes, hidden, vocab, seed=1)
     size = _nbytes(state)
@@ -711,8 +711,8 @@ def _gpu_ipc_worker(
     """A worker process of the GPU suite: CUDA parameters fed by the ipc path."""
     import threading
 
+    from bench.ipc_link import IpcWorkerLink
     from transport.weights.ipc import IpcImporter
-    from transport.weights.ipc_link import IpcWorkerLink
 
     torch.cuda.set_device(0)
     sd = make_state(nbytes, hidden, vocab, device="cuda", zeros=True)
@@ -805,11 +805,11 @@ def _raw_ipc(state: dict[str, torch.Tensor], reps: int) -> tuple[float, list[flo
 
 def _pinned_staging(state: dict[str, torch.Tensor], reps: int) -> dict[str, Any]:
     """Trainer CUDA tensors -> a /dev/shm mapping registered as pinned -> a device staging
-    -> CUDA targets, with device checksums both ways (:mod:`transport.weights.pinned`),
+    -> CUDA targets, with device checksums both ways (:mod:`bench.pinned`),
     in one process: what the pinned shared-memory path costs without the sockets."""
     import mmap
 
-    from transport.weights import pinned
+    from bench import pinned
     from transport.weights.ipc_layout import _dtype_name, plan_layout
 
     layout = plan_layout(
@@ -858,8 +858,8 @@ def gpu_suite(
     sizes after ``budget_s`` seconds (rows say what was skipped)."""
     import json
 
+    from bench.ipc_link import IpcTrainerLink
     from transport.weights.ipc import IpcExporter
-    from transport.weights.ipc_link import IpcTrainerLink
 
     os.makedirs(out_dir, exist_ok=True)
     rows: list[dict[str, Any]] = []

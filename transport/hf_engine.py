@@ -8,7 +8,7 @@ from ``from_pretrained`` on a local directory. Serve it from a worker::
 
 (:func:`create_engine` builds it; :func:`factory` is the same for a worker CLI's
 ``--engine module:factory``, taking the options as ``key=value`` strings.)
-``python -m transport.hf_engine --bench`` measures its tokens/s at each size.
+``python -m bench.hf_engine`` measures its tokens/s at each size.
 
 Threads. All compute runs on one engine thread that owns the model; the worker's event
 loop never runs a forward, so it keeps answering heartbeats and moving bytes while the
@@ -615,54 +615,3 @@ def factory(opts: dict[str, str]) -> HFEngine:
     ``--plugin-opt key=value`` options (keys it does not know, such as the weight
     plugin's ``weights_*``, are left to their plugins)."""
     return create_engine(**{k: v for k, v in opts.items() if k in _FACTORY_KEYS})
-
-
-# -- python -m transport.hf_engine --bench ----------------------------------------------
-def _bench(sizes: list[str], batches: list[int], new_tokens: int, device: str | None) -> None:
-    """Decode tokens/s of each size and batch, with ``weight_left`` off and on."""
-    import json
-
-    async def one(eng: HFEngine, batch: int) -> float:
-        g = GenerationHyperparameters(max_new_tokens=new_tokens)
-        prompt = TokenArray(np.arange(1, 17, dtype=np.int32))
-        reqs = [LLMRequest(input_ids=prompt, gconfig=g) for _ in range(batch)]
-        t0 = time.perf_counter()
-        outs = await asyncio.gather(*(eng.generate(r) for r in reqs))
-        return sum(o.output_len for o in outs) / (time.perf_counter() - t0)
-
-    for size in sizes:
-        model = build_model(size)
-        for left in (False, True):
-            eng = HFEngine(model, device=device, weight_left=left)
-            asyncio.run(one(eng, 2))  # warm-up
-            for batch in batches:
-                rate = asyncio.run(one(eng, batch))
-                row = {"size": size, "weight_left": left, "batch": batch, "tokens_per_s": rate}
-                print(json.dumps(row), flush=True)
-            eng.close()
-            if left:
-                for mod in model.modules():
-                    mod.__dict__.pop("forward", None)
-
-
-def main(argv: list[str] | None = None) -> None:
-    """``python -m transport.hf_engine --bench``: the engine's tokens/s on this machine."""
-    import argparse
-
-    p = argparse.ArgumentParser(prog="python -m transport.hf_engine", description=main.__doc__)
-    p.add_argument("--bench", action="store_true", help="measure tokens/s")
-    p.add_argument("--sizes", default="tiny,small,medium,large")
-    p.add_argument("--batches", default="1,16")
-    p.add_argument("--new-tokens", type=int, default=32)
-    p.add_argument("--device")
-    p.add_argument("--threads", type=int, default=1, help="torch threads")
-    a = p.parse_args(argv)
-    if not a.bench:
-        p.print_help()
-        return
-    torch.set_num_threads(a.threads)
-    _bench(a.sizes.split(","), [int(b) for b in a.batches.split(",")], a.new_tokens, a.device)
-
-
-if __name__ == "__main__":
-    main()

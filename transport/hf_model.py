@@ -216,7 +216,7 @@ def weight_left_linear(mod: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     ``F.linear`` asks BLAS for ``x @ weight.T`` (the weight transposed); with only a
     few rows in ``x`` (a decode step) MKL's sgemm runs that product several times
     slower than ``weight @ x.T``, which streams the row-major weight once.
-    ``python -m transport.hf_engine --bench`` compares both on a machine.
+    ``python -m bench.hf_engine`` compares both on a machine.
     """
     rows = x.reshape(-1, x.shape[-1])
     y = torch.mm(mod.weight, rows.t()).t()

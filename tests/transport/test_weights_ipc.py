@@ -218,7 +218,7 @@ def _shm_files(exp: IpcExporter) -> list[str]:
 
 def trainer_main(cmds: Any, out: Any, slots: int | None) -> None:
     """The trainer process: serves an IpcTrainerLink, runs commands from the test."""
-    from transport.weights.ipc_link import IpcTrainerLink
+    from bench.ipc_link import IpcTrainerLink
 
     torch.set_num_threads(1)
     link = IpcTrainerLink(IpcExporter(make_state(0), bucket_bytes=BUCKET, slots=slots))
@@ -250,7 +250,7 @@ def worker_main(
 ) -> None:
     """A worker process: applies versions, reports each (and its model's state), can be
     told to stop, holds (no ack) at bucket ``hold`` = (version, bucket) until resumed."""
-    from transport.weights.ipc_link import IpcWorkerLink
+    from bench.ipc_link import IpcWorkerLink
 
     torch.set_num_threads(1)
     dst = zeros()
@@ -428,7 +428,7 @@ def test_cuda_checksum_matches_the_cpu_one() -> None:  # pragma: no cover - CUDA
 
 
 def cuda_worker_main(endpoint: str, out: Any) -> None:  # pragma: no cover - CUDA
-    from transport.weights.ipc_link import IpcWorkerLink
+    from bench.ipc_link import IpcWorkerLink
 
     dst = {k: v.cuda() for k, v in zeros().items()}
     link = IpcWorkerLink(IpcImporter(dst, worker_id="gpu"), endpoint)
@@ -447,7 +447,7 @@ def cuda_worker_main(endpoint: str, out: Any) -> None:  # pragma: no cover - CUD
 @cuda
 @pytest.mark.parametrize("slots", [2, None])
 def test_cuda_ipc_versions_to_a_worker_process(slots: int | None) -> None:  # pragma: no cover
-    from transport.weights.ipc_link import IpcTrainerLink
+    from bench.ipc_link import IpcTrainerLink
 
     state = {k: v.cuda() for k, v in make_state(0).items()}
     link = IpcTrainerLink(IpcExporter(state, bucket_bytes=BUCKET, slots=slots))
@@ -475,7 +475,7 @@ def test_process_start_time_sees_this_process() -> None:
 
 # -- pinned host staging ---------------------------------------------------------------
 def test_pinned_staging_imports_on_cpu_and_applies_a_staged_version() -> None:
-    from transport.weights import pinned
+    from bench import pinned
 
     src = make_state(3)
     layout = plan_layout([(k, str(v.dtype)[6:], tuple(v.shape)) for k, v in src.items()], BUCKET)
@@ -500,7 +500,7 @@ def test_pinned_staging_imports_on_cpu_and_applies_a_staged_version() -> None:
 def test_cuda_pinned_shared_memory_round_trip() -> None:  # pragma: no cover - CUDA
     import mmap
 
-    from transport.weights import pinned
+    from bench import pinned
 
     src = {k: v.cuda() for k, v in make_state(4).items()}
     layout = plan_layout([(k, str(v.dtype)[6:], tuple(v.shape)) for k, v in src.items()], BUCKET)

@@ -17,10 +17,10 @@ and its packing), ``publisher`` / ``serving`` / ``buffers`` / ``ipc_serving`` (t
 trainer's API / its serving thread / its staging buffers / its side of the ``ipc``
 path), ``subscriber`` / ``fetching`` / ``commit`` / ``ipc_receiving`` (the worker's API /
 fetching and verifying one version / committing it / the worker's side of the ``ipc``
-path), ``ipc`` / ``ipc_link`` (the ``ipc`` path's slots / a minimal driver of it),
-``results`` (what updates report), ``errors``, ``shm``, ``disk``, ``disk_follow`` (the
-disk route's worker plugin and trainer call), ``update`` (the fabric's
-pause-publish-resume and the worker plugin), ``ratelog``, ``malloc``.
+path), ``ipc`` (the ``ipc`` path's slots), ``results`` (what updates report),
+``errors``, ``shm``, ``disk``, ``disk_follow`` (the disk route's worker plugin and
+trainer call), ``update`` (the fabric's pause-publish-resume and the worker plugin),
+``ratelog``, ``malloc``.
 """
 
 from typing import TYPE_CHECKING, Any

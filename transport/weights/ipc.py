@@ -8,10 +8,11 @@ below is exercised without a GPU; only the lines marked CUDA differ.
 
 Sans-IO: :class:`IpcExporter` (trainer) and :class:`IpcImporter` (worker) turn the
 messages of :mod:`fastio.ipc_msgs` into actions and back; who carries the messages is the
-caller's business (:mod:`transport.weights.ipc_link` is a minimal ZeroMQ driver). The
-layout, checksum and process helpers both sides share live in
-:mod:`transport.weights.ipc_layout`, the worker side in :mod:`transport.weights.ipc_import`;
-this module holds the trainer side and re-exports both.
+caller's business (the publisher and subscriber carry them; ``bench/ipc_link.py`` is a
+minimal ZeroMQ driver for tests and benchmarks). The layout, checksum and process helpers
+both sides share live in :mod:`transport.weights.ipc_layout`, the worker side in
+:mod:`transport.weights.ipc_import`; this module holds the trainer side and re-exports
+both.
 
 * **Slots.** The trainer allocates ``slots`` buckets (two by default: bucket k+1 is packed
   while the workers copy bucket k; ``slots=None``: one per bucket, the whole model) of
