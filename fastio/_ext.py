@@ -37,7 +37,7 @@ _NP_DTYPES: dict[str, np.dtype[Any]] = {
     name: np.dtype(name) for name in DTYPE_NAMES if name != "bfloat16"
 }
 # numpy dtype -> wire name, for the dtypes that need no conversion. Keyed by dtype
-# object: ``arr.dtype.name`` costs about 2 us per call, a dict lookup 30 ns.
+# object: ``arr.dtype.name`` builds a string per call, a dict lookup does not.
 _WIRE_NAMES: dict[np.dtype[Any], str] = {dt: name for name, dt in _NP_DTYPES.items()}
 
 

@@ -27,14 +27,10 @@ and item assignment never write into a received frame (they copy first). Torch t
 over a read-only frame are copied, because torch has no read-only tensors and a write
 would corrupt an immutable ``bytes`` object.
 
-Token arrays travel (at protocol version 2, the default) as extension codes ``16 + d``
-(inline) and ``48 + d`` (buffer frame; ``32 + d`` from frame 256 on) whose dtype is the
-code; ``Encoder(version=1)`` writes ext 4 for peers of version 1 instead
-(:mod:`fastio.versions` picks per peer). Decoding a compact one is a table
-lookup and ``np.frombuffer``, no nested msgpack decode. A reference to a buffer frame is
-one byte, the frame index, and the frame is the array, so the encoder reuses one
-extension value per dtype and frame index instead of packing one per array
-(``docs/PROTOCOL.md``, "Extension types").
+Token arrays travel in compact extension codes whose code is the dtype (protocol
+version 2, the default), or as ext 4 from ``Encoder(version=1)`` for peers of version 1
+(:mod:`fastio.versions` picks per peer): ``docs/PROTOCOL.md``, "Extension types" and
+"Versions".
 
 Trust
 -----

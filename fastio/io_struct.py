@@ -212,11 +212,11 @@ _registry_generation = 0
 if TYPE_CHECKING:
     _Tokens = TokenArray
 else:
-    # msgspec sees token fields as Any: it then never calls the per-field dec_hook (five
-    # Python calls per response on the hot path). The codec decodes token arrays (ext
-    # code 4) straight into TokenArray, and __post_init__, which msgspec runs on decode
-    # too, converts or rejects anything else a peer sends (ndarray, list, garbage). Type
-    # checkers see TokenArray.
+    # msgspec sees token fields as Any so that it never calls the per-field dec_hook on
+    # the hot path. The codec decodes every token encoding (``ExtCode.TOKENS`` and the
+    # compact forms) straight into TokenArray, and __post_init__, which msgspec runs on
+    # decode too, converts or rejects anything else a peer sends (ndarray, list,
+    # garbage). Type checkers see TokenArray.
     _Tokens = Any
 
 

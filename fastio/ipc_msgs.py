@@ -3,8 +3,9 @@ own memory with generation workers on its node (CUDA IPC on a GPU, torch's share
 files on CPU) and says, per version, what it packed into them.
 
 Every message is one fastio message (``[header]``: none carries buffers) whose body is one
-of the Structs below, tagged in the range 60-63 (``MsgKind.IPC_*``) (see :data:`IPC_TAGS`). The handles are
-plain msgpack fields of :class:`IpcHandle`: bytes, integers and a flag. No pickle.
+of the Structs below, tagged 60-63 (``MsgKind.IPC_*``, see :data:`IPC_TAGS`). The
+handles are plain msgpack fields of :class:`IpcHandle`: bytes, integers and a flag. No
+pickle.
 
 Flow (trainer = exporter, worker = importer; see ``docs/PROTOCOL.md``, "The ipc path")::
 
@@ -39,7 +40,7 @@ __all__ = [
     "IpcTensor",
 ]
 
-#: Struct tags of the ipc messages (range 60-69 of ``fastio.protocol.MsgKind``).
+#: Struct tags of the ipc messages (60-63 of ``fastio.protocol.MsgKind``).
 IPC_TAGS = {
     "IpcHello": int(MsgKind.IPC_HELLO),
     "IpcOffer": int(MsgKind.IPC_OFFER),

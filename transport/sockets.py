@@ -246,21 +246,21 @@ class WorkerAuthenticator:
         self._auth.stop()
 
 
-# Plain ints: ``zmq.POLLIN`` and friends are enums whose ``&`` costs ~0.8 us a call.
+# Plain ints: ``zmq.POLLIN`` and friends are enums whose ``&`` runs Python code.
 _POLLIN = int(zmq.POLLIN)
 _NOBLOCK = int(zmq.NOBLOCK)
 _SNDMORE_NOBLOCK = int(zmq.SNDMORE) | _NOBLOCK
 # The Cython socket methods, without pyzmq's Python wrappers (send_multipart type-checks
 # every part and wraps every send; recv_multipart asks RCVMORE with a getsockopt per
-# frame): about 1 us saved per frame on the hot path. ``zmq.backend.Socket`` is not
-# pyzmq's documented API: the version range where it is tested is pinned in
+# frame): they would run for every frame on the hot path. ``zmq.backend.Socket`` is
+# not pyzmq's documented API: the version range where it is tested is pinned in
 # pyproject.toml, and without it the public methods (same signature) are used.
 _backend_socket: Any = getattr(getattr(zmq, "backend", None), "Socket", None)
 _send: Callable[..., Any] = getattr(_backend_socket, "send", None) or zmq.Socket.send
 _recv: Callable[..., Any] = getattr(_backend_socket, "recv", None) or zmq.Socket.recv
 # "Does input wait?": ``zmq_poll`` of the one socket with timeout 0 asks ZMQ_EVENTS
 # (processing pending commands, which re-arms the FD) as ``sock.get(zmq.EVENTS)`` does,
-# without the option's enum lookup that pyzmq's ``get`` makes in Python: ~1 us less.
+# without the option's enum lookup that pyzmq's ``get`` makes in Python.
 _zmq_poll: Callable[..., list[Any]] = zmq.zmq_poll
 
 #: Bytes a ROUTER pump holds for one peer beyond libzmq's own pipe (which holds up to
@@ -474,8 +474,8 @@ class SocketPump:
     def _on_readable(self) -> None:
         # The FD is readable: commands are pending, almost always a message's arrival.
         # The first receive goes without asking ZMQ_EVENTS first (the receive
-        # processes the commands itself): one pyzmq getsockopt fewer per wake-up, about
-        # 2.5 us, at the price of an EAGAIN exception on the rare wake-up without input.
+        # processes the commands itself): one pyzmq getsockopt fewer per wake-up, at the
+        # price of an EAGAIN exception on the rare wake-up without input.
         self._drain(True)
 
     def _drain(self, readable: bool = False) -> None:

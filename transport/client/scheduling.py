@@ -111,7 +111,7 @@ class Scheduler(ClientBase):
             if len(sticky) >= self.config.sticky_cache_size:
                 # Forget the older half at once. (Deleting the oldest entry one at a
                 # time costs O(n) per deletion: a dict's iteration skips the dead
-                # slots at its front, ~7 us per request at 100k entries.)
+                # slots at its front.)
                 self._sticky = sticky = dict(
                     itertools.islice(sticky.items(), len(sticky) // 2, None)
                 )

@@ -1,18 +1,11 @@
 """Process-group path: weights broadcast in a torch.distributed group, bucket by bucket.
 
-Driven by :class:`fastio.WeightUpdateMeta` with ``type="nccl"``, as in the original
-system: the trainer is rank 0 of a group of world size ``gen_world_size + 1`` rendezvoused
-at ``nccl_master_address:nccl_master_port`` under ``nccl_group_name``; the worker of
-generation server ``i`` with tensor-parallel rank ``r`` is rank
-``1 + i * gen_tp_size + r``. NCCL on GPUs, gloo on CPU (so it is tested here).
-
-Unlike the original (one broadcast per parameter) both sides lay the parameters listed
-in ``nccl_param_specs`` out in the same flat buckets (:func:`plan_buckets` depends only
-on names, shapes and dtypes) and broadcast one bucket at a time, two in flight: the
-next bucket is on the wire while the worker copies the previous one into its weights.
-
-The group is a standalone process group (its own ``TCPStore`` and ``PrefixStore``), not
-the default one, so it coexists with the trainer's own ``init_process_group``.
+Driven by :class:`fastio.WeightUpdateMeta` with ``type="nccl"``: ranks, the group's
+store and the bucket order are in ``docs/PROTOCOL.md`` ("Process-group path"), usage in
+``docs/weights.md`` ("torch.distributed"). NCCL on GPUs, gloo on CPU (so it is tested
+here). Unlike the original (one broadcast per parameter) both sides lay the parameters
+out in the same flat buckets (:func:`plan_buckets` depends only on names, shapes and
+dtypes), two in flight: the next is on the wire while the worker copies the previous.
 
 NCCL needs one device per rank. Before the NCCL group forms, every rank writes its host,
 its CUDA device count and the device it asked for (if any) into the store, and every rank
@@ -31,12 +24,8 @@ a broadcast that fails half-way (the trainer died: the collective times out) lea
 previous weights untouched; ``atomic=False`` copies each bucket as it lands (two
 bucket-sized buffers only) and a failure leaves the weights mixed.
 
-Buckets travel in the trainer's dtypes (the plan is the same on every rank). A worker
-whose parameters are in other floating dtypes (fp32 master weights, bf16 engine) passes
-``recv(..., dtype=...)`` with the meaning of the subscriber's option (one dtype, engine
-name -> dtype, or ``"auto"``: each target's own dtype; see
-:mod:`transport.weights.binding`) and casts during its copy out of the bucket, bit-identical
-to ``tensor.to(dtype)``. Without it dtypes must match exactly.
+Buckets travel in the trainer's dtypes; ``recv(..., dtype=...)`` casts on the worker
+as the subscriber's option does (:mod:`transport.weights.binding`).
 """
 
 from __future__ import annotations

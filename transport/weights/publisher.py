@@ -73,8 +73,8 @@ log = logging.getLogger("transport.weights.publisher")
 #: hundreds of MiB is several times slower (one huge fresh allocation per message on the
 #: receiver), and separate messages let the I/O thread interleave workers and the worker
 #: checksum a piece while the next arrives. 4 MiB rather than 1 since the worker copies
-#: each piece into its staging buffer and frees it at once: a quarter of the messages,
-#: ~15% less trainer CPU per update, the pipeline as deep (bench/results).
+#: each piece into its staging buffer and frees it at once: fewer messages, less trainer
+#: CPU per update, the pipeline as deep (bench/results).
 DEFAULT_CHUNK_BYTES = 4 << 20
 
 #: I/O threads of the publisher's private context that carry the ROUTER's connections
@@ -199,9 +199,9 @@ class WeightPublisher(IpcServing, VersionBuffers):
         # connections must be spread over them: libzmq gives a new connection to the
         # least loaded thread (counting listeners and every connection), which with two
         # threads put both workers' ROUTER connections on one thread and their SUB
-        # connections on the other (measured: one I/O thread doing all 2 GiB of sends
-        # for 1 GiB to 2 workers). Hence thread 0 for the PUB (small notices) and
-        # threads 1..n for the ROUTER, whose connections then alternate between them.
+        # connections on the other (one I/O thread then did every bucket send). Hence
+        # thread 0 for the PUB (small notices) and threads 1..n for the ROUTER, whose
+        # connections then alternate between them.
         self._own_ctx = context is None
         self._ctx: zmq.Context[Any] = context or zmq.Context(io_threads=1 + _ROUTER_IO_THREADS)
         self._auth: WorkerAuthenticator | None = None
@@ -356,8 +356,8 @@ class WeightPublisher(IpcServing, VersionBuffers):
         # The serving thread announces, then packs chunk by chunk, answering fetches in
         # between: bucket k's pieces are on the wire while the rest is being packed.
         # (Packing in this thread instead would fight the serving thread for the GIL at
-        # every block: measured 20x slower.) Checksums are filled in as buckets are
-        # packed; the last piece of each bucket carries its checksum.
+        # every block.) Checksums are filled in as buckets are packed; the last piece
+        # of each bucket carries its checksum.
         if not lazy:
             staged.job = pack_steps(
                 staged,

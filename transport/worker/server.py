@@ -146,7 +146,7 @@ class WorkerServer(PauseControl):
         self._auth: WorkerAuthenticator | None = None
         self._resumed: asyncio.Event | None = None
         # Futures of pause() calls waiting for no handler to run (set by _ended); not an
-        # Event toggled by every request: that cost ~1 us a request.
+        # Event toggled by every request, which would cost every request a call.
         self._idle_waiters: list[asyncio.Future[None]] = []
         self._max_running = self.config.max_concurrency
         self._latency_metrics = self.config.latency_metrics
