@@ -64,9 +64,11 @@ import time
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
+import msgspec
 import numpy as np
+from msgspec import Meta
 
 try:
     import torch
@@ -89,6 +91,7 @@ from transport.hf_model import (
     transformers_module,
     weight_left_linear,
 )
+from transport.options import parse_options
 
 if TYPE_CHECKING:
     from transport.engines.api import GenerationContext
@@ -96,6 +99,7 @@ if TYPE_CHECKING:
 __all__ = [
     "MODEL_SIZES",
     "HFEngine",
+    "HFOptions",
     "build_model",
     "create_engine",
     "factory",
@@ -541,13 +545,19 @@ def _set_exception(fut: asyncio.Future[Any], exc: BaseException) -> None:
 
 
 # -- construction from the command line --------------------------------------------------
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+class HFOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """The options of :func:`create_engine` (``--engine-opt key=value``)."""
 
-
-def _as_bool(v: Any) -> bool:
-    if isinstance(v, str):
-        return v.strip().lower() in ("1", "true", "yes", "on")
-    return bool(v)
+    model_size: str = "small"
+    model_path: str | None = None
+    device: str | None = None
+    seed: int = 0
+    arch: str = "llama"
+    dtype: Literal["float32", "float16", "bfloat16"] = "float32"
+    max_batch: Annotated[int, Meta(ge=1)] = 64
+    max_len: Annotated[int, Meta(ge=1)] = 4096
+    token_interval: Annotated[float, Meta(ge=0)] = 0.0
+    threads: Annotated[int, Meta(ge=1)] | None = None
 
 
 def create_engine(
@@ -574,44 +584,34 @@ def create_engine(
     **opts:
         ``arch`` (``llama``/``qwen2``), ``dtype`` (``float32``/``bfloat16``/``float16``),
         ``max_batch``, ``max_len``, ``token_interval``, ``threads`` (torch threads of
-        the process). Values may be strings (``--engine-opt k=v``); they are converted.
+        the process): the other fields of :class:`HFOptions`. Values may be strings
+        (``--engine-opt k=v``); they are converted.
 
     Raises
     ------
     ValueError
-        Unknown size, architecture, dtype or option.
+        Unknown size, architecture, dtype or option, or a malformed value.
     """
-    unknown = set(opts) - {"arch", "dtype", "max_batch", "max_len", "token_interval", "threads"}
-    if unknown:
-        raise ValueError(f"unknown hf engine option(s): {', '.join(sorted(unknown))}")
-    dtype_name = str(opts.get("dtype", "float32"))
-    if dtype_name not in _DTYPES:
-        raise ValueError(f"unknown dtype {dtype_name!r}; choose from {', '.join(_DTYPES)}")
-    dtype = _DTYPES[dtype_name]
-    if opts.get("threads") not in (None, ""):
-        torch.set_num_threads(int(opts["threads"]))
-    if model_path:
-        model = load_pretrained(str(model_path), dtype)
+    given = dict(model_size=model_size, model_path=model_path, device=device, seed=seed)
+    o = parse_options({**given, **opts}, HFOptions, "hf engine option")
+    dtype = getattr(torch, o.dtype)
+    if o.threads is not None:
+        torch.set_num_threads(o.threads)
+    if o.model_path:
+        model = load_pretrained(o.model_path, dtype)
     else:
-        model = build_model(
-            str(model_size), int(seed), str(opts.get("arch", "llama")), dtype,
-            int(opts.get("max_len", 4096)),
-        )  # fmt: skip
+        model = build_model(o.model_size, o.seed, o.arch, dtype, o.max_len)
     return HFEngine(
         model,
-        device=device or None,
-        seed=int(seed),
-        max_batch=int(opts.get("max_batch", 64)),
-        token_interval=float(opts.get("token_interval", 0.0)),
+        device=o.device or None,
+        seed=o.seed,
+        max_batch=o.max_batch,
+        token_interval=o.token_interval,
     )
-
-
-_FACTORY_KEYS = ("model_size", "model_path", "device", "seed", "arch", "dtype", "max_batch",
-                 "max_len", "token_interval", "threads")  # fmt: skip
 
 
 def factory(opts: dict[str, str]) -> HFEngine:
     """``--engine transport.hf_engine:factory``: :func:`create_engine` from the worker's
     ``--plugin-opt key=value`` options (keys it does not know, such as the weight
     plugin's ``weights_*``, are left to their plugins)."""
-    return create_engine(**{k: v for k, v in opts.items() if k in _FACTORY_KEYS})
+    return create_engine(**{k: v for k, v in opts.items() if k in HFOptions.__struct_fields__})

@@ -181,7 +181,7 @@ def test_the_engines_hook_loads_first_and_a_version_it_refuses_is_not_retried(
     [
         ({}, "disk_root"),
         ({"disk_root": "/x", "disk_poll": "soon"}, "disk_poll"),
-        ({"disk_root": "/x", "disk_poll": "0"}, "positive"),
+        ({"disk_root": "/x", "disk_poll": "0"}, "disk_poll=.0.: expected a number > 0"),
         ({"disk_root": "/x", "disk_strict": "maybe"}, "disk_strict"),
         ({"disk_root": "/x", "disk_dir": "/y"}, "unknown disk plugin option.*disk_dir"),
     ],

@@ -57,6 +57,30 @@ def test_user_errors_are_one_line(args: list[str], code: int, words: str) -> Non
     assert "ready" not in r.stdout  # never reported ready
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("args", "code", "words"),
+    [
+        (["--engine", "echo", "--plugin", "transport.weights.update:subscribe",
+          "--plugin-opt", "weights_endpoint=tcp://127.0.0.1:1", "--plugin-opt", "weights_shm=maybe"],
+         1, "ValueError: weights plugin option weights_shm='maybe': expected a boolean"),
+        (["--engine", "echo", "--plugin", "transport.weights.disk_follow:follow",
+          "--plugin-opt", "disk_root=/nonexistent", "--plugin-opt", "disk_dir=/y"],
+         1, "ValueError: unknown disk plugin option 'disk_dir'; known: disk_root"),
+        (["--engine", "hf", "--engine-opt", "max_batch=many"],
+         2, "--engine hf: hf engine option max_batch='many': expected an integer"),
+        (["--engine", "echo", "--plugin", "transport.weights.update:nothing"],
+         2, "--plugin 'transport.weights.update:nothing': transport.weights.update has no"),
+    ],
+)  # fmt: skip
+def test_bad_plugin_and_engine_options_are_one_line(args: list[str], code: int, words: str) -> None:
+    """Options are checked by the plugin's or engine's option Struct
+    (:mod:`transport.options`): the line names the key and what it expected."""
+    if "hf" in args:
+        pytest.importorskip("transformers")
+    test_user_errors_are_one_line(["--bind", "tcp://127.0.0.1:0", *args], code, words)
+
+
 def test_help_shows_engines_and_defaults() -> None:
     r = run_cli("--help")
     assert r.returncode == 0

@@ -35,19 +35,27 @@ import asyncio
 import logging
 import time
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
+
+import msgspec
+from msgspec import Meta
 
 from transport.control import FabricController
 from transport.errors import ControlError
+from transport.options import parse_options
 from transport.weights.disk import latest_version, load_weights, save_weights
 from transport.weights.errors import WeightUpdateError
 
-__all__ = ["DISK_OPTIONS", "DiskFollower", "follow", "update_weights_on_disk", "wait_for_version"]
+__all__ = [
+    "DISK_OPTIONS",
+    "DiskFollower",
+    "DiskOptions",
+    "follow",
+    "update_weights_on_disk",
+    "wait_for_version",
+]
 
 log = logging.getLogger("transport.weights.disk_follow")
-
-#: Options of the plugin (``--plugin-opt key=value``), see :func:`follow`.
-DISK_OPTIONS = frozenset({"disk_root", "disk_poll", "disk_pause_timeout", "disk_strict"})
 
 
 class DiskFollower:
@@ -170,12 +178,19 @@ class DiskFollower:
                 await s.resume()
 
 
-def _flag(v: str) -> bool:
-    if v.lower() in ("1", "true", "yes", "on"):
-        return True
-    if v.lower() in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"disk_strict: expected a boolean, got {v!r}")
+class DiskOptions(
+    msgspec.Struct, kw_only=True, forbid_unknown_fields=True, rename=lambda n: f"disk_{n}"
+):
+    """The plugin's options, ``--plugin-opt disk_<field>=value`` (see :func:`follow`)."""
+
+    root: Annotated[str, Meta(min_length=1)]
+    poll: Annotated[float, Meta(gt=0)] = 0.05
+    pause_timeout: Annotated[float, Meta(gt=0)] = 30.0
+    strict: bool = True
+
+
+#: Options of the plugin (``--plugin-opt key=value``), see :func:`follow`.
+DISK_OPTIONS = frozenset(DiskOptions.__struct_encode_fields__)
 
 
 async def follow(server: Any, opts: dict[str, str]) -> None:
@@ -187,22 +202,11 @@ async def follow(server: Any, opts: dict[str, str]) -> None:
     plugins. Raises ``ValueError`` at start for a missing root, an unknown ``disk_``
     key or a malformed value, ``TypeError`` for an engine that cannot load weights.
     """
-    unknown = sorted(k for k in opts if k.startswith("disk_") and k not in DISK_OPTIONS)
-    if unknown:
-        raise ValueError(f"unknown disk plugin option(s) {unknown}; known: {sorted(DISK_OPTIONS)}")
-    root = opts.get("disk_root")
-    if not root:
-        raise ValueError("the disk plugin needs --plugin-opt disk_root=<directory>")
-    kw: dict[str, Any] = {}
-    for key, arg in (("disk_poll", "poll"), ("disk_pause_timeout", "pause_timeout")):
-        if key in opts:
-            try:
-                kw[arg] = float(opts[key])
-            except ValueError:
-                raise ValueError(f"{key}: expected seconds, got {opts[key]!r}") from None
-    if "disk_strict" in opts:
-        kw["strict"] = _flag(opts["disk_strict"])
-    await DiskFollower(server, root, **kw).run()
+    o = parse_options(opts, DiskOptions, "disk plugin option", prefix="disk_")
+    follower = DiskFollower(
+        server, o.root, poll=o.poll, pause_timeout=o.pause_timeout, strict=o.strict
+    )
+    await follower.run()
 
 
 def wait_for_version(

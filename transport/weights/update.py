@@ -23,16 +23,18 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import importlib
-import json
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta
 
 from fastio.weight_msgs import WeightAck  # noqa: F401  (names FabricUpdateResult's inherited fields)
 from transport.errors import ControlError, ResumeRefused
+from transport.options import parse_options, resolve_entry
 from transport.weights.errors import UpdateIncomplete, WeightUpdateError
 from transport.weights.publisher import WeightPublisher
 from transport.weights.results import UpdateResult
@@ -41,6 +43,7 @@ from transport.weights.subscriber import WeightSubscriber
 __all__ = [
     "PLUGIN_OPTIONS",
     "FabricUpdateResult",
+    "PluginOptions",
     "attach_subscriber",
     "aupdate_weights",
     "subscribe",
@@ -410,108 +413,64 @@ async def _pause_lease(
             since = None
 
 
-def _flag(v: str | None, default: bool) -> bool:
-    if v is None:
-        return default
-    if v.lower() in ("1", "true", "yes", "on"):
-        return True
-    if v.lower() in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"expected a boolean (1/0, true/false, yes/no, on/off), got {v!r}")
+class PluginOptions(
+    msgspec.Struct, kw_only=True, forbid_unknown_fields=True, rename=lambda n: f"weights_{n}"
+):
+    """The worker plugin's options, ``--plugin-opt weights_<field>=value`` (see
+    :func:`subscribe`); ``None``: the default of :func:`attach_subscriber`."""
 
-
-def _resolve(spec: str, what: str) -> Any:
-    """``module:attribute`` -> the attribute, or a ValueError that names ``what``."""
-    module, _, name = spec.partition(":")
-    if not module or not name:
-        raise ValueError(f"{what}: expected module:name, got {spec!r}")
-    try:
-        return getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as exc:
-        raise ValueError(f"{what} {spec!r} cannot be loaded: {exc}") from exc
+    endpoint: Annotated[str, Meta(min_length=1)]
+    shm: bool = True
+    path: Literal["ipc", "shm", "tcp"] | None = None
+    atomic: bool | None = None
+    data_link: bool | None = None
+    digest: bool = False
+    strict: bool = True
+    dtype: str | None = None
+    rename: str | None = None
+    loader: str | None = None
+    publisher_timeout: Annotated[float, Meta(gt=0)] | None = None
+    pause_timeout: Annotated[float, Meta(gt=0)] | None = None
+    pause_lease: Annotated[float, Meta(ge=0)] | None = None
+    curve_secret: str | None = None
+    curve_server: str | None = None
 
 
 #: Options of the worker plugin (``--plugin-opt key=value``), see :func:`subscribe`.
-PLUGIN_OPTIONS = frozenset(
-    {
-        "weights_endpoint",
-        "weights_shm",
-        "weights_path",
-        "weights_atomic",
-        "weights_data_link",
-        "weights_digest",
-        "weights_strict",
-        "weights_dtype",
-        "weights_rename",
-        "weights_loader",
-        "weights_publisher_timeout",
-        "weights_pause_timeout",
-        "weights_pause_lease",
-        "weights_curve_secret",
-        "weights_curve_server",
-    }
-)
+PLUGIN_OPTIONS = frozenset(PluginOptions.__struct_encode_fields__)
 
 
 def subscriber_options(opts: dict[str, str], model: Any) -> dict[str, Any]:
-    """The keyword arguments of :func:`attach_subscriber` from the plugin's options;
-    ``ValueError`` naming the option for anything unknown or malformed."""
+    """The keyword arguments of :func:`attach_subscriber` (but the endpoint) from the
+    plugin's options; ``ValueError`` naming the option for anything unknown or malformed."""
     from transport.sockets import CurveConfig
     from transport.weights.binding import parse_dtype_spec
 
-    unknown = sorted(set(opts) - PLUGIN_OPTIONS)
-    if unknown:
-        raise ValueError(
-            f"unknown weights plugin option(s) {unknown}; known: {sorted(PLUGIN_OPTIONS)}"
-        )
-    if not opts.get("weights_endpoint"):
-        raise ValueError("the weights plugin needs --plugin-opt weights_endpoint=<address>")
-    kw: dict[str, Any] = {
-        "shm": _flag(opts.get("weights_shm"), True),
-        "report_digest": _flag(opts.get("weights_digest"), False),
-        "strict": _flag(opts.get("weights_strict"), True),
-    }
-    if "weights_data_link" in opts:
-        kw["data_link"] = _flag(opts["weights_data_link"], True)
-    if "weights_atomic" in opts:
-        kw["atomic"] = _flag(opts["weights_atomic"], False)
-    for key, arg in (
-        ("weights_publisher_timeout", "publisher_timeout"),
-        ("weights_pause_timeout", "pause_timeout"),
-        ("weights_pause_lease", "pause_lease"),
-    ):
-        if key in opts:
-            try:
-                kw[arg] = float(opts[key])
-            except ValueError:
-                raise ValueError(f"{key}: expected seconds, got {opts[key]!r}") from None
-    if opts.get("weights_path"):
-        if opts["weights_path"] not in ("ipc", "shm", "tcp"):
-            raise ValueError(f"weights_path: ipc, shm or tcp, not {opts['weights_path']!r}")
-        kw["path"] = opts["weights_path"]
-    if opts.get("weights_dtype"):
+    o = parse_options(opts, PluginOptions, "weights plugin option")
+    kw: dict[str, Any] = {"shm": o.shm, "report_digest": o.digest, "strict": o.strict}
+    for arg in ("path", "atomic", "data_link", "publisher_timeout", "pause_timeout", "pause_lease"):
+        if getattr(o, arg) is not None:
+            kw[arg] = getattr(o, arg)
+    if o.dtype:
         try:
-            kw["dtype"] = parse_dtype_spec(opts["weights_dtype"])
+            kw["dtype"] = parse_dtype_spec(o.dtype)
         except WeightUpdateError as exc:
             raise ValueError(f"weights_dtype: {exc}") from None
-    rename = opts.get("weights_rename")
-    if rename:
-        if rename.lstrip().startswith("{"):
-            try:
-                kw["rename"] = {str(k): str(v) for k, v in json.loads(rename).items()}
-            except (ValueError, AttributeError) as exc:
-                raise ValueError(f"weights_rename: not a JSON object ({exc})") from None
-        else:
-            kw["rename"] = _resolve(rename, "weights_rename")
-    if opts.get("weights_loader"):
-        fn = _resolve(opts["weights_loader"], "weights_loader")
+    if o.rename and o.rename.lstrip().startswith("{"):
+        try:
+            kw["rename"] = msgspec.json.decode(o.rename, type=dict[str, str])
+        except msgspec.DecodeError as exc:
+            raise ValueError(f"weights_rename: not a JSON object of names ({exc})") from None
+    elif o.rename:
+        kw["rename"] = resolve_entry(o.rename, "weights_rename")
+    if o.loader:
+        fn = resolve_entry(o.loader, "weights_loader")
         if not callable(fn):
-            raise ValueError(f"weights_loader {opts['weights_loader']!r} is not callable")
+            raise ValueError(f"weights_loader {o.loader!r} is not callable")
         kw["loader"] = lambda weights: fn(model, weights)
-    if opts.get("weights_curve_secret"):
+    if o.curve_secret:
         kw["curve"] = CurveConfig(
-            secret_key_file=opts["weights_curve_secret"],
-            server_public_key_file=opts.get("weights_curve_server"),
+            secret_key_file=o.curve_secret, server_public_key_file=o.curve_server
         )
     return kw
 

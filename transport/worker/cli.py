@@ -13,7 +13,6 @@ import argparse
 import asyncio
 import contextlib
 import gc
-import importlib
 import json
 import logging
 import os
@@ -25,6 +24,7 @@ from typing import Any, NoReturn
 import zmq
 
 from transport.engines.registry import ENGINES, resolve_engine
+from transport.options import resolve_entry
 from transport.sockets import (
     DEFAULT_HWM,
     DEFAULT_MAX_MESSAGE_SIZE,
@@ -172,19 +172,6 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
-def _load(spec: str, what: str) -> Callable[..., Any]:
-    module, _, name = spec.partition(":")
-    if not module or not name:
-        raise UserError(f"{what} {spec!r}: expected module:function")
-    try:
-        fn: Callable[..., Any] = getattr(importlib.import_module(module), name)
-    except ImportError as exc:
-        raise UserError(f"{what} {spec!r}: cannot import {module}: {exc}") from exc
-    except AttributeError as exc:
-        raise UserError(f"{what} {spec!r}: {module} has no {name!r}") from exc
-    return fn
-
-
 def _engine_opts(args: argparse.Namespace) -> dict[str, str]:
     """``--engine-opt`` values, over the legacy flags of the reference and hf engines."""
     opts: dict[str, str] = {}
@@ -226,7 +213,10 @@ def _plugins(args: argparse.Namespace) -> list[Background]:
     opts = dict(args.plugin_opt)
     jobs: list[Background] = []
     for spec in args.plugin:
-        fn = _load(spec, "--plugin")
+        try:
+            fn = resolve_entry(spec, "--plugin")
+        except ValueError as exc:
+            raise UserError(str(exc)) from exc
 
         async def job(server: WorkerServer, fn: Callable[..., Any] = fn) -> None:
             await fn(server, opts)

@@ -1,0 +1,154 @@
+"""Plugin and engine options (:mod:`transport.options`): ``key=value`` strings become
+the option Structs of the weights plugin, the disk plugin and the hf engine, and a bad
+key or value is one line that names it."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import msgspec
+import pytest
+
+from transport.options import parse_options, resolve_entry
+
+
+class Opts(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    name: Annotated[str, msgspec.Meta(min_length=1)]
+    on: bool = True
+    wait: Annotated[float, msgspec.Meta(gt=0)] = 1.0
+    count: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    mode: Literal["a", "b"] = "a"
+
+
+def test_strings_become_the_field_types() -> None:
+    o = parse_options(
+        {"name": "x", "on": "off", "wait": "0.5", "count": "3", "mode": "b"}, Opts, "opt"
+    )
+    assert o == Opts(name="x", on=False, wait=0.5, count=3, mode="b")
+    for word, value in [("1", True), ("TRUE", True), ("yes", True), ("0", False), ("No", False)]:
+        assert parse_options({"name": "x", "on": word}, Opts, "opt").on is value
+    # An empty value is the default; values already typed pass as they are.
+    assert parse_options({"name": "x", "wait": "", "count": 2}, Opts, "opt").wait == 1.0
+
+
+@pytest.mark.parametrize(
+    ("opts", "line"),
+    [
+        ({}, "opt 'name' is required"),
+        ({"name": "x", "nmae": "y"}, "unknown opt 'nmae'; known: name, on, wait, count, mode"),
+        ({"name": "x", "on": "maybe"}, "opt on='maybe': expected a boolean"),
+        ({"name": "x", "wait": "soon"}, "opt wait='soon': expected a number"),
+        ({"name": "x", "wait": "0"}, "opt wait='0': expected a number > 0"),
+        ({"name": "x", "count": "2.5"}, "opt count='2.5': expected an integer"),
+        ({"name": "x", "mode": "c"}, "opt mode='c': expected one of a, b"),
+    ],
+)
+def test_a_bad_key_or_value_is_one_line_naming_it(opts: dict[str, str], line: str) -> None:
+    with pytest.raises(ValueError) as info:
+        parse_options(opts, Opts, "opt")
+    message = str(info.value)
+    assert line in message and "\n" not in message and "$." not in message
+
+
+def test_a_prefix_leaves_other_plugins_keys_alone() -> None:
+    class Disk(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+        disk_root: str
+
+    assert parse_options({"disk_root": "/r", "x": "1"}, Disk, "o", prefix="disk_").disk_root
+    with pytest.raises(ValueError, match="unknown o 'disk_dir'"):
+        parse_options({"disk_root": "/r", "disk_dir": "1"}, Disk, "o", prefix="disk_")
+
+
+def test_entry_points_resolve_or_name_what_is_wrong() -> None:
+    import os.path
+
+    assert resolve_entry("os.path:join", "--x") is os.path.join
+    for spec, words in [
+        ("os.path", "--x 'os.path': expected module:name"),
+        ("no_such_module_x:f", "--x 'no_such_module_x:f': cannot import no_such_module_x"),
+        ("os:no_such_name", "--x 'os:no_such_name': os has no 'no_such_name'"),
+    ]:
+        with pytest.raises(ValueError, match=words.replace("(", r"\(")):
+            resolve_entry(spec, "--x")
+
+
+# -- the three users ------------------------------------------------------------------
+WEIGHTS = {"weights_endpoint": "tcp://127.0.0.1:1"}
+
+
+@pytest.mark.parametrize(
+    ("extra", "line"),
+    [
+        ({"weights_shm": "maybe"}, "weights plugin option weights_shm='maybe': expected a boolean"),
+        ({"weights_pause_lease": "-1"}, "weights_pause_lease='-1': expected a number >= 0"),
+        ({"weights_path": "udp"}, "weights_path='udp': expected one of ipc, shm, tcp"),
+        ({"weights_pause_timeout": "soon"}, "weights_pause_timeout='soon': expected a number"),
+        ({"weigths_shm": "0"}, "unknown weights plugin option 'weigths_shm'; known: weights_"),
+        ({"weights_rename": '{"a": 1}'}, "weights_rename: not a JSON object of names"),
+        ({"weights_loader": "os:no_such_fn"}, "weights_loader 'os:no_such_fn': os has no"),
+    ],
+)
+def test_weights_plugin_options(extra: dict[str, str], line: str) -> None:
+    pytest.importorskip("torch")
+    from transport.weights.update import subscriber_options
+
+    with pytest.raises(ValueError) as info:
+        subscriber_options({**WEIGHTS, **extra}, None)
+    assert line in str(info.value) and "\n" not in str(info.value)
+
+
+def test_weights_plugin_options_keep_their_defaults() -> None:
+    pytest.importorskip("torch")
+    from transport.weights.update import PLUGIN_OPTIONS, subscriber_options
+
+    assert subscriber_options(WEIGHTS, None) == {
+        "shm": True,
+        "report_digest": False,
+        "strict": True,
+    }
+    kw = subscriber_options(
+        {**WEIGHTS, "weights_shm": "off", "weights_pause_lease": "2.5", "weights_path": "tcp",
+         "weights_atomic": "1", "weights_rename": '{"a": "b"}', "weights_digest": "true"},
+        None,
+    )  # fmt: skip
+    assert kw == {
+        "shm": False, "report_digest": True, "strict": True, "path": "tcp", "atomic": True,
+        "pause_lease": 2.5, "rename": {"a": "b"},
+    }  # fmt: skip
+    assert "weights_curve_server" in PLUGIN_OPTIONS and len(PLUGIN_OPTIONS) == 15
+
+
+@pytest.mark.parametrize(
+    ("opts", "line"),
+    [
+        ({"disk_root": "/x", "disk_poll": "soon"}, "disk plugin option disk_poll='soon': expected a number"),
+        ({"disk_root": "/x", "disk_dir": "/y"}, "unknown disk plugin option 'disk_dir'; known: disk_root"),
+    ],
+)  # fmt: skip
+def test_disk_plugin_options(opts: dict[str, str], line: str) -> None:
+    pytest.importorskip("torch")
+    from transport.weights.disk_follow import DiskOptions
+
+    with pytest.raises(ValueError) as info:
+        parse_options(opts, DiskOptions, "disk plugin option", prefix="disk_")
+    assert line in str(info.value) and "\n" not in str(info.value)
+    o = parse_options({"disk_root": "/x", "weights_shm": "0"}, DiskOptions, "d", prefix="disk_")
+    assert (o.root, o.poll, o.pause_timeout, o.strict) == ("/x", 0.05, 30.0, True)
+
+
+@pytest.mark.parametrize(
+    ("opts", "line"),
+    [
+        ({"max_batch": "many"}, "hf engine option max_batch='many': expected an integer"),
+        ({"max_batch": "0"}, "hf engine option max_batch='0': expected an integer >= 1"),
+        ({"dtype": "float8"}, "dtype='float8': expected one of float32, float16, bfloat16"),
+        ({"batch": "3"}, "unknown hf engine option 'batch'; known: model_size"),
+    ],
+)
+def test_hf_engine_options(opts: dict[str, Any], line: str) -> None:
+    pytest.importorskip("torch")
+    from transport.hf_engine import create_engine
+
+    with pytest.raises(ValueError) as info:
+        create_engine("tiny", device="cpu", **opts)
+    assert line in str(info.value) and "\n" not in str(info.value)

@@ -1,0 +1,127 @@
+"""``key=value`` options (``--plugin-opt``, ``--engine-opt``) into a typed config Struct.
+
+A plugin or an engine declares its options once, as a :class:`msgspec.Struct` with
+defaults and :class:`msgspec.Meta` constraints, and reads them with
+:func:`parse_options`; a bad key or value is reported here, as one line that names it.
+Entry points written ``module:attribute`` are found by :func:`resolve_entry`.
+"""
+
+from __future__ import annotations
+
+import pkgutil
+import re
+import typing
+from collections.abc import Mapping
+from typing import Any, TypeVar
+
+import msgspec
+
+__all__ = ["parse_options", "resolve_entry"]
+
+T = TypeVar("T", bound=msgspec.Struct)
+
+# What msgspec's str -> bool conversion takes (1/0, true/false), plus the words a shell
+# user writes.
+_BOOL_WORDS = {"yes": "true", "on": "true", "no": "false", "off": "false"}
+_KINDS = {
+    "bool": "a boolean (1/0, true/false, yes/no, on/off)",
+    "float": "a number",
+    "int": "an integer",
+    "str": "a string",
+}
+
+
+def parse_options(opts: Mapping[str, Any], type_: type[T], what: str, *, prefix: str = "") -> T:
+    """``opts`` (strings, or values of the field types) as a ``type_`` instance.
+
+    Strings become the fields' types (``"1"``, ``"0.5"``, ``"on"``); an empty value
+    means the field's default.
+
+    Parameters
+    ----------
+    opts:
+        Option name -> value, e.g. the worker's ``--plugin-opt`` dict.
+    type_:
+        A Struct with ``kw_only=True``; with ``forbid_unknown_fields=True`` an unknown
+        key is an error.
+    what:
+        How the message names an option, e.g. ``"weights plugin option"``.
+    prefix:
+        Read only the keys that start with it (the others belong to other plugins).
+
+    Raises
+    ------
+    ValueError
+        One line naming the key: unknown, missing, or a value of the wrong type or out
+        of range, with what was expected.
+
+    Examples
+    --------
+    >>> class Opts(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    ...     poll: float = 0.05
+    >>> parse_options({"poll": "0.5"}, Opts, "plugin option").poll
+    0.5
+    """
+    fields = {f.encode_name: f for f in msgspec.structs.fields(type_)}
+    given: dict[str, Any] = {}
+    for key, value in opts.items():
+        if not key.startswith(prefix) or value == "":
+            continue
+        field = fields.get(key)
+        if field is not None and isinstance(value, str) and _is_bool(field.type):
+            value = _BOOL_WORDS.get(value.strip().lower(), value)
+        given[key] = value
+    try:
+        return msgspec.convert(given, type_, strict=False)
+    except msgspec.ValidationError as exc:
+        raise ValueError(_message(str(exc), given, fields, what)) from None
+
+
+def resolve_entry(spec: str, what: str) -> Any:
+    """The object ``spec`` (``module:attribute``) names.
+
+    Raises
+    ------
+    ValueError
+        ``spec`` is not ``module:attribute``, or the module cannot be imported or has
+        no such attribute; the message starts with ``what`` and ``spec``.
+    """
+    module, _, name = spec.partition(":")
+    if not module or not name:
+        raise ValueError(f"{what} {spec!r}: expected module:name")
+    try:
+        return pkgutil.resolve_name(spec)
+    except ImportError as exc:
+        raise ValueError(f"{what} {spec!r}: cannot import {module}: {exc}") from exc
+    except AttributeError as exc:
+        raise ValueError(f"{what} {spec!r}: {module} has no {name!r}") from exc
+
+
+def _is_bool(tp: Any) -> bool:
+    return tp is bool or bool in typing.get_args(tp)
+
+
+def _message(error: str, given: Mapping[str, Any], fields: Mapping[str, Any], what: str) -> str:
+    if m := re.fullmatch(r"Object contains unknown field `(.*)`", error):
+        return f"unknown {what} {m[1]!r}; known: {', '.join(fields)}"
+    if m := re.fullmatch(r"Object missing required field `(.*)`", error):
+        return f"{what} {m[1]!r} is required"
+    m = re.fullmatch(r"(.*) - at `\$\.([^`.\[]+)`", error)
+    if m is None:  # a shape msgspec did not promise: say it as it is
+        return f"{what}: {error}"
+    problem, key = m[1], m[2]
+    choices = _choices(fields[key].type)
+    if choices:
+        expected = "one of " + ", ".join(choices)
+    elif e := re.fullmatch(r"Expected `([^`]*)`(.*?)(?:, got `[^`]*`)?", problem):
+        kind = e[1].removesuffix(" | null")
+        expected = _KINDS.get(kind, kind) + e[2]
+    else:
+        expected = problem
+    return f"{what} {key}={given[key]!r}: expected {expected}"
+
+
+def _choices(tp: Any) -> list[str]:
+    if typing.get_origin(tp) is typing.Literal:
+        return [str(c) for c in typing.get_args(tp)]
+    return [c for arg in typing.get_args(tp) for c in _choices(arg)]
