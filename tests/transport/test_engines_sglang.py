@@ -210,3 +210,36 @@ def test_weight_version_lands_on_the_server_through_disk(
         assert after.output_versions.tolist() == [3] * 12  # type: ignore[attr-defined]
     finally:
         pub.close()
+
+
+def test_closing_the_worker_aborts_on_the_server_and_leaks_no_session(
+    fake: Callable[..., FakeProc],
+) -> None:
+    # The worker's close cancels its requests (each asks the server to abort) and closes
+    # the bridge at the same time: the aborts must go out on the open session, and none
+    # may open a new session after the close (never closed: a leaked connection pool).
+    from transport import WorkerServer
+    from transport.engines.sglang import SGLangEngine
+    from transport.worker import WorkerConfig
+
+    server = fake("sglang", "--token-interval", "0.05")
+    eng = SGLangEngine(server.url, health_interval=0)
+    streams = Streams(2)
+
+    async def main() -> None:
+        worker = WorkerServer(eng, WorkerConfig(bind="tcp://127.0.0.1:0"))
+        [addr] = await worker.start()
+        async with FabricClient([addr], FAST) as client:
+            g = GenerationHyperparameters(max_new_tokens=1000)
+            for i in range(2):
+                client.agenerate(LLMRequest(input_ids=[i], gconfig=g), on_chunk=streams.on_chunk(i))
+            await await_for(lambda: min(streams.got(0), streams.got(1)) >= 2, what="tokens")
+            await worker.close()
+            for _ in range(20):  # let whatever the close left behind run
+                await asyncio.sleep(0)
+            assert eng._session is None, "a session was opened after the close"
+            assert not eng._aux, "tasks of the bridge outlived its close"
+
+    asyncio.run(main())
+    wait_for(lambda: server.stats()["running"] == 0, what="the server's requests aborted")
+    assert server.stats()["abort_requests"] == 2
