@@ -55,14 +55,22 @@ _NO_TOP_K = 1 << 30
 JSON_HEADERS = {"Content-Type": "application/json"}
 
 
-def sampling_common(g: Any) -> dict[str, Any]:
-    """The sampling parameters both servers name alike, from a
-    :class:`~fastio.GenerationHyperparameters`."""
-    return {
+def sampling_common(g: Any, max_key: str, min_key: str) -> dict[str, Any]:
+    """The sampling parameters both servers take, from a
+    :class:`~fastio.GenerationHyperparameters` (the token limits under the server's
+    names ``max_key`` and ``min_key``; special tokens kept in the output)."""
+    sp: dict[str, Any] = {
+        max_key: g.max_new_tokens,
         "temperature": 0.0 if g.greedy else g.temperature,
         "top_p": g.top_p,
         "top_k": -1 if g.top_k >= _NO_TOP_K else g.top_k,
+        "skip_special_tokens": False,
     }
+    if g.min_new_tokens:
+        sp[min_key] = g.min_new_tokens
+    if g.stop_token_ids:
+        sp["stop_token_ids"] = list(g.stop_token_ids)
+    return sp
 
 
 async def raise_for_status(resp: Any, what: str) -> None:

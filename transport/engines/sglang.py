@@ -72,16 +72,8 @@ log = logging.getLogger("transport.engines")
 def sampling_params(g: GenerationHyperparameters) -> dict[str, Any]:
     """SGLang's ``sampling_params`` for ``g`` (stop tokens kept in the output, as the
     fabric's engines do)."""
-    sp: dict[str, Any] = {
-        "max_new_tokens": g.max_new_tokens,
-        **sampling_common(g),
-        "skip_special_tokens": False,
-        "no_stop_trim": True,
-    }
-    if g.min_new_tokens:
-        sp["min_new_tokens"] = g.min_new_tokens
-    if g.stop_token_ids:
-        sp["stop_token_ids"] = list(g.stop_token_ids)
+    sp = sampling_common(g, "max_new_tokens", "min_new_tokens")
+    sp["no_stop_trim"] = True
     return sp
 
 

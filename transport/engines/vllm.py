@@ -116,18 +116,12 @@ class VLLMEngine(HTTPBridge):
             "model": model,
             # JSON wants a list: the one conversion of the prompt on this path.
             "prompt": req.input_ids.array.tolist(),
-            "max_tokens": g.max_new_tokens,
-            **sampling_common(g),
+            **sampling_common(g, "max_tokens", "min_tokens"),
             "logprobs": 0,
             "return_tokens_as_token_ids": True,
-            "skip_special_tokens": False,
             "include_stop_str_in_output": True,
             "stream": True,
         }
-        if g.min_new_tokens:
-            body["min_tokens"] = g.min_new_tokens
-        if g.stop_token_ids:
-            body["stop_token_ids"] = list(g.stop_token_ids)
         return body
 
     async def generate(self, req: LLMRequest, ctx: GenerationContext) -> LLMResponse:
