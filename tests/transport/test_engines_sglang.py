@@ -182,6 +182,7 @@ def test_weight_version_lands_on_the_server_through_disk(
         pub.close()
 
 
+@pytest.mark.slow
 def test_closing_the_worker_aborts_on_the_server_and_leaks_no_session(
     fake: Callable[..., FakeProc],
 ) -> None:
