@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import asyncio
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import Any
 
 import pytest
 
+from fastio import GenerationHyperparameters, LLMRequest
+from tests.transport.conftest import await_for
 from tests.transport.fakes.common import FakeProc
-from transport import ClientConfig
+from transport import ClientConfig, FabricClient, FabricController, RequestAborted
 
 FAST = ClientConfig(heartbeat_interval=0.05, heartbeat_liveness=4, request_timeout=60)
 
@@ -60,3 +63,67 @@ class Streams:
 
     def versions(self, i: int) -> list[int]:
         return [x for c in self.chunks[i] for x in c[2]]
+
+
+def generate_all(
+    address: str,
+    prompts: list[list[int]],
+    n: int,
+    streams: Streams,
+    *,
+    extra: Sequence[LLMRequest] = (),
+    while_running: Callable[[], Awaitable[None]] | None = None,
+) -> list[Any]:
+    """Ask the worker at ``address`` for ``n`` tokens after each prompt (streamed into
+    ``streams``, one per prompt) and for ``extra`` (not streamed); run ``while_running``
+    meanwhile; return the responses in that order."""
+
+    async def main() -> list[Any]:
+        async with FabricClient([address], FAST) as client:
+            g = GenerationHyperparameters(max_new_tokens=n)
+            futs = [
+                client.agenerate(LLMRequest(input_ids=p, gconfig=g), on_chunk=streams.on_chunk(i))
+                for i, p in enumerate(prompts)
+            ]
+            futs += [client.agenerate(req) for req in extra]
+            if while_running is not None:
+                await while_running()
+            return list(await asyncio.gather(*futs))
+
+    return asyncio.run(main())
+
+
+def pause_when_streaming(
+    address: str, streams: Streams, calls: int, while_paused: Callable[[], Awaitable[None]]
+) -> Callable[[], Awaitable[None]]:
+    """A ``while_running`` for :func:`generate_all`: once every request has streamed 3
+    tokens, pause the worker, run ``while_paused``, resume."""
+
+    async def run() -> None:
+        await await_for(lambda: all(streams.got(i) >= 3 for i in range(calls)), what="tokens")
+        with FabricController([address]) as ctl:
+            await asyncio.to_thread(ctl.pause, 10)
+            await while_paused()
+            await asyncio.to_thread(ctl.resume, 10)
+
+    return run
+
+
+def abort_from_the_controller(address: str) -> None:
+    """Start a long request on the worker at ``address``; once it streams, abort it with
+    a controller: the client must see RequestAborted."""
+    streams = Streams(1)
+
+    async def main() -> None:
+        async with FabricClient([address], FAST) as client:
+            g = GenerationHyperparameters(max_new_tokens=1000)
+            fut = client.agenerate(
+                LLMRequest(input_ids=[1], gconfig=g), on_chunk=streams.on_chunk(0)
+            )
+            await await_for(lambda: streams.got(0) >= 2, what="tokens")
+            with FabricController([address]) as ctl:
+                await asyncio.to_thread(ctl.abort)
+            with pytest.raises(RequestAborted):
+                await fut
+
+    asyncio.run(main())

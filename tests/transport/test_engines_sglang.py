@@ -11,9 +11,17 @@ import pytest
 
 from fastio import GenerationHyperparameters, LLMRequest
 from tests.transport.conftest import WorkerProc, await_for, wait_for
-from tests.transport.engines_helpers import FAST, Streams, bridge_args, fake
+from tests.transport.engines_helpers import (
+    FAST,
+    Streams,
+    abort_from_the_controller,
+    bridge_args,
+    fake,
+    generate_all,
+    pause_when_streaming,
+)
 from tests.transport.fakes.common import FakeProc, reference_output, seed_of_path
-from transport import FabricClient, FabricController, RequestAborted
+from transport import FabricClient, FabricController
 
 __all__ = ["fake"]  # the fixture, imported for pytest
 
@@ -30,19 +38,7 @@ def test_streams_every_token_once_with_its_version(
     w = spawn(*bridge_args("sglang", server.url))
     n, calls = 24, 6
     streams = Streams(calls)
-
-    async def main() -> list[object]:
-        async with FabricClient([w.address], FAST) as client:
-            g = GenerationHyperparameters(max_new_tokens=n)
-            futs = [
-                client.agenerate(
-                    LLMRequest(input_ids=[i, 7, i], gconfig=g), on_chunk=streams.on_chunk(i)
-                )
-                for i in range(calls)
-            ]
-            return list(await asyncio.gather(*futs))
-
-    resps = asyncio.run(main())
+    resps = generate_all(w.address, [[i, 7, i] for i in range(calls)], n, streams)
     for i, r in enumerate(resps):
         want = reference_output(SEED, [i, 7, i], n)
         assert r.output_tokens.tolist() == want  # type: ignore[attr-defined]
@@ -85,27 +81,15 @@ def test_pause_interrupts_on_the_server_and_resume_continues_after_the_partial(
     n, calls = 40, 4
     streams = Streams(calls)
 
-    async def main() -> list[object]:
-        async with FabricClient([w.address], FAST) as client:
-            g = GenerationHyperparameters(max_new_tokens=n)
-            futs = [
-                client.agenerate(
-                    LLMRequest(input_ids=[i, 1], gconfig=g), on_chunk=streams.on_chunk(i)
-                )
-                for i in range(calls)
-            ]
-            await await_for(lambda: all(streams.got(i) >= 3 for i in range(calls)), what="tokens")
-            with FabricController([w.address]) as ctl:
-                await asyncio.to_thread(ctl.pause, 10)
-                # Paused: the server aborted every request; nothing runs there.
-                assert server.stats()["running"] == 0
-                assert server.stats().get("aborted", 0) == calls
-                held = [streams.got(i) for i in range(calls)]
-                assert all(0 < h < n for h in held)
-                await asyncio.to_thread(ctl.resume, 10)
-            return list(await asyncio.gather(*futs))
+    async def while_paused() -> None:
+        # Paused: the server aborted every request; nothing runs there.
+        assert server.stats()["running"] == 0
+        assert server.stats().get("aborted", 0) == calls
+        held = [streams.got(i) for i in range(calls)]
+        assert all(0 < h < n for h in held)
 
-    resps = asyncio.run(main())
+    pause = pause_when_streaming(w.address, streams, calls, while_paused)
+    resps = generate_all(w.address, [[i, 1] for i in range(calls)], n, streams, while_running=pause)
     for i, r in enumerate(resps):
         want = reference_output(SEED, [i, 1], n)
         assert r.output_tokens.tolist() == want and streams.tokens(i) == want  # type: ignore[attr-defined]
@@ -147,21 +131,7 @@ def test_controller_abort_reaches_the_server(
 ) -> None:
     server = fake("sglang", "--token-interval", "0.05")
     w = spawn(*bridge_args("sglang", server.url))
-    streams = Streams(1)
-
-    async def main() -> None:
-        async with FabricClient([w.address], FAST) as client:
-            g = GenerationHyperparameters(max_new_tokens=1000)
-            fut = client.agenerate(
-                LLMRequest(input_ids=[1], gconfig=g), on_chunk=streams.on_chunk(0)
-            )
-            await await_for(lambda: streams.got(0) >= 2, what="tokens")
-            with FabricController([w.address]) as ctl:
-                await asyncio.to_thread(ctl.abort)
-            with pytest.raises(RequestAborted):
-                await fut
-
-    asyncio.run(main())
+    abort_from_the_controller(w.address)
     wait_for(lambda: server.stats()["running"] == 0, what="the server's request aborted")
     assert server.stats()["abort_requests"] >= 1 and server.stats()["aborted"] == 1
 
@@ -210,3 +180,37 @@ def test_weight_version_lands_on_the_server_through_disk(
         assert after.output_versions.tolist() == [3] * 12  # type: ignore[attr-defined]
     finally:
         pub.close()
+
+
+@pytest.mark.slow
+def test_closing_the_worker_aborts_on_the_server_and_leaks_no_session(
+    fake: Callable[..., FakeProc],
+) -> None:
+    # The worker's close cancels its requests (each asks the server to abort) and closes
+    # the bridge at the same time: the aborts must go out on the open session, and none
+    # may open a new session after the close (never closed: a leaked connection pool).
+    from transport import WorkerServer
+    from transport.engines.sglang import SGLangEngine
+    from transport.worker import WorkerConfig
+
+    server = fake("sglang", "--token-interval", "0.05")
+    eng = SGLangEngine(server.url, health_interval=0)
+    streams = Streams(2)
+
+    async def main() -> None:
+        worker = WorkerServer(eng, WorkerConfig(bind="tcp://127.0.0.1:0"))
+        [addr] = await worker.start()
+        async with FabricClient([addr], FAST) as client:
+            g = GenerationHyperparameters(max_new_tokens=1000)
+            for i in range(2):
+                client.agenerate(LLMRequest(input_ids=[i], gconfig=g), on_chunk=streams.on_chunk(i))
+            await await_for(lambda: min(streams.got(0), streams.got(1)) >= 2, what="tokens")
+            await worker.close()
+            for _ in range(20):  # let whatever the close left behind run
+                await asyncio.sleep(0)
+            assert eng._session is None, "a session was opened after the close"
+            assert not eng._aux, "tasks of the bridge outlived its close"
+
+    asyncio.run(main())
+    wait_for(lambda: server.stats()["running"] == 0, what="the server's requests aborted")
+    assert server.stats()["abort_requests"] == 2

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import subprocess
 import sys
 from collections.abc import Callable
@@ -11,9 +10,15 @@ import pytest
 
 from fastio import GenerationHyperparameters, LLMRequest
 from tests.transport.conftest import WorkerProc, await_for, wait_for
-from tests.transport.engines_helpers import FAST, Streams, bridge_args, fake
+from tests.transport.engines_helpers import (
+    Streams,
+    abort_from_the_controller,
+    bridge_args,
+    fake,
+    generate_all,
+    pause_when_streaming,
+)
 from tests.transport.fakes.common import FakeProc, reference_output
-from transport import FabricClient, FabricController, RequestAborted
 
 __all__ = ["fake"]
 
@@ -29,21 +34,9 @@ def test_streams_every_token_once_and_stop_tokens(
     streams = Streams(calls + 1)
     stop_prompt = [5, 5]
     stop = reference_output(SEED, stop_prompt, 30)[4]
-
-    async def main() -> list[object]:
-        async with FabricClient([w.address], FAST) as client:
-            g = GenerationHyperparameters(max_new_tokens=n)
-            futs = [
-                client.agenerate(
-                    LLMRequest(input_ids=[i, 2], gconfig=g), on_chunk=streams.on_chunk(i)
-                )
-                for i in range(calls)
-            ]
-            gs = GenerationHyperparameters(max_new_tokens=30, stop_token_ids=[stop])
-            futs.append(client.agenerate(LLMRequest(input_ids=stop_prompt, gconfig=gs)))
-            return list(await asyncio.gather(*futs))
-
-    resps = asyncio.run(main())
+    gs = GenerationHyperparameters(max_new_tokens=30, stop_token_ids=[stop])
+    extra = [LLMRequest(input_ids=stop_prompt, gconfig=gs)]
+    resps = generate_all(w.address, [[i, 2] for i in range(calls)], n, streams, extra=extra)
     for i, r in enumerate(resps[:calls]):
         want = reference_output(SEED, [i, 2], n)
         assert r.output_tokens.tolist() == want == streams.tokens(i)  # type: ignore[attr-defined]
@@ -65,24 +58,12 @@ def test_pause_closes_streams_and_resume_continues_after_the_partial(
     n, calls = 40, 4
     streams = Streams(calls)
 
-    async def main() -> list[object]:
-        async with FabricClient([w.address], FAST) as client:
-            g = GenerationHyperparameters(max_new_tokens=n)
-            futs = [
-                client.agenerate(
-                    LLMRequest(input_ids=[i, 3], gconfig=g), on_chunk=streams.on_chunk(i)
-                )
-                for i in range(calls)
-            ]
-            await await_for(lambda: all(streams.got(i) >= 3 for i in range(calls)), what="tokens")
-            with FabricController([w.address]) as ctl:
-                await asyncio.to_thread(ctl.pause, 10)
-                await await_for(lambda: server.stats()["running"] == 0, what="server idle")
-                assert server.stats().get("disconnected", 0) == calls
-                await asyncio.to_thread(ctl.resume, 10)
-            return list(await asyncio.gather(*futs))
+    async def while_paused() -> None:
+        await await_for(lambda: server.stats()["running"] == 0, what="server idle")
+        assert server.stats().get("disconnected", 0) == calls
 
-    resps = asyncio.run(main())
+    pause = pause_when_streaming(w.address, streams, calls, while_paused)
+    resps = generate_all(w.address, [[i, 3] for i in range(calls)], n, streams, while_running=pause)
     for i, r in enumerate(resps):
         want = reference_output(SEED, [i, 3], n)
         assert r.output_tokens.tolist() == want == streams.tokens(i)  # type: ignore[attr-defined]
@@ -96,21 +77,7 @@ def test_controller_abort_closes_the_stream(
 ) -> None:
     server = fake("vllm", "--token-interval", "0.05")
     w = spawn(*bridge_args("vllm", server.url))
-    streams = Streams(1)
-
-    async def main() -> None:
-        async with FabricClient([w.address], FAST) as client:
-            g = GenerationHyperparameters(max_new_tokens=1000)
-            fut = client.agenerate(
-                LLMRequest(input_ids=[1], gconfig=g), on_chunk=streams.on_chunk(0)
-            )
-            await await_for(lambda: streams.got(0) >= 2, what="tokens")
-            with FabricController([w.address]) as ctl:
-                await asyncio.to_thread(ctl.abort)
-            with pytest.raises(RequestAborted):
-                await fut
-
-    asyncio.run(main())
+    abort_from_the_controller(w.address)
     wait_for(lambda: server.stats()["running"] == 0, what="the server's request ended")
     assert server.stats()["disconnected"] == 1
 

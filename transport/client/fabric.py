@@ -434,6 +434,7 @@ class FabricClient(Liveness):
         where = "; ".join(f"{a}: {s}" for a, s in seen.items())
         return IncompatibleWorkers(f"no generation worker this client can use ({where})", seen)
 
+
 def _resolved(w: Worker, lookup: asyncio.Future[str]) -> None:
     if lookup.cancelled() or lookup.exception() is not None:
         return

@@ -32,11 +32,52 @@ from fastio import LLMRequest, LLMResponse, TokenArray
 from fastio._optional import require
 from transport.engines.api import EngineUnavailable
 
-__all__ = ["Flight", "HTTPBridge", "bridge_kwargs", "parse_bool", "response", "sse_events"]
+__all__ = [
+    "JSON_HEADERS",
+    "Flight",
+    "HTTPBridge",
+    "bridge_kwargs",
+    "parse_bool",
+    "raise_for_status",
+    "response",
+    "sampling_common",
+    "sse_events",
+]
 
 log = logging.getLogger("transport.engines")
 
 _DONE = b"[DONE]"
+# How long a close waits for the requests it ends to abort theirs on the server.
+_CLOSE_WAIT_S = 2.0
+# GenerationHyperparameters.top_k at or above this means "no top-k" (the servers' -1).
+_NO_TOP_K = 1 << 30
+#: Headers of a JSON request body.
+JSON_HEADERS = {"Content-Type": "application/json"}
+
+
+def sampling_common(g: Any, max_key: str, min_key: str) -> dict[str, Any]:
+    """The sampling parameters both servers take, from a
+    :class:`~fastio.GenerationHyperparameters` (the token limits under the server's
+    names ``max_key`` and ``min_key``; special tokens kept in the output)."""
+    sp: dict[str, Any] = {
+        max_key: g.max_new_tokens,
+        "temperature": 0.0 if g.greedy else g.temperature,
+        "top_p": g.top_p,
+        "top_k": -1 if g.top_k >= _NO_TOP_K else g.top_k,
+        "skip_special_tokens": False,
+    }
+    if g.min_new_tokens:
+        sp[min_key] = g.min_new_tokens
+    if g.stop_token_ids:
+        sp["stop_token_ids"] = list(g.stop_token_ids)
+    return sp
+
+
+async def raise_for_status(resp: Any, what: str) -> None:
+    """``RuntimeError`` quoting the start of the body when ``resp`` is an HTTP error."""
+    if resp.status >= 400:
+        text = (await resp.read())[:500].decode(errors="replace")
+        raise RuntimeError(f"{what} answered {resp.status}: {text}")
 
 
 def parse_bool(v: str) -> bool:
@@ -158,6 +199,9 @@ class HTTPBridge:
         self._watchdog: asyncio.Task[None] | None = None
         self._aux: set[asyncio.Task[Any]] = set()
         self._failing = False
+        self._closer: asyncio.Future[Any] | None = None
+        self._closed = False
+        self._idle: asyncio.Event | None = None  # set when the last flight ends (close)
 
     #: Name in messages, and the extra that installs what it needs.
     name = "http"
@@ -177,8 +221,11 @@ class HTTPBridge:
             ) from exc
 
     def session(self) -> Any:
-        """The aiohttp session (made on first use, in the worker's loop)."""
+        """The aiohttp session (made on first use, in the worker's loop);
+        ``EngineUnavailable`` once the bridge is closed."""
         if self._session is None:
+            if self._closed:
+                raise EngineUnavailable(f"the {self.name} bridge is closed")
             aiohttp = self.aiohttp
             self._loop = asyncio.get_running_loop()
             self._session = aiohttp.ClientSession(
@@ -197,9 +244,22 @@ class HTTPBridge:
             self._watchdog = asyncio.ensure_future(self._watch())
 
     async def close(self) -> None:
-        """Stop the watchdog, close the session."""
+        """Stop the watchdog, close the session.
+
+        The worker cancels its requests as it closes the bridge: the session stays open
+        until they have ended and their aborts reached the server (a few seconds at
+        most), so that the server stops their work."""
         if self._watchdog is not None:
             self._watchdog.cancel()
+        if self.flights:
+            self._idle = asyncio.Event()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._idle.wait(), _CLOSE_WAIT_S)
+        if self._aux:
+            await asyncio.wait(list(self._aux), timeout=_CLOSE_WAIT_S)
+            for task in list(self._aux):
+                task.cancel()
+        self._closed = True
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -208,10 +268,35 @@ class HTTPBridge:
         """Requests sent to the server that have no token yet (queued or in prefill)."""
         return sum(1 for f in list(self.flights.values()) if not f.first)
 
+    @classmethod
+    def from_opts(
+        cls, opts: dict[str, str], strings: tuple[str, ...] = (), floats: tuple[str, ...] = ()
+    ) -> Any:
+        """The bridge ``--engine-opt`` strings describe (see :func:`bridge_kwargs`);
+        probes the server first unless ``check=0``."""
+        kw = bridge_kwargs(opts, strings, floats)
+        engine = cls(opts["url"], **kw)
+        if parse_bool(opts.get("check", "1")):
+            engine.check_reachable()
+        return engine
+
     # -- helpers for the subclasses ---------------------------------------------------------
     def new_rid(self) -> str:
         """A request id unique to this worker's life (servers key aborts by it)."""
         return f"{self._prefix}-{next(self._rids)}"
+
+    def new_flight(self, ctx: Any) -> Flight:
+        """Register a request about to be sent, under a new rid (the caller pops it from
+        :attr:`flights` when it ends)."""
+        flight = Flight(self.new_rid(), ctx)
+        self.flights[flight.rid] = flight
+        return flight
+
+    def end_flight(self, rid: str) -> None:
+        """Forget a request that ended (however it ended)."""
+        self.flights.pop(rid, None)
+        if not self.flights and self._idle is not None:
+            self._idle.set()
 
     async def post_json(self, path: str, body: Any, timeout: float | None = None) -> Any:
         """POST JSON, return the decoded JSON answer; ``EngineUnavailable`` for an
@@ -221,7 +306,7 @@ class HTTPBridge:
             async with self.session().post(
                 self.url + path,
                 data=msgspec.json.encode(body),
-                headers={"Content-Type": "application/json"},
+                headers=JSON_HEADERS,
                 timeout=aiohttp.ClientTimeout(total=timeout or self.request_timeout),
             ) as resp:
                 raw = await resp.read()
@@ -244,7 +329,10 @@ class HTTPBridge:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
 
     def spawn(self, coro: Any) -> None:
-        """A fire-and-forget task kept alive until it ends."""
+        """A fire-and-forget task kept alive until it ends (or the bridge closes)."""
+        if self._closed:
+            coro.close()
+            return
         task = asyncio.ensure_future(coro)
         self._aux.add(task)
         task.add_done_callback(self._aux.discard)
@@ -252,12 +340,16 @@ class HTTPBridge:
     async def server_gone(self, why: str) -> None:
         """The server cannot serve: close the worker (its clients re-send its requests
         elsewhere) and never answer this request (its task is cancelled by the close)."""
+        self._server_failed(why)
+        await asyncio.Event().wait()
+
+    def _server_failed(self, why: str) -> None:
         if not self._failing:
             self._failing = True
             log.error("%s server %s is gone (%s): closing this worker", self.name, self.url, why)
             if self._worker is not None:
-                self.spawn(self._worker.close())
-        await asyncio.Event().wait()
+                # Not one of _aux: the close it starts waits for those (and closes us).
+                self._closer = asyncio.ensure_future(self._worker.close())
 
     async def _watch(self) -> None:
         aiohttp = self.aiohttp
@@ -274,7 +366,7 @@ class HTTPBridge:
                 ok = False
             misses = 0 if ok else misses + 1
             if misses >= self.health_failures:
-                self.spawn(self.server_gone(f"/health failed {misses} times in a row"))
+                self._server_failed(f"/health failed {misses} times in a row")
                 return
 
 

@@ -55,11 +55,12 @@ import msgspec
 from fastio import GenerationHyperparameters, LLMRequest, LLMResponse
 from transport.engines.api import GenerationContext
 from transport.engines.http import (
+    JSON_HEADERS,
     Flight,
     HTTPBridge,
-    bridge_kwargs,
-    parse_bool,
+    raise_for_status,
     response,
+    sampling_common,
     sse_events,
 )
 
@@ -67,25 +68,12 @@ __all__ = ["SGLangEngine", "factory", "sampling_params"]
 
 log = logging.getLogger("transport.engines")
 
-_NO_TOP_K = 1 << 30
-_JSON = {"Content-Type": "application/json"}
-
 
 def sampling_params(g: GenerationHyperparameters) -> dict[str, Any]:
     """SGLang's ``sampling_params`` for ``g`` (stop tokens kept in the output, as the
     fabric's engines do)."""
-    sp: dict[str, Any] = {
-        "max_new_tokens": g.max_new_tokens,
-        "temperature": 0.0 if g.greedy else g.temperature,
-        "top_p": g.top_p,
-        "top_k": -1 if g.top_k >= _NO_TOP_K else g.top_k,
-        "skip_special_tokens": False,
-        "no_stop_trim": True,
-    }
-    if g.min_new_tokens:
-        sp["min_new_tokens"] = g.min_new_tokens
-    if g.stop_token_ids:
-        sp["stop_token_ids"] = list(g.stop_token_ids)
+    sp = sampling_common(g, "max_new_tokens", "min_new_tokens")
+    sp["no_stop_trim"] = True
     return sp
 
 
@@ -134,7 +122,8 @@ class SGLangEngine(HTTPBridge):
         # aiohttp's timeouts need one: continue in the request's task.
         await asyncio.sleep(0)
         aiohttp = self.aiohttp
-        rid = self.new_rid()
+        flight = self.new_flight(ctx)
+        rid = flight.rid
         body = {
             # JSON wants a list: the one conversion of the prompt on this path.
             "input_ids": req.input_ids.array.tolist(),
@@ -143,8 +132,6 @@ class SGLangEngine(HTTPBridge):
             "stream": True,
             "rid": rid,
         }
-        flight = Flight(rid, ctx)
-        self.flights[rid] = flight
         toks: list[int] = []
         lps: list[float] = []
         vers: list[int] = []
@@ -152,11 +139,9 @@ class SGLangEngine(HTTPBridge):
         try:
             try:
                 async with self.session().post(
-                    self.url + "/generate", data=msgspec.json.encode(body), headers=_JSON
+                    self.url + "/generate", data=msgspec.json.encode(body), headers=JSON_HEADERS
                 ) as resp:
-                    if resp.status >= 400:
-                        text = (await resp.read())[:500].decode(errors="replace")
-                        raise RuntimeError(f"SGLang /generate answered {resp.status}: {text}")
+                    await raise_for_status(resp, "SGLang /generate")
                     async for chunk in sse_events(resp.content):
                         meta = chunk.get("meta_info") or {}
                         if self._take(meta, toks, lps, vers, ctx):
@@ -177,7 +162,7 @@ class SGLangEngine(HTTPBridge):
                 self.spawn(self._abort(rid))  # aborted or cancelled: stop the server's work
             raise
         finally:
-            self.flights.pop(rid, None)
+            self.end_flight(rid)
         kind = finish.get("type") if isinstance(finish, dict) else str(finish)
         if kind == "abort":
             stop = "interrupt" if (flight.interrupted or ctx.interrupted) else "abort"
@@ -307,8 +292,7 @@ class SGLangEngine(HTTPBridge):
 def factory(opts: dict[str, str]) -> SGLangEngine:
     """``--engine sglang``: an :class:`SGLangEngine` from the ``--engine-opt`` strings;
     probes ``/health`` first (``check=0`` skips it)."""
-    kw = bridge_kwargs(opts, ("weights_dir", "model_config"), ("reload_timeout",))
-    engine = SGLangEngine(opts["url"], **kw)
-    if parse_bool(opts.get("check", "1")):
-        engine.check_reachable()
+    engine: SGLangEngine = SGLangEngine.from_opts(
+        opts, ("weights_dir", "model_config"), ("reload_timeout",)
+    )
     return engine

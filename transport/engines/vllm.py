@@ -45,18 +45,16 @@ import msgspec
 from fastio import LLMRequest, LLMResponse
 from transport.engines.api import EngineUnavailable, GenerationContext
 from transport.engines.http import (
+    JSON_HEADERS,
     Flight,
     HTTPBridge,
-    bridge_kwargs,
-    parse_bool,
+    raise_for_status,
     response,
+    sampling_common,
     sse_events,
 )
 
 __all__ = ["WEIGHTS_REFUSED", "VLLMEngine", "factory"]
-
-_NO_TOP_K = 1 << 30
-_JSON = {"Content-Type": "application/json"}
 
 #: Why the vLLM bridge takes no weights.
 WEIGHTS_REFUSED = (
@@ -118,20 +116,12 @@ class VLLMEngine(HTTPBridge):
             "model": model,
             # JSON wants a list: the one conversion of the prompt on this path.
             "prompt": req.input_ids.array.tolist(),
-            "max_tokens": g.max_new_tokens,
-            "temperature": 0.0 if g.greedy else g.temperature,
-            "top_p": g.top_p,
-            "top_k": -1 if g.top_k >= _NO_TOP_K else g.top_k,
+            **sampling_common(g, "max_tokens", "min_tokens"),
             "logprobs": 0,
             "return_tokens_as_token_ids": True,
-            "skip_special_tokens": False,
             "include_stop_str_in_output": True,
             "stream": True,
         }
-        if g.min_new_tokens:
-            body["min_tokens"] = g.min_new_tokens
-        if g.stop_token_ids:
-            body["stop_token_ids"] = list(g.stop_token_ids)
         return body
 
     async def generate(self, req: LLMRequest, ctx: GenerationContext) -> LLMResponse:
@@ -140,22 +130,19 @@ class VLLMEngine(HTTPBridge):
         # timeouts need one.
         await asyncio.sleep(0)
         aiohttp = self.aiohttp
-        rid = self.new_rid()
-        flight = Flight(rid, ctx)
+        flight = self.new_flight(ctx)
+        rid = flight.rid
         toks: list[int] = []
         lps: list[float] = []
         vers: list[int] = []
         finish: str | None = None
-        self.flights[rid] = flight
         try:
             body = self._body(req, await self._model())
             async with self.session().post(
-                self.url + "/v1/completions", data=msgspec.json.encode(body), headers=_JSON
+                self.url + "/v1/completions", data=msgspec.json.encode(body), headers=JSON_HEADERS
             ) as resp:
                 flight.response = resp
-                if resp.status >= 400:
-                    text = (await resp.read())[:500].decode(errors="replace")
-                    raise RuntimeError(f"vLLM /v1/completions answered {resp.status}: {text}")
+                await raise_for_status(resp, "vLLM /v1/completions")
                 if ctx.interrupted:
                     self._interrupt(flight)  # paused while the request was on its way
                 async for chunk in sse_events(resp.content):
@@ -170,7 +157,7 @@ class VLLMEngine(HTTPBridge):
             if not flight.interrupted:
                 await self.server_gone(repr(exc))
         finally:
-            self.flights.pop(rid, None)
+            self.end_flight(rid)
         if flight.interrupted and finish is None:
             return response(req, toks, lps, vers, "interrupt")
         if finish is None:
@@ -226,8 +213,5 @@ def _token_id(name: str) -> int:
 def factory(opts: dict[str, str]) -> VLLMEngine:
     """``--engine vllm``: a :class:`VLLMEngine` from the ``--engine-opt`` strings;
     probes the server first (``check=0`` skips it)."""
-    kw = bridge_kwargs(opts, ("model",))
-    engine = VLLMEngine(opts["url"], **kw)
-    if parse_bool(opts.get("check", "1")):
-        engine.check_reachable()
+    engine: VLLMEngine = VLLMEngine.from_opts(opts, ("model",))
     return engine

@@ -84,6 +84,47 @@ class FakeState:
     def count(self, key: str, n: int = 1) -> None:
         self.stats[key] = self.stats.get(key, 0) + n
 
+    # -- what both servers serve alike ------------------------------------------------------
+    def app(self) -> Any:
+        """The aiohttp application: the server's own routes (:meth:`routes`), ``GET
+        /health`` and ``GET /fake/stats``."""
+        from aiohttp import web
+
+        app = web.Application()
+        self.routes(app)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/fake/stats", self.get_stats)
+        return app
+
+    def routes(self, app: Any) -> None:
+        """Add the server's own endpoints to ``app``."""
+        raise NotImplementedError
+
+    def n_running(self) -> int:
+        """Requests generating now (``running`` in the stats)."""
+        raise NotImplementedError
+
+    async def health(self, request: Any) -> Any:
+        from aiohttp import web
+
+        await self.fault_point()
+        return web.Response(text="")
+
+    async def get_stats(self, request: Any) -> Any:
+        from aiohttp import web
+
+        body = dict(self.stats, seed=self.seed, running=self.n_running(), tokens=self.tokens)
+        return web.json_response(body)
+
+    def sample(self, h: int, stop: set[int], n_out: int, min_new: int) -> tuple[int, float, int]:
+        """The next token after a context of hash ``h`` (a stop token before ``min_new``
+        tokens becomes another), its logprob and the context's new hash; counted."""
+        tok, lp = next_token(self.seed, h)
+        if tok in stop and n_out < min_new:
+            tok = (tok + 1) % VOCAB
+        self.tokens += 1
+        return tok, lp, context_hash([tok], h)
+
     async def fault_point(self) -> None:
         """Called before each token and each request: hang or die when due."""
         if self.die_after >= 0 and self.tokens >= self.die_after:
@@ -92,6 +133,27 @@ class FakeState:
             self.hung.set()
         if self.hung.is_set():
             await asyncio.Event().wait()  # hung for good
+
+
+async def open_stream(request: Any) -> Any:
+    """A prepared server-sent event response to ``request``."""
+    from aiohttp import web
+
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await resp.prepare(request)
+    return resp
+
+
+def sse(body: Any) -> bytes:
+    """One ``data:`` event of ``body`` as JSON."""
+    return b"data: " + json.dumps(body).encode() + b"\n\n"
+
+
+async def end_stream(resp: Any) -> Any:
+    """``data: [DONE]`` and the end of the body; returns ``resp``."""
+    await resp.write(b"data: [DONE]\n\n")
+    await resp.write_eof()
+    return resp
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -25,10 +25,12 @@ from aiohttp import web
 from tests.transport.fakes.common import (
     FakeState,
     context_hash,
-    next_token,
+    end_stream,
+    open_stream,
     parse_args,
     seed_of_path,
     serve,
+    sse,
 )
 
 
@@ -41,24 +43,15 @@ class SGLang(FakeState):
         self.resumed = asyncio.Event()
         self.resumed.set()
 
-    def app(self) -> web.Application:
-        app = web.Application()
+    def routes(self, app: web.Application) -> None:
         app.router.add_post("/generate", self.generate)
         app.router.add_post("/abort_request", self.abort)
         app.router.add_post("/pause_generation", self.pause)
         app.router.add_post("/continue_generation", self.resume)
         app.router.add_post("/update_weights_from_disk", self.reload)
-        app.router.add_get("/health", self.health)
-        app.router.add_get("/fake/stats", self.get_stats)
-        return app
 
-    async def health(self, request: web.Request) -> web.Response:
-        await self.fault_point()
-        return web.Response(text="")
-
-    async def get_stats(self, request: web.Request) -> web.Response:
-        body = dict(self.stats, seed=self.seed, running=len(self.running), tokens=self.tokens)
-        return web.json_response(body)
+    def n_running(self) -> int:
+        return len(self.running)
 
     async def abort(self, request: web.Request) -> web.Response:
         body = await request.json()
@@ -118,8 +111,7 @@ class SGLang(FakeState):
         self.running[rid] = abort
         resp: web.StreamResponse | None = None
         if stream:
-            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-            await resp.prepare(request)
+            resp = await open_stream(request)
         try:
             out, lps, finish = [], [], None
             h = context_hash(ids)
@@ -141,13 +133,9 @@ class SGLang(FakeState):
                     finish = {"type": "abort", "message": "Abort before the request finished."}
                     break
                 await self.fault_point()
-                tok, lp = next_token(self.seed, h)
-                if tok in stop and len(out) < min_new:
-                    tok = (tok + 1) % 256
-                h = context_hash([tok], h)
+                tok, lp, h = self.sample(h, stop, len(out), min_new)
                 out.append(tok)
                 lps.append(lp)
-                self.tokens += 1
                 if tok in stop:
                     finish = {"type": "stop", "matched": tok}
                     break
@@ -164,9 +152,7 @@ class SGLang(FakeState):
                     json.loads(self._chunk(rid, ids, out, lps, 0, finish, raw=True))
                 )
             await resp.write(self._chunk(rid, ids, out, lps, sent, finish))
-            await resp.write(b"data: [DONE]\n\n")
-            await resp.write_eof()
-            return resp
+            return await end_stream(resp)
         finally:
             self.running.pop(rid, None)
 
@@ -196,13 +182,11 @@ class SGLang(FakeState):
                 ],
             },
         }
-        data = json.dumps(body).encode()
-        return data if raw else b"data: " + data + b"\n\n"
+        return json.dumps(body).encode() if raw else sse(body)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-
     serve(lambda: SGLang(args).app(), args.port)
 
 

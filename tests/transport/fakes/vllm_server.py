@@ -14,13 +14,20 @@ tests. Run: ``python -m tests.transport.fakes.vllm_server [--port 0] [options]``
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from typing import Any
 
 from aiohttp import web
 
-from tests.transport.fakes.common import FakeState, context_hash, next_token, parse_args, serve
+from tests.transport.fakes.common import (
+    FakeState,
+    context_hash,
+    end_stream,
+    open_stream,
+    parse_args,
+    serve,
+    sse,
+)
 
 
 class VLLM(FakeState):
@@ -29,26 +36,16 @@ class VLLM(FakeState):
         self.model: str = args.model
         self.running = 0
 
-    def app(self) -> web.Application:
-        app = web.Application()
+    def routes(self, app: web.Application) -> None:
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_get("/v1/models", self.models)
-        app.router.add_get("/health", self.health)
-        app.router.add_get("/fake/stats", self.get_stats)
-        return app
 
-    async def health(self, request: web.Request) -> web.Response:
-        await self.fault_point()
-        return web.Response(text="")
+    def n_running(self) -> int:
+        return self.running
 
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response(
             {"object": "list", "data": [{"id": self.model, "object": "model", "owned_by": "vllm"}]}
-        )
-
-    async def get_stats(self, request: web.Request) -> web.Response:
-        return web.json_response(
-            dict(self.stats, seed=self.seed, running=self.running, tokens=self.tokens)
         )
 
     def _choice(self, tok: int, lp: float, as_ids: bool, finish: Any) -> dict[str, Any]:
@@ -91,20 +88,15 @@ class VLLM(FakeState):
         try:
             resp: web.StreamResponse | None = None
             if stream:
-                resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-                await resp.prepare(request)
+                resp = await open_stream(request)
             h = context_hash(prompt)
             choices: list[dict[str, Any]] = []
             finish = None
             n = 0
             while finish is None:
                 await self.fault_point()
-                tok, lp = next_token(self.seed, h)
-                if tok in stop and n < min_tokens:
-                    tok = (tok + 1) % 256
-                h = context_hash([tok], h)
+                tok, lp, h = self.sample(h, stop, n, min_tokens)
                 n += 1
-                self.tokens += 1
                 if tok in stop:
                     finish = "stop"
                 elif n >= max_tokens:
@@ -116,7 +108,7 @@ class VLLM(FakeState):
                     chunk = {"id": cid, "object": "text_completion", "created": created,
                              "model": self.model, "choices": [choice]}  # fmt: skip
                     try:
-                        await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+                        await resp.write(sse(chunk))
                     except (ConnectionError, RuntimeError):
                         self.count("disconnected")  # vLLM aborts the request
                         return resp
@@ -138,9 +130,7 @@ class VLLM(FakeState):
                      "usage": {"prompt_tokens": len(prompt), "completion_tokens": n,
                                "total_tokens": len(prompt) + n}}
                 )  # fmt: skip
-            await resp.write(b"data: [DONE]\n\n")
-            await resp.write_eof()
-            return resp
+            return await end_stream(resp)
         finally:
             self.running -= 1
 
