@@ -1,16 +1,15 @@
 """The ``transformers`` side of the ``hf`` engine (:mod:`transport.hf_engine`).
 
 Random-weight models of :data:`MODEL_SIZES` built from a config (nothing is
-downloaded), ``from_pretrained`` on a local directory, the KV-cache accessors that hide
-how the ``transformers`` version names its parts, and batched sampling with per-row
-:class:`~fastio.GenerationHyperparameters`.
+downloaded), ``from_pretrained`` on a local directory, and the batched KV cache of the
+running sequences (:class:`KVBatch`), whatever the ``transformers`` version names its
+parts.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Collection, Sequence
-from typing import Any, Protocol
+from typing import Any, Generic, TypeVar
 
 try:
     import torch
@@ -20,24 +19,11 @@ except ImportError as exc:  # name the extra that brings torch
 
     raise missing("torch", "hf", "the hf engine (transport.hf_model)") from exc
 
-from fastio import GenerationHyperparameters
 from fastio._optional import require
 
-__all__ = ["MODEL_SIZES", "build_model", "load_pretrained", "model_config"]
+T = TypeVar("T")
 
-
-class SampledRow(Protocol):
-    """What :func:`sample_rows` reads of a sequence: its tokens so far, its stop tokens
-    and its random generator."""
-
-    @property
-    def toks(self) -> list[int]: ...
-
-    @property
-    def stop_ids(self) -> Collection[int]: ...
-
-    @property
-    def gen(self) -> torch.Generator: ...
+__all__ = ["MODEL_SIZES", "KVBatch", "build_model", "load_pretrained", "model_config"]
 
 
 #: Size name -> config fields of the random-weight models (about 0.1M, 4M, 40M, 100M
@@ -140,13 +126,13 @@ def load_pretrained(path: str, dtype: torch.dtype = torch.float32) -> nn.Module:
 
 
 # -- the KV cache, whatever the transformers version calls its parts -------------------
-def cache_tensors(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _kv(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
     if hasattr(cache, "layers"):  # transformers >= 4.56
         return [(layer.keys, layer.values) for layer in cache.layers]
     return list(zip(cache.key_cache, cache.value_cache, strict=True))
 
 
-def cache_set(cache: Any, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+def _set_kv(cache: Any, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     if hasattr(cache, "layers"):
         for layer, (k, v) in zip(cache.layers, kv, strict=True):
             layer.keys, layer.values = k, v
@@ -155,7 +141,7 @@ def cache_set(cache: Any, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         cache.value_cache[:] = [v for _, v in kv]
 
 
-def left_pad(t: torch.Tensor, width: int, dim: int) -> torch.Tensor:
+def _left_pad(t: torch.Tensor, width: int, dim: int) -> torch.Tensor:
     extra = width - t.shape[dim]
     if extra <= 0:
         return t
@@ -164,50 +150,47 @@ def left_pad(t: torch.Tensor, width: int, dim: int) -> torch.Tensor:
     return torch.cat([t.new_zeros(shape), t], dim)
 
 
-def sample_rows(
-    logits: torch.Tensor, gs: list[GenerationHyperparameters], seqs: Sequence[SampledRow]
-) -> tuple[list[int], list[float]]:
-    """Tokens and logprobs for a batch of rows, each with its own sampling parameters."""
-    rows, vocab = logits.shape
-    dev = logits.device
-    for i, (g, s) in enumerate(zip(gs, seqs, strict=True)):
-        if len(s.toks) < g.min_new_tokens and s.stop_ids:
-            ban = [t for t in s.stop_ids if 0 <= t < vocab]
-            if ban:
-                logits[i, ban] = float("-inf")
-    greedy = [g.greedy for g in gs]
-    temps = torch.tensor(
-        [1.0 if g.greedy else max(g.temperature, 1e-5) for g in gs], device=dev
-    ).unsqueeze(1)
-    scaled = logits / temps
-    logp = torch.log_softmax(scaled, -1)
-    toks = torch.argmax(logits, -1)
-    sampled = [i for i in range(rows) if not greedy[i]]
-    if sampled:
-        idx = torch.tensor(sampled, device=dev)
-        filt = scaled.index_select(0, idx)
-        ks = [min(max(gs[i].top_k, 1), vocab) for i in sampled]
-        if min(ks) < vocab:
-            kth = torch.topk(filt, max(k for k in ks if k < vocab), -1).values
-            pick = torch.tensor([k - 1 if k < vocab else 0 for k in ks], device=dev)
-            thresh = kth.gather(1, pick.unsqueeze(1))
-            thresh[torch.tensor([k >= vocab for k in ks], device=dev)] = float("-inf")
-            filt = filt.masked_fill(filt < thresh, float("-inf"))
-        ps = [max(gs[i].top_p, 1e-9) for i in sampled]  # top_p <= 0 keeps the argmax
-        if min(ps) < 1.0:
-            top_p = torch.tensor([p if p < 1.0 else 2.0 for p in ps], device=dev).unsqueeze(1)
-            sorted_l, order = torch.sort(filt, descending=True)
-            probs = torch.softmax(sorted_l, -1)
-            drop = (probs.cumsum(-1) - probs) >= top_p  # keeps the first token past p
-            filt = filt.scatter(1, order, sorted_l.masked_fill(drop, float("-inf")))
-        cdf = torch.softmax(filt, -1).cumsum(-1)
-        u = torch.cat([torch.rand(1, generator=seqs[i].gen) for i in sampled]).to(dev)
-        u = u.unsqueeze(1) * cdf[:, -1:]
-        # right=True never lands on a token of probability 0 (its cdf equals the previous).
-        picked = torch.searchsorted(cdf, u, right=True).clamp(max=vocab - 1).squeeze(1)
-        toks = toks.index_copy(0, idx, picked)
-    chosen = logp.gather(1, toks.unsqueeze(1)).squeeze(1)
-    return toks.tolist(), chosen.tolist()
+class KVBatch(Generic[T]):
+    """The running batch: its sequences (row order), their KV cache (left-padded) and
+    attention mask ((rows, columns) int64, 0 on the padding)."""
+
+    def __init__(self) -> None:
+        self.seqs: list[T] = []
+        self.cache: Any = None
+        self.mask: torch.Tensor | None = None
+
+    def keep(self, rows: list[int]) -> None:
+        """Keep only ``rows``; drop the columns that became all padding."""
+        if len(rows) == len(self.seqs):
+            return
+        self.seqs = [self.seqs[i] for i in rows]
+        if not rows:
+            self.cache = self.mask = None
+            return
+        assert self.mask is not None
+        idx = torch.tensor(rows, device=self.mask.device)
+        mask = self.mask.index_select(0, idx)
+        first = int(mask.any(0).nonzero()[0])  # the first column any row still uses
+        self.mask = mask[:, first:]
+        kv = [(k.index_select(0, idx)[:, :, first:], v.index_select(0, idx)[:, :, first:])
+              for k, v in _kv(self.cache)]  # fmt: skip
+        _set_kv(self.cache, kv)
+
+    def merge(self, seqs: list[T], cache: Any, mask: torch.Tensor) -> None:
+        """Append rows prefilled on their own, left-padding the shorter side."""
+        if not self.seqs:
+            self.seqs, self.cache, self.mask = list(seqs), cache, mask
+            return
+        assert self.mask is not None
+        w = max(self.mask.shape[1], mask.shape[1])
+        self.mask = torch.cat([_left_pad(self.mask, w, 1), _left_pad(mask, w, 1)], 0)
+        kv = [
+            (torch.cat([_left_pad(k, w, 2), _left_pad(k2, w, 2)], 0),
+             torch.cat([_left_pad(v, w, 2), _left_pad(v2, w, 2)], 0))
+            for (k, v), (k2, v2) in zip(_kv(self.cache), _kv(cache), strict=True)
+        ]  # fmt: skip
+        _set_kv(self.cache, kv)
+        self.seqs += seqs
 
 
 def weight_left_linear(mod: nn.Linear, x: torch.Tensor) -> torch.Tensor:
