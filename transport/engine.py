@@ -1,12 +1,8 @@
-"""A reference generation engine: a tiny torch causal LM on CPU.
+"""A reference generation engine: a tiny torch causal LM on CPU, in the worker's loop.
 
-Small enough for tests and benchmarks yet real: every token comes from the model's
-weights (so new weights change the output), with its logprob, sampled per
-:class:`~fastio.GenerationHyperparameters` (:mod:`transport.generation`), streamed one
-token at a time; it stops early on pause (``stop_reason="interrupt"``) and on
-cancellation. The model is an embedding, a GRU stack and a linear head: a recurrent
-state keeps each step O(1) without a KV cache, and a weight update sees ordinary
-``nn.Module`` parameters of varied shapes.
+Small enough for tests yet real: every token comes from the model's weights (new
+weights change the output), sampled per :mod:`transport.generation` and streamed one at
+a time; it stops early on pause (``stop_reason="interrupt"``) and on cancellation.
 """
 
 from __future__ import annotations
@@ -29,7 +25,8 @@ __all__ = ["GenerationContext", "ReferenceEngine", "TinyLM"]
 
 
 class TinyLM(nn.Module):
-    """Embedding -> GRU -> LayerNorm -> linear head over a small vocabulary.
+    """Embedding -> GRU -> LayerNorm -> linear head over a small vocabulary: a recurrent
+    state keeps each step O(1) without a KV cache.
 
     Parameters
     ----------
@@ -91,11 +88,9 @@ class ReferenceEngine:
     --------
     >>> import asyncio
     >>> from fastio import LLMRequest, GenerationHyperparameters
-    >>> eng = ReferenceEngine(seed=1)
     >>> req = LLMRequest(input_ids=[1, 2, 3], gconfig=GenerationHyperparameters(max_new_tokens=4))
-    >>> resp = asyncio.run(eng.generate(req))
-    >>> resp.output_len, list(resp.output_versions)
-    (4, [0, 0, 0, 0])
+    >>> list(asyncio.run(ReferenceEngine(seed=1).generate(req)).output_versions)
+    [0, 0, 0, 0]
     """
 
     def __init__(
@@ -117,16 +112,14 @@ class ReferenceEngine:
         self._seeds = RequestSeeds(seed)
 
     async def generate(self, req: LLMRequest, ctx: GenerationContext | None = None) -> LLMResponse:
-        """Generate up to ``req.gconfig.max_new_tokens`` tokens after ``req.input_ids``
-        (an empty prompt starts from token 0).
-
-        Returns ``stop_reason`` ``"stop"`` (a stop token, included in the output),
-        ``"length"`` or ``"interrupt"`` (the worker paused; the output so far).
+        """Generate after ``req.input_ids`` (empty: from token 0); ``stop_reason`` is
+        ``"stop"`` (a stop token, in the output), ``"length"`` or ``"interrupt"`` (the
+        worker paused; the output so far).
 
         Raises
         ------
         ValueError
-            For token ids outside the vocabulary.
+            Token ids outside the vocabulary.
         """
         ids = prompt_ids(req, self.vocab_size, 0)
         seq = Generation.of(req, self._seeds)

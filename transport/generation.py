@@ -1,12 +1,9 @@
 """One request as the built-in engines (:mod:`transport.engine`,
-:mod:`transport.hf_engine`) generate it: its prompt, its randomness, the tokens sampled
-so far and the response.
+:mod:`transport.hf_engine`) generate it: prompt, randomness, sampled tokens, response.
 
-Sampling follows :class:`~fastio.GenerationHyperparameters`: ``greedy``,
-``temperature``, ``top_k``, ``top_p``, ``stop_token_ids`` (the stop token is included
-in the output), ``min_new_tokens`` (stop tokens banned before it), ``max_new_tokens``.
-Logprobs are under the temperature-scaled distribution before top-k/top-p (greedy: the
-model's own distribution).
+Sampling follows every field of :class:`~fastio.GenerationHyperparameters` but
+``n_samples`` (the caller's business). Logprobs are under the temperature-scaled
+distribution before top-k/top-p (greedy: the model's own distribution).
 """
 
 from __future__ import annotations

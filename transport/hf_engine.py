@@ -1,30 +1,15 @@
 """A generation engine serving a Hugging Face ``transformers`` causal LM.
 
-The model comes from a config with random weights (:data:`MODEL_SIZES`, Llama or Qwen2
-layout: for tests, benchmarks and the demo, nothing is downloaded) or from
-``from_pretrained`` on a local directory. Serve it from a worker::
+The model is built from a config with random weights (:data:`MODEL_SIZES`; nothing is
+downloaded) or loaded with ``from_pretrained`` from a local directory; a worker serves
+it with ``--engine hf`` (:func:`create_engine`) or ``--engine transport.hf_engine:factory``.
 
-    python -m transport.worker --bind tcp://127.0.0.1:5555 --engine hf --model-size small
-
-(:func:`create_engine`; :func:`factory` is the same for ``--engine module:factory``).
-
-Threads. One engine thread owns the model and runs every forward, so the worker's
-event loop keeps answering heartbeats and moving bytes while the model computes.
-:meth:`HFEngine.generate` hands the request to the thread and awaits a future; tokens
-come back once per step (``loop.call_soon_threadsafe``) and are streamed with
-``ctx.emit``. The thread runs one decode forward per step for every active sequence
-(a left-padded batched KV cache); new requests are prefilled together and join between
-steps (continuous batching); finished, cancelled and interrupted (``ctx.interrupted``,
-a paused worker) sequences leave between steps. A handler returns only once the thread
-let go of its sequence, so a paused worker with no running handler runs no forward.
-
-Weight updates copy into :attr:`HFEngine.model` in place, then set
-:attr:`HFEngine.version` (stamped on every token, ``output_versions``), either under
-the worker's pause (:func:`transport.weights.attach_subscriber`) or between two steps
-under :attr:`HFEngine.step_lock` (``WeightSubscriber(..., lock=engine.step_lock)``,
-which then verifies the whole version before its first write: its default
-``atomic=True``). Sampling: :mod:`transport.generation`; ``n_samples`` is the caller's
-business.
+One engine thread owns the model and runs every forward, so the worker's event loop
+keeps answering heartbeats while the model computes. It decodes all active sequences in
+one forward per step (a left-padded batched KV cache); new requests are prefilled and
+join between steps, finished, cancelled and interrupted ones leave between steps.
+Tokens go back to the loop once per step. A handler returns only once the thread let go
+of its sequence, so a paused worker with no running handler runs no forward.
 """
 
 from __future__ import annotations
@@ -106,11 +91,10 @@ class HFEngine:
     Parameters
     ----------
     model:
-        A causal LM (``PreTrainedModel``) or any module with its ``forward`` signature
-        (``input_ids``, ``attention_mask``, ``position_ids``, a ``DynamicCache``).
+        A causal LM, or any module with its ``forward`` signature (``input_ids``,
+        ``attention_mask``, ``position_ids``, a ``DynamicCache``); moved to ``device``.
     device:
-        Where it runs (default: ``cuda`` when available, else ``cpu``); the model is
-        moved there.
+        Default: ``cuda`` when available, else ``cpu``.
     seed:
         Mixed into every request's sampling seed.
     max_batch:
@@ -118,17 +102,16 @@ class HFEngine:
     token_interval:
         Extra seconds per step (0: none), to simulate a slower model in tests.
     weight_left:
-        On CPU, compute each ``nn.Linear`` as ``weight @ x.T`` (default on): the same
-        result up to rounding, and faster on BLAS builds such as MKL's for the few rows
-        of a decode step (:func:`~transport.hf_model.weight_left_linear`). The
-        parameters are untouched.
+        On CPU, compute each ``nn.Linear`` as ``weight @ x.T``
+        (:func:`~transport.hf_model.weight_left_linear`); parameters are untouched.
 
     Attributes
     ----------
     model:
-        The ``nn.Module``; a weight update copies into its parameters in place while no
-        step runs (the worker paused, or under :attr:`step_lock`), then sets
-        :attr:`version`.
+        A weight update copies into its parameters in place, then sets
+        :attr:`version`: under the worker's pause, or between two steps under
+        :attr:`step_lock` (``WeightSubscriber(..., lock=engine.step_lock)``, which
+        then verifies the whole version before its first write).
     version:
         Weight version stamped on every token generated (``output_versions``).
     step_lock:
@@ -142,9 +125,8 @@ class HFEngine:
     >>> from fastio import GenerationHyperparameters, LLMRequest
     >>> eng = HFEngine(build_model("tiny"), device="cpu")
     >>> req = LLMRequest(input_ids=[1, 2, 3], gconfig=GenerationHyperparameters(max_new_tokens=4))
-    >>> resp = asyncio.run(eng.generate(req))
-    >>> resp.output_len, list(resp.output_versions)
-    (4, [0, 0, 0, 0])
+    >>> asyncio.run(eng.generate(req)).output_len
+    4
     >>> eng.close()
     """
 
@@ -198,20 +180,18 @@ class HFEngine:
 
     # -- the loop's side ----------------------------------------------------------------
     async def generate(self, req: LLMRequest, ctx: GenerationContext | None = None) -> LLMResponse:
-        """Generate up to ``req.gconfig.max_new_tokens`` tokens after ``req.input_ids``
-        (an empty prompt starts from the model's BOS token).
+        """Generate after ``req.input_ids`` (empty: from the model's BOS token).
 
-        Returns ``stop_reason`` ``"stop"`` (a stop token, included in the output),
-        ``"length"`` (``max_new_tokens``, or the model's ``max_position_embeddings``)
-        or ``"interrupt"`` (the worker paused; the output so far).
+        ``stop_reason`` is ``"stop"`` (a stop token, in the output), ``"length"``
+        (``max_new_tokens`` or the model's context) or ``"interrupt"`` (the worker
+        paused; the output so far).
 
         Raises
         ------
         ValueError
-            For token ids outside the vocabulary, or a prompt as long as the model's
-            context.
+            Token ids outside the vocabulary, or a prompt as long as the context.
         RuntimeError
-            When the engine is closed, or the forward failed (out of memory, say).
+            The engine is closed, or the forward failed (out of memory, say).
         """
         if self._closing:
             raise RuntimeError("the engine is closed")
@@ -411,7 +391,9 @@ def _set_exception(fut: asyncio.Future[Any], exc: BaseException) -> None:
 
 # -- construction from the command line --------------------------------------------------
 class HFOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """The options of :func:`create_engine` (``--engine-opt key=value``)."""
+    """The options of :func:`create_engine` (``--engine-opt key=value``): those of
+    :class:`HFEngine`, the model's ``arch`` (``llama``/``qwen2``), ``dtype`` and
+    ``max_len`` (context), and ``threads`` (torch threads of the process)."""
 
     model_size: str = "small"
     model_path: str | None = None
@@ -436,20 +418,15 @@ def create_engine(
 
     Parameters
     ----------
-    model_size:
-        A key of :data:`MODEL_SIZES` (random weights from ``seed``); ignored when
-        ``model_path`` is given.
-    model_path:
-        A local directory for ``AutoModelForCausalLM.from_pretrained`` (never
-        downloads).
+    model_size, model_path:
+        A key of :data:`MODEL_SIZES` (random weights from ``seed``), or a local
+        directory for ``from_pretrained`` (never downloads; wins when given).
     device:
         ``cpu``, ``cuda``, ``cuda:1``... (default: cuda when available).
     seed:
         Weights of the random model, and the sampling seed.
     **opts:
-        The other fields of :class:`HFOptions`: ``arch`` (``llama``/``qwen2``),
-        ``dtype``, ``max_batch``, ``max_len``, ``token_interval``, ``threads`` (torch
-        threads of the process). Values may be strings (``--engine-opt k=v``).
+        The other fields of :class:`HFOptions`; values may be strings.
 
     Raises
     ------

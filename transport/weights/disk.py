@@ -1,23 +1,14 @@
-"""Disk path: versions as safetensors files under ``WeightUpdateMeta.path``, atomically.
+"""Disk route: versions as safetensors files under ``WeightUpdateMeta.path``, atomically.
 
-Layout under the directory ``path``::
-
-    v00000007/model.safetensors     one directory per version, complete before it has
-    v00000008/model.safetensors     its final name
-    LATEST                          {"version": 8, "dir": "v00000008"}
-
-Writing (the trainer): the file goes into a hidden temporary directory, is fsynced,
-the directory is renamed to its final name, then ``LATEST`` is replaced atomically
-(temporary file, fsync, ``os.replace``, fsync of the directory). A reader follows
-``LATEST``, so it sees either the previous complete version or the new complete one,
-never a half-written file, even if the trainer dies at any point. Old versions beyond
-``keep`` are deleted after the marker moved; a reader that lost the race to such a
-deletion retries with the new marker, and one that already opened a file keeps reading
-it (POSIX keeps unlinked files alive while open).
-
-Reading (a worker) maps the file and copies each tensor straight from the mapping into
-the live parameter (one copy per byte), after checking every name, shape and dtype
-from the header first, so a mismatching file leaves the weights untouched.
+Layout: one directory per version (``v00000008/model.safetensors``), complete and
+fsynced before it is renamed to its final name, then a ``LATEST`` marker
+(``{"version": 8, "dir": "v00000008"}``) replaced atomically. A reader follows the
+marker, so it sees the previous complete version or the new one, never a half-written
+file, whenever the trainer dies. Versions beyond ``keep`` are deleted after the marker
+moved; a reader that lost that race follows the new marker (one that already opened
+the file keeps reading it). Reading maps the file, checks every name, shape and dtype
+first (a mismatch leaves the weights untouched), then copies each tensor straight from
+the mapping into the live parameter.
 """
 
 from __future__ import annotations
@@ -52,18 +43,10 @@ __all__ = ["MARKER", "latest_version", "load_weights", "save_weights"]
 #: Name of the file that points at the newest complete version.
 MARKER = "LATEST"
 _FILE = "model.safetensors"
-_ST_DTYPES = {
-    "F64": "float64",
-    "F32": "float32",
-    "F16": "float16",
-    "BF16": "bfloat16",
-    "I64": "int64",
-    "I32": "int32",
-    "I16": "int16",
-    "I8": "int8",
-    "U8": "uint8",
-    "BOOL": "bool",
-}
+# safetensors dtype -> the bucket's dtype name
+_ST_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
+              "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8",
+              "BOOL": "bool"}  # fmt: skip
 
 
 def _root(where: WeightUpdateMeta | str | os.PathLike[str]) -> Path:
@@ -74,8 +57,8 @@ def _root(where: WeightUpdateMeta | str | os.PathLike[str]) -> Path:
     return Path(where)
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
@@ -127,12 +110,8 @@ def save_weights(
         if aliases:  # tied weights: stored once, applied to every name
             meta["fastio_aliases"] = json.dumps(aliases, sort_keys=True)
         _save_file(tensors, str(f), metadata=meta)
-        fd = os.open(f, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        _fsync_dir(tmp)
+        _fsync(f)
+        _fsync(tmp)
         final = root / name
         if final.exists():  # left by a writer that died before moving the marker
             shutil.rmtree(final)
@@ -140,16 +119,12 @@ def save_weights(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    _fsync_dir(root)
+    _fsync(root)
     marker_tmp = root / f".{MARKER}.{secrets.token_hex(4)}"
     marker_tmp.write_text(json.dumps({"version": version, "dir": name}))
-    fd = os.open(marker_tmp, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    _fsync(marker_tmp)
     os.replace(marker_tmp, root / MARKER)
-    _fsync_dir(root)
+    _fsync(root)
     _gc(root, keep=max(1, keep))
     return root / name / _FILE
 
@@ -267,21 +242,15 @@ def load_weights(
             os.close(fd)
         try:
             info, start, aliases = _parse(mm, path)
+            spec = parse_dtype_spec(dtype)
             binding = Binding(
-                [info],
-                targets,
-                aliases=aliases,
-                rename=rename,
-                dtype=parse_dtype_spec(dtype),
-                strict=strict,
+                [info], targets, aliases=aliases, rename=rename, dtype=spec, strict=strict
             )
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", UserWarning)  # read-only mapping, only read
-                data = (
-                    torch.frombuffer(mm, dtype=torch.uint8, offset=start)
-                    if info.nbytes
-                    else (torch.empty(0, dtype=torch.uint8))
-                )
+            data = torch.empty(0, dtype=torch.uint8)
+            if info.nbytes:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", UserWarning)  # read-only mapping, only read
+                    data = torch.frombuffer(mm, dtype=torch.uint8, offset=start)
             applier = BucketApplier(targets)
             applier.apply(info, [data], binding.dests)
             applier.finish()

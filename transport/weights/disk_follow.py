@@ -1,32 +1,23 @@
-"""The disk route's two drivers: a worker plugin that follows a directory of versions,
-and the trainer call that writes one version and waits until every worker holds it.
+"""The disk route's drivers: a worker plugin that follows a directory of versions, and
+the trainer call that writes one version and waits until every worker holds it.
 
-A trainer writes versions with :func:`transport.weights.disk.save_weights` (atomic
-safetensors files and a ``LATEST`` marker moved last), either alone or through
-:func:`update_weights_on_disk`, which pauses the workers, writes the version once,
-waits until every worker reports it (its health status) and resumes them::
+Trainer::
 
     update_weights_on_disk(controller, "/shared/weights", model, version=step)
 
-A worker started with this plugin::
+Worker (``engine.version`` is set after each load and reported by the worker's status)::
 
     fastio-worker ... --plugin transport.weights.disk_follow:follow \\
         --plugin-opt disk_root=/shared/weights
 
-watches the marker and has its engine load every newer complete version, then sets
-``engine.version``; the worker's status (health, pongs) reports it, so a controller
-sees when every worker holds a version. The engine loads it with ``await
+The follower has its engine load every newer complete version with ``await
 engine.load_weights_from_disk(path, version)`` when it has that hook (the SGLang bridge
-hands the directory to its server), else by copying the file into ``engine.model`` in
-place, after checking every name, shape and dtype, so a version that does not fit the
-model is refused before any byte is written.
-
-A load never overlaps a generation step: it runs while the worker is paused. When a
-controller paused the worker already (the usual ``pause -> write -> wait -> resume`` of
-a weight update) the load only waits until no handler runs, and a resume meanwhile
-waits for the load to end; otherwise the follower pauses the worker itself and resumes
-it after. A version that fails to load (refused, or the engine's hook raised) is logged
-and not retried, a later version is; the worker keeps its weights and its version.
+hands the directory to its server), else by a checked in-place copy into
+``engine.model`` (:func:`~transport.weights.disk.load_weights`). A load runs while the
+worker is paused: under a controller's pause it only waits until no handler runs (and a
+resume waits for the load), otherwise the follower pauses and resumes the worker itself.
+A version that fails to load is logged and not retried (a later one is); the worker
+keeps its weights and its version.
 """
 
 from __future__ import annotations
@@ -69,13 +60,17 @@ class DiskFollower:
     root:
         The directory :func:`~transport.weights.disk.save_weights` writes into.
     poll:
-        Seconds between two looks at the marker (one small file read).
+        Seconds between two looks at the marker.
     pause_timeout:
-        Seconds a load waits for running generations to stop; past that the version
-        is tried again at the next look.
+        Seconds a load waits for running generations to stop (then the version is
+        tried again at the next look).
     strict:
-        Every parameter of the model must be in the file (the in-place copy; a hook
-        decides for itself).
+        Every parameter of the model must be in the file (the in-place copy only).
+
+    Attributes
+    ----------
+    refused:
+        The last version that failed to load (not retried; a newer one is).
     """
 
     def __init__(
@@ -104,7 +99,6 @@ class DiskFollower:
         self.poll = poll
         self.pause_timeout = pause_timeout
         self.strict = strict
-        #: The last version refused (not retried; a newer one is).
         self.refused: int | None = None
         self._free = asyncio.Event()  # set while no load runs
         self._free.set()
@@ -196,11 +190,16 @@ DISK_OPTIONS = frozenset(DiskOptions.__struct_encode_fields__)
 async def follow(server: Any, opts: dict[str, str]) -> None:
     """Fabric worker plugin: follow the disk versions under ``opts["disk_root"]``.
 
-    Options (``--plugin-opt key=value``): ``disk_root`` (required), ``disk_poll``
-    (seconds, default 0.05), ``disk_pause_timeout`` (seconds, default 30),
-    ``disk_strict`` (default 1). Keys without the ``disk_`` prefix are left to other
-    plugins. Raises ``ValueError`` at start for a missing root, an unknown ``disk_``
-    key or a malformed value, ``TypeError`` for an engine that cannot load weights.
+    Options (``--plugin-opt key=value``, :class:`DiskOptions`): ``disk_root``
+    (required), ``disk_poll`` (seconds, default 0.05), ``disk_pause_timeout`` (seconds,
+    default 30), ``disk_strict`` (default 1); other keys are left to other plugins.
+
+    Raises
+    ------
+    ValueError
+        A missing root, an unknown ``disk_`` key or a malformed value.
+    TypeError
+        An engine that cannot load weights.
     """
     o = parse_options(opts, DiskOptions, "disk plugin option", prefix="disk_")
     follower = DiskFollower(
@@ -258,16 +257,11 @@ def update_weights_on_disk(
     ----------
     controller:
         A :class:`transport.FabricController` of the workers that follow ``where``.
-    where:
-        The directory (or a ``type="disk"`` ``WeightUpdateMeta``) the workers follow.
-    state:
-        Module, state dict or ``(name, tensor)`` pairs.
-    version:
-        Newer than the latest on disk.
+    where, state, keep:
+        As for :func:`~transport.weights.disk.save_weights` (``version`` must be newer
+        than the latest on disk).
     timeout:
         Seconds for the pause, and for every worker to report the version.
-    keep:
-        How many versions stay on disk.
 
     Returns
     -------
@@ -279,8 +273,8 @@ def update_weights_on_disk(
     transport.ControlError
         A worker could not be paused or resumed.
     transport.weights.WeightUpdateError
-        Not every worker reported the version within ``timeout`` (the message lists
-        what each one reports; the workers are resumed either way).
+        Not every worker reported the version within ``timeout`` (the workers are
+        resumed either way).
     """
     controller.pause(timeout)
     try:

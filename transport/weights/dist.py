@@ -1,31 +1,15 @@
-"""Process-group path: weights broadcast in a torch.distributed group, bucket by bucket.
+"""Process-group route: weights broadcast in a torch.distributed group, bucket by bucket.
 
-Driven by :class:`fastio.WeightUpdateMeta` with ``type="nccl"``: ranks, the group's
-store and the bucket order are in ``docs/PROTOCOL.md`` ("Process-group path"), usage in
-``docs/weights.md`` ("torch.distributed"). NCCL on GPUs, gloo on CPU (so it is tested
-here). Unlike the original (one broadcast per parameter) both sides lay the parameters
-out in the same flat buckets (:func:`plan_buckets` depends only on names, shapes and
-dtypes), two in flight: the next is on the wire while the worker copies the previous.
+Driven by a ``type="nccl"`` :class:`fastio.WeightUpdateMeta`: ranks, the group's store
+and the bucket order are in ``docs/PROTOCOL.md`` ("Process-group path"), usage in
+``docs/weights.md``. NCCL on GPUs, gloo on CPU. Both sides lay the parameters out in the
+same flat buckets (:func:`~transport.weights.bucket.plan_buckets` depends only on names,
+shapes and dtypes), two in flight: the next is on the wire while the previous is copied.
 
-NCCL needs one device per rank. Before the NCCL group forms, every rank writes its host,
-its CUDA device count and the device it asked for (if any) into the store, and every rank
-derives the same assignment with :func:`assign_devices`: a rank without a request gets its
-local rank (its position among the group's ranks on its host). Two ranks on one device of
-one host are refused on every rank with a :class:`DeviceConflictError` that names them
-(same-GPU workers belong on the ``ipc`` path, :mod:`transport.weights.ipc`).
-
-Forming the group is bounded by ``join_timeout`` (a worker whose trainer died before the
-group formed fails after it, not after the collective ``timeout``); once formed, a
-trainer's death closes gloo's connections and a waiting worker fails at once.
-
-On a worker, ``atomic=True`` (default) receives every bucket into one staging buffer
-(allocated once, reused by later versions) before copying anything into the weights, so
-a broadcast that fails half-way (the trainer died: the collective times out) leaves the
-previous weights untouched; ``atomic=False`` copies each bucket as it lands (two
-bucket-sized buffers only) and a failure leaves the weights mixed.
-
-Buckets travel in the trainer's dtypes; ``recv(..., dtype=...)`` casts on the worker
-as the subscriber's option does (:mod:`transport.weights.binding`).
+NCCL needs one device per rank: every rank posts its host, CUDA device count and
+requested device to the store, and all derive the same :func:`assign_devices` (or the
+same :class:`DeviceConflictError`). Forming the group is bounded by ``join_timeout``;
+once formed, a trainer's death closes gloo's connections and a waiting worker fails.
 """
 
 from __future__ import annotations
@@ -35,7 +19,7 @@ import datetime
 import json
 import socket
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 try:
@@ -52,11 +36,11 @@ from transport.weights.binding import Binding, DtypeSpec, parse_dtype_spec
 from transport.weights.bucket import (
     DEFAULT_BUCKET_BYTES,
     BucketApplier,
-    dtype_from_name,
     dtype_name,
     named_tensors,
     pack_bucket,
     plan_buckets,
+    wire_tensor,
 )
 from transport.weights.errors import WeightMismatchError, WeightUpdateError
 
@@ -73,6 +57,11 @@ __all__ = [
     "world_size",
 ]
 
+_ADVICE = (
+    "NCCL needs one device per rank: give each rank its own GPU (WeightGroup(device=...)), "
+    "or put workers that share the trainer's GPU on the ipc path"
+)
+
 
 class DeviceConflictError(WeightUpdateError, ValueError):
     """The NCCL group cannot give every rank its own CUDA device (raised on every rank
@@ -80,28 +69,22 @@ class DeviceConflictError(WeightUpdateError, ValueError):
 
 
 def _names(ranks: Sequence[int]) -> str:
-    return (
-        ", ".join(str(r) for r in ranks[:-1]) + f" and {ranks[-1]}"
-        if len(ranks) > 1
-        else str(ranks[0])
-    )
+    if len(ranks) == 1:
+        return str(ranks[0])
+    return ", ".join(str(r) for r in ranks[:-1]) + f" and {ranks[-1]}"
 
 
 def assign_devices(
     hosts: Sequence[str], device_counts: Sequence[int], requested: Sequence[int | None]
 ) -> list[int]:
     """The CUDA device of every rank of an NCCL group: ``requested[r]`` where given, else
-    rank ``r``'s local rank (its position, by rank, among the ranks on ``hosts[r]``)
-    counted over the devices no rank of that host asked for.
-
-    Pure: every rank calls it on the same inputs (exchanged through the group's store)
-    and gets the same answer or the same error.
+    rank ``r``'s local rank (its position among the ranks on ``hosts[r]``) counted over
+    the devices no rank of that host asked for. Pure: every rank gets the same answer.
 
     Raises
     ------
     DeviceConflictError
-        Two ranks of one host on one device (NCCL refuses them: "Duplicate GPU
-        detected"), or a rank whose device its host does not have.
+        Two ranks of one host on one device, or a rank whose device its host lacks.
 
     Examples
     --------
@@ -110,11 +93,6 @@ def assign_devices(
     """
     if not len(hosts) == len(device_counts) == len(requested):
         raise ValueError("hosts, device_counts and requested need one entry per rank")
-    advice = (
-        "NCCL needs one device per rank: give each rank its own GPU "
-        "(WeightGroup(device=...)), or put workers that share the trainer's GPU on the "
-        "ipc path"
-    )
     by_host: dict[str, list[int]] = {}
     for rank, host in enumerate(hosts):
         by_host.setdefault(host, []).append(rank)
@@ -123,28 +101,26 @@ def assign_devices(
         if req is None:
             taken = {requested[r] for r in by_host[host]}
             free = [d for d in range(count) if d not in taken]
-            waiting = [r for r in by_host[host] if requested[r] is None]
-            k = waiting.index(rank)
+            k = [r for r in by_host[host] if requested[r] is None].index(rank)
             if k >= len(free):
                 raise DeviceConflictError(
                     f"ranks {_names(by_host[host])} are on host {host!r}, which has "
-                    f"{count} CUDA device(s) ({len(free)} not asked for by a rank); {advice}"
+                    f"{count} CUDA device(s) ({len(free)} not asked for by a rank); {_ADVICE}"
                 )
-            out.append(free[k])
+            req = free[k]
         elif not 0 <= req < count:
             raise DeviceConflictError(
                 f"rank {rank} asked for cuda:{req}, but host {host!r} has {count} CUDA "
-                f"device(s); {advice}"
+                f"device(s); {_ADVICE}"
             )
-        else:
-            out.append(req)
+        out.append(req)
     owners: dict[tuple[str, int], list[int]] = {}
     for rank, (host, dev) in enumerate(zip(hosts, out, strict=True)):
         owners.setdefault((host, dev), []).append(rank)
     for (host, dev), ranks in owners.items():
         if len(ranks) > 1:
             raise DeviceConflictError(
-                f"ranks {_names(ranks)} are all on cuda:{dev} of host {host!r}; {advice}"
+                f"ranks {_names(ranks)} are all on cuda:{dev} of host {host!r}; {_ADVICE}"
             )
     return out
 
@@ -196,11 +172,16 @@ class WeightGroup:
     timeout:
         Seconds a collective may wait for the others before failing.
     join_timeout:
-        Seconds forming the group may take (connecting to the trainer's store, waiting
-        for every rank); default ``min(timeout, 60)``.
+        Seconds forming the group may take (reaching the trainer's store, waiting for
+        every rank); default ``min(timeout, 60)``.
     device:
         NCCL only: this rank's CUDA device index (default: its local rank, see
         :func:`assign_devices`).
+
+    Attributes
+    ----------
+    last_timings:
+        Per-bucket timings of the last :meth:`send` or :meth:`recv` (seconds).
 
     Examples
     --------
@@ -269,12 +250,9 @@ class WeightGroup:
         store.set_timeout(td)
         self._bufs: list[torch.Tensor] = []
         self._staging: torch.Tensor | None = None
-        #: Per-bucket timings of the last send/recv (seconds).
         self.last_timings: list[dict[str, float]] = []
 
     def _exchange_devices(self, device: int | None) -> int:
-        """Every rank posts (host, CUDA device count, requested device) to the store and
-        reads everyone's; all derive the same :func:`assign_devices` (or the same error)."""
         me = [socket.gethostname(), torch.cuda.device_count(), device]
         self._store.set(f"fastio-device/{self.rank}", json.dumps(me))
         rows = [
@@ -282,10 +260,8 @@ class WeightGroup:
         ]
         self._store.set(f"fastio-device-read/{self.rank}", "1")
         if self.rank == 0:
-            # The store lives in this process: it stays up until every rank has read the
-            # rows, so that a refused group fails with the same error everywhere rather
-            # than with a vanished store on the ranks still reading. A rank that died
-            # meanwhile costs the store's timeout.
+            # The store lives in this process: keep it up until every rank has read the
+            # rows, so a refused group fails with the same error everywhere.
             with contextlib.suppress(RuntimeError):
                 self._store.wait([f"fastio-device-read/{r}" for r in range(self.world_size)])
         hosts, counts, requested = zip(*rows, strict=True) if rows else ((), (), ())
@@ -304,10 +280,8 @@ class WeightGroup:
         return self.pg.broadcast([t], opts)
 
     def send(self, state: Any) -> None:
-        """Rank 0: broadcast ``state`` (module or state dict) bucket by bucket.
-
-        Packing bucket k+1 overlaps the broadcast of bucket k (two buffers in turn).
-        """
+        """Rank 0: broadcast ``state`` (module or state dict) bucket by bucket, packing
+        bucket k+1 while bucket k is on the wire."""
         if self.rank != 0:
             raise RuntimeError("only rank 0 sends")
         tensors = named_tensors(state)
@@ -334,19 +308,28 @@ class WeightGroup:
     ) -> None:
         """Workers: receive a version into ``target`` (module or name -> tensor).
 
-        ``dtype`` declares the dtypes wanted (``None``: exactly the trainer's; one dtype
-        for every floating tensor; engine name -> dtype; ``"auto"``: each target's own
-        dtype): a floating tensor is then cast during the copy out of the received
-        bucket, bit-identical to ``tensor.to(dtype)`` on the trainer.
+        Parameters
+        ----------
+        atomic:
+            Receive every bucket into one staging buffer (kept for later versions)
+            before copying anything, so a broadcast that fails half-way leaves the
+            weights untouched; ``False`` copies each bucket as it lands (two
+            bucket-sized buffers) and a failure leaves them mixed.
+        strict:
+            Every target must be in the plan.
+        dtype:
+            The dtypes wanted (``None``: exactly the trainer's; one dtype for every
+            floating tensor; engine name -> dtype; ``"auto"``: each target's own): a
+            floating tensor is cast during the copy, bit-identical to
+            ``tensor.to(dtype)`` on the trainer (:mod:`transport.weights.binding`).
 
         Raises
         ------
         WeightMismatchError
-            Before any collective, when the specs do not match ``target``: names,
-            shapes, or a dtype that differs where no cast was asked for (the trainer
-            then times out in its broadcast: a mismatch is a deployment error).
+            Before any collective, when the specs do not fit ``target`` (names, shapes,
+            or a dtype where no cast was asked for); the trainer then times out.
         WeightUpdateError
-            When a broadcast fails; with ``atomic=True`` the weights are untouched.
+            When a broadcast fails.
         """
         if self.rank == 0:
             raise RuntimeError("rank 0 sends")
@@ -363,50 +346,31 @@ class WeightGroup:
             raise
         applier = BucketApplier(targets)
         self.last_timings = []
+        staging = None
+        if atomic:
+            total = self.plan[-1].shm_offset + self.plan[-1].nbytes if self.plan else 0
+            if self._staging is None or self._staging.numel() < total:
+                self._staging = torch.empty(total, dtype=torch.uint8, device=self.device)
+            staging = self._staging
         t0 = time.monotonic()
+        landing: list[tuple[WeightBucketInfo, torch.Tensor, Any]] = []
         try:
-            if atomic:
-                self._recv_atomic(targets, applier, binding, t0)
-            else:
-                self._recv_streaming(applier, binding, t0)
+            for k, info in enumerate(self.plan):
+                if staging is not None:
+                    buf = staging[info.shm_offset : info.shm_offset + info.nbytes]
+                else:
+                    buf = self._buffer(k % 2, info.nbytes)
+                landing.append((info, buf, self._bcast(buf)))
+                if staging is None and k >= 1:  # frees bucket k-1's buffer for bucket k+1
+                    self._land(applier, binding, *landing[k - 1], t0)
+            if staging is not None:  # every bucket is here before the first copy
+                for _, _, work in landing:
+                    work.wait()
+            for item in landing if staging is not None else landing[-1:]:
+                self._land(applier, binding, *item, t0)
+            applier.finish()
         except RuntimeError as exc:
             raise WeightUpdateError(f"process-group weight broadcast failed: {exc}") from exc
-
-    def _recv_atomic(
-        self,
-        targets: Mapping[str, torch.Tensor],
-        applier: BucketApplier,
-        binding: Binding,
-        t0: float,
-    ) -> None:
-        total = self.plan[-1].shm_offset + self.plan[-1].nbytes if self.plan else 0
-        if self._staging is None or self._staging.numel() < total:
-            self._staging = torch.empty(total, dtype=torch.uint8, device=self.device)
-        works = []
-        for info in self.plan:
-            view = self._staging[info.shm_offset : info.shm_offset + info.nbytes]
-            works.append(self._bcast(view))
-        views = []
-        for info, w in zip(self.plan, works, strict=True):
-            w.wait()
-            self.last_timings.append({"recv_s": time.monotonic() - t0})
-            views.append(self._staging[info.shm_offset : info.shm_offset + info.nbytes])
-        for info, view in zip(self.plan, views, strict=True):
-            ta = time.monotonic()
-            _apply(applier, info, view, targets, binding)
-            self.last_timings[info.index]["apply_s"] = time.monotonic() - ta
-        applier.finish()
-
-    def _recv_streaming(self, applier: BucketApplier, binding: Binding, t0: float) -> None:
-        pending: list[tuple[WeightBucketInfo, torch.Tensor, Any]] = []
-        for k, info in enumerate(self.plan):
-            buf = self._buffer(k % 2, info.nbytes)
-            pending.append((info, buf, self._bcast(buf)))
-            if len(pending) == 2:
-                self._land(applier, binding, *pending.pop(0), t0=t0)
-        for p in pending:
-            self._land(applier, binding, *p, t0=t0)
-        applier.finish()
 
     def _land(
         self,
@@ -415,12 +379,21 @@ class WeightGroup:
         info: WeightBucketInfo,
         buf: torch.Tensor,
         work: Any,
-        *,
         t0: float,
     ) -> None:
+        """Wait for bucket ``info`` and copy it into the targets; ``copy_`` casts where
+        the binding asked for another dtype (it has checked names, shapes and dtypes)."""
         work.wait()
         ta = time.monotonic()
-        _apply(applier, info, buf, applier.targets, binding)
+        if buf.device.type == "cpu":
+            applier.apply(info, [buf], binding.dests)
+        else:  # pragma: no cover - needs GPUs: device-to-device copies
+            with torch.no_grad():
+                for e in info.tensors:
+                    if e.nbytes:
+                        src = wire_tensor(e, [buf])
+                        for name in binding.dests.get(e.name, ()):
+                            applier.targets[name].copy_(src, non_blocking=True)
         self.last_timings.append({"recv_s": ta - t0, "apply_s": time.monotonic() - ta})
 
     def close(self) -> None:
@@ -436,31 +409,8 @@ class WeightGroup:
         self.close()
 
 
-def _apply(
-    applier: BucketApplier,
-    info: WeightBucketInfo,
-    buf: torch.Tensor,
-    targets: Mapping[str, torch.Tensor],
-    binding: Binding,
-) -> None:
-    """Copy a received bucket into the targets; ``copy_`` casts where the binding asked
-    for another dtype (the binding has checked names, shapes and dtypes)."""
-    if buf.device.type == "cpu":
-        applier.apply(info, [buf], binding.dests)
-        return
-    # pragma: no cover - device buffer: device-to-device copies, no host staging
-    with torch.no_grad():  # pragma: no cover
-        for e in info.tensors:
-            if e.nbytes == 0:
-                continue
-            src = buf[e.offset : e.offset + e.nbytes].view(dtype_from_name(e.dtype))
-            src = src.view(tuple(e.shape))
-            for name in binding.dests.get(e.name, ()):
-                targets[name].copy_(src, non_blocking=True)
-
-
 def _pack_device(
-    info: WeightBucketInfo, tensors: Mapping[str, torch.Tensor], buf: torch.Tensor
+    info: WeightBucketInfo, tensors: dict[str, torch.Tensor], buf: torch.Tensor
 ) -> None:  # pragma: no cover - needs GPUs
     for e in info.tensors:
         t = tensors[e.name].detach()
