@@ -77,7 +77,7 @@ class _Seq(Generation):
     ``cancelled``, set by the loop."""
 
     prompt: np.ndarray[Any, Any]
-    ctx: Any
+    ctx: GenerationContext | None
     loop: asyncio.AbstractEventLoop
     fut: asyncio.Future[LLMResponse]
     pos: int = 0  # tokens of this sequence in the cache

@@ -222,7 +222,6 @@ def wait_for_version(
         one reports; a worker whose load was refused says why in its log).
     """
     deadline = time.monotonic() + timeout
-    seen: dict[str, int] = {}
     addresses = controller.addresses
     while True:
         left = deadline - time.monotonic()

@@ -30,7 +30,7 @@ except ImportError as exc:  # name the extra that brings torch
 
     raise missing("torch", "weights", "transport.weights.dist") from exc
 
-from fastio.io_struct import ParamSpec, WeightUpdateMeta
+from fastio.io_struct import AllocationMode, ParamSpec, WeightUpdateMeta
 from fastio.weight_msgs import WeightBucketInfo
 from transport.weights.binding import Binding, DtypeSpec, parse_dtype_spec
 from transport.weights.bucket import (
@@ -59,7 +59,7 @@ __all__ = [
 
 _ADVICE = (
     "NCCL needs one device per rank: give each rank its own GPU (WeightGroup(device=...)), "
-    "or put workers that share the trainer's GPU on the ipc path"
+    "or put workers that share the trainer's GPU on the ipc route"
 )
 
 
@@ -125,11 +125,15 @@ def assign_devices(
     return out
 
 
+def _alloc(meta: WeightUpdateMeta) -> AllocationMode:
+    if meta.alloc_mode is None:
+        raise ValueError("WeightUpdateMeta.alloc_mode is needed for the process-group route")
+    return meta.alloc_mode
+
+
 def world_size(meta: WeightUpdateMeta) -> int:
     """``gen_world_size + 1`` (the trainer is one extra rank)."""
-    if meta.alloc_mode is None:
-        raise ValueError("WeightUpdateMeta.alloc_mode is needed for the process-group path")
-    return meta.alloc_mode.gen_world_size + 1
+    return _alloc(meta).gen_world_size + 1
 
 
 def trainer_rank() -> int:
@@ -140,9 +144,7 @@ def trainer_rank() -> int:
 def worker_rank(meta: WeightUpdateMeta, server_index: int, tp_rank: int = 0) -> int:
     """Rank of tensor-parallel rank ``tp_rank`` of generation server ``server_index``:
     ``1 + server_index * gen_tp_size + tp_rank``."""
-    if meta.alloc_mode is None:
-        raise ValueError("WeightUpdateMeta.alloc_mode is needed for the process-group path")
-    tp = meta.alloc_mode.gen_tp_size
+    tp = _alloc(meta).gen_tp_size
     if not 0 <= tp_rank < tp:
         raise ValueError(f"tp_rank {tp_rank} outside [0, {tp})")
     return 1 + server_index * tp + tp_rank
