@@ -26,16 +26,18 @@ import asyncio
 import logging
 import time
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import msgspec
 from msgspec import Meta
 
-from transport.control import FabricController
 from transport.errors import ControlError
 from transport.options import parse_options
 from transport.weights.disk import latest_version, load_weights, save_weights
 from transport.weights.errors import WeightUpdateError
+
+if TYPE_CHECKING:
+    from transport.control import FabricController
 
 __all__ = [
     "DISK_OPTIONS",
