@@ -10,7 +10,7 @@ from typing import Any
 
 import msgspec
 
-from fastio._ext import _EMPTY, _FRAME, _FRAME_REF, _REF, _TOKEN_DTYPES
+from fastio import _ext
 from fastio.errors import DecodeError, FrameError, MessageTooLarge, UnsupportedVersion
 from fastio.protocol import MIN_PROTOCOL_VERSION, PROTOCOL_VERSION
 
@@ -34,7 +34,7 @@ def _buffer(frame: Any) -> memoryview:
     if not buf.c_contiguous:
         raise FrameError("frame is not a contiguous buffer")
     if buf.format != "B" or buf.ndim != 1:
-        buf = buf.cast("B") if buf.nbytes else _EMPTY
+        buf = buf.cast("B") if buf.nbytes else _ext.EMPTY
     return buf
 
 
@@ -105,16 +105,16 @@ def _frame_error(what: str, k: int, frames: Any) -> DecodeError:
 
 def _token_error(code: int, payload: memoryview, frames: Any) -> DecodeError:
     """What is wrong with a token-array extension value that failed to decode."""
-    dtype: Any = _TOKEN_DTYPES[code]
-    if code < _FRAME:
+    dtype: Any = _ext.TOKEN_DTYPES[code]
+    if code < _ext.FRAME:
         return DecodeError(
             f"token array of {dtype.name} needs a multiple of {dtype.itemsize} bytes of "
             f"data, got {len(payload)}"
         )
-    if code < _REF:
-        if len(payload) != _FRAME_REF.size:
+    if code < _ext.REF:
+        if len(payload) != _ext.FRAME_REF.size:
             return DecodeError(f"token array frame reference must be 8 bytes, got {len(payload)}")
-        k, count = _FRAME_REF.unpack(payload)
+        k, count = _ext.FRAME_REF.unpack(payload)
     else:
         if len(payload) != 1:
             return DecodeError(

@@ -12,25 +12,8 @@ from typing import Any, Literal, Union
 import msgspec
 import numpy as np
 
+from fastio import _ext
 from fastio._diagnose import _frame_error, _Rejected, _token_error, diagnose
-from fastio._ext import (
-    _BF16_STORAGE,
-    _EXT_IMAGE,
-    _EXT_NDARRAY,
-    _EXT_TENSOR,
-    _EXT_TOKENS,
-    _FRAME,
-    _FRAME_REF,
-    _IMAGE_MODES,
-    _MAX_NDIM,
-    _NP_DTYPES,
-    _REF,
-    _TOKEN_DTYPES,
-    _array_meta_decode,
-    _image_meta_decode,
-    _torch_dtypes,
-    _torch_tables,
-)
 from fastio._optional import install_hint
 from fastio.errors import DecodeError
 from fastio.protocol import DEFAULT_MAX_MESSAGE_SIZE, MIN_PROTOCOL_VERSION, PROTOCOL_VERSION
@@ -129,13 +112,8 @@ class Decoder:
     def _hook(self, state: list[Any]) -> Any:
         """The ``ext_hook`` of one msgspec decoder; ``state[0]`` is the frame list of the
         call that holds the state (``(None,)`` for messages of one frame)."""
-        dtypes = _TOKEN_DTYPES
-        frombuffer, new, unpack, other = (
-            np.frombuffer,
-            _new_object,
-            _FRAME_REF.unpack,
-            self._ext_hook,
-        )
+        dtypes, ref, frame, unpack = _ext.TOKEN_DTYPES, _ext.REF, _ext.FRAME, _ext.FRAME_REF.unpack
+        frombuffer, new, other = np.frombuffer, _new_object, self._ext_hook
 
         def ext_hook(code: int, payload: memoryview) -> Any:
             dtype = dtypes[code]
@@ -144,13 +122,13 @@ class Decoder:
             # A token array (TokenArray._wrap, inlined: _buf and _excl stay unset).
             # Malformed values fall through to the error below (try is free).
             try:
-                if code >= _REF:  # in frame k, one byte: the frame is the array
+                if code >= ref:  # in frame k, one byte: the frame is the array
                     (k,) = payload  # ValueError unless exactly one byte
                     if k:  # frame 0 is the header
                         tokens = new(TokenArray)
                         tokens._a = frombuffer(state[0][k], dtype)  # whole items or ValueError
                         return tokens
-                elif code < _FRAME:  # inline: the payload is the elements
+                elif code < frame:  # inline: the payload is the elements
                     tokens = new(TokenArray)
                     tokens._a = frombuffer(payload, dtype)
                     return tokens
@@ -230,33 +208,33 @@ class Decoder:
 
     # -- extension values other than token arrays (codes 1-4) --------------------------
     def _ext_hook(self, code: int, payload: memoryview, frames: Any) -> Any:
-        if code == _EXT_IMAGE:
+        if code == _ext.EXT_IMAGE:
             return self._image(payload, frames)
-        if code not in (_EXT_NDARRAY, _EXT_TENSOR, _EXT_TOKENS):
+        if code not in (_ext.EXT_NDARRAY, _ext.EXT_TENSOR, _ext.EXT_TOKENS):
             raise DecodeError(
                 f"unknown extension type code {code}; known: 1, 2, 3, 4, "
                 "16-28, 32-44 and 48-60 (token arrays, but not bfloat16: 26, 42, 58)"
             )
         try:
-            name, shape, slot = _array_meta_decode(payload)
+            name, shape, slot = _ext.array_meta_decode(payload)
         except msgspec.DecodeError as exc:
             raise DecodeError(f"malformed array descriptor: {exc}") from exc
-        if len(shape) > _MAX_NDIM:
-            raise DecodeError(f"array has {len(shape)} dimensions, at most {_MAX_NDIM} allowed")
+        if len(shape) > _ext.MAX_NDIM:
+            raise DecodeError(f"array has {len(shape)} dimensions, at most {_ext.MAX_NDIM} allowed")
         if any(d < 0 for d in shape):
             raise DecodeError(f"negative dimension in array shape {list(shape)}")
         count = math.prod(shape)
-        if code == _EXT_TENSOR:
+        if code == _ext.EXT_TENSOR:
             return self._tensor(name, shape, count, slot, frames)
-        dtype = _NP_DTYPES.get(name)
+        dtype = _ext.NP_DTYPES.get(name)
         if dtype is None:
             raise DecodeError(
-                f"unknown array dtype {name!r}; known: {sorted(_NP_DTYPES)}"
+                f"unknown array dtype {name!r}; known: {sorted(_ext.NP_DTYPES)}"
                 + (" (bfloat16 only as a tensor, ext code 2)" if name == "bfloat16" else "")
             )
         data = _data(slot, count * dtype.itemsize, lambda: f"array {name}{list(shape)}", frames)
         arr = np.frombuffer(data, dtype, count)
-        if code == _EXT_NDARRAY:
+        if code == _ext.EXT_NDARRAY:
             return arr if len(shape) == 1 else arr.reshape(shape)
         if len(shape) != 1:
             raise DecodeError(f"token array must be 1-D, got shape {list(shape)}")
@@ -272,11 +250,11 @@ class Decoder:
                 f"a torch tensor {name}{list(shape)} arrived and torch is not installed: "
                 f"{install_hint('torch')}"
             ) from exc
-        if not _torch_dtypes:
-            _torch_tables()
-        entry = _torch_dtypes.get(name)
+        if not _ext.torch_dtypes:
+            _ext.torch_tables()
+        entry = _ext.torch_dtypes.get(name)
         if entry is None:
-            raise DecodeError(f"unknown tensor dtype {name!r}; known: {sorted(_torch_dtypes)}")
+            raise DecodeError(f"unknown tensor dtype {name!r}; known: {sorted(_ext.torch_dtypes)}")
         dtype, itemsize = entry
         data = _data(slot, count * itemsize, lambda: f"tensor {name}{list(shape)}", frames)
         if memoryview(data).readonly:
@@ -285,7 +263,7 @@ class Decoder:
         # Through numpy (cheaper than torch.frombuffer + reshape); bfloat16 is viewed as
         # uint16 there and reinterpreted by torch.
         t = torch.from_numpy(
-            np.frombuffer(data, _NP_DTYPES.get(name, _BF16_STORAGE), count).reshape(shape)
+            np.frombuffer(data, _ext.NP_DTYPES.get(name, _ext.BF16_STORAGE), count).reshape(shape)
         )
         if dtype is not t.dtype:
             t = t.view(dtype)
@@ -295,12 +273,12 @@ class Decoder:
         from PIL import Image
 
         try:
-            mode, w, h, slot = _image_meta_decode(payload)
+            mode, w, h, slot = _ext.image_meta_decode(payload)
         except msgspec.DecodeError as exc:
             raise DecodeError(f"malformed image descriptor: {exc}") from exc
-        bpp = _IMAGE_MODES.get(mode)
+        bpp = _ext.IMAGE_MODES.get(mode)
         if bpp is None:
-            raise DecodeError(f"unsupported image mode {mode!r}; known: {sorted(_IMAGE_MODES)}")
+            raise DecodeError(f"unsupported image mode {mode!r}; known: {sorted(_ext.IMAGE_MODES)}")
         if w < 0 or h < 0:
             raise DecodeError(f"invalid image size {w}x{h}")
         data = _data(slot, w * h * bpp, lambda: f"image {mode} {w}x{h}", frames)

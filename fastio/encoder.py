@@ -8,28 +8,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from fastio._ext import (
-    _EMPTY,
-    _EXT_IMAGE,
-    _EXT_NDARRAY,
-    _EXT_TENSOR,
-    _EXT_TOKENS,
-    _FRAME_REF,
-    _IMAGE_MODES,
-    _INLINE_CODE,
-    _NP_DTYPES,
-    _REFS,
-    _WIRE_NAMES,
-    _Ext,
-    _is_pil_image,
-    _is_tensor,
-    _meta_encode,
-    _normalise_dtype,
-    _ref,
-    _torch_dtypes,
-    _torch_names,
-    _torch_tables,
-)
+from fastio import _ext
 from fastio.errors import EncodeError
 from fastio.protocol import (
     DEFAULT_INLINE_THRESHOLD,
@@ -148,8 +127,9 @@ class Encoder:
         call that holds the state (``_NO_FRAMES`` for the stateless encoder)."""
         threshold = self._threshold
         # Other token encodings miss this table: _tokens_ext writes them.
-        codes = _INLINE_CODE if self._tokens is TokenEncoding.REF else {}
-        ext, pack, refs, make_ref, other = _Ext, _FRAME_REF.pack, _REFS, _ref, self._enc_hook
+        codes = _ext.INLINE_CODE if self._tokens is TokenEncoding.REF else {}
+        ext, pack, refs, make_ref = _ext.Ext, _ext.FRAME_REF.pack, _ext.REFS, _ext.ref
+        other = self._enc_hook
 
         def hook(obj: Any) -> Any:
             # The hot path, every token array of every message: the array itself is the
@@ -222,7 +202,7 @@ class Encoder:
                 if n < 128:
                     header = prefixes[n] + header[3:]
                 else:
-                    header = b"\x93" + _meta_encode(version) + _meta_encode(n) + header[3:]
+                    header = b"\x93" + _ext.meta_encode(version) + _ext.meta_encode(n) + header[3:]
                 state[2] = n if n < 128 else 1
             if last[0] != n:
                 # Also when the guess was right: a message that needed no frame after all
@@ -239,19 +219,21 @@ class Encoder:
         if tp is TokenArray:
             return self._tokens_ext(obj._a, frames)
         if tp is np.ndarray:
-            return self._array_ext(obj, _EXT_NDARRAY, frames)
+            return self._array_ext(obj, _ext.EXT_NDARRAY, frames)
         if isinstance(obj, TokenArray):
             return self._tokens_ext(obj._a, frames)
         if isinstance(obj, np.ndarray):
-            return self._array_ext(np.asarray(obj), _EXT_NDARRAY, frames)
+            return self._array_ext(np.asarray(obj), _ext.EXT_NDARRAY, frames)
         if isinstance(obj, np.generic):
             return obj.item()
-        if _is_tensor(obj) or _is_pil_image(obj):
+        if _ext.is_tensor(obj) or _ext.is_pil_image(obj):
             if frames is _NO_FRAMES:
                 # Converted (device to host, pixels) before the size is known.
                 raise _NeedsFrames
             return (
-                self._tensor_ext(obj, frames) if _is_tensor(obj) else self._image_ext(obj, frames)
+                self._tensor_ext(obj, frames)
+                if _ext.is_tensor(obj)
+                else self._image_ext(obj, frames)
             )
         name = getattr(obj, "name_or_path", None)
         if isinstance(name, str):
@@ -265,18 +247,18 @@ class Encoder:
         older encodings (ext 4; ``32 + d`` for every frame) for older peers."""
         tokens = self._tokens
         if tokens is TokenEncoding.TOKENS:
-            return self._array_ext(arr, _EXT_TOKENS, frames)
-        if arr.dtype not in _INLINE_CODE:
-            arr, _ = _normalise_dtype(arr)
+            return self._array_ext(arr, _ext.EXT_TOKENS, frames)
+        if arr.dtype not in _ext.INLINE_CODE:
+            arr, _ = _ext.normalise_dtype(arr)
         arr = np.ascontiguousarray(arr)  # one copy: the wire form is packed
-        code = _INLINE_CODE[arr.dtype]
+        code = _ext.INLINE_CODE[arr.dtype]
         if arr.nbytes < self._threshold:
-            return _Ext(code, arr.tobytes())
+            return _ext.Ext(code, arr.tobytes())
         frames.append(arr.data.cast("B"))
         k = len(frames) - 1
         if k > 255 or tokens is TokenEncoding.COMPACT:
-            return _Ext(code + 16, _FRAME_REF.pack(k, arr.shape[0]))
-        return _REFS[code][k] or _ref(code, k)  # type: ignore[no-any-return]
+            return _ext.Ext(code + 16, _ext.FRAME_REF.pack(k, arr.shape[0]))
+        return _ext.REFS[code][k] or _ext.ref(code, k)  # type: ignore[no-any-return]
 
     def _slot(self, arr: np.ndarray[Any, Any], frames: list[Any]) -> int | bytes:
         """Inline bytes for a small C-contiguous array, else the index of its frame."""
@@ -284,26 +266,26 @@ class Encoder:
         if nbytes < self._threshold:
             return arr.tobytes()
         # 1-D unsigned-byte views, so that len(frame) is its size in bytes.
-        frames.append(memoryview(arr).cast("B") if nbytes else _EMPTY)  # type: ignore[arg-type]
+        frames.append(memoryview(arr).cast("B") if nbytes else _ext.EMPTY)  # type: ignore[arg-type]
         return len(frames) - 1
 
     def _array_ext(
         self, arr: np.ndarray[Any, Any], code: int, frames: list[Any]
     ) -> msgspec.msgpack.Ext:
-        name = _WIRE_NAMES.get(arr.dtype)
+        name = _ext.WIRE_NAMES.get(arr.dtype)
         if name is None:
-            arr, name = _normalise_dtype(arr)
+            arr, name = _ext.normalise_dtype(arr)
         if not arr.flags.c_contiguous:
             arr = np.ascontiguousarray(arr)  # one copy: the wire form is C order
-        return _Ext(code, _meta_encode((name, arr.shape, self._slot(arr, frames))))
+        return _ext.Ext(code, _ext.meta_encode((name, arr.shape, self._slot(arr, frames))))
 
     def _tensor_ext(self, t: Any, frames: list[Any]) -> msgspec.msgpack.Ext:
-        if not _torch_names:
-            _torch_tables()
-        name = _torch_names.get(t.dtype)
+        if not _ext.torch_names:
+            _ext.torch_tables()
+        name = _ext.torch_names.get(t.dtype)
         if name is None:
             raise EncodeError(
-                f"unsupported tensor dtype {t.dtype}; supported: {sorted(_torch_dtypes)}"
+                f"unsupported tensor dtype {t.dtype}; supported: {sorted(_ext.torch_dtypes)}"
             )
         if t.requires_grad:
             t = t.detach()
@@ -312,17 +294,17 @@ class Encoder:
         if not t.is_contiguous():
             t = t.contiguous()
         shape = tuple(t.shape)
-        if name in _NP_DTYPES:
+        if name in _ext.NP_DTYPES:
             raw = t.numpy()
         else:
             # bfloat16 has no numpy dtype: ship its bytes. view() needs >= 1 dim.
             import torch
 
             raw = t.reshape(-1).view(torch.uint8).numpy()
-        return _Ext(_EXT_TENSOR, _meta_encode((name, shape, self._slot(raw, frames))))
+        return _ext.Ext(_ext.EXT_TENSOR, _ext.meta_encode((name, shape, self._slot(raw, frames))))
 
     def _image_ext(self, img: Any, frames: list[Any]) -> msgspec.msgpack.Ext:
-        if img.mode not in _IMAGE_MODES:
+        if img.mode not in _ext.IMAGE_MODES:
             # Palette and bilevel images travel as their decoded pixels.
             if img.mode == "1":
                 img = img.convert("L")
@@ -333,4 +315,6 @@ class Encoder:
         # PIL exposes no buffer of its pixels: one copy, on the encode side only.
         data = np.frombuffer(img.tobytes(), np.uint8)
         w, h = img.size
-        return _Ext(_EXT_IMAGE, _meta_encode((img.mode, w, h, self._slot(data, frames))))
+        return _ext.Ext(
+            _ext.EXT_IMAGE, _ext.meta_encode((img.mode, w, h, self._slot(data, frames)))
+        )

@@ -8,7 +8,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from fastio._ext import _is_pil_image, _is_tensor
+from fastio import _ext
 from fastio.tokens import TokenArray
 
 __all__ = ["enc_hook", "to_builtins", "to_json"]
@@ -34,9 +34,9 @@ def enc_hook(obj: Any) -> Any:
         return obj.tolist()
     if isinstance(obj, (np.ndarray, np.generic)):
         return obj.tolist()
-    if _is_tensor(obj):
+    if _ext.is_tensor(obj):
         return obj.tolist()
-    if _is_pil_image(obj):
+    if _ext.is_pil_image(obj):
         import base64
         import io
 
