@@ -38,29 +38,31 @@ def _buffer(frame: Any) -> memoryview:
     return buf
 
 
+def _header_ints(h: memoryview) -> tuple[int, int]:
+    """``(version, n_buffers)`` of header ``h`` in any msgpack int widths; FrameError
+    when it is not ``[int, int, body]``."""
+    try:
+        parts = _header_decoder.decode(h)
+    except msgspec.DecodeError as exc:
+        raise FrameError(f"malformed header: {exc}") from exc
+    except RecursionError:
+        raise FrameError("malformed header: nested too deeply") from None
+    if len(parts) != 3:
+        raise FrameError(
+            f"malformed header: expected [version, n_buffers, body], got {len(parts)} items"
+        )
+    try:
+        return _int_decoder.decode(parts[0]), _int_decoder.decode(parts[1])
+    except msgspec.DecodeError as exc:
+        raise FrameError(f"malformed header: version and n_buffers must be ints: {exc}") from exc
+
+
 def _n_buffers(h: memoryview) -> int:
-    """The buffer count of header ``h`` (any msgpack int widths) after checking its
-    protocol version; FrameError or UnsupportedVersion when it is not a header."""
+    """The buffer count of header ``h`` after checking its protocol version."""
     if len(h) > 3 and h[0] == 0x93 and h[2] < 0x80 and h[1] < 0x80:
         version, n_buffers = h[1], h[2]  # what our encoder writes
     else:
-        try:
-            parts = _header_decoder.decode(h)
-        except msgspec.DecodeError as exc:
-            raise FrameError(f"malformed header: {exc}") from exc
-        except RecursionError:
-            raise FrameError("malformed header: nested too deeply") from None
-        if len(parts) != 3:
-            raise FrameError(
-                f"malformed header: expected [version, n_buffers, body], got {len(parts)} items"
-            )
-        try:
-            version = _int_decoder.decode(parts[0])
-            n_buffers = _int_decoder.decode(parts[1])
-        except msgspec.DecodeError as exc:
-            raise FrameError(
-                f"malformed header: version and n_buffers must be ints: {exc}"
-            ) from exc
+        version, n_buffers = _header_ints(h)
     if not MIN_PROTOCOL_VERSION <= version <= PROTOCOL_VERSION:
         raise UnsupportedVersion(
             f"unsupported protocol version {version}; this decoder reads versions "
