@@ -1,53 +1,39 @@
 """Multi-frame msgpack codec: a message becomes ``[header, *buffers]`` and back.
 
-The header is plain msgpack: ``[protocol_version, n_buffers, body]``. ``body`` is the
-object, with numpy arrays, torch tensors, ``TokenArray`` and PIL images written as
-msgpack extension values (:class:`~fastio.protocol.ExtCode`). An array of at least
-``inline_threshold`` bytes is not copied into the header: its extension value names a
-frame index and the array's own memory is that frame. ``docs/PROTOCOL.md`` is the full
-specification. :class:`Encoder` lives in :mod:`fastio.encoder`, :class:`Decoder` in
-:mod:`fastio.decoder`.
+The header is plain msgpack ``[protocol_version, n_buffers, body]``; numpy arrays, torch
+tensors, ``TokenArray`` and PIL images in the body are msgpack extension values
+(:class:`~fastio.protocol.ExtCode`). An array of at least ``inline_threshold`` bytes is
+not copied into the header: its extension value names a frame, and the array's own
+memory is that frame. ``docs/PROTOCOL.md`` is the specification; :class:`Encoder` lives
+in :mod:`fastio.encoder`, :class:`Decoder` in :mod:`fastio.decoder`.
 
 Zero-copy contract
 ------------------
-*Encoding*: buffer frames are the caller's memory, not copies: a token array's frame is
-its numpy array itself, any other array's or tensor's a 1-D byte memoryview
-(``memoryview(frame).nbytes`` is its size). Do not mutate those arrays until the send
-has completed (pyzmq: ``send_multipart(frames, copy=False, track=True)`` and wait on the
-tracker); ``TokenArray.append``/``extend`` never write into memory already encoded.
-Copies happen only where the wire form differs from the memory: non-contiguous or
-big-endian arrays, CUDA tensors (through host memory) and PIL images.
+*Encoding*: buffer frames are the caller's memory (a token array's numpy array itself,
+1-D byte memoryviews of other arrays): do not mutate them until the send has completed
+(pyzmq: ``copy=False, track=True``). Copies happen only where the wire form differs
+from the memory: non-contiguous or big-endian arrays, CUDA tensors, PIL images.
 
-*Decoding*: decoded arrays are views of the received frames and keep them alive. They
-are writable when the frame is (``zmq.Frame``, ``bytearray``), read-only for ``bytes``.
-Token arrays below the inline threshold are views of the header; other small arrays
-are private writable copies. ``TokenArray`` growth and item assignment copy before they
-write. Torch tensors over a read-only frame are copied (torch has no read-only tensors).
-
-Token arrays travel in compact codes whose code is the dtype (protocol version 2, the
-default), or as ext 4 from ``Encoder(version=1)`` for peers of version 1
-(:mod:`fastio.versions` picks per peer).
+*Decoding*: arrays are views of the received frames and keep them alive; writable when
+the frame is (``zmq.Frame``, ``bytearray``), read-only for ``bytes``. Small token arrays
+are views of the header, other small arrays private copies. ``TokenArray`` growth and
+assignment copy before they write; tensors over a read-only frame are copied.
 
 Trust
 -----
-A :class:`Decoder` validates where data enters, in one pass: msgspec checks every typed
-field and its constraints during the decode, in C; the types' ``__post_init__`` checks
-the token fields (``Any`` to msgspec, for speed). ``Decoder(trusted=False)``, the
-default and the only right choice for anything read from a socket, also holds the
-frames to ``max_message_size`` before parsing, by ``len()``: bytes for what a socket
-delivers, elements for an encoder's numpy frames passed straight to a decoder (this
-program's own frames, held to a looser limit). ``trusted=True`` skips the size limit
-for frames this program produced itself; every other check stays, the frame count
-included.
+msgspec checks every typed field and its constraints during the decode; the types'
+``__post_init__`` checks token fields. ``Decoder(trusted=False)``, the default and the
+only right choice for anything read from a socket, also holds the frames to
+``max_message_size`` (by ``len()``: bytes for what a socket delivers, elements for an
+encoder's numpy frames) before parsing; ``trusted=True`` skips only that.
 
 Threads
 -------
-Per-call state is never kept on the instance between calls, so one ``Encoder`` or
-``Decoder`` may be shared by threads and used re-entrantly. Messages of one frame go
-through one stateless msgspec encoder/decoder; messages with buffer frames take a
-per-call state (a msgspec encoder or decoder whose hook reads that call's frame list)
-from a list of idle ones with ``list.pop``/``list.append`` (atomic), and make a new one
-when every state is in use.
+One ``Encoder`` or ``Decoder`` may be shared by threads and used re-entrantly: per-call
+state is never kept on the instance. Messages of one frame go through one stateless
+msgspec encoder/decoder; others take a per-call state (a msgspec encoder or decoder whose
+hook reads that call's frame list) from a list of idle ones (``list.pop``/``append``
+are atomic), or make one when every state is in use.
 """
 
 from __future__ import annotations

@@ -340,16 +340,13 @@ class TokenArray(Sequence[Any]):
         if not 0 <= i < n:
             raise IndexError("pop index out of range")
         value = self._a[i].item()
-        self._a = np.concatenate((self._a[:i], self._a[i + 1 :]))
-        self._buf = None  # views of the old prefix must never see later appends
-        self._excl = True
+        # A new array: views of the old prefix must never see later appends.
+        self._set_private(np.concatenate((self._a[:i], self._a[i + 1 :])))
         return value
 
     def clear(self) -> None:
         """Remove every element (keeps the dtype)."""
-        self._a = self._a[:0]
-        self._buf = None
-        self._excl = True
+        self._set_private(self._a[:0])
 
     def insert(self, index: SupportsIndex, value: Any) -> None:
         """Insert ``value`` before ``index``, as ``list.insert``."""
@@ -367,7 +364,7 @@ class TokenArray(Sequence[Any]):
 
     # -- item assignment (copy-on-write) ------------------------------------------
     def _set_private(self, arr: npt.NDArray[Any]) -> None:
-        """Make a new array, which nobody else sees, the contents."""
+        """Make ``arr``, which nobody else sees, the contents."""
         self._a = arr
         self._buf = None
         self._excl = True
