@@ -215,11 +215,6 @@ class Encoder:
 
     # -- extension values other than the hot path -------------------------------------
     def _enc_hook(self, obj: Any, frames: list[Any]) -> Any:
-        tp = type(obj)
-        if tp is TokenArray:
-            return self._tokens_ext(obj._a, frames)
-        if tp is np.ndarray:
-            return self._array_ext(obj, _ext.EXT_NDARRAY, frames)
         if isinstance(obj, TokenArray):
             return self._tokens_ext(obj._a, frames)
         if isinstance(obj, np.ndarray):
@@ -227,19 +222,16 @@ class Encoder:
         if isinstance(obj, np.generic):
             return obj.item()
         if _ext.is_tensor(obj) or _ext.is_pil_image(obj):
-            if frames is _NO_FRAMES:
-                # Converted (device to host, pixels) before the size is known.
+            if frames is _NO_FRAMES:  # converted (to host, to pixels) before the size is known
                 raise _NeedsFrames
-            return (
-                self._tensor_ext(obj, frames)
-                if _ext.is_tensor(obj)
-                else self._image_ext(obj, frames)
-            )
+            write = self._tensor_ext if _ext.is_tensor(obj) else self._image_ext
+            return write(obj, frames)
         name = getattr(obj, "name_or_path", None)
         if isinstance(name, str):
             # Tokenizers and processors (SaveLoadMeta) travel as the name/path the
             # receiver loads them from, never as live objects.
             return name
+        tp = type(obj)
         raise EncodeError(f"fastio cannot encode objects of type {tp.__module__}.{tp.__qualname__}")
 
     def _tokens_ext(self, arr: np.ndarray[Any, Any], frames: list[Any]) -> msgspec.msgpack.Ext:

@@ -1,28 +1,19 @@
-"""The seed's types (AReaL's ``io_struct``) as msgspec Structs: the requests and
-responses here, the metadata types from :mod:`fastio.meta`, the base from
-:mod:`fastio.structs` (its docstring explains the Struct options).
+"""The seed's types (AReaL's ``io_struct``) as msgspec Structs: requests and responses
+here, metadata types from :mod:`fastio.meta`, the base (and its Struct options) from
+:mod:`fastio.structs`.
 
-Token arrays (``input_ids``, ``input_tokens``, ``output_tokens``, ``output_logprobs``,
-``output_versions``, ``itl``) are :class:`~fastio.tokens.TokenArray`: lists and numpy
-arrays are accepted and converted on construction (arrays without a copy, keeping their
-dtype). Lists become ``int32`` ids and versions when every value fits, ``int64``
-otherwise (``uint64`` for values in ``[2**63, 2**64)``; beyond 64 bits
-``OverflowError``), and ``float64`` logprobs and latencies. A float among token ids
-raises ``TypeError`` rather than being truncated.
+Token fields (``input_ids``, ``input_tokens``, ``output_tokens``, ``output_logprobs``,
+``output_versions``, ``itl``) are :class:`~fastio.tokens.TokenArray`, annotated so for
+type checkers; lists, tuples, numpy arrays (no copy, dtype kept) and CPU tensors are
+converted on construction. Lists become ``int32`` ids and versions when every value
+fits, ``int64`` otherwise (``uint64`` in ``[2**63, 2**64)``, ``OverflowError`` beyond),
+and ``float64`` logprobs and latencies; a float among token ids raises ``TypeError``.
 
-Validation
-----------
-Sampling parameters carry msgspec constraints (``max_new_tokens >= 1``, ``0 < top_p <=
-1``, ...; see :class:`GenerationHyperparameters`), checked once, where data enters: on
-construction (naming the field and the rule) and on decode, ``msgspec.convert`` and
-``msgspec.json.decode`` by msgspec itself (the codec's :class:`~fastio.DecodeError`
-names the field path and the rule). ``__post_init__`` checks on every path what msgspec
-cannot see: that token fields hold numeric arrays of the right kind.
-``msgspec.structs.replace`` checks nothing (use ``gconfig.new(...)``).
-
-Static typing: the token fields are annotated ``TokenArray``; at runtime lists, tuples,
-arrays and CPU tensors are all accepted (wrap them in ``TokenArray(...)`` to be
-``mypy --strict`` clean).
+Sampling parameters carry msgspec constraints (:class:`GenerationHyperparameters`),
+checked once where data enters: on construction (naming the field and the rule) and on
+decode or ``msgspec.convert`` by msgspec (:class:`~fastio.DecodeError` names the field
+path). ``__post_init__`` checks token fields on every path. ``msgspec.structs.replace``
+checks nothing (use ``gconfig.new(...)``).
 """
 
 from __future__ import annotations

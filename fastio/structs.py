@@ -4,22 +4,18 @@ and the conversion of token fields.
 Struct options, chosen once for every wire type:
 
 ``array_like=True``
-    A Struct is a msgpack array of its fields in definition order: no field names on
-    the wire, and the tag comes first. Schema evolution works by *appending* fields
-    with defaults: an older reader ignores trailing fields, a newer one fills missing
-    trailing fields from their defaults (``docs/PROTOCOL.md``, "Versions").
-    ``omit_defaults`` is not set: msgspec ignores it for ``array_like`` Structs.
+    A Struct is a msgpack array of its fields, tag first: no field names on the wire.
+    Schema evolution *appends* fields with defaults: older readers ignore trailing
+    fields, newer ones fill missing ones from defaults (``docs/PROTOCOL.md``).
 ``gc=False``
-    Thousands of requests and responses are alive at once in a rollout; untracked by
-    the cyclic collector, they make its passes neither slower nor more frequent. Safe
-    because the types hold no reference cycles (keep ``metadata`` free of them).
+    Thousands of requests are alive at once in a rollout; untracked, they do not slow
+    the cyclic collector. Safe because the types hold no cycles (keep ``metadata`` so).
 ``tag=int(MsgKind.*)``, ``tag_field="__kind__"``
-    An integer tag per type, the first array element, so one receiver decodes whatever
-    arrives (``decode(frames, type=None)``). ``tag_field`` only names the tag for
-    msgspec's map form; it is set on the base so every subclass is tagged.
+    An integer tag per type lets one receiver decode whatever arrives
+    (``decode(frames, type=None)``); set on the base so every subclass is tagged.
 not ``frozen``, not ``forbid_unknown_fields``
-    Rollout code mutates requests and responses as it does the seed's dataclasses, and
-    old readers must accept newer peers' appended fields.
+    Rollout code mutates requests and responses, and old readers must accept newer
+    peers' appended fields.
 """
 
 from __future__ import annotations

@@ -194,12 +194,6 @@ class TokenArray(Sequence[Any]):
         out: list[Any] = self._a.tolist()
         return out
 
-    def __copy__(self) -> TokenArray:
-        return TokenArray._wrap(self._a.copy())
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> TokenArray:
-        return TokenArray._wrap(self._a.copy())
-
     def __array__(
         self, dtype: npt.DTypeLike | None = None, copy: bool | None = None
     ) -> npt.NDArray[Any]:
@@ -248,6 +242,7 @@ class TokenArray(Sequence[Any]):
         return f"TokenArray({self.tolist()!r}, dtype={self._a.dtype})"
 
     def __reduce__(self) -> tuple[Any, ...]:
+        # pickle, copy.copy and copy.deepcopy: a TokenArray over a copy of the elements.
         return (TokenArray, (np.array(self._a),))
 
     def count(self, value: Any) -> int:
@@ -272,10 +267,6 @@ class TokenArray(Sequence[Any]):
         if isinstance(other, np.ndarray):
             return other.ndim == 1 and bool(np.array_equal(self._a, other))
         return NotImplemented
-
-    def __ne__(self, other: object) -> bool:
-        eq = self.__eq__(other)
-        return eq if eq is NotImplemented else not eq
 
     __hash__ = None  # type: ignore[assignment]  # mutable, like list
 
