@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import enum
 import getpass
+import math
 import os
 import re
 import socket
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, overload
 
 import msgspec
 
@@ -75,6 +76,24 @@ def _parse_strategy(text: str, role: str, whole: str) -> dict[str, int]:
     return strategy
 
 
+class _Size:
+    """A read-only size of :class:`AllocationMode`: the product of ``axes`` of
+    ``parallel_strat[part]``."""
+
+    def __init__(self, part: str, axes: str, doc: str) -> None:
+        self.part, self.axes, self.__doc__ = part, axes, doc
+
+    @overload
+    def __get__(self, obj: None, owner: Any = None) -> _Size: ...
+    @overload
+    def __get__(self, obj: AllocationMode, owner: Any = None) -> int: ...
+    def __get__(self, obj: AllocationMode | None, owner: Any = None) -> int | _Size:
+        if obj is None:
+            return self
+        sizes = obj.parallel_strat[self.part]
+        return math.prod(sizes[axis] for axis in self.axes)
+
+
 class AllocationMode(WireStruct, tag=int(MsgKind.ALLOCATION_MODE)):
     """Decoupled generation/training allocation, parsed from strings like
     ``"sglang.d4p1t1+d2p2t1"`` (generation on SGLang with data parallel 4, training with
@@ -87,45 +106,14 @@ class AllocationMode(WireStruct, tag=int(MsgKind.ALLOCATION_MODE)):
     type_: AllocationType
     parallel_strat: dict[str, dict[str, int]]
 
-    @property
-    def gen_tp_size(self) -> int:
-        """Generation tensor-parallel size."""
-        return self.parallel_strat["gen"]["t"]
-
-    @property
-    def gen_pp_size(self) -> int:
-        """Generation pipeline-parallel size."""
-        return self.parallel_strat["gen"]["p"]
-
-    @property
-    def gen_dp_size(self) -> int:
-        """Generation data-parallel size."""
-        return self.parallel_strat["gen"]["d"]
-
-    @property
-    def gen_world_size(self) -> int:
-        """Number of generation GPUs."""
-        return self.gen_dp_size * self.gen_pp_size * self.gen_tp_size
-
-    @property
-    def train_tp_size(self) -> int:
-        """Training tensor-parallel size."""
-        return self.parallel_strat["*"]["t"]
-
-    @property
-    def train_pp_size(self) -> int:
-        """Training pipeline-parallel size."""
-        return self.parallel_strat["*"]["p"]
-
-    @property
-    def train_dp_size(self) -> int:
-        """Training data-parallel size."""
-        return self.parallel_strat["*"]["d"]
-
-    @property
-    def train_world_size(self) -> int:
-        """Number of training GPUs."""
-        return self.train_dp_size * self.train_pp_size * self.train_tp_size
+    gen_tp_size = _Size("gen", "t", "Generation tensor-parallel size.")
+    gen_pp_size = _Size("gen", "p", "Generation pipeline-parallel size.")
+    gen_dp_size = _Size("gen", "d", "Generation data-parallel size.")
+    gen_world_size = _Size("gen", "dpt", "Number of generation GPUs.")
+    train_tp_size = _Size("*", "t", "Training tensor-parallel size.")
+    train_pp_size = _Size("*", "p", "Training pipeline-parallel size.")
+    train_dp_size = _Size("*", "d", "Training data-parallel size.")
+    train_world_size = _Size("*", "dpt", "Number of training GPUs.")
 
     @classmethod
     def from_str(cls, allocation_mode: str) -> AllocationMode:
