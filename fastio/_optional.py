@@ -19,8 +19,8 @@ def install_hint(extra: str) -> str:
 
 
 def missing(module: str, extra: str, purpose: str = "") -> ImportError:
-    """The ImportError for a missing optional ``module``: what needs it and the install
-    command, for ``except ImportError as exc: raise missing(...) from exc``.
+    """The ImportError for a missing optional ``module``, naming what needs it and the
+    install command.
 
     >>> print(missing("torch", "weights", "weight updates"))
     weight updates needs 'torch', which is not installed: pip install 'fastio[weights]' (from a checkout: pip install '.[weights]')
@@ -44,8 +44,8 @@ def require(module: str, extra: str, purpose: str = "") -> ModuleType:
 
 
 class _Lazy(ModuleType):
-    """A stand-in for a module that imports it on first attribute access, then replaces
-    itself in the namespace that holds it, so later lookups cost nothing extra."""
+    """Imports its module on first attribute access and replaces itself in the
+    namespace that holds it."""
 
     def __init__(self, module: str, extra: str, purpose: str, namespace: dict[str, Any]) -> None:
         super().__init__(module)
@@ -63,11 +63,7 @@ class _Lazy(ModuleType):
 
 
 def lazy(module: str, extra: str, purpose: str, namespace: dict[str, Any]) -> Any:
-    """A module imported on first use, for modules that need it only inside functions.
-
-    ``torch = lazy("torch", "torch", "weight buckets", globals())`` keeps ``import
-    transport.weights.bucket`` free of torch until a function touches ``torch.<name>``;
-    then :func:`require` imports it (or names the extra) and the global becomes torch.
-    Under ``TYPE_CHECKING`` import the module itself, so that annotations stay exact.
-    """
+    """A module imported on first use: ``torch = lazy("torch", "torch", "weight
+    buckets", globals())`` imports torch (or names the extra) when a function first
+    touches ``torch.<name>``. Under ``TYPE_CHECKING`` import the module itself."""
     return _Lazy(module, extra, purpose, namespace)

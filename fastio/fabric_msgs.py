@@ -1,19 +1,16 @@
 """Wire messages of the fabric between rollout clients and generation workers.
 
-Every fabric message is one fastio message (``[header, *buffers]``, see
-``docs/PROTOCOL.md``) whose body is one of the Structs below, tagged with a
-:class:`~fastio.protocol.MsgKind` in the range 20-39. A request or response travels
-*nested* in its envelope (:class:`Submit`, :class:`Result`), so a hop decodes once and
-token arrays stay zero-copy frames.
+Every fabric message is one fastio message whose body is one of the Structs below
+(tags 20-39). A request travels *nested* in its :class:`Submit`, so a hop decodes once
+and token arrays stay zero-copy frames.
 
 Direction of each message (client = DEALER, worker = ROUTER)::
 
     client -> worker : Submit, Cancel, Heartbeat (ping), Control, Error
     worker -> client : Result, Stream, Heartbeat (pong), ControlReply, Error
 
-``id`` is chosen by the client, unique per *submission* on its connection (a re-sent or
-resumed request gets a new id), so a late answer to an old submission is recognised as
-stale and dropped.
+``id`` is chosen by the client, unique per *submission* on its connection (a re-sent
+request gets a new id), so a late answer to an old submission is dropped as stale.
 """
 
 from __future__ import annotations
@@ -95,12 +92,9 @@ class Submit(WireStruct, tag=int(MsgKind.FABRIC_SUBMIT)):
 
 
 class Result(WireStruct, tag=int(MsgKind.FABRIC_RESULT)):
-    """Worker -> client: the final answer to a :class:`Submit` (ends the submission).
-
-    It carries what only the worker knows: the output. The client rebuilds the
-    :class:`~fastio.LLMResponse` around it (``input_tokens`` it sent itself; ``latency``,
-    ``ttft`` and ``itl`` it measures), so those never cross the wire.
-    """
+    """Worker -> client: the final answer to a :class:`Submit` (ends the submission):
+    the output only; the client rebuilds the :class:`~fastio.LLMResponse` around it
+    (``input_tokens`` it sent, ``latency``, ``ttft`` and ``itl`` it measures)."""
 
     id: int
     output_tokens: TokenArray = msgspec.field(default_factory=TokenArray)
@@ -111,11 +105,9 @@ class Result(WireStruct, tag=int(MsgKind.FABRIC_RESULT)):
 
 
 class Stream(WireStruct, tag=int(MsgKind.FABRIC_STREAM)):
-    """Worker -> client: output tokens produced since the previous chunk.
-
-    ``seq`` counts chunks of one submission from 0. The final :class:`Result` carries
-    the whole output again, so chunks serve progress and timing, not reassembly.
-    """
+    """Worker -> client: output tokens since the previous chunk; ``seq`` counts from 0.
+    The final :class:`Result` carries the whole output again (chunks serve progress
+    and timing, not reassembly)."""
 
     id: int
     seq: int
@@ -141,19 +133,14 @@ class Heartbeat(WireStruct, tag=int(MsgKind.FABRIC_HEARTBEAT)):
     in_flight: int = 0
     paused: bool = False
     version: int = 0
-    #: Worker -> client only: how busy it is. ``running``: handlers holding a slot;
-    #: ``waiting``: submissions received and not started (no free slot, a pause, or
-    #: not yet picked up by the engine); ``engine_lag``: seconds the engine side is
-    #: behind (age of the oldest received message it has not taken yet; 0 when it
-    #: keeps up). The socket thread answers pings whatever the engine does, so a busy
-    #: worker is told from a dead one by these, not by a missing pong.
+    #: Worker -> client only: handlers holding a slot, submissions not started, and
+    #: seconds the engine is behind (age of the oldest message it has not taken). Pongs
+    #: come whatever the engine does: these tell a busy worker from a dead one.
     running: int = 0
     waiting: int = 0
     engine_lag: float = 0.0
-    #: Both ways: what the sender reads: protocol versions ``protocol_min`` ..
-    #: ``protocol`` and the token encodings (bits of ``fastio.protocol.TokenEncoding``).
-    #: The defaults describe a peer of version 1, which states nothing: each side
-    #: writes to the other what it reads (``fastio.versions``).
+    #: Both ways: the protocol versions and token encodings (``TokenEncoding`` bits) the
+    #: sender reads; the defaults describe a version-1 peer (``fastio.versions``).
     protocol: int = 1
     protocol_min: int = 1
     token_encodings: int = 1
@@ -218,8 +205,7 @@ def _buf(frame: Any) -> Any:
 
 def peek(frames: list[Any]) -> tuple[int | None, int | None, int | None]:
     """Best-effort ``(protocol_version, kind, first_field)`` of a message that failed to
-    decode, so the error reply can name the submission id. Never raises; unknown parts
-    are ``None``. Only used on the error path."""
+    decode, so the error reply can name the submission id; ``None`` for unknown parts."""
     version = kind = first = None
     try:
         parts = _raw_list.decode(_buf(frames[0]))
@@ -234,22 +220,21 @@ def peek(frames: list[Any]) -> tuple[int | None, int | None, int | None]:
 
 def _n_buffers(frame: Any) -> int | None:
     buf = _buf(frame)
-    # The common header starts 93 01 <n>: fixarray of 3, version, n as a positive fixint.
+    # The common header starts 93 <version> <n>, both positive fixints.
     if len(buf) >= 3 and buf[0] == 0x93 and buf[1] < 0x80 and buf[2] < 0x80:
         return int(buf[2])
     try:
-        parts = _raw_list.decode(buf)
-        n = _int.decode(parts[1])
+        n = _int.decode(_raw_list.decode(buf)[1])
     except Exception:
         return None
-    return n if isinstance(n, int) and n >= 0 else None
+    return n if n >= 0 else None
 
 
 #: First byte of a batch frame: msgpack's never-used code ``0xc1``, so no fastio header
 #: (a msgpack array) starts with it.
 BATCH_MARKER = 0xC1
-#: Single-frame messages up to this size are joined into batch frames by fastio senders
-#: (larger ones stay frames of their own: a batch copies what it carries).
+#: Single-frame messages up to this size are joined into batch frames by senders
+#: (a batch copies what it carries).
 MAX_BATCHED_FRAME = 16 * 1024
 
 _batch_enc = msgspec.msgpack.Encoder()
@@ -258,20 +243,17 @@ _BATCH_PREFIX = bytes([BATCH_MARKER])
 
 
 def pack_batch(headers: list[Any]) -> bytes:
-    """One batch frame carrying single-frame messages (their only frame, the header,
-    each): ``0xc1`` then a msgpack array of bin. A sender joins small messages so:
-    ZeroMQ costs about a microsecond per frame on each side, a batch costs that once."""
+    """One batch frame carrying single-frame messages (their headers): ``0xc1`` then a
+    msgpack array of bin. ZeroMQ's cost per frame is then paid once per batch."""
     return _BATCH_PREFIX + _batch_enc.encode(headers)
 
 
 def split(frames: list[Any]) -> list[list[Any]]:
     """Split the frames of one ZeroMQ message into the fastio messages it carries.
 
-    A fabric peer may send several fastio messages back to back in one ZeroMQ message
-    (each ``[header, *n_buffers frames]``, ``n_buffers`` read from its header), and
-    single-frame messages packed into batch frames (see :func:`pack_batch`). A frame
-    list that does not parse is returned as one message, for the decoder to reject; so
-    is a batch frame that does not parse.
+    A peer may send several messages back to back (each ``[header, *n_buffers
+    frames]``) and batch frames (:func:`pack_batch`). Frames that do not parse are
+    returned as one message, for the decoder to reject.
     """
     if len(frames) == 1:
         f = frames[0]

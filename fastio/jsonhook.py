@@ -1,5 +1,5 @@
-"""fastio's messages as JSON: :func:`to_builtins` and :func:`to_json` (named fields,
-token arrays as lists), and the ``enc_hook`` behind them for msgspec's own encoders."""
+"""fastio's messages as JSON: :func:`to_builtins`, :func:`to_json` and the ``enc_hook``
+behind them for msgspec's own encoders."""
 
 from __future__ import annotations
 
@@ -8,18 +8,16 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from fastio._ext import _is_pil_image, _is_tensor
+from fastio import _ext
 from fastio.tokens import TokenArray
 
 __all__ = ["enc_hook", "to_builtins", "to_json"]
 
 
 def enc_hook(obj: Any) -> Any:
-    """``enc_hook`` for msgspec's other encoders: fastio's values as JSON-ready builtins.
-
-    ``TokenArray`` and numpy arrays become lists, numpy scalars Python numbers, torch
-    tensors nested lists, PIL images ``data:image/png;base64,...`` URLs (what SGLang
-    accepts as ``image_data``), tokenizers and processors their ``name_or_path``.
+    """``enc_hook`` for msgspec's other encoders: token arrays, numpy arrays and tensors
+    as lists, numpy scalars as numbers, PIL images as ``data:image/png;base64,...`` URLs
+    (SGLang's ``image_data``), tokenizers and processors as their ``name_or_path``.
 
     Examples
     --------
@@ -30,13 +28,9 @@ def enc_hook(obj: Any) -> Any:
     >>> msgspec.to_builtins(msgspec.structs.asdict(resp), enc_hook=fastio.enc_hook)["output_tokens"]
     [5, 6]
     """
-    if isinstance(obj, TokenArray):
+    if isinstance(obj, (TokenArray, np.ndarray, np.generic)) or _ext.is_tensor(obj):
         return obj.tolist()
-    if isinstance(obj, (np.ndarray, np.generic)):
-        return obj.tolist()
-    if _is_tensor(obj):
-        return obj.tolist()
-    if _is_pil_image(obj):
+    if _ext.is_pil_image(obj):
         import base64
         import io
 
@@ -63,12 +57,8 @@ def _named(obj: Any) -> Any:
 
 def to_builtins(obj: Any) -> Any:
     """A message (or any value holding messages) as JSON-ready builtins: every Struct a
-    ``dict`` of its named fields, token arrays and numpy arrays lists, tensors nested
-    lists, enums their values, ``bytes`` base64 strings, images data URLs.
-
-    The wire form of a message is positional (``array_like``); this is the form for
-    logs, JSON lines of trajectories and dashboards. It is one way: decode wire bytes
-    with :func:`fastio.decode`, not from this.
+    ``dict`` of its named fields, arrays lists, enums their values, ``bytes`` base64,
+    images data URLs. For logs and trajectories; one way (the wire form is positional).
 
     Examples
     --------

@@ -1,7 +1,4 @@
-"""Wire constants of the fastio protocol, in one place.
-
-See ``docs/PROTOCOL.md`` for the full description of the frame layout.
-"""
+"""Wire constants of the fastio protocol, in one place (``docs/PROTOCOL.md``)."""
 
 from __future__ import annotations
 
@@ -19,24 +16,19 @@ __all__ = [
     "TokenEncoding",
 ]
 
-#: Version of the wire protocol this code writes by default, and the newest it reads.
-#: Version 2: peers state what they read in their Heartbeats, token arrays may use
-#: every code of :class:`ExtCode`. Version 1 (fastio before version 2): nothing
-#: stated; the one token-array code every version-1 reader reads is ext 4. Bump it for
-#: any change an older peer cannot read (see "Versions" in docs/PROTOCOL.md); appending
-#: a field with a default to a Struct is not such a change.
+#: The protocol version this code writes by default, and the newest it reads. At 2
+#: peers state what they read in their Heartbeats; at 1 token arrays travel as ext 4.
+#: Bump it for any change an older peer cannot read ("Versions" in docs/PROTOCOL.md);
+#: appending a field with a default is not one.
 PROTOCOL_VERSION = 2
 
-#: The oldest version this code reads and writes. A decoder rejects headers outside
-#: ``MIN_PROTOCOL_VERSION .. PROTOCOL_VERSION`` (``fastio.UnsupportedVersion``).
+#: The oldest version this code reads and writes; a decoder rejects headers outside
+#: this range with ``fastio.UnsupportedVersion``.
 MIN_PROTOCOL_VERSION = 1
 
-#: Arrays whose data is smaller than this many bytes travel inside the header;
-#: larger ones travel as their own frame, sent without a copy. Chosen by measurement
-#: (``bench/codec.py``, case ``inline_threshold``): a ZeroMQ frame costs more than
-#: copying several KiB into the header, so a request of up to 2047 int32 tokens stays
-#: one frame (small enough to join a fabric batch frame, 16 KiB), a longer one sends
-#: its ids without a copy.
+#: Arrays of fewer bytes travel inside the header, larger ones as their own frame
+#: without a copy: a ZeroMQ frame costs more than copying a few KiB
+#: (``bench/codec.py``, case ``inline_threshold``).
 DEFAULT_INLINE_THRESHOLD = 8192
 
 #: Default limit on the total size of one message's frames (16 GiB).
@@ -44,10 +36,7 @@ DEFAULT_MAX_MESSAGE_SIZE = 16 << 30
 
 
 class MsgKind(enum.IntEnum):
-    """Struct tags: the first element of every encoded Struct (``array_like``).
-
-    Values are part of the wire format and never reused.
-    """
+    """Struct tags, the first element of every encoded Struct; never reused."""
 
     GENERATION_HYPERPARAMETERS = 1
     LLM_REQUEST = 2
@@ -62,8 +51,7 @@ class MsgKind(enum.IntEnum):
     SAVE_LOAD_META = 11
     ROLLOUT_STAT = 12
 
-    # -- fabric messages (transport between rollout clients and generation workers),
-    # -- range 20-39; see ``fastio/fabric_msgs.py`` and the "Fabric" section of PROTOCOL.md
+    # Fabric (rollout clients <-> generation workers), 20-39: fastio/fabric_msgs.py
     FABRIC_SUBMIT = 20
     FABRIC_RESULT = 21
     FABRIC_STREAM = 22
@@ -74,8 +62,7 @@ class MsgKind(enum.IntEnum):
     FABRIC_ERROR = 27
     FABRIC_WORKER_STATUS = 28
 
-    # -- weight updates (trainer -> generation workers), range 40-59; see
-    # -- ``fastio/weight_msgs.py`` and the "Weight updates" section of PROTOCOL.md
+    # Weight updates (trainer -> generation workers), 40-59: fastio/weight_msgs.py
     WEIGHT_HELLO = 40
     WEIGHT_WELCOME = 41
     WEIGHT_ANNOUNCE = 42
@@ -84,7 +71,7 @@ class MsgKind(enum.IntEnum):
     WEIGHT_BUCKET = 45
     WEIGHT_ACK = 46
     WEIGHT_ERROR = 47
-    # -- range 60-63; see ``fastio/ipc_msgs.py`` and "The ipc path" in PROTOCOL.md
+    # The ipc route, 60-63: fastio/ipc_msgs.py
     IPC_HELLO = 60
     IPC_OFFER = 61
     IPC_READY = 62
@@ -100,22 +87,17 @@ class ExtCode(enum.IntEnum):
     TENSOR = 2
     #: PIL image: payload ``[mode, width, height, data]`` (raw pixel bytes).
     IMAGE = 3
-    #: ``TokenArray``: same payload as NDARRAY with a 1-D shape, decoded as a
-    #: ``TokenArray``. A code of its own so the decoder builds the right type without
-    #: knowing which field it is in (the hot path skips msgspec's per-field hook).
-    #: What fastio writes at protocol version 1: every version-1 reader reads it.
+    #: ``TokenArray``: same payload as NDARRAY with a 1-D shape (a code of its own, so
+    #: the decoder builds the type without knowing the field); written at version 1.
     TOKENS = 4
-    #: ``TokenArray`` with its data inline: codes ``16 + d`` for the dtype at index
-    #: ``d`` of :data:`DTYPE_NAMES`; the payload is the raw little-endian elements.
-    #: No nested msgpack value to decode: the dtype is the code, the length the payload's.
+    #: ``TokenArray`` inline: codes ``16 + d`` for the dtype at index ``d`` of
+    #: :data:`DTYPE_NAMES`; the payload is the raw little-endian elements.
     TOKENS_INLINE = 16
-    #: ``TokenArray`` in a buffer frame: codes ``32 + d``; the payload is 8 bytes, the
-    #: frame index and the element count, each a 4-byte little-endian unsigned int.
-    #: Written for frame indices above 255; always accepted.
+    #: ``TokenArray`` in a buffer frame: codes ``32 + d``; the payload is the frame
+    #: index and the element count, each a little-endian uint32 (frames above 255).
     TOKENS_FRAME = 32
-    #: ``TokenArray`` in a buffer frame, compact: codes ``48 + d``; the payload is one
-    #: byte, the frame index (1-255); the element count is the frame's length divided
-    #: by the itemsize. What the encoder writes for frames 1-255.
+    #: ``TokenArray`` in a buffer frame, compact: codes ``48 + d``; the payload is the
+    #: frame index (1-255) in one byte; the count follows from the frame's length.
     TOKENS_REF = 48
 
 
@@ -127,9 +109,8 @@ class TokenEncoding(enum.IntFlag):
     TOKENS = 1
     #: ext ``16 + d`` inline and ``32 + d`` (frame index and element count) in a frame.
     COMPACT = 2
-    #: ext ``48 + d`` (a one-byte frame index) in a frame, with ext ``16 + d`` inline
-    #: and ``32 + d`` for frames from 256 on: what fastio writes by default. Writing it
-    #: needs a peer that reads COMPACT too.
+    #: ext ``48 + d`` in a frame, with ``16 + d`` inline and ``32 + d`` for frames from
+    #: 256 on: the default; writing it needs a peer that reads COMPACT too.
     REF = 4
 
 

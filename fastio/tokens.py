@@ -1,54 +1,36 @@
 """``TokenArray``: a zero-copy, list-like view of a 1-D numpy array.
 
-The seed types declare token ids, logprobs, versions and latencies as ``List[int]`` /
-``List[float]``. Lists cost a Python object per element to build, encode and decode;
-numpy arrays cost nothing but change the meaning of user code (``a + b`` concatenates
-lists but adds arrays elementwise). ``TokenArray`` keeps the data in a numpy array (a
-view of the received frame after decoding, never copied) and gives it *list*
-semantics for every operation rollout code applies to these fields:
+The seed types declare token ids, logprobs, versions and latencies as lists. Lists cost
+a Python object per element to build, encode and decode; numpy arrays change the meaning
+of user code (``a + b`` adds instead of concatenating). ``TokenArray`` keeps the data in
+a numpy array (after decoding, a view of the received frame) with *list* semantics:
 
-========================  ===============================================
-operation                 behaviour
 ========================  ===============================================
 ``len(t)``, ``t[i]``      as a list; items are Python ``int`` / ``float``
 ``t[a:b]``                a ``TokenArray`` *view* (no copy)
-``iter(t)``               Python scalars
 ``t + seq``, ``seq + t``  concatenation into a new ``TokenArray``
 ``t += seq``, ``extend``  in-place append, amortised O(len(seq))
-``append``, ``pop``       as a list
+``append``, ``pop``, ...  as a list (``insert``, ``clear``, ``sort``, ...)
 ``t == seq``              ``True`` / ``False``, element by element as lists
-``list(t)``, ``tolist``   a real list
-``t[i] = x``, ``del t[i]`` as a list (slice assignment too); copy-on-write
+``t[i] = x``, ``del t[i]`` as a list (slices too); copy-on-write
 ``t.copy()``              a new plain ``list`` (as ``list.copy``)
 ``np.asarray(t)``         the underlying array, no copy
-``torch.as_tensor(t)``    a tensor (``t.tensor()`` shares memory)
+``t.tensor()``            a CPU tensor sharing memory
 ========================  ===============================================
 
 ``seq`` is a list, tuple, range, 1-D numpy array or ``TokenArray``. Python numbers
 joining an array keep its dtype when they fit (numpy's rule for Python scalars), so
-``[-1] * n + versions`` stays ``int32``; numbers that do not fit (a float into an int
-array, an int beyond the dtype's range) widen the result instead of being truncated.
+``[-1] * n + versions`` stays ``int32``; numbers that do not fit widen the result
+(``int32`` to ``int64``, ``uint64`` for ``[2**63, 2**64)``) instead of being truncated.
+Ints beyond 64 bits raise ``OverflowError``: msgpack cannot carry them.
+Operations whose list and array meanings disagree (``t * 2``, ``t - x``, ``t < x``)
+raise ``TypeError``; use ``t.array`` for numpy arithmetic.
 
-Integers beyond the dtype's range widen it: ``int32`` to ``int64``, and ``uint64`` for
-values in ``[2**63, 2**64)``. Python ints beyond 64 bits raise ``OverflowError``: no
-numpy dtype holds them and msgpack, the wire format, cannot carry them.
-
-Operations whose list and array meanings disagree (``t * 2``, ``t - x``, ``t < x``,
-``t + 1``) raise ``TypeError`` with a hint, instead of silently doing the other thing.
-Use ``t.array`` for numpy arithmetic.
-
-Item assignment is copy-on-write, so it behaves as on a list although slices are
-views: ``u = t[:]`` then ``t[0] = 5`` leaves ``u`` alone. The first assignment after a
-view of the memory was handed out (a slice, ``t.array``, ``np.asarray(t)``,
-``t.tensor()``, a decoded frame, an array passed in) copies the elements once; later
-ones write in place. ``t.array`` is a numpy view: writes through it are numpy's.
-
-Lifetime: a ``TokenArray`` produced by :func:`fastio.decode` is a view of a received
-frame and keeps that frame alive; it is writable when the frame is (``zmq.Frame``),
-read-only when it is ``bytes``. ``append``/``extend`` never write into a received
-frame, nor into memory any other array or encoded frame can see: the first growth
-copies into a private over-allocated buffer, later growth writes only past the end of
-every view handed out.
+Item assignment is copy-on-write, so ``u = t[:]; t[0] = 5`` leaves ``u`` alone: the
+first assignment after a view was handed out (a slice, ``t.array``, a decoded frame)
+copies once. A decoded ``TokenArray`` keeps its frame alive; it is writable when the
+frame is (``zmq.Frame``), read-only for ``bytes``. ``append``/``extend`` never write
+into a received frame nor into memory another view can see.
 """
 
 from __future__ import annotations
@@ -76,12 +58,17 @@ def _hint(op: str) -> str:
     )
 
 
-def _weak(values: Sequence[Any], like: np.dtype[Any]) -> npt.NDArray[Any]:
-    """Python numbers as an array, in ``like``'s dtype when every value fits exactly.
+def _refused(op: str) -> Any:
+    def refuse(self: Any, other: Any) -> Any:
+        raise TypeError(_hint(op))
 
-    numpy's rule for Python scalars (NEP 50) applied to a sequence, minus the silent
-    truncation: a value that does not fit widens the result instead.
-    """
+    return refuse
+
+
+def _weak(values: Sequence[Any], like: np.dtype[Any]) -> npt.NDArray[Any]:
+    """Python numbers as an array, in ``like``'s dtype when every value fits exactly:
+    numpy's rule for Python scalars (NEP 50), but a value that does not fit widens the
+    result instead of being truncated."""
     if len(values) == 0:
         return np.empty(0, like)
     arr = _numbers(values, None)
@@ -132,9 +119,8 @@ class TokenArray(Sequence[Any]):
     #: Over-allocated private buffer that ``_a`` is a prefix of, or None.
     _buf: npt.NDArray[Any] | None
     #: True when no view of ``_a``'s memory exists outside this object, so item
-    #: assignment may write in place (copy-on-write otherwise). The decoder leaves
-    #: ``_buf`` and ``_excl`` unset (read with defaults None and False): two stores fewer
-    #: per decoded array.
+    #: assignment may write in place. The decoder leaves ``_buf`` and ``_excl`` unset
+    #: (read with defaults None and False).
     _excl: bool
 
     def __init__(self, data: Any = (), dtype: npt.DTypeLike | None = None) -> None:
@@ -193,11 +179,8 @@ class TokenArray(Sequence[Any]):
         return out
 
     def tensor(self) -> torch.Tensor:
-        """A CPU ``torch.Tensor`` sharing memory with this array.
-
-        A read-only array (decoded from ``bytes``) is copied: torch has no read-only
-        tensors.
-        """
+        """A CPU ``torch.Tensor`` sharing memory with this array (a read-only array,
+        decoded from ``bytes``, is copied: torch has no read-only tensors)."""
         import torch
 
         a = self._a
@@ -205,22 +188,11 @@ class TokenArray(Sequence[Any]):
         return torch.from_numpy(a if a.flags.writeable else a.copy())
 
     def copy(self) -> list[Any]:
-        """A new plain ``list`` of the elements, as ``list.copy`` gives.
-
-        Code written for lists copies a token field before putting it in a JSON payload
-        (``{"input_ids": req.input_ids.copy()}``); a list is what ``json.dumps`` takes.
-        For an independent ``TokenArray`` use ``t[:]`` (a view that never sees later
-        changes of ``t``: growth and item assignment copy first) or
-        ``TokenArray(t.array.copy())``.
-        """
+        """A new plain ``list``, as ``list.copy`` gives: code written for lists copies a
+        token field into a JSON payload. For an independent ``TokenArray`` use ``t[:]``
+        (growth and item assignment of ``t`` copy first)."""
         out: list[Any] = self._a.tolist()
         return out
-
-    def __copy__(self) -> TokenArray:
-        return TokenArray._wrap(self._a.copy())
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> TokenArray:
-        return TokenArray._wrap(self._a.copy())
 
     def __array__(
         self, dtype: npt.DTypeLike | None = None, copy: bool | None = None
@@ -246,13 +218,7 @@ class TokenArray(Sequence[Any]):
             self._excl = False  # the slice shares memory: assignment copies first
             return TokenArray._wrap(self._a[index])
         try:
-            i = operator.index(index)
-        except TypeError:
-            raise TypeError(
-                f"TokenArray indices must be integers or slices, not {type(index).__name__}"
-            ) from None
-        try:
-            return self._a[i].item()
+            return self._a[_index(index)].item()
         except IndexError:
             raise IndexError("TokenArray index out of range") from None
 
@@ -276,6 +242,7 @@ class TokenArray(Sequence[Any]):
         return f"TokenArray({self.tolist()!r}, dtype={self._a.dtype})"
 
     def __reduce__(self) -> tuple[Any, ...]:
+        # pickle, copy.copy and copy.deepcopy: a TokenArray over a copy of the elements.
         return (TokenArray, (np.array(self._a),))
 
     def count(self, value: Any) -> int:
@@ -301,10 +268,6 @@ class TokenArray(Sequence[Any]):
             return other.ndim == 1 and bool(np.array_equal(self._a, other))
         return NotImplemented
 
-    def __ne__(self, other: object) -> bool:
-        eq = self.__eq__(other)
-        return eq if eq is NotImplemented else not eq
-
     __hash__ = None  # type: ignore[assignment]  # mutable, like list
 
     # -- concatenation and growth ------------------------------------------------
@@ -319,24 +282,11 @@ class TokenArray(Sequence[Any]):
             return _weak(other, self._a.dtype)
         raise TypeError(_hint(f"{op} {type(other).__name__}"))
 
-    def _concat(self, first: npt.NDArray[Any], second: npt.NDArray[Any]) -> TokenArray:
-        # An empty side does not take part in the type (as [] + list has no type).
-        if first.shape[0] == 0:
-            dtype = second.dtype
-        elif second.shape[0] == 0:
-            dtype = first.dtype
-        else:
-            dtype = _joined(first.dtype, second.dtype)
-        out = np.empty(first.shape[0] + second.shape[0], dtype)
-        out[: first.shape[0]] = first
-        out[first.shape[0] :] = second
-        return TokenArray._wrap(out)
-
     def __add__(self, other: Any) -> TokenArray:
-        return self._concat(self._a, self._coerce(other, "+"))
+        return TokenArray._wrap(_concat(self._a, self._coerce(other, "+")))
 
     def __radd__(self, other: Any) -> TokenArray:
-        return self._concat(self._coerce(other, "+"), self._a)
+        return TokenArray._wrap(_concat(self._coerce(other, "+"), self._a))
 
     def __iadd__(self, other: Any) -> TokenArray:
         self.extend(self._coerce(other, "+="))
@@ -381,16 +331,13 @@ class TokenArray(Sequence[Any]):
         if not 0 <= i < n:
             raise IndexError("pop index out of range")
         value = self._a[i].item()
-        self._a = np.concatenate((self._a[:i], self._a[i + 1 :]))
-        self._buf = None  # views of the old prefix must never see later appends
-        self._excl = True
+        # A new array: views of the old prefix must never see later appends.
+        self._set_private(np.concatenate((self._a[:i], self._a[i + 1 :])))
         return value
 
     def clear(self) -> None:
         """Remove every element (keeps the dtype)."""
-        self._a = self._a[:0]
-        self._buf = None
-        self._excl = True
+        self._set_private(self._a[:0])
 
     def insert(self, index: SupportsIndex, value: Any) -> None:
         """Insert ``value`` before ``index``, as ``list.insert``."""
@@ -408,7 +355,7 @@ class TokenArray(Sequence[Any]):
 
     # -- item assignment (copy-on-write) ------------------------------------------
     def _set_private(self, arr: npt.NDArray[Any]) -> None:
-        """Make a new array, which nobody else sees, the contents."""
+        """Make ``arr``, which nobody else sees, the contents."""
         self._a = arr
         self._buf = None
         self._excl = True
@@ -435,7 +382,7 @@ class TokenArray(Sequence[Any]):
             if step == 1:
                 stop = max(stop, start)
                 a = self._a
-                self._set_private(self._concat3(a[:start], values, a[stop:]))
+                self._set_private(_concat(a[:start], values, a[stop:]))
                 return
             n_slot = len(range(start, stop, step))
             if values.shape[0] != n_slot:
@@ -454,25 +401,11 @@ class TokenArray(Sequence[Any]):
 
     def _assignment_index(self, index: Any) -> int:
         # As list: an int-like index within range, for item assignment and deletion.
-        try:
-            i = operator.index(index)
-        except TypeError:
-            raise TypeError(
-                f"TokenArray indices must be integers or slices, not {type(index).__name__}"
-            ) from None
+        i = _index(index)
         n = len(self)
         if not -n <= i < n:
             raise IndexError("TokenArray assignment index out of range")
         return i
-
-    def _concat3(self, *parts: npt.NDArray[Any]) -> npt.NDArray[Any]:
-        # As _concat: an empty side does not take part in the type.
-        dtype = self._a.dtype
-        new = parts[1]
-        if new.shape[0]:
-            rest = parts[0].shape[0] + parts[2].shape[0]
-            dtype = _joined(dtype, new.dtype) if rest else new.dtype
-        return np.concatenate([p.astype(dtype, copy=False) for p in parts])
 
     def __delitem__(self, index: Any) -> None:
         if isinstance(index, slice):
@@ -483,28 +416,34 @@ class TokenArray(Sequence[Any]):
         i = self._assignment_index(index)
         self.pop(i)
 
-    # -- operations that would silently change meaning -----------------------------
-    def __mul__(self, other: Any) -> TokenArray:
-        raise TypeError(_hint("*"))
-
-    __rmul__ = __mul__
-    __imul__ = __mul__
-
-    def __sub__(self, other: Any) -> TokenArray:
-        raise TypeError(_hint("-"))
-
-    __rsub__ = __sub__
-
-    def __truediv__(self, other: Any) -> TokenArray:
-        raise TypeError(_hint("/"))
-
-    def __lt__(self, other: Any) -> bool:
-        raise TypeError(_hint("<"))
-
-    __le__ = __gt__ = __ge__ = __lt__
+    # Operations whose list and array meanings disagree: refused.
+    __mul__ = __rmul__ = __imul__ = _refused("*")
+    __sub__ = __rsub__ = _refused("-")
+    __truediv__ = _refused("/")
+    __lt__ = __le__ = __gt__ = __ge__ = _refused("<")
 
 
 _new = object.__new__
+
+
+def _index(index: Any) -> int:
+    try:
+        return operator.index(index)
+    except TypeError:
+        raise TypeError(
+            f"TokenArray indices must be integers or slices, not {type(index).__name__}"
+        ) from None
+
+
+def _concat(*parts: npt.NDArray[Any]) -> npt.NDArray[Any]:
+    """The parts joined; an empty part takes no part in the dtype (as ``[] + list``)."""
+    dtype = parts[-1].dtype
+    seen = False
+    for p in parts:
+        if p.shape[0]:
+            dtype = _joined(dtype, p.dtype) if seen else p.dtype
+            seen = True
+    return np.concatenate(parts, dtype=dtype, casting="unsafe")
 
 
 def _joined(a: np.dtype[Any], b: np.dtype[Any]) -> np.dtype[Any]:

@@ -78,6 +78,12 @@ def test_default_factories_are_fresh() -> None:
     r1, r2 = LLMRequest(), LLMRequest()
     r1.metadata["x"] = 1
     assert r2.metadata == {}
+    # The default gconfig is built without the construction checks: still fresh, typed
+    # and equal to a checked one.
+    r1.gconfig.stop_token_ids.append(7)
+    assert r2.gconfig.stop_token_ids == [] and r1.gconfig is not r2.gconfig
+    assert type(r2.gconfig) is GenerationHyperparameters
+    assert r2.gconfig == GenerationHyperparameters()
 
 
 def test_llm_request_fields_and_rid() -> None:

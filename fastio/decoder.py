@@ -1,0 +1,323 @@
+""":class:`Decoder`: frames ``[header, *buffers]`` into typed objects (see
+:mod:`fastio.codec` for the zero-copy contract, the trust rules and threading)."""
+
+from __future__ import annotations
+
+import math
+import struct
+import sys
+from collections.abc import Sequence
+from typing import Any, Literal, Union
+
+import msgspec
+import numpy as np
+
+from fastio import _ext
+from fastio._diagnose import _frame_error, _Rejected, _token_error, diagnose
+from fastio._optional import install_hint
+from fastio.errors import DecodeError
+from fastio.protocol import DEFAULT_MAX_MESSAGE_SIZE, MIN_PROTOCOL_VERSION, PROTOCOL_VERSION
+from fastio.structs import message_types
+from fastio.tokens import TokenArray
+
+__all__ = ["Decoder"]
+
+#: The header's version as the decoders' msgspec types check it: any version read.
+_VERSION: Any = Literal.__getitem__(tuple(range(MIN_PROTOCOL_VERSION, PROTOCOL_VERSION + 1)))
+_NO_BUFFERS = (None,)
+_new_object = object.__new__
+
+
+class Decoder:
+    """Decodes ``[header, *buffers]`` frames into typed objects.
+
+    Parameters
+    ----------
+    type:
+        The expected type. ``None`` accepts any fastio message: a tagged union of every
+        :class:`~fastio.WireStruct` subclass with an integer tag defined in ``fastio``
+        when the decoder is created (:func:`~fastio.message_types`).
+    max_message_size:
+        Frames adding up to more bytes raise :class:`~fastio.MessageTooLarge` before
+        anything is parsed (sizes by ``len()``; see "Trust" in :mod:`fastio.codec`).
+    trusted:
+        ``True`` skips the size limit, only for frames this program produced itself.
+        Anything read from a socket is untrusted, the default.
+    device:
+        Where decoded torch tensors go: ``None``/``"cpu"`` views the frame without a
+        copy; e.g. ``"cuda:0"`` copies onto that device.
+
+    Examples
+    --------
+    >>> from fastio import Decoder, Encoder, LLMResponse
+    >>> dec = Decoder(LLMResponse)
+    >>> resp = dec.decode(Encoder().encode(LLMResponse(output_tokens=[1, 2])))
+    >>> resp.output_tokens == [1, 2]
+    True
+    """
+
+    def __init__(
+        self,
+        type: Any = None,
+        *,
+        max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE,
+        device: Any = None,
+        trusted: bool = False,
+    ) -> None:
+        if type is None:
+            type = Union[message_types()]  # noqa: UP007
+        self.type = type
+        self.device = None if device is None or str(device) == "cpu" else device
+        self._max_message_size = max_message_size
+        self._trusted = bool(trusted)
+        # Messages of one frame (all arrays inline) decode with one stateless msgspec
+        # call: the header's version and buffer count (0) are part of the type.
+        self._decode_one = self._msgspec_decoder(Literal[0], [_NO_BUFFERS])
+        # Idle per-call states of messages with buffer frames. The first is built here
+        # so that a type msgspec cannot decode fails at construction.
+        self._idle: list[list[Any]] = [self._new_state()]
+        # The hot path, a closure; the instance attribute shadows the method.
+        self.decode = self._decode = self._make_decode()  # type: ignore[method-assign]
+
+    @property
+    def max_message_size(self) -> int:
+        """The size limit of one message's frames, in bytes (not checked when trusted)."""
+        return self._max_message_size
+
+    @property
+    def trusted(self) -> bool:
+        """Whether the frames come from a trusted source (read-only)."""
+        return self._trusted
+
+    def decode(self, frames: Sequence[Any]) -> Any:
+        """Decode a frame list (bytes, memoryview, bytearray or ``zmq.Frame`` items).
+
+        Raises
+        ------
+        DecodeError
+            Saying what is wrong with the frames (for a value that breaks a field's
+            constraint: the field's path and the rule); never any other exception for
+            bad input.
+        """
+        return self._decode(frames)
+
+    def _msgspec_decoder(self, n_buffers: Any, state: list[Any]) -> Any:
+        tp = self.type
+        return msgspec.msgpack.Decoder(
+            tuple[_VERSION, n_buffers, tp],  # type: ignore[valid-type]
+            ext_hook=self._hook(state),
+            dec_hook=_dec_hook,
+        ).decode
+
+    def _hook(self, state: list[Any]) -> Any:
+        """The ``ext_hook`` of one msgspec decoder; ``state[0]`` is the frame list of the
+        call that holds the state (``(None,)`` for messages of one frame)."""
+        dtypes, ref, frame, unpack = _ext.TOKEN_DTYPES, _ext.REF, _ext.FRAME, _ext.FRAME_REF.unpack
+        frombuffer, new, other = np.frombuffer, _new_object, self._ext_hook
+
+        def ext_hook(code: int, payload: memoryview) -> Any:
+            dtype = dtypes[code]
+            if dtype is None:
+                return other(code, payload, state[0])
+            # A token array (TokenArray._wrap, inlined: _buf and _excl stay unset).
+            # Malformed values fall through to the error below (try is free).
+            try:
+                if code >= ref:  # in frame k, one byte: the frame is the array
+                    (k,) = payload  # ValueError unless exactly one byte
+                    if k:  # frame 0 is the header
+                        tokens = new(TokenArray)
+                        tokens._a = frombuffer(state[0][k], dtype)  # whole items or ValueError
+                        return tokens
+                elif code < frame:  # inline: the payload is the elements
+                    tokens = new(TokenArray)
+                    tokens._a = frombuffer(payload, dtype)
+                    return tokens
+                else:  # the 8-byte reference (frame index, element count)
+                    k, count = unpack(payload)
+                    if k:
+                        arr = frombuffer(state[0][k], dtype)
+                        if len(arr) == count:
+                            tokens = new(TokenArray)
+                            tokens._a = arr
+                            return tokens
+            except (ValueError, TypeError, IndexError, BufferError, struct.error):
+                pass
+            raise _token_error(code, payload, state[0])
+
+        return ext_hook
+
+    def _new_state(self) -> list[Any]:
+        """A per-call state ``[frames, decode, decode_two]`` whose decoders' hook reads
+        ``frames``; ``decode_two`` is for messages of exactly two frames (its type says
+        one buffer, so msgspec checks the count)."""
+        state: list[Any] = [None, None, None]
+        state[1] = self._msgspec_decoder(int, state)
+        state[2] = self._msgspec_decoder(Literal[1], state)
+        return state
+
+    def _make_decode(self) -> Any:
+        decode_one = self._decode_one
+        # A header alone or with one buffer: the limit costs one or two len().
+        header_limit = sys.maxsize if self._trusted else self._max_message_size
+        small_limit = min(header_limit, (1 << 30) - 1)
+        limit = None if self._trusted else self._max_message_size
+        pop, push, new_state = self._idle.pop, self._idle.append, self._new_state
+        tp = self.type
+        rejected = _Rejected
+
+        def decode(frames: Sequence[Any]) -> Any:
+            try:
+                count = len(frames)
+                if count == 1:
+                    header = frames[0]
+                    size = len(header)
+                    # The first compare is between small ints (the interpreter's fast
+                    # path); the second runs only for big messages.
+                    if size > small_limit and size > header_limit:
+                        raise rejected
+                    return decode_one(header)[2]
+                if count == 2:
+                    size = len(frames[0]) + len(frames[1])
+                    if size > small_limit and size > header_limit:
+                        raise rejected
+                elif limit is not None:
+                    # len() is the size in bytes of bytes, bytearray, zmq.Frame and byte
+                    # memoryviews; np.frombuffer reads any of them as they are.
+                    total = 0
+                    for f in frames:
+                        total += len(f)
+                    if total > limit:
+                        raise rejected
+                try:
+                    state = pop()
+                except IndexError:  # all in use: other threads, a nested decode
+                    state = new_state()
+                state[0] = frames
+                try:
+                    msg = state[2 if count == 2 else 1](frames[0])
+                finally:
+                    state[0] = None
+                    push(state)
+                if msg[1] != count - 1:
+                    raise rejected
+                return msg[2]
+            except Exception as exc:  # boundary: nothing else may escape for bad input
+                raise diagnose(tp, limit, frames, exc) from exc
+
+        return decode
+
+    # -- extension values other than token arrays (codes 1-4) --------------------------
+    def _ext_hook(self, code: int, payload: memoryview, frames: Any) -> Any:
+        if code == _ext.EXT_IMAGE:
+            return self._image(payload, frames)
+        if code not in (_ext.EXT_NDARRAY, _ext.EXT_TENSOR, _ext.EXT_TOKENS):
+            raise DecodeError(
+                f"unknown extension type code {code}; known: 1, 2, 3, 4, "
+                "16-28, 32-44 and 48-60 (token arrays, but not bfloat16: 26, 42, 58)"
+            )
+        try:
+            name, shape, slot = _ext.array_meta_decode(payload)
+        except msgspec.DecodeError as exc:
+            raise DecodeError(f"malformed array descriptor: {exc}") from exc
+        if len(shape) > _ext.MAX_NDIM:
+            raise DecodeError(f"array has {len(shape)} dimensions, at most {_ext.MAX_NDIM} allowed")
+        if any(d < 0 for d in shape):
+            raise DecodeError(f"negative dimension in array shape {list(shape)}")
+        count = math.prod(shape)
+        if code == _ext.EXT_TENSOR:
+            return self._tensor(name, shape, count, slot, frames)
+        dtype = _ext.NP_DTYPES.get(name)
+        if dtype is None:
+            raise DecodeError(
+                f"unknown array dtype {name!r}; known: {sorted(_ext.NP_DTYPES)}"
+                + (" (bfloat16 only as a tensor, ext code 2)" if name == "bfloat16" else "")
+            )
+        data = _data(slot, count * dtype.itemsize, lambda: f"array {name}{list(shape)}", frames)
+        arr = np.frombuffer(data, dtype, count)
+        if code == _ext.EXT_NDARRAY:
+            return arr if len(shape) == 1 else arr.reshape(shape)
+        if len(shape) != 1:
+            raise DecodeError(f"token array must be 1-D, got shape {list(shape)}")
+        return TokenArray._wrap(arr)
+
+    def _tensor(
+        self, name: str, shape: tuple[int, ...], count: int, slot: int | bytearray, frames: Any
+    ) -> Any:
+        try:
+            import torch
+        except ImportError as exc:
+            raise DecodeError(
+                f"a torch tensor {name}{list(shape)} arrived and torch is not installed: "
+                f"{install_hint('torch')}"
+            ) from exc
+        if not _ext.torch_dtypes:
+            _ext.torch_tables()
+        entry = _ext.torch_dtypes.get(name)
+        if entry is None:
+            raise DecodeError(f"unknown tensor dtype {name!r}; known: {sorted(_ext.torch_dtypes)}")
+        dtype, itemsize = entry
+        data = _data(slot, count * itemsize, lambda: f"tensor {name}{list(shape)}", frames)
+        if memoryview(data).readonly:
+            # torch has no read-only tensors: a write would corrupt an immutable frame.
+            data = bytearray(data)
+        # Through numpy (cheaper than torch.frombuffer + reshape); bfloat16 is viewed as
+        # uint16 there and reinterpreted by torch.
+        t = torch.from_numpy(
+            np.frombuffer(data, _ext.NP_DTYPES.get(name, _ext.BF16_STORAGE), count).reshape(shape)
+        )
+        if dtype is not t.dtype:
+            t = t.view(dtype)
+        return t if self.device is None else t.to(self.device)
+
+    def _image(self, payload: memoryview, frames: Any) -> Any:
+        from PIL import Image
+
+        try:
+            mode, w, h, slot = _ext.image_meta_decode(payload)
+        except msgspec.DecodeError as exc:
+            raise DecodeError(f"malformed image descriptor: {exc}") from exc
+        bpp = _ext.IMAGE_MODES.get(mode)
+        if bpp is None:
+            raise DecodeError(f"unsupported image mode {mode!r}; known: {sorted(_ext.IMAGE_MODES)}")
+        if w < 0 or h < 0:
+            raise DecodeError(f"invalid image size {w}x{h}")
+        data = _data(slot, w * h * bpp, lambda: f"image {mode} {w}x{h}", frames)
+        if w == 0 or h == 0:
+            return Image.new(mode, (w, h))
+        return Image.frombuffer(mode, (w, h), data, "raw", mode, 0, 1)
+
+
+def _data(slot: int | bytearray, nbytes: int, what: Any, frames: Any) -> Any:
+    """The bytes an extension value refers to: frame ``slot``, or inline data (already
+    a private writable bytearray from msgspec); ``what()`` names it in errors."""
+    if type(slot) is int:
+        if not 0 < slot < len(frames):
+            raise _frame_error(what(), slot, frames)
+        data: Any = frames[slot]
+        got = data.nbytes if type(data) is memoryview else len(data)
+    else:
+        data = slot
+        got = len(data)
+    if got != nbytes:
+        raise DecodeError(f"{what()} needs {nbytes} bytes of data, got {got}")
+    return data
+
+
+def _dec_hook(tp: Any, obj: Any) -> Any:
+    if tp is TokenArray:
+        if type(obj) is TokenArray:
+            return obj
+        if type(obj) is np.ndarray:
+            if obj.ndim != 1:
+                raise ValueError(f"token array must be 1-D, got shape {obj.shape}")
+            return TokenArray._wrap(obj)
+        if type(obj) is list:
+            # Peers in other languages may send plain msgpack arrays of numbers.
+            for x in obj:
+                if type(x) is not int and type(x) is not float:
+                    raise ValueError(f"token array must hold only numbers, got {type(x).__name__}")
+            return TokenArray(obj)
+        raise TypeError(f"expected an array, got {type(obj).__name__}")
+    if isinstance(tp, type) and isinstance(obj, tp):
+        return obj
+    raise TypeError(f"expected {getattr(tp, '__name__', tp)}, got {type(obj).__name__}")

@@ -1,0 +1,312 @@
+""":class:`Encoder`: a message into frames ``[header, *buffers]`` (see :mod:`fastio.codec`
+for the zero-copy contract and the threading rules)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from fastio import _ext
+from fastio.errors import EncodeError
+from fastio.protocol import (
+    DEFAULT_INLINE_THRESHOLD,
+    MIN_PROTOCOL_VERSION,
+    PROTOCOL_VERSION,
+    TokenEncoding,
+)
+from fastio.tokens import TokenArray
+
+__all__ = ["Encoder"]
+
+_VERSIONS = range(MIN_PROTOCOL_VERSION, PROTOCOL_VERSION + 1)
+#: The token encodings an Encoder can write.
+_WRITES = (TokenEncoding.TOKENS, TokenEncoding.COMPACT, TokenEncoding.REF)
+#: Header prefixes ``93 <version> <n>`` of fewer than 128 buffers, by version.
+_PREFIXES = {v: tuple(b"\x93" + bytes((v, n)) for n in range(128)) for v in _VERSIONS}
+
+
+class _NeedsFrames(Exception):
+    """Raised by the stateless encoder for an array that needs a frame of its own."""
+
+
+class _NoFrames(list[Any]):
+    """The frame list of the stateless encoder: adding a frame raises."""
+
+    def append(self, frame: Any) -> None:
+        raise _NeedsFrames
+
+
+_NO_FRAMES = _NoFrames([b""])
+
+
+class Encoder:
+    """Encodes fastio messages (and nested arrays, tensors, images) into frames.
+
+    Parameters
+    ----------
+    inline_threshold:
+        Arrays with fewer bytes than this travel inside the header; the others as their
+        own zero-copy frame. ``0`` sends every array as a frame.
+    version:
+        The protocol version written in the header (``MIN_PROTOCOL_VERSION`` ..
+        ``PROTOCOL_VERSION``): the version the reader speaks.
+    tokens:
+        How token arrays are written, one :class:`~fastio.protocol.TokenEncoding`: by
+        default ``REF`` at version 2 and ``TOKENS`` (ext 4, which every version-1 reader
+        reads) at version 1. :mod:`fastio.versions` picks both for a peer.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from fastio import Encoder, LLMResponse
+    >>> enc = Encoder()
+    >>> frames = enc.encode(LLMResponse(output_tokens=np.arange(4096, dtype=np.int32)))
+    >>> len(frames)  # header + one buffer
+    2
+    """
+
+    def __init__(
+        self,
+        *,
+        inline_threshold: int = DEFAULT_INLINE_THRESHOLD,
+        version: int = PROTOCOL_VERSION,
+        tokens: TokenEncoding | None = None,
+    ) -> None:
+        if not isinstance(inline_threshold, int) or inline_threshold < 0:
+            raise ValueError(f"inline_threshold must be an int >= 0, got {inline_threshold!r}")
+        if version not in _VERSIONS:
+            raise ValueError(
+                f"version must be {MIN_PROTOCOL_VERSION}..{PROTOCOL_VERSION}, got {version!r}"
+            )
+        if tokens is None:
+            tokens = TokenEncoding.REF if version >= 2 else TokenEncoding.TOKENS
+        if tokens not in _WRITES:
+            raise ValueError(f"tokens must be one of {[t.name for t in _WRITES]}, got {tokens!r}")
+        self._threshold = inline_threshold
+        self._version = version
+        self._tokens = TokenEncoding(tokens)
+        # Idle per-call states: a call pops one (or makes one) and puts it back.
+        self._idle: list[list[Any]] = []
+        # The hot path, a closure; the instance attribute shadows the method.
+        self.encode = self._encode = self._make_encode()  # type: ignore[method-assign]
+
+    @property
+    def inline_threshold(self) -> int:
+        """Arrays with fewer bytes travel inside the header (read-only)."""
+        return self._threshold
+
+    @property
+    def version(self) -> int:
+        """The protocol version written in every header (read-only)."""
+        return self._version
+
+    @property
+    def tokens(self) -> TokenEncoding:
+        """How token arrays are written (read-only)."""
+        return self._tokens
+
+    def encode(self, obj: Any) -> list[Any]:
+        """Encode ``obj`` into ``[header, *buffers]``.
+
+        The header is ``bytes``; buffers are the caller's memory: a token array's numpy
+        array itself, 1-D byte memoryviews of other arrays and tensors (keep them
+        unmodified until sent; ``memoryview(f).nbytes`` is a frame's size). Send them
+        with ``socket.send_multipart(frames, copy=False)``.
+
+        Raises
+        ------
+        EncodeError
+            For objects fastio cannot put on the wire (unsupported types or dtypes).
+        """
+        return self._encode(obj)  # type: ignore[no-any-return]
+
+    def _hook(self, state: list[Any]) -> Any:
+        """The ``enc_hook`` of one msgspec encoder; ``state[1]`` is the frame list of the
+        call that holds the state (``_NO_FRAMES`` for the stateless encoder)."""
+        threshold = self._threshold
+        # Other token encodings miss this table: _tokens_ext writes them.
+        codes = _ext.INLINE_CODE if self._tokens is TokenEncoding.REF else {}
+        ext, pack, refs, make_ref = _ext.Ext, _ext.FRAME_REF.pack, _ext.REFS, _ext.ref
+        other = self._enc_hook
+
+        def hook(obj: Any) -> Any:
+            # The hot path, every token array of every message: the array itself is the
+            # inline payload (msgspec copies it into the header) or the frame.
+            if type(obj) is TokenArray:
+                arr = obj._a
+                code = codes.get(arr.dtype)
+                if code is not None and arr.flags.c_contiguous:
+                    if arr.nbytes < threshold:
+                        return ext(code, arr)  # type: ignore[arg-type]  # a buffer
+                    frames = state[1]
+                    frames.append(arr)
+                    k = len(frames) - 1
+                    try:
+                        ref = refs[code][k]
+                    except IndexError:  # frame 256 and on: the 8-byte reference
+                        return ext(code + 16, pack(k, len(arr)))
+                    return ref if ref is not None else make_ref(code, k)
+            return other(obj, state[1])
+
+        return hook
+
+    def _new_state(self) -> list[Any]:
+        """A per-call state ``[encode, frames, n_guess]``: a msgspec encoder whose hook
+        appends to ``frames``, and the buffer count of this state's last message."""
+        state: list[Any] = [None, None, 0]
+        state[0] = msgspec.msgpack.Encoder(enc_hook=self._hook(state)).encode
+        return state
+
+    def _make_encode(self) -> Any:
+        pop, push, new_state = self._idle.pop, self._idle.append, self._new_state
+        version = self._version
+        prefixes = _PREFIXES[version]
+        # The buffer count of the last message, shared by the threads (a guess): 0
+        # means try the stateless encoder first, -1 that it failed last time.
+        last = [0]
+        stateless = msgspec.msgpack.Encoder(enc_hook=self._hook([None, _NO_FRAMES])).encode
+
+        def encode(obj: Any) -> list[Any]:
+            try:
+                if not last[0]:
+                    # Every array inline (every small message): one stateless msgspec
+                    # call. An array that needs a frame of its own stops it.
+                    try:
+                        return [stateless((version, 0, obj))]
+                    except _NeedsFrames:
+                        last[0] = -1
+                try:
+                    state = pop()
+                except IndexError:  # every state is in use: other threads, a nested encode
+                    state = new_state()
+                frames: list[Any] = [b""]
+                state[1] = frames
+                guess = state[2]
+                try:
+                    # The header in one call, its buffer count guessed from this state's
+                    # last message (one stream's messages look alike); a wrong guess
+                    # costs one copy of the header.
+                    header = state[0]((version, guess, obj))
+                finally:
+                    state[1] = None
+                    push(state)
+            except EncodeError:
+                raise
+            except (TypeError, ValueError, OverflowError, RuntimeError) as exc:
+                raise EncodeError(f"cannot encode {type(obj).__name__}: {exc}") from exc
+            n = len(frames) - 1
+            if n != guess:
+                # A guess is below 128, one byte: the header starts 93 <version> <guess>.
+                if n < 128:
+                    header = prefixes[n] + header[3:]
+                else:
+                    header = b"\x93" + _ext.meta_encode(version) + _ext.meta_encode(n) + header[3:]
+                state[2] = n if n < 128 else 1
+            if last[0] != n:
+                # Also when the guess was right: a message that needed no frame after all
+                # (a small tensor) turns the stateless path back on for the next.
+                last[0] = n if n < 128 else 1
+            frames[0] = header
+            return frames
+
+        return encode
+
+    # -- extension values other than the hot path -------------------------------------
+    def _enc_hook(self, obj: Any, frames: list[Any]) -> Any:
+        if isinstance(obj, TokenArray):
+            return self._tokens_ext(obj._a, frames)
+        if isinstance(obj, np.ndarray):
+            return self._array_ext(np.asarray(obj), _ext.EXT_NDARRAY, frames)
+        if isinstance(obj, np.generic):
+            return obj.item()
+        if _ext.is_tensor(obj) or _ext.is_pil_image(obj):
+            if frames is _NO_FRAMES:  # converted (to host, to pixels) before the size is known
+                raise _NeedsFrames
+            write = self._tensor_ext if _ext.is_tensor(obj) else self._image_ext
+            return write(obj, frames)
+        name = getattr(obj, "name_or_path", None)
+        if isinstance(name, str):
+            # Tokenizers and processors (SaveLoadMeta) travel as the name/path the
+            # receiver loads them from, never as live objects.
+            return name
+        tp = type(obj)
+        raise EncodeError(f"fastio cannot encode objects of type {tp.__module__}.{tp.__qualname__}")
+
+    def _tokens_ext(self, arr: np.ndarray[Any, Any], frames: list[Any]) -> msgspec.msgpack.Ext:
+        """Token arrays off the hot path: a dtype to normalise, a strided view, and the
+        older encodings (ext 4; ``32 + d`` for every frame) for older peers."""
+        tokens = self._tokens
+        if tokens is TokenEncoding.TOKENS:
+            return self._array_ext(arr, _ext.EXT_TOKENS, frames)
+        if arr.dtype not in _ext.INLINE_CODE:
+            arr, _ = _ext.normalise_dtype(arr)
+        arr = np.ascontiguousarray(arr)  # one copy: the wire form is packed
+        code = _ext.INLINE_CODE[arr.dtype]
+        if arr.nbytes < self._threshold:
+            return _ext.Ext(code, arr.tobytes())
+        frames.append(arr.data.cast("B"))
+        k = len(frames) - 1
+        if k > 255 or tokens is TokenEncoding.COMPACT:
+            return _ext.Ext(code + 16, _ext.FRAME_REF.pack(k, arr.shape[0]))
+        return _ext.REFS[code][k] or _ext.ref(code, k)  # type: ignore[no-any-return]
+
+    def _slot(self, arr: np.ndarray[Any, Any], frames: list[Any]) -> int | bytes:
+        """Inline bytes for a small C-contiguous array, else the index of its frame."""
+        nbytes = arr.nbytes
+        if nbytes < self._threshold:
+            return arr.tobytes()
+        # 1-D unsigned-byte views, so that len(frame) is its size in bytes.
+        frames.append(memoryview(arr).cast("B") if nbytes else _ext.EMPTY)  # type: ignore[arg-type]
+        return len(frames) - 1
+
+    def _array_ext(
+        self, arr: np.ndarray[Any, Any], code: int, frames: list[Any]
+    ) -> msgspec.msgpack.Ext:
+        name = _ext.WIRE_NAMES.get(arr.dtype)
+        if name is None:
+            arr, name = _ext.normalise_dtype(arr)
+        if not arr.flags.c_contiguous:
+            arr = np.ascontiguousarray(arr)  # one copy: the wire form is C order
+        return _ext.Ext(code, _ext.meta_encode((name, arr.shape, self._slot(arr, frames))))
+
+    def _tensor_ext(self, t: Any, frames: list[Any]) -> msgspec.msgpack.Ext:
+        if not _ext.torch_names:
+            _ext.torch_tables()
+        name = _ext.torch_names.get(t.dtype)
+        if name is None:
+            raise EncodeError(
+                f"unsupported tensor dtype {t.dtype}; supported: {sorted(_ext.torch_dtypes)}"
+            )
+        if t.requires_grad:
+            t = t.detach()
+        if not t.is_cpu:
+            t = t.cpu()  # device memory cannot be a frame: one copy through host memory
+        if not t.is_contiguous():
+            t = t.contiguous()
+        shape = tuple(t.shape)
+        if name in _ext.NP_DTYPES:
+            raw = t.numpy()
+        else:
+            # bfloat16 has no numpy dtype: ship its bytes. view() needs >= 1 dim.
+            import torch
+
+            raw = t.reshape(-1).view(torch.uint8).numpy()
+        return _ext.Ext(_ext.EXT_TENSOR, _ext.meta_encode((name, shape, self._slot(raw, frames))))
+
+    def _image_ext(self, img: Any, frames: list[Any]) -> msgspec.msgpack.Ext:
+        if img.mode not in _ext.IMAGE_MODES:
+            # Palette and bilevel images travel as their decoded pixels.
+            if img.mode == "1":
+                img = img.convert("L")
+            elif img.mode == "P" and "transparency" not in img.info:
+                img = img.convert("RGB")
+            else:
+                img = img.convert("RGBA" if img.mode in ("P", "PA", "La", "RGBa") else "RGB")
+        # PIL exposes no buffer of its pixels: one copy, on the encode side only.
+        data = np.frombuffer(img.tobytes(), np.uint8)
+        w, h = img.size
+        return _ext.Ext(
+            _ext.EXT_IMAGE, _ext.meta_encode((img.mode, w, h, self._slot(data, frames)))
+        )

@@ -1,0 +1,308 @@
+"""The seed's metadata types (AReaL's ``io_struct``): fine-tuning size, allocation
+modes, parameter specs, checkpoint and weight-update locations, rollout counters.
+Re-exported by :mod:`fastio.io_struct`, where users import them from."""
+
+from __future__ import annotations
+
+import enum
+import getpass
+import math
+import os
+import re
+import socket
+from typing import Any, Literal, Protocol, overload
+
+import msgspec
+
+from fastio.protocol import MsgKind
+from fastio.structs import WireStruct
+
+__all__ = [
+    "AllocationMode",
+    "AllocationType",
+    "FinetuneSpec",
+    "ParamSpec",
+    "RolloutStat",
+    "SaveLoadMeta",
+    "SaverConfig",
+    "WeightUpdateMeta",
+]
+
+
+class FinetuneSpec(WireStruct, tag=int(MsgKind.FINETUNE_SPEC)):
+    """Size of a fine-tuning run."""
+
+    total_train_epochs: int
+    dataset_size: int
+    train_batch_size: int
+
+    @property
+    def total_train_steps(self) -> int:
+        """Steps over all epochs, dropping the last incomplete batch."""
+        return self.total_train_epochs * (self.dataset_size // self.train_batch_size)
+
+    @property
+    def steps_per_epoch(self) -> int:
+        """Steps per epoch, dropping the last incomplete batch."""
+        return self.dataset_size // self.train_batch_size
+
+
+class AllocationType(enum.Enum):
+    """Which generation backend a decoupled allocation uses."""
+
+    DECOUPLED_vLLM = 1
+    DECOUPLED_SGLANG = 2
+
+
+_STRATEGY = re.compile(r"([dpt])(\d+)([dpt])(\d+)([dpt])(\d+)")
+_VALID_EXAMPLE = "'sglang.d4p1t1+d2p2t1' or 'd2p2t1+vllm.d4t1p1'"
+
+
+def _parse_strategy(text: str, role: str, whole: str) -> dict[str, int]:
+    m = _STRATEGY.fullmatch(text)
+    if m is None or len({m.group(1), m.group(3), m.group(5)}) != 3:
+        raise ValueError(
+            f"invalid allocation mode {whole!r}: the {role} part {text!r} is not a parallel "
+            "strategy; it must name each of d, p, t exactly once with a size, such as "
+            f"'d4p1t1'. A valid mode looks like {_VALID_EXAMPLE}"
+        )
+    strategy = {m.group(i): int(m.group(i + 1)) for i in (1, 3, 5)}
+    for axis, size in strategy.items():
+        if size < 1:
+            raise ValueError(
+                f"invalid allocation mode {whole!r}: {role} size {axis}{size} must be >= 1. "
+                f"A valid mode looks like {_VALID_EXAMPLE}"
+            )
+    return strategy
+
+
+class _Size:
+    """A read-only size of :class:`AllocationMode`: the product of ``axes`` of
+    ``parallel_strat[part]``."""
+
+    def __init__(self, part: str, axes: str, doc: str) -> None:
+        self.part, self.axes, self.__doc__ = part, axes, doc
+
+    @overload
+    def __get__(self, obj: None, owner: Any = None) -> _Size: ...
+    @overload
+    def __get__(self, obj: AllocationMode, owner: Any = None) -> int: ...
+    def __get__(self, obj: AllocationMode | None, owner: Any = None) -> int | _Size:
+        if obj is None:
+            return self
+        sizes = obj.parallel_strat[self.part]
+        return math.prod(sizes[axis] for axis in self.axes)
+
+
+class AllocationMode(WireStruct, tag=int(MsgKind.ALLOCATION_MODE)):
+    """Decoupled generation/training allocation, parsed from strings like
+    ``"sglang.d4p1t1+d2p2t1"`` (generation on SGLang with data parallel 4, training with
+    data parallel 2 and pipeline parallel 2).
+
+    ``parallel_strat["gen"]`` holds the generation sizes, ``parallel_strat["*"]`` the
+    training sizes, each keyed by ``"d"``, ``"p"`` and ``"t"``.
+    """
+
+    type_: AllocationType
+    parallel_strat: dict[str, dict[str, int]]
+
+    gen_tp_size = _Size("gen", "t", "Generation tensor-parallel size.")
+    gen_pp_size = _Size("gen", "p", "Generation pipeline-parallel size.")
+    gen_dp_size = _Size("gen", "d", "Generation data-parallel size.")
+    gen_world_size = _Size("gen", "dpt", "Number of generation GPUs.")
+    train_tp_size = _Size("*", "t", "Training tensor-parallel size.")
+    train_pp_size = _Size("*", "p", "Training pipeline-parallel size.")
+    train_dp_size = _Size("*", "d", "Training data-parallel size.")
+    train_world_size = _Size("*", "dpt", "Number of training GPUs.")
+
+    @classmethod
+    def from_str(cls, allocation_mode: str) -> AllocationMode:
+        """Parse ``"<backend>.<gen>+<train>"`` or ``"<train>+<backend>.<gen>"``.
+
+        ``<backend>`` is ``vllm`` or ``sglang``; ``<gen>`` and ``<train>`` name each of
+        ``d``, ``p``, ``t`` once with a positive size, in any order. Anything else raises
+        ``ValueError`` saying what is wrong.
+
+        >>> AllocationMode.from_str("sglang.d4p1t1+d2p2t1").gen_world_size
+        4
+        """
+        if not isinstance(allocation_mode, str):
+            raise ValueError(f"allocation mode must be a string, got {allocation_mode!r}")
+        parts = allocation_mode.split("+")
+        if len(parts) != 2:
+            raise ValueError(
+                f"invalid allocation mode {allocation_mode!r}: expected exactly one '+' "
+                f"between a generation and a training part, such as {_VALID_EXAMPLE}"
+            )
+        backends = {
+            "vllm": AllocationType.DECOUPLED_vLLM,
+            "sglang": AllocationType.DECOUPLED_SGLANG,
+        }
+        gen_idx = [i for i, p in enumerate(parts) if p.split(".", 1)[0] in backends and "." in p]
+        if len(gen_idx) != 1:
+            raise ValueError(
+                f"invalid allocation mode {allocation_mode!r}: exactly one part must name the "
+                f"generation backend as 'vllm.<strategy>' or 'sglang.<strategy>', such as "
+                f"{_VALID_EXAMPLE}"
+            )
+        backend, gen_text = parts[gen_idx[0]].split(".", 1)
+        train_text = parts[1 - gen_idx[0]]
+        train = _parse_strategy(train_text, "training", allocation_mode)
+        gen = _parse_strategy(gen_text, "generation", allocation_mode)
+        return cls(backends[backend], {"*": train, "gen": gen})
+
+    @staticmethod
+    def extract_parallelism_strategy(allocation_mode: str) -> dict[str, dict[str, int]]:
+        """The seed's helper: ``"d2p2t1"`` -> ``{"*": {"d": 2, "p": 2, "t": 1}}``.
+
+        Raises ``ValueError`` unless the string names each of d, p, t once with a
+        positive size.
+        """
+        if not isinstance(allocation_mode, str):
+            raise ValueError(f"parallel strategy must be a string, got {allocation_mode!r}")
+        return {"*": _parse_strategy(allocation_mode, "parallel strategy", allocation_mode)}
+
+    @staticmethod
+    def extract_decoupled_alloc(allocation_mode: str) -> dict[str, dict[str, int]]:
+        """The seed's helper: ``parallel_strat`` of :meth:`from_str`'s result."""
+        return AllocationMode.from_str(allocation_mode).parallel_strat
+
+
+class ParamSpec(WireStruct, tag=int(MsgKind.PARAM_SPEC)):
+    """Name, shape and dtype (a torch dtype name such as ``"bfloat16"``) of one parameter."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+
+
+class SaverConfig(WireStruct, tag=int(MsgKind.SAVER_CONFIG)):
+    """Where and how often checkpoints are saved."""
+
+    experiment_name: str
+    trial_name: str
+    fileroot: str
+    freq_epochs: int | None = None
+    freq_steps: int | None = None
+    freq_secs: int | None = None
+
+
+class _HasParamSpecs(Protocol):
+    def get_param_specs(self) -> list[ParamSpec]: ...
+
+
+def _host_ip() -> str:
+    # As AReaL's gethostip: this host's name, resolved. A fallback to 127.0.0.1 would
+    # leave workers on other hosts waiting for a store they cannot reach.
+    name = socket.gethostname()
+    try:
+        return socket.gethostbyname(name)
+    except OSError as exc:
+        raise OSError(
+            f"cannot find this host's address: its name {name!r} does not resolve "
+            f"({getattr(exc, 'strerror', None) or exc}); pass master_address="
+        ) from exc
+
+
+def _free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+class WeightUpdateMeta(WireStruct, tag=int(MsgKind.WEIGHT_UPDATE_META)):
+    """How new weights reach the generation workers.
+
+    ``type="disk"``: a safetensors checkpoint at ``path``. ``type="nccl"``: broadcast in
+    a torch.distributed group (NCCL on GPUs, gloo on CPU) of world size
+    ``alloc_mode.gen_world_size + 1`` at ``nccl_master_address:nccl_master_port``.
+    """
+
+    type: Literal["disk", "nccl"]
+    path: str | None = None
+    alloc_mode: AllocationMode | None = None
+    nccl_master_address: str = "127.0.0.1"
+    nccl_master_port: int = 29500
+    nccl_param_specs: list[ParamSpec] = msgspec.field(default_factory=list)
+    nccl_group_name: str = "update_weight_group"
+
+    @classmethod
+    def from_disk(cls, saver_config: SaverConfig) -> WeightUpdateMeta:
+        """Disk path ``{fileroot}/checkpoints/{user}/{experiment}/{trial}/default/weight_update``.
+
+        As the seed (through ``Saver.get_save_checkpoint_root``), this creates the
+        checkpoint root ``.../default`` (``os.makedirs(exist_ok=True)``) but not
+        ``weight_update`` itself, which the trainer writes.
+        """
+        root = os.path.join(
+            saver_config.fileroot,
+            "checkpoints",
+            getpass.getuser(),
+            saver_config.experiment_name,
+            saver_config.trial_name,
+            "default",
+        )
+        os.makedirs(root, exist_ok=True)
+        return cls(type="disk", path=os.path.join(root, "weight_update"))
+
+    @classmethod
+    def from_param_specs(
+        cls,
+        allocation_mode: AllocationMode,
+        param_specs: list[ParamSpec],
+        nccl_group_name: str = "update_weight_group",
+        master_address: str | None = None,
+        master_port: int | None = None,
+    ) -> WeightUpdateMeta:
+        """Process-group update of the given parameters.
+
+        ``master_address`` defaults to this host's IP (its host name, resolved; an
+        :class:`OSError` when the name does not resolve), ``master_port`` to a free port.
+        """
+        address = master_address or _host_ip()
+        return cls(
+            type="nccl",
+            alloc_mode=allocation_mode,
+            nccl_master_address=address,
+            nccl_master_port=master_port if master_port is not None else _free_port(),
+            nccl_param_specs=list(param_specs),
+            nccl_group_name=nccl_group_name,
+        )
+
+    @classmethod
+    def from_fsdp_nccl(
+        cls,
+        allocation_mode: AllocationMode,
+        fsdp_engine: _HasParamSpecs,
+        nccl_group_name: str = "update_weight_group",
+    ) -> WeightUpdateMeta:
+        """The seed's factory: parameter specs taken from a training engine."""
+        return cls.from_param_specs(
+            allocation_mode, fsdp_engine.get_param_specs(), nccl_group_name=nccl_group_name
+        )
+
+
+class SaveLoadMeta(WireStruct, tag=int(MsgKind.SAVE_LOAD_META)):
+    """Where and how to save or load a model.
+
+    ``tokenizer`` and ``processor`` may hold live objects in process; live objects never
+    travel. On the wire each becomes its ``name_or_path`` string (the receiver loads it
+    itself), and a decoded ``SaveLoadMeta`` holds those strings.
+    """
+
+    path: str
+    weight_format: str
+    with_optim: bool
+    # Required, as in the seed (None where there is none).
+    tokenizer: Any
+    processor: Any
+    base_model_path: str | None
+    naive_distributed: bool = False
+
+
+class RolloutStat(WireStruct, tag=int(MsgKind.ROLLOUT_STAT)):
+    """Counters that drive staleness control."""
+
+    submitted: int = 0
+    accepted: int = 0
+    running: int = 0
