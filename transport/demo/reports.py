@@ -122,7 +122,7 @@ def summary_rows(st: RunState, elapsed: float) -> list[tuple[str, str]]:
         ("responses spanning >1 weight version", str(st.total("multi_version"))),
         ("re-sent after worker loss", str(st.total("resent"))),
         ("late duplicate answers dropped", str(st.total("stale"))),
-        ("workers declared dead", str(st.total("died"))),
+        ("workers declared dead (sum over clients)", str(st.total("died"))),
     ]
     deaths = [e for e in st.events if e.kind == "died"]
     backs = [e for e in st.events if e.kind == "back"]
