@@ -30,7 +30,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
-import logging
 from collections.abc import Awaitable, Iterable
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -40,8 +39,6 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = ["Engine", "EngineHooks", "EngineUnavailable", "GenerationContext", "attach_engine"]
-
-log = logging.getLogger("transport.engines")
 
 
 class EngineUnavailable(RuntimeError):
