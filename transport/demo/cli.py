@@ -30,7 +30,7 @@ from transport.demo.children import (
 )
 from transport.demo.config import SIZE_DEFAULTS, SIZES, DemoConfig
 from transport.demo.display import Display
-from transport.demo.reports import REPORT_DECODER, ClientReport, RunState, UpdateReport, verdict
+from transport.demo.reports import REPORT_DECODER, RunState, verdict
 from transport.demo.supervise import WorkerPool
 
 __all__ = ["DemoConfig", "UserError", "main"]
@@ -143,16 +143,7 @@ def _run(c: DemoConfig, tmp: Path) -> bool:
         def drain(wait_ms: int) -> None:
             while poller.poll(wait_ms):
                 wait_ms = 0
-                msg = REPORT_DECODER.decode(pull.recv())
-                if isinstance(msg, ClientReport):
-                    st.clients[msg.client] = msg
-                    st.latencies += msg.latencies
-                    st.ttfts += msg.ttfts
-                    st.itls += msg.itls
-                elif isinstance(msg, UpdateReport):
-                    st.updates.append(msg)
-                else:
-                    st.final = msg
+                st.take(REPORT_DECODER.decode(pull.recv()))
 
         def step() -> None:
             drain(250)

@@ -12,11 +12,10 @@ import time
 from typing import Any
 
 import numpy as np
-import zmq
 
 from transport.demo.children import stop_event
 from transport.demo.config import REFERENCE_SIZES, DemoConfig
-from transport.demo.reports import REPORT_ENCODER, ClientReport
+from transport.demo.reports import ClientReport, ReportSender
 
 
 def curve_for_client(keys: str | None) -> Any:
@@ -47,10 +46,7 @@ async def client_role(c: DemoConfig) -> None:
     from transport import ClientConfig, FabricClient
 
     stop = stop_event()
-    zctx = zmq.Context()
-    push = zctx.socket(zmq.PUSH)
-    push.setsockopt(zmq.LINGER, 2000)
-    push.connect(c.report)
+    reports = ReportSender(c.report)
     rep = ClientReport(client=c.index)
     rng = random.Random(c.index)
     vocab = vocab_of(c)
@@ -110,19 +106,11 @@ async def client_role(c: DemoConfig) -> None:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), 0.5)
             counters()
-            send_report(push, rep)
+            reports.send(rep)
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         counters()
     rep.final = True
-    send_report(push, rep)
-    push.close()
-    zctx.term()
-
-
-def send_report(push: zmq.Socket[Any], rep: ClientReport) -> None:
-    push.send(REPORT_ENCODER.encode(rep))
-    rep.latencies.clear()
-    rep.ttfts.clear()
-    rep.itls.clear()
+    reports.send(rep)
+    reports.close()

@@ -8,11 +8,9 @@ import os
 import time
 from typing import Any
 
-import zmq
-
 from transport.demo.children import StopSignals
 from transport.demo.config import REFERENCE_SIZES, DemoConfig
-from transport.demo.reports import REPORT_ENCODER, FinalCheck, UpdateReport
+from transport.demo.reports import FinalCheck, ReportSender, UpdateReport
 from transport.demo.roles import curve_for_client
 
 __all__ = ["trainer_model", "trainer_role"]
@@ -164,10 +162,7 @@ def trainer_role(c: DemoConfig) -> None:
     model.train()
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     nbytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-    zctx = zmq.Context()
-    push = zctx.socket(zmq.PUSH)
-    push.setsockopt(zmq.LINGER, 2000)
-    push.connect(c.report)
+    reports = ReportSender(c.report)
     ctl = FabricController(c.addresses, curve=curve_for_client(c.keys), timeout=UPDATE_TIMEOUT)
     pub_curve = None
     if c.keys:
@@ -207,10 +202,9 @@ def trainer_role(c: DemoConfig) -> None:
         version += 1
         rep = _update(c, ctl, pub, model, version)
         rep.loss, rep.nbytes = loss.item(), nbytes
-        push.send(REPORT_ENCODER.encode(rep))
+        reports.send(rep)
         next_update = time.monotonic() + c.update_every
-    push.send(REPORT_ENCODER.encode(_final_check(c, pub, model, version)))
+    reports.send(_final_check(c, pub, model, version))
     ctl.close()
     pub.close()
-    push.close()
-    zctx.term()
+    reports.close()
