@@ -10,7 +10,7 @@ import os
 import signal
 import subprocess
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from transport.demo.children import log_tail, read_ready, spawn, stop_all, worker_cmd
@@ -38,7 +38,6 @@ class _Worker:
     ready_buf: bytes = b""
     chaos: bool = False
     down: bool = False
-    logs: list[Path] = field(default_factory=list)
 
 
 def _how(code: int) -> str:
@@ -77,7 +76,7 @@ class WorkerPool:
         for i in range(c.workers):
             bind = f"ipc://{tmp}/worker{i}" if c.transport == "ipc" else "tcp://127.0.0.1:0"
             log = tmp / f"worker{i}.log"
-            self.workers.append(_Worker(f"worker{i}", log, self._spawn(i, bind, log), logs=[log]))
+            self.workers.append(_Worker(f"worker{i}", log, self._spawn(i, bind, log)))
         for w in self.workers:
             ready = read_ready(w.proc, w.name, w.log, 300)
             w.address = ready["ready"][0]
@@ -116,7 +115,6 @@ class WorkerPool:
                 continue
             w.restarts += 1
             w.log = self._tmp / f"worker{i}.restart{w.restarts}.log"
-            w.logs.append(w.log)
             self._say(
                 f"[{at:5.1f} s] {w.name} died ({how}){tail}; its clients re-send its requests;"
                 f" restarting it on {w.address} (log {w.log.name})"
