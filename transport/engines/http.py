@@ -334,8 +334,8 @@ class HTTPBridge(abc.ABC):
             if flight.finish and not self.closes_to_interrupt:
                 break
             if ctx.interrupted and (not flight.interrupted or flight.blind_abort):
-                # Paused while the request was on its way: the server knows the rid
-                # now that it streams.
+                # Paused; or paused while the request was on its way, when the first
+                # interrupt may have reached the server before the request did.
                 self.interrupt(flight)
                 if self.closes_to_interrupt:
                     break
