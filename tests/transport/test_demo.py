@@ -350,3 +350,19 @@ def test_a_worker_killed_from_outside_is_survived() -> None:
     _assert_survived(out, "worker0")
     assert "--chaos" not in out, out
     assert _wait_gone(_run_dir(out), 10) == []
+
+
+def test_the_progress_line_counts_dead_workers_not_declarations(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from transport.demo.display import Display
+    from transport.demo.reports import ClientReport, RunState, WorkerEvent
+
+    st = RunState()
+    # Two clients each declared the one dead worker.
+    st.clients = {i: ClientReport(client=i, done=3, died=1) for i in range(2)}
+    st.events = [WorkerEvent("worker1", 2.0, "died", "SIGKILL")]
+    with Display(live=False, interval=0.0) as display:
+        display.update(st)
+    line = capsys.readouterr().out
+    assert re.search(r"workers dead 1, restarted 0", line), line

@@ -1,14 +1,9 @@
 """AReaL's ``ModelRequest`` / ``ModelResponse`` <-> fastio's ``LLMRequest`` / ``LLMResponse``.
 
-What crosses: the rid (so one rid keeps its worker, as AReaL keeps its server), the
-prompt, the sampling parameters the fabric's engines understand, and ``metadata``. What
-AReaL keeps on its side and the fabric never sees: the tokenizer and processor (put
-back on the response). What is refused with a ``ValueError`` rather than silently
-ignored: images, stop strings and beam search (the fabric works on token ids).
-
-AReaL's workflows treat the response's token fields as Python lists (``input_tokens +
-output_tokens``, ``[0.0] * n + output_logprobs``), so the response's arrays become
-lists here, once per response, at the boundary.
+The rid, the prompt, the sampling parameters and ``metadata`` cross; the tokenizer and
+processor stay on AReaL's side (put back on the response); images, stop strings and
+beam search are refused with a ``ValueError`` (the fabric works on token ids). AReaL's
+workflows treat the response's token fields as lists, so they become lists here, once.
 """
 
 from __future__ import annotations

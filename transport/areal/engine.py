@@ -1,9 +1,6 @@
-"""``FabricInferenceEngine``: AReaL's ``InferenceEngine`` with the fastio fabric as its
-transport.
-
-Where AReaL's ``RemoteSGLangEngine`` speaks HTTP+JSON to SGLang servers, this engine
-speaks the fabric to fastio generation workers (``fastio-worker``, any engine behind
-them):
+"""``FabricInferenceEngine``: AReaL's ``InferenceEngine`` speaking the fastio fabric to
+generation workers (``fastio-worker``, any engine behind them) where AReaL's
+``RemoteSGLangEngine`` speaks HTTP+JSON to SGLang servers:
 
 ==================================  ===================================================
 ``agenerate``                       one :class:`~transport.FabricClient` request;
@@ -160,9 +157,8 @@ class FabricInferenceEngine(InferenceEngine):  # type: ignore[misc]
             self.controller = None
 
     def _start_client(self) -> None:
-        # The client lives on a loop of its own: AReaL calls agenerate from its
-        # executor's loop, from asyncio.run, from any thread, and a FabricClient
-        # belongs to one loop.
+        # A loop of its own: AReaL calls agenerate from any loop or thread, and a
+        # FabricClient belongs to one loop.
         self.client = FabricClient(self.addresses, self.client_config)
         self._loop = loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
@@ -359,18 +355,16 @@ class FabricInferenceEngine(InferenceEngine):  # type: ignore[misc]
     def wait(
         self, count: int, timeout: float | None = None, raise_timeout: bool = True
     ) -> list[dict[str, Any] | None]:
-        result: list[dict[str, Any] | None] = self.workflow_executor.wait(
-            count, timeout=timeout, raise_timeout=raise_timeout
-        )
-        return result
+        """AReaL's ``wait``: ``count`` accepted results of the executor."""
+        ex = self.workflow_executor
+        return ex.wait(count, timeout=timeout, raise_timeout=raise_timeout)  # type: ignore[no-any-return]
 
     def wait_for_task(
         self, task_id: int, timeout: float | None = None, raise_timeout: bool = True
     ) -> dict[str, Any] | None:
-        result: dict[str, Any] | None = self.workflow_executor.wait_for_task(
-            task_id, timeout, raise_timeout
-        )
-        return result
+        """AReaL's ``wait_for_task``: the result of one submitted task."""
+        ex = self.workflow_executor
+        return ex.wait_for_task(task_id, timeout, raise_timeout)  # type: ignore[no-any-return]
 
     def rollout_batch(
         self,
@@ -380,10 +374,11 @@ class FabricInferenceEngine(InferenceEngine):  # type: ignore[misc]
         group_size: int = 1,
     ) -> list[dict[str, Any]]:
         """AReaL's ``rollout_batch``: submit every item, wait for all."""
-        result: list[dict[str, Any]] = self.workflow_executor.rollout_batch(
-            data=data, workflow=self._resolve_workflow(workflow, workflow_kwargs, group_size)
+        ex, workflow = (
+            self.workflow_executor,
+            self._resolve_workflow(workflow, workflow_kwargs, group_size),
         )
-        return result
+        return ex.rollout_batch(data=data, workflow=workflow)  # type: ignore[no-any-return]
 
     def prepare_batch(
         self,
@@ -395,19 +390,17 @@ class FabricInferenceEngine(InferenceEngine):  # type: ignore[misc]
         dynamic_bs: bool = False,
     ) -> list[dict[str, Any]]:
         """AReaL's ``prepare_batch`` (staleness-controlled asynchronous rollout)."""
-        result: list[dict[str, Any]] = self.workflow_executor.prepare_batch(
+        return self.workflow_executor.prepare_batch(  # type: ignore[no-any-return]
             dataloader=dataloader,
             workflow=self._resolve_workflow(workflow, workflow_kwargs, group_size),
             should_accept_fn=self._resolve_accept(should_accept_fn),
             dynamic_bs=dynamic_bs,
         )
-        return result
 
     # -- the rest of AReaL's interface ---------------------------------------------------------
     def export_stats(self) -> dict[str, float]:
         """The scalars the workflows recorded (AReaL's ``stats_tracker``)."""
-        stats: dict[str, float] = stats_tracker.export_all(reduce_group=None)
-        return stats
+        return stats_tracker.export_all(reduce_group=None)  # type: ignore[no-any-return]
 
     def offload(self) -> None:
         raise NotImplementedError("the fabric has no offload operation")

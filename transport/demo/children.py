@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
-import functools
 import importlib.util
 import json
 import os
@@ -16,9 +14,12 @@ import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from transport.demo.sizes import REFERENCE_SIZES
+from transport.demo.config import REFERENCE_SIZES
+
+if TYPE_CHECKING:
+    from transport.demo.config import DemoConfig
 
 
 def watch_parent(grace: float = 10.0) -> None:
@@ -142,20 +143,6 @@ def stop_event() -> asyncio.Event:
     return stop
 
 
-@functools.lru_cache(maxsize=1)
-def worker_help() -> str:
-    """``python -m transport.worker --help``: which flags this worker CLI has."""
-    out = subprocess.run(
-        [sys.executable, "-m", "transport.worker", "--help"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "COLUMNS": "200"},
-        check=False,
-    )
-    return out.stdout
-
-
 def hf_worker_args(
     model_size: str = "small",
     model_path: str | None = None,
@@ -163,54 +150,38 @@ def hf_worker_args(
     seed: int = 0,
     **opts: Any,
 ) -> list[str]:
-    """Worker command-line arguments that serve :mod:`transport.hf_engine`.
-
-    With a worker CLI that has ``--engine hf`` that is used; otherwise the same engine
-    through ``--engine transport.hf_engine:factory``, whose options then travel as
-    ``--plugin-opt``. ``opts`` are further :func:`transport.hf_engine.create_engine`
-    options.
-    """
-    if "--engine-opt" in worker_help():
-        args = ["--engine", "hf", "--model-size", model_size, "--seed", str(seed)]
-        if model_path:
-            args += ["--model-path", model_path]
-        if device:
-            args += ["--device", device]
-        for k, v in opts.items():
-            args += ["--engine-opt", f"{k}={v}"]
-        return args
-    every = {"model_size": model_size, "seed": seed, **opts}
+    """Worker command-line arguments that serve :mod:`transport.hf_engine` (``opts``:
+    further :func:`transport.hf_engine.create_engine` options)."""
+    args = ["--engine", "hf", "--model-size", model_size, "--seed", str(seed)]
     if model_path:
-        every["model_path"] = model_path
+        args += ["--model-path", model_path]
     if device:
-        every["device"] = device
-    args = ["--engine", "transport.hf_engine:factory"]
-    for k, v in every.items():
-        args += ["--plugin-opt", f"{k}={v}"]
+        args += ["--device", device]
+    for k, v in opts.items():
+        args += ["--engine-opt", f"{k}={v}"]
     return args
 
 
-def worker_cmd(
-    a: argparse.Namespace, i: int, bind: str, pub_addr: str, keys: str | None
-) -> list[str]:
+def worker_cmd(c: DemoConfig, i: int, bind: str) -> list[str]:
+    """The command of the demo's worker ``i`` bound at ``bind``."""
     cmd = ["-m", "transport.demo", "--role", "run", "transport.worker", "--bind", bind,
            "--worker-id", f"worker{i}",
            "--plugin", "transport.weights.update:subscribe",
-           "--plugin-opt", f"weights_endpoint={pub_addr}", "--plugin-opt", "weights_digest=1"]  # fmt: skip
-    if a.engine == "reference":
-        vocab, hidden, layers = REFERENCE_SIZES[a.model_size]
-        cmd += ["--engine", "reference", "--seed", str(a.seed), "--vocab-size", str(vocab),
+           "--plugin-opt", f"weights_endpoint={c.publisher}", "--plugin-opt", "weights_digest=1"]  # fmt: skip
+    if c.engine == "reference":
+        vocab, hidden, layers = REFERENCE_SIZES[c.model_size]
+        cmd += ["--engine", "reference", "--seed", str(c.seed), "--vocab-size", str(vocab),
                 "--hidden", str(hidden), "--layers", str(layers),
-                "--token-interval", str(a.token_interval)]  # fmt: skip
+                "--token-interval", str(c.token_interval)]  # fmt: skip
     else:
-        opts = {"token_interval": a.token_interval} if a.token_interval else {}
-        cmd += hf_worker_args(a.model_size, a.model_path, a.device, a.seed, **opts)
-    if "--metrics-port" in worker_help() and importlib.util.find_spec("prometheus_client"):
+        opts = {"token_interval": c.token_interval} if c.token_interval else {}
+        cmd += hf_worker_args(c.model_size, c.model_path, c.device, c.seed, **opts)
+    if importlib.util.find_spec("prometheus_client"):
         cmd += ["--metrics-port", "0"]
-    if keys:
+    if c.keys:
         cmd += [
-            "--plugin-opt", f"weights_curve_secret={keys}/worker.key_secret",
-            "--plugin-opt", f"weights_curve_server={keys}/trainer.key",
-            "--curve-secret", f"{keys}/worker.key_secret", "--curve-clients", f"{keys}/clients",
+            "--plugin-opt", f"weights_curve_secret={c.keys}/worker.key_secret",
+            "--plugin-opt", f"weights_curve_server={c.keys}/trainer.key",
+            "--curve-secret", f"{c.keys}/worker.key_secret", "--curve-clients", f"{c.keys}/clients",
         ]  # fmt: skip
     return cmd

@@ -1,4 +1,4 @@
-"""``python -m transport.demo``: arguments, the orchestrator and the entry point."""
+"""``python -m transport.demo``: the run's configuration, the orchestrator, the entry point."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+import msgspec
 import zmq
 
 from fastio._optional import install_hint
@@ -27,160 +28,148 @@ from transport.demo.children import (
     stop_all,
     watch_parent,
 )
+from transport.demo.config import SIZE_DEFAULTS, SIZES, DemoConfig
 from transport.demo.display import Display
-from transport.demo.reports import REPORT_DECODER, ClientReport, RunState, UpdateReport, verdict
-from transport.demo.roles import client_role
-from transport.demo.sizes import SIZE_DEFAULTS, SIZES
+from transport.demo.reports import REPORT_DECODER, RunState, verdict
 from transport.demo.supervise import WorkerPool
-from transport.demo.trainer import trainer_role
 
-__all__ = ["UserError", "main"]
+__all__ = ["DemoConfig", "UserError", "main"]
 
 
 class UserError(Exception):
     """A mistake of the person running the demo: reported in one line, exit status 2."""
 
 
-def _check_args(a: argparse.Namespace) -> None:
+def _check(c: DemoConfig) -> None:
     for name in ("workers", "clients", "concurrency", "max_new_tokens"):
-        if getattr(a, name) < 1:
+        if getattr(c, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be at least 1")
-    if a.chaos and a.workers < 2:
+    if c.chaos and c.workers < 2:
         raise UserError("--chaos needs --workers 2 or more (someone must serve meanwhile)")
-    if a.prompt_len < 8:
+    if c.prompt_len < 8:
         raise UserError("--prompt-len must be at least 8")
     for name in ("duration", "update_every"):
-        if not getattr(a, name) > 0:
+        if not getattr(c, name) > 0:
             raise UserError(f"--{name.replace('_', '-')} must be positive")
-    if a.model_path:
-        if a.engine != "hf":
+    if c.model_path:
+        if c.engine != "hf":
             raise UserError("--model-path needs --engine hf")
-        if not os.path.isfile(os.path.join(a.model_path, "config.json")):
-            raise UserError(f"--model-path {a.model_path}: no config.json there")
-    if a.engine == "hf" and importlib.util.find_spec("transformers") is None:
+        if not os.path.isfile(os.path.join(c.model_path, "config.json")):
+            raise UserError(f"--model-path {c.model_path}: no config.json there")
+    if c.engine == "hf" and importlib.util.find_spec("transformers") is None:
         raise UserError(f"--engine hf needs transformers: {install_hint('hf')}")
 
 
-def _orchestrate(a: argparse.Namespace) -> int:
-    _check_args(a)
+def _orchestrate(c: DemoConfig) -> int:
+    _check(c)
     tmp = Path(tempfile.mkdtemp(prefix="fastio-demo-"))
     ok = False
     try:
-        ok = _run(a, tmp)
+        ok = _run(c, tmp)
     finally:
-        if ok and not a.keep_logs:
+        if ok and not c.keep_logs:
             shutil.rmtree(tmp, ignore_errors=True)
         else:
             print(f"logs kept in {tmp}", file=sys.stderr, flush=True)
     return 0 if ok else 1
 
 
-def _run(a: argparse.Namespace, tmp: Path) -> bool:
-    display = Display(live=sys.stdout.isatty(), interval=a.progress_every)
-    report_addr = f"ipc://{tmp}/report"
-    ctx = zmq.Context()
-    pull = ctx.socket(zmq.PULL)
-    pull.setsockopt(zmq.LINGER, 0)
-    pull.bind(report_addr)
-    keys_dir: str | None = None
-    if a.auth:
-        from zmq.auth import create_certificates
+def _make_keys(tmp: Path) -> str:
+    from zmq.auth import create_certificates
 
-        keys_dir = str(tmp / "keys")
-        os.makedirs(keys_dir)
-        for name in ("worker", "client", "trainer"):
-            create_certificates(keys_dir, name)
-        # Workers admit the client public keys in clients/; the trainer's weight
-        # publisher admits the worker public keys in workers/.
-        for who, sub in (("client", "clients"), ("worker", "workers")):
-            os.makedirs(os.path.join(keys_dir, sub))
-            shutil.copy(os.path.join(keys_dir, f"{who}.key"), os.path.join(keys_dir, sub))
+    keys = tmp / "keys"
+    keys.mkdir()
+    for name in ("worker", "client", "trainer"):
+        create_certificates(keys, name)
+    # Workers admit the client public keys in clients/; the trainer's weight publisher
+    # admits the worker public keys in workers/.
+    for who, sub in (("client", "clients"), ("worker", "workers")):
+        (keys / sub).mkdir()
+        shutil.copy(keys / f"{who}.key", keys / sub)
+    return str(keys)
+
+
+def _child(role: str, c: DemoConfig, log: Path) -> subprocess.Popen[bytes]:
+    config = msgspec.json.encode(c).decode()
+    return spawn(["-m", "transport.demo", "--role", role, "--config", config], log)
+
+
+def _run(c: DemoConfig, tmp: Path) -> bool:
+    display = Display(live=sys.stdout.isatty(), interval=c.progress_every)
+    zctx = zmq.Context()
+    pull = zctx.socket(zmq.PULL)
+    pull.setsockopt(zmq.LINGER, 0)
+    pull.bind(f"ipc://{tmp}/report")
     # Chosen before anything starts: workers connect to it (ZeroMQ retries until the
     # trainer binds), and the trainer is started once the workers' addresses are known.
-    pub_addr = f"ipc://{tmp}/weights" if a.transport == "ipc" else f"tcp://127.0.0.1:{free_port()}"
-    common = ["--engine", a.engine, "--model-size", a.model_size, "--seed", str(a.seed)]
-    if a.model_path:
-        common += ["--model-path", a.model_path]
-
+    publisher = f"ipc://{tmp}/weights" if c.transport == "ipc" else f"tcp://127.0.0.1:{free_port()}"
+    c = msgspec.structs.replace(
+        c,
+        report=f"ipc://{tmp}/report",
+        publisher=publisher,
+        keys=_make_keys(tmp) if c.auth else None,
+    )
     stop = StopSignals()
-    pool = WorkerPool(a, tmp, pub_addr, keys_dir, display.print)
+    pool = WorkerPool(c, tmp, display.print)
     clients: list[subprocess.Popen[bytes]] = []
     trainer: subprocess.Popen[bytes] | None = None
     st = RunState()
     try:
-        model = a.model_path or f"{a.engine} {a.model_size}"
+        model = c.model_path or f"{c.engine} {c.model_size}"
         display.print(
-            f"fastio demo: {a.workers} workers, {a.clients} clients x {a.concurrency} in flight, "
-            f"model {model}, {a.transport}, auth {'on' if a.auth else 'off'}; logs in {tmp} "
+            f"fastio demo: {c.workers} workers, {c.clients} clients x {c.concurrency} in flight, "
+            f"model {model}, {c.transport}, auth {'on' if c.auth else 'off'}; logs in {tmp} "
         )
         pool.start()
-        addrs = pool.addresses
-        tcmd = ["-m", "transport.demo", "--role", "trainer", "--report", report_addr,
-                "--publisher", pub_addr, "--update-every", str(a.update_every),
-                "--workers-list", ",".join(addrs), *common]  # fmt: skip
-        if keys_dir:
-            tcmd += ["--keys", keys_dir]
-        trainer = spawn(tcmd, tmp / "trainer.log")
+        c = msgspec.structs.replace(c, addresses=pool.addresses)
+        trainer = _child("trainer", c, tmp / "trainer.log")
         read_ready(trainer, "the trainer", tmp / "trainer.log", 300)
-        for i in range(a.clients):
-            ccmd = ["-m", "transport.demo", "--role", "client", "--index", str(i),
-                    "--report", report_addr, "--workers-list", ",".join(addrs),
-                    "--concurrency", str(a.concurrency), "--max-new-tokens", str(a.max_new_tokens),
-                    "--prompt-len", str(a.prompt_len), *common]  # fmt: skip
-            if keys_dir:
-                ccmd += ["--keys", keys_dir]
-            clients.append(spawn(ccmd, tmp / f"client{i}.log"))
+        for i in range(c.clients):
+            clients.append(
+                _child("client", msgspec.structs.replace(c, index=i), tmp / f"client{i}.log")
+            )
         for i, p in enumerate(clients):
             read_ready(p, f"client{i}", tmp / f"client{i}.log", 120)
         names = {f"client{i}": p for i, p in enumerate(clients)}
         names["trainer"] = trainer
         st.started = time.perf_counter()
-        end = st.started + a.duration
+        end = st.started + c.duration
         # --chaos: one worker killed (and restarted) once the run is well under way.
-        chaos_at = st.started + 0.4 * a.duration if a.chaos else None
-        victim = random.Random(a.seed).randrange(a.workers)
+        chaos_at = st.started + 0.4 * c.duration if c.chaos else None
+        victim = random.Random(c.seed).randrange(c.workers)
         poller = zmq.Poller()
         poller.register(pull, zmq.POLLIN)
 
         def drain(wait_ms: int) -> None:
             while poller.poll(wait_ms):
                 wait_ms = 0
-                msg = REPORT_DECODER.decode(pull.recv())
-                if isinstance(msg, ClientReport):
-                    st.clients[msg.client] = msg
-                    st.latencies += msg.latencies
-                    st.ttfts += msg.ttfts
-                    st.itls += msg.itls
-                elif isinstance(msg, UpdateReport):
-                    st.updates.append(msg)
-                else:
-                    st.final = msg
+                st.take(REPORT_DECODER.decode(pull.recv()))
+
+        def step() -> None:
+            drain(250)
+            pool.check(time.perf_counter() - st.started, time.monotonic())
+            st.events, st.crashed = pool.events, pool.crashed
+            display.update(st)
 
         early = False
         with display:
             while not stop.seen and time.perf_counter() < end:
-                drain(250)
-                now = time.perf_counter()
-                if chaos_at is not None and now >= chaos_at:
+                if chaos_at is not None and time.perf_counter() >= chaos_at:
                     chaos_at = None
-                    pool.kill(victim, now - st.started)
-                pool.check(now - st.started, time.monotonic())
-                st.events, st.crashed = pool.events, pool.crashed
+                    pool.kill(victim, time.perf_counter() - st.started)
+                step()
                 dead = [n for n, p in names.items() if p.poll() is not None]
                 if dead:
                     display.print(f"{dead[0]} exited early; see {tmp}/{dead[0]}.log")
                     early = True
                     break
-                display.update(st)
             if not early and not stop.seen and pool.starting():
                 # The final check is over every worker: one restarting now is waited
                 # for, so that the summary shows it caught up.
                 at = time.perf_counter() - st.started
                 display.print(f"[{at:5.1f} s] waiting for {', '.join(pool.starting())} to be back")
                 while not stop.seen and pool.starting():
-                    drain(250)
-                    pool.check(time.perf_counter() - st.started, time.monotonic())
-                    display.update(st)
+                    step()
         elapsed = time.perf_counter() - st.started
         # Orderly stop: clients (final reports), then the trainer (final weight check).
         stop_all(clients, 30)
@@ -198,10 +187,10 @@ def _run(a: argparse.Namespace, tmp: Path) -> bool:
     finally:
         stop_all([*clients, *([trainer] if trainer else []), *pool.procs()], 15)
         pull.close()
-        ctx.term()
+        zctx.term()
 
 
-def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
+def _parse(argv: Sequence[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m transport.demo",
         description="The whole system on one machine, in one command.",
@@ -238,26 +227,11 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="seconds between progress lines when the output is not a terminal")  # fmt: skip
     p.add_argument("--keep-logs", action="store_true",
                    help="keep the run's directory (kept anyway when the run fails)")  # fmt: skip
-    # internal: the child roles
-    p.add_argument(
-        "--role",
-        choices=("orchestrator", "client", "trainer", "run"),
-        default="orchestrator",
-        help=argparse.SUPPRESS,
-    )
-    p.add_argument("--index", type=int, default=0, help=argparse.SUPPRESS)
-    p.add_argument("--report", help=argparse.SUPPRESS)
-    p.add_argument("--publisher", help=argparse.SUPPRESS)
-    p.add_argument("--workers-list", default="", help=argparse.SUPPRESS)
-    p.add_argument("--keys", help=argparse.SUPPRESS)
-    a = p.parse_args(argv)
-    concurrency, update_every = SIZE_DEFAULTS[a.model_size]
-    if a.concurrency is None:
-        a.concurrency = concurrency
-    if a.update_every is None:
-        a.update_every = update_every
-    a.workers_addrs = [w for w in a.workers_list.split(",") if w]
-    return a
+    # internal: a child role and its DemoConfig as JSON
+    p.add_argument("--role", choices=("orchestrator", "client", "trainer"),
+                   default="orchestrator", help=argparse.SUPPRESS)  # fmt: skip
+    p.add_argument("--config", help=argparse.SUPPRESS)
+    return p.parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -270,21 +244,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         runpy.run_module(args[2], run_name="__main__", alter_sys=True)
         return 0
     a = _parse(args)
-    if a.role == "client":
+    if a.role != "orchestrator":
         watch_parent()
-        a.workers = a.workers_addrs
-        asyncio.run(client_role(a))
-        return 0
-    if a.role == "trainer":
-        watch_parent()
-        a.workers = a.workers_addrs
-        import torch
+        c = msgspec.json.decode(a.config, type=DemoConfig)
+        if a.role == "client":
+            from transport.demo.roles import client_role
 
-        torch.set_num_threads(1)
-        trainer_role(a)
+            asyncio.run(client_role(c))
+        else:
+            import torch
+
+            from transport.demo.trainer import trainer_role
+
+            torch.set_num_threads(1)
+            trainer_role(c)
         return 0
+    flags = {k: v for k, v in vars(a).items() if k not in ("role", "config")}
+    concurrency, update_every = SIZE_DEFAULTS[a.model_size]
+    flags["concurrency"] = concurrency if a.concurrency is None else a.concurrency
+    flags["update_every"] = update_every if a.update_every is None else a.update_every
     try:
-        return _orchestrate(a)
+        return _orchestrate(DemoConfig(**flags))
     except UserError as exc:
         print(f"python -m transport.demo: error: {exc}", file=sys.stderr, flush=True)
         return 2

@@ -70,11 +70,13 @@ class Display:
             return
         self._next = now + self.interval
         done = st.total("done")
+        # Each client declares a dead worker on its own: count the workers instead.
+        dead = len({e.worker for e in st.events if e.kind == "died"})
         self.print(
             f"[{elapsed:5.0f} s] done {done} ({done / max(elapsed, 1e-9):.1f}/s), "
             f"failed {st.total('failed')}, {st.total('tokens') / max(elapsed, 1e-9):.0f} tok/s, "
             f"version {st.updates[-1].version if st.updates else 0}, "
-            f"re-sent {st.total('resent')}, workers dead {st.total('died')}, "
+            f"re-sent {st.total('resent')}, workers dead {dead}, "
             f"restarted {sum(e.kind == 'back' for e in st.events)}"
         )
 

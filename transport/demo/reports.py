@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 import numpy as np
+import zmq
 
 
 class ClientReport(msgspec.Struct, tag="client"):
@@ -98,6 +99,39 @@ class RunState:
     def total(self, name: str) -> int:
         return sum(int(getattr(r, name)) for r in self.clients.values())
 
+    def take(self, msg: Report) -> None:
+        """Fold one child's report into the run's state."""
+        if isinstance(msg, ClientReport):
+            self.clients[msg.client] = msg
+            self.latencies += msg.latencies
+            self.ttfts += msg.ttfts
+            self.itls += msg.itls
+        elif isinstance(msg, UpdateReport):
+            self.updates.append(msg)
+        else:
+            self.final = msg
+
+
+class ReportSender:
+    """A child's PUSH socket to the demo process's report socket at ``address``."""
+
+    def __init__(self, address: str) -> None:
+        self.zctx = zmq.Context()
+        self.push = self.zctx.socket(zmq.PUSH)
+        self.push.setsockopt(zmq.LINGER, 2000)
+        self.push.connect(address)
+
+    def send(self, rep: Report) -> None:
+        self.push.send(REPORT_ENCODER.encode(rep))
+        if isinstance(rep, ClientReport):  # the sample lists carry only what is new
+            rep.latencies.clear()
+            rep.ttfts.clear()
+            rep.itls.clear()
+
+    def close(self) -> None:
+        self.push.close()
+        self.zctx.term()
+
 
 def pct(values: list[float], q: float) -> float:
     return float(np.percentile(values, q)) if values else float("nan")
@@ -122,7 +156,7 @@ def summary_rows(st: RunState, elapsed: float) -> list[tuple[str, str]]:
         ("responses spanning >1 weight version", str(st.total("multi_version"))),
         ("re-sent after worker loss", str(st.total("resent"))),
         ("late duplicate answers dropped", str(st.total("stale"))),
-        ("workers declared dead", str(st.total("died"))),
+        ("workers declared dead (sum over clients)", str(st.total("died"))),
     ]
     deaths = [e for e in st.events if e.kind == "died"]
     backs = [e for e in st.events if e.kind == "back"]

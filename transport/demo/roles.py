@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import json
@@ -13,11 +12,10 @@ import time
 from typing import Any
 
 import numpy as np
-import zmq
 
 from transport.demo.children import stop_event
-from transport.demo.reports import REPORT_ENCODER, ClientReport
-from transport.demo.sizes import REFERENCE_SIZES
+from transport.demo.config import REFERENCE_SIZES, DemoConfig
+from transport.demo.reports import ClientReport, ReportSender
 
 
 def curve_for_client(keys: str | None) -> Any:
@@ -31,47 +29,45 @@ def curve_for_client(keys: str | None) -> Any:
     )
 
 
-def vocab_of(a: argparse.Namespace) -> int:
-    if a.engine == "reference":
-        return REFERENCE_SIZES[a.model_size][0]
-    if a.model_path:
-        with open(os.path.join(a.model_path, "config.json")) as f:
+def vocab_of(c: DemoConfig) -> int:
+    if c.engine == "reference":
+        return REFERENCE_SIZES[c.model_size][0]
+    if c.model_path:
+        with open(os.path.join(c.model_path, "config.json")) as f:
             return int(json.load(f)["vocab_size"])
     from transport.hf_engine import MODEL_SIZES
 
-    return MODEL_SIZES[a.model_size]["vocab_size"]
+    return MODEL_SIZES[c.model_size]["vocab_size"]
 
 
-async def client_role(a: argparse.Namespace) -> None:
+async def client_role(c: DemoConfig) -> None:
+    """A rollout client process: ``concurrency`` request loops, reports every 0.5 s."""
     from fastio import GenerationHyperparameters, LLMRequest, TokenArray
     from transport import ClientConfig, FabricClient
 
     stop = stop_event()
-    ctx = zmq.Context()
-    push = ctx.socket(zmq.PUSH)
-    push.setsockopt(zmq.LINGER, 2000)
-    push.connect(a.report)
-    rep = ClientReport(client=a.index)
-    rng = random.Random(a.index)
-    vocab = vocab_of(a)
+    reports = ReportSender(c.report)
+    rep = ClientReport(client=c.index)
+    rng = random.Random(c.index)
+    vocab = vocab_of(c)
     # Failover within about two seconds of a worker's death (pongs every 0.5 s, four
     # missed): its requests are re-sent while the run is still watching.
     config = ClientConfig(
-        curve=curve_for_client(a.keys), heartbeat_interval=0.5, heartbeat_liveness=4
+        curve=curve_for_client(c.keys), heartbeat_interval=0.5, heartbeat_liveness=4
     )
     print(json.dumps({"ready": True}), flush=True)
 
-    async with FabricClient(a.workers, config) as client:
+    async with FabricClient(c.addresses, config) as client:
 
         async def one_loop() -> None:
             while not stop.is_set():
-                n = rng.randint(8, a.prompt_len)
+                n = rng.randint(8, c.prompt_len)
                 req = LLMRequest(
                     input_ids=TokenArray(
                         np.asarray([rng.randrange(vocab) for _ in range(n)], np.int32)
                     ),
                     gconfig=GenerationHyperparameters(
-                        max_new_tokens=rng.randint(min(8, a.max_new_tokens), a.max_new_tokens),
+                        max_new_tokens=rng.randint(min(8, c.max_new_tokens), c.max_new_tokens),
                         temperature=1.0,
                     ),
                 )
@@ -105,24 +101,16 @@ async def client_role(a: argparse.Namespace) -> None:
             rep.died = client.stats.get("workers_died", 0)
             rep.stale = client.stats.get("stale", 0)
 
-        tasks = [asyncio.ensure_future(one_loop()) for _ in range(a.concurrency)]
+        tasks = [asyncio.ensure_future(one_loop()) for _ in range(c.concurrency)]
         while not stop.is_set():
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), 0.5)
             counters()
-            send_report(push, rep)
+            reports.send(rep)
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         counters()
     rep.final = True
-    send_report(push, rep)
-    push.close()
-    ctx.term()
-
-
-def send_report(push: zmq.Socket[Any], rep: ClientReport) -> None:
-    push.send(REPORT_ENCODER.encode(rep))
-    rep.latencies.clear()
-    rep.ttfts.clear()
-    rep.itls.clear()
+    reports.send(rep)
+    reports.close()

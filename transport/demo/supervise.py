@@ -4,17 +4,17 @@ started again on its address (its clients reconnect, its subscriber catches up),
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
 import signal
 import subprocess
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from transport.demo.children import log_tail, read_ready, spawn, stop_all, worker_cmd
+from transport.demo.config import DemoConfig
 from transport.demo.reports import WorkerEvent
 
 __all__ = ["MAX_RESTARTS", "WorkerPool"]
@@ -38,7 +38,6 @@ class _Worker:
     ready_buf: bytes = b""
     chaos: bool = False
     down: bool = False
-    logs: list[Path] = field(default_factory=list)
 
 
 def _how(code: int) -> str:
@@ -57,15 +56,8 @@ class WorkerPool:
     themselves (a nonzero exit status, not a signal): that fails the run.
     """
 
-    def __init__(
-        self,
-        a: argparse.Namespace,
-        tmp: Path,
-        pub_addr: str,
-        keys_dir: str | None,
-        say: Callable[[str], None],
-    ) -> None:
-        self._a, self._tmp, self._pub, self._keys, self._say = a, tmp, pub_addr, keys_dir, say
+    def __init__(self, c: DemoConfig, tmp: Path, say: Callable[[str], None]) -> None:
+        self._config, self._tmp, self._say = c, tmp, say
         self.workers: list[_Worker] = []
         self.events: list[WorkerEvent] = []
         self.crashed: list[str] = []
@@ -75,16 +67,16 @@ class WorkerPool:
         return [w.address for w in self.workers]
 
     def _spawn(self, i: int, bind: str, log: Path) -> subprocess.Popen[bytes]:
-        return spawn(worker_cmd(self._a, i, bind, self._pub, self._keys), log)
+        return spawn(worker_cmd(self._config, i, bind), log)
 
     def start(self) -> None:
         """Start every worker and wait for each to be ready (a child that cannot start
         raises RuntimeError)."""
-        a, tmp = self._a, self._tmp
-        for i in range(a.workers):
-            bind = f"ipc://{tmp}/worker{i}" if a.transport == "ipc" else "tcp://127.0.0.1:0"
+        c, tmp = self._config, self._tmp
+        for i in range(c.workers):
+            bind = f"ipc://{tmp}/worker{i}" if c.transport == "ipc" else "tcp://127.0.0.1:0"
             log = tmp / f"worker{i}.log"
-            self.workers.append(_Worker(f"worker{i}", log, self._spawn(i, bind, log), logs=[log]))
+            self.workers.append(_Worker(f"worker{i}", log, self._spawn(i, bind, log)))
         for w in self.workers:
             ready = read_ready(w.proc, w.name, w.log, 300)
             w.address = ready["ready"][0]
@@ -123,7 +115,6 @@ class WorkerPool:
                 continue
             w.restarts += 1
             w.log = self._tmp / f"worker{i}.restart{w.restarts}.log"
-            w.logs.append(w.log)
             self._say(
                 f"[{at:5.1f} s] {w.name} died ({how}){tail}; its clients re-send its requests;"
                 f" restarting it on {w.address} (log {w.log.name})"

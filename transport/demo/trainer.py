@@ -3,18 +3,15 @@ dies, and the end-of-run weight check over the workers alive then."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import time
 from typing import Any
 
-import zmq
-
 from transport.demo.children import StopSignals
-from transport.demo.reports import REPORT_ENCODER, FinalCheck, UpdateReport
+from transport.demo.config import REFERENCE_SIZES, DemoConfig
+from transport.demo.reports import FinalCheck, ReportSender, UpdateReport
 from transport.demo.roles import curve_for_client
-from transport.demo.sizes import REFERENCE_SIZES
 
 __all__ = ["trainer_model", "trainer_role"]
 
@@ -30,15 +27,15 @@ CONTROL_TIMEOUT = 6.0
 CATCH_UP_TIMEOUT = 20.0
 
 
-def trainer_model(a: argparse.Namespace) -> tuple[Any, int, Any]:
+def trainer_model(c: DemoConfig) -> tuple[Any, int, Any]:
     """The trainer's copy of the workers' model, its vocabulary and a loss function."""
     import torch
 
-    if a.engine == "reference":
+    if c.engine == "reference":
         from transport.engine import TinyLM
 
-        vocab, hidden, layers = REFERENCE_SIZES[a.model_size]
-        tiny = TinyLM(vocab, hidden, layers, seed=a.seed)
+        vocab, hidden, layers = REFERENCE_SIZES[c.model_size]
+        tiny = TinyLM(vocab, hidden, layers, seed=c.seed)
 
         def tiny_logits(x: torch.Tensor) -> torch.Tensor:
             return tiny(x)[0]  # type: ignore[no-any-return]
@@ -46,10 +43,10 @@ def trainer_model(a: argparse.Namespace) -> tuple[Any, int, Any]:
         return tiny, vocab, tiny_logits
     from transport import hf_engine
 
-    if a.model_path:
-        model: Any = hf_engine.load_pretrained(a.model_path)
+    if c.model_path:
+        model: Any = hf_engine.load_pretrained(c.model_path)
     else:
-        model = hf_engine.build_model(a.model_size, seed=a.seed)
+        model = hf_engine.build_model(c.model_size, seed=c.seed)
 
     def hf_logits(x: torch.Tensor) -> torch.Tensor:
         return model(input_ids=x).logits  # type: ignore[no-any-return]
@@ -57,13 +54,13 @@ def trainer_model(a: argparse.Namespace) -> tuple[Any, int, Any]:
     return model, int(model.config.vocab_size), hf_logits
 
 
-def _alive(a: argparse.Namespace, pub: Any) -> dict[str, Any]:
+def _alive(c: DemoConfig, pub: Any) -> dict[str, Any]:
     """Worker address -> what the publisher knows of its subscriber, for each worker
     whose subscriber is alive. The publisher sees a same-host worker's process end
     within a heartbeat, so a dead worker is never waited for."""
     infos = pub.workers()
     out = {}
-    for i, address in enumerate(a.workers):
+    for i, address in enumerate(c.addresses):
         # The demo starts worker i with --worker-id worker{i} at the i-th address.
         info = infos.get(f"worker{i}")
         if info is not None and info.alive:
@@ -85,14 +82,14 @@ class _ShortControl:
         return self.ctl.resume(CONTROL_TIMEOUT, strict=strict)
 
 
-def _update(a: argparse.Namespace, ctl: Any, pub: Any, model: Any, version: int) -> UpdateReport:
+def _update(c: DemoConfig, ctl: Any, pub: Any, model: Any, version: int) -> UpdateReport:
     """One update over the workers alive now; a worker that dies during it is reported
     lost, not failed (the run promised nothing for a dead worker)."""
     from transport.weights import update_weights
 
     t0 = time.perf_counter()
-    before = _alive(a, pub)
-    skipped = [f"worker{i}" for i, w in enumerate(a.workers) if w not in before]
+    before = _alive(c, pub)
+    skipped = [f"worker{i}" for i, w in enumerate(c.addresses) if w not in before]
     if not before:
         # Nobody to pause or wait for; published all the same, so that a worker
         # that comes back catches up to the trainer's weights.
@@ -109,7 +106,7 @@ def _update(a: argparse.Namespace, ctl: Any, pub: Any, model: Any, version: int)
     problems = {**res.failed, **dict.fromkeys(res.missing, "no answer"), **res.resume_failed}
     lost = []
     if problems:
-        after = _alive(a, pub)
+        after = _alive(c, pub)
         for address, info in before.items():
             now = after.get(address)
             if now is None or (now.pid, now.hello_start_time) != (info.pid, info.hello_start_time):
@@ -126,7 +123,7 @@ def _update(a: argparse.Namespace, ctl: Any, pub: Any, model: Any, version: int)
     )
 
 
-def _final_check(a: argparse.Namespace, pub: Any, model: Any, version: int) -> FinalCheck:
+def _final_check(c: DemoConfig, pub: Any, model: Any, version: int) -> FinalCheck:
     """Every worker alive at the end holds the trainer's weights. The demo process
     waits for a restarting worker before it stops the trainer, so each worker not down
     for good is given :data:`CATCH_UP_TIMEOUT` to say Hello and catch up."""
@@ -135,13 +132,13 @@ def _final_check(a: argparse.Namespace, pub: Any, model: Any, version: int) -> F
     want = state_digest(model.state_dict())
     deadline = time.monotonic() + CATCH_UP_TIMEOUT
     while True:
-        live = _alive(a, pub)
+        live = _alive(c, pub)
         digests = {
             info.worker_id: info.digest if info.version == version else None
             for info in live.values()
         }
         equal = bool(live) and all(d == want for d in digests.values())
-        if (equal and len(live) == len(a.workers)) or time.monotonic() > deadline:
+        if (equal and len(live) == len(c.addresses)) or time.monotonic() > deadline:
             break
         time.sleep(0.25)  # polling the publisher's view, with a deadline
     return FinalCheck(
@@ -149,11 +146,11 @@ def _final_check(a: argparse.Namespace, pub: Any, model: Any, version: int) -> F
         trainer_digest=f"{want:016x}",
         workers={w: f"{d:016x}" if d is not None else "behind" for w, d in digests.items()},
         equal=equal,
-        down=[f"worker{i}" for i, w in enumerate(a.workers) if w not in live],
+        down=[f"worker{i}" for i, w in enumerate(c.addresses) if w not in live],
     )
 
 
-def trainer_role(a: argparse.Namespace) -> None:
+def trainer_role(c: DemoConfig) -> None:
     import torch
 
     from transport import FabricController
@@ -161,36 +158,33 @@ def trainer_role(a: argparse.Namespace) -> None:
 
     stop = StopSignals()
     torch.manual_seed(1234)
-    model, vocab, logits_of = trainer_model(a)
+    model, vocab, logits_of = trainer_model(c)
     model.train()
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     nbytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-    ctx = zmq.Context()
-    push = ctx.socket(zmq.PUSH)
-    push.setsockopt(zmq.LINGER, 2000)
-    push.connect(a.report)
-    ctl = FabricController(a.workers, curve=curve_for_client(a.keys), timeout=UPDATE_TIMEOUT)
+    reports = ReportSender(c.report)
+    ctl = FabricController(c.addresses, curve=curve_for_client(c.keys), timeout=UPDATE_TIMEOUT)
     pub_curve = None
-    if a.keys:
+    if c.keys:
         from transport import CurveConfig
 
         pub_curve = CurveConfig(
-            secret_key_file=os.path.join(a.keys, "trainer.key_secret"),
-            authorized_clients_dir=os.path.join(a.keys, "workers"),
+            secret_key_file=os.path.join(c.keys, "trainer.key_secret"),
+            authorized_clients_dir=os.path.join(c.keys, "workers"),
         )
-    pub = WeightPublisher(a.publisher, curve=pub_curve)
+    pub = WeightPublisher(c.publisher, curve=pub_curve)
     print(json.dumps({"ready": pub.endpoint}), flush=True)
     # Wait for every worker's subscriber, but stay responsive to a stop meanwhile.
     joined_by = time.monotonic() + 120
     while not stop.seen:
         try:
-            pub.wait_for_workers(len(a.workers), timeout=0.25)
+            pub.wait_for_workers(len(c.addresses), timeout=0.25)
             break
         except TimeoutError:
             if time.monotonic() > joined_by:
                 raise
     version = 0
-    next_update = time.monotonic() + a.update_every
+    next_update = time.monotonic() + c.update_every
     while not stop.seen:
         while not stop.seen and time.monotonic() < next_update:
             time.sleep(min(0.05, max(0.0, next_update - time.monotonic())))
@@ -206,12 +200,11 @@ def trainer_role(a: argparse.Namespace) -> None:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         version += 1
-        rep = _update(a, ctl, pub, model, version)
+        rep = _update(c, ctl, pub, model, version)
         rep.loss, rep.nbytes = loss.item(), nbytes
-        push.send(REPORT_ENCODER.encode(rep))
-        next_update = time.monotonic() + a.update_every
-    push.send(REPORT_ENCODER.encode(_final_check(a, pub, model, version)))
+        reports.send(rep)
+        next_update = time.monotonic() + c.update_every
+    reports.send(_final_check(c, pub, model, version))
     ctl.close()
     pub.close()
-    push.close()
-    ctx.term()
+    reports.close()

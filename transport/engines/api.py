@@ -2,45 +2,24 @@
 
 An engine is any object with a weight ``version`` and a coroutine ``generate(req, ctx)``
 (:class:`Engine`). The worker (:class:`~transport.WorkerServer`) calls ``generate`` once
-per request, in its own task on the worker's event loop, with a
-:class:`GenerationContext`; everything else is optional and found by name
-(:class:`EngineHooks`):
-
-========================  ==============================================================
-``generate(req, ctx)``    required: stream tokens with ``ctx.emit(token, logprob,
-                          version)``, return an :class:`~fastio.LLMResponse`
-``version``               required: the weight version stamped on new tokens
-``start(worker)``         awaited when the worker starts serving (open connections,
-                          check the backend); raising fails the start
-``close()``               awaited when the worker closes
-``pause_generation()``    called when the worker pauses (interrupt what runs now)
-``continue_generation()`` called when it resumes
-``queue_depth()``         requests the engine holds that wait for capacity inside it
-                          (added to the ``waiting`` load in the worker's pongs)
-``model``                 an ``nn.Module``: a weight update copies into it in place
-``load_weights(pairs)``   called with every verified weight version as ``(name,
-                          tensor)`` pairs (after the in-place copy when there is a
-                          ``model``); the worker's version follows once it returns
-========================  ==============================================================
+per request, in its own task on the worker's loop, with a :class:`GenerationContext`;
+the optional hooks (``start``, ``close``, ``pause_generation``, ``continue_generation``,
+``queue_depth``, ``model``, ``load_weights``) are found by name (:class:`EngineHooks`).
 
 The contract, in short:
 
 * **Streaming**: ``ctx.emit`` once per token, in order; the response's arrays hold the
-  same tokens, logprobs and versions. Tokens emitted in one loop iteration travel in
-  one Stream message.
-* **Interrupt**: once ``ctx.interrupted`` is true (the worker is pausing, usually for a
-  weight update) return what was generated so far with ``stop_reason="interrupt"``; the
-  client re-submits the prompt plus those tokens after the resume. ``pause_generation``
-  is the prompt way to learn it without polling.
-* **Abort and cancel**: the request's task is cancelled (a controller's abort, a client
-  that cancelled or died): let ``asyncio.CancelledError`` propagate, after telling the
-  backend to stop.
-* **Versions**: stamp each token with the version of the weights that produced it.
-  Weight updates happen while the worker is paused and no ``generate`` runs.
-* **Blocking**: ``generate`` runs on the worker's loop; heartbeats are answered on
-  another thread whatever it does, but other requests wait while it blocks. Run heavy
-  compute on a thread of the engine's own (as :mod:`transport.hf_engine` does) or in
-  another process (as the SGLang and vLLM bridges do).
+  same tokens, logprobs and versions.
+* **Interrupt**: once ``ctx.interrupted`` is true (the worker is pausing) return what was
+  generated so far with ``stop_reason="interrupt"``; the client re-submits the rest after
+  the resume. ``pause_generation`` is the prompt way to learn it without polling.
+* **Abort and cancel**: the request's task is cancelled: let ``asyncio.CancelledError``
+  propagate, after telling the backend to stop.
+* **Versions**: stamp each token with the version of the weights that produced it;
+  weights change only while the worker is paused and no ``generate`` runs.
+* **Blocking**: heartbeats are answered on another thread whatever ``generate`` does,
+  but other requests wait while it blocks: run heavy compute on a thread of the
+  engine's own (:mod:`transport.hf_engine`) or in another process (the bridges).
 
 A plain coroutine function ``handler(req, ctx)`` is also accepted by the worker (the
 echo engine is one); it has version 0 unless it reads ``ctx.version``.
@@ -51,7 +30,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
-import logging
 from collections.abc import Awaitable, Iterable
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -61,8 +39,6 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = ["Engine", "EngineHooks", "EngineUnavailable", "GenerationContext", "attach_engine"]
-
-log = logging.getLogger("transport.engines")
 
 
 class EngineUnavailable(RuntimeError):
@@ -161,14 +137,20 @@ class EngineHooks(Protocol):
         """The worker resumes."""
 
     def queue_depth(self) -> int:
-        """Requests held inside the engine and not yet generating (called from the
-        worker's socket thread: read a counter, take no lock)."""
+        """Requests held inside the engine and not yet generating, added to the
+        ``waiting`` load of the worker's pongs (called from the worker's socket thread:
+        read a counter, take no lock)."""
         ...
 
+    model: Any
+    """An ``nn.Module``: a weight update copies each verified version into it in place."""
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Take one verified weight version (called on the weight subscriber's thread
-        while the worker is paused; tensors are read-only and valid during the call).
-        Raise to fail the version on this worker (the trainer is told why)."""
+        """Take one verified weight version as ``(name, tensor)`` pairs, after the
+        in-place copy into :attr:`model` if any (called on the weight subscriber's thread
+        while the worker is paused; tensors are read-only and valid during the call). The
+        worker's version follows once it returns; raise to fail the version on this
+        worker (the trainer is told why)."""
 
 
 def attach_engine(server: Any, engine: Any) -> None:

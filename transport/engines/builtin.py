@@ -4,26 +4,30 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["echo", "hf", "reference"]
+import msgspec
 
-_REFERENCE = {"vocab_size": int, "hidden": int, "layers": int, "seed": int, "token_interval": float}
+from transport.engines.registry import engine_options
+
+__all__ = ["ReferenceOptions", "echo", "hf", "reference"]
+
+
+class ReferenceOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """``--engine-opt`` keys of the reference engine (:class:`~transport.ReferenceEngine`
+    keyword arguments; unset: its defaults)."""
+
+    vocab_size: int | None = None
+    hidden: int | None = None
+    layers: int | None = None
+    seed: int | None = None
+    token_interval: float | None = None
 
 
 def reference(opts: dict[str, str]) -> Any:
-    """:class:`~transport.ReferenceEngine`; options ``vocab_size``, ``hidden``,
-    ``layers``, ``seed``, ``token_interval``."""
+    """:class:`~transport.ReferenceEngine` with the options of :class:`ReferenceOptions`."""
     from transport.engine import ReferenceEngine
 
-    kwargs: dict[str, Any] = {}
-    for key, value in opts.items():
-        conv = _REFERENCE.get(key)
-        if conv is None:
-            raise ValueError(f"--engine-opt {key}: the reference engine takes {sorted(_REFERENCE)}")
-        try:
-            kwargs[key] = conv(value)
-        except ValueError as exc:
-            raise ValueError(f"--engine-opt {key}={value}: {exc}") from exc
-    return ReferenceEngine(**kwargs)
+    given = msgspec.structs.asdict(engine_options(opts, ReferenceOptions, "reference"))
+    return ReferenceEngine(**{k: v for k, v in given.items() if v is not None})
 
 
 def echo(opts: dict[str, str]) -> Any:

@@ -1,45 +1,44 @@
-"""What the HTTP server bridges share: the session, the server's health, the requests in
-flight, server-sent events.
+"""What the HTTP server bridges share: options, session, health watchdog, the requests in
+flight, server-sent events and the streaming ``generate`` loop.
 
 A bridge is an :class:`~transport.Engine` whose ``generate`` forwards each request to a
 server running in its own process (SGLang, vLLM) and streams the answer back through the
 fabric. The worker keeps its sockets, heartbeats, pause and failover; the server keeps
 the model.
 
-A server that is gone takes its worker with it: a request that finds it unreachable,
-or a health watchdog that sees ``/health`` fail ``health_failures`` times in a row
-(a server that died or hangs), closes the worker. Its clients then see it die and
-re-send its requests to the other workers, so each request is still answered once; the
-failed attempt is never answered with an error. Run the worker under a supervisor that
-restarts it with its server.
+A server that is gone takes its worker with it: a request that finds it unreachable, or
+a watchdog that sees ``/health`` fail ``health_failures`` times in a row, closes the
+worker. Its clients then re-send its requests to the other workers, so each request is
+still answered once. Run the worker under a supervisor that restarts it with its server.
 """
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import logging
 import os
 import urllib.error
 import urllib.request
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Annotated, Any, ClassVar
 
 import msgspec
 
 from fastio import LLMRequest, LLMResponse, TokenArray
 from fastio._optional import require
-from transport.engines.api import EngineUnavailable
+from transport.engines.api import EngineUnavailable, GenerationContext
+from transport.engines.registry import engine_options
 
 __all__ = [
     "JSON_HEADERS",
+    "BridgeOptions",
     "Flight",
     "HTTPBridge",
-    "bridge_kwargs",
-    "parse_bool",
     "raise_for_status",
-    "response",
     "sampling_common",
     "sse_events",
 ]
@@ -53,6 +52,21 @@ _CLOSE_WAIT_S = 2.0
 _NO_TOP_K = 1 << 30
 #: Headers of a JSON request body.
 JSON_HEADERS = {"Content-Type": "application/json"}
+
+Seconds = Annotated[float, msgspec.Meta(gt=0)]
+
+
+class BridgeOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """The ``--engine-opt`` keys of every bridge (see :class:`HTTPBridge`); ``check=0``
+    skips the probe of the server when the worker starts."""
+
+    url: str
+    check: bool = True
+    request_timeout: Seconds = 30.0
+    stall_timeout: Seconds = 300.0
+    health_interval: Annotated[float, msgspec.Meta(ge=0)] = 2.0
+    health_timeout: Seconds = 5.0
+    health_failures: Annotated[int, msgspec.Meta(ge=1)] = 3
 
 
 def sampling_common(g: Any, max_key: str, min_key: str) -> dict[str, Any]:
@@ -80,16 +94,6 @@ async def raise_for_status(resp: Any, what: str) -> None:
         raise RuntimeError(f"{what} answered {resp.status}: {text}")
 
 
-def parse_bool(v: str) -> bool:
-    """``1/0``, ``true/false``, ``yes/no``, ``on/off`` -> bool (``ValueError`` otherwise)."""
-    low = v.strip().lower()
-    if low in ("1", "true", "yes", "on"):
-        return True
-    if low in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"expected a boolean, got {v!r}")
-
-
 async def sse_events(content: Any) -> AsyncIterator[Any]:
     """Decoded JSON of each ``data:`` line of a server-sent event stream, until
     ``data: [DONE]`` or the end of the body (``content``: an aiohttp StreamReader)."""
@@ -104,54 +108,49 @@ async def sse_events(content: Any) -> AsyncIterator[Any]:
         yield decode(data)
 
 
-_FLOATS = ("request_timeout", "stall_timeout", "health_interval", "health_timeout")
-
-
-def bridge_kwargs(
-    opts: dict[str, str], strings: tuple[str, ...] = (), floats: tuple[str, ...] = ()
-) -> dict[str, Any]:
-    """Keyword arguments of a bridge from ``--engine-opt`` strings (``url`` and
-    ``check`` excluded); ``ValueError`` naming an unknown or malformed option."""
-    known = {"url", "check", "health_failures", *_FLOATS, *strings, *floats}
-    unknown = sorted(set(opts) - known)
-    if unknown:
-        raise ValueError(f"unknown option(s) {unknown}; known: {sorted(known)}")
-    if not opts.get("url"):
-        raise ValueError("needs --engine-opt url=http://host:port")
-    kw: dict[str, Any] = {k: opts[k] for k in strings if opts.get(k)}
-    for key in (*_FLOATS, *floats):
-        if key in opts:
-            try:
-                kw[key] = float(opts[key])
-            except ValueError:
-                raise ValueError(f"{key}: expected seconds, got {opts[key]!r}") from None
-    if "health_failures" in opts:
-        try:
-            kw["health_failures"] = int(opts["health_failures"])
-        except ValueError:
-            bad = opts["health_failures"]
-            raise ValueError(f"health_failures: expected an integer, got {bad!r}") from None
-    return kw
-
-
+@dataclasses.dataclass(slots=True, eq=False)
 class Flight:
-    """One request in flight on the server."""
+    """One request in flight on the server, and its output so far."""
 
-    __slots__ = ("blind_abort", "ctx", "first", "interrupted", "response", "rid")
+    rid: str
+    ctx: GenerationContext
+    first: bool = False  # a token arrived
+    interrupted: bool = False  # the bridge asked the server to stop it (pause)
+    #: The interrupt left before the server streamed anything: it may have arrived
+    #: before the request did (then it is sent again at the first chunk).
+    blind_abort: bool = False
+    response: Any = None  # the open HTTP response
+    finish: Any = None  # the server's finish reason
+    toks: list[int] = dataclasses.field(default_factory=list)
+    lps: list[float] = dataclasses.field(default_factory=list)
+    vers: list[int] = dataclasses.field(default_factory=list)
 
-    def __init__(self, rid: str, ctx: Any) -> None:
-        self.rid = rid
-        self.ctx = ctx
-        self.first = False  # a token arrived
-        self.interrupted = False  # the bridge asked the server to stop it (pause)
-        #: The abort left before the server streamed anything: it may have arrived
-        #: before the request did (then it is sent again at the first chunk).
-        self.blind_abort = False
-        self.response: Any = None  # the open HTTP response (vLLM: closed to abort)
+    def add(self, token: int, logprob: Any, version: int) -> None:
+        """Keep one token and stream it through the request's context."""
+        lp = float(logprob) if logprob is not None else 0.0
+        self.toks.append(token)
+        self.lps.append(lp)
+        self.vers.append(version)
+        self.ctx.emit(token, lp, version)
+
+    def result(self, req: LLMRequest, stop: str) -> LLMResponse:
+        """The :class:`~fastio.LLMResponse` of the output so far."""
+        import numpy as np
+
+        return LLMResponse(
+            input_tokens=req.input_ids,
+            output_tokens=TokenArray(np.array(self.toks, dtype=np.int32)),
+            output_logprobs=TokenArray(np.array(self.lps, dtype=np.float32)),
+            output_versions=TokenArray(np.array(self.vers, dtype=np.int32)),
+            stop_reason=stop,  # type: ignore[arg-type]  # one of four
+        )
 
 
-class HTTPBridge:
+class HTTPBridge(abc.ABC):
     """Base of the server bridges (see the module docstring).
+
+    A subclass says how a request is written (:meth:`request`), how a streamed chunk is
+    read (:meth:`take`) and how a request is stopped on the server (:meth:`interrupt`).
 
     Parameters
     ----------
@@ -169,6 +168,14 @@ class HTTPBridge:
 
     #: Weight version stamped on new tokens.
     version: int
+    #: Name in messages, and the extra that installs what it needs.
+    name = "http"
+    extra = "sglang"
+    #: The ``--engine-opt`` Struct of :meth:`from_opts`.
+    Options: ClassVar[type[BridgeOptions]] = BridgeOptions
+    #: An interrupt closes the stream (the server aborts a request whose client left):
+    #: the bridge stops reading at once and a connection error then is expected.
+    closes_to_interrupt = False
 
     def __init__(
         self,
@@ -191,6 +198,9 @@ class HTTPBridge:
         self.health_timeout = health_timeout
         self.health_failures = health_failures
         self.flights: dict[str, Flight] = {}
+        # Flights without a token yet, counted on the loop thread; an int is read whole
+        # from the socket thread (queue_depth), the dict is never iterated there.
+        self._waiting = 0
         self._rids = itertools.count()
         self._prefix = f"fastio-{os.getpid()}-{os.urandom(3).hex()}"
         self._session: Any = None
@@ -203,9 +213,18 @@ class HTTPBridge:
         self._closed = False
         self._idle: asyncio.Event | None = None  # set when the last flight ends (close)
 
-    #: Name in messages, and the extra that installs what it needs.
-    name = "http"
-    extra = "sglang"
+    @classmethod
+    def from_opts(cls, opts: dict[str, str]) -> Any:
+        """The bridge the ``--engine-opt`` strings describe (:attr:`Options`); probes
+        the server first unless ``check=0``."""
+        if not opts.get("url"):
+            raise ValueError("needs --engine-opt url=http://host:port")
+        kwargs = msgspec.structs.asdict(engine_options(opts, cls.Options, cls.name.lower()))
+        check = kwargs.pop("check")
+        engine = cls(kwargs.pop("url"), **kwargs)
+        if check:
+            engine.check_reachable()
+        return engine
 
     # -- lifecycle (EngineHooks) ----------------------------------------------------------
     def check_reachable(self, timeout: float = 5.0) -> None:
@@ -244,11 +263,8 @@ class HTTPBridge:
             self._watchdog = asyncio.ensure_future(self._watch())
 
     async def close(self) -> None:
-        """Stop the watchdog, close the session.
-
-        The worker cancels its requests as it closes the bridge: the session stays open
-        until they have ended and their aborts reached the server (a few seconds at
-        most), so that the server stops their work."""
+        """Stop the watchdog, close the session once the requests the worker cancels
+        have ended and their aborts reached the server (a few seconds at most)."""
         if self._watchdog is not None:
             self._watchdog.cancel()
         if self.flights:
@@ -266,37 +282,105 @@ class HTTPBridge:
 
     def queue_depth(self) -> int:
         """Requests sent to the server that have no token yet (queued or in prefill)."""
-        return sum(1 for f in list(self.flights.values()) if not f.first)
+        return self._waiting
 
-    @classmethod
-    def from_opts(
-        cls, opts: dict[str, str], strings: tuple[str, ...] = (), floats: tuple[str, ...] = ()
-    ) -> Any:
-        """The bridge ``--engine-opt`` strings describe (see :func:`bridge_kwargs`);
-        probes the server first unless ``check=0``."""
-        kw = bridge_kwargs(opts, strings, floats)
-        engine = cls(opts["url"], **kw)
-        if parse_bool(opts.get("check", "1")):
-            engine.check_reachable()
-        return engine
+    def pause_generation(self) -> None:
+        """The worker pauses: interrupt every request in flight (each returns its
+        partial output, stop reason ``interrupt``)."""
+        for flight in list(self.flights.values()):
+            if not flight.interrupted:
+                self.interrupt(flight)
+
+    # -- generation -------------------------------------------------------------------------
+    async def generate(self, req: LLMRequest, ctx: GenerationContext) -> LLMResponse:
+        """Forward ``req`` to the server and stream the answer through ``ctx``."""
+        # The worker runs a handler's first step outside any task (its eager start);
+        # aiohttp's timeouts need one: continue in the request's task.
+        await asyncio.sleep(0)
+        aiohttp = self.aiohttp
+        flight = Flight(self.new_rid(), ctx)
+        self.flights[flight.rid] = flight
+        self._waiting += 1
+        try:
+            try:
+                path, body = await self.request(req, flight.rid)
+                async with self.session().post(
+                    self.url + path, data=msgspec.json.encode(body), headers=JSON_HEADERS
+                ) as resp:
+                    flight.response = resp
+                    await raise_for_status(resp, f"{self.name} {path}")
+                    await self._read(resp, flight)
+            except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, TimeoutError) as exc:
+                if not self._closed_by_us(flight):
+                    await self.server_gone(repr(exc))
+            if not flight.finish and not self._closed_by_us(flight):
+                await self.server_gone(f"the stream of {flight.rid} ended without a finish_reason")
+        except asyncio.CancelledError:
+            if not flight.finish:
+                self.abort(flight)  # aborted or cancelled: stop the server's work
+            raise
+        finally:
+            self._end(flight)
+        return flight.result(req, self._stop(flight))
+
+    async def _read(self, resp: Any, flight: Flight) -> None:
+        ctx = flight.ctx
+        if self.closes_to_interrupt and ctx.interrupted:
+            self.interrupt(flight)  # paused while the request was on its way
+        async for chunk in sse_events(resp.content):
+            if self.take(chunk, flight) and not flight.first:
+                flight.first = True
+                self._waiting -= 1
+            if flight.finish and not self.closes_to_interrupt:
+                break
+            if ctx.interrupted and (not flight.interrupted or flight.blind_abort):
+                # Paused; or paused while the request was on its way, when the first
+                # interrupt may have reached the server before the request did.
+                self.interrupt(flight)
+                if self.closes_to_interrupt:
+                    break
+
+    def _closed_by_us(self, flight: Flight) -> bool:
+        return self.closes_to_interrupt and flight.interrupted
+
+    def _stop(self, flight: Flight) -> str:
+        finish = flight.finish
+        if not finish:  # a stream the bridge closed itself (pause)
+            return "interrupt"
+        kind = finish.get("type") if isinstance(finish, dict) else str(finish)
+        if kind == "abort":
+            return "interrupt" if flight.interrupted or flight.ctx.interrupted else "abort"
+        return "length" if kind == "length" else "stop"
+
+    def _end(self, flight: Flight) -> None:
+        if not flight.first:
+            self._waiting -= 1
+        self.flights.pop(flight.rid, None)
+        if not self.flights and self._idle is not None:
+            self._idle.set()
+
+    # -- what a subclass says -----------------------------------------------------------
+    @abc.abstractmethod
+    async def request(self, req: LLMRequest, rid: str) -> tuple[str, Any]:
+        """The path and JSON body that ask the server to stream ``req`` as ``rid``."""
+
+    @abc.abstractmethod
+    def take(self, chunk: Any, flight: Flight) -> int:
+        """Add the new tokens of one streamed chunk to ``flight`` (:meth:`Flight.add`),
+        set ``flight.finish`` when it ends the stream; returns how many tokens."""
+
+    @abc.abstractmethod
+    def interrupt(self, flight: Flight) -> None:
+        """Make the server end ``flight`` soon with its partial output (pause)."""
+
+    @abc.abstractmethod
+    def abort(self, flight: Flight) -> None:
+        """Stop the server's work on ``flight``, cancelled (an abort, a client gone)."""
 
     # -- helpers for the subclasses ---------------------------------------------------------
     def new_rid(self) -> str:
         """A request id unique to this worker's life (servers key aborts by it)."""
         return f"{self._prefix}-{next(self._rids)}"
-
-    def new_flight(self, ctx: Any) -> Flight:
-        """Register a request about to be sent, under a new rid (the caller pops it from
-        :attr:`flights` when it ends)."""
-        flight = Flight(self.new_rid(), ctx)
-        self.flights[flight.rid] = flight
-        return flight
-
-    def end_flight(self, rid: str) -> None:
-        """Forget a request that ended (however it ended)."""
-        self.flights.pop(rid, None)
-        if not self.flights and self._idle is not None:
-            self._idle.set()
 
     async def post_json(self, path: str, body: Any, timeout: float | None = None) -> Any:
         """POST JSON, return the decoded JSON answer; ``EngineUnavailable`` for an
@@ -368,25 +452,3 @@ class HTTPBridge:
             if misses >= self.health_failures:
                 self._server_failed(f"/health failed {misses} times in a row")
                 return
-
-
-def response(
-    req: LLMRequest, toks: list[int], lps: list[float], vers: list[int], stop: str
-) -> LLMResponse:
-    """The :class:`~fastio.LLMResponse` of a bridged generation."""
-    import numpy as np
-
-    return LLMResponse(
-        input_tokens=req.input_ids,
-        output_tokens=TokenArray(np.array(toks, dtype=np.int32)),
-        output_logprobs=TokenArray(np.array(lps, dtype=np.float32)),
-        output_versions=TokenArray(np.array(vers, dtype=np.int32)),
-        stop_reason=stop,  # type: ignore[arg-type]  # the caller's one of four
-    )
-
-
-async def cancel_quietly(task: asyncio.Task[Any]) -> None:
-    """Cancel ``task`` and wait for it, whatever it raises."""
-    task.cancel()
-    with contextlib.suppress(BaseException):
-        await task

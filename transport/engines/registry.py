@@ -1,19 +1,22 @@
 """Engines by name: what ``--engine NAME`` of the worker CLI resolves.
 
-Each name maps to a ``module:factory`` string resolved with :func:`pkgutil.resolve_name`
-on use (so naming an engine imports only its module). A factory takes the engine
-options as strings (``--engine-opt key=value``) and returns an :class:`~transport.Engine`
-or a handler; an unknown option should raise ``ValueError`` naming it. Any other
-``module:factory`` works the same way without being registered.
+Each name maps to a ``module:factory`` string resolved on use (so naming an engine
+imports only its module). A factory takes the engine options as strings (``--engine-opt
+key=value``), reads them with :func:`engine_options`, and returns an
+:class:`~transport.Engine` or a handler. Any other ``module:factory`` works the same
+way without being registered.
 """
 
 from __future__ import annotations
 
-import pkgutil
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
 
-__all__ = ["ENGINES", "register_engine", "resolve_engine"]
+import msgspec
+
+from transport.options import parse_options, resolve_entry
+
+__all__ = ["ENGINES", "engine_options", "register_engine", "resolve_engine"]
 
 #: Built-in and bridged engines: name -> ``module:factory``.
 ENGINES: dict[str, str] = {
@@ -25,6 +28,7 @@ ENGINES: dict[str, str] = {
 }
 
 Factory = Callable[[dict[str, str]], Any]
+T = TypeVar("T", bound=msgspec.Struct)
 
 
 def register_engine(name: str, spec: str) -> None:
@@ -46,18 +50,22 @@ def resolve_engine(name: str) -> Factory:
         message says which).
     """
     spec = ENGINES.get(name)
-    if spec is None:
-        if not all(name.partition(":")[::2]):
-            raise ValueError(
-                f"unknown engine {name!r} (choose from {', '.join(ENGINES)}, or module:factory)"
-            )
-        spec = name
-    try:
-        fn = pkgutil.resolve_name(spec)
-    except ImportError as exc:
-        raise ValueError(f"engine {name!r}: cannot import {spec.partition(':')[0]}: {exc}") from exc
-    except AttributeError as exc:
-        raise ValueError(f"engine {name!r}: {spec} not found ({exc})") from exc
+    if spec is None and not all(name.partition(":")[::2]):
+        raise ValueError(
+            f"unknown engine {name!r} (choose from {', '.join(ENGINES)}, or module:factory)"
+        )
+    fn = resolve_entry(spec or name, "engine")
     if not callable(fn):
-        raise ValueError(f"engine {name!r}: {spec} is not callable")
+        raise ValueError(f"engine {name!r}: {spec or name} is not callable")
     return fn  # type: ignore[no-any-return]
+
+
+def engine_options(opts: Mapping[str, str], type_: type[T], engine: str) -> T:
+    """An engine factory's ``--engine-opt`` strings as its options Struct ``type_``
+    (:func:`transport.options.parse_options`); ``ValueError`` naming a bad key or value.
+    """
+    known = sorted(f.encode_name for f in msgspec.structs.fields(type_))
+    unknown = sorted(set(opts) - set(known))
+    if unknown:
+        raise ValueError(f"unknown option(s) {unknown}; the {engine} engine takes {known}")
+    return parse_options(opts, type_, f"{engine} engine option")

@@ -6,43 +6,27 @@
     fastio-worker --bind tcp://0.0.0.0:5555 --engine sglang \\
         --engine-opt url=http://127.0.0.1:30000
 
-What each part of the fabric's contract becomes:
-
-* a request: ``POST /generate`` with ``input_ids``, ``sampling_params``,
-  ``return_logprob: true``, ``stream: true`` and a ``rid`` of the bridge's own; each
-  server-sent chunk's new ``meta_info.output_token_logprobs`` entries (``[logprob,
-  token_id, text]``, cumulative or incremental: both are read) are emitted as they come;
-* ``finish_reason.type`` ``length`` / ``stop`` -> the same stop reason; ``abort`` ->
-  ``interrupt`` when the worker paused (the client resumes after the partial tokens),
-  else ``abort``;
-* pause: every request in flight is aborted by rid (``POST /abort_request``); the server
-  ends each stream with its partial output and ``finish_reason`` ``abort``;
-* a controller's abort or a client's cancel: ``/abort_request`` for that rid;
-* weight versions: each token carries the worker's version when it arrived (weights
-  change only while the worker is paused and nothing is in flight);
-* weights: the weight route's worker plugin (``--plugin transport.weights.update:subscribe``)
-  hands each verified version to :meth:`SGLangEngine.load_weights`, which writes it once
-  as safetensors under ``weights_dir`` and has the server load it with ``POST
-  /update_weights_from_disk``; the version is acknowledged to the trainer when the
-  server says ``success``, and only then does the worker's version move.
+* a request: ``POST /generate`` with ``input_ids``, ``sampling_params``, ``return_logprob``,
+  ``stream`` and a ``rid`` of the bridge's own; each chunk's new
+  ``meta_info.output_token_logprobs`` (cumulative or incremental) are emitted as they
+  come; ``finish_reason.type`` ``abort`` becomes ``interrupt`` when the worker paused;
+* pause, a controller's abort or a client's cancel: ``POST /abort_request`` for the rid
+  (the server ends the stream with its partial output);
+* weights: the worker's weights plugin hands each verified version to
+  :meth:`SGLangEngine.load_weights`, which writes it as safetensors under ``weights_dir``
+  and has the server load it (``/update_weights_from_disk``, bracketed by
+  ``/pause_generation`` and ``/continue_generation`` where the server has them); the
+  version is acknowledged once the server says ``success``.
   :meth:`SGLangEngine.load_weights_from_disk` loads a version a trainer already wrote
-  (the disk route's plugin, :mod:`transport.weights.disk_follow`, calls it).
-  ``/pause_generation`` and ``/continue_generation`` bracket the load where the server
-  has them;
-* a server that dies or hangs: the worker closes and its clients fail over (see
-  :mod:`transport.engines.http`).
+  (the disk plugin, :mod:`transport.weights.disk_follow`, calls it);
+* a server that dies or hangs closes the worker (:mod:`transport.engines.http`).
 
-Options (``--engine-opt key=value``): ``url`` (required), ``weights_dir`` (default a
-temporary directory), ``model_config`` (a directory whose config and tokenizer files
-are linked into each version written, so that the server can load it as a model),
-``request_timeout``, ``stall_timeout``, ``reload_timeout``, ``health_interval``,
-``health_timeout``, ``health_failures``, ``check`` (``0``: do not probe ``/health``
-when the worker starts).
+Options (``--engine-opt key=value``): those of :class:`~transport.engines.http.BridgeOptions`
+and :class:`SGLangOptions`.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import tempfile
@@ -50,23 +34,20 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-import msgspec
+from fastio import GenerationHyperparameters, LLMRequest
+from transport.engines.http import BridgeOptions, Flight, HTTPBridge, Seconds, sampling_common
 
-from fastio import GenerationHyperparameters, LLMRequest, LLMResponse
-from transport.engines.api import GenerationContext
-from transport.engines.http import (
-    JSON_HEADERS,
-    Flight,
-    HTTPBridge,
-    raise_for_status,
-    response,
-    sampling_common,
-    sse_events,
-)
-
-__all__ = ["SGLangEngine", "factory", "sampling_params"]
+__all__ = ["SGLangEngine", "SGLangOptions", "factory", "sampling_params"]
 
 log = logging.getLogger("transport.engines")
+
+
+class SGLangOptions(BridgeOptions):
+    """``weights_dir``, ``model_config``, ``reload_timeout`` of :class:`SGLangEngine`."""
+
+    weights_dir: str | None = None
+    model_config: str | None = None
+    reload_timeout: Seconds = 600.0
 
 
 def sampling_params(g: GenerationHyperparameters) -> dict[str, Any]:
@@ -86,8 +67,7 @@ class SGLangEngine(HTTPBridge):
         The server, ``http://host:port``.
     weights_dir:
         Where versions received from the weight route are written (default: a new
-        temporary directory). Must be readable by the server (same host or a shared
-        file system).
+        temporary directory); the server must be able to read it.
     model_config:
         A model directory whose non-weight files (``config.json``, tokenizer files) are
         linked into each version directory written.
@@ -99,6 +79,7 @@ class SGLangEngine(HTTPBridge):
 
     name = "SGLang"
     extra = "sglang"
+    Options = SGLangOptions
 
     def __init__(
         self,
@@ -116,15 +97,9 @@ class SGLangEngine(HTTPBridge):
         #: Whether the server has /pause_generation (None: not asked yet).
         self.has_pause: bool | None = None
 
-    async def generate(self, req: LLMRequest, ctx: GenerationContext) -> LLMResponse:
-        """Forward ``req`` to ``/generate`` and stream the answer through ``ctx``."""
-        # The worker runs a handler's first step outside any task (its eager start);
-        # aiohttp's timeouts need one: continue in the request's task.
-        await asyncio.sleep(0)
-        aiohttp = self.aiohttp
-        flight = self.new_flight(ctx)
-        rid = flight.rid
-        body = {
+    async def request(self, req: LLMRequest, rid: str) -> tuple[str, Any]:
+        """``/generate``, streamed, with the sampled tokens' logprobs."""
+        return "/generate", {
             # JSON wants a list: the one conversion of the prompt on this path.
             "input_ids": req.input_ids.array.tolist(),
             "sampling_params": sampling_params(req.gconfig),
@@ -132,93 +107,37 @@ class SGLangEngine(HTTPBridge):
             "stream": True,
             "rid": rid,
         }
-        toks: list[int] = []
-        lps: list[float] = []
-        vers: list[int] = []
-        finish: Any = None
-        try:
-            try:
-                async with self.session().post(
-                    self.url + "/generate", data=msgspec.json.encode(body), headers=JSON_HEADERS
-                ) as resp:
-                    await raise_for_status(resp, "SGLang /generate")
-                    async for chunk in sse_events(resp.content):
-                        meta = chunk.get("meta_info") or {}
-                        if self._take(meta, toks, lps, vers, ctx):
-                            flight.first = True
-                        finish = meta.get("finish_reason")
-                        if finish:
-                            break
-                        if ctx.interrupted and (not flight.interrupted or flight.blind_abort):
-                            # Paused while the request was on its way: the server
-                            # knows the rid now that it streams.
-                            self._interrupt(flight)
-            except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, TimeoutError) as exc:
-                await self.server_gone(repr(exc))
-            if not finish:
-                await self.server_gone(f"the stream of {rid} ended without a finish_reason")
-        except asyncio.CancelledError:
-            if not finish:
-                self.spawn(self._abort(rid))  # aborted or cancelled: stop the server's work
-            raise
-        finally:
-            self.end_flight(rid)
-        kind = finish.get("type") if isinstance(finish, dict) else str(finish)
-        if kind == "abort":
-            stop = "interrupt" if (flight.interrupted or ctx.interrupted) else "abort"
-        elif kind == "length":
-            stop = "length"
-        else:
-            stop = "stop"
-        return response(req, toks, lps, vers, stop)
 
-    def _take(
-        self,
-        meta: dict[str, Any],
-        toks: list[int],
-        lps: list[float],
-        vers: list[int],
-        ctx: GenerationContext,
-    ) -> int:
-        """Emit the tokens of one chunk that are new; returns how many."""
+    def take(self, chunk: Any, flight: Flight) -> int:
+        """Emit the tokens of one chunk that are new (``[logprob, token_id, text]``)."""
+        meta = chunk.get("meta_info") or {}
         items = meta.get("output_token_logprobs") or ()
-        seen = len(toks)
-        total = meta.get("completion_tokens")
+        seen = len(flight.toks)
         # Cumulative chunks repeat what came before: skip it. (Incremental ones hold
         # only the new tokens; with nothing seen yet both read the same.)
-        new = items[seen:] if seen and total == len(items) else items
+        new = items[seen:] if seen and meta.get("completion_tokens") == len(items) else items
         version = self.version
         for item in new:
-            lp, tok = item[0], int(item[1])
-            lpf = float(lp) if lp is not None else 0.0
-            toks.append(tok)
-            lps.append(lpf)
-            vers.append(version)
-            ctx.emit(tok, lpf, version)
+            flight.add(int(item[1]), item[0], version)
+        flight.finish = meta.get("finish_reason")
         return len(new)
 
-    # -- interrupt / abort ------------------------------------------------------------------
-    def _interrupt(self, flight: Flight) -> None:
+    def interrupt(self, flight: Flight) -> None:
+        """Abort ``flight`` on the server by its rid (again at its first chunk when the
+        server may not have known it yet)."""
         flight.blind_abort = not flight.first
         flight.interrupted = True
+        self.abort(flight)
+
+    def abort(self, flight: Flight) -> None:
+        """``POST /abort_request`` for ``flight``'s rid, in the background."""
         self.spawn(self._abort(flight.rid))
 
     async def _abort(self, rid: str) -> None:
         try:
             await self.post_json("/abort_request", {"rid": rid})
         except Exception as exc:  # the server may be gone; the watchdog deals with it
-            self._log_abort_failure(rid, exc)
-
-    @staticmethod
-    def _log_abort_failure(rid: str, exc: BaseException) -> None:
-        log.debug("abort of %s failed: %r", rid, exc)
-
-    def pause_generation(self) -> None:
-        """The worker pauses: abort every request in flight (each returns its partial
-        output, stop reason ``interrupt``)."""
-        for flight in list(self.flights.values()):
-            if not flight.interrupted:
-                self._interrupt(flight)
+            log.debug("abort of %s failed: %r", rid, exc)
 
     # -- weights --------------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
@@ -259,15 +178,16 @@ class SGLangEngine(HTTPBridge):
             body["weight_version"] = str(version)
         paused = await self._server_pause()
         try:
-            try:
-                data = await self.post_json(
-                    "/update_weights_from_disk", body, timeout=self.reload_timeout
-                )
-            except RuntimeError as exc:
-                raise WeightUpdateError(f"SGLang did not load {path}: {exc}") from exc
-        finally:
-            if paused:
-                await self.post_json("/continue_generation", {})
+            data = await self.post_json(
+                "/update_weights_from_disk", body, timeout=self.reload_timeout
+            )
+        except RuntimeError as exc:
+            await self._server_continue(paused, failed=True)
+            raise WeightUpdateError(f"SGLang did not load {path}: {exc}") from exc
+        except BaseException:
+            await self._server_continue(paused, failed=True)
+            raise
+        await self._server_continue(paused, failed=False)
         if not isinstance(data, dict) or not data.get("success"):
             msg = data.get("message") if isinstance(data, dict) else data
             raise WeightUpdateError(f"SGLang did not load {path}: {msg}")
@@ -288,11 +208,21 @@ class SGLangEngine(HTTPBridge):
         self.has_pause = True
         return True
 
+    async def _server_continue(self, paused: bool, *, failed: bool) -> None:
+        """``/continue_generation`` after a paused load. After a failed load its own
+        failure is logged, never raised: the load's error is the one to report."""
+        if not paused:
+            return
+        try:
+            await self.post_json("/continue_generation", {})
+        except Exception as exc:
+            if not failed:
+                raise
+            log.error("SGLang /continue_generation after a failed load failed: %r", exc)
+
 
 def factory(opts: dict[str, str]) -> SGLangEngine:
     """``--engine sglang``: an :class:`SGLangEngine` from the ``--engine-opt`` strings;
     probes ``/health`` first (``check=0`` skips it)."""
-    engine: SGLangEngine = SGLangEngine.from_opts(
-        opts, ("weights_dir", "model_config"), ("reload_timeout",)
-    )
+    engine: SGLangEngine = SGLangEngine.from_opts(opts)
     return engine

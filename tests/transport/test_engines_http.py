@@ -1,0 +1,150 @@
+"""The bridges' shared HTTP layer against a tiny in-process aiohttp server on loopback:
+the engine-load counter, and which error a failed SGLang weight load reports."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import pytest
+
+pytest.importorskip("aiohttp")
+
+from aiohttp import web
+
+from fastio import GenerationHyperparameters, LLMRequest
+from tests.transport.conftest import await_for
+from transport.engines.sglang import SGLangEngine
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class Ctx:
+    """A :class:`~transport.GenerationContext` that records what is emitted."""
+
+    def __init__(self, i: int) -> None:
+        self.id, self.deadline, self.interrupted, self.version = i, float("inf"), False, 0
+        self.tokens: list[int] = []
+
+    def emit(self, token: int, logprob: float = 0.0, version: int = 0) -> None:
+        self.tokens.append(token)
+
+
+async def serve(routes: dict[str, Handler]) -> AsyncIterator[str]:
+    app = web.Application()
+    for path, handler in routes.items():
+        app.router.add_post(path, handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()
+
+
+def test_queue_depth_counts_requests_without_a_token_from_any_thread() -> None:
+    release: dict[str, asyncio.Event] = {}
+
+    async def generate(request: web.Request) -> web.StreamResponse:
+        rid = (await request.json())["rid"]
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await release.setdefault(rid, asyncio.Event()).wait()  # queued: no token yet
+        for n in (1, 2):
+            meta: dict[str, Any] = {
+                "output_token_logprobs": [[-0.5, 7 + k, None] for k in range(n)],
+                "completion_tokens": n,
+                "finish_reason": {"type": "length"} if n == 2 else None,
+            }
+            await resp.write(b"data: " + json.dumps({"meta_info": meta}).encode() + b"\n\n")
+            await asyncio.sleep(0.05)
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    async def main() -> None:
+        server = serve({"/generate": generate})
+        url = await server.__anext__()
+        eng = SGLangEngine(url, health_interval=0)
+        seen: list[int] = []
+        stop = threading.Event()
+
+        def read() -> None:  # the worker's socket thread reads it while flights change
+            while not stop.is_set():
+                seen.append(eng.queue_depth())
+
+        reader = threading.Thread(target=read)
+        reader.start()
+        try:
+            g = GenerationHyperparameters(max_new_tokens=2)
+            ctxs = [Ctx(i) for i in range(3)]
+            tasks = [
+                asyncio.ensure_future(eng.generate(LLMRequest(input_ids=[1], gconfig=g), c))
+                for c in ctxs
+            ]
+            await await_for(lambda: len(release) == 3, what="three requests queued")
+            assert await asyncio.to_thread(eng.queue_depth) == 3
+            first = sorted(release)[0]
+            release[first].set()
+            await await_for(lambda: eng.queue_depth() == 2, what="one streams")
+            tasks[2].cancel()  # one ends without a token
+            await asyncio.gather(tasks[2], return_exceptions=True)
+            await await_for(lambda: eng.queue_depth() == 1, what="the cancelled one gone")
+            for ev in release.values():
+                ev.set()
+            resps = await asyncio.gather(*tasks[:2])
+            assert [r.output_tokens.tolist() for r in resps] == [[7, 8], [7, 8]]
+            assert eng.queue_depth() == 0
+        finally:
+            stop.set()
+            reader.join()
+            await eng.close()
+            await server.aclose()
+        assert seen and all(0 <= d <= 3 for d in seen)
+
+    asyncio.run(main())
+
+
+def test_a_failed_load_reports_its_own_error_not_the_resume(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from transport.weights.errors import WeightUpdateError
+
+    async def ok(request: web.Request) -> web.Response:
+        return web.json_response({"success": True})
+
+    async def load_fails(request: web.Request) -> web.Response:
+        return web.json_response({"error": "the checkpoint is corrupt"}, status=500)
+
+    async def continue_fails(request: web.Request) -> web.Response:
+        return web.json_response({"error": "scheduler gone"}, status=500)
+
+    async def main(continue_: Handler) -> None:
+        server = serve(
+            {
+                "/pause_generation": ok,
+                "/update_weights_from_disk": load_fails,
+                "/continue_generation": continue_,
+            }
+        )
+        url = await server.__anext__()
+        eng = SGLangEngine(url, health_interval=0)
+        try:
+            await eng.load_weights_from_disk("/ckpt/v3", version=3)
+        finally:
+            await eng.close()
+            await server.aclose()
+
+    for continue_ in (ok, continue_fails):
+        with (
+            caplog.at_level(logging.ERROR, "transport.engines"),
+            pytest.raises(WeightUpdateError, match="the checkpoint is corrupt"),
+        ):
+            asyncio.run(main(continue_))
+    assert "scheduler gone" in caplog.text  # the resume's failure is logged
