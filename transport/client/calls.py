@@ -1,11 +1,9 @@
 """One ``agenerate`` call across its attempts, and how calls end.
 
-A call's output grows by *segments*: each attempt on a worker ends in a Result, and
-one with ``stop_reason="interrupt"`` (a pause for a weight update) is kept and the rest
-re-submitted as a continuation (prompt plus output so far, fewer new tokens). A lost
-attempt (its worker died, or gave it up) keeps what it streamed the same way. So
-``on_chunk`` sees every output position once, in order, and the final
-``output_tokens`` are what it was given, concatenated.
+A call's output grows by *segments*: an attempt interrupted (a pause for a weight
+update) or lost (its worker died or gave it up) keeps what it produced, and the rest is
+re-submitted as a continuation (prompt plus output so far, fewer new tokens). So
+``on_chunk`` sees every output position once, in order.
 """
 
 from __future__ import annotations
@@ -211,13 +209,9 @@ def _response(
     latency: float, ttft: float, itl: TokenArray,
 ) -> LLMResponse:  # fmt: skip
     """The caller's response: the worker's output around the caller's own prompt."""
-    if isinstance(orig, VLMRequest):
-        return VLMResponse(
-            input_tokens=orig.input_ids, output_tokens=toks, output_logprobs=lps,
-            output_versions=vers, stop_reason=stop_reason, latency=latency, ttft=ttft, itl=itl,
-            input_images=list(orig.image_data or []),
-        )  # fmt: skip
-    return LLMResponse(
+    extra = {"input_images": list(orig.image_data or [])} if isinstance(orig, VLMRequest) else {}
+    return (VLMResponse if extra else LLMResponse)(
         input_tokens=orig.input_ids, output_tokens=toks, output_logprobs=lps,
         output_versions=vers, stop_reason=stop_reason, latency=latency, ttft=ttft, itl=itl,
+        **extra,
     )  # fmt: skip

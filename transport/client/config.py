@@ -1,4 +1,4 @@
-"""Settings of the rollout client, checked once: :func:`client_config`."""
+"""Settings of the rollout client, checked once by :func:`client_config`."""
 
 from __future__ import annotations
 
@@ -23,41 +23,37 @@ _NonNegative = Annotated[int, Meta(ge=0)]
 
 
 class ClientConfig(msgspec.Struct, forbid_unknown_fields=True):
-    """Settings of a :class:`~transport.FabricClient` (checked when the client is made).
+    """Settings of a :class:`~transport.FabricClient`, checked when the client is made.
 
     Parameters
     ----------
     heartbeat_interval:
         Seconds between pings to each worker. Calls made before any worker answered
-        wait at most this long (or ``connect_timeout`` if shorter) for every worker
-        that may be up, so that the first burst is spread.
+        wait at most this long (or ``connect_timeout``) for every worker that may be
+        up, so that the first burst is spread.
     heartbeat_liveness:
-        Heartbeat intervals without any answer after which a worker is dead; only
-        silence counts, never a slow request.
+        Silent heartbeat intervals after which a worker is dead (a slow answer never is).
     connect_timeout:
-        Seconds without a live worker after which waiting and new calls fail with
+        Seconds without a live worker after which calls fail with
         :class:`~transport.NoWorkerAvailable`.
     request_timeout:
         Default per-request timeout in seconds.
     max_in_flight_per_worker:
-        Requests on one worker at once (keep it below the worker's ``max_pending``);
-        the rest wait in the client.
+        Requests on one worker at once (keep it below the worker's ``max_pending``).
     max_resends:
         Times a request may be re-sent after its worker died or lost it.
     resend_backoff, resend_backoff_max:
         The ``k``-th re-send waits ``min(resend_backoff * 2**(k-1), resend_backoff_max)``
         seconds times a random factor in [0.5, 1].
     stream:
-        Ask workers to stream tokens (real ``ttft``/``itl``, ``on_chunk`` as tokens
-        come, re-sends resume after what was received).
+        Ask workers to stream tokens (real ``ttft``/``itl``, ``on_chunk`` as they come).
     max_message_size, hwm, curve:
         See :mod:`transport.sockets`.
     sticky_cache_size:
         How many rid -> worker assignments are kept (when full, the older half goes).
     metrics_port:
-        Serve Prometheus metrics on ``127.0.0.1`` at this port (0: any free port, see
-        ``FabricClient.metrics_port``; needs the ``metrics`` extra); it also turns on
-        the latency histogram. ``None``: no endpoint.
+        Serve Prometheus metrics on ``127.0.0.1`` at this port (0: any free port), with
+        the latency histogram; needs the ``metrics`` extra. ``None``: no endpoint.
     """
 
     heartbeat_interval: _Seconds = 1.0

@@ -12,22 +12,19 @@ _NAMES = (
     "submitted", "completed", "failed", "resent", "interrupted", "timeouts", "cancelled",
     "stale", "bad_messages", "overloaded", "workers_died", "workers_joined", "no_worker",
 )  # fmt: skip
+# Counts that are also Prometheus counters.
+_EXPORTED: dict[str, Any] = {
+    "resent": metrics.CLIENT_RESENDS,
+    "workers_died": metrics.CLIENT_WORKER_DEATHS,
+}
 
 
 class Counters:
-    """Event counts of one client (``stats``), and the Prometheus metrics they feed.
-
-    ``observe_latency``: record each call's latency in the histogram (only where the
-    client serves metrics: an observation costs about as much as the rest of a call).
-    """
+    """Event counts of one client (``stats``) and the metrics they feed; the latency
+    histogram only with ``observe_latency`` (an observation costs about as much as the
+    rest of a call)."""
 
     __slots__ = ("observe_latency", "stats")
-
-    #: Counts that are also Prometheus counters.
-    _EXPORTED: dict[str, Any] = {
-        "resent": metrics.CLIENT_RESENDS,
-        "workers_died": metrics.CLIENT_WORKER_DEATHS,
-    }
 
     def __init__(self, observe_latency: bool = False) -> None:
         self.observe_latency = observe_latency
@@ -36,9 +33,8 @@ class Counters:
     def add(self, name: str, n: int = 1) -> int:
         """Count ``n`` more ``name`` events; returns the new total."""
         total = self.stats[name] = self.stats[name] + n
-        exported = self._EXPORTED.get(name)
-        if exported is not None:
-            exported.inc(n)
+        if name in _EXPORTED:
+            _EXPORTED[name].inc(n)
         return total
 
     def latency(self, seconds: float) -> None:

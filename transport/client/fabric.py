@@ -1,11 +1,7 @@
-"""The asyncio rollout client: one object built from its parts.
-
-:class:`FabricClient` owns a :class:`~transport.client.counters.Counters` (``stats``
-and the Prometheus metrics), a :class:`~transport.client.calls.Calls` (how calls end),
-a :class:`~transport.client.scheduling.Scheduler` (the workers, the queue, where each
-call goes) and a :class:`~transport.client.liveness.Liveness` (heartbeats, deaths,
-re-sends); it routes what arrives from the workers to them.
-"""
+"""The asyncio rollout client, built from its parts: :class:`Counters` (``stats``,
+metrics), :class:`Calls` (how calls end), :class:`Scheduler` (workers, queue, where a
+call goes) and :class:`Liveness` (heartbeats, deaths, re-sends); the client routes what
+the workers send to them."""
 
 from __future__ import annotations
 
@@ -44,11 +40,9 @@ class FabricClient:
         Worker addresses (``tcp://host:port``, ``ipc://path``, ``inproc://name``); more
         can be added and removed at run time. A malformed one raises
         :class:`~transport.BadAddress` here.
-    config:
-        :class:`ClientConfig`.
-    **options:
-        :class:`ClientConfig` fields, applied over ``config``. A bad one raises
-        ``ValueError`` naming it.
+    config, **options:
+        A :class:`ClientConfig`, and its fields as keywords applied over it (a bad one
+        raises ``ValueError`` naming it).
 
     Examples
     --------
@@ -69,7 +63,7 @@ class FabricClient:
         self._live = Liveness(config, self._sched, self._calls)
         self._dec = Decoder(fm.WORKER_TO_CLIENT, max_message_size=config.max_message_size)
         # One routing id on every DEALER: a worker knows this client by it across
-        # reconnects, so answers, and what it gave up on meanwhile (LOST), reach us.
+        # reconnects, so answers (and LOST reports) still reach it.
         self._identity = b"fc-" + uuid.uuid4().hex.encode()
         self._ctx: zmq.Context[Any] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -116,9 +110,8 @@ class FabricClient:
         self._closed = True
         self._live.close()
         sched = self._sched
-        calls = sched.waiting()
+        calls = sched.unfinished()
         for w in sched.order:
-            calls += [*w.inflight.values(), *w.sticky_queue]
             w.close()
         for call in calls:
             self._calls.fail(call, ClientClosed("the client was closed"))
@@ -188,15 +181,14 @@ class FabricClient:
     ) -> GenerateFuture:
         """Generate for ``req`` on some worker; ``await`` the result for the response.
 
-        In the client's running loop the request is on its way when this returns, and
-        the result is a :class:`GenerateFuture` (an ``asyncio.Future``, no task per
-        request). With no running loop (``asyncio.run(client.agenerate(req))``) it
-        returns a coroutine that submits when it first runs.
+        In the client's running loop the request is on its way when this returns, as a
+        :class:`GenerateFuture`; with no running loop it returns a coroutine that
+        submits when it first runs (``asyncio.run(client.agenerate(req))``).
 
         Parameters
         ----------
         req:
-            The request (its arrays are sent without a copy: do not mutate them until
+            The request (its arrays are sent without a copy: leave them unchanged until
             the response arrives).
         timeout:
             Seconds (default ``config.request_timeout``).
@@ -207,20 +199,18 @@ class FabricClient:
         Raises
         ------
         RequestTimeout
-            Not done in time (it is cancelled on its worker).
+            Not done in time (it is cancelled on its worker, as when the future is).
         RemoteError
-            The worker rejected or failed the request (:class:`RequestAborted` when a
-            controller aborted it).
+            The worker failed the request (:class:`RequestAborted`: a controller
+            aborted it).
         NoWorkerAvailable
-            No worker alive for ``config.connect_timeout``; it names each address and
-            what was seen there.
+            No worker alive for ``config.connect_timeout``; it says what was seen where.
         NoWorkers
             No worker is configured.
         ValueError
             ``req.input_ids`` is empty.
 
-        Errors are raised where the result is awaited, never by the call. Cancelling the
-        future (or a task awaiting it) cancels the request on its worker.
+        Errors are raised where the result is awaited, never by the call.
         """
         try:
             loop = asyncio.get_running_loop()

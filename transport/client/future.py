@@ -1,12 +1,6 @@
-"""What :meth:`FabricClient.agenerate` returns: a plain future, and the task factory
-that lets ``create_task`` take it.
-
-A coroutine and a future cannot be one object for asyncio (``asyncio.wait`` refuses
-coroutines, ``Task()`` takes nothing else), so :class:`GenerateFuture` is a future:
-``await``, ``gather``, ``wait``, ``as_completed``, ``wait_for`` and ``shield`` take it
-with no task per request, and the task factory the client installs wraps it in a small
-coroutine object where the caller asks for a task.
-"""
+"""What :meth:`FabricClient.agenerate` returns: a plain future (no task per request),
+and the task factory that lets ``create_task`` take it. (A coroutine cannot also be a
+future: ``asyncio.wait`` refuses coroutines, ``Task()`` takes nothing else.)"""
 
 from __future__ import annotations
 
@@ -22,15 +16,12 @@ __all__ = ["GenerateFuture", "bind", "install_task_factory", "unbind"]
 class GenerateFuture(asyncio.Future[LLMResponse]):
     """The pending result of :meth:`FabricClient.agenerate`: an :class:`asyncio.Future`.
 
-    ``await`` it, or hand it to ``asyncio.gather``, ``wait``, ``as_completed``,
-    ``wait_for`` or ``shield``; ``asyncio.create_task`` and ``TaskGroup.create_task``
-    take it through the client's task factory (type checkers need
-    ``# type: ignore[arg-type]`` there). Cancelling it, or a task or ``wait_for``
-    awaiting it, cancels the request on its worker.
+    ``await``, ``gather``, ``wait``, ``as_completed``, ``wait_for`` and ``shield`` take
+    it as it is; ``create_task`` through the client's task factory (type checkers need
+    ``# type: ignore[arg-type]``). Cancelling it cancels the request on its worker.
     """
 
-    # No __init__ of its own (asyncio's C one alone is cheaper); see bind(). The call is
-    # opaque here, handed back to the canceller.
+    # No __init__ of its own (asyncio's C one alone is cheaper): see bind().
     __slots__ = ("_call", "_canceller")
     _call: object | None
     _canceller: Callable[[Any], None] | None

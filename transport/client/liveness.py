@@ -2,12 +2,10 @@
 answers, and failing fast when no worker is there.
 
 Only silence kills: a worker is dead after ``heartbeat_liveness`` of this client's
-heartbeat ticks without any message from it (and at least ``interval * liveness``
-seconds). A worker that answers pings is alive however long its engine takes; its
-pongs say how busy it is, which the scheduler uses. A lost attempt (death, or the
-worker's own LOST report) is re-sent elsewhere under a new id after an exponential
-back-off with jitter, so a late answer is stale and a worker that keeps dying cannot
-make the client re-send in a storm.
+heartbeat ticks with no message from it (and at least ``interval * liveness`` s), never
+for a slow answer. A lost attempt is re-sent under a new id (a late answer is stale)
+after an exponential back-off with jitter, so a worker that keeps dying cannot make the
+client re-send in a storm.
 """
 
 from __future__ import annotations
@@ -16,6 +14,7 @@ import asyncio
 import logging
 import random
 import time
+from collections.abc import Callable
 
 from fastio import IncompatiblePeer, versions
 from fastio import fabric_msgs as fm
@@ -38,10 +37,10 @@ def resend_delay(k: int, base: float, cap: float, rand: float | None = None) -> 
 
 
 class Liveness:
-    """Which workers are alive, and what happens to the calls of those that are not.
+    """Which workers are alive, and what becomes of the calls of those that are not.
 
-    Runs on the client's loop once :meth:`start` is called; holds the scheduler's queue
-    while no worker is alive or while the first answers are awaited.
+    Runs on the loop given to :meth:`start`; holds the scheduler's queue while no worker
+    is alive, and while the first answers are awaited.
     """
 
     def __init__(self, config: ClientConfig, sched: Scheduler, calls: Calls) -> None:
@@ -49,26 +48,27 @@ class Liveness:
         self.sched = sched
         self.calls = calls
         self.n_alive = 0
-        self.alive_at = 0.0  # last moment some worker was alive: connect_timeout runs from it
+        self.alive_at = 0.0  # last moment a worker was alive: connect_timeout runs from it
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
         self._last_tick = 0.0
         self._first_back = 0.0  # when the first came back after all had died
-        self._warned_none = False
-        self._hb_timer: asyncio.TimerHandle | None = None
-        self._nw_timer: asyncio.TimerHandle | None = None
-        self._gate_timer: asyncio.TimerHandle | None = None
+        self._warned_none = False  # said once per stretch without a live worker
+        self._timers: dict[str, asyncio.TimerHandle] = {}
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
         self.alive_at = time.monotonic()
-        self._hb_timer = loop.call_later(0, self._heartbeat)
+        self._later("heartbeat", 0, self._heartbeat)
 
     def close(self) -> None:
         self._closed = True
-        for timer in (self._hb_timer, self._nw_timer, self._gate_timer):
-            if timer is not None:
-                timer.cancel()
+        for timer in self._timers.values():
+            timer.cancel()
+
+    def _later(self, name: str, delay: float, fn: Callable[[], None]) -> None:
+        assert self._loop is not None
+        self._timers[name] = self._loop.call_later(delay, fn)
 
     def watch(self, w: Worker) -> None:
         """Start pinging a new worker; while none is alive, calls wait for it too."""
@@ -78,13 +78,13 @@ class Liveness:
         self._probe(w, 0.002)
 
     def unwatch(self) -> None:
-        """A worker was removed: the first answers are no longer waited for from it."""
+        """A worker was removed: its first answer is no longer awaited."""
         if self.sched.held:
             self._gate_check()
 
     def _probe(self, w: Worker, delay: float) -> None:
-        # Until a worker first answers, ping it at growing intervals from a few ms up to
-        # a quarter heartbeat interval, so a new client need not wait a whole interval.
+        # Until a worker first answers, ping it at growing intervals up to a quarter
+        # heartbeat interval, so a new client need not wait a whole interval.
         if w.alive or w.last_seen or self._closed or w.address not in self.sched.workers:
             return
         if self.sched.held:
@@ -95,44 +95,42 @@ class Liveness:
         self._loop.call_later(delay, self._probe, w, min(delay * 2, cap))
 
     def _heartbeat(self) -> None:
-        assert self._loop is not None
         cfg = self.config
         now = time.monotonic()
-        dead_after = cfg.heartbeat_interval * cfg.heartbeat_liveness
         prev = self._last_tick
         self._sweep_deadlines(now)
         for w in list(self.sched.order):
             w.pump.drain_now()  # our loop may lag the socket: read before judging
             if w.alive:
-                # Paranoid Pirate: count silent intervals as *our* ticks, so a late tick
+                # Paranoid Pirate: count silent intervals in *our* ticks, so a late tick
                 # of a busy client loop is not taken for a death.
                 w.missed = w.missed + 1 if w.last_seen < prev else 0
-                if w.load_at < prev and w.load_current:
-                    # No pong since the last tick: go by our own requests there.
-                    w.load_current = False
+                if w.load_current and w.pong_at < prev:
+                    w.load_current = False  # no pong since the last tick: go by our own
                     w.others = 0
-                if w.missed >= cfg.heartbeat_liveness and now - w.last_seen > dead_after:
-                    self.worker_died(w, f"no pong for {now - w.last_seen:.2f} s")
+                silent = now - w.last_seen
+                if (
+                    w.missed >= cfg.heartbeat_liveness
+                    and silent > cfg.heartbeat_interval * cfg.heartbeat_liveness
+                ):
+                    self.worker_died(w, f"no pong for {silent:.2f} s")
             else:
                 w.poll_monitor()
             w.ping()
         if not self.n_alive and not self._warned_none and self.no_worker_expired():
-            self._warned_none = True  # said once per stretch without a live worker
+            self._warned_none = True
             log.warning("%s", self.no_worker_error())
         self._last_tick = now
-        self._hb_timer = self._loop.call_later(cfg.heartbeat_interval, self._heartbeat)
+        self._later("heartbeat", cfg.heartbeat_interval, self._heartbeat)
 
     def _sweep_deadlines(self, now: float) -> None:
-        # Calls with no timer of their own (long timeouts) are timed out here.
-        expired = [c for c in self.sched.waiting() if c.deadline <= now and c.timer is None]
-        for w in self.sched.order:
-            for group in (w.inflight.values(), w.sticky_queue):
-                expired += [c for c in group if c.deadline <= now and c.timer is None]
+        # Calls with no timer of their own (long timeouts) time out here.
+        expired = [c for c in self.sched.unfinished() if c.deadline <= now and c.timer is None]
         for call in expired:
             self.sched.timed_out(call, call.timeout)
 
     def on_pong(self, w: Worker, hb: fm.Heartbeat) -> None:
-        """A pong states what ``w`` reads (write to it in that, or refuse it) and how
+        """A pong says what ``w`` reads (written to it from now on, or refused) and how
         busy it is."""
         try:
             w.enc = versions.encoder_for(hb)
@@ -143,17 +141,12 @@ class Liveness:
         if w.incompatible:
             log.info("worker %s now speaks a version this client reads", w.address)
             w.incompatible = ""
-        if w.incarnation and hb.incarnation != w.incarnation and (w.inflight or w.sticky_queue):
+        was = w.pong.incarnation
+        if was and hb.incarnation != was and (w.inflight or w.sticky_queue):
             self.worker_died(w, "restarted")  # faster than the liveness timeout
-        w.worker_id = hb.worker_id
-        w.incarnation = hb.incarnation
-        w.version = hb.version
-        w.paused = hb.paused
-        w.running = hb.running
-        w.waiting = hb.waiting
-        w.engine_lag = hb.engine_lag
+        w.pong = hb
+        w.pong_at = w.last_seen  # set as this message arrived
         w.others = max(0, max(hb.in_flight, hb.running + hb.waiting) - len(w.inflight))
-        w.load_at = w.last_seen  # set as this message arrived
         w.load_current = True
         w.missed = 0
         if w.alive:
@@ -174,11 +167,11 @@ class Liveness:
         self._gate_check()
 
     def _gate_check(self) -> None:
-        """Release the held calls once no worker that may be up is still unheard from
-        within ``min(heartbeat_interval, connect_timeout)``: of a worker never heard
-        from, since it was added (unless its connection or handshake was refused); of
-        those that died in the same outage as the last one, since the first came back."""
-        if not self.sched.held or not self.n_alive:
+        """Release the held calls once no worker that may be up is unheard from within
+        ``min(heartbeat_interval, connect_timeout)``: since it was added, for one never
+        heard from (unless its connection or handshake was refused); since the first
+        came back, for those that died in the same outage as the last one."""
+        if not self.sched.held or not self.n_alive or self._closed:
             return  # nothing to send to yet: checked again when one answers
         cfg = self.config
         grace = min(cfg.heartbeat_interval, cfg.connect_timeout)
@@ -197,20 +190,18 @@ class Liveness:
                 until = max(until, w.added_at + grace)
         now = time.monotonic()
         if until > now:
-            if self._gate_timer is None:
-                assert self._loop is not None
-                self._gate_timer = self._loop.call_later(until - now, self._gate_timeout)
+            if "gate" not in self._timers:
+                self._later("gate", until - now, self._gate_timeout)
             return
         self._first_back = 0.0
-        if self._gate_timer is not None:
-            self._gate_timer.cancel()
-            self._gate_timer = None
+        gate = self._timers.pop("gate", None)
+        if gate is not None:
+            gate.cancel()
         self.sched.release()
 
     def _gate_timeout(self) -> None:
-        self._gate_timer = None
-        if not self._closed:
-            self._gate_check()
+        del self._timers["gate"]
+        self._gate_check()
 
     def worker_died(self, w: Worker, why: str) -> None:
         """``w`` is dead (or unusable): re-send its calls elsewhere."""
@@ -245,12 +236,12 @@ class Liveness:
         if out is not None:  # the streamed tokens were the whole answer
             self.calls.complete(call, out)
             return
-        if call.resends > self.config.max_resends:
+        cfg = self.config
+        if call.resends > cfg.max_resends:
             why = f"request {call.orig.rid}: attempt {call.resends} lost ({why}); giving up"
             self.calls.fail(call, RemoteError(why, code=code, worker=w.address))
             return
         self.calls.counters.add("resent")
-        cfg = self.config
         assert self._loop is not None
         delay = resend_delay(call.resends, cfg.resend_backoff, cfg.resend_backoff_max)
         self.calls.backing_off.add(call)
@@ -264,33 +255,19 @@ class Liveness:
             self.watch_for_none()
 
     # -- no worker at all, or none this client can use ------------------------------
-    def no_worker_error(self) -> NoWorkerAvailable:
-        now = time.monotonic()
-        curve = self.config.curve is not None
-        seen = {}
-        for w in self.sched.order:
-            w.poll_monitor()
-            seen[w.address] = w.seen(now, curve)
-        t = self.config.connect_timeout
-        where = "; ".join(f"{a}: {s}" for a, s in seen.items()) or "no worker configured"
-        return NoWorkerAvailable(f"no generation worker alive for {t:g} s ({where})", seen)
-
     def no_worker_expired(self) -> bool:
         return not self.n_alive and time.monotonic() - self.alive_at >= self.config.connect_timeout
 
     def watch_for_none(self) -> None:
-        """With calls waiting and no live worker, have a timer end the wait at
-        ``connect_timeout``."""
-        if self.n_alive or self._nw_timer is not None or self._closed:
+        """With calls waiting and no live worker, end the wait at ``connect_timeout``."""
+        if self.n_alive or "none" in self._timers or self._closed:
             return
-        if not self.sched.queue and not self.calls.backing_off:
-            return
-        assert self._loop is not None
-        left = self.alive_at + self.config.connect_timeout - time.monotonic()
-        self._nw_timer = self._loop.call_later(max(left, 0.0), self._check_none)
+        if self.sched.queue or self.calls.backing_off:
+            left = self.alive_at + self.config.connect_timeout - time.monotonic()
+            self._later("none", max(left, 0.0), self._check_none)
 
     def _check_none(self) -> None:
-        self._nw_timer = None
+        del self._timers["none"]
         if self._closed or self.n_alive:
             return
         if not self.no_worker_expired():
@@ -300,13 +277,7 @@ class Liveness:
         if not self._warned_none:
             self._warned_none = True
             log.warning("%s", err)
-        self._fail_waiting(NoWorkerAvailable, err)
-
-    def _fail_waiting(self, kind: type[NoWorkerAvailable], err: NoWorkerAvailable) -> None:
-        calls = self.sched.waiting()
-        self.sched.queue.clear()
-        for call in calls:
-            self.calls.fail(call, kind(str(err), err.seen), also="no_worker")
+        self._fail_waiting(err)
 
     def refused_by(self, w: Worker, why: str) -> None:
         """``w`` answers in versions this client cannot use: say so once, send it
@@ -317,13 +288,29 @@ class Liveness:
         if w.alive or w.inflight or w.sticky_queue:
             self.worker_died(w, "it speaks an incompatible protocol version")
         if not self.n_alive and self.all_incompatible():
-            self._fail_waiting(IncompatibleWorkers, self.incompatible_error())
+            self._fail_waiting(self.incompatible_error())
+
+    def _fail_waiting(self, err: NoWorkerAvailable) -> None:
+        calls = self.sched.waiting()
+        self.sched.queue.clear()
+        for call in calls:
+            self.calls.fail(call, type(err)(str(err), err.seen), also="no_worker")
 
     def all_incompatible(self) -> bool:
-        order = self.sched.order
-        return bool(order) and all(w.incompatible for w in order)
+        return bool(self.sched.order) and all(w.incompatible for w in self.sched.order)
+
+    def no_worker_error(self) -> NoWorkerAvailable:
+        for w in self.sched.order:
+            w.poll_monitor()
+        seen, where = self._seen(self.config.curve is not None)
+        t = self.config.connect_timeout
+        return NoWorkerAvailable(f"no generation worker alive for {t:g} s ({where})", seen)
 
     def incompatible_error(self) -> IncompatibleWorkers:
-        seen = {w.address: w.seen(time.monotonic(), False) for w in self.sched.order}
-        where = "; ".join(f"{a}: {s}" for a, s in seen.items())
+        seen, where = self._seen(False)
         return IncompatibleWorkers(f"no generation worker this client can use ({where})", seen)
+
+    def _seen(self, curve: bool) -> tuple[dict[str, str], str]:
+        now = time.monotonic()
+        seen = {w.address: w.seen(now, curve) for w in self.sched.order}
+        return seen, "; ".join(f"{a}: {s}" for a, s in seen.items()) or "no worker configured"

@@ -1,12 +1,9 @@
-"""Where each call goes: sticky rids, the least-loaded live worker, the client's queue;
-and taking a call back (cancel, timeout).
+"""Where each call goes: its rid's worker, else the least-loaded live one, else the
+client's queue; and taking a call back (cancel, timeout).
 
-A worker's load is what a new request would wait behind there: this client's requests
-in flight on it, plus the other clients' requests it reported in its last pong while
-that pong is current (it answers the latest or the previous ping: steering a burst by
-an older report piles the burst onto one worker). While :attr:`Scheduler.held` (no
-worker has answered yet, or all died and the first is back), calls wait in the queue,
-so that the first to answer does not take them all.
+A worker's load is this client's requests on it plus the others' it reported in its
+last pong while that answers the latest or the previous ping (an older report steers
+a whole burst onto one worker). While :attr:`Scheduler.held`, calls wait in the queue.
 """
 
 from __future__ import annotations
@@ -162,6 +159,13 @@ class Scheduler:
     def waiting(self) -> list[Call]:
         """Calls not on a worker: queued or backing off."""
         return [*self.queue, *self.calls.backing_off]
+
+    def unfinished(self) -> list[Call]:
+        """Every call not done: waiting, or sent to (or waiting for) a worker."""
+        calls = self.waiting()
+        for w in self.order:
+            calls += [*w.inflight.values(), *w.sticky_queue]
+        return calls
 
     def cancelled(self, call: Call) -> None:
         """The caller cancelled ``call``'s future: stop it here and on its worker."""

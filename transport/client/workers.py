@@ -1,7 +1,6 @@
-"""The client's table entries: a :class:`Worker` per worker address (its DEALER, its
-calls in flight, what its pongs and socket monitor said) and a :class:`Call` per
-``agenerate`` call (each holds the other); :class:`WorkerInfo` is what a caller sees of
-a worker, and :func:`check_address` the check of worker addresses."""
+"""The client's table entries: a :class:`Worker` per address (its DEALER, its calls in
+flight, what its pongs and socket monitor said) and a :class:`Call` per ``agenerate``
+call; each holds the other."""
 
 from __future__ import annotations
 
@@ -32,12 +31,9 @@ _HANDSHAKE_FAILED = (
     zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL,
     zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
 )
-# Watched on each DEALER, to say why a worker was never heard from.
-_MONITOR_EVENTS = (
-    zmq.EVENT_CONNECTED | zmq.EVENT_CONNECT_RETRIED | zmq.EVENT_HANDSHAKE_SUCCEEDED
-    | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
-    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-)  # fmt: skip
+# Watched, to say why a worker was never heard from.
+_MONITOR_EVENTS = sum(_HANDSHAKE_FAILED) | zmq.EVENT_CONNECTED | zmq.EVENT_CONNECT_RETRIED
+_MONITOR_EVENTS |= zmq.EVENT_HANDSHAKE_SUCCEEDED
 _SCHEMES = ("tcp", "ipc", "inproc")
 _ADDRESS = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://(.*)", re.DOTALL)
 
@@ -79,11 +75,10 @@ def check_address(address: str) -> str:
 class WorkerInfo:
     """What the client knows about one worker.
 
-    ``running``, ``waiting`` and ``engine_lag`` are the worker's own figures from its
-    last pong, over all its clients (requests in its handlers, waiting there, seconds
-    its engine is behind its sockets); ``load_current``: that pong answers this client's
-    latest or previous ping, so those figures count in scheduling. ``seen``: what was
-    seen at the address (answers, connection, refused handshakes).
+    ``running``, ``waiting`` and ``engine_lag`` are the worker's figures from its last
+    pong, over all its clients; ``load_current``: that pong answers this client's latest
+    or previous ping, so they count in scheduling. ``seen``: what was seen at the
+    address (answers, connection, refused handshakes).
     """
 
     address: str
@@ -103,10 +98,8 @@ class WorkerInfo:
 
 
 class Worker:
-    """One worker as the client sees it: its DEALER, its calls, its liveness.
-
-    Made in the client's running loop; ``on_message(worker, frames)`` gets what arrives.
-    """
+    """One worker as the client sees it: its DEALER (made in the running loop), its
+    calls, its liveness; ``on_message(worker, frames)`` gets what arrives."""
 
     def __init__(
         self,
@@ -133,25 +126,18 @@ class Worker:
         self.draining = False
         self.inflight: dict[int, Call] = {}
         self.sticky_queue: collections.deque[Call] = collections.deque()
-        self.worker_id = ""
-        self.incarnation = ""
-        self.version = 0
-        self.paused = False
+        self.pong = fm.Heartbeat()  # the last one, received at pong_at
+        self.pong_at = 0.0
         self.last_seen = 0.0
         self.died_at = 0.0
         self.missed = 0  # heartbeat ticks without a message from it
-        # Lowered to what the worker accepted when it answers OVERLOADED (it serves
-        # other clients too), raised again by one per answer.
+        # Lowered to what the worker took when it answers OVERLOADED (it serves other
+        # clients too), raised again by one per answer.
         self.limit = config.max_in_flight_per_worker
         self.cool_until = 0.0
-        # Figures of the last pong, received at load_at; ``others``: its requests not
-        # from this client, 0 once that pong is a heartbeat round old.
-        self.load_at = 0.0
-        self.load_current = False
-        self.running = 0
-        self.waiting = 0
-        self.engine_lag = 0.0
+        # Its requests not from this client, by the last pong while that is current.
         self.others = 0
+        self.load_current = False
         self.connected = False
         self.connect_retries = 0
         self.handshake_ok = False
@@ -180,7 +166,7 @@ class Worker:
         self.pump.send(self.enc.encode(msg))
 
     def send_quiet(self, msg: Any) -> None:
-        """Send ``msg`` in version 1 (which every worker reads), or drop it: pings, and
+        """Send ``msg`` in version 1 (every worker reads it), or drop it: pings, and
         cancels to a worker presumed dead, never queue up for a worker that is down."""
         with contextlib.suppress(zmq.ZMQError):
             frames = versions.VERSION_1.encode(msg)
@@ -240,16 +226,13 @@ class Worker:
         return "never answered: no connection"
 
     def info(self, now: float, curve: bool) -> WorkerInfo:
+        p = self.pong
         return WorkerInfo(
-            self.address, self.alive, self.draining, len(self.inflight), self.worker_id,
-            self.incarnation, self.version, self.paused,
+            self.address, self.alive, self.draining, len(self.inflight), p.worker_id,
+            p.incarnation, p.version, p.paused,
             now - self.last_seen if self.last_seen else float("inf"),
-            self.running, self.waiting, self.engine_lag, self.seen(now, curve),
-            self.load_current,
+            p.running, p.waiting, p.engine_lag, self.seen(now, curve), self.load_current,
         )  # fmt: skip
-
-
-_Chunk = tuple[TokenArray, TokenArray, TokenArray]
 
 
 class Call:
@@ -280,8 +263,9 @@ class Call:
         self.out_lp: TokenArray | None = None
         self.out_ver: TokenArray | None = None
         self.times: list[float] = []  # arrival time of every accumulated/streamed token
-        self.chunks: list[_Chunk] = []  # streamed chunks of the current attempt
-        self.seg_streamed = 0  # tokens streamed by the current attempt
+        # Streamed chunks of the current attempt, and their token count.
+        self.chunks: list[tuple[TokenArray, TokenArray, TokenArray]] = []
+        self.seg_streamed = 0
         self.delivered = 0  # output positions handed to on_chunk
         self.resends = 0
         self.interrupts = 0
