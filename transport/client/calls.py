@@ -209,9 +209,13 @@ def _response(
     latency: float, ttft: float, itl: TokenArray,
 ) -> LLMResponse:  # fmt: skip
     """The caller's response: the worker's output around the caller's own prompt."""
-    extra = {"input_images": list(orig.image_data or [])} if isinstance(orig, VLMRequest) else {}
-    return (VLMResponse if extra else LLMResponse)(
+    if isinstance(orig, VLMRequest):
+        return VLMResponse(
+            input_tokens=orig.input_ids, output_tokens=toks, output_logprobs=lps,
+            output_versions=vers, stop_reason=stop_reason, latency=latency, ttft=ttft, itl=itl,
+            input_images=list(orig.image_data or []),
+        )  # fmt: skip
+    return LLMResponse(
         input_tokens=orig.input_ids, output_tokens=toks, output_logprobs=lps,
         output_versions=vers, stop_reason=stop_reason, latency=latency, ttft=ttft, itl=itl,
-        **extra,
     )  # fmt: skip

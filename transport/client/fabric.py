@@ -109,15 +109,8 @@ class FabricClient:
             return
         self._closed = True
         self._live.close()
-        sched = self._sched
-        calls = sched.unfinished()
-        for w in sched.order:
-            w.close()
-        for call in calls:
+        for call in self._sched.close():
             self._calls.fail(call, ClientClosed("the client was closed"))
-        sched.workers.clear()
-        sched.order.clear()
-        sched.queue.clear()
         if self._ctx is not None:
             self._ctx.term()
 
@@ -145,15 +138,9 @@ class FabricClient:
     def remove_worker(self, address: str) -> None:
         """Stop sending to ``address``; its in-flight requests finish there first (or are
         re-sent if it dies), then its socket closes."""
-        w = self._sched.workers.get(address)
-        if w is None:
-            return
-        w.draining = True
-        self._sched.requeue(list(w.sticky_queue))
-        w.sticky_queue.clear()
-        self._sched.maybe_drop(w)
-        self._live.unwatch()
-        self._sched.dispatch()
+        if self._sched.drain(address):
+            self._live.unwatch()
+            self._sched.dispatch()
 
     @property
     def workers(self) -> list[WorkerInfo]:

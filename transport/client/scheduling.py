@@ -38,6 +38,28 @@ class Scheduler:
         self.workers[w.address] = w
         self.order.append(w)
 
+    def drain(self, address: str) -> bool:
+        """Send nothing more to ``address``; it closes once its calls are done. False
+        when no such worker is in use."""
+        w = self.workers.get(address)
+        if w is None:
+            return False
+        w.draining = True
+        self.requeue(list(w.sticky_queue))
+        w.sticky_queue.clear()
+        self.maybe_drop(w)
+        return True
+
+    def close(self) -> list[Call]:
+        """Close every worker; returns the calls not done."""
+        calls = self.unfinished()
+        for w in self.order:
+            w.close()
+        self.workers.clear()
+        self.order.clear()
+        self.queue.clear()
+        return calls
+
     def hold(self) -> None:
         """Keep new calls in the queue until :meth:`release`."""
         self.held = True
