@@ -47,8 +47,10 @@ class Calls:
 
     def complete(self, call: Call, out: LLMResponse) -> None:
         fut = self.settle(call)
-        self.counters.add("completed")
-        self.counters.latency(out.latency)
+        counters = self.counters
+        counters.add("completed")
+        if counters.observe_latency:
+            counters.latency(out.latency)
         if not fut.done():
             fut.set_result(out)
 

@@ -200,7 +200,7 @@ class Liveness:
         self.sched.release()
 
     def _gate_timeout(self) -> None:
-        del self._timers["gate"]
+        self._timers.pop("gate", None)
         self._gate_check()
 
     def worker_died(self, w: Worker, why: str) -> None:
@@ -267,7 +267,7 @@ class Liveness:
             self._later("none", max(left, 0.0), self._check_none)
 
     def _check_none(self) -> None:
-        del self._timers["none"]
+        self._timers.pop("none", None)
         if self._closed or self.n_alive:
             return
         if not self.no_worker_expired():

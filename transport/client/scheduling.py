@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+from collections.abc import Iterator
 
 from fastio import fabric_msgs as fm
 from transport.client.calls import Calls
@@ -52,7 +53,7 @@ class Scheduler:
 
     def close(self) -> list[Call]:
         """Close every worker; returns the calls not done."""
-        calls = self.unfinished()
+        calls = list(self.unfinished())
         for w in self.order:
             w.close()
         self.workers.clear()
@@ -105,7 +106,7 @@ class Scheduler:
         self._rr = (self._rr + 1) % n
         for i in range(n):
             w = order[(self._rr + i) % n]
-            if w.usable():
+            if w.alive and not w.draining and len(w.inflight) < w.limit and w.warm():
                 load = len(w.inflight) + w.others
                 if best is None or load < best_load:
                     best, best_load = w, load
@@ -182,12 +183,13 @@ class Scheduler:
         """Calls not on a worker: queued or backing off."""
         return [*self.queue, *self.calls.backing_off]
 
-    def unfinished(self) -> list[Call]:
+    def unfinished(self) -> Iterator[Call]:
         """Every call not done: waiting, or sent to (or waiting for) a worker."""
-        calls = self.waiting()
+        yield from self.queue
+        yield from self.calls.backing_off
         for w in self.order:
-            calls += [*w.inflight.values(), *w.sticky_queue]
-        return calls
+            yield from w.inflight.values()
+            yield from w.sticky_queue
 
     def cancelled(self, call: Call) -> None:
         """The caller cancelled ``call``'s future: stop it here and on its worker."""

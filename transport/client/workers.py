@@ -147,10 +147,6 @@ class Worker:
         self.enc: Encoder = versions.VERSION_1
         self.incompatible = ""
 
-    def usable(self) -> bool:
-        """Alive, not draining, with a free slot, and not cooling down."""
-        return self.alive and not self.draining and len(self.inflight) < self.limit and self.warm()
-
     def refused(self) -> bool:
         """Never answered, and the connection or its handshake was refused: not up."""
         return not self.last_seen and (
