@@ -168,10 +168,10 @@ def test_sticky_cache_stays_bounded_and_keeps_recent_rids(
             await await_for(lambda: all(w.alive for w in client.workers), what="workers joined")
             for i in range(35):
                 await client.agenerate(LLMRequest(rid=f"r{i}", input_ids=[i]))
-                assert len(client._sticky) <= 10
-            assert "r34" in client._sticky and "r0" not in client._sticky
+                assert len(client._sched.sticky) <= 10
+            assert "r34" in client._sched.sticky and "r0" not in client._sched.sticky
             # A rid still remembered keeps going to its worker.
-            home = client._sticky["r34"]
+            home = client._sched.sticky["r34"]
             before = received(ctl)
             for _ in range(6):
                 await client.agenerate(LLMRequest(rid="r34", input_ids=[1]))

@@ -1,13 +1,9 @@
-"""One ``agenerate`` call across its attempts: streamed tokens, interrupted segments,
-and the response rebuilt around the caller's own request.
+"""One ``agenerate`` call across its attempts, and how calls end.
 
-A call's output grows by *segments*: each attempt on a worker ends in a Result, and
-one with ``stop_reason="interrupt"`` (a pause for a weight update) is accumulated and
-the rest re-submitted as a continuation (prompt plus output so far, fewer new
-tokens). When an attempt is lost (its worker died, or gave it up), the tokens it
-already streamed are kept the same way, and the re-send continues after them. So
-``on_chunk`` sees every output position once, in order, and the final
-``output_tokens`` is what it was given, concatenated.
+A call's output grows by *segments*: an attempt interrupted (a pause for a weight
+update) or lost (its worker died or gave it up) keeps what it produced, and the rest is
+re-submitted as a continuation (prompt plus output so far, fewer new tokens). So
+``on_chunk`` sees every output position once, in order.
 """
 
 from __future__ import annotations
@@ -15,20 +11,65 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from fastio import LLMRequest, LLMResponse, VLMRequest, VLMResponse
 from fastio import fabric_msgs as fm
 from fastio.tokens import TokenArray
+from transport.client.counters import Counters
+from transport.client.future import GenerateFuture, unbind
 from transport.client.workers import Call
 from transport.constant import constant
 
-__all__ = ["Call", "absorb_result", "keep_streamed", "on_stream"]
+__all__ = ["Calls", "absorb_result", "keep_streamed", "on_stream"]
+
+
+class Calls:
+    """Ends calls (settles their futures, counts how they ended) and holds the calls
+    waiting out a back-off before a re-send."""
+
+    def __init__(self, counters: Counters) -> None:
+        self.counters = counters
+        self.backing_off: set[Call] = set()
+
+    def settle(self, call: Call) -> GenerateFuture:
+        """Mark ``call`` done and stop its timers; returns its future."""
+        call.done = True
+        if call.timer is not None:
+            call.timer.cancel()
+        if call.backoff is not None:
+            call.backoff.cancel()
+            call.backoff = None
+            self.backing_off.discard(call)
+        unbind(call.fut)
+        return call.fut
+
+    def complete(self, call: Call, out: LLMResponse) -> None:
+        fut = self.settle(call)
+        counters = self.counters
+        counters.add("completed")
+        if counters.observe_latency:
+            counters.latency(out.latency)
+        if not fut.done():
+            fut.set_result(out)
+
+    def fail(self, call: Call, exc: BaseException, also: str = "") -> None:
+        """Fail ``call`` with ``exc`` unless it ended already; counted as failed (and as
+        ``also`` when given)."""
+        if call.done:
+            return
+        fut = self.settle(call)
+        self.counters.add("failed")
+        if also:
+            self.counters.add(also)
+        if not fut.done():
+            fut.set_exception(exc)
 
 
 def _deliver(call: Call, pos: int, toks: TokenArray, lps: TokenArray, vers: TokenArray) -> None:
-    """Hand ``on_chunk`` the part of tokens at output positions ``pos...`` that it has
-    not had yet (by position: never a token twice, never one out of order)."""
+    """Hand ``on_chunk`` what it has not had of the tokens at output positions
+    ``pos...`` (never a position twice, never out of order)."""
     cb = call.on_chunk
     assert cb is not None
     skip = call.delivered - pos
@@ -49,15 +90,13 @@ def on_stream(call: Call, msg: fm.Stream) -> None:
     pos = call.base + call.seg_streamed
     call.seg_streamed += k
     call.chunks.append((msg.output_tokens, msg.output_logprobs, msg.output_versions))
-    now = time.perf_counter()
-    call.times.extend([now] * k)
+    call.times.extend([time.perf_counter()] * k)
     if call.on_chunk is not None:
         _deliver(call, pos, msg.output_tokens, msg.output_logprobs, msg.output_versions)
 
 
 def _append(call: Call, toks: TokenArray, lps: TokenArray, vers: TokenArray) -> None:
-    if call.out_tok is None:
-        # Private copies: later segments are appended to them.
+    if call.out_tok is None:  # private copies: later segments are appended to them
         call.out_tok, call.out_lp, call.out_ver = (
             TokenArray._wrap(t.array.copy()) for t in (toks, lps, vers)
         )
@@ -80,14 +119,17 @@ def _next_segment(call: Call) -> str | None:
     stops = orig.gconfig.stop_token_ids
     if stops and produced and call.out_tok[-1] in stops:
         return "stop"
-    call.segment = _continuation(orig, call.out_tok, produced, remaining)
+    g = orig.gconfig.new(
+        max_new_tokens=remaining, min_new_tokens=max(0, orig.gconfig.min_new_tokens - produced)
+    )
+    call.segment = msgspec.structs.replace(orig, input_ids=orig.input_ids + call.out_tok, gconfig=g)
     return None
 
 
 def keep_streamed(call: Call) -> LLMResponse | None:
     """The current attempt was lost: keep the tokens it streamed as a segment and make
-    the re-send continue after them. Returns the response when those tokens already
-    complete the call (nothing left to generate), else None."""
+    the re-send continue after them. Returns the response when those tokens complete
+    the call, else None."""
     chunks = call.chunks
     call.chunks = []
     call.seg_streamed = 0
@@ -113,41 +155,25 @@ def absorb_result(call: Call, res: fm.Result) -> LLMResponse | None:
     """The current attempt ended with ``res``: the caller's response, or None when the
     call goes on (an interrupt with tokens left; ``call.segment`` is set)."""
     now = time.perf_counter()
-    if (
-        call.out_tok is None
-        and not call.times
-        and call.on_chunk is None
-        and res.stop_reason != "interrupt"
-    ):
-        # The usual call: one segment, nothing streamed, nothing to hand on_chunk (as
-        # below, without the bookkeeping).
+    n = len(res.output_tokens)
+    if call.on_chunk is not None:  # tokens the stream did not carry
+        _deliver(call, call.base, res.output_tokens, res.output_logprobs, res.output_versions)
+    stop_reason: str = res.stop_reason
+    if not call.times and call.out_tok is None and stop_reason != "interrupt":
+        # One segment, nothing streamed: the worker's arrays (views of the received
+        # frames) become the response as they are.
         latency = now - call.t0
         return _response(
             call.orig, res.output_tokens, res.output_logprobs, res.output_versions,
-            res.stop_reason, latency, latency, _zero_itl(len(res.output_tokens) - 1),
+            stop_reason, latency, latency, _zero_itl(n - 1),
         )  # fmt: skip
-    n = len(res.output_tokens)
-    base = call.base
     if call.chunks:
         call.chunks = []
-    if call.on_chunk is not None:
-        # Tokens the stream did not carry (no streaming, or a final burst).
-        _deliver(call, base, res.output_tokens, res.output_logprobs, res.output_versions)
-    if not call.times and call.out_tok is None and res.stop_reason != "interrupt":
-        # One segment, nothing streamed: every token arrived now. The worker's arrays
-        # become the response as they are (views of the received frames).
-        latency = now - call.t0
-        return _response(
-            call.orig, res.output_tokens, res.output_logprobs, res.output_versions,
-            res.stop_reason, latency, latency, _zero_itl(n - 1),
-        )  # fmt: skip
-    # Tokens the stream did not announce arrive now.
-    extra = base + n - len(call.times)
+    extra = call.base + n - len(call.times)  # tokens the stream did not announce
     if extra > 0:
         call.times.extend([now] * extra)
     elif extra < 0:
-        del call.times[base + n :]
-    stop_reason: str = res.stop_reason
+        del call.times[call.base + n :]
     if call.out_tok is None and stop_reason != "interrupt":
         toks, lps, vers = res.output_tokens, res.output_logprobs, res.output_versions
     else:
@@ -164,9 +190,8 @@ def absorb_result(call: Call, res: fm.Result) -> LLMResponse | None:
 
 
 def _zero_itl(n: int) -> TokenArray:
-    """``n`` zero inter-token latencies (tokens that arrived together): a TokenArray
-    over a read-only view of one shared zero array, whatever ``n`` (a TokenArray
-    copies before it changes an array it does not own)."""
+    """``n`` zero inter-token latencies (tokens that arrived together): a view of one
+    shared read-only zero array (a TokenArray copies before changing it)."""
     return TokenArray._wrap(constant(n, np.float64))
 
 
@@ -177,20 +202,14 @@ def _finish(
     return _response(
         call.orig, toks, lps, vers, stop, now - call.t0,
         times[0] - call.t0 if times else now - call.t0,
-        TokenArray(np.diff(np.asarray(times, dtype=np.float64))) if times else TokenArray(np.zeros(0)),
+        TokenArray(np.diff(np.asarray(times, dtype=np.float64))) if times else _zero_itl(0),
     )  # fmt: skip
 
 
 def _response(
-    orig: LLMRequest,
-    toks: Any,
-    lps: Any,
-    vers: Any,
-    stop_reason: Any,
-    latency: float,
-    ttft: float,
-    itl: TokenArray,
-) -> LLMResponse:
+    orig: LLMRequest, toks: Any, lps: Any, vers: Any, stop_reason: Any,
+    latency: float, ttft: float, itl: TokenArray,
+) -> LLMResponse:  # fmt: skip
     """The caller's response: the worker's output around the caller's own prompt."""
     if isinstance(orig, VLMRequest):
         return VLMResponse(
@@ -202,25 +221,3 @@ def _response(
         input_tokens=orig.input_ids, output_tokens=toks, output_logprobs=lps,
         output_versions=vers, stop_reason=stop_reason, latency=latency, ttft=ttft, itl=itl,
     )  # fmt: skip
-
-
-def _continuation(
-    orig: LLMRequest, out_tok: TokenArray, produced: int, remaining: int
-) -> LLMRequest:
-    """The rest of a request: prompt plus output so far, fewer new tokens."""
-    g = orig.gconfig.new(
-        max_new_tokens=remaining, min_new_tokens=max(0, orig.gconfig.min_new_tokens - produced)
-    )
-    ids = orig.input_ids + out_tok
-    if isinstance(orig, VLMRequest):
-        return VLMRequest(
-            rid=orig.rid,
-            input_ids=ids,
-            gconfig=g,
-            metadata=orig.metadata,
-            model_id=orig.model_id,
-            image_data=orig.image_data,
-        )
-    return LLMRequest(
-        rid=orig.rid, input_ids=ids, gconfig=g, metadata=orig.metadata, model_id=orig.model_id
-    )

@@ -1,82 +1,87 @@
-"""Settings of the rollout client."""
+"""Settings of the rollout client, checked once by :func:`client_config`."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from typing import Annotated, Any
+
+import msgspec
+from msgspec import Meta
 
 from fastio.tokens import TokenArray
+from transport.options import parse_options
 from transport.sockets import DEFAULT_HWM, DEFAULT_MAX_MESSAGE_SIZE, CurveConfig
 
-__all__ = ["ChunkCallback", "ClientConfig"]
+__all__ = ["ChunkCallback", "ClientConfig", "client_config"]
 
 #: ``on_chunk(tokens, logprobs, versions)``: output tokens not delivered before.
 ChunkCallback = Callable[[TokenArray, TokenArray, TokenArray], None]
 
+_Seconds = Annotated[float, Meta(gt=0)]
+_AtLeastOne = Annotated[int, Meta(ge=1)]
+_NonNegative = Annotated[int, Meta(ge=0)]
 
-@dataclass
-class ClientConfig:
-    """Settings of a :class:`~transport.FabricClient`.
+
+class ClientConfig(msgspec.Struct, forbid_unknown_fields=True):
+    """Settings of a :class:`~transport.FabricClient`, checked when the client is made.
 
     Parameters
     ----------
     heartbeat_interval:
-        Seconds between pings to each worker. A worker's report of other clients'
-        load counts in scheduling while its pong answers the latest or the previous
-        ping. Requests made before any worker answered wait for every worker that may
-        be up to answer first (a refused connection is not waited for), at most this
-        long (or ``connect_timeout`` if shorter), so the first burst is spread; after
-        every worker died, the first back waits as long for the others.
+        Seconds between pings to each worker. Calls made before any worker answered
+        wait at most this long (or ``connect_timeout``) for every worker that may be
+        up, so that the first burst is spread.
     heartbeat_liveness:
-        Intervals without a pong after which a worker is dead (the zguide's Paranoid
-        Pirate uses 3). Detection takes at most ``interval * (liveness + 1)``. Only
-        silence counts: a worker that answers pings is alive however long its
-        requests take.
+        Silent heartbeat intervals after which a worker is dead (a slow answer never is).
     connect_timeout:
-        Seconds without any live worker after which waiting requests, and new calls,
-        fail with :class:`~transport.NoWorkerAvailable`.
+        Seconds without a live worker after which calls fail with
+        :class:`~transport.NoWorkerAvailable`.
     request_timeout:
         Default per-request timeout in seconds.
     max_in_flight_per_worker:
-        Requests on one worker at once; the rest queue in the client. Keep it below the
-        worker's ``max_pending``.
+        Requests on one worker at once (keep it below the worker's ``max_pending``).
     max_resends:
-        Times a request may be re-sent after its worker died (or gave it up) before it
-        fails.
+        Times a request may be re-sent after its worker died or lost it.
     resend_backoff, resend_backoff_max:
-        The ``k``-th re-send of a request waits ``resend_backoff * 2**(k-1)`` seconds,
-        at most ``resend_backoff_max``, times a random factor in [0.5, 1] (so requests
-        of one dead worker do not return in one burst, and a worker that keeps dying
-        cannot make the client re-send in a storm).
+        The ``k``-th re-send waits ``min(resend_backoff * 2**(k-1), resend_backoff_max)``
+        seconds times a random factor in [0.5, 1].
     stream:
-        Ask workers to stream tokens (real ``ttft``/``itl``, ``on_chunk``, and a
-        re-send resumes after the tokens already received); off saves a message per
-        loop iteration of the worker per request.
+        Ask workers to stream tokens (real ``ttft``/``itl``, ``on_chunk`` as they come).
     max_message_size, hwm, curve:
         See :mod:`transport.sockets`.
     sticky_cache_size:
-        How many rid -> worker assignments are remembered (when full, the older half
-        is forgotten).
+        How many rid -> worker assignments are kept (when full, the older half goes).
     metrics_port:
-        Serve Prometheus metrics (:mod:`transport.metrics`) on ``127.0.0.1`` at this
-        port when the client starts (0: any free port, see
-        ``FabricClient.metrics_port``); ``None`` serves none. Needs the ``metrics``
-        extra. Re-sends and worker deaths are always counted in
-        :mod:`transport.metrics`; the latency histogram is recorded only when this is
-        set (it costs a few microseconds per request).
+        Serve Prometheus metrics on ``127.0.0.1`` at this port (0: any free port), with
+        the latency histogram; needs the ``metrics`` extra. ``None``: no endpoint.
     """
 
-    heartbeat_interval: float = 1.0
-    heartbeat_liveness: int = 3
-    connect_timeout: float = 10.0
-    request_timeout: float = 3600.0
-    max_in_flight_per_worker: int = 1024
-    max_resends: int = 8
-    resend_backoff: float = 0.05
-    resend_backoff_max: float = 5.0
+    heartbeat_interval: _Seconds = 1.0
+    heartbeat_liveness: _AtLeastOne = 3
+    connect_timeout: _Seconds = 10.0
+    request_timeout: _Seconds = 3600.0
+    max_in_flight_per_worker: _AtLeastOne = 1024
+    max_resends: _NonNegative = 8
+    resend_backoff: Annotated[float, Meta(ge=0)] = 0.05
+    resend_backoff_max: Annotated[float, Meta(ge=0)] = 5.0
     stream: bool = True
-    max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE
-    hwm: int = DEFAULT_HWM
+    max_message_size: _AtLeastOne = DEFAULT_MAX_MESSAGE_SIZE
+    hwm: _NonNegative = DEFAULT_HWM
     curve: CurveConfig | None = None
-    sticky_cache_size: int = 100_000
-    metrics_port: int | None = None
+    sticky_cache_size: _NonNegative = 100_000
+    metrics_port: Annotated[int, Meta(ge=0, le=65535)] | None = None
+
+
+def client_config(config: ClientConfig | None, options: Mapping[str, Any]) -> ClientConfig:
+    """``config`` (default: all defaults) with ``options`` (field name -> value) applied,
+    checked against the fields' types and constraints.
+
+    Raises
+    ------
+    ValueError
+        One line naming the option: unknown, of the wrong type or out of range.
+    """
+    if config is not None and not isinstance(config, ClientConfig):
+        raise TypeError(f"config must be a ClientConfig, got {type(config).__name__}")
+    given = msgspec.structs.asdict(config) if config is not None else {}
+    return parse_options({**given, **options}, ClientConfig, "client option")

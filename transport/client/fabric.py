@@ -1,39 +1,37 @@
-"""The asyncio rollout client: its public API, its lifecycle, and what it receives."""
+"""The asyncio rollout client, built from its parts: :class:`Counters` (``stats``,
+metrics), :class:`Calls` (how calls end), :class:`Scheduler` (workers, queue, where a
+call goes) and :class:`Liveness` (heartbeats, deaths, re-sends); the client routes what
+the workers send to them."""
 
 from __future__ import annotations
 
 import asyncio
 import functools
 import time
+import uuid
 from collections.abc import Sequence
+from typing import Any
 
 import zmq
 
-from fastio import DecodeError, IncompatiblePeer, LLMRequest, LLMResponse, versions
+from fastio import DecodeError, Decoder, LLMRequest, LLMResponse
 from fastio import fabric_msgs as fm
 from fastio.protocol import MsgKind
 from transport import metrics
 from transport.addresses import resolve_problem, tcp_host
-from transport.client.calls import Call, absorb_result, on_stream
-from transport.client.config import ChunkCallback, ClientConfig
-from transport.client.future import GenerateFuture, install_task_factory
+from transport.client.calls import Calls, absorb_result, on_stream
+from transport.client.config import ChunkCallback, ClientConfig, client_config
+from transport.client.counters import Counters
+from transport.client.future import GenerateFuture, bind, install_task_factory
 from transport.client.liveness import Liveness, log
-from transport.client.workers import MONITOR_EVENTS, Worker, WorkerInfo, check_address
-from transport.errors import (
-    EMPTY_PROMPT,
-    BadAddress,
-    ClientClosed,
-    IncompatibleWorkers,
-    NoWorkers,
-    RemoteError,
-    RequestAborted,
-)
-from transport.sockets import SocketPump, make_dealer
+from transport.client.scheduling import Scheduler
+from transport.client.workers import Call, Worker, WorkerInfo, check_address
+from transport.errors import EMPTY_PROMPT, ClientClosed, NoWorkers, RemoteError, RequestAborted
 
 __all__ = ["FabricClient"]
 
 
-class FabricClient(Liveness):
+class FabricClient:
     """Asyncio client of the fabric: ``await client.agenerate(req)``.
 
     Parameters
@@ -42,23 +40,41 @@ class FabricClient(Liveness):
         Worker addresses (``tcp://host:port``, ``ipc://path``, ``inproc://name``); more
         can be added and removed at run time. A malformed one raises
         :class:`~transport.BadAddress` here.
-    config:
-        :class:`ClientConfig`.
+    config, **options:
+        A :class:`ClientConfig`, and its fields as keywords applied over it (a bad one
+        raises ``ValueError`` naming it).
 
     Examples
     --------
     >>> async def rollout():
     ...     async with FabricClient(["tcp://127.0.0.1:5555"]) as client:
-    ...         req = LLMRequest(input_ids=[1, 2, 3])
-    ...         resp = await client.agenerate(req)
+    ...         resp = await client.agenerate(LLMRequest(input_ids=[1, 2, 3]))
     ...         return resp.output_tokens
     """
 
-    def __init__(self, workers: Sequence[str] = (), config: ClientConfig | None = None) -> None:
-        super().__init__(config)
+    def __init__(
+        self, workers: Sequence[str] = (), config: ClientConfig | None = None, **options: Any
+    ) -> None:
+        self.config = config = client_config(config, options)
         self._initial = [check_address(a) for a in workers]
+        self.counters = Counters(observe_latency=config.metrics_port is not None)
+        self._calls = Calls(self.counters)
+        self._sched = Scheduler(config, self._calls)
+        self._live = Liveness(config, self._sched, self._calls)
+        self._dec = Decoder(fm.WORKER_TO_CLIENT, max_message_size=config.max_message_size)
+        # One routing id on every DEALER: a worker knows this client by it across
+        # reconnects, so answers (and LOST reports) still reach it.
+        self._identity = b"fc-" + uuid.uuid4().hex.encode()
+        self._ctx: zmq.Context[Any] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._closed = False
         #: Port of the metrics endpoint once started (``config.metrics_port``).
         self.metrics_port: int | None = None
+
+    @property
+    def stats(self) -> dict[str, int]:
+        """Counts of what happened to calls and workers (see :class:`Counters`)."""
+        return self.counters.stats
 
     # -- lifecycle ------------------------------------------------------------------
     async def start(self) -> FabricClient:
@@ -74,13 +90,12 @@ class FabricClient(Liveness):
         self._loop = asyncio.get_running_loop()
         install_task_factory(self._loop)
         self._ctx = zmq.Context()
-        self._alive_at = time.monotonic()
         metrics.expose("client")
         if self.config.metrics_port is not None:
             self.metrics_port = metrics.start_http_server(self.config.metrics_port)
+        self._live.start(self._loop)
         for address in self._initial:
             self.add_worker(address)
-        self._hb_timer = self._loop.call_later(0, self._heartbeat)
 
     async def __aenter__(self) -> FabricClient:
         return await self.start()
@@ -93,18 +108,9 @@ class FabricClient(Liveness):
         if self._closed:
             return
         self._closed = True
-        for timer in (self._hb_timer, self._nw_timer, self._gate_timer):
-            if timer is not None:
-                timer.cancel()
-        calls = list(self._queue) + list(self._backing_off)
-        for w in self._order:
-            calls += list(w.inflight.values()) + list(w.sticky_queue)
-            w.close()
-        for call in calls:
-            self._finish_error(call, ClientClosed("the client was closed"))
-        self._workers.clear()
-        self._order.clear()
-        self._queue.clear()
+        self._live.close()
+        for call in self._sched.close():
+            self._calls.fail(call, ClientClosed("the client was closed"))
         if self._ctx is not None:
             self._ctx.term()
 
@@ -117,73 +123,40 @@ class FabricClient(Liveness):
         if self._loop is None:
             self._initial.append(address)
             return
-        if address in self._workers:
-            self._workers[address].draining = False
+        w = self._sched.workers.get(address)
+        if w is not None:
+            w.draining = False
             return
         assert self._ctx is not None
-        w = Worker(address)
-        w.limit = self.config.max_in_flight_per_worker
-        w.added_at = time.monotonic()
-        try:
-            sock = make_dealer(
-                self._ctx, address, hwm=self.config.hwm,
-                max_message_size=self.config.max_message_size, curve=self.config.curve,
-                routing_id=self._identity,
-            )  # fmt: skip
-        except zmq.ZMQError as exc:
-            raise BadAddress(f"cannot connect to worker address {address!r}: {exc}") from exc
-        # Watched so that NoWorkerAvailable can say why a worker was never heard from.
-        w.monitor = sock.get_monitor_socket(MONITOR_EVENTS)
-        w.pump = SocketPump(
-            sock,
-            functools.partial(self._on_message, w),
-            batch_frames=True,
-            defer_check=True,
-        )
-        self._workers[address] = w
-        self._order.append(w)
+        w = Worker(address, self._ctx, self.config, self._identity, self._on_message)
+        self._sched.add(w)
         if tcp_host(address) is not None:  # a host name: say so if it does not resolve
             lookup = self._loop.run_in_executor(None, resolve_problem, address)
             lookup.add_done_callback(functools.partial(_resolved, w))
-        if not self._n_alive:
-            self._alive_at = time.monotonic()  # a new worker gets its connect_timeout
-            # Calls made before any worker answers wait for every one that is up, so
-            # that the first to answer does not take them all.
-            self._gating = True
-        self._probe(w, 0.002)
+        self._live.watch(w)
 
     def remove_worker(self, address: str) -> None:
         """Stop sending to ``address``; its in-flight requests finish there first (or are
         re-sent if it dies), then its socket closes."""
-        w = self._workers.get(address)
-        if w is None:
-            return
-        w.draining = True
-        self._requeue(list(w.sticky_queue))
-        w.sticky_queue.clear()
-        self._maybe_drop(w)
-        if self._gating:
-            self._gate_check()  # no longer waited for
-        self._dispatch()
+        if self._sched.drain(address):
+            self._live.unwatch()
+            self._sched.dispatch()
 
     @property
     def workers(self) -> list[WorkerInfo]:
         """A snapshot of every worker's state as this client sees it."""
         now = time.monotonic()
         curve = self.config.curve is not None
-        for w in self._order:
+        for w in self._sched.order:
             if not w.alive:
                 w.poll_monitor()
-        return [w.info(now, curve) for w in self._order]
+        return [w.info(now, curve) for w in self._sched.order]
 
     @property
     def pending(self) -> int:
         """Requests queued in the client, waiting to be re-sent, or in flight."""
-        return (
-            len(self._queue)
-            + len(self._backing_off)
-            + sum(len(w.inflight) + len(w.sticky_queue) for w in self._order)
-        )
+        n = len(self._sched.queue) + len(self._calls.backing_off)
+        return n + sum(len(w.inflight) + len(w.sticky_queue) for w in self._sched.order)
 
     # -- the call -------------------------------------------------------------------
     def agenerate(
@@ -193,93 +166,78 @@ class FabricClient(Liveness):
         timeout: float | None = None,
         on_chunk: ChunkCallback | None = None,
     ) -> GenerateFuture:
-        """Generate for ``req`` on some worker; ``await`` the result for the whole
-        response.
+        """Generate for ``req`` on some worker; ``await`` the result for the response.
 
-        Called inside the client's running loop, the request is on its way when this
-        returns, and the result is a :class:`GenerateFuture`: an ``asyncio.Future``
-        (not a coroutine), so ``gather``, ``wait``, ``as_completed``, ``wait_for`` and
-        ``shield`` take it with no task per request; ``create_task`` and
-        ``TaskGroup.create_task`` take it through the client's task factory. Called
-        with no running loop (``asyncio.run(client.agenerate(req))``), it returns a
-        coroutine that submits when it first runs.
+        In the client's running loop the request is on its way when this returns, as a
+        :class:`GenerateFuture`; with no running loop it returns a coroutine that
+        submits when it first runs (``asyncio.run(client.agenerate(req))``).
 
         Parameters
         ----------
         req:
-            The request (its arrays are sent without a copy: do not mutate them until
+            The request (its arrays are sent without a copy: leave them unchanged until
             the response arrives).
         timeout:
             Seconds (default ``config.request_timeout``).
         on_chunk:
             Called with ``(tokens, logprobs, versions)`` as output arrives: every output
-            position exactly once and in order, also across re-sends and interrupts
-            (a re-send continues after the tokens already delivered), so the final
-            ``output_tokens`` are the chunks concatenated.
+            position once and in order, also across re-sends and interrupts.
 
         Raises
         ------
         RequestTimeout
-            Not done in time (it is cancelled on its worker).
+            Not done in time (it is cancelled on its worker, as when the future is).
         RemoteError
-            The worker rejected or failed the request (:class:`RequestAborted` when a
-            controller aborted it).
+            The worker failed the request (:class:`RequestAborted`: a controller
+            aborted it).
         NoWorkerAvailable
-            No worker has been alive for ``config.connect_timeout``; the error names
-            each address and what was seen there.
+            No worker alive for ``config.connect_timeout``; it says what was seen where.
         NoWorkers
             No worker is configured.
         ValueError
             ``req.input_ids`` is empty.
 
-        Cancelling the future (or a task awaiting it) cancels the request on its
-        worker. Errors are raised where the result is awaited, never by the call.
+        Errors are raised where the result is awaited, never by the call.
         """
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
-            return self._agenerate_in_loop(req, timeout, on_chunk)  # type: ignore[return-value]
+            return _in_loop(self, req, timeout, on_chunk)  # type: ignore[return-value]
         fut = GenerateFuture(loop=loop)
         if not len(req.input_ids):  # refused here rather than by a worker, a round trip later
             fut.set_exception(ValueError(EMPTY_PROMPT))
             return fut
-        if loop is not self._loop or not self._n_alive or not self._workers:
+        live = self._live
+        if loop is not self._loop or not live.n_alive or not self._sched.workers:
             try:
                 self._start()
                 if loop is not self._loop:
                     raise RuntimeError("this FabricClient belongs to another event loop")
-                if not self._workers:
+                if not self._sched.workers:
                     raise NoWorkers("no generation worker configured; add_worker() first")
-                if not self._n_alive and self._no_worker_expired():
-                    self.stats["no_worker"] += 1
-                    raise self._no_worker_error()
-                if not self._n_alive and self._all_incompatible():
-                    self.stats["no_worker"] += 1
-                    raise self._incompatible_error()
+                if not live.n_alive and live.no_worker_expired():
+                    self.counters.add("no_worker")
+                    raise live.no_worker_error()
+                if not live.n_alive and live.all_incompatible():
+                    self.counters.add("no_worker")
+                    raise live.incompatible_error()
             except Exception as exc:
                 fut.set_exception(exc)
                 return fut
         call = Call(req, fut, on_chunk)
-        fut._call = call
-        fut._canceller = self._cancelled
+        bind(fut, call, self._sched.cancelled)
         config = self.config
         t = config.request_timeout if timeout is None else timeout
         call.deadline = time.monotonic() + t
         call.timeout = t
+        # Longer timeouts are checked on each heartbeat tick: no timer per request.
         if t < 30 * config.heartbeat_interval:
-            call.timer = loop.call_later(t, self._on_timeout, call, t)
-        # Longer timeouts are checked on every heartbeat tick (precision: one interval),
-        # which spares a timer per request when thousands are in flight.
-        self.stats["submitted"] += 1
-        self._enqueue(call)
-        if not self._n_alive:
-            self._watch_for_none()
+            call.timer = loop.call_later(t, self._sched.timed_out, call, t)
+        self.counters.add("submitted")
+        self._sched.enqueue(call)
+        if not live.n_alive:
+            live.watch_for_none()
         return fut
-
-    async def _agenerate_in_loop(
-        self, req: LLMRequest, timeout: float | None, on_chunk: ChunkCallback | None
-    ) -> LLMResponse:
-        return await self.agenerate(req, timeout=timeout, on_chunk=on_chunk)
 
     # -- receiving --------------------------------------------------------------------
     def _on_message(self, w: Worker, frames: list[zmq.Frame]) -> None:
@@ -297,69 +255,51 @@ class FabricClient(Liveness):
         if tp is fm.Result:
             call = w.inflight.pop(msg.id, None)
             if call is None:
-                self.stats["stale"] += 1
+                self.counters.add("stale")
                 return
             self._on_result(call, msg)
             if w.limit < self.config.max_in_flight_per_worker:
                 w.limit += 1
-            if w.sticky_queue or w.draining or self._queue:
-                self._slot_freed(w)
+            if w.sticky_queue or w.draining or self._sched.queue:
+                self._sched.slot_freed(w)
         elif tp is fm.Stream:
             call = w.inflight.get(msg.id)
             if call is not None:
                 on_stream(call, msg)
         elif tp is fm.Heartbeat:
-            self._on_pong(w, msg)
+            self._live.on_pong(w, msg)
         elif tp is fm.Error:
             if msg.code == fm.ErrorCode.UNSUPPORTED_VERSION and msg.id == -1 and not w.alive:
                 # The worker refuses to speak with this client (its versions).
-                self._refused_by(w, f"worker {w.address} refused this client: {msg.message}")
+                self._live.refused_by(w, f"worker {w.address} refused this client: {msg.message}")
                 return
             self._on_error(w, msg)
         else:
-            self.stats["bad_messages"] += 1
+            self.counters.add("bad_messages")
 
     def _on_result(self, call: Call, res: fm.Result) -> None:
         if call.done:
             return
         out = absorb_result(call, res)
         if out is not None:
-            self._complete(call, out)
+            self._calls.complete(call, out)
             return
-        self.stats["interrupted"] += 1
-        self._enqueue(call, front=True)
+        self.counters.add("interrupted")
+        self._sched.enqueue(call, front=True)
 
     def _bad_message(self, w: Worker, frames: list[zmq.Frame], exc: DecodeError) -> None:
-        self.stats["bad_messages"] += 1
-        n = self.stats["bad_messages"]
+        n = self.counters.add("bad_messages")
         if n <= 10 or (n & (n - 1)) == 0:
             log.warning("bad message from worker %s: %s (occurrence %d)", w.address, exc, n)
         _, kind, first = fm.peek(frames)
-        call = (
-            w.inflight.pop(first, None)
-            if kind == MsgKind.FABRIC_RESULT and first is not None
-            else None
-        )
-        assert w.pump is not None
-        w.pump.send(
-            w.enc.encode(
-                fm.Error(
-                    id=first if call is not None and first is not None else -1,
-                    code=int(fm.ErrorCode.BAD_RESPONSE),
-                    message=str(exc),
-                )
-            )
-        )
+        sub_id = first if kind == MsgKind.FABRIC_RESULT and first is not None else -1
+        call = w.inflight.pop(sub_id, None)
+        code = int(fm.ErrorCode.BAD_RESPONSE)
+        w.send(fm.Error(id=sub_id if call is not None else -1, code=code, message=str(exc)))
         if call is not None:
-            self._finish_error(
-                call,
-                RemoteError(
-                    f"malformed response from {w.address}: {exc}",
-                    code=int(fm.ErrorCode.BAD_RESPONSE),
-                    worker=w.address,
-                ),
-            )
-            self._slot_freed(w)
+            why = f"malformed response from {w.address}: {exc}"
+            self._calls.fail(call, RemoteError(why, code=code, worker=w.address))
+            self._sched.slot_freed(w)
 
     def _on_error(self, w: Worker, err: fm.Error) -> None:
         call = w.inflight.pop(err.id, None)
@@ -369,70 +309,32 @@ class FabricClient(Liveness):
             return
         call.worker = None
         if err.code == fm.ErrorCode.OVERLOADED:
-            self.stats["overloaded"] += 1
+            self.counters.add("overloaded")
             call.chunks = []
             del call.times[call.base :]
             w.limit = max(1, len(w.inflight))
-            if not w.inflight:
-                # Full with other clients' work: back off briefly instead of spinning.
+            if not w.inflight:  # full with other clients' work: back off, do not spin
                 w.cool_until = time.monotonic() + 0.01
                 assert self._loop is not None
-                self._loop.call_later(0.011, self._dispatch)
-            self._queue.appendleft(call)
+                self._loop.call_later(0.011, self._sched.dispatch)
+            self._sched.requeue([call])
         elif err.code == fm.ErrorCode.ABORTED:
-            self._finish_error(call, RequestAborted(err.message, code=err.code, worker=w.address))
+            self._calls.fail(call, RequestAborted(err.message, code=err.code, worker=w.address))
         elif err.code == fm.ErrorCode.LOST:
-            # The worker gave it up by itself (it took this client for dead while our
-            # loop stalled, or could not deliver the answer): re-send it, as if that
-            # worker had died under it.
-            self._lose_attempt(call, w, "the worker lost it", code=err.code)
+            # The worker gave it up (it took this client for dead, or could not deliver
+            # the answer): re-send it, as if that worker had died under it.
+            self._live.lose_attempt(call, w, "the worker lost it", code=err.code)
         else:
-            self._finish_error(
-                call,
-                RemoteError(f"worker {w.address}: {err.message}", code=err.code, worker=w.address),
-            )
-        self._slot_freed(w)
+            why = f"worker {w.address}: {err.message}"
+            self._calls.fail(call, RemoteError(why, code=err.code, worker=w.address))
+        self._sched.slot_freed(w)
 
-    # -- versions: what each worker reads ------------------------------------------------
-    def _on_pong(self, w: Worker, hb: fm.Heartbeat) -> None:
-        """A pong states what the worker reads: write to it in that, or refuse it."""
-        try:
-            w.enc = versions.encoder_for(hb)
-        except IncompatiblePeer as exc:
-            name = f" ({hb.worker_id})" if hb.worker_id else ""
-            self._refused_by(w, f"worker {w.address}{name}: {exc}")
-            return
-        if w.incompatible:
-            log.info("worker %s now speaks a version this client reads", w.address)
-            w.incompatible = ""
-        self._on_heartbeat(w, hb)
 
-    def _refused_by(self, w: Worker, why: str) -> None:
-        """``w`` answers, in versions this client cannot use: say so once, send it
-        nothing (its requests go elsewhere), and fail what waits if no worker is left."""
-        if w.incompatible != why:
-            log.error("%s", why)
-            w.incompatible = why
-        if w.alive or w.inflight or w.sticky_queue:
-            self._worker_died(w, "it speaks an incompatible protocol version")
-        if self._n_alive or not self._all_incompatible():
-            return
-        err = self._incompatible_error()
-        calls = list(self._queue) + list(self._backing_off)
-        self._queue.clear()
-        for call in calls:
-            if not call.done:
-                self.stats["no_worker"] += 1
-                self._finish_error(call, IncompatibleWorkers(str(err), err.seen))
-
-    def _all_incompatible(self) -> bool:
-        order = self._order
-        return bool(order) and all(w.incompatible for w in order)
-
-    def _incompatible_error(self) -> IncompatibleWorkers:
-        seen = {w.address: w.seen(time.monotonic(), False) for w in self._order}
-        where = "; ".join(f"{a}: {s}" for a, s in seen.items())
-        return IncompatibleWorkers(f"no generation worker this client can use ({where})", seen)
+async def _in_loop(
+    client: FabricClient, req: LLMRequest, timeout: float | None, on_chunk: ChunkCallback | None
+) -> LLMResponse:
+    """``agenerate`` from inside the loop that runs this coroutine."""
+    return await client.agenerate(req, timeout=timeout, on_chunk=on_chunk)
 
 
 def _resolved(w: Worker, lookup: asyncio.Future[str]) -> None:

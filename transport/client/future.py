@@ -1,15 +1,6 @@
-"""What :meth:`FabricClient.agenerate` returns: a plain future, and the task factory
-that lets ``create_task`` take it.
-
-A coroutine and a future cannot be one object for asyncio: ``asyncio.wait`` refuses
-whatever ``asyncio.iscoroutine`` accepts, and ``Task()`` (behind ``create_task`` and
-``TaskGroup.create_task``) accepts nothing else. :class:`GenerateFuture` is therefore a
-future and *not* a coroutine, so ``await``, ``gather``, ``wait``, ``as_completed``,
-``wait_for`` and ``shield`` take it as it is, with no task per request. For
-``create_task``, the client installs a task factory on its loop (chaining any factory
-set before) that wraps a :class:`GenerateFuture` in a small coroutine object awaiting it:
-a real task, made only where the caller asked for one.
-"""
+"""What :meth:`FabricClient.agenerate` returns: a plain future (no task per request),
+and the task factory that lets ``create_task`` take it. (A coroutine cannot also be a
+future: ``asyncio.wait`` refuses coroutines, ``Task()`` takes nothing else.)"""
 
 from __future__ import annotations
 
@@ -19,24 +10,18 @@ from typing import Any
 
 from fastio import LLMResponse
 
-__all__ = ["GenerateFuture", "install_task_factory"]
+__all__ = ["GenerateFuture", "bind", "install_task_factory", "unbind"]
 
 
 class GenerateFuture(asyncio.Future[LLMResponse]):
     """The pending result of :meth:`FabricClient.agenerate`: an :class:`asyncio.Future`.
 
-    ``await`` it, or hand it to ``asyncio.gather``, ``wait``, ``as_completed``,
-    ``wait_for`` or ``shield`` (no task is made for it). ``asyncio.create_task`` and
-    ``TaskGroup.create_task`` take it too, through the client's task factory (type
-    checkers, which know only coroutines there, need ``# type: ignore[arg-type]``).
-    Cancelling it, or a task or ``wait_for`` awaiting it, cancels the request on its
-    worker.
+    ``await``, ``gather``, ``wait``, ``as_completed``, ``wait_for`` and ``shield`` take
+    it as it is; ``create_task`` through the client's task factory (type checkers need
+    ``# type: ignore[arg-type]``). Cancelling it cancels the request on its worker.
     """
 
-    # Set by the client right after construction (no __init__ of its own: asyncio's C
-    # one alone is cheaper, and this is made once per request).
-    # The call is opaque here (handed back to the canceller), so that this module needs
-    # none of the client's others.
+    # No __init__ of its own (asyncio's C one alone is cheaper): see bind().
     __slots__ = ("_call", "_canceller")
     _call: object | None
     _canceller: Callable[[Any], None] | None
@@ -53,10 +38,20 @@ class GenerateFuture(asyncio.Future[LLMResponse]):
         return True
 
 
+def bind(fut: GenerateFuture, call: object, canceller: Callable[[Any], None]) -> None:
+    """Cancelling ``fut`` calls ``canceller(call)`` until :func:`unbind`."""
+    fut._call = call
+    fut._canceller = canceller
+
+
+def unbind(fut: GenerateFuture) -> None:
+    """The call ended: drop the reference (the call holds the future too)."""
+    fut._call = None
+
+
 class _Awaiting(Coroutine[Any, Any, LLMResponse]):
     """``async def f(): return await fut`` as an object, so that a task cancelled (or
-    closed) before its first step still cancels the request, which a plain coroutine
-    that never started would not do."""
+    closed) before its first step still cancels the request."""
 
     __slots__ = ("_fut",)
 
@@ -87,10 +82,9 @@ _TaskFactory = Callable[..., "asyncio.Future[Any]"]
 
 
 def install_task_factory(loop: asyncio.AbstractEventLoop) -> None:
-    """Let ``loop.create_task`` (and so ``asyncio.create_task`` and task groups) take a
-    :class:`GenerateFuture`, as a task awaiting it. Other coroutines go to the factory
-    that was set before, or become plain tasks. Installing twice is a no-op; a factory
-    set later by the application replaces this one."""
+    """Let ``loop.create_task`` take a :class:`GenerateFuture`, as a task awaiting it;
+    other coroutines go to the factory set before (chained), or become plain tasks.
+    Installing twice is a no-op."""
     prev: _TaskFactory | None = loop.get_task_factory()
     if getattr(prev, "_fastio_generate", False):
         return

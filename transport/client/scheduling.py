@@ -1,62 +1,108 @@
-"""Where each call goes: sticky rids, the least-loaded live worker, the client's queue,
-and taking a call back (cancel, timeout).
+"""Where each call goes: its rid's worker, else the least-loaded live one, else the
+client's queue; and taking a call back (cancel, timeout).
 
-A worker's load is what a new request would wait behind there: this client's requests
-in flight on it, which the client knows exactly, plus the other clients' requests the
-worker reported in its last pong, counted only while that pong is current (it answers
-the latest or the previous heartbeat ping; an older report may be long out of date, and
-steering a whole burst by it piles the burst onto one worker). Cancels and other
-control messages a worker has not yet handled are not load: its pong leaves them out.
-Until every worker that is up has first answered (within
-``min(heartbeat_interval, connect_timeout)`` of being added), new calls wait in the
-client's queue, so a burst sent right after connecting is spread over them all; after
-every worker died, the first back waits as long for those of the same outage.
+A worker's load is this client's requests on it plus the others' it reported in its
+last pong while that answers the latest or the previous ping (an older report steers
+a whole burst onto one worker). While :attr:`Scheduler.held`, calls wait in the queue.
 """
 
 from __future__ import annotations
 
+import collections
 import itertools
+from collections.abc import Iterator
 
 from fastio import fabric_msgs as fm
-from transport.client.base import ClientBase
-from transport.client.calls import Call
-from transport.client.workers import Worker
+from transport.client.calls import Calls
+from transport.client.config import ClientConfig
+from transport.client.workers import Call, Worker
 from transport.errors import RequestTimeout
 
 __all__ = ["Scheduler"]
 
 
-class Scheduler(ClientBase):
-    """Scheduling part of :class:`transport.client.FabricClient`."""
+class Scheduler:
+    """The workers in use, the calls waiting for one, and which call goes where."""
 
-    def _enqueue(self, call: Call, front: bool = False) -> None:
+    def __init__(self, config: ClientConfig, calls: Calls) -> None:
+        self.config = config
+        self.calls = calls
+        self.workers: dict[str, Worker] = {}
+        self.order: list[Worker] = []  # the workers in the order they were added
+        self.queue: collections.deque[Call] = collections.deque()
+        self.sticky: dict[str, str] = {}  # rid -> worker address
+        self.held = False
+        self._ids = itertools.count(1)
+        self._rr = 0
+
+    def add(self, w: Worker) -> None:
+        self.workers[w.address] = w
+        self.order.append(w)
+
+    def drain(self, address: str) -> bool:
+        """Send nothing more to ``address``; it closes once its calls are done. False
+        when no such worker is in use."""
+        w = self.workers.get(address)
+        if w is None:
+            return False
+        w.draining = True
+        self.requeue(list(w.sticky_queue))
+        w.sticky_queue.clear()
+        self.maybe_drop(w)
+        return True
+
+    def close(self) -> list[Call]:
+        """Close every worker; returns the calls not done."""
+        calls = list(self.unfinished())
+        for w in self.order:
+            w.close()
+        self.workers.clear()
+        self.order.clear()
+        self.queue.clear()
+        return calls
+
+    def hold(self) -> None:
+        """Keep new calls in the queue until :meth:`release`."""
+        self.held = True
+
+    def release(self) -> None:
+        self.held = False
+        self.dispatch()
+
+    def enqueue(self, call: Call, front: bool = False) -> None:
         w = self._target(call)
-        if w is not None and not self._queue:
-            self._send_call(w, call)
+        if w is not None and not self.queue:
+            self._send(w, call)
+            return
+        if front:
+            self.queue.appendleft(call)
         else:
-            if front:
-                self._queue.appendleft(call)
-            else:
-                self._queue.append(call)
-            self._dispatch()
+            self.queue.append(call)
+        self.dispatch()
+
+    def requeue(self, calls: list[Call]) -> None:
+        """Put ``calls`` back at the front of the queue, in their order."""
+        for call in reversed(calls):
+            if not call.done:
+                call.worker = None
+                self.queue.appendleft(call)
 
     def _target(self, call: Call) -> Worker | None:
         """The worker to send ``call`` to now, or None: its rid's worker while that one
-        lives (None when it is full), else the live worker with a free slot and the
-        least load (ours in flight plus the others' it reported in its last pong)."""
-        addr = self._sticky.get(call.orig.rid)
+        lives (None while it is full), else the usable worker with the least load."""
+        addr = self.sticky.get(call.orig.rid)
         if addr is not None:
-            w = self._workers.get(addr)
+            w = self.workers.get(addr)
             if w is not None and w.alive and not w.draining:
                 if len(w.inflight) < w.limit and (not w.cool_until or w.warm()):
                     return w
                 return None
+        order = self.order
+        n = len(order)
+        if n == 0 or self.held:
+            return None
         best: Worker | None = None
         best_load = 0
-        order = self._order
-        n = len(order)
-        if n == 0 or self._gating:
-            return None
         self._rr = (self._rr + 1) % n
         for i in range(n):
             w = order[(self._rr + i) % n]
@@ -66,38 +112,37 @@ class Scheduler(ClientBase):
                     best, best_load = w, load
         return best
 
-    def _dispatch(self) -> None:
-        q = self._queue
+    def dispatch(self) -> None:
+        """Send queued calls while a worker can take them."""
+        q = self.queue
         while q:
             call = q[0]
             if call.done:
                 q.popleft()
                 continue
-            addr = self._sticky.get(call.orig.rid)
+            addr = self.sticky.get(call.orig.rid)
             if addr is not None:
-                w = self._workers.get(addr)
+                w = self.workers.get(addr)
                 if w is not None and w.alive and not w.draining and len(w.inflight) >= w.limit:
-                    # Its worker is busy: wait there, do not block the others.
-                    q.popleft()
+                    q.popleft()  # its worker is busy: wait there, not in front of the others
                     w.sticky_queue.append(call)
                     continue
             target = self._target(call)
             if target is None:
                 return
             q.popleft()
-            self._send_call(target, call)
+            self._send(target, call)
 
-    def _send_call(self, w: Worker, call: Call) -> None:
+    def _send(self, w: Worker, call: Call) -> None:
         sub_id = next(self._ids)
         try:
-            frames = w.enc.encode(  # what this worker reads
+            frames = w.enc.encode(
                 fm.Submit(id=sub_id, request=call.segment, stream=self.config.stream)
             )
         except Exception as exc:
-            # Encoded before it takes a slot: a request that cannot be sent (an
-            # EncodeError, say) fails alone, whether sent by its caller or dispatched
-            # from the queue inside a socket callback, and leaks nothing.
-            self._finish_error(call, exc)
+            # Encoded before it takes a slot: a request that cannot be sent fails
+            # alone, also when dispatched inside a socket callback, and leaks nothing.
+            self.calls.fail(call, exc)
             return
         call.worker = w
         call.sub_id = sub_id
@@ -105,73 +150,66 @@ class Scheduler(ClientBase):
         if call.chunks:
             call.chunks = []
         w.inflight[sub_id] = call
-        sticky = self._sticky
         rid = call.orig.rid
-        if sticky.get(rid) != w.address:
-            if len(sticky) >= self.config.sticky_cache_size:
-                # Forget the older half at once. (Deleting the oldest entry one at a
-                # time costs O(n) per deletion: a dict's iteration skips the dead
-                # slots at its front.)
-                self._sticky = sticky = dict(
-                    itertools.islice(sticky.items(), len(sticky) // 2, None)
-                )
-            sticky[rid] = w.address
-        assert w.pump is not None
+        if self.sticky.get(rid) != w.address:
+            if len(self.sticky) >= self.config.sticky_cache_size:
+                # Forget the older half at once (a dict deletes from its front in O(n)).
+                items = itertools.islice(self.sticky.items(), len(self.sticky) // 2, None)
+                self.sticky = dict(items)
+            self.sticky[rid] = w.address
         w.pump.send(frames)
 
-    def _slot_freed(self, w: Worker) -> None:
+    def slot_freed(self, w: Worker) -> None:
+        """A call on ``w`` ended: send what waits for it, or for any worker."""
         sq = w.sticky_queue
         while sq and len(w.inflight) < w.limit and w.alive and not w.draining:
             call = sq.popleft()
             if not call.done:
-                self._send_call(w, call)
+                self._send(w, call)
         if w.draining:
-            self._maybe_drop(w)
-        if self._queue:
-            self._dispatch()
+            self.maybe_drop(w)
+        if self.queue:
+            self.dispatch()
 
-    def _maybe_drop(self, w: Worker) -> None:
+    def maybe_drop(self, w: Worker) -> None:
+        """Close a draining worker once nothing is in flight there."""
         if w.draining and not w.inflight:
-            self._workers.pop(w.address, None)
-            if w in self._order:
-                self._order.remove(w)
+            self.workers.pop(w.address, None)
+            if w in self.order:
+                self.order.remove(w)
             w.close()
 
-    def _requeue(self, calls: list[Call]) -> None:
-        for call in reversed(calls):
-            if not call.done:
-                call.worker = None
-                self._queue.appendleft(call)
+    def waiting(self) -> list[Call]:
+        """Calls not on a worker: queued or backing off."""
+        return [*self.queue, *self.calls.backing_off]
 
-    # -- taking a call back -------------------------------------------------------------
-    def _cancelled(self, call: Call) -> None:
+    def unfinished(self) -> Iterator[Call]:
+        """Every call not done: waiting, or sent to (or waiting for) a worker."""
+        yield from self.queue
+        yield from self.calls.backing_off
+        for w in self.order:
+            yield from w.inflight.values()
+            yield from w.sticky_queue
+
+    def cancelled(self, call: Call) -> None:
         """The caller cancelled ``call``'s future: stop it here and on its worker."""
         if not call.done:
-            self.stats["cancelled"] += 1
+            self.calls.counters.add("cancelled")
             self._abandon(call)
 
-    def _detach(self, call: Call, send_cancel: bool) -> None:
-        w = call.worker
-        if w is not None and w.inflight.pop(call.sub_id, None) is not None:
-            if send_cancel and w.pump is not None:
-                w.pump.send(w.enc.encode(fm.Cancel(id=call.sub_id)))
-            call.worker = None
-            self._slot_freed(w)
-
-    def _abandon(self, call: Call) -> None:
-        call.done = True
-        if call.timer is not None:
-            call.timer.cancel()
-        if call.backoff is not None:
-            call.backoff.cancel()
-            self._backing_off.discard(call)
-        self._detach(call, send_cancel=True)
-
-    def _on_timeout(self, call: Call, t: float) -> None:
+    def timed_out(self, call: Call, t: float) -> None:
         if call.done:
             return
-        self.stats["timeouts"] += 1
+        self.calls.counters.add("timeouts")
+        fut = call.fut
         self._abandon(call)
-        call.fut._call = None
-        if not call.fut.done():
-            call.fut.set_exception(RequestTimeout(f"request {call.orig.rid} not done within {t} s"))
+        if not fut.done():
+            fut.set_exception(RequestTimeout(f"request {call.orig.rid} not done within {t} s"))
+
+    def _abandon(self, call: Call) -> None:
+        self.calls.settle(call)
+        w = call.worker
+        if w is not None and w.inflight.pop(call.sub_id, None) is not None:
+            w.send(fm.Cancel(id=call.sub_id))
+            call.worker = None
+            self.slot_freed(w)

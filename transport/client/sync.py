@@ -19,8 +19,8 @@ T = TypeVar("T")
 
 
 class SyncFabricClient:
-    """A :class:`FabricClient` driven from synchronous code: its loop runs in a
-    background thread.
+    """A :class:`FabricClient` (``client``) driven from synchronous code: its loop runs
+    in a background thread. Takes the arguments of :class:`FabricClient`.
 
     Examples
     --------
@@ -28,8 +28,10 @@ class SyncFabricClient:
     ...     resp = client.generate(LLMRequest(input_ids=[1, 2, 3]))
     """
 
-    def __init__(self, workers: Sequence[str] = (), config: ClientConfig | None = None) -> None:
-        self.client = FabricClient(workers, config)  # checks the addresses first
+    def __init__(
+        self, workers: Sequence[str] = (), config: ClientConfig | None = None, **options: Any
+    ) -> None:
+        self.client = FabricClient(workers, config, **options)  # checks the arguments first
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
             target=self._loop.run_forever, name="fabric-client", daemon=True
@@ -45,19 +47,19 @@ class SyncFabricClient:
             fut.cancel()
             raise
 
+    async def _generate(self, req: LLMRequest, timeout: float | None) -> LLMResponse:
+        # Called in the client's loop (agenerate binds to the loop it is called in).
+        return await self.client.agenerate(req, timeout=timeout)
+
     def generate(self, req: LLMRequest, *, timeout: float | None = None) -> LLMResponse:
         """Blocking :meth:`FabricClient.agenerate`."""
-        return self._run(self.client._agenerate_in_loop(req, timeout, None))
+        return self._run(self._generate(req, timeout))
 
     def submit(
         self, req: LLMRequest, *, timeout: float | None = None
     ) -> concurrent.futures.Future[LLMResponse]:
         """Start a request; returns a ``concurrent.futures.Future``."""
-        # A coroutine that calls agenerate in the client's loop (called here, agenerate
-        # would bind to this thread's loop if it has one).
-        return asyncio.run_coroutine_threadsafe(
-            self.client._agenerate_in_loop(req, timeout, None), self._loop
-        )
+        return asyncio.run_coroutine_threadsafe(self._generate(req, timeout), self._loop)
 
     def add_worker(self, address: str) -> None:
         """Thread-safe :meth:`FabricClient.add_worker` (a bad address raises here)."""

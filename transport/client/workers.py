@@ -1,13 +1,15 @@
-"""The client's table entries: one per worker and one per ``agenerate`` call (each
-holds the other: a worker its calls in flight, a call the worker it is on), what a
-caller may see of a worker, and the check of worker addresses."""
+"""The client's table entries: a :class:`Worker` per address (its DEALER, its calls in
+flight, what its pongs and socket monitor said) and a :class:`Call` per ``agenerate``
+call; each holds the other."""
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,30 +17,23 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from fastio import Encoder, LLMRequest, versions
+from fastio import fabric_msgs as fm
 from fastio.tokens import TokenArray
-from transport.client.config import ChunkCallback
+from transport.client.config import ChunkCallback, ClientConfig
 from transport.client.future import GenerateFuture
 from transport.errors import BadAddress
-from transport.sockets import SocketPump
+from transport.sockets import SocketPump, make_dealer
 
-__all__ = ["MONITOR_EVENTS", "Call", "Worker", "WorkerInfo", "check_address"]
+__all__ = ["Call", "Worker", "WorkerInfo", "check_address"]
 
 _HANDSHAKE_FAILED = (
     zmq.EVENT_HANDSHAKE_FAILED_AUTH,
     zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL,
     zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
 )
-#: Socket monitor events the client watches on each DEALER (to say why a worker was
-#: never heard from).
-MONITOR_EVENTS = (
-    zmq.EVENT_CONNECTED
-    | zmq.EVENT_CONNECT_RETRIED
-    | zmq.EVENT_HANDSHAKE_SUCCEEDED
-    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
-    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
-    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-)
-
+# Watched, to say why a worker was never heard from.
+_MONITOR_EVENTS = sum(_HANDSHAKE_FAILED) | zmq.EVENT_CONNECTED | zmq.EVENT_CONNECT_RETRIED
+_MONITOR_EVENTS |= zmq.EVENT_HANDSHAKE_SUCCEEDED
 _SCHEMES = ("tcp", "ipc", "inproc")
 _ADDRESS = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://(.*)", re.DOTALL)
 
@@ -80,11 +75,10 @@ def check_address(address: str) -> str:
 class WorkerInfo:
     """What the client knows about one worker.
 
-    ``running``, ``waiting`` and ``engine_lag`` are the worker's own figures from its
-    last pong (requests in its handlers, requests waiting there, seconds its engine is
-    behind its sockets), over all its clients. ``load_current``: those figures answer
-    this client's latest or previous ping, and so count where it sends requests; an
-    older report is not used (see :class:`transport.client.scheduling.Scheduler`).
+    ``running``, ``waiting`` and ``engine_lag`` are the worker's figures from its last
+    pong, over all its clients; ``load_current``: that pong answers this client's latest
+    or previous ping, so they count in scheduling. ``seen``: what was seen at the
+    address (answers, connection, refused handshakes).
     """
 
     address: str
@@ -99,93 +93,59 @@ class WorkerInfo:
     running: int = 0
     waiting: int = 0
     engine_lag: float = 0.0
-    #: What was seen at the address (answers, connection, handshake refusals).
     seen: str = ""
     load_current: bool = False
 
 
 class Worker:
-    """The client's entry for one worker: its DEALER, its requests, its liveness."""
+    """One worker as the client sees it: its DEALER (made in the running loop), its
+    calls, its liveness; ``on_message(worker, frames)`` gets what arrives."""
 
-    __slots__ = (
-        "added_at",
-        "address",
-        "alive",
-        "connect_retries",
-        "connected",
-        "cool_until",
-        "died_at",
-        "draining",
-        "enc",
-        "engine_lag",
-        "handshake_failed",
-        "handshake_ok",
-        "incarnation",
-        "incompatible",
-        "inflight",
-        "last_seen",
-        "limit",
-        "load_at",
-        "load_current",
-        "missed",
-        "monitor",
-        "others",
-        "paused",
-        "pump",
-        "running",
-        "sticky_queue",
-        "unresolved",
-        "version",
-        "waiting",
-        "worker_id",
-    )  # fmt: skip
-
-    def __init__(self, address: str) -> None:
+    def __init__(
+        self,
+        address: str,
+        ctx: zmq.Context[Any],
+        config: ClientConfig,
+        identity: bytes,
+        on_message: Callable[[Worker, list[zmq.Frame]], None],
+    ) -> None:
         self.address = address
-        #: When the client started using it (its first pongs are waited for from here).
-        self.added_at = 0.0
+        try:
+            sock = make_dealer(
+                ctx, address, hwm=config.hwm, max_message_size=config.max_message_size,
+                curve=config.curve, routing_id=identity,
+            )  # fmt: skip
+        except zmq.ZMQError as exc:
+            raise BadAddress(f"cannot connect to worker address {address!r}: {exc}") from exc
+        self.monitor: zmq.Socket[Any] | None = sock.get_monitor_socket(_MONITOR_EVENTS)
+        self.pump = SocketPump(
+            sock, lambda frames: on_message(self, frames), batch_frames=True, defer_check=True
+        )
+        self.added_at = time.monotonic()  # its first pongs are waited for from here
         self.alive = False
         self.draining = False
         self.inflight: dict[int, Call] = {}
         self.sticky_queue: collections.deque[Call] = collections.deque()
-        self.incarnation = ""
-        self.worker_id = ""
-        self.version = 0
-        self.paused = False
+        self.pong = fm.Heartbeat()  # the last one, received at pong_at
+        self.pong_at = 0.0
         self.last_seen = 0.0
-        #: Why the address's host name does not resolve ("" while it does, or unknown).
-        self.unresolved = ""
-        self.missed = 0
-        self.pump: SocketPump | None = None
-        self.monitor: zmq.Socket[Any] | None = None
-        # In-flight bound, lowered to what the worker accepted when it answers
-        # OVERLOADED (it serves other clients too), raised again by one per answer.
-        self.limit = 0
-        self.cool_until = 0.0
         self.died_at = 0.0
-        # Busy figures of the last pong (received at ``load_at``); ``others``: its
-        # requests not from this client, 0 once that pong is a heartbeat round old
-        # (``load_current`` false).
-        self.load_at = 0.0
-        self.load_current = False
-        self.running = 0
-        self.waiting = 0
-        self.engine_lag = 0.0
+        self.missed = 0  # heartbeat ticks without a message from it
+        # Lowered to what the worker took when it answers OVERLOADED (it serves other
+        # clients too), raised again by one per answer.
+        self.limit = config.max_in_flight_per_worker
+        self.cool_until = 0.0
+        # Its requests not from this client, by the last pong while that is current.
         self.others = 0
-        # Socket monitor findings, for NoWorkerAvailable.
+        self.load_current = False
         self.connected = False
         self.connect_retries = 0
         self.handshake_ok = False
         self.handshake_failed: list[str] = []
-        #: The encoder this worker reads (from the versions its pongs state; version 1
-        #: until it answers), and why it cannot be used ("" when it can).
+        self.unresolved = ""  # why its host name does not resolve
+        # What it reads (version 1 until its pongs say), and why it cannot be used.
         self.enc: Encoder = versions.VERSION_1
         self.incompatible = ""
-
-    def load(self) -> int:
-        """Requests ahead of a new one there: ours in flight plus the others' it
-        reported in a pong that is still current (0 once it is not)."""
-        return len(self.inflight) + self.others
 
     def refused(self) -> bool:
         """Never answered, and the connection or its handshake was refused: not up."""
@@ -197,14 +157,26 @@ class Worker:
         """Not in a short back-off after an OVERLOADED answer."""
         return not self.cool_until or self.cool_until <= time.monotonic()
 
+    def send(self, msg: Any) -> None:
+        """Send ``msg`` in the version this worker reads (queued at the HWM)."""
+        self.pump.send(self.enc.encode(msg))
+
+    def send_quiet(self, msg: Any) -> None:
+        """Send ``msg`` in version 1 (every worker reads it), or drop it: pings, and
+        cancels to a worker presumed dead, never queue up for a worker that is down."""
+        with contextlib.suppress(zmq.ZMQError):
+            frames = versions.VERSION_1.encode(msg)
+            self.pump.sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
+        self.pump.poke()  # a send can consume the edge of ZeroMQ's FD
+
+    def ping(self) -> None:
+        self.send_quiet(fm.Heartbeat(sent_at=time.time(), **versions.STATED))
+
     def poll_monitor(self) -> None:
         """Read the socket monitor's events (non-blocking)."""
-        mon = self.monitor
-        if mon is None:
-            return
-        while True:
+        while self.monitor is not None:
             try:
-                ev = recv_monitor_message(mon, zmq.NOBLOCK)
+                ev = recv_monitor_message(self.monitor, zmq.NOBLOCK)
             except zmq.ZMQError:
                 return
             assert isinstance(ev, dict)
@@ -222,11 +194,10 @@ class Worker:
                 self.connect_retries += 1
 
     def close(self) -> None:
-        if self.pump is not None:
-            if self.monitor is not None:
-                self.monitor.close(linger=0)
-                self.monitor = None
-            self.pump.close()
+        if self.monitor is not None:
+            self.monitor.close(linger=0)
+            self.monitor = None
+        self.pump.close()
 
     def seen(self, now: float, curve: bool) -> str:
         """One line on what was seen at this address."""
@@ -251,43 +222,22 @@ class Worker:
         return "never answered: no connection"
 
     def info(self, now: float, curve: bool) -> WorkerInfo:
+        p = self.pong
         return WorkerInfo(
-            self.address, self.alive, self.draining, len(self.inflight), self.worker_id,
-            self.incarnation, self.version, self.paused,
+            self.address, self.alive, self.draining, len(self.inflight), p.worker_id,
+            p.incarnation, p.version, p.paused,
             now - self.last_seen if self.last_seen else float("inf"),
-            self.running, self.waiting, self.engine_lag, self.seen(now, curve),
-            self.load_current,
+            p.running, p.waiting, p.engine_lag, self.seen(now, curve), self.load_current,
         )  # fmt: skip
-
-
-_Chunk = tuple[TokenArray, TokenArray, TokenArray]
 
 
 class Call:
     """One ``agenerate`` call, across re-sends and resumptions."""
 
     __slots__ = (
-        "backoff",
-        "chunks",
-        "deadline",
-        "delivered",
-        "done",
-        "fut",
-        "interrupts",
-        "on_chunk",
-        "orig",
-        "out_lp",
-        "out_tok",
-        "out_ver",
-        "resends",
-        "seg_streamed",
-        "segment",
-        "sub_id",
-        "t0",
-        "timeout",
-        "timer",
-        "times",
-        "worker",
+        "backoff", "chunks", "deadline", "delivered", "done", "fut", "interrupts", "on_chunk",
+        "orig", "out_lp", "out_tok", "out_ver", "resends", "seg_streamed", "segment", "sub_id",
+        "t0", "timeout", "timer", "times", "worker",
     )  # fmt: skip
 
     def __init__(
@@ -296,6 +246,7 @@ class Call:
         self.orig = req
         self.segment = req  # what the current attempt asks for
         self.fut = fut
+        self.on_chunk = on_chunk
         self.t0 = time.perf_counter()
         self.timer: asyncio.TimerHandle | None = None
         self.backoff: asyncio.TimerHandle | None = None  # a re-send waiting its turn
@@ -308,13 +259,13 @@ class Call:
         self.out_lp: TokenArray | None = None
         self.out_ver: TokenArray | None = None
         self.times: list[float] = []  # arrival time of every accumulated/streamed token
-        self.chunks: list[_Chunk] = []  # streamed chunks of the current attempt
-        self.seg_streamed = 0  # tokens streamed by the current attempt
+        # Streamed chunks of the current attempt, and their token count.
+        self.chunks: list[tuple[TokenArray, TokenArray, TokenArray]] = []
+        self.seg_streamed = 0
         self.delivered = 0  # output positions handed to on_chunk
         self.resends = 0
         self.interrupts = 0
         self.done = False
-        self.on_chunk = on_chunk
 
     @property
     def base(self) -> int:
