@@ -1,23 +1,16 @@
 """Prometheus metrics of the fabric and the weight path (optional extra ``metrics``).
 
-Every metric below exists whether or not ``prometheus-client`` is installed: without it
-they are no-ops, so instrumented code never branches on it (``ENABLED`` says which).
-:func:`start_http_server` serves the exposition (``GET /metrics``) from a daemon thread
-and needs the extra; it binds to loopback unless told otherwise.
+Every metric exists whether or not ``prometheus-client`` is installed: without it they
+are no-ops, so instrumented code never branches on it (``ENABLED`` says which).
+:func:`start_http_server` serves ``GET /metrics`` from a daemon thread (loopback unless
+told otherwise) and needs the extra.
 
-Per process, per role. Each side's series appear in prometheus-client's default registry
-(the process's) once that side runs in the process, :func:`expose` says so:
-:class:`~transport.WorkerServer` exposes ``worker``, :class:`~transport.FabricClient`
-``client``, :class:`~transport.weights.WeightPublisher` ``publisher`` and
-:class:`~transport.weights.WeightSubscriber` ``subscriber``. A worker's endpoint thus
-shows worker (and subscriber) series, never a client's zeros. Counters and histograms
-carry no ``*_created`` twins (dropped from fastio's families only, never from other
-metrics of the process). Each process serves its own figures on its own port and a
-scraper sums them (they are not shared across ``fork``).
-
-Names follow Prometheus conventions (``fastio_<side>_<what>_<unit>``; counters gain
-``_total`` in the exposition). Labels are kept to small fixed sets. Every series, with
-its type, labels and meaning: ``docs/metrics.md``.
+A process shows the series of the roles it runs, once :func:`expose` names them (the
+worker, the client, the publisher and the subscriber call it as they start); counters
+and histograms carry no ``*_created`` twins. Counts kept as plain ints (the worker's
+:class:`~transport.worker.counters.Counters`) are added to the metrics when scraped, by
+a hook given to :func:`on_scrape`. Every series, with its type, labels and meaning:
+``docs/metrics.md``.
 
 >>> from transport import metrics
 >>> metrics.CLIENT_RESENDS.inc()  # counts, or does nothing without prometheus-client
@@ -27,37 +20,19 @@ from __future__ import annotations
 
 import socket
 import threading
+from collections.abc import Callable
 from http.server import ThreadingHTTPServer
 from typing import Any
 
 __all__ = [
-    "CLIENT_LATENCY",
-    "CLIENT_RESENDS",
-    "CLIENT_WORKER_DEATHS",
-    "ENABLED",
-    "FINISHED_REASONS",
-    "PUBLISHER_BYTES",
-    "PUBLISHER_FAILURES",
-    "PUBLISHER_PHASE_SECONDS",
-    "ROLES",
-    "SUBSCRIBER_BYTES",
-    "SUBSCRIBER_FAILURES",
-    "SUBSCRIBER_PHASE_SECONDS",
-    "WORKER_E2E",
-    "WORKER_ERRORS",
-    "WORKER_INFLIGHT",
-    "WORKER_ITL",
-    "WORKER_PAUSED",
-    "WORKER_PAUSES",
-    "WORKER_QUEUE_DEPTH",
-    "WORKER_REQUESTS",
-    "WORKER_TTFT",
-    "WORKER_WEIGHT_VERSION",
-    "WorkerTally",
-    "expose",
-    "start_http_server",
-    "stop_http_server",
-]
+    "CLIENT_LATENCY", "CLIENT_RESENDS", "CLIENT_WORKER_DEATHS", "ENABLED", "FINISHED_REASONS",
+    "PUBLISHER_BYTES", "PUBLISHER_FAILURES", "PUBLISHER_PHASE_SECONDS", "ROLES",
+    "SUBSCRIBER_BYTES", "SUBSCRIBER_FAILURES", "SUBSCRIBER_PHASE_SECONDS", "WORKER_E2E",
+    "WORKER_ERRORS", "WORKER_FINISHED", "WORKER_GENERATION_TOKENS", "WORKER_INFLIGHT",
+    "WORKER_ITL", "WORKER_PAUSED", "WORKER_PAUSES", "WORKER_PROMPT_TOKENS",
+    "WORKER_QUEUE_DEPTH", "WORKER_REQUESTS", "WORKER_TTFT", "WORKER_WEIGHT_VERSION", "expose",
+    "on_scrape", "start_http_server", "stop_http_server",
+]  # fmt: skip
 
 _prom: Any
 try:
@@ -102,6 +77,8 @@ FINISHED_REASONS = ("stop", "length", "interrupt", "abort")
 
 # role -> its metrics, created outside any registry; expose() registers them.
 _MEMBERS: dict[str, list[Any]] = {role: [] for role in ROLES}
+# role -> what brings its plain-int counts into its metrics before a scrape.
+_HOOKS: dict[str, list[Callable[[], None]]] = {role: [] for role in ROLES}
 
 
 def _member(role: str, metric: Any) -> Any:
@@ -134,6 +111,20 @@ WORKER_REQUESTS = _counter(
     "worker", "fastio_worker_requests", "Requests finished by this worker, by outcome", ("outcome",)
 )  # outcome: ok | error | cancelled | rejected
 WORKER_ERRORS = _counter("worker", "fastio_worker_errors", "Error replies sent, by code", ("code",))
+WORKER_FINISHED = _counter(
+    "worker",
+    "fastio_worker_finished_requests",
+    "Requests finished, by finish reason (stop, length, interrupt, abort)",
+    ("finished_reason",),
+)
+for _reason in FINISHED_REASONS:  # every reason shows, at 0 before its first count
+    WORKER_FINISHED.labels(_reason)
+WORKER_PROMPT_TOKENS = _counter(
+    "worker", "fastio_worker_prompt_tokens", "Prompt tokens of the requests answered with a Result"
+)
+WORKER_GENERATION_TOKENS = _counter(
+    "worker", "fastio_worker_generation_tokens", "Tokens generated in the Results sent"
+)
 WORKER_INFLIGHT = _gauge("worker", "fastio_worker_in_flight", "Requests whose handler is running")
 WORKER_QUEUE_DEPTH = _gauge("worker", "fastio_worker_queue_depth", "Requests waiting for a slot")
 WORKER_TTFT = _histogram(
@@ -190,65 +181,6 @@ SUBSCRIBER_FAILURES = _counter(
 )
 
 
-class WorkerTally:
-    """What one worker server finished: tokens and finish reasons, as plain integers.
-
-    Written only by its server's loop (``+=`` on an int: no lock, no call into
-    prometheus-client on the request path) and summed over every server of the process
-    when scraped, as ``fastio_worker_prompt_tokens_total``,
-    ``fastio_worker_generation_tokens_total`` and
-    ``fastio_worker_finished_requests_total{finished_reason}``.
-    """
-
-    __slots__ = ("finished", "generation_tokens", "prompt_tokens")
-
-    def __init__(self) -> None:
-        self.prompt_tokens = 0
-        self.generation_tokens = 0
-        #: finished_reason -> requests (the keys of :data:`FINISHED_REASONS`).
-        self.finished = dict.fromkeys(FINISHED_REASONS, 0)
-        with _tallies_lock:
-            _tallies.append(self)
-
-    def result(self, stop_reason: str, prompt_tokens: int, generation_tokens: int) -> None:
-        """A Result left: ``stop_reason`` is one of :data:`FINISHED_REASONS` (the
-        worker checked it before sending)."""
-        self.prompt_tokens += prompt_tokens
-        self.generation_tokens += generation_tokens
-        self.finished[stop_reason] += 1
-
-    def aborted(self) -> None:
-        """A controller's abort ended a request (answered with an ABORTED error)."""
-        self.finished["abort"] += 1
-
-
-_tallies: list[WorkerTally] = []  # every server's of this process (kept: counters never fall)
-_tallies_lock = threading.Lock()
-
-
-def _tally_families() -> list[Any]:
-    from prometheus_client.core import CounterMetricFamily
-
-    with _tallies_lock:
-        tallies = list(_tallies)
-    prompt = CounterMetricFamily(
-        "fastio_worker_prompt_tokens", "Prompt tokens of the requests answered with a Result"
-    )
-    prompt.add_metric([], sum(t.prompt_tokens for t in tallies))
-    gen = CounterMetricFamily(
-        "fastio_worker_generation_tokens", "Tokens generated in the Results sent"
-    )
-    gen.add_metric([], sum(t.generation_tokens for t in tallies))
-    finished = CounterMetricFamily(
-        "fastio_worker_finished_requests",
-        "Requests finished, by finish reason (stop, length, interrupt, abort)",
-        labels=("finished_reason",),
-    )
-    for reason in FINISHED_REASONS:
-        finished.add_metric([reason], sum(t.finished[reason] for t in tallies))
-    return [prompt, gen, finished]
-
-
 class _Role:
     """The collector of one role's series, registered by :func:`expose`."""
 
@@ -256,13 +188,23 @@ class _Role:
         self.role = role
 
     def collect(self) -> Any:
+        for hook in list(_HOOKS[self.role]):
+            hook()
         for metric in _MEMBERS[self.role]:
             for family in metric.collect():
                 # No *_created twin (a timestamp per counter dashboards do not read).
                 family.samples = [s for s in family.samples if not s.name.endswith("_created")]
                 yield family
-        if self.role == "worker":
-            yield from _tally_families()
+
+
+def on_scrape(role: str, hook: Callable[[], None]) -> Callable[[], None]:
+    """Call ``hook`` before each scrape of ``role``'s series; returns what removes it.
+
+    For counts kept as plain ints on a hot path: the hook adds them to the metrics.
+    """
+    hooks = _HOOKS[role]
+    hooks.append(hook)
+    return lambda: hooks.remove(hook) if hook in hooks else None
 
 
 _exposed: set[str] = set()
