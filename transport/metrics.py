@@ -50,17 +50,10 @@ class _Noop:
     def labels(self, *args: Any, **kwargs: Any) -> _Noop:
         return self
 
-    def inc(self, amount: float = 1.0) -> None:
+    def _ignore(self, value: float = 1.0) -> None:
         pass
 
-    def dec(self, amount: float = 1.0) -> None:
-        pass
-
-    def set(self, value: float) -> None:
-        pass
-
-    def observe(self, value: float) -> None:
-        pass
+    inc = dec = set = observe = _ignore
 
 
 _LATENCY_BUCKETS = (
@@ -81,38 +74,35 @@ _MEMBERS: dict[str, list[Any]] = {role: [] for role in ROLES}
 _HOOKS: dict[str, list[Callable[[], None]]] = {role: [] for role in ROLES}
 
 
-def _member(role: str, metric: Any) -> Any:
-    _MEMBERS[role].append(metric)
+def _member(kind: str, name: str, *args: Any, **kwargs: Any) -> Any:
+    # The role is the name's second word: fastio_<role>_<what>.
+    if not _prom:
+        return _Noop()
+    metric = getattr(_prom, kind)(name, *args, registry=None, **kwargs)
+    _MEMBERS[name.split("_")[1]].append(metric)
     return metric
 
 
-def _counter(role: str, name: str, doc: str, labels: tuple[str, ...] = ()) -> Any:
-    if not _prom:
-        return _Noop()
-    return _member(role, _prom.Counter(name, doc, labels, registry=None))
+def _counter(name: str, doc: str, labels: tuple[str, ...] = ()) -> Any:
+    return _member("Counter", name, doc, labels)
 
 
-def _gauge(role: str, name: str, doc: str, labels: tuple[str, ...] = ()) -> Any:
-    if not _prom:
-        return _Noop()
-    return _member(role, _prom.Gauge(name, doc, labels, registry=None))
+def _gauge(name: str, doc: str) -> Any:
+    return _member("Gauge", name, doc)
 
 
 def _histogram(
-    role: str, name: str, doc: str, buckets: tuple[float, ...], labels: tuple[str, ...] = ()
+    name: str, doc: str, buckets: tuple[float, ...], labels: tuple[str, ...] = ()
 ) -> Any:
-    if not _prom:
-        return _Noop()
-    return _member(role, _prom.Histogram(name, doc, labels, buckets=buckets, registry=None))
+    return _member("Histogram", name, doc, labels, buckets=buckets)
 
 
 # --- worker ---------------------------------------------------------------------------
 WORKER_REQUESTS = _counter(
-    "worker", "fastio_worker_requests", "Requests finished by this worker, by outcome", ("outcome",)
+    "fastio_worker_requests", "Requests finished by this worker, by outcome", ("outcome",)
 )  # outcome: ok | error | cancelled | rejected
-WORKER_ERRORS = _counter("worker", "fastio_worker_errors", "Error replies sent, by code", ("code",))
+WORKER_ERRORS = _counter("fastio_worker_errors", "Error replies sent, by code", ("code",))
 WORKER_FINISHED = _counter(
-    "worker",
     "fastio_worker_finished_requests",
     "Requests finished, by finish reason (stop, length, interrupt, abort)",
     ("finished_reason",),
@@ -120,65 +110,50 @@ WORKER_FINISHED = _counter(
 for _reason in FINISHED_REASONS:  # every reason shows, at 0 before its first count
     WORKER_FINISHED.labels(_reason)
 WORKER_PROMPT_TOKENS = _counter(
-    "worker", "fastio_worker_prompt_tokens", "Prompt tokens of the requests answered with a Result"
+    "fastio_worker_prompt_tokens", "Prompt tokens of the requests answered with a Result"
 )
 WORKER_GENERATION_TOKENS = _counter(
-    "worker", "fastio_worker_generation_tokens", "Tokens generated in the Results sent"
+    "fastio_worker_generation_tokens", "Tokens generated in the Results sent"
 )
-WORKER_INFLIGHT = _gauge("worker", "fastio_worker_in_flight", "Requests whose handler is running")
-WORKER_QUEUE_DEPTH = _gauge("worker", "fastio_worker_queue_depth", "Requests waiting for a slot")
+WORKER_INFLIGHT = _gauge("fastio_worker_in_flight", "Requests whose handler is running")
+WORKER_QUEUE_DEPTH = _gauge("fastio_worker_queue_depth", "Requests waiting for a slot")
 WORKER_TTFT = _histogram(
-    "worker", "fastio_worker_ttft_seconds", "Time from Submit to the first token", _LATENCY_BUCKETS
+    "fastio_worker_ttft_seconds", "Time from Submit to the first token", _LATENCY_BUCKETS
 )
 WORKER_ITL = _histogram(
-    "worker",
-    "fastio_worker_inter_token_seconds",
-    "Mean time between tokens per request",
-    _TOKEN_BUCKETS,
+    "fastio_worker_inter_token_seconds", "Mean time between tokens per request", _TOKEN_BUCKETS
 )
 WORKER_E2E = _histogram(
-    "worker", "fastio_worker_e2e_seconds", "Time from Submit to the Result", _LATENCY_BUCKETS
+    "fastio_worker_e2e_seconds", "Time from Submit to the Result", _LATENCY_BUCKETS
 )
-WORKER_PAUSES = _counter("worker", "fastio_worker_pauses", "Pauses (weight updates, controller)")
-WORKER_WEIGHT_VERSION = _gauge(
-    "worker", "fastio_worker_weight_version", "Weight version the engine serves"
-)
-WORKER_PAUSED = _gauge("worker", "fastio_worker_paused", "1 while generation is paused, else 0")
+WORKER_PAUSES = _counter("fastio_worker_pauses", "Pauses (weight updates, controller)")
+WORKER_WEIGHT_VERSION = _gauge("fastio_worker_weight_version", "Weight version the engine serves")
+WORKER_PAUSED = _gauge("fastio_worker_paused", "1 while generation is paused, else 0")
 
 # --- client ---------------------------------------------------------------------------
-CLIENT_RESENDS = _counter("client", "fastio_client_resends", "Requests re-sent to another worker")
-CLIENT_WORKER_DEATHS = _counter("client", "fastio_client_worker_deaths", "Workers declared dead")
+CLIENT_RESENDS = _counter("fastio_client_resends", "Requests re-sent to another worker")
+CLIENT_WORKER_DEATHS = _counter("fastio_client_worker_deaths", "Workers declared dead")
 CLIENT_LATENCY = _histogram(
-    "client", "fastio_client_latency_seconds", "agenerate: call to response", _LATENCY_BUCKETS
+    "fastio_client_latency_seconds", "agenerate: call to response", _LATENCY_BUCKETS
 )
 
 # --- weights --------------------------------------------------------------------------
 PUBLISHER_PHASE_SECONDS = _histogram(
-    "publisher",
     "fastio_publisher_phase_seconds",
     "Weight update time per phase (pack, send, wait, total)",
     _LATENCY_BUCKETS,
     ("phase",),
 )
-PUBLISHER_BYTES = _counter(
-    "publisher", "fastio_publisher_bytes", "Weight bytes published", ("path",)
-)
-PUBLISHER_FAILURES = _counter(
-    "publisher", "fastio_publisher_failures", "Versions some worker failed"
-)
+PUBLISHER_BYTES = _counter("fastio_publisher_bytes", "Weight bytes published", ("path",))
+PUBLISHER_FAILURES = _counter("fastio_publisher_failures", "Versions some worker failed")
 SUBSCRIBER_PHASE_SECONDS = _histogram(
-    "subscriber",
     "fastio_subscriber_phase_seconds",
     "Weight apply time per phase (receive, verify, apply, total)",
     _LATENCY_BUCKETS,
     ("phase",),
 )
-SUBSCRIBER_BYTES = _counter(
-    "subscriber", "fastio_subscriber_bytes", "Weight bytes applied", ("path",)
-)
-SUBSCRIBER_FAILURES = _counter(
-    "subscriber", "fastio_subscriber_failures", "Versions refused or failed"
-)
+SUBSCRIBER_BYTES = _counter("fastio_subscriber_bytes", "Weight bytes applied", ("path",))
+SUBSCRIBER_FAILURES = _counter("fastio_subscriber_failures", "Versions refused or failed")
 
 
 class _Role:

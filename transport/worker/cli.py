@@ -34,8 +34,7 @@ from transport.worker.server import Background, WorkerServer
 __all__ = ["main"]
 
 PROG = "python -m transport.worker"
-#: Engines that compute nothing in the worker: torch is not imported for them (seconds
-#: of start-up).
+#: Engines that compute nothing in the worker: torch is not imported for them.
 _NO_TORCH = frozenset(("echo", "sglang", "vllm"))
 _LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
@@ -109,14 +108,6 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "module:factory (factory(engine_opts) returns a handler or an engine)",
     )
     p.add_argument(
-        "--engine-opt",
-        action="append",
-        default=[],
-        type=_key_value,
-        metavar="KEY=VALUE",
-        help="option for the engine factory (repeatable)",
-    )
-    p.add_argument(
         "--model-size",
         default="small",
         choices=("tiny", "small", "medium", "large"),
@@ -153,14 +144,13 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=[],
         help="module:function(server, plugin_opts), a background job in the worker's loop",
     )
-    p.add_argument(
-        "--plugin-opt",
-        action="append",
-        default=[],
-        type=_key_value,
-        metavar="KEY=VALUE",
-        help="option passed to plugins (repeatable)",
-    )
+    for flag, help in (
+        ("--engine-opt", "option for the engine factory (repeatable)"),
+        ("--plugin-opt", "option passed to plugins (repeatable)"),
+    ):
+        p.add_argument(
+            flag, action="append", default=[], type=_key_value, metavar="KEY=VALUE", help=help
+        )
     p.add_argument(
         "--metrics-port",
         type=int,
@@ -274,17 +264,15 @@ async def _amain(args: argparse.Namespace) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, lambda: asyncio.ensure_future(server.close()))
-    # What exists now (torch, the engine, its model) lives as long as the process: out
-    # of the cyclic GC's sight, a full collection no longer walks it while holding the
-    # GIL for long enough to delay pongs.
+    # What exists now lives as long as the process: out of the cyclic GC's sight, a
+    # full collection no longer walks it while holding the GIL (delaying pongs).
     gc.freeze()
     print(json.dumps(ready), flush=True)
     await server.serve_forever()
 
 
 def _use_loop(kind: str) -> None:
-    """Make every loop of this process (the engine's, the socket thread's) a ``kind``
-    loop."""
+    """Make every loop of this process (the engine's, the socket thread's) ``kind``."""
     if kind == "uvloop":
         try:
             import uvloop
@@ -296,13 +284,10 @@ def _use_loop(kind: str) -> None:
 def main(argv: Sequence[str] | None = None) -> None:
     """Entry point of ``python -m transport.worker`` (see ``--help``)."""
     args = _parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level,
-        format="%(asctime)s %(name)s %(levelname)s %(message)s",
-        stream=sys.stderr,
-    )
+    fmt = "%(asctime)s %(name)s %(levelname)s %(message)s"
+    logging.basicConfig(level=args.log_level, format=fmt, stream=sys.stderr)
     # The socket thread waits at most this long for the GIL held by engine code (the
-    # default 5 ms would be most of a pong's budget under a busy pure-Python engine).
+    # default would be most of a pong's budget under a busy pure-Python engine).
     sys.setswitchinterval(0.001)
     if args.engine not in _NO_TORCH:
         with contextlib.suppress(ImportError):

@@ -20,19 +20,9 @@ __all__ = ["InvalidHandlerOutput", "Replies", "RequestContext", "output_problem"
 
 
 class Replies:
-    """What the contexts of one worker share: how their messages reach their clients.
-
-    Parameters
-    ----------
-    send:
-        ``send(peer, msg)``: encode and send (from the engine's loop).
-    gate:
-        The worker's pause gate (``ctx.interrupted`` reads it).
-    version:
-        The weight version the worker serves now.
-    latency_metrics:
-        Record the latency histograms (``WorkerConfig.latency_metrics``).
-    """
+    """What the request contexts of one worker share: ``send(peer, msg)`` (from the
+    engine's loop), its pause gate, its weight ``version()``, and whether to record
+    latency histograms."""
 
     def __init__(
         self,
@@ -145,8 +135,7 @@ class RequestContext:
 
 
 class InvalidHandlerOutput(ValueError):
-    """A handler returned something that cannot be sent as a Result (the client gets
-    ``HANDLER_ERROR`` with this message)."""
+    """A handler's answer cannot be sent as a Result (the client gets ``HANDLER_ERROR``)."""
 
 
 _STOP_REASONS = frozenset(("length", "stop", "interrupt", "abort"))

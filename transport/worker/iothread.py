@@ -1,16 +1,14 @@
 """The worker's socket thread: it owns the ROUTER, answers pings and moves bytes.
 
-Engine work never runs here. The thread runs an asyncio loop of its own with a
-:class:`~transport.sockets.SocketPump` on the ROUTER; it decodes what arrives, answers
-``Heartbeat`` pings and ``health`` controls itself, answers undecodable messages with an
-``Error``, and hands every other message to the engine's loop through a queue (one
-wake-up per batch). Replies built on the engine's loop come back through another queue
-and leave as one coalesced burst per wake-up. With ``WorkerConfig.inline`` the same
-code runs on the engine's loop instead, with no thread and no queues.
+The thread runs an asyncio loop of its own with a :class:`~transport.sockets.SocketPump`
+on the ROUTER. It decodes what arrives, answers pings and ``health`` controls itself,
+answers undecodable input with an ``Error``, and hands every other message to the
+engine's loop through a queue (one wake-up per batch); replies come back through another
+queue and leave as one coalesced burst per wake-up. With ``WorkerConfig.inline`` the
+same code runs on the engine's loop, with no thread and no queues.
 
-A handler that blocks the engine's loop delays its own requests, never a pong. The
-thread shares the GIL with the engine: a pure-Python engine step delays it by at most
-the interpreter's switch interval (``python -m transport.worker`` sets 1 ms).
+So a handler blocking the engine's loop never delays a pong; a pure-Python engine step
+holding the GIL delays it by at most the interpreter's switch interval.
 """
 
 from __future__ import annotations
@@ -67,11 +65,9 @@ class SocketThread:
 
     Parameters
     ----------
-    config:
-        The worker's settings (addresses, socket options, CURVE).
-    counters, lost, gate, held:
-        The worker's parts this thread reads or counts in: its counters (the ``io``
-        shard), its lost replies, its pause gate and its table of held requests.
+    config, counters, lost, gate, held:
+        The worker's settings and the parts this thread counts in (the ``io`` shard)
+        or reads: lost replies, pause gate, table of held requests.
     worker_id, incarnation, version, engine_waiting, status:
         What pongs and health replies report.
     dispatch:
@@ -112,14 +108,13 @@ class SocketThread:
         self.endpoints: list[str] = []
         #: Last time each peer was heard from (written here; the engine's loop sweeps it).
         self.peers: dict[bytes, float] = {}
-        #: The encoder each peer reads, from the versions its pings state; peers not
-        #: heard from get version 1, which every peer reads.
+        #: The encoder each peer reads (from its pings; version 1 before).
         self.encoders: dict[bytes, Encoder] = {}
         #: Peers refused for their versions, with the reason they were sent (once).
         self._refused: dict[bytes, str] = {}
         self._dec = Decoder(fm.CLIENT_TO_WORKER, max_message_size=config.max_message_size)
-        # (arrival time, peer, message) for the engine's loop, oldest first; Submits put
-        # there (counted by this thread) and taken (by the engine's loop): one writer each.
+        # (arrival time, peer, message) for the engine's loop; Submits put there and
+        # taken are counted by this thread and that loop: one writer each.
         self._inbox: deque[tuple[float, bytes, Any]] = deque()
         self._in_scheduled = False
         self._submits_in = 0
@@ -228,8 +223,7 @@ class SocketThread:
         return 0.0
 
     def queued_submits(self) -> int:
-        """Submits queued for the engine's loop and not yet taken. Only Submits are
-        work: Cancels or controls waiting there would steer clients away."""
+        """Submits queued for the engine's loop (Cancels and controls are not work)."""
         return max(0, self._submits_in - self._submits_taken)
 
     def discarded(self) -> int:
@@ -237,8 +231,7 @@ class SocketThread:
         return self._pump.discarded if self._pump is not None else 0
 
     def _doomed_held(self) -> int:
-        """Held requests with a Cancel received and not yet carried out: about to go,
-        so not load. (Those the engine has ended are forgotten here.)"""
+        """Held requests whose Cancel is on its way: about to go, so not load."""
         if not self._doomed:
             return 0
         held = self.held
@@ -384,9 +377,8 @@ class SocketThread:
         )
 
     def _refuse(self, peer: bytes, why: str) -> None:
-        """A peer whose pings state versions this worker cannot serve: one Error naming
-        both sides' versions (at version 1, which every peer reads), and no pong, so it
-        never takes this worker for one it can use."""
+        """A peer stating versions this worker cannot serve: one Error naming both
+        sides' versions (at version 1) and no pong, so it never uses this worker."""
         if self._refused.get(peer) == why:
             return
         if len(self._refused) >= _MAX_ENCODERS:
@@ -438,17 +430,16 @@ class SocketThread:
             self._bad(peer, -1, fm.ErrorCode.BAD_MESSAGE, str(exc))
 
     def _on_undeliverable(self, frames: list[Any]) -> None:
-        # The peer's connection is down: gone for good, or reset and about to reconnect
-        # under the same routing id. Its requests keep running; what is lost here is
-        # reported when it is heard from again.
+        # The peer's connection is down (gone, or about to reconnect): its requests keep
+        # running; what is lost here is reported when it is heard from again.
         counts = self.counts.counts
         counts["undeliverable"] += 1
         peer = self.lost.note_undeliverable(frames)
         log_counted(counts["undeliverable"], "client %r unreachable: a reply is dropped", peer)
 
     def _on_drop(self, peer: Any) -> None:
-        # The pump dropped a peer that stopped reading (its queue over the limit; the
-        # pump logged it): its requests are cancelled by the engine's loop.
+        # The pump dropped a peer that stopped reading: the engine's loop cancels its
+        # requests.
         self.counts.counts["dropped_peers"] += 1
         self._to_engine(bytes(peer), DROPPED)
 

@@ -1,21 +1,17 @@
 """The generation worker's server: requests, pause / resume / abort, dead clients.
 
-The handler is the adapter point for an engine (see :mod:`transport.engines.api`)::
+The handler is the adapter point for an engine (:mod:`transport.engines.api`)::
 
     async def handler(req: LLMRequest, ctx: RequestContext) -> LLMResponse
 
 Two kinds of work never share a thread. The ROUTER belongs to the socket thread
-(:class:`~transport.worker.iothread.SocketThread`), which answers pings and moves bytes;
-everything in this module runs on the *engine's loop* (the asyncio loop that awaited
-:meth:`WorkerServer.start`), where each Submit is its own task, so thousands are in
-flight at once. A handler may block that loop (a torch forward): its requests wait,
-pings are still answered at once.
+(:mod:`transport.worker.iothread`), which answers pings and moves bytes; all of this
+module runs on the *engine's loop* (the asyncio loop that awaited
+:meth:`WorkerServer.start`), where each Submit is its own task. A handler may block that
+loop: its requests wait, pings are still answered at once.
 
-:class:`WorkerServer` owns its parts and hands each the others it needs: the
-:class:`~transport.worker.counters.Counters`, the
-:class:`~transport.worker.pausing.PauseGate`, the
-:class:`~transport.worker.lost.LostReplies`, the socket thread, and the
-:class:`~transport.worker.context.Replies` its request contexts share.
+:class:`WorkerServer` owns its parts and hands each the others it needs: counters, pause
+gate, lost replies, socket thread and the replies its request contexts share.
 """
 
 from __future__ import annotations
@@ -44,6 +40,7 @@ from transport.worker.context import InvalidHandlerOutput, Replies, RequestConte
 from transport.worker.counters import Counters, log_counted
 from transport.worker.eager import abandon, first_step
 from transport.worker.iothread import DROPPED, SocketThread
+from transport.worker.jobs import start_jobs
 from transport.worker.lost import LostReplies
 from transport.worker.pausing import PauseGate
 
@@ -63,13 +60,10 @@ class _Request:
 
     __slots__ = ("aborted", "ctx", "ran", "started", "sub", "task")
 
-    def __init__(
-        self, ctx: RequestContext, sub: fm.Submit, started: Awaitable[LLMResponse] | None
-    ) -> None:
+    def __init__(self, ctx: RequestContext, sub: fm.Submit) -> None:
         self.ctx = ctx
         self.sub = sub
-        #: The handler, already running (eager start), that the task continues.
-        self.started = started
+        self.started: Awaitable[LLMResponse] | None = None  # its eagerly started handler
         self.task: asyncio.Task[None] | None = None
         self.ran = False  # the task's body started
         self.aborted = False  # ended by a controller's abort
@@ -86,16 +80,10 @@ class WorkerServer:
         thread), or an engine object whose ``generate`` is one of those; the engine is
         then :attr:`engine` (weight updates reach it there).
     config:
-        :class:`WorkerConfig` (or its fields by name), checked here.
+        :class:`WorkerConfig` (or its fields by name); ``ValueError`` names a bad one.
     background:
         Coroutine functions ``f(server)`` started in the server's loop once it serves
-        and cancelled at close: the hook for a weight subscriber living in the worker
-        process. Keep them non-blocking (run heavy copies in a thread).
-
-    Raises
-    ------
-    ValueError
-        A config value is out of range (the message names the field).
+        and cancelled at close (a weight subscriber, say). Keep them non-blocking.
 
     Examples
     --------
@@ -120,13 +108,11 @@ class WorkerServer:
         self.worker_id = cfg.worker_id or f"{socket.gethostname()}:{os.getpid()}"
         self.incarnation = uuid.uuid4().hex[:16]
         self.background = list(background)
-        #: The engine's ``queue_depth()`` (requests waiting inside it), added to pongs' ``waiting``.
+        #: The engine's ``queue_depth()``, added to pongs' ``waiting``.
         self.engine_load: Callable[[], int] | None = None
         self.endpoints: list[str] = []
         self.counters = Counters()
         self.gate = PauseGate(cfg.max_concurrency, self.counters.loop)
-        #: Submissions given up without an answer reaching their client: reported
-        #: Error(LOST) when the peer pings again.
         self.lost = LostReplies()
         self.counters.read["lost"] = lambda: self.lost.count
         self._tasks: dict[tuple[bytes, int], _Request] = {}
@@ -148,7 +134,6 @@ class WorkerServer:
         self._sweeper: asyncio.TimerHandle | None = None
         self._closed: asyncio.Event | None = None
         self._unexport: Callable[[], None] | None = None
-        self._starting = False
 
     # -- public state -------------------------------------------------------------------
     @property
@@ -168,8 +153,7 @@ class WorkerServer:
 
     @property
     def on_resume(self) -> list[Callable[[], Any]]:
-        """Callbacks run (in the loop) before generation resumes; one raising
-        :class:`ResumeRefused` keeps the worker paused."""
+        """Callbacks run before generation resumes (:class:`ResumeRefused`: stay paused)."""
         return self.gate.on_resume
 
     @property
@@ -179,24 +163,19 @@ class WorkerServer:
 
     def status(self) -> fm.WorkerStatus:
         """A snapshot of this worker's state and counters (callable from any thread)."""
-        running = self.gate.running
+        running, waiting = self.gate.running, max(0, len(self._tasks) - self.gate.running)
         return fm.WorkerStatus(
-            worker_id=self.worker_id,
-            incarnation=self.incarnation,
-            version=self.version,
-            paused=self.gate.paused,
-            running=running,
-            waiting=max(0, len(self._tasks) - running),
+            worker_id=self.worker_id, incarnation=self.incarnation, version=self.version,
+            paused=self.gate.paused, running=running, waiting=waiting,
             counters=self.counters.snapshot(),
-        )
+        )  # fmt: skip
 
     def _queue_depth(self) -> int:
         # Received and not running: waiting for a slot, a resume, or the engine's loop.
         return max(0, len(self._tasks) - self.gate.running) + self.io.queued_submits()
 
     def _engine_waiting(self) -> int:
-        # Requests the engine holds and has not started: a failing hook must not cost
-        # the pong.
+        # A failing hook must not cost the pong.
         load = self.engine_load
         if load is None:
             return 0
@@ -212,8 +191,7 @@ class WorkerServer:
         return await self.gate.pause(timeout)
 
     async def resume(self) -> None:
-        """Let generation continue. :class:`ResumeRefused` (from an ``on_resume``
-        callback) when the worker must stay paused."""
+        """Let generation continue (:class:`ResumeRefused`: an ``on_resume`` refused)."""
         await self.gate.resume()
 
     def abort_all(self) -> int:
@@ -250,31 +228,17 @@ class WorkerServer:
         self._sweeper = asyncio.get_running_loop().call_later(
             cfg.client_timeout / 4, self._sweep_peers
         )
-        for job in self.background:
-            task = asyncio.ensure_future(job(self))
-            task.add_done_callback(self._background_done)
-            self._bg_tasks.append(task)
-        if self._bg_tasks:
-            self._starting = True
-            # A job that fails as it starts (bad options, say) fails the start: a
-            # worker must not report ready without what it was told to run.
-            await asyncio.sleep(0)
-            await asyncio.sleep(0)
-            for task, job in zip(self._bg_tasks, self.background, strict=True):
-                if task.done() and not task.cancelled() and task.exception() is not None:
-                    exc = task.exception()
-                    await self.close()
-                    name = getattr(job, "__qualname__", repr(job))
-                    raise RuntimeError(
-                        f"background job {name} failed at start: {type(exc).__name__}: {exc}"
-                    ) from exc
-            self._starting = False
+        try:
+            self._bg_tasks = await start_jobs(self.background, self)
+        except RuntimeError:
+            await self.close()
+            raise
         log.info("worker %s serving on %s", self.worker_id, ", ".join(self.endpoints))
         return self.endpoints
 
     def _bind_gauges(self) -> None:
-        # Counts and gauges are read when scraped, never written per request. One
-        # worker per process: the last server started is the one its gauges report.
+        # Read when scraped, never written per request; the gauges report the last
+        # server started (one per process).
         metrics.expose("worker")
         self._unexport = metrics.on_scrape("worker", self.counters.export)
         for gauge, fn in (
@@ -314,15 +278,8 @@ class WorkerServer:
         if self._unexport is not None:
             self.counters.export()  # what it counted stays in the metrics
             self._unexport()
-            self._unexport = None
         if self._closed is not None:
             self._closed.set()
-
-    def _background_done(self, task: asyncio.Task[Any]) -> None:
-        if self._starting:
-            return  # start() raises it
-        if not task.cancelled() and task.exception() is not None:
-            log.error("background job failed", exc_info=task.exception())
 
     # -- what the socket thread hands over ----------------------------------------------
     def _dispatch(self, peer: bytes, msg: Any) -> None:
@@ -387,13 +344,12 @@ class WorkerServer:
         if len(self._tasks) >= self.config.max_pending:
             counts.counts["overloaded"] += 1
             counts.outcomes["rejected"] += 1
-            self._send_error(
-                peer, sub.id, fm.ErrorCode.OVERLOADED, "worker holds too many requests"
-            )
+            text = "worker holds too many requests"
+            self._send_error(peer, sub.id, fm.ErrorCode.OVERLOADED, text)
             return
         timeout = sub.timeout
         deadline = time.monotonic() + timeout if timeout > 0 else _INF
-        req = _Request(RequestContext(self.replies, peer, sub.id, sub.stream, deadline), sub, None)
+        req = _Request(RequestContext(self.replies, peer, sub.id, sub.stream, deadline), sub)
         if self.config.eager_start and timeout <= 0 and self.gate.try_enter():
             resp, err, req.started = first_step(self.handler, sub.request, req.ctx)
             if req.started is None:
@@ -434,9 +390,8 @@ class WorkerServer:
                 self._cancelled(req)
 
     def _reap(self, req: _Request, _: object) -> None:
-        # A task cancelled (a Cancel or an abort in the same batch as its Submit) before
-        # its first step never ran _run: do what it would have done, or the request
-        # would hold its slot and table entry forever and an abort never be answered.
+        # A task cancelled before its first step (a Cancel in its Submit's batch) never
+        # ran _run: do what it would have, or the request would hold its slot forever.
         if req.ran:
             return
         abandon(req.started)
@@ -489,12 +444,10 @@ class WorkerServer:
                 self._send_error(peer, id, fm.ErrorCode.TIMEOUT, text)
                 return
             if isinstance(err, ValueError):
-                # The engine refused this request's input (ids outside its vocabulary,
-                # say): the sender's mistake, one line, no traceback.
-                log.warning(
-                    "request %s refused by the engine: %s: %s",
-                    sub.request.rid, type(err).__name__, err,
-                )  # fmt: skip
+                # The engine refused this input (ids outside its vocabulary, say): the
+                # sender's mistake, one line, no traceback.
+                why = f"{type(err).__name__}: {err}"
+                log.warning("request %s refused by the engine: %s", sub.request.rid, why)
             else:
                 log.error("handler failed on request %s", sub.request.rid, exc_info=err)
             self._send_error(peer, id, fm.ErrorCode.HANDLER_ERROR, f"{type(err).__name__}: {err}")
@@ -533,8 +486,8 @@ class WorkerServer:
         self._sweeper = asyncio.get_running_loop().call_later(limit / 4, self._sweep_peers)
 
     def _forget_peer(self, peer: bytes) -> int:
-        # Presumed dead, but perhaps only stalled (a client whose loop blocked longer
-        # than client_timeout): what is cancelled here is reported if it pings again.
+        # Presumed dead, perhaps only stalled: what is cancelled here is reported if it
+        # pings again.
         self.io.peers.pop(peer, None)
         lost = []
         for (p, id), req in list(self._tasks.items()):
