@@ -9,8 +9,8 @@ A process shows the series of the roles it runs, once :func:`expose` names them 
 worker, the client, the publisher and the subscriber call it as they start); counters
 and histograms carry no ``*_created`` twins. Counts kept as plain ints (the worker's
 :class:`~transport.worker.counters.Counters`) are added to the metrics when scraped, by
-a hook given to :func:`on_scrape`. Every series, with its type, labels and meaning:
-``docs/metrics.md``.
+hooks given to :func:`on_scrape` (run on the scraping thread). Every series, with its
+type, labels and meaning: ``docs/metrics.md``.
 
 >>> from transport import metrics
 >>> metrics.CLIENT_RESENDS.inc()  # counts, or does nothing without prometheus-client

@@ -10,6 +10,7 @@ Modules, one concern each (the thread that runs each is named in its docstring):
 - :mod:`transport.worker.pausing`: the pause gate (slots, pause, resume)
 - :mod:`transport.worker.counters`: the one counters object (status and Prometheus)
 - :mod:`transport.worker.eager`: the eager start of handlers
+- :mod:`transport.worker.jobs`: background jobs (a weight subscriber, say)
 - :mod:`transport.worker.lost`: replies lost to unreachable clients
 - :mod:`transport.worker.echo`: the echo engine
 - :mod:`transport.worker.cli`: ``python -m transport.worker``

@@ -414,8 +414,7 @@ class WorkerServer:
                 problem = output_problem(resp)
                 if problem is None:
                     assert resp is not None
-                    if ctx._tok:
-                        self.replies.flush(ctx)
+                    self.replies.flush(ctx)  # the tokens streamed before the Result
                     # Counted before the answer leaves: a health request its client
                     # sends once it has every answer sees them all.
                     n = len(resp.output_tokens)
