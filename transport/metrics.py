@@ -173,10 +173,8 @@ class _Role:
 
 
 def on_scrape(role: str, hook: Callable[[], None]) -> Callable[[], None]:
-    """Call ``hook`` before each scrape of ``role``'s series; returns what removes it.
-
-    For counts kept as plain ints on a hot path: the hook adds them to the metrics.
-    """
+    """Call ``hook`` before each scrape of ``role``'s series (to add counts kept as plain
+    ints to the metrics); returns what removes it."""
     hooks = _HOOKS[role]
     hooks.append(hook)
     return lambda: hooks.remove(hook) if hook in hooks else None
@@ -187,11 +185,8 @@ _exposed_lock = threading.Lock()
 
 
 def expose(*roles: str) -> None:
-    """Show the series of ``roles`` (of :data:`ROLES`) in this process's exposition.
-
-    The parts of the fabric call it as they start, so a process shows the series of
-    the sides it runs and no others. Idempotent; does nothing without
-    prometheus-client.
+    """Show the series of ``roles`` (of :data:`ROLES`) in this process's exposition
+    (idempotent; does nothing without prometheus-client).
 
     >>> expose("worker", "subscriber")
     """
@@ -217,11 +212,10 @@ def start_http_server(port: int, addr: str = "127.0.0.1") -> int:
     Parameters
     ----------
     port
-        TCP port; ``0`` picks a free one (read it from the return value).
+        TCP port; ``0`` picks a free one.
     addr
-        Address to bind. The default is loopback: the figures (request rates, weight
-        versions) are for the operator's scraper, so exposing them on other interfaces
-        (``"0.0.0.0"``, ``"::"``) is a deliberate choice.
+        Address to bind: loopback by default (serving the figures on other interfaces,
+        ``"0.0.0.0"`` or ``"::"``, is a deliberate choice).
 
     Raises
     ------
@@ -260,10 +254,8 @@ def start_http_server(port: int, addr: str = "127.0.0.1") -> int:
 
 
 def stop_http_server(port: int) -> None:
-    """Stop the endpoint :func:`start_http_server` started on ``port`` and free the port.
-
-    Unknown ports are ignored, so shutdown paths may call it unconditionally.
-    """
+    """Stop the endpoint :func:`start_http_server` started on ``port`` (unknown ports
+    are ignored, so shutdown paths may call it unconditionally)."""
     with _servers_lock:
         server = _servers.pop(port, None)
     if server is not None:

@@ -72,15 +72,11 @@ class Shard:
 
 
 class Counters(Mapping[str, int]):
-    """Every count of one worker: a read-only mapping of its status counts.
+    """Every count of one worker, and a read-only mapping of its status counts.
 
-    Attributes
-    ----------
-    loop, io:
-        The shards of the engine's loop and of the socket thread.
-    read:
-        Counts kept by other parts (lost replies, the authenticator's refusals), read
-        when a snapshot is taken.
+    ``loop`` and ``io`` are the shards of the engine's loop and of the socket thread;
+    ``read`` maps the names of counts other parts keep (lost replies, refused keys) to
+    functions that read them.
     """
 
     def __init__(self) -> None:

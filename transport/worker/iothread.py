@@ -56,6 +56,29 @@ _MAX_ENCODERS = 65536
 _V1 = versions.VERSION_1
 
 
+class _Handoff:
+    """A queue into another thread's loop: one wake-up per batch, whatever its size."""
+
+    def __init__(self, take: Callable[[deque[Any]], None]) -> None:
+        self.items: deque[Any] = deque()
+        self.loop: asyncio.AbstractEventLoop | None = None  # the loop that takes
+        self._take = take
+        self._scheduled = False
+
+    def put(self, item: Any) -> None:
+        self.items.append(item)
+        if not self._scheduled and self.loop is not None:
+            self._scheduled = True
+            with contextlib.suppress(RuntimeError):  # that loop is closed: a dying worker
+                self.loop.call_soon_threadsafe(self.take)
+
+    def take(self) -> None:
+        # Cleared before taking: an item put after this schedules another take.
+        self._scheduled = False
+        if self.items:
+            self._take(self.items)
+
+
 class _Table(Container[Any], Sized, Protocol):
     """The requests a worker holds, keyed ``(peer, id)`` (read here, never written)."""
 
@@ -115,16 +138,13 @@ class SocketThread:
         self._dec = Decoder(fm.CLIENT_TO_WORKER, max_message_size=config.max_message_size)
         # (arrival time, peer, message) for the engine's loop; Submits put there and
         # taken are counted by this thread and that loop: one writer each.
-        self._inbox: deque[tuple[float, bytes, Any]] = deque()
-        self._in_scheduled = False
+        self._inbox = _Handoff(self._take_inbox)
         self._submits_in = 0
         self._submits_taken = 0
         # Held requests whose Cancel is on its way to the engine's loop.
         self._doomed: set[tuple[bytes, int]] = set()
-        self._outbox: deque[list[Any]] = deque()
-        self._out_scheduled = False
-        self._post: Callable[[list[Any]], None] = self._queue_out
-        self._engine_loop: asyncio.AbstractEventLoop | None = None
+        self._outbox = _Handoff(self._send_out)
+        self._post: Callable[[list[Any]], None] = self._outbox.put
         self._loop: asyncio.AbstractEventLoop | None = None
         self._pump: SocketPump | None = None
         self._monitor: SocketPump | None = None
@@ -134,9 +154,9 @@ class SocketThread:
     # -- lifecycle (called on the engine's loop) ----------------------------------------
     async def start(self, zmq_context: zmq.Context[Any]) -> list[str]:
         """Bind and serve; returns the bound endpoints (or raises what binding raised)."""
-        self._engine_loop = asyncio.get_running_loop()
+        self._inbox.loop = asyncio.get_running_loop()
         if not self.threaded:
-            self._loop = self._engine_loop
+            self._loop = self._inbox.loop
             await self._setup(zmq_context)
             assert self._pump is not None
             self._post = self._pump.send
@@ -153,7 +173,7 @@ class SocketThread:
         return self.endpoints
 
     def _run(self, zmq_context: zmq.Context[Any], ready: threading.Event) -> None:
-        loop = self._loop = asyncio.new_event_loop()
+        loop = self._loop = self._outbox.loop = asyncio.new_event_loop()
         try:
             try:
                 loop.run_until_complete(self._setup(zmq_context))
@@ -205,7 +225,7 @@ class SocketThread:
         thread.join(10)
 
     def _stop(self) -> None:
-        self._drain_outbox()
+        self._outbox.take()
         if self._monitor is not None:
             self._monitor.close()
         if self._pump is not None:
@@ -216,10 +236,11 @@ class SocketThread:
     # -- load, as pongs and status report it -------------------------------------------
     def engine_lag(self) -> float:
         """Seconds the oldest message not yet taken by the engine's loop has waited."""
-        inbox = self._inbox
+        inbox = self._inbox.items
         if inbox:
             with contextlib.suppress(IndexError):  # taken meanwhile
-                return max(0.0, time.monotonic() - inbox[0][0])
+                arrived: float = inbox[0][0]
+                return max(0.0, time.monotonic() - arrived)
         return 0.0
 
     def queued_submits(self) -> int:
@@ -245,17 +266,8 @@ class SocketThread:
         frames.insert(0, peer)
         self._post(frames)
 
-    def _queue_out(self, frames: list[Any]) -> None:
-        self._outbox.append(frames)
-        if not self._out_scheduled and self._loop is not None:
-            self._out_scheduled = True
-            with contextlib.suppress(RuntimeError):  # closed: replies of a dying worker
-                self._loop.call_soon_threadsafe(self._drain_outbox)
-
-    def _take_inbox(self) -> None:
-        # Cleared before taking: a message queued after this schedules another drain.
-        self._in_scheduled = False
-        inbox, dispatch = self._inbox, self._dispatch
+    def _take_inbox(self, inbox: deque[tuple[float, bytes, Any]]) -> None:
+        dispatch = self._dispatch
         while inbox:
             _, peer, msg = inbox.popleft()
             if type(msg) is fm.Submit:
@@ -263,16 +275,12 @@ class SocketThread:
             dispatch(peer, msg)
 
     # -- this thread's side ----------------------------------------------------------------
-    def _drain_outbox(self) -> None:
-        # Cleared before taking: a post after this schedules another drain.
-        self._out_scheduled = False
-        out = self._outbox
-        if not out or self._pump is None:
-            return
-        msgs = []
-        while out:
-            msgs.append(out.popleft())
-        self._pump.send_many(msgs)
+    def _send_out(self, out: deque[list[Any]]) -> None:
+        if self._pump is not None:
+            msgs = []
+            while out:
+                msgs.append(out.popleft())
+            self._pump.send_many(msgs)
 
     def _send(self, peer: bytes, msg: Any) -> None:
         assert self._pump is not None
@@ -286,12 +294,7 @@ class SocketThread:
             return
         if type(msg) is fm.Submit:
             self._submits_in += 1
-        self._inbox.append((time.monotonic(), peer, msg))
-        if not self._in_scheduled:
-            self._in_scheduled = True
-            assert self._engine_loop is not None
-            with contextlib.suppress(RuntimeError):  # the engine's loop is closed
-                self._engine_loop.call_soon_threadsafe(self._take_inbox)
+        self._inbox.put((time.monotonic(), peer, msg))
 
     def _on_message(self, frames: list[zmq.Frame]) -> None:
         peer = frames[0].bytes

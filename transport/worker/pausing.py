@@ -22,15 +22,8 @@ __all__ = ["PauseGate", "ResumeRefused"]
 class PauseGate:
     """At most ``max_running`` handlers run at once, and none starts while paused.
 
-    Used on the engine's loop; the socket thread only reads :attr:`paused` and
-    :attr:`running` (for its pongs).
-
-    Parameters
-    ----------
-    max_running:
-        Handler slots.
-    counts:
-        The engine loop's counters (pauses are counted there).
+    Used on the engine's loop (the socket thread only reads :attr:`paused` and
+    :attr:`running`); pauses are counted in ``counts``, the engine loop's shard.
     """
 
     def __init__(self, max_running: int, counts: Shard) -> None:
@@ -41,7 +34,6 @@ class PauseGate:
         #: How many times :meth:`pause` was called: lets an in-process pauser (a weight
         #: copy) tell whether someone else paused the worker after it did.
         self.pause_requests = 0
-        #: Callbacks run (in the loop) when a pause starts / when generation resumes.
         self.on_pause: list[Callable[[], Any]] = []
         self.on_resume: list[Callable[[], Any]] = []
         self._counts = counts
