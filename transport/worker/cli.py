@@ -4,7 +4,8 @@ It prints one JSON line ``{"ready": [endpoints], "pid": ..., "worker_id": ...}``
 ``"metrics": port`` with ``--metrics-port``) once it serves. A user error (a bad flag,
 an engine that cannot be built, an address that cannot be bound, a plugin that fails as
 it starts) prints one line on stderr and exits non-zero: 2 for a usage error, 1 for a
-plugin that failed.
+plugin that failed. The main thread runs the engine's loop (``asyncio.run``); the
+server starts the socket thread.
 """
 
 from __future__ import annotations
