@@ -1,9 +1,7 @@
 """Controller: pause, resume, abort and health of every generation worker.
 
-A small synchronous core (blocking sockets with poll timeouts: control operations are
-rare and short) with thin ``async`` twins that run it in a thread, so a trainer can
-call it from either world.
-
+A synchronous core on the caller's thread (DEALERs polled with timeouts: control
+operations are rare and short) with ``async`` twins that run it in a worker thread.
 The weight-update path uses it as::
 
     ctl = FabricController(worker_addresses)
@@ -11,10 +9,9 @@ The weight-update path uses it as::
     ...                    # publish weights; workers apply them, set engine.version
     ctl.resume()           # interrupted requests continue on the new weights
 
-``pause()`` returns only when each worker has *no* handler running, so nothing
-generates with half-updated weights. Interrupted generations have already been answered
-with ``stop_reason="interrupt"``; their clients re-submit the rest, which waits on the
-worker until ``resume()``.
+``pause()`` returns once no worker runs a handler, so nothing generates with
+half-updated weights; interrupted generations were answered ``"interrupt"`` and their
+rest waits on the worker until ``resume()``.
 """
 
 from __future__ import annotations
@@ -34,6 +31,9 @@ from transport.errors import ControlError
 from transport.sockets import DEFAULT_MAX_MESSAGE_SIZE, CurveConfig, make_dealer
 
 __all__ = ["FabricController"]
+
+#: Worker address -> its status after an operation.
+Statuses = dict[str, fm.WorkerStatus]
 
 
 class FabricController:
@@ -67,7 +67,7 @@ class FabricController:
         self.timeout = timeout
         self._curve = curve
         self._max = max_message_size
-        self._ctx: zmq.Context[Any] = zmq.Context()
+        self._zmq_context: zmq.Context[Any] = zmq.Context()
         self._socks: dict[str, zmq.Socket[Any]] = {}
         self._seq = itertools.count(1)
         self._lock = threading.Lock()
@@ -87,7 +87,7 @@ class FabricController:
         with self._lock:
             if address not in self._socks:
                 self._socks[address] = make_dealer(
-                    self._ctx, address, max_message_size=self._max, curve=self._curve
+                    self._zmq_context, address, max_message_size=self._max, curve=self._curve
                 )
 
     def remove_worker(self, address: str) -> None:
@@ -105,7 +105,7 @@ class FabricController:
         timeout: float | None = None,
         strict: bool = True,
         op_timeout: float | None = None,
-    ) -> dict[str, fm.WorkerStatus]:
+    ) -> Statuses:
         """Send ``op`` to every worker and wait for all answers.
 
         Parameters
@@ -121,16 +121,17 @@ class FabricController:
 
         Returns
         -------
-        dict
+        Statuses
             Worker address -> :class:`fastio.fabric_msgs.WorkerStatus` after the op.
         """
         t = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + t
+        op_t = op_timeout if op_timeout is not None else 0.8 * t
         with self._lock:
             unsent: dict[zmq.Socket[Any], tuple[str, int]] = {}
             waiting: dict[zmq.Socket[Any], tuple[str, int]] = {}
             failed: dict[str, str] = {}
-            statuses: dict[str, fm.WorkerStatus] = {}
+            statuses: Statuses = {}
             for address, sock in self._socks.items():
                 # Answers to earlier, timed-out operations may still sit in the socket.
                 _drain(sock)
@@ -150,11 +151,7 @@ class FabricController:
                 for sock, ev in poller.poll(int(left * 1000) + 1):
                     if ev & zmq.POLLOUT and sock in unsent:
                         address, seq = unsent.pop(sock)
-                        msg = fm.Control(
-                            seq=seq,
-                            op=op,
-                            timeout=op_timeout if op_timeout is not None else 0.8 * t,
-                        )
+                        msg = fm.Control(seq=seq, op=op, timeout=op_t)
                         try:
                             sock.send_multipart(self._enc.encode(msg), zmq.NOBLOCK, copy=False)
                         except zmq.Again:
@@ -181,59 +178,40 @@ class FabricController:
             for address, _ in waiting.values():
                 failed[address] = f"no answer within {t} s"
         if failed and strict:
-            raise ControlError(
-                f"{op} failed on {len(failed)} of {len(self._socks)} workers: {failed}",
-                failed,
-                dict(statuses),
-            )
+            text = f"{op} failed on {len(failed)} of {len(self._socks)} workers: {failed}"
+            raise ControlError(text, failed, dict(statuses))
         return statuses
 
-    def pause(
-        self, timeout: float | None = None, *, strict: bool = True
-    ) -> dict[str, fm.WorkerStatus]:
+    def pause(self, timeout: float | None = None, *, strict: bool = True) -> Statuses:
         """Pause every worker; returns once none is generating (see :meth:`request`)."""
         return self.request("pause", timeout=timeout, strict=strict)
 
-    def resume(
-        self, timeout: float | None = None, *, strict: bool = True
-    ) -> dict[str, fm.WorkerStatus]:
+    def resume(self, timeout: float | None = None, *, strict: bool = True) -> Statuses:
         """Let every worker generate again."""
         return self.request("resume", timeout=timeout, strict=strict)
 
-    def abort(
-        self, timeout: float | None = None, *, strict: bool = True
-    ) -> dict[str, fm.WorkerStatus]:
+    def abort(self, timeout: float | None = None, *, strict: bool = True) -> Statuses:
         """Abort every request on every worker (their callers get ``RequestAborted``)."""
         return self.request("abort", timeout=timeout, strict=strict)
 
-    def health(
-        self, timeout: float | None = None, *, strict: bool = False
-    ) -> dict[str, fm.WorkerStatus]:
+    def health(self, timeout: float | None = None, *, strict: bool = False) -> Statuses:
         """Status of every worker that answers in time (missing ones are not healthy)."""
         return self.request("health", timeout=timeout, strict=strict)
 
     # -- async twins ----------------------------------------------------------------
-    async def apause(
-        self, timeout: float | None = None, *, strict: bool = True
-    ) -> dict[str, fm.WorkerStatus]:
+    async def apause(self, timeout: float | None = None, *, strict: bool = True) -> Statuses:
         """:meth:`pause` without blocking the event loop."""
         return await asyncio.to_thread(self.pause, timeout, strict=strict)
 
-    async def aresume(
-        self, timeout: float | None = None, *, strict: bool = True
-    ) -> dict[str, fm.WorkerStatus]:
+    async def aresume(self, timeout: float | None = None, *, strict: bool = True) -> Statuses:
         """:meth:`resume` without blocking the event loop."""
         return await asyncio.to_thread(self.resume, timeout, strict=strict)
 
-    async def aabort(
-        self, timeout: float | None = None, *, strict: bool = True
-    ) -> dict[str, fm.WorkerStatus]:
+    async def aabort(self, timeout: float | None = None, *, strict: bool = True) -> Statuses:
         """:meth:`abort` without blocking the event loop."""
         return await asyncio.to_thread(self.abort, timeout, strict=strict)
 
-    async def ahealth(
-        self, timeout: float | None = None, *, strict: bool = False
-    ) -> dict[str, fm.WorkerStatus]:
+    async def ahealth(self, timeout: float | None = None, *, strict: bool = False) -> Statuses:
         """:meth:`health` without blocking the event loop."""
         return await asyncio.to_thread(self.health, timeout, strict=strict)
 
@@ -243,7 +221,7 @@ class FabricController:
             for sock in self._socks.values():
                 sock.close(linger=0)
             self._socks.clear()
-            self._ctx.term()
+            self._zmq_context.term()
 
     def __enter__(self) -> FabricController:
         return self

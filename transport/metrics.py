@@ -1,23 +1,16 @@
 """Prometheus metrics of the fabric and the weight path (optional extra ``metrics``).
 
-Every metric below exists whether or not ``prometheus-client`` is installed: without it
-they are no-ops, so instrumented code never branches on it (``ENABLED`` says which).
-:func:`start_http_server` serves the exposition (``GET /metrics``) from a daemon thread
-and needs the extra; it binds to loopback unless told otherwise.
+Every metric exists whether or not ``prometheus-client`` is installed: without it they
+are no-ops, so instrumented code never branches on it (``ENABLED`` says which).
+:func:`start_http_server` serves ``GET /metrics`` from a daemon thread (loopback unless
+told otherwise) and needs the extra.
 
-Per process, per role. Each side's series appear in prometheus-client's default registry
-(the process's) once that side runs in the process, :func:`expose` says so:
-:class:`~transport.WorkerServer` exposes ``worker``, :class:`~transport.FabricClient`
-``client``, :class:`~transport.weights.WeightPublisher` ``publisher`` and
-:class:`~transport.weights.WeightSubscriber` ``subscriber``. A worker's endpoint thus
-shows worker (and subscriber) series, never a client's zeros. Counters and histograms
-carry no ``*_created`` twins (dropped from fastio's families only, never from other
-metrics of the process). Each process serves its own figures on its own port and a
-scraper sums them (they are not shared across ``fork``).
-
-Names follow Prometheus conventions (``fastio_<side>_<what>_<unit>``; counters gain
-``_total`` in the exposition). Labels are kept to small fixed sets. Every series, with
-its type, labels and meaning: ``docs/metrics.md``.
+A process shows the series of the roles it runs, once :func:`expose` names them (the
+worker, the client, the publisher and the subscriber call it as they start); counters
+and histograms carry no ``*_created`` twins. Counts kept as plain ints (the worker's
+:class:`~transport.worker.counters.Counters`) are added to the metrics when scraped, by
+hooks given to :func:`on_scrape` (run on the scraping thread). Every series, with its
+type, labels and meaning: ``docs/metrics.md``.
 
 >>> from transport import metrics
 >>> metrics.CLIENT_RESENDS.inc()  # counts, or does nothing without prometheus-client
@@ -27,37 +20,19 @@ from __future__ import annotations
 
 import socket
 import threading
+from collections.abc import Callable
 from http.server import ThreadingHTTPServer
 from typing import Any
 
 __all__ = [
-    "CLIENT_LATENCY",
-    "CLIENT_RESENDS",
-    "CLIENT_WORKER_DEATHS",
-    "ENABLED",
-    "FINISHED_REASONS",
-    "PUBLISHER_BYTES",
-    "PUBLISHER_FAILURES",
-    "PUBLISHER_PHASE_SECONDS",
-    "ROLES",
-    "SUBSCRIBER_BYTES",
-    "SUBSCRIBER_FAILURES",
-    "SUBSCRIBER_PHASE_SECONDS",
-    "WORKER_E2E",
-    "WORKER_ERRORS",
-    "WORKER_INFLIGHT",
-    "WORKER_ITL",
-    "WORKER_PAUSED",
-    "WORKER_PAUSES",
-    "WORKER_QUEUE_DEPTH",
-    "WORKER_REQUESTS",
-    "WORKER_TTFT",
-    "WORKER_WEIGHT_VERSION",
-    "WorkerTally",
-    "expose",
-    "start_http_server",
-    "stop_http_server",
-]
+    "CLIENT_LATENCY", "CLIENT_RESENDS", "CLIENT_WORKER_DEATHS", "ENABLED", "FINISHED_REASONS",
+    "PUBLISHER_BYTES", "PUBLISHER_FAILURES", "PUBLISHER_PHASE_SECONDS", "ROLES",
+    "SUBSCRIBER_BYTES", "SUBSCRIBER_FAILURES", "SUBSCRIBER_PHASE_SECONDS", "WORKER_E2E",
+    "WORKER_ERRORS", "WORKER_FINISHED", "WORKER_GENERATION_TOKENS", "WORKER_INFLIGHT",
+    "WORKER_ITL", "WORKER_PAUSED", "WORKER_PAUSES", "WORKER_PROMPT_TOKENS",
+    "WORKER_QUEUE_DEPTH", "WORKER_REQUESTS", "WORKER_TTFT", "WORKER_WEIGHT_VERSION", "expose",
+    "on_scrape", "start_http_server", "stop_http_server",
+]  # fmt: skip
 
 _prom: Any
 try:
@@ -75,17 +50,10 @@ class _Noop:
     def labels(self, *args: Any, **kwargs: Any) -> _Noop:
         return self
 
-    def inc(self, amount: float = 1.0) -> None:
+    def _ignore(self, value: float = 1.0) -> None:
         pass
 
-    def dec(self, amount: float = 1.0) -> None:
-        pass
-
-    def set(self, value: float) -> None:
-        pass
-
-    def observe(self, value: float) -> None:
-        pass
+    inc = dec = set = observe = _ignore
 
 
 _LATENCY_BUCKETS = (
@@ -102,151 +70,90 @@ FINISHED_REASONS = ("stop", "length", "interrupt", "abort")
 
 # role -> its metrics, created outside any registry; expose() registers them.
 _MEMBERS: dict[str, list[Any]] = {role: [] for role in ROLES}
+# role -> what brings its plain-int counts into its metrics before a scrape.
+_HOOKS: dict[str, list[Callable[[], None]]] = {role: [] for role in ROLES}
 
 
-def _member(role: str, metric: Any) -> Any:
-    _MEMBERS[role].append(metric)
+def _member(kind: str, name: str, *args: Any, **kwargs: Any) -> Any:
+    # The role is the name's second word: fastio_<role>_<what>.
+    if not _prom:
+        return _Noop()
+    metric = getattr(_prom, kind)(name, *args, registry=None, **kwargs)
+    _MEMBERS[name.split("_")[1]].append(metric)
     return metric
 
 
-def _counter(role: str, name: str, doc: str, labels: tuple[str, ...] = ()) -> Any:
-    if not _prom:
-        return _Noop()
-    return _member(role, _prom.Counter(name, doc, labels, registry=None))
+def _counter(name: str, doc: str, labels: tuple[str, ...] = ()) -> Any:
+    return _member("Counter", name, doc, labels)
 
 
-def _gauge(role: str, name: str, doc: str, labels: tuple[str, ...] = ()) -> Any:
-    if not _prom:
-        return _Noop()
-    return _member(role, _prom.Gauge(name, doc, labels, registry=None))
+def _gauge(name: str, doc: str) -> Any:
+    return _member("Gauge", name, doc)
 
 
 def _histogram(
-    role: str, name: str, doc: str, buckets: tuple[float, ...], labels: tuple[str, ...] = ()
+    name: str, doc: str, buckets: tuple[float, ...], labels: tuple[str, ...] = ()
 ) -> Any:
-    if not _prom:
-        return _Noop()
-    return _member(role, _prom.Histogram(name, doc, labels, buckets=buckets, registry=None))
+    return _member("Histogram", name, doc, labels, buckets=buckets)
 
 
 # --- worker ---------------------------------------------------------------------------
 WORKER_REQUESTS = _counter(
-    "worker", "fastio_worker_requests", "Requests finished by this worker, by outcome", ("outcome",)
+    "fastio_worker_requests", "Requests finished by this worker, by outcome", ("outcome",)
 )  # outcome: ok | error | cancelled | rejected
-WORKER_ERRORS = _counter("worker", "fastio_worker_errors", "Error replies sent, by code", ("code",))
-WORKER_INFLIGHT = _gauge("worker", "fastio_worker_in_flight", "Requests whose handler is running")
-WORKER_QUEUE_DEPTH = _gauge("worker", "fastio_worker_queue_depth", "Requests waiting for a slot")
+WORKER_ERRORS = _counter("fastio_worker_errors", "Error replies sent, by code", ("code",))
+WORKER_FINISHED = _counter(
+    "fastio_worker_finished_requests",
+    "Requests finished, by finish reason (stop, length, interrupt, abort)",
+    ("finished_reason",),
+)
+for _reason in FINISHED_REASONS:  # every reason shows, at 0 before its first count
+    WORKER_FINISHED.labels(_reason)
+WORKER_PROMPT_TOKENS = _counter(
+    "fastio_worker_prompt_tokens", "Prompt tokens of the requests answered with a Result"
+)
+WORKER_GENERATION_TOKENS = _counter(
+    "fastio_worker_generation_tokens", "Tokens generated in the Results sent"
+)
+WORKER_INFLIGHT = _gauge("fastio_worker_in_flight", "Requests whose handler is running")
+WORKER_QUEUE_DEPTH = _gauge("fastio_worker_queue_depth", "Requests waiting for a slot")
 WORKER_TTFT = _histogram(
-    "worker", "fastio_worker_ttft_seconds", "Time from Submit to the first token", _LATENCY_BUCKETS
+    "fastio_worker_ttft_seconds", "Time from Submit to the first token", _LATENCY_BUCKETS
 )
 WORKER_ITL = _histogram(
-    "worker",
-    "fastio_worker_inter_token_seconds",
-    "Mean time between tokens per request",
-    _TOKEN_BUCKETS,
+    "fastio_worker_inter_token_seconds", "Mean time between tokens per request", _TOKEN_BUCKETS
 )
 WORKER_E2E = _histogram(
-    "worker", "fastio_worker_e2e_seconds", "Time from Submit to the Result", _LATENCY_BUCKETS
+    "fastio_worker_e2e_seconds", "Time from Submit to the Result", _LATENCY_BUCKETS
 )
-WORKER_PAUSES = _counter("worker", "fastio_worker_pauses", "Pauses (weight updates, controller)")
-WORKER_WEIGHT_VERSION = _gauge(
-    "worker", "fastio_worker_weight_version", "Weight version the engine serves"
-)
-WORKER_PAUSED = _gauge("worker", "fastio_worker_paused", "1 while generation is paused, else 0")
+WORKER_PAUSES = _counter("fastio_worker_pauses", "Pauses (weight updates, controller)")
+WORKER_WEIGHT_VERSION = _gauge("fastio_worker_weight_version", "Weight version the engine serves")
+WORKER_PAUSED = _gauge("fastio_worker_paused", "1 while generation is paused, else 0")
 
 # --- client ---------------------------------------------------------------------------
-CLIENT_RESENDS = _counter("client", "fastio_client_resends", "Requests re-sent to another worker")
-CLIENT_WORKER_DEATHS = _counter("client", "fastio_client_worker_deaths", "Workers declared dead")
+CLIENT_RESENDS = _counter("fastio_client_resends", "Requests re-sent to another worker")
+CLIENT_WORKER_DEATHS = _counter("fastio_client_worker_deaths", "Workers declared dead")
 CLIENT_LATENCY = _histogram(
-    "client", "fastio_client_latency_seconds", "agenerate: call to response", _LATENCY_BUCKETS
+    "fastio_client_latency_seconds", "agenerate: call to response", _LATENCY_BUCKETS
 )
 
 # --- weights --------------------------------------------------------------------------
 PUBLISHER_PHASE_SECONDS = _histogram(
-    "publisher",
     "fastio_publisher_phase_seconds",
     "Weight update time per phase (pack, send, wait, total)",
     _LATENCY_BUCKETS,
     ("phase",),
 )
-PUBLISHER_BYTES = _counter(
-    "publisher", "fastio_publisher_bytes", "Weight bytes published", ("path",)
-)
-PUBLISHER_FAILURES = _counter(
-    "publisher", "fastio_publisher_failures", "Versions some worker failed"
-)
+PUBLISHER_BYTES = _counter("fastio_publisher_bytes", "Weight bytes published", ("path",))
+PUBLISHER_FAILURES = _counter("fastio_publisher_failures", "Versions some worker failed")
 SUBSCRIBER_PHASE_SECONDS = _histogram(
-    "subscriber",
     "fastio_subscriber_phase_seconds",
     "Weight apply time per phase (receive, verify, apply, total)",
     _LATENCY_BUCKETS,
     ("phase",),
 )
-SUBSCRIBER_BYTES = _counter(
-    "subscriber", "fastio_subscriber_bytes", "Weight bytes applied", ("path",)
-)
-SUBSCRIBER_FAILURES = _counter(
-    "subscriber", "fastio_subscriber_failures", "Versions refused or failed"
-)
-
-
-class WorkerTally:
-    """What one worker server finished: tokens and finish reasons, as plain integers.
-
-    Written only by its server's loop (``+=`` on an int: no lock, no call into
-    prometheus-client on the request path) and summed over every server of the process
-    when scraped, as ``fastio_worker_prompt_tokens_total``,
-    ``fastio_worker_generation_tokens_total`` and
-    ``fastio_worker_finished_requests_total{finished_reason}``.
-    """
-
-    __slots__ = ("finished", "generation_tokens", "prompt_tokens")
-
-    def __init__(self) -> None:
-        self.prompt_tokens = 0
-        self.generation_tokens = 0
-        #: finished_reason -> requests (the keys of :data:`FINISHED_REASONS`).
-        self.finished = dict.fromkeys(FINISHED_REASONS, 0)
-        with _tallies_lock:
-            _tallies.append(self)
-
-    def result(self, stop_reason: str, prompt_tokens: int, generation_tokens: int) -> None:
-        """A Result left: ``stop_reason`` is one of :data:`FINISHED_REASONS` (the
-        worker checked it before sending)."""
-        self.prompt_tokens += prompt_tokens
-        self.generation_tokens += generation_tokens
-        self.finished[stop_reason] += 1
-
-    def aborted(self) -> None:
-        """A controller's abort ended a request (answered with an ABORTED error)."""
-        self.finished["abort"] += 1
-
-
-_tallies: list[WorkerTally] = []  # every server's of this process (kept: counters never fall)
-_tallies_lock = threading.Lock()
-
-
-def _tally_families() -> list[Any]:
-    from prometheus_client.core import CounterMetricFamily
-
-    with _tallies_lock:
-        tallies = list(_tallies)
-    prompt = CounterMetricFamily(
-        "fastio_worker_prompt_tokens", "Prompt tokens of the requests answered with a Result"
-    )
-    prompt.add_metric([], sum(t.prompt_tokens for t in tallies))
-    gen = CounterMetricFamily(
-        "fastio_worker_generation_tokens", "Tokens generated in the Results sent"
-    )
-    gen.add_metric([], sum(t.generation_tokens for t in tallies))
-    finished = CounterMetricFamily(
-        "fastio_worker_finished_requests",
-        "Requests finished, by finish reason (stop, length, interrupt, abort)",
-        labels=("finished_reason",),
-    )
-    for reason in FINISHED_REASONS:
-        finished.add_metric([reason], sum(t.finished[reason] for t in tallies))
-    return [prompt, gen, finished]
+SUBSCRIBER_BYTES = _counter("fastio_subscriber_bytes", "Weight bytes applied", ("path",))
+SUBSCRIBER_FAILURES = _counter("fastio_subscriber_failures", "Versions refused or failed")
 
 
 class _Role:
@@ -256,13 +163,21 @@ class _Role:
         self.role = role
 
     def collect(self) -> Any:
+        for hook in list(_HOOKS[self.role]):
+            hook()
         for metric in _MEMBERS[self.role]:
             for family in metric.collect():
                 # No *_created twin (a timestamp per counter dashboards do not read).
                 family.samples = [s for s in family.samples if not s.name.endswith("_created")]
                 yield family
-        if self.role == "worker":
-            yield from _tally_families()
+
+
+def on_scrape(role: str, hook: Callable[[], None]) -> Callable[[], None]:
+    """Call ``hook`` before each scrape of ``role``'s series (to add counts kept as plain
+    ints to the metrics); returns what removes it."""
+    hooks = _HOOKS[role]
+    hooks.append(hook)
+    return lambda: hooks.remove(hook) if hook in hooks else None
 
 
 _exposed: set[str] = set()
@@ -270,11 +185,8 @@ _exposed_lock = threading.Lock()
 
 
 def expose(*roles: str) -> None:
-    """Show the series of ``roles`` (of :data:`ROLES`) in this process's exposition.
-
-    The parts of the fabric call it as they start, so a process shows the series of
-    the sides it runs and no others. Idempotent; does nothing without
-    prometheus-client.
+    """Show the series of ``roles`` (of :data:`ROLES`) in this process's exposition
+    (idempotent; does nothing without prometheus-client).
 
     >>> expose("worker", "subscriber")
     """
@@ -300,11 +212,10 @@ def start_http_server(port: int, addr: str = "127.0.0.1") -> int:
     Parameters
     ----------
     port
-        TCP port; ``0`` picks a free one (read it from the return value).
+        TCP port; ``0`` picks a free one.
     addr
-        Address to bind. The default is loopback: the figures (request rates, weight
-        versions) are for the operator's scraper, so exposing them on other interfaces
-        (``"0.0.0.0"``, ``"::"``) is a deliberate choice.
+        Address to bind: loopback by default (serving the figures on other interfaces,
+        ``"0.0.0.0"`` or ``"::"``, is a deliberate choice).
 
     Raises
     ------
@@ -343,10 +254,8 @@ def start_http_server(port: int, addr: str = "127.0.0.1") -> int:
 
 
 def stop_http_server(port: int) -> None:
-    """Stop the endpoint :func:`start_http_server` started on ``port`` and free the port.
-
-    Unknown ports are ignored, so shutdown paths may call it unconditionally.
-    """
+    """Stop the endpoint :func:`start_http_server` started on ``port`` (unknown ports
+    are ignored, so shutdown paths may call it unconditionally)."""
     with _servers_lock:
         server = _servers.pop(port, None)
     if server is not None:

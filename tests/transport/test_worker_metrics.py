@@ -68,3 +68,33 @@ def test_ok_answers_are_counted_while_serving() -> None:
 
     asyncio.run(main())
     assert _sample("fastio_worker_requests_total", outcome="ok") - ok == 3.0
+
+
+def test_status_and_a_scrape_read_the_same_counts() -> None:
+    # One Counters object per worker: what status() says and what a scrape shows agree,
+    # and a scrape sees every answer at once (no count waits for a later report).
+    names = ("fastio_worker_prompt_tokens_total", "fastio_worker_generation_tokens_total")
+    before = [_sample(n) for n in names]
+    ok, stop = (
+        _sample("fastio_worker_requests_total", outcome="ok"),
+        _sample("fastio_worker_finished_requests_total", finished_reason="stop"),
+    )
+
+    async def main() -> dict[str, int]:
+        server = WorkerServer(echo_handler, WorkerConfig(bind="tcp://127.0.0.1:0"))
+        endpoints = await server.start()
+        try:
+            async with FabricClient(endpoints, ClientConfig(stream=False)) as client:
+                for i in range(4):
+                    await asyncio.wait_for(client.agenerate(LLMRequest(input_ids=[i, 1, 2])), 30)
+            counts = server.status().counters
+            assert _sample("fastio_worker_requests_total", outcome="ok") - ok == 4
+            assert dict(server.counters) == counts
+            return counts
+        finally:
+            await server.close()
+
+    counts = asyncio.run(main())
+    assert counts["received"] == counts["completed"] == 4 and counts["errors"] == 0
+    assert [_sample(n) - b for n, b in zip(names, before, strict=True)] == [12.0, 12.0]
+    assert _sample("fastio_worker_finished_requests_total", finished_reason="stop") - stop == 4

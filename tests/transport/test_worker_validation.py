@@ -9,13 +9,14 @@ from collections.abc import Callable
 from typing import Any
 
 import msgspec
+import pytest
 import zmq
 
 import fastio
 from fastio import LLMRequest
 from fastio import fabric_msgs as fm
 from tests.transport.conftest import WorkerProc
-from transport import FabricController
+from transport import FabricController, WorkerConfig, WorkerServer, echo_handler
 
 
 def replies(sock: zmq.Socket[Any], seconds: float) -> list[Any]:
@@ -101,3 +102,14 @@ def test_invalid_submit_gets_bad_request_naming_the_field(
         assert isinstance(ok, fm.Result) and ok.id == 4
     finally:
         ctx.destroy(linger=0)
+
+
+def test_a_config_out_of_range_is_refused_at_construction() -> None:
+    """WorkerConfig's constraints are checked when the server is built, naming the field;
+    its fields by name are accepted too (strings converted)."""
+    with pytest.raises(ValueError, match=r"Expected `int` >= 1 - at `\$\.max_pending`"):
+        WorkerServer(echo_handler, WorkerConfig(max_pending=0))
+    with pytest.raises(ValueError, match="unknown field `colour`"):
+        WorkerServer(echo_handler, {"colour": "red"})
+    server = WorkerServer(echo_handler, {"max_concurrency": "8", "client_timeout": "2.5"})
+    assert server.config == WorkerConfig(max_concurrency=8, client_timeout=2.5)

@@ -1,13 +1,16 @@
 """Generation worker: a ZeroMQ ROUTER hosting a generate handler.
 
-Modules, one concern each:
+Modules, one concern each (the thread that runs each is named in its docstring):
 
-- :mod:`transport.worker.server`: :class:`WorkerServer`, requests on the engine's loop,
-  dead clients
+- :mod:`transport.worker.server`: :class:`WorkerServer`, which owns the parts below;
+  requests, controls and dead clients on the engine's loop
 - :mod:`transport.worker.iothread`: the socket thread (pings, bytes, bad input)
-- :mod:`transport.worker.context`: :class:`WorkerConfig`, :class:`RequestContext`
-- :mod:`transport.worker.pausing`: pause / resume / abort and controller operations
+- :mod:`transport.worker.config`: :class:`WorkerConfig`
+- :mod:`transport.worker.context`: :class:`RequestContext` and the streams it sends
+- :mod:`transport.worker.pausing`: the pause gate (slots, pause, resume)
+- :mod:`transport.worker.counters`: the one counters object (status and Prometheus)
 - :mod:`transport.worker.eager`: the eager start of handlers
+- :mod:`transport.worker.jobs`: background jobs (a weight subscriber, say)
 - :mod:`transport.worker.lost`: replies lost to unreachable clients
 - :mod:`transport.worker.echo`: the echo engine
 - :mod:`transport.worker.cli`: ``python -m transport.worker``
@@ -18,7 +21,8 @@ Run one as a process::
 """
 
 from transport.worker.cli import main
-from transport.worker.context import RequestContext, WorkerConfig
+from transport.worker.config import WorkerConfig
+from transport.worker.context import RequestContext
 from transport.worker.echo import echo_handler
 from transport.worker.server import Handler, InvalidHandlerOutput, WorkerServer
 

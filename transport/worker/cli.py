@@ -4,7 +4,8 @@ It prints one JSON line ``{"ready": [endpoints], "pid": ..., "worker_id": ...}``
 ``"metrics": port`` with ``--metrics-port``) once it serves. A user error (a bad flag,
 an engine that cannot be built, an address that cannot be bound, a plugin that fails as
 it starts) prints one line on stderr and exits non-zero: 2 for a usage error, 1 for a
-plugin that failed.
+plugin that failed. The main thread runs the engine's loop (``asyncio.run``); the
+server starts the socket thread.
 """
 
 from __future__ import annotations
@@ -16,29 +17,25 @@ import gc
 import json
 import logging
 import os
+import re
 import signal
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
+import msgspec
 import zmq
 
 from transport.engines.registry import ENGINES, resolve_engine
 from transport.options import resolve_entry
-from transport.sockets import (
-    DEFAULT_HWM,
-    DEFAULT_MAX_MESSAGE_SIZE,
-    DEFAULT_PEER_QUEUE_LIMIT,
-    CurveConfig,
-)
-from transport.worker.context import WorkerConfig
+from transport.sockets import CurveConfig
+from transport.worker.config import WorkerConfig, checked_config
 from transport.worker.server import Background, WorkerServer
 
 __all__ = ["main"]
 
 PROG = "python -m transport.worker"
-#: Engines that compute nothing in the worker: torch is not imported for them (seconds
-#: of start-up).
+#: Engines that compute nothing in the worker: torch is not imported for them.
 _NO_TORCH = frozenset(("echo", "sglang", "vllm"))
 _LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
@@ -72,6 +69,29 @@ def _key_value(value: str) -> tuple[str, str]:
     return key, val
 
 
+#: Flags that set the WorkerConfig field of the same name, with their help; their values
+#: are converted and checked by WorkerConfig itself (:func:`_config`).
+_CONFIG_FLAGS = {
+    "max_concurrency": "handlers running at once",
+    "max_pending": "running plus waiting",
+    "client_timeout": "s of silence before a client is dead",
+    "max_message_size": "bytes",
+    "hwm": "socket high-water mark",
+    "peer_queue_limit": "bytes queued for a client that does not read before it is dropped",
+}
+#: Flags of the reference engine (also --seed, shared with hf), as its engine options.
+_REFERENCE_FLAGS = {
+    "vocab_size": ("256", "reference: vocabulary"),
+    "hidden": ("64", "reference: hidden size"),
+    "layers": ("2", "reference: GRU layers"),
+    "token_interval": ("0.0", "reference: simulated s per token"),
+}
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = _Parser(
         prog=PROG,
@@ -89,14 +109,6 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "module:factory (factory(engine_opts) returns a handler or an engine)",
     )
     p.add_argument(
-        "--engine-opt",
-        action="append",
-        default=[],
-        type=_key_value,
-        metavar="KEY=VALUE",
-        help="option for the engine factory (repeatable)",
-    )
-    p.add_argument(
         "--model-size",
         default="small",
         choices=("tiny", "small", "medium", "large"),
@@ -105,26 +117,12 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--model-path", help="--engine hf: a local from_pretrained directory")
     p.add_argument("--device", help="--engine hf: torch device (default: cuda when present)")
     p.add_argument("--worker-id", default="", help="name in heartbeats (default host:pid)")
-    p.add_argument("--seed", type=int, default=0, help="weights seed of reference / hf")
-    p.add_argument("--vocab-size", type=int, default=256, help="reference: vocabulary")
-    p.add_argument("--hidden", type=int, default=64, help="reference: hidden size")
-    p.add_argument("--layers", type=int, default=2, help="reference: GRU layers")
-    p.add_argument(
-        "--token-interval", type=float, default=0.0, help="reference: simulated s per token"
-    )
-    p.add_argument("--max-concurrency", type=int, default=4096, help="handlers running at once")
-    p.add_argument("--max-pending", type=int, default=65536, help="running plus waiting")
-    p.add_argument(
-        "--client-timeout", type=float, default=10.0, help="s of silence before a client is dead"
-    )
-    p.add_argument("--max-message-size", type=int, default=DEFAULT_MAX_MESSAGE_SIZE, help="bytes")
-    p.add_argument("--hwm", type=int, default=DEFAULT_HWM, help="socket high-water mark")
-    p.add_argument(
-        "--peer-queue-limit",
-        type=int,
-        default=DEFAULT_PEER_QUEUE_LIMIT,
-        help="bytes queued for a client that does not read before it is dropped",
-    )
+    p.add_argument("--seed", default="0", help="weights seed of reference / hf")
+    for name, (default, help) in _REFERENCE_FLAGS.items():
+        p.add_argument(_flag(name), default=default, help=help)
+    defaults = WorkerConfig()
+    for name, help in _CONFIG_FLAGS.items():
+        p.add_argument(_flag(name), default=getattr(defaults, name), help=help)
     p.add_argument(
         "--inline",
         default="auto",
@@ -147,14 +145,13 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=[],
         help="module:function(server, plugin_opts), a background job in the worker's loop",
     )
-    p.add_argument(
-        "--plugin-opt",
-        action="append",
-        default=[],
-        type=_key_value,
-        metavar="KEY=VALUE",
-        help="option passed to plugins (repeatable)",
-    )
+    for flag, help in (
+        ("--engine-opt", "option for the engine factory (repeatable)"),
+        ("--plugin-opt", "option passed to plugins (repeatable)"),
+    ):
+        p.add_argument(
+            flag, action="append", default=[], type=_key_value, metavar="KEY=VALUE", help=help
+        )
     p.add_argument(
         "--metrics-port",
         type=int,
@@ -172,17 +169,35 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
+def _config(args: argparse.Namespace) -> WorkerConfig:
+    """The WorkerConfig the flags describe; a bad value is named by its flag."""
+    given: dict[str, Any] = {name: getattr(args, name) for name in _CONFIG_FLAGS}
+    given.update(
+        bind=args.bind, worker_id=args.worker_id, extra=dict(args.plugin_opt),
+        inline={"auto": None, "on": True, "off": False}[args.inline],
+        latency_metrics=args.metrics_port is not None,
+    )  # fmt: skip
+    if args.curve_secret:
+        given["curve"] = CurveConfig(
+            secret_key_file=args.curve_secret, authorized_clients_dir=args.curve_clients
+        )
+    try:
+        return checked_config(given)
+    except msgspec.ValidationError as exc:
+        m = re.fullmatch(r"(.*) - at `\$\.(\w+)`", str(exc))
+        if m is None:
+            raise UserError(str(exc)) from None
+        raise UserError(f"{_flag(m[2])} {given[m[2]]}: {m[1]}") from None
+
+
 def _engine_opts(args: argparse.Namespace) -> dict[str, str]:
     """``--engine-opt`` values, over the legacy flags of the reference and hf engines."""
     opts: dict[str, str] = {}
     if args.engine == "reference":
-        opts = {
-            "vocab_size": str(args.vocab_size), "hidden": str(args.hidden),
-            "layers": str(args.layers), "seed": str(args.seed),
-            "token_interval": str(args.token_interval),
-        }  # fmt: skip
+        opts = {name: getattr(args, name) for name in _REFERENCE_FLAGS}
+        opts["seed"] = args.seed
     elif args.engine == "hf":
-        opts = {"model_size": args.model_size, "seed": str(args.seed)}
+        opts = {"model_size": args.model_size, "seed": args.seed}
         if args.model_path:
             opts["model_path"] = args.model_path
         if args.device:
@@ -227,20 +242,8 @@ def _plugins(args: argparse.Namespace) -> list[Background]:
 
 
 async def _amain(args: argparse.Namespace) -> None:
+    config = _config(args)
     handler = build_engine(args)
-    curve = None
-    if args.curve_secret:
-        curve = CurveConfig(
-            secret_key_file=args.curve_secret, authorized_clients_dir=args.curve_clients
-        )
-    config = WorkerConfig(
-        bind=args.bind, worker_id=args.worker_id, max_concurrency=args.max_concurrency,
-        max_pending=args.max_pending, client_timeout=args.client_timeout,
-        max_message_size=args.max_message_size, hwm=args.hwm, curve=curve,
-        peer_queue_limit=args.peer_queue_limit, extra=dict(args.plugin_opt),
-        inline={"auto": None, "on": True, "off": False}[args.inline],
-        latency_metrics=args.metrics_port is not None,
-    )  # fmt: skip
     server = WorkerServer(handler, config, background=_plugins(args))
     try:
         endpoints = await server.start()
@@ -262,17 +265,15 @@ async def _amain(args: argparse.Namespace) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, lambda: asyncio.ensure_future(server.close()))
-    # What exists now (torch, the engine, its model) lives as long as the process: out
-    # of the cyclic GC's sight, a full collection no longer walks it while holding the
-    # GIL for long enough to delay pongs.
+    # What exists now lives as long as the process: out of the cyclic GC's sight, a
+    # full collection no longer walks it while holding the GIL (delaying pongs).
     gc.freeze()
     print(json.dumps(ready), flush=True)
     await server.serve_forever()
 
 
 def _use_loop(kind: str) -> None:
-    """Make every loop of this process (the engine's, the socket thread's) a ``kind``
-    loop."""
+    """Make every loop of this process (the engine's, the socket thread's) ``kind``."""
     if kind == "uvloop":
         try:
             import uvloop
@@ -284,13 +285,10 @@ def _use_loop(kind: str) -> None:
 def main(argv: Sequence[str] | None = None) -> None:
     """Entry point of ``python -m transport.worker`` (see ``--help``)."""
     args = _parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level,
-        format="%(asctime)s %(name)s %(levelname)s %(message)s",
-        stream=sys.stderr,
-    )
+    fmt = "%(asctime)s %(name)s %(levelname)s %(message)s"
+    logging.basicConfig(level=args.log_level, format=fmt, stream=sys.stderr)
     # The socket thread waits at most this long for the GIL held by engine code (the
-    # default 5 ms would be most of a pong's budget under a busy pure-Python engine).
+    # default would be most of a pong's budget under a busy pure-Python engine).
     sys.setswitchinterval(0.001)
     if args.engine not in _NO_TORCH:
         with contextlib.suppress(ImportError):

@@ -3,7 +3,7 @@
 As Python 3.12's eager tasks: a handler that answers without waiting (an echo, a cache
 hit, a refusal) costs no task, no loop iteration and no timer, and its reply leaves in
 the same wake-up. A handler that awaits continues in a task, driven through
-:class:`Resume`. This runs on the engine's loop, never on the socket thread.
+:class:`Resume`. Runs on the engine's loop, never on the socket thread.
 """
 
 from __future__ import annotations
@@ -11,41 +11,11 @@ from __future__ import annotations
 import asyncio
 import types
 from collections.abc import Awaitable, Callable, Coroutine, Generator
-from typing import Any, Protocol
+from typing import Any
 
 from fastio import LLMRequest, LLMResponse
-from fastio import fabric_msgs as fm
-from transport.worker.context import RequestContext
 
-__all__ = ["CoroutineType", "Resume", "reap", "start_eager"]
-
-
-class _Server(Protocol):
-    """What the eager start uses of a :class:`~transport.WorkerServer` (declared here so
-    that this module needs not import the server's)."""
-
-    _running: int
-
-    @property
-    def handler(self) -> Callable[[LLMRequest, RequestContext], Awaitable[LLMResponse]]: ...
-    @property
-    def _tasks(self) -> dict[tuple[bytes, int], tuple[asyncio.Task[None], RequestContext]]: ...
-    def _ended(
-        self,
-        ctx: RequestContext,
-        sub: fm.Submit,
-        resp: LLMResponse | None,
-        err: BaseException | None,
-    ) -> None: ...
-    def _cancelled(self, ctx: RequestContext) -> None: ...
-    def _spawn(
-        self,
-        key: tuple[bytes, int],
-        ctx: RequestContext,
-        sub: fm.Submit,
-        started: Awaitable[LLMResponse] | None = None,
-    ) -> None: ...
-
+__all__ = ["Resume", "abandon", "first_step"]
 
 CoroutineType = types.CoroutineType
 
@@ -86,44 +56,29 @@ class Resume:
                     return stop.value  # type: ignore[no-any-return]
 
 
-def reap(server: _Server, ctx: RequestContext, sub: fm.Submit, started: Any, _: object) -> None:
-    """A task ended. If it was cancelled (a Cancel or an abort in the same batch as
-    its Submit) before its first step, the body of ``WorkerServer._run`` never ran: do what
-    it would have done, or the request would hold its slot and table entry forever
-    (and a pause would wait for it) and an abort would never be answered."""
-    if ctx._ran:
-        return
-    if isinstance(started, Resume):
-        started.close()
-    elif asyncio.isfuture(started):
-        started.cancel()
-    if started is not None:
-        server._ended(ctx, sub, None, asyncio.CancelledError())
-    else:
-        server._tasks.pop((ctx.peer, ctx.id), None)
-        server._cancelled(ctx)
-
-
-def start_eager(
-    server: _Server, key: tuple[bytes, int], ctx: RequestContext, sub: fm.Submit
-) -> None:
-    """Run the handler's first step now (it takes a slot); continue in a task if it
-    awaits."""
-    server._running += 1
+def first_step(
+    handler: Callable[[LLMRequest, Any], Any], req: LLMRequest, ctx: Any
+) -> tuple[Any, BaseException | None, Awaitable[LLMResponse] | None]:
+    """Call ``handler`` and run its first step now: ``(response, error, rest)``, where
+    ``rest`` is what a task must await when the handler did not finish at once."""
     try:
-        aw = server.handler(sub.request, ctx)
+        aw = handler(req, ctx)
         if type(aw) is not CoroutineType:
             if not hasattr(aw, "__await__"):  # a sync handler's answer
-                server._ended(ctx, sub, aw, None)  # type: ignore[arg-type]
-                return
-            # An awaitable that is not a coroutine (a Future, say): a task awaits it.
-            server._spawn(key, ctx, sub, aw)
-            return
+                return aw, None, None
+            return None, None, aw  # an awaitable that is not a coroutine (a Future)
         step = aw.send(None)
     except StopIteration as stop:
-        server._ended(ctx, sub, stop.value, None)
-        return
+        return stop.value, None, None
     except (Exception, asyncio.CancelledError) as exc:
-        server._ended(ctx, sub, None, exc)
-        return
-    server._spawn(key, ctx, sub, Resume(aw, step))
+        return None, exc, None
+    return None, None, Resume(aw, step)
+
+
+def abandon(rest: Awaitable[LLMResponse] | None) -> None:
+    """End what :func:`first_step` left running, whose task was cancelled before it
+    could await it."""
+    if isinstance(rest, Resume):
+        rest.close()
+    elif asyncio.isfuture(rest):
+        rest.cancel()

@@ -1,4 +1,5 @@
-"""The echo engine: answers with the prompt (for benchmarks and tests)."""
+"""The echo engine: answers with the prompt (for benchmarks and tests). It never blocks,
+so it runs inline: on the engine's loop, which then serves the socket too."""
 
 from __future__ import annotations
 

@@ -1,13 +1,11 @@
 """Lost-reply bookkeeping: what a worker gave up for a client it could not reach.
 
-A client presumed dead (silent past ``client_timeout``) may only have stalled, and a
-connection may be reset while its client lives. So the worker remembers, per peer, the
-submission ids it cancelled that way and those whose ``Result`` was undeliverable, and
-the ``Error`` replies that were undeliverable; when the peer pings again, each id is
-reported ``Error(LOST)`` (the client re-sends it) and each Error is sent again as it was.
-
-Written from the socket thread (undeliverable replies, pings) and the engine's loop
-(cancelled submissions): a lock guards the table.
+A client presumed dead may only have stalled, and a connection may be reset while its
+client lives. So the worker remembers, per peer, the submission ids it cancelled that
+way or whose ``Result`` was undeliverable, and its undeliverable ``Error`` replies; when
+the peer pings again, each id is reported ``Error(LOST)`` (the client re-sends it) and
+each Error is sent again. Written by the socket thread and the engine's loop: a lock
+guards the table.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
-"""Pause, resume and abort of a worker, and the controller operations that ask for them.
+"""The pause gate of a worker: handler slots, pause and resume (on the engine's loop).
 
 Pause: new submissions wait; running handlers see ``ctx.interrupted`` become true and
 should return their partial output with ``stop_reason="interrupt"`` (the client
-re-submits the rest after resume). The pause reply is sent once no handler is running,
-so a weight update that starts after it never races a generation step.
+re-submits the rest after resume). A pause completes once no handler is running, so a
+weight update that starts after it never races a generation step.
 """
 
 from __future__ import annotations
@@ -13,105 +13,97 @@ import collections
 from collections.abc import Callable
 from typing import Any
 
-from fastio import fabric_msgs as fm
-from transport import metrics
 from transport.errors import ResumeRefused
-from transport.worker.context import RequestContext
+from transport.worker.counters import Shard
 
-__all__ = ["PauseControl", "ResumeRefused"]
+__all__ = ["PauseGate", "ResumeRefused"]
 
 
-class PauseControl:
-    """The pause state of a :class:`~transport.WorkerServer` (its base class)."""
+class PauseGate:
+    """At most ``max_running`` handlers run at once, and none starts while paused.
 
-    counters: dict[str, int]
-    pause_requests: int
-    on_pause: list[Callable[[], Any]]
-    on_resume: list[Callable[[], Any]]
-    _paused: bool
-    _running: int
-    _resumed: asyncio.Event | None
-    _idle_waiters: list[asyncio.Future[None]]
-    _gate: collections.deque[asyncio.Future[None]]
-    _tasks: dict[tuple[bytes, int], tuple[asyncio.Task[None], RequestContext]]
+    Used on the engine's loop (the socket thread only reads :attr:`paused` and
+    :attr:`running`); pauses are counted in ``counts``, the engine loop's shard.
+    """
 
-    def _send(self, peer: bytes, msg: Any) -> None:
-        raise NotImplementedError
+    def __init__(self, max_running: int, counts: Shard) -> None:
+        self.max_running = max_running
+        self.paused = False
+        #: Handlers running now.
+        self.running = 0
+        #: How many times :meth:`pause` was called: lets an in-process pauser (a weight
+        #: copy) tell whether someone else paused the worker after it did.
+        self.pause_requests = 0
+        self.on_pause: list[Callable[[], Any]] = []
+        self.on_resume: list[Callable[[], Any]] = []
+        self._counts = counts
+        self._waiting: collections.deque[asyncio.Future[None]] = collections.deque()
+        # Futures of pause() calls waiting for no handler to run: not an Event toggled
+        # by every request, which would cost every request a call.
+        self._idle: list[asyncio.Future[None]] = []
 
-    def status(self) -> fm.WorkerStatus:
-        """A snapshot of the worker's state."""
-        raise NotImplementedError
+    def try_enter(self) -> bool:
+        """Take a slot if one is free and the worker is not paused."""
+        if self.paused or self.running >= self.max_running:
+            return False
+        self.running += 1
+        return True
 
-    # -- pause / resume / abort (also callable in-process) ------------------------------
+    async def enter(self) -> None:
+        """Take a slot once one is free and the worker is not paused."""
+        while self.paused or self.running >= self.max_running:
+            # Woken by a resume or a finished request: look again.
+            gate: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            self._waiting.append(gate)
+            await gate
+        self.running += 1
+
+    def leave(self) -> None:
+        """Free a slot."""
+        self.running -= 1
+        if self.running == 0 and self._idle:
+            waiters, self._idle = self._idle, []
+            for idle in waiters:
+                if not idle.done():
+                    idle.set_result(None)
+        if self._waiting:
+            self._wake(1)
+
+    def _wake(self, n: int) -> None:
+        waiting = self._waiting
+        while n > 0 and waiting:
+            fut = waiting.popleft()
+            if not fut.done():  # not a request cancelled while it waited
+                fut.set_result(None)
+                n -= 1
+
     async def pause(self, timeout: float = 30.0) -> bool:
         """Stop generation: new requests wait, running ones are interrupted. Returns
         True once no handler runs, False if some still run after ``timeout`` s."""
-        assert self._resumed is not None
         self.pause_requests += 1
-        if not self._paused:
-            metrics.WORKER_PAUSES.inc()
-            self._paused = True
-            self._resumed.clear()
+        if not self.paused:
+            self._counts.counts["pauses"] += 1
+            self.paused = True
             for cb in self.on_pause:
                 await _maybe_await(cb())
-        if self._running == 0:
+        if self.running == 0:
             return True
         idle: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._idle_waiters.append(idle)
+        self._idle.append(idle)
         try:
             await asyncio.wait_for(idle, timeout)
         except TimeoutError:
-            return self._running == 0
+            return self.running == 0
         return True
 
     async def resume(self) -> None:
         """Let generation continue (waiting requests start). :class:`ResumeRefused`
         (from an ``on_resume`` callback) when the worker must stay paused."""
-        assert self._resumed is not None
-        if self._paused:
+        if self.paused:
             for cb in self.on_resume:
                 await _maybe_await(cb())
-            self._paused = False
-            self._resumed.set()
-            self._open_gate(len(self._gate))
-
-    def _open_gate(self, n: int) -> None:
-        # Wake up to n waiting requests; each re-checks pause and the slot count.
-        gate = self._gate
-        while n > 0 and gate:
-            fut = gate.popleft()
-            if not fut.done():
-                fut.set_result(None)
-                n -= 1
-
-    def abort_all(self) -> int:
-        """Abort every request (each answers ``ABORTED``); returns how many."""
-        n = 0
-        for task, ctx in list(self._tasks.values()):
-            ctx._aborted = True
-            task.cancel()
-            n += 1
-        return n
-
-    async def _on_control(self, peer: bytes, msg: fm.Control) -> None:
-        ok, error = True, ""
-        if msg.op == "pause":
-            ok = await self.pause(msg.timeout)
-            if not ok:
-                error = f"{self._running} generations still running after {msg.timeout} s"
-        elif msg.op == "resume":
-            try:
-                await self.resume()
-            except ResumeRefused as exc:
-                ok, error = False, str(exc)
-        elif msg.op == "abort":
-            self.abort_all()
-        elif msg.op == "health":
-            pass
-        else:
-            ok, error = False, f"unknown control op {msg.op!r}"
-            self.counters["bad_messages"] += 1
-        self._send(peer, fm.ControlReply(seq=msg.seq, ok=ok, error=error, status=self.status()))
+            self.paused = False
+            self._wake(len(self._waiting))
 
 
 async def _maybe_await(x: Any) -> None:

@@ -1,27 +1,22 @@
 """The generation worker's server: requests, pause / resume / abort, dead clients.
 
-The handler is the adapter point for an engine (vLLM, SGLang, the reference engine of
-:mod:`transport.engine`, the transformers engine of :mod:`transport.hf_engine`)::
+The handler is the adapter point for an engine (:mod:`transport.engines.api`)::
 
     async def handler(req: LLMRequest, ctx: RequestContext) -> LLMResponse
 
-Two kinds of work never share a thread. The ROUTER belongs to a socket thread
-(:mod:`transport.worker.iothread`) that answers pings and moves bytes; every handler
-runs on the server's own asyncio loop (the *engine's loop*, the one that awaited
-:meth:`WorkerServer.start`), where each Submit is its own task, so thousands are in
-flight at once. A handler may block that loop (a torch forward, a sync sleep): its
-requests wait, pings are still answered at once.
+Two kinds of work never share a thread. The ROUTER belongs to the socket thread
+(:mod:`transport.worker.iothread`), which answers pings and moves bytes; all of this
+module runs on the *engine's loop* (the asyncio loop that awaited
+:meth:`WorkerServer.start`), where each Submit is its own task. A handler may block that
+loop: its requests wait, pings are still answered at once.
 
-Pause: new submissions wait; running handlers see ``ctx.interrupted`` become true and
-should return their partial output with ``stop_reason="interrupt"`` (the client
-re-submits the rest after resume). The pause reply is sent once no handler is running,
-so a weight update that starts after it never races a generation step.
+:class:`WorkerServer` owns its parts and hands each the others it needs: counters, pause
+gate, lost replies, socket thread and the replies its request contexts share.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import functools
 import logging
@@ -29,38 +24,30 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 import zmq
 
-from fastio import LLMRequest, LLMResponse, versions
+from fastio import LLMRequest, LLMResponse
 from fastio import fabric_msgs as fm
 from transport import metrics
 from transport.engines.api import Engine, attach_engine
-from transport.errors import EMPTY_PROMPT
+from transport.errors import EMPTY_PROMPT, ResumeRefused
 from transport.sockets import WorkerAuthenticator
-from transport.worker.context import (
-    InvalidHandlerOutput,
-    RequestContext,
-    WorkerConfig,
-    output_problem,
-)
-from transport.worker.eager import reap, start_eager
-from transport.worker.iothread import DROPPED, SocketThread, log_counted
+from transport.worker.config import WorkerConfig, checked_config
+from transport.worker.context import InvalidHandlerOutput, Replies, RequestContext, output_problem
+from transport.worker.counters import Counters, log_counted
+from transport.worker.eager import abandon, first_step
+from transport.worker.iothread import DROPPED, SocketThread
+from transport.worker.jobs import start_jobs
 from transport.worker.lost import LostReplies
-from transport.worker.pausing import PauseControl
+from transport.worker.pausing import PauseGate
 
 __all__ = ["Background", "Handler", "InvalidHandlerOutput", "WorkerServer"]
 
-
 log = logging.getLogger("transport.worker")
 
-#: The labelled counter of the hot path, looked up once.
-_REQUESTS_OK = metrics.WORKER_REQUESTS.labels(outcome="ok")
-#: Longest delay of an answer's count in WORKER_REQUESTS{outcome="ok"} (without
-#: WorkerConfig.latency_metrics; see WorkerServer._count_ok).
-_OK_REPORT_S = 0.2
 _INF = float("inf")
 
 Handler = Callable[[LLMRequest, RequestContext], Awaitable[LLMResponse]]
@@ -68,7 +55,21 @@ Handler = Callable[[LLMRequest, RequestContext], Awaitable[LLMResponse]]
 Background = Callable[["WorkerServer"], Awaitable[None]]
 
 
-class WorkerServer(PauseControl):
+class _Request:
+    """One held submission: its task, and what its end needs to know."""
+
+    __slots__ = ("aborted", "ctx", "ran", "started", "sub", "task")
+
+    def __init__(self, ctx: RequestContext, sub: fm.Submit) -> None:
+        self.ctx = ctx
+        self.sub = sub
+        self.started: Awaitable[LLMResponse] | None = None  # its eagerly started handler
+        self.task: asyncio.Task[None] | None = None
+        self.ran = False  # the task's body started
+        self.aborted = False  # ended by a controller's abort
+
+
+class WorkerServer:
     """Serves a generate handler (or an engine with a ``generate`` method) on a ROUTER.
 
     Parameters
@@ -79,11 +80,10 @@ class WorkerServer(PauseControl):
         thread), or an engine object whose ``generate`` is one of those; the engine is
         then :attr:`engine` (weight updates reach it there).
     config:
-        :class:`WorkerConfig`.
+        :class:`WorkerConfig` (or its fields by name); ``ValueError`` names a bad one.
     background:
         Coroutine functions ``f(server)`` started in the server's loop once it serves
-        and cancelled at close: the hook for a weight subscriber living in the worker
-        process. Keep them non-blocking (run heavy copies in a thread).
+        and cancelled at close (a weight subscriber, say). Keep them non-blocking.
 
     Examples
     --------
@@ -97,83 +97,64 @@ class WorkerServer(PauseControl):
     def __init__(
         self,
         handler: Handler | Engine,
-        config: WorkerConfig | None = None,
+        config: WorkerConfig | Mapping[str, Any] | None = None,
         *,
         background: Sequence[Background] = (),
     ) -> None:
-        self.config = config or WorkerConfig()
+        self.config = cfg = checked_config(config)
         gen = getattr(handler, "generate", None)
-        if gen is not None:
-            self.engine: Any = handler
-            self.handler: Handler = gen
-        else:
-            self.engine = None
-            self.handler = handler  # type: ignore[assignment]
-        self.worker_id = self.config.worker_id or f"{socket.gethostname()}:{os.getpid()}"
+        self.engine: Any = None if gen is None else handler
+        self.handler: Handler = handler if gen is None else gen  # type: ignore[assignment]
+        self.worker_id = cfg.worker_id or f"{socket.gethostname()}:{os.getpid()}"
         self.incarnation = uuid.uuid4().hex[:16]
         self.background = list(background)
-        #: Callbacks run (in the loop) when a pause starts / when generation resumes.
-        self.on_pause: list[Callable[[], Any]] = []
-        self.on_resume: list[Callable[[], Any]] = []
-        #: The engine's ``queue_depth()`` (requests waiting inside it), added to pongs' ``waiting``.
+        #: The engine's ``queue_depth()``, added to pongs' ``waiting``.
         self.engine_load: Callable[[], int] | None = None
+        self.endpoints: list[str] = []
+        self.counters = Counters()
+        self.gate = PauseGate(cfg.max_concurrency, self.counters.loop)
+        self.lost = LostReplies()
+        self.counters.read["lost"] = lambda: self.lost.count
+        self._tasks: dict[tuple[bytes, int], _Request] = {}
+        inline = cfg.inline if cfg.inline is not None else bool(getattr(self.handler, "inline", 0))
+        self.io = SocketThread(
+            cfg, self.counters, self.lost, self.gate, self._tasks,
+            worker_id=self.worker_id, incarnation=self.incarnation,
+            version=lambda: self.version, engine_waiting=self._engine_waiting,
+            status=self.status, dispatch=self._dispatch, threaded=not inline,
+        )  # fmt: skip
+        self.counters.read["discarded"] = self.io.discarded
+        self.replies = Replies(self.io.send, self.gate, lambda: self.version, cfg.latency_metrics)
         if self.engine is not None:
             attach_engine(self, self.engine)  # its optional hooks (transport.engines.api)
-        self.endpoints: list[str] = []
-        self.counters: dict[str, int] = dict.fromkeys(
-            (
-                "received", "completed", "cancelled", "interrupted", "aborted", "errors",
-                "bad_messages", "overloaded", "undeliverable", "dead_peers", "error_replies_received",
-                "control", "duplicates",
-            ),
-            0,
-        )  # fmt: skip
-        self._paused = False
-        #: How many times :meth:`pause` was called: lets an in-process pauser (a weight
-        #: copy) tell whether someone else paused the worker after it did.
-        self.pause_requests = 0
-        self._running = 0
-        self._tasks: dict[tuple[bytes, int], tuple[asyncio.Task[None], RequestContext]] = {}
-        #: Last time each peer was heard from (written by the socket thread).
-        self._peers: dict[bytes, float] = {}
-        #: Submissions given up without an answer reaching their client (it seemed dead,
-        #: or its connection was down): reported Error(LOST) when the peer pings again.
-        self._lost = LostReplies()
-        #: Replies to peers not heard from: version 1, which every peer reads.
-        self._enc = versions.VERSION_1
-        self._ctx: zmq.Context[Any] | None = None
-        self._io: SocketThread | None = None
+        self._zmq_context: zmq.Context[Any] | None = None
         self._auth: WorkerAuthenticator | None = None
-        self._resumed: asyncio.Event | None = None
-        # Futures of pause() calls waiting for no handler to run (set by _ended); not an
-        # Event toggled by every request, which would cost every request a call.
-        self._idle_waiters: list[asyncio.Future[None]] = []
-        self._max_running = self.config.max_concurrency
-        self._latency_metrics = self.config.latency_metrics
-        #: Tokens and finish reasons, read when the metrics are scraped.
-        self._tally = metrics.WorkerTally()
-        # Answers counted in WORKER_REQUESTS{outcome="ok"} in batches (see _count_ok).
-        self._ok_unreported = 0
-        self._ok_timer: asyncio.TimerHandle | None = None
-        self._gate: collections.deque[asyncio.Future[None]] = collections.deque()
-        self._flush_pending: list[RequestContext] = []
         self._bg_tasks: list[asyncio.Task[Any]] = []
+        self._aux: set[asyncio.Task[Any]] = set()
         self._sweeper: asyncio.TimerHandle | None = None
         self._closed: asyncio.Event | None = None
-        self._aux: set[asyncio.Task[Any]] = set()
-        self._starting = False
+        self._unexport: Callable[[], None] | None = None
 
     # -- public state -------------------------------------------------------------------
-    def _queue_depth(self) -> int:
-        """Submissions received and not running: waiting for a slot, a resume, or the
-        engine's loop to take them."""
-        io = self._io
-        return max(0, len(self._tasks) - self._running) + (io.queued_submits() if io else 0)
-
     @property
     def paused(self) -> bool:
         """Whether generation is paused."""
-        return self._paused
+        return self.gate.paused
+
+    @property
+    def pause_requests(self) -> int:
+        """How many times :meth:`pause` was called (see :class:`PauseGate`)."""
+        return self.gate.pause_requests
+
+    @property
+    def on_pause(self) -> list[Callable[[], Any]]:
+        """Callbacks run (in the loop) when a pause starts."""
+        return self.gate.on_pause
+
+    @property
+    def on_resume(self) -> list[Callable[[], Any]]:
+        """Callbacks run before generation resumes (:class:`ResumeRefused`: stay paused)."""
+        return self.gate.on_resume
 
     @property
     def version(self) -> int:
@@ -182,22 +163,44 @@ class WorkerServer(PauseControl):
 
     def status(self) -> fm.WorkerStatus:
         """A snapshot of this worker's state and counters (callable from any thread)."""
-        counters = dict(self.counters)
-        counters["lost"] = self._lost.count
-        if self._io is not None:
-            for key, n in self._io.snapshot_counters().items():
-                counters[key] = counters.get(key, 0) + n
-        if self._auth is not None:
-            counters["auth_denied"] = self._auth.denied
+        running, waiting = self.gate.running, max(0, len(self._tasks) - self.gate.running)
         return fm.WorkerStatus(
-            worker_id=self.worker_id,
-            incarnation=self.incarnation,
-            version=self.version,
-            paused=self._paused,
-            running=self._running,
-            waiting=max(0, len(self._tasks) - self._running),
-            counters=counters,
-        )
+            worker_id=self.worker_id, incarnation=self.incarnation, version=self.version,
+            paused=self.gate.paused, running=running, waiting=waiting,
+            counters=self.counters.snapshot(),
+        )  # fmt: skip
+
+    def _queue_depth(self) -> int:
+        # Received and not running: waiting for a slot, a resume, or the engine's loop.
+        return max(0, len(self._tasks) - self.gate.running) + self.io.queued_submits()
+
+    def _engine_waiting(self) -> int:
+        # A failing hook must not cost the pong.
+        load = self.engine_load
+        if load is None:
+            return 0
+        try:
+            return max(0, int(load()))
+        except Exception:
+            return 0
+
+    # -- pause / resume / abort (also callable in-process) ------------------------------
+    async def pause(self, timeout: float = 30.0) -> bool:
+        """Stop generation: new requests wait, running ones are interrupted. Returns
+        True once no handler runs, False if some still run after ``timeout`` s."""
+        return await self.gate.pause(timeout)
+
+    async def resume(self) -> None:
+        """Let generation continue (:class:`ResumeRefused`: an ``on_resume`` refused)."""
+        await self.gate.resume()
+
+    def abort_all(self) -> int:
+        """Abort every request (each answers ``ABORTED``); returns how many."""
+        for req in self._tasks.values():
+            req.aborted = True
+            if req.task is not None:
+                req.task.cancel()
+        return len(self._tasks)
 
     # -- lifecycle ----------------------------------------------------------------------
     async def start(self) -> list[str]:
@@ -211,50 +214,46 @@ class WorkerServer(PauseControl):
             A background job failed as it started (the server is closed again).
         """
         cfg = self.config
-        self._ctx = zmq.Context()
+        self._zmq_context = zmq.Context()
         if cfg.curve is not None:
-            self._auth = WorkerAuthenticator(self._ctx, cfg.curve)
-        self._resumed = asyncio.Event()
-        self._resumed.set()
+            self._auth = auth = WorkerAuthenticator(self._zmq_context, cfg.curve)
+            self.counters.read["auth_denied"] = lambda: auth.denied
         self._closed = asyncio.Event()
-        inline = (
-            cfg.inline if cfg.inline is not None else bool(getattr(self.handler, "inline", False))
-        )
-        self._io = SocketThread(self, self._ctx, threaded=not inline)
         try:
-            self.endpoints = await self._io.start()
+            self.endpoints = await self.io.start(self._zmq_context)
         except BaseException:
             await self.close()
             raise
-        _set_gauges(self)
+        self._bind_gauges()
         self._sweeper = asyncio.get_running_loop().call_later(
             cfg.client_timeout / 4, self._sweep_peers
         )
-        for job in self.background:
-            task = asyncio.ensure_future(job(self))
-            task.add_done_callback(self._background_done)
-            self._bg_tasks.append(task)
-        if self._bg_tasks:
-            self._starting = True
-            # A job that fails as it starts (bad options, say) fails the start: a
-            # worker must not report ready without what it was told to run.
-            await asyncio.sleep(0)
-            await asyncio.sleep(0)
-            for task, job in zip(self._bg_tasks, self.background, strict=True):
-                if task.done() and not task.cancelled() and task.exception() is not None:
-                    exc = task.exception()
-                    await self.close()
-                    name = getattr(job, "__qualname__", repr(job))
-                    raise RuntimeError(
-                        f"background job {name} failed at start: {type(exc).__name__}: {exc}"
-                    ) from exc
-            self._starting = False
+        try:
+            self._bg_tasks = await start_jobs(self.background, self)
+        except RuntimeError:
+            await self.close()
+            raise
         log.info("worker %s serving on %s", self.worker_id, ", ".join(self.endpoints))
         return self.endpoints
 
+    def _bind_gauges(self) -> None:
+        # Read when scraped, never written per request; the gauges report the last
+        # server started (one per process).
+        metrics.expose("worker")
+        self._unexport = metrics.on_scrape("worker", self.counters.export)
+        for gauge, fn in (
+            (metrics.WORKER_INFLIGHT, lambda: self.gate.running),
+            (metrics.WORKER_QUEUE_DEPTH, self._queue_depth),
+            (metrics.WORKER_WEIGHT_VERSION, lambda: self.version),
+            (metrics.WORKER_PAUSED, lambda: int(self.gate.paused)),
+        ):
+            set_function = getattr(gauge, "set_function", None)
+            if set_function is not None:
+                set_function(fn)
+
     async def serve_forever(self) -> None:
         """Serve until :meth:`close` is called (from a signal handler, say)."""
-        if self._io is None:
+        if self._closed is None:
             await self.start()
         assert self._closed is not None
         await self._closed.wait()
@@ -263,78 +262,36 @@ class WorkerServer(PauseControl):
         """Stop serving: cancel requests and background jobs, close the socket."""
         for task in self._bg_tasks:
             task.cancel()
-        for task, _ in list(self._tasks.values()):
+        pending = [r.task for r in self._tasks.values() if r.task is not None]
+        for task in pending:
             task.cancel()
-        pending = [t for t, _ in self._tasks.values()] + self._bg_tasks
-        if pending:
-            await asyncio.wait(pending, timeout=5)
+        if pending or self._bg_tasks:
+            await asyncio.wait(pending + self._bg_tasks, timeout=5)
         if self._sweeper is not None:
             self._sweeper.cancel()
-        if self._ok_timer is not None:
-            self._ok_timer.cancel()
-        self._report_ok()
-        if self._io is not None:
-            self._io.close()
+        self.io.close()
         if self._auth is not None:
             self._auth.stop()
-        if self._ctx is not None:
-            self._ctx.term()
-            self._ctx = None
+        if self._zmq_context is not None:
+            self._zmq_context.term()
+            self._zmq_context = None
+        if self._unexport is not None:
+            self.counters.export()  # what it counted stays in the metrics
+            self._unexport()
         if self._closed is not None:
             self._closed.set()
 
-    def _background_done(self, task: asyncio.Task[Any]) -> None:
-        if self._starting:
-            return  # start() raises it
-        if not task.cancelled() and task.exception() is not None:
-            log.error("background job failed", exc_info=task.exception())
-
-    # -- sending ----------------------------------------------------------------------
-    def _send(self, peer: bytes, msg: Any) -> None:
-        io = self._io
-        assert io is not None
-        # Each peer gets what it reads (the versions its pings state; see SocketThread).
-        frames = io.encoders.get(peer, self._enc).encode(msg)
-        frames.insert(0, peer)
-        io.post_here(frames)
-
-    def _send_error(self, peer: bytes, id: int, code: fm.ErrorCode, text: str) -> None:
-        metrics.WORKER_ERRORS.labels(code=code.name).inc()
-        self._send(peer, fm.Error(id=id, code=int(code), message=text))
-
-    def _schedule_flush(self, ctx: RequestContext) -> None:
-        if not self._flush_pending:
-            asyncio.get_running_loop().call_soon(self._flush_streams)
-        self._flush_pending.append(ctx)
-
-    def _flush_streams(self) -> None:
-        pending, self._flush_pending = self._flush_pending, []
-        for ctx in pending:
-            ctx._flush()
-
-    # -- receiving (what the socket thread hands over) ----------------------------------
-    def _drain_inbox(self) -> None:
-        io = self._io
-        if io is None:
-            return
-        # Cleared before taking: a message queued after this schedules another drain.
-        io._in_scheduled = False
-        inbox = io.inbox
-        dispatch = self._dispatch
-        while inbox:
-            _, peer, msg = inbox.popleft()
-            dispatch(peer, msg)
-
+    # -- what the socket thread hands over ----------------------------------------------
     def _dispatch(self, peer: bytes, msg: Any) -> None:
         tp = type(msg)
         if tp is fm.Submit:
             self._on_submit(peer, msg)
         elif tp is fm.Cancel:
-            entry = self._tasks.get((peer, msg.id))
-            if entry is not None:
-                entry[0].cancel()
+            req = self._tasks.get((peer, msg.id))
+            if req is not None and req.task is not None:
+                req.task.cancel()
         elif tp is fm.Control:
-            self.counters["control"] += 1
+            self.counters.loop.counts["control"] += 1
             task = asyncio.ensure_future(self._on_control(peer, msg))
             self._aux.add(task)
             task.add_done_callback(self._aux.discard)
@@ -342,83 +299,81 @@ class WorkerServer(PauseControl):
             n = self._forget_peer(peer)
             log.warning("client %r stopped reading: dropped, %d requests cancelled", peer, n)
 
-    def _bad(self, peer: bytes, id: int, code: fm.ErrorCode, text: str) -> None:
-        self.counters["bad_messages"] += 1
-        metrics.WORKER_REQUESTS.labels(outcome="rejected").inc()
-        log_counted(self.counters["bad_messages"], "bad message from %r: %s", peer, text)
-        self._send_error(peer, id, code, text)
+    async def _on_control(self, peer: bytes, msg: fm.Control) -> None:
+        ok, error = True, ""
+        if msg.op == "pause":
+            ok = await self.gate.pause(msg.timeout)
+            if not ok:
+                error = f"{self.gate.running} generations still running after {msg.timeout} s"
+        elif msg.op == "resume":
+            try:
+                await self.gate.resume()
+            except ResumeRefused as exc:
+                ok, error = False, str(exc)
+        elif msg.op == "abort":
+            self.abort_all()
+        elif msg.op != "health":
+            ok, error = False, f"unknown control op {msg.op!r}"
+            self.counters.loop.bad(rejected=False)
+        self.io.send(peer, fm.ControlReply(seq=msg.seq, ok=ok, error=error, status=self.status()))
+
+    def _send_error(self, peer: bytes, id: int, code: fm.ErrorCode, text: str) -> None:
+        self.counters.loop.errors[code.name] += 1
+        self.io.send(peer, fm.Error(id=id, code=int(code), message=text))
+
+    def _bad(self, peer: bytes, id: int, text: str) -> None:
+        log_counted(self.counters.loop.bad(), "bad message from %r: %s", peer, text)
+        self._send_error(peer, id, fm.ErrorCode.BAD_REQUEST, text)
 
     def _on_submit(self, peer: bytes, sub: fm.Submit) -> None:
-        self.counters["received"] += 1
+        counts = self.counters.loop
+        counts.counts["received"] += 1
         key = (peer, sub.id)
-        tasks = self._tasks
-        if key in tasks:
+        if key in self._tasks:
             # A re-send of a submission still in flight (docs/PROTOCOL.md): its one
             # answer answers both; the running one is not disturbed.
-            self.counters["duplicates"] += 1
+            counts.counts["duplicates"] += 1
             return
         if sub.id < 0:
-            self._bad(
-                peer, sub.id, fm.ErrorCode.BAD_REQUEST, f"Submit.id must be >= 0, got {sub.id}"
-            )
+            self._bad(peer, sub.id, f"Submit.id must be >= 0, got {sub.id}")
             return
         if not len(sub.request.input_ids):
             # An engine would generate from nothing until max_new_tokens: refuse it.
-            self._bad(peer, sub.id, fm.ErrorCode.BAD_REQUEST, EMPTY_PROMPT)
+            self._bad(peer, sub.id, EMPTY_PROMPT)
             return
-        if len(tasks) >= self.config.max_pending:
-            self.counters["overloaded"] += 1
-            metrics.WORKER_REQUESTS.labels(outcome="rejected").inc()
-            self._send_error(
-                peer, sub.id, fm.ErrorCode.OVERLOADED, "worker holds too many requests"
-            )
+        if len(self._tasks) >= self.config.max_pending:
+            counts.counts["overloaded"] += 1
+            counts.outcomes["rejected"] += 1
+            text = "worker holds too many requests"
+            self._send_error(peer, sub.id, fm.ErrorCode.OVERLOADED, text)
             return
         timeout = sub.timeout
         deadline = time.monotonic() + timeout if timeout > 0 else _INF
-        ctx = RequestContext(self, peer, sub.id, sub.stream, deadline)
-        if (
-            self.config.eager_start
-            and timeout <= 0
-            and not self._paused
-            and self._running < self._max_running
-        ):
-            start_eager(self, key, ctx, sub)
-            return
-        self._spawn(key, ctx, sub)
+        req = _Request(RequestContext(self.replies, peer, sub.id, sub.stream, deadline), sub)
+        if self.config.eager_start and timeout <= 0 and self.gate.try_enter():
+            resp, err, req.started = first_step(self.handler, sub.request, req.ctx)
+            if req.started is None:
+                self._ended(req, resp, err)
+                return
+        req.task = task = asyncio.ensure_future(self._run(req))
+        task.add_done_callback(functools.partial(self._reap, req))
+        self._tasks[key] = req
 
-    def _spawn(
-        self,
-        key: tuple[bytes, int],
-        ctx: RequestContext,
-        sub: fm.Submit,
-        started: Awaitable[LLMResponse] | None = None,
-    ) -> None:
-        task = asyncio.ensure_future(self._run(ctx, sub, started))
-        task.add_done_callback(functools.partial(reap, self, ctx, sub, started))
-        self._tasks[key] = (task, ctx)
-
-    async def _run(
-        self, ctx: RequestContext, sub: fm.Submit, started: Awaitable[LLMResponse] | None = None
-    ) -> None:
-        """One request in a task; ``started``: its handler, already running (it holds
-        a slot since ``eager.start_eager``)."""
-        ctx._ran = True
+    async def _run(self, req: _Request) -> None:
+        """One request in a task (its handler already running after an eager start)."""
+        req.ran = True
         resp: LLMResponse | None = None
         err: BaseException | None = None
+        started = req.started
         running = started is not None
         try:
             if started is not None:
                 resp = await started
             else:
-                # Fast path: no pause, a free slot. Otherwise wait for a wake-up (resume
-                # or a finished request) and look again.
-                while self._paused or self._running >= self._max_running:
-                    gate: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-                    self._gate.append(gate)
-                    await gate
+                await self.gate.enter()
                 running = True
-                self._running += 1
-                aw = self.handler(sub.request, ctx)
+                sub = req.sub
+                aw = self.handler(sub.request, req.ctx)
                 if not hasattr(aw, "__await__"):  # a sync handler's answer
                     resp = aw  # type: ignore[assignment]
                 elif sub.timeout > 0:
@@ -428,22 +383,30 @@ class WorkerServer(PauseControl):
         except (Exception, asyncio.CancelledError) as exc:
             err = exc
         if running:
-            self._ended(ctx, sub, resp, err)
+            self._ended(req, resp, err)
         else:  # cancelled while waiting for a slot: it never ran
-            self._tasks.pop((ctx.peer, ctx.id), None)
+            self._tasks.pop((req.ctx.peer, req.ctx.id), None)
             if isinstance(err, asyncio.CancelledError):
-                self._cancelled(ctx)
+                self._cancelled(req)
 
-    def _ended(
-        self,
-        ctx: RequestContext,
-        sub: fm.Submit,
-        resp: LLMResponse | None,
-        err: BaseException | None,
-    ) -> None:
+    def _reap(self, req: _Request, _: object) -> None:
+        # A task cancelled before its first step (a Cancel in its Submit's batch) never
+        # ran _run: do what it would have, or the request would hold its slot forever.
+        if req.ran:
+            return
+        abandon(req.started)
+        if req.started is not None:
+            self._ended(req, None, asyncio.CancelledError())
+        else:
+            self._tasks.pop((req.ctx.peer, req.ctx.id), None)
+            self._cancelled(req)
+
+    def _ended(self, req: _Request, resp: LLMResponse | None, err: BaseException | None) -> None:
         """A handler holding a slot returned ``resp`` or raised ``err``: reply, free
         the slot."""
+        ctx, sub = req.ctx, req.sub
         peer, id = ctx.peer, ctx.id
+        counts = self.counters.loop
         try:
             if err is None:
                 # Checked here, not at the client: a reply it could not decode would
@@ -451,22 +414,12 @@ class WorkerServer(PauseControl):
                 problem = output_problem(resp)
                 if problem is None:
                     assert resp is not None
-                    if ctx._tok:
-                        ctx._flush()
+                    self.replies.flush(ctx)  # the tokens streamed before the Result
                     # Counted before the answer leaves: a health request its client
                     # sends once it has every answer sees them all.
-                    counters = self.counters
-                    if resp.stop_reason == "interrupt":
-                        counters["interrupted"] += 1
-                    counters["completed"] += 1
-                    self._tally.result(
-                        resp.stop_reason, len(sub.request.input_ids), len(resp.output_tokens)
-                    )
-                    if self._latency_metrics:
-                        _REQUESTS_OK.inc()  # (scraped: counted at once)
-                    else:
-                        self._count_ok()
-                    self._send(
+                    n = len(resp.output_tokens)
+                    counts.result(resp.stop_reason, len(sub.request.input_ids), n)
+                    self.io.send(
                         peer,
                         fm.Result(
                             id=id,
@@ -476,111 +429,70 @@ class WorkerServer(PauseControl):
                             stop_reason=resp.stop_reason,
                         ),
                     )
-                    if self._latency_metrics:
-                        ctx._finished(len(resp.output_tokens))
+                    if self.replies.latency_metrics:
+                        self.replies.finished(ctx, n)
                     return
                 err = InvalidHandlerOutput(problem)
             if isinstance(err, asyncio.CancelledError):
-                self._cancelled(ctx)
-            elif isinstance(err, TimeoutError):
-                self.counters["errors"] += 1
-                metrics.WORKER_REQUESTS.labels(outcome="error").inc()
-                self._send_error(
-                    peer, id, fm.ErrorCode.TIMEOUT, f"worker time limit {sub.timeout} s passed"
-                )
+                self._cancelled(req)
+                return
+            counts.counts["errors"] += 1
+            counts.outcomes["error"] += 1
+            if isinstance(err, TimeoutError):
+                text = f"worker time limit {sub.timeout} s passed"
+                self._send_error(peer, id, fm.ErrorCode.TIMEOUT, text)
+                return
+            if isinstance(err, ValueError):
+                # The engine refused this input (ids outside its vocabulary, say): the
+                # sender's mistake, one line, no traceback.
+                why = f"{type(err).__name__}: {err}"
+                log.warning("request %s refused by the engine: %s", sub.request.rid, why)
             else:
-                self.counters["errors"] += 1
-                metrics.WORKER_REQUESTS.labels(outcome="error").inc()
-                if isinstance(err, ValueError):
-                    # The engine refused this request's input (ids outside its
-                    # vocabulary, say): the sender's mistake, one line, no traceback.
-                    log.warning(
-                        "request %s refused by the engine: %s: %s",
-                        sub.request.rid, type(err).__name__, err,
-                    )  # fmt: skip
-                else:
-                    log.error("handler failed on request %s", sub.request.rid, exc_info=err)
-                self._send_error(
-                    peer, id, fm.ErrorCode.HANDLER_ERROR, f"{type(err).__name__}: {err}"
-                )
+                log.error("handler failed on request %s", sub.request.rid, exc_info=err)
+            self._send_error(peer, id, fm.ErrorCode.HANDLER_ERROR, f"{type(err).__name__}: {err}")
         except Exception:
             # A reply that cannot be built (a handler returning a wrong type, say) must
             # not leak the slot.
-            self.counters["errors"] += 1
+            counts.counts["errors"] += 1
             log.exception("cannot send the reply to request %s", sub.request.rid)
             with contextlib.suppress(Exception):
                 self._send_error(peer, id, fm.ErrorCode.HANDLER_ERROR, "invalid handler output")
         finally:
             self._tasks.pop((peer, id), None)
-            self._running -= 1
-            if self._running == 0 and self._idle_waiters:
-                waiters, self._idle_waiters = self._idle_waiters, []
-                for idle in waiters:
-                    if not idle.done():
-                        idle.set_result(None)
-            if self._gate:
-                self._open_gate(1)
+            self.gate.leave()
 
-    def _count_ok(self) -> None:
-        # WORKER_REQUESTS{outcome="ok"} costs a lock and four calls per increment: the
-        # answers are added to it in batches, at most _OK_REPORT_S late (and at once by
-        # close()). With latency metrics on (someone scrapes) each answer
-        # is counted as it leaves.
-        self._ok_unreported += 1
-        if self._ok_timer is None:
-            self._ok_timer = asyncio.get_running_loop().call_later(_OK_REPORT_S, self._report_ok)
-
-    def _report_ok(self) -> None:
-        self._ok_timer = None
-        n = self._ok_unreported
-        if n:
-            self._ok_unreported -= n
-            _REQUESTS_OK.inc(n)
-
-    def _cancelled(self, ctx: RequestContext) -> None:
-        metrics.WORKER_REQUESTS.labels(outcome="cancelled").inc()
-        if ctx._aborted:
-            self.counters["aborted"] += 1
-            self._tally.aborted()
+    def _cancelled(self, req: _Request) -> None:
+        counts = self.counters.loop
+        counts.outcomes["cancelled"] += 1
+        if req.aborted:
+            counts.counts["aborted"] += 1
+            counts.finished["abort"] += 1
+            ctx = req.ctx
             self._send_error(ctx.peer, ctx.id, fm.ErrorCode.ABORTED, "aborted by a controller")
         else:
-            self.counters["cancelled"] += 1
+            counts.counts["cancelled"] += 1
 
     # -- dead clients -----------------------------------------------------------------
     def _sweep_peers(self) -> None:
         now = time.monotonic()
         limit = self.config.client_timeout
-        self._lost.expire()  # clients that are not coming back
-        for peer, seen in list(self._peers.items()):
+        self.lost.expire()  # clients that are not coming back
+        for peer, seen in list(self.io.peers.items()):
             # A quiet controller holds no requests: forgotten without a fuss.
             if now - seen > limit and self._forget_peer(peer):
-                self.counters["dead_peers"] += 1
+                self.counters.loop.counts["dead_peers"] += 1
                 log.warning("client %r silent for %.1f s: cancelled its requests", peer, now - seen)
         self._sweeper = asyncio.get_running_loop().call_later(limit / 4, self._sweep_peers)
 
     def _forget_peer(self, peer: bytes) -> int:
-        # Presumed dead, but perhaps only stalled (a client whose loop blocked longer
-        # than client_timeout): what is cancelled here is reported if it pings again.
-        self._peers.pop(peer, None)
+        # Presumed dead, perhaps only stalled: what is cancelled here is reported if it
+        # pings again.
+        self.io.peers.pop(peer, None)
         lost = []
-        for (p, id), (task, _ctx) in list(self._tasks.items()):
+        for (p, id), req in list(self._tasks.items()):
             if p == peer:
-                task.cancel()
+                if req.task is not None:
+                    req.task.cancel()
                 lost.append(id)
-        self._lost.note(peer, lost)
+        self.lost.note(peer, lost)
         return len(lost)
-
-
-def _set_gauges(server: WorkerServer) -> None:
-    # Read when scraped, not written per request (the hot path stays free of them).
-    # One worker per process: the last server started is the one reported.
-    metrics.expose("worker")
-    for gauge, fn in (
-        (metrics.WORKER_INFLIGHT, lambda: server._running),
-        (metrics.WORKER_QUEUE_DEPTH, lambda: server._queue_depth()),
-        (metrics.WORKER_WEIGHT_VERSION, lambda: server.version),
-        (metrics.WORKER_PAUSED, lambda: int(server._paused)),
-    ):
-        set_function = getattr(gauge, "set_function", None)
-        if set_function is not None:
-            set_function(fn)

@@ -1,0 +1,91 @@
+"""What a worker is configured with: :class:`WorkerConfig`, checked in one place."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Annotated, Any
+
+import msgspec
+
+from transport.sockets import (
+    DEFAULT_HWM,
+    DEFAULT_MAX_MESSAGE_SIZE,
+    DEFAULT_PEER_QUEUE_LIMIT,
+    CurveConfig,
+)
+
+__all__ = ["WorkerConfig", "checked_config"]
+
+_Positive = Annotated[int, msgspec.Meta(ge=1)]
+
+
+class WorkerConfig(msgspec.Struct, forbid_unknown_fields=True):
+    """Settings of a :class:`~transport.WorkerServer` (checked by :func:`checked_config`
+    when the server is built).
+
+    Parameters
+    ----------
+    bind:
+        Addresses to bind (``tcp://127.0.0.1:0`` picks a free port; ``ipc://path``).
+    worker_id:
+        Stable name reported in heartbeats and status (default ``host:pid``).
+    max_concurrency:
+        Handlers running at once; more submissions wait for a slot.
+    max_pending:
+        Running plus waiting; a Submit beyond it gets an ``OVERLOADED`` Error reply.
+    client_timeout:
+        Seconds a client may stay silent before it is presumed dead and its requests
+        are cancelled (reported ``LOST`` if it pings again). A few times the clients'
+        heartbeat interval.
+    max_message_size, hwm, curve:
+        See :mod:`transport.sockets`.
+    peer_queue_limit:
+        Bytes of replies held for a client that does not read; past it that client is
+        dropped (replies discarded, requests cancelled, ``dropped_peers`` counted), so
+        it never holds up the others.
+    extra:
+        Options for plugins (``--plugin-opt key=value``).
+    eager_start:
+        Run each handler's first step in the callback that took its Submit (as Python
+        3.12's eager tasks): one that returns without awaiting costs no task. During
+        that step ``asyncio.current_task()`` is not the request's task; set False for
+        handlers that need it.
+    latency_metrics:
+        Record the latency histograms (``WORKER_TTFT``, ``WORKER_ITL``,
+        ``WORKER_E2E``); off by default, as each observation costs the worker time.
+        ``--metrics-port`` turns it on. Counts are always kept.
+    inline:
+        Serve the socket on the handler's loop instead of a thread of its own, for
+        handlers that never block (a blocking one then delays pongs too). ``None``: the
+        handler's ``inline`` attribute decides (the echo sets it), else off.
+    """
+
+    bind: str | list[str] = "tcp://127.0.0.1:0"
+    worker_id: str = ""
+    max_concurrency: _Positive = 4096
+    max_pending: _Positive = 65536
+    client_timeout: Annotated[float, msgspec.Meta(gt=0)] = 10.0
+    max_message_size: _Positive = DEFAULT_MAX_MESSAGE_SIZE
+    hwm: Annotated[int, msgspec.Meta(ge=0)] = DEFAULT_HWM
+    curve: CurveConfig | None = None
+    peer_queue_limit: _Positive = DEFAULT_PEER_QUEUE_LIMIT
+    extra: dict[str, str] = msgspec.field(default_factory=dict)
+    eager_start: bool = True
+    inline: bool | None = None
+    latency_metrics: bool = False
+
+
+def checked_config(config: WorkerConfig | Mapping[str, Any] | None = None) -> WorkerConfig:
+    """``config`` (a :class:`WorkerConfig`, or its fields by name, strings allowed) as a
+    :class:`WorkerConfig` that meets its constraints.
+
+    Raises
+    ------
+    ValueError
+        A field is unknown or its value out of range (``msgspec.ValidationError``,
+        whose message names the field as ``$.name``).
+    """
+    if config is None:
+        return WorkerConfig()
+    given = msgspec.structs.asdict(config) if isinstance(config, WorkerConfig) else config
+    return msgspec.convert(given, WorkerConfig, strict=False)

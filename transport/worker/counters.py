@@ -1,0 +1,128 @@
+"""The counts of one worker, in one object: read by ``status()`` and health replies, and
+exported to Prometheus when scraped (:func:`transport.metrics.on_scrape`).
+
+Two threads count: the engine's loop (requests, replies, pauses) and the socket thread
+(pings, bad input, unreachable clients). Each writes only its own :class:`Shard`, with
+``+=`` on plain ints whose keys never change (no lock, no call into prometheus-client
+on the request path); readers sum the two shards.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+from fastio import fabric_msgs as fm
+from transport import metrics
+
+__all__ = ["STATUS_KEYS", "Counters", "Shard", "log_counted"]
+
+log = logging.getLogger("transport.worker")
+
+#: The counts of ``WorkerStatus.counters`` that the worker's threads keep.
+STATUS_KEYS = (
+    "received", "completed", "cancelled", "interrupted", "aborted", "errors", "duplicates",
+    "bad_messages", "overloaded", "undeliverable", "dead_peers", "error_replies_received",
+    "control", "handshake_failed", "dropped_peers", "incompatible_peers", "pauses",
+)  # fmt: skip
+#: Values of the ``outcome`` label of ``fastio_worker_requests_total``.
+OUTCOMES = ("ok", "error", "cancelled", "rejected")
+
+
+def log_counted(n: int, fmt: str, *args: Any) -> None:
+    """Log the ``n``-th occurrence if it is one of the first ten or a power of two:
+    hostile input must not flood the log."""
+    if n <= 10 or (n & (n - 1)) == 0:
+        log.warning(fmt + " (occurrence %d)", *args, n)
+
+
+class Shard:
+    """What one thread counted (only that thread writes it)."""
+
+    __slots__ = ("counts", "errors", "finished", "generation_tokens", "outcomes", "prompt_tokens")
+
+    def __init__(self) -> None:
+        self.counts = dict.fromkeys(STATUS_KEYS, 0)
+        #: Requests by outcome, error replies by ``ErrorCode`` name, finish reasons.
+        self.outcomes = dict.fromkeys(OUTCOMES, 0)
+        self.errors = dict.fromkeys(fm.ErrorCode.__members__, 0)
+        self.finished = dict.fromkeys(metrics.FINISHED_REASONS, 0)
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+
+    def result(self, stop_reason: str, prompt_tokens: int, generation_tokens: int) -> None:
+        """A Result left (``stop_reason`` is one of ``FINISHED_REASONS``: checked before)."""
+        counts = self.counts
+        counts["completed"] += 1
+        if stop_reason == "interrupt":
+            counts["interrupted"] += 1
+        self.outcomes["ok"] += 1
+        self.finished[stop_reason] += 1
+        self.prompt_tokens += prompt_tokens
+        self.generation_tokens += generation_tokens
+
+    def bad(self, rejected: bool = True) -> int:
+        """A bad message (a request ``rejected`` before it ran); returns how many so far."""
+        self.counts["bad_messages"] += 1
+        if rejected:
+            self.outcomes["rejected"] += 1
+        return self.counts["bad_messages"]
+
+
+class Counters(Mapping[str, int]):
+    """Every count of one worker, and a read-only mapping of its status counts.
+
+    ``loop`` and ``io`` are the shards of the engine's loop and of the socket thread;
+    ``read`` maps the names of counts other parts keep (lost replies, refused keys) to
+    functions that read them.
+    """
+
+    def __init__(self) -> None:
+        self.loop = Shard()
+        self.io = Shard()
+        self.read: dict[str, Callable[[], int]] = {}
+        self._exported: dict[tuple[Any, str], int] = {}
+        self._lock = threading.Lock()
+
+    def snapshot(self) -> dict[str, int]:
+        """The status counts now (from any thread)."""
+        a, b = self.loop.counts, self.io.counts
+        out = {key: a[key] + b[key] for key in a}
+        for key, fn in self.read.items():
+            out[key] = fn()
+        return out
+
+    def __getitem__(self, key: str) -> int:
+        return self.snapshot()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.snapshot())
+
+    def __len__(self) -> int:
+        return len(self.snapshot())
+
+    def export(self) -> None:
+        """Add what was counted since the last call to the Prometheus metrics."""
+        totals: dict[tuple[Any, str], int] = {}
+        for shard in (self.loop, self.io):
+            for metric, values in (
+                (metrics.WORKER_REQUESTS, shard.outcomes),
+                (metrics.WORKER_ERRORS, shard.errors),
+                (metrics.WORKER_FINISHED, shard.finished),
+            ):
+                for label, n in list(values.items()):
+                    totals[metric, label] = totals.get((metric, label), 0) + n
+            for metric, n in (
+                (metrics.WORKER_PROMPT_TOKENS, shard.prompt_tokens),
+                (metrics.WORKER_GENERATION_TOKENS, shard.generation_tokens),
+                (metrics.WORKER_PAUSES, shard.counts["pauses"]),
+            ):
+                totals[metric, ""] = totals.get((metric, ""), 0) + n
+        with self._lock:  # two scrapes at once must not add a delta twice
+            for (metric, label), n in totals.items():
+                delta = n - self._exported.get((metric, label), 0)
+                if delta > 0:
+                    (metric.labels(label) if label else metric).inc(delta)
+                    self._exported[metric, label] = n
