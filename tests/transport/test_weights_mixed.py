@@ -166,7 +166,7 @@ def subscriber_streaming_version(version: int) -> tuple[WeightSubscriber, DepthL
     sub = WeightSubscriber("tcp://127.0.0.1:9", zeros_like(make_state(0)), lock=lock, atomic=False)
     sent: list[Any] = []
     sub._send = sent.append  # type: ignore[method-assign,assignment]
-    sub._version = 1
+    sub.core.version = 1
     sub._imp = FakeImporter()  # type: ignore[assignment]
     sub._ipc_open = True
     sub._ipc_t0 = time.monotonic()

@@ -35,7 +35,6 @@ import logging
 import torch
 
 from transport.weights import shm as _shm
-from transport.weights.ipc import process_alive
 from transport.weights.serving import PublisherService
 from transport.weights.staging import Staged
 
@@ -61,16 +60,17 @@ class VersionBuffers(PublisherService):
             for v, st in sorted(self._versions.items()):
                 if seg is not None:
                     break
-                if st is self._latest or not st.sends_done() or st.active or not st.answered():
+                done = st.ledger.answered()
+                if st is self._latest or not st.sends_done() or st.active or not done:
                     continue
                 if st.seg is None and st.capacity >= total:
-                    del self._versions[v]
+                    self._forget(v)
                     buf = st.buf
                     st.take_segment()
                     self._count("buffers_reused")
                     return Staged(version, buf, None)
-                if st.seg is not None and self._readers_done(st):
-                    del self._versions[v]
+                if st.seg is not None and self.core.readers_done(st.ledger):
+                    self._forget(v)
                     self._recycle(st)
                     seg = self._take_free(total)
         if seg is not None:
@@ -96,22 +96,15 @@ class VersionBuffers(PublisherService):
                 return self._free_segments.pop(i)
         return None
 
-    @staticmethod
-    def _gone(reader: tuple[str, int, int, int]) -> bool:
-        """Whether a reader process (see ``Staged.readers``) is known to be gone: its
-        start time was visible here and its pid no longer names that process."""
-        _, pid, _, visible = reader
-        return visible > 0 and not process_alive(pid, visible)
-
-    def _readers_done(self, st: Staged) -> bool:
-        """Whether no worker may still read ``st``'s segment (lock held)."""
-        st.readers = {w for w in st.readers if not self._gone(w)}
-        return not st.readers
+    def _forget(self, version: int) -> None:
+        """Drop a version from the buffers and the core (lock held)."""
+        del self._versions[version]
+        self.core.drop(version)
 
     def _recycle(self, st: Staged) -> None:
         """Take ``st``'s buffer away from it: a segment no one may read goes to the pool
         (bounded by ``keep_versions``), any other is unlinked (lock held)."""
-        reusable = self._readers_done(st)
+        reusable = self.core.readers_done(st.ledger)
         seg = st.take_segment()
         if seg is None:
             return
@@ -129,6 +122,7 @@ class VersionBuffers(PublisherService):
             if seg is not None:
                 seg.close()
         self._versions.clear()
+        self.core.versions.clear()
         for seg in self._free_segments:
             seg.close()
         self._free_segments.clear()
@@ -141,7 +135,7 @@ class VersionBuffers(PublisherService):
             if excess <= 0:
                 break
             st = self._versions[v]
-            if st.sends_done() and st.answered():
+            if st.sends_done() and st.ledger.answered():
                 self._recycle(st)
-                del self._versions[v]
+                self._forget(v)
                 excess -= 1

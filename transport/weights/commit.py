@@ -46,7 +46,7 @@ class VersionCommit(VersionFetch):
     def reported_version(self) -> int:
         """The version this worker reports in Hellos and Acks: the last complete one,
         or ``-1`` while the weights are mixed (they hold no complete version)."""
-        return self._version if self._consistent else -1
+        return self.core.reported_version
 
     def _commit(self, up: InFlight, parts: list[tuple[Any, list[torch.Tensor]]]) -> None:
         ann, stats, t0 = up.ann, up.stats, up.t0
@@ -71,7 +71,7 @@ class VersionCommit(VersionFetch):
             except Exception as exc:
                 # A copy failed half-way (device error, out of memory): the weights are
                 # now mixed, and say so until a later version completes.
-                self._consistent = False
+                self.core.consistent = False
                 self._fail(ann.version, f"applying failed, weights are mixed: {exc!r}")
                 return
             if self.loader is not None:
@@ -79,7 +79,7 @@ class VersionCommit(VersionFetch):
                 try:
                     self.loader(up.binding.named_tensors(parts))
                 except Exception as exc:
-                    self._consistent = False
+                    self.core.consistent = False
                     self._count("loader_failures")
                     self._fail(
                         ann.version,
@@ -95,9 +95,6 @@ class VersionCommit(VersionFetch):
             # fabric's keeps the worker paused until a later version completes).
             self._unhold(up)
         parts.clear()  # drop the frames now, not at the next update
-        for key in [k for k in self._attempts if k[1] <= ann.version]:
-            del self._attempts[key]
-        self._given_up = {k for k in self._given_up if k[1] > ann.version}
         stats.total_s = time.monotonic() - t0
         self.last_stats = stats
         for phase, secs in (
@@ -132,16 +129,15 @@ class VersionCommit(VersionFetch):
         if up is not None and up.ann.version == version:
             self._update = None
             if up.wrote:
-                self._consistent = False
+                self.core.wrote()
             # Left after the state is known: a lock may keep refusing to serve while
             # the weights are mixed.
             self._unhold(up)
-        if not self._consistent and "weights are mixed" not in error:
-            error += "; weights are mixed (atomic=False): not serving until a version completes"
-            if self.report_digest:
-                self._digest = state_digest(self.targets)
+        mixed_before = "weights are mixed" in error
+        error = self.core.failed(error, wrote=False)
+        if not self.core.consistent and not mixed_before and self.report_digest:
+            self._digest = state_digest(self.targets)
         self.last_error = error
-        self._count("versions_failed")
         metrics.SUBSCRIBER_FAILURES.inc()
         log.warning(
             "weight version %d not applied (%s); reporting version %d",

@@ -28,6 +28,7 @@ from transport.weights import datalink
 from transport.weights import shm as _shm
 from transport.weights.binding import Binding, DtypeSpec, Rename
 from transport.weights.bucket import CHECKSUM_ALGOS, BucketApplier, Hasher, _align
+from transport.weights.core.subscriber import FetchSchedule, SubscriberCore
 from transport.weights.datalink import DataReceiver
 from transport.weights.errors import WeightUpdateError
 from transport.weights.results import UpdateStats
@@ -51,15 +52,21 @@ _KEEP_MAPPINGS = 2
 class InFlight:
     """State of one version being fetched over TCP."""
 
-    def __init__(self, ann: WeightAnnounce, seg: _shm.ShmSegment | None, binding: Binding) -> None:
+    def __init__(
+        self,
+        ann: WeightAnnounce,
+        seg: _shm.ShmSegment | None,
+        binding: Binding,
+        window: int,
+        retries: int,
+    ) -> None:
         self.ann = ann
         self.seg = seg
         self.binding = binding
         self.t0 = time.monotonic()
-        self.todo = list(range(len(ann.buckets)))
-        self.todo.reverse()  # pop() from the end gives bucket 0 first
-        self.outstanding: dict[int, float] = {}
-        self.attempts: dict[int, int] = {}
+        # Through shared memory nothing but "ready" notices come back: ask for all.
+        n = len(ann.buckets)
+        self.sched = FetchSchedule(ann.version, n, n if seg is not None else window, retries)
         #: Per bucket fetched: whether its bytes were asked on the data link.
         self.linked: dict[int, bool] = {}
         self.received: dict[int, list[torch.Tensor]] = {}
@@ -105,18 +112,14 @@ class VersionFetch:
     on_progress: Any
     on_applied: Any
     counters: dict[str, int]
-    _version: int
-    _consistent: bool
+    core: SubscriberCore
     _digest: int | None
     _applier: BucketApplier
     _cond: threading.Condition
     _shm_ok: bool
-    _last_heard: float
     _start_time: int
     publisher_timeout: float
     _update: InFlight | None
-    _attempts: dict[tuple[str, int], int]
-    _given_up: set[tuple[str, int]]
     _segments: dict[str, _shm.ShmSegment]
     _staging: np.ndarray[Any, Any] | None
     worker_id: str
@@ -131,8 +134,7 @@ class VersionFetch:
         """The weights are now all of ``version``: record it, wake waiters, and tell
         ``on_applied`` (before any Ack goes out)."""
         with self._cond:
-            self._version = version
-            self._consistent = True
+            self.core.applied(version)
             self._cond.notify_all()
         if self.on_applied is not None:
             self.on_applied(version)
@@ -154,18 +156,13 @@ class VersionFetch:
 
     # -- a version -------------------------------------------------------------------
     def _consider(self, ann: WeightAnnounce) -> None:
-        if ann.version <= self._version and self._consistent:
-            return
-        if self._update is not None:
-            if self._update.ann.version >= ann.version:
-                return
+        up = self._update
+        supersede, attempt = self.core.consider(
+            ann.publisher_id, ann.version, up.ann.version if up is not None else None
+        )
+        if supersede:
             self._abandon(f"superseded by version {ann.version}")
-        key = (ann.publisher_id, ann.version)
-        if key in self._given_up:
-            return
-        n = self._attempts[key] = self._attempts.get(key, 0) + 1
-        if n > self.retries:
-            self._given_up.add(key)
+        if not attempt:
             return
         try:
             if ann.checksum_algo not in CHECKSUM_ALGOS:
@@ -180,7 +177,7 @@ class VersionFetch:
                 loader=self.loader is not None,
             )
         except WeightUpdateError as exc:
-            self._given_up.add(key)  # a mismatch will not go away by retrying
+            self.core.give_up(ann.publisher_id, ann.version)  # retrying will not help
             self._fail(ann.version, str(exc), transport="")
             return
         seg = None
@@ -190,7 +187,7 @@ class VersionFetch:
             except OSError as exc:
                 log.info("shared memory %s unusable (%s); fetching over TCP", ann.shm_name, exc)
                 self._count("shm_fallbacks")
-        up = InFlight(ann, seg, binding)
+        up = InFlight(ann, seg, binding, self.window, self.retries)
         if seg is None:
             self._open_link()
         if seg is None and self.atomic:
@@ -243,21 +240,15 @@ class VersionFetch:
         up = self._update
         if up is None:
             return
-        now = time.monotonic()
         shm = up.seg is not None
-        # Through shared memory nothing but a "ready" notice comes back: ask for all.
-        window = len(up.ann.buckets) if shm else self.window
-        while up.todo and len(up.outstanding) < window:
-            i = up.todo.pop()
-            up.outstanding[i] = now
-            up.attempts[i] = up.attempts.get(i, 0) + 1
+        for i in up.sched.due(time.monotonic()):
             data = not shm and self._link is not None
             up.linked[i] = data
             self._send(WeightFetch(up.ann.version, i, shm, os.getpid(), self._start_time, data))
 
     def _on_bucket(self, msg: WeightBucket) -> None:
         up = self._update
-        if up is None or msg.version != up.ann.version or msg.index not in up.outstanding:
+        if up is None or msg.version != up.ann.version or msg.index not in up.sched.outstanding:
             self._count("stale_pieces")
             return
         i = msg.index
@@ -273,7 +264,7 @@ class VersionFetch:
             # Left over from an earlier answer to this bucket (asked again): not ours.
             self._count("stale_pieces")
             return
-        up.outstanding[i] = t  # progress: the fetch timeout counts from the last piece
+        up.sched.progress(i, t)  # the fetch timeout counts from the last piece
         ok = True
         stage = up.stage[i] if up.stage is not None else None
         stream = part.stream
@@ -321,22 +312,18 @@ class VersionFetch:
         part.verify_s += dt
         if ok and not last:
             return
-        del up.outstanding[i]
         del up.partial[i]
         ok = ok and part.size == info.nbytes and part.hasher.digest() == checksum
         if not ok:
             self._count("checksum_failures")
-            if up.attempts.get(i, 0) >= self.retries:
-                self._fail(
-                    up.ann.version,
-                    f"bucket {i} of version {up.ann.version} failed its checksum "
-                    f"{up.attempts[i]} times",
-                )
+            error = up.sched.again(i)
+            if error is not None:
+                self._fail(up.ann.version, error)
                 return
             self._count("refetches")
-            up.todo.append(i)
             self._pump()
             return
+        up.sched.done(i)
         up.stats.buckets[i].update(recv_s=t - up.t0, verify_s=part.verify_s)
         self._landed(
             up, i, part.chunks if stage is None else [torch.from_numpy(stage)], part.stream
@@ -380,10 +367,9 @@ class VersionFetch:
         up = self._update
         if up is None or up.seg is not None:
             return
-        for i in [i for i in up.outstanding if up.linked.get(i)]:
-            del up.outstanding[i]
+        for i in [i for i in up.sched.outstanding if up.linked.get(i)]:
+            up.sched.requeue(i)
             up.partial.pop(i, None)
-            up.todo.append(i)
         self._pump()
 
     def _on_data(self) -> None:
@@ -400,7 +386,7 @@ class VersionFetch:
                 up is None
                 or up.seg is not None
                 or p.version != up.ann.version
-                or p.bucket not in up.outstanding
+                or p.bucket not in up.sched.outstanding
             ):
                 self._count("stale_pieces")
                 link.discard(p.nbytes)
@@ -417,7 +403,7 @@ class VersionFetch:
                 self._count("stale_pieces")
                 link.discard(p.nbytes)
                 return
-            up.outstanding[i] = t
+            up.sched.progress(i, t)
             ok = True
             if not self._take(up, i, part, link, p.nbytes):
                 return  # the version failed (its lock refused); the bytes were read away
@@ -466,7 +452,7 @@ class VersionFetch:
         part = up.partial.get(i)
         if part is None:
             part = up.partial[i] = self._partial(up, i)
-        up.outstanding[i] = t
+        up.sched.progress(i, t)
         lo = info.shm_offset + msg.offset
         if (
             msg.chunks
@@ -489,7 +475,7 @@ class VersionFetch:
         up.stats.verify_s += dt
         if not msg.last:
             return
-        del up.outstanding[i]
+        up.sched.done(i)
         del up.partial[i]
         up.stats.buckets[i].update(recv_s=t - up.t0, verify_s=part.verify_s)
         if part.size != info.nbytes or part.hasher.digest() != msg.checksum:
@@ -532,7 +518,7 @@ class VersionFetch:
         # the commit (``_now_at``) or, if the version fails, until a later one lands;
         # the previous version's digest no longer describes them (``_fail`` sends the
         # mixed weights' digest).
-        self._consistent = False
+        self.core.wrote()
         self._digest = None
         return True
 
@@ -564,7 +550,7 @@ class VersionFetch:
             up.applied.add(i)
             up.received[i] = []  # applied: the frames can go
         self._pump()
-        if not up.todo and not up.outstanding:
+        if up.sched.finished:
             self._update = None
             up.stats.fetch_s = time.monotonic() - up.t0
             try:
@@ -581,31 +567,22 @@ class VersionFetch:
 
     def _check_timeouts(self, now: float) -> None:
         up = self._update
-        silent = bool(self._last_heard) and now - self._last_heard > self.publisher_timeout
+        silent = self.core.silent(now, self.publisher_timeout)
         if up is None:
             if silent and self._segments:
                 self._drop_segments()  # a dead publisher's segments: do not pin them
             return
         if silent:
-            self._fail(
-                up.ann.version,
-                f"publisher silent for {now - self._last_heard:.1f} s (dead?) mid-update",
-            )
+            quiet = now - self.core.last_heard
+            self._fail(up.ann.version, f"publisher silent for {quiet:.1f} s (dead?) mid-update")
             return
-        for i, sent in list(up.outstanding.items()):
-            if now - sent < self.fetch_timeout:
-                continue
-            if up.attempts.get(i, 0) >= self.retries:
-                self._fail(
-                    up.ann.version,
-                    f"bucket {i} of version {up.ann.version}: no answer "
-                    f"after {up.attempts[i]} fetches",
-                )
-                return
+        again, error = up.sched.timeouts(now, self.fetch_timeout)
+        if error is not None:
+            self._fail(up.ann.version, error)
+            return
+        for i in again:
             self._count("refetches")
-            del up.outstanding[i]
             up.partial.pop(i, None)
-            up.todo.append(i)
         self._pump()
 
 

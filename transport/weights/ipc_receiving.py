@@ -23,6 +23,7 @@ from fastio.ipc_msgs import IpcAck, IpcOffer, IpcReady
 from fastio.weight_msgs import WeightAck, WeightAnnounce
 from transport import metrics
 from transport.weights.bucket import state_digest
+from transport.weights.core.subscriber import SubscriberCore
 from transport.weights.fetching import VersionFetch
 from transport.weights.ipc import IpcImporter, IpcRefused
 from transport.weights.results import UpdateStats
@@ -64,7 +65,7 @@ class IpcReceiving(VersionFetch):
     _digest: int | None
     _ipc_atomic: bool
     _host: str
-    _pub_id: str
+    core: SubscriberCore
 
     def _init_ipc(self, eligible: bool) -> None:
         """The ipc state, no slots yet (``eligible``: from :func:`ipc_eligible`; reset for
@@ -93,7 +94,7 @@ class IpcReceiving(VersionFetch):
         snapshot by shm/tcp: the ipc path carries only versions whole)."""
         if (
             not self._ipc_eligible
-            or self._ipc_asked == self._pub_id
+            or self._ipc_asked == self.core.publisher_id
             or not up_to_date
             or self._update is not None
             or self._pub_host != self._host
@@ -104,10 +105,10 @@ class IpcReceiving(VersionFetch):
                 self.targets,
                 worker_id=self.worker_id,
                 atomic=self._ipc_atomic,
-                version=self._version,
+                version=self.core.version,
             )
-        self._imp.version = self._version
-        self._ipc_asked = self._pub_id
+        self._imp.version = self.core.version
+        self._ipc_asked = self.core.publisher_id
         self._send(self._imp.hello())
 
     def _ipc_reset(self) -> None:
@@ -133,9 +134,9 @@ class IpcReceiving(VersionFetch):
 
     def _on_ipc_offer(self, offer: IpcOffer) -> None:
         imp = self._imp
-        if imp is None or offer.publisher_id != self._pub_id:
+        if imp is None or offer.publisher_id != self.core.publisher_id:
             return
-        imp.version = self._version
+        imp.version = self.core.version
         try:
             ack = imp.open(offer)
         except IpcRefused as exc:
@@ -155,7 +156,7 @@ class IpcReceiving(VersionFetch):
         # With the ipc slots open, a version comes by IpcReady; its Announce is kept as
         # the fallback, fetched by shm/tcp only if the version fails on the ipc path.
         if self._ipc_open and ann.version not in self._ipc_failed:
-            if ann.version > self._version and (
+            if ann.version > self.core.version and (
                 self._ipc_deferred is None or ann.version > self._ipc_deferred.version
             ):
                 self._ipc_deferred = ann
@@ -196,7 +197,7 @@ class IpcReceiving(VersionFetch):
             if imp.version != before:
                 self._now_at(imp.version)
             elif not imp.serving:
-                self._consistent = False
+                self.core.consistent = False
         finally:
             if locked:
                 self.lock.__exit__(None, None, None)
@@ -258,7 +259,9 @@ class IpcReceiving(VersionFetch):
             )  # fmt: skip
             ann = self._ipc_deferred
             up = self._update
-            if bad.version <= self._version or (up is not None and up.ann.version == bad.version):
+            if bad.version <= self.core.version or (
+                up is not None and up.ann.version == bad.version
+            ):
                 pass  # applied already, or being fetched by shm/tcp (opened mid-version)
             elif ann is not None and ann.version == bad.version:
                 self._ipc_deferred = None
@@ -279,7 +282,7 @@ class IpcReceiving(VersionFetch):
         ann = self._ipc_deferred
         if (
             ann is not None
-            and ann.version > self._version
+            and ann.version > self.core.version
             and now - self._ipc_progress > self.publisher_timeout
         ):
             # An announced version that the ipc path does not deliver (this worker opened

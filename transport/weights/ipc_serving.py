@@ -77,7 +77,7 @@ class IpcServing(PublisherService):
                 )
                 # Workers that asked before: offered now.
                 for wid, hello in self._ipc_hellos.items():
-                    info = self._workers.get(wid)
+                    info = self.core.workers.get(wid)
                     if info is not None and info.alive:
                         self._queue(wid, self._ipc.offer(hello))
                 self._wake()
@@ -92,8 +92,8 @@ class IpcServing(PublisherService):
                     for w, st in exp.workers.items()
                     if not st.opened
                     and time.monotonic() - st.offered_at < 2 * grace
-                    and w in self._workers
-                    and self._workers[w].alive
+                    and w in self.core.workers
+                    and self.core.workers[w].alive
                 ]
                 left = deadline - time.monotonic()
                 if not waiting or left <= 0:

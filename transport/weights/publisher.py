@@ -51,13 +51,13 @@ from transport import metrics
 from transport.sockets import CurveConfig, WorkerAuthenticator, apply_curve_server
 from transport.weights import shm as _shm
 from transport.weights.bucket import (
-    DEFAULT_BUCKET_BYTES,
-    DEFAULT_CHECKSUM,
     Hasher,
     named_tensors,
     split_aliases,
 )
 from transport.weights.buffers import VersionBuffers
+from transport.weights.config import PublisherConfig, make_config
+from transport.weights.core.publisher import PublisherCore
 from transport.weights.datalink import DataListener, DataSender
 from transport.weights.errors import UpdateIncomplete
 from transport.weights.ipc_serving import IPC_MODES, IpcServing
@@ -93,52 +93,16 @@ class WeightPublisher(IpcServing, VersionBuffers):
     endpoint:
         ROUTER address to bind (``tcp://127.0.0.1:*`` picks a free port; see
         :attr:`endpoint` for the bound one). Workers connect here.
-    pub_endpoint:
-        PUB address to bind; by default next to ``endpoint`` (a free port, or
-        ``<ipc path>.pub``).
-    bucket_bytes:
-        Upper bound of a flat bucket.
-    chunk_bytes:
-        Size of the frames a bucket travels in over TCP (same-host workers get a
-        "bytes ready" notice every 8 MiB, or every chunk when chunks are larger).
-    shm:
-        Stage versions in ``/dev/shm`` so same-host workers read them without a socket
-        (``None``: when available). Falls back to private memory when it cannot.
-    checksum:
-        ``"xxh3_64"`` or ``"crc32"``.
-    heartbeat_interval:
-        Seconds between Heartbeat notices on PUB.
-    worker_timeout:
-        A worker silent this long (no Hello, Fetch or Ack) is declared lost.
-    keep_versions:
-        How many recent versions keep their buffer when no one needs them any more.
+    config:
+        :class:`~transport.weights.config.PublisherConfig`; its fields are also taken
+        as keyword arguments (``bucket_bytes=...``), which override it.
     context:
         ZeroMQ context (default: a private one, terminated at :meth:`close`).
     curve:
-        CurveZMQ on both sockets (:class:`transport.CurveConfig`: this side's
-        ``.key_secret`` and, to admit only known workers, ``authorized_clients_dir``).
-        Off by default (loopback); turn it on whenever workers connect across hosts. A
-        worker with a wrong or missing key gets nothing, not even the announcements.
-    data_link:
-        Send TCP workers' bucket bytes on a plain TCP connection per worker (a free
-        port on the ROUTER's host, offered in the Welcome) instead of as ZeroMQ frames:
-        each worker receives the bytes straight into its weights
-        (:mod:`transport.weights.datalink`). ``None`` (default): on for a ``tcp://``
-        endpoint without ``curve``; the link is not encrypted, so with ``curve`` it is
-        on only when ``True``. Workers that do not take it get ZeroMQ frames.
-    data_port:
-        The data link's port (0: a free one, told to workers in the handshake): set it
-        where a firewall or a container's port mapping must let it through.
-    ipc:
-        When same-host workers take the ``ipc`` path (see the module docstring):
-        ``"auto"`` (CUDA tensors), ``"cpu"`` (CPU tensors too) or ``"off"``.
-    ipc_slots:
-        Persistent buckets of the ``ipc`` path (2: double buffering; ``None``: the whole
-        model).
-    ipc_timeout:
-        Seconds :meth:`publish` waits for a live ``ipc`` worker to release a slot
-        before it raises :class:`~transport.weights.errors.WeightUpdateError` (a dead
-        worker's slots are released as soon as its process is gone).
+        CurveZMQ on both sockets (:class:`transport.CurveConfig`: this side's secret
+        key and, to admit only known workers, ``authorized_clients_dir``). Turn it on
+        whenever workers connect across hosts: a worker with a wrong or missing key
+        gets nothing, not even the announcements.
 
     Examples
     --------
@@ -152,35 +116,28 @@ class WeightPublisher(IpcServing, VersionBuffers):
         self,
         endpoint: str = "tcp://127.0.0.1:*",
         *,
-        pub_endpoint: str | None = None,
-        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-        shm: bool | None = None,
-        checksum: str = DEFAULT_CHECKSUM,
-        heartbeat_interval: float = 0.5,
-        worker_timeout: float = 10.0,
-        keep_versions: int = 2,
+        config: PublisherConfig | None = None,
         context: zmq.Context[Any] | None = None,
         curve: CurveConfig | None = None,
-        data_link: bool | None = None,
-        data_port: int = 0,
-        ipc: str = "auto",
-        ipc_slots: int | None = 2,
-        ipc_timeout: float = 60.0,
+        **settings: Any,
     ) -> None:
-        self._init_ipc(ipc, ipc_slots, ipc_timeout)
+        cfg = self.config = make_config(PublisherConfig, config, settings)
+        checksum, shm, data_link = cfg.checksum, cfg.shm, cfg.data_link
+        self._init_ipc(cfg.ipc, cfg.ipc_slots, cfg.ipc_timeout)
         Hasher(checksum)  # validates the name now rather than at the first publish
-        self.bucket_bytes = bucket_bytes
-        self.chunk_bytes = max(1, chunk_bytes)
+        self.bucket_bytes = cfg.bucket_bytes
+        self.chunk_bytes = cfg.chunk_bytes
         self.checksum_algo = checksum
-        self.heartbeat_interval = heartbeat_interval
-        self.worker_timeout = worker_timeout
+        self.heartbeat_interval = cfg.heartbeat_interval
+        self.worker_timeout = cfg.worker_timeout
         metrics.expose("publisher")
-        self.keep_versions = max(1, keep_versions)
+        self.keep_versions = cfg.keep_versions
         self.publisher_id = secrets.token_hex(8)
         self.host_id = _shm.host_id()
+        #: Workers and versions: who must answer, who may still read a buffer.
+        self.core = PublisherCore(self.host_id, cfg.worker_timeout)
         #: Counters: bad messages, fetches served, bytes sent, ...
-        self.counters: dict[str, int] = {}
+        self.counters = self.core.counters
         self._rlog = RateLimitedLog(log)
         self._use_shm = _shm.available() if shm is None else bool(shm and _shm.available())
         if self._use_shm:
@@ -230,7 +187,7 @@ class WeightPublisher(IpcServing, VersionBuffers):
         apply_curve_server(self._pub, curve)
         self._pub.setsockopt(zmq.LINGER, 0)
         self._pub.setsockopt(zmq.SNDHWM, 10_000)
-        self._pub.bind(pub_endpoint or _sibling(self.endpoint))
+        self._pub.bind(cfg.pub_endpoint or _sibling(self.endpoint))
         self.pub_endpoint: str = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
         wake_addr = f"inproc://fastio-weights-wake-{self.publisher_id}"
         self._wake_r = self._ctx.socket(zmq.PAIR)
@@ -243,7 +200,6 @@ class WeightPublisher(IpcServing, VersionBuffers):
         self._encoder = VERSION_1
         self._decoder = fastio.Decoder(_FROM_SUBSCRIBER, max_message_size=8 << 20)
         self._cond = threading.Condition()
-        self._workers: dict[str, SubscriberInfo] = {}
         self._versions: dict[int, Staged] = {}
         self._latest: Staged | None = None
         self._free_segments: list[_shm.ShmSegment] = []
@@ -260,7 +216,7 @@ class WeightPublisher(IpcServing, VersionBuffers):
             self._data_token = secrets.token_bytes(16)
             try:
                 self._listener = DataListener(
-                    self.endpoint, self._data_token, self._admit_link, data_port
+                    self.endpoint, self._data_token, self._admit_link, cfg.data_port
                 )
             except OSError as exc:
                 log.warning("no data link (%s); TCP workers get ZeroMQ frames", exc)
@@ -279,7 +235,7 @@ class WeightPublisher(IpcServing, VersionBuffers):
     def workers(self) -> dict[str, SubscriberInfo]:
         """A snapshot of the known workers, by id."""
         with self._cond:
-            return {k: SubscriberInfo(**vars(v)) for k, v in self._workers.items()}
+            return {k: SubscriberInfo(**vars(v)) for k, v in self.core.workers.items()}
 
     def wait_for_workers(self, n: int, timeout: float) -> list[str]:
         """Wait until at least ``n`` live workers said Hello; returns their ids.
@@ -289,7 +245,7 @@ class WeightPublisher(IpcServing, VersionBuffers):
         deadline = time.monotonic() + timeout
         with self._cond:
             while True:
-                alive = sorted(w for w, i in self._workers.items() if i.alive)
+                alive = sorted(w for w, i in self.core.workers.items() if i.alive)
                 if len(alive) >= n:
                     return alive
                 left = deadline - time.monotonic()
@@ -330,7 +286,7 @@ class WeightPublisher(IpcServing, VersionBuffers):
             # Slots first: a worker that opens them defers the Announce below.
             self._prepare_ipc(everything)
         with self._cond:
-            wanted = {i.dtype for i in self._workers.values() if i.alive}
+            wanted = {i.dtype for i in self.core.workers.values() if i.alive}
         plan = plan_version(tensors, wanted, self.bucket_bytes)
         total = plan[-1].shm_offset + plan[-1].nbytes if plan else 0
         # Staged for shm/tcp now only when someone will read it that way; otherwise
@@ -398,7 +354,7 @@ class WeightPublisher(IpcServing, VersionBuffers):
                 return False
             return all(
                 w in exp.workers and exp.workers[w].opened
-                for w, i in self._workers.items()
+                for w, i in self.core.workers.items()
                 if i.alive
             )
 
@@ -472,32 +428,17 @@ class WeightPublisher(IpcServing, VersionBuffers):
             st = self._versions.get(version)
             if st is None or st.announce is None:
                 raise KeyError(f"version {version} was not published by this publisher")
+            led = st.ledger
             if workers is not None:
-                st.expected = set(workers)
-            while True:
-                if st.answered() and st.expected:
-                    break
+                led.expected = set(workers)
+            while not (led.answered() and led.expected):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
                 self._cond.wait(min(left, 0.5))
-            res = UpdateResult(version)
-            for w in sorted(st.expected | set(st.acks)):
-                ack = st.acks.get(w)
-                if ack is not None:
-                    res.paths[w] = ack.via
-                if ack is not None and ack.ok:
-                    res.applied[w] = ack
-                elif ack is not None:
-                    res.failed[w] = ack.error or "failed"
-                elif w in st.lost:
-                    res.failed[w] = st.lost[w]
-                else:
-                    res.missing.append(w)
-            end = st.done_at if st.answered() and st.done_at else time.monotonic()
-            res.elapsed_s = end - st.announced_at
-            if res.failed and not st.failure_counted:
-                st.failure_counted = True
+            res = self.core.result(version, time.monotonic())
+            if res.failed and not led.failure_counted:
+                led.failure_counted = True
                 metrics.PUBLISHER_FAILURES.inc()
         metrics.PUBLISHER_PHASE_SECONDS.labels(phase="wait").observe(res.elapsed_s)
         return res

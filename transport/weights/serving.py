@@ -31,6 +31,7 @@ from fastio.weight_msgs import (
 )
 from transport import metrics
 from transport.weights import shm as _shm
+from transport.weights.core.publisher import PublisherCore
 from transport.weights.datalink import (
     PIECE,
     PIECE_MAGIC,
@@ -39,9 +40,8 @@ from transport.weights.datalink import (
     Sent,
     worker_token,
 )
-from transport.weights.ipc import IpcExporter, process_alive, process_start_time
+from transport.weights.ipc import IpcExporter
 from transport.weights.ratelog import RateLimitedLog
-from transport.weights.results import SubscriberInfo
 from transport.weights.staging import Send, Staged
 
 __all__ = ["SHM_NOTICE_BYTES", "PublisherService"]
@@ -64,7 +64,7 @@ class PublisherService:
     chunk_bytes: int
     heartbeat_interval: float
     worker_timeout: float
-    counters: dict[str, int]
+    core: PublisherCore
     _rlog: RateLimitedLog
     _router: zmq.Socket[Any]
     _pub: zmq.Socket[Any]
@@ -72,7 +72,6 @@ class PublisherService:
     _encoder: fastio.Encoder
     _decoder: fastio.Decoder
     _cond: threading.Condition
-    _workers: dict[str, SubscriberInfo]
     _versions: dict[int, Staged]
     _latest: Staged | None
     _pending: list[Staged]
@@ -102,7 +101,7 @@ class PublisherService:
 
     # -- serving thread ----------------------------------------------------------------
     def _count(self, key: str, n: int = 1) -> None:
-        self.counters[key] = self.counters.get(key, 0) + n
+        self.core.count(key, n)
 
     def _serve(self) -> None:
         poller = zmq.Poller()
@@ -180,8 +179,7 @@ class PublisherService:
         with self._cond:
             self._seq += 1
             st.announce.seq = self._seq
-            st.announced_at = time.monotonic()
-            st.expected = {w for w, i in self._workers.items() if i.alive}
+            self.core.announce(st.ledger, time.monotonic())
             self._versions[st.version] = st
             self._latest = st
             self._retire()
@@ -189,9 +187,8 @@ class PublisherService:
         frames = self._encoder.encode(st.announce)
         self._pub.send_multipart(frames, copy=False)
         # Also straight to every known worker over the ROUTER: a SUB that has just
-        # connected misses PUB messages (the slow joiner); the heartbeat's sequence
-        # number would catch that, but only one heartbeat later.
-        for w in sorted(st.expected):
+        # connected misses PUB messages (the slow joiner).
+        for w in sorted(st.ledger.expected):
             self._reply(w.encode(), frames)
 
     def _advance_all(self) -> None:
@@ -202,44 +199,15 @@ class PublisherService:
 
     def _heartbeat(self, now: float) -> None:
         with self._cond:
-            if self._ipc is not None:
-                # An ipc worker whose process is gone: its slots are released now, and
-                # it is lost at once (not after worker_timeout).
-                for w in self._ipc.reap():
-                    gone = self._workers.get(w)
-                    if gone is not None and gone.alive:
-                        gone.alive = False
-                        log.warning("weight subscriber %s lost: its process is gone", w)
-                        for st in self._versions.values():
-                            if w in st.expected and w not in st.acks:
-                                st.lost[w] = "worker lost: its process is gone"
-                                self._check_done(st)
-            for w, info in self._workers.items():
-                if not info.alive:
-                    continue
-                if info.start_time and not process_alive(info.pid, info.start_time):
-                    # Same host, and its process is gone: lost now, not after
-                    # worker_timeout (and its shared memory is free again).
-                    reason = "worker lost: its process is gone"
-                elif now - info.last_seen > self.worker_timeout:
-                    reason = f"worker lost: no message for {now - info.last_seen:.1f} s"
-                else:
-                    continue
-                info.alive = False
+            # An ipc worker whose process is gone has its slots released now.
+            gone = self._ipc.reap() if self._ipc is not None else []
+            for w, reason in self.core.tick(now, gone):
                 log.warning("weight subscriber %s %s", w, reason)
-                for st in self._versions.values():
-                    if w in st.expected and w not in st.acks:
-                        st.lost[w] = reason
-                        self._check_done(st)
             latest = self._latest.version if self._latest else -1
             self._retire()
             self._cond.notify_all()
         hb = WeightHeartbeat(self.publisher_id, self._seq, latest)
         self._pub.send_multipart(self._encoder.encode(hb), copy=False)
-
-    def _check_done(self, st: Staged) -> None:
-        if not st.done_at and st.expected and st.answered():
-            st.done_at = time.monotonic()
 
     def _reply(self, ident: bytes, frames: list[Any], track: bool = False) -> Any:
         try:
@@ -270,66 +238,28 @@ class PublisherService:
         if isinstance(msg, (IpcHello, IpcAck)):
             self._handle_ipc(ident, wid, msg, now)
             return
-        hello = isinstance(msg, WeightHello)
-        if isinstance(msg, WeightAck) and wid not in self._workers:
-            # Only a Hello makes a peer a worker: an Ack from any other peer (a stray
-            # or spoofed one) must not fail an update. Counted, not recorded.
-            self._count("acks_from_strangers")
-            self._rlog.warning(
-                "Ack from a stranger", "ignored an Ack from %r, which never said Hello", wid
-            )
-            return
+        behind: Staged | None = None
         with self._cond:
-            info = self._workers.get(wid)
-            if info is None:
-                if not hello:
-                    # Only a Hello makes a peer a worker (and expected to apply versions);
-                    # a stray Fetch is still answered below.
-                    info = SubscriberInfo(wid, alive=False)
-                else:
-                    info = self._workers[wid] = SubscriberInfo(wid)
-            info.last_seen = now
-            if not info.alive and wid in self._workers:
-                info.alive = True
-                # Back from the dead (restarted): it is expected to catch up again.
-                for old in self._versions.values():
-                    old.lost.pop(wid, None)
             if isinstance(msg, WeightHello):
-                if (info.host_id, info.pid, info.hello_start_time) != (
-                    msg.host_id,
-                    msg.pid,
-                    msg.start_time,
-                ):
-                    # Another process (a restart may even reuse the pid): its own start
-                    # time, never its predecessor's.
-                    info.start_time = _visible_start(self.host_id, msg)
-                    info.hello_start_time = msg.start_time
-                info.host_id, info.pid = msg.host_id, msg.pid
-                info.version, info.digest = msg.version, msg.digest
-                info.dtype = msg.dtype
-                latest = self._latest
-                if latest is not None and msg.version < latest.version and wid not in latest.acks:
-                    latest.expected.add(wid)
-                # A Hello at version >= v means v was applied even when its Ack was lost
-                # (a subscriber drops a send its socket cannot take): count it as the Ack.
-                for st in self._versions.values():
-                    if st.version <= msg.version:
-                        # That process is done with that version's bytes.
-                        st.forget_reader(wid, msg.pid, msg.start_time)
-                    if st.version <= msg.version and wid in st.expected and wid not in st.acks:
-                        st.acks[wid] = WeightAck(
-                            wid, st.version, True, msg.version, "", msg.digest, info.path
-                        )
-                        self._check_done(st)
-                self._cond.notify_all()
+                led = self.core.on_hello(wid, msg, now)
+                behind = self._versions.get(led.version) if led is not None else None
+            elif isinstance(msg, WeightAck):
+                if not self.core.on_ack(wid, msg, now):
+                    self._rlog.warning(
+                        "Ack from a stranger", "ignored an Ack from %r, which never said Hello", wid
+                    )
+                    return
+            else:
+                self.core.touch(wid, now)
+            self._cond.notify_all()
         if isinstance(msg, WeightHello):
             announce = None
-            if latest is not None and msg.version < latest.version:
+            if behind is not None:
                 # A worker behind a version that went to ipc workers only: stage it
                 # now, so that the snapshot names its segment.
                 if not self._ipc_reader(wid):
-                    self._stage_late(latest)
-                announce = latest.announce
+                    self._stage_late(behind)
+                announce = behind.announce
             welcome = WeightWelcome(
                 self.publisher_id,
                 self.host_id,
@@ -344,23 +274,8 @@ class PublisherService:
             self._reply(ident, self._encoder.encode(welcome))
         elif isinstance(msg, WeightFetch):
             self._serve_fetch(ident, wid, msg)
-        elif isinstance(msg, WeightAck):
-            with self._cond:
-                acked = self._versions.get(msg.version)
-                if acked is not None:
-                    # An answer: that process is done with the version's bytes.
-                    acked.forget_reader(*_process(wid, msg, info)[:3])
-                    acked.acks[wid] = msg
-                    acked.expected.add(wid)
-                    self._check_done(acked)
-                info.version = msg.current_version
-                if msg.via:
-                    info.path = msg.via
-                if msg.digest is not None:
-                    info.digest = msg.digest
-                self._cond.notify_all()
-            if not msg.ok:
-                log.warning("worker %s failed version %d: %s", wid, msg.version, msg.error)
+        elif isinstance(msg, WeightAck) and not msg.ok:
+            log.warning("worker %s failed version %d: %s", wid, msg.version, msg.error)
 
     def _handle_ipc(self, ident: bytes, wid: str, msg: IpcHello | IpcAck, now: float) -> None:
         """The ipc path's Hello (offer the slots, or remember it until the first
@@ -371,7 +286,7 @@ class PublisherService:
             return
         offer = None
         with self._cond:
-            info = self._workers.get(wid)
+            info = self.core.workers.get(wid)
             if info is not None:
                 info.last_seen = now
             if isinstance(msg, IpcHello):
@@ -448,7 +363,7 @@ class PublisherService:
                 if msg.shm:
                     # It reads the segment from the first notice until it answers: the
                     # segment is not packed again before (the buffer rule).
-                    st.readers.add(_process(wid, msg, self._workers.get(wid)))
+                    st.ledger.readers.add(self.core.reader(wid, msg))
         if not held:
             err = WeightError(
                 msg.version, msg.index, f"version {msg.version} is no longer held", latest
@@ -549,28 +464,3 @@ class PublisherService:
                         info.nbytes
                     )
                 return
-
-
-def _process(
-    wid: str, msg: WeightFetch | WeightAck, info: SubscriberInfo | None
-) -> tuple[str, int, int, int]:
-    """The process behind a Fetch or Ack, ``(worker_id, pid, start_time, visible)``:
-    the one the message names, else the one of the worker's last Hello. ``visible`` is
-    its start time when this process can tell that pid's liveness (same host, same pid
-    namespace), else 0 (then it is never taken for gone)."""
-    if info is not None and (
-        not msg.pid or (msg.pid, msg.start_time) == (info.pid, info.hello_start_time)
-    ):
-        return wid, info.pid, info.hello_start_time, info.start_time
-    if msg.pid:
-        seen = process_start_time(msg.pid) if msg.start_time > 0 else None
-        return wid, msg.pid, msg.start_time, msg.start_time if seen == msg.start_time else 0
-    return wid, 0, 0, 0
-
-
-def _visible_start(host_id: str, hello: WeightHello) -> int:
-    """The start time of the Hello's process when this process sees it (same host, and
-    the pid names the same process here: the start times agree); 0 otherwise."""
-    if hello.host_id != host_id or hello.pid <= 0 or hello.start_time <= 0:
-        return 0
-    return hello.start_time if process_start_time(hello.pid) == hello.start_time else 0

@@ -84,6 +84,8 @@ from transport.weights import shm as _shm
 from transport.weights.binding import DtypeSpec, Rename, advertised_dtype, parse_dtype_spec
 from transport.weights.bucket import BucketApplier, named_tensors, state_digest
 from transport.weights.commit import VersionCommit
+from transport.weights.config import SubscriberConfig, make_config
+from transport.weights.core.subscriber import SubscriberCore, choose_atomic
 from transport.weights.datalink import DataReceiver
 from transport.weights.fetching import InFlight
 from transport.weights.ipc import process_start_time
@@ -109,103 +111,38 @@ class WeightSubscriber(IpcReceiving, VersionCommit):
         The publisher's ROUTER address.
     target:
         An ``nn.Module`` (its state dict is updated in place) or a mapping of name ->
-        tensor to overwrite. CPU or CUDA tensors. ``None`` with a ``loader`` that takes
-        every tensor.
-    worker_id:
-        Unique id of this worker (default: a random one). A restarted worker may reuse
-        its id: the publisher then counts it as the same worker.
-    version:
-        The version the model holds now (``-1``: none).
-    shm:
-        Read same-host versions from shared memory when the handshake shows it works.
-    atomic:
-        ``True``: keep the previous weights whole until a version is verified
-        entirely; ``False``: verify and copy in one pass, the weights mixed from the
-        version's first write to its end, and after a version that failed midway
-        until a later one completes (:attr:`consistent` false, version ``-1``
-        reported; see the module docstring). Only safe with a ``lock`` that refuses
-        to serve mixed weights. ``None`` (default): ``False`` when the ``lock``
-        declares it refuses to serve mixed weights (a true ``refuses_mixed``
-        attribute, as the fabric's lock of :func:`~transport.weights.update.attach_subscriber`
-        does) and there is no ``loader``, else ``True``. The ``ipc`` path is atomic
-        unless this is ``False``.
-    window:
-        Buckets requested ahead over TCP.
-    fetch_timeout:
-        Seconds before an unanswered Fetch is sent again.
-    retries:
-        Attempts per bucket (timeouts and checksum failures) before the version fails.
-    heartbeat_interval:
-        Seconds between Hellos to the publisher.
-    publisher_timeout:
-        With no message from the publisher for this long, a version in progress fails.
+        tensor to overwrite. CPU or CUDA tensors. ``None`` with a ``loader``.
+    config:
+        :class:`~transport.weights.config.SubscriberConfig`; its fields are also taken
+        as keyword arguments (``window=4``), which override it. ``path=`` is the
+        ``route`` field's keyword.
     lock:
-        Held while the parameters are written (e.g. the engine's forward lock): with
-        ``atomic`` for the copy of a verified version; in one-pass mode from the
-        version's first write to its end, network waits included. If entering it
-        raises, the version fails on this worker, which keeps its weights. A plain
-        lock is left when a one-pass version fails midway, so the engine would
-        generate from mixed weights: one-pass mode needs a lock that then keeps the
-        engine from serving (``refuses_mixed``, see ``atomic``).
+        Held while the weights are written (e.g. the engine's forward lock): for the
+        copy of a verified version, or in one-pass mode from the version's first
+        write to its end. If entering it raises, the version fails and the weights
+        stay. One-pass mode needs a lock that then refuses to serve
+        (``refuses_mixed``), as the fabric's does.
     on_applied:
-        Called with the new version once it is in the weights, under ``lock`` and
-        before the Ack is sent (in the subscriber's thread).
+        Called with the new version once it is in the weights, under ``lock``, before
+        the Ack (in the subscriber's thread).
     on_progress:
-        Called with ``(version, bucket_index)`` when a bucket arrived and was verified.
-    report_digest:
-        Send a digest of the weights (:func:`state_digest`) in Hellos and Acks.
-    strict:
-        The update must cover every tensor of ``target``.
+        Called with ``(version, bucket_index)`` when a bucket arrived and verified.
     dtype:
-        The dtypes wanted (see :mod:`transport.weights.binding`): ``None`` (exact
-        match), ``"auto"`` (each target's own dtype), one dtype for every floating
-        tensor, or a dict engine name -> dtype. Casts are bit-identical to
-        ``tensor.to(dtype)``; the trainer casts when every worker wants the same
-        narrower dtype (advertised in the Hello), else this worker casts in its copy.
+        The dtypes wanted (:mod:`transport.weights.binding`): ``None`` (exact match),
+        ``"auto"``, one dtype for every floating tensor, or a dict engine name ->
+        dtype; casts are bit-identical to ``tensor.to(dtype)``.
     rename:
-        Trainer name -> engine name: a dict (names not in it stay) or a callable
-        (returning ``None`` skips the tensor).
+        Trainer name -> engine name: a dict or a callable (``None`` skips a tensor).
     loader:
-        Called with an iterable of ``(engine name, tensor)`` for every tensor of a
-        version (aliases included, in the wanted dtype) once the whole version has
-        verified and the in-place copy (into ``target``) is done, under ``lock``: the
-        shape ``model.load_weights(...)`` takes. The tensors are read-only and valid
-        only during the call (copy what must outlive it). If it raises, the version
-        fails on this worker and is reported to the trainer; the engine's weights are
-        then in whatever state the loader left them (possibly mixed),
-        :attr:`consistent` is false and :attr:`version` stays the previous one until a
-        later version completes.
+        Called under ``lock`` with ``(engine name, tensor)`` pairs of every verified
+        version, after the in-place copy (the shape of ``model.load_weights``); the
+        tensors are valid only during the call. If it raises, the version fails and
+        :attr:`consistent` is false until a later version completes.
     context:
         ZeroMQ context (default: the global instance).
-    max_message_size:
-        Largest frame accepted from the publisher (``ZMQ_MAXMSGSIZE``).
-    tune_malloc:
-        Opt-in, process-wide: on glibc, keep the allocator from returning freed memory
-        to the kernel between versions (:func:`transport.weights.malloc.tune_malloc`):
-        received TCP frames then reuse warm pages instead of faulting in fresh zeroed
-        ones (see bench/results for the effect).
     curve:
-        CurveZMQ keys (:class:`transport.CurveConfig`: this worker's ``.key_secret`` and
-        the publisher's public ``.key`` as ``server_public_key_file``).
-    path:
-        Override of the path (see :mod:`transport.weights.publisher`): ``None`` takes
-        ``ipc`` whenever the publisher offers it and the worker can open the trainer's
-        memory (same host, no ``dtype``/``rename``/``loader``), else ``shm`` or
-        ``tcp``; ``"shm"`` never asks for ``ipc``; ``"tcp"`` neither, and no shared
-        memory; ``"ipc"`` is ``None`` that raises when ``ipc`` is impossible by
-        configuration. A version that fails on ``ipc`` is fetched by ``shm``/``tcp``.
-        :attr:`path` and :attr:`last_stats` (``via``) say which path the last version
-        took.
-    copy_threads:
-        Threads that copy a verified version into CPU parameters (``numpy.copyto``
-        releases the GIL); default :func:`~transport.weights.bucket.default_copy_threads`
-        (one per 4 cores, at most 4: on a small host every worker copies at once).
-    data_link:
-        Over TCP, receive bucket bytes on the publisher's data link when it offers one
-        (a plain TCP connection to its host, :mod:`transport.weights.datalink`): the
-        bytes land straight in the weights (or the staging buffer), with no ZeroMQ
-        message buffers between. ``False``: always ZeroMQ frames. A link that fails
-        is closed and the rest of the version comes as ZeroMQ frames.
+        CurveZMQ keys (:class:`transport.CurveConfig`: this worker's secret key and
+        the publisher's public key as ``server_public_key_file``).
 
     Examples
     --------
@@ -219,84 +156,62 @@ class WeightSubscriber(IpcReceiving, VersionCommit):
         endpoint: str,
         target: Any,
         *,
-        worker_id: str | None = None,
-        version: int = -1,
-        shm: bool = True,
-        atomic: bool | None = None,
-        window: int = 2,
-        fetch_timeout: float = 5.0,
-        retries: int = 3,
-        heartbeat_interval: float = 0.5,
-        publisher_timeout: float = 10.0,
+        config: SubscriberConfig | None = None,
         lock: Any = None,
         on_applied: Callable[[int], None] | None = None,
         on_progress: Callable[[int, int], None] | None = None,
-        report_digest: bool = False,
-        strict: bool = True,
         dtype: DtypeSpec = None,
         rename: Rename = None,
         loader: Callable[[Iterable[tuple[str, torch.Tensor]]], Any] | None = None,
         context: zmq.Context[Any] | None = None,
-        max_message_size: int = 1 << 30,
-        tune_malloc: bool = False,
         curve: CurveConfig | None = None,
-        path: str | None = None,
-        copy_threads: int | None = None,
-        data_link: bool = True,
+        **settings: Any,
     ) -> None:
+        cfg = self.config = make_config(SubscriberConfig, config, settings)
         self.endpoint = endpoint
-        self.data_link = data_link
-        self._init_ipc(ipc_eligible(path, target, loader, dtype, rename))
-        if path == "tcp":
-            shm = False
-        if tune_malloc:
+        self.data_link = cfg.data_link
+        self._init_ipc(ipc_eligible(cfg.route, target, loader, dtype, rename))
+        if cfg.tune_malloc:
             _tune_malloc()
         if target is None and loader is None:
             raise ValueError("a WeightSubscriber needs a target, a loader or both")
-        if loader is not None and atomic is False:
-            raise ValueError("a loader takes whole versions: it needs atomic=True")
         self.targets = named_tensors(target) if target is not None else {}
         self.dtype = parse_dtype_spec(dtype)
         self.rename = rename
         self.loader = loader
         self._hello_dtype = advertised_dtype(self.dtype, self.targets)
-        self.worker_id = worker_id or f"w-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self.shm = shm
-        #: shm/tcp: verify every bucket before the first write (``True``), or verify
-        #: and copy in one pass (``False``: the default only under a lock that refuses
-        #: to serve mixed weights, see ``atomic``).
-        self.atomic = (
-            loader is not None or not getattr(lock, "refuses_mixed", False)
-            if atomic is None
-            else atomic
-        )
-        # The ipc path keeps its own default (atomic) unless told.
-        self._ipc_atomic = True if atomic is None else atomic
-        self.window = max(1, window)
-        self.fetch_timeout = fetch_timeout
-        self.retries = max(1, retries)
-        self.heartbeat_interval = heartbeat_interval
-        self.publisher_timeout = publisher_timeout
+        self.worker_id = cfg.worker_id or f"w-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.shm = cfg.shm and cfg.route != "tcp"
+        #: shm/tcp: verify every bucket before the first write, or one pass (``atomic``).
+        refuses = getattr(lock, "refuses_mixed", False)
+        self.atomic = choose_atomic(cfg.atomic, refuses, loader is not None)
+        # The ipc route keeps its own default (atomic) unless told.
+        self._ipc_atomic = True if cfg.atomic is None else cfg.atomic
+        self.window = cfg.window
+        self.fetch_timeout = cfg.fetch_timeout
+        self.retries = cfg.retries
+        #: Versions, publishers, what to report (the protocol core, no I/O).
+        self.core = SubscriberCore(cfg.version, cfg.retries)
+        self.heartbeat_interval = cfg.heartbeat_interval
+        self.publisher_timeout = cfg.publisher_timeout
         self.lock = lock if lock is not None else contextlib.nullcontext()
         self.on_applied = on_applied
         self.on_progress = on_progress
-        self.report_digest = report_digest
-        self.strict = strict
-        self.max_message_size = max_message_size
+        self.report_digest = cfg.report_digest
+        self.strict = cfg.strict
+        self.max_message_size = cfg.max_message_size
         if curve is not None and curve.server_public_key_file is None:
             raise ValueError("CurveConfig.server_public_key_file is needed to subscribe")
         self.curve = curve
         #: Counters: bad messages, gaps, retries, versions applied / failed.
-        self.counters: dict[str, int] = {}
+        self.counters = self.core.counters
         self._rlog = RateLimitedLog(log)
         #: Error text of the last failed version ("" if none).
         self.last_error = ""
         #: Timings of the last applied version.
         self.last_stats = UpdateStats()
-        self._version = version
-        self._consistent = True
-        self._digest: int | None = state_digest(self.targets) if report_digest else None
-        self._applier = BucketApplier(self.targets, copy_threads=copy_threads)
+        self._digest: int | None = state_digest(self.targets) if cfg.report_digest else None
+        self._applier = BucketApplier(self.targets, copy_threads=cfg.copy_threads)
         self._ctx = context or zmq.Context.instance()
         self._cond = threading.Condition()
         self._closed = False
@@ -307,17 +222,12 @@ class WeightSubscriber(IpcReceiving, VersionCommit):
         # Weight messages carry no token arrays: version 1, which every release reads.
         self._encoder = VERSION_1
         self._decoder = fastio.Decoder(
-            _FROM_PUBLISHER, max_message_size=max_message_size + (1 << 20)
+            _FROM_PUBLISHER, max_message_size=cfg.max_message_size + (1 << 20)
         )
         # per publisher instance
-        self._pub_id = ""
         self._pub_endpoint = ""
         self._shm_ok = False
-        self._last_seq = 0
-        self._last_heard = 0.0
         self._update: InFlight | None = None
-        self._attempts: dict[tuple[str, int], int] = {}
-        self._given_up: set[tuple[str, int]] = set()
         self._segments: dict[str, _shm.ShmSegment] = {}
         self._staging: np.ndarray[Any, Any] | None = None
         self._poller: zmq.Poller | None = None
@@ -330,7 +240,7 @@ class WeightSubscriber(IpcReceiving, VersionCommit):
     @property
     def version(self) -> int:
         """The version the weights hold (last one applied completely)."""
-        return self._version
+        return self.core.version
 
     @property
     def consistent(self) -> bool:
@@ -339,13 +249,16 @@ class WeightSubscriber(IpcReceiving, VersionCommit):
         copy or the ``loader`` failed midway. The worker then
         reports version ``-1`` and must not serve; a later complete version makes it
         true again. :attr:`version` stays the last version applied completely."""
-        return self._consistent
+        return self.core.consistent
 
     @property
-    def path(self) -> str:
-        """The path of the last version applied (``"ipc"``, ``"shm"``, ``"tcp"``; ``""``
+    def route(self) -> str:
+        """The route of the last version applied (``"ipc"``, ``"shm"``, ``"tcp"``; ``""``
         before the first)."""
         return self.last_stats.via
+
+    #: The older name of :attr:`route`.
+    path = route
 
     @property
     def closed(self) -> bool:
@@ -355,7 +268,7 @@ class WeightSubscriber(IpcReceiving, VersionCommit):
     @property
     def last_heard(self) -> float:
         """``time.monotonic()`` of the last message from the publisher (0: none yet)."""
-        return self._last_heard
+        return self.core.last_heard
 
     def start(self) -> WeightSubscriber:
         """Start the background thread (returns ``self``). A publisher host name that
@@ -375,7 +288,7 @@ class WeightSubscriber(IpcReceiving, VersionCommit):
         """Wait until the weights are at ``version`` or newer; False on timeout."""
         deadline = time.monotonic() + timeout
         with self._cond:
-            while self._version < version:
+            while self.core.version < version:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False
@@ -493,7 +406,7 @@ class WeightSubscriber(IpcReceiving, VersionCommit):
                 self.worker_id,
                 self._host,
                 os.getpid(),
-                self.reported_version,
+                self.core.reported_version,
                 self._digest,
                 self._hello_dtype,
                 self._start_time,
@@ -501,30 +414,25 @@ class WeightSubscriber(IpcReceiving, VersionCommit):
         )
 
     def _dispatch(self, msg: Any) -> None:
-        if (
-            isinstance(msg, (WeightWelcome, WeightHeartbeat, WeightAnnounce))
-            and msg.publisher_id != self._pub_id
-        ):
-            if not isinstance(msg, WeightWelcome):
-                # A notice from a publisher we have not shaken hands with (it was
-                # restarted): ask it for its state.
+        if isinstance(msg, (WeightWelcome, WeightHeartbeat, WeightAnnounce)):
+            step = self.core.notice(
+                msg.publisher_id, isinstance(msg, WeightWelcome), time.monotonic()
+            )
+            if step == "hello":  # a publisher not shaken hands with (restarted)
                 self._hello()
                 return
-            self._new_publisher(msg)
-        self._last_heard = time.monotonic()
+            if step == "handshake":
+                assert isinstance(msg, WeightWelcome)
+                self._new_publisher(msg)
         if isinstance(msg, WeightWelcome):
             if msg.announce is not None:
                 self._consider(msg.announce)
             self._ipc_hello(up_to_date=msg.announce is None)
         elif isinstance(msg, WeightHeartbeat):
-            if msg.seq > self._last_seq:
-                self._count("gaps")  # an Announce was lost: ask for the snapshot
-                self._last_seq = msg.seq
-                self._hello()
+            if self.core.on_heartbeat(msg.seq):
+                self._hello()  # an Announce was lost: ask for the snapshot
         elif isinstance(msg, WeightAnnounce):
-            if msg.seq > self._last_seq + 1:
-                self._count("gaps")
-            self._last_seq = max(self._last_seq, msg.seq)
+            self.core.on_announce(msg.seq)
             self._consider(msg)
         elif isinstance(msg, WeightBucket):
             self._on_bucket(msg)
@@ -538,7 +446,7 @@ class WeightSubscriber(IpcReceiving, VersionCommit):
     def _new_publisher(self, w: WeightWelcome) -> None:
         if self._update is not None:
             self._fail(self._update.ann.version, "the publisher was restarted mid-update")
-        self._pub_id = w.publisher_id
+        self.core.shake_hands(w.publisher_id, w.seq)
         self._pub_host = w.host_id
         self._close_link()
         self._link_retry_at = 0.0
@@ -546,7 +454,6 @@ class WeightSubscriber(IpcReceiving, VersionCommit):
             (w.data_port, w.data_token) if self.data_link and w.data_port > 0 else None
         )
         self._ipc_reset()
-        self._last_seq = w.seq
         self._shm_ok = (
             self.shm and w.host_id == self._host and _shm.read_probe(w.shm_probe, w.shm_token)
         )

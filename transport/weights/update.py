@@ -35,6 +35,7 @@ from msgspec import Meta
 from fastio.weight_msgs import WeightAck  # noqa: F401  (names FabricUpdateResult's inherited fields)
 from transport.errors import ControlError, ResumeRefused
 from transport.options import parse_options, resolve_entry
+from transport.weights.core.subscriber import PauseLease
 from transport.weights.errors import UpdateIncomplete, WeightUpdateError
 from transport.weights.publisher import WeightPublisher
 from transport.weights.results import UpdateResult
@@ -297,6 +298,11 @@ class _PausedWhileCopying:
         if mine is not None and s.paused and s.pause_requests == mine:
             await s.resume()
 
+    @property
+    def copying(self) -> bool:
+        """Whether a copy holds the lock now."""
+        return not self._free.is_set()
+
     def _call(self, coro: Any) -> None:
         fut = asyncio.run_coroutine_threadsafe(coro, self.loop)
         deadline = time.monotonic() + self.timeout + 10.0
@@ -391,17 +397,17 @@ async def _pause_lease(
     server: Any, sub: WeightSubscriber, lock: _PausedWhileCopying, lease: float
 ) -> None:
     """Resume a worker left paused by a trainer that is gone (see ``pause_lease``)."""
-    since: float | None = None
+    rule = PauseLease(lease)
     while not sub.closed:
         await asyncio.sleep(min(1.0, lease / 4))
-        if not server.paused or not lock._free.is_set() or lock.mixed():
-            since = None  # generating, paused by our own copy, or mixed weights
-            continue
-        now = time.monotonic()
-        if since is None:
-            since = now
-        quiet = now - max(since, sub.last_heard)
-        if quiet >= lease:
+        quiet = rule.tick(
+            time.monotonic(),
+            paused=server.paused,
+            copying=lock.copying,
+            mixed=lock.mixed(),
+            last_heard=sub.last_heard,
+        )
+        if quiet is not None:
             log.warning(
                 "worker %s paused for %.1f s with no word from the weight publisher (the "
                 "trainer is gone?): resuming on version %d, the last complete one",
@@ -410,7 +416,6 @@ async def _pause_lease(
                 sub.version,
             )
             await server.resume()
-            since = None
 
 
 class PluginOptions(
