@@ -18,7 +18,6 @@ import torch
 import zmq
 
 from fastio.weight_msgs import WeightAnnounce, WeightBucketInfo, WeightFetch
-from transport.weights import shm as _shm
 from transport.weights.binding import FLOAT_DTYPES, parse_dtype
 from transport.weights.bucket import (
     Hasher,
@@ -29,7 +28,8 @@ from transport.weights.bucket import (
     plan_buckets,
 )
 from transport.weights.core.publisher import VersionLedger
-from transport.weights.datalink import Sent
+from transport.weights.routes import shm as _shm
+from transport.weights.routes.tcp import Sent
 
 __all__ = ["BLOCK", "Send", "Staged", "pack_steps", "plan_version"]
 

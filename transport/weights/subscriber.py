@@ -1,47 +1,24 @@
 """Worker side of weight updates: follow a publisher, fetch, verify, apply, acknowledge.
 
-A subscriber runs one background thread that owns its sockets: a DEALER to the
-publisher's ROUTER (Hello heartbeats, Fetch, Ack) and a SUB on its PUB (Announce and
-Heartbeat notices, sequence-numbered). Its parts, by concern: fetching and verifying a
-version (:mod:`transport.weights.fetching`), committing it
-(:mod:`transport.weights.commit`) and the ``ipc`` path with its path choice and
-fallbacks (:mod:`transport.weights.ipc_receiving`).
+Loop model: one background thread owns the sockets, a DEALER to the publisher's ROUTER
+(Hello, Fetch, Ack) and a SUB on its PUB (sequence-numbered Announce and Heartbeat),
+polled with a ``zmq.Poller`` next to the data link's socket. Everything below runs in
+that thread; other threads only read the version (:meth:`WeightSubscriber.wait_version`).
 
-Never serving a mixed version: two modes
------------------------------------------
-A bucket's checksum is known only once its last byte has arrived, and applying bucket k
-of version N before the rest has arrived and been verified leaves a mixed model if the
-rest never comes (publisher killed, corrupt bytes). Two answers, by ``atomic``:
+:class:`WeightSubscriber` owns its parts: the protocol core
+(:class:`~transport.weights.core.subscriber.SubscriberCore`: which version, what to
+report), the :class:`~transport.weights.reporting.Reporter` (version switches, Acks), the
+shm/tcp routes (:class:`~transport.weights.fetching.VersionFetcher`) and the ``ipc`` route
+(:class:`~transport.weights.ipc_receiving.IpcReceiver`).
 
-* ``atomic=False`` (the default under a lock that refuses to serve mixed weights,
-  such as the fabric's, :func:`transport.weights.update.attach_subscriber`, without
-  a ``loader``): verify and copy in one pass.
-  Each 256 KiB block of a bucket is hashed, then copied into the parameters while it
-  is still in cache (:mod:`transport.weights.streaming`): shared memory is read once,
-  a TCP piece is copied once and its frame freed at once, and the copy overlaps the
-  trainer's packing. The ``lock`` is held from the version's first write until it
-  completes (network waits included); meanwhile the worker reports version ``-1``.
-  If the version fails after that (a bucket fails its checksum for good,
-  the publisher dies or goes silent, a newer version supersedes it), the weights are
-  mixed: :attr:`WeightSubscriber.consistent` is false, the worker reports version
-  ``-1`` (no complete version) in its Ack and Hellos, the failed Ack says "weights
-  are mixed", and the fabric's lock keeps the worker paused
-  (:func:`transport.weights.update.attach_subscriber`) until a later version, or the
-  same one fetched again, completes.
-* ``atomic=True`` (the default otherwise: a plain lock such as an engine's step lock
-  is left when a version fails, and the engine would serve what is in the weights):
-  the previous version stays whole until the new one is verified
-  entirely. Same host (shared memory): the publisher's segment *is* the staging area;
-  every bucket's checksum is verified in place, then copied into the parameters (no
-  extra memory on the worker). Over TCP: each piece is hashed as it arrives and copied,
-  while still in cache, into a staging buffer the worker keeps from version to version
-  (one version's bytes); once every bucket is verified they are copied into the
-  parameters. A failed version leaves the previous weights, and version, in place.
-
-Either way the metadata (names, shapes, dtypes, layout) is checked before a byte is
-fetched (a mismatch fails the version with the weights untouched), the parameters are
-written in place (references held by the engine stay valid) and the version is switched
-only after the last copy.
+Never a mixed version served (``docs/PROTOCOL.md``, "Apply and commit"): with
+``atomic=True`` nothing is written before every bucket verified (over TCP each piece is
+hashed and staged in a buffer kept between versions; through shared memory the segment is
+the staging area); with ``atomic=False`` (only under a lock that refuses to serve mixed
+weights) each block is hashed then copied while in cache, the lock held from the first
+write to the end, and a version failing midway leaves the worker reporting version
+``-1`` until one completes. Either way the manifest is checked before a byte moves, the
+tensors are written in place and the version switches after the last copy.
 """
 
 from __future__ import annotations
@@ -54,8 +31,6 @@ import time
 import uuid
 from collections.abc import Callable, Iterable
 from typing import Any, Union
-
-import numpy as np
 
 try:
     import torch
@@ -79,20 +54,18 @@ from fastio.weight_msgs import (
 )
 from transport import metrics
 from transport.addresses import warn_if_unresolvable, with_reachable_host
-from transport.sockets import CurveConfig, apply_curve_client
-from transport.weights import shm as _shm
+from transport.sockets import CurveConfig, apply_curve_client, make_dealer
 from transport.weights.binding import DtypeSpec, Rename, advertised_dtype, parse_dtype_spec
-from transport.weights.bucket import BucketApplier, named_tensors, state_digest
-from transport.weights.commit import VersionCommit
+from transport.weights.bucket import BucketApplier, named_tensors
 from transport.weights.config import SubscriberConfig, make_config
 from transport.weights.core.subscriber import SubscriberCore, choose_atomic
-from transport.weights.datalink import DataReceiver
-from transport.weights.fetching import InFlight
-from transport.weights.ipc import process_start_time
-from transport.weights.ipc_receiving import PATHS, IpcReceiving, ipc_eligible
+from transport.weights.fetching import VersionFetcher
+from transport.weights.ipc_receiving import PATHS, IpcReceiver, ipc_eligible
 from transport.weights.malloc import tune_malloc as _tune_malloc
 from transport.weights.ratelog import RateLimitedLog
+from transport.weights.reporting import Reporter
 from transport.weights.results import UpdateStats
+from transport.weights.routes import shm as _shm
 
 __all__ = ["PATHS", "WeightSubscriber"]
 
@@ -102,7 +75,7 @@ log = logging.getLogger("transport.weights.subscriber")
 _FROM_PUBLISHER = Union[PUBLISHER_TO_SUBSCRIBER, IpcOffer, IpcReady]  # noqa: UP007
 
 
-class WeightSubscriber(IpcReceiving, VersionCommit):
+class WeightSubscriber:
     """Keeps a model's weights at the latest version a :class:`WeightPublisher` serves.
 
     Parameters
@@ -168,73 +141,60 @@ class WeightSubscriber(IpcReceiving, VersionCommit):
         **settings: Any,
     ) -> None:
         cfg = self.config = make_config(SubscriberConfig, config, settings)
-        self.endpoint = endpoint
-        self.data_link = cfg.data_link
-        self._init_ipc(ipc_eligible(cfg.route, target, loader, dtype, rename))
-        if cfg.tune_malloc:
-            _tune_malloc()
+        eligible = ipc_eligible(cfg.route, target, loader, dtype, rename)
         if target is None and loader is None:
             raise ValueError("a WeightSubscriber needs a target, a loader or both")
-        self.targets = named_tensors(target) if target is not None else {}
-        self.dtype = parse_dtype_spec(dtype)
-        self.rename = rename
-        self.loader = loader
-        self._hello_dtype = advertised_dtype(self.dtype, self.targets)
-        self.worker_id = cfg.worker_id or f"w-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self.shm = cfg.shm and cfg.route != "tcp"
-        #: shm/tcp: verify every bucket before the first write, or one pass (``atomic``).
-        refuses = getattr(lock, "refuses_mixed", False)
-        self.atomic = choose_atomic(cfg.atomic, refuses, loader is not None)
-        # The ipc route keeps its own default (atomic) unless told.
-        self._ipc_atomic = True if cfg.atomic is None else cfg.atomic
-        self.window = cfg.window
-        self.fetch_timeout = cfg.fetch_timeout
-        self.retries = cfg.retries
-        #: Versions, publishers, what to report (the protocol core, no I/O).
-        self.core = SubscriberCore(cfg.version, cfg.retries)
-        self.heartbeat_interval = cfg.heartbeat_interval
-        self.publisher_timeout = cfg.publisher_timeout
-        self.lock = lock if lock is not None else contextlib.nullcontext()
-        self.on_applied = on_applied
-        self.on_progress = on_progress
-        self.report_digest = cfg.report_digest
-        self.strict = cfg.strict
-        self.max_message_size = cfg.max_message_size
         if curve is not None and curve.server_public_key_file is None:
             raise ValueError("CurveConfig.server_public_key_file is needed to subscribe")
+        if cfg.tune_malloc:
+            _tune_malloc()
+        self.endpoint = endpoint
         self.curve = curve
+        self.worker_id = cfg.worker_id or f"w-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.targets = named_tensors(target) if target is not None else {}
+        self.dtype = parse_dtype_spec(dtype)
+        self.shm = cfg.shm and cfg.route != "tcp"
+        #: shm/tcp: verify every bucket before the first write, or one pass.
+        self.atomic = choose_atomic(
+            cfg.atomic, getattr(lock, "refuses_mixed", False), loader is not None
+        )
+        self.lock = lock if lock is not None else contextlib.nullcontext()
+        #: Versions, publishers, what to report (the protocol core, no I/O).
+        self.core = SubscriberCore(cfg.version, cfg.retries)
         #: Counters: bad messages, gaps, retries, versions applied / failed.
         self.counters = self.core.counters
+        self.reporter = Reporter(
+            self.core, self.worker_id, self.targets, self._send,
+            report_digest=cfg.report_digest, on_applied=on_applied,
+        )  # fmt: skip
+        #: The shm and tcp routes: fetch, verify, commit.
+        self.fetcher = VersionFetcher(
+            self.core, self.reporter, cfg, self.targets,
+            BucketApplier(self.targets, copy_threads=cfg.copy_threads),
+            atomic=self.atomic, lock=self.lock, dtype=self.dtype, rename=rename,
+            loader=loader, on_progress=on_progress, send=self._send,
+            keepalive=self.keepalive, endpoint=endpoint, worker_id=self.worker_id,
+        )  # fmt: skip
+        self._host = _shm.host_id()
+        #: The ipc route (atomic unless told otherwise).
+        self.ipc = IpcReceiver(
+            self.core, self.reporter, self.fetcher, self.targets,
+            eligible=eligible, atomic=cfg.atomic is not False, lock=self.lock,
+            send=self._send, worker_id=self.worker_id, host=self._host,
+            publisher_timeout=cfg.publisher_timeout,
+        )  # fmt: skip
+        self._hello_dtype = advertised_dtype(self.dtype, self.targets)
         self._rlog = RateLimitedLog(log)
-        #: Error text of the last failed version ("" if none).
-        self.last_error = ""
-        #: Timings of the last applied version.
-        self.last_stats = UpdateStats()
-        self._digest: int | None = state_digest(self.targets) if cfg.report_digest else None
-        self._applier = BucketApplier(self.targets, copy_threads=cfg.copy_threads)
-        self._ctx = context or zmq.Context.instance()
-        self._cond = threading.Condition()
+        self._zctx = context or zmq.Context.instance()
         self._closed = False
         self._thread: threading.Thread | None = None
         self._last_hello = 0.0
-        self._host = _shm.host_id()
-        self._start_time = process_start_time(os.getpid()) or 0
         # Weight messages carry no token arrays: version 1, which every release reads.
         self._encoder = VERSION_1
         self._decoder = fastio.Decoder(
             _FROM_PUBLISHER, max_message_size=cfg.max_message_size + (1 << 20)
         )
-        # per publisher instance
         self._pub_endpoint = ""
-        self._shm_ok = False
-        self._update: InFlight | None = None
-        self._segments: dict[str, _shm.ShmSegment] = {}
-        self._staging: np.ndarray[Any, Any] | None = None
-        self._poller: zmq.Poller | None = None
-        #: The data link (open), and the publisher's offer of one (port, token).
-        self._link: DataReceiver | None = None
-        self._link_offer: tuple[int, bytes] | None = None
-        self._link_retry_at = 0.0
 
     # -- public API --------------------------------------------------------------------
     @property
@@ -250,6 +210,31 @@ class WeightSubscriber(IpcReceiving, VersionCommit):
         reports version ``-1`` and must not serve; a later complete version makes it
         true again. :attr:`version` stays the last version applied completely."""
         return self.core.consistent
+
+    @property
+    def last_error(self) -> str:
+        """Error text of the last failed version (``""``: none)."""
+        return self.reporter.last_error
+
+    @property
+    def last_stats(self) -> UpdateStats:
+        """Timings of the last applied version."""
+        return self.reporter.last_stats
+
+    @property
+    def ipc_open(self) -> bool:
+        """Whether the trainer's ipc slots are open (next versions come by ``ipc``)."""
+        return self.ipc.opened
+
+    @property
+    def ipc_refused(self) -> str:
+        """Why the ipc route was refused (``""``: it was not)."""
+        return self.ipc.refused
+
+    @property
+    def reported_version(self) -> int:
+        """The version reported to the publisher: ``-1`` while the weights are mixed."""
+        return self.core.reported_version
 
     @property
     def route(self) -> str:
@@ -287,17 +272,18 @@ class WeightSubscriber(IpcReceiving, VersionCommit):
     def wait_version(self, version: int, timeout: float) -> bool:
         """Wait until the weights are at ``version`` or newer; False on timeout."""
         deadline = time.monotonic() + timeout
-        with self._cond:
+        cond = self.reporter.cond
+        with cond:
             while self.core.version < version:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False
-                self._cond.wait(left)
+                cond.wait(left)
             return True
 
     def close(self) -> None:
         """Stop the thread and close the sockets."""
-        with self._cond:
+        with self.reporter.cond:
             self._closed = True
         if self._thread is not None:
             self._thread.join(10.0)
@@ -310,63 +296,60 @@ class WeightSubscriber(IpcReceiving, VersionCommit):
 
     # -- thread ------------------------------------------------------------------------
     def _run(self) -> None:
-        self._dealer = self._ctx.socket(zmq.DEALER)
-        apply_curve_client(self._dealer, self.curve)
-        self._dealer.setsockopt(zmq.LINGER, 0)
-        self._dealer.setsockopt(zmq.ROUTING_ID, self.worker_id.encode())
-        self._dealer.setsockopt(zmq.MAXMSGSIZE, self.max_message_size)
-        self._dealer.setsockopt(zmq.RCVHWM, 10_000)
-        # Nothing is queued while the publisher is down: a restarted publisher must not
-        # receive a burst of stale Fetches meant for its predecessor.
-        self._dealer.setsockopt(zmq.IMMEDIATE, 1)
-        self._dealer.connect(self.endpoint)
-        self._sub = self._ctx.socket(zmq.SUB)
+        self._dealer = make_dealer(
+            self._zctx,
+            self.endpoint,
+            hwm=10_000,
+            max_message_size=self.config.max_message_size,
+            curve=self.curve,
+            routing_id=self.worker_id.encode(),
+        )  # fmt: skip (IMMEDIATE: a restarted publisher gets no stale Fetches)
+        self._sub = self._zctx.socket(zmq.SUB)  # sockets.py has no SUB: set here
         apply_curve_client(self._sub, self.curve)
         self._sub.setsockopt(zmq.LINGER, 0)
         self._sub.setsockopt(zmq.MAXMSGSIZE, 64 << 20)
         self._sub.setsockopt(zmq.SUBSCRIBE, b"")
-        poller = self._poller = zmq.Poller()
+        poller = self.fetcher.tcp.poller = zmq.Poller()
         poller.register(self._dealer, zmq.POLLIN)
         poller.register(self._sub, zmq.POLLIN)
         next_hello = 0.0
         try:
             while True:
-                with self._cond:
+                with self.reporter.cond:
                     if self._closed:
                         return
                 now = time.monotonic()
                 if now >= next_hello:
                     self._hello()
-                    next_hello = now + self.heartbeat_interval
-                    self._check_timeouts(now)
+                    next_hello = now + self.config.heartbeat_interval
+                    self.fetcher.check_timeouts(now)
+                    self.ipc.check_timeouts(now)
                 timeout = min(next_hello - now, 0.2)
                 events = dict(poller.poll(int(max(0.0, timeout) * 1000)))
                 if self._sub in events:
                     self._drain(self._sub)
                 if self._dealer in events:
                     self._drain(self._dealer)
-                if self._link is not None and self._link.fd in events:
-                    self._on_data()
+                link = self.fetcher.tcp.link
+                if link is not None and link.fd in events:
+                    self.fetcher.tcp.read(self.fetcher)
         except Exception:  # the thread must not die silently
             log.exception("weight subscriber %s crashed", self.worker_id)
             raise
         finally:
             # A version in flight holds the lock from its first write: fail it (the
             # weights are mixed if it wrote) so the lock is left, never held for good.
-            if self._update is not None:
-                try:
-                    self._fail(self._update.ann.version, "the subscriber was closed mid-version")
-                except Exception:
-                    log.exception(
-                        "weight subscriber %s: failing the version at close", self.worker_id
-                    )
+            try:
+                self.fetcher.abandon("the subscriber was closed mid-version")
+            except Exception:
+                log.exception("weight subscriber %s: failing the version at close", self.worker_id)
+            self.fetcher.tcp.close()
             # The ipc goodbye must reach the trainer (else it waits for this worker's
             # acks until ipc_timeout): a short linger for it.
-            self._close_link()
-            said_bye = self._ipc_close()
+            said_bye = self.ipc.close()
             self._dealer.close(linger=500 if said_bye else 0)
             self._sub.close(linger=0)
-            self._drop_segments()
+            self.fetcher.shm.drop()
 
     def _drain(self, sock: zmq.Socket[Any]) -> None:
         for _ in range(64):
@@ -377,26 +360,25 @@ class WeightSubscriber(IpcReceiving, VersionCommit):
             try:
                 msg = self._decoder.decode(frames)
             except fastio.DecodeError as exc:
-                self._count("bad_messages")
+                self.core.count("bad_messages")
                 self._rlog.warning("bad message", "bad message from the weight publisher: %s", exc)
                 continue
             try:
                 self._dispatch(msg)
             except Exception as exc:  # keep following the publisher; report the version
-                self._count("internal_errors")
+                self.core.count("internal_errors")
                 log.exception("weight subscriber %s: error handling a message", self.worker_id)
-                if self._update is not None:
-                    self._fail(self._update.ann.version, f"internal error: {exc!r}")
+                self.fetcher.abandon(f"internal error: {exc!r}")
 
     def _send(self, msg: Any) -> None:
         with contextlib.suppress(zmq.Again):
             self._dealer.send_multipart(self._encoder.encode(msg), zmq.NOBLOCK, copy=False)
 
-    def _keepalive(self) -> None:
-        """A Hello if one is due, from inside a long commit (or a lock's wait): a
-        worker silent for the publisher's ``worker_timeout`` is declared lost, and the
-        shared memory it still copies from could be reused for the next version."""
-        if time.monotonic() - self._last_hello >= self.heartbeat_interval:
+    def keepalive(self) -> None:
+        """A Hello if one is due, from inside a long copy (or a lock's wait): a worker
+        silent for the publisher's ``worker_timeout`` is lost, and the shared memory it
+        still copies from could be reused."""
+        if time.monotonic() - self._last_hello >= self.config.heartbeat_interval:
             self._hello()
 
     def _hello(self) -> None:
@@ -405,11 +387,11 @@ class WeightSubscriber(IpcReceiving, VersionCommit):
             WeightHello(
                 self.worker_id,
                 self._host,
-                os.getpid(),
+                self.reporter.pid,
                 self.core.reported_version,
-                self._digest,
+                self.reporter.digest,
                 self._hello_dtype,
-                self._start_time,
+                self.reporter.start_time,
             )
         )
 
@@ -426,37 +408,31 @@ class WeightSubscriber(IpcReceiving, VersionCommit):
                 self._new_publisher(msg)
         if isinstance(msg, WeightWelcome):
             if msg.announce is not None:
-                self._consider(msg.announce)
-            self._ipc_hello(up_to_date=msg.announce is None)
+                self.ipc.consider(msg.announce)
+            self.ipc.hello(up_to_date=msg.announce is None)
         elif isinstance(msg, WeightHeartbeat):
             if self.core.on_heartbeat(msg.seq):
                 self._hello()  # an Announce was lost: ask for the snapshot
         elif isinstance(msg, WeightAnnounce):
             self.core.on_announce(msg.seq)
-            self._consider(msg)
+            self.ipc.consider(msg)
         elif isinstance(msg, WeightBucket):
-            self._on_bucket(msg)
+            self.fetcher.on_bucket(msg)
         elif isinstance(msg, WeightError):
             self._on_error(msg)
         elif isinstance(msg, IpcOffer):
-            self._on_ipc_offer(msg)
+            self.ipc.on_offer(msg)
         elif isinstance(msg, IpcReady):
-            self._on_ipc_ready(msg)
+            self.ipc.on_ready(msg)
 
     def _new_publisher(self, w: WeightWelcome) -> None:
-        if self._update is not None:
-            self._fail(self._update.ann.version, "the publisher was restarted mid-update")
+        self.fetcher.abandon("the publisher was restarted mid-update")
         self.core.shake_hands(w.publisher_id, w.seq)
-        self._pub_host = w.host_id
-        self._close_link()
-        self._link_retry_at = 0.0
-        self._link_offer = (
-            (w.data_port, w.data_token) if self.data_link and w.data_port > 0 else None
+        self.fetcher.new_publisher(
+            self.shm and w.host_id == self._host and _shm.read_probe(w.shm_probe, w.shm_token),
+            (w.data_port, w.data_token) if self.config.data_link and w.data_port > 0 else None,
         )
-        self._ipc_reset()
-        self._shm_ok = (
-            self.shm and w.host_id == self._host and _shm.read_probe(w.shm_probe, w.shm_token)
-        )
+        self.ipc.reset(w.host_id)
         # A publisher bound to every interface reports 0.0.0.0: its PUB is on the host
         # this worker reached its ROUTER at.
         pub_endpoint = with_reachable_host(w.pub_endpoint, self.endpoint)
@@ -466,14 +442,13 @@ class WeightSubscriber(IpcReceiving, VersionCommit):
                     self._sub.disconnect(self._pub_endpoint)
             self._pub_endpoint = pub_endpoint
             self._sub.connect(pub_endpoint)
-        self._drop_segments()
 
     def _on_error(self, msg: WeightError) -> None:
-        up = self._update
-        self._count("errors_received")
+        up = self.fetcher.update
+        self.core.count("errors_received")
         if up is None or msg.version != up.ann.version:
             self._rlog.warning("publisher error", "weight publisher error: %s", msg.reason)
             return
-        self._fail(up.ann.version, f"publisher: {msg.reason}")
+        self.fetcher.fail(up.ann.version, f"publisher: {msg.reason}")
         # A newer version exists: the next Hello brings its manifest.
         self._hello()
