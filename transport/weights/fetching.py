@@ -426,7 +426,7 @@ class VersionFetcher:
             ("total", stats.total_s),
         ):
             metrics.SUBSCRIBER_PHASE_SECONDS.labels(phase=phase).observe(secs)
-        self.reporter.applied(stats)
+        self.reporter.applied(stats, sum(b.nbytes for b in ann.buckets))
 
     def fail(self, version: int, error: str, route: str = "tcp") -> None:
         """Report ``version`` failed; if it is the one in flight, end it (leaving the

@@ -71,12 +71,15 @@ class Reporter:
         if self.on_applied is not None:
             self.on_applied(version)
 
-    def applied(self, stats: UpdateStats) -> None:
-        """Report ``stats.version`` applied (:meth:`now_at` came first)."""
+    def applied(self, stats: UpdateStats, nbytes: int | None = None) -> None:
+        """Report ``stats.version`` applied (:meth:`now_at` came first); ``nbytes``: the
+        payload for the metrics (default ``stats.bytes``)."""
         self.last_stats = stats
         self.last_error = ""
         self.core.count("versions_applied")
-        metrics.SUBSCRIBER_BYTES.labels(path=stats.via).inc(stats.bytes)
+        metrics.SUBSCRIBER_BYTES.labels(path=stats.via).inc(
+            stats.bytes if nbytes is None else nbytes
+        )
         if self.report_digest:
             self.digest = state_digest(self.targets)
         v = stats.version
