@@ -44,9 +44,9 @@ from transport.weights import (
     plan_buckets,
     state_digest,
 )
-from transport.weights import shm as wshm
 from transport.weights.bucket import ALIGNMENT, Hasher, checksum, plan_for
 from transport.weights.disk import MARKER, latest_version, load_weights, save_weights
+from transport.weights.routes import shm as wshm
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int8,
           torch.uint8, torch.bool, torch.int32, torch.int16]  # fmt: skip
@@ -343,10 +343,10 @@ def test_lost_announcements_are_detected_by_sequence_numbers(
         def __getattr__(self, name: str) -> Any:
             return getattr(self.sock, name)
 
-    real_reply = pub._reply
-    monkeypatch.setattr(pub, "_pub", DropAnnounces(pub._pub))
+    real_reply = pub.serving.reply
+    monkeypatch.setattr(pub.serving, "pub", DropAnnounces(pub.serving.pub))
     monkeypatch.setattr(
-        pub, "_reply", lambda ident, frames, track=False: (
+        pub.serving, "reply", lambda ident, frames, track=False: (
             None if is_announce(frames) else real_reply(ident, frames, track)
         ),
     )  # fmt: skip
@@ -481,19 +481,19 @@ def test_a_copy_failing_half_way_is_reported_as_mixed(pair: Pair) -> None:
     t = zeros_like(make_state(0))
     sub = pair.subscriber(t, atomic=True)
     pub.wait_for_workers(1, 10)
-    real = sub._applier.apply
+    real = sub.fetcher.applier.apply
 
     def broken(info: Any, chunks: Any, dests: Any = None) -> None:
         if info.index == 2:
             raise RuntimeError("device lost (test)")
         real(info, chunks, dests)
 
-    sub._applier.apply = broken  # type: ignore[method-assign]
+    sub.fetcher.applier.apply = broken  # type: ignore[method-assign]
     res = pub.wait(pub.publish(make_state(1), 1).version, 20)
     assert "applying failed, weights are mixed" in res.failed[sub.worker_id]
     assert "device lost" in res.failed[sub.worker_id]
     assert not sub.consistent and sub.version == -1
-    sub._applier.apply = real  # type: ignore[method-assign]
+    sub.fetcher.applier.apply = real  # type: ignore[method-assign]
     assert pub.publish_and_wait(make_state(2), 2, timeout=20).ok
     assert sub.consistent and equal(t, make_state(2))
 

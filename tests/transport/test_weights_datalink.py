@@ -23,8 +23,9 @@ from tests.transport.conftest import wait_for
 from tests.transport.test_weights import equal, make_state, zeros_like
 from tests.transport.test_weights_faults import BUCKET, digest_of, subscriber_proc
 from transport.weights import BucketApplier, WeightPublisher, WeightSubscriber, pack_bucket
-from transport.weights import datalink as dl
 from transport.weights.bucket import checksum, dtype_name, plan_buckets
+from transport.weights.routes import tcp as dl
+from transport.weights.serving import Serving
 from transport.weights.streaming import BucketStream
 
 
@@ -101,18 +102,22 @@ def test_versions_reach_worker_processes_on_the_link(
         assert pub.counters["data_link_pieces"] >= 2 * n_buckets
 
 
-class BreakingPublisher(WeightPublisher):
+class BreakingServing(Serving):
     """Closes a worker's data link right after queueing the first piece of bucket 0 of
     version 1 (the connection shut mid-bucket, with more of it still to be packed)."""
 
     def _link_send(self, snd: Any, piece: Any) -> Any:
         sent = super()._link_send(snd, piece)
         if (piece.version, piece.index, piece.offset) == (1, 0, 0):
-            with self._cond:
-                sender = self._senders.get(snd.wid)
+            with self.cond:
+                sender = self.senders.get(snd.wid)
             if sender is not None:
                 sender.close()
         return sent
+
+
+class BreakingPublisher(WeightPublisher):
+    serving_class = BreakingServing
 
 
 def two_tensors(seed: int) -> dict[str, torch.Tensor]:
@@ -121,16 +126,20 @@ def two_tensors(seed: int) -> dict[str, torch.Tensor]:
 
 
 class DroppingSubscriber(WeightSubscriber):
-    """Its end of the link fails after the first piece (as a 5 s stall would)."""
+    """Its end of the link fails at the second piece (as a 5 s stall would)."""
 
-    n = 0
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        link, read, n = self.fetcher.tcp, self.fetcher.tcp.read, [0]
 
-    def _on_data(self) -> None:
-        self.n += 1
-        if self.n == 2:
-            self._link_failed("injected by the test")
-            return
-        super()._on_data()
+        def dropping(f: Any) -> None:
+            n[0] += 1
+            if n[0] == 2:
+                f.link_failed("injected by the test")
+                return
+            read(f)
+
+        link.read = dropping  # type: ignore[method-assign]
 
 
 @pytest.mark.parametrize("atomic", [True, False], ids=["atomic", "streaming"])
@@ -192,12 +201,12 @@ def test_the_listener_refuses_strangers_and_keeps_serving() -> None:
             s.sendall(_hello("intruder", b"x" * 16))
             assert _closed_by_peer(s)
         with socket.create_connection(addr) as s:  # a's token is not b's
-            s.sendall(_hello("b", dl.worker_token(pub._data_token, "a")))
+            s.sendall(_hello("b", dl.worker_token(pub.serving.data_token, "a")))
             assert _closed_by_peer(s)
         with socket.create_connection(addr) as s:
             s.sendall(b"GET / HTTP/1.1\r\n\r\n")
             assert _closed_by_peer(s)
-        assert not pub._senders
+        assert not pub.senders
         with WeightSubscriber(pub.endpoint, dst, shm=False, heartbeat_interval=0.1) as sub:
             pub.wait_for_workers(1, 30)
             for v in (1, 2):
@@ -312,7 +321,7 @@ def test_a_worker_that_stops_reading_holds_up_no_one(procs: Callable[..., Any]) 
         pub.publish(big_state(1), 1)
         res = pub.wait(1, 60)
         assert res.applied.keys() == {"a"} and "lost" in res.failed["b"], res
-        wait_for(lambda: "b" not in pub._senders, 20, "b's data link closed")
+        wait_for(lambda: "b" not in pub.senders, 20, "b's data link closed")
         assert b.pid is not None
         os.kill(b.pid, signal.SIGCONT)
         want = digest_of_big(1)

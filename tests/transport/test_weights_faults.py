@@ -25,31 +25,26 @@ from fastio.weight_msgs import PUBLISHER_TO_SUBSCRIBER, WeightBucket, WeightFetc
 from tests.transport.conftest import wait_for
 from tests.transport.test_weights import make_state, zeros_like
 from transport.weights import WeightPublisher, WeightSubscriber, state_digest
+from transport.weights.serving import Serving
 
 BUCKET = 2048  # many small buckets: "mid-update" has room
 
 Fault = Callable[[str, int, int], "str | None"]
 
 
-class FaultyPublisher(WeightPublisher):
-    """A publisher with faults injected where the bytes leave it (tests only).
+class FaultyServing(Serving):
+    """The serving loop of :class:`FaultyPublisher`: faults injected where the bytes
+    leave it (``fault`` is set by the publisher)."""
 
-    ``fault(worker, version, bucket)`` is asked at every Fetch: ``"die"`` SIGKILLs this
-    process there (a trainer dying mid-update); ``"corrupt"`` changes what that answer
-    carries, as bytes changed after they were hashed would: over TCP one byte of the
-    first piece is flipped (in a copy: the staged snapshot is never touched; ZeroMQ
-    frames and the data link alike), through
-    shared memory the checksum of the last notice is off by one.
-    """
+    fault: Fault
 
-    def __init__(self, fault: Fault, *args: Any, **kwargs: Any) -> None:
-        self._fault = fault
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._corrupt: set[tuple[bytes, int, int]] = set()
         self._dec = fastio.Decoder(PUBLISHER_TO_SUBSCRIBER)
         super().__init__(*args, **kwargs)
 
     def _serve_fetch(self, ident: bytes, wid: str, msg: WeightFetch) -> None:
-        what = self._fault(wid, msg.version, msg.index)
+        what = self.fault(wid, msg.version, msg.index)
         if what == "die":
             os.kill(os.getpid(), signal.SIGKILL)
         key = (ident, msg.version, msg.index)
@@ -69,7 +64,7 @@ class FaultyPublisher(WeightPublisher):
             self._corrupt.discard(key)
         return super()._link_send(snd, piece)
 
-    def _reply(self, ident: bytes, frames: list[Any], track: bool = False) -> Any:
+    def reply(self, ident: bytes, frames: list[Any], track: bool = False) -> Any:
         if self._corrupt:
             msg = self._dec.decode([bytes(memoryview(f)) for f in frames])
             key = (ident, getattr(msg, "version", -1), getattr(msg, "index", -1))
@@ -82,8 +77,28 @@ class FaultyPublisher(WeightPublisher):
                     msg = msgspec.structs.replace(msg, checksum=msg.checksum ^ 1)
                 if msg.last:
                     self._corrupt.discard(key)
-                frames = self._encoder.encode(msg)
-        return super()._reply(ident, frames, track)
+                frames = self.encoder.encode(msg)
+        return super().reply(ident, frames, track)
+
+
+class FaultyPublisher(WeightPublisher):
+    """A publisher with faults injected where the bytes leave it (tests only).
+
+    ``fault(worker, version, bucket)`` is asked at every Fetch: ``"die"`` SIGKILLs this
+    process there (a trainer dying mid-update); ``"corrupt"`` changes what that answer
+    carries, as bytes changed after they were hashed would: over TCP one byte of the
+    first piece is flipped (in a copy: the staged snapshot is never touched; ZeroMQ
+    frames and the data link alike), through
+    shared memory the checksum of the last notice is off by one.
+    """
+
+    def __init__(self, fault: Fault, *args: Any, **kwargs: Any) -> None:
+        class Faulty(FaultyServing):
+            pass
+
+        Faulty.fault = staticmethod(fault)  # type: ignore[assignment]
+        self.serving_class = Faulty
+        super().__init__(*args, **kwargs)
 
 
 def corrupting_bucket_1(versions: set[int], **kw: Any) -> FaultyPublisher:

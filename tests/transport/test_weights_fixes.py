@@ -25,7 +25,7 @@ from fastio.weight_msgs import WeightAck
 from tests.transport.conftest import wait_for
 from tests.transport.test_weights import equal, make_state, zeros_like
 from transport.weights import WeightPublisher, WeightSubscriber, state_digest
-from transport.weights import shm as wshm
+from transport.weights.routes import shm as wshm
 
 
 # -- 1. a buffer a worker may still read is never overwritten --------------------------
@@ -161,9 +161,9 @@ def test_tcp_pieces_land_in_one_staging_buffer_kept_between_versions() -> None:
             assert pub.publish_and_wait(make_state(v, scale=4), v, timeout=30).ok
             assert equal(target, make_state(v, scale=4))
             assert equal(loose_target, make_state(v, scale=4))
-            assert sub._staging is not None
-            ptrs.add(sub._staging.ctypes.data)
-        assert len(ptrs) == 1 and loose._staging is None
+            assert sub.fetcher._staging is not None
+            ptrs.add(sub.fetcher._staging.ctypes.data)
+        assert len(ptrs) == 1 and loose.fetcher._staging is None
     finally:
         sub.close()
         loose.close()
@@ -186,9 +186,9 @@ def test_a_subscriber_unmaps_the_segments_of_a_silent_publisher() -> None:
         pub.wait_for_workers(1, 30)
         for v in (1, 2):
             assert pub.publish_and_wait(make_state(v), v, timeout=30).ok
-        assert len(sub._segments) == 2  # kept: the next versions reuse them
+        assert len(sub.fetcher.shm.segments) == 2  # kept: the next versions reuse them
         pub.close()
-        wait_for(lambda: not sub._segments, 30, "the mappings to be dropped")
+        wait_for(lambda: not sub.fetcher.shm.segments, 30, "the mappings to be dropped")
     finally:
         sub.close()
         pub.close()

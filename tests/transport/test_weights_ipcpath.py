@@ -74,7 +74,7 @@ def publisher(**kw: Any) -> WeightPublisher:
 def wait_ipc_open(pub: WeightPublisher, n: int) -> None:
     """Until ``n`` workers asked for the ipc path (the slots are offered at the first
     version that takes it)."""
-    wait_for(lambda: len(pub._ipc_hellos) >= n, 30, "the workers' IpcHello")
+    wait_for(lambda: len(pub.ipc.hellos) >= n, 30, "the workers' IpcHello")
 
 
 @pytest.mark.slow
@@ -221,8 +221,9 @@ def test_update_weights_over_the_ipc_path_with_real_workers(
 class _NoReadies(WeightPublisher):
     """Offers the slots but never delivers a version by ipc (tests only)."""
 
-    def _publish_ipc(self, tensors: Any, version: int) -> None:
-        return None
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.ipc.publish = lambda tensors, version: None  # type: ignore[method-assign]
 
 
 @pytest.mark.slow
@@ -235,7 +236,9 @@ def test_a_version_that_never_comes_by_ipc_is_fetched_by_shm(
         pub.wait_for_workers(1, 60)
         wait_ipc_open(pub, 1)
         res = pub.publish_and_wait(make_state(1), 1, timeout=30)
-        assert pub._ipc is not None and pub._ipc.workers["a"].opened  # it deferred to ipc
+        assert (
+            pub.ipc.exporter is not None and pub.ipc.exporter.workers["a"].opened
+        )  # it deferred to ipc
         assert res.paths == {"a": "shm"}
         assert res.applied["a"].digest == state_digest(make_state(1))
 
@@ -254,8 +257,8 @@ def test_a_closed_subscriber_says_goodbye_and_does_not_hold_slots() -> None:
             wait_ipc_open(pub, 2)
             assert set(pub.publish_and_wait(make_state(1), 1, timeout=30).paths.values()) == {"ipc"}
             subs[1].close()  # its process lives on: only its goodbye frees the slots
-            assert pub._ipc is not None
-            wait_for(lambda: subs[1].worker_id not in pub._ipc.workers, 10, "the goodbye")
+            assert pub.ipc.exporter is not None
+            wait_for(lambda: subs[1].worker_id not in pub.ipc.exporter.workers, 10, "the goodbye")
             res = pub.publish_and_wait(make_state(2), 2, timeout=30, workers=[subs[0].worker_id])
             assert res.paths == {subs[0].worker_id: "ipc"}
         finally:
@@ -300,12 +303,15 @@ class _GatedIpc(WeightPublisher):
         self.entered = threading.Event()
         self.gate = threading.Event()
         super().__init__(*args, **kwargs)
+        publish = self.ipc.publish
 
-    def _publish_ipc(self, state: Any, version: int) -> None:
-        if version == 2:
-            self.entered.set()
-            self.gate.wait(60)
-        super()._publish_ipc(state, version)
+        def gated(state: Any, version: int) -> None:
+            if version == 2:
+                self.entered.set()
+                self.gate.wait(60)
+            publish(state, version)
+
+        self.ipc.publish = gated  # type: ignore[method-assign]
 
 
 @pytest.mark.slow

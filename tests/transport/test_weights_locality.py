@@ -16,7 +16,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from transport.weights import WeightPublisher  # noqa: E402
-from transport.weights.shm import host_id  # noqa: E402
+from transport.weights.routes.shm import host_id  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -24,7 +24,7 @@ _SUBSCRIBER = textwrap.dedent(
     """
     import socket, sys, torch
     from transport.weights import WeightSubscriber
-    from transport.weights.shm import host_id
+    from transport.weights.routes.shm import host_id
 
     print("HOST", socket.gethostname(), host_id(), flush=True)
     target = {"w": torch.zeros(4096)}

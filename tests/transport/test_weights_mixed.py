@@ -81,7 +81,7 @@ def test_a_one_pass_version_reports_no_version_from_its_first_write() -> None:
         if version == 2:
             mixed = state_digest(tgt) not in (state_digest(v1), state_digest(v2))
             seen.append((index, sub.consistent, sub.reported_version, mixed))
-            digests.append(sub._digest)  # what a Hello would carry now
+            digests.append(sub.reporter.digest)  # what a Hello would carry now
 
     with WeightPublisher("tcp://127.0.0.1:*", bucket_bytes=16 << 10) as pub:
         sub = WeightSubscriber(
@@ -141,7 +141,7 @@ def test_close_mid_version_leaves_the_lock_and_says_the_weights_are_mixed() -> N
 
 
 class FakeImporter:
-    """What ``_on_ipc_ready`` uses of an :class:`IpcImporter`."""
+    """What ``IpcReceiver.on_ready`` uses of an :class:`IpcImporter`."""
 
     def __init__(self) -> None:
         self.version = 1
@@ -165,14 +165,14 @@ def subscriber_streaming_version(version: int) -> tuple[WeightSubscriber, DepthL
     lock = DepthLock()
     sub = WeightSubscriber("tcp://127.0.0.1:9", zeros_like(make_state(0)), lock=lock, atomic=False)
     sent: list[Any] = []
-    sub._send = sent.append  # type: ignore[method-assign,assignment]
-    sub._version = 1
-    sub._imp = FakeImporter()  # type: ignore[assignment]
-    sub._ipc_open = True
-    sub._ipc_t0 = time.monotonic()
+    sub.reporter.send = sub.fetcher.send = sub.ipc.send = sent.append
+    sub.core.version = 1
+    sub.ipc.importer = FakeImporter()  # type: ignore[assignment]
+    sub.ipc.opened = True
+    sub.ipc._t0 = time.monotonic()
     up: Any = SimpleNamespace(ann=SimpleNamespace(version=version), locked=False, wrote=False)
-    sub._update = up
-    assert sub._hold(up) and lock.depth == 1
+    sub.fetcher.update = up
+    assert sub.fetcher.hold(up) and lock.depth == 1
     return sub, lock, sent
 
 
@@ -183,22 +183,22 @@ def test_a_newer_ipc_version_supersedes_the_stream_holding_the_lock(
     """The ipc bucket that writes the live weights (the last one of an atomic import,
     any of a one-pass import) comes while a shm/tcp stream holds the lock."""
     sub, lock, _sent = subscriber_streaming_version(2)
-    sub._imp.atomic = atomic  # type: ignore[union-attr]
-    sub._on_ipc_ready(IpcReady(version=3, bucket=bucket, slot=0, n_buckets=2))
+    sub.ipc.importer.atomic = atomic  # type: ignore[union-attr]
+    sub.ipc.on_ready(IpcReady(version=3, bucket=bucket, slot=0, n_buckets=2))
     assert lock.max == 1, "the ipc path entered the lock the stream held"
-    assert sub._update is None and "superseded by version 3" in sub.last_error
-    imp: Any = sub._imp
+    assert sub.fetcher.update is None and "superseded by version 3" in sub.last_error
+    imp: Any = sub.ipc.importer
     assert imp.readies, "the newer ipc version was not taken"
     assert lock.depth == 0
 
 
 def test_an_older_ipc_version_is_refused_while_a_stream_holds_the_lock() -> None:
     sub, lock, sent = subscriber_streaming_version(3)
-    sub._imp.atomic = False  # type: ignore[union-attr]  # writes the live weights at once
-    sub._on_ipc_ready(IpcReady(version=2, bucket=0, slot=0, n_buckets=2))
+    sub.ipc.importer.atomic = False  # type: ignore[union-attr]  # writes the live weights at once
+    sub.ipc.on_ready(IpcReady(version=2, bucket=0, slot=0, n_buckets=2))
     assert lock.max == 1, "the ipc path entered the lock the stream held"
-    imp: Any = sub._imp
+    imp: Any = sub.ipc.importer
     assert not imp.readies and imp.abandoned
     acks = [m for m in sent if isinstance(m, IpcAck)]
     assert acks and not acks[0].ok and "being written by shm/tcp" in acks[0].error
-    assert sub._update is not None and lock.depth == 1  # the stream goes on
+    assert sub.fetcher.update is not None and lock.depth == 1  # the stream goes on

@@ -24,7 +24,7 @@ from fastio.weight_msgs import WeightBucket, WeightError, WeightFetch
 from tests.transport.conftest import wait_for
 from tests.transport.test_weights import make_state, zeros_like
 from transport.weights import WeightPublisher, WeightSubscriber, serving, state_digest
-from transport.weights import shm as wshm
+from transport.weights.routes import shm as wshm
 
 
 def same_id_proc(endpoint: str, events: Any, dawdle: bool) -> None:
@@ -115,7 +115,7 @@ def test_a_fetch_never_reads_a_version_whose_segment_was_recycled(
     sub = WeightSubscriber(pub.endpoint, target, context=ctx, shm=True).start()
     in_window, recycled = threading.Event(), threading.Event()
     real_send = serving.Send
-    real_acquire = pub._acquire
+    real_acquire = pub.store.acquire
 
     class HeldSend(real_send):  # type: ignore[misc, valid-type]
         """Holds the serving thread between the Fetch's look-up and its registration
@@ -141,7 +141,7 @@ def test_a_fetch_never_reads_a_version_whose_segment_was_recycled(
         assert pub.wait(1, 30).ok
         assert pub.publish_and_wait(make_state(2), 2, 30).ok
         monkeypatch.setattr(serving, "Send", HeldSend)
-        monkeypatch.setattr(pub, "_acquire", acquire)
+        monkeypatch.setattr(pub.store, "acquire", acquire)
         dealer.setsockopt(zmq.ROUTING_ID, b"late-reader")
         dealer.setsockopt(zmq.LINGER, 0)
         dealer.connect(pub.endpoint)

@@ -11,16 +11,16 @@ Four paths, one model of a version (flat buckets, see :mod:`transport.weights.bu
   directory, the trainer's ``update_weights_on_disk``);
 * :mod:`transport.weights.dist`: a torch.distributed group (NCCL on GPUs, gloo on CPU).
 
-Modules, by concern: ``bucket`` (layout, checksums, the in-place copy), ``binding``
-(names, aliases, dtypes of one version on one worker), ``staging`` (a version's buffer
-and its packing), ``publisher`` / ``serving`` / ``buffers`` / ``ipc_serving`` (the
-trainer's API / its serving thread / its staging buffers / its side of the ``ipc``
-path), ``subscriber`` / ``fetching`` / ``commit`` / ``ipc_receiving`` (the worker's API /
-fetching and verifying one version / committing it / the worker's side of the ``ipc``
-path), ``ipc`` (the ``ipc`` path's slots), ``results`` (what updates report),
-``errors``, ``shm``, ``disk``, ``disk_follow`` (the disk route's worker plugin and
-trainer call), ``update`` (the fabric's pause-publish-resume and the worker plugin),
-``ratelog``, ``malloc``.
+Three layers (``docs/weights.md``): the protocol core with no I/O
+(:mod:`transport.weights.core`: who answers, what a worker reports, when a buffer may be
+reused); the routes (:mod:`transport.weights.routes`: ``shm``, the tcp data link, ZeroMQ
+frames, and ``ipc`` in :mod:`~transport.weights.ipc`); the drivers that run the core on
+sockets and threads (``publisher`` with ``serving``, ``buffers``, ``ipc_serving``;
+``subscriber`` with ``fetching``, ``reporting``, ``ipc_receiving``) and, on top,
+``update`` (the fabric's pause-publish-resume and the worker plugin). Shared: ``layout``
+and ``bucket`` (plans, checksums, the in-place copy), ``binding`` (names, aliases,
+dtypes), ``config`` (:class:`~transport.weights.config.PublisherConfig`,
+:class:`~transport.weights.config.SubscriberConfig`), ``results``, ``errors``.
 """
 
 from typing import TYPE_CHECKING, Any
@@ -29,10 +29,8 @@ if TYPE_CHECKING:
     from transport.weights.bucket import (
         DEFAULT_BUCKET_BYTES,
         BucketApplier,
-        check_manifest,
         pack_bucket,
         plan_buckets,
-        state_digest,
     )
     from transport.weights.errors import (
         ChecksumError,
@@ -41,6 +39,7 @@ if TYPE_CHECKING:
         WeightMismatchError,
         WeightUpdateError,
     )
+    from transport.weights.manifest import check_manifest, state_digest
     from transport.weights.publisher import (
         WeightPublisher,
     )
@@ -77,10 +76,10 @@ _LAZY = {
     "WeightUpdateError": "transport.weights.errors",
     "attach_subscriber": "transport.weights.update",
     "aupdate_weights": "transport.weights.update",
-    "check_manifest": "transport.weights.bucket",
+    "check_manifest": "transport.weights.manifest",
     "pack_bucket": "transport.weights.bucket",
     "plan_buckets": "transport.weights.bucket",
-    "state_digest": "transport.weights.bucket",
+    "state_digest": "transport.weights.manifest",
     "update_weights": "transport.weights.update",
 }
 

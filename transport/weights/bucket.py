@@ -1,34 +1,38 @@
 """Flat buckets: a state dict packed into a few large byte buffers, and back.
 
-A *plan* (a list of :class:`~fastio.weight_msgs.WeightBucketInfo`) lays the tensors of a
-state dict, in their given order, into buckets of at most ``bucket_bytes`` bytes (a
-tensor larger than that gets a bucket of its own). Each tensor starts at a 64-byte
-aligned offset so that every dtype can be viewed in place. The plan depends only on
-names, shapes and dtypes, so trainer and worker can both compute it (the process-group
-path relies on that); the ZeroMQ paths send it anyway in the manifest.
-
-Applying is one copy per byte, from the received bucket straight into the live
-parameter (the design's floor). CUDA targets get their bytes through two pinned host
-buffers used in turn, with non-blocking copies, so the host copy of one piece overlaps
-the device copy of the previous one.
+The layout (dtypes, checksums, plans) is :mod:`transport.weights.layout`, re-exported
+here. Applying is one copy per byte into the live tensor; CUDA targets go through two
+pinned host buffers in turn, so one piece's host copy overlaps the previous one's
+device copy.
 """
 
 from __future__ import annotations
 
 import bisect
-import functools
 import itertools
 import os
-import zlib
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from fastio._optional import lazy, require
+from fastio._optional import lazy
 from fastio.weight_msgs import WeightBucketInfo, WeightTensor
-from transport.weights.errors import WeightMismatchError
+from transport.weights.layout import (
+    ALIGNMENT,
+    CHECKSUM_ALGOS,
+    DEFAULT_BUCKET_BYTES,
+    DEFAULT_CHECKSUM,
+    Hasher,
+    checksum,
+    dtype_from_name,
+    dtype_name,
+    named_tensors,
+    plan_buckets,
+    plan_for,
+    split_aliases,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -42,7 +46,6 @@ __all__ = [
     "DEFAULT_CHECKSUM",
     "BucketApplier",
     "Hasher",
-    "check_manifest",
     "checksum",
     "copy_bytes",
     "copy_tensor",
@@ -52,225 +55,10 @@ __all__ = [
     "named_tensors",
     "pack_bucket",
     "plan_buckets",
+    "plan_for",
     "split_aliases",
-    "state_digest",
     "wire_tensor",
 ]
-
-#: Default bucket size: large enough that per-bucket overheads vanish, small enough that
-#: a worker applies one bucket while the next is on the wire.
-DEFAULT_BUCKET_BYTES = 256 << 20
-
-#: Byte alignment of every tensor inside a bucket.
-ALIGNMENT = 64
-
-#: Wire names of the supported dtypes, each the name of its ``torch`` attribute.
-_DTYPE_NAMES = (
-    "bool",
-    "uint8",
-    "int8",
-    "int16",
-    "int32",
-    "int64",
-    "float16",
-    "bfloat16",
-    "float32",
-    "float64",
-)
-
-
-@functools.cache
-def _dtypes() -> dict[str, torch.dtype]:
-    return {n: getattr(torch, n) for n in _DTYPE_NAMES}
-
-
-@functools.cache
-def _names() -> dict[torch.dtype, str]:
-    return {v: k for k, v in _dtypes().items()}
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """Wire name of a torch dtype (``torch.bfloat16`` -> ``"bfloat16"``)."""
-    try:
-        return _names()[dtype]
-    except KeyError:
-        raise WeightMismatchError(
-            f"unsupported dtype {dtype} for a weight update; supported: {sorted(_DTYPE_NAMES)}"
-        ) from None
-
-
-def dtype_from_name(name: str) -> torch.dtype:
-    """The torch dtype of a wire name; :class:`WeightMismatchError` if unknown."""
-    try:
-        return _dtypes()[name]
-    except KeyError:
-        raise WeightMismatchError(f"unknown dtype {name!r} in a weight update") from None
-
-
-# -- checksums -----------------------------------------------------------------------
-_xxhash: Any
-try:  # xxh3 is several times faster than crc32 (bench/results); both far above the wire.
-    _xxhash = require("xxhash", "weights", "the xxh3_64 checksum")
-except ImportError:  # pragma: no cover - depends on the environment
-    _xxhash = None
-
-#: Checksum algorithms this side can compute.
-CHECKSUM_ALGOS: tuple[str, ...] = ("xxh3_64", "crc32") if _xxhash is not None else ("crc32",)
-#: Algorithm a publisher uses unless told otherwise.
-DEFAULT_CHECKSUM = CHECKSUM_ALGOS[0]
-
-
-class Hasher:
-    """Streaming checksum over several buffers (``update`` in order, then ``digest``).
-
-    Parameters
-    ----------
-    algo:
-        ``"xxh3_64"`` (needs the ``xxhash`` package) or ``"crc32"``.
-    """
-
-    def __init__(self, algo: str = DEFAULT_CHECKSUM) -> None:
-        if algo not in CHECKSUM_ALGOS:
-            raise ValueError(f"checksum algorithm {algo!r} not available; have {CHECKSUM_ALGOS}")
-        self.algo = algo
-        self._crc = 0
-        self._xxh: Any = _xxhash.xxh3_64() if algo == "xxh3_64" and _xxhash else None
-
-    def update(self, buf: Any) -> None:
-        """Feed one bytes-like object (a memoryview of a frame, an array, ...)."""
-        if self._xxh is not None:
-            self._xxh.update(buf)
-        else:
-            self._crc = zlib.crc32(buf, self._crc)
-
-    def digest(self) -> int:
-        """The checksum of everything fed so far, as an unsigned int."""
-        return int(self._xxh.intdigest()) if self._xxh is not None else self._crc
-
-
-def checksum(buffers: Iterable[Any], algo: str = DEFAULT_CHECKSUM) -> int:
-    """Checksum of the concatenation of ``buffers`` (bytes-like objects)."""
-    h = Hasher(algo)
-    for b in buffers:
-        h.update(b)
-    return h.digest()
-
-
-# -- plans ---------------------------------------------------------------------------
-def named_tensors(source: Any) -> dict[str, torch.Tensor]:
-    """The tensors to update from an ``nn.Module`` (its state dict, detached views that
-    share storage with the parameters) or a mapping of name -> tensor."""
-    if isinstance(source, torch.nn.Module):
-        return dict(source.state_dict(keep_vars=False))
-    if isinstance(source, Mapping):
-        return dict(source)
-    if isinstance(source, Iterable):
-        return dict(source)
-    raise TypeError(f"expected an nn.Module or a mapping of tensors, got {type(source).__name__}")
-
-
-def split_aliases(
-    tensors: Mapping[str, torch.Tensor],
-) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """Separate tensors that are the same memory under several names (tied weights).
-
-    Returns ``(unique, aliases)``: ``unique`` keeps the first name of each distinct
-    tensor, in order; ``aliases`` maps every other name to that first name. Two names
-    are aliases when they view the same bytes the same way (device, address, dtype,
-    shape and strides); tensors that merely overlap are distinct.
-
-    >>> w = torch.ones(2, 2)
-    >>> split_aliases({"embed": w, "head": w, "b": torch.zeros(2)})[1]
-    {'head': 'embed'}
-    """
-    unique: dict[str, torch.Tensor] = {}
-    aliases: dict[str, str] = {}
-    first: dict[tuple[Any, ...], str] = {}
-    for name, t in tensors.items():
-        if t.numel() == 0:
-            unique[name] = t
-            continue
-        key = (t.device, t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
-        seen = first.get(key)
-        if seen is None:
-            first[key] = name
-            unique[name] = t
-        else:
-            aliases[name] = seen
-    return unique, aliases
-
-
-def _numel(shape: Sequence[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n
-
-
-def plan_buckets(
-    specs: Iterable[tuple[str, str, Sequence[int]]], bucket_bytes: int = DEFAULT_BUCKET_BYTES
-) -> list[WeightBucketInfo]:
-    """Lay tensors out in flat buckets.
-
-    Parameters
-    ----------
-    specs:
-        ``(name, dtype_name, shape)`` per tensor, in the order they go on the wire.
-    bucket_bytes:
-        Upper bound of a bucket's size (a larger tensor gets a bucket of its own).
-
-    Returns
-    -------
-    list of WeightBucketInfo
-        With ``checksum=0`` and ``shm_offset`` set as if the buckets lay back to back in
-        one segment.
-
-    Examples
-    --------
-    >>> plan = plan_buckets([("w", "float32", (4, 4)), ("b", "bfloat16", (4,))], 1 << 20)
-    >>> [(t.name, t.offset, t.nbytes) for t in plan[0].tensors]
-    [('w', 0, 64), ('b', 64, 8)]
-    """
-    if bucket_bytes <= 0:
-        raise ValueError("bucket_bytes must be positive")
-    buckets: list[WeightBucketInfo] = []
-    cur: list[WeightTensor] = []
-    size = 0
-    seg = 0
-
-    def close() -> None:
-        nonlocal cur, size, seg
-        if cur:
-            buckets.append(WeightBucketInfo(len(buckets), size, 0, cur, seg))
-            seg += _align(size)
-        cur, size = [], 0
-
-    seen: set[str] = set()
-    for name, dname, shape in specs:
-        if name in seen:
-            raise WeightMismatchError(f"duplicate tensor name {name!r}")
-        seen.add(name)
-        itemsize = torch.empty((), dtype=dtype_from_name(dname)).element_size()
-        nbytes = _numel(shape) * itemsize
-        off = _align(size)
-        if cur and off + nbytes > bucket_bytes:
-            close()
-            off = 0
-        cur.append(WeightTensor(name, dname, tuple(int(d) for d in shape), off, nbytes))
-        size = off + nbytes
-    close()
-    return buckets
-
-
-def _align(n: int) -> int:
-    return (n + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
-
-
-def plan_for(tensors: Mapping[str, torch.Tensor], bucket_bytes: int) -> list[WeightBucketInfo]:
-    """:func:`plan_buckets` for a mapping of tensors, in its iteration order."""
-    return plan_buckets(
-        ((n, dtype_name(t.dtype), tuple(t.shape)) for n, t in tensors.items()), bucket_bytes
-    )
 
 
 def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -335,59 +123,7 @@ def copy_tensor(dst: torch.Tensor, t: torch.Tensor, *, sync: bool = True) -> boo
     return False
 
 
-# -- checking and applying -----------------------------------------------------------
-def check_manifest(
-    buckets: Sequence[WeightBucketInfo], targets: Mapping[str, torch.Tensor], *, strict: bool = True
-) -> None:
-    """Check an update against the worker's tensors before touching any of them.
-
-    Raises
-    ------
-    WeightMismatchError
-        Naming the first problems found: unknown names, shape or dtype mismatches,
-        bad offsets, and (``strict``) parameters the update leaves out.
-    """
-    problems: list[str] = []
-    seen: set[str] = set()
-    for b in buckets:
-        end = 0
-        for e in b.tensors:
-            if e.name in seen:
-                problems.append(f"{e.name!r} appears twice in the update")
-            seen.add(e.name)
-            t = targets.get(e.name)
-            if t is None:
-                problems.append(f"{e.name!r} is not a parameter of this worker's model")
-                continue
-            if tuple(t.shape) != tuple(e.shape):
-                problems.append(
-                    f"shape mismatch for {e.name!r}: model has {list(t.shape)}, "
-                    f"update has {list(e.shape)}"
-                )
-            try:
-                dt = dtype_from_name(e.dtype)
-            except WeightMismatchError as exc:
-                problems.append(str(exc))
-                continue
-            if dt != t.dtype:
-                problems.append(
-                    f"dtype mismatch for {e.name!r}: model has {dtype_name(t.dtype)}, "
-                    f"update has {e.dtype}"
-                )
-            want = _numel(e.shape) * torch.empty((), dtype=dt).element_size()
-            if e.nbytes != want or e.offset < end or e.offset + e.nbytes > b.nbytes:
-                problems.append(f"bad layout for {e.name!r} in bucket {b.index}")
-            end = e.offset + e.nbytes
-    if strict:
-        missing = [n for n in targets if n not in seen]
-        if missing:
-            more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
-            problems.append(f"parameters missing from the update: {missing[:5]}{more}")
-    if problems:
-        more = f" (and {len(problems) - 8} more)" if len(problems) > 8 else ""
-        raise WeightMismatchError("; ".join(problems[:8]) + more)
-
-
+# -- applying ---------------------------------------------------------------------
 def _copy_span(
     dst: np.ndarray[Any, Any], arrs: list[np.ndarray[Any, Any]], starts: list[int], offset: int
 ) -> None:
@@ -626,19 +362,3 @@ def default_copy_threads() -> int:
     except AttributeError:  # pragma: no cover - not Linux
         cores = os.cpu_count() or 1
     return max(1, min(4, cores // 4))
-
-
-def state_digest(tensors: Mapping[str, torch.Tensor], names: Iterable[str] | None = None) -> int:
-    """A checksum of the tensors' bytes in ``names`` order (default: sorted names).
-
-    Trainer and workers compare it to check that they hold the same weights. CUDA
-    tensors are copied to the host for it.
-    """
-    h = Hasher(DEFAULT_CHECKSUM)
-    for n in sorted(tensors) if names is None else names:
-        t = tensors[n].detach()
-        if t.device.type != "cpu":
-            t = t.cpu()
-        h.update(n.encode())
-        h.update(_flat_bytes(t.contiguous()).numpy())
-    return h.digest()

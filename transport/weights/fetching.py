@@ -14,52 +14,52 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
-import threading
 import time
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
 import torch
-import zmq
 
 from fastio.weight_msgs import WeightAnnounce, WeightBucket, WeightFetch
-from transport.weights import datalink
-from transport.weights import shm as _shm
+from transport import metrics
 from transport.weights.binding import Binding, DtypeSpec, Rename
-from transport.weights.bucket import CHECKSUM_ALGOS, BucketApplier, Hasher, _align
-from transport.weights.datalink import DataReceiver
+from transport.weights.bucket import BucketApplier
+from transport.weights.config import SubscriberConfig
+from transport.weights.core.subscriber import FetchSchedule, SubscriberCore
 from transport.weights.errors import WeightUpdateError
+from transport.weights.layout import CHECKSUM_ALGOS, Hasher, _align
+from transport.weights.reporting import Reporter
 from transport.weights.results import UpdateStats
+from transport.weights.routes import shm as _shm
+from transport.weights.routes.shm import ShmReader
+from transport.weights.routes.tcp import LinkClient
+from transport.weights.routes.zmq import receive_frames
 from transport.weights.streaming import BucketStream
 
-__all__ = ["InFlight", "Partial", "VersionFetch"]
+__all__ = ["InFlight", "Partial", "VersionFetcher"]
 
 log = logging.getLogger("transport.weights.subscriber")
-
-#: Seconds before a data link that could not be opened is tried again.
-LINK_RETRY_S = 60.0
-
-#: Hash-then-copy granularity over TCP (fits the L2 cache).
-_BLOCK = 256 << 10
-
-#: Shared-memory mappings a subscriber keeps between versions (the publisher's pool
-#: holds two segments in turn for a steady stream of versions).
-_KEEP_MAPPINGS = 2
 
 
 class InFlight:
     """State of one version being fetched over TCP."""
 
-    def __init__(self, ann: WeightAnnounce, seg: _shm.ShmSegment | None, binding: Binding) -> None:
+    def __init__(
+        self,
+        ann: WeightAnnounce,
+        seg: _shm.ShmSegment | None,
+        binding: Binding,
+        window: int,
+        retries: int,
+    ) -> None:
         self.ann = ann
         self.seg = seg
         self.binding = binding
         self.t0 = time.monotonic()
-        self.todo = list(range(len(ann.buckets)))
-        self.todo.reverse()  # pop() from the end gives bucket 0 first
-        self.outstanding: dict[int, float] = {}
-        self.attempts: dict[int, int] = {}
+        # Through shared memory nothing but "ready" notices come back: ask for all.
+        n = len(ann.buckets)
+        self.sched = FetchSchedule(ann.version, n, n if seg is not None else window, retries)
         #: Per bucket fetched: whether its bytes were asked on the data link.
         self.linked: dict[int, bool] = {}
         self.received: dict[int, list[torch.Tensor]] = {}
@@ -88,84 +88,84 @@ class Partial:
         self.chunks: list[torch.Tensor] = []
 
 
-class VersionFetch:
-    """The fetching half of :class:`transport.weights.WeightSubscriber`."""
+class VersionFetcher:
+    """Fetches, verifies and commits shm/tcp versions for a
+    :class:`~transport.weights.WeightSubscriber` (its thread).
 
-    # Set by WeightSubscriber.__init__ (see its parameters).
-    targets: dict[str, torch.Tensor]
-    atomic: bool
-    window: int
-    fetch_timeout: float
-    retries: int
-    strict: bool
-    dtype: DtypeSpec
-    rename: Rename
-    loader: Any
-    lock: Any
-    on_progress: Any
-    on_applied: Any
-    counters: dict[str, int]
-    _version: int
-    _consistent: bool
-    _digest: int | None
-    _applier: BucketApplier
-    _cond: threading.Condition
-    _shm_ok: bool
-    _last_heard: float
-    _start_time: int
-    publisher_timeout: float
-    _update: InFlight | None
-    _attempts: dict[tuple[str, int], int]
-    _given_up: set[tuple[str, int]]
-    _segments: dict[str, _shm.ShmSegment]
-    _staging: np.ndarray[Any, Any] | None
-    worker_id: str
-    endpoint: str
-    _poller: zmq.Poller | None
-    _link: DataReceiver | None
-    _link_offer: tuple[int, bytes] | None
-    _link_retry_at: float
-    max_message_size: int
+    Parameters
+    ----------
+    core, reporter:
+        The subscriber's protocol core and its :class:`~transport.weights.reporting.Reporter`.
+    config:
+        The subscriber's settings.
+    targets, applier:
+        The tensors written in place and the copier into them.
+    lock:
+        Held while the weights are written (see :class:`~transport.weights.WeightSubscriber`).
+    send, keepalive:
+        Send a message to the publisher; say Hello if one is due (inside a long copy).
+    """
 
-    def _now_at(self, version: int) -> None:
-        """The weights are now all of ``version``: record it, wake waiters, and tell
-        ``on_applied`` (before any Ack goes out)."""
-        with self._cond:
-            self._version = version
-            self._consistent = True
-            self._cond.notify_all()
-        if self.on_applied is not None:
-            self.on_applied(version)
+    def __init__(
+        self,
+        core: SubscriberCore,
+        reporter: Reporter,
+        config: SubscriberConfig,
+        targets: dict[str, torch.Tensor],
+        applier: BucketApplier,
+        *,
+        atomic: bool,
+        lock: Any,
+        dtype: DtypeSpec,
+        rename: Rename,
+        loader: Callable[[Iterable[tuple[str, torch.Tensor]]], Any] | None,
+        on_progress: Callable[[int, int], None] | None,
+        send: Callable[[Any], None],
+        keepalive: Callable[[], None],
+        endpoint: str,
+        worker_id: str,
+    ) -> None:
+        self.core = core
+        self.reporter = reporter
+        self.config = config
+        self.targets = targets
+        self.applier = applier
+        self.atomic = atomic
+        self.lock = lock
+        self.dtype = dtype
+        self.rename = rename
+        self.loader = loader
+        self.on_progress = on_progress
+        self.send = send
+        self.keepalive = keepalive
+        self.endpoint = endpoint
+        self.worker_id = worker_id
+        #: The version being fetched (``None``: none).
+        self.update: InFlight | None = None
+        #: Whether the publisher's shared memory is readable here (its handshake).
+        self.shm_ok = False
+        self._staging: np.ndarray[Any, Any] | None = None
+        #: The shm route's mappings and the tcp route's data link.
+        self.shm = ShmReader()
+        self.tcp = LinkClient(
+            endpoint, worker_id, config.fetch_timeout, config.max_message_size, core.count
+        )
 
-    def _count(self, key: str, n: int = 1) -> None:
-        self.counters[key] = self.counters.get(key, 0) + n
-
-    def _send(self, msg: Any) -> None:
-        raise NotImplementedError
-
-    def _fail(self, version: int, error: str, transport: str = "tcp") -> None:
-        raise NotImplementedError
-
-    def _abandon(self, why: str) -> None:
-        raise NotImplementedError
-
-    def _commit(self, up: InFlight, parts: list[tuple[Any, list[torch.Tensor]]]) -> None:
-        raise NotImplementedError
+    def new_publisher(self, shm_ok: bool, link_offer: tuple[int, bytes] | None) -> None:
+        """A new publisher instance: its offers replace the old one's."""
+        self.tcp.new_offer(link_offer)
+        self.shm_ok = shm_ok
+        self.shm.drop()
 
     # -- a version -------------------------------------------------------------------
-    def _consider(self, ann: WeightAnnounce) -> None:
-        if ann.version <= self._version and self._consistent:
-            return
-        if self._update is not None:
-            if self._update.ann.version >= ann.version:
-                return
-            self._abandon(f"superseded by version {ann.version}")
-        key = (ann.publisher_id, ann.version)
-        if key in self._given_up:
-            return
-        n = self._attempts[key] = self._attempts.get(key, 0) + 1
-        if n > self.retries:
-            self._given_up.add(key)
+    def consider(self, ann: WeightAnnounce) -> None:
+        up = self.update
+        supersede, attempt = self.core.consider(
+            ann.publisher_id, ann.version, up.ann.version if up is not None else None
+        )
+        if supersede:
+            self.abandon(f"superseded by version {ann.version}")
+        if not attempt:
             return
         try:
             if ann.checksum_algo not in CHECKSUM_ALGOS:
@@ -176,31 +176,31 @@ class VersionFetch:
                 aliases=ann.aliases,
                 rename=self.rename,
                 dtype=self.dtype,
-                strict=self.strict,
+                strict=self.config.strict,
                 loader=self.loader is not None,
             )
         except WeightUpdateError as exc:
-            self._given_up.add(key)  # a mismatch will not go away by retrying
-            self._fail(ann.version, str(exc), transport="")
+            self.core.give_up(ann.publisher_id, ann.version)  # retrying will not help
+            self.fail(ann.version, str(exc), route="")
             return
         seg = None
-        if self._shm_ok and ann.shm_name:
+        if self.shm_ok and ann.shm_name:
             try:
-                seg = self._segment(ann.shm_name)
+                seg = self.shm.open(ann.shm_name)
             except OSError as exc:
                 log.info("shared memory %s unusable (%s); fetching over TCP", ann.shm_name, exc)
-                self._count("shm_fallbacks")
-        up = InFlight(ann, seg, binding)
+                self.core.count("shm_fallbacks")
+        up = InFlight(ann, seg, binding, self.config.window, self.config.retries)
         if seg is None:
-            self._open_link()
+            self.tcp.open()
         if seg is None and self.atomic:
             try:
                 up.stage = self._stage_for(ann)
             except MemoryError as exc:
-                self._fail(ann.version, f"no memory to receive the version: {exc!r}")
+                self.fail(ann.version, f"no memory to receive the version: {exc!r}")
                 return
-        self._update = up
-        self._pump()
+        self.update = up
+        self.pump()
 
     def _stage_for(self, ann: WeightAnnounce) -> list[np.ndarray[Any, Any]]:
         """Per bucket, where its bytes land over TCP: a region of one staging buffer
@@ -219,97 +219,33 @@ class VersionFetch:
         buf = self._staging
         return [buf[a : a + n] for a, n in zip(starts, sizes, strict=False)]
 
-    def _segment(self, name: str) -> _shm.ShmSegment:
-        # Mappings are kept from version to version (the publisher packs the same
-        # segments again, so mapping anew each version would cost a page-table fill
-        # per version), the most recently used _KEEP_MAPPINGS of them: an older one
-        # may name a segment the publisher unlinked, whose pages this mapping pins.
-        seg = self._segments.pop(name, None)
-        if seg is None:
-            seg = _shm.ShmSegment.open(name)
-            while len(self._segments) >= _KEEP_MAPPINGS:
-                self._segments.pop(next(iter(self._segments))).close()
-        self._segments[name] = seg  # most recently used last
-        return seg
-
-    def _drop_segments(self) -> None:
-        """Unmap every kept segment (a new or silent publisher, closing)."""
-        for seg in self._segments.values():
-            seg.close()
-        self._segments.clear()
-
-    def _pump(self) -> None:
+    def pump(self) -> None:
         """Keep ``window`` fetches in flight."""
-        up = self._update
+        up = self.update
         if up is None:
             return
-        now = time.monotonic()
         shm = up.seg is not None
-        # Through shared memory nothing but a "ready" notice comes back: ask for all.
-        window = len(up.ann.buckets) if shm else self.window
-        while up.todo and len(up.outstanding) < window:
-            i = up.todo.pop()
-            up.outstanding[i] = now
-            up.attempts[i] = up.attempts.get(i, 0) + 1
-            data = not shm and self._link is not None
+        for i in up.sched.due(time.monotonic()):
+            data = not shm and self.tcp.link is not None
             up.linked[i] = data
-            self._send(WeightFetch(up.ann.version, i, shm, os.getpid(), self._start_time, data))
+            self.send(
+                WeightFetch(
+                    up.ann.version, i, shm, self.reporter.pid, self.reporter.start_time, data
+                )
+            )
 
-    def _on_bucket(self, msg: WeightBucket) -> None:
-        up = self._update
-        if up is None or msg.version != up.ann.version or msg.index not in up.outstanding:
-            self._count("stale_pieces")
+    def on_bucket(self, msg: WeightBucket) -> None:
+        up = self.update
+        if up is None or msg.version != up.ann.version or msg.index not in up.sched.outstanding:
+            self.core.count("stale_pieces")
             return
-        i = msg.index
-        info = up.ann.buckets[i]
         t = time.monotonic()
         if up.seg is not None:
-            self._on_shm_ready(up, msg, t)
+            self.shm.ready(self, up, msg, t)
             return
-        part = up.partial.get(i)
-        if part is None:
-            part = up.partial[i] = self._partial(up, i)
-        if msg.offset != part.size:
-            # Left over from an earlier answer to this bucket (asked again): not ours.
-            self._count("stale_pieces")
-            return
-        up.outstanding[i] = t  # progress: the fetch timeout counts from the last piece
-        ok = True
-        stage = up.stage[i] if up.stage is not None else None
-        stream = part.stream
-        if stream is not None and msg.chunks and not self._hold(up):
-            return
-        for c in msg.chunks:
-            if not ok:
-                break
-            if not isinstance(c, np.ndarray) or c.dtype != np.uint8 or c.ndim != 1:
-                ok = False
-                break
-            end = part.size + c.nbytes
-            if end > info.nbytes:
-                ok = False
-                break
-            if stream is not None:
-                # Hash a block, copy it into the weights while it is in cache; the
-                # frame is kept only for tensors that need their bytes whole.
-                stream.feed(c)
-                if stream.rest:
-                    part.chunks.append(_u8(c))
-            elif stage is not None:
-                # Hash a block, then copy it while it is in the L2 cache; the frame is
-                # freed once this message is handled.
-                base = part.size
-                for a in range(0, c.nbytes, _BLOCK):
-                    block = c[a : a + _BLOCK]
-                    part.hasher.update(block)
-                    np.copyto(stage[base + a : base + a + block.nbytes], block)
-            else:
-                part.hasher.update(c)
-                part.chunks.append(_u8(c))
-            part.size = end
-        self._piece_done(up, i, part, t, ok, msg.last, msg.checksum)
+        receive_frames(self, up, msg, t)
 
-    def _piece_done(
+    def piece_done(
         self, up: InFlight, i: int, part: Partial, t: float, ok: bool, last: bool, checksum: int
     ) -> None:
         """A TCP piece of bucket ``i`` was taken (``ok``: in order and in bounds): on
@@ -321,194 +257,36 @@ class VersionFetch:
         part.verify_s += dt
         if ok and not last:
             return
-        del up.outstanding[i]
         del up.partial[i]
         ok = ok and part.size == info.nbytes and part.hasher.digest() == checksum
         if not ok:
-            self._count("checksum_failures")
-            if up.attempts.get(i, 0) >= self.retries:
-                self._fail(
-                    up.ann.version,
-                    f"bucket {i} of version {up.ann.version} failed its checksum "
-                    f"{up.attempts[i]} times",
-                )
+            self.core.count("checksum_failures")
+            error = up.sched.again(i)
+            if error is not None:
+                self.fail(up.ann.version, error)
                 return
-            self._count("refetches")
-            up.todo.append(i)
-            self._pump()
+            self.core.count("refetches")
+            self.pump()
             return
+        up.sched.done(i)
         up.stats.buckets[i].update(recv_s=t - up.t0, verify_s=part.verify_s)
-        self._landed(
-            up, i, part.chunks if stage is None else [torch.from_numpy(stage)], part.stream
-        )
+        self.landed(up, i, part.chunks if stage is None else [torch.from_numpy(stage)], part.stream)
 
-    # -- the data link (transport.weights.datalink) -----------------------------------
-    def _open_link(self) -> None:
-        """Connect the data link the publisher offers, if not open (a TCP version)."""
-        if self._link is not None or self._link_offer is None or self._poller is None:
-            return
-        if time.monotonic() < self._link_retry_at:
-            return
-        port, token = self._link_offer
-        try:
-            self._link = datalink.connect(
-                self.endpoint, port, self.worker_id, token, min(self.fetch_timeout, 2.0)
-            )
-        except (OSError, ValueError) as exc:
-            # Not reachable (a firewall, another network namespace) or refused: ZeroMQ
-            # frames, and no new attempt for a while (it blocks this thread).
-            self._link_retry_at = time.monotonic() + LINK_RETRY_S
-            self._count("data_link_refused")
-            log.info("weight data link unavailable (%s); fetching as ZeroMQ frames", exc)
-            return
-        self._poller.register(self._link, zmq.POLLIN)
-        self._count("data_links")
-
-    def _close_link(self) -> None:
-        link, self._link = self._link, None
-        if link is not None:
-            if self._poller is not None:
-                self._poller.unregister(link)
-            link.close()
-
-    def _link_failed(self, why: str) -> None:
-        """The data link broke: close it; the buckets asked on it are asked again as
-        ZeroMQ frames (the link is opened again for the next version)."""
-        self._count("data_link_failures")
+    def link_failed(self, why: str) -> None:
+        """The data link broke: the buckets asked on it are asked again as ZeroMQ
+        frames (the link is opened again for the next version)."""
+        self.core.count("data_link_failures")
         log.warning("weight data link closed: %s", why)
-        self._close_link()
-        up = self._update
+        self.tcp.close()
+        up = self.update
         if up is None or up.seg is not None:
             return
-        for i in [i for i in up.outstanding if up.linked.get(i)]:
-            del up.outstanding[i]
+        for i in [i for i in up.sched.outstanding if up.linked.get(i)]:
+            up.sched.requeue(i)
             up.partial.pop(i, None)
-            up.todo.append(i)
-        self._pump()
+        self.pump()
 
-    def _on_data(self) -> None:
-        """A piece on the data link: its bytes go straight where they belong."""
-        link = self._link
-        assert link is not None
-        try:
-            p = link.header()
-            if p.nbytes > self.max_message_size:
-                # Never read gigabytes away on the word of a header.
-                raise datalink.DataLinkError(f"a piece of {p.nbytes} bytes (larger than allowed)")
-            up = self._update
-            if (
-                up is None
-                or up.seg is not None
-                or p.version != up.ann.version
-                or p.bucket not in up.outstanding
-            ):
-                self._count("stale_pieces")
-                link.discard(p.nbytes)
-                return
-            i = p.bucket
-            if p.offset + p.nbytes > up.ann.buckets[i].nbytes:
-                raise datalink.DataLinkError(f"a piece beyond the end of bucket {i}")
-            t = time.monotonic()
-            part = up.partial.get(i)
-            if part is None:
-                part = up.partial[i] = self._partial(up, i)
-            if p.offset != part.size:
-                # Left over from an earlier answer to this bucket (asked again).
-                self._count("stale_pieces")
-                link.discard(p.nbytes)
-                return
-            up.outstanding[i] = t
-            ok = True
-            if not self._take(up, i, part, link, p.nbytes):
-                return  # the version failed (its lock refused); the bytes were read away
-        except datalink.DataLinkError as exc:
-            self._link_failed(str(exc))
-            return
-        self._piece_done(up, i, part, t, ok, p.last, p.checksum)
-
-    def _take(self, up: InFlight, i: int, part: Partial, link: DataReceiver, n: int) -> bool:
-        """Receive ``n`` bytes of bucket ``i`` from the link where they go: the weights
-        (one-pass mode), the staging buffer (atomic), or a buffer kept for the bucket."""
-        stream = part.stream
-        if stream is not None:
-            if n and not self._hold(up):
-                link.discard(n)
-                return False
-            if stream.rest:
-                # Tensors that need their bytes whole: keep the piece for them.
-                c = np.empty(n, dtype=np.uint8)
-                link.fill(c)
-                stream.feed(c)
-                part.chunks.append(torch.from_numpy(c))
-            else:
-                stream.take(n, link.fill, link.scratch(_BLOCK))
-        elif up.stage is not None:
-            stage = up.stage[i]
-            base = part.size
-            for a in range(0, n, _BLOCK):
-                block = stage[base + a : base + min(a + _BLOCK, n)]
-                link.fill(block)
-                part.hasher.update(block)
-        else:
-            c = np.empty(n, dtype=np.uint8)
-            link.fill(c)
-            part.hasher.update(c)
-            part.chunks.append(torch.from_numpy(c))
-        part.size += n
-        return True
-
-    def _on_shm_ready(self, up: InFlight, msg: WeightBucket, t: float) -> None:
-        """Bytes of bucket ``msg.index`` are packed in the segment: hash them in place
-        as they come; on the last notice compare with the checksum."""
-        assert up.seg is not None
-        i = msg.index
-        info = up.ann.buckets[i]
-        part = up.partial.get(i)
-        if part is None:
-            part = up.partial[i] = self._partial(up, i)
-        up.outstanding[i] = t
-        lo = info.shm_offset + msg.offset
-        if (
-            msg.chunks
-            or msg.offset != part.size
-            or msg.nbytes < 0
-            or msg.offset + msg.nbytes > info.nbytes
-            or info.shm_offset + info.nbytes > up.seg.size
-        ):
-            self._fail(up.ann.version, f"bad shared-memory notice for bucket {i}", "shm")
-            return
-        if part.stream is not None:
-            if msg.nbytes and not self._hold(up):
-                return
-            part.stream.feed(up.seg.tensor[lo : lo + msg.nbytes].numpy())
-        else:
-            part.hasher.update(up.seg.tensor[lo : lo + msg.nbytes].numpy())
-        part.size += msg.nbytes
-        dt = time.monotonic() - t
-        part.verify_s += dt
-        up.stats.verify_s += dt
-        if not msg.last:
-            return
-        del up.outstanding[i]
-        del up.partial[i]
-        up.stats.buckets[i].update(recv_s=t - up.t0, verify_s=part.verify_s)
-        if part.size != info.nbytes or part.hasher.digest() != msg.checksum:
-            # The segment is the snapshot itself: fetching again would read the same bytes.
-            self._count("checksum_failures")
-            self._fail(
-                up.ann.version,
-                f"bucket {i} of version {up.ann.version} fails its checksum in shared memory",
-                "shm",
-            )
-            return
-        self._landed(
-            up,
-            i,
-            [up.seg.tensor[info.shm_offset : info.shm_offset + info.nbytes]],
-            part.stream,
-        )
-
-    def _partial(self, up: InFlight, i: int) -> Partial:
+    def partial(self, up: InFlight, i: int) -> Partial:
         """A bucket starting to arrive; in streaming mode with its :class:`BucketStream`."""
         algo = up.ann.checksum_algo
         if self.atomic:
@@ -516,7 +294,7 @@ class VersionFetch:
         stream = BucketStream(up.ann.buckets[i], self.targets, up.binding.dests, algo)
         return Partial(stream.hasher, stream)
 
-    def _hold(self, up: InFlight) -> bool:
+    def hold(self, up: InFlight) -> bool:
         """Streaming mode: enter the lock before the version's first write, once (it is
         left when the version commits or fails). False when the lock refused: the
         version failed, nothing written."""
@@ -525,24 +303,23 @@ class VersionFetch:
         try:
             self.lock.__enter__()
         except Exception as exc:  # e.g. the worker could not stop generating in time
-            self._fail(up.ann.version, f"not applied, the weights were not free: {exc}")
+            self.fail(up.ann.version, f"not applied, the weights were not free: {exc}")
             return False
         up.locked = up.wrote = True
         # From the first write the weights hold no complete version: report -1 until
         # the commit (``_now_at``) or, if the version fails, until a later one lands;
-        # the previous version's digest no longer describes them (``_fail`` sends the
+        # the previous version's digest no longer describes them (``fail`` sends the
         # mixed weights' digest).
-        self._consistent = False
-        self._digest = None
+        self.reporter.mixing()
         return True
 
-    def _unhold(self, up: InFlight) -> None:
-        """Leave the lock :meth:`_hold` or the commit entered for ``up`` (if it did)."""
+    def unhold(self, up: InFlight) -> None:
+        """Leave the lock :meth:`hold` or the commit entered for ``up`` (if it did)."""
         if up.locked:
             up.locked = False
             self.lock.__exit__(None, None, None)
 
-    def _landed(
+    def landed(
         self, up: InFlight, i: int, chunks: list[torch.Tensor], stream: BucketStream | None
     ) -> None:
         """Bucket ``i`` arrived and is verified: keep it, or, streaming, apply what its
@@ -555,17 +332,17 @@ class VersionFetch:
             up.stats.buckets[i]["apply_s"] = 0.0
             if stream.rest:
                 ta = time.monotonic()
-                if not self._hold(up):
+                if not self.hold(up):
                     return
-                self._applier.apply(stream.rest_info(), chunks, up.binding.dests)
-                self._applier.finish()
+                self.applier.apply(stream.rest_info(), chunks, up.binding.dests)
+                self.applier.finish()
                 up.stats.buckets[i]["apply_s"] = time.monotonic() - ta
                 up.stats.apply_s += up.stats.buckets[i]["apply_s"]
             up.applied.add(i)
             up.received[i] = []  # applied: the frames can go
-        self._pump()
-        if not up.todo and not up.outstanding:
-            self._update = None
+        self.pump()
+        if up.sched.finished:
+            self.update = None
             up.stats.fetch_s = time.monotonic() - up.t0
             try:
                 self._commit(
@@ -579,42 +356,90 @@ class VersionFetch:
             finally:
                 up.received.clear()
 
-    def _check_timeouts(self, now: float) -> None:
-        up = self._update
-        silent = bool(self._last_heard) and now - self._last_heard > self.publisher_timeout
+    def check_timeouts(self, now: float) -> None:
+        up = self.update
+        silent = self.core.silent(now, self.config.publisher_timeout)
         if up is None:
-            if silent and self._segments:
-                self._drop_segments()  # a dead publisher's segments: do not pin them
+            if silent and self.shm.segments:
+                self.shm.drop()  # a dead publisher's segments: do not pin them
             return
         if silent:
-            self._fail(
-                up.ann.version,
-                f"publisher silent for {now - self._last_heard:.1f} s (dead?) mid-update",
-            )
+            quiet = now - self.core.last_heard
+            self.fail(up.ann.version, f"publisher silent for {quiet:.1f} s (dead?) mid-update")
             return
-        for i, sent in list(up.outstanding.items()):
-            if now - sent < self.fetch_timeout:
-                continue
-            if up.attempts.get(i, 0) >= self.retries:
-                self._fail(
-                    up.ann.version,
-                    f"bucket {i} of version {up.ann.version}: no answer "
-                    f"after {up.attempts[i]} fetches",
-                )
-                return
-            self._count("refetches")
-            del up.outstanding[i]
+        again, error = up.sched.timeouts(now, self.config.fetch_timeout)
+        if error is not None:
+            self.fail(up.ann.version, error)
+            return
+        for i in again:
+            self.core.count("refetches")
             up.partial.pop(i, None)
-            up.todo.append(i)
-        self._pump()
+        self.pump()
 
+    def _commit(self, up: InFlight, parts: list[tuple[Any, list[torch.Tensor]]]) -> None:
+        """Every bucket verified: copy what is not in yet under the lock (one pass holds
+        it since the first write), run the loader, switch the version, Ack."""
+        ann, stats = up.ann, up.stats
+        if not up.locked:
+            try:
+                self.lock.__enter__()
+            except Exception as exc:  # e.g. the worker could not stop generating in time
+                self.fail(ann.version, f"not applied, the weights were not free: {exc}")
+                return
+            up.locked = True
+        try:  # the lock's body (not a `with`: a lock that refuses fails the version)
+            try:
+                for b, chunks in parts:
+                    up.wrote = True
+                    ta = time.monotonic()
+                    self.applier.apply(b, chunks, up.binding.dests)
+                    stats.buckets[b.index]["apply_s"] = dt = time.monotonic() - ta
+                    stats.apply_s += dt
+                    self.keepalive()
+                self.applier.finish()
+            except Exception as exc:  # a copy failed half-way: the weights are mixed
+                self.core.consistent = False
+                self.fail(ann.version, f"applying failed, weights are mixed: {exc!r}")
+                return
+            if self.loader is not None:
+                ta = time.monotonic()
+                try:
+                    self.loader(up.binding.named_tensors(parts))
+                except Exception as exc:
+                    self.core.consistent = False
+                    self.core.count("loader_failures")
+                    why = f"the loader raised {exc!r}; the engine's weights may be mixed"
+                    self.fail(ann.version, why)
+                    return
+                stats.apply_s += time.monotonic() - ta
+            # Before the Ack: once the trainer hears "applied", the engine stamps it.
+            self.reporter.now_at(ann.version)
+        finally:
+            # After a failure marked the weights mixed: the lock sees it.
+            self.unhold(up)
+        parts.clear()  # drop the frames now, not at the next update
+        stats.total_s = time.monotonic() - up.t0
+        for phase, secs in (
+            ("receive", stats.fetch_s),
+            ("verify", stats.verify_s),
+            ("apply", stats.apply_s),
+            ("total", stats.total_s),
+        ):
+            metrics.SUBSCRIBER_PHASE_SECONDS.labels(phase=phase).observe(secs)
+        self.reporter.applied(stats, sum(b.nbytes for b in ann.buckets))
 
-def _u8(arr: np.ndarray[Any, Any]) -> torch.Tensor:
-    """A uint8 tensor over a received chunk, no copy (frames from zmq are writable)."""
-    if not arr.flags.writeable:
-        import warnings
+    def fail(self, version: int, error: str, route: str = "tcp") -> None:
+        """Report ``version`` failed; if it is the one in flight, end it (leaving the
+        lock after the weights are marked mixed, if they are)."""
+        up = self.update
+        if up is not None and up.ann.version == version:
+            self.update = None
+            if up.wrote:
+                self.core.wrote()
+            self.unhold(up)
+        self.reporter.failed(version, error, route)
 
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
-            return torch.from_numpy(arr)
-    return torch.from_numpy(arr)
+    def abandon(self, why: str) -> None:
+        """End the version in flight (superseded, the subscriber closing)."""
+        if self.update is not None:
+            self.fail(self.update.ann.version, why)

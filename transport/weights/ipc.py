@@ -1,43 +1,16 @@
-"""The ``ipc`` weight path: persistent buckets of the trainer's memory, opened once by
-every worker on its node, packed again for every version.
+"""The ``ipc`` route: persistent buckets ("slots") of the trainer's memory, opened once
+by every worker on its host, packed again for every version (``docs/PROTOCOL.md``, "The
+ipc path"). On a GPU a slot is a CUDA allocation shared by CUDA IPC (the worker copies
+device to device); on CPU one of torch's shared-memory files, so every rule runs
+without a GPU.
 
-On a GPU the buckets are CUDA allocations shared by CUDA IPC (the worker maps the
-trainer's device memory; a copy into its parameters runs device to device). On CPU the
-same code shares torch's shared-memory files (``_share_filename_cpu_``), so every rule
-below is exercised without a GPU; only the lines marked CUDA differ.
-
-Sans-IO: :class:`IpcExporter` (trainer) and :class:`IpcImporter` (worker) turn the
-messages of :mod:`fastio.ipc_msgs` into actions and back; who carries the messages is the
-caller's business (the publisher and subscriber carry them; ``bench/ipc_link.py`` is a
-minimal ZeroMQ driver for tests and benchmarks). The layout, checksum and process helpers
-both sides share live in :mod:`transport.weights.ipc_layout`, the worker side in
-:mod:`transport.weights.ipc_import`; this module holds the trainer side and re-exports
-both.
-
-* **Slots.** The trainer allocates ``slots`` buckets (two by default: bucket k+1 is packed
-  while the workers copy bucket k; ``slots=None``: one per bucket, the whole model) of
-  the largest bucket's size, ``bucket_bytes`` at most unless one tensor is larger, and
-  exports each handle once per worker (an :class:`~fastio.ipc_msgs.IpcOffer`).
-* **A version.** Bucket b goes to slot ``b % slots``: packed (one ``torch.cat`` per bucket
-  on a device; numpy copies on CPU), checksummed on the slot's device (:func:`checksum`) into the slot's trailer
-  together with the version, then (CUDA) the slot's inter-process event is recorded and
-  an :class:`~fastio.ipc_msgs.IpcReady` goes to every worker. The trainer never waits
-  for its own device.
-* **The worker** waits on the slot's event (CUDA), checks the trailer's version and
-  checksum on the device, copies (``torch._foreach_copy_``) and acks the slot.
-* **Reuse.** A slot is packed again only once every worker sent its last ``IpcReady``
-  has acked it or its process is gone (``pid`` and start time: ipc is one host).
-* **Never a mixed version.** ``atomic=True`` (default): when the whole version fits in
-  the slots the worker verifies every bucket before copying any (no extra memory);
-  otherwise it assembles the version in a private staging buffer first. Either way a
-  trainer that dies mid-version leaves the worker on its previous version.
-  ``atomic=False`` copies each bucket as it lands; a version cut short leaves the worker
-  with ``serving == False`` until the next complete one.
-* **Leaks.** A worker that leaves says so (``IpcAck(bucket=-2)`` from
-  :meth:`IpcImporter.release`, after unmapping). A worker whose process is gone without
-  saying so has its references released by the trainer (CPU: the shared file's
-  reference count; CUDA: torch's IPC reference counter of that worker's export), so
-  closing the exporter frees the memory while the trainer lives on.
+Sans-I/O: :class:`IpcExporter` (trainer) and :class:`IpcImporter` (worker,
+:mod:`transport.weights.ipc_import`) turn :mod:`fastio.ipc_msgs` messages into actions
+and back; the publisher and subscriber carry them (``bench/ipc_link.py`` is a minimal
+ZeroMQ driver). Bucket b goes to slot ``b % slots``, packed and checksummed on the
+slot's device into its trailer with the version; a slot is packed again only once every
+worker sent its last ``IpcReady`` acked it or its process is gone. A worker that dies
+without saying goodbye has its references released by the trainer, so no memory stays.
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from fastio.ipc_msgs import IpcBucket, IpcTensor
+from transport.weights.core.process import process_alive, process_start_time
 from transport.weights.errors import WeightMismatchError, WeightUpdateError
 
 __all__ = [
@@ -36,25 +37,6 @@ class IpcRefused(WeightUpdateError):
 
 
 # -- helpers ---------------------------------------------------------------------------
-def process_start_time(pid: int) -> int | None:
-    """Field 22 of ``/proc/<pid>/stat`` (clock ticks since boot), ``None`` when this
-    process cannot see ``pid`` (gone, or another pid namespace)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    if fields[0] == b"Z":  # a zombie holds no memory and runs no code
-        return None
-    return int(fields[19])
-
-
-def process_alive(pid: int, start_time: int) -> bool:
-    """Whether process ``pid`` that started at ``start_time`` still runs (a reused pid
-    has another start time)."""
-    return process_start_time(pid) == start_time
-
-
 def _dtype_name(dt: torch.dtype) -> str:
     return str(dt).removeprefix("torch.")
 

@@ -1,39 +1,31 @@
 """Trainer side of weight updates: stage a version in flat buckets and serve it.
 
-Sockets (see ``docs/PROTOCOL.md``, "Weight updates"):
+:class:`WeightPublisher` owns its parts: the protocol core
+(:class:`~transport.weights.core.publisher.PublisherCore`: who is a worker, who must
+answer, who may still read a buffer), the staged versions
+(:class:`~transport.weights.buffers.VersionStore`), the ``ipc`` route
+(:class:`~transport.weights.ipc_serving.IpcOffering`), the data link's listener and
+senders (:mod:`transport.weights.routes.tcp`) and the serving loop
+(:class:`~transport.weights.serving.Serving`, one thread that owns the ROUTER and PUB).
+:meth:`WeightPublisher.publish` runs in the caller's thread: it lays the version out and
+hands it to the serving thread, which announces it and packs it while it serves.
 
-* a ROUTER (``endpoint``) that answers Hello with Welcome (plus the latest manifest when
-  the worker is behind: the snapshot of the zguide's Clone pattern), serves Fetch with
-  the bucket's bytes as zero-copy frames, and collects Acks;
-* a PUB (``pub_endpoint``, told to workers in the Welcome) carrying sequence-numbered
-  Announce and Heartbeat notices only.
-
-A version is staged in one buffer, a shared-memory segment when ``/dev/shm`` allows it
-(same-host workers read it in place) and private memory otherwise. The buffer is the
-version's snapshot: late joiners and re-fetches are served from it. Buffers are reused
-from version to version, but one that a worker's process may still read is never
-overwritten (the buffer rule, see :mod:`transport.weights.buffers`).
-
-The path of each worker. A worker on this host whose process the trainer can see, and
-that can open the trainer's memory, takes the ``ipc`` path (:mod:`transport.weights.ipc`:
-persistent buckets of the trainer's memory, packed again every version, announced with
-``IpcReady`` on the same ROUTER; wired in :mod:`transport.weights.ipc_serving`) when
-``ipc`` allows it: ``"auto"`` for CUDA tensors, ``"cpu"`` for CPU tensors too (on CPU,
-torch's shared-memory files are slower than the ``shm`` path: opt-in), ``"off"`` never. Every other worker, and an ``ipc`` worker whose
-offer was refused or whose version failed there, takes ``shm`` (same host) or ``tcp``.
-Each Ack says which (``via``), and :attr:`UpdateResult.paths` reports it per worker.
+Routes, per worker: a worker on this host that can open the trainer's memory takes
+``ipc`` when the ``ipc`` setting allows it (``"auto"``: CUDA tensors, ``"cpu"``: CPU
+tensors too, ``"off"``: never); every other worker, and a version that fails there,
+takes ``shm`` (same host) or ``tcp``. Each Ack says which (``via``), and
+:attr:`UpdateResult.paths` reports it per worker.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import secrets
 import socket
 import threading
 import time
-from collections.abc import Iterable, Iterator
-from typing import Any, Union
+from collections.abc import Iterable
+from typing import Any
 
 try:
     import torch
@@ -43,49 +35,37 @@ except ImportError as exc:  # name the extra that brings torch
     raise missing("torch", "weights", "WeightPublisher") from exc
 import zmq
 
-import fastio
-from fastio.ipc_msgs import IpcAck, IpcHello
 from fastio.versions import VERSION_1
-from fastio.weight_msgs import SUBSCRIBER_TO_PUBLISHER, WeightAnnounce
+from fastio.weight_msgs import WeightAnnounce
 from transport import metrics
 from transport.sockets import CurveConfig, WorkerAuthenticator, apply_curve_server
-from transport.weights import shm as _shm
-from transport.weights.bucket import (
-    DEFAULT_BUCKET_BYTES,
-    DEFAULT_CHECKSUM,
-    Hasher,
-    named_tensors,
-    split_aliases,
-)
-from transport.weights.buffers import VersionBuffers
-from transport.weights.datalink import DataListener, DataSender
+from transport.weights.bucket import Hasher, named_tensors, split_aliases
+from transport.weights.buffers import VersionStore
+from transport.weights.config import PublisherConfig, make_config
+from transport.weights.core.publisher import PublisherCore
 from transport.weights.errors import UpdateIncomplete
-from transport.weights.ipc_serving import IPC_MODES, IpcServing
-from transport.weights.ratelog import RateLimitedLog
+from transport.weights.ipc_serving import IPC_MODES, IpcOffering
 from transport.weights.results import SubscriberInfo, UpdateResult
+from transport.weights.routes import shm as _shm
+from transport.weights.routes.tcp import DataListener, DataSender
+from transport.weights.serving import Serving
 from transport.weights.staging import Staged, pack_steps, plan_version
 
 __all__ = ["DEFAULT_CHUNK_BYTES", "IPC_MODES", "WeightPublisher"]
 
 log = logging.getLogger("transport.weights.publisher")
 
-#: Size of the pieces a bucket is cut into on the wire, one message each. One frame of
-#: hundreds of MiB is several times slower (one huge fresh allocation per message on the
-#: receiver), and separate messages let the I/O thread interleave workers and the worker
-#: checksum a piece while the next arrives. 4 MiB rather than 1 since the worker copies
-#: each piece into its staging buffer and frees it at once: fewer messages, less trainer
-#: CPU per update, the pipeline as deep (bench/results).
+#: Size of the pieces a bucket travels in, one message each: pieces let the I/O thread
+#: interleave workers and the worker hash one while the next arrives; a huge frame is
+#: one huge fresh allocation on the receiver.
 DEFAULT_CHUNK_BYTES = 4 << 20
 
 #: I/O threads of the publisher's private context that carry the ROUTER's connections
 #: (the bucket bytes); one more carries the PUB's.
 _ROUTER_IO_THREADS = 2
 
-#: What the ROUTER accepts: the weight messages and the ipc path's Hello and Ack.
-_FROM_SUBSCRIBER = Union[SUBSCRIBER_TO_PUBLISHER, IpcHello, IpcAck]  # noqa: UP007
 
-
-class WeightPublisher(IpcServing, VersionBuffers):
+class WeightPublisher:
     """Publishes versions of a model's weights to :class:`WeightSubscriber` workers.
 
     Parameters
@@ -93,52 +73,16 @@ class WeightPublisher(IpcServing, VersionBuffers):
     endpoint:
         ROUTER address to bind (``tcp://127.0.0.1:*`` picks a free port; see
         :attr:`endpoint` for the bound one). Workers connect here.
-    pub_endpoint:
-        PUB address to bind; by default next to ``endpoint`` (a free port, or
-        ``<ipc path>.pub``).
-    bucket_bytes:
-        Upper bound of a flat bucket.
-    chunk_bytes:
-        Size of the frames a bucket travels in over TCP (same-host workers get a
-        "bytes ready" notice every 8 MiB, or every chunk when chunks are larger).
-    shm:
-        Stage versions in ``/dev/shm`` so same-host workers read them without a socket
-        (``None``: when available). Falls back to private memory when it cannot.
-    checksum:
-        ``"xxh3_64"`` or ``"crc32"``.
-    heartbeat_interval:
-        Seconds between Heartbeat notices on PUB.
-    worker_timeout:
-        A worker silent this long (no Hello, Fetch or Ack) is declared lost.
-    keep_versions:
-        How many recent versions keep their buffer when no one needs them any more.
+    config:
+        :class:`~transport.weights.config.PublisherConfig`; its fields are also taken
+        as keyword arguments (``bucket_bytes=...``), which override it.
     context:
         ZeroMQ context (default: a private one, terminated at :meth:`close`).
     curve:
-        CurveZMQ on both sockets (:class:`transport.CurveConfig`: this side's
-        ``.key_secret`` and, to admit only known workers, ``authorized_clients_dir``).
-        Off by default (loopback); turn it on whenever workers connect across hosts. A
-        worker with a wrong or missing key gets nothing, not even the announcements.
-    data_link:
-        Send TCP workers' bucket bytes on a plain TCP connection per worker (a free
-        port on the ROUTER's host, offered in the Welcome) instead of as ZeroMQ frames:
-        each worker receives the bytes straight into its weights
-        (:mod:`transport.weights.datalink`). ``None`` (default): on for a ``tcp://``
-        endpoint without ``curve``; the link is not encrypted, so with ``curve`` it is
-        on only when ``True``. Workers that do not take it get ZeroMQ frames.
-    data_port:
-        The data link's port (0: a free one, told to workers in the handshake): set it
-        where a firewall or a container's port mapping must let it through.
-    ipc:
-        When same-host workers take the ``ipc`` path (see the module docstring):
-        ``"auto"`` (CUDA tensors), ``"cpu"`` (CPU tensors too) or ``"off"``.
-    ipc_slots:
-        Persistent buckets of the ``ipc`` path (2: double buffering; ``None``: the whole
-        model).
-    ipc_timeout:
-        Seconds :meth:`publish` waits for a live ``ipc`` worker to release a slot
-        before it raises :class:`~transport.weights.errors.WeightUpdateError` (a dead
-        worker's slots are released as soon as its process is gone).
+        CurveZMQ on both sockets (:class:`transport.CurveConfig`: this side's secret
+        key and, to admit only known workers, ``authorized_clients_dir``). Turn it on
+        whenever workers connect across hosts: a worker with a wrong or missing key
+        gets nothing, not even the announcements.
 
     Examples
     --------
@@ -148,124 +92,97 @@ class WeightPublisher(IpcServing, VersionBuffers):
     True
     """
 
+    #: The serving loop's class (a subclass may inject faults, as the tests do).
+    serving_class: type[Serving] = Serving
+
     def __init__(
         self,
         endpoint: str = "tcp://127.0.0.1:*",
         *,
-        pub_endpoint: str | None = None,
-        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-        shm: bool | None = None,
-        checksum: str = DEFAULT_CHECKSUM,
-        heartbeat_interval: float = 0.5,
-        worker_timeout: float = 10.0,
-        keep_versions: int = 2,
+        config: PublisherConfig | None = None,
         context: zmq.Context[Any] | None = None,
         curve: CurveConfig | None = None,
-        data_link: bool | None = None,
-        data_port: int = 0,
-        ipc: str = "auto",
-        ipc_slots: int | None = 2,
-        ipc_timeout: float = 60.0,
+        **settings: Any,
     ) -> None:
-        self._init_ipc(ipc, ipc_slots, ipc_timeout)
-        Hasher(checksum)  # validates the name now rather than at the first publish
-        self.bucket_bytes = bucket_bytes
-        self.chunk_bytes = max(1, chunk_bytes)
-        self.checksum_algo = checksum
-        self.heartbeat_interval = heartbeat_interval
-        self.worker_timeout = worker_timeout
-        metrics.expose("publisher")
-        self.keep_versions = max(1, keep_versions)
+        cfg = self.config = make_config(PublisherConfig, config, settings)
+        Hasher(cfg.checksum)  # validates the name now rather than at the first publish
+        self.bucket_bytes = cfg.bucket_bytes
+        self.chunk_bytes = cfg.chunk_bytes
+        self.checksum_algo = cfg.checksum
+        self.heartbeat_interval = cfg.heartbeat_interval
+        self.worker_timeout = cfg.worker_timeout
+        self.keep_versions = cfg.keep_versions
         self.publisher_id = secrets.token_hex(8)
         self.host_id = _shm.host_id()
+        metrics.expose("publisher")
+        #: Workers and versions: who must answer, who may still read a buffer.
+        self.core = PublisherCore(self.host_id, cfg.worker_timeout)
         #: Counters: bad messages, fetches served, bytes sent, ...
-        self.counters: dict[str, int] = {}
-        self._rlog = RateLimitedLog(log)
-        self._use_shm = _shm.available() if shm is None else bool(shm and _shm.available())
-        if self._use_shm:
+        self.counters = self.core.counters
+        self._cond = threading.Condition()
+        use_shm = _shm.available() if cfg.shm is None else bool(cfg.shm and _shm.available())
+        probe: _shm.Probe | None = None
+        if use_shm:
             _shm.cleanup_stale()
-        self._probe: _shm.Probe | None = None
-        if self._use_shm:
             try:
-                self._probe = _shm.write_probe()
+                probe = _shm.write_probe()
             except OSError as exc:
                 log.warning("no shared-memory fast path (%s); workers will use TCP", exc)
-                self._use_shm = False
-
+                use_shm = False
+        self._probe = probe
+        #: The staged versions and their buffers (the buffer rule).
+        self.store = VersionStore(self.core, self._cond, use_shm, cfg.keep_versions)
         # A private context by default: its I/O threads serve only the weights, and
-        # close() can terminate it without touching the application's sockets. The
-        # kernel copies of the bucket sends run in the I/O threads, so workers'
-        # connections must be spread over them: libzmq gives a new connection to the
-        # least loaded thread (counting listeners and every connection), which with two
-        # threads put both workers' ROUTER connections on one thread and their SUB
-        # connections on the other (one I/O thread then did every bucket send). Hence
-        # thread 0 for the PUB (small notices) and threads 1..n for the ROUTER, whose
-        # connections then alternate between them.
-        self._own_ctx = context is None
-        self._ctx: zmq.Context[Any] = context or zmq.Context(io_threads=1 + _ROUTER_IO_THREADS)
+        # close() terminates it. libzmq gives a new connection to the least loaded I/O
+        # thread, which put every ROUTER connection on one thread: thread 0 carries the
+        # PUB, threads 1..n the ROUTER, whose connections then alternate between them.
+        self._own_zctx = context is None
+        self._zctx: zmq.Context[Any] = context or zmq.Context(io_threads=1 + _ROUTER_IO_THREADS)
         self._auth: WorkerAuthenticator | None = None
-        if curve is not None:
-            # The ZAP handler must run before the sockets bind.
-            self._auth = WorkerAuthenticator(self._ctx, curve)
-        self._router = self._ctx.socket(zmq.ROUTER)
-        if self._own_ctx:
-            self._router.setsockopt(zmq.AFFINITY, ((1 << _ROUTER_IO_THREADS) - 1) << 1)
-        apply_curve_server(self._router, curve)
-        self._router.setsockopt(zmq.LINGER, 0)
-        # At the HWM a ROUTER drops silently; MANDATORY turns that into EAGAIN, which
-        # is answered as "busy" instead (workers bound their fetches by a window).
-        self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        # A restarted worker reuses its id; it takes the route over from the dead one.
-        self._router.setsockopt(zmq.ROUTER_HANDOVER, 1)
-        self._router.setsockopt(zmq.SNDHWM, 10_000)
-        self._router.setsockopt(zmq.RCVHWM, 10_000)
-        # Workers only send small messages; anything larger is hostile: disconnect.
-        self._router.setsockopt(zmq.MAXMSGSIZE, 4 << 20)
-        self._router.bind(endpoint)
-        self.endpoint: str = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
-        self._pub = self._ctx.socket(zmq.PUB)
-        if self._own_ctx:
-            self._pub.setsockopt(zmq.AFFINITY, 1)
-        apply_curve_server(self._pub, curve)
-        self._pub.setsockopt(zmq.LINGER, 0)
-        self._pub.setsockopt(zmq.SNDHWM, 10_000)
-        self._pub.bind(pub_endpoint or _sibling(self.endpoint))
-        self.pub_endpoint: str = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
-        wake_addr = f"inproc://fastio-weights-wake-{self.publisher_id}"
-        self._wake_r = self._ctx.socket(zmq.PAIR)
-        self._wake_r.bind(wake_addr)
-        self._wake_w = self._ctx.socket(zmq.PAIR)
-        self._wake_w.connect(wake_addr)
-        self._wake_lock = threading.Lock()
-
-        # Weight messages carry no token arrays: version 1, which every release reads.
-        self._encoder = VERSION_1
-        self._decoder = fastio.Decoder(_FROM_SUBSCRIBER, max_message_size=8 << 20)
-        self._cond = threading.Condition()
-        self._workers: dict[str, SubscriberInfo] = {}
-        self._versions: dict[int, Staged] = {}
-        self._latest: Staged | None = None
-        self._free_segments: list[_shm.ShmSegment] = []
-        self._pending: list[Staged] = []
-        self._parked: list[tuple[bytes, str, Any]] = []
-        self._seq = 0
-        self._closed = False
-        self._senders: dict[str, DataSender] = {}
-        self._data_token = b""
-        self._listener: DataListener | None = None
+        if curve is not None:  # the ZAP handler must run before the sockets bind
+            self._auth = WorkerAuthenticator(self._zctx, curve)
+        affinity = self._own_zctx
+        router = _bound(
+            self._zctx,
+            zmq.ROUTER,
+            endpoint,
+            curve,
+            ((1 << _ROUTER_IO_THREADS) - 1) << 1 if affinity else 0,
+        )
+        self.endpoint: str = router.getsockopt_string(zmq.LAST_ENDPOINT)
+        pub = _bound(
+            self._zctx,
+            zmq.PUB,
+            cfg.pub_endpoint or _sibling(self.endpoint),
+            curve,
+            1 if affinity else 0,
+        )
+        self.pub_endpoint: str = pub.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.senders: dict[str, DataSender] = {}
+        token, listener = b"", None
         if self.endpoint.startswith("tcp://") and (
-            data_link or (data_link is None and curve is None)
+            cfg.data_link or (cfg.data_link is None and curve is None)
         ):
-            self._data_token = secrets.token_bytes(16)
+            token = secrets.token_bytes(16)
             try:
-                self._listener = DataListener(
-                    self.endpoint, self._data_token, self._admit_link, data_port
-                )
+                listener = DataListener(self.endpoint, token, self._admit_link, cfg.data_port)
             except OSError as exc:
                 log.warning("no data link (%s); TCP workers get ZeroMQ frames", exc)
+        self._listener = listener
+        #: The ipc route's slots and the workers that asked for them.
+        self.ipc = IpcOffering(
+            cfg.ipc, cfg.ipc_slots, cfg.ipc_timeout, core=self.core, cond=self._cond,
+            encoder=VERSION_1, wake=self._wake, publisher_id=self.publisher_id,
+            bucket_bytes=cfg.bucket_bytes,
+        )  # fmt: skip
+        #: The serving thread's loop and its sockets.
+        self.serving = self.serving_class(
+            cfg, self.core, self.store, self.ipc, self._cond, router=router, pub=pub,
+            zctx=self._zctx, publisher_id=self.publisher_id, host_id=self.host_id,
+            probe=probe, listener=listener, data_token=token, senders=self.senders,
+        )  # fmt: skip
         self._thread = threading.Thread(
-            target=self._serve, name=f"weights-publisher-{self.publisher_id}", daemon=True
+            target=self.serving.run, name=f"weights-publisher-{self.publisher_id}", daemon=True
         )
         self._thread.start()
 
@@ -274,12 +191,12 @@ class WeightPublisher(IpcServing, VersionBuffers):
     def latest_version(self) -> int:
         """The latest published version (``-1`` before the first)."""
         with self._cond:
-            return self._latest.version if self._latest else -1
+            return self.store.latest.version if self.store.latest else -1
 
     def workers(self) -> dict[str, SubscriberInfo]:
         """A snapshot of the known workers, by id."""
         with self._cond:
-            return {k: SubscriberInfo(**vars(v)) for k, v in self._workers.items()}
+            return {k: SubscriberInfo(**vars(v)) for k, v in self.core.workers.items()}
 
     def wait_for_workers(self, n: int, timeout: float) -> list[str]:
         """Wait until at least ``n`` live workers said Hello; returns their ids.
@@ -289,7 +206,7 @@ class WeightPublisher(IpcServing, VersionBuffers):
         deadline = time.monotonic() + timeout
         with self._cond:
             while True:
-                alive = sorted(w for w, i in self._workers.items() if i.alive)
+                alive = sorted(w for w, i in self.core.workers.items() if i.alive)
                 if len(alive) >= n:
                     return alive
                 left = deadline - time.monotonic()
@@ -319,30 +236,30 @@ class WeightPublisher(IpcServing, VersionBuffers):
         everything = named_tensors(state)
         tensors, aliases = split_aliases(dict(everything))
         with self._cond:
-            if self._closed:
+            if self.serving.closed:
                 raise RuntimeError("publisher is closed")
-            if self._latest is not None and version <= self._latest.version:
+            if self.store.latest is not None and version <= self.store.latest.version:
                 raise ValueError(
-                    f"version {version} is not newer than the latest ({self._latest.version})"
+                    f"version {version} is not newer than the latest ({self.store.latest.version})"
                 )
-        ipc = self._ipc_wanted(everything)
+        ipc = self.ipc.wanted(everything)
         if ipc:
             # Slots first: a worker that opens them defers the Announce below.
-            self._prepare_ipc(everything)
+            self.ipc.prepare(everything, lambda: self.serving.closed)
         with self._cond:
-            wanted = {i.dtype for i in self._workers.values() if i.alive}
+            wanted = {i.dtype for i in self.core.workers.values() if i.alive}
         plan = plan_version(tensors, wanted, self.bucket_bytes)
         total = plan[-1].shm_offset + plan[-1].nbytes if plan else 0
         # Staged for shm/tcp now only when someone will read it that way; otherwise
         # the ipc slots are the snapshot, staged from on the first Hello or Fetch
         # that needs it (a late joiner, a failed ipc version).
-        lazy = ipc and self._ipc_only()
+        lazy = ipc and self.ipc.only()
         staged = Staged(version, torch.empty(0, dtype=torch.uint8), None)
         if lazy:
             staged.unstaged = staged.ipc_packing = True
-            self._count("versions_not_staged")
+            self.core.count("versions_not_staged")
         else:
-            staged = self._acquire(version, total)
+            staged = self.store.acquire(version, total)
         staged.announce = WeightAnnounce(
             publisher_id=self.publisher_id,
             seq=0,  # assigned by the serving thread, which owns the sequence
@@ -368,83 +285,28 @@ class WeightPublisher(IpcServing, VersionBuffers):
                 cond=self._cond,
             )
         with self._cond:
-            self._pending.append(staged)
+            self.serving.pending.append(staged)
         self._wake()
         with self._cond:
-            while (staged in self._pending or staged.job is not None) and not self._closed:
+            while (
+                staged in self.serving.pending or staged.job is not None
+            ) and not self.serving.closed:
                 self._cond.wait(1.0)
             if staged.error is not None:
                 raise staged.error
-            if self._closed:
+            if self.serving.closed:
                 raise RuntimeError("publisher closed while publishing")
         if ipc:
             # After the Announce (which ipc workers keep as their fallback), so that
             # their Acks find the version registered.
             try:
-                self._publish_ipc(everything, version)
+                self.ipc.publish(everything, version)
             finally:
                 with self._cond:
                     staged.ipc_packing = False
                 self._wake()  # fetches parked meanwhile are answered now
         metrics.PUBLISHER_PHASE_SECONDS.labels(phase="pack").observe(time.monotonic() - t0)
         return staged.announce
-
-    def _ipc_only(self) -> bool:
-        """Whether every live worker reads the next version by ``ipc`` and the slots
-        hold a whole version (a snapshot to stage from later)."""
-        with self._cond:
-            exp = self._ipc
-            if exp is None or exp.n_slots < len(exp.layout):
-                return False
-            return all(
-                w in exp.workers and exp.workers[w].opened
-                for w, i in self._workers.items()
-                if i.alive
-            )
-
-    def _stage_late(self, st: Staged) -> bool:
-        """Stage a version published only to ``ipc`` workers, from the ipc slots, while
-        they still hold it (serving thread). False when they no longer do."""
-        assert st.announce is not None
-        with self._cond:
-            if not st.unstaged:
-                return True
-            exp = self._ipc
-            src = exp.snapshot(st.version) if exp is not None else None
-            if exp is None or src is None:
-                return False
-            exp.snapshot_reads += 1
-        total = st.announce.total_bytes
-        try:
-            fresh = self._acquire(st.version, total)
-        except BaseException:
-            with self._cond:
-                exp.snapshot_reads -= 1
-            raise
-        job = pack_steps(
-            st,
-            st.announce.buckets,
-            src,
-            checksum_algo=self.checksum_algo,
-            chunk_bytes=self.chunk_bytes,
-            cond=self._cond,
-        )
-
-        def reading() -> Iterator[None]:
-            try:
-                yield from job
-            finally:
-                with self._cond:
-                    exp.snapshot_reads -= 1
-                    self._cond.notify_all()
-
-        with self._cond:
-            st.buf, st.seg = fresh.buf, fresh.seg
-            st.announce.shm_name = st.seg.name if st.seg is not None else ""
-            st.unstaged = False
-            st.job = reading()
-        self._count("versions_staged_late")
-        return True
 
     def wait(
         self, version: int, timeout: float, *, workers: Iterable[str] | None = None
@@ -469,35 +331,20 @@ class WeightPublisher(IpcServing, VersionBuffers):
         """
         deadline = time.monotonic() + timeout
         with self._cond:
-            st = self._versions.get(version)
+            st = self.store.versions.get(version)
             if st is None or st.announce is None:
                 raise KeyError(f"version {version} was not published by this publisher")
+            led = st.ledger
             if workers is not None:
-                st.expected = set(workers)
-            while True:
-                if st.answered() and st.expected:
-                    break
+                led.expected = set(workers)
+            while not (led.answered() and led.expected):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
                 self._cond.wait(min(left, 0.5))
-            res = UpdateResult(version)
-            for w in sorted(st.expected | set(st.acks)):
-                ack = st.acks.get(w)
-                if ack is not None:
-                    res.paths[w] = ack.via
-                if ack is not None and ack.ok:
-                    res.applied[w] = ack
-                elif ack is not None:
-                    res.failed[w] = ack.error or "failed"
-                elif w in st.lost:
-                    res.failed[w] = st.lost[w]
-                else:
-                    res.missing.append(w)
-            end = st.done_at if st.answered() and st.done_at else time.monotonic()
-            res.elapsed_s = end - st.announced_at
-            if res.failed and not st.failure_counted:
-                st.failure_counted = True
+            res = self.core.result(version, time.monotonic())
+            if res.failed and not led.failure_counted:
+                led.failure_counted = True
                 metrics.PUBLISHER_FAILURES.inc()
         metrics.PUBLISHER_PHASE_SECONDS.labels(phase="wait").observe(res.elapsed_s)
         return res
@@ -522,29 +369,29 @@ class WeightPublisher(IpcServing, VersionBuffers):
     def close(self) -> None:
         """Stop serving, close the sockets and free every staged buffer."""
         with self._cond:
-            if self._closed:
+            if self.serving.closed:
                 return
-            self._closed = True
+            self.serving.closed = True
             self._cond.notify_all()
         self._wake()
         self._thread.join(5.0)
         if self._listener is not None:
             self._listener.close()
         with self._cond:
-            senders = list(self._senders.values())
+            senders = list(self.senders.values())
         for sender in senders:
             sender.close()
             sender.join(5.0)
-        for s in (self._router, self._pub, self._wake_r, self._wake_w):
-            s.close(linger=0)
+        self.serving.close_sockets()
         if self._auth is not None:
             self._auth.stop()
-        if self._own_ctx:
-            self._ctx.term()
+        if self._own_zctx:
+            self._zctx.term()
         with self._cond:
-            self._close_buffers()
-            self._latest = None
-        self._close_ipc()
+            self.store.closed = True
+            self.store.close()
+            self.store.latest = None
+        self.ipc.close()
         if self._probe is not None:
             self._probe.close()
 
@@ -557,25 +404,48 @@ class WeightPublisher(IpcServing, VersionBuffers):
     def _admit_link(self, worker_id: str, sock: socket.socket) -> bool:
         """A worker's data link, token checked (the listener's thread)."""
         with self._cond:
-            if self._closed:
+            if self.serving.closed:
                 return False
-            old = self._senders.pop(worker_id, None)
-            self._senders[worker_id] = DataSender(
+            old = self.senders.pop(worker_id, None)
+            self.senders[worker_id] = DataSender(
                 sock, worker_id, self.worker_timeout, self._link_closed, first=b"\x01"
             )
-            self._count("data_links")
+            self.core.count("data_links")
         if old is not None:
             old.close()  # a restarted worker's: its replacement has the id now
         return True
 
     def _link_closed(self, sender: DataSender) -> None:
         with self._cond:
-            if self._senders.get(sender.worker_id) is sender:
-                del self._senders[sender.worker_id]
+            if self.senders.get(sender.worker_id) is sender:
+                del self.senders[sender.worker_id]
 
     def _wake(self) -> None:
-        with self._wake_lock, contextlib.suppress(zmq.ZMQError):
-            self._wake_w.send(b"", zmq.NOBLOCK)
+        self.serving.wake()
+
+
+def _bound(
+    zctx: zmq.Context[Any], kind: int, endpoint: str, curve: CurveConfig | None, affinity: int
+) -> zmq.Socket[Any]:
+    """The publisher's ROUTER or PUB, bound (sockets.py's ``make_router`` binds before
+    ``ZMQ_AFFINITY`` could be set, and has no PUB)."""
+    sock: zmq.Socket[Any] = zctx.socket(kind)
+    if affinity:
+        sock.setsockopt(zmq.AFFINITY, affinity)
+    apply_curve_server(sock, curve)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, 10_000)
+    if kind == zmq.ROUTER:
+        # At the HWM a ROUTER drops silently; MANDATORY turns that into EAGAIN, answered
+        # as "busy" (workers bound their fetches by a window).
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        # A restarted worker reuses its id; it takes the route over from the dead one.
+        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        sock.setsockopt(zmq.RCVHWM, 10_000)
+        # Workers only send small messages; anything larger is hostile: disconnect.
+        sock.setsockopt(zmq.MAXMSGSIZE, 4 << 20)
+    sock.bind(endpoint)
+    return sock
 
 
 def _sibling(endpoint: str) -> str:

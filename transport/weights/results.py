@@ -32,8 +32,13 @@ class SubscriberInfo:
     alive: bool = True
     #: The one dtype it wants floating tensors in ("" if none declared).
     dtype: str = ""
-    #: The path its last answered version took: ``"ipc"``, ``"shm"`` or ``"tcp"``.
+    #: The route its last answered version took: ``"ipc"``, ``"shm"`` or ``"tcp"``.
     path: str = ""
+
+    @property
+    def route(self) -> str:
+        """The route its last answered version took (the field's name is ``path``)."""
+        return self.path
 
 
 @dataclass
@@ -56,8 +61,9 @@ class UpdateResult:
     elapsed_s:
         Seconds from the announcement to the last answer (or the timeout).
     paths:
-        Worker id -> the path its answer came by (``"ipc"``, ``"shm"`` or ``"tcp"``;
-        ``""`` when it failed before choosing one), for every worker that answered.
+        Worker id -> the route its answer came by (``"ipc"``, ``"shm"`` or ``"tcp"``;
+        ``""`` when it failed before choosing one), for every worker that answered;
+        also :attr:`routes`.
     """
 
     version: int
@@ -71,6 +77,11 @@ class UpdateResult:
     def ok(self) -> bool:
         """Every expected worker applied the version."""
         return not self.failed and not self.missing and bool(self.applied)
+
+    @property
+    def routes(self) -> dict[str, str]:
+        """Worker id -> the route its answer came by (the same dict as :attr:`paths`)."""
+        return self.paths
 
 
 @dataclass

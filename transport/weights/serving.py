@@ -1,26 +1,34 @@
 """The publisher's serving thread: one loop that owns the sockets.
 
-It answers Hellos (Welcome, plus the snapshot of the latest version), Fetches (bucket
-pieces as zero-copy frames, or "ready" notices for same-host workers) and Acks,
-announces versions, sends heartbeats, declares silent workers lost, and runs the
-packing of the version being published step by step in between, so that bucket k is
-on the wire while the rest is packed. :class:`PublisherService` is the part of
-:class:`transport.weights.WeightPublisher` that runs in that thread.
+Loop model: :class:`Serving` runs in one thread per publisher and polls its ROUTER and
+a wake-up pair (``zmq.Poller``). It answers Hellos (Welcome, plus the latest Announce
+when the worker is behind), Fetches (bucket pieces as zero-copy frames, pieces on the
+data link, or "ready" notices for same-host workers) and Acks, announces versions,
+sends heartbeats, declares lost workers (the decisions are
+:class:`~transport.weights.core.publisher.PublisherCore`'s), and runs the packing of a
+version step by step in between, so bucket k is on the wire while the rest is packed.
+The data link's writers run on threads of their own (:mod:`transport.weights.routes.tcp`);
+:meth:`~transport.weights.WeightPublisher.publish` runs in the caller's thread and hands
+versions over under the shared lock.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import threading
 import time
-from typing import Any
+from collections.abc import Iterator
+from typing import Any, Union
 
 import zmq
 
 import fastio
 from fastio.ipc_msgs import IpcAck, IpcHello
+from fastio.versions import VERSION_1
 from fastio.weight_msgs import (
+    SUBSCRIBER_TO_PUBLISHER,
     WeightAck,
     WeightBucket,
     WeightError,
@@ -30,8 +38,13 @@ from fastio.weight_msgs import (
     WeightWelcome,
 )
 from transport import metrics
-from transport.weights import shm as _shm
-from transport.weights.datalink import (
+from transport.weights.buffers import VersionStore
+from transport.weights.config import PublisherConfig
+from transport.weights.core.publisher import PublisherCore
+from transport.weights.ipc_serving import IpcOffering
+from transport.weights.ratelog import RateLimitedLog
+from transport.weights.routes import shm as _shm
+from transport.weights.routes.tcp import (
     PIECE,
     PIECE_MAGIC,
     DataListener,
@@ -39,81 +52,140 @@ from transport.weights.datalink import (
     Sent,
     worker_token,
 )
-from transport.weights.ipc import IpcExporter, process_alive, process_start_time
-from transport.weights.ratelog import RateLimitedLog
-from transport.weights.results import SubscriberInfo
-from transport.weights.staging import Send, Staged
+from transport.weights.staging import Send, Staged, pack_steps
 
-__all__ = ["SHM_NOTICE_BYTES", "PublisherService"]
+__all__ = ["SHM_NOTICE_BYTES", "Serving"]
 
 log = logging.getLogger("transport.weights.publisher")
 
-#: Same-host workers get a "bytes ready" notice at most every this many packed bytes:
-#: one message per notice per worker, while the bytes just packed are still in the
-#: last-level cache for the worker to hash.
+#: Same-host workers get a "bytes ready" notice at most every this many packed bytes
+#: (while they are still in the last-level cache for the worker to hash).
 SHM_NOTICE_BYTES = 8 << 20
 
+#: What the ROUTER accepts: the weight messages and the ipc route's Hello and Ack.
+_FROM_SUBSCRIBER = Union[SUBSCRIBER_TO_PUBLISHER, IpcHello, IpcAck]  # noqa: UP007
 
-class PublisherService:
-    """The serving half of :class:`transport.weights.WeightPublisher` (its thread)."""
 
-    # Set by WeightPublisher.__init__.
-    publisher_id: str
-    host_id: str
-    pub_endpoint: str
-    chunk_bytes: int
-    heartbeat_interval: float
-    worker_timeout: float
-    counters: dict[str, int]
-    _rlog: RateLimitedLog
-    _router: zmq.Socket[Any]
-    _pub: zmq.Socket[Any]
-    _wake_r: zmq.Socket[Any]
-    _encoder: fastio.Encoder
-    _decoder: fastio.Decoder
-    _cond: threading.Condition
-    _workers: dict[str, SubscriberInfo]
-    _versions: dict[int, Staged]
-    _latest: Staged | None
-    _pending: list[Staged]
-    _seq: int
-    _closed: bool
-    _probe: _shm.Probe | None
-    _ipc: IpcExporter | None
-    _ipc_hellos: dict[str, IpcHello]
-    _outbox: list[tuple[bytes, list[Any]]]
-    #: Fetches of a version still being packed into the ipc slots (answered after).
-    _parked: list[tuple[bytes, str, WeightFetch]]
-    _senders: dict[str, DataSender]
-    _data_token: bytes
-    _listener: DataListener | None
+class Serving:
+    """The serving loop of a :class:`~transport.weights.WeightPublisher` (see the
+    module docstring): its parts, its lock (shared with ``publish``), its bound ROUTER
+    and PUB, the shm probe (``None``: no shm route) and the data link's listener,
+    secret and senders (``None``: no link)."""
 
-    def _retire(self) -> None:
-        raise NotImplementedError
+    def __init__(
+        self,
+        config: PublisherConfig,
+        core: PublisherCore,
+        store: VersionStore,
+        ipc: IpcOffering,
+        cond: threading.Condition,
+        *,
+        router: zmq.Socket[Any],
+        pub: zmq.Socket[Any],
+        zctx: zmq.Context[Any],
+        publisher_id: str,
+        host_id: str,
+        probe: _shm.Probe | None,
+        listener: DataListener | None,
+        data_token: bytes,
+        senders: dict[str, DataSender],
+    ) -> None:
+        self.config = config
+        self.core = core
+        self.store = store
+        self.ipc = ipc
+        self.cond = cond
+        self.router = router
+        self.pub = pub
+        self.publisher_id = publisher_id
+        self.host_id = host_id
+        self.pub_endpoint: str = pub.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.probe = probe
+        self.listener = listener
+        self.data_token = data_token
+        self.senders = senders
+        wake_addr = f"inproc://fastio-weights-wake-{publisher_id}"
+        self._wake_r = zctx.socket(zmq.PAIR)
+        self._wake_r.bind(wake_addr)
+        self._wake_w = zctx.socket(zmq.PAIR)
+        self._wake_w.connect(wake_addr)
+        self._wake_lock = threading.Lock()
+        # Weight messages carry no token arrays: version 1, which every release reads.
+        self.encoder = VERSION_1
+        self._decoder = fastio.Decoder(_FROM_SUBSCRIBER, max_message_size=8 << 20)
+        self._rlog = RateLimitedLog(log)
+        #: Versions published, to announce (publish() hands them over).
+        self.pending: list[Staged] = []
+        #: Fetches of a version still being packed into the ipc slots (answered after).
+        self.parked: list[tuple[bytes, str, WeightFetch]] = []
+        self.seq = 0
+        self.closed = False
 
-    def _stage_late(self, st: Staged) -> bool:
-        raise NotImplementedError
+    def wake(self) -> None:
+        """Wake the serving thread (from any thread)."""
+        with self._wake_lock, contextlib.suppress(zmq.ZMQError):
+            self._wake_w.send(b"", zmq.NOBLOCK)
 
-    def _ipc_reader(self, wid: str) -> bool:
-        """Whether worker ``wid`` has the ipc slots open (it reads versions there)."""
-        with self._cond:
-            w = self._ipc.workers.get(wid) if self._ipc is not None else None
-            return w is not None and w.opened
+    def close_sockets(self) -> None:
+        for sock in (self.router, self.pub, self._wake_r, self._wake_w):
+            sock.close(linger=0)
 
     # -- serving thread ----------------------------------------------------------------
-    def _count(self, key: str, n: int = 1) -> None:
-        self.counters[key] = self.counters.get(key, 0) + n
+    def stage_late(self, st: Staged) -> bool:
+        """Stage a version published only to ``ipc`` workers, from the ipc slots, while
+        they still hold it (serving thread). False when they no longer do."""
+        assert st.announce is not None
+        with self.cond:
+            if not st.unstaged:
+                return True
+            exp = self.ipc.exporter
+            src = exp.snapshot(st.version) if exp is not None else None
+            if exp is None or src is None:
+                return False
+            exp.snapshot_reads += 1
+        total = st.announce.total_bytes
+        try:
+            fresh = self.store.acquire(st.version, total)
+        except BaseException:
+            with self.cond:
+                exp.snapshot_reads -= 1
+            raise
+        job = pack_steps(
+            st,
+            st.announce.buckets,
+            src,
+            checksum_algo=self.config.checksum,
+            chunk_bytes=self.config.chunk_bytes,
+            cond=self.cond,
+        )
 
-    def _serve(self) -> None:
+        def reading() -> Iterator[None]:
+            try:
+                yield from job
+            finally:
+                with self.cond:
+                    exp.snapshot_reads -= 1
+                    self.cond.notify_all()
+
+        with self.cond:
+            st.buf, st.seg = fresh.buf, fresh.seg
+            st.announce.shm_name = st.seg.name if st.seg is not None else ""
+            st.unstaged = False
+            st.job = reading()
+        self.core.count("versions_staged_late")
+        return True
+
+    def run(self) -> None:
+        """The loop (the publisher's thread)."""
         poller = zmq.Poller()
-        poller.register(self._router, zmq.POLLIN)
+        poller.register(self.router, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
         next_hb = time.monotonic()
         while True:
             now = time.monotonic()
             if now >= next_hb:
                 self._heartbeat(now)
-                next_hb = now + self.heartbeat_interval
+                next_hb = now + self.config.heartbeat_interval
             packing = self._pack_step()
             try:
                 wait_ms = 0 if packing else int(max(0.0, next_hb - now) * 1000) + 1
@@ -126,37 +198,37 @@ class PublisherService:
                         self._wake_r.recv(zmq.NOBLOCK)
                     except zmq.Again:
                         break
-                with self._cond:
-                    if self._closed:
+                with self.cond:
+                    if self.closed:
                         return
-                    pending, self._pending = self._pending, []
-                    outbox, self._outbox = self._outbox, []
-                    parked, self._parked = self._parked, []
+                    pending, self.pending = self.pending, []
+                    outbox, self.ipc.outbox = self.ipc.outbox, []
+                    parked, self.parked = self.parked, []
                 for ident, out in outbox:
-                    self._reply(ident, out)
+                    self.reply(ident, out)
                 for ident, wid, fetch in parked:
                     self._serve_fetch(ident, wid, fetch)
                 for st in pending:
                     self._announce(st)
                 self._advance_all()
-            if self._router in events:
+            if self.router in events:
                 for _ in range(256):  # bounded, so heartbeats keep their rhythm
                     try:
-                        frames = self._router.recv_multipart(zmq.NOBLOCK, copy=False)
+                        frames = self.router.recv_multipart(zmq.NOBLOCK, copy=False)
                     except zmq.Again:
                         break
                     try:
                         self._handle(frames)
                     except Exception:  # one bad request must not stop the service
-                        self._count("internal_errors")
+                        self.core.count("internal_errors")
                         log.exception("weight publisher: error serving a request")
 
     def _pack_step(self) -> bool:
         """Run one step of the version being packed; False when none is."""
-        st = self._latest
+        st = self.store.latest
         if st is None or st.job is None:
-            with self._cond:  # an older version staged late (from the ipc slots)
-                st = next((v for v in self._versions.values() if v.job is not None), None)
+            with self.cond:  # an older version staged late (from the ipc slots)
+                st = next((v for v in self.store.versions.values() if v.job is not None), None)
             if st is None or st.job is None:
                 return False
         try:
@@ -169,90 +241,58 @@ class PublisherService:
         else:
             done = False
         if done:
-            with self._cond:
+            with self.cond:
                 st.job = None
-                self._cond.notify_all()
+                self.cond.notify_all()
         self._advance_all()
         return not done
 
     def _announce(self, st: Staged) -> None:
         assert st.announce is not None
-        with self._cond:
-            self._seq += 1
-            st.announce.seq = self._seq
-            st.announced_at = time.monotonic()
-            st.expected = {w for w, i in self._workers.items() if i.alive}
-            self._versions[st.version] = st
-            self._latest = st
-            self._retire()
-            self._cond.notify_all()
-        frames = self._encoder.encode(st.announce)
-        self._pub.send_multipart(frames, copy=False)
+        with self.cond:
+            self.seq += 1
+            st.announce.seq = self.seq
+            self.core.announce(st.ledger, time.monotonic())
+            self.store.add(st)
+            self.store.retire()
+            self.cond.notify_all()
+        frames = self.encoder.encode(st.announce)
+        self.pub.send_multipart(frames, copy=False)
         # Also straight to every known worker over the ROUTER: a SUB that has just
-        # connected misses PUB messages (the slow joiner); the heartbeat's sequence
-        # number would catch that, but only one heartbeat later.
-        for w in sorted(st.expected):
-            self._reply(w.encode(), frames)
+        # connected misses PUB messages (the slow joiner).
+        for w in sorted(st.ledger.expected):
+            self.reply(w.encode(), frames)
 
     def _advance_all(self) -> None:
-        with self._cond:
-            work = [(st, snd) for st in self._versions.values() for snd in st.active]
+        with self.cond:
+            work = [(st, snd) for st in self.store.versions.values() for snd in st.active]
         for st, snd in work:
             self._advance(st, snd)
 
     def _heartbeat(self, now: float) -> None:
-        with self._cond:
-            if self._ipc is not None:
-                # An ipc worker whose process is gone: its slots are released now, and
-                # it is lost at once (not after worker_timeout).
-                for w in self._ipc.reap():
-                    gone = self._workers.get(w)
-                    if gone is not None and gone.alive:
-                        gone.alive = False
-                        log.warning("weight subscriber %s lost: its process is gone", w)
-                        for st in self._versions.values():
-                            if w in st.expected and w not in st.acks:
-                                st.lost[w] = "worker lost: its process is gone"
-                                self._check_done(st)
-            for w, info in self._workers.items():
-                if not info.alive:
-                    continue
-                if info.start_time and not process_alive(info.pid, info.start_time):
-                    # Same host, and its process is gone: lost now, not after
-                    # worker_timeout (and its shared memory is free again).
-                    reason = "worker lost: its process is gone"
-                elif now - info.last_seen > self.worker_timeout:
-                    reason = f"worker lost: no message for {now - info.last_seen:.1f} s"
-                else:
-                    continue
-                info.alive = False
+        with self.cond:
+            # An ipc worker whose process is gone has its slots released now.
+            gone = self.ipc.reap()
+            for w, reason in self.core.tick(now, gone):
                 log.warning("weight subscriber %s %s", w, reason)
-                for st in self._versions.values():
-                    if w in st.expected and w not in st.acks:
-                        st.lost[w] = reason
-                        self._check_done(st)
-            latest = self._latest.version if self._latest else -1
-            self._retire()
-            self._cond.notify_all()
-        hb = WeightHeartbeat(self.publisher_id, self._seq, latest)
-        self._pub.send_multipart(self._encoder.encode(hb), copy=False)
+            latest = self.store.latest.version if self.store.latest else -1
+            self.store.retire()
+            self.cond.notify_all()
+        hb = WeightHeartbeat(self.publisher_id, self.seq, latest)
+        self.pub.send_multipart(self.encoder.encode(hb), copy=False)
 
-    def _check_done(self, st: Staged) -> None:
-        if not st.done_at and st.expected and st.answered():
-            st.done_at = time.monotonic()
-
-    def _reply(self, ident: bytes, frames: list[Any], track: bool = False) -> Any:
+    def reply(self, ident: bytes, frames: list[Any], track: bool = False) -> Any:
         try:
-            tracker = self._router.send_multipart(
+            tracker = self.router.send_multipart(
                 [ident, *frames], zmq.NOBLOCK, copy=False, track=track
             )
             return tracker if track else True
         except zmq.Again:
-            self._count("send_busy")
+            self.core.count("send_busy")
         except zmq.ZMQError as exc:
             if exc.errno != errno.EHOSTUNREACH:
                 raise
-            self._count("send_unroutable")
+            self.core.count("send_unroutable")
         return None if track else False
 
     def _handle(self, frames: list[zmq.Frame]) -> None:
@@ -261,182 +301,88 @@ class PublisherService:
         try:
             msg = self._decoder.decode(frames[1:])
         except fastio.DecodeError as exc:
-            self._count("bad_messages")
+            self.core.count("bad_messages")
             self._rlog.warning("bad message", "bad message from weight subscriber %r: %s", wid, exc)
             err = WeightError(-1, -1, f"bad message: {exc}")
-            self._reply(ident, self._encoder.encode(err))
+            self.reply(ident, self.encoder.encode(err))
             return
         now = time.monotonic()
         if isinstance(msg, (IpcHello, IpcAck)):
-            self._handle_ipc(ident, wid, msg, now)
+            offer = self.ipc.handle(wid, msg, now)
+            if offer is not None:
+                self.reply(ident, self.encoder.encode(offer))
             return
-        hello = isinstance(msg, WeightHello)
-        if isinstance(msg, WeightAck) and wid not in self._workers:
-            # Only a Hello makes a peer a worker: an Ack from any other peer (a stray
-            # or spoofed one) must not fail an update. Counted, not recorded.
-            self._count("acks_from_strangers")
-            self._rlog.warning(
-                "Ack from a stranger", "ignored an Ack from %r, which never said Hello", wid
-            )
-            return
-        with self._cond:
-            info = self._workers.get(wid)
-            if info is None:
-                if not hello:
-                    # Only a Hello makes a peer a worker (and expected to apply versions);
-                    # a stray Fetch is still answered below.
-                    info = SubscriberInfo(wid, alive=False)
-                else:
-                    info = self._workers[wid] = SubscriberInfo(wid)
-            info.last_seen = now
-            if not info.alive and wid in self._workers:
-                info.alive = True
-                # Back from the dead (restarted): it is expected to catch up again.
-                for old in self._versions.values():
-                    old.lost.pop(wid, None)
+        behind: Staged | None = None
+        with self.cond:
             if isinstance(msg, WeightHello):
-                if (info.host_id, info.pid, info.hello_start_time) != (
-                    msg.host_id,
-                    msg.pid,
-                    msg.start_time,
-                ):
-                    # Another process (a restart may even reuse the pid): its own start
-                    # time, never its predecessor's.
-                    info.start_time = _visible_start(self.host_id, msg)
-                    info.hello_start_time = msg.start_time
-                info.host_id, info.pid = msg.host_id, msg.pid
-                info.version, info.digest = msg.version, msg.digest
-                info.dtype = msg.dtype
-                latest = self._latest
-                if latest is not None and msg.version < latest.version and wid not in latest.acks:
-                    latest.expected.add(wid)
-                # A Hello at version >= v means v was applied even when its Ack was lost
-                # (a subscriber drops a send its socket cannot take): count it as the Ack.
-                for st in self._versions.values():
-                    if st.version <= msg.version:
-                        # That process is done with that version's bytes.
-                        st.forget_reader(wid, msg.pid, msg.start_time)
-                    if st.version <= msg.version and wid in st.expected and wid not in st.acks:
-                        st.acks[wid] = WeightAck(
-                            wid, st.version, True, msg.version, "", msg.digest, info.path
-                        )
-                        self._check_done(st)
-                self._cond.notify_all()
+                led = self.core.on_hello(wid, msg, now)
+                behind = self.store.versions.get(led.version) if led is not None else None
+            elif isinstance(msg, WeightAck):
+                if not self.core.on_ack(wid, msg, now):
+                    self._rlog.warning(
+                        "Ack from a stranger", "ignored an Ack from %r, which never said Hello", wid
+                    )
+                    return
+            else:
+                self.core.touch(wid, now)
+            self.cond.notify_all()
         if isinstance(msg, WeightHello):
             announce = None
-            if latest is not None and msg.version < latest.version:
+            if behind is not None:
                 # A worker behind a version that went to ipc workers only: stage it
                 # now, so that the snapshot names its segment.
-                if not self._ipc_reader(wid):
-                    self._stage_late(latest)
-                announce = latest.announce
+                if not self.ipc.reader(wid):
+                    self.stage_late(behind)
+                announce = behind.announce
             welcome = WeightWelcome(
                 self.publisher_id,
                 self.host_id,
                 self.pub_endpoint,
-                self._seq,
-                self._probe.name if self._probe else "",
-                self._probe.token if self._probe else "",
+                self.seq,
+                self.probe.name if self.probe else "",
+                self.probe.token if self.probe else "",
                 announce,
-                self._listener.port if self._listener is not None else 0,
-                worker_token(self._data_token, wid) if self._listener is not None else b"",
+                self.listener.port if self.listener is not None else 0,
+                worker_token(self.data_token, wid) if self.listener is not None else b"",
             )
-            self._reply(ident, self._encoder.encode(welcome))
+            self.reply(ident, self.encoder.encode(welcome))
         elif isinstance(msg, WeightFetch):
             self._serve_fetch(ident, wid, msg)
-        elif isinstance(msg, WeightAck):
-            with self._cond:
-                acked = self._versions.get(msg.version)
-                if acked is not None:
-                    # An answer: that process is done with the version's bytes.
-                    acked.forget_reader(*_process(wid, msg, info)[:3])
-                    acked.acks[wid] = msg
-                    acked.expected.add(wid)
-                    self._check_done(acked)
-                info.version = msg.current_version
-                if msg.via:
-                    info.path = msg.via
-                if msg.digest is not None:
-                    info.digest = msg.digest
-                self._cond.notify_all()
-            if not msg.ok:
-                log.warning("worker %s failed version %d: %s", wid, msg.version, msg.error)
-
-    def _handle_ipc(self, ident: bytes, wid: str, msg: IpcHello | IpcAck, now: float) -> None:
-        """The ipc path's Hello (offer the slots, or remember it until the first
-        version that takes the path) and Ack (a slot released, a version's last bucket
-        done: the worker's WeightAck reports the version itself)."""
-        if msg.worker_id != wid:  # only a peer's own id counts
-            self._count("ipc_foreign_ids")
-            return
-        offer = None
-        with self._cond:
-            info = self._workers.get(wid)
-            if info is not None:
-                info.last_seen = now
-            if isinstance(msg, IpcHello):
-                if info is None:
-                    return  # a WeightHello comes first
-                self._ipc_hellos[wid] = msg
-                if self._ipc is not None:
-                    offer = self._ipc.offer(msg)
-            elif self._ipc is not None:
-                self._ipc.handle_ack(msg)
-                if msg.bucket == -2:
-                    self._ipc_hellos.pop(wid, None)
-            self._cond.notify_all()
-        if offer is not None:
-            self._reply(ident, self._encoder.encode(offer))
+        elif isinstance(msg, WeightAck) and not msg.ok:
+            log.warning("worker %s failed version %d: %s", wid, msg.version, msg.error)
 
     def _serve_fetch(self, ident: bytes, wid: str, msg: WeightFetch) -> None:
-        with self._cond:
-            st = self._versions.get(msg.version)
-            latest = self._latest.version if self._latest else -1
+        with self.cond:
+            st = self.store.versions.get(msg.version)
+            latest = self.store.latest.version if self.store.latest else -1
         if st is None or st.announce is None:
-            err = WeightError(
-                msg.version,
-                msg.index,
-                f"version {msg.version} is not available (latest is {latest})",
-                latest,
-            )
-            self._reply(ident, self._encoder.encode(err))
-            return
-        if st.unstaged and not self._stage_late(st):
+            why = f"version {msg.version} is not available (latest is {latest})"
+            return self._refuse(ident, msg, why, latest)
+        if st.unstaged and not self.stage_late(st):
             if st.ipc_packing:
                 # The slots do not hold it whole yet: answered once they do (the
                 # publishing thread wakes this one), not at the worker's next Fetch.
-                self._count("fetches_deferred")
-                with self._cond:
-                    self._parked = [
+                self.core.count("fetches_deferred")
+                with self.cond:
+                    self.parked = [
                         p
-                        for p in self._parked
+                        for p in self.parked
                         if (p[1], p[2].version, p[2].index) != (wid, msg.version, msg.index)
                     ]
-                    self._parked.append((ident, wid, msg))
+                    self.parked.append((ident, wid, msg))
                 return
-            err = WeightError(
-                msg.version,
-                msg.index,
-                f"version {msg.version} is no longer held (latest is {latest})",
-                latest,
-            )
-            self._reply(ident, self._encoder.encode(err))
-            return
+            why = f"version {msg.version} is no longer held (latest is {latest})"
+            return self._refuse(ident, msg, why, latest)
         if not 0 <= msg.index < len(st.announce.buckets):
-            err = WeightError(
-                msg.version, msg.index, f"no bucket {msg.index} in version {msg.version}", latest
-            )
-            self._reply(ident, self._encoder.encode(err))
-            return
+            why = f"no bucket {msg.index} in version {msg.version}"
+            return self._refuse(ident, msg, why, latest)
         if msg.shm and st.seg is None:
-            err = WeightError(msg.version, msg.index, "no shared memory for this version")
-            self._reply(ident, self._encoder.encode(err))
-            return
+            return self._refuse(ident, msg, "no shared memory for this version", -1)
         snd = Send(ident, msg)
-        with self._cond:
+        with self.cond:
             # Checked again under the lock that publish() takes to reuse buffers: the
             # version may have been retired (its segment recycled) since the look-up.
-            held = self._versions.get(msg.version) is st and not (msg.shm and st.seg is None)
+            held = self.store.versions.get(msg.version) is st and not (msg.shm and st.seg is None)
             if held:
                 # A Fetch asked again (a timeout, a broken link) ends the earlier answer
                 # of that bucket to that worker: two streams of one bucket would mix.
@@ -448,19 +394,18 @@ class PublisherService:
                 if msg.shm:
                     # It reads the segment from the first notice until it answers: the
                     # segment is not packed again before (the buffer rule).
-                    st.readers.add(_process(wid, msg, self._workers.get(wid)))
+                    st.ledger.readers.add(self.core.reader(wid, msg))
         if not held:
-            err = WeightError(
-                msg.version, msg.index, f"version {msg.version} is no longer held", latest
-            )
-            self._reply(ident, self._encoder.encode(err))
-            return
+            return self._refuse(ident, msg, f"version {msg.version} is no longer held", latest)
         self._advance(st, snd)
+
+    def _refuse(self, ident: bytes, msg: WeightFetch, reason: str, latest: int) -> None:
+        self.reply(ident, self.encoder.encode(WeightError(msg.version, msg.index, reason, latest)))
 
     def _link_send(self, snd: Send, piece: WeightBucket) -> Sent | None:
         """Queue ``piece`` (one chunk) on the worker's data link; None without one."""
-        with self._cond:
-            sender = self._senders.get(snd.wid)
+        with self.cond:
+            sender = self.senders.get(snd.wid)
         if sender is None:
             return None
         (chunk,) = piece.chunks
@@ -475,7 +420,7 @@ class PublisherService:
         )
         sent = sender.send(head, chunk)
         if sent is not None:
-            self._count("data_link_pieces")
+            self.core.count("data_link_pieces")
         return sent
 
     def _advance(self, st: Staged, snd: Send) -> None:
@@ -489,11 +434,11 @@ class PublisherService:
         if snd.cancelled:
             return
         info = st.announce.buckets[snd.fetch.index]
-        with self._cond:
+        with self.cond:
             ready = min(max(st.packed - info.shm_offset, 0), info.nbytes)
             complete = info.index < st.buckets_done
             checksum = info.checksum
-        step = self.chunk_bytes
+        step = self.config.chunk_bytes
         v, k = snd.fetch.version, snd.fetch.index
         while True:
             start = snd.cursor
@@ -510,7 +455,7 @@ class PublisherService:
                 break
             if snd.shm:
                 piece = WeightBucket(v, k, start, checksum if last else 0, last, [], end - start)
-                ok = self._reply(snd.ident, self._encoder.encode(piece)) is not False
+                ok = self.reply(snd.ident, self.encoder.encode(piece)) is not False
             else:
                 chunk = st.view()[info.shm_offset + start : info.shm_offset + end]
                 tracker = None
@@ -520,18 +465,18 @@ class PublisherService:
                     if tracker is None and snd.linked:
                         # The link closed mid-bucket: this answer ends here (the worker
                         # sees its link close and asks again, as frames).
-                        self._count("sends_ended_by_link")
-                        with self._cond:
+                        self.core.count("sends_ended_by_link")
+                        with self.cond:
                             if snd in st.active:
                                 st.active.remove(snd)
                         return
                     snd.linked = tracker is not None
                 if tracker is None:  # no data link: ZeroMQ frames
                     piece = WeightBucket(v, k, start, checksum if last else 0, last, [chunk])
-                    tracker = self._reply(snd.ident, self._encoder.encode(piece), track=True)
+                    tracker = self.reply(snd.ident, self.encoder.encode(piece), track=True)
                 ok = tracker is not None
                 if ok:
-                    with self._cond:
+                    with self.cond:
                         st.trackers.append(tracker)
             if not ok:
                 # Not queued (HWM or peer gone): the worker's fetch times out and it asks
@@ -539,38 +484,13 @@ class PublisherService:
                 last = True
             snd.cursor = end
             if last:
-                with self._cond:
+                with self.cond:
                     if snd in st.active:
                         st.active.remove(snd)
                 if ok:
-                    self._count("buckets_sent")
-                    self._count("bytes_sent", 0 if snd.shm else info.nbytes)
+                    self.core.count("buckets_sent")
+                    self.core.count("bytes_sent", 0 if snd.shm else info.nbytes)
                     metrics.PUBLISHER_BYTES.labels(path="shm" if snd.shm else "tcp").inc(
                         info.nbytes
                     )
                 return
-
-
-def _process(
-    wid: str, msg: WeightFetch | WeightAck, info: SubscriberInfo | None
-) -> tuple[str, int, int, int]:
-    """The process behind a Fetch or Ack, ``(worker_id, pid, start_time, visible)``:
-    the one the message names, else the one of the worker's last Hello. ``visible`` is
-    its start time when this process can tell that pid's liveness (same host, same pid
-    namespace), else 0 (then it is never taken for gone)."""
-    if info is not None and (
-        not msg.pid or (msg.pid, msg.start_time) == (info.pid, info.hello_start_time)
-    ):
-        return wid, info.pid, info.hello_start_time, info.start_time
-    if msg.pid:
-        seen = process_start_time(msg.pid) if msg.start_time > 0 else None
-        return wid, msg.pid, msg.start_time, msg.start_time if seen == msg.start_time else 0
-    return wid, 0, 0, 0
-
-
-def _visible_start(host_id: str, hello: WeightHello) -> int:
-    """The start time of the Hello's process when this process sees it (same host, and
-    the pid names the same process here: the start times agree); 0 otherwise."""
-    if hello.host_id != host_id or hello.pid <= 0 or hello.start_time <= 0:
-        return 0
-    return hello.start_time if process_start_time(hello.pid) == hello.start_time else 0

@@ -17,8 +17,7 @@ import numpy as np
 import torch
 import zmq
 
-from fastio.weight_msgs import WeightAck, WeightAnnounce, WeightBucketInfo, WeightFetch
-from transport.weights import shm as _shm
+from fastio.weight_msgs import WeightAnnounce, WeightBucketInfo, WeightFetch
 from transport.weights.binding import FLOAT_DTYPES, parse_dtype
 from transport.weights.bucket import (
     Hasher,
@@ -28,7 +27,9 @@ from transport.weights.bucket import (
     dtype_name,
     plan_buckets,
 )
-from transport.weights.datalink import Sent
+from transport.weights.core.publisher import VersionLedger
+from transport.weights.routes import shm as _shm
+from transport.weights.routes.tcp import Sent
 
 __all__ = ["BLOCK", "Send", "Staged", "pack_steps", "plan_version"]
 
@@ -94,21 +95,10 @@ class Staged:
         self._view: np.ndarray[Any, Any] | None = None
         self._view_of: torch.Tensor | None = None
         self.announce: WeightAnnounce | None = None
-        self.announced_at = 0.0
+        #: Who must answer this version and who may still read its buffer (the core's).
+        self.ledger = VersionLedger(version)
         #: Sends that may still read the buffer: ZeroMQ trackers, data-link pieces.
         self.trackers: list[zmq.MessageTracker | Sent] = []
-        self.expected: set[str] = set()
-        self.acks: dict[str, WeightAck] = {}
-        #: Processes ``(worker_id, pid, start_time, visible start_time)`` that asked to read the
-        #: shared-memory segment (a shm Fetch) and have not answered this version since:
-        #: the segment is not rewritten while one of them may read it (see
-        #: :mod:`transport.weights.buffers`). A process, not a worker id: a replacement
-        #: under the same id does not answer for its predecessor.
-        self.readers: set[tuple[str, int, int, int]] = set()
-        self.lost: dict[str, str] = {}
-        self.done_at = 0.0
-        #: Whether a failure of this version was counted in the metrics.
-        self.failure_counted = False
         #: Bytes of the buffer packed so far (buckets are packed in order).
         self.packed = 0
         #: Buckets packed completely, their checksum known.
@@ -122,10 +112,6 @@ class Staged:
         #: Being packed into the ipc slots (which become its snapshot once done).
         self.ipc_packing = False
         self.error: BaseException | None = None
-
-    def forget_reader(self, wid: str, pid: int, start_time: int) -> None:
-        """Process ``(wid, pid, start_time)`` answered: it reads this segment no more."""
-        self.readers = {r for r in self.readers if r[:3] != (wid, pid, start_time)}
 
     def view(self) -> np.ndarray[Any, Any]:
         """The buffer as a numpy array (slicing one costs a fraction of slicing a
@@ -141,9 +127,6 @@ class Staged:
     def sends_done(self) -> bool:
         self.trackers = [t for t in self.trackers if not t.done]
         return not self.trackers
-
-    def answered(self) -> bool:
-        return all(w in self.acks or w in self.lost for w in self.expected)
 
     def take_segment(self) -> _shm.ShmSegment | None:
         """Detach the buffer from this version (which can no longer be served)."""

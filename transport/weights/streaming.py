@@ -1,18 +1,11 @@
-"""Verify-and-copy in one pass: a bucket hashed and applied block by block as it comes.
+"""Verify-and-copy in one pass (``atomic=False``): a bucket hashed and applied block by
+block as it comes, each 256 KiB block copied into the live parameters while in cache.
 
-The default (non-atomic) mode of :class:`transport.weights.WeightSubscriber` over
-``shm`` and ``tcp``: each block of a bucket (256 KiB, L2-sized) is hashed, then copied
-into the live parameters while it is still in cache, so the source is read from memory
-once and each parameter written once. A bucket's checksum is known only with its last
-byte, so the weights hold bytes not yet verified while a version is under way: the
-subscriber holds its ``lock`` from the first write to the end of the version, and a
-version that fails after its first write leaves the weights mixed, reported as such
-(:attr:`WeightSubscriber.consistent` false) until a later version completes.
-
-:class:`BucketStream` does the per-block work for the *plain* tensors of one bucket
-(CPU, contiguous, the dtype they travel in); the others (casts, CUDA targets, strided
-views) need the tensor's bytes whole and are applied by the
-:class:`~transport.weights.bucket.BucketApplier` once the bucket is complete.
+:class:`BucketStream` does it for the *plain* tensors of one bucket (CPU, contiguous,
+the dtype they travel in); the others (casts, CUDA targets, strided views) need their
+bytes whole and go to :class:`~transport.weights.bucket.BucketApplier` once the bucket
+verified. The weights are mixed from the first write until the version ends (the
+subscriber's lock is held meanwhile; see :mod:`transport.weights.subscriber`).
 """
 
 from __future__ import annotations

@@ -1,21 +1,15 @@
 """The weight update as the training loop sees it, on top of the fabric.
 
-Trainer side, one call::
+Trainer side, one call: ``update_weights(controller, publisher, model, version=step)``
+pauses every generation worker (in-flight generations end with ``"interrupt"`` and are
+re-submitted), publishes, waits until every worker applied the version, and resumes;
+engines stamp it on every token generated after (``output_versions``).
 
-    update_weights(controller, publisher, model, version=step, timeout=60)
-
-pauses every generation worker (in-flight generations end with ``"interrupt"`` and
-their clients re-submit the rest), publishes the version, waits until every worker has
-applied it, and resumes. Each worker's engine stamps the new version on every token
-generated after that (``output_versions``), because its subscriber sets
-``engine.version`` before acknowledging.
-
-Worker side, the fabric's plugin hook (``python -m transport.worker --plugin
-transport.weights.update:subscribe --plugin-opt weights_endpoint=tcp://...``) or
-:func:`attach_subscriber` from code: a :class:`WeightSubscriber` on ``engine.model``
-whose copies run only while the worker is paused. A version that arrives while the
-worker generates (a late joiner catching up, a trainer that did not pause) pauses the
-worker itself for the copy and resumes it after.
+Worker side, the plugin (``--plugin transport.weights.update:subscribe``) or
+:func:`attach_subscriber`: a :class:`WeightSubscriber` on ``engine.model`` whose copies
+run only while the worker is paused (it pauses itself for a version that arrives while
+it generates). Loop model: the subscriber's thread enters the pause lock and waits on
+the worker's event loop (``run_coroutine_threadsafe``); the pause lease runs on that loop.
 """
 
 from __future__ import annotations
@@ -35,6 +29,7 @@ from msgspec import Meta
 from fastio.weight_msgs import WeightAck  # noqa: F401  (names FabricUpdateResult's inherited fields)
 from transport.errors import ControlError, ResumeRefused
 from transport.options import parse_options, resolve_entry
+from transport.weights.core.subscriber import PauseLease
 from transport.weights.errors import UpdateIncomplete, WeightUpdateError
 from transport.weights.publisher import WeightPublisher
 from transport.weights.results import UpdateResult
@@ -219,23 +214,13 @@ def _never() -> bool:
 class _PausedWhileCopying:
     """The subscriber's lock: the copy runs only while the worker is paused and idle.
 
-    ``__enter__`` always asks the server to pause: when a controller paused it already
-    (the normal update) that only waits until no handler runs; otherwise the lock owns
-    the pause. If the worker does not become idle in time, ``__enter__`` raises and the
-    subscriber fails the version (keeping the old weights) rather than copy under a
-    running generation. ``__exit__`` resumes only a pause the lock owns *and* that no
-    one renewed since (``server.pause_requests``): a controller that paused meanwhile
-    was told "nothing generates until you resume", so only its resume lets generation
-    go on. Conversely a controller's resume during the copy waits (an ``on_resume``
-    callback) until the copy is over.
-
-    A copy that ends with the weights mixed (a version that failed after its first
-    write, see :attr:`WeightSubscriber.consistent`) leaves the worker paused: nothing
-    is generated from a mixed version. A resume meanwhile is refused at once
-    (answered ``ok=False``, the error says the weights are mixed; the pause lease does
-    not resume either) and the engine's version reads ``-1`` (health); the pause
-    stays the lock's if it was, and a later complete version resumes only a pause
-    the lock owns (a controller's pause still waits for its own resume).
+    ``__enter__`` asks the server to pause (under a controller's pause that only waits
+    for idle; otherwise the lock owns the pause) and raises if the worker does not go
+    idle in time (the version fails, the weights stay). ``__exit__`` resumes only a
+    pause the lock owns and no one renewed since (``server.pause_requests``); a
+    controller's resume during the copy waits for it (``on_resume``). A copy that left
+    the weights mixed keeps the worker paused: resumes are refused at once (the pause
+    lease does not resume either) and the engine's version reads ``-1``.
     """
 
     #: Refuses to serve mixed weights: subscribers default to one-pass mode under it.
@@ -296,6 +281,11 @@ class _PausedWhileCopying:
         mine, self._mine = self._mine, None
         if mine is not None and s.paused and s.pause_requests == mine:
             await s.resume()
+
+    @property
+    def copying(self) -> bool:
+        """Whether a copy holds the lock now."""
+        return not self._free.is_set()
 
     def _call(self, coro: Any) -> None:
         fut = asyncio.run_coroutine_threadsafe(coro, self.loop)
@@ -379,7 +369,7 @@ def attach_subscriber(
         **kwargs,
     )
     # The lock is entered in the subscriber's thread, which may send on its socket.
-    lock.keepalive = sub._keepalive
+    lock.keepalive = sub.keepalive
     lock.mixed = lambda: not sub.consistent
     sub.start()
     if pause_lease > 0:
@@ -391,17 +381,17 @@ async def _pause_lease(
     server: Any, sub: WeightSubscriber, lock: _PausedWhileCopying, lease: float
 ) -> None:
     """Resume a worker left paused by a trainer that is gone (see ``pause_lease``)."""
-    since: float | None = None
+    rule = PauseLease(lease)
     while not sub.closed:
         await asyncio.sleep(min(1.0, lease / 4))
-        if not server.paused or not lock._free.is_set() or lock.mixed():
-            since = None  # generating, paused by our own copy, or mixed weights
-            continue
-        now = time.monotonic()
-        if since is None:
-            since = now
-        quiet = now - max(since, sub.last_heard)
-        if quiet >= lease:
+        quiet = rule.tick(
+            time.monotonic(),
+            paused=server.paused,
+            copying=lock.copying,
+            mixed=lock.mixed(),
+            last_heard=sub.last_heard,
+        )
+        if quiet is not None:
             log.warning(
                 "worker %s paused for %.1f s with no word from the weight publisher (the "
                 "trainer is gone?): resuming on version %d, the last complete one",
@@ -410,14 +400,33 @@ async def _pause_lease(
                 sub.version,
             )
             await server.resume()
-            since = None
 
 
 class PluginOptions(
     msgspec.Struct, kw_only=True, forbid_unknown_fields=True, rename=lambda n: f"weights_{n}"
 ):
-    """The worker plugin's options, ``--plugin-opt weights_<field>=value`` (see
-    :func:`subscribe`); ``None``: the default of :func:`attach_subscriber`."""
+    """The worker plugin's options, ``--plugin-opt weights_<field>=value`` (``None``:
+    the default of :func:`attach_subscriber`).
+
+    * ``endpoint``: the publisher's address (required);
+    * ``shm``: read same-host versions from shared memory (default 1);
+    * ``path``: force a route, ``ipc``, ``shm`` or ``tcp`` (default: ``ipc`` when offered
+      and the worker can open the trainer's memory, else ``shm``/``tcp``);
+    * ``atomic``: 1 keeps the previous weights whole until a version verified; 0 verifies
+      and copies in one pass, and a version failing midway keeps the worker paused until
+      a later one completes (default: 0, or 1 with ``loader``);
+    * ``data_link``: over TCP, take the publisher's data link (default 1);
+    * ``digest``: report weight digests; ``strict``: cover every parameter (default 1);
+    * ``dtype``: ``auto`` or one dtype name for every floating tensor;
+    * ``rename``: a JSON object ``{"trainer name": "engine name"}`` or ``module:name``;
+    * ``loader``: ``module:function`` called as ``function(model, weights)`` with each
+      verified version (``(name, tensor)`` pairs), e.g. to fuse q/k/v;
+    * ``publisher_timeout``, ``pause_timeout`` (a copy waits this long for generations to
+      stop, default 30), ``pause_lease`` (seconds paused with a silent publisher before
+      resuming, default 30, 0: never);
+    * ``curve_secret`` (this worker's ``.key_secret``), ``curve_server`` (the
+      publisher's ``.key``): CurveZMQ.
+    """
 
     endpoint: Annotated[str, Meta(min_length=1)]
     shm: bool = True
@@ -476,38 +485,10 @@ def subscriber_options(opts: dict[str, str], model: Any) -> dict[str, Any]:
 
 
 async def subscribe(server: Any, opts: dict[str, str]) -> None:
-    """Fabric worker plugin: follow the weight publisher at ``opts["weights_endpoint"]``.
-
-    Options (``--plugin-opt key=value``; any other key is an error):
-
-    * ``weights_endpoint``: the publisher's address (required);
-    * ``weights_shm``: read same-host versions from shared memory (default 1);
-    * ``weights_path``: force a path, ``ipc``, ``shm`` or ``tcp`` (default: ``ipc``
-      when the publisher offers it and the worker can open the trainer's memory, else
-      ``shm``/``tcp``);
-    * ``weights_atomic``: 1 keeps the previous weights whole until a version is
-      verified entirely; 0 verifies and copies in one pass, and a version failing
-      midway keeps the worker paused until a later one completes (default: 0, or 1
-      with ``weights_loader``);
-    * ``weights_data_link``: over TCP, take the publisher's data link when offered
-      (default 1; 0: bucket bytes as ZeroMQ frames);
-    * ``weights_digest``: report weight digests (default 0);
-    * ``weights_strict``: the update must cover every parameter (default 1);
-    * ``weights_dtype``: ``auto`` (each parameter's dtype) or one dtype name for every
-      floating tensor (``bfloat16``, ``float16``, ``float32``...);
-    * ``weights_rename``: a JSON object ``{"trainer name": "engine name"}`` or
-      ``module:name`` of a dict or a callable;
-    * ``weights_loader``: ``module:function`` called as ``function(model, weights)``
-      with each verified version (``weights``: ``(name, tensor)`` pairs), e.g. to
-      fuse q/k/v the way ``model.load_weights`` does;
-    * ``weights_publisher_timeout``, ``weights_pause_timeout`` (seconds a copy waits for
-      running generations to stop, default 30), ``weights_pause_lease`` (seconds
-      paused with a silent publisher before resuming, default 30, 0: never);
-    * ``weights_curve_secret`` (this worker's ``.key_secret``) with
-      ``weights_curve_server`` (the publisher's ``.key``) for CurveZMQ.
-
-    Raises ``ValueError`` at start for a missing endpoint or a bad or unknown option.
-    """
+    """Fabric worker plugin: follow the weight publisher at ``opts["weights_endpoint"]``
+    (``--plugin transport.weights.update:subscribe --plugin-opt weights_<field>=value``,
+    the fields of :class:`PluginOptions`). Raises ``ValueError`` at start for a missing
+    endpoint or a bad or unknown option."""
     engine = server.engine
     kw = subscriber_options(opts, getattr(engine, "model", None))
     sub = attach_subscriber(server, opts["weights_endpoint"], asyncio.get_running_loop(), **kw)

@@ -1,27 +1,13 @@
-"""Same-host fast path: buckets in a shared-memory segment under ``/dev/shm``.
+"""The shm route: a version staged in a shared-memory segment under ``/dev/shm``.
 
-The publisher stages every version in a segment (a file in ``/dev/shm`` mapped with
-``MAP_SHARED``); a subscriber on the same host maps it read-only and copies straight
-from it into its parameters, so the bytes cross no socket and the only copy on the
-worker is the one into the destination.
-
-Why not :mod:`multiprocessing.shared_memory`: before Python 3.13 every process that
-*attaches* registers the segment with its resource tracker, which unlinks it when that
-process exits, pulling it from under the others. Plain files in ``/dev/shm`` behave as
-documented here instead: the publisher creates and unlinks; a mapping stays valid after
-the unlink (or the publisher's death) until the reader drops it.
-
-Whether the path is usable is decided by the subscriber, per publisher: the same boot
-id and the same ``/dev/shm`` (:func:`host_id`; host names do not matter) *and* it can
-read the publisher's probe file and find the expected token in it (a container with a
-private ``/dev/shm`` fails this and falls back to TCP).
-
-Ownership is a lock, not a PID: the creator of a segment (or probe) keeps a file
-descriptor of it open with an exclusive ``flock`` for as long as it exists. The kernel
-drops that lock when the owner dies, whatever PID namespace it lived in, so
-:func:`cleanup_stale` removes exactly the files whose lock it can take. (A PID check
-would unlink live segments of a container that shares ``/dev/shm`` across PID
-namespaces, or keep dead ones whose PID was reused.)
+The publisher packs each version into a segment (a ``MAP_SHARED`` file); a worker on
+its host maps it read-only (:class:`ShmReader`) and copies straight from it, so the bytes
+cross no socket. Plain files rather than :mod:`multiprocessing.shared_memory`, whose
+resource tracker (before Python 3.13) unlinks a segment when any attaching process exits.
+A worker takes the route when the boot id and ``/dev/shm`` match (:func:`host_id`) and it
+reads the publisher's probe token (a private ``/dev/shm`` fails this: tcp). Ownership is
+an exclusive ``flock`` held by the creator, which the kernel drops when it dies in any
+PID namespace: :func:`cleanup_stale` removes exactly the files whose lock it can take.
 """
 
 from __future__ import annotations
@@ -35,12 +21,19 @@ import secrets
 import time
 import warnings
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+from fastio.weight_msgs import WeightBucket
+
+if TYPE_CHECKING:
+    from transport.weights.routes import Receiver
 
 __all__ = [
     "SHM_DIR",
     "Probe",
+    "ShmReader",
     "ShmSegment",
     "cleanup_stale",
     "host_id",
@@ -244,3 +237,86 @@ def cleanup_stale() -> int:
         finally:
             os.close(fd)
     return removed
+
+
+#: Mappings a worker keeps between versions (the publisher's pool holds two segments in
+#: turn for a steady stream of versions).
+KEEP_MAPPINGS = 2
+
+
+class ShmReader:
+    """The worker's side: its mappings of the publisher's segments, and the "bytes
+    ready" notices answering a ``Fetch(shm=true)``, hashed (and in one-pass mode
+    copied) in place."""
+
+    def __init__(self) -> None:
+        self.segments: dict[str, ShmSegment] = {}
+
+    def open(self, name: str) -> ShmSegment:
+        """Map ``name``, or reuse its mapping: the publisher packs the same segments
+        again, and mapping anew would cost a page-table fill per version. Only the most
+        recent ``KEEP_MAPPINGS`` stay: an older one may pin an unlinked segment."""
+        seg = self.segments.pop(name, None)
+        if seg is None:
+            seg = ShmSegment.open(name)
+            while len(self.segments) >= KEEP_MAPPINGS:
+                self.segments.pop(next(iter(self.segments))).close()
+        self.segments[name] = seg  # most recently used last
+        return seg
+
+    def drop(self) -> None:
+        """Unmap every kept segment (a new or silent publisher, closing)."""
+        for seg in self.segments.values():
+            seg.close()
+        self.segments.clear()
+
+    def ready(self, f: Receiver, up: Any, msg: WeightBucket, t: float) -> None:
+        """Bytes of bucket ``msg.index`` are packed in the segment: hash them in place
+        as they come; on the last notice compare with the checksum."""
+        assert up.seg is not None
+        i = msg.index
+        info = up.ann.buckets[i]
+        part = up.partial.get(i)
+        if part is None:
+            part = up.partial[i] = f.partial(up, i)
+        up.sched.progress(i, t)
+        lo = info.shm_offset + msg.offset
+        if (
+            msg.chunks
+            or msg.offset != part.size
+            or msg.nbytes < 0
+            or msg.offset + msg.nbytes > info.nbytes
+            or info.shm_offset + info.nbytes > up.seg.size
+        ):
+            f.fail(up.ann.version, f"bad shared-memory notice for bucket {i}", "shm")
+            return
+        if part.stream is not None:
+            if msg.nbytes and not f.hold(up):
+                return
+            part.stream.feed(up.seg.tensor[lo : lo + msg.nbytes].numpy())
+        else:
+            part.hasher.update(up.seg.tensor[lo : lo + msg.nbytes].numpy())
+        part.size += msg.nbytes
+        dt = time.monotonic() - t
+        part.verify_s += dt
+        up.stats.verify_s += dt
+        if not msg.last:
+            return
+        up.sched.done(i)
+        del up.partial[i]
+        up.stats.buckets[i].update(recv_s=t - up.t0, verify_s=part.verify_s)
+        if part.size != info.nbytes or part.hasher.digest() != msg.checksum:
+            # The segment is the snapshot itself: fetching again would read the same bytes.
+            f.core.count("checksum_failures")
+            f.fail(
+                up.ann.version,
+                f"bucket {i} of version {up.ann.version} fails its checksum in shared memory",
+                "shm",
+            )
+            return
+        f.landed(
+            up,
+            i,
+            [up.seg.tensor[info.shm_offset : info.shm_offset + info.nbytes]],
+            part.stream,
+        )

@@ -1,0 +1,279 @@
+"""The weight protocol's core, without a socket or a thread: every rule of
+``docs/PROTOCOL.md`` ("Weight updates") that decides who answers, what a worker
+reports and when a buffer may be reused, driven by messages and a fake clock."""
+
+from __future__ import annotations
+
+import pytest
+
+from fastio.weight_msgs import WeightAck, WeightFetch, WeightHello
+from transport.weights.core.publisher import PublisherCore
+from transport.weights.core.subscriber import (
+    MIXED,
+    FetchSchedule,
+    PauseLease,
+    SubscriberCore,
+    choose_atomic,
+)
+
+HOST = "host/boot"
+
+
+def hello(wid: str, version: int = -1, pid: int = 100, start: int = 7) -> WeightHello:
+    return WeightHello(wid, HOST, pid, version, None, "", start)
+
+
+def ack(wid: str, version: int, ok: bool = True, pid: int = 0, start: int = 0) -> WeightAck:
+    return WeightAck(
+        wid, version, ok, version if ok else -1, "" if ok else "boom", None, "shm", {}, pid, start
+    )
+
+
+class Procs:
+    """A fake process table: ``(pid, start_time)`` pairs that run."""
+
+    def __init__(self) -> None:
+        self.running: set[tuple[int, int]] = set()
+
+    def alive(self, pid: int, start: int) -> bool:
+        return (pid, start) in self.running
+
+    def start_time(self, pid: int) -> int | None:
+        return next((s for p, s in self.running if p == pid), None)
+
+
+def core(procs: Procs | None = None, timeout: float = 10.0) -> PublisherCore:
+    p = procs or Procs()
+    return PublisherCore(HOST, timeout, alive=p.alive, start_time_of=p.start_time)
+
+
+def announce(c: PublisherCore, version: int, now: float = 0.0) -> object:
+    from transport.weights.core.publisher import VersionLedger
+
+    led = VersionLedger(version)
+    c.announce(led, now)
+    return led
+
+
+# -- publisher ---------------------------------------------------------------------------
+def test_an_ack_from_a_stranger_is_ignored_and_cannot_fail_a_version() -> None:
+    c = core()
+    c.on_hello("w", hello("w"), 0.0)
+    announce(c, 1)
+    assert not c.on_ack("stranger", ack("stranger", 1, ok=False), 0.1)
+    assert c.counters["acks_from_strangers"] == 1
+    assert c.on_ack("w", ack("w", 1), 0.2)
+    res = c.result(1, 0.3)
+    assert res.ok and list(res.applied) == ["w"] and not res.failed
+
+
+def test_a_version_waits_for_the_workers_alive_at_its_announcement() -> None:
+    c = core()
+    c.on_hello("a", hello("a"), 0.0)
+    c.on_hello("b", hello("b"), 0.0)
+    announce(c, 1, now=1.0)
+    c.on_ack("a", ack("a", 1), 1.5)
+    res = c.result(1, 2.0)
+    assert not res.ok and res.missing == ["b"] and res.elapsed_s == pytest.approx(1.0)
+    c.on_ack("b", ack("b", 1, ok=False), 2.5)
+    res = c.result(1, 9.0)
+    assert res.failed == {"b": "boom"} and res.paths == {"a": "shm", "b": "shm"}
+    assert res.elapsed_s == pytest.approx(1.5)  # to the last answer, not to now
+
+
+def test_a_hello_at_the_version_counts_as_its_lost_ack() -> None:
+    c = core()
+    c.on_hello("w", hello("w", version=0), 0.0)
+    announce(c, 1)
+    assert c.on_hello("w", hello("w", version=1), 0.5) is None
+    assert c.result(1, 1.0).ok
+
+
+def test_a_worker_behind_gets_the_snapshot_and_is_expected() -> None:
+    c = core()
+    announce(c, 3)
+    led = c.on_hello("late", hello("late", version=1), 0.0)
+    assert led is not None and led.version == 3
+    assert c.result(3, 0.1).missing == ["late"]
+
+
+def test_silent_and_dead_workers_are_lost_and_come_back() -> None:
+    procs = Procs()
+    procs.running.add((200, 9))
+    c = core(procs, timeout=10.0)
+    c.on_hello("silent", hello("silent", pid=100, start=7), 0.0)  # not visible here
+    c.on_hello("dead", hello("dead", pid=200, start=9), 0.0)  # visible: same host
+    announce(c, 1, now=0.0)
+    procs.running.clear()
+    assert c.tick(1.0) == [("dead", "worker lost: its process is gone")]
+    lost = c.tick(11.0)
+    assert [w for w, _ in lost] == ["silent"] and "no message for 11.0 s" in lost[0][1]
+    res = c.result(1, 11.0)
+    assert set(res.failed) == {"dead", "silent"} and not res.missing
+    c.on_hello("silent", hello("silent"), 12.0)  # back (restarted): expected again
+    assert c.workers["silent"].alive and "silent" not in c.versions[1].lost
+
+
+def test_gone_from_the_ipc_path_is_lost_at_once() -> None:
+    c = core()
+    c.on_hello("w", hello("w"), 0.0)
+    announce(c, 1)
+    assert c.tick(0.1, gone=["w"]) == [("w", "worker lost: its process is gone")]
+    assert c.tick(0.2, gone=["w"]) == []
+
+
+def test_the_buffer_rule_a_reader_is_a_process_not_a_worker_id() -> None:
+    """A replacement under the same id does not answer for its predecessor."""
+    procs = Procs()
+    procs.running |= {(100, 7), (101, 8)}
+    c = core(procs)
+    c.on_hello("w", hello("w", pid=100, start=7), 0.0)
+    led = announce(c, 1)
+    c.versions[1].readers.add(c.reader("w", WeightFetch(1, 0, True, 100, 7)))
+    assert not c.readers_done(c.versions[1])
+    # The replacement (pid 101) says Hello at version 1 and acks it: not the reader.
+    c.on_hello("w", hello("w", version=1, pid=101, start=8), 0.5)
+    c.on_ack("w", ack("w", 1, pid=101, start=8), 0.6)
+    assert not c.readers_done(c.versions[1])
+    # The reader's process ends: it reads no more.
+    procs.running.discard((100, 7))
+    assert c.readers_done(c.versions[1])
+    assert led is c.versions[1]
+
+
+def test_the_buffer_rule_a_reader_answering_frees_the_buffer() -> None:
+    c = core()
+    c.on_hello("w", hello("w"), 0.0)
+    announce(c, 1)
+    c.versions[1].readers.add(c.reader("w", WeightFetch(1, 0, True)))  # the Hello's process
+    assert not c.readers_done(c.versions[1])
+    c.on_ack("w", ack("w", 1, ok=False), 0.2)  # a failed answer is an answer too
+    assert c.readers_done(c.versions[1])
+
+
+def test_a_reader_this_host_cannot_see_is_never_taken_for_gone() -> None:
+    c = core()  # an empty process table: nothing is visible
+    c.on_hello("w", hello("w", pid=5, start=3), 0.0)
+    announce(c, 1)
+    r = c.reader("w", WeightFetch(1, 0, True, 5, 3))
+    assert r == ("w", 5, 3, 0)
+    c.versions[1].readers.add(r)
+    assert not c.readers_done(c.versions[1])
+
+
+# -- subscriber --------------------------------------------------------------------------
+def test_notices_from_an_unknown_publisher_ask_for_a_hello() -> None:
+    s = SubscriberCore()
+    assert s.notice("p1", False, 1.0) == "hello"
+    assert s.last_heard == 0.0
+    assert s.notice("p1", True, 2.0) == "handshake"
+    s.shake_hands("p1", 5)
+    assert s.notice("p1", False, 3.0) == "handle" and s.last_heard == 3.0
+    assert s.notice("p2", True, 4.0) == "handshake"  # restarted: start over
+
+
+def test_a_heartbeat_ahead_means_a_lost_announce() -> None:
+    s = SubscriberCore()
+    s.shake_hands("p", 1)
+    assert not s.on_heartbeat(1)
+    assert s.on_heartbeat(2) and s.counters["gaps"] == 1
+    s.on_announce(5)  # skips numbers: counted, nothing to repair
+    assert s.counters["gaps"] == 2 and s.last_seq == 5 and not s.on_heartbeat(5)
+
+
+def test_versions_are_tried_when_newer_at_most_retries_times() -> None:
+    s = SubscriberCore(version=2, retries=2)
+    assert s.consider("p", 2, None) == (False, False)
+    assert s.consider("p", 3, None) == (False, True)
+    assert s.consider("p", 3, None) == (False, True)
+    assert s.consider("p", 3, None) == (False, False)  # given up
+    assert s.consider("p2", 3, None) == (False, True)  # another publisher instance
+    assert s.consider("p", 4, 3) == (True, True)  # supersedes the one in flight
+    assert s.consider("p", 4, 4) == (False, False)
+    s.give_up("p", 5)  # the manifest does not fit the model
+    assert s.consider("p", 5, 4) == (True, False)
+
+
+def test_never_a_mixed_version_reported() -> None:
+    s = SubscriberCore(version=1)
+    assert s.consider("p", 2, None) == (False, True)
+    s.wrote()  # one pass: the first write
+    assert s.reported_version == -1
+    error = s.failed("publisher silent", wrote=True)
+    assert MIXED in error and s.reported_version == -1 and s.version == 1
+    # The same version, fetched again, is tried though it is not newer: mixed weights.
+    assert s.consider("p", 1, None) == (False, True)
+    s.applied(2)
+    assert s.reported_version == 2 and s.consistent
+
+
+def test_a_version_failing_before_its_first_write_keeps_the_weights() -> None:
+    s = SubscriberCore(version=1)
+    error = s.failed("bucket 0 failed its checksum", wrote=False)
+    assert error == "bucket 0 failed its checksum" and s.reported_version == 1
+    assert s.counters["versions_failed"] == 1
+
+
+def test_one_pass_only_under_a_lock_that_refuses_mixed_weights() -> None:
+    assert choose_atomic(None, refuses_mixed=True, loader=False) is False
+    assert choose_atomic(None, refuses_mixed=False, loader=False) is True
+    assert choose_atomic(None, refuses_mixed=True, loader=True) is True
+    assert choose_atomic(False, refuses_mixed=False, loader=False) is False
+    with pytest.raises(ValueError, match="atomic=True"):
+        choose_atomic(False, refuses_mixed=True, loader=True)
+
+
+def test_fetches_keep_a_window_and_retry_a_bad_bucket() -> None:
+    f = FetchSchedule(7, 4, window=2, retries=2)
+    assert f.due(0.0) == [0, 1] and f.due(0.0) == []
+    f.done(0)
+    assert f.due(0.1) == [2]
+    assert f.again(1) is None  # asked again
+    assert f.due(0.2) == [1]  # a bucket asked again goes first
+    assert f.attempts[1] == 2
+    assert f.again(1) == "bucket 1 of version 7 failed its checksum 2 times"
+
+
+def test_fetches_time_out_then_fail() -> None:
+    f = FetchSchedule(3, 2, window=2, retries=2)
+    f.due(0.0)
+    f.progress(0, 4.0)  # a piece arrived: its clock restarts
+    again, error = f.timeouts(5.0, 5.0)
+    assert again == [1] and error is None
+    assert f.due(5.0) == [1]
+    again, error = f.timeouts(10.0, 5.0)
+    assert error == "bucket 1 of version 3: no answer after 2 fetches"
+
+
+def test_a_broken_channel_requeues_in_order() -> None:
+    f = FetchSchedule(1, 3, window=3, retries=3)
+    f.due(0.0)
+    f.requeue(2)
+    f.requeue(1)
+    f.done(0)
+    assert f.due(1.0) == [1, 2]
+    f.done(1)
+    f.done(2)
+    assert f.finished
+
+
+def test_the_pause_lease_resumes_a_paused_worker_with_a_silent_publisher() -> None:
+    lease = PauseLease(30.0)
+    kw = {"paused": True, "copying": False, "mixed": False, "last_heard": 0.0}
+    assert lease.tick(100.0, **kw) is None  # the lease starts now
+    assert lease.tick(129.0, **kw) is None
+    assert lease.tick(130.0, **kw) == pytest.approx(30.0)
+    assert lease.tick(131.0, **kw) is None  # resumed: a new lease
+
+
+def test_the_pause_lease_waits_for_a_live_publisher_a_copy_and_mixed_weights() -> None:
+    lease = PauseLease(30.0)
+    kw = {"paused": True, "copying": False, "mixed": False}
+    assert lease.tick(0.0, last_heard=0.0, **kw) is None
+    assert lease.tick(40.0, last_heard=20.0, **kw) is None  # heard 20 s ago
+    assert lease.tick(51.0, last_heard=20.0, **kw) == pytest.approx(31.0)
+    for state in ({"mixed": True}, {"copying": True}, {"paused": False}):
+        lease = PauseLease(30.0)
+        args = {**kw, **state}
+        assert lease.tick(0.0, last_heard=0.0, **args) is None
+        assert lease.tick(100.0, last_heard=0.0, **args) is None

@@ -1,0 +1,259 @@
+"""The publisher's protocol core: who is a worker, who must answer a version, who
+may still read its buffer. No sockets, no threads, no clock: the caller passes ``now``.
+
+The rules decided here (``docs/PROTOCOL.md``, "Weight updates"):
+
+* only a Hello makes a peer a worker; an Ack from any other peer is ignored and
+  counted (``acks_from_strangers``): it cannot fail an update;
+* a version waits for the workers alive when it was announced, plus any that answer it
+  or say Hello from behind it; a Hello at a version or newer counts as its Ack;
+* a worker silent for ``worker_timeout``, or whose process is gone, is lost;
+* the buffer rule: a process that fetched a version through shared memory reads its
+  segment until it answers that version (an Ack, or a Hello at it or newer) or is
+  known to be gone; a reader is a process (worker id, pid, start time), never a worker
+  id, so a replacement does not answer for its predecessor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from fastio.weight_msgs import WeightAck, WeightFetch, WeightHello
+from transport.weights.core.process import process_alive, process_start_time
+from transport.weights.results import SubscriberInfo, UpdateResult
+
+__all__ = ["PublisherCore", "Reader", "VersionLedger"]
+
+#: A process that may read a segment: ``(worker_id, pid, start_time, visible)``;
+#: ``visible`` is its start time when this host can see that pid, else 0.
+Reader = tuple[str, int, int, int]
+
+
+class VersionLedger:
+    """Who must answer one version, who did, and who may still read its buffer."""
+
+    __slots__ = (
+        "acks",
+        "announced_at",
+        "done_at",
+        "expected",
+        "failure_counted",
+        "lost",
+        "readers",
+        "version",
+    )
+
+    def __init__(self, version: int) -> None:
+        self.version = version
+        self.announced_at = 0.0
+        self.done_at = 0.0
+        self.expected: set[str] = set()
+        self.acks: dict[str, WeightAck] = {}
+        self.lost: dict[str, str] = {}
+        self.readers: set[Reader] = set()
+        #: Whether a failure of this version was counted in the metrics.
+        self.failure_counted = False
+
+    def answered(self) -> bool:
+        """Every expected worker acked the version or was lost."""
+        return all(w in self.acks or w in self.lost for w in self.expected)
+
+    def forget_reader(self, wid: str, pid: int, start_time: int) -> None:
+        """Process ``(wid, pid, start_time)`` answered: it reads this buffer no more."""
+        self.readers = {r for r in self.readers if r[:3] != (wid, pid, start_time)}
+
+    def check_done(self, now: float) -> None:
+        if not self.done_at and self.expected and self.answered():
+            self.done_at = now
+
+
+class PublisherCore:
+    """The publisher's state machine over workers and versions.
+
+    Parameters
+    ----------
+    host_id:
+        This host (``hostname/boot-id``): a Hello from it names a process this host
+        may see.
+    worker_timeout:
+        Seconds of silence after which a worker is lost.
+    alive, start_time_of:
+        How a process is looked up (``/proc`` by default; tests pass their own).
+    """
+
+    def __init__(
+        self,
+        host_id: str,
+        worker_timeout: float,
+        *,
+        alive: Callable[[int, int], bool] = process_alive,
+        start_time_of: Callable[[int], int | None] = process_start_time,
+    ) -> None:
+        self.host_id = host_id
+        self.worker_timeout = worker_timeout
+        self._alive = alive
+        self._start_time_of = start_time_of
+        self.workers: dict[str, SubscriberInfo] = {}
+        self.versions: dict[int, VersionLedger] = {}
+        self.latest: VersionLedger | None = None
+        self.counters: dict[str, int] = {}
+
+    def count(self, key: str, n: int = 1) -> None:
+        self.counters[key] = self.counters.get(key, 0) + n
+
+    def alive(self) -> set[str]:
+        """Ids of the live workers."""
+        return {w for w, i in self.workers.items() if i.alive}
+
+    def announce(self, led: VersionLedger, now: float) -> None:
+        """``led`` is the new latest version: every live worker is expected to answer it."""
+        led.announced_at = now
+        led.expected = self.alive()
+        self.versions[led.version] = led
+        self.latest = led
+
+    def drop(self, version: int) -> None:
+        """Forget a retired version."""
+        led = self.versions.pop(version, None)
+        if led is not None and led is self.latest:
+            self.latest = None
+
+    def touch(self, wid: str, now: float, *, hello: bool = False) -> SubscriberInfo:
+        """A message from ``wid``: a Hello makes it a worker; anything from a worker
+        keeps it alive (and brings a lost one back, expected again)."""
+        info = self.workers.get(wid)
+        if info is None:
+            if not hello:
+                return SubscriberInfo(wid, alive=False)  # a stray: answered, not counted
+            info = self.workers[wid] = SubscriberInfo(wid)
+        info.last_seen = now
+        if not info.alive:
+            info.alive = True
+            for led in self.versions.values():
+                led.lost.pop(wid, None)
+        return info
+
+    def on_hello(self, wid: str, msg: WeightHello, now: float) -> VersionLedger | None:
+        """Record a Hello; returns the latest version when the worker is behind it (the
+        Welcome then carries its Announce, the snapshot)."""
+        info = self.touch(wid, now, hello=True)
+        if (info.host_id, info.pid, info.hello_start_time) != (
+            msg.host_id,
+            msg.pid,
+            msg.start_time,
+        ):
+            # Another process (a restart may even reuse the pid): its own start time.
+            info.start_time = self._visible_start(msg)
+            info.hello_start_time = msg.start_time
+        info.host_id, info.pid = msg.host_id, msg.pid
+        info.version, info.digest, info.dtype = msg.version, msg.digest, msg.dtype
+        latest = self.latest
+        if latest is not None and msg.version < latest.version and wid not in latest.acks:
+            latest.expected.add(wid)
+        for led in self.versions.values():
+            if led.version > msg.version:
+                continue
+            led.forget_reader(wid, msg.pid, msg.start_time)  # done with those bytes
+            if wid in led.expected and wid not in led.acks:
+                # A Hello at version >= v means v was applied even if its Ack was lost.
+                led.acks[wid] = WeightAck(
+                    wid, led.version, True, msg.version, "", msg.digest, info.path
+                )
+                led.check_done(now)
+        return latest if latest is not None and msg.version < latest.version else None
+
+    def on_ack(self, wid: str, msg: WeightAck, now: float) -> bool:
+        """Record an Ack; False (ignored, counted) when ``wid`` never said Hello."""
+        if wid not in self.workers:
+            self.count("acks_from_strangers")
+            return False
+        info = self.touch(wid, now)
+        led = self.versions.get(msg.version)
+        if led is not None:
+            led.forget_reader(*self.reader(wid, msg)[:3])
+            led.acks[wid] = msg
+            led.expected.add(wid)
+            led.check_done(now)
+        info.version = msg.current_version
+        if msg.via:
+            info.path = msg.via
+        if msg.digest is not None:
+            info.digest = msg.digest
+        return True
+
+    def reader(self, wid: str, msg: WeightFetch | WeightAck) -> Reader:
+        """The process behind a Fetch or Ack: the one it names, else the one of the
+        worker's last Hello."""
+        info = self.workers.get(wid)
+        if info is not None and (
+            not msg.pid or (msg.pid, msg.start_time) == (info.pid, info.hello_start_time)
+        ):
+            return wid, info.pid, info.hello_start_time, info.start_time
+        if msg.pid:
+            seen = self._start_time_of(msg.pid) if msg.start_time > 0 else None
+            return wid, msg.pid, msg.start_time, msg.start_time if seen == msg.start_time else 0
+        return wid, 0, 0, 0
+
+    def gone(self, reader: Reader) -> bool:
+        """Whether a reader process is known to be gone (never when not visible here)."""
+        _, pid, _, visible = reader
+        return visible > 0 and not self._alive(pid, visible)
+
+    def readers_done(self, led: VersionLedger) -> bool:
+        """The buffer rule: whether no process may still read ``led``'s buffer."""
+        led.readers = {r for r in led.readers if not self.gone(r)}
+        return not led.readers
+
+    def tick(self, now: float, gone: Iterable[str] = ()) -> list[tuple[str, str]]:
+        """Declare lost the workers in ``gone`` (their process ended, seen by the ipc
+        path) and those silent or whose process is gone; returns ``(id, reason)``."""
+        lost: list[tuple[str, str]] = []
+        dead = "worker lost: its process is gone"
+        for w in gone:
+            info = self.workers.get(w)
+            if info is not None and info.alive:
+                lost.append((w, dead))
+                info.alive = False
+        for w, info in self.workers.items():
+            if not info.alive:
+                continue
+            if info.start_time and not self._alive(info.pid, info.start_time):
+                reason = dead
+            elif now - info.last_seen > self.worker_timeout:
+                reason = f"worker lost: no message for {now - info.last_seen:.1f} s"
+            else:
+                continue
+            info.alive = False
+            lost.append((w, reason))
+        for w, reason in lost:
+            for led in self.versions.values():
+                if w in led.expected and w not in led.acks:
+                    led.lost[w] = reason
+                    led.check_done(now)
+        return lost
+
+    def result(self, version: int, now: float) -> UpdateResult:
+        """Where ``version`` stands: applied, failed (with why), missing."""
+        led = self.versions[version]
+        res = UpdateResult(version)
+        for w in sorted(led.expected | set(led.acks)):
+            ack = led.acks.get(w)
+            if ack is not None:
+                res.paths[w] = ack.via
+                if ack.ok:
+                    res.applied[w] = ack
+                else:
+                    res.failed[w] = ack.error or "failed"
+            elif w in led.lost:
+                res.failed[w] = led.lost[w]
+            else:
+                res.missing.append(w)
+        end = led.done_at if led.answered() and led.done_at else now
+        res.elapsed_s = end - led.announced_at
+        return res
+
+    def _visible_start(self, hello: WeightHello) -> int:
+        """The Hello's start time when this host sees that process, else 0."""
+        if hello.host_id != self.host_id or hello.pid <= 0 or hello.start_time <= 0:
+            return 0
+        return hello.start_time if self._start_time_of(hello.pid) == hello.start_time else 0

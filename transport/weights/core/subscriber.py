@@ -1,0 +1,243 @@
+"""The subscriber's protocol core: which version to try, what to fetch next, what to
+report. No sockets, no threads, no clock: the caller passes ``now``.
+
+The rules decided here (``docs/PROTOCOL.md``, "Weight updates"):
+
+* notices from a publisher not yet shaken hands with ask for a Hello; a Heartbeat whose
+  sequence number is ahead means an Announce was lost (a Hello fetches the snapshot);
+* a version is tried when it is newer than the weights (or the weights are mixed), at
+  most ``retries`` times per publisher instance; a manifest that does not fit the
+  model is given up at once; a newer Announce supersedes the version in flight;
+* ``window`` Fetches in flight, re-sent on a bad bucket or a timeout up to ``retries``
+  times per bucket, then the version fails;
+* never a mixed version served: from a one-pass version's first write the worker
+  reports version ``-1`` until a version completes; a failed version says
+  "weights are mixed" when it left them so;
+* the pause lease: a worker paused by someone else with a silent publisher resumes
+  after ``lease`` seconds, unless its weights are mixed.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+__all__ = ["MIXED", "FetchSchedule", "PauseLease", "SubscriberCore", "choose_atomic"]
+
+#: Added to the error of a version that left the weights mixed.
+MIXED = "weights are mixed (atomic=False): not serving until a version completes"
+
+Notice = Literal["handshake", "hello", "handle"]
+
+
+def choose_atomic(atomic: bool | None, refuses_mixed: bool, loader: bool) -> bool:
+    """One pass or verify first: one pass (``False``) only where mixed weights are never
+    served (a lock that ``refuses_mixed``) and no loader needs whole versions."""
+    if atomic is None:
+        return loader or not refuses_mixed
+    if loader and not atomic:
+        raise ValueError("a loader takes whole versions: it needs atomic=True")
+    return atomic
+
+
+class SubscriberCore:
+    """The subscriber's state machine over publishers and versions.
+
+    Parameters
+    ----------
+    version:
+        The version the weights hold at start (``-1``: none).
+    retries:
+        Attempts per version and per bucket.
+    """
+
+    def __init__(self, version: int = -1, retries: int = 3) -> None:
+        self.version = version
+        self.retries = max(1, retries)
+        #: False while the weights hold no complete version (see :attr:`reported_version`).
+        self.consistent = True
+        self.publisher_id = ""
+        self.last_seq = 0
+        self.last_heard = 0.0
+        self.counters: dict[str, int] = {}
+        self._attempts: dict[tuple[str, int], int] = {}
+        self._given_up: set[tuple[str, int]] = set()
+
+    def count(self, key: str, n: int = 1) -> None:
+        self.counters[key] = self.counters.get(key, 0) + n
+
+    @property
+    def reported_version(self) -> int:
+        """The version reported in Hellos and Acks: ``-1`` while the weights are mixed."""
+        return self.version if self.consistent else -1
+
+    # -- notices -----------------------------------------------------------------------
+    def notice(self, publisher_id: str, is_welcome: bool, now: float) -> Notice:
+        """A Welcome, Announce or Heartbeat arrived: ``"handshake"`` (a Welcome from a
+        new publisher instance: start over with it), ``"hello"`` (a notice from one not
+        shaken hands with: ask it for its state) or ``"handle"``."""
+        if publisher_id != self.publisher_id:
+            if not is_welcome:
+                return "hello"
+            self.last_heard = now
+            return "handshake"
+        self.last_heard = now
+        return "handle"
+
+    def shake_hands(self, publisher_id: str, seq: int) -> None:
+        """A new publisher instance: sequence numbers restart."""
+        self.publisher_id = publisher_id
+        self.last_seq = seq
+
+    def on_heartbeat(self, seq: int) -> bool:
+        """Whether a Hello is due at once: an Announce was lost."""
+        if seq <= self.last_seq:
+            return False
+        self.count("gaps")
+        self.last_seq = seq
+        return True
+
+    def on_announce(self, seq: int) -> None:
+        if seq > self.last_seq + 1:
+            self.count("gaps")  # counted; the Announce is itself the latest state
+        self.last_seq = max(self.last_seq, seq)
+
+    def silent(self, now: float, timeout: float) -> bool:
+        """No word from the publisher for ``timeout`` seconds (after a first one)."""
+        return bool(self.last_heard) and now - self.last_heard > timeout
+
+    # -- versions ----------------------------------------------------------------------
+    def consider(self, publisher_id: str, version: int, in_flight: int | None) -> tuple[bool, bool]:
+        """An Announce of ``version``: ``(supersede, attempt)``, whether to abandon the
+        version in flight, and whether to try this one."""
+        if version <= self.version and self.consistent:
+            return False, False
+        if in_flight is not None and in_flight >= version:
+            return False, False
+        supersede = in_flight is not None
+        key = (publisher_id, version)
+        if key in self._given_up:
+            return supersede, False
+        n = self._attempts[key] = self._attempts.get(key, 0) + 1
+        if n > self.retries:
+            self._given_up.add(key)
+            return supersede, False
+        return supersede, True
+
+    def give_up(self, publisher_id: str, version: int) -> None:
+        """A version that cannot fit this model: never tried again."""
+        self._given_up.add((publisher_id, version))
+
+    def wrote(self) -> None:
+        """A version's first write: the weights hold no complete version until it ends."""
+        self.consistent = False
+
+    def applied(self, version: int) -> None:
+        """The weights are now all of ``version``."""
+        self.version = version
+        self.consistent = True
+        for key in [k for k in self._attempts if k[1] <= version]:
+            del self._attempts[key]
+        self._given_up = {k for k in self._given_up if k[1] > version}
+
+    def failed(self, error: str, wrote: bool) -> str:
+        """A version failed (``wrote``: after its first write); the error to report."""
+        if wrote:
+            self.consistent = False
+        if not self.consistent and "weights are mixed" not in error:
+            error += f"; {MIXED}"
+        self.count("versions_failed")
+        return error
+
+
+class FetchSchedule:
+    """Which buckets of one version to ask for, and when to ask again.
+
+    Buckets are asked in order, ``window`` at a time; a bucket that fails its check or
+    stays unanswered for ``fetch_timeout`` is asked again, ``retries`` times at most.
+    """
+
+    def __init__(self, version: int, n_buckets: int, window: int, retries: int) -> None:
+        self.version = version
+        self.window = max(1, window)
+        self.retries = max(1, retries)
+        self.todo = list(range(n_buckets - 1, -1, -1))  # pop() gives bucket 0 first
+        #: Bucket -> time of its Fetch or its last piece.
+        self.outstanding: dict[int, float] = {}
+        self.attempts: dict[int, int] = {}
+
+    def due(self, now: float) -> list[int]:
+        """The buckets to ask for now (each counted as an attempt)."""
+        out: list[int] = []
+        while self.todo and len(self.outstanding) < self.window:
+            i = self.todo.pop()
+            self.outstanding[i] = now
+            self.attempts[i] = self.attempts.get(i, 0) + 1
+            out.append(i)
+        return out
+
+    def progress(self, i: int, now: float) -> None:
+        self.outstanding[i] = now
+
+    def done(self, i: int) -> None:
+        """Bucket ``i`` arrived (checked or not: see :meth:`again`)."""
+        del self.outstanding[i]
+
+    def again(self, i: int) -> str | None:
+        """Bucket ``i`` failed its check: ``None`` (asked again) or why the version fails."""
+        self.outstanding.pop(i, None)
+        if self.attempts.get(i, 0) >= self.retries:
+            return (
+                f"bucket {i} of version {self.version} failed its checksum {self.attempts[i]} times"
+            )
+        self.todo.append(i)
+        return None
+
+    def requeue(self, i: int) -> None:
+        """Ask bucket ``i`` again without counting a failure (its channel broke)."""
+        del self.outstanding[i]
+        self.todo.append(i)
+
+    def timeouts(self, now: float, fetch_timeout: float) -> tuple[list[int], str | None]:
+        """Buckets asked again for lack of an answer, or why the version fails."""
+        again: list[int] = []
+        for i, sent in list(self.outstanding.items()):
+            if now - sent < fetch_timeout:
+                continue
+            if self.attempts.get(i, 0) >= self.retries:
+                n = self.attempts[i]
+                return again, f"bucket {i} of version {self.version}: no answer after {n} fetches"
+            del self.outstanding[i]
+            self.todo.append(i)
+            again.append(i)
+        return again, None
+
+    @property
+    def finished(self) -> bool:
+        return not self.todo and not self.outstanding
+
+
+class PauseLease:
+    """A pause is a lease held by a live trainer (the worker plugin's rule).
+
+    A worker paused by someone else (not its own copy) whose publisher is silent for
+    ``lease`` seconds resumes; never while its weights are mixed.
+    """
+
+    def __init__(self, lease: float) -> None:
+        self.lease = lease
+        self._since: float | None = None
+
+    def tick(
+        self, now: float, *, paused: bool, copying: bool, mixed: bool, last_heard: float
+    ) -> float | None:
+        """Seconds of silence when the worker should resume now, else ``None``."""
+        if not paused or copying or mixed:
+            self._since = None
+            return None
+        if self._since is None:
+            self._since = now
+        quiet = now - max(self._since, last_heard)
+        if quiet < self.lease:
+            return None
+        self._since = None
+        return quiet

@@ -1,0 +1,111 @@
+"""What a worker tells about its weights: its version and its Acks.
+
+:class:`Reporter` is the part of :class:`~transport.weights.WeightSubscriber` that both
+routes of a version (shm/tcp fetching, the ``ipc`` slots) report through: it switches
+the version (waking :meth:`~transport.weights.WeightSubscriber.wait_version` and
+calling ``on_applied`` before the Ack), keeps the digest and the last stats, and sends
+the ``WeightAck``. It runs in the subscriber's thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from fastio.weight_msgs import WeightAck
+from transport import metrics
+from transport.weights.core.process import process_start_time
+from transport.weights.core.subscriber import SubscriberCore
+from transport.weights.manifest import state_digest
+from transport.weights.results import UpdateStats
+
+__all__ = ["Reporter"]
+
+log = logging.getLogger("transport.weights.subscriber")
+
+
+class Reporter:
+    """Version switches and Acks of one worker (see the module docstring)."""
+
+    def __init__(
+        self,
+        core: SubscriberCore,
+        worker_id: str,
+        targets: Mapping[str, torch.Tensor],
+        send: Callable[[Any], None],
+        *,
+        report_digest: bool,
+        on_applied: Callable[[int], None] | None,
+    ) -> None:
+        self.core = core
+        self.worker_id = worker_id
+        self.targets = targets
+        self.send = send
+        self.report_digest = report_digest
+        self.on_applied = on_applied
+        self.cond = threading.Condition()
+        self.digest: int | None = state_digest(targets) if report_digest else None
+        #: Error text of the last failed version ("" if none).
+        self.last_error = ""
+        #: Timings of the last applied version.
+        self.last_stats = UpdateStats()
+        self.pid = os.getpid()
+        self.start_time = process_start_time(self.pid) or 0
+
+    def mixing(self) -> None:
+        """A version's first write: no complete version (and no digest) until it ends."""
+        self.core.wrote()
+        self.digest = None
+
+    def now_at(self, version: int) -> None:
+        """The weights are all of ``version``: wake waiters, then ``on_applied`` (before
+        any Ack goes out)."""
+        with self.cond:
+            self.core.applied(version)
+            self.cond.notify_all()
+        if self.on_applied is not None:
+            self.on_applied(version)
+
+    def applied(self, stats: UpdateStats, nbytes: int | None = None) -> None:
+        """Report ``stats.version`` applied (:meth:`now_at` came first); ``nbytes``: the
+        payload for the metrics (default ``stats.bytes``)."""
+        self.last_stats = stats
+        self.last_error = ""
+        self.core.count("versions_applied")
+        metrics.SUBSCRIBER_BYTES.labels(path=stats.via).inc(
+            stats.bytes if nbytes is None else nbytes
+        )
+        if self.report_digest:
+            self.digest = state_digest(self.targets)
+        v = stats.version
+        self.send(
+            WeightAck(
+                self.worker_id, v, True, v, "", self.digest, stats.via, stats.flat(),
+                self.pid if stats.via != "ipc" else 0,
+                self.start_time if stats.via != "ipc" else 0,
+            )
+        )  # fmt: skip
+
+    def failed(self, version: int, error: str, route: str, *, wrote: bool = False) -> None:
+        """Report ``version`` failed (``wrote``: after its first write, weights mixed)."""
+        was_mixed = "weights are mixed" in error
+        error = self.core.failed(error, wrote)
+        if not self.core.consistent and not was_mixed and self.report_digest:
+            self.digest = state_digest(self.targets)
+        self.last_error = error
+        metrics.SUBSCRIBER_FAILURES.inc()
+        log.warning(
+            "weight version %d not applied (%s); reporting version %d",
+            version, error, self.core.reported_version,
+        )  # fmt: skip
+        self.send(
+            WeightAck(
+                self.worker_id, version, False, self.core.reported_version, error, self.digest,
+                route, {}, self.pid, self.start_time,
+            )
+        )  # fmt: skip

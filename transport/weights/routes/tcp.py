@@ -1,0 +1,500 @@
+"""The tcp route's data link: bucket bytes on a plain TCP stream beside the sockets.
+
+A worker reads each block straight where it goes (its weights or staging buffer) and
+hashes it in cache, instead of taking a libzmq message buffer and copying it again.
+Control stays on ZeroMQ; the wire is ``docs/PROTOCOL.md``, "Data link". Trainer side
+(threads of their own): :class:`DataListener`, a :class:`DataSender` per worker. Worker
+side (the subscriber's thread): :class:`LinkClient` over a :class:`DataReceiver`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import hmac
+import logging
+import socket
+import struct
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import numpy as np
+import torch
+import zmq
+
+__all__ = [
+    "PIECE",
+    "DataLinkError",
+    "DataListener",
+    "DataReceiver",
+    "DataSender",
+    "LinkClient",
+    "Piece",
+    "connect",
+    "worker_token",
+]
+
+if TYPE_CHECKING:
+    from transport.weights.routes import Receiver
+
+log = logging.getLogger("transport.weights.datalink")
+
+#: Worker -> publisher, once: magic, protocol, id length, token length; id, token.
+HELLO = struct.Struct("<4sBHH")
+HELLO_MAGIC = b"FIOL"
+#: Publisher -> worker, per piece: magic, version, bucket, offset, byte count, bucket
+#: checksum (last piece only, else 0), last flag; then the bytes.
+PIECE = struct.Struct("<4sqIQQQ?")
+PIECE_MAGIC = b"FIOP"
+PROTOCOL = 1
+_MAX_ID = 1024
+_MAX_TOKEN = 64
+HANDSHAKE_TIMEOUT = 2.0  # seconds to complete a HELLO (and get its answer)
+_MAX_HANDSHAKES = 64  # under way at once; more connections are closed
+
+
+def worker_token(secret: bytes, worker_id: str) -> bytes:
+    """The token ``worker_id`` presents: an HMAC of its id under the publisher's secret
+    (each worker learns only its own, in its Welcome)."""
+    return hmac.new(secret, worker_id.encode("utf-8"), hashlib.sha256).digest()[:16]
+
+
+class DataLinkError(ConnectionError):
+    """The data link failed or carried something malformed (it is closed)."""
+
+
+class Piece(NamedTuple):
+    """A piece header read from the link."""
+
+    version: int
+    bucket: int
+    offset: int
+    nbytes: int
+    checksum: int
+    last: bool
+
+
+def _host_of(endpoint: str) -> tuple[str, socket.AddressFamily]:
+    """The host of ``tcp://host:port``, unbracketed, and its family."""
+    host = endpoint[len("tcp://") :].rsplit(":", 1)[0]
+    if host.startswith("[") and host.endswith("]"):
+        return host[1:-1], socket.AF_INET6
+    return host, socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
+def _tune(sock: socket.socket) -> None:
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+def _blocking(sock: socket.socket, timeout: float) -> None:
+    """Blocking, giving up after ``timeout`` seconds without progress (``SO_*TIMEO``):
+    a whole piece moves in one system call (Python's timeouts poll per partial one)."""
+    sock.settimeout(None)
+    sec = int(timeout)
+    tv = struct.pack("ll", sec, int((timeout - sec) * 1e6))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+
+
+class Sent:
+    """A queued piece: :attr:`done` once the kernel copied its bytes (or the link
+    dropped it); its buffer may be written again then."""
+
+    __slots__ = ("done",)
+
+    def __init__(self) -> None:
+        self.done = False
+
+
+class DataSender:
+    """One worker's data connection on the publisher: a thread writes queued pieces.
+    A worker that stops reading stalls only its own thread; after ``timeout`` seconds
+    without progress the connection is closed (the worker fetches again as frames)."""
+
+    def __init__(
+        self,
+        sock: socket.socket,
+        worker_id: str,
+        timeout: float,
+        on_close: Callable[[DataSender], None],
+        first: bytes = b"",
+    ) -> None:
+        self.sock = sock
+        self.worker_id = worker_id
+        self.broken = False
+        self._on_close = on_close
+        self._queue: deque[tuple[bytes, Any, Sent]] = deque()
+        if first:  # written by this thread before any piece (one writer per socket)
+            self._queue.append((first, None, Sent()))
+        self._cv = threading.Condition()
+        _blocking(sock, timeout)
+        self._thread = threading.Thread(
+            target=self._run, name=f"weights-data-{worker_id}", daemon=True
+        )
+        self._thread.start()
+
+    def send(self, header: bytes, data: Any) -> Sent | None:
+        """Queue a piece (``data``: a buffer that stays unchanged until the returned
+        tracker is done); None when the link is closed."""
+        sent = Sent()
+        with self._cv:
+            if self.broken:
+                return None
+            self._queue.append((header, data, sent))
+            self._cv.notify()
+        return sent
+
+    def close(self) -> None:
+        """Close the connection; queued pieces are dropped (their trackers done)."""
+        with self._cv:
+            if self.broken:
+                return
+            self.broken = True
+            dropped = list(self._queue)
+            self._queue.clear()
+            self._cv.notify()
+        for _, _, sent in dropped:
+            sent.done = True
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+        self.sock.close()
+        self._on_close(self)
+
+    def join(self, timeout: float) -> None:
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queue and not self.broken:
+                    self._cv.wait()
+                if self.broken:
+                    return
+                # Out of the queue while sent: close() drops only what is queued.
+                header, data, sent = self._queue.popleft()
+            try:
+                self.sock.sendall(header)
+                if data is not None:
+                    self.sock.sendall(data)
+            except Exception as exc:  # timeout, reset, closed; anything else closes it too
+                if not self.broken:
+                    log.info("weight data link to %s closed: %s", self.worker_id, exc)
+                sent.done = True
+                self.close()
+                return
+            sent.done = True
+
+
+class DataListener:
+    """Accepts workers' data connections on the ROUTER endpoint's host, ``port`` (0: a
+    free one, :attr:`port`). A worker presents :func:`worker_token` of ``secret``;
+    ``admit(worker_id, socket)`` (from a handshake thread) takes the connection or not,
+    and owes the worker the answer byte ``1`` before any piece."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        secret: bytes,
+        admit: Callable[[str, socket.socket], bool],
+        port: int = 0,
+    ) -> None:
+        host, family = _host_of(endpoint)
+        self._sock = socket.socket(family, socket.SOCK_STREAM)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind((host, port))
+        self._sock.listen(64)
+        self._sock.settimeout(0.2)
+        self.port: int = self._sock.getsockname()[1]
+        self._secret = secret
+        self._admit = admit
+        self._slots = threading.Semaphore(_MAX_HANDSHAKES)
+        self._closed = threading.Event()
+        self.rejected = 0
+        self._thread = threading.Thread(target=self._run, name="weights-data-accept", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._closed.set()
+        self._thread.join(5.0)
+        self._sock.close()
+
+    def _run(self) -> None:
+        while not self._closed.is_set():
+            try:
+                conn, _ = self._sock.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                if self._closed.is_set():
+                    return
+                continue
+            # Each handshake on a bounded thread of its own: a dawdler delays no one.
+            if not self._slots.acquire(blocking=False):
+                self.rejected += 1
+                conn.close()
+                continue
+            threading.Thread(
+                target=self._admit_one, args=(conn,), name="weights-data-hello", daemon=True
+            ).start()
+
+    def _admit_one(self, conn: socket.socket) -> None:
+        try:
+            try:
+                wid = self._handshake(conn, time.monotonic() + HANDSHAKE_TIMEOUT)
+            except (OSError, ValueError) as exc:
+                self.rejected += 1
+                log.warning("weight data link: refused a connection: %s", exc)
+                conn.close()
+                return
+            if self._closed.is_set() or not self._admit(wid, conn):
+                self.rejected += 1
+                conn.close()
+        finally:
+            self._slots.release()
+
+    def _handshake(self, conn: socket.socket, deadline: float) -> str:
+        _tune(conn)
+        head = _recv_exact(conn, HELLO.size, deadline)
+        magic, proto, n_id, n_token = HELLO.unpack(head)
+        if magic != HELLO_MAGIC or proto != PROTOCOL:
+            raise ValueError(f"not a fastio data link hello ({magic!r}, protocol {proto})")
+        if n_id > _MAX_ID or n_token > _MAX_TOKEN:
+            raise ValueError("hello too long")
+        body = _recv_exact(conn, n_id + n_token, deadline)
+        wid = body[:n_id].decode("utf-8")
+        if not hmac.compare_digest(body[n_id:], worker_token(self._secret, wid)):
+            raise ValueError(f"wrong token for {wid!r}")
+        return wid
+
+
+def _recv_exact(conn: socket.socket, n: int, deadline: float) -> bytes:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("handshake too slow")
+        conn.settimeout(left)
+        k = conn.recv_into(view[got:])
+        if k == 0:
+            raise ConnectionError("closed during the handshake")
+        got += k
+    return bytes(buf)
+
+
+def connect(endpoint: str, port: int, worker_id: str, token: bytes, timeout: float) -> DataReceiver:
+    """Open the data link to the publisher at ``endpoint``'s host, ``port``."""
+    host, _ = _host_of(endpoint)
+    sock = socket.create_connection((host, port), timeout=timeout)
+    try:
+        _tune(sock)
+        wid = worker_id.encode("utf-8")
+        sock.sendall(HELLO.pack(HELLO_MAGIC, PROTOCOL, len(wid), len(token)) + wid + token)
+        if _recv_exact(sock, 1, time.monotonic() + timeout) != b"\x01":
+            raise DataLinkError("the publisher refused the data link")
+    except BaseException:
+        sock.close()
+        raise
+    return DataReceiver(sock, timeout)
+
+
+class DataReceiver:
+    """The worker's end of the link: piece headers, and bytes straight into the
+    caller's buffers. A read without progress for ``timeout`` seconds, the end of the
+    stream or a malformed header raises :class:`DataLinkError` (close the link then)."""
+
+    def __init__(self, sock: socket.socket, timeout: float) -> None:
+        self.sock = sock
+        #: The descriptor (the key ``zmq.Poller.poll`` reports it under).
+        self.fd = sock.fileno()
+        _blocking(sock, timeout)
+        self._head = bytearray(PIECE.size)
+        self._head_view = memoryview(self._head)
+        self._scratch: np.ndarray[Any, Any] | None = None
+
+    def fileno(self) -> int:  # for zmq.Poller
+        return self.sock.fileno()
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+        self.sock.close()
+
+    def header(self) -> Piece:
+        """The next piece's header."""
+        self.fill(self._head_view)
+        magic, version, index, offset, nbytes, checksum, last = PIECE.unpack(self._head)
+        if magic != PIECE_MAGIC:
+            raise DataLinkError(f"bad piece header {bytes(self._head[:4])!r}")
+        return Piece(version, index, offset, nbytes, checksum, last)
+
+    def fill(self, buf: Any) -> None:
+        """Receive exactly ``len(buf)`` bytes into ``buf`` (a writable buffer)."""
+        view = buf if isinstance(buf, memoryview) else memoryview(buf).cast("B")
+        n = view.nbytes
+        got = 0
+        sock = self.sock
+        try:
+            while got < n:
+                k = sock.recv_into(view[got:] if got else view, n - got, socket.MSG_WAITALL)
+                if k == 0:
+                    raise DataLinkError("the publisher closed the data link")
+                got += k
+        except (BlockingIOError, TimeoutError) as exc:
+            raise DataLinkError("the data link stalled") from exc
+        except DataLinkError:
+            raise
+        except OSError as exc:
+            raise DataLinkError(f"data link: {exc}") from exc
+
+    def scratch(self, n: int) -> np.ndarray[Any, Any]:
+        """A reusable receive buffer of at least ``n`` bytes (its first ``n``)."""
+        if self._scratch is None or self._scratch.size < n:
+            self._scratch = np.empty(max(n, 256 << 10), dtype=np.uint8)
+        return self._scratch[:n]
+
+    def discard(self, n: int) -> None:
+        """Read ``n`` bytes away (a piece nobody wants any more)."""
+        step = 1 << 20
+        while n > 0:
+            k = min(n, step)
+            self.fill(self.scratch(k))
+            n -= k
+
+
+BLOCK = 256 << 10  # hash-then-copy granularity (fits the L2 cache)
+LINK_RETRY_S = 60.0  # before a link that could not be opened is tried again
+
+
+class LinkClient:
+    """The worker's side: the link offered in the Welcome (to the ROUTER ``endpoint``'s
+    host), opened for a TCP version (``min(fetch_timeout, 2 s)``) and read straight into
+    the weights or the staging buffer; no piece over ``max_message_size`` is read."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        worker_id: str,
+        fetch_timeout: float,
+        max_message_size: int,
+        count: Callable[[str], None],
+    ) -> None:
+        self.endpoint = endpoint
+        self.worker_id = worker_id
+        self.fetch_timeout = fetch_timeout
+        self.max_message_size = max_message_size
+        self.count = count
+        self.poller: zmq.Poller | None = None
+        self.link: DataReceiver | None = None
+        self.offer: tuple[int, bytes] | None = None
+        self.retry_at = 0.0
+
+    def new_offer(self, offer: tuple[int, bytes] | None) -> None:
+        """A new publisher instance and its offer (``(port, token)``, or ``None``)."""
+        self.close()
+        self.retry_at = 0.0
+        self.offer = offer
+
+    def open(self) -> None:
+        """Connect the data link the publisher offers, if not open (a TCP version)."""
+        if self.link is not None or self.offer is None or self.poller is None:
+            return
+        if time.monotonic() < self.retry_at:
+            return
+        port, token = self.offer
+        try:
+            self.link = connect(
+                self.endpoint, port, self.worker_id, token, min(self.fetch_timeout, 2.0)
+            )
+        except (OSError, ValueError) as exc:
+            # Unreachable or refused: frames, and no new attempt for a while (it blocks).
+            self.retry_at = time.monotonic() + LINK_RETRY_S
+            self.count("data_link_refused")
+            log.info("weight data link unavailable (%s); fetching as ZeroMQ frames", exc)
+            return
+        self.poller.register(self.link, zmq.POLLIN)
+        self.count("data_links")
+
+    def close(self) -> None:
+        """Close the link (if open)."""
+        link, self.link = self.link, None
+        if link is not None:
+            if self.poller is not None:
+                self.poller.unregister(link)
+            link.close()
+
+    def read(self, f: Receiver) -> None:
+        """A piece on the data link: its bytes go straight where they belong."""
+        link = self.link
+        assert link is not None
+        try:
+            p = link.header()
+            if p.nbytes > self.max_message_size:
+                # Never read gigabytes away on the word of a header.
+                raise DataLinkError(f"a piece of {p.nbytes} bytes (larger than allowed)")
+            up = f.update
+            if (
+                up is None
+                or up.seg is not None
+                or p.version != up.ann.version
+                or p.bucket not in up.sched.outstanding
+            ):
+                self.count("stale_pieces")
+                link.discard(p.nbytes)
+                return
+            i = p.bucket
+            if p.offset + p.nbytes > up.ann.buckets[i].nbytes:
+                raise DataLinkError(f"a piece beyond the end of bucket {i}")
+            t = time.monotonic()
+            part = up.partial.get(i)
+            if part is None:
+                part = up.partial[i] = f.partial(up, i)
+            if p.offset != part.size:
+                # Left over from an earlier answer to this bucket (asked again).
+                self.count("stale_pieces")
+                link.discard(p.nbytes)
+                return
+            up.sched.progress(i, t)
+            if not self._take(f, up, i, part, p.nbytes):
+                return  # the version failed (its lock refused); the bytes were read away
+        except DataLinkError as exc:
+            f.link_failed(str(exc))
+            return
+        f.piece_done(up, i, part, t, True, p.last, p.checksum)
+
+    def _take(self, f: Receiver, up: Any, i: int, part: Any, n: int) -> bool:
+        """Receive ``n`` bytes of bucket ``i`` where they go: the weights (one pass),
+        the staging buffer (atomic), or a buffer kept for the bucket."""
+        link = self.link
+        assert link is not None
+        stream = part.stream
+        if stream is not None:
+            if n and not f.hold(up):
+                link.discard(n)
+                return False
+            if stream.rest:
+                # Tensors that need their bytes whole: keep the piece for them.
+                c = np.empty(n, dtype=np.uint8)
+                link.fill(c)
+                stream.feed(c)
+                part.chunks.append(torch.from_numpy(c))
+            else:
+                stream.take(n, link.fill, link.scratch(BLOCK))
+        elif up.stage is not None:
+            stage = up.stage[i]
+            base = part.size
+            for a in range(0, n, BLOCK):
+                block = stage[base + a : base + min(a + BLOCK, n)]
+                link.fill(block)
+                part.hasher.update(block)
+        else:
+            c = np.empty(n, dtype=np.uint8)
+            link.fill(c)
+            part.hasher.update(c)
+            part.chunks.append(torch.from_numpy(c))
+        part.size += n
+        return True
