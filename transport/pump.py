@@ -1,9 +1,12 @@
 """The pump that ties a non-blocking ZeroMQ socket to asyncio, and its frame I/O.
 
-:class:`SocketPump` is the one loop model of the fabric's sockets (client DEALERs and
-worker ROUTERs): reads in batches from a reader callback on the socket's FD, sends that
-never block (per-peer queues at the HWM), and coalescing of bursts into few ZeroMQ
-messages. Sockets themselves are made by :mod:`transport.sockets`.
+:class:`SocketPump` is the one loop model of the fabric's sockets: reads in batches
+from a reader callback on the socket's FD, sends that never block (per-peer queues at
+the HWM), and coalescing of bursts into few ZeroMQ messages. The client's DEALERs run on
+the caller's asyncio loop, a worker's ROUTER on its socket thread's loop (on the
+handler's loop when the handler never blocks); the weight routes and the controller use
+blocking sockets with ``zmq.Poller`` in threads of their own. Sockets themselves are
+made by :mod:`transport.sockets`.
 """
 
 from __future__ import annotations
