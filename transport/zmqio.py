@@ -1,10 +1,6 @@
-"""Frame I/O on ZeroMQ sockets at the cost of the C calls, and the memory it runs on.
-
-:func:`send_frames` and :func:`recv_frames` are ``send_multipart`` / ``recv_multipart``
-(non-blocking, ``copy=False``) without pyzmq's per-frame Python wrappers.
-:func:`tune_allocator` keeps freed message memory mapped, so that large messages are
-received into memory that is already there (see its docstring).
-"""
+"""Frame I/O on ZeroMQ sockets at the cost of the C calls (:func:`send_frames`,
+:func:`recv_frames`), and the allocator settings large messages need
+(:func:`tune_allocator`)."""
 
 from __future__ import annotations
 
@@ -75,8 +71,7 @@ def nbytes(frames: list[Any]) -> int:
     return n
 
 
-# glibc's mallopt parameters.
-_M_TRIM_THRESHOLD = -1
+_M_TRIM_THRESHOLD = -1  # glibc's mallopt parameters
 _M_MMAP_THRESHOLD = -3
 #: Defaults of :func:`tune_allocator`: messages up to 32 MiB (glibc's largest mmap
 #: threshold) come from the heap, and up to 256 MiB of freed heap stays mapped.
@@ -91,13 +86,11 @@ def tune_allocator(
     """Keep freed message memory mapped (glibc only; once per process; returns whether
     the allocator is tuned).
 
-    libzmq allocates each received message above 8 KiB with ``malloc``. glibc serves
-    large blocks with a fresh ``mmap`` and returns freed heap above a low threshold to
-    the kernel, so while responses are held (a gathered batch) and then freed, every
-    large message lands in fresh pages and pays a page fault per 4 KiB: more than the
-    copy from the kernel itself. Raising both thresholds keeps that memory mapped and
-    reused. Set ``FASTIO_TUNE_MALLOC=0`` to leave the allocator alone (the process then
-    keeps glibc's defaults). Called by the first :class:`~transport.sockets.SocketPump`.
+    libzmq ``malloc``s each large received message. With glibc's defaults, freed heap
+    above a low threshold goes back to the kernel, so after a batch of held responses
+    is freed every large message lands in fresh pages: a page fault and a zero-fill per
+    4 KiB, more than the copy from the kernel itself. ``FASTIO_TUNE_MALLOC=0`` leaves
+    the allocator alone. Called by the first :class:`~transport.sockets.SocketPump`.
     """
     global _tuned
     if _tuned is not None:
