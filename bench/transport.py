@@ -28,6 +28,11 @@ Every round trip and throughput measurement also reports ``extra["cpu_us_per_req
 CPU microseconds per request of the client process and its workers together, over all
 samples (less sensitive to a loaded machine than wall time).
 
+Every process of the suite (fastio's, raw pyzmq's and the vLLM-style echo) runs with the
+allocator settings fastio's sockets set (:func:`transport.zmqio.tune_allocator`;
+``FASTIO_TUNE_MALLOC=0`` runs all of them on glibc's defaults), so the ratios compare the
+fabrics, not malloc.
+
 The echo worker serves its socket on the handler's loop (``WorkerConfig.inline``: the echo
 never blocks). Engines that may block run on a loop of their own behind the worker's
 socket thread and pay two thread hand-offs per request on top of these figures.

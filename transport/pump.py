@@ -1,0 +1,484 @@
+"""The pump that ties a non-blocking ZeroMQ socket to asyncio, and its frame I/O.
+
+:class:`SocketPump` is the one loop model of the fabric's sockets: reads in batches
+from a reader callback on the socket's FD, sends that never block (per-peer queues at
+the HWM), and coalescing of bursts into few ZeroMQ messages. The client's DEALERs run on
+the caller's asyncio loop, a worker's ROUTER on its socket thread's loop (on the
+handler's loop when the handler never blocks); the weight routes and the controller use
+blocking sockets with ``zmq.Poller`` in threads of their own. Sockets themselves are
+made by :mod:`transport.sockets`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+
+from fastio.fabric_msgs import MAX_BATCHED_FRAME, pack_batch
+from transport.zmqio import POLLIN, nbytes, recv_frames, send_frames, tune_allocator, zmq_poll
+
+__all__ = ["DEFAULT_PEER_QUEUE_LIMIT", "SocketPump"]
+
+log = logging.getLogger("transport.sockets")
+
+#: Bytes a ROUTER pump holds for one peer beyond libzmq's own pipe before that peer is
+#: dropped (its queue discarded, ``on_drop`` told).
+DEFAULT_PEER_QUEUE_LIMIT = 64 << 20
+
+
+# Retry interval of the queue of messages that met EAGAIN: from 2 ms, doubled while
+# nothing gets through, up to 100 ms.
+_RETRY_MIN_S = 0.002
+_RETRY_MAX_S = 0.1
+
+# A send this soon after the previous one *ended* (outside a receive batch) starts a
+# coalescing burst: on a loaded machine a send can take longer than the gap itself.
+_BURST_GAP_S = 100e-6
+_perf_counter = time.perf_counter
+
+# A joined ZeroMQ message is sent once it holds this many bytes, and a message this
+# large is never joined: ZeroMQ hands a message over whole, so its receiver would idle
+# until all of it had arrived.
+_JOIN_LIMIT = 256 << 10
+# Marks "no message to this destination in the burst yet" in SocketPump._pending.
+_FIRST: Any = object()
+
+
+class _Joined:
+    """Messages to one destination being joined into one ZeroMQ message."""
+
+    __slots__ = ("frames", "n", "size", "small")
+
+    def __init__(self, frames: list[Any]) -> None:
+        self.frames = frames  # the ROUTER identity, then finished parts
+        self.small: list[bytes] = []  # a run of small single-frame messages
+        self.n = 0
+        self.size = 0  # bytes of the messages joined
+
+    def close_batch(self) -> None:
+        small = self.small
+        self.frames.append(small[0] if len(small) == 1 else pack_batch(small))
+        self.small = []
+
+    def done(self) -> list[Any]:
+        if self.small:
+            self.close_batch()
+        return self.frames
+
+
+class SocketPump:
+    """Ties a non-blocking ZeroMQ socket to the running asyncio loop.
+
+    Incoming multipart messages (lists of ``zmq.Frame``) go to ``on_recv`` in batches
+    from a reader callback on the socket's FD, without a future per message.
+    :meth:`send` never blocks: at the HWM (``EAGAIN``) a message waits in an ordered
+    queue per destination (``router=True``: per peer, frame 0 being its identity),
+    retried on every wake-up and on a short timer, so a peer that stops reading holds
+    only its own messages. A peer whose queue passes ``peer_queue_limit`` bytes is
+    dropped: its queue discarded, ``on_drop(peer)`` called, :attr:`dropped` counted, and
+    later messages to it that meet a full pipe discarded until one gets through again.
+
+    Coalescing: the first message of a burst to each destination goes at once; later
+    ones to it are joined into one ZeroMQ message (fastio messages back to back, see
+    PROTOCOL.md), sent at the burst's end or once it holds 256 KiB; a message that large
+    is never joined. With ``batch_frames`` (peers that split with
+    :func:`fastio.fabric_msgs.split`), runs of small single-frame messages travel as one
+    batch frame. A burst is one batch of incoming messages (replies sent by
+    ``on_recv``), or sends back to back (within 100 us of the end of the previous one)
+    until the next drain.
+
+    The FD is edge-triggered and our own sends can consume its readiness: after a send
+    outside a batch, ``ZMQ_EVENTS`` is asked at once (re-arming the FD); a batch asks it
+    before every receive. ``defer_check`` (for a requester): a batch woken by the FD
+    handles its first message and leaves the rest to a drain scheduled behind what that
+    message woke, so the next request goes out first and one query serves both.
+    """
+
+    def __init__(
+        self,
+        sock: zmq.Socket[Any],
+        on_recv: Callable[[list[zmq.Frame]], None],
+        *,
+        on_undeliverable: Callable[[list[Any]], None] | None = None,
+        batch: int = 256,
+        router: bool = False,
+        coalesce: int = 256,
+        batch_frames: bool = False,
+        on_drop: Callable[[Any], None] | None = None,
+        peer_queue_limit: int = DEFAULT_PEER_QUEUE_LIMIT,
+        defer_check: bool = False,
+    ) -> None:
+        self.sock = sock
+        self.defer_check = defer_check
+        self.on_recv = on_recv
+        self.on_undeliverable = on_undeliverable
+        self.on_drop = on_drop
+        self.peer_queue_limit = peer_queue_limit
+        self.batch = batch
+        self.loop = asyncio.get_running_loop()
+        tune_allocator()
+        # Per destination (None for a DEALER): messages that met EAGAIN, and their bytes.
+        self._queues: dict[Any, deque[list[Any]]] = {}
+        self._queued_bytes: dict[Any, int] = {}
+        self._dropped: set[Any] = set()
+        #: Peers dropped for not reading (a count of drops, for status and metrics).
+        self.dropped = 0
+        #: Messages discarded: queues of dropped peers, and sends to them meanwhile;
+        #: at :meth:`close`, what could not be handed to libzmq.
+        self.discarded = 0
+        self.router = router
+        self.coalesce = coalesce
+        self._burst = False
+        self._last_send = 0.0
+        self._in_batch = False
+        self.batch_frames = batch_frames
+        # Per destination sent to in the current burst: the messages being joined
+        # (None: one went at once, none joined yet).
+        self._pending: dict[Any, _Joined | None] = {}
+        self._scheduled = False
+        self._timer: asyncio.TimerHandle | None = None
+        self._retry_s = _RETRY_MIN_S
+        self._closed = False
+        self._fd: int = sock.getsockopt(zmq.FD)  # type: ignore[assignment]
+        self._pollin = [(sock, POLLIN)]  # zmq_poll's argument
+        self.loop.add_reader(self._fd, self._on_readable)
+        self._schedule()
+
+    @property
+    def queue(self) -> list[list[Any]]:
+        """Every message waiting for a free pipe, all destinations (a copy)."""
+        return [m for q in self._queues.values() for m in q]
+
+    def queued(self, dest: Any = None) -> int:
+        """Messages waiting for ``dest`` (a ROUTER peer; ``None`` for a DEALER)."""
+        q = self._queues.get(dest)
+        return len(q) if q is not None else 0
+
+    def poke(self) -> None:
+        """Look for input at the end of this loop iteration. Call it after using
+        :attr:`sock` directly: a send can consume the edge of ZeroMQ's FD, after which
+        the loop would not be told about messages already waiting."""
+        self._schedule()
+
+    def drain_now(self) -> None:
+        """Read and dispatch what has arrived, now (up to one batch)."""
+        if not self._closed and not self._in_batch:
+            self._drain()
+
+    def _schedule(self) -> None:
+        if not self._scheduled and not self._closed:
+            self._scheduled = True
+            self.loop.call_soon(self._drain)
+
+    def _on_readable(self) -> None:
+        # Almost always a message's arrival: the first receive goes without asking
+        # ZMQ_EVENTS (an EAGAIN on the rare wake-up without input).
+        self._drain(True)
+
+    def _drain(self, readable: bool = False) -> None:
+        self._scheduled = False
+        if self._closed or self._in_batch:
+            return
+        if self._queues:
+            self._flush()
+        sock = self.sock
+        pollin = self._pollin
+        on_recv = self.on_recv
+        self._in_batch = True
+        try:
+            for i in range(self.batch):
+                if i and readable and self.defer_check:
+                    break  # the rest in a drain behind what the first message woke
+                # Cheaper than an empty recv's EAGAIN, and sees input whose edge our
+                # own sends (replies from on_recv) took.
+                if (i or not readable) and not zmq_poll(pollin, 0):
+                    return
+                try:
+                    frames = recv_frames(sock)
+                except zmq.Again:
+                    return
+                except zmq.ZMQError as exc:  # pragma: no cover - socket closed under us
+                    if exc.errno == zmq.ENOTSOCK:
+                        return
+                    raise
+                try:
+                    on_recv(frames)
+                except Exception:  # a bug in a handler must not stop the pump
+                    log.exception("error handling an incoming message")
+                if self._closed:
+                    return
+            # More may be waiting: let other callbacks run, then continue.
+            self._schedule()
+        finally:
+            self._in_batch = False
+            if self._burst and not self._closed:
+                # The burst ends with the batch (or this drain, for sends back to back).
+                self._burst = False
+                if self._pending:
+                    self._send_pending()
+
+    def send(self, frames: list[Any]) -> None:
+        """Send one message without blocking (coalesced within a burst, queued at the
+        HWM)."""
+        if self._closed:
+            return
+        if not self._burst:
+            if self._in_batch:
+                self._burst = True  # it ends with the batch
+            elif _perf_counter() - self._last_send < _BURST_GAP_S:
+                # Back to back: a burst, ended by the next drain. A lone send just goes.
+                self._burst = True
+                self._schedule()
+            else:
+                self._send_now(frames)
+                self._last_send = _perf_counter()
+                return
+        router = self.router
+        key = frames[0] if router else None
+        pending = self._pending
+        joined = pending.get(key, _FIRST)
+        if joined is _FIRST:
+            # The first message to a destination in a burst goes at once: a lone reply
+            # never waits for the end of its batch.
+            pending[key] = None
+            self._send_now(frames)
+            if not self._in_batch:
+                self._last_send = _perf_counter()
+            return
+        body = len(frames) - 1 if router else len(frames)
+        last = frames[-1]
+        if body == 1 and type(last) is bytes:
+            size = len(last)
+            if self.batch_frames and size <= MAX_BATCHED_FRAME:
+                if joined is None:
+                    joined = pending[key] = _Joined([key] if router else [])
+                joined.small.append(last)
+                self._joined(key, joined, size)
+                return
+        else:
+            size = nbytes(frames)
+        if size >= _JOIN_LIMIT:
+            # Large: never joined; what waits for this destination goes first.
+            if joined is not None:
+                pending[key] = None
+                self._send_now(joined.done())
+            self._send_now(frames)
+            return
+        if joined is None:
+            joined = pending[key] = _Joined([key] if router else [])
+        if joined.small:
+            joined.close_batch()
+        joined.frames.extend(frames[1:] if router else frames)
+        self._joined(key, joined, size)
+
+    def _joined(self, key: Any, joined: _Joined, size: int) -> None:
+        joined.n += 1
+        joined.size += size
+        if joined.n >= self.coalesce or joined.size >= _JOIN_LIMIT:
+            self._pending[key] = None
+            self._send_now(joined.done())
+
+    def send_many(self, messages: list[list[Any]]) -> None:
+        """Send several messages as one burst (coalesced per destination)."""
+        if len(messages) == 1 or self._burst or self._in_batch:
+            for frames in messages:
+                self.send(frames)
+            return
+        self._burst = True
+        try:
+            for frames in messages:
+                self.send(frames)
+        finally:
+            self._burst = False
+            self._send_pending()
+
+    def _send_pending(self) -> None:
+        if self._pending:
+            pending = self._pending
+            self._pending = {}
+            for joined in pending.values():
+                if joined is not None:
+                    self._send_now(joined.done())
+
+    def _send_now(self, frames: list[Any]) -> None:
+        if self._queues:
+            key = frames[0] if self.router else None
+            if key in self._queues:
+                # Behind messages already waiting for this destination: keep the order.
+                self._enqueue(key, frames)
+                self._arm_timer()
+                return
+        try:
+            send_frames(self.sock, frames)
+        except zmq.ZMQError as exc:
+            self._send_failed(frames, exc)
+        else:
+            if self._dropped and self.router:
+                self._dropped.discard(frames[0])  # it reads again
+        # The send may have taken the FD's edge: look now (a batch or a due drain
+        # looks anyway).
+        if (
+            not self._in_batch
+            and not self._scheduled
+            and not self._closed
+            and zmq_poll(self._pollin, 0)
+        ):
+            self._schedule()
+
+    def _send_failed(self, frames: list[Any], exc: zmq.ZMQError) -> None:
+        if isinstance(exc, zmq.Again):
+            key = frames[0] if self.router else None
+            if key in self._dropped:
+                self.discarded += 1  # dropped and still not reading: not queued again
+                return
+            self._enqueue(key, frames)
+            self._arm_timer()
+        elif exc.errno == errno.EHOSTUNREACH:
+            if self.on_undeliverable is not None:
+                self.on_undeliverable(frames)
+        else:
+            raise exc
+
+    def _send_or_report(self, frames: list[Any]) -> None:
+        """Send; a message for a peer that has gone goes to ``on_undeliverable``."""
+        try:
+            send_frames(self.sock, frames)
+        except zmq.ZMQError as exc:
+            if exc.errno != errno.EHOSTUNREACH:
+                raise
+            if self.on_undeliverable is not None:
+                self.on_undeliverable(frames)
+
+    def _enqueue(self, key: Any, frames: list[Any]) -> None:
+        q = self._queues.get(key)
+        if q is None:
+            q = self._queues[key] = deque()
+            self._queued_bytes[key] = 0
+        q.append(frames)
+        size = self._queued_bytes[key] + nbytes(frames)
+        self._queued_bytes[key] = size
+        if self.router and size > self.peer_queue_limit:
+            self._drop(key)
+
+    def _drop(self, key: Any) -> None:
+        q = self._queues.pop(key, None)
+        self._queued_bytes.pop(key, None)
+        n = len(q) if q is not None else 0
+        self.discarded += n
+        self.dropped += 1
+        self._dropped.add(key)
+        msg = "peer %r does not read: dropped it and %d queued messages (queue over %d bytes)"
+        log.warning(msg, bytes(key)[:32], n, self.peer_queue_limit)
+        if self.on_drop is not None:
+            try:
+                self.on_drop(key)
+            except Exception:  # a bug there must not stop the pump
+                log.exception("on_drop failed")
+
+    def _flush(self) -> None:
+        # Each destination in turn, until its pipe is full: one that does not read
+        # holds up no one else.
+        for key, q in list(self._queues.items()):
+            while q:
+                frames = q[0]
+                try:
+                    self._send_or_report(frames)
+                except zmq.Again:
+                    break
+                q.popleft()
+                self._queued_bytes[key] -= nbytes(frames)
+            if not q and self._queues.get(key) is q:
+                del self._queues[key]
+                del self._queued_bytes[key]
+        if self._queues:
+            self._arm_timer()
+
+    def _arm_timer(self) -> None:
+        if self._timer is None and not self._closed:
+            self._timer = self.loop.call_later(self._retry_s, self._on_timer)
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        if self._queues:
+            before = sum(len(q) for q in self._queues.values())
+            self._flush()
+            self._schedule()
+            if self._queues:
+                # Nothing got through: a peer that is down (not one at its HWM, which
+                # drains) is retried less often until it is back or declared dead.
+                stuck = sum(len(q) for q in self._queues.values()) >= before
+                self._retry_s = min(self._retry_s * 2, _RETRY_MAX_S) if stuck else _RETRY_MIN_S
+                self._arm_timer()
+                return
+        self._retry_s = _RETRY_MIN_S
+
+    def discard_queued(self, dest: Any = ...) -> int:
+        """Drop messages not sent yet (all, or those for ``dest``); returns how many
+        ZeroMQ messages (for the logs)."""
+        if dest is not ...:
+            q = self._queues.pop(dest, None)
+            self._queued_bytes.pop(dest, None)
+            joined = self._pending.pop(dest, None)
+            return (len(q) if q is not None else 0) + (joined is not None)
+        n = sum(len(q) for q in self._queues.values())
+        n += sum(j is not None for j in self._pending.values())
+        self._retry_s = _RETRY_MIN_S
+        self._queues.clear()
+        self._queued_bytes.clear()
+        self._pending.clear()
+        return n
+
+    def close(self) -> None:
+        """Hand what the pump holds to libzmq, detach from the loop, close the socket.
+
+        Best effort, non-blocking, in order: queued messages are retried once and joined
+        ones sent; what meets a full pipe, a gone peer or a closed socket is counted in
+        :attr:`discarded`, without an error. With linger 0, libzmq may still discard
+        what its I/O thread has not written yet.
+        """
+        if self._closed:
+            return
+        self._burst = False
+        if self._queues or self._pending:
+            try:
+                self._flush_for_close()
+            except Exception:  # a closed socket, a failing on_undeliverable: nothing to do
+                log.debug("flush at close failed", exc_info=True)
+        self._closed = True
+        if self._timer is not None:
+            self._timer.cancel()
+        with contextlib.suppress(Exception):  # the loop may be closed already
+            self.loop.remove_reader(self._fd)
+        self.sock.close(linger=0)
+
+    def _flush_for_close(self) -> None:
+        # The queues first (older); a destination whose queue is still stuck keeps its
+        # joined messages back too (they would overtake it), and both are discarded.
+        if self._queues:
+            self._flush()
+        pending = self._pending
+        self._pending = {}
+        for key, joined in pending.items():
+            if joined is None:
+                continue
+            if key in self._queues:
+                self.discarded += 1
+                continue
+            try:
+                self._send_or_report(joined.done())
+            except zmq.ZMQError:  # a full pipe, a closed socket
+                self.discarded += 1
+            except Exception:  # a bug in on_undeliverable must not stop the close
+                log.exception("on_undeliverable failed")
+        for q in self._queues.values():
+            self.discarded += len(q)
+        self._queues.clear()
+        self._queued_bytes.clear()
