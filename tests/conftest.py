@@ -1,4 +1,5 @@
-"""The fast subset: which tests carry the ``slow`` marker.
+"""The fast subset (which tests carry the ``slow`` marker) and how the suite runs in
+parallel.
 
 ``python -m pytest -m "not slow"`` runs the fast subset (under a minute on 2 cores);
 ``python -m pytest`` runs everything, as CI and the README's test command do.
@@ -10,6 +11,13 @@ below mark the tests written before the marker was used, found with
 ``python -m pytest --durations=0``: a whole module, or a test function with all its
 parametrizations. An entry that no longer names a test is reported as a warning, so a
 moved test cannot silently join the fast subset.
+
+The suite runs on 4 pytest-xdist workers (``-n 4 --dist loadgroup`` in pyproject.toml;
+``-n 0`` runs it in one process). Most tests wait on processes and sockets rather than
+on the CPU, so 4 workers fit 2 cores. Slow tests are handed out first so that none of
+them starts last, and the modules of ``GROUPS`` run on one worker each, in order: their
+module-scoped fixture (a worker process, a model) is built once, and the demo's
+multi-process runs do not compete with each other.
 """
 
 from __future__ import annotations
@@ -72,6 +80,18 @@ SLOW_TESTS = {
 }
 
 
+# module -> why its tests stay together on one xdist worker (an ``xdist_group``).
+GROUPS = {
+    "tests/transport/test_demo.py": "each run is a trainer, workers and clients at once",
+    "tests/transport/test_client_asyncio.py": "one module-scoped worker process",
+    "tests/transport/test_wire_compat.py": "one module-scoped echo worker",
+    "tests/transport/test_hf_engine.py": "one module-scoped tiny model",
+    "tests/transport/test_areal.py": "a module-scoped tokenizer and model",
+    "tests/test_metrics.py": "one module-scoped metrics endpoint",
+    "tests/test_clear_failures.py": "one module-scoped mount namespace probe",
+}
+
+
 def _where(item: pytest.Item) -> tuple[str, str]:
     path = Path(str(item.path)).resolve()
     try:
@@ -82,7 +102,8 @@ def _where(item: pytest.Item) -> tuple[str, str]:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Add the ``slow`` marker to the listed tests (a test's own marker stays as it is)."""
+    """Add the ``slow`` marker to the listed tests (a test's own marker stays as it is),
+    the ``xdist_group`` of :data:`GROUPS`, and put slow tests first."""
     slow = pytest.mark.slow
     seen: set[tuple[str, str]] = set()
     collected: set[str] = set()
@@ -94,6 +115,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             seen.add((module, name))
         if (module in SLOW_MODULES or listed) and item.get_closest_marker("slow") is None:
             item.add_marker(slow)
+        if module in GROUPS:
+            item.add_marker(pytest.mark.xdist_group(module))
+    # Stable: the order within each part stays the collection order.
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
     stale = [f"{m} (missing)" for m in [*SLOW_MODULES, *SLOW_TESTS] if not (ROOT / m).exists()]
     stale += [
         f"{module}::{name}"
