@@ -63,8 +63,9 @@ class WorkerProc:
         self.ready: dict[str, Any] = {}
         self.pid = self.proc.pid
 
-    def wait_ready(self, timeout: float = 30.0) -> str:
-        """Block until the worker prints its ready line (poll with a deadline)."""
+    def wait_ready(self, timeout: float = 90.0) -> str:
+        """Block until the worker prints its ready line (poll with a deadline: generous,
+        as tests share a loaded machine with other tests' processes)."""
         assert self.proc.stdout is not None
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
