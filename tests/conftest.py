@@ -1,7 +1,7 @@
 """The fast subset (which tests carry the ``slow`` marker) and how the suite runs in
 parallel.
 
-``python -m pytest -m "not slow"`` runs the fast subset (under a minute on 2 cores);
+``python -m pytest -m "not slow"`` runs the fast subset (its time on 2 cores is in the README);
 ``python -m pytest`` runs everything, as CI and the README's test command do.
 
 A test is slow when it takes more than about 2 s on a quiet 2-core machine: it starts
