@@ -1,6 +1,7 @@
-"""The fast subset: which tests carry the ``slow`` marker.
+"""The fast subset (which tests carry the ``slow`` marker) and how the suite runs in
+parallel.
 
-``python -m pytest -m "not slow"`` runs the fast subset (under a minute on 2 cores);
+``python -m pytest -m "not slow"`` runs the fast subset (its time on 2 cores is in the README);
 ``python -m pytest`` runs everything, as CI and the README's test command do.
 
 A test is slow when it takes more than about 2 s on a quiet 2-core machine: it starts
@@ -10,12 +11,20 @@ below mark the tests written before the marker was used, found with
 ``python -m pytest --durations=0``: a whole module, or a test function with all its
 parametrizations. An entry that no longer names a test is reported as a warning, so a
 moved test cannot silently join the fast subset.
+
+The suite runs on 4 pytest-xdist workers (``-n 4`` in pyproject.toml; ``-n 0`` runs it
+in one process). Most tests wait on processes and sockets rather than on the CPU, so 4
+workers fit 2 cores. Slow tests are handed out first so that none of them starts last,
+and the modules of ``GROUPS`` run on one worker each, in order: their module-scoped
+fixture (a worker process, a model) is built once, and the demo's multi-process runs do
+not compete with each other.
 """
 
 from __future__ import annotations
 
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -72,6 +81,18 @@ SLOW_TESTS = {
 }
 
 
+# module -> why its tests stay together on one xdist worker.
+GROUPS = {
+    "tests/transport/test_demo.py": "each run is a trainer, workers and clients at once",
+    "tests/transport/test_client_asyncio.py": "one module-scoped worker process",
+    "tests/transport/test_wire_compat.py": "one module-scoped echo worker",
+    "tests/transport/test_hf_engine.py": "one module-scoped tiny model",
+    "tests/transport/test_areal.py": "a module-scoped tokenizer and model",
+    "tests/test_metrics.py": "one module-scoped metrics endpoint",
+    "tests/test_clear_failures.py": "one module-scoped mount namespace probe",
+}
+
+
 def _where(item: pytest.Item) -> tuple[str, str]:
     path = Path(str(item.path)).resolve()
     try:
@@ -82,7 +103,8 @@ def _where(item: pytest.Item) -> tuple[str, str]:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Add the ``slow`` marker to the listed tests (a test's own marker stays as it is)."""
+    """Add the ``slow`` marker to the listed tests (a test's own marker stays as it is)
+    and put slow tests first."""
     slow = pytest.mark.slow
     seen: set[tuple[str, str]] = set()
     collected: set[str] = set()
@@ -94,6 +116,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             seen.add((module, name))
         if (module in SLOW_MODULES or listed) and item.get_closest_marker("slow") is None:
             item.add_marker(slow)
+    # Stable: the order within each part stays the collection order. xdist hands tests out
+    # in this order (the GROUPS first, as larger units).
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
     stale = [f"{m} (missing)" for m in [*SLOW_MODULES, *SLOW_TESTS] if not (ROOT / m).exists()]
     stale += [
         f"{module}::{name}"
@@ -110,3 +135,21 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             pytest.PytestWarning,
             stacklevel=1,
         )
+
+
+# tryfirst: xdist's own implementation answers otherwise (the first answer wins).
+@pytest.hookimpl(optionalhook=True, tryfirst=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """With ``-n`` and the default ``--dist load``: one scheduling unit per test, except the
+    modules of :data:`GROUPS`, one unit each. (The ``xdist_group`` marker would do this, but
+    pytest 9 ignores the node id suffix that xdist's ``loadgroup`` relies on.)"""
+    if config.getvalue("dist") != "load":
+        return None  # an explicit --dist other than load is the caller's choice
+    from xdist.scheduler import LoadScopeScheduling
+
+    class GroupScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return module if module in GROUPS else nodeid
+
+    return GroupScheduling(config, log)

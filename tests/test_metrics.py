@@ -15,26 +15,11 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import parse, value
 from transport import metrics
 from transport.worker.counters import Counters
 
 ROOT = Path(__file__).resolve().parents[1]
-
-_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)(?:\s+\d+)?$")
-_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
-
-
-def parse(text: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
-    """The samples of a text exposition: ``{(name, labels): value}``."""
-    out: dict[tuple[str, frozenset[tuple[str, str]]], float] = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        m = _SAMPLE.match(line)
-        assert m, f"not an exposition line: {line!r}"
-        name, labels, value = m.groups()
-        out[(name, frozenset(_LABEL.findall(labels or "")))] = float(value)
-    return out
 
 
 def scrape(port: int) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
@@ -42,12 +27,6 @@ def scrape(port: int) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
         assert resp.status == 200
         assert resp.headers["Content-Type"].startswith("text/plain")
         return parse(resp.read().decode())
-
-
-def value(
-    samples: dict[tuple[str, frozenset[tuple[str, str]]], float], name: str, **labels: str
-) -> float:
-    return samples.get((name, frozenset(labels.items())), 0.0)
 
 
 @pytest.fixture(scope="module")

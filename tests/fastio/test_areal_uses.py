@@ -30,7 +30,7 @@ from fastio import (
     WeightUpdateMeta,
 )
 from fastio import fabric_msgs as fm
-from tests.fastio.test_codec import all_messages
+from tests.helpers import all_messages
 
 
 def sglang_payload(req: LLMRequest) -> dict[str, Any]:

@@ -17,25 +17,19 @@ from PIL import Image
 
 import fastio
 from fastio import (
-    AllocationMode,
     Decoder,
     Encoder,
-    FinetuneSpec,
     GenerationHyperparameters,
     LLMRequest,
     LLMResponse,
-    ParamSpec,
     RolloutStat,
-    SaveLoadMeta,
-    SaverConfig,
     TokenArray,
     VLMRequest,
     VLMResponse,
-    WeightUpdateMeta,
 )
 from fastio.protocol import DEFAULT_INLINE_THRESHOLD, PROTOCOL_VERSION, ExtCode, MsgKind
+from tests.helpers import RNG_SEED, all_messages, big_response, rng
 
-RNG_SEED = 1234
 DTYPES = [
     "bool",
     "int8",
@@ -50,58 +44,6 @@ DTYPES = [
     "float32",
     "float64",
 ]
-
-
-def rng() -> np.random.Generator:
-    return np.random.default_rng(RNG_SEED)
-
-
-def big_response(n: int = 4096) -> LLMResponse:
-    r = rng()
-    return LLMResponse(
-        input_tokens=r.integers(0, 150_000, 3000, dtype=np.int32),
-        output_tokens=r.integers(0, 150_000, n, dtype=np.int32),
-        output_logprobs=-r.random(n, dtype=np.float32),
-        output_versions=np.full(n, 3, np.int32),
-        stop_reason="length",
-        latency=1.5,
-        ttft=0.25,
-        itl=r.random(n),
-    )
-
-
-def all_messages() -> list[Any]:
-    alloc = AllocationMode.from_str("sglang.d4p1t1+d2p2t1")
-    img = Image.fromarray(rng().integers(0, 255, (8, 6, 3), dtype=np.uint8), "RGB")
-    return [
-        GenerationHyperparameters(n_samples=4, greedy=True, stop_token_ids=[1, 2]),
-        LLMRequest(
-            rid="r1",
-            input_ids=list(range(1000)),
-            gconfig=GenerationHyperparameters(temperature=0.7),
-            metadata={"task": "math", "n": 3, "nested": {"x": [1.5, None]}},
-            model_id="policy",
-        ),
-        LLMRequest(),
-        big_response(),
-        LLMResponse(),
-        VLMRequest(input_ids=[1, 2, 3], image_data=[img, "https://example.org/a.png"]),
-        VLMRequest(image_data=None),
-        VLMResponse(output_tokens=[5, 6], input_images=[img, "path/to/b.jpg"]),
-        FinetuneSpec(3, 1000, 32),
-        alloc,
-        ParamSpec("model.layers.0.weight", (4096, 4096), "bfloat16"),
-        WeightUpdateMeta.from_disk(SaverConfig("e", "t", "/root")),
-        WeightUpdateMeta(
-            type="nccl",
-            alloc_mode=alloc,
-            nccl_master_port=1234,
-            nccl_param_specs=[ParamSpec("a", (2,), "float32")],
-        ),
-        SaverConfig("e", "t", "/root", freq_steps=10),
-        SaveLoadMeta("/ckpt", "hf", True, None, None, None, naive_distributed=True),
-        RolloutStat(5, 3, 2),
-    ]
 
 
 def assert_same(a: Any, b: Any) -> None:

@@ -5,8 +5,6 @@ is ext 4 at version 1, the one form every version-1 reader reads, at any size.""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
 from typing import Any
 
 import msgpack
@@ -18,44 +16,15 @@ import fastio
 from fastio import Encoder, IncompatiblePeer, TokenArray, UnsupportedVersion, versions
 from fastio import fabric_msgs as fm
 from fastio.protocol import MIN_PROTOCOL_VERSION, PROTOCOL_VERSION, READS, TokenEncoding
+from tests.helpers import ERA_READS, ERAS, ext_codes, load, record
 
-VECTORS = Path(__file__).parent / "wire_vectors"
-
-
-def _load_recorder() -> Any:
-    """``wire_vectors/record.py``, which defines the recorded messages."""
-    spec = importlib.util.spec_from_file_location(
-        "fastio_wire_vectors_record", VECTORS / "record.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-record = _load_recorder()
-
-ERAS = ["ext4", "compact", "ref"]
 #: The encoder settings that wrote each directory (its release's defaults).
 ERA_ENCODERS: dict[str, dict[str, Any]] = {
     "ext4": {"version": 1, "tokens": TokenEncoding.TOKENS, "inline_threshold": 256},
     "compact": {"version": 1, "tokens": TokenEncoding.COMPACT},
     "ref": {"version": 1, "tokens": TokenEncoding.REF},
 }
-#: Ext codes each release's decoder reads (16 + d etc. for every token dtype).
-_T = set(range(16, 29)) - {26}
-ERA_READS = {
-    "ext4": {1, 2, 3, 4},
-    "compact": {1, 2, 3, 4} | _T | {c + 16 for c in _T},
-    "ref": {1, 2, 3, 4} | _T | {c + 16 for c in _T} | {c + 32 for c in _T},
-}
 MESSAGES = record.messages()
-
-
-def load(era: str, name: str) -> list[bytes]:
-    """The recorded frames of one message."""
-    frames: list[bytes] = msgspec.msgpack.decode((VECTORS / era / f"{name}.frames").read_bytes())
-    return frames
 
 
 def same(a: Any, b: Any) -> bool:
@@ -68,24 +37,6 @@ def same(a: Any, b: Any) -> bool:
             return False
         return all(same(getattr(a, f), getattr(b, f)) for f in a.__struct_fields__)
     return bool(a == b)
-
-
-def ext_codes(frames: list[Any]) -> tuple[int, set[int]]:
-    """The header's version and every ext code in the message, read by the ``msgpack``
-    package (independent of fastio)."""
-    codes: set[int] = set()
-
-    def hook(code: int, data: bytes) -> Any:
-        codes.add(code)
-        if code in (1, 2, 4):  # [dtype, shape, data]: nested values to look into
-            msgpack.unpackb(data, ext_hook=hook)
-        return None
-
-    version, n, _ = msgpack.unpackb(
-        record.frame_bytes(frames[0]), ext_hook=hook, strict_map_key=False
-    )
-    assert n == len(frames) - 1
-    return version, codes
 
 
 @pytest.mark.parametrize("name", sorted(MESSAGES))

@@ -14,8 +14,7 @@ import zmq
 import fastio
 from fastio import LLMRequest, LLMResponse
 from fastio import fabric_msgs as fm
-from tests.transport.conftest import WorkerProc, await_for, wait_for
-from tests.transport.test_worker_liveness import dealer, ping
+from tests.helpers import WorkerProc, await_for, dealer, ping, wait_for
 from transport import ClientConfig, FabricClient, FabricController
 
 ENGINES = "tests.transport.plugins"

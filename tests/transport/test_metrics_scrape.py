@@ -14,8 +14,7 @@ from typing import Any
 import pytest
 
 from fastio import GenerationHyperparameters, LLMRequest
-from tests.test_metrics import parse, value
-from tests.transport.conftest import WorkerProc
+from tests.helpers import WorkerProc, parse, value
 from transport import ClientConfig, FabricClient, FabricController, RequestAborted
 
 pytest.importorskip("prometheus_client")

@@ -21,7 +21,7 @@ import fastio
 from fastio import LLMRequest, versions
 from fastio import fabric_msgs as fm
 from fastio.protocol import MsgKind
-from tests.fastio.test_wire_vectors import ERA_READS, ERAS, ext_codes, load
+from tests.helpers import ERA_READS, ERAS, ext_codes, load
 from tests.transport.conftest import WorkerProc
 from transport import ClientConfig, FabricClient, IncompatibleWorkers
 

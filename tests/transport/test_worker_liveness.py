@@ -5,7 +5,6 @@ without holding up anyone else."""
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -15,35 +14,10 @@ import zmq
 import fastio
 from fastio import LLMRequest
 from fastio import fabric_msgs as fm
-from tests.transport.conftest import WorkerProc, wait_for
+from tests.helpers import WorkerProc, dealer, ping, wait_for
 from transport import ClientConfig, FabricClient, FabricController
 
 ENGINES = "tests.transport.plugins"
-#: A pong slower than this means the worker did not answer: generous for a loaded
-#: machine (this is a liveness test, not a speed test; bench measures the p99).
-PONG_BOUND_S = 2.0
-
-
-def dealer(ctx: zmq.Context[Any], address: str, rcvhwm: int = 1000) -> zmq.Socket[Any]:
-    s = ctx.socket(zmq.DEALER)
-    s.setsockopt(zmq.LINGER, 0)
-    s.setsockopt(zmq.RCVHWM, rcvhwm)
-    s.connect(address)
-    return s
-
-
-def ping(sock: zmq.Socket[Any]) -> fm.Heartbeat:
-    """One ping; the pong (Results/Errors met on the way are skipped)."""
-    sent = time.time()
-    sock.send_multipart(fastio.encode(fm.Heartbeat(sent_at=sent)))
-    deadline = time.monotonic() + PONG_BOUND_S
-    while True:
-        left = deadline - time.monotonic()
-        assert left > 0 and sock.poll(left * 1000), f"no pong within {PONG_BOUND_S} s"
-        for part in fm.split(sock.recv_multipart()):
-            msg = fastio.decode(part, type=fm.WORKER_TO_CLIENT)
-            if isinstance(msg, fm.Heartbeat) and msg.sent_at == sent:
-                return msg
 
 
 def health(address: str) -> fm.WorkerStatus:
