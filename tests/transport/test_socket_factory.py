@@ -97,7 +97,7 @@ def _recording(
 
     def make_socket(*args: Any, **kwargs: Any) -> zmq.Socket[Any]:
         sock: zmq.Socket[Any] = real(*args, **kwargs)
-        options.append({opt: sock.getsockopt(opt) for opt in _OPTIONS})
+        options.append({opt: int(sock.getsockopt(opt)) for opt in _OPTIONS})
         if made is not None:
             made.set()
         return sock
