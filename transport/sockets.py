@@ -50,6 +50,8 @@ __all__ = [
     "apply_curve_server",
     "bind_all",
     "make_dealer",
+    "make_monitor",
+    "make_pair",
     "make_router",
     "make_socket",
     "recv_frames",
@@ -128,6 +130,24 @@ def bind_all(sock: zmq.Socket[Any], addresses: str | list[str]) -> list[str]:
         sock.close(linger=0)
         raise
     return endpoints
+
+
+def make_pair(zctx: zmq.Context[Any], address: str) -> tuple[zmq.Socket[Any], zmq.Socket[Any]]:
+    """A PAIR bound at ``address`` (``inproc://``) and a PAIR connected to it: a wake-up
+    line into a thread that polls sockets. Returns ``(reader, writer)``."""
+    reader = make_socket(zctx, zmq.PAIR, hwm=None, max_message_size=None)
+    bind_all(reader, address)
+    writer = make_socket(zctx, zmq.PAIR, hwm=None, max_message_size=None)
+    writer.connect(address)
+    return reader, writer
+
+
+def make_monitor(sock: zmq.Socket[Any], events: int) -> zmq.Socket[Any]:
+    """A PAIR receiving ``sock``'s monitor events (a ``zmq.EVENT_*`` mask), linger 0;
+    close it before ``sock``."""
+    mon: zmq.Socket[Any] = sock.get_monitor_socket(events)
+    mon.setsockopt(zmq.LINGER, 0)
+    return mon
 
 
 def make_router(

@@ -22,7 +22,7 @@ from fastio.tokens import TokenArray
 from transport.client.config import ChunkCallback, ClientConfig
 from transport.client.future import GenerateFuture
 from transport.errors import BadAddress
-from transport.sockets import SocketPump, make_dealer
+from transport.sockets import SocketPump, make_dealer, make_monitor
 
 __all__ = ["Call", "Worker", "WorkerInfo", "check_address"]
 
@@ -117,7 +117,7 @@ class Worker:
             )  # fmt: skip
         except zmq.ZMQError as exc:
             raise BadAddress(f"cannot connect to worker address {address!r}: {exc}") from exc
-        self.monitor: zmq.Socket[Any] | None = sock.get_monitor_socket(_MONITOR_EVENTS)
+        self.monitor: zmq.Socket[Any] | None = make_monitor(sock, _MONITOR_EVENTS)
         self.pump = SocketPump(
             sock, lambda frames: on_message(self, frames), batch_frames=True, defer_check=True
         )

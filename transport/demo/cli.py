@@ -32,6 +32,7 @@ from transport.demo.config import SIZE_DEFAULTS, SIZES, DemoConfig
 from transport.demo.display import Display
 from transport.demo.reports import REPORT_DECODER, RunState, verdict
 from transport.demo.supervise import WorkerPool
+from transport.sockets import bind_all, make_socket
 
 __all__ = ["DemoConfig", "UserError", "main"]
 
@@ -97,9 +98,8 @@ def _child(role: str, c: DemoConfig, log: Path) -> subprocess.Popen[bytes]:
 def _run(c: DemoConfig, tmp: Path) -> bool:
     display = Display(live=sys.stdout.isatty(), interval=c.progress_every)
     zctx = zmq.Context()
-    pull = zctx.socket(zmq.PULL)
-    pull.setsockopt(zmq.LINGER, 0)
-    pull.bind(f"ipc://{tmp}/report")
+    pull = make_socket(zctx, zmq.PULL, hwm=None, max_message_size=None)
+    bind_all(pull, f"ipc://{tmp}/report")
     # Chosen before anything starts: workers connect to it (ZeroMQ retries until the
     # trainer binds), and the trainer is started once the workers' addresses are known.
     publisher = f"ipc://{tmp}/weights" if c.transport == "ipc" else f"tcp://127.0.0.1:{free_port()}"

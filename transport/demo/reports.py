@@ -10,6 +10,8 @@ import msgspec
 import numpy as np
 import zmq
 
+from transport.sockets import make_socket
+
 
 class ClientReport(msgspec.Struct, tag="client"):
     """Figures of one rollout client process: counters are cumulative, the sample lists
@@ -117,8 +119,10 @@ class ReportSender:
 
     def __init__(self, address: str) -> None:
         self.zctx = zmq.Context()
-        self.push = self.zctx.socket(zmq.PUSH)
-        self.push.setsockopt(zmq.LINGER, 2000)
+        # Linger: the last report still reaches the demo process after close().
+        self.push = make_socket(
+            self.zctx, zmq.PUSH, hwm=None, max_message_size=None, options={zmq.LINGER: 2000}
+        )
         self.push.connect(address)
 
     def send(self, rep: Report) -> None:

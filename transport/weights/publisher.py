@@ -38,7 +38,7 @@ import zmq
 from fastio.versions import VERSION_1
 from fastio.weight_msgs import WeightAnnounce
 from transport import metrics
-from transport.sockets import CurveConfig, WorkerAuthenticator, apply_curve_server
+from transport.sockets import CurveConfig, WorkerAuthenticator, bind_all, make_socket
 from transport.weights.bucket import Hasher, named_tensors, split_aliases
 from transport.weights.buffers import VersionStore
 from transport.weights.config import PublisherConfig, make_config
@@ -63,6 +63,8 @@ DEFAULT_CHUNK_BYTES = 4 << 20
 #: I/O threads of the publisher's private context that carry the ROUTER's connections
 #: (the bucket bytes); one more carries the PUB's.
 _ROUTER_IO_THREADS = 2
+#: Workers only send small messages; a larger frame is hostile: disconnect.
+_MAX_FROM_WORKER = 4 << 20
 
 
 class WeightPublisher:
@@ -142,22 +144,16 @@ class WeightPublisher:
         if curve is not None:  # the ZAP handler must run before the sockets bind
             self._auth = WorkerAuthenticator(self._zctx, curve)
         affinity = self._own_zctx
-        router = _bound(
-            self._zctx,
-            zmq.ROUTER,
-            endpoint,
-            curve,
-            ((1 << _ROUTER_IO_THREADS) - 1) << 1 if affinity else 0,
-        )
-        self.endpoint: str = router.getsockopt_string(zmq.LAST_ENDPOINT)
-        pub = _bound(
-            self._zctx,
-            zmq.PUB,
-            cfg.pub_endpoint or _sibling(self.endpoint),
-            curve,
-            1 if affinity else 0,
-        )
-        self.pub_endpoint: str = pub.getsockopt_string(zmq.LAST_ENDPOINT)
+        router = make_socket(
+            self._zctx, zmq.ROUTER, hwm=10_000, max_message_size=_MAX_FROM_WORKER, curve=curve,
+            curve_server=True, options=_options(zmq.ROUTER, affinity),
+        )  # fmt: skip
+        self.endpoint: str = bind_all(router, endpoint)[0]
+        pub = make_socket(
+            self._zctx, zmq.PUB, hwm=None, max_message_size=None, curve=curve,
+            curve_server=True, options=_options(zmq.PUB, affinity),
+        )  # fmt: skip
+        self.pub_endpoint: str = bind_all(pub, cfg.pub_endpoint or _sibling(self.endpoint))[0]
         self.senders: dict[str, DataSender] = {}
         token, listener = b"", None
         if self.endpoint.startswith("tcp://") and (
@@ -424,28 +420,21 @@ class WeightPublisher:
         self.serving.wake()
 
 
-def _bound(
-    zctx: zmq.Context[Any], kind: int, endpoint: str, curve: CurveConfig | None, affinity: int
-) -> zmq.Socket[Any]:
-    """The publisher's ROUTER or PUB, bound (sockets.py's ``make_router`` binds before
-    ``ZMQ_AFFINITY`` could be set, and has no PUB)."""
-    sock: zmq.Socket[Any] = zctx.socket(kind)
-    if affinity:
-        sock.setsockopt(zmq.AFFINITY, affinity)
-    apply_curve_server(sock, curve)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.SNDHWM, 10_000)
-    if kind == zmq.ROUTER:
+def _options(kind: int, pinned: bool) -> dict[int, int | bytes]:
+    """The ROUTER's or PUB's further options; ``pinned``: on the private context's I/O
+    threads (the ROUTER on 1.._ROUTER_IO_THREADS, the PUB on 0)."""
+    if kind == zmq.PUB:  # a send HWM only: a PUB receives nothing but subscriptions
+        options: dict[int, int | bytes] = {zmq.SNDHWM: 10_000}
+        affinity = 1
+    else:
         # At the HWM a ROUTER drops silently; MANDATORY turns that into EAGAIN, answered
-        # as "busy" (workers bound their fetches by a window).
-        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        # A restarted worker reuses its id; it takes the route over from the dead one.
-        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
-        sock.setsockopt(zmq.RCVHWM, 10_000)
-        # Workers only send small messages; anything larger is hostile: disconnect.
-        sock.setsockopt(zmq.MAXMSGSIZE, 4 << 20)
-    sock.bind(endpoint)
-    return sock
+        # as "busy" (workers bound their fetches by a window). A restarted worker reuses
+        # its id; HANDOVER lets it take the route over from the dead one.
+        options = {zmq.ROUTER_MANDATORY: 1, zmq.ROUTER_HANDOVER: 1}
+        affinity = ((1 << _ROUTER_IO_THREADS) - 1) << 1
+    if pinned:
+        options[zmq.AFFINITY] = affinity
+    return options
 
 
 def _sibling(endpoint: str) -> str:

@@ -38,6 +38,7 @@ from fastio.weight_msgs import (
     WeightWelcome,
 )
 from transport import metrics
+from transport.sockets import make_pair
 from transport.weights.buffers import VersionStore
 from transport.weights.config import PublisherConfig
 from transport.weights.core.publisher import PublisherCore
@@ -104,11 +105,7 @@ class Serving:
         self.listener = listener
         self.data_token = data_token
         self.senders = senders
-        wake_addr = f"inproc://fastio-weights-wake-{publisher_id}"
-        self._wake_r = zctx.socket(zmq.PAIR)
-        self._wake_r.bind(wake_addr)
-        self._wake_w = zctx.socket(zmq.PAIR)
-        self._wake_w.connect(wake_addr)
+        self._wake_r, self._wake_w = make_pair(zctx, f"inproc://fastio-weights-wake-{publisher_id}")
         self._wake_lock = threading.Lock()
         # Weight messages carry no token arrays: version 1, which every release reads.
         self.encoder = VERSION_1

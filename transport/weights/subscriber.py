@@ -54,7 +54,7 @@ from fastio.weight_msgs import (
 )
 from transport import metrics
 from transport.addresses import warn_if_unresolvable, with_reachable_host
-from transport.sockets import CurveConfig, apply_curve_client, make_dealer
+from transport.sockets import CurveConfig, make_dealer, make_socket
 from transport.weights.binding import DtypeSpec, Rename, advertised_dtype, parse_dtype_spec
 from transport.weights.bucket import BucketApplier, named_tensors
 from transport.weights.config import SubscriberConfig, make_config
@@ -304,11 +304,10 @@ class WeightSubscriber:
             curve=self.curve,
             routing_id=self.worker_id.encode(),
         )  # fmt: skip (IMMEDIATE: a restarted publisher gets no stale Fetches)
-        self._sub = self._zctx.socket(zmq.SUB)  # sockets.py has no SUB: set here
-        apply_curve_client(self._sub, self.curve)
-        self._sub.setsockopt(zmq.LINGER, 0)
-        self._sub.setsockopt(zmq.MAXMSGSIZE, 64 << 20)
-        self._sub.setsockopt(zmq.SUBSCRIBE, b"")
+        self._sub = make_socket(
+            self._zctx, zmq.SUB, hwm=None, max_message_size=64 << 20, curve=self.curve,
+            options={zmq.SUBSCRIBE: b""},
+        )  # fmt: skip
         poller = self.fetcher.tcp.poller = zmq.Poller()
         poller.register(self._dealer, zmq.POLLIN)
         poller.register(self._sub, zmq.POLLIN)

@@ -36,7 +36,7 @@ from fastio import (
 )
 from fastio import fabric_msgs as fm
 from fastio.protocol import MsgKind
-from transport.sockets import SocketPump, make_router
+from transport.sockets import SocketPump, make_monitor, make_router
 from transport.worker.config import WorkerConfig
 from transport.worker.counters import Counters, log_counted
 from transport.worker.lost import LostReplies
@@ -204,11 +204,8 @@ class SocketThread:
         if cfg.curve is not None:
             # A peer without CURVE, or with another server key, fails the handshake
             # before any authenticator sees it: only a socket monitor can tell.
-            mon = sock.get_monitor_socket(
-                zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
-                | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-                | zmq.EVENT_HANDSHAKE_FAILED_AUTH
-            )
+            failed = zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+            mon = make_monitor(sock, failed | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
             self._monitor = SocketPump(mon, self._on_monitor)
 
     def close(self) -> None:
