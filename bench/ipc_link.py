@@ -1,8 +1,8 @@
 """A minimal ZeroMQ driver of the ``ipc`` path: one ROUTER on the trainer, one DEALER per
 worker, carrying the messages of :mod:`fastio.ipc_msgs` (no pickle).
 
-It shows the whole contract of :class:`~transport.weights.ipc.IpcExporter` and
-:class:`~transport.weights.ipc.IpcImporter` with real sockets, and serves the tests and
+It shows the whole contract of :class:`~transport.weights.routes.ipc.IpcExporter` and
+:class:`~transport.weights.routes.ipc.IpcImporter` with real sockets, and serves the tests and
 the benchmark; the weight publisher and subscriber can carry the same messages on their
 own control sockets instead.
 """
@@ -20,7 +20,7 @@ import fastio
 from fastio.errors import DecodeError
 from fastio.ipc_msgs import IpcAck, IpcHello, IpcOffer, IpcReady
 from fastio.versions import VERSION_1
-from transport.weights.ipc import IpcExporter, IpcImporter, IpcRefused, IpcResult
+from transport.weights.routes.ipc import IpcExporter, IpcImporter, IpcRefused, IpcResult
 
 # No token arrays here: version 1, which every release reads.
 _encode = VERSION_1.encode

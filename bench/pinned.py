@@ -5,7 +5,7 @@
   ``torch.cuda.cudart()``, so device-to-host copies land straight in it and host-to-device
   copies read straight from it, asynchronously, without a bounce through a pinned buffer.
 * :func:`stage_out` (trainer): per bucket, pack on the device, checksum there
-  (:func:`transport.weights.ipc.checksum`), copy into the host region on a side stream;
+  (:func:`transport.weights.routes.ipc.checksum`), copy into the host region on a side stream;
   bucket k+1 is packed while bucket k crosses PCIe (two device buffers in turn).
 * :func:`stage_in` (worker): the reverse into one device staging buffer, every bucket
   checksummed on the device after its copy; :func:`apply_staged` then copies the
@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from fastio.ipc_msgs import IpcBucket
-from transport.weights.ipc import checksum
+from transport.weights.routes.ipc import checksum
 
 __all__ = ["PinnedRegion", "apply_staged", "stage_in", "stage_out"]
 

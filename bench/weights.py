@@ -9,7 +9,7 @@ live tensors and the trainer has their acknowledgements":
 * ``tcp@<size>``: :class:`WeightPublisher` -> 2 :class:`WeightSubscriber` processes that
   fetch over TCP loopback (the shared-memory path switched off on the workers);
 * ``shm@<size>``: the same with the same-host shared-memory path;
-* ``ipc@<size>``: :mod:`transport.weights.ipc` over CPU shared storage (the trainer's
+* ``ipc@<size>``: :mod:`transport.weights.routes.ipc` over CPU shared storage (the trainer's
   persistent buckets opened once by each worker; 32 MiB buckets, the whole model in
   slots, every bucket verified before any is copied), driven by
   :mod:`bench.ipc_link`.
@@ -163,7 +163,7 @@ def _worker(
     from transport.weights import WeightSubscriber
     from transport.weights.disk import load_weights
     from transport.weights.dist import WeightGroup
-    from transport.weights.ipc import IpcImporter
+    from transport.weights.routes.ipc import IpcImporter
 
     torch.set_num_threads(1)
     sd = make_state(nbytes, hidden, vocab, zeros=True)
@@ -371,7 +371,7 @@ def _run_size(nbytes: int, hidden: int, vocab: int, reps: int, quick: bool) -> l
     from transport.weights import WeightPublisher
     from transport.weights.disk import save_weights
     from transport.weights.dist import WeightGroup, param_specs
-    from transport.weights.ipc import IpcExporter
+    from transport.weights.routes.ipc import IpcExporter
 
     state = make_state(nbytes, hidden, vocab, seed=1)
     size = _nbytes(state)
@@ -712,7 +712,7 @@ def _gpu_ipc_worker(
     import threading
 
     from bench.ipc_link import IpcWorkerLink
-    from transport.weights.ipc import IpcImporter
+    from transport.weights.routes.ipc import IpcImporter
 
     torch.cuda.set_device(0)
     sd = make_state(nbytes, hidden, vocab, device="cuda", zeros=True)
@@ -810,7 +810,7 @@ def _pinned_staging(state: dict[str, torch.Tensor], reps: int) -> dict[str, Any]
     import mmap
 
     from bench import pinned
-    from transport.weights.ipc_layout import _dtype_name, plan_layout
+    from transport.weights.routes.ipc_tensors import _dtype_name, plan_layout
 
     layout = plan_layout(
         ((k, _dtype_name(t.dtype), tuple(t.shape)) for k, t in state.items()), 256 * _MIB
@@ -859,7 +859,7 @@ def gpu_suite(
     import json
 
     from bench.ipc_link import IpcTrainerLink
-    from transport.weights.ipc import IpcExporter
+    from transport.weights.routes.ipc import IpcExporter
 
     os.makedirs(out_dir, exist_ok=True)
     rows: list[dict[str, Any]] = []

@@ -60,12 +60,12 @@ MODULES = [
     "transport.weights.routes",
     "transport.weights.routes.shm",
     "transport.weights.routes.tcp",
+    "transport.weights.routes.ipc",
     "transport.weights.results",
     "transport.weights.errors",
     "transport.weights.bucket",
     "transport.weights.disk",
     "transport.weights.dist",
-    "transport.weights.ipc",
     "transport.weights.datalink",
 ]
 

@@ -132,7 +132,7 @@ class IpcOffer(WireStruct, tag=IPC_TAGS["IpcOffer"]):
     """Trainer -> worker, once per worker: every slot's handle and the layout of a
     version (``buckets``; bucket ``b`` of a version goes to slot ``b % len(slots)``).
 
-    ``checksum`` is ``"sum64"`` (see :func:`transport.weights.ipc.checksum`) or ``""``
+    ``checksum`` is ``"sum64"`` (see :func:`transport.weights.routes.ipc.checksum`) or ``""``
     (not computed). A non-empty ``error`` is a refusal (nothing else is meaningful): the
     worker should take another path.
     """

@@ -20,14 +20,14 @@ import torch
 
 import fastio
 from fastio.ipc_msgs import IpcAck, IpcHandle, IpcHello, IpcOffer, IpcReady
+from transport.weights.core.process import process_start_time
 from transport.weights.errors import WeightUpdateError
-from transport.weights.ipc import (
+from transport.weights.routes.ipc import (
     IpcExporter,
     IpcImporter,
     IpcRefused,
     checksum,
     plan_layout,
-    process_start_time,
 )
 
 BUCKET = 8 << 10  # several buckets of the state below, so two slots are reused in turn
@@ -530,7 +530,7 @@ def test_cuda_pinned_shared_memory_round_trip() -> None:  # pragma: no cover - C
 def test_cpu_checksum_is_the_device_formula_bit_for_bit() -> None:
     """The CPU sum64 (numpy, single-threaded) equals the torch formula the devices use,
     wrap-around included."""
-    from transport.weights.ipc import checksum
+    from transport.weights.routes.ipc import checksum
 
     g = torch.Generator().manual_seed(5)
     for rows in (1, 3, 1000):

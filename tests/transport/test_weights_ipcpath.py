@@ -45,7 +45,7 @@ def worker_proc(endpoint: str, wid: str, opts: dict[str, Any]) -> None:
     """One worker process hosting one subscriber until the test kills it."""
     torch.set_num_threads(1)
     if opts.get("refuse_ipc"):
-        from transport.weights.ipc import IpcImporter, IpcRefused
+        from transport.weights.routes.ipc import IpcImporter, IpcRefused
 
         def refuse(self: Any, offer: Any) -> Any:
             raise IpcRefused("refused by the test")

@@ -14,10 +14,9 @@ Four paths, one model of a version (flat buckets, see :mod:`transport.weights.bu
 Three layers (``docs/weights.md``): the protocol core with no I/O
 (:mod:`transport.weights.core`: who answers, what a worker reports, when a buffer may be
 reused); the routes (:mod:`transport.weights.routes`: ``shm``, the tcp data link, ZeroMQ
-frames, and ``ipc`` in :mod:`~transport.weights.ipc`); the drivers that run the core on
-sockets and threads (``publisher`` with ``serving``, ``buffers``, ``ipc_serving``;
-``subscriber`` with ``fetching``, ``reporting``, ``ipc_receiving``) and, on top,
-``update`` (the fabric's pause-publish-resume and the worker plugin). Shared: ``layout``
+frames, ``ipc``); the drivers that run the core on sockets and threads (``publisher``
+with ``serving`` and ``buffers``; ``subscriber`` with ``fetching`` and ``reporting``)
+and, on top, ``update`` (the fabric's pause-publish-resume and the worker plugin). Shared: ``layout``
 and ``bucket`` (plans, checksums, the in-place copy), ``binding`` (names, aliases,
 dtypes), ``config`` (:class:`~transport.weights.config.PublisherConfig`,
 :class:`~transport.weights.config.SubscriberConfig`), ``results``, ``errors``.

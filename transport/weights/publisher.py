@@ -4,7 +4,7 @@
 (:class:`~transport.weights.core.publisher.PublisherCore`: who is a worker, who must
 answer, who may still read a buffer), the staged versions
 (:class:`~transport.weights.buffers.VersionStore`), the ``ipc`` route
-(:class:`~transport.weights.ipc_serving.IpcOffering`), the data link's listener and
+(:class:`~transport.weights.routes.ipc.IpcOffering`), the data link's listener and
 senders (:mod:`transport.weights.routes.tcp`) and the serving loop
 (:class:`~transport.weights.serving.Serving`, one thread that owns the ROUTER and PUB).
 :meth:`WeightPublisher.publish` runs in the caller's thread: it lays the version out and
@@ -44,9 +44,9 @@ from transport.weights.buffers import VersionStore
 from transport.weights.config import PublisherConfig, make_config
 from transport.weights.core.publisher import PublisherCore
 from transport.weights.errors import UpdateIncomplete
-from transport.weights.ipc_serving import IPC_MODES, IpcOffering
 from transport.weights.results import SubscriberInfo, UpdateResult
 from transport.weights.routes import shm as _shm
+from transport.weights.routes.ipc import IPC_MODES, IpcOffering
 from transport.weights.routes.tcp import DataListener, DataSender
 from transport.weights.serving import Serving
 from transport.weights.staging import Staged, pack_steps, plan_version

@@ -42,9 +42,9 @@ from transport.sockets import make_pair
 from transport.weights.buffers import VersionStore
 from transport.weights.config import PublisherConfig
 from transport.weights.core.publisher import PublisherCore
-from transport.weights.ipc_serving import IpcOffering
 from transport.weights.ratelog import RateLimitedLog
 from transport.weights.routes import shm as _shm
+from transport.weights.routes.ipc import IpcOffering
 from transport.weights.routes.tcp import (
     PIECE,
     PIECE_MAGIC,

@@ -9,7 +9,7 @@ that thread; other threads only read the version (:meth:`WeightSubscriber.wait_v
 (:class:`~transport.weights.core.subscriber.SubscriberCore`: which version, what to
 report), the :class:`~transport.weights.reporting.Reporter` (version switches, Acks), the
 shm/tcp routes (:class:`~transport.weights.fetching.VersionFetcher`) and the ``ipc`` route
-(:class:`~transport.weights.ipc_receiving.IpcReceiver`).
+(:class:`~transport.weights.routes.ipc.IpcReceiver`).
 
 Never a mixed version served (``docs/PROTOCOL.md``, "Apply and commit"): with
 ``atomic=True`` nothing is written before every bucket verified (over TCP each piece is
@@ -60,12 +60,12 @@ from transport.weights.bucket import BucketApplier, named_tensors
 from transport.weights.config import SubscriberConfig, make_config
 from transport.weights.core.subscriber import SubscriberCore, choose_atomic
 from transport.weights.fetching import VersionFetcher
-from transport.weights.ipc_receiving import PATHS, IpcReceiver, ipc_eligible
 from transport.weights.malloc import tune_malloc as _tune_malloc
 from transport.weights.ratelog import RateLimitedLog
 from transport.weights.reporting import Reporter
 from transport.weights.results import UpdateStats
 from transport.weights.routes import shm as _shm
+from transport.weights.routes.ipc import PATHS, IpcReceiver, ipc_eligible
 
 __all__ = ["PATHS", "WeightSubscriber"]
 

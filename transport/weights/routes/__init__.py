@@ -9,8 +9,8 @@ holds both sides of its route: the trainer's offer and send, the worker's open, 
 * :mod:`~transport.weights.routes.tcp`: the data link, a plain TCP connection per worker;
 * :mod:`~transport.weights.routes.zmq`: ZeroMQ frames on the control sockets, the
   fallback of both;
-* ``ipc``: the trainer's own memory (CUDA IPC or torch shared storage),
-  :mod:`transport.weights.ipc`.
+* :mod:`~transport.weights.routes.ipc`: the trainer's own memory (CUDA IPC or torch
+  shared storage), with its slots in ``ipc_export``, ``ipc_import`` and ``ipc_tensors``.
 """
 
 from typing import Any, Protocol

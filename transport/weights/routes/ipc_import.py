@@ -1,5 +1,6 @@
-"""The worker side of the ``ipc`` path: :class:`IpcImporter` (see
-:mod:`transport.weights.ipc` for the rules it follows).
+"""The worker's slots of the ``ipc`` route, sans-I/O: :class:`IpcImporter` (the rules:
+:mod:`transport.weights.routes.ipc`; the trainer's side:
+:class:`~transport.weights.routes.ipc_export.IpcExporter`).
 """
 
 from __future__ import annotations
@@ -12,22 +13,14 @@ import msgspec
 import numpy as np
 import torch
 
-from fastio.ipc_msgs import (
-    TRAILER_BYTES,
-    IpcAck,
-    IpcBucket,
-    IpcHello,
-    IpcOffer,
-    IpcReady,
-    IpcSlot,
-)
+from fastio.ipc_msgs import TRAILER_BYTES, IpcAck, IpcBucket, IpcHello, IpcOffer, IpcReady
 from transport.weights.errors import WeightMismatchError
-from transport.weights.ipc_layout import (
+from transport.weights.routes.ipc_tensors import (
     IpcRefused,
     _byte_view,
     _check_layout,
-    _cuda,
     _named,
+    _open_slot,
     checksum,
     process_alive,
     process_start_time,
@@ -138,7 +131,10 @@ class IpcImporter:
             return _replace(nack, error=str(exc))
         try:
             for s in offer.slots:
-                self._slots.append(self._open_slot(s))
+                slot, event = _open_slot(s.handle)
+                self._slots.append(slot)
+                if event is not None:  # pragma: no cover - CUDA
+                    self._events.append(event)
         except (RuntimeError, OSError, ValueError) as exc:
             self.close_slots()
             return _replace(nack, error=f"cannot open slot: {exc}")
@@ -149,26 +145,6 @@ class IpcImporter:
             self._starts.append(pos)
             pos += b.nbytes
         return _replace(nack, ok=True)
-
-    def _open_slot(self, s: IpcSlot) -> torch.Tensor:
-        h = s.handle
-        if h.kind == "cpu":
-            st = torch.UntypedStorage._new_shared_filename_cpu(h.manager, h.handle, h.size)
-            return torch.empty(0, dtype=torch.uint8).set_(st, 0, (h.size,), (1,))
-        if h.kind != "cuda":
-            raise ValueError(f"unknown handle kind {h.kind!r}")
-        # pragma: no cover - CUDA: the rebuild of torch.multiprocessing.reductions'
-        # rebuild_cuda_tensor, from msgpack fields instead of a pickle.
-        _cuda._lazy_init()  # pragma: no cover
-        st = torch.UntypedStorage._new_shared_cuda(  # pragma: no cover
-            h.device, h.handle, h.size, h.offset, h.ref_counter_handle,
-            h.ref_counter_offset, h.event_handle, h.event_sync_required,
-        )  # fmt: skip
-        self._events.append(_cuda.Event.from_ipc_handle(h.device, h.slot_event))  # pragma: no cover
-        dev = torch.device("cuda", h.device)  # pragma: no cover
-        return torch.empty(0, dtype=torch.uint8, device=dev).set_(
-            st, 0, (h.size,), (1,)
-        )  # pragma: no cover
 
     @property
     def _deferred(self) -> bool:

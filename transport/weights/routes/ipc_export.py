@@ -1,16 +1,6 @@
-"""The ``ipc`` route: persistent buckets ("slots") of the trainer's memory, opened once
-by every worker on its host, packed again for every version (``docs/PROTOCOL.md``, "The
-ipc path"). On a GPU a slot is a CUDA allocation shared by CUDA IPC (the worker copies
-device to device); on CPU one of torch's shared-memory files, so every rule runs
-without a GPU.
-
-Sans-I/O: :class:`IpcExporter` (trainer) and :class:`IpcImporter` (worker,
-:mod:`transport.weights.ipc_import`) turn :mod:`fastio.ipc_msgs` messages into actions
-and back; the publisher and subscriber carry them (``bench/ipc_link.py`` is a minimal
-ZeroMQ driver). Bucket b goes to slot ``b % slots``, packed and checksummed on the
-slot's device into its trailer with the version; a slot is packed again only once every
-worker sent its last ``IpcReady`` acked it or its process is gone. A worker that dies
-without saying goodbye has its references released by the trainer, so no memory stays.
+"""The trainer's slots of the ``ipc`` route, sans-I/O: :class:`IpcExporter` (the rules:
+:mod:`transport.weights.routes.ipc`; the worker's side:
+:class:`~transport.weights.routes.ipc_import.IpcImporter`).
 """
 
 from __future__ import annotations
@@ -36,33 +26,22 @@ from fastio.ipc_msgs import (
     IpcSlot,
 )
 from transport.weights.errors import WeightUpdateError
-from transport.weights.ipc_import import IpcImporter
-from transport.weights.ipc_layout import (
+from transport.weights.routes.ipc_tensors import (
     DEFAULT_IPC_BUCKET_BYTES,
-    IpcRefused,
     _byte_view,
     _check_layout,
     _cuda,
-    _dtype_name,
+    _export_cuda,
+    _layout_of,
     _named,
-    _Storage,
+    _new_slot,
+    _release,
     checksum,
-    plan_layout,
     process_alive,
     process_start_time,
 )
 
-__all__ = [
-    "DEFAULT_IPC_BUCKET_BYTES",
-    "IpcExporter",
-    "IpcImporter",
-    "IpcRefused",
-    "IpcResult",
-    "checksum",
-    "plan_layout",
-    "process_alive",
-    "process_start_time",
-]
+__all__ = ["IpcExporter", "IpcResult"]
 
 
 @dataclass
@@ -128,9 +107,7 @@ class IpcExporter:
         tensors = _named(state)
         if not tensors:
             raise ValueError("nothing to share: the state has no tensors")
-        self.layout = plan_layout(
-            ((k, _dtype_name(t.dtype), tuple(t.shape)) for k, t in tensors.items()), bucket_bytes
-        )
+        self.layout = _layout_of(tensors, bucket_bytes)
         self.device = next(iter(tensors.values())).device
         self.verify = verify
         self.publisher_id = publisher_id or uuid.uuid4().hex[:12]
@@ -138,9 +115,13 @@ class IpcExporter:
         self.capacity = max(b.nbytes for b in self.layout)
         self._slots: list[torch.Tensor] = []
         self._events: list[Any] = []
-        self._cpu_handles: list[IpcHandle] = []
+        self._cpu_handles: list[IpcHandle | None] = []
         for _ in range(n):
-            self._slots.append(self._allocate(self.capacity + TRAILER_BYTES))
+            slot, event, handle = _new_slot(self.capacity + TRAILER_BYTES, self.device)
+            self._slots.append(slot)
+            self._cpu_handles.append(handle)
+            if event is not None:  # pragma: no cover - CUDA
+                self._events.append(event)
         #: Workers that may still read each slot (sent its last IpcReady, not acked).
         self.pending: list[set[str]] = [set() for _ in range(n)]
         self.workers: dict[str, _Worker] = {}
@@ -153,31 +134,11 @@ class IpcExporter:
         self.snapshot_reads = 0
         self.closed = False
 
-    # slots and handles
-    def _allocate(self, nbytes: int) -> torch.Tensor:
-        if self.device.type == "cuda":  # pragma: no cover - CUDA
-            t = torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
-            self._events.append(_cuda.Event(interprocess=True, blocking=False))
-            return t
-        st = torch.UntypedStorage._new_using_filename_cpu(nbytes)
-        t = torch.empty(0, dtype=torch.uint8).set_(st, 0, (nbytes,), (1,)).zero_()
-        manager, name, size = st._share_filename_cpu_()
-        self._cpu_handles.append(IpcHandle("cpu", -1, name, size, manager=manager))
-        return t
-
     def _export(self, k: int) -> IpcHandle:
-        if self.device.type != "cuda":
-            return self._cpu_handles[k]
-        # pragma: no cover - CUDA: one export (one producer-side reference counter) per
-        # worker and slot, so each worker's release is matched and a dead one's is done
-        # by drop_worker.
-        (dev, handle, size, off, rc, rc_off, ev, ev_sync) = (  # pragma: no cover
-            _Storage._share_cuda_(self._slots[k].untyped_storage())
-        )
-        return IpcHandle(  # pragma: no cover
-            "cuda", int(dev), bytes(handle), int(size), int(off), bytes(rc), int(rc_off),
-            bytes(ev or b""), bool(ev_sync), bytes(self._events[k].ipc_handle()),
-        )  # fmt: skip
+        handle = self._cpu_handles[k]
+        if handle is not None:
+            return handle
+        return _export_cuda(self._slots[k], self._events[k])  # pragma: no cover - CUDA
 
     @property
     def n_slots(self) -> int:
@@ -254,12 +215,7 @@ class IpcExporter:
         if not (dead and w.opened):
             return
         for k, h in enumerate(w.exports):
-            if h.kind == "cpu":
-                self._slots[k].untyped_storage()._shared_decref()
-            else:  # pragma: no cover - CUDA
-                _Storage._release_ipc_counter(
-                    h.ref_counter_handle, h.ref_counter_offset, device=h.device
-                )
+            _release(self._slots[k], h)
 
     def reap(self) -> list[str]:
         """Drop every worker whose process is gone; their ids."""
@@ -271,7 +227,7 @@ class IpcExporter:
         return gone
 
     # a version
-    def _acquire(self, k: int, deadline: float, wait: Callable[[float], None]) -> None:
+    def _acquire(self, k: int, deadline: float, wait: Callable[[float], object]) -> None:
         while self.pending[k]:
             self.reap()
             if not self.pending[k]:
@@ -307,7 +263,7 @@ class IpcExporter:
         version: int,
         *,
         send: Callable[[str, IpcReady], None],
-        wait: Callable[[float], None],
+        wait: Callable[[float], object],
         timeout: float = 60.0,
     ) -> None:
         """Pack ``state`` as ``version``, bucket by bucket, and ``send`` an
@@ -379,7 +335,7 @@ class IpcExporter:
         return out
 
     def result(
-        self, version: int, *, wait: Callable[[float], None], timeout: float = 60.0
+        self, version: int, *, wait: Callable[[float], object], timeout: float = 60.0
     ) -> IpcResult:
         """Wait until every worker ``version`` was sent to has applied it, refused it or
         is gone (up to ``timeout`` seconds), calling ``wait`` as in :meth:`publish`."""
@@ -418,6 +374,3 @@ class IpcExporter:
         self._cpu_handles.clear()
         if cuda:  # pragma: no cover - CUDA: free blocks whose readers have all let go
             _cuda.ipc_collect()
-
-
-# -- worker side -----------------------------------------------------------------------

@@ -1,0 +1,180 @@
+"""What both sides of the ``ipc`` route share (:mod:`transport.weights.routes.ipc`): the
+bucket layout, the ``sum64`` checksum, the process-liveness checks and the slots' memory
+(exported as an :class:`~fastio.ipc_msgs.IpcHandle`, opened from one without a pickle).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from fastio.ipc_msgs import IpcBucket, IpcHandle, IpcTensor
+from transport.weights.core.process import process_alive, process_start_time
+from transport.weights.errors import WeightMismatchError, WeightUpdateError
+
+__all__ = [
+    "DEFAULT_IPC_BUCKET_BYTES",
+    "IpcRefused",
+    "checksum",
+    "plan_layout",
+    "process_alive",
+    "process_start_time",
+]
+
+#: Default bound of one bucket (and so of one slot).
+DEFAULT_IPC_BUCKET_BYTES = 512 << 20
+_ROW = 512  # bytes per checksum row; bucket lengths are multiples of it
+# Typed loosely: torch's private sharing API has no annotations.
+_cuda: Any = torch.cuda
+_Storage: Any = torch.UntypedStorage
+
+
+class IpcRefused(WeightUpdateError):
+    """The ipc route cannot serve this worker (other host or pid namespace, no access to
+    the trainer's device, layout mismatch): use another route."""
+
+
+def _dtype_name(dt: torch.dtype) -> str:
+    return str(dt).removeprefix("torch.")
+
+
+def _named(state: Any) -> dict[str, torch.Tensor]:
+    if isinstance(state, torch.nn.Module):
+        state = state.state_dict(keep_vars=True)
+    return {k: v.detach() for k, v in state.items()}
+
+
+def _byte_view(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.uint8)
+
+
+def plan_layout(
+    specs: Iterable[tuple[str, str, tuple[int, ...]]], bucket_bytes: int
+) -> list[IpcBucket]:
+    """Buckets of ``(name, dtype name, shape)`` in order, each at most ``bucket_bytes``
+    (a larger tensor gets a bucket of its own), tensors back to back, each bucket's
+    length rounded up to 512 bytes (zeros)."""
+    out: list[IpcBucket] = []
+    cur: list[IpcTensor] = []
+    pos = 0
+
+    def close() -> None:
+        nonlocal cur, pos
+        if cur:
+            out.append(IpcBucket(len(out), -(-pos // _ROW) * _ROW, cur))
+        cur, pos = [], 0
+
+    for name, dtype, shape in specs:
+        n = 1
+        for d in shape:
+            n *= d
+        nbytes = n * torch.empty((), dtype=getattr(torch, dtype)).element_size()
+        if cur and pos + nbytes > bucket_bytes:
+            close()
+        cur.append(IpcTensor(name, dtype, tuple(shape), pos, nbytes))
+        pos += nbytes
+    close()
+    return out
+
+
+def _layout_of(tensors: Mapping[str, torch.Tensor], bucket_bytes: int) -> list[IpcBucket]:
+    specs = ((k, _dtype_name(t.dtype), tuple(t.shape)) for k, t in tensors.items())
+    return plan_layout(specs, bucket_bytes)
+
+
+def _check_layout(buckets: list[IpcBucket], tensors: Mapping[str, torch.Tensor]) -> None:
+    names = set()
+    for b in buckets:
+        for e in b.tensors:
+            names.add(e.name)
+            t = tensors.get(e.name)
+            if t is None:
+                raise WeightMismatchError(f"{e.name!r} is in the layout but not in the model")
+            if tuple(t.shape) != e.shape or _dtype_name(t.dtype) != e.dtype:
+                raise WeightMismatchError(
+                    f"{e.name!r}: layout {e.dtype}{list(e.shape)}, "
+                    f"model {_dtype_name(t.dtype)}{list(t.shape)}"
+                )
+    extra = sorted(set(tensors) - names)
+    if extra:
+        raise WeightMismatchError(f"tensors not in the layout: {extra[:5]}")
+
+
+_WEIGHTS: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def checksum(payload: torch.Tensor) -> torch.Tensor:
+    """``sum64`` of a bucket: a 0-d int64 tensor on ``payload``'s device, computed there
+    (no host synchronisation): the bytes as int64 words in rows of 64, each row's
+    wrapping sum times the row's number (from 1), summed with wrap-around. Exact and
+    order-independent, so both devices agree bit for bit; catches stale, torn and
+    shifted data (not an adversary). ``payload``: 1-D uint8, a multiple of 512 bytes,
+    8-byte aligned."""
+    if payload.device.type == "cpu":
+        # numpy, single-threaded: torch's intra-op threads spin on a busy trainer host
+        words = payload.numpy().view(np.int64).reshape(-1, _ROW // 8)
+        rows_np = words.sum(axis=1, dtype=np.int64)
+        weights = np.arange(1, rows_np.size + 1, dtype=np.int64)
+        return torch.tensor(int((rows_np * weights).sum(dtype=np.int64)), dtype=torch.int64)
+    rows = payload.view(torch.int64).view(-1, _ROW // 8).sum(dim=1)
+    key = (rows.numel(), rows.device)
+    w = _WEIGHTS.get(key)
+    if w is None:
+        w = _WEIGHTS[key] = torch.arange(1, rows.numel() + 1, dtype=torch.int64, device=rows.device)
+    return (rows * w).sum()
+
+
+# -- slot memory -------------------------------------------------------------------------
+def _new_slot(nbytes: int, device: torch.device) -> tuple[torch.Tensor, Any, IpcHandle | None]:
+    """A zeroed slot other processes can open: the tensor, its CUDA interprocess event
+    and, on CPU, its handle (one for every worker)."""
+    if device.type == "cuda":  # pragma: no cover - CUDA
+        t = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+        return t, _cuda.Event(interprocess=True, blocking=False), None
+    st = torch.UntypedStorage._new_using_filename_cpu(nbytes)
+    t = torch.empty(0, dtype=torch.uint8).set_(st, 0, (nbytes,), (1,)).zero_()
+    manager, name, size = st._share_filename_cpu_()
+    return t, None, IpcHandle("cpu", -1, name, size, manager=manager)
+
+
+def _export_cuda(slot: torch.Tensor, event: Any) -> IpcHandle:  # pragma: no cover - CUDA
+    # One export (one producer-side reference counter) per worker and slot, so each
+    # worker's release is matched and a dead one's is done by the trainer.
+    (dev, handle, size, off, rc, rc_off, ev, ev_sync) = _Storage._share_cuda_(
+        slot.untyped_storage()
+    )
+    return IpcHandle(
+        "cuda", int(dev), bytes(handle), int(size), int(off), bytes(rc), int(rc_off),
+        bytes(ev or b""), bool(ev_sync), bytes(event.ipc_handle()),
+    )  # fmt: skip
+
+
+def _release(slot: torch.Tensor, h: IpcHandle) -> None:
+    """Release the references a dead worker's opening of ``h`` took."""
+    if h.kind == "cpu":
+        slot.untyped_storage()._shared_decref()
+    else:  # pragma: no cover - CUDA
+        _Storage._release_ipc_counter(h.ref_counter_handle, h.ref_counter_offset, device=h.device)
+
+
+def _open_slot(h: IpcHandle) -> tuple[torch.Tensor, Any]:
+    """Map the slot of ``h``: the tensor and its CUDA event (``None`` on CPU)."""
+    if h.kind == "cpu":
+        st = torch.UntypedStorage._new_shared_filename_cpu(h.manager, h.handle, h.size)
+        return torch.empty(0, dtype=torch.uint8).set_(st, 0, (h.size,), (1,)), None
+    if h.kind != "cuda":
+        raise ValueError(f"unknown handle kind {h.kind!r}")
+    # pragma: no cover - CUDA: torch.multiprocessing.reductions' rebuild_cuda_tensor,
+    # from msgpack fields instead of a pickle.
+    _cuda._lazy_init()  # pragma: no cover
+    st = _Storage._new_shared_cuda(  # pragma: no cover
+        h.device, h.handle, h.size, h.offset, h.ref_counter_handle,
+        h.ref_counter_offset, h.event_handle, h.event_sync_required,
+    )  # fmt: skip
+    event = _cuda.Event.from_ipc_handle(h.device, h.slot_event)  # pragma: no cover
+    dev = torch.device("cuda", h.device)  # pragma: no cover
+    t = torch.empty(0, dtype=torch.uint8, device=dev)  # pragma: no cover
+    return t.set_(st, 0, (h.size,), (1,)), event  # pragma: no cover
