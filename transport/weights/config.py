@@ -35,8 +35,8 @@ class PublisherConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     bucket_bytes:
         Upper bound of a flat bucket (a larger tensor gets a bucket of its own).
     chunk_bytes:
-        Size of the pieces a bucket travels in over TCP (same-host workers get a
-        "bytes ready" notice every 8 MiB, or every piece when pieces are larger).
+        Size of the chunks a bucket travels in over TCP (same-host workers get a
+        "bytes ready" notice every 8 MiB, or every chunk when chunks are larger).
     shm:
         Stage versions in ``/dev/shm`` so same-host workers read them in place
         (``None``: when available); private memory when it cannot.
