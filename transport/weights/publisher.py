@@ -81,10 +81,9 @@ class WeightPublisher:
     context:
         ZeroMQ context (default: a private one, terminated at :meth:`close`).
     curve:
-        CurveZMQ on both sockets (:class:`transport.CurveConfig`: this side's secret
-        key and, to admit only known workers, ``authorized_clients_dir``). Turn it on
-        whenever workers connect across hosts: a worker with a wrong or missing key
-        gets nothing, not even the announcements.
+        CurveZMQ on both sockets (:class:`transport.CurveConfig`; ``authorized_clients_dir``
+        admits only known workers). Use it across hosts: a worker without the right
+        key gets nothing, not even the announcements.
 
     Examples
     --------
@@ -222,9 +221,8 @@ class WeightPublisher:
         Returns
         -------
         WeightAnnounce
-            The manifest sent to the workers. Returns once every bucket is packed (the
-            caller may then change its tensors); workers fetch meanwhile, and
-            :meth:`wait` collects their answers.
+            The manifest sent, once every bucket is packed (the caller may then change
+            its tensors); :meth:`wait` collects the workers' answers.
         """
         t0 = time.monotonic()
         everything = named_tensors(state)
