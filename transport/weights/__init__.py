@@ -1,25 +1,13 @@
 """Weight updates from a trainer to generation workers.
 
-Four paths, one model of a version (flat buckets, see :mod:`transport.weights.bucket`):
-
-* :class:`WeightPublisher` / :class:`WeightSubscriber`: versioned, reliable publish and
-  subscribe over ZeroMQ, with a same-host shared-memory fast path chosen automatically;
-* :func:`update_weights`: the controller-side call that pauses generation, publishes,
-  waits for every worker and resumes;
-* :mod:`transport.weights.disk`: safetensors at ``WeightUpdateMeta.path``, atomically;
-  :mod:`transport.weights.disk_follow` drives it (the worker plugin that follows a
-  directory, the trainer's ``update_weights_on_disk``);
-* :mod:`transport.weights.dist`: a torch.distributed group (NCCL on GPUs, gloo on CPU).
-
-Three layers (``docs/weights.md``): the protocol core with no I/O
-(:mod:`transport.weights.core`: who answers, what a worker reports, when a buffer may be
-reused); the routes (:mod:`transport.weights.routes`: ``shm``, the tcp data link, ZeroMQ
-frames, ``ipc``); the drivers that run the core on sockets and threads (``publisher``
-with ``serving`` and ``buffers``; ``subscriber`` with ``fetching`` and ``reporting``)
-and, on top, ``update`` (the fabric's pause-publish-resume and the worker plugin). Shared: ``layout``
-and ``bucket`` (plans, checksums, the in-place copy), ``binding`` (names, aliases,
-dtypes), ``config`` (:class:`~transport.weights.config.PublisherConfig`,
-:class:`~transport.weights.config.SubscriberConfig`), ``results``, ``errors``.
+:class:`WeightPublisher` / :class:`WeightSubscriber` publish versions (flat buckets,
+:mod:`transport.weights.bucket`) over ZeroMQ, by route ``ipc``, ``shm`` or ``tcp``;
+:func:`update_weights` pauses generation, publishes, waits and resumes;
+:mod:`transport.weights.disk` (safetensors at ``WeightUpdateMeta.path``) and
+:mod:`transport.weights.dist` (torch.distributed) are the other two ways. Layers
+(``docs/weights.md``): the protocol core without I/O (:mod:`transport.weights.core`),
+the routes (:mod:`transport.weights.routes`), the drivers (``publisher``,
+``subscriber``, ``update``).
 """
 
 from typing import TYPE_CHECKING, Any
@@ -39,17 +27,9 @@ if TYPE_CHECKING:
         WeightUpdateError,
     )
     from transport.weights.manifest import check_manifest, state_digest
-    from transport.weights.publisher import (
-        WeightPublisher,
-    )
-    from transport.weights.results import (
-        SubscriberInfo,
-        UpdateResult,
-        UpdateStats,
-    )
-    from transport.weights.subscriber import (
-        WeightSubscriber,
-    )
+    from transport.weights.publisher import WeightPublisher
+    from transport.weights.results import SubscriberInfo, UpdateResult, UpdateStats
+    from transport.weights.subscriber import WeightSubscriber
     from transport.weights.update import (
         FabricUpdateResult,
         attach_subscriber,

@@ -1,20 +1,11 @@
 """How a version's tensors land on one worker: names, aliases and dtypes.
 
-A version travels under the trainer's names, each distinct tensor once. A worker binds
-it to its engine before a byte is fetched (:class:`Binding`):
-
-* **aliases** (tied weights): names the manifest lists as the same memory as another
-  travelling tensor are applied from that tensor's bytes;
-* **renaming**: a dict or a callable maps trainer names to engine names (a callable
-  may return ``None`` to skip a tensor);
-* **dtypes**: the worker declares the dtypes it wants (one dtype for every floating
-  tensor, a dict by engine name, or ``"auto"``: the dtype of each in-place target). A
-  floating tensor travelling in another floating dtype is cast with ``Tensor.to``
-  semantics (round to nearest even), so the result is bit-identical to
-  ``tensor.to(dtype)`` on the trainer. Without a declaration dtypes must match exactly.
-
-The checks name every problem at once (:class:`WeightMismatchError`), and nothing has
-been written when they fail.
+A version travels under the trainer's names, each distinct tensor once; a worker binds
+it to its engine before a byte is fetched (:class:`Binding`): aliases (tied weights)
+are applied from the tensor they share memory with, names are mapped by ``rename``, and
+floating tensors are cast to the declared dtypes bit-identically to ``tensor.to(dtype)``
+(without a declaration dtypes must match). The checks name every problem at once
+(:class:`WeightMismatchError`) before anything is written.
 """
 
 from __future__ import annotations
@@ -27,6 +18,7 @@ import torch
 from fastio.weight_msgs import WeightBucketInfo, WeightTensor
 from transport.weights.bucket import dtype_from_name, dtype_name, wire_tensor
 from transport.weights.errors import WeightMismatchError
+from transport.weights.layout import _numel
 
 __all__ = [
     "FLOAT_DTYPES",
@@ -242,10 +234,3 @@ class Binding:
                 for en in dests:
                     want = self.wanted[en]
                     yield en, (t if t.dtype == want else t.to(want))
-
-
-def _numel(shape: Sequence[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n

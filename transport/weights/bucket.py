@@ -2,7 +2,7 @@
 
 The layout (dtypes, checksums, plans) is :mod:`transport.weights.layout`, re-exported
 here. Applying is one copy per byte into the live tensor; CUDA targets go through two
-pinned host buffers in turn, so one piece's host copy overlaps the previous one's
+pinned host buffers in turn, so one slice's host copy overlaps the previous one's
 device copy.
 """
 
@@ -88,19 +88,10 @@ def pack_bucket(
 def copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
     """Copy between two 1-D uint8 tensors of equal size.
 
-    CPU to CPU goes through ``numpy.copyto`` (one plain memcpy, GIL released): torch's
-    ``copy_`` splits large copies over its intra-op threads, which on a machine whose
-    cores are all busy (trainer, workers and I/O threads) spin and wait, several times
-    slower than one single-threaded memcpy (figures in bench/results).
-
-    These copies are memory-bound, and glibc's ``memcpy`` switches to non-temporal
-    stores (no read-for-ownership of the destination) only for a single copy of at least
-    ``glibc.cpu.x86_non_temporal_threshold`` bytes (a fraction of the last-level cache),
-    so parameters of a few MiB copy slower than one large copy would, and the 256 KiB
-    blocks of a subscriber's verify-and-copy pass never reach it. A worker process
-    started with ``GLIBC_TUNABLES=glibc.cpu.x86_non_temporal_threshold=131072`` applies
-    faster (bench/weights starts its workers so, bench/results); the library cannot
-    change it from inside a running process.
+    CPU to CPU goes through ``numpy.copyto`` (one memcpy, GIL released): torch's
+    ``copy_`` splits large copies over intra-op threads that spin on busy cores. A
+    worker started with ``GLIBC_TUNABLES=glibc.cpu.x86_non_temporal_threshold=131072``
+    copies faster (non-temporal stores for blocks of a few MiB; see bench/results).
     """
     if dst.device.type == "cpu" and src.device.type == "cpu":
         np.copyto(dst.numpy(), src.numpy())
@@ -127,14 +118,14 @@ def copy_tensor(dst: torch.Tensor, t: torch.Tensor, *, sync: bool = True) -> boo
 def _copy_span(
     dst: np.ndarray[Any, Any], arrs: list[np.ndarray[Any, Any]], starts: list[int], offset: int
 ) -> None:
-    """Copy bytes ``[offset, offset + dst.size)`` of a bucket held in the pieces ``arrs``
-    (piece ``k`` starts at byte ``starts[k]``) into ``dst``."""
+    """Copy bytes ``[offset, offset + dst.size)`` of a bucket held in the chunks ``arrs``
+    (chunk ``k`` starts at byte ``starts[k]``) into ``dst``."""
     n = dst.size
     k = bisect.bisect_right(starts, offset) - 1
     pos = 0
     while pos < n:
         if k >= len(arrs):
-            raise ValueError("bucket pieces end before the tensor does")
+            raise ValueError("bucket chunks end before the tensor does")
         arr = arrs[k]
         a = offset + pos - starts[k]
         take = min(n - pos, arr.size - a)
@@ -146,8 +137,8 @@ def _copy_span(
 def _chunk_spans(
     chunks: Sequence[torch.Tensor], lo: int, hi: int
 ) -> Iterator[tuple[torch.Tensor, int]]:
-    """Pieces of bytes ``[lo, hi)`` of a bucket split into ``chunks``: (piece, offset
-    of the piece relative to ``lo``)."""
+    """Chunks of bytes ``[lo, hi)`` of a bucket split into ``chunks``: (chunk, offset
+    of the chunk relative to ``lo``)."""
     base = 0
     for c in chunks:
         n = c.numel()
@@ -160,8 +151,8 @@ def _chunk_spans(
 
 
 def wire_tensor(e: WeightTensor, chunks: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Tensor ``e`` of a bucket held in ``chunks`` (1-D uint8 pieces in order), typed and
-    shaped: a view when it lies in one piece at an aligned offset, else a copy."""
+    """Tensor ``e`` of a bucket held in ``chunks`` (1-D uint8 chunks in order), typed and
+    shaped: a view when it lies in one chunk at an aligned offset, else a copy."""
     dt = dtype_from_name(e.dtype)
     size = torch.empty((), dtype=dt).element_size()
     lo, hi = e.offset, e.offset + e.nbytes
@@ -233,11 +224,8 @@ class BucketApplier:
         value (``Tensor.copy_`` semantics); targets that are one memory are written once.
         """
         with torch.no_grad():
-            # CPU targets: numpy views of the chunks made once, the chunk holding a
-            # tensor's first byte found by bisection. (Walking the chunk list from the
-            # start and slicing torch tensors per piece cost ~20% on top of the memcpy
-            # for a GiB in 1 MiB chunks.) Those plain copies are collected and run at
-            # the end, on copy_threads threads when there are several.
+            # CPU targets: numpy views of the chunks made once, a tensor's first chunk
+            # found by bisection; the copies run at the end, on copy_threads threads.
             arrs: list[np.ndarray[Any, Any]] | None = None
             starts: list[int] = []
             plain: list[tuple[np.ndarray[Any, Any], int]] = []
@@ -263,12 +251,12 @@ class BucketApplier:
                         plain.append((_flat_bytes(dst).numpy(), e.offset))
                     elif dst.is_contiguous():
                         dflat = _flat_bytes(dst)
-                        for piece, rel in _chunk_spans(chunks, e.offset, e.offset + e.nbytes):
-                            self._copy(dflat[rel : rel + piece.numel()], piece)
+                        for chunk, rel in _chunk_spans(chunks, e.offset, e.offset + e.nbytes):
+                            self._copy(dflat[rel : rel + chunk.numel()], chunk)
                     else:  # rare: assemble, then one strided copy
                         tmp = torch.empty(e.nbytes, dtype=torch.uint8)
-                        for piece, rel in _chunk_spans(chunks, e.offset, e.offset + e.nbytes):
-                            copy_bytes(tmp[rel : rel + piece.numel()], piece)
+                        for chunk, rel in _chunk_spans(chunks, e.offset, e.offset + e.nbytes):
+                            copy_bytes(tmp[rel : rel + chunk.numel()], chunk)
                         dst.copy_(tmp.view(dst.dtype).view(dst.shape))
             if plain and arrs is not None:
                 self._copy_plain(plain, arrs, starts)
@@ -279,7 +267,7 @@ class BucketApplier:
         arrs: list[np.ndarray[Any, Any]],
         starts: list[int],
     ) -> None:
-        """Run the plain CPU copies: inline, or cut into pieces of at least
+        """Run the plain CPU copies: inline, or cut into slices of at least
         ``_THREAD_PIECE`` bytes spread over ``copy_threads`` threads (``np.copyto``
         releases the GIL, so memory-bound copies of a large bucket run in parallel)."""
         total = sum(d.size for d, _ in jobs)
@@ -330,15 +318,15 @@ class BucketApplier:
             self._events = [None, None]
         step = self._pinned_bytes
         for a in range(0, src.numel(), step):
-            piece = src[a : a + step]
+            part = src[a : a + step]
             i = self._turn
             self._turn ^= 1
             ev = self._events[i]
             if ev is not None:
                 ev.synchronize()
-            buf = self._pinned[i][: piece.numel()]
-            copy_bytes(buf, piece)
-            dst[a : a + piece.numel()].copy_(buf, non_blocking=True)
+            buf = self._pinned[i][: part.numel()]
+            copy_bytes(buf, part)
+            dst[a : a + part.numel()].copy_(buf, non_blocking=True)
             ev = torch.cuda.Event()  # type: ignore[no-untyped-call]
             ev.record()
             self._events[i] = ev

@@ -2,14 +2,11 @@
 of :class:`~transport.weights.WeightPublisher` (used under its lock, by its serving
 thread and by :meth:`~transport.weights.WeightPublisher.publish`).
 
-A version is staged in one buffer, a shared-memory segment when ``/dev/shm`` allows it
-(same-host workers read it in place) or private memory: its snapshot, from which late
-joiners and re-fetches are served. The buffer rule (``docs/PROTOCOL.md``; who may still
-read is decided by :class:`~transport.weights.core.publisher.PublisherCore`): a segment
-is packed again only when no process may still read it; one a silent reader may still
-map leaves the pool and is unlinked when its version retires. Free segments wait in a
-pool of at most ``keep_versions`` (a fresh one costs the kernel's zeroing and every
-worker a new mapping). A private buffer is reused once no zero-copy send reads it.
+A version is staged in one buffer (a ``/dev/shm`` segment, else private memory), the
+snapshot that late joiners and re-fetches are served from. The buffer rule
+(``docs/PROTOCOL.md``): a segment is packed again only when no process may still read
+it (a silent reader's leaves the pool); free segments wait in a pool of at most
+``keep_versions``; a private buffer is reused once no zero-copy send reads it.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """Settings of the weight publisher and subscriber, as constrained Structs.
 
-``WeightPublisher(endpoint, config=PublisherConfig(...))`` and the old keyword
-arguments (``WeightPublisher(endpoint, bucket_bytes=...)``) are the same thing: keywords
-are converted once into the Struct (:func:`make_config`), which names a bad key or
-value in one place. Parts that are objects (a lock, callbacks, a ZeroMQ context, CURVE
-keys, a loader) stay keyword arguments of the drivers.
+``config=PublisherConfig(...)`` and the keyword arguments (``bucket_bytes=...``) are
+the same thing, converted once by :func:`make_config`, which names a bad key or value.
+Objects (a lock, callbacks, a ZeroMQ context, CURVE keys, a loader) stay keywords.
 """
 
 from __future__ import annotations
@@ -35,8 +33,8 @@ class PublisherConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     bucket_bytes:
         Upper bound of a flat bucket (a larger tensor gets a bucket of its own).
     chunk_bytes:
-        Size of the pieces a bucket travels in over TCP (same-host workers get a
-        "bytes ready" notice every 8 MiB, or every piece when pieces are larger).
+        Size of the chunks a bucket travels in over TCP (same-host workers get a
+        "bytes ready" notice every 8 MiB or every chunk, whichever is larger).
     shm:
         Stage versions in ``/dev/shm`` so same-host workers read them in place
         (``None``: when available); private memory when it cannot.
@@ -124,9 +122,8 @@ class SubscriberConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
         (:func:`transport.weights.malloc.tune_malloc`).
     route:
         ``None``: ``ipc`` when offered and the worker copies into its target as is,
-        else ``shm`` or ``tcp``; ``"shm"``: never ``ipc``; ``"tcp"``: neither ``ipc``
-        nor shared memory; ``"ipc"``: as ``None``, an error where ``ipc`` cannot be.
-        (Keyword ``path`` of the drivers.)
+        else ``shm`` or ``tcp``; ``"shm"``: never ``ipc``; ``"tcp"``: neither;
+        ``"ipc"``: as ``None``, an error where ``ipc`` cannot be (keyword ``path``).
     copy_threads:
         Threads that copy a verified version into CPU parameters (default: one per
         4 cores, at most 4).

@@ -1,19 +1,5 @@
-"""Exceptions raised by :mod:`transport.weights`.
-
-Exception tree::
-
-    fastio.FastioError                       root of everything fastio raises
-    └── TransportError                       root of transport (transport.errors)
-        └── WeightUpdateError                a weight update did not happen as asked
-            ├── WeightMismatchError(ValueError)  names, shapes or dtypes of an update do
-            │                                    not match the worker's model
-            ├── ChecksumError(ValueError)        a bucket's bytes do not match its checksum
-            ├── VersionUnavailable               the publisher no longer holds that version
-            └── UpdateIncomplete(TimeoutError)   not every worker applied a version in time
-
-``WeightUpdateError`` derives from ``fastio.FastioError`` directly as well, so the tree
-holds whatever ``TransportError`` derives from.
-"""
+"""Exceptions raised by :mod:`transport.weights`; all derive from
+:class:`WeightUpdateError`, itself a ``TransportError`` and a ``fastio.FastioError``."""
 
 from __future__ import annotations
 

@@ -1,13 +1,11 @@
-"""Fetching one version on the worker side: check, fetch, verify, hold.
+"""Fetching one version on the worker side (the subscriber's thread): check, fetch,
+verify, hold.
 
-:class:`VersionFetch` is the part of :class:`transport.weights.WeightSubscriber` that
-turns an Announce into verified buckets: it binds the manifest to the worker's model
-(:class:`~transport.weights.binding.Binding`) before a byte moves, keeps ``window``
-Fetches in flight over TCP (all of them through shared memory), hashes pieces as they
-arrive, re-fetches what fails or times out, and hands the verified buckets to the
-commit. In ``atomic=False`` mode (the default) each bucket is also copied into the model
-as it is hashed (:class:`~transport.weights.streaming.BucketStream`), under the lock
-held from the version's first write; ``atomic=True`` writes nothing here.
+:class:`VersionFetcher` binds the manifest to the model before a byte moves, keeps
+``window`` Fetches in flight over TCP (all of them through shared memory), hashes chunks
+as they arrive, re-fetches what fails or times out and commits the verified buckets;
+with ``atomic=False`` each bucket is also copied into the model as it is hashed
+(:class:`~transport.weights.streaming.BucketStream`), under the lock.
 """
 
 from __future__ import annotations
@@ -77,7 +75,7 @@ class InFlight:
 
 
 class Partial:
-    """A bucket whose pieces are arriving: the checksum so far, the frames kept; in
+    """A bucket whose chunks are arriving: the checksum so far, the frames kept; in
     streaming mode (``atomic=False``) the stream that hashes and applies them."""
 
     def __init__(self, hasher: Hasher, stream: BucketStream | None = None) -> None:
@@ -204,13 +202,9 @@ class VersionFetcher:
 
     def _stage_for(self, ann: WeightAnnounce) -> list[np.ndarray[Any, Any]]:
         """Per bucket, where its bytes land over TCP: a region of one staging buffer
-        kept from version to version (reallocated only when a version needs more).
-
-        Each piece is hashed as it arrives, copied here while it is still in cache,
-        and its frame freed at once, so the allocator hands the next piece the same
-        warm memory; holding every frame until the commit instead faults in fresh
-        pages for each version (bench/results). The buffer is the version's only
-        copy on this side until every bucket is verified (never a mixed version)."""
+        kept between versions (grown when a version needs more). Each chunk is hashed
+        and copied here while in cache and its frame freed at once, so the next chunk
+        reuses warm memory; nothing reaches the weights before every bucket verified."""
         sizes = [max(0, b.nbytes) for b in ann.buckets]
         starts = list(itertools.accumulate((_align(n) for n in sizes), initial=0))
         if self._staging is None or self._staging.size < starts[-1]:
@@ -245,10 +239,10 @@ class VersionFetcher:
             return
         receive_frames(self, up, msg, t)
 
-    def piece_done(
+    def chunk_done(
         self, up: InFlight, i: int, part: Partial, t: float, ok: bool, last: bool, checksum: int
     ) -> None:
-        """A TCP piece of bucket ``i`` was taken (``ok``: in order and in bounds): on
+        """A TCP chunk of bucket ``i`` was taken (``ok``: in order and in bounds): on
         the last one (or a bad one) check the bucket, then keep it or fetch it again."""
         info = up.ann.buckets[i]
         stage = up.stage[i] if up.stage is not None else None
@@ -306,10 +300,8 @@ class VersionFetcher:
             self.fail(up.ann.version, f"not applied, the weights were not free: {exc}")
             return False
         up.locked = up.wrote = True
-        # From the first write the weights hold no complete version: report -1 until
-        # the commit (``_now_at``) or, if the version fails, until a later one lands;
-        # the previous version's digest no longer describes them (``fail`` sends the
-        # mixed weights' digest).
+        # From the first write the weights hold no complete version: report -1 (and
+        # no longer the old digest) until a version commits.
         self.reporter.mixing()
         return True
 

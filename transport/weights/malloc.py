@@ -15,9 +15,9 @@ def tune_malloc() -> None:
     """glibc only: serve allocations up to 32 MiB from the heap, and trim the heap only
     above 1 GiB free at its top.
 
-    libzmq allocates every received message with ``malloc``. A version's pieces are held
+    libzmq allocates every received message with ``malloc``. A version's chunks are held
     until the commit and then freed together; with glibc's defaults those pages go back
-    to the kernel, and the next version's pieces fault in fresh zeroed pages, which more
+    to the kernel, and the next version's chunks fault in fresh zeroed pages, which more
     than doubles the receive cost (bench/results). 32 MiB is the largest mmap threshold
     glibc itself would adopt dynamically. Process-wide, hence opt-in
     (``WeightSubscriber(tune_malloc=True)``).

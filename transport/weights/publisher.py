@@ -55,7 +55,7 @@ __all__ = ["DEFAULT_CHUNK_BYTES", "IPC_MODES", "WeightPublisher"]
 
 log = logging.getLogger("transport.weights.publisher")
 
-#: Size of the pieces a bucket travels in, one message each: pieces let the I/O thread
+#: Size of the chunks a bucket travels in, one message each: chunks let the I/O thread
 #: interleave workers and the worker hash one while the next arrives; a huge frame is
 #: one huge fresh allocation on the receiver.
 DEFAULT_CHUNK_BYTES = 4 << 20
@@ -81,10 +81,9 @@ class WeightPublisher:
     context:
         ZeroMQ context (default: a private one, terminated at :meth:`close`).
     curve:
-        CurveZMQ on both sockets (:class:`transport.CurveConfig`: this side's secret
-        key and, to admit only known workers, ``authorized_clients_dir``). Turn it on
-        whenever workers connect across hosts: a worker with a wrong or missing key
-        gets nothing, not even the announcements.
+        CurveZMQ on both sockets (:class:`transport.CurveConfig`; ``authorized_clients_dir``
+        admits only known workers). Use it across hosts: a worker without the right
+        key gets nothing, not even the announcements.
 
     Examples
     --------
@@ -134,10 +133,8 @@ class WeightPublisher:
         self._probe = probe
         #: The staged versions and their buffers (the buffer rule).
         self.store = VersionStore(self.core, self._cond, use_shm, cfg.keep_versions)
-        # A private context by default: its I/O threads serve only the weights, and
-        # close() terminates it. libzmq gives a new connection to the least loaded I/O
-        # thread, which put every ROUTER connection on one thread: thread 0 carries the
-        # PUB, threads 1..n the ROUTER, whose connections then alternate between them.
+        # A private context by default, its I/O threads pinned (see _options): libzmq
+        # would otherwise put every ROUTER connection on the least loaded one.
         self._own_zctx = context is None
         self._zctx: zmq.Context[Any] = context or zmq.Context(io_threads=1 + _ROUTER_IO_THREADS)
         self._auth: WorkerAuthenticator | None = None
@@ -224,9 +221,8 @@ class WeightPublisher:
         Returns
         -------
         WeightAnnounce
-            The manifest sent to the workers. Returns once every bucket is packed (the
-            caller may then change its tensors); workers fetch meanwhile, and
-            :meth:`wait` collects their answers.
+            The manifest sent, once every bucket is packed (the caller may then change
+            its tensors); :meth:`wait` collects the workers' answers.
         """
         t0 = time.monotonic()
         everything = named_tensors(state)
@@ -246,9 +242,8 @@ class WeightPublisher:
             wanted = {i.dtype for i in self.core.workers.values() if i.alive}
         plan = plan_version(tensors, wanted, self.bucket_bytes)
         total = plan[-1].shm_offset + plan[-1].nbytes if plan else 0
-        # Staged for shm/tcp now only when someone will read it that way; otherwise
-        # the ipc slots are the snapshot, staged from on the first Hello or Fetch
-        # that needs it (a late joiner, a failed ipc version).
+        # Staged now only when someone will read it by shm/tcp; otherwise the ipc
+        # slots are the snapshot, staged from when a late joiner or a re-fetch needs it.
         lazy = ipc and self.ipc.only()
         staged = Staged(version, torch.empty(0, dtype=torch.uint8), None)
         if lazy:
@@ -266,11 +261,8 @@ class WeightPublisher:
             shm_name=staged.seg.name if staged.seg is not None else "",
             aliases=aliases,
         )
-        # The serving thread announces, then packs chunk by chunk, answering fetches in
-        # between: bucket k's pieces are on the wire while the rest is being packed.
-        # (Packing in this thread instead would fight the serving thread for the GIL at
-        # every block.) Checksums are filled in as buckets are packed; the last piece
-        # of each bucket carries its checksum.
+        # The serving thread packs step by step between its sends (packing here would
+        # fight it for the GIL), so bucket k is on the wire while the rest is packed.
         if not lazy:
             staged.job = pack_steps(
                 staged,

@@ -1,8 +1,5 @@
-"""What a weight update reports: per worker, per version, per worker's last update.
-
-Plain dataclasses shared by the publisher, the subscriber, the errors and the fabric
-helpers (kept apart so that none of them imports another for a type).
-"""
+"""What a weight update reports: per worker, per version, per worker's last update
+(plain dataclasses, apart so that no driver imports another for a type)."""
 
 from __future__ import annotations
 
@@ -53,9 +50,8 @@ class UpdateResult:
         Worker id -> its Ack, for every worker that applied the version.
     failed:
         Worker id -> why it did not (its error, or that it was lost). A failed worker
-        kept its previous weights, unless its error says they are mixed (a
-        subscriber copying as it verifies, the default): it then reports version
-        ``-1`` and serves nothing until a later version completes.
+        kept its previous weights unless its error says they are mixed (then it
+        reports version ``-1`` until a later version completes).
     missing:
         Expected workers that had not answered when the timeout passed.
     elapsed_s:

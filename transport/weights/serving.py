@@ -1,15 +1,11 @@
 """The publisher's serving thread: one loop that owns the sockets.
 
 Loop model: :class:`Serving` runs in one thread per publisher and polls its ROUTER and
-a wake-up pair (``zmq.Poller``). It answers Hellos (Welcome, plus the latest Announce
-when the worker is behind), Fetches (bucket pieces as zero-copy frames, pieces on the
-data link, or "ready" notices for same-host workers) and Acks, announces versions,
-sends heartbeats, declares lost workers (the decisions are
-:class:`~transport.weights.core.publisher.PublisherCore`'s), and runs the packing of a
-version step by step in between, so bucket k is on the wire while the rest is packed.
-The data link's writers run on threads of their own (:mod:`transport.weights.routes.tcp`);
-:meth:`~transport.weights.WeightPublisher.publish` runs in the caller's thread and hands
-versions over under the shared lock.
+a wake-up pair (``zmq.Poller``): it answers Hellos, Fetches (zero-copy frames, the data
+link, or "ready" notices for same-host workers) and Acks, announces versions, sends
+heartbeats, and packs a version step by step in between; the decisions are
+:class:`~transport.weights.core.publisher.PublisherCore`'s. The data link's writers run
+on threads of their own; ``publish`` hands versions over under the shared lock.
 """
 
 from __future__ import annotations
@@ -399,21 +395,21 @@ class Serving:
     def _refuse(self, ident: bytes, msg: WeightFetch, reason: str, latest: int) -> None:
         self.reply(ident, self.encoder.encode(WeightError(msg.version, msg.index, reason, latest)))
 
-    def _link_send(self, snd: Send, piece: WeightBucket) -> Sent | None:
-        """Queue ``piece`` (one chunk) on the worker's data link; None without one."""
+    def _link_send(self, snd: Send, msg: WeightBucket) -> Sent | None:
+        """Queue ``msg`` (one chunk) on the worker's data link; None without one."""
         with self.cond:
             sender = self.senders.get(snd.wid)
         if sender is None:
             return None
-        (chunk,) = piece.chunks
+        (chunk,) = msg.chunks
         head = PIECE.pack(
             PIECE_MAGIC,
-            piece.version,
-            piece.index,
-            piece.offset,
+            msg.version,
+            msg.index,
+            msg.offset,
             memoryview(chunk).nbytes,
-            piece.checksum,
-            piece.last,
+            msg.checksum,
+            msg.last,
         )
         sent = sender.send(head, chunk)
         if sent is not None:
@@ -423,9 +419,9 @@ class Serving:
     def _advance(self, st: Staged, snd: Send) -> None:
         """Send what is packed of the bucket ``snd`` asks for, from where it stopped.
 
-        Over TCP, pieces of ``chunk_bytes`` (the bytes, zero-copy from the buffer); for
+        Over TCP, chunks of ``chunk_bytes`` (the bytes, zero-copy from the buffer); for
         a same-host worker, notices "bytes [offset, offset+nbytes) are ready" that it
-        hashes in shared memory as they come. The last piece carries the checksum.
+        hashes in shared memory as they come. The last chunk carries the checksum.
         """
         assert st.announce is not None
         if snd.cancelled:
@@ -451,14 +447,14 @@ class Serving:
             if end == start and not last:
                 break
             if snd.shm:
-                piece = WeightBucket(v, k, start, checksum if last else 0, last, [], end - start)
-                ok = self.reply(snd.ident, self.encoder.encode(piece)) is not False
+                msg = WeightBucket(v, k, start, checksum if last else 0, last, [], end - start)
+                ok = self.reply(snd.ident, self.encoder.encode(msg)) is not False
             else:
                 chunk = st.view()[info.shm_offset + start : info.shm_offset + end]
                 tracker = None
                 if snd.fetch.data and snd.linked is not False:
-                    piece = WeightBucket(v, k, start, checksum if last else 0, last, [chunk])
-                    tracker = self._link_send(snd, piece)
+                    msg = WeightBucket(v, k, start, checksum if last else 0, last, [chunk])
+                    tracker = self._link_send(snd, msg)
                     if tracker is None and snd.linked:
                         # The link closed mid-bucket: this answer ends here (the worker
                         # sees its link close and asks again, as frames).
@@ -469,15 +465,15 @@ class Serving:
                         return
                     snd.linked = tracker is not None
                 if tracker is None:  # no data link: ZeroMQ frames
-                    piece = WeightBucket(v, k, start, checksum if last else 0, last, [chunk])
-                    tracker = self.reply(snd.ident, self.encoder.encode(piece), track=True)
+                    msg = WeightBucket(v, k, start, checksum if last else 0, last, [chunk])
+                    tracker = self.reply(snd.ident, self.encoder.encode(msg), track=True)
                 ok = tracker is not None
                 if ok:
                     with self.cond:
                         st.trackers.append(tracker)
             if not ok:
                 # Not queued (HWM or peer gone): the worker's fetch times out and it asks
-                # again; the pieces it got are discarded there as incomplete.
+                # again; the chunks it got are discarded there as incomplete.
                 last = True
             snd.cursor = end
             if last:

@@ -30,12 +30,9 @@ from transport.weights.bucket import (
 from transport.weights.core.publisher import VersionLedger
 from transport.weights.routes import shm as _shm
 from transport.weights.routes.tcp import Sent
+from transport.weights.streaming import BLOCK
 
 __all__ = ["BLOCK", "Send", "Staged", "pack_steps", "plan_version"]
-
-#: Packing granularity: a block is hashed, then copied while it is still in the L2
-#: cache (256 KiB packs and hashes faster than 1 MiB blocks: bench/results).
-BLOCK = 256 << 10
 
 
 def plan_version(
@@ -54,8 +51,7 @@ def plan_version(
         narrower = cast is not None and cast.itemsize < t.dtype.itemsize
         wire[n] = cast if cast is not None and narrower and t.dtype in FLOAT_DTYPES else t.dtype
     plan = plan_buckets(
-        ((n, dtype_name(wire[n]), tuple(t.shape)) for n, t in tensors.items()),
-        bucket_bytes,
+        ((n, dtype_name(wire[n]), tuple(t.shape)) for n, t in tensors.items()), bucket_bytes
     )
     for b in plan:
         b.tensors = [
@@ -68,7 +64,7 @@ def plan_version(
 
 
 class Send:
-    """One Fetch being answered: where the next piece starts."""
+    """One Fetch being answered: where the next chunk starts."""
 
     __slots__ = ("cancelled", "cursor", "fetch", "ident", "linked", "shm", "wid")
 
@@ -78,7 +74,7 @@ class Send:
         self.fetch = fetch
         self.shm = fetch.shm
         self.cursor = 0
-        #: Over TCP, the channel this answer took at its first piece (the data link or
+        #: Over TCP, the channel this answer took at its first chunk (the data link or
         #: ZeroMQ frames; ``None`` before): one bucket never comes on both.
         self.linked: bool | None = None
         #: Superseded by a later Fetch of the same bucket from the same worker.
@@ -97,13 +93,13 @@ class Staged:
         self.announce: WeightAnnounce | None = None
         #: Who must answer this version and who may still read its buffer (the core's).
         self.ledger = VersionLedger(version)
-        #: Sends that may still read the buffer: ZeroMQ trackers, data-link pieces.
+        #: Sends that may still read the buffer: ZeroMQ trackers, data-link chunks.
         self.trackers: list[zmq.MessageTracker | Sent] = []
         #: Bytes of the buffer packed so far (buckets are packed in order).
         self.packed = 0
         #: Buckets packed completely, their checksum known.
         self.buckets_done = 0
-        #: Fetches being answered, piece by piece as packing progresses.
+        #: Fetches being answered, chunk by chunk as packing progresses.
         self.active: list[Send] = []
         #: The packing still to do (run by the serving thread), and its failure.
         self.job: Iterator[None] | None = None
@@ -114,8 +110,7 @@ class Staged:
         self.error: BaseException | None = None
 
     def view(self) -> np.ndarray[Any, Any]:
-        """The buffer as a numpy array (slicing one costs a fraction of slicing a
-        tensor and taking ``.numpy()`` of it, once per piece sent)."""
+        """The buffer as a numpy array (cheaper to slice per chunk sent than a tensor)."""
         if self._view is None or self._view_of is not self.buf:
             self._view, self._view_of = self.buf.numpy(), self.buf
         return self._view

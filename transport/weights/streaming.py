@@ -21,7 +21,7 @@ from transport.weights.bucket import Hasher, _flat_bytes, dtype_name
 
 __all__ = ["BLOCK", "BucketStream"]
 
-#: Hash-then-copy granularity (fits the L2 cache).
+#: Hash-then-copy granularity (fits the L2 cache), for packing, streaming and the link.
 BLOCK = 256 << 10
 
 
@@ -112,10 +112,7 @@ class BucketStream:
         self.size += n
 
     def take(
-        self,
-        n: int,
-        fill: Callable[[np.ndarray[Any, Any]], None],
-        scratch: np.ndarray[Any, Any],
+        self, n: int, fill: Callable[[np.ndarray[Any, Any]], None], scratch: np.ndarray[Any, Any]
     ) -> None:
         """Bytes ``[size, size + n)`` of the bucket, received by ``fill`` (which fills
         the array it is given, e.g. from a socket): a block inside one plain tensor is

@@ -12,7 +12,7 @@ shm/tcp routes (:class:`~transport.weights.fetching.VersionFetcher`) and the ``i
 (:class:`~transport.weights.routes.ipc.IpcReceiver`).
 
 Never a mixed version served (``docs/PROTOCOL.md``, "Apply and commit"): with
-``atomic=True`` nothing is written before every bucket verified (over TCP each piece is
+``atomic=True`` nothing is written before every bucket verified (over TCP each chunk is
 hashed and staged in a buffer kept between versions; through shared memory the segment is
 the staging area); with ``atomic=False`` (only under a lock that refuses to serve mixed
 weights) each block is hashed then copied while in cache, the lock held from the first
@@ -204,11 +204,9 @@ class WeightSubscriber:
 
     @property
     def consistent(self) -> bool:
-        """False while the weights are mixed: from a one-pass version's first write
-        (``atomic=False``) until it completes, after such a version failed, or after a
-        copy or the ``loader`` failed midway. The worker then
-        reports version ``-1`` and must not serve; a later complete version makes it
-        true again. :attr:`version` stays the last version applied completely."""
+        """False while the weights are mixed (a one-pass version in progress or failed
+        midway, a copy or the ``loader`` failed midway): the worker then reports version
+        ``-1`` and must not serve until a later version completes."""
         return self.core.consistent
 
     @property
@@ -336,8 +334,7 @@ class WeightSubscriber:
             log.exception("weight subscriber %s crashed", self.worker_id)
             raise
         finally:
-            # A version in flight holds the lock from its first write: fail it (the
-            # weights are mixed if it wrote) so the lock is left, never held for good.
+            # A version in flight may hold the lock: fail it, so the lock is released.
             try:
                 self.fetcher.abandon("the subscriber was closed mid-version")
             except Exception:

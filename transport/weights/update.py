@@ -1,15 +1,11 @@
 """The weight update as the training loop sees it, on top of the fabric.
 
-Trainer side, one call: ``update_weights(controller, publisher, model, version=step)``
-pauses every generation worker (in-flight generations end with ``"interrupt"`` and are
-re-submitted), publishes, waits until every worker applied the version, and resumes;
-engines stamp it on every token generated after (``output_versions``).
-
-Worker side, the plugin (``--plugin transport.weights.update:subscribe``) or
-:func:`attach_subscriber`: a :class:`WeightSubscriber` on ``engine.model`` whose copies
-run only while the worker is paused (it pauses itself for a version that arrives while
-it generates). Loop model: the subscriber's thread enters the pause lock and waits on
-the worker's event loop (``run_coroutine_threadsafe``); the pause lease runs on that loop.
+Trainer side: :func:`update_weights` pauses every generation worker, publishes, waits
+until every worker applied the version and resumes. Worker side: the plugin
+(``--plugin transport.weights.update:subscribe``) or :func:`attach_subscriber`, a
+:class:`WeightSubscriber` whose copies run only while the worker is paused. Loop model:
+the subscriber's thread enters the pause lock and waits on the worker's event loop
+(``run_coroutine_threadsafe``); the pause lease runs on that loop.
 """
 
 from __future__ import annotations
@@ -99,16 +95,11 @@ def update_weights(
         Weight-subscriber ids to wait for (default: the worker id of every worker the
         controller paused, whether or not its subscriber reached the publisher).
     strict:
-        Raise :class:`transport.ControlError` when a worker could not be paused (after
-        resuming the others, before publishing), and :class:`UpdateIncomplete` when a
-        worker failed, did not answer, does not report the new version after the
-        resume, or did not confirm the resume. With ``strict=False`` the update goes on
-        with the workers that paused and the others are reported in ``failed``. The
-        workers are resumed either way: a worker that failed before writing its
-        weights (or with ``atomic=True``) kept its previous ones and keeps generating
-        with them, under its previous version number; one whose failure left its
-        weights mixed (its error says so) stays paused: its resume is refused at once
-        (it is in ``resume_failed``) until a later version completes there.
+        Raise (see below) when a worker could not be paused, failed, did not answer,
+        reports an older version after the resume or did not confirm it; ``False``
+        goes on with the workers that paused and reports the others in ``failed``.
+        Workers are resumed either way; one whose failure left its weights mixed
+        stays paused (in ``resume_failed``) until a later version completes there.
 
     Returns
     -------
@@ -136,9 +127,7 @@ def update_weights(
                 resumed, resume_failed = _resume(controller, timeout)
                 left = f"; resume failed on {resume_failed}" if resume_failed else ""
                 raise ControlError(
-                    f"{exc}; nothing published, the others resumed{left}",
-                    exc.failed,
-                    exc.statuses,
+                    f"{exc}; nothing published, the others resumed{left}", exc.failed, exc.statuses
                 ) from exc
         # (No worker paused at all: wait for those the publisher knows.)
         ids = [s.worker_id for s in paused.values()] or None
@@ -214,13 +203,10 @@ def _never() -> bool:
 class _PausedWhileCopying:
     """The subscriber's lock: the copy runs only while the worker is paused and idle.
 
-    ``__enter__`` asks the server to pause (under a controller's pause that only waits
-    for idle; otherwise the lock owns the pause) and raises if the worker does not go
-    idle in time (the version fails, the weights stay). ``__exit__`` resumes only a
-    pause the lock owns and no one renewed since (``server.pause_requests``); a
-    controller's resume during the copy waits for it (``on_resume``). A copy that left
-    the weights mixed keeps the worker paused: resumes are refused at once (the pause
-    lease does not resume either) and the engine's version reads ``-1``.
+    Entering pauses the server (or waits for idle under a controller's pause) and
+    raises if it does not go idle in time; leaving resumes only a pause the lock owns
+    and nobody renewed. A controller's resume waits for the copy; after a copy that
+    left the weights mixed the worker stays paused and its engine's version is ``-1``.
     """
 
     #: Refuses to serve mixed weights: subscribers default to one-pass mode under it.
@@ -334,10 +320,9 @@ def attach_subscriber(
         Seconds a copy waits for the worker's generations to stop; past that the
         version fails on this worker, which keeps its previous weights.
     pause_lease:
-        A pause is a lease held by a live trainer: when the worker has been paused
-        (by anyone but its own copy) this many seconds with no message from the weight
-        publisher (the trainer died, say, during ``update_weights``), it resumes on its
-        last complete version and logs a warning. ``0`` disables the lease.
+        Seconds paused (by anyone but its own copy) with no word from the publisher
+        (the trainer died) before the worker resumes on its last complete version,
+        with a warning. ``0`` disables the lease.
     **kwargs:
         Passed to :class:`WeightSubscriber` (``shm``, ``report_digest``, ``dtype``,
         ``rename``, ``loader``, timeouts...).
@@ -408,24 +393,15 @@ class PluginOptions(
     """The worker plugin's options, ``--plugin-opt weights_<field>=value`` (``None``:
     the default of :func:`attach_subscriber`).
 
-    * ``endpoint``: the publisher's address (required);
-    * ``shm``: read same-host versions from shared memory (default 1);
-    * ``path``: force a route, ``ipc``, ``shm`` or ``tcp`` (default: ``ipc`` when offered
-      and the worker can open the trainer's memory, else ``shm``/``tcp``);
-    * ``atomic``: 1 keeps the previous weights whole until a version verified; 0 verifies
-      and copies in one pass, and a version failing midway keeps the worker paused until
-      a later one completes (default: 0, or 1 with ``loader``);
-    * ``data_link``: over TCP, take the publisher's data link (default 1);
-    * ``digest``: report weight digests; ``strict``: cover every parameter (default 1);
-    * ``dtype``: ``auto`` or one dtype name for every floating tensor;
-    * ``rename``: a JSON object ``{"trainer name": "engine name"}`` or ``module:name``;
-    * ``loader``: ``module:function`` called as ``function(model, weights)`` with each
-      verified version (``(name, tensor)`` pairs), e.g. to fuse q/k/v;
-    * ``publisher_timeout``, ``pause_timeout`` (a copy waits this long for generations to
-      stop, default 30), ``pause_lease`` (seconds paused with a silent publisher before
-      resuming, default 30, 0: never);
-    * ``curve_secret`` (this worker's ``.key_secret``), ``curve_server`` (the
-      publisher's ``.key``): CurveZMQ.
+    ``endpoint`` (required), ``shm``, ``path`` (the route), ``atomic``, ``data_link``,
+    ``strict``, ``publisher_timeout``: as in
+    :class:`~transport.weights.config.SubscriberConfig`; ``digest``: its
+    ``report_digest``; ``dtype``: ``auto`` or one dtype name; ``rename``: a JSON object
+    ``{"trainer name": "engine name"}`` or ``module:name``; ``loader``:
+    ``module:function`` called as ``function(model, weights)`` with each verified
+    version; ``pause_timeout``, ``pause_lease``: as in :func:`attach_subscriber`;
+    ``curve_secret`` (this worker's ``.key_secret``), ``curve_server`` (the
+    publisher's ``.key``): CurveZMQ.
     """
 
     endpoint: Annotated[str, Meta(min_length=1)]

@@ -2,10 +2,7 @@
 
 :class:`~transport.weights.core.publisher.PublisherCore` and
 :class:`~transport.weights.core.subscriber.SubscriberCore` take messages and the time
-and return what to do; they open no socket, start no thread and read no clock. Every
-rule of the weights section of ``docs/PROTOCOL.md`` that decides who may answer, what
-a worker reports and when a buffer may be reused is decided here and tested without a
-socket (``tests/transport/test_weights_core.py``). The drivers
-(:class:`~transport.weights.WeightPublisher`, :class:`~transport.weights.WeightSubscriber`)
-run them on sockets and threads.
+and return what to do (no socket, thread or clock); every rule of the weights section
+of ``docs/PROTOCOL.md`` on who may answer, what a worker reports and when a buffer may
+be reused lives here, tested without a socket (``tests/transport/test_weights_core.py``).
 """

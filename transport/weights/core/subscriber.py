@@ -161,7 +161,7 @@ class FetchSchedule:
         self.window = max(1, window)
         self.retries = max(1, retries)
         self.todo = list(range(n_buckets - 1, -1, -1))  # pop() gives bucket 0 first
-        #: Bucket -> time of its Fetch or its last piece.
+        #: Bucket -> time of its Fetch or its last chunk.
         self.outstanding: dict[int, float] = {}
         self.attempts: dict[int, int] = {}
 

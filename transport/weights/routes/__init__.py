@@ -30,7 +30,7 @@ class Receiver(Protocol):
 
     def hold(self, up: Any) -> bool: ...
 
-    def piece_done(
+    def chunk_done(
         self, up: Any, i: int, part: Any, t: float, ok: bool, last: bool, checksum: int
     ) -> None: ...
 

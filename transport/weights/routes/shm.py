@@ -315,8 +315,5 @@ class ShmReader:
             )
             return
         f.landed(
-            up,
-            i,
-            [up.seg.tensor[info.shm_offset : info.shm_offset + info.nbytes]],
-            part.stream,
+            up, i, [up.seg.tensor[info.shm_offset : info.shm_offset + info.nbytes]], part.stream
         )

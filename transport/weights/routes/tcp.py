@@ -1,10 +1,9 @@
 """The tcp route's data link: bucket bytes on a plain TCP stream beside the sockets.
 
-A worker reads each block straight where it goes (its weights or staging buffer) and
-hashes it in cache, instead of taking a libzmq message buffer and copying it again.
-Control stays on ZeroMQ; the wire is ``docs/PROTOCOL.md``, "Data link". Trainer side
-(threads of their own): :class:`DataListener`, a :class:`DataSender` per worker. Worker
-side (the subscriber's thread): :class:`LinkClient` over a :class:`DataReceiver`.
+A worker reads each block straight where it goes and hashes it in cache (no libzmq
+message buffer copied again); control stays on ZeroMQ; the wire is ``docs/PROTOCOL.md``,
+"Data link". Trainer side (threads of their own): :class:`DataListener`, a
+:class:`DataSender` per worker. Worker side (the subscriber's thread): :class:`LinkClient`.
 """
 
 from __future__ import annotations
@@ -24,6 +23,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 import torch
 import zmq
+
+from transport.weights.streaming import BLOCK
 
 __all__ = [
     "PIECE",
@@ -45,8 +46,8 @@ log = logging.getLogger("transport.weights.datalink")
 #: Worker -> publisher, once: magic, protocol, id length, token length; id, token.
 HELLO = struct.Struct("<4sBHH")
 HELLO_MAGIC = b"FIOL"
-#: Publisher -> worker, per piece: magic, version, bucket, offset, byte count, bucket
-#: checksum (last piece only, else 0), last flag; then the bytes.
+#: Publisher -> worker, per chunk: magic, version, bucket, offset, byte count, bucket
+#: checksum (last chunk only, else 0), last flag; then the bytes.
 PIECE = struct.Struct("<4sqIQQQ?")
 PIECE_MAGIC = b"FIOP"
 PROTOCOL = 1
@@ -67,7 +68,7 @@ class DataLinkError(ConnectionError):
 
 
 class Piece(NamedTuple):
-    """A piece header read from the link."""
+    """A chunk header read from the link."""
 
     version: int
     bucket: int
@@ -91,7 +92,7 @@ def _tune(sock: socket.socket) -> None:
 
 def _blocking(sock: socket.socket, timeout: float) -> None:
     """Blocking, giving up after ``timeout`` seconds without progress (``SO_*TIMEO``):
-    a whole piece moves in one system call (Python's timeouts poll per partial one)."""
+    a whole chunk moves in one system call (Python's timeouts poll per partial one)."""
     sock.settimeout(None)
     sec = int(timeout)
     tv = struct.pack("ll", sec, int((timeout - sec) * 1e6))
@@ -100,7 +101,7 @@ def _blocking(sock: socket.socket, timeout: float) -> None:
 
 
 class Sent:
-    """A queued piece: :attr:`done` once the kernel copied its bytes (or the link
+    """A queued chunk: :attr:`done` once the kernel copied its bytes (or the link
     dropped it); its buffer may be written again then."""
 
     __slots__ = ("done",)
@@ -110,7 +111,7 @@ class Sent:
 
 
 class DataSender:
-    """One worker's data connection on the publisher: a thread writes queued pieces.
+    """One worker's data connection on the publisher: a thread writes queued chunks.
     A worker that stops reading stalls only its own thread; after ``timeout`` seconds
     without progress the connection is closed (the worker fetches again as frames)."""
 
@@ -127,7 +128,7 @@ class DataSender:
         self.broken = False
         self._on_close = on_close
         self._queue: deque[tuple[bytes, Any, Sent]] = deque()
-        if first:  # written by this thread before any piece (one writer per socket)
+        if first:  # written by this thread before any chunk (one writer per socket)
             self._queue.append((first, None, Sent()))
         self._cv = threading.Condition()
         _blocking(sock, timeout)
@@ -137,7 +138,7 @@ class DataSender:
         self._thread.start()
 
     def send(self, header: bytes, data: Any) -> Sent | None:
-        """Queue a piece (``data``: a buffer that stays unchanged until the returned
+        """Queue a chunk (``data``: a buffer that stays unchanged until the returned
         tracker is done); None when the link is closed."""
         sent = Sent()
         with self._cv:
@@ -148,7 +149,7 @@ class DataSender:
         return sent
 
     def close(self) -> None:
-        """Close the connection; queued pieces are dropped (their trackers done)."""
+        """Close the connection; queued chunks are dropped (their trackers done)."""
         with self._cv:
             if self.broken:
                 return
@@ -192,7 +193,7 @@ class DataListener:
     """Accepts workers' data connections on the ROUTER endpoint's host, ``port`` (0: a
     free one, :attr:`port`). A worker presents :func:`worker_token` of ``secret``;
     ``admit(worker_id, socket)`` (from a handshake thread) takes the connection or not,
-    and owes the worker the answer byte ``1`` before any piece."""
+    and owes the worker the answer byte ``1`` before any chunk."""
 
     def __init__(
         self,
@@ -303,7 +304,7 @@ def connect(endpoint: str, port: int, worker_id: str, token: bytes, timeout: flo
 
 
 class DataReceiver:
-    """The worker's end of the link: piece headers, and bytes straight into the
+    """The worker's end of the link: chunk headers, and bytes straight into the
     caller's buffers. A read without progress for ``timeout`` seconds, the end of the
     stream or a malformed header raises :class:`DataLinkError` (close the link then)."""
 
@@ -325,7 +326,7 @@ class DataReceiver:
         self.sock.close()
 
     def header(self) -> Piece:
-        """The next piece's header."""
+        """The next chunk's header."""
         self.fill(self._head_view)
         magic, version, index, offset, nbytes, checksum, last = PIECE.unpack(self._head)
         if magic != PIECE_MAGIC:
@@ -358,7 +359,7 @@ class DataReceiver:
         return self._scratch[:n]
 
     def discard(self, n: int) -> None:
-        """Read ``n`` bytes away (a piece nobody wants any more)."""
+        """Read ``n`` bytes away (a chunk nobody wants any more)."""
         step = 1 << 20
         while n > 0:
             k = min(n, step)
@@ -366,14 +367,13 @@ class DataReceiver:
             n -= k
 
 
-BLOCK = 256 << 10  # hash-then-copy granularity (fits the L2 cache)
 LINK_RETRY_S = 60.0  # before a link that could not be opened is tried again
 
 
 class LinkClient:
     """The worker's side: the link offered in the Welcome (to the ROUTER ``endpoint``'s
     host), opened for a TCP version (``min(fetch_timeout, 2 s)``) and read straight into
-    the weights or the staging buffer; no piece over ``max_message_size`` is read."""
+    the weights or the staging buffer; no chunk over ``max_message_size`` is read."""
 
     def __init__(
         self,
@@ -428,14 +428,14 @@ class LinkClient:
             link.close()
 
     def read(self, f: Receiver) -> None:
-        """A piece on the data link: its bytes go straight where they belong."""
+        """A chunk on the data link: its bytes go straight where they belong."""
         link = self.link
         assert link is not None
         try:
             p = link.header()
             if p.nbytes > self.max_message_size:
                 # Never read gigabytes away on the word of a header.
-                raise DataLinkError(f"a piece of {p.nbytes} bytes (larger than allowed)")
+                raise DataLinkError(f"a chunk of {p.nbytes} bytes (larger than allowed)")
             up = f.update
             if (
                 up is None
@@ -448,7 +448,7 @@ class LinkClient:
                 return
             i = p.bucket
             if p.offset + p.nbytes > up.ann.buckets[i].nbytes:
-                raise DataLinkError(f"a piece beyond the end of bucket {i}")
+                raise DataLinkError(f"a chunk beyond the end of bucket {i}")
             t = time.monotonic()
             part = up.partial.get(i)
             if part is None:
@@ -464,7 +464,7 @@ class LinkClient:
         except DataLinkError as exc:
             f.link_failed(str(exc))
             return
-        f.piece_done(up, i, part, t, True, p.last, p.checksum)
+        f.chunk_done(up, i, part, t, True, p.last, p.checksum)
 
     def _take(self, f: Receiver, up: Any, i: int, part: Any, n: int) -> bool:
         """Receive ``n`` bytes of bucket ``i`` where they go: the weights (one pass),
@@ -477,7 +477,7 @@ class LinkClient:
                 link.discard(n)
                 return False
             if stream.rest:
-                # Tensors that need their bytes whole: keep the piece for them.
+                # Tensors that need their bytes whole: keep the chunk for them.
                 c = np.empty(n, dtype=np.uint8)
                 link.fill(c)
                 stream.feed(c)
