@@ -346,8 +346,11 @@ from transport import ClientConfig, FabricClient
 
 async def main():
     # No streaming: nothing is sent to the client until its requests end, so only the
-    # missing heartbeats can tell the worker that it died.
-    async with FabricClient([sys.argv[1]], ClientConfig(heartbeat_interval=0.05, stream=False)) as c:
+    # missing heartbeats can tell the worker that it died. A long liveness: a pong late
+    # on a loaded machine must not make this client re-send (the worker would then hold
+    # and cancel 6 requests instead of 3).
+    cfg = ClientConfig(heartbeat_interval=0.05, heartbeat_liveness=200, stream=False)
+    async with FabricClient([sys.argv[1]], cfg) as c:
         g = GenerationHyperparameters(max_new_tokens=100_000)
         await asyncio.gather(*(c.agenerate(LLMRequest(input_ids=[i], gconfig=g)) for i in range(3)))
 
