@@ -76,7 +76,9 @@ def test_two_clients_bursting_at_once_are_each_spread(
         await asyncio.gather(one_client(), one_client())
 
     asyncio.run(main())
-    assert all(min(s) >= 0.3 * 40 for s in split), split
+    # A client counts the other's requests a worker reported: seeing 20 of them on one
+    # worker but not yet on the other, it evens the totals with 30/10. Never 40/0.
+    assert all(min(s) >= 0.2 * 40 for s in split), split
     counts = received(addresses)
     assert sum(counts) == 80 and min(counts) >= 0.3 * 80, (counts, split)
 

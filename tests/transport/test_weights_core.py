@@ -81,6 +81,25 @@ def test_a_version_waits_for_the_workers_alive_at_its_announcement() -> None:
     assert res.elapsed_s == pytest.approx(1.5)  # to the last answer, not to now
 
 
+def test_a_dropped_version_keeps_its_final_result_for_a_while() -> None:
+    from transport.weights.core.publisher import KEEP_RESULTS
+
+    c = core()
+    c.on_hello("w", hello("w"), 0.0)
+    announce(c, 1, now=1.0)
+    c.on_ack("w", ack("w", 1), 1.25)
+    c.drop(1, now=5.0)
+    assert 1 not in c.versions
+    res = c.result(1, 9.0)
+    assert res.ok and list(res.applied) == ["w"] and res.elapsed_s == pytest.approx(0.25)
+    for v in range(2, KEEP_RESULTS + 2):
+        announce(c, v)
+        c.drop(v)
+    with pytest.raises(KeyError):
+        c.result(1, 9.0)  # the oldest result goes once more than KEEP_RESULTS are kept
+    assert c.result(KEEP_RESULTS + 1, 9.0).missing == ["w"]
+
+
 def test_a_hello_at_the_version_counts_as_its_lost_ack() -> None:
     c = core()
     c.on_hello("w", hello("w", version=0), 0.0)

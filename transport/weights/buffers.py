@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 
 import torch
 
@@ -103,7 +104,7 @@ class VersionStore:
     def forget(self, version: int) -> None:
         """Drop a version from the buffers and the core (lock held)."""
         del self.versions[version]
-        self.core.drop(version)
+        self.core.drop(version, time.monotonic())
 
     def _recycle(self, st: Staged) -> None:
         """Take ``st``'s buffer away from it: a segment no one may read goes to the pool

@@ -304,7 +304,8 @@ class WeightPublisher:
         Parameters
         ----------
         version:
-            A published version.
+            A published version; one retired since (its buffer freed) returns its
+            final result while it is among the last ``KEEP_RESULTS`` (64) retired.
         timeout:
             Seconds to wait at most.
         workers:
@@ -320,6 +321,8 @@ class WeightPublisher:
         deadline = time.monotonic() + timeout
         with self._cond:
             st = self.store.versions.get(version)
+            if st is None and version in self.core.retired:
+                return self.core.retired[version]  # answered and retired since
             if st is None or st.announce is None:
                 raise KeyError(f"version {version} was not published by this publisher")
             led = st.ledger
@@ -330,7 +333,7 @@ class WeightPublisher:
                 if left <= 0:
                     break
                 self._cond.wait(min(left, 0.5))
-            res = self.core.result(version, time.monotonic())
+            res = led.result(time.monotonic())  # held even if retired meanwhile
             if res.failed and not led.failure_counted:
                 led.failure_counted = True
                 metrics.PUBLISHER_FAILURES.inc()

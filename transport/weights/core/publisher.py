@@ -29,6 +29,10 @@ __all__ = ["PublisherCore", "Reader", "VersionLedger"]
 Reader = tuple[str, int, int, int]
 
 
+#: How many dropped versions keep their final result for :meth:`PublisherCore.result`.
+KEEP_RESULTS = 64
+
+
 class VersionLedger:
     """Who must answer one version, who did, and who may still read its buffer."""
 
@@ -57,6 +61,25 @@ class VersionLedger:
     def answered(self) -> bool:
         """Every expected worker acked the version or was lost."""
         return all(w in self.acks or w in self.lost for w in self.expected)
+
+    def result(self, now: float) -> UpdateResult:
+        """Where this version stands: applied, failed (with why), missing."""
+        res = UpdateResult(self.version)
+        for w in sorted(self.expected | set(self.acks)):
+            ack = self.acks.get(w)
+            if ack is not None:
+                res.paths[w] = ack.via
+                if ack.ok:
+                    res.applied[w] = ack
+                else:
+                    res.failed[w] = ack.error or "failed"
+            elif w in self.lost:
+                res.failed[w] = self.lost[w]
+            else:
+                res.missing.append(w)
+        end = self.done_at if self.answered() and self.done_at else now
+        res.elapsed_s = end - self.announced_at
+        return res
 
     def forget_reader(self, wid: str, pid: int, start_time: int) -> None:
         """Process ``(wid, pid, start_time)`` answered: it reads this buffer no more."""
@@ -95,6 +118,8 @@ class PublisherCore:
         self._start_time_of = start_time_of
         self.workers: dict[str, SubscriberInfo] = {}
         self.versions: dict[int, VersionLedger] = {}
+        #: Final results of dropped versions, oldest first (at most KEEP_RESULTS).
+        self.retired: dict[int, UpdateResult] = {}
         self.latest: VersionLedger | None = None
         self.counters: dict[str, int] = {}
 
@@ -112,11 +137,17 @@ class PublisherCore:
         self.versions[led.version] = led
         self.latest = led
 
-    def drop(self, version: int) -> None:
-        """Forget a retired version."""
+    def drop(self, version: int, now: float = 0.0) -> None:
+        """Forget a retired version; its result stays readable a while (see
+        :meth:`result`)."""
         led = self.versions.pop(version, None)
-        if led is not None and led is self.latest:
+        if led is None:
+            return
+        if led is self.latest:
             self.latest = None
+        self.retired[version] = led.result(now or led.done_at or led.announced_at)
+        while len(self.retired) > KEEP_RESULTS:
+            del self.retired[next(iter(self.retired))]
 
     def touch(self, wid: str, now: float, *, hello: bool = False) -> SubscriberInfo:
         """A message from ``wid``: a Hello makes it a worker; anything from a worker
@@ -233,24 +264,12 @@ class PublisherCore:
         return lost
 
     def result(self, version: int, now: float) -> UpdateResult:
-        """Where ``version`` stands: applied, failed (with why), missing."""
-        led = self.versions[version]
-        res = UpdateResult(version)
-        for w in sorted(led.expected | set(led.acks)):
-            ack = led.acks.get(w)
-            if ack is not None:
-                res.paths[w] = ack.via
-                if ack.ok:
-                    res.applied[w] = ack
-                else:
-                    res.failed[w] = ack.error or "failed"
-            elif w in led.lost:
-                res.failed[w] = led.lost[w]
-            else:
-                res.missing.append(w)
-        end = led.done_at if led.answered() and led.done_at else now
-        res.elapsed_s = end - led.announced_at
-        return res
+        """Where ``version`` stands: applied, failed (with why), missing; a retired
+        version's final result while it is among the last :data:`KEEP_RESULTS`."""
+        led = self.versions.get(version)
+        if led is not None:
+            return led.result(now)
+        return self.retired[version]
 
     def _visible_start(self, hello: WeightHello) -> int:
         """The Hello's start time when this host sees that process, else 0."""
