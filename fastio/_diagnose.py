@@ -1,7 +1,5 @@
-"""Why a message was rejected: the checks of the protocol's order (frame list, frames,
-size, header, frame count) and messages with field paths
-(``LLMRequest.gconfig.max_new_tokens``). Off the hot path: the decoder calls these only
-for a message that failed."""
+"""Why a message was rejected, checked in the protocol's order, with field paths
+(``LLMRequest.gconfig.max_new_tokens``); only for messages that failed to decode."""
 
 from __future__ import annotations
 
@@ -39,8 +37,7 @@ def _buffer(frame: Any) -> memoryview:
 
 
 def _header_ints(h: memoryview) -> tuple[int, int]:
-    """``(version, n_buffers)`` of header ``h`` in any msgpack int widths; FrameError
-    when it is not ``[int, int, body]``."""
+    """``(version, n_buffers)`` of header ``h``; FrameError unless ``[int, int, body]``."""
     try:
         parts = _header_decoder.decode(h)
     except msgspec.DecodeError as exc:
@@ -60,7 +57,7 @@ def _header_ints(h: memoryview) -> tuple[int, int]:
 def _n_buffers(h: memoryview) -> int:
     """The buffer count of header ``h`` after checking its protocol version."""
     if len(h) > 3 and h[0] == 0x93 and h[2] < 0x80 and h[1] < 0x80:
-        version, n_buffers = h[1], h[2]  # what our encoder writes
+        version, n_buffers = h[1], h[2]  # both fixints: what our encoder writes
     else:
         version, n_buffers = _header_ints(h)
     if not MIN_PROTOCOL_VERSION <= version <= PROTOCOL_VERSION:
@@ -72,9 +69,8 @@ def _n_buffers(h: memoryview) -> int:
 
 
 def diagnose(tp: Any, limit: int | None, frames: Any, exc: Exception) -> DecodeError:
-    """The error for ``frames`` that failed to decode into ``tp`` with ``exc``, checked in
-    the protocol's order: the frame list, each frame, the size ``limit``, the header,
-    the frame count, then the body's own error."""
+    """The error for ``frames`` that failed to decode into ``tp`` with ``exc``: the frame
+    list, each frame, the size ``limit``, the header, the frame count, then the body."""
     tf = type(frames)
     if (tf is not list and tf is not tuple) or not frames:
         return FrameError("expected a non-empty list of frames [header, *buffers]")
@@ -144,9 +140,8 @@ _INDEX = re.compile(r"\[(\d+)\]")
 
 
 def _body_error(tp: Any, header: Any, exc: Exception) -> str:
-    """msgspec's message with the path made relative to the body (``$[2]`` of the
-    header tuple is ``$``) and the field names it stands for, e.g. ``Expected `int` >=
-    1 - at `$[3][2]` (LLMRequest.gconfig.max_new_tokens)``."""
+    """msgspec's message with the path relative to the body and its field names, e.g.
+    ``Expected `int` >= 1 - at `$[3][2]` (LLMRequest.gconfig.max_new_tokens)``."""
     text = str(exc)
     m = _PATH.search(text)
     if m is None:

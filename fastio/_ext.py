@@ -1,8 +1,5 @@
-"""Extension values of the wire format: dtype and extension-code tables, payload helpers.
-
-Shared by the encoder, the decoder and the JSON hook; ``docs/PROTOCOL.md``, "Extension
-types", specifies the payloads.
-"""
+"""Extension values of the wire format (``docs/PROTOCOL.md``): dtype and ext-code
+tables and payload helpers of the encoder, the decoder and the JSON hook."""
 
 from __future__ import annotations
 
@@ -27,8 +24,7 @@ INLINE = int(ExtCode.TOKENS_INLINE)
 FRAME = int(ExtCode.TOKENS_FRAME)
 REF = int(ExtCode.TOKENS_REF)
 
-# Wire dtype name -> little-endian numpy dtype (bfloat16 travels only as a tensor).
-# numpy's own dtype instances: a lookup of a usual array's dtype matches by identity.
+# Wire dtype name -> numpy's own dtype instance (bfloat16 only as a tensor).
 NP_DTYPES: dict[str, np.dtype[Any]] = {
     name: np.dtype(name) for name in DTYPE_NAMES if name != "bfloat16"
 }
@@ -37,14 +33,11 @@ WIRE_NAMES: dict[np.dtype[Any], str] = {dt: name for name, dt in NP_DTYPES.items
 
 Ext = msgspec.msgpack.Ext
 meta_encode = msgspec.msgpack.Encoder().encode
-# Inline data decodes straight into a bytearray: the private writable copy that the
-# codec promises for small arrays, made by msgspec itself.
+# Inline data decodes into a bytearray: the private copy promised for small arrays.
 array_meta_decode = msgspec.msgpack.Decoder(tuple[str, tuple[int, ...], int | bytearray]).decode
 image_meta_decode = msgspec.msgpack.Decoder(tuple[str, int, int, int | bytearray]).decode
 
-#: dtype of a token-array ext code (inline ``16 + d``, frame ``32 + d``, compact frame
-#: reference ``48 + d``), else None. A list of 256 so that the decoder's hook looks a
-#: code up with one subscript; negative codes index the upper half, all None.
+#: dtype of a token-array ext code, else None; 256 entries (negative codes: None).
 TOKEN_DTYPES: list[np.dtype[Any] | None] = [None] * 256
 for _d, _name in enumerate(DTYPE_NAMES):
     if _name in NP_DTYPES:
@@ -54,9 +47,8 @@ for _d, _name in enumerate(DTYPE_NAMES):
 INLINE_CODE = {dt: INLINE + DTYPE_NAMES.index(name) for dt, name in WIRE_NAMES.items()}
 FRAME_REF = struct.Struct("<II")  # frame index, element count
 
-#: Compact references to frame ``k`` (1-255) of a token array of inline code ``code``:
-#: ``REFS[code][k]``, made on first use and shared (Ext values are never mutated), so
-#: the encoder's hot path allocates nothing for a reference.
+#: ``REFS[code][k]``: the shared compact reference to frame ``k`` (made on first use),
+#: so the encoder's hot path allocates nothing for it.
 REFS: list[list[Any]] = [[None] * 256 for _ in range(INLINE + len(DTYPE_NAMES))]
 
 
@@ -85,8 +77,7 @@ def torch_tables() -> None:
 
     for name in DTYPE_NAMES:
         dt = getattr(torch, name, None)
-        if name in ("uint16", "uint32", "uint64") or dt is None:
-            # torch's unsigned wide types lack most kernels (view, copy): not supported.
+        if name in ("uint16", "uint32", "uint64") or dt is None:  # lack most kernels
             continue
         torch_dtypes[name] = (dt, torch.empty((), dtype=dt).element_size())
         torch_names[dt] = name

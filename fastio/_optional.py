@@ -19,8 +19,7 @@ def install_hint(extra: str) -> str:
 
 
 def missing(module: str, extra: str, purpose: str = "") -> ImportError:
-    """The ImportError for a missing optional ``module``, naming what needs it and the
-    install command.
+    """The ImportError for a missing optional ``module``, naming what needs it.
 
     >>> print(missing("torch", "weights", "weight updates"))
     weight updates needs 'torch', which is not installed: pip install 'fastio[weights]' (from a checkout: pip install '.[weights]')
@@ -44,9 +43,6 @@ def require(module: str, extra: str, purpose: str = "") -> ModuleType:
 
 
 class _Lazy(ModuleType):
-    """Imports its module on first attribute access and replaces itself in the
-    namespace that holds it."""
-
     def __init__(self, module: str, extra: str, purpose: str, namespace: dict[str, Any]) -> None:
         super().__init__(module)
         self._spec = (module, extra, purpose, namespace)
@@ -63,7 +59,6 @@ class _Lazy(ModuleType):
 
 
 def lazy(module: str, extra: str, purpose: str, namespace: dict[str, Any]) -> Any:
-    """A module imported on first use: ``torch = lazy("torch", "torch", "weight
-    buckets", globals())`` imports torch (or names the extra) when a function first
-    touches ``torch.<name>``. Under ``TYPE_CHECKING`` import the module itself."""
+    """A module imported (or its extra named) on first attribute access, replacing
+    itself in ``namespace``: ``torch = lazy("torch", "torch", "buckets", globals())``."""
     return _Lazy(module, extra, purpose, namespace)

@@ -34,18 +34,15 @@ class Decoder:
     Parameters
     ----------
     type:
-        The expected type. ``None`` accepts any fastio message: a tagged union of every
-        :class:`~fastio.WireStruct` subclass with an integer tag defined in ``fastio``
-        when the decoder is created (:func:`~fastio.message_types`).
+        The expected type; ``None``: any fastio message (:func:`~fastio.message_types`
+        when the decoder is created).
     max_message_size:
-        Frames adding up to more bytes raise :class:`~fastio.MessageTooLarge` before
-        anything is parsed (sizes by ``len()``; see "Trust" in :mod:`fastio.codec`).
+        Larger frame totals raise :class:`~fastio.MessageTooLarge` before parsing.
     trusted:
-        ``True`` skips the size limit, only for frames this program produced itself.
-        Anything read from a socket is untrusted, the default.
+        ``True`` skips the size limit: only for frames this program produced itself.
     device:
-        Where decoded torch tensors go: ``None``/``"cpu"`` views the frame without a
-        copy; e.g. ``"cuda:0"`` copies onto that device.
+        Where decoded tensors go: ``None``/``"cpu"`` views the frame; e.g. ``"cuda:0"``
+        copies onto that device.
 
     Examples
     --------
@@ -70,11 +67,9 @@ class Decoder:
         self.device = None if device is None or str(device) == "cpu" else device
         self._max_message_size = max_message_size
         self._trusted = bool(trusted)
-        # Messages of one frame (all arrays inline) decode with one stateless msgspec
-        # call: the header's version and buffer count (0) are part of the type.
+        # One frame (all arrays inline): one stateless msgspec call.
         self._decode_one = self._msgspec_decoder(Literal[0], [_NO_BUFFERS])
-        # Idle per-call states of messages with buffer frames. The first is built here
-        # so that a type msgspec cannot decode fails at construction.
+        # Per-call states not in use; the first built here: a bad type fails now.
         self._idle: list[list[Any]] = [self._new_state()]
         # The hot path, a closure; the instance attribute shadows the method.
         self.decode = self._decode = self._make_decode()  # type: ignore[method-assign]
@@ -95,9 +90,7 @@ class Decoder:
         Raises
         ------
         DecodeError
-            Saying what is wrong with the frames (for a value that breaks a field's
-            constraint: the field's path and the rule); never any other exception for
-            bad input.
+            Saying what is wrong (a field's path and rule); nothing else for bad input.
         """
         return self._decode(frames)
 
@@ -111,7 +104,7 @@ class Decoder:
 
     def _hook(self, state: list[Any]) -> Any:
         """The ``ext_hook`` of one msgspec decoder; ``state[0]`` is the frame list of the
-        call that holds the state (``(None,)`` for messages of one frame)."""
+        call holding the state."""
         dtypes, ref, frame, unpack = _ext.TOKEN_DTYPES, _ext.REF, _ext.FRAME, _ext.FRAME_REF.unpack
         frombuffer, new, other = np.frombuffer, _new_object, self._ext_hook
 
@@ -119,8 +112,7 @@ class Decoder:
             dtype = dtypes[code]
             if dtype is None:
                 return other(code, payload, state[0])
-            # A token array (TokenArray._wrap, inlined: _buf and _excl stay unset).
-            # Malformed values fall through to the error below (try is free).
+            # TokenArray._wrap inlined (_buf, _excl unset); bad values reach the raise.
             try:
                 if code >= ref:  # in frame k, one byte: the frame is the array
                     (k,) = payload  # ValueError unless exactly one byte
@@ -147,9 +139,8 @@ class Decoder:
         return ext_hook
 
     def _new_state(self) -> list[Any]:
-        """A per-call state ``[frames, decode, decode_two]`` whose decoders' hook reads
-        ``frames``; ``decode_two`` is for messages of exactly two frames (its type says
-        one buffer, so msgspec checks the count)."""
+        """A per-call state ``[frames, decode, decode_two]``; ``decode_two``'s type
+        says one buffer, so msgspec checks the count of two-frame messages."""
         state: list[Any] = [None, None, None]
         state[1] = self._msgspec_decoder(int, state)
         state[2] = self._msgspec_decoder(Literal[1], state)
@@ -157,7 +148,6 @@ class Decoder:
 
     def _make_decode(self) -> Any:
         decode_one = self._decode_one
-        # A header alone or with one buffer: the limit costs one or two len().
         header_limit = sys.maxsize if self._trusted else self._max_message_size
         small_limit = min(header_limit, (1 << 30) - 1)
         limit = None if self._trusted else self._max_message_size
@@ -171,8 +161,7 @@ class Decoder:
                 if count == 1:
                     header = frames[0]
                     size = len(header)
-                    # The first compare is between small ints (the interpreter's fast
-                    # path); the second runs only for big messages.
+                    # Small ints compare on the interpreter's fast path.
                     if size > small_limit and size > header_limit:
                         raise rejected
                     return decode_one(header)[2]
@@ -180,9 +169,7 @@ class Decoder:
                     size = len(frames[0]) + len(frames[1])
                     if size > small_limit and size > header_limit:
                         raise rejected
-                elif limit is not None:
-                    # len() is the size in bytes of bytes, bytearray, zmq.Frame and byte
-                    # memoryviews; np.frombuffer reads any of them as they are.
+                elif limit is not None:  # len(): bytes of every frame type read
                     total = 0
                     for f in frames:
                         total += len(f)
@@ -206,7 +193,6 @@ class Decoder:
 
         return decode
 
-    # -- extension values other than token arrays (codes 1-4) --------------------------
     def _ext_hook(self, code: int, payload: memoryview, frames: Any) -> Any:
         if code == _ext.EXT_IMAGE:
             return self._image(payload, frames)
@@ -260,8 +246,7 @@ class Decoder:
         if memoryview(data).readonly:
             # torch has no read-only tensors: a write would corrupt an immutable frame.
             data = bytearray(data)
-        # Through numpy (cheaper than torch.frombuffer + reshape); bfloat16 is viewed as
-        # uint16 there and reinterpreted by torch.
+        # Through numpy (cheaper than torch.frombuffer); bfloat16 as uint16 there.
         t = torch.from_numpy(
             np.frombuffer(data, _ext.NP_DTYPES.get(name, _ext.BF16_STORAGE), count).reshape(shape)
         )
@@ -288,8 +273,8 @@ class Decoder:
 
 
 def _data(slot: int | bytearray, nbytes: int, what: Any, frames: Any) -> Any:
-    """The bytes an extension value refers to: frame ``slot``, or inline data (already
-    a private writable bytearray from msgspec); ``what()`` names it in errors."""
+    """The bytes of frame ``slot``, or inline data (a private bytearray from msgspec);
+    ``what()`` names it in errors."""
     if type(slot) is int:
         if not 0 < slot < len(frames):
             raise _frame_error(what(), slot, frames)
@@ -311,8 +296,7 @@ def _dec_hook(tp: Any, obj: Any) -> Any:
             if obj.ndim != 1:
                 raise ValueError(f"token array must be 1-D, got shape {obj.shape}")
             return TokenArray._wrap(obj)
-        if type(obj) is list:
-            # Peers in other languages may send plain msgpack arrays of numbers.
+        if type(obj) is list:  # peers in other languages: plain arrays of numbers
             for x in obj:
                 if type(x) is not int and type(x) is not float:
                     raise ValueError(f"token array must hold only numbers, got {type(x).__name__}")

@@ -21,19 +21,16 @@ from fastio.tokens import TokenArray
 __all__ = ["Encoder"]
 
 _VERSIONS = range(MIN_PROTOCOL_VERSION, PROTOCOL_VERSION + 1)
-#: The token encodings an Encoder can write.
 _WRITES = (TokenEncoding.TOKENS, TokenEncoding.COMPACT, TokenEncoding.REF)
 #: Header prefixes ``93 <version> <n>`` of fewer than 128 buffers, by version.
 _PREFIXES = {v: tuple(b"\x93" + bytes((v, n)) for n in range(128)) for v in _VERSIONS}
 
 
 class _NeedsFrames(Exception):
-    """Raised by the stateless encoder for an array that needs a frame of its own."""
+    """An array met by the stateless encoder needs a frame of its own."""
 
 
 class _NoFrames(list[Any]):
-    """The frame list of the stateless encoder: adding a frame raises."""
-
     def append(self, frame: Any) -> None:
         raise _NeedsFrames
 
@@ -53,9 +50,8 @@ class Encoder:
         The protocol version written in the header (``MIN_PROTOCOL_VERSION`` ..
         ``PROTOCOL_VERSION``): the version the reader speaks.
     tokens:
-        How token arrays are written, one :class:`~fastio.protocol.TokenEncoding`: by
-        default ``REF`` at version 2 and ``TOKENS`` (ext 4, which every version-1 reader
-        reads) at version 1. :mod:`fastio.versions` picks both for a peer.
+        How token arrays are written (:class:`~fastio.protocol.TokenEncoding`): by
+        default ``REF`` at version 2, ``TOKENS`` at 1. :mod:`fastio.versions` picks both.
 
     Examples
     --------
@@ -87,8 +83,7 @@ class Encoder:
         self._threshold = inline_threshold
         self._version = version
         self._tokens = TokenEncoding(tokens)
-        # Idle per-call states: a call pops one (or makes one) and puts it back.
-        self._idle: list[list[Any]] = []
+        self._idle: list[list[Any]] = []  # per-call states not in use
         # The hot path, a closure; the instance attribute shadows the method.
         self.encode = self._encode = self._make_encode()  # type: ignore[method-assign]
 
@@ -108,12 +103,9 @@ class Encoder:
         return self._tokens
 
     def encode(self, obj: Any) -> list[Any]:
-        """Encode ``obj`` into ``[header, *buffers]``.
-
-        The header is ``bytes``; buffers are the caller's memory: a token array's numpy
-        array itself, 1-D byte memoryviews of other arrays and tensors (keep them
-        unmodified until sent; ``memoryview(f).nbytes`` is a frame's size). Send them
-        with ``socket.send_multipart(frames, copy=False)``.
+        """Encode ``obj`` into ``[header, *buffers]``: ``bytes``, then the caller's
+        memory (token arrays' numpy arrays, byte memoryviews of other arrays; keep them
+        unmodified until sent). Send with ``socket.send_multipart(frames, copy=False)``.
 
         Raises
         ------
@@ -124,7 +116,7 @@ class Encoder:
 
     def _hook(self, state: list[Any]) -> Any:
         """The ``enc_hook`` of one msgspec encoder; ``state[1]`` is the frame list of the
-        call that holds the state (``_NO_FRAMES`` for the stateless encoder)."""
+        call holding the state."""
         threshold = self._threshold
         # Other token encodings miss this table: _tokens_ext writes them.
         codes = _ext.INLINE_CODE if self._tokens is TokenEncoding.REF else {}
@@ -132,8 +124,7 @@ class Encoder:
         other = self._enc_hook
 
         def hook(obj: Any) -> Any:
-            # The hot path, every token array of every message: the array itself is the
-            # inline payload (msgspec copies it into the header) or the frame.
+            # The hot path: the array itself is the inline payload or the frame.
             if type(obj) is TokenArray:
                 arr = obj._a
                 code = codes.get(arr.dtype)
@@ -153,8 +144,8 @@ class Encoder:
         return hook
 
     def _new_state(self) -> list[Any]:
-        """A per-call state ``[encode, frames, n_guess]``: a msgspec encoder whose hook
-        appends to ``frames``, and the buffer count of this state's last message."""
+        """A per-call state ``[encode, frames, n_guess]``; ``n_guess`` is the buffer
+        count of this state's last message."""
         state: list[Any] = [None, None, 0]
         state[0] = msgspec.msgpack.Encoder(enc_hook=self._hook(state)).encode
         return state
@@ -163,16 +154,14 @@ class Encoder:
         pop, push, new_state = self._idle.pop, self._idle.append, self._new_state
         version = self._version
         prefixes = _PREFIXES[version]
-        # The buffer count of the last message, shared by the threads (a guess): 0
-        # means try the stateless encoder first, -1 that it failed last time.
+        # The last message's buffer count (a guess shared by threads): 0 tries the
+        # stateless encoder first, -1 says it failed last time.
         last = [0]
         stateless = msgspec.msgpack.Encoder(enc_hook=self._hook([None, _NO_FRAMES])).encode
 
         def encode(obj: Any) -> list[Any]:
             try:
-                if not last[0]:
-                    # Every array inline (every small message): one stateless msgspec
-                    # call. An array that needs a frame of its own stops it.
+                if not last[0]:  # every array inline: one stateless msgspec call
                     try:
                         return [stateless((version, 0, obj))]
                     except _NeedsFrames:
@@ -185,9 +174,8 @@ class Encoder:
                 state[1] = frames
                 guess = state[2]
                 try:
-                    # The header in one call, its buffer count guessed from this state's
-                    # last message (one stream's messages look alike); a wrong guess
-                    # costs one copy of the header.
+                    # One call, the buffer count guessed (a stream's messages look
+                    # alike); a wrong guess costs one copy of the header.
                     header = state[0]((version, guess, obj))
                 finally:
                     state[1] = None
@@ -197,23 +185,19 @@ class Encoder:
             except (TypeError, ValueError, OverflowError, RuntimeError) as exc:
                 raise EncodeError(f"cannot encode {type(obj).__name__}: {exc}") from exc
             n = len(frames) - 1
-            if n != guess:
-                # A guess is below 128, one byte: the header starts 93 <version> <guess>.
+            if n != guess:  # the header starts 93 <version> <guess>, each one byte
                 if n < 128:
                     header = prefixes[n] + header[3:]
                 else:
                     header = b"\x93" + _ext.meta_encode(version) + _ext.meta_encode(n) + header[3:]
                 state[2] = n if n < 128 else 1
-            if last[0] != n:
-                # Also when the guess was right: a message that needed no frame after all
-                # (a small tensor) turns the stateless path back on for the next.
+            if last[0] != n:  # 0 turns the stateless path back on
                 last[0] = n if n < 128 else 1
             frames[0] = header
             return frames
 
         return encode
 
-    # -- extension values other than the hot path -------------------------------------
     def _enc_hook(self, obj: Any, frames: list[Any]) -> Any:
         if isinstance(obj, TokenArray):
             return self._tokens_ext(obj._a, frames)
@@ -222,21 +206,19 @@ class Encoder:
         if isinstance(obj, np.generic):
             return obj.item()
         if _ext.is_tensor(obj) or _ext.is_pil_image(obj):
-            if frames is _NO_FRAMES:  # converted (to host, to pixels) before the size is known
+            if frames is _NO_FRAMES:  # converted before the size is known
                 raise _NeedsFrames
             write = self._tensor_ext if _ext.is_tensor(obj) else self._image_ext
             return write(obj, frames)
         name = getattr(obj, "name_or_path", None)
-        if isinstance(name, str):
-            # Tokenizers and processors (SaveLoadMeta) travel as the name/path the
-            # receiver loads them from, never as live objects.
+        if isinstance(name, str):  # tokenizers and processors: never live objects
             return name
         tp = type(obj)
         raise EncodeError(f"fastio cannot encode objects of type {tp.__module__}.{tp.__qualname__}")
 
     def _tokens_ext(self, arr: np.ndarray[Any, Any], frames: list[Any]) -> msgspec.msgpack.Ext:
-        """Token arrays off the hot path: a dtype to normalise, a strided view, and the
-        older encodings (ext 4; ``32 + d`` for every frame) for older peers."""
+        """Token arrays off the hot path: dtypes to normalise, strided views, the older
+        encodings."""
         tokens = self._tokens
         if tokens is TokenEncoding.TOKENS:
             return self._array_ext(arr, _ext.EXT_TOKENS, frames)
@@ -257,7 +239,6 @@ class Encoder:
         nbytes = arr.nbytes
         if nbytes < self._threshold:
             return arr.tobytes()
-        # 1-D unsigned-byte views, so that len(frame) is its size in bytes.
         frames.append(memoryview(arr).cast("B") if nbytes else _ext.EMPTY)  # type: ignore[arg-type]
         return len(frames) - 1
 
@@ -288,24 +269,21 @@ class Encoder:
         shape = tuple(t.shape)
         if name in _ext.NP_DTYPES:
             raw = t.numpy()
-        else:
-            # bfloat16 has no numpy dtype: ship its bytes. view() needs >= 1 dim.
+        else:  # bfloat16 has no numpy dtype: its bytes (view() needs >= 1 dim)
             import torch
 
             raw = t.reshape(-1).view(torch.uint8).numpy()
         return _ext.Ext(_ext.EXT_TENSOR, _ext.meta_encode((name, shape, self._slot(raw, frames))))
 
     def _image_ext(self, img: Any, frames: list[Any]) -> msgspec.msgpack.Ext:
-        if img.mode not in _ext.IMAGE_MODES:
-            # Palette and bilevel images travel as their decoded pixels.
+        if img.mode not in _ext.IMAGE_MODES:  # palette, bilevel: as decoded pixels
             if img.mode == "1":
                 img = img.convert("L")
             elif img.mode == "P" and "transparency" not in img.info:
                 img = img.convert("RGB")
             else:
                 img = img.convert("RGBA" if img.mode in ("P", "PA", "La", "RGBa") else "RGB")
-        # PIL exposes no buffer of its pixels: one copy, on the encode side only.
-        data = np.frombuffer(img.tobytes(), np.uint8)
+        data = np.frombuffer(img.tobytes(), np.uint8)  # PIL has no pixel buffer: one copy
         w, h = img.size
         return _ext.Ext(
             _ext.EXT_IMAGE, _ext.meta_encode((img.mode, w, h, self._slot(data, frames)))

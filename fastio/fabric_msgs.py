@@ -1,16 +1,14 @@
 """Wire messages of the fabric between rollout clients and generation workers.
 
-Every fabric message is one fastio message whose body is one of the Structs below
-(tags 20-39). A request travels *nested* in its :class:`Submit`, so a hop decodes once
-and token arrays stay zero-copy frames.
-
-Direction of each message (client = DEALER, worker = ROUTER)::
+Each is one fastio message whose body is a Struct below (tags 20-39); a request
+travels nested in its :class:`Submit` (one decode per hop, token arrays stay frames).
+Directions (client = DEALER, worker = ROUTER)::
 
     client -> worker : Submit, Cancel, Heartbeat (ping), Control, Error
     worker -> client : Result, Stream, Heartbeat (pong), ControlReply, Error
 
-``id`` is chosen by the client, unique per *submission* on its connection (a re-sent
-request gets a new id), so a late answer to an old submission is dropped as stale.
+``id`` is the client's, unique per *submission* (a re-sent request gets a new one), so
+a late answer to an old submission is dropped as stale.
 """
 
 from __future__ import annotations
@@ -20,6 +18,9 @@ from typing import Any, Literal, Union
 
 import msgspec
 
+from fastio._diagnose import _header_decoder as _raw_list
+from fastio._diagnose import _header_ints
+from fastio._diagnose import _int_decoder as _int
 from fastio.io_struct import LLMRequest, VLMRequest, WireStruct
 from fastio.protocol import MsgKind
 from fastio.tokens import TokenArray
@@ -47,9 +48,9 @@ __all__ = [
 
 
 class ErrorCode(enum.IntEnum):
-    """Codes of :class:`Error` replies. Values are part of the wire format."""
+    """Codes of :class:`Error` replies (wire values)."""
 
-    #: Frames that are not a fastio message at all (bad header, truncated, garbage).
+    #: Frames that are not a fastio message at all.
     BAD_MESSAGE = 1
     #: A header carrying another protocol version.
     UNSUPPORTED_VERSION = 2
@@ -69,10 +70,10 @@ class ErrorCode(enum.IntEnum):
     TIMEOUT = 9
     #: A Control message naming an unknown operation.
     UNKNOWN_OP = 10
-    #: The client could not use a worker's answer (sent back to the worker, informational).
+    #: The client could not use a worker's answer (informational, to the worker).
     BAD_RESPONSE = 11
-    #: The worker gave the submission up by itself (it presumed the client gone, or could
-    #: not deliver its answer); sent when the client is heard from again. Re-send it.
+    #: The worker gave the submission up (client presumed gone, answer undeliverable);
+    #: sent when the client is heard from again. Re-send it.
     LOST = 12
 
 
@@ -92,9 +93,8 @@ class Submit(WireStruct, tag=int(MsgKind.FABRIC_SUBMIT)):
 
 
 class Result(WireStruct, tag=int(MsgKind.FABRIC_RESULT)):
-    """Worker -> client: the final answer to a :class:`Submit` (ends the submission):
-    the output only; the client rebuilds the :class:`~fastio.LLMResponse` around it
-    (``input_tokens`` it sent, ``latency``, ``ttft`` and ``itl`` it measures)."""
+    """Worker -> client: the final answer to a :class:`Submit`, the output only (the
+    client rebuilds the :class:`~fastio.LLMResponse` with what it sent and measured)."""
 
     id: int
     output_tokens: TokenArray = msgspec.field(default_factory=TokenArray)
@@ -105,9 +105,8 @@ class Result(WireStruct, tag=int(MsgKind.FABRIC_RESULT)):
 
 
 class Stream(WireStruct, tag=int(MsgKind.FABRIC_STREAM)):
-    """Worker -> client: output tokens since the previous chunk; ``seq`` counts from 0.
-    The final :class:`Result` carries the whole output again (chunks serve progress
-    and timing, not reassembly)."""
+    """Worker -> client: output tokens since the previous chunk (``seq`` from 0); the
+    :class:`Result` carries the whole output again."""
 
     id: int
     seq: int
@@ -123,8 +122,8 @@ class Cancel(WireStruct, tag=int(MsgKind.FABRIC_CANCEL)):
 
 
 class Heartbeat(WireStruct, tag=int(MsgKind.FABRIC_HEARTBEAT)):
-    """Both ways. A client pings each worker every interval; the worker answers at
-    once, echoing ``sent_at`` and adding its identity and load."""
+    """Both ways: a client's ping; the worker's pong echoes ``sent_at``, adding its
+    identity and load."""
 
     sent_at: float = 0.0
     #: Worker -> client only: a stable name and a random id of this process's life.
@@ -133,14 +132,13 @@ class Heartbeat(WireStruct, tag=int(MsgKind.FABRIC_HEARTBEAT)):
     in_flight: int = 0
     paused: bool = False
     version: int = 0
-    #: Worker -> client only: handlers holding a slot, submissions not started, and
-    #: seconds the engine is behind (age of the oldest message it has not taken). Pongs
-    #: come whatever the engine does: these tell a busy worker from a dead one.
+    #: Worker -> client only: handlers running, submissions waiting, and seconds the
+    #: engine is behind: these tell a busy worker from a dead one.
     running: int = 0
     waiting: int = 0
     engine_lag: float = 0.0
-    #: Both ways: the protocol versions and token encodings (``TokenEncoding`` bits) the
-    #: sender reads; the defaults describe a version-1 peer (``fastio.versions``).
+    #: Both ways: the versions and ``TokenEncoding`` bits the sender reads (defaults: a
+    #: version-1 peer, see ``fastio.versions``).
     protocol: int = 1
     protocol_min: int = 1
     token_encodings: int = 1
@@ -157,8 +155,7 @@ class WorkerStatus(WireStruct, tag=int(MsgKind.FABRIC_WORKER_STATUS)):
     running: int = 0
     #: Requests waiting for resume or a concurrency slot.
     waiting: int = 0
-    #: Counters since start (received, completed, cancelled, interrupted, errors,
-    #: bad_messages, auth_denied, undeliverable, dead_peers, ...).
+    #: Counters since start (received, completed, errors, ...).
     counters: dict[str, int] = msgspec.field(default_factory=dict)
 
 
@@ -181,8 +178,7 @@ class ControlReply(WireStruct, tag=int(MsgKind.FABRIC_CONTROL_REPLY)):
 
 
 class Error(WireStruct, tag=int(MsgKind.FABRIC_ERROR)):
-    """Either way: a message could not be served. ``id`` is the submission it concerns,
-    or -1 when the bad message could not be attributed to one."""
+    """Either way: a message could not be served; ``id`` is its submission, or -1."""
 
     id: int
     code: int
@@ -194,9 +190,6 @@ CLIENT_TO_WORKER = Union[Submit, Cancel, Heartbeat, Control, Error]  # noqa: UP0
 #: What a client or controller decodes.
 WORKER_TO_CLIENT = Union[Result, Stream, Heartbeat, ControlReply, Error]  # noqa: UP007
 
-_raw_list = msgspec.msgpack.Decoder(list[msgspec.Raw])
-_int = msgspec.msgpack.Decoder(int)
-
 
 def _buf(frame: Any) -> Any:
     buf = getattr(frame, "buffer", None)
@@ -205,7 +198,7 @@ def _buf(frame: Any) -> Any:
 
 def peek(frames: list[Any]) -> tuple[int | None, int | None, int | None]:
     """Best-effort ``(protocol_version, kind, first_field)`` of a message that failed to
-    decode, so the error reply can name the submission id; ``None`` for unknown parts."""
+    decode (for the error reply's id); ``None`` for unknown parts."""
     version = kind = first = None
     try:
         parts = _raw_list.decode(_buf(frames[0]))
@@ -220,21 +213,18 @@ def peek(frames: list[Any]) -> tuple[int | None, int | None, int | None]:
 
 def _n_buffers(frame: Any) -> int | None:
     buf = _buf(frame)
-    # The common header starts 93 <version> <n>, both positive fixints.
     if len(buf) >= 3 and buf[0] == 0x93 and buf[1] < 0x80 and buf[2] < 0x80:
         return int(buf[2])
     try:
-        n = _int.decode(_raw_list.decode(buf)[1])
+        n = _header_ints(buf)[1]
     except Exception:
         return None
     return n if n >= 0 else None
 
 
-#: First byte of a batch frame: msgpack's never-used code ``0xc1``, so no fastio header
-#: (a msgpack array) starts with it.
+#: First byte of a batch frame: msgpack's never-used ``0xc1`` (no header starts so).
 BATCH_MARKER = 0xC1
-#: Single-frame messages up to this size are joined into batch frames by senders
-#: (a batch copies what it carries).
+#: Single-frame messages up to this size are joined into batch frames (a copy).
 MAX_BATCHED_FRAME = 16 * 1024
 
 _batch_enc = msgspec.msgpack.Encoder()
@@ -243,18 +233,15 @@ _BATCH_PREFIX = bytes([BATCH_MARKER])
 
 
 def pack_batch(headers: list[Any]) -> bytes:
-    """One batch frame carrying single-frame messages (their headers): ``0xc1`` then a
-    msgpack array of bin. ZeroMQ's cost per frame is then paid once per batch."""
+    """One batch frame carrying single-frame messages' headers: ``0xc1``, then a
+    msgpack array of bin (ZeroMQ's cost per frame paid once)."""
     return _BATCH_PREFIX + _batch_enc.encode(headers)
 
 
 def split(frames: list[Any]) -> list[list[Any]]:
-    """Split the frames of one ZeroMQ message into the fastio messages it carries.
-
-    A peer may send several messages back to back (each ``[header, *n_buffers
-    frames]``) and batch frames (:func:`pack_batch`). Frames that do not parse are
-    returned as one message, for the decoder to reject.
-    """
+    """Split the frames of one ZeroMQ message into the fastio messages it carries
+    (back to back, and in batch frames); frames that do not parse are returned as one
+    message, for the decoder to reject."""
     if len(frames) == 1:
         f = frames[0]
         buf = getattr(f, "buffer", f)  # _buf, inline: the hot path

@@ -1,19 +1,13 @@
 """The seed's types (AReaL's ``io_struct``) as msgspec Structs: requests and responses
-here, metadata types from :mod:`fastio.meta`, the base (and its Struct options) from
-:mod:`fastio.structs`.
+here, metadata types from :mod:`fastio.meta`, the base from :mod:`fastio.structs`.
 
-Token fields (``input_ids``, ``input_tokens``, ``output_tokens``, ``output_logprobs``,
-``output_versions``, ``itl``) are :class:`~fastio.tokens.TokenArray`, annotated so for
-type checkers; lists, tuples, numpy arrays (no copy, dtype kept) and CPU tensors are
-converted on construction. Lists become ``int32`` ids and versions when every value
-fits, ``int64`` otherwise (``uint64`` in ``[2**63, 2**64)``, ``OverflowError`` beyond),
-and ``float64`` logprobs and latencies; a float among token ids raises ``TypeError``.
-
-Sampling parameters carry msgspec constraints (:class:`GenerationHyperparameters`),
-checked once where data enters: on construction (naming the field and the rule) and on
-decode or ``msgspec.convert`` by msgspec (:class:`~fastio.DecodeError` names the field
-path). ``__post_init__`` checks token fields on every path. ``msgspec.structs.replace``
-checks nothing (use ``gconfig.new(...)``).
+Token fields are :class:`~fastio.tokens.TokenArray`; lists, tuples, numpy arrays (no
+copy) and CPU tensors convert on construction: lists to ``int32`` ids and versions when
+every value fits (else ``int64``/``uint64``), ``float64`` logprobs and latencies; a
+float among token ids raises ``TypeError``. Constraints are checked on construction
+(naming the field and the rule) and on decode or ``msgspec.convert`` (a
+:class:`~fastio.DecodeError` with the field path); ``msgspec.structs.replace`` checks
+nothing (use ``gconfig.new(...)``).
 """
 
 from __future__ import annotations
@@ -69,12 +63,10 @@ __all__ = [
     "WireStruct",
 ]
 
-#: Upper bound of ``max_new_tokens`` (2**24): above any context length in use, low
-#: enough that a typo such as ``10**12`` is refused instead of served.
+#: Upper bound of ``max_new_tokens``: above any context length, below typos (``10**12``).
 MAX_NEW_TOKENS = 1 << 24
 
-#: Stop reasons: the seed's three, plus ``"abort"``, SGLang's finish reason for a
-#: generation stopped by a pause (AReaL stores what its server sends).
+#: The seed's stop reasons, plus SGLang's ``"abort"`` for a generation a pause stopped.
 StopReason = Literal["length", "stop", "interrupt", "abort"]
 _STOP_REASONS = frozenset(("length", "stop", "interrupt", "abort"))
 
@@ -96,21 +88,9 @@ class GenerationHyperparameters(
 ):
     """Sampling parameters of one generation request (AReaL's defaults).
 
-    Constraints, checked on construction and on decode:
-
-    ==================  ========================================================
-    ``n_samples``       int >= 1
-    ``max_new_tokens``  int, 1 <= value <= :data:`MAX_NEW_TOKENS` (2**24)
-    ``min_new_tokens``  int, 0 <= value <= 2**24
-    ``greedy``          bool
-    ``top_p``           float, 0 < value <= 1
-    ``top_k``           int >= 1 (the default 100000000 means "no top-k")
-    ``temperature``     float >= 0
-    ``stop_token_ids``  list of int >= 0
-    ==================  ========================================================
-
-    A violation raises ``ValueError`` (``TypeError`` for a wrong type) naming the field
-    and the rule, e.g. ``max_new_tokens must be >= 1, got 0``.
+    The fields' constraints are checked on construction and on decode; a violation
+    raises ``ValueError`` (``TypeError`` for a wrong type) naming the field and the
+    rule, e.g. ``max_new_tokens must be >= 1, got 0``. ``top_k=100000000``: no top-k.
     """
 
     n_samples: Annotated[int, msgspec.Meta(ge=1)] = 1
@@ -124,7 +104,6 @@ class GenerationHyperparameters(
 
     @staticmethod
     def _check_new(obj: GenerationHyperparameters) -> None:
-        # The construction-time twin of the msgspec constraints, read from the fields.
         for field in _GCONFIG_FIELDS:
             setattr(obj, field.name, _checked(field.name, getattr(obj, field.name), field.type))
 
@@ -143,8 +122,7 @@ _GCONFIG_FIELDS = mi.type_info(GenerationHyperparameters).fields  # type: ignore
 
 
 def _checked(name: str, value: Any, info: Any) -> Any:
-    """``value`` converted and checked against ``info``, a field type of
-    ``msgspec.inspect`` with its constraints."""
+    """``value`` converted and checked against ``info``, a ``msgspec.inspect`` type."""
     if isinstance(info, mi.BoolType):
         if not isinstance(value, (bool, np.bool_)):
             raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
@@ -177,14 +155,13 @@ def _checked(name: str, value: Any, info: Any) -> Any:
 
 
 def _default_gconfig() -> GenerationHyperparameters:
-    # The defaults are valid: skip the construction checks (every new request runs this).
+    # The defaults are valid: no construction checks.
     return msgspec.StructMeta.__call__(GenerationHyperparameters)  # type: ignore[no-any-return]
 
 
 def _gconfig(value: Any) -> GenerationHyperparameters:
-    """Accept the seed's own ``GenerationHyperparameters`` (a dataclass with the same
-    fields) or a mapping of its fields, converted once; anything else is a ``TypeError``
-    here rather than a ``BAD_REQUEST`` from a worker later."""
+    """The seed's ``GenerationHyperparameters`` (a dataclass) or a mapping of its
+    fields, converted; anything else is a ``TypeError`` here, not a worker's error."""
     hint = "pass a fastio.GenerationHyperparameters (or a dict of its fields)"
     if isinstance(value, Mapping):
         unknown = sorted(map(str, set(value) - set(GenerationHyperparameters.__struct_fields__)))
@@ -217,15 +194,14 @@ class LLMRequest(WireStruct, tag=int(MsgKind.LLM_REQUEST), metaclass=_CheckedMet
     model_id: str | None = None
 
     def __post_init__(self) -> None:
-        # On construction and on decode: the token field is Any to msgspec, so it is
-        # checked here (one type and one dtype lookup for a TokenArray).
+        # Construction and decode: msgspec sees the token field as Any.
         ids = self.input_ids
         if type(ids) is not _TA or ids._a.dtype not in _INT_DTYPES:
             self.input_ids = _int_tokens(ids, np.int32, "input_ids")
 
     @staticmethod
     def _check_new(obj: LLMRequest) -> None:
-        # Construction only: msgspec's decode and convert type these themselves.
+        # Construction only: decode and convert check these.
         if type(obj.gconfig) is not GenerationHyperparameters:
             obj.gconfig = _gconfig(obj.gconfig)
         if not isinstance(obj.rid, str):
@@ -251,8 +227,7 @@ class LLMResponse(WireStruct, tag=int(MsgKind.LLM_RESPONSE)):
     itl: _Tokens = msgspec.field(default_factory=_empty_floats)
 
     def __post_init__(self) -> None:
-        # On construction and on decode: msgspec checks the typed fields on decode, the
-        # token fields (Any to msgspec) are checked here.
+        # Construction and decode: msgspec sees the token fields as Any.
         a, b, c = self.input_tokens, self.output_tokens, self.output_logprobs
         d, e = self.output_versions, self.itl
         if (

@@ -44,8 +44,7 @@ def enc_hook(obj: Any) -> Any:
 
 
 def _named(obj: Any) -> Any:
-    # Structs are array_like on the wire; for JSON every Struct, at any depth, becomes a
-    # dict of its named fields (msgspec.structs.asdict is shallow).
+    # Every Struct at any depth as a dict (msgspec.structs.asdict is shallow).
     if isinstance(obj, msgspec.Struct):
         return {f: _named(getattr(obj, f)) for f in obj.__struct_fields__}
     if isinstance(obj, dict):
@@ -56,9 +55,8 @@ def _named(obj: Any) -> Any:
 
 
 def to_builtins(obj: Any) -> Any:
-    """A message (or any value holding messages) as JSON-ready builtins: every Struct a
-    ``dict`` of its named fields, arrays lists, enums their values, ``bytes`` base64,
-    images data URLs. For logs and trajectories; one way (the wire form is positional).
+    """A message (or value holding messages) as JSON-ready builtins: Structs as dicts,
+    arrays as lists, ``bytes`` base64, images data URLs (one way, for logs).
 
     Examples
     --------

@@ -1,6 +1,6 @@
-"""The seed's metadata types (AReaL's ``io_struct``): fine-tuning size, allocation
-modes, parameter specs, checkpoint and weight-update locations, rollout counters.
-Re-exported by :mod:`fastio.io_struct`, where users import them from."""
+"""The seed's metadata types (AReaL's ``io_struct``), re-exported by
+:mod:`fastio.io_struct`: fine-tuning size, allocation modes, parameter specs,
+checkpoint and weight-update locations, rollout counters."""
 
 from __future__ import annotations
 
@@ -77,8 +77,7 @@ def _parse_strategy(text: str, role: str, whole: str) -> dict[str, int]:
 
 
 class _Size:
-    """A read-only size of :class:`AllocationMode`: the product of ``axes`` of
-    ``parallel_strat[part]``."""
+    """A read-only size of :class:`AllocationMode`: the product of ``axes`` sizes."""
 
     def __init__(self, part: str, axes: str, doc: str) -> None:
         self.part, self.axes, self.__doc__ = part, axes, doc
@@ -95,11 +94,9 @@ class _Size:
 
 
 class AllocationMode(WireStruct, tag=int(MsgKind.ALLOCATION_MODE)):
-    """Decoupled generation/training allocation, parsed from strings like
-    ``"sglang.d4p1t1+d2p2t1"`` (generation on SGLang with data parallel 4, training with
-    data parallel 2 and pipeline parallel 2).
+    """Decoupled generation/training allocation, such as ``"sglang.d4p1t1+d2p2t1"``.
 
-    ``parallel_strat["gen"]`` holds the generation sizes, ``parallel_strat["*"]`` the
+    ``parallel_strat["gen"]`` and ``parallel_strat["*"]`` hold the generation and the
     training sizes, each keyed by ``"d"``, ``"p"`` and ``"t"``.
     """
 
@@ -117,11 +114,9 @@ class AllocationMode(WireStruct, tag=int(MsgKind.ALLOCATION_MODE)):
 
     @classmethod
     def from_str(cls, allocation_mode: str) -> AllocationMode:
-        """Parse ``"<backend>.<gen>+<train>"`` or ``"<train>+<backend>.<gen>"``.
-
-        ``<backend>`` is ``vllm`` or ``sglang``; ``<gen>`` and ``<train>`` name each of
-        ``d``, ``p``, ``t`` once with a positive size, in any order. Anything else raises
-        ``ValueError`` saying what is wrong.
+        """Parse ``"<backend>.<gen>+<train>"`` or ``"<train>+<backend>.<gen>"``
+        (``vllm``/``sglang``; each of ``d``, ``p``, ``t`` once with a positive size);
+        ``ValueError`` saying what is wrong otherwise.
 
         >>> AllocationMode.from_str("sglang.d4p1t1+d2p2t1").gen_world_size
         4
@@ -153,11 +148,8 @@ class AllocationMode(WireStruct, tag=int(MsgKind.ALLOCATION_MODE)):
 
     @staticmethod
     def extract_parallelism_strategy(allocation_mode: str) -> dict[str, dict[str, int]]:
-        """The seed's helper: ``"d2p2t1"`` -> ``{"*": {"d": 2, "p": 2, "t": 1}}``.
-
-        Raises ``ValueError`` unless the string names each of d, p, t once with a
-        positive size.
-        """
+        """The seed's helper: ``"d2p2t1"`` -> ``{"*": {"d": 2, "p": 2, "t": 1}}``
+        (``ValueError`` unless it names each of d, p, t once with a positive size)."""
         if not isinstance(allocation_mode, str):
             raise ValueError(f"parallel strategy must be a string, got {allocation_mode!r}")
         return {"*": _parse_strategy(allocation_mode, "parallel strategy", allocation_mode)}
@@ -192,8 +184,7 @@ class _HasParamSpecs(Protocol):
 
 
 def _host_ip() -> str:
-    # As AReaL's gethostip: this host's name, resolved. A fallback to 127.0.0.1 would
-    # leave workers on other hosts waiting for a store they cannot reach.
+    # As AReaL: no 127.0.0.1 fallback, which other hosts' workers could not reach.
     name = socket.gethostname()
     try:
         return socket.gethostbyname(name)
@@ -211,12 +202,9 @@ def _free_port(host: str = "127.0.0.1") -> int:
 
 
 class WeightUpdateMeta(WireStruct, tag=int(MsgKind.WEIGHT_UPDATE_META)):
-    """How new weights reach the generation workers.
-
-    ``type="disk"``: a safetensors checkpoint at ``path``. ``type="nccl"``: broadcast in
-    a torch.distributed group (NCCL on GPUs, gloo on CPU) of world size
-    ``alloc_mode.gen_world_size + 1`` at ``nccl_master_address:nccl_master_port``.
-    """
+    """How new weights reach the generation workers: ``type="disk"``, a safetensors
+    checkpoint at ``path``; ``type="nccl"``, a torch.distributed broadcast (world size
+    ``alloc_mode.gen_world_size + 1``) at ``nccl_master_address:nccl_master_port``."""
 
     type: Literal["disk", "nccl"]
     path: str | None = None
@@ -228,12 +216,8 @@ class WeightUpdateMeta(WireStruct, tag=int(MsgKind.WEIGHT_UPDATE_META)):
 
     @classmethod
     def from_disk(cls, saver_config: SaverConfig) -> WeightUpdateMeta:
-        """Disk path ``{fileroot}/checkpoints/{user}/{experiment}/{trial}/default/weight_update``.
-
-        As the seed (through ``Saver.get_save_checkpoint_root``), this creates the
-        checkpoint root ``.../default`` (``os.makedirs(exist_ok=True)``) but not
-        ``weight_update`` itself, which the trainer writes.
-        """
+        """Disk path ``{fileroot}/checkpoints/{user}/{experiment}/{trial}/default/weight_update``;
+        creates ``.../default`` as the seed does, not ``weight_update``."""
         root = os.path.join(
             saver_config.fileroot,
             "checkpoints",
@@ -254,11 +238,8 @@ class WeightUpdateMeta(WireStruct, tag=int(MsgKind.WEIGHT_UPDATE_META)):
         master_address: str | None = None,
         master_port: int | None = None,
     ) -> WeightUpdateMeta:
-        """Process-group update of the given parameters.
-
-        ``master_address`` defaults to this host's IP (its host name, resolved; an
-        :class:`OSError` when the name does not resolve), ``master_port`` to a free port.
-        """
+        """Process-group update of the given parameters; ``master_address`` defaults to
+        this host's resolved name (else :class:`OSError`), ``master_port`` to a free port."""
         address = master_address or _host_ip()
         return cls(
             type="nccl",
@@ -283,17 +264,12 @@ class WeightUpdateMeta(WireStruct, tag=int(MsgKind.WEIGHT_UPDATE_META)):
 
 
 class SaveLoadMeta(WireStruct, tag=int(MsgKind.SAVE_LOAD_META)):
-    """Where and how to save or load a model.
-
-    ``tokenizer`` and ``processor`` may hold live objects in process; live objects never
-    travel. On the wire each becomes its ``name_or_path`` string (the receiver loads it
-    itself), and a decoded ``SaveLoadMeta`` holds those strings.
-    """
+    """Where and how to save or load a model. Live ``tokenizer`` and ``processor``
+    objects travel as their ``name_or_path`` strings, which a decoded one holds."""
 
     path: str
     weight_format: str
     with_optim: bool
-    # Required, as in the seed (None where there is none).
     tokenizer: Any
     processor: Any
     base_model_path: str | None

@@ -16,19 +16,15 @@ __all__ = [
     "TokenEncoding",
 ]
 
-#: The protocol version this code writes by default, and the newest it reads. At 2
-#: peers state what they read in their Heartbeats; at 1 token arrays travel as ext 4.
-#: Bump it for any change an older peer cannot read ("Versions" in docs/PROTOCOL.md);
-#: appending a field with a default is not one.
+#: The version written by default and the newest read. Bump it for any change an older
+#: peer cannot read (appending a field with a default is not one; docs/PROTOCOL.md).
 PROTOCOL_VERSION = 2
 
-#: The oldest version this code reads and writes; a decoder rejects headers outside
-#: this range with ``fastio.UnsupportedVersion``.
+#: The oldest version read and written (others: ``fastio.UnsupportedVersion``).
 MIN_PROTOCOL_VERSION = 1
 
-#: Arrays of fewer bytes travel inside the header, larger ones as their own frame
-#: without a copy: a ZeroMQ frame costs more than copying a few KiB
-#: (``bench/codec.py``, case ``inline_threshold``).
+#: Arrays of fewer bytes travel inside the header (a frame costs more than copying a
+#: few KiB: ``bench/codec.py``), larger ones as their own frame.
 DEFAULT_INLINE_THRESHOLD = 8192
 
 #: Default limit on the total size of one message's frames (16 GiB).
@@ -79,7 +75,7 @@ class MsgKind(enum.IntEnum):
 
 
 class ExtCode(enum.IntEnum):
-    """msgpack extension type codes used for out-of-band and binary payloads."""
+    """msgpack extension type codes."""
 
     #: numpy array: payload ``[dtype, shape, data]``.
     NDARRAY = 1
@@ -87,30 +83,27 @@ class ExtCode(enum.IntEnum):
     TENSOR = 2
     #: PIL image: payload ``[mode, width, height, data]`` (raw pixel bytes).
     IMAGE = 3
-    #: ``TokenArray``: same payload as NDARRAY with a 1-D shape (a code of its own, so
-    #: the decoder builds the type without knowing the field); written at version 1.
+    #: ``TokenArray``: the NDARRAY payload, 1-D; written at version 1.
     TOKENS = 4
-    #: ``TokenArray`` inline: codes ``16 + d`` for the dtype at index ``d`` of
-    #: :data:`DTYPE_NAMES`; the payload is the raw little-endian elements.
+    #: ``TokenArray`` inline: ``16 + d`` (``d``: index in :data:`DTYPE_NAMES`), the
+    #: little-endian elements.
     TOKENS_INLINE = 16
-    #: ``TokenArray`` in a buffer frame: codes ``32 + d``; the payload is the frame
-    #: index and the element count, each a little-endian uint32 (frames above 255).
+    #: ``TokenArray`` in a frame: ``32 + d``, frame index and count as two ``<u4``.
     TOKENS_FRAME = 32
-    #: ``TokenArray`` in a buffer frame, compact: codes ``48 + d``; the payload is the
-    #: frame index (1-255) in one byte; the count follows from the frame's length.
+    #: ``TokenArray`` in a frame, compact: ``48 + d``, the frame index (1-255), a byte.
     TOKENS_REF = 48
 
 
 class TokenEncoding(enum.IntFlag):
-    """Forms of token arrays on the wire, as bits: a peer states the forms it reads
-    (``Heartbeat.token_encodings``), an :class:`~fastio.Encoder` writes one of them."""
+    """Forms of token arrays on the wire, as bits: a peer states those it reads
+    (``Heartbeat.token_encodings``), an :class:`~fastio.Encoder` writes one."""
 
-    #: ext 4 ``[dtype, shape, data]``: what every reader of every version reads.
+    #: ext 4: what every reader reads.
     TOKENS = 1
-    #: ext ``16 + d`` inline and ``32 + d`` (frame index and element count) in a frame.
+    #: ext ``16 + d`` inline, ``32 + d`` in a frame.
     COMPACT = 2
-    #: ext ``48 + d`` in a frame, with ``16 + d`` inline and ``32 + d`` for frames from
-    #: 256 on: the default; writing it needs a peer that reads COMPACT too.
+    #: ext ``48 + d`` in a frame (``32 + d`` from frame 256), ``16 + d`` inline: the
+    #: default; needs a reader of COMPACT too.
     REF = 4
 
 

@@ -1,21 +1,13 @@
-""":class:`WireStruct`, the base of every fastio message, the registry of message types,
-and the conversion of token fields.
+"""The base of every fastio message, the registry of message types, and the conversion
+of token fields.
 
-Struct options, chosen once for every wire type:
-
-``array_like=True``
-    A Struct is a msgpack array of its fields, tag first: no field names on the wire.
-    Schema evolution *appends* fields with defaults: older readers ignore trailing
-    fields, newer ones fill missing ones from defaults (``docs/PROTOCOL.md``).
-``gc=False``
-    Thousands of requests are alive at once in a rollout; untracked, they do not slow
-    the cyclic collector. Safe because the types hold no cycles (keep ``metadata`` so).
-``tag=int(MsgKind.*)``, ``tag_field="__kind__"``
-    An integer tag per type lets one receiver decode whatever arrives
-    (``decode(frames, type=None)``); set on the base so every subclass is tagged.
-not ``frozen``, not ``forbid_unknown_fields``
-    Rollout code mutates requests and responses, and old readers must accept newer
-    peers' appended fields.
+Struct options, once for every wire type: ``array_like=True`` (a Struct is a msgpack
+array of its fields, tag first; schema evolution *appends* fields with defaults, see
+``docs/PROTOCOL.md``); ``gc=False`` (thousands of requests live at once; safe because
+the types hold no cycles: keep ``metadata`` so); an integer ``tag`` per type
+(``tag_field="__kind__"``) so one receiver decodes whatever arrives. Neither
+``frozen`` (rollout code mutates messages) nor ``forbid_unknown_fields`` (old readers
+accept newer peers' appended fields).
 """
 
 from __future__ import annotations
@@ -29,8 +21,7 @@ from fastio.tokens import TokenArray
 
 __all__ = ["WireStruct", "message_types"]
 
-#: Bumped whenever a WireStruct subclass is defined, so the codec knows when the union
-#: of message types (``decode(frames, type=None)``) must be rebuilt.
+#: Bumped by every new WireStruct subclass: the codec's ``type=None`` union is rebuilt.
 _registry_generation = 0
 
 
@@ -48,13 +39,9 @@ class WireStruct(msgspec.Struct, array_like=True, gc=False, tag_field="__kind__"
 
 
 def message_types() -> tuple[type[WireStruct], ...]:
-    """Every message type ``decode(frames, type=None)`` accepts right now.
-
-    These are the :class:`WireStruct` subclasses with an integer tag defined in the
-    ``fastio`` package, in tag order. Subclasses defined elsewhere (applications,
-    tests) are left out, so they never collide with a wire tag; decode them by passing
-    their type explicitly.
-    """
+    """Every message type ``decode(frames, type=None)`` accepts now: the tagged
+    :class:`WireStruct` subclasses of the ``fastio`` package, in tag order (others,
+    never colliding with a wire tag, decode by their type given explicitly)."""
     found: dict[int, type[WireStruct]] = {}
     stack: list[type[Any]] = [WireStruct]
     while stack:
@@ -74,9 +61,8 @@ def message_types() -> tuple[type[WireStruct], ...]:
 
 
 class _CheckedMeta(msgspec.StructMeta):
-    """Metaclass of the types with construction-time checks: ``cls(...)`` runs
-    ``cls._check_new(obj)`` after msgspec's ``__init__``. Decoding never calls it
-    (msgspec checks typed fields and constraints itself), so checks run once."""
+    """``cls(...)`` runs ``cls._check_new(obj)`` after msgspec's ``__init__``; decoding
+    does not (msgspec checks typed fields itself)."""
 
     _check_new: Any
 
@@ -89,14 +75,11 @@ class _CheckedMeta(msgspec.StructMeta):
 if TYPE_CHECKING:
     _Tokens = TokenArray
 else:
-    # msgspec sees token fields as Any so that it never calls the per-field dec_hook on
-    # the hot path: the codec decodes token encodings straight into TokenArray, and
-    # __post_init__ (which msgspec runs on decode too) converts or rejects anything else.
+    # Any to msgspec (no dec_hook on the hot path): __post_init__ checks the rest.
     _Tokens = Any
 
 _TA = TokenArray
-# The fast path of the token-field checks: a set lookup of the array's dtype. Other
-# dtypes of the right kind (byte order, metadata) take the full check, which accepts them.
+# The fast path of the token-field checks; other equal dtypes take the full check.
 _INT_DTYPES = frozenset(
     np.dtype(n) for n in ("int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64")
 )
@@ -104,9 +87,8 @@ _NUM_DTYPES = _INT_DTYPES | {np.dtype(n) for n in ("float16", "float32", "float6
 
 
 def _tokens(value: Any, dtype: Any, field: str) -> TokenArray:
-    """A token field's value as a TokenArray: lists convert to ``dtype`` when every value
-    fits exactly; a float among token ids or an id beyond the dtype's range raises
-    instead of being truncated."""
+    """A token field's value as a TokenArray: lists in ``dtype`` when every value fits
+    exactly, else wider; a float among ids raises."""
     if isinstance(value, TokenArray):
         return value
     if isinstance(value, np.ndarray) or type(value).__module__ == "torch":
@@ -137,9 +119,7 @@ def _tokens(value: Any, dtype: Any, field: str) -> TokenArray:
         raise TypeError(f"{field} holds integers, got floats")
     if target.kind in "iu" and kind in "iu":
         info = np.iinfo(target)
-        if arr.min() < info.min or arr.max() > info.max:
-            # Wider ids are kept, as the seed's lists kept any int: numpy already chose
-            # int64 (or uint64 for values >= 2**63).
+        if arr.min() < info.min or arr.max() > info.max:  # keep numpy's wider dtype
             target = arr.dtype
     t = TokenArray._wrap(arr.astype(target, copy=False))
     t._excl = True

@@ -1,36 +1,23 @@
 """``TokenArray``: a zero-copy, list-like view of a 1-D numpy array.
 
-The seed types declare token ids, logprobs, versions and latencies as lists. Lists cost
-a Python object per element to build, encode and decode; numpy arrays change the meaning
-of user code (``a + b`` adds instead of concatenating). ``TokenArray`` keeps the data in
-a numpy array (after decoding, a view of the received frame) with *list* semantics:
+Token ids, logprobs, versions and latencies as lists cost a Python object per element;
+as numpy arrays they change the meaning of user code (``a + b`` adds). ``TokenArray``
+keeps a numpy array (after decoding, a view of the received frame) with *list*
+semantics: indexing, ``len``, ``==``, ``+``/``+=``/``extend``/``append`` and the other
+list methods; slices are views; ``copy()`` gives a ``list``; ``np.asarray(t)`` and
+``t.tensor()`` share memory. ``seq`` operands are lists, tuples, ranges, 1-D arrays or
+``TokenArray``.
 
-========================  ===============================================
-``len(t)``, ``t[i]``      as a list; items are Python ``int`` / ``float``
-``t[a:b]``                a ``TokenArray`` *view* (no copy)
-``t + seq``, ``seq + t``  concatenation into a new ``TokenArray``
-``t += seq``, ``extend``  in-place append, amortised O(len(seq))
-``append``, ``pop``, ...  as a list (``insert``, ``clear``, ``sort``, ...)
-``t == seq``              ``True`` / ``False``, element by element as lists
-``t[i] = x``, ``del t[i]`` as a list (slices too); copy-on-write
-``t.copy()``              a new plain ``list`` (as ``list.copy``)
-``np.asarray(t)``         the underlying array, no copy
-``t.tensor()``            a CPU tensor sharing memory
-========================  ===============================================
+Python numbers joining an array keep its dtype when they fit (numpy's rule for Python
+scalars), so ``[-1] * n + versions`` stays ``int32``; numbers that do not fit widen the
+result (``uint64`` for ``[2**63, 2**64)``); ints beyond 64 bits raise
+``OverflowError``. Operations whose list and array meanings disagree (``t * 2``,
+``t - x``, ``t < x``) raise ``TypeError``: use ``t.array`` for numpy arithmetic.
 
-``seq`` is a list, tuple, range, 1-D numpy array or ``TokenArray``. Python numbers
-joining an array keep its dtype when they fit (numpy's rule for Python scalars), so
-``[-1] * n + versions`` stays ``int32``; numbers that do not fit widen the result
-(``int32`` to ``int64``, ``uint64`` for ``[2**63, 2**64)``) instead of being truncated.
-Ints beyond 64 bits raise ``OverflowError``: msgpack cannot carry them.
-Operations whose list and array meanings disagree (``t * 2``, ``t - x``, ``t < x``)
-raise ``TypeError``; use ``t.array`` for numpy arithmetic.
-
-Item assignment is copy-on-write, so ``u = t[:]; t[0] = 5`` leaves ``u`` alone: the
-first assignment after a view was handed out (a slice, ``t.array``, a decoded frame)
-copies once. A decoded ``TokenArray`` keeps its frame alive; it is writable when the
-frame is (``zmq.Frame``), read-only for ``bytes``. ``append``/``extend`` never write
-into a received frame nor into memory another view can see.
+Item assignment is copy-on-write (``u = t[:]; t[0] = 5`` leaves ``u`` alone), and
+``append``/``extend`` never write into a received frame nor into memory another view
+sees. A decoded ``TokenArray`` keeps its frame alive; it is writable when the frame is
+(``zmq.Frame``), read-only for ``bytes``.
 """
 
 from __future__ import annotations
@@ -66,9 +53,8 @@ def _refused(op: str) -> Any:
 
 
 def _weak(values: Sequence[Any], like: np.dtype[Any]) -> npt.NDArray[Any]:
-    """Python numbers as an array, in ``like``'s dtype when every value fits exactly:
-    numpy's rule for Python scalars (NEP 50), but a value that does not fit widens the
-    result instead of being truncated."""
+    """Python numbers as an array, in ``like``'s dtype when every value fits (NEP 50),
+    else widened instead of truncated."""
     if len(values) == 0:
         return np.empty(0, like)
     arr = _numbers(values, None)
@@ -118,9 +104,8 @@ class TokenArray(Sequence[Any]):
     _a: npt.NDArray[Any]
     #: Over-allocated private buffer that ``_a`` is a prefix of, or None.
     _buf: npt.NDArray[Any] | None
-    #: True when no view of ``_a``'s memory exists outside this object, so item
-    #: assignment may write in place. The decoder leaves ``_buf`` and ``_excl`` unset
-    #: (read with defaults None and False).
+    #: No view of ``_a`` exists elsewhere: assignment may write in place. The decoder
+    #: leaves ``_buf`` and ``_excl`` unset (read with defaults None and False).
     _excl: bool
 
     def __init__(self, data: Any = (), dtype: npt.DTypeLike | None = None) -> None:
@@ -174,25 +159,20 @@ class TokenArray(Sequence[Any]):
         return self._a.dtype
 
     def tolist(self) -> list[Any]:
-        """A new Python list with the elements as Python scalars."""
+        """A new Python list with the elements as Python scalars; ``copy()`` too, as
+        ``list.copy`` (for an independent ``TokenArray`` use ``t[:]``)."""
         out: list[Any] = self._a.tolist()
         return out
 
+    copy = tolist
+
     def tensor(self) -> torch.Tensor:
-        """A CPU ``torch.Tensor`` sharing memory with this array (a read-only array,
-        decoded from ``bytes``, is copied: torch has no read-only tensors)."""
+        """A CPU ``torch.Tensor`` sharing memory (a read-only array is copied)."""
         import torch
 
         a = self._a
         self._excl = False
         return torch.from_numpy(a if a.flags.writeable else a.copy())
-
-    def copy(self) -> list[Any]:
-        """A new plain ``list``, as ``list.copy`` gives: code written for lists copies a
-        token field into a JSON payload. For an independent ``TokenArray`` use ``t[:]``
-        (growth and item assignment of ``t`` copy first)."""
-        out: list[Any] = self._a.tolist()
-        return out
 
     def __array__(
         self, dtype: npt.DTypeLike | None = None, copy: bool | None = None
@@ -261,8 +241,7 @@ class TokenArray(Sequence[Any]):
     def __eq__(self, other: object) -> bool:
         if isinstance(other, TokenArray):
             return bool(np.array_equal(self._a, other._a))
-        if isinstance(other, (list, tuple)):
-            # As lists: an int list never equals a tuple; element types compare by value.
+        if isinstance(other, (list, tuple)):  # as lists: never equal to a tuple
             return isinstance(other, list) and self.tolist() == other
         if isinstance(other, np.ndarray):
             return other.ndim == 1 and bool(np.array_equal(self._a, other))
@@ -355,7 +334,6 @@ class TokenArray(Sequence[Any]):
 
     # -- item assignment (copy-on-write) ------------------------------------------
     def _set_private(self, arr: npt.NDArray[Any]) -> None:
-        """Make ``arr``, which nobody else sees, the contents."""
         self._a = arr
         self._buf = None
         self._excl = True
@@ -400,7 +378,6 @@ class TokenArray(Sequence[Any]):
         self._own(_joined(self._a.dtype, item.dtype))[i] = item[0]
 
     def _assignment_index(self, index: Any) -> int:
-        # As list: an int-like index within range, for item assignment and deletion.
         i = _index(index)
         n = len(self)
         if not -n <= i < n:

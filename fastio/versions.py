@@ -1,15 +1,13 @@
 """What a peer reads, and what to write to it.
 
 A fabric peer states in every :class:`~fastio.fabric_msgs.Heartbeat` the protocol
-versions (``protocol_min`` .. ``protocol``) and the token encodings
-(``token_encodings``, :class:`~fastio.protocol.TokenEncoding` bits) it reads; a
-version-1 peer states nothing, and the fields' defaults describe it. :func:`encoder_for`
-turns such a statement into the :class:`~fastio.Encoder` for that peer, or raises
-:class:`~fastio.IncompatiblePeer` naming both sides' versions. Messages to a peer not
-heard from yet are written at version 1 (:data:`VERSION_1`), which every version reads.
+versions (``protocol_min`` .. ``protocol``) and the token encodings it reads (a
+version-1 peer states nothing: the defaults describe it). :func:`encoder_for` turns
+that into the :class:`~fastio.Encoder` for the peer, or raises
+:class:`~fastio.IncompatiblePeer`; a peer not heard from yet gets :data:`VERSION_1`.
 
 >>> from fastio import fabric_msgs as fm
->>> encoder_for(fm.Heartbeat()).version  # a version-1 peer: ext 4 at version 1
+>>> encoder_for(fm.Heartbeat()).version
 1
 >>> enc = encoder_for(fm.Heartbeat(**STATED))
 >>> enc.version, enc.tokens.name
@@ -34,9 +32,8 @@ STATED: dict[str, Any] = {
     "token_encodings": int(READS),
 }
 
-#: Writes version 1 (token arrays as ext 4), which every version reads: for a peer not
-#: heard from (pings, version refusals) and for messages whose bytes are the same in
-#: both versions (controls, weight updates).
+#: Writes version 1, which every version reads: for peers not heard from and messages
+#: whose bytes are the same in both versions (controls, weight updates).
 VERSION_1 = Encoder(version=1)
 
 _T = TokenEncoding
@@ -61,9 +58,8 @@ def describe(protocol: int, protocol_min: int, token_encodings: int) -> str:
 
 
 def pick(protocol: int, protocol_min: int, token_encodings: int) -> tuple[int, TokenEncoding]:
-    """The (version, token encoding) to write to a peer that reads versions
-    ``protocol_min`` .. ``protocol`` and the token encodings ``token_encodings``: the
-    newest of each that both sides know.
+    """The newest (version, token encoding) both sides know, for a peer that reads
+    versions ``protocol_min`` .. ``protocol`` and ``token_encodings``.
 
     Raises
     ------
@@ -96,8 +92,7 @@ def _pick(
 
 
 def encoder_for(hb: Any) -> Encoder:
-    """The encoder for a peer, from the versions its Heartbeat states (shared per
-    version and encoding; an :class:`~fastio.Encoder` may be shared by threads).
+    """The (shared) encoder for a peer, from the versions its Heartbeat states.
 
     Raises
     ------

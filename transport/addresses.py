@@ -1,6 +1,5 @@
-"""Host names in ``tcp://`` addresses: checked so that a name that does not resolve is
-said as such (ZeroMQ itself only retries, and reports refused attempts), and wildcard
-hosts (``tcp://*:port`` binds) replaced by an address a peer can reach."""
+"""Host names in ``tcp://`` addresses: a name that does not resolve is said as such
+(ZeroMQ only retries), and wildcard hosts are replaced by an address a peer can reach."""
 
 from __future__ import annotations
 
@@ -16,8 +15,7 @@ _WILDCARDS = frozenset({"*", "0.0.0.0", "::", "[::]"})
 
 def tcp_host(address: str) -> tuple[str, int] | None:
     """``(host, port)`` of a ``tcp://host:port`` address whose host is a name to look up;
-    None for other schemes, IP literals, wildcards and forms ZeroMQ alone understands
-    (interface names with ``;``, bracketed IPv6).
+    None for other schemes, IP literals, wildcards, interface names, bracketed IPv6.
 
     >>> tcp_host("tcp://trainer:5600"), tcp_host("tcp://127.0.0.1:5600"), tcp_host("ipc://x")
     (('trainer', 5600), None, None)
@@ -37,10 +35,8 @@ def tcp_host(address: str) -> tuple[str, int] | None:
 
 
 def resolve_problem(address: str) -> str:
-    """``"cannot resolve host 'NAME' (reason)"`` when ``address``'s host name does not
-    resolve here; ``""`` when it does or there is no name to resolve. Blocks for as long
-    as the system resolver takes: call it off any event loop.
-    """
+    """``"cannot resolve host 'NAME' (reason)"``, or ``""`` when it resolves or there is
+    no name; blocks on the system resolver (call it off any event loop)."""
     hp = tcp_host(address)
     if hp is None:
         return ""
@@ -55,9 +51,8 @@ def resolve_problem(address: str) -> str:
 
 
 def warn_if_unresolvable(address: str, log: logging.Logger, what: str) -> None:
-    """Check ``address``'s host name on a daemon thread and log one WARNING when it does
-    not resolve (the caller goes on: ZeroMQ keeps retrying, and a name may appear
-    later)."""
+    """Check ``address``'s host name on a daemon thread; log one WARNING if it does not
+    resolve (ZeroMQ keeps retrying; the name may appear later)."""
     if tcp_host(address) is None:
         return
 
@@ -70,9 +65,8 @@ def warn_if_unresolvable(address: str, log: logging.Logger, what: str) -> None:
 
 
 def with_reachable_host(advertised: str, reached: str) -> str:
-    """``advertised`` (an endpoint a peer reported, e.g. a PUB beside its ROUTER) with a
-    wildcard host (``0.0.0.0``, ``::``, ``*``: it was bound to every interface) replaced
-    by the host of ``reached``, the address this side already reached that peer at.
+    """``advertised`` (an endpoint a peer reported) with a wildcard host replaced by the
+    host of ``reached``, where this side already reached that peer.
 
     >>> with_reachable_host("tcp://0.0.0.0:7001", "tcp://trainer:7000")
     'tcp://trainer:7001'

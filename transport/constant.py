@@ -1,11 +1,6 @@
-"""Read-only constant arrays of any length, as views of one shared array per value.
-
-A response that needs ``n`` zeros (the inter-token latencies of tokens that arrived
-together, an echo's logprobs) takes a slice of an array kept per ``(dtype, value)``
-and grown by doubling: no allocation, no fill and no page faults per message, whatever
-its length. The views are read-only; a :class:`~fastio.tokens.TokenArray` over one
-copies before any change (it never writes into memory it does not own).
-"""
+"""Read-only constant arrays of any length, as views of one shared array per
+``(dtype, value)``, grown by doubling: no allocation nor fill per message (a
+``TokenArray`` over one copies before any change)."""
 
 from __future__ import annotations
 
@@ -16,18 +11,14 @@ import numpy.typing as npt
 
 __all__ = ["MAX_SHARED", "constant"]
 
-#: Longest array kept shared (elements): past it each call allocates its own (a
-#: hostile or freak length must not pin that much memory for the process's life).
+#: Longest array kept shared (elements); longer ones are allocated per call.
 MAX_SHARED = 1 << 24
 
 _arrays: dict[tuple[Any, Any], npt.NDArray[Any]] = {}
 
 
 def constant(n: int, dtype: Any, value: Any = 0) -> npt.NDArray[Any]:
-    """``n`` elements equal to ``value``: a read-only C-contiguous view.
-
-    Safe from any thread: a grown array is filled before it is published, and views of
-    the old one stay valid.
+    """``n`` elements equal to ``value``: a read-only C-contiguous view (thread-safe).
 
     Examples
     --------

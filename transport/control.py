@@ -1,17 +1,9 @@
 """Controller: pause, resume, abort and health of every generation worker.
 
-A synchronous core on the caller's thread (DEALERs polled with timeouts: control
-operations are rare and short) with ``async`` twins that run it in a worker thread.
-The weight-update path uses it as::
-
-    ctl = FabricController(worker_addresses)
-    ctl.pause()            # returns once every worker has stopped generating
-    ...                    # publish weights; workers apply them, set engine.version
-    ctl.resume()           # interrupted requests continue on the new weights
-
-``pause()`` returns once no worker runs a handler, so nothing generates with
-half-updated weights; interrupted generations were answered ``"interrupt"`` and their
-rest waits on the worker until ``resume()``.
+A synchronous core on the caller's thread (DEALERs polled with timeouts) with ``async``
+twins that run it in a thread. ``pause()`` returns once no worker runs a handler, so
+nothing generates with half-updated weights; interrupted generations were answered
+``"interrupt"`` and their rest waits on the worker until ``resume()``.
 """
 
 from __future__ import annotations
@@ -50,10 +42,9 @@ class FabricController:
 
     Examples
     --------
-    >>> ctl = FabricController(["tcp://127.0.0.1:5555"])  # doctest: +SKIP
-    >>> statuses = ctl.pause()  # doctest: +SKIP
-    >>> ctl.resume()  # doctest: +SKIP
-    >>> ctl.close()  # doctest: +SKIP
+    >>> with FabricController(["tcp://127.0.0.1:5555"]) as ctl:  # doctest: +SKIP
+    ...     ctl.pause()  # then publish weights
+    ...     ctl.resume()
     """
 
     def __init__(
@@ -71,7 +62,6 @@ class FabricController:
         self._socks: dict[str, zmq.Socket[Any]] = {}
         self._seq = itertools.count(1)
         self._lock = threading.Lock()
-        # Controls carry no token arrays: version 1, which every worker reads.
         self._enc = versions.VERSION_1
         self._dec = Decoder(fm.WORKER_TO_CLIENT, max_message_size=max_message_size)
         for address in workers:
@@ -97,7 +87,6 @@ class FabricController:
             if sock is not None:
                 sock.close(linger=0)
 
-    # -- the core -----------------------------------------------------------------
     def request(
         self,
         op: str,
@@ -106,23 +95,11 @@ class FabricController:
         strict: bool = True,
         op_timeout: float | None = None,
     ) -> Statuses:
-        """Send ``op`` to every worker and wait for all answers.
+        """Send ``op`` (pause, resume, abort, health) to every worker and wait up to
+        ``timeout`` s for the answers; returns each worker's status after it.
 
-        Parameters
-        ----------
-        op:
-            ``"pause"``, ``"resume"``, ``"abort"`` or ``"health"``.
-        timeout:
-            Seconds to wait for the answers (default :attr:`timeout`).
-        strict:
-            Raise :class:`ControlError` if a worker fails or does not answer in time.
-        op_timeout:
-            For pause: how long a worker waits for its generations to stop.
-
-        Returns
-        -------
-        Statuses
-            Worker address -> :class:`fastio.fabric_msgs.WorkerStatus` after the op.
+        ``strict`` raises :class:`ControlError` if a worker fails or does not answer in
+        time; ``op_timeout`` (pause) is how long a worker waits for its generations.
         """
         t = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + t
@@ -140,9 +117,7 @@ class FabricController:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
-                # DEALERs use ZMQ_IMMEDIATE: a message goes out only on a live connection
-                # (never queued for a dead worker to find after its restart), so wait for
-                # POLLOUT, then send.
+                # ZMQ_IMMEDIATE DEALERs send only on a live connection: POLLOUT first.
                 poller = zmq.Poller()
                 for sock in unsent:
                     poller.register(sock, zmq.POLLOUT)
@@ -198,7 +173,6 @@ class FabricController:
         """Status of every worker that answers in time (missing ones are not healthy)."""
         return self.request("health", timeout=timeout, strict=strict)
 
-    # -- async twins ----------------------------------------------------------------
     async def apause(self, timeout: float | None = None, *, strict: bool = True) -> Statuses:
         """:meth:`pause` without blocking the event loop."""
         return await asyncio.to_thread(self.pause, timeout, strict=strict)

@@ -1,9 +1,6 @@
-"""CurveZMQ for fabric and weight sockets: keys from ``zmq.auth`` certificate files, and
-the worker-side ZAP handler that admits the keys of ``authorized_clients_dir``.
-
-Optional (:class:`CurveConfig`), off by default; a worker with ``authorized_clients_dir``
-admits only the public keys found there and logs and counts every refusal.
-"""
+"""CurveZMQ for fabric and weight sockets (optional, off by default): keys from
+``zmq.auth`` certificate files, and the worker-side ZAP handler that admits only the
+keys of ``authorized_clients_dir`` and logs and counts every refusal."""
 
 from __future__ import annotations
 
@@ -39,10 +36,8 @@ class CurveConfig:
     Examples
     --------
     >>> import zmq.auth, tempfile
-    >>> d = tempfile.mkdtemp()
-    >>> pub, sec = zmq.auth.create_certificates(d, "worker")
-    >>> CurveConfig(secret_key_file=sec).secret_key_file == sec
-    True
+    >>> pub, sec = zmq.auth.create_certificates(tempfile.mkdtemp(), "worker")
+    >>> worker_side = CurveConfig(secret_key_file=sec)
     """
 
     secret_key_file: str
@@ -58,8 +53,7 @@ def _own_keys(curve: CurveConfig) -> tuple[bytes, bytes]:
 
 
 def apply_curve_server(sock: zmq.Socket[Any], curve: CurveConfig | None) -> None:
-    """Make ``sock`` a CURVE server with the keys of ``curve`` (nothing when ``None``).
-    Set before binding."""
+    """Make ``sock`` a CURVE server (nothing when ``curve`` is ``None``); before binding."""
     if curve is None:
         return
     sock.curve_publickey, sock.curve_secretkey = _own_keys(curve)
@@ -67,8 +61,8 @@ def apply_curve_server(sock: zmq.Socket[Any], curve: CurveConfig | None) -> None
 
 
 def apply_curve_client(sock: zmq.Socket[Any], curve: CurveConfig | None) -> None:
-    """Make ``sock`` a CURVE client of the server whose public key ``curve`` names
-    (nothing when ``None``). Set before connecting."""
+    """Make ``sock`` a CURVE client of ``curve``'s server (nothing when ``None``); before
+    connecting."""
     if curve is None:
         return
     if curve.server_public_key_file is None:
@@ -81,12 +75,8 @@ def apply_curve_client(sock: zmq.Socket[Any], curve: CurveConfig | None) -> None
 
 
 class WorkerAuthenticator:
-    """ZAP handler of a worker: admits the client keys of ``authorized_clients_dir``
-    (or any key when it is ``None``), logs and counts refusals.
-
-    Runs ``zmq.auth``'s authenticator thread on the worker's context; start it before
-    binding.
-    """
+    """A worker's ZAP handler (``zmq.auth``'s thread; start it before binding): admits
+    the keys of ``authorized_clients_dir`` (any when ``None``), counts refusals."""
 
     def __init__(self, ctx: zmq.Context[Any], curve: CurveConfig) -> None:
         self.denied = 0

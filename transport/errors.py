@@ -19,8 +19,8 @@ Exception tree::
     RuntimeError
     └── ResumeRefused                     an ``on_resume`` callback refuses a resume
 
-Errors from the codec (``fastio.DecodeError``) are translated at the socket boundary:
-they never reach a caller as such, they become an Error reply or a counted, logged drop.
+A ``fastio.DecodeError`` never reaches a caller: at the socket boundary it becomes an
+Error reply or a counted, logged drop.
 """
 
 from __future__ import annotations
@@ -56,15 +56,8 @@ class RequestTimeout(TransportError, TimeoutError):
 
 
 class RemoteError(TransportError):
-    """A worker rejected or failed a request.
-
-    Attributes
-    ----------
-    code:
-        The :class:`fastio.fabric_msgs.ErrorCode` value of the reply.
-    worker:
-        Address of the worker that answered.
-    """
+    """A worker rejected or failed a request: ``code`` (an
+    :class:`fastio.fabric_msgs.ErrorCode`) from the ``worker`` at that address."""
 
     def __init__(self, message: str, *, code: int = 0, worker: str = "") -> None:
         super().__init__(message)
@@ -81,14 +74,8 @@ class NoWorkers(TransportError, RuntimeError):
 
 
 class NoWorkerAvailable(NoWorkers):
-    """No worker has answered a ping for the client's ``connect_timeout``.
-
-    Attributes
-    ----------
-    seen:
-        Worker address -> what the client saw there (never answered; a refused CURVE
-        handshake; when it last answered).
-    """
+    """No worker has answered a ping for the client's ``connect_timeout``; ``seen``:
+    worker address -> what the client saw there (no answer, refused CURVE, last pong)."""
 
     def __init__(self, message: str, seen: dict[str, str]) -> None:
         super().__init__(message)
@@ -110,15 +97,8 @@ class ClientClosed(TransportError, RuntimeError):
 
 
 class ControlError(TransportError):
-    """A control operation did not succeed on every worker.
-
-    Attributes
-    ----------
-    failed:
-        Worker address -> why it failed (no answer in time, or its error text).
-    statuses:
-        Worker address -> :class:`fastio.fabric_msgs.WorkerStatus` of those that did.
-    """
+    """A control operation did not succeed on every worker: ``failed`` (address -> why)
+    and ``statuses`` (address -> :class:`fastio.fabric_msgs.WorkerStatus`) of the rest."""
 
     def __init__(self, message: str, failed: dict[str, str], statuses: dict[str, object]) -> None:
         super().__init__(message)
@@ -127,6 +107,5 @@ class ControlError(TransportError):
 
 
 class ResumeRefused(RuntimeError):
-    """Raised by an ``on_resume`` callback to refuse a resume: the worker stays paused
-    and the resume is answered ``ok=False`` with this error (e.g. its weights are
-    mixed)."""
+    """Raised by an ``on_resume`` callback to refuse a resume (e.g. mixed weights): the
+    worker stays paused and answers ``ok=False`` with this error."""

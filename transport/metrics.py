@@ -1,16 +1,10 @@
 """Prometheus metrics of the fabric and the weight path (optional extra ``metrics``).
 
-Every metric exists whether or not ``prometheus-client`` is installed: without it they
-are no-ops, so instrumented code never branches on it (``ENABLED`` says which).
-:func:`start_http_server` serves ``GET /metrics`` from a daemon thread (loopback unless
-told otherwise) and needs the extra.
-
-A process shows the series of the roles it runs, once :func:`expose` names them (the
-worker, the client, the publisher and the subscriber call it as they start); counters
-and histograms carry no ``*_created`` twins. Counts kept as plain ints (the worker's
-:class:`~transport.worker.counters.Counters`) are added to the metrics when scraped, by
-hooks given to :func:`on_scrape` (run on the scraping thread). Every series, with its
-type, labels and meaning: ``docs/metrics.md``.
+Without ``prometheus-client`` every metric is a no-op (``ENABLED`` says which), so
+instrumented code never branches on it. A process shows the series of the roles
+:func:`expose` names (without ``*_created`` twins); counts kept as plain ints are added
+when scraped, by :func:`on_scrape` hooks. :func:`start_http_server` serves
+``GET /metrics``. Every series: ``docs/metrics.md``.
 
 >>> from transport import metrics
 >>> metrics.CLIENT_RESENDS.inc()  # counts, or does nothing without prometheus-client
@@ -45,8 +39,6 @@ ENABLED: bool = _prom is not None
 
 
 class _Noop:
-    """Stands in for a metric when prometheus-client is missing."""
-
     def labels(self, *args: Any, **kwargs: Any) -> _Noop:
         return self
 
@@ -64,8 +56,7 @@ _TOKEN_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.
 
 #: The sides of the fabric whose series a process can expose (see :func:`expose`).
 ROLES = ("worker", "client", "publisher", "subscriber")
-#: Values of the ``finished_reason`` label (a Result's ``stop_reason``; "abort" also
-#: counts requests a controller aborted, answered with an ABORTED error).
+#: Values of the ``finished_reason`` label (``"abort"``: also ABORTED errors).
 FINISHED_REASONS = ("stop", "length", "interrupt", "abort")
 
 # role -> its metrics, created outside any registry; expose() registers them.
@@ -75,11 +66,10 @@ _HOOKS: dict[str, list[Callable[[], None]]] = {role: [] for role in ROLES}
 
 
 def _member(kind: str, name: str, *args: Any, **kwargs: Any) -> Any:
-    # The role is the name's second word: fastio_<role>_<what>.
     if not _prom:
         return _Noop()
     metric = getattr(_prom, kind)(name, *args, registry=None, **kwargs)
-    _MEMBERS[name.split("_")[1]].append(metric)
+    _MEMBERS[name.split("_")[1]].append(metric)  # fastio_<role>_<what>
     return metric
 
 
@@ -157,7 +147,7 @@ SUBSCRIBER_FAILURES = _counter("fastio_subscriber_failures", "Versions refused o
 
 
 class _Role:
-    """The collector of one role's series, registered by :func:`expose`."""
+    """The collector of one role's series."""
 
     def __init__(self, role: str) -> None:
         self.role = role
@@ -166,15 +156,13 @@ class _Role:
         for hook in list(_HOOKS[self.role]):
             hook()
         for metric in _MEMBERS[self.role]:
-            for family in metric.collect():
-                # No *_created twin (a timestamp per counter dashboards do not read).
+            for family in metric.collect():  # no *_created twins
                 family.samples = [s for s in family.samples if not s.name.endswith("_created")]
                 yield family
 
 
 def on_scrape(role: str, hook: Callable[[], None]) -> Callable[[], None]:
-    """Call ``hook`` before each scrape of ``role``'s series (to add counts kept as plain
-    ints to the metrics); returns what removes it."""
+    """Call ``hook`` before each scrape of ``role``'s series; returns what removes it."""
     hooks = _HOOKS[role]
     hooks.append(hook)
     return lambda: hooks.remove(hook) if hook in hooks else None
@@ -207,15 +195,8 @@ _servers_lock = threading.Lock()
 
 
 def start_http_server(port: int, addr: str = "127.0.0.1") -> int:
-    """Serve ``GET /metrics`` on ``addr:port`` from a daemon thread; return the bound port.
-
-    Parameters
-    ----------
-    port
-        TCP port; ``0`` picks a free one.
-    addr
-        Address to bind: loopback by default (serving the figures on other interfaces,
-        ``"0.0.0.0"`` or ``"::"``, is a deliberate choice).
+    """Serve ``GET /metrics`` on ``addr:port`` (``0``: a free port; loopback unless
+    told otherwise) from a daemon thread; return the bound port.
 
     Raises
     ------
@@ -223,9 +204,6 @@ def start_http_server(port: int, addr: str = "127.0.0.1") -> int:
         prometheus-client is not installed (the message names ``fastio[metrics]``).
     OSError
         The port cannot be bound (the message names the address and port).
-
-    >>> port = start_http_server(0)  # doctest: +SKIP
-    >>> urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics")  # doctest: +SKIP
     """
     from fastio._optional import require
 
@@ -255,7 +233,7 @@ def start_http_server(port: int, addr: str = "127.0.0.1") -> int:
 
 def stop_http_server(port: int) -> None:
     """Stop the endpoint :func:`start_http_server` started on ``port`` (unknown ports
-    are ignored, so shutdown paths may call it unconditionally)."""
+    are ignored)."""
     with _servers_lock:
         server = _servers.pop(port, None)
     if server is not None:

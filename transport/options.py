@@ -1,9 +1,9 @@
-"""``key=value`` options (``--plugin-opt``, ``--engine-opt``) into a typed config Struct.
+"""``key=value`` options (``--plugin-opt``, ``--engine-opt``) into a typed config Struct,
+and the constraint aliases config Structs share.
 
 A plugin or an engine declares its options once, as a :class:`msgspec.Struct` with
-defaults and :class:`msgspec.Meta` constraints, and reads them with
-:func:`parse_options`; a bad key or value is reported here, as one line that names it.
-Entry points written ``module:attribute`` are found by :func:`resolve_entry`.
+defaults and constraints, and reads them with :func:`parse_options` (a bad key or value
+is reported as one line that names it); :func:`resolve_entry` finds ``module:attribute``.
 """
 
 from __future__ import annotations
@@ -12,16 +12,38 @@ import pkgutil
 import re
 import typing
 from collections.abc import Mapping
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import msgspec
+from msgspec import Meta
 
-__all__ = ["parse_options", "resolve_entry"]
+__all__ = [
+    "NonEmptyStr",
+    "NonNegative",
+    "NonNegativeSeconds",
+    "Port",
+    "Positive",
+    "Seconds",
+    "parse_options",
+    "resolve_entry",
+]
 
 T = TypeVar("T", bound=msgspec.Struct)
 
-# What msgspec's str -> bool conversion takes (1/0, true/false), plus the words a shell
-# user writes.
+#: An int >= 1 (counts, sizes).
+Positive = Annotated[int, Meta(ge=1)]
+#: An int >= 0.
+NonNegative = Annotated[int, Meta(ge=0)]
+#: A duration in seconds, > 0.
+Seconds = Annotated[float, Meta(gt=0)]
+#: A duration in seconds, >= 0 (0: none, off).
+NonNegativeSeconds = Annotated[float, Meta(ge=0)]
+#: A TCP port, 0 (any free one) to 65535.
+Port = Annotated[int, Meta(ge=0, le=65535)]
+#: A string that is not empty.
+NonEmptyStr = Annotated[str, Meta(min_length=1)]
+
+# Words a shell user writes, beside msgspec's own (1/0, true/false).
 _BOOL_WORDS = {"yes": "true", "on": "true", "no": "false", "off": "false"}
 _KINDS = {
     "bool": "a boolean (1/0, true/false, yes/no, on/off)",
@@ -35,25 +57,14 @@ def parse_options(opts: Mapping[str, Any], type_: type[T], what: str, *, prefix:
     """``opts`` (strings, or values of the field types) as a ``type_`` instance.
 
     Strings become the fields' types (``"1"``, ``"0.5"``, ``"on"``); an empty value
-    means the field's default.
-
-    Parameters
-    ----------
-    opts:
-        Option name -> value, e.g. the worker's ``--plugin-opt`` dict.
-    type_:
-        A Struct with ``kw_only=True``; with ``forbid_unknown_fields=True`` an unknown
-        key is an error.
-    what:
-        How the message names an option, e.g. ``"weights plugin option"``.
-    prefix:
-        Read only the keys that start with it (the others belong to other plugins).
+    means the default. ``type_`` is a Struct with ``kw_only=True`` (and
+    ``forbid_unknown_fields=True`` to refuse unknown keys); ``what`` names an option in
+    messages (``"weights plugin option"``); only keys starting with ``prefix`` are read.
 
     Raises
     ------
     ValueError
-        One line naming the key: unknown, missing, or a value of the wrong type or out
-        of range, with what was expected.
+        One line naming the key: unknown, missing, or a bad value, with what was expected.
 
     Examples
     --------
@@ -78,14 +89,8 @@ def parse_options(opts: Mapping[str, Any], type_: type[T], what: str, *, prefix:
 
 
 def resolve_entry(spec: str, what: str) -> Any:
-    """The object ``spec`` (``module:attribute``) names.
-
-    Raises
-    ------
-    ValueError
-        ``spec`` is not ``module:attribute``, or the module cannot be imported or has
-        no such attribute; the message starts with ``what`` and ``spec``.
-    """
+    """The object ``spec`` (``module:attribute``) names; a ``ValueError`` starting with
+    ``what`` and ``spec`` when it is malformed, not importable or has no such attribute."""
     module, _, name = spec.partition(":")
     if not module or not name:
         raise ValueError(f"{what} {spec!r}: expected module:name")
@@ -107,7 +112,7 @@ def _message(error: str, given: Mapping[str, Any], fields: Mapping[str, Any], wh
     if m := re.fullmatch(r"Object missing required field `(.*)`", error):
         return f"{what} {m[1]!r} is required"
     m = re.fullmatch(r"(.*) - at `\$\.([^`.\[]+)`", error)
-    if m is None:  # a shape msgspec did not promise: say it as it is
+    if m is None:  # a shape msgspec did not promise
         return f"{what}: {error}"
     problem, key = m[1], m[2]
     choices = _choices(fields[key].type)

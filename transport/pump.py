@@ -1,11 +1,8 @@
 """The pump that ties a non-blocking ZeroMQ socket to asyncio, and its frame I/O.
 
-:class:`SocketPump` is the one loop model of the fabric's sockets: reads in batches
-from a reader callback on the socket's FD, sends that never block (per-peer queues at
-the HWM), and coalescing of bursts into few ZeroMQ messages. The client's DEALERs run on
-the caller's asyncio loop, a worker's ROUTER on its socket thread's loop (on the
-handler's loop when the handler never blocks); the weight routes and the controller use
-blocking sockets with ``zmq.Poller`` in threads of their own. Sockets themselves are
+:class:`SocketPump` is the loop model of the fabric's sockets: the client's DEALERs run
+on the caller's asyncio loop, a worker's ROUTER on its socket thread's loop; the weight
+routes and the controller poll blocking sockets in threads of their own. Sockets are
 made by :mod:`transport.sockets`.
 """
 
@@ -29,24 +26,19 @@ __all__ = ["DEFAULT_PEER_QUEUE_LIMIT", "SocketPump"]
 
 log = logging.getLogger("transport.sockets")
 
-#: Bytes a ROUTER pump holds for one peer beyond libzmq's own pipe before that peer is
-#: dropped (its queue discarded, ``on_drop`` told).
+#: Bytes a ROUTER pump holds for one peer beyond libzmq's pipe before dropping it.
 DEFAULT_PEER_QUEUE_LIMIT = 64 << 20
 
-
-# Retry interval of the queue of messages that met EAGAIN: from 2 ms, doubled while
-# nothing gets through, up to 100 ms.
+# Retry interval of messages that met EAGAIN, doubled while nothing gets through.
 _RETRY_MIN_S = 0.002
 _RETRY_MAX_S = 0.1
 
-# A send this soon after the previous one *ended* (outside a receive batch) starts a
-# coalescing burst: on a loaded machine a send can take longer than the gap itself.
+# A send this soon after the previous one *ended* starts a coalescing burst.
 _BURST_GAP_S = 100e-6
 _perf_counter = time.perf_counter
 
-# A joined ZeroMQ message is sent once it holds this many bytes, and a message this
-# large is never joined: ZeroMQ hands a message over whole, so its receiver would idle
-# until all of it had arrived.
+# A joined message is sent at this size, and a larger message never joined: ZeroMQ
+# delivers a message whole, so its receiver would idle until all of it arrived.
 _JOIN_LIMIT = 256 << 10
 # Marks "no message to this destination in the burst yet" in SocketPump._pending.
 _FIRST: Any = object()
@@ -77,29 +69,23 @@ class _Joined:
 class SocketPump:
     """Ties a non-blocking ZeroMQ socket to the running asyncio loop.
 
-    Incoming multipart messages (lists of ``zmq.Frame``) go to ``on_recv`` in batches
-    from a reader callback on the socket's FD, without a future per message.
-    :meth:`send` never blocks: at the HWM (``EAGAIN``) a message waits in an ordered
-    queue per destination (``router=True``: per peer, frame 0 being its identity),
-    retried on every wake-up and on a short timer, so a peer that stops reading holds
-    only its own messages. A peer whose queue passes ``peer_queue_limit`` bytes is
-    dropped: its queue discarded, ``on_drop(peer)`` called, :attr:`dropped` counted, and
-    later messages to it that meet a full pipe discarded until one gets through again.
+    Incoming messages (lists of ``zmq.Frame``) go to ``on_recv`` in batches from a
+    reader callback on the socket's FD. :meth:`send` never blocks: at the HWM a message
+    waits in an ordered queue per destination (``router=True``: per peer, frame 0),
+    retried on wake-ups and a timer, so a peer that stops reading holds only its own
+    messages. A peer queued past ``peer_queue_limit`` bytes is dropped (queue
+    discarded, ``on_drop(peer)``, :attr:`dropped` counted) until one send gets through.
 
-    Coalescing: the first message of a burst to each destination goes at once; later
-    ones to it are joined into one ZeroMQ message (fastio messages back to back, see
-    PROTOCOL.md), sent at the burst's end or once it holds 256 KiB; a message that large
-    is never joined. With ``batch_frames`` (peers that split with
-    :func:`fastio.fabric_msgs.split`), runs of small single-frame messages travel as one
-    batch frame. A burst is one batch of incoming messages (replies sent by
-    ``on_recv``), or sends back to back (within 100 us of the end of the previous one)
-    until the next drain.
+    Coalescing: in a burst (a batch of incoming messages, or sends back to back until
+    the next drain), the first message to each destination goes at once and later ones
+    are joined into one ZeroMQ message (PROTOCOL.md), sent at the burst's end or at
+    256 KiB; with ``batch_frames``, runs of small single-frame messages travel as one
+    batch frame (:func:`fastio.fabric_msgs.split`).
 
-    The FD is edge-triggered and our own sends can consume its readiness: after a send
-    outside a batch, ``ZMQ_EVENTS`` is asked at once (re-arming the FD); a batch asks it
-    before every receive. ``defer_check`` (for a requester): a batch woken by the FD
-    handles its first message and leaves the rest to a drain scheduled behind what that
-    message woke, so the next request goes out first and one query serves both.
+    The FD is edge-triggered and our own sends can consume its readiness, so
+    ``ZMQ_EVENTS`` is asked after a send outside a batch and before every receive in
+    one. ``defer_check`` (a requester): a batch woken by the FD handles its first
+    message and leaves the rest to a drain behind what that message woke.
     """
 
     def __init__(
@@ -125,14 +111,13 @@ class SocketPump:
         self.batch = batch
         self.loop = asyncio.get_running_loop()
         tune_allocator()
-        # Per destination (None for a DEALER): messages that met EAGAIN, and their bytes.
+        # Per destination (None for a DEALER): messages that met EAGAIN, and bytes.
         self._queues: dict[Any, deque[list[Any]]] = {}
         self._queued_bytes: dict[Any, int] = {}
         self._dropped: set[Any] = set()
         #: Peers dropped for not reading (a count of drops, for status and metrics).
         self.dropped = 0
-        #: Messages discarded: queues of dropped peers, and sends to them meanwhile;
-        #: at :meth:`close`, what could not be handed to libzmq.
+        #: Messages discarded (to dropped peers, or not handed to libzmq at close).
         self.discarded = 0
         self.router = router
         self.coalesce = coalesce
@@ -140,8 +125,7 @@ class SocketPump:
         self._last_send = 0.0
         self._in_batch = False
         self.batch_frames = batch_frames
-        # Per destination sent to in the current burst: the messages being joined
-        # (None: one went at once, none joined yet).
+        # Per destination of this burst: messages being joined (None: none yet).
         self._pending: dict[Any, _Joined | None] = {}
         self._scheduled = False
         self._timer: asyncio.TimerHandle | None = None
@@ -163,9 +147,8 @@ class SocketPump:
         return len(q) if q is not None else 0
 
     def poke(self) -> None:
-        """Look for input at the end of this loop iteration. Call it after using
-        :attr:`sock` directly: a send can consume the edge of ZeroMQ's FD, after which
-        the loop would not be told about messages already waiting."""
+        """Look for input at the end of this loop iteration: call it after using
+        :attr:`sock` directly (a send can consume the edge of ZeroMQ's FD)."""
         self._schedule()
 
     def drain_now(self) -> None:
@@ -179,9 +162,7 @@ class SocketPump:
             self.loop.call_soon(self._drain)
 
     def _on_readable(self) -> None:
-        # Almost always a message's arrival: the first receive goes without asking
-        # ZMQ_EVENTS (an EAGAIN on the rare wake-up without input).
-        self._drain(True)
+        self._drain(True)  # almost always an arrival: receive without asking first
 
     def _drain(self, readable: bool = False) -> None:
         self._scheduled = False
@@ -197,8 +178,7 @@ class SocketPump:
             for i in range(self.batch):
                 if i and readable and self.defer_check:
                     break  # the rest in a drain behind what the first message woke
-                # Cheaper than an empty recv's EAGAIN, and sees input whose edge our
-                # own sends (replies from on_recv) took.
+                # Cheaper than an empty recv, and sees input whose edge our sends took.
                 if (i or not readable) and not zmq_poll(pollin, 0):
                     return
                 try:
@@ -219,8 +199,7 @@ class SocketPump:
             self._schedule()
         finally:
             self._in_batch = False
-            if self._burst and not self._closed:
-                # The burst ends with the batch (or this drain, for sends back to back).
+            if self._burst and not self._closed:  # the burst ends with the batch
                 self._burst = False
                 if self._pending:
                     self._send_pending()
@@ -233,8 +212,7 @@ class SocketPump:
         if not self._burst:
             if self._in_batch:
                 self._burst = True  # it ends with the batch
-            elif _perf_counter() - self._last_send < _BURST_GAP_S:
-                # Back to back: a burst, ended by the next drain. A lone send just goes.
+            elif _perf_counter() - self._last_send < _BURST_GAP_S:  # ended by a drain
                 self._burst = True
                 self._schedule()
             else:
@@ -245,9 +223,7 @@ class SocketPump:
         key = frames[0] if router else None
         pending = self._pending
         joined = pending.get(key, _FIRST)
-        if joined is _FIRST:
-            # The first message to a destination in a burst goes at once: a lone reply
-            # never waits for the end of its batch.
+        if joined is _FIRST:  # goes at once: a lone reply never waits for its batch
             pending[key] = None
             self._send_now(frames)
             if not self._in_batch:
@@ -265,8 +241,7 @@ class SocketPump:
                 return
         else:
             size = nbytes(frames)
-        if size >= _JOIN_LIMIT:
-            # Large: never joined; what waits for this destination goes first.
+        if size >= _JOIN_LIMIT:  # never joined; what waits for it goes first
             if joined is not None:
                 pending[key] = None
                 self._send_now(joined.done())
@@ -311,20 +286,25 @@ class SocketPump:
     def _send_now(self, frames: list[Any]) -> None:
         if self._queues:
             key = frames[0] if self.router else None
-            if key in self._queues:
-                # Behind messages already waiting for this destination: keep the order.
+            if key in self._queues:  # behind messages waiting for it: keep the order
                 self._enqueue(key, frames)
                 self._arm_timer()
                 return
         try:
             send_frames(self.sock, frames)
+        except zmq.Again:
+            key = frames[0] if self.router else None
+            if key in self._dropped:
+                self.discarded += 1  # dropped and still not reading: not queued again
+            else:
+                self._enqueue(key, frames)
+                self._arm_timer()
         except zmq.ZMQError as exc:
-            self._send_failed(frames, exc)
+            self._undeliverable(frames, exc)
         else:
             if self._dropped and self.router:
                 self._dropped.discard(frames[0])  # it reads again
-        # The send may have taken the FD's edge: look now (a batch or a due drain
-        # looks anyway).
+        # The send may have taken the FD's edge: look now.
         if (
             not self._in_batch
             and not self._scheduled
@@ -333,29 +313,19 @@ class SocketPump:
         ):
             self._schedule()
 
-    def _send_failed(self, frames: list[Any], exc: zmq.ZMQError) -> None:
-        if isinstance(exc, zmq.Again):
-            key = frames[0] if self.router else None
-            if key in self._dropped:
-                self.discarded += 1  # dropped and still not reading: not queued again
-                return
-            self._enqueue(key, frames)
-            self._arm_timer()
-        elif exc.errno == errno.EHOSTUNREACH:
-            if self.on_undeliverable is not None:
-                self.on_undeliverable(frames)
-        else:
+    def _undeliverable(self, frames: list[Any], exc: zmq.ZMQError) -> None:
+        if exc.errno != errno.EHOSTUNREACH:
             raise exc
+        if self.on_undeliverable is not None:  # a peer that has gone
+            self.on_undeliverable(frames)
 
     def _send_or_report(self, frames: list[Any]) -> None:
-        """Send; a message for a peer that has gone goes to ``on_undeliverable``."""
         try:
             send_frames(self.sock, frames)
+        except zmq.Again:
+            raise
         except zmq.ZMQError as exc:
-            if exc.errno != errno.EHOSTUNREACH:
-                raise
-            if self.on_undeliverable is not None:
-                self.on_undeliverable(frames)
+            self._undeliverable(frames, exc)
 
     def _enqueue(self, key: Any, frames: list[Any]) -> None:
         q = self._queues.get(key)
@@ -384,8 +354,7 @@ class SocketPump:
                 log.exception("on_drop failed")
 
     def _flush(self) -> None:
-        # Each destination in turn, until its pipe is full: one that does not read
-        # holds up no one else.
+        # Each destination until its pipe is full: one that does not read holds no one.
         for key, q in list(self._queues.items()):
             while q:
                 frames = q[0]
@@ -411,9 +380,7 @@ class SocketPump:
             before = sum(len(q) for q in self._queues.values())
             self._flush()
             self._schedule()
-            if self._queues:
-                # Nothing got through: a peer that is down (not one at its HWM, which
-                # drains) is retried less often until it is back or declared dead.
+            if self._queues:  # a peer that is down is retried less often
                 stuck = sum(len(q) for q in self._queues.values()) >= before
                 self._retry_s = min(self._retry_s * 2, _RETRY_MAX_S) if stuck else _RETRY_MIN_S
                 self._arm_timer()
@@ -421,8 +388,7 @@ class SocketPump:
         self._retry_s = _RETRY_MIN_S
 
     def discard_queued(self, dest: Any = ...) -> int:
-        """Drop messages not sent yet (all, or those for ``dest``); returns how many
-        ZeroMQ messages (for the logs)."""
+        """Drop messages not sent yet (all, or those for ``dest``); returns how many."""
         if dest is not ...:
             q = self._queues.pop(dest, None)
             self._queued_bytes.pop(dest, None)
@@ -437,12 +403,8 @@ class SocketPump:
         return n
 
     def close(self) -> None:
-        """Hand what the pump holds to libzmq, detach from the loop, close the socket.
-
-        Best effort, non-blocking, in order: queued messages are retried once and joined
-        ones sent; what meets a full pipe, a gone peer or a closed socket is counted in
-        :attr:`discarded`, without an error. With linger 0, libzmq may still discard
-        what its I/O thread has not written yet.
+        """Hand what the pump holds to libzmq (best effort, non-blocking, in order; what
+        cannot go is counted in :attr:`discarded`), detach from the loop, close (linger 0).
         """
         if self._closed:
             return
@@ -460,8 +422,7 @@ class SocketPump:
         self.sock.close(linger=0)
 
     def _flush_for_close(self) -> None:
-        # The queues first (older); a destination whose queue is still stuck keeps its
-        # joined messages back too (they would overtake it), and both are discarded.
+        # Queues first (older); joined messages behind a stuck queue are discarded too.
         if self._queues:
             self._flush()
         pending = self._pending

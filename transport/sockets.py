@@ -1,31 +1,25 @@
 """Every socket of the fabric and the weights is made here, so its options are chosen
-once, deliberately; this module also re-exports the pump and the CURVE helpers.
+once; this module also re-exports the pump and the CURVE helpers.
 
 ``ZMQ_MAXMSGSIZE``
-    libzmq applies it per *frame*: a peer that sends a larger frame is disconnected
-    before it is buffered. A multi-frame message whose *total* exceeds the limit is
-    answered with an Error reply by the decoder, but only after libzmq has buffered it:
-    the limit does not bound the memory a hostile peer can make a worker use. Only
-    trusted peers should reach a worker (loopback, or CURVE with
+    Per *frame*: a larger frame disconnects its peer before it is buffered. A larger
+    multi-frame *total* is refused by the decoder only after libzmq buffered it, so
+    only trusted peers should reach a worker (loopback, or CURVE with
     ``authorized_clients_dir``).
 High-water marks
-    A ROUTER silently drops a message for a peer at its HWM, so worker ROUTERs set
-    ``ZMQ_ROUTER_MANDATORY``: at the HWM a non-blocking send raises ``EAGAIN`` and the
-    message waits in the pump's own queue (counted, never dropped); a send to a peer
-    that has gone raises ``EHOSTUNREACH`` and is counted as undeliverable. DEALERs block
-    (``EAGAIN``) at their HWM, again into the pump's queue.
+    Worker ROUTERs set ``ZMQ_ROUTER_MANDATORY``: at the HWM a send raises ``EAGAIN``
+    and the message waits in the pump's queue (never silently dropped); a send to a
+    gone peer raises ``EHOSTUNREACH`` (counted undeliverable). DEALERs too block into
+    the pump's queue.
 ``ZMQ_IMMEDIATE`` on DEALERs
-    Nothing is queued in libzmq for a worker whose connection is not up: the pump keeps
-    the message and retries it (2 ms, backing off to 100 ms), so it can reach a worker
-    restarted at the same address; the client drops the queue when it declares the
-    worker dead, and the new incarnation makes it re-send and cancel: never a
-    duplicate answer.
+    Nothing is queued in libzmq for a worker whose connection is down: the pump retries,
+    so a restarted worker gets it; the client drops the queue of a worker it declares
+    dead, and a new incarnation makes it re-send: never a duplicate answer.
 Routing ids and ``ZMQ_ROUTER_HANDOVER``
-    A client's DEALERs keep one routing id across reconnects and worker ROUTERs let a
-    reconnecting peer take its id over: answers reach a client whose connection reset.
+    A client's DEALERs keep one routing id across reconnects, which worker ROUTERs let
+    it take over: answers reach a client whose connection reset.
 ``linger``
-    0 at close: unsent messages at shutdown belong to requests being abandoned anyway.
-    :meth:`SocketPump.close` still hands libzmq what the pump holds, without blocking.
+    0 at close; :meth:`SocketPump.close` still hands libzmq what the pump holds.
 """
 
 from __future__ import annotations
@@ -59,8 +53,7 @@ __all__ = [
     "tune_allocator",
 ]
 
-#: High-water mark (messages) of fabric sockets. Far above the per-worker in-flight
-#: bound, so it is reached only when a peer stops reading.
+#: High-water mark (messages): reached only when a peer stops reading.
 DEFAULT_HWM = 100_000
 
 #: Default limit of one message (all frames) on the fabric: 1 GiB.
@@ -79,17 +72,9 @@ def make_socket(
 ) -> zmq.Socket[Any]:
     """A socket of ``kind`` (``zmq.PUB``, ``zmq.SUB``, ``zmq.PUSH``, ...) with linger 0.
 
-    Parameters
-    ----------
-    hwm:
-        Send and receive high-water mark in messages (``None``: libzmq's 1000).
-    max_message_size:
-        ``ZMQ_MAXMSGSIZE``, per frame (``None``: no limit).
-    curve, curve_server:
-        CURVE keys; this side is the server (binds) or a client (connects).
-    options:
-        Further ``setsockopt`` options, set in order before any bind or connect
-        (``{zmq.SUBSCRIBE: b""}``, ``{zmq.ROUTING_ID: b"w1", zmq.IMMEDIATE: 1}``).
+    ``hwm`` (``None``: libzmq's) and ``max_message_size`` (``ZMQ_MAXMSGSIZE``, per
+    frame; ``None``: no limit); ``curve`` keys, as the server (binds) with
+    ``curve_server``; further ``options`` are set in order before any bind or connect.
 
     Examples
     --------
@@ -159,9 +144,7 @@ def make_router(
     curve: CurveConfig | None = None,
 ) -> tuple[zmq.Socket[Any], list[str]]:
     """A worker's ROUTER, bound to each address; returns it and the bound endpoints."""
-    # HANDOVER: a client reconnecting under its routing id takes the id over from a
-    # connection the worker still thinks is up. Heartbeats are ours; TCP keepalive
-    # catches half-open connections on real networks.
+    # TCP keepalive catches half-open connections on real networks.
     options: dict[int, int | bytes] = {
         zmq.ROUTER_MANDATORY: 1, zmq.ROUTER_HANDOVER: 1, zmq.TCP_KEEPALIVE: 1
     }  # fmt: skip
@@ -182,12 +165,8 @@ def make_dealer(
     reconnect_ivl_ms: int = 100,
     routing_id: bytes | None = None,
 ) -> zmq.Socket[Any]:
-    """A client's or controller's DEALER connected to one worker.
-
-    ``routing_id``: the identity the worker's ROUTER knows this peer by, kept across
-    reconnects (libzmq otherwise draws a new one per connection, and replies to the old
-    one are undeliverable). Unique per peer; must not start with a zero byte.
-    """
+    """A client's or controller's DEALER connected to one worker; ``routing_id`` (unique
+    per peer, not starting with a zero byte) is kept across reconnects."""
     options: dict[int, int | bytes] = {} if routing_id is None else {zmq.ROUTING_ID: routing_id}
     options.update({
         zmq.IMMEDIATE: 1,

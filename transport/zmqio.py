@@ -1,11 +1,8 @@
-"""Frame I/O on ZeroMQ sockets at the cost of the C calls (:func:`send_frames`,
-:func:`recv_frames`), and the allocator settings large messages need
-(:func:`tune_allocator`)."""
+"""Frame I/O at the cost of the C calls, and the allocator settings large messages need."""
 
 from __future__ import annotations
 
 import ctypes
-import logging
 import os
 from collections.abc import Callable
 from typing import Any
@@ -14,30 +11,22 @@ import zmq
 
 __all__ = ["POLLIN", "nbytes", "recv_frames", "send_frames", "tune_allocator", "zmq_poll"]
 
-log = logging.getLogger("transport.sockets")
-
 # Plain ints: ``zmq.POLLIN`` and friends are enums whose ``&`` runs Python code.
 POLLIN = int(zmq.POLLIN)
 _NOBLOCK = int(zmq.NOBLOCK)
 _SNDMORE_NOBLOCK = int(zmq.SNDMORE) | _NOBLOCK
-# The Cython socket methods, without pyzmq's per-frame Python wrappers. Not pyzmq's
-# documented API (the tested versions are pinned in pyproject.toml); without it the
-# public methods (same signature) are used.
+# The Cython methods, without pyzmq's Python wrappers (undocumented API: versions pinned
+# in pyproject.toml; else the public methods, same signature).
 _backend_socket: Any = getattr(getattr(zmq, "backend", None), "Socket", None)
 _send: Callable[..., Any] = getattr(_backend_socket, "send", None) or zmq.Socket.send
 _recv: Callable[..., Any] = getattr(_backend_socket, "recv", None) or zmq.Socket.recv
-#: "Does input wait?": ``zmq_poll([(sock, POLLIN)], 0)`` asks ZMQ_EVENTS (which re-arms
-#: the FD) without the enum lookup of pyzmq's ``get``.
+#: ``zmq_poll([(sock, POLLIN)], 0)``: does input wait (re-arms the FD)?
 zmq_poll: Callable[..., list[Any]] = zmq.zmq_poll
 
 
 def send_frames(sock: zmq.Socket[Any], frames: list[Any]) -> None:
-    """``sock.send_multipart(frames, zmq.NOBLOCK, copy=False)``, cheaper.
-
-    Like it, atomic: ``zmq.Again`` (or ``EHOSTUNREACH``) can only be raised for the
-    first frame, before anything is queued. pyzmq copies frames below its copy
-    threshold and sends larger ones zero-copy.
-    """
+    """``sock.send_multipart(frames, zmq.NOBLOCK, copy=False)``, cheaper; as atomic
+    (``zmq.Again``/``EHOSTUNREACH`` only for the first frame)."""
     last = len(frames) - 1
     if last == 0:
         _send(sock, frames[0], _NOBLOCK, False)
@@ -48,8 +37,7 @@ def send_frames(sock: zmq.Socket[Any], frames: list[Any]) -> None:
 
 
 def recv_frames(sock: zmq.Socket[Any]) -> list[zmq.Frame]:
-    """``sock.recv_multipart(zmq.NOBLOCK, copy=False)``, cheaper (``Frame.more``
-    instead of a ``RCVMORE`` getsockopt per frame). Raises ``zmq.Again`` when empty."""
+    """``sock.recv_multipart(zmq.NOBLOCK, copy=False)``, cheaper; ``zmq.Again`` when empty."""
     frame: zmq.Frame = _recv(sock, _NOBLOCK, False)
     if not frame.more:
         return [frame]
@@ -73,8 +61,8 @@ def nbytes(frames: list[Any]) -> int:
 
 _M_TRIM_THRESHOLD = -1  # glibc's mallopt parameters
 _M_MMAP_THRESHOLD = -3
-#: Defaults of :func:`tune_allocator`: messages up to 32 MiB (glibc's largest mmap
-#: threshold) come from the heap, and up to 256 MiB of freed heap stays mapped.
+#: Defaults of :func:`tune_allocator`: messages up to 32 MiB from the heap, and up to
+#: 256 MiB of freed heap kept mapped.
 MMAP_THRESHOLD = 32 << 20
 TRIM_THRESHOLD = 256 << 20
 _tuned: bool | None = None
@@ -83,15 +71,9 @@ _tuned: bool | None = None
 def tune_allocator(
     mmap_threshold: int = MMAP_THRESHOLD, trim_threshold: int = TRIM_THRESHOLD
 ) -> bool:
-    """Keep freed message memory mapped (glibc only; once per process; returns whether
-    the allocator is tuned).
-
-    libzmq ``malloc``s each large received message. With glibc's defaults, freed heap
-    above a low threshold goes back to the kernel, so after a batch of held responses
-    is freed every large message lands in fresh pages: a page fault and a zero-fill per
-    4 KiB, more than the copy from the kernel itself. ``FASTIO_TUNE_MALLOC=0`` leaves
-    the allocator alone. Called by the first :class:`~transport.sockets.SocketPump`.
-    """
+    """Keep freed message memory mapped (glibc only, once per process; returns whether
+    tuned): otherwise each large received message lands in fresh pages, faulted and
+    zeroed. ``FASTIO_TUNE_MALLOC=0`` leaves the allocator alone."""
     global _tuned
     if _tuned is not None:
         return _tuned
@@ -107,6 +89,4 @@ def tune_allocator(
     _tuned = bool(mallopt(_M_MMAP_THRESHOLD, mmap_threshold)) and bool(
         mallopt(_M_TRIM_THRESHOLD, trim_threshold)
     )
-    if not _tuned:  # pragma: no cover - glibc refused the values
-        log.debug("mallopt refused the thresholds; the allocator keeps its defaults")
     return _tuned
