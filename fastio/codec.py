@@ -25,12 +25,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Union
 
-from fastio import io_struct as _s
-from fastio import structs
+from fastio import io_struct, structs  # noqa: F401  (io_struct: the seed's types)
 from fastio.decoder import Decoder
 from fastio.encoder import Encoder
 from fastio.jsonhook import enc_hook
-from fastio.structs import message_types
+from fastio.structs import WireStruct, message_types
 
 __all__ = [
     "MESSAGE_TYPES",
@@ -44,20 +43,9 @@ __all__ = [
     "message_types",
 ]
 
-#: The seed's message types (each a tagged :class:`~fastio.WireStruct`).
-MESSAGE_TYPES: tuple[type[_s.WireStruct], ...] = (
-    _s.GenerationHyperparameters,
-    _s.LLMRequest,
-    _s.LLMResponse,
-    _s.VLMRequest,
-    _s.VLMResponse,
-    _s.FinetuneSpec,
-    _s.AllocationMode,
-    _s.ParamSpec,
-    _s.WeightUpdateMeta,
-    _s.SaverConfig,
-    _s.SaveLoadMeta,
-    _s.RolloutStat,
+#: The seed's message types (:mod:`fastio.io_struct`), in tag order.
+MESSAGE_TYPES: tuple[type[WireStruct], ...] = tuple(
+    t for t in message_types() if t.__module__ in ("fastio.io_struct", "fastio.meta")
 )
 #: Static type of a decoded seed message.
 Message = Union[MESSAGE_TYPES]  # type: ignore[valid-type]  # noqa: UP007

@@ -111,19 +111,8 @@ class TokenEncoding(enum.IntFlag):
 READS = TokenEncoding.TOKENS | TokenEncoding.COMPACT | TokenEncoding.REF
 
 
-#: Canonical dtype names on the wire (little-endian always).
+#: Canonical dtype names on the wire (little-endian always); ``d`` of ext ``16 + d``.
 DTYPE_NAMES = (
-    "bool",
-    "int8",
-    "uint8",
-    "int16",
-    "uint16",
-    "int32",
-    "uint32",
-    "int64",
-    "uint64",
-    "float16",
-    "bfloat16",
-    "float32",
-    "float64",
-)
+    "bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64",
+    "float16", "bfloat16", "float32", "float64",
+)  # fmt: skip

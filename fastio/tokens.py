@@ -146,7 +146,6 @@ class TokenArray(Sequence[Any]):
         self._excl = False
         return self
 
-    # -- access ------------------------------------------------------------------
     @property
     def array(self) -> npt.NDArray[Any]:
         """The underlying 1-D numpy array (a view; no copy)."""
@@ -203,8 +202,7 @@ class TokenArray(Sequence[Any]):
             raise IndexError("TokenArray index out of range") from None
 
     def __iter__(self) -> Iterator[Any]:
-        items: list[Any] = self._a.tolist()
-        return iter(items)
+        return iter(self.tolist())
 
     def __reversed__(self) -> Iterator[Any]:
         items: list[Any] = self._a[::-1].tolist()
@@ -221,8 +219,7 @@ class TokenArray(Sequence[Any]):
     def __repr__(self) -> str:
         return f"TokenArray({self.tolist()!r}, dtype={self._a.dtype})"
 
-    def __reduce__(self) -> tuple[Any, ...]:
-        # pickle, copy.copy and copy.deepcopy: a TokenArray over a copy of the elements.
+    def __reduce__(self) -> tuple[Any, ...]:  # pickle, copy: over a copy of the elements
         return (TokenArray, (np.array(self._a),))
 
     def count(self, value: Any) -> int:
@@ -237,7 +234,6 @@ class TokenArray(Sequence[Any]):
             raise ValueError(f"{value!r} is not in TokenArray")
         return int(hits[0]) + begin
 
-    # -- comparison --------------------------------------------------------------
     def __eq__(self, other: object) -> bool:
         if isinstance(other, TokenArray):
             return bool(np.array_equal(self._a, other._a))
@@ -249,7 +245,6 @@ class TokenArray(Sequence[Any]):
 
     __hash__ = None  # type: ignore[assignment]  # mutable, like list
 
-    # -- concatenation and growth ------------------------------------------------
     def _coerce(self, other: Any, op: str) -> npt.NDArray[Any]:
         if isinstance(other, TokenArray):
             return other._a
@@ -332,7 +327,6 @@ class TokenArray(Sequence[Any]):
         a = np.sort(self._a)
         self._set_private(a[::-1].copy() if reverse else a)
 
-    # -- item assignment (copy-on-write) ------------------------------------------
     def _set_private(self, arr: npt.NDArray[Any]) -> None:
         self._a = arr
         self._buf = None

@@ -141,11 +141,6 @@ class SocketPump:
         """Every message waiting for a free pipe, all destinations (a copy)."""
         return [m for q in self._queues.values() for m in q]
 
-    def queued(self, dest: Any = None) -> int:
-        """Messages waiting for ``dest`` (a ROUTER peer; ``None`` for a DEALER)."""
-        q = self._queues.get(dest)
-        return len(q) if q is not None else 0
-
     def poke(self) -> None:
         """Look for input at the end of this loop iteration: call it after using
         :attr:`sock` directly (a send can consume the edge of ZeroMQ's FD)."""
@@ -387,13 +382,8 @@ class SocketPump:
                 return
         self._retry_s = _RETRY_MIN_S
 
-    def discard_queued(self, dest: Any = ...) -> int:
-        """Drop messages not sent yet (all, or those for ``dest``); returns how many."""
-        if dest is not ...:
-            q = self._queues.pop(dest, None)
-            self._queued_bytes.pop(dest, None)
-            joined = self._pending.pop(dest, None)
-            return (len(q) if q is not None else 0) + (joined is not None)
+    def discard_queued(self) -> int:
+        """Drop every message not sent yet; returns how many."""
         n = sum(len(q) for q in self._queues.values())
         n += sum(j is not None for j in self._pending.values())
         self._retry_s = _RETRY_MIN_S
