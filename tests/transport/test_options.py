@@ -9,7 +9,16 @@ from typing import Annotated, Any, Literal
 import msgspec
 import pytest
 
-from transport.options import parse_options, resolve_entry
+from transport.options import (
+    NonEmptyStr,
+    NonNegative,
+    NonNegativeSeconds,
+    Port,
+    Positive,
+    Seconds,
+    parse_options,
+    resolve_entry,
+)
 
 
 class Opts(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -48,6 +57,40 @@ def test_a_bad_key_or_value_is_one_line_naming_it(opts: dict[str, str], line: st
         parse_options(opts, Opts, "opt")
     message = str(info.value)
     assert line in message and "\n" not in message and "$." not in message
+
+
+class Shared(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    name: NonEmptyStr = "n"
+    count: Positive = 1
+    spare: NonNegative = 0
+    wait: Seconds = 1.0
+    backoff: NonNegativeSeconds = 0.0
+    port: Port = 0
+
+
+@pytest.mark.parametrize(
+    ("opts", "line"),
+    [
+        ({"name": ""}, None),  # empty: the default
+        ({"count": "0"}, "o count='0': expected an integer >= 1"),
+        ({"spare": "-1"}, "o spare='-1': expected an integer >= 0"),
+        ({"wait": "0"}, "o wait='0': expected a number > 0"),
+        ({"backoff": "-0.5"}, "o backoff='-0.5': expected a number >= 0"),
+        ({"port": "65536"}, "o port='65536': expected an integer <= 65535"),
+        ({"port": "-1"}, "o port='-1': expected an integer >= 0"),
+    ],
+)
+def test_the_shared_constraint_aliases_hold(opts: dict[str, str], line: str | None) -> None:
+    if line is None:
+        assert parse_options(opts, Shared, "o") == Shared()
+        return
+    with pytest.raises(ValueError) as info:
+        parse_options(opts, Shared, "o")
+    assert line in str(info.value)
+    good = {"count": "2", "spare": "0", "wait": "0.5", "backoff": "0", "port": "65535"}
+    assert parse_options(good, Shared, "o") == Shared(count=2, wait=0.5, port=65535)
+    with pytest.raises(msgspec.ValidationError):  # and on decode, not only from strings
+        msgspec.json.decode(b'{"name": ""}', type=Shared)
 
 
 def test_a_prefix_leaves_other_plugins_keys_alone() -> None:
