@@ -82,7 +82,7 @@ def _gauge(name: str, doc: str) -> Any:
 
 
 def _histogram(
-    name: str, doc: str, buckets: tuple[float, ...], labels: tuple[str, ...] = ()
+    name: str, doc: str, buckets: tuple[float, ...] = _LATENCY_BUCKETS, labels: tuple[str, ...] = ()
 ) -> Any:
     return _member("Histogram", name, doc, labels, buckets=buckets)
 
@@ -107,15 +107,11 @@ WORKER_GENERATION_TOKENS = _counter(
 )
 WORKER_INFLIGHT = _gauge("fastio_worker_in_flight", "Requests whose handler is running")
 WORKER_QUEUE_DEPTH = _gauge("fastio_worker_queue_depth", "Requests waiting for a slot")
-WORKER_TTFT = _histogram(
-    "fastio_worker_ttft_seconds", "Time from Submit to the first token", _LATENCY_BUCKETS
-)
+WORKER_TTFT = _histogram("fastio_worker_ttft_seconds", "Time from Submit to the first token")
 WORKER_ITL = _histogram(
     "fastio_worker_inter_token_seconds", "Mean time between tokens per request", _TOKEN_BUCKETS
 )
-WORKER_E2E = _histogram(
-    "fastio_worker_e2e_seconds", "Time from Submit to the Result", _LATENCY_BUCKETS
-)
+WORKER_E2E = _histogram("fastio_worker_e2e_seconds", "Time from Submit to the Result")
 WORKER_PAUSES = _counter("fastio_worker_pauses", "Pauses (weight updates, controller)")
 WORKER_WEIGHT_VERSION = _gauge("fastio_worker_weight_version", "Weight version the engine serves")
 WORKER_PAUSED = _gauge("fastio_worker_paused", "1 while generation is paused, else 0")
@@ -123,24 +119,20 @@ WORKER_PAUSED = _gauge("fastio_worker_paused", "1 while generation is paused, el
 # --- client ---------------------------------------------------------------------------
 CLIENT_RESENDS = _counter("fastio_client_resends", "Requests re-sent to another worker")
 CLIENT_WORKER_DEATHS = _counter("fastio_client_worker_deaths", "Workers declared dead")
-CLIENT_LATENCY = _histogram(
-    "fastio_client_latency_seconds", "agenerate: call to response", _LATENCY_BUCKETS
-)
+CLIENT_LATENCY = _histogram("fastio_client_latency_seconds", "agenerate: call to response")
 
 # --- weights --------------------------------------------------------------------------
 PUBLISHER_PHASE_SECONDS = _histogram(
     "fastio_publisher_phase_seconds",
     "Weight update time per phase (pack, send, wait, total)",
-    _LATENCY_BUCKETS,
-    ("phase",),
+    labels=("phase",),
 )
 PUBLISHER_BYTES = _counter("fastio_publisher_bytes", "Weight bytes published", ("path",))
 PUBLISHER_FAILURES = _counter("fastio_publisher_failures", "Versions some worker failed")
 SUBSCRIBER_PHASE_SECONDS = _histogram(
     "fastio_subscriber_phase_seconds",
     "Weight apply time per phase (receive, verify, apply, total)",
-    _LATENCY_BUCKETS,
-    ("phase",),
+    labels=("phase",),
 )
 SUBSCRIBER_BYTES = _counter("fastio_subscriber_bytes", "Weight bytes applied", ("path",))
 SUBSCRIBER_FAILURES = _counter("fastio_subscriber_failures", "Versions refused or failed")

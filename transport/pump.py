@@ -133,7 +133,8 @@ class SocketPump:
         self._closed = False
         self._fd: int = sock.getsockopt(zmq.FD)  # type: ignore[assignment]
         self._pollin = [(sock, POLLIN)]  # zmq_poll's argument
-        self.loop.add_reader(self._fd, self._on_readable)
+        # Almost always an arrival: the first receive goes without asking (readable=True).
+        self.loop.add_reader(self._fd, self._drain, True)
         self._schedule()
 
     @property
@@ -155,9 +156,6 @@ class SocketPump:
         if not self._scheduled and not self._closed:
             self._scheduled = True
             self.loop.call_soon(self._drain)
-
-    def _on_readable(self) -> None:
-        self._drain(True)  # almost always an arrival: receive without asking first
 
     def _drain(self, readable: bool = False) -> None:
         self._scheduled = False
