@@ -1,8 +1,8 @@
 """A reference generation engine: a tiny torch causal LM on CPU, in the worker's loop.
 
-Small enough for tests yet real: every token comes from the model's weights (new
-weights change the output), sampled per :mod:`transport.generation` and streamed one at
-a time; it stops early on pause (``stop_reason="interrupt"``) and on cancellation.
+Every token comes from the model's weights (new weights change the output), sampled per
+:mod:`transport.generation` and streamed one at a time; it stops early on pause
+(``stop_reason="interrupt"``) and on cancellation.
 """
 
 from __future__ import annotations
@@ -25,16 +25,9 @@ __all__ = ["GenerationContext", "ReferenceEngine", "TinyLM"]
 
 
 class TinyLM(nn.Module):
-    """Embedding -> GRU -> LayerNorm -> linear head over a small vocabulary: a recurrent
-    state keeps each step O(1) without a KV cache.
-
-    Parameters
-    ----------
-    vocab_size, hidden, layers:
-        Sizes. The default (256, 64, 2) has about 67k parameters.
-    seed:
-        Initial weights are drawn from it.
-    """
+    """Embedding -> GRU -> LayerNorm -> linear head: a recurrent state keeps each step
+    O(1) without a KV cache. Sizes ``vocab_size``, ``hidden``, ``layers``; initial
+    weights drawn from ``seed``."""
 
     def __init__(
         self, vocab_size: int = 256, hidden: int = 64, layers: int = 2, seed: int = 0
@@ -69,18 +62,17 @@ class ReferenceEngine:
     Parameters
     ----------
     vocab_size, hidden, layers, seed:
-        The model (see :class:`TinyLM`); ``seed`` also seeds the sampling
-        (:class:`~transport.generation.RequestSeeds`).
+        The :class:`TinyLM`; ``seed`` also seeds the sampling.
     token_interval:
-        Extra seconds per token, to simulate a slower model in demos and tests (0: none).
+        Extra seconds per token, to simulate a slower model in demos and tests.
     model:
         Use this module instead of building one.
 
     Attributes
     ----------
     model:
-        The ``nn.Module``; a weight update copies into its parameters in place (while
-        the worker is paused) and then sets :attr:`version`.
+        A weight update copies into its parameters in place (while the worker is
+        paused), then sets :attr:`version`.
     version:
         Weight version stamped on every token generated (``output_versions``).
 
@@ -114,17 +106,11 @@ class ReferenceEngine:
     async def generate(self, req: LLMRequest, ctx: GenerationContext | None = None) -> LLMResponse:
         """Generate after ``req.input_ids`` (empty: from token 0); ``stop_reason`` is
         ``"stop"`` (a stop token, in the output), ``"length"`` or ``"interrupt"`` (the
-        worker paused; the output so far).
-
-        Raises
-        ------
-        ValueError
-            Token ids outside the vocabulary.
-        """
+        worker paused). :class:`ValueError` for token ids outside the vocabulary."""
         ids = prompt_ids(req, self.vocab_size, 0)
         seq = Generation.of(req, self._seeds)
-        # Grad mode is thread state, and other requests' coroutines run at every await:
-        # a ``no_grad`` block must never span an await, so each step enters its own.
+        # Grad mode is thread state and other coroutines run at each await: no
+        # inference_mode block spans an await.
         with torch.inference_mode():
             logits, state = self.model(torch.from_numpy(ids)[None])
         while len(seq.toks) < seq.g.max_new_tokens:

@@ -2,8 +2,8 @@
 :mod:`transport.hf_engine`) generate it: prompt, randomness, sampled tokens, response.
 
 Sampling follows every field of :class:`~fastio.GenerationHyperparameters` but
-``n_samples`` (the caller's business). Logprobs are under the temperature-scaled
-distribution before top-k/top-p (greedy: the model's own distribution).
+``n_samples`` (the caller's). Logprobs are under the temperature-scaled distribution
+before top-k/top-p (greedy: the model's own distribution).
 """
 
 from __future__ import annotations
@@ -29,12 +29,10 @@ __all__ = ["Generation", "RequestSeeds", "prompt_ids", "sample_rows"]
 
 
 class RequestSeeds:
-    """Each generation's random generator, mixed with the engine's ``seed``.
-
-    Fresh per generation, so the ``n_samples`` requests of one rid (a GRPO group)
-    differ; an integer ``metadata["seed"]`` seeds it from ``(seed, metadata seed,
-    prompt length)`` instead: the same request on the same weights gives the same tokens.
-    """
+    """Each generation's random generator, mixed with the engine's ``seed``: fresh per
+    generation, so the ``n_samples`` requests of one rid differ; an integer
+    ``metadata["seed"]`` seeds it from ``(seed, metadata seed, prompt length)`` instead,
+    so the same request on the same weights gives the same tokens."""
 
     def __init__(self, seed: int) -> None:
         self.seed = seed
@@ -53,13 +51,8 @@ class RequestSeeds:
 
 
 def prompt_ids(req: LLMRequest, vocab_size: int, start_token: int) -> np.ndarray[Any, Any]:
-    """``req.input_ids`` as int64, ``[start_token]`` for an empty prompt.
-
-    Raises
-    ------
-    ValueError
-        A token id outside ``[0, vocab_size)``.
-    """
+    """``req.input_ids`` as int64, ``[start_token]`` for an empty prompt;
+    :class:`ValueError` for a token id outside ``[0, vocab_size)``."""
     ids = np.asarray(req.input_ids.array, dtype=np.int64)
     if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
         raise ValueError(f"input ids must lie in [0, {vocab_size})")

@@ -1,15 +1,14 @@
 """A generation engine serving a Hugging Face ``transformers`` causal LM.
 
-The model is built from a config with random weights (:data:`MODEL_SIZES`; nothing is
-downloaded) or loaded with ``from_pretrained`` from a local directory; a worker serves
-it with ``--engine hf`` (:func:`create_engine`) or ``--engine transport.hf_engine:factory``.
+The model is built from a config with random weights (:data:`MODEL_SIZES`, nothing is
+downloaded) or loaded from a local directory; a worker serves it with ``--engine hf``
+(:func:`create_engine`) or ``--engine transport.hf_engine:factory``.
 
-One engine thread owns the model and runs every forward, so the worker's event loop
-keeps answering heartbeats while the model computes. It decodes all active sequences in
-one forward per step (a left-padded batched KV cache); new requests are prefilled and
-join between steps, finished, cancelled and interrupted ones leave between steps.
-Tokens go back to the loop once per step. A handler returns only once the thread let go
-of its sequence, so a paused worker with no running handler runs no forward.
+One engine thread owns the model, so the worker's loop keeps answering heartbeats while
+it computes: each step decodes every active sequence in one forward (a left-padded KV
+cache); new requests are prefilled and join, ended ones leave, between steps. A handler
+returns only once the thread let go of its sequence: a paused worker with no running
+handler runs no forward.
 """
 
 from __future__ import annotations
@@ -73,12 +72,10 @@ _Emitted = list[tuple["_Seq", int, float, int]]
 
 @dataclass(eq=False, kw_only=True)
 class _Seq(Generation):
-    """A request as the engine thread sees it: written by that thread only, but for
-    ``cancelled``, set by the loop."""
+    """A request in the engine thread, which alone writes it but for ``cancelled``."""
 
     prompt: np.ndarray[Any, Any]
     ctx: GenerationContext | None
-    loop: asyncio.AbstractEventLoop
     fut: asyncio.Future[LLMResponse]
     pos: int = 0  # tokens of this sequence in the cache
     pending: int = -1  # sampled, not yet fed
@@ -91,7 +88,7 @@ class HFEngine:
     Parameters
     ----------
     model:
-        A causal LM, or any module with its ``forward`` signature (``input_ids``,
+        A causal LM, or a module with its ``forward`` signature (``input_ids``,
         ``attention_mask``, ``position_ids``, a ``DynamicCache``); moved to ``device``.
     device:
         Default: ``cuda`` when available, else ``cpu``.
@@ -100,7 +97,7 @@ class HFEngine:
     max_batch:
         Sequences decoded together at most; more requests wait for a row.
     token_interval:
-        Extra seconds per step (0: none), to simulate a slower model in tests.
+        Extra seconds per step, to simulate a slower model in tests.
     weight_left:
         On CPU, compute each ``nn.Linear`` as ``weight @ x.T``
         (:func:`~transport.hf_model.weight_left_linear`); parameters are untouched.
@@ -108,16 +105,15 @@ class HFEngine:
     Attributes
     ----------
     model:
-        A weight update copies into its parameters in place, then sets
-        :attr:`version`: under the worker's pause, or between two steps under
-        :attr:`step_lock` (``WeightSubscriber(..., lock=engine.step_lock)``, which
-        then verifies the whole version before its first write).
+        A weight update copies into its parameters in place, then sets :attr:`version`:
+        under the worker's pause, or between two steps under :attr:`step_lock`
+        (``WeightSubscriber(..., lock=engine.step_lock)``).
     version:
         Weight version stamped on every token generated (``output_versions``).
     step_lock:
         Held by the engine thread for each step (prefill, decode, sampling).
     stats:
-        ``forwards``, ``prefills``, ``decodes``, ``tokens``, ``max_batch_seen`` (counts).
+        Counts: ``forwards``, ``prefills``, ``decodes``, ``tokens``, ``max_batch_seen``.
 
     Examples
     --------
@@ -165,7 +161,7 @@ class HFEngine:
             ("forwards", "prefills", "decodes", "tokens", "max_batch_seen"), 0
         )
         params = inspect.signature(model.forward).parameters
-        # transformers 5.x renamed past_key_values to cache (and the output with it).
+        # transformers 5 renamed past_key_values to cache (and the output with it).
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self._keep_kw = next(
             (k for k in ("logits_to_keep", "num_logits_to_keep") if k in params), None
@@ -180,11 +176,9 @@ class HFEngine:
 
     # -- the loop's side ----------------------------------------------------------------
     async def generate(self, req: LLMRequest, ctx: GenerationContext | None = None) -> LLMResponse:
-        """Generate after ``req.input_ids`` (empty: from the model's BOS token).
-
+        """Generate after ``req.input_ids`` (empty: from the model's BOS token);
         ``stop_reason`` is ``"stop"`` (a stop token, in the output), ``"length"``
-        (``max_new_tokens`` or the model's context) or ``"interrupt"`` (the worker
-        paused; the output so far).
+        (``max_new_tokens`` or the context) or ``"interrupt"`` (the worker paused).
 
         Raises
         ------
@@ -200,8 +194,8 @@ class HFEngine:
             raise ValueError(
                 f"prompt of {len(req.input_ids)} tokens; the model's context is {self.max_len}"
             )
-        loop = asyncio.get_running_loop()
-        seq = _Seq.of(req, self._seeds, prompt=ids, ctx=ctx, loop=loop, fut=loop.create_future())
+        fut = asyncio.get_running_loop().create_future()
+        seq = _Seq.of(req, self._seeds, prompt=ids, ctx=ctx, fut=fut)
         if seq.g.max_new_tokens <= 0:
             seq.reason = "length"
             return seq.response()
@@ -209,11 +203,9 @@ class HFEngine:
             self._incoming.append(seq)
             self._wake.notify()
         try:
-            # Shielded: a cancellation must not cancel the future the thread will set.
-            return await asyncio.shield(seq.fut)
+            return await asyncio.shield(seq.fut)  # the thread sets it, even if cancelled
         except asyncio.CancelledError:
-            # Return only once the thread has let go of the sequence: a paused worker
-            # with no running handler then has no forward in flight either.
+            # Return only once the thread let go of the sequence (no forward in flight).
             seq.cancelled = True
             with self._wake:
                 self._wake.notify()
@@ -237,7 +229,6 @@ class HFEngine:
 
     # -- the engine thread --------------------------------------------------------------
     def _run(self) -> None:
-        torch.set_grad_enabled(False)
         while True:
             with self._wake:
                 while not self._incoming and not self._batch.seqs and not self._closing:
@@ -251,9 +242,7 @@ class HFEngine:
             with self.step_lock, torch.inference_mode():
                 try:
                     self._step(new, emitted, done)
-                except Exception as exc:
-                    # (Out of memory, say.) The batch's cache is lost: fail its sequences,
-                    # keep those that ended before, serve the next requests afresh.
+                except Exception as exc:  # out of memory, say: the batch's cache is lost
                     failed = [s for s in (*self._batch.seqs, *new) if not s.reason]
                     log.exception("engine step failed; failing %d sequences", len(failed))
                     self._fail(failed, exc)
@@ -271,14 +260,13 @@ class HFEngine:
     def _fail(self, seqs: list[_Seq], exc: BaseException) -> None:
         for s in seqs:
             with contextlib.suppress(RuntimeError):  # a loop that closed meanwhile
-                s.loop.call_soon_threadsafe(_set_exception, s.fut, exc)
+                s.fut.get_loop().call_soon_threadsafe(_set_exception, s.fut, exc)
 
     def _post(self, emitted: _Emitted, done: list[_Seq]) -> None:
         """Hand a step's tokens and finished sequences to their loops, one callback each."""
-        loops = {s.loop for s, *_ in emitted} | {s.loop for s in done}
-        for loop in loops:
-            em = [e for e in emitted if e[0].loop is loop] if len(loops) > 1 else emitted
-            dn = [s for s in done if s.loop is loop] if len(loops) > 1 else done
+        for loop in {s.fut.get_loop() for s, *_ in emitted} | {s.fut.get_loop() for s in done}:
+            em = [e for e in emitted if e[0].fut.get_loop() is loop]
+            dn = [s for s in done if s.fut.get_loop() is loop]
             with contextlib.suppress(RuntimeError):  # a loop that closed meanwhile
                 loop.call_soon_threadsafe(_deliver, em, dn)
 
@@ -319,8 +307,7 @@ class HFEngine:
         }  # fmt: skip
         if self._keep_kw is not None:
             kwargs[self._keep_kw] = 1
-        with torch.inference_mode():
-            out = self.model(**kwargs)
+        out = self.model(**kwargs)  # under _run's inference_mode
         self.stats["forwards"] += 1
         new_cache = getattr(out, self._cache_kw, None)
         if new_cache is None:
@@ -392,8 +379,8 @@ def _set_exception(fut: asyncio.Future[Any], exc: BaseException) -> None:
 # -- construction from the command line --------------------------------------------------
 class HFOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """The options of :func:`create_engine` (``--engine-opt key=value``): those of
-    :class:`HFEngine`, the model's ``arch`` (``llama``/``qwen2``), ``dtype`` and
-    ``max_len`` (context), and ``threads`` (torch threads of the process)."""
+    :class:`HFEngine`, the model's ``arch`` (``llama``/``qwen2``), ``dtype``, ``max_len``
+    (context) and ``threads`` (torch threads of the process)."""
 
     model_size: str = "small"
     model_path: str | None = None

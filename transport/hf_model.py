@@ -1,9 +1,6 @@
-"""The ``transformers`` side of the ``hf`` engine (:mod:`transport.hf_engine`).
-
-Random-weight models of :data:`MODEL_SIZES` built from a config (nothing is
-downloaded), ``from_pretrained`` on a local directory, and the batched KV cache of the
-running sequences (:class:`KVBatch`), whatever the ``transformers`` version names its
-parts.
+"""The ``transformers`` side of the ``hf`` engine (:mod:`transport.hf_engine`): models
+of :data:`MODEL_SIZES` with random weights, ``from_pretrained`` on a local directory,
+and the batched KV cache (:class:`KVBatch`), whatever the ``transformers`` version.
 """
 
 from __future__ import annotations
@@ -75,9 +72,8 @@ def model_config(size: str = "small", arch: str = "llama", max_len: int = 4096) 
     fields = MODEL_SIZES[size]
     return cls(
         **fields,
-        # Wider than the usual 0.02: with tied embeddings and small weights, the residual
-        # stream dominates and greedy decoding just repeats the last token. At this scale
-        # the random model's next-token distributions are peaked and varied, like text.
+        # Wider than the usual 0.02, which lets greedy decoding repeat the last token:
+        # next-token distributions come out peaked and varied, like text.
         initializer_range=3.2 / fields["hidden_size"] ** 0.5,
         tie_word_embeddings=True,
         max_position_embeddings=max_len,
@@ -94,10 +90,8 @@ def build_model(
     dtype: torch.dtype = torch.float32,
     max_len: int = 4096,
 ) -> nn.Module:
-    """A causal LM of :data:`MODEL_SIZES` with random weights drawn from ``seed``.
-
-    The same arguments give the same weights in every process (the trainer of the demo
-    and its workers start equal this way), on this torch version.
+    """A causal LM of :data:`MODEL_SIZES` with random weights drawn from ``seed``: the
+    same in every process (on one torch version), so a trainer and its workers agree.
 
     >>> m = build_model("tiny", seed=1)
     >>> sum(p.numel() for p in m.parameters()) < 200_000
@@ -114,14 +108,13 @@ def build_model(
 
 def load_pretrained(path: str, dtype: torch.dtype = torch.float32) -> nn.Module:
     """``AutoModelForCausalLM.from_pretrained`` on a local directory (never downloads)."""
-    tf = transformers_module()
+    auto = transformers_module().AutoModelForCausalLM
     if not os.path.isdir(path):
         raise FileNotFoundError(f"model path {path!r} is not a directory (nothing is downloaded)")
-    kwargs: dict[str, Any] = {"local_files_only": True}
     try:
-        model: nn.Module = tf.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
+        model: nn.Module = auto.from_pretrained(path, dtype=dtype, local_files_only=True)
     except TypeError:  # transformers before 4.56 names it torch_dtype
-        model = tf.AutoModelForCausalLM.from_pretrained(path, torch_dtype=dtype, **kwargs)
+        model = auto.from_pretrained(path, torch_dtype=dtype, local_files_only=True)
     return model.eval()
 
 
@@ -194,13 +187,9 @@ class KVBatch(Generic[T]):
 
 
 def weight_left_linear(mod: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """``mod(x)`` computed as ``(weight @ x.T).T``.
-
-    ``F.linear`` asks BLAS for ``x @ weight.T`` (the weight transposed); with only a
-    few rows in ``x`` (a decode step) MKL's sgemm runs that product several times
-    slower than ``weight @ x.T``, which streams the row-major weight once.
-    ``python -m bench.hf_engine`` compares both on a machine.
-    """
+    """``mod(x)`` computed as ``(weight @ x.T).T``: with the few rows of a decode step,
+    MKL runs ``F.linear``'s ``x @ weight.T`` slower than this product, which streams the
+    row-major weight once (``python -m bench.hf_engine`` compares both)."""
     rows = x.reshape(-1, x.shape[-1])
     y = torch.mm(mod.weight, rows.t()).t()
     if mod.bias is not None:

@@ -22,7 +22,7 @@ from tests.transport.conftest import WorkerProc, await_for
 from tests.transport.engines_helpers import FAST, bridge_args, fake
 from tests.transport.fakes.common import FakeProc, reference_output, seed_of_path
 from transport import FabricClient, FabricController, WorkerConfig, WorkerServer
-from transport.weights.disk import save_weights
+from transport.weights.disk import latest_version, load_weights, save_weights
 from transport.weights.disk_follow import DiskFollower, follow, update_weights_on_disk
 from transport.weights.errors import WeightUpdateError
 
@@ -208,6 +208,14 @@ def test_an_engine_that_cannot_load_weights_is_refused_at_start(tmp_path: Path) 
             await follow(server, {"disk_root": str(tmp_path)})
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("marker", ['{"version": 3}', '{"version": 3, "dir": 3}', "[3]"])
+def test_a_malformed_marker_is_named_by_every_reader(tmp_path: Path, marker: str) -> None:
+    (tmp_path / "LATEST").write_text(marker)
+    for read in (latest_version, lambda root: load_weights(root, dict(STATE))):
+        with pytest.raises(WeightUpdateError, match="malformed weight marker"):
+            read(tmp_path)
 
 
 def test_sglang_hook_loads_a_version_written_by_the_disk_path(

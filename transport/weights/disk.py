@@ -1,14 +1,10 @@
 """Disk route: versions as safetensors files under ``WeightUpdateMeta.path``, atomically.
 
-Layout: one directory per version (``v00000008/model.safetensors``), complete and
-fsynced before it is renamed to its final name, then a ``LATEST`` marker
-(``{"version": 8, "dir": "v00000008"}``) replaced atomically. A reader follows the
-marker, so it sees the previous complete version or the new one, never a half-written
-file, whenever the trainer dies. Versions beyond ``keep`` are deleted after the marker
-moved; a reader that lost that race follows the new marker (one that already opened
-the file keeps reading it). Reading maps the file, checks every name, shape and dtype
-first (a mismatch leaves the weights untouched), then copies each tensor straight from
-the mapping into the live parameter.
+One directory per version (``v00000008/model.safetensors``), fsynced before it is renamed
+to its final name, then the ``LATEST`` marker (``{"version": 8, "dir": "v00000008"}``)
+replaced atomically: a reader sees the previous complete version or the new one, whenever
+the writer dies. Reading maps the file and checks every name, shape and dtype before it
+copies each tensor from the mapping into the live parameter.
 """
 
 from __future__ import annotations
@@ -57,6 +53,11 @@ def _root(where: WeightUpdateMeta | str | os.PathLike[str]) -> Path:
     return Path(where)
 
 
+def _dirname(version: int) -> str:
+    """The directory of ``version`` under the root."""
+    return f"v{version:08d}"
+
+
 def _fsync(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -68,23 +69,14 @@ def _fsync(path: Path) -> None:
 def save_weights(
     where: WeightUpdateMeta | str | os.PathLike[str], state: Any, version: int, *, keep: int = 2
 ) -> Path:
-    """Write ``state`` as ``version`` and make it the latest, atomically.
+    """Write ``state`` (module, state dict or ``(name, tensor)`` pairs) as ``version``
+    under ``where`` (a ``type="disk"`` :class:`WeightUpdateMeta` or a directory) and make
+    it the latest, atomically; keep the newest ``keep`` versions. Returns its file.
 
-    Parameters
-    ----------
-    where:
-        A ``type="disk"`` :class:`WeightUpdateMeta` (its ``path``) or a directory.
-    state:
-        Module, state dict or ``(name, tensor)`` pairs (CPU or CUDA).
-    version:
-        Must be newer than the current latest.
-    keep:
-        How many versions to keep on disk (the newest ones).
-
-    Returns
-    -------
-    Path
-        The version's file.
+    Raises
+    ------
+    ValueError
+        ``version`` is not newer than the latest on disk.
     """
     root = _root(where)
     root.mkdir(parents=True, exist_ok=True)
@@ -101,7 +93,7 @@ def save_weights(
             t = t.clone()  # overlapping views of one storage: safetensors wants them apart
         storages.add(ptr)
         tensors[n] = t
-    name = f"v{version:08d}"
+    name = _dirname(version)
     tmp = root / f".tmp-{name}-{secrets.token_hex(4)}"
     tmp.mkdir()
     try:
@@ -145,27 +137,28 @@ def _gc(root: Path, keep: int) -> None:
                     shutil.rmtree(p, ignore_errors=True)
 
 
-def _marker(root: Path) -> dict[str, Any] | None:
+def _marker(root: Path) -> tuple[int, str] | None:
+    """The latest version and its directory, from the marker."""
     try:
         data = json.loads((root / MARKER).read_text())
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as exc:
         raise WeightUpdateError(f"unreadable weight marker {root / MARKER}: {exc}") from exc
-    if not isinstance(data, dict) or not isinstance(data.get("version"), int):
+    ok = isinstance(data, dict) and isinstance(data.get("version"), int)
+    if not ok or not isinstance(data.get("dir"), str):
         raise WeightUpdateError(f"malformed weight marker {root / MARKER}: {data!r}")
-    return data
+    return data["version"], data["dir"]
 
 
 def latest_version(where: WeightUpdateMeta | str | os.PathLike[str]) -> int | None:
     """The newest complete version under ``where`` (``None`` if there is none)."""
     m = _marker(_root(where))
-    return None if m is None else int(m["version"])
+    return None if m is None else m[0]
 
 
 def _parse(mm: mmap.mmap, path: Path) -> tuple[WeightBucketInfo, int, dict[str, str]]:
-    """The safetensors header as one bucket (offsets relative to the data start), and
-    the aliases stored with it."""
+    """The header as one bucket (offsets from the data start), the data start, aliases."""
     try:
         (n,) = struct.unpack_from("<Q", mm, 0)
         header = json.loads(bytes(mm[8 : 8 + n]))
@@ -201,16 +194,11 @@ def load_weights(
     dtype: DtypeSpec = None,
     rename: Rename = None,
 ) -> int:
-    """Copy the latest (or the given) version into ``target`` in place.
+    """Copy the latest (or the given) version into ``target`` in place; returns it.
 
     Tied weights stored once are applied to every name; ``dtype`` and ``rename`` work
-    as for :class:`transport.weights.WeightSubscriber` (casts bit-identical to
-    ``tensor.to(dtype)``).
-
-    Returns
-    -------
-    int
-        The version loaded.
+    as for :class:`transport.weights.WeightSubscriber`. A version deleted by the
+    writer's clean-up while this looked is followed to the new marker.
 
     Raises
     ------
@@ -222,24 +210,17 @@ def load_weights(
     root = _root(where)
     targets = named_tensors(target)
     for _ in range(5):  # lost a race with the writer's clean-up: follow the new marker
-        if version is None:
-            m = _marker(root)
-            if m is None:
-                raise WeightUpdateError(f"no weights under {root} (no {MARKER} marker)")
-            v, d = int(m["version"]), str(m["dir"])
-        else:
-            v, d = version, f"v{version:08d}"
-        path = root / d / _FILE
+        m = (version, _dirname(version)) if version is not None else _marker(root)
+        if m is None:
+            raise WeightUpdateError(f"no weights under {root} (no {MARKER} marker)")
+        path = root / m[1] / _FILE
         try:
-            fd = os.open(path, os.O_RDONLY)
+            with open(path, "rb") as f:
+                mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         except FileNotFoundError:
             if version is not None:
                 raise WeightUpdateError(f"version {version} is not on disk under {root}") from None
             continue
-        try:
-            mm = mmap.mmap(fd, 0, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
-        finally:
-            os.close(fd)
         try:
             info, start, aliases = _parse(mm, path)
             spec = parse_dtype_spec(dtype)
@@ -258,5 +239,5 @@ def load_weights(
         finally:
             with contextlib.suppress(BufferError):
                 mm.close()
-        return v
+        return m[0]
     raise WeightUpdateError(f"could not read a stable version under {root}")

@@ -1,23 +1,10 @@
 """The disk route's drivers: a worker plugin that follows a directory of versions, and
-the trainer call that writes one version and waits until every worker holds it.
+the trainer call that writes a version and waits until every worker holds it.
 
-Trainer::
-
-    update_weights_on_disk(controller, "/shared/weights", model, version=step)
-
-Worker (``engine.version`` is set after each load and reported by the worker's status)::
-
-    fastio-worker ... --plugin transport.weights.disk_follow:follow \\
-        --plugin-opt disk_root=/shared/weights
-
-The follower has its engine load every newer complete version with ``await
-engine.load_weights_from_disk(path, version)`` when it has that hook (the SGLang bridge
-hands the directory to its server), else by a checked in-place copy into
-``engine.model`` (:func:`~transport.weights.disk.load_weights`). A load runs while the
-worker is paused: under a controller's pause it only waits until no handler runs (and a
-resume waits for the load), otherwise the follower pauses and resumes the worker itself.
-A version that fails to load is logged and not retried (a later one is); the worker
-keeps its weights and its version.
+Trainer: ``update_weights_on_disk(controller, "/shared/weights", model, version=step)``.
+Worker: ``fastio-worker ... --plugin transport.weights.disk_follow:follow --plugin-opt
+disk_root=/shared/weights``; the follower has the engine load every newer version while
+the worker is paused, then sets ``engine.version`` (reported by the worker's status).
 """
 
 from __future__ import annotations
@@ -33,7 +20,7 @@ from msgspec import Meta
 
 from transport.errors import ControlError
 from transport.options import parse_options
-from transport.weights.disk import latest_version, load_weights, save_weights
+from transport.weights.disk import _dirname, latest_version, load_weights, save_weights
 from transport.weights.errors import WeightUpdateError
 
 if TYPE_CHECKING:
@@ -54,25 +41,31 @@ log = logging.getLogger("transport.weights.disk_follow")
 class DiskFollower:
     """Keeps ``server.engine`` at the newest version under ``root``.
 
+    The engine loads a version with ``await engine.load_weights_from_disk(path,
+    version)`` when it has that hook (the SGLang bridge), else by a checked in-place copy
+    into ``engine.model`` (:func:`~transport.weights.disk.load_weights`), always while the
+    worker is paused: under a controller's pause it waits until no handler runs (and the
+    resume waits for the load), otherwise it pauses and resumes the worker itself.
+
     Parameters
     ----------
     server:
-        A :class:`transport.WorkerServer` whose engine has ``version`` and either an
-        ``async load_weights_from_disk(path, version)`` hook or a ``model``.
+        A :class:`transport.WorkerServer` whose engine has ``version`` and the hook or
+        a ``model``.
     root:
         The directory :func:`~transport.weights.disk.save_weights` writes into.
     poll:
         Seconds between two looks at the marker.
     pause_timeout:
-        Seconds a load waits for running generations to stop (then the version is
-        tried again at the next look).
+        Seconds a load waits for generations to stop (then it is tried at the next look).
     strict:
         Every parameter of the model must be in the file (the in-place copy only).
 
     Attributes
     ----------
     refused:
-        The last version that failed to load (not retried; a newer one is).
+        The last version that failed to load: logged, not retried (a newer one is); the
+        worker keeps its weights and its version.
     """
 
     def __init__(
@@ -104,11 +97,7 @@ class DiskFollower:
         self.refused: int | None = None
         self._free = asyncio.Event()  # set while no load runs
         self._free.set()
-        server.on_resume.append(self._hold_resume)
-
-    async def _hold_resume(self) -> None:
-        # A controller's resume must not let generation start under a running load.
-        await self._free.wait()
+        server.on_resume.append(self._free.wait)  # no generation under a running load
 
     async def run(self) -> None:
         """Look at the marker every ``poll`` seconds until cancelled."""
@@ -125,10 +114,9 @@ class DiskFollower:
     async def _load(self, version: int) -> int:
         """Have the engine load ``version``; the version it serves after."""
         if self.hook is not None:
-            await self.hook(str(self.root / f"v{version:08d}"), version)
+            await self.hook(str(self.root / _dirname(version)), version)
             return version
-        # Without a version the newest complete one is read: one written meanwhile
-        # (and the clean-up of this one) does not fail the load.
+        # The newest version, not ``version``: a clean-up meanwhile does not fail it.
         return await asyncio.to_thread(
             load_weights, self.root, self.engine.model, strict=self.strict
         )
@@ -137,31 +125,19 @@ class DiskFollower:
         """Load ``version`` (or, by copy, a newer one written meanwhile) while the
         worker is paused; True when the engine serves it."""
         s = self.server
-        ours = not s.paused
-        n = s.pause_requests
+        ours, n = not s.paused, s.pause_requests
         self._free.clear()
         try:
             if not await s.pause(self.pause_timeout):
-                log.warning(
-                    "worker %s: generations still running %.1f s after pausing for version "
-                    "%d from disk; trying again",
-                    s.worker_id,
-                    self.pause_timeout,
-                    version,
-                )
+                msg = "worker %s: generations still running %.1f s after pausing for version %d from disk; trying again"
+                log.warning(msg, s.worker_id, self.pause_timeout, version)
                 return False
             try:
                 loaded = await self._load(version)
             except Exception as exc:  # the engine's own loader may raise anything
                 self.refused = version
-                log.error(
-                    "worker %s: version %d from %s refused, keeping version %d: %s",
-                    s.worker_id,
-                    version,
-                    self.root,
-                    self.engine.version,
-                    exc,
-                )
+                msg = "worker %s: version %d from %s refused, keeping version %d: %s"
+                log.error(msg, s.worker_id, version, self.root, self.engine.version, exc)
                 return False
             self.engine.version = loaded
             log.info("worker %s: loaded version %d from %s", s.worker_id, loaded, self.root)
@@ -190,11 +166,11 @@ DISK_OPTIONS = frozenset(DiskOptions.__struct_encode_fields__)
 
 
 async def follow(server: Any, opts: dict[str, str]) -> None:
-    """Fabric worker plugin: follow the disk versions under ``opts["disk_root"]``.
+    """Fabric worker plugin: a :class:`DiskFollower` of ``opts["disk_root"]``.
 
     Options (``--plugin-opt key=value``, :class:`DiskOptions`): ``disk_root``
-    (required), ``disk_poll`` (seconds, default 0.05), ``disk_pause_timeout`` (seconds,
-    default 30), ``disk_strict`` (default 1); other keys are left to other plugins.
+    (required), ``disk_poll`` (0.05 s), ``disk_pause_timeout`` (30 s), ``disk_strict``
+    (1); other keys are left to other plugins.
 
     Raises
     ------
@@ -213,15 +189,13 @@ async def follow(server: Any, opts: dict[str, str]) -> None:
 def wait_for_version(
     controller: FabricController, version: int, timeout: float, poll: float = 0.02
 ) -> dict[str, int]:
-    """Block until every worker of ``controller`` reports ``version`` or newer.
-
-    Returns worker address -> version reported.
+    """Block until every worker of ``controller`` reports ``version`` or newer;
+    returns worker address -> version reported.
 
     Raises
     ------
     WeightUpdateError
-        Not every worker reports it within ``timeout`` (the message lists what each
-        one reports; a worker whose load was refused says why in its log).
+        Not every worker reports it within ``timeout`` (the message lists each one's).
     """
     deadline = time.monotonic() + timeout
     addresses = controller.addresses
@@ -251,31 +225,16 @@ def update_weights_on_disk(
     *,
     keep: int = 2,
 ) -> dict[str, int]:
-    """Pause the workers, write ``version`` once under ``where``, wait until every
-    worker reports it, resume them.
-
-    Parameters
-    ----------
-    controller:
-        A :class:`transport.FabricController` of the workers that follow ``where``.
-    where, state, keep:
-        As for :func:`~transport.weights.disk.save_weights` (``version`` must be newer
-        than the latest on disk).
-    timeout:
-        Seconds for the pause, and for every worker to report the version.
-
-    Returns
-    -------
-    dict
-        Worker address -> the version it reports after the resume.
+    """Pause the workers of ``controller``, write ``version`` once under ``where``
+    (as :func:`~transport.weights.disk.save_weights`), wait up to ``timeout`` until every
+    worker reports it, resume them; returns worker address -> version after the resume.
 
     Raises
     ------
     transport.ControlError
         A worker could not be paused or resumed.
     transport.weights.WeightUpdateError
-        Not every worker reported the version within ``timeout`` (the workers are
-        resumed either way).
+        Not every worker reported the version in time (they are resumed either way).
     """
     controller.pause(timeout)
     try:

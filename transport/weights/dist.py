@@ -1,15 +1,12 @@
 """Process-group route: weights broadcast in a torch.distributed group, bucket by bucket.
 
-Driven by a ``type="nccl"`` :class:`fastio.WeightUpdateMeta`: ranks, the group's store
-and the bucket order are in ``docs/PROTOCOL.md`` ("Process-group path"), usage in
-``docs/weights.md``. NCCL on GPUs, gloo on CPU. Both sides lay the parameters out in the
-same flat buckets (:func:`~transport.weights.bucket.plan_buckets` depends only on names,
-shapes and dtypes), two in flight: the next is on the wire while the previous is copied.
-
-NCCL needs one device per rank: every rank posts its host, CUDA device count and
-requested device to the store, and all derive the same :func:`assign_devices` (or the
-same :class:`DeviceConflictError`). Forming the group is bounded by ``join_timeout``;
-once formed, a trainer's death closes gloo's connections and a waiting worker fails.
+Driven by a ``type="nccl"`` :class:`fastio.WeightUpdateMeta` (ranks, store and bucket
+order: ``docs/PROTOCOL.md``, "Process-group path"). NCCL on GPUs, gloo on CPU. Both sides
+compute the same plan (:func:`~transport.weights.bucket.plan_buckets`); two buckets are
+in flight, the next on the wire while the previous is copied. NCCL needs one device per
+rank: the ranks exchange host, device count and request through the store and all derive
+the same :func:`assign_devices`. Forming the group is bounded by ``join_timeout``; once
+formed, a trainer's death closes gloo's connections and a waiting worker fails.
 """
 
 from __future__ import annotations
@@ -36,6 +33,7 @@ from transport.weights.binding import Binding, DtypeSpec, parse_dtype_spec
 from transport.weights.bucket import (
     DEFAULT_BUCKET_BYTES,
     BucketApplier,
+    copy_tensor,
     dtype_name,
     named_tensors,
     pack_bucket,
@@ -69,9 +67,8 @@ class DeviceConflictError(WeightUpdateError, ValueError):
 
 
 def _names(ranks: Sequence[int]) -> str:
-    if len(ranks) == 1:
-        return str(ranks[0])
-    return ", ".join(str(r) for r in ranks[:-1]) + f" and {ranks[-1]}"
+    *head, last = (str(r) for r in ranks)
+    return f"{', '.join(head)} and {last}" if head else last
 
 
 def assign_devices(
@@ -163,22 +160,19 @@ class WeightGroup:
     Parameters
     ----------
     meta:
-        ``type="nccl"`` metadata: address, port, group name, allocation mode and the
-        parameter specs to broadcast.
+        ``type="nccl"`` metadata: address, port, group name, allocation mode, parameters.
     rank:
         :func:`trainer_rank` or a :func:`worker_rank`.
     backend:
         ``"gloo"`` or ``"nccl"``; default NCCL where CUDA is available, else gloo.
     bucket_bytes:
-        Bucket size; must be the same on every rank (it shapes the plan).
+        Bucket size; the same on every rank (it shapes the plan).
     timeout:
-        Seconds a collective may wait for the others before failing.
+        Seconds a collective may wait for the others.
     join_timeout:
-        Seconds forming the group may take (reaching the trainer's store, waiting for
-        every rank); default ``min(timeout, 60)``.
+        Seconds forming the group may take; default ``min(timeout, 60)``.
     device:
-        NCCL only: this rank's CUDA device index (default: its local rank, see
-        :func:`assign_devices`).
+        NCCL only: this rank's CUDA device (default: its local rank, :func:`assign_devices`).
 
     Attributes
     ----------
@@ -248,8 +242,7 @@ class WeightGroup:
             raise WeightUpdateError(
                 f"rank {rank}: the weight group at {where} did not form within {join} s: {exc}"
             ) from exc
-        # Setup is over: later store operations wait as long as a collective may.
-        store.set_timeout(td)
+        store.set_timeout(td)  # formed: later store operations wait as long as a collective
         self._bufs: list[torch.Tensor] = []
         self._staging: torch.Tensor | None = None
         self.last_timings: list[dict[str, float]] = []
@@ -266,8 +259,8 @@ class WeightGroup:
             # rows, so a refused group fails with the same error everywhere.
             with contextlib.suppress(RuntimeError):
                 self._store.wait([f"fastio-device-read/{r}" for r in range(self.world_size)])
-        hosts, counts, requested = zip(*rows, strict=True) if rows else ((), (), ())
-        return assign_devices(list(hosts), list(counts), list(requested))[self.rank]
+        hosts, counts, requested = zip(*rows, strict=True)
+        return assign_devices(hosts, counts, requested)[self.rank]
 
     def _buffer(self, i: int, nbytes: int) -> torch.Tensor:
         while len(self._bufs) <= i:
@@ -297,8 +290,10 @@ class WeightGroup:
             ta = time.monotonic()
             if self.device.type == "cpu":
                 pack_bucket(info, tensors, buf)
-            else:  # pragma: no cover - needs GPUs
-                _pack_device(info, tensors, buf)
+            else:  # pragma: no cover - needs GPUs; NCCL's stream waits for these copies
+                for e in info.tensors:
+                    dst = buf[e.offset : e.offset + e.nbytes]
+                    copy_tensor(dst, tensors[e.name].detach(), sync=False)
             works[k % 2] = self._bcast(buf)
             self.last_timings.append({"pack_s": time.monotonic() - ta, "start_s": ta - t0})
         for w in works:
@@ -313,23 +308,20 @@ class WeightGroup:
         Parameters
         ----------
         atomic:
-            Receive every bucket into one staging buffer (kept for later versions)
-            before copying anything, so a broadcast that fails half-way leaves the
-            weights untouched; ``False`` copies each bucket as it lands (two
-            bucket-sized buffers) and a failure leaves them mixed.
+            Receive every bucket into one staging buffer (kept) before copying anything:
+            a broadcast that fails half-way leaves the weights untouched. ``False``
+            copies each bucket as it lands (two bucket buffers); a failure leaves a mix.
         strict:
             Every target must be in the plan.
         dtype:
-            The dtypes wanted (``None``: exactly the trainer's; one dtype for every
-            floating tensor; engine name -> dtype; ``"auto"``: each target's own): a
-            floating tensor is cast during the copy, bit-identical to
-            ``tensor.to(dtype)`` on the trainer (:mod:`transport.weights.binding`).
+            As for :class:`transport.weights.WeightSubscriber` (``None``: the trainer's
+            dtypes; a dtype, name -> dtype or ``"auto"``): casts bit-identical to
+            ``tensor.to(dtype)`` on the trainer.
 
         Raises
         ------
         WeightMismatchError
-            Before any collective, when the specs do not fit ``target`` (names, shapes,
-            or a dtype where no cast was asked for); the trainer then times out.
+            Before any collective, when the specs do not fit ``target``.
         WeightUpdateError
             When a broadcast fails.
         """
@@ -348,27 +340,26 @@ class WeightGroup:
             raise
         applier = BucketApplier(targets)
         self.last_timings = []
-        staging = None
         if atomic:
             total = self.plan[-1].shm_offset + self.plan[-1].nbytes if self.plan else 0
             if self._staging is None or self._staging.numel() < total:
                 self._staging = torch.empty(total, dtype=torch.uint8, device=self.device)
-            staging = self._staging
         t0 = time.monotonic()
         landing: list[tuple[WeightBucketInfo, torch.Tensor, Any]] = []
         try:
             for k, info in enumerate(self.plan):
-                if staging is not None:
-                    buf = staging[info.shm_offset : info.shm_offset + info.nbytes]
+                if atomic:
+                    assert self._staging is not None
+                    buf = self._staging[info.shm_offset : info.shm_offset + info.nbytes]
                 else:
                     buf = self._buffer(k % 2, info.nbytes)
                 landing.append((info, buf, self._bcast(buf)))
-                if staging is None and k >= 1:  # frees bucket k-1's buffer for bucket k+1
+                if not atomic and k >= 1:  # frees bucket k-1's buffer for bucket k+1
                     self._land(applier, binding, *landing[k - 1], t0)
-            if staging is not None:  # every bucket is here before the first copy
+            if atomic:  # every bucket is here before the first copy
                 for _, _, work in landing:
                     work.wait()
-            for item in landing if staging is not None else landing[-1:]:
+            for item in landing if atomic else landing[-1:]:
                 self._land(applier, binding, *item, t0)
             applier.finish()
         except RuntimeError as exc:
@@ -383,8 +374,8 @@ class WeightGroup:
         work: Any,
         t0: float,
     ) -> None:
-        """Wait for bucket ``info`` and copy it into the targets; ``copy_`` casts where
-        the binding asked for another dtype (it has checked names, shapes and dtypes)."""
+        """Wait for bucket ``info`` and copy it into the targets (the binding checked
+        names, shapes and dtypes; ``copy_`` casts where it asked for another dtype)."""
         work.wait()
         ta = time.monotonic()
         if buf.device.type == "cpu":
@@ -409,11 +400,3 @@ class WeightGroup:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _pack_device(
-    info: WeightBucketInfo, tensors: dict[str, torch.Tensor], buf: torch.Tensor
-) -> None:  # pragma: no cover - needs GPUs
-    for e in info.tensors:
-        t = tensors[e.name].detach()
-        buf[e.offset : e.offset + e.nbytes].view(t.dtype).view(t.shape).copy_(t, non_blocking=True)
