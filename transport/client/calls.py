@@ -1,4 +1,4 @@
-"""One ``agenerate`` call across its attempts, and how calls end.
+"""One ``agenerate`` call across its attempts, how calls end, and the client's counts.
 
 A call's output grows by *segments*: an attempt interrupted (a pause for a weight
 update) or lost (its worker died or gave it up) keeps what it produced, and the rest is
@@ -17,12 +17,40 @@ import numpy as np
 from fastio import LLMRequest, LLMResponse, VLMRequest, VLMResponse
 from fastio import fabric_msgs as fm
 from fastio.tokens import TokenArray
-from transport.client.counters import Counters
+from transport import metrics
 from transport.client.future import GenerateFuture, unbind
 from transport.client.workers import Call
 from transport.constant import constant
 
-__all__ = ["Calls", "absorb_result", "keep_streamed", "on_stream"]
+__all__ = ["Calls", "Counters", "absorb_result", "keep_streamed", "on_stream"]
+
+_NAMES = (
+    "submitted", "completed", "failed", "resent", "interrupted", "timeouts", "cancelled",
+    "stale", "bad_messages", "overloaded", "workers_died", "workers_joined", "no_worker",
+)  # fmt: skip
+# Counts that are also Prometheus counters.
+_EXPORTED: dict[str, Any] = {
+    "resent": metrics.CLIENT_RESENDS,
+    "workers_died": metrics.CLIENT_WORKER_DEATHS,
+}
+
+
+class Counters:
+    """Event counts of one client (``stats``) and the metrics they feed; the latency
+    histogram only with ``observe_latency``."""
+
+    __slots__ = ("observe_latency", "stats")
+
+    def __init__(self, observe_latency: bool = False) -> None:
+        self.observe_latency = observe_latency
+        self.stats: dict[str, int] = dict.fromkeys(_NAMES, 0)
+
+    def add(self, name: str, n: int = 1) -> int:
+        """Count ``n`` more ``name`` events; returns the new total."""
+        total = self.stats[name] = self.stats[name] + n
+        if name in _EXPORTED:
+            _EXPORTED[name].inc(n)
+        return total
 
 
 class Calls:
@@ -50,7 +78,7 @@ class Calls:
         counters = self.counters
         counters.add("completed")
         if counters.observe_latency:
-            counters.latency(out.latency)
+            metrics.CLIENT_LATENCY.observe(out.latency)
         if not fut.done():
             fut.set_result(out)
 

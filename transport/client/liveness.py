@@ -1,11 +1,9 @@
-"""Busy or dead: heartbeats, deaths, re-sends with back-off, the wait for first
-answers, and failing fast when no worker is there.
+"""Busy or dead: heartbeats, deaths, re-sends, the wait for first answers, and
+failing fast when no worker is there.
 
-Only silence kills: a worker is dead after ``heartbeat_liveness`` of this client's
-heartbeat ticks with no message from it (and at least ``interval * liveness`` s), never
-for a slow answer. A lost attempt is re-sent under a new id (a late answer is stale)
-after an exponential back-off with jitter, so a worker that keeps dying cannot make the
-client re-send in a storm.
+Only silence kills: a worker is dead after ``heartbeat_liveness`` of this client's ticks
+(and ``interval * liveness`` s) with no message from it. A lost attempt is re-sent under
+a new id after an exponential back-off with jitter (no re-send storm).
 """
 
 from __future__ import annotations
@@ -37,11 +35,8 @@ def resend_delay(k: int, base: float, cap: float, rand: float | None = None) -> 
 
 
 class Liveness:
-    """Which workers are alive, and what becomes of the calls of those that are not.
-
-    Runs on the loop given to :meth:`start`; holds the scheduler's queue while no worker
-    is alive, and while the first answers are awaited.
-    """
+    """Which workers are alive, and what becomes of the calls of those that are not; it
+    holds the scheduler's queue while none is alive and while first answers are due."""
 
     def __init__(self, config: ClientConfig, sched: Scheduler, calls: Calls) -> None:
         self.config = config
@@ -74,21 +69,15 @@ class Liveness:
         """Start pinging a new worker; while none is alive, calls wait for it too."""
         if not self.n_alive:
             self.alive_at = time.monotonic()  # a new worker gets its connect_timeout
-            self.sched.hold()
+            self.sched.held = True
         self._probe(w, 0.002)
 
-    def unwatch(self) -> None:
-        """A worker was removed: its first answer is no longer awaited."""
-        if self.sched.held:
-            self._gate_check()
-
     def _probe(self, w: Worker, delay: float) -> None:
-        # Until a worker first answers, ping it at growing intervals up to a quarter
-        # heartbeat interval, so a new client need not wait a whole interval.
+        # Until it first answers: pings at growing intervals up to interval / 4.
         if w.alive or w.last_seen or self._closed or w.address not in self.sched.workers:
             return
         if self.sched.held:
-            self._gate_check()  # a refused connection ends the wait for this one
+            self.gate_check()  # a refused connection ends the wait for this one
         w.ping()
         assert self._loop is not None
         cap = self.config.heartbeat_interval / 4
@@ -98,12 +87,12 @@ class Liveness:
         cfg = self.config
         now = time.monotonic()
         prev = self._last_tick
-        self._sweep_deadlines(now)
+        expired = [c for c in self.sched.unfinished() if c.deadline <= now and c.timer is None]
+        for call in expired:  # calls with no timer of their own
+            self.sched.timed_out(call, call.timeout)
         for w in list(self.sched.order):
             w.pump.drain_now()  # our loop may lag the socket: read before judging
-            if w.alive:
-                # Paranoid Pirate: count silent intervals in *our* ticks, so a late tick
-                # of a busy client loop is not taken for a death.
+            if w.alive:  # counted in our ticks: a late tick of a busy loop is no death
                 w.missed = w.missed + 1 if w.last_seen < prev else 0
                 if w.load_current and w.pong_at < prev:
                     w.load_current = False  # no pong since the last tick: go by our own
@@ -122,12 +111,6 @@ class Liveness:
             log.warning("%s", self.no_worker_error())
         self._last_tick = now
         self._later("heartbeat", cfg.heartbeat_interval, self._heartbeat)
-
-    def _sweep_deadlines(self, now: float) -> None:
-        # Calls with no timer of their own (long timeouts) time out here.
-        expired = [c for c in self.sched.unfinished() if c.deadline <= now and c.timer is None]
-        for call in expired:
-            self.sched.timed_out(call, call.timeout)
 
     def on_pong(self, w: Worker, hb: fm.Heartbeat) -> None:
         """A pong says what ``w`` reads (written to it from now on, or refused) and how
@@ -164,13 +147,12 @@ class Liveness:
             for o in self.sched.order:  # those that died with it may be back: ask now
                 if not o.alive and o.last_seen and not o.draining:
                     o.ping()
-        self._gate_check()
+        self.gate_check()
 
-    def _gate_check(self) -> None:
+    def gate_check(self) -> None:
         """Release the held calls once no worker that may be up is unheard from within
-        ``min(heartbeat_interval, connect_timeout)``: since it was added, for one never
-        heard from (unless its connection or handshake was refused); since the first
-        came back, for those that died in the same outage as the last one."""
+        ``min(heartbeat_interval, connect_timeout)`` of its being added (if never heard
+        and not refused) or of the first coming back (if it died in the same outage)."""
         if not self.sched.held or not self.n_alive or self._closed:
             return  # nothing to send to yet: checked again when one answers
         cfg = self.config
@@ -201,7 +183,7 @@ class Liveness:
 
     def _gate_timeout(self) -> None:
         self._timers.pop("gate", None)
-        self._gate_check()
+        self.gate_check()
 
     def worker_died(self, w: Worker, why: str) -> None:
         """``w`` is dead (or unusable): re-send its calls elsewhere."""
@@ -212,7 +194,7 @@ class Liveness:
             self.n_alive -= 1
             if not self.n_alive:
                 self.alive_at = w.died_at
-                self.sched.hold()  # the first back must not take the whole backlog
+                self.sched.held = True  # the first back must not take the whole backlog
         calls = [*w.inflight.values(), *w.sticky_queue]
         w.pump.discard_queued()
         for sub_id in w.inflight:  # in case it is only stalled: stop it working for nobody
@@ -254,7 +236,6 @@ class Liveness:
             self.sched.enqueue(call, front=True)
             self.watch_for_none()
 
-    # -- no worker at all, or none this client can use ------------------------------
     def no_worker_expired(self) -> bool:
         return not self.n_alive and time.monotonic() - self.alive_at >= self.config.connect_timeout
 

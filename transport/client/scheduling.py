@@ -1,9 +1,8 @@
 """Where each call goes: its rid's worker, else the least-loaded live one, else the
 client's queue; and taking a call back (cancel, timeout).
 
-A worker's load is this client's requests on it plus the others' it reported in its
-last pong while that answers the latest or the previous ping (an older report steers
-a whole burst onto one worker). While :attr:`Scheduler.held`, calls wait in the queue.
+A worker's load: this client's requests on it, plus the others' from its last pong
+while that pong is current (an older one would steer a burst onto one worker).
 """
 
 from __future__ import annotations
@@ -31,7 +30,7 @@ class Scheduler:
         self.order: list[Worker] = []  # the workers in the order they were added
         self.queue: collections.deque[Call] = collections.deque()
         self.sticky: dict[str, str] = {}  # rid -> worker address
-        self.held = False
+        self.held = False  # calls wait in the queue until release()
         self._ids = itertools.count(1)
         self._rr = 0
 
@@ -60,10 +59,6 @@ class Scheduler:
         self.order.clear()
         self.queue.clear()
         return calls
-
-    def hold(self) -> None:
-        """Keep new calls in the queue until :meth:`release`."""
-        self.held = True
 
     def release(self) -> None:
         self.held = False
@@ -124,7 +119,7 @@ class Scheduler:
             if addr is not None:
                 w = self.workers.get(addr)
                 if w is not None and w.alive and not w.draining and len(w.inflight) >= w.limit:
-                    q.popleft()  # its worker is busy: wait there, not in front of the others
+                    q.popleft()  # wait at its busy worker, not in front of the others
                     w.sticky_queue.append(call)
                     continue
             target = self._target(call)
@@ -139,9 +134,7 @@ class Scheduler:
             frames = w.enc.encode(
                 fm.Submit(id=sub_id, request=call.segment, stream=self.config.stream)
             )
-        except Exception as exc:
-            # Encoded before it takes a slot: a request that cannot be sent fails
-            # alone, also when dispatched inside a socket callback, and leaks nothing.
+        except Exception as exc:  # before it takes a slot: it fails alone, leaks nothing
             self.calls.fail(call, exc)
             return
         call.worker = w
@@ -152,8 +145,7 @@ class Scheduler:
         w.inflight[sub_id] = call
         rid = call.orig.rid
         if self.sticky.get(rid) != w.address:
-            if len(self.sticky) >= self.config.sticky_cache_size:
-                # Forget the older half at once (a dict deletes from its front in O(n)).
+            if len(self.sticky) >= self.config.sticky_cache_size:  # forget the older half
                 items = itertools.islice(self.sticky.items(), len(self.sticky) // 2, None)
                 self.sticky = dict(items)
             self.sticky[rid] = w.address

@@ -20,9 +20,8 @@ __all__ = ["InvalidHandlerOutput", "Replies", "RequestContext", "output_problem"
 
 
 class Replies:
-    """What the request contexts of one worker share: ``send(peer, msg)`` (from the
-    engine's loop), its pause gate, its weight ``version()``, and whether to record
-    latency histograms."""
+    """What one worker's request contexts share: ``send(peer, msg)``, the pause gate,
+    the weight ``version()``, and whether to record latency histograms."""
 
     def __init__(
         self,
@@ -67,8 +66,7 @@ class Replies:
         """Latency histograms of a request answered with a Result of ``n_tokens``."""
         now = time.monotonic()
         metrics.WORKER_E2E.observe(now - ctx._t0)
-        if not ctx._first:
-            # Nothing streamed: the first token left with the Result.
+        if not ctx._first:  # nothing streamed: the first token left with the Result
             if n_tokens:
                 metrics.WORKER_TTFT.observe(now - ctx._t0)
         elif n_tokens > 1:
@@ -118,9 +116,8 @@ class RequestContext:
         return self._replies.version()
 
     def emit(self, token: int, logprob: float = 0.0, version: int = 0) -> None:
-        """Stream one generated token. Tokens emitted in the same loop iteration travel
-        in one Stream message; does nothing when the client asked for no stream.
-        Call it from the worker's loop (the thread running the handler's coroutine)."""
+        """Stream one generated token (from the worker's loop); those of one loop
+        iteration travel in one Stream message. A no-op when no stream was asked for."""
         if not self._first:
             self._first = time.monotonic()
             if self._replies.latency_metrics:
@@ -143,8 +140,7 @@ _STOP_REASONS = frozenset(("length", "stop", "interrupt", "abort"))
 
 def output_problem(resp: Any) -> str | None:
     """Why ``resp`` cannot be sent as a Result, or None."""
-    if type(resp) is LLMResponse:
-        # The usual answer: its construction made the arrays TokenArrays.
+    if type(resp) is LLMResponse:  # the usual answer: its arrays are TokenArrays
         tok, lp, ver = resp.output_tokens, resp.output_logprobs, resp.output_versions
         if type(tok) is TokenArray and type(lp) is TokenArray and type(ver) is TokenArray:
             n = len(tok._a)

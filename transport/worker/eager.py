@@ -1,9 +1,6 @@
-"""Eager start: a handler's first step runs in the callback that took its Submit.
-
-As Python 3.12's eager tasks: a handler that answers without waiting (an echo, a cache
-hit, a refusal) costs no task, no loop iteration and no timer, and its reply leaves in
-the same wake-up. A handler that awaits continues in a task, driven through
-:class:`Resume`. Runs on the engine's loop, never on the socket thread.
+"""Eager start (as Python 3.12's eager tasks): a handler's first step runs in the
+callback that took its Submit, so one that answers without waiting costs no task; one
+that awaits continues in a task through :class:`Resume`. On the engine's loop.
 """
 
 from __future__ import annotations
@@ -21,9 +18,8 @@ CoroutineType = types.CoroutineType
 
 
 class Resume:
-    """Awaitable that continues a coroutine already stepped once, from the value its
-    first step yielded: the task awaiting it drives the coroutine as if it had started
-    it (cancellation and errors are passed through)."""
+    """Continues a coroutine already stepped once, as if the awaiting task had started
+    it (cancellation and errors pass through)."""
 
     __slots__ = ("_coro", "_step")
 
@@ -76,8 +72,7 @@ def first_step(
 
 
 def abandon(rest: Awaitable[LLMResponse] | None) -> None:
-    """End what :func:`first_step` left running, whose task was cancelled before it
-    could await it."""
+    """End what :func:`first_step` left, its task cancelled before it awaited it."""
     if isinstance(rest, Resume):
         rest.close()
     elif asyncio.isfuture(rest):
