@@ -1,6 +1,6 @@
-"""The asyncio rollout client: it owns :class:`Counters`, :class:`Calls` (how calls
-end), :class:`Scheduler` (where a call goes) and :class:`Liveness` (heartbeats, deaths,
-re-sends), and routes what the workers send to them."""
+"""The asyncio rollout client: it owns :class:`Counters`, :class:`Scheduler` (where a
+call goes, how it ends) and :class:`Liveness` (heartbeats, deaths, re-sends), and routes
+what the workers send to them."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from fastio import fabric_msgs as fm
 from fastio.protocol import MsgKind
 from transport import metrics
 from transport.addresses import resolve_problem, tcp_host
-from transport.client.calls import Calls, Counters, absorb_result, on_stream
+from transport.client.calls import Counters, absorb_result, on_stream
 from transport.client.config import ChunkCallback, ClientConfig, client_config
 from transport.client.future import GenerateFuture, bind, install_task_factory
 from transport.client.liveness import Liveness, log
@@ -54,9 +54,8 @@ class FabricClient:
         self.config = config = client_config(config, options)
         self._initial = [check_address(a) for a in workers]
         self.counters = Counters(observe_latency=config.metrics_port is not None)
-        self._calls = Calls(self.counters)
-        self._sched = Scheduler(config, self._calls)
-        self._live = Liveness(config, self._sched, self._calls)
+        self._sched = Scheduler(config, self.counters)
+        self._live = Liveness(config, self._sched)
         self._dec = Decoder(fm.WORKER_TO_CLIENT, max_message_size=config.max_message_size)
         # One routing id on every DEALER: answers (and LOST reports) reach it after a
         # reconnect.
@@ -105,7 +104,7 @@ class FabricClient:
         self._closed = True
         self._live.close()
         for call in self._sched.close():
-            self._calls.fail(call, ClientClosed("the client was closed"))
+            self._sched.fail(call, ClientClosed("the client was closed"))
         if self._ctx is not None:
             self._ctx.term()
 
@@ -148,7 +147,7 @@ class FabricClient:
     @property
     def pending(self) -> int:
         """Requests queued in the client, waiting to be re-sent, or in flight."""
-        n = len(self._sched.queue) + len(self._calls.backing_off)
+        n = len(self._sched.queue) + len(self._sched.backing_off)
         return n + sum(len(w.inflight) + len(w.sticky_queue) for w in self._sched.order)
 
     def agenerate(
@@ -248,7 +247,7 @@ class FabricClient:
             if not call.done:
                 out = absorb_result(call, msg)
                 if out is not None:
-                    self._calls.complete(call, out)
+                    self._sched.complete(call, out)
                 else:
                     self.counters.add("interrupted")
                     self._sched.enqueue(call, front=True)
@@ -281,7 +280,7 @@ class FabricClient:
         w.send(fm.Error(id=sub_id if call is not None else -1, code=code, message=str(exc)))
         if call is not None:
             why = f"malformed response from {w.address}: {exc}"
-            self._calls.fail(call, RemoteError(why, code=code, worker=w.address))
+            self._sched.fail(call, RemoteError(why, code=code, worker=w.address))
             self._sched.slot_freed(w)
 
     def _on_error(self, w: Worker, err: fm.Error) -> None:
@@ -302,12 +301,12 @@ class FabricClient:
                 self._loop.call_later(0.011, self._sched.dispatch)
             self._sched.requeue([call])
         elif err.code == fm.ErrorCode.ABORTED:
-            self._calls.fail(call, RequestAborted(err.message, code=err.code, worker=w.address))
+            self._sched.fail(call, RequestAborted(err.message, code=err.code, worker=w.address))
         elif err.code == fm.ErrorCode.LOST:  # the worker gave it up: re-send it
             self._live.lose_attempt(call, w, "the worker lost it", code=err.code)
         else:
             why = f"worker {w.address}: {err.message}"
-            self._calls.fail(call, RemoteError(why, code=err.code, worker=w.address))
+            self._sched.fail(call, RemoteError(why, code=err.code, worker=w.address))
         self._sched.slot_freed(w)
 
 

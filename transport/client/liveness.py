@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 from fastio import IncompatiblePeer, versions
 from fastio import fabric_msgs as fm
-from transport.client.calls import Calls, keep_streamed
+from transport.client.calls import keep_streamed
 from transport.client.config import ClientConfig
 from transport.client.scheduling import Scheduler
 from transport.client.workers import Call, Worker
@@ -38,10 +38,9 @@ class Liveness:
     """Which workers are alive, and what becomes of the calls of those that are not; it
     holds the scheduler's queue while none is alive and while first answers are due."""
 
-    def __init__(self, config: ClientConfig, sched: Scheduler, calls: Calls) -> None:
+    def __init__(self, config: ClientConfig, sched: Scheduler) -> None:
         self.config = config
         self.sched = sched
-        self.calls = calls
         self.n_alive = 0
         self.alive_at = 0.0  # last moment a worker was alive: connect_timeout runs from it
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -137,7 +136,7 @@ class Liveness:
         w.alive = True
         self.n_alive += 1
         self._warned_none = False
-        self.calls.counters.add("workers_joined")
+        self.sched.counters.add("workers_joined")
         log.info("worker %s (%s) joined", w.address, hb.worker_id)
         if not self.sched.held:
             self.sched.dispatch()
@@ -187,7 +186,7 @@ class Liveness:
 
     def worker_died(self, w: Worker, why: str) -> None:
         """``w`` is dead (or unusable): re-send its calls elsewhere."""
-        self.calls.counters.add("workers_died")
+        self.sched.counters.add("workers_died")
         if w.alive:
             w.alive = False
             w.died_at = time.monotonic()
@@ -216,22 +215,22 @@ class Liveness:
         call.resends += 1
         out = keep_streamed(call)
         if out is not None:  # the streamed tokens were the whole answer
-            self.calls.complete(call, out)
+            self.sched.complete(call, out)
             return
         cfg = self.config
         if call.resends > cfg.max_resends:
             why = f"request {call.orig.rid}: attempt {call.resends} lost ({why}); giving up"
-            self.calls.fail(call, RemoteError(why, code=code, worker=w.address))
+            self.sched.fail(call, RemoteError(why, code=code, worker=w.address))
             return
-        self.calls.counters.add("resent")
+        self.sched.counters.add("resent")
         assert self._loop is not None
         delay = resend_delay(call.resends, cfg.resend_backoff, cfg.resend_backoff_max)
-        self.calls.backing_off.add(call)
+        self.sched.backing_off.add(call)
         call.backoff = self._loop.call_later(delay, self._resend_now, call)
 
     def _resend_now(self, call: Call) -> None:
         call.backoff = None
-        self.calls.backing_off.discard(call)
+        self.sched.backing_off.discard(call)
         if not call.done and not self._closed:
             self.sched.enqueue(call, front=True)
             self.watch_for_none()
@@ -243,7 +242,7 @@ class Liveness:
         """With calls waiting and no live worker, end the wait at ``connect_timeout``."""
         if self.n_alive or "none" in self._timers or self._closed:
             return
-        if self.sched.queue or self.calls.backing_off:
+        if self.sched.queue or self.sched.backing_off:
             left = self.alive_at + self.config.connect_timeout - time.monotonic()
             self._later("none", max(left, 0.0), self._check_none)
 
@@ -275,7 +274,7 @@ class Liveness:
         calls = self.sched.waiting()
         self.sched.queue.clear()
         for call in calls:
-            self.calls.fail(call, type(err)(str(err), err.seen), also="no_worker")
+            self.sched.fail(call, type(err)(str(err), err.seen), also="no_worker")
 
     def all_incompatible(self) -> bool:
         return bool(self.sched.order) and all(w.incompatible for w in self.sched.order)

@@ -97,20 +97,16 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--bind", action="append", required=True, help="address to bind (repeatable)")
     p.add_argument(
-        "--engine",
-        default="reference",
-        type=_engine_spec,
+        "--engine", default="reference", type=_engine_spec,
         metavar="{" + ",".join(ENGINES) + ",module:factory}",
         help="the engine: the reference TinyLM, an echo, a transformers causal LM, a "
         "bridge to a running SGLang or vLLM server (--engine-opt url=http://...), or "
         "module:factory (factory(engine_opts) returns a handler or an engine)",
-    )
+    )  # fmt: skip
     p.add_argument(
-        "--model-size",
-        default="small",
-        choices=("tiny", "small", "medium", "large"),
+        "--model-size", default="small", choices=("tiny", "small", "medium", "large"),
         help="--engine hf: the size of the randomly initialised model",
-    )
+    )  # fmt: skip
     p.add_argument("--model-path", help="--engine hf: a local from_pretrained directory")
     p.add_argument("--device", help="--engine hf: torch device (default: cuda when present)")
     p.add_argument("--seed", default="0", help="weights seed of reference / hf")
@@ -120,27 +116,21 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     for name, help in _CONFIG_FLAGS.items():
         p.add_argument(_flag(name), default=getattr(defaults, name), help=help)
     p.add_argument(
-        "--inline",
-        default="auto",
-        choices=("auto", "on", "off"),
+        "--inline", default="auto", choices=("auto", "on", "off"),
         help="serve the socket on the engine's loop (on: only for engines that never block; "
         "auto: as the engine says, the echo does) instead of a thread of its own",
-    )
+    )  # fmt: skip
     p.add_argument(
-        "--loop",
-        default="asyncio",
-        choices=("asyncio", "uvloop"),
+        "--loop", default="asyncio", choices=("asyncio", "uvloop"),
         help="event loop of the engine's loop and the socket thread (uvloop: pip install "
         "'fastio[uvloop]')",
-    )
+    )  # fmt: skip
     p.add_argument("--curve-secret", help="this worker's .key_secret certificate (enables CURVE)")
     p.add_argument("--curve-clients", help="directory of authorized client .key certificates")
     p.add_argument(
-        "--plugin",
-        action="append",
-        default=[],
+        "--plugin", action="append", default=[],
         help="module:function(server, plugin_opts), a background job in the worker's loop",
-    )
+    )  # fmt: skip
     for flag, help in (
         ("--engine-opt", "option for the engine factory (repeatable)"),
         ("--plugin-opt", "option passed to plugins (repeatable)"),
@@ -149,12 +139,10 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
             flag, action="append", default=[], type=_key_value, metavar="KEY=VALUE", help=help
         )
     p.add_argument(
-        "--metrics-port",
-        type=int,
-        default=None,
+        "--metrics-port", type=int, default=None,
         help="serve Prometheus /metrics on 127.0.0.1 at this port (0 picks one) and record "
         "the latency histograms; off if unset",
-    )
+    )  # fmt: skip
     p.add_argument(
         "--log-level", default="WARNING", type=str.upper, choices=_LEVELS, help="any case"
     )

@@ -27,9 +27,15 @@ from transport.engines.api import Engine, attach_engine
 from transport.errors import EMPTY_PROMPT, ResumeRefused
 from transport.sockets import WorkerAuthenticator
 from transport.worker.config import WorkerConfig, checked_config
-from transport.worker.context import InvalidHandlerOutput, Replies, RequestContext, output_problem
+from transport.worker.context import (
+    InvalidHandlerOutput,
+    Replies,
+    RequestContext,
+    abandon,
+    first_step,
+    output_problem,
+)
 from transport.worker.counters import Counters, log_counted
-from transport.worker.eager import abandon, first_step
 from transport.worker.iothread import DROPPED, SocketThread
 from transport.worker.lost import LostReplies
 from transport.worker.pausing import PauseGate
@@ -101,6 +107,10 @@ class WorkerServer:
         self.endpoints: list[str] = []
         self.counters = Counters()
         self.gate = PauseGate(cfg.max_concurrency, self.counters.loop)
+        #: Callbacks run (in the loop) when a pause starts.
+        self.on_pause: list[Callable[[], Any]] = self.gate.on_pause
+        #: Callbacks run before generation resumes (:class:`ResumeRefused`: stay paused).
+        self.on_resume: list[Callable[[], Any]] = self.gate.on_resume
         self.lost = LostReplies()
         self.counters.read["lost"] = lambda: self.lost.count
         self._tasks: dict[tuple[bytes, int], _Request] = {}
@@ -132,16 +142,6 @@ class WorkerServer:
     def pause_requests(self) -> int:
         """How many times :meth:`pause` was called (see :class:`PauseGate`)."""
         return self.gate.pause_requests
-
-    @property
-    def on_pause(self) -> list[Callable[[], Any]]:
-        """Callbacks run (in the loop) when a pause starts."""
-        return self.gate.on_pause
-
-    @property
-    def on_resume(self) -> list[Callable[[], Any]]:
-        """Callbacks run before generation resumes (:class:`ResumeRefused`: stay paused)."""
-        return self.gate.on_resume
 
     @property
     def version(self) -> int:
