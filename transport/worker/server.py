@@ -107,10 +107,6 @@ class WorkerServer:
         self.endpoints: list[str] = []
         self.counters = Counters()
         self.gate = PauseGate(cfg.max_concurrency, self.counters.loop)
-        #: Callbacks run (in the loop) when a pause starts.
-        self.on_pause: list[Callable[[], Any]] = self.gate.on_pause
-        #: Callbacks run before generation resumes (:class:`ResumeRefused`: stay paused).
-        self.on_resume: list[Callable[[], Any]] = self.gate.on_resume
         self.lost = LostReplies()
         self.counters.read["lost"] = lambda: self.lost.count
         self._tasks: dict[tuple[bytes, int], _Request] = {}
@@ -142,6 +138,16 @@ class WorkerServer:
     def pause_requests(self) -> int:
         """How many times :meth:`pause` was called (see :class:`PauseGate`)."""
         return self.gate.pause_requests
+
+    @property
+    def on_pause(self) -> list[Callable[[], Any]]:
+        """Callbacks run (in the loop) when a pause starts."""
+        return self.gate.on_pause
+
+    @property
+    def on_resume(self) -> list[Callable[[], Any]]:
+        """Callbacks run before generation resumes (:class:`ResumeRefused`: stay paused)."""
+        return self.gate.on_resume
 
     @property
     def version(self) -> int:
