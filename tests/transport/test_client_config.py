@@ -8,7 +8,7 @@ import re
 import pytest
 
 from transport import ClientConfig, FabricClient, SyncFabricClient, metrics
-from transport.client.counters import Counters
+from transport.client.calls import Counters
 
 
 def test_keywords_apply_over_the_config() -> None:

@@ -1,4 +1,4 @@
-"""One ``agenerate`` call across its attempts, and how calls end.
+"""One ``agenerate`` call across its attempts, and the client's counts.
 
 A call's output grows by *segments*: an attempt interrupted (a pause for a weight
 update) or lost (its worker died or gave it up) keeps what it produced, and the rest is
@@ -17,54 +17,39 @@ import numpy as np
 from fastio import LLMRequest, LLMResponse, VLMRequest, VLMResponse
 from fastio import fabric_msgs as fm
 from fastio.tokens import TokenArray
-from transport.client.counters import Counters
-from transport.client.future import GenerateFuture, unbind
+from transport import metrics
 from transport.client.workers import Call
 from transport.constant import constant
 
-__all__ = ["Calls", "absorb_result", "keep_streamed", "on_stream"]
+__all__ = ["Counters", "absorb_result", "keep_streamed", "on_stream"]
+
+_NAMES = (
+    "submitted", "completed", "failed", "resent", "interrupted", "timeouts", "cancelled",
+    "stale", "bad_messages", "overloaded", "workers_died", "workers_joined", "no_worker",
+)  # fmt: skip
+# Counts that are also Prometheus counters.
+_EXPORTED: dict[str, Any] = {
+    "resent": metrics.CLIENT_RESENDS,
+    "workers_died": metrics.CLIENT_WORKER_DEATHS,
+}
 
 
-class Calls:
-    """Ends calls (settles their futures, counts how they ended) and holds the calls
-    waiting out a back-off before a re-send."""
+class Counters:
+    """Event counts of one client (``stats``) and the metrics they feed; the latency
+    histogram only with ``observe_latency``."""
 
-    def __init__(self, counters: Counters) -> None:
-        self.counters = counters
-        self.backing_off: set[Call] = set()
+    __slots__ = ("observe_latency", "stats")
 
-    def settle(self, call: Call) -> GenerateFuture:
-        """Mark ``call`` done and stop its timers; returns its future."""
-        call.done = True
-        if call.timer is not None:
-            call.timer.cancel()
-        if call.backoff is not None:
-            call.backoff.cancel()
-            call.backoff = None
-            self.backing_off.discard(call)
-        unbind(call.fut)
-        return call.fut
+    def __init__(self, observe_latency: bool = False) -> None:
+        self.observe_latency = observe_latency
+        self.stats: dict[str, int] = dict.fromkeys(_NAMES, 0)
 
-    def complete(self, call: Call, out: LLMResponse) -> None:
-        fut = self.settle(call)
-        counters = self.counters
-        counters.add("completed")
-        if counters.observe_latency:
-            counters.latency(out.latency)
-        if not fut.done():
-            fut.set_result(out)
-
-    def fail(self, call: Call, exc: BaseException, also: str = "") -> None:
-        """Fail ``call`` with ``exc`` unless it ended already; counted as failed (and as
-        ``also`` when given)."""
-        if call.done:
-            return
-        fut = self.settle(call)
-        self.counters.add("failed")
-        if also:
-            self.counters.add(also)
-        if not fut.done():
-            fut.set_exception(exc)
+    def add(self, name: str, n: int = 1) -> int:
+        """Count ``n`` more ``name`` events; returns the new total."""
+        total = self.stats[name] = self.stats[name] + n
+        if name in _EXPORTED:
+            _EXPORTED[name].inc(n)
+        return total
 
 
 def _deliver(call: Call, pos: int, toks: TokenArray, lps: TokenArray, vers: TokenArray) -> None:

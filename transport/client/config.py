@@ -28,14 +28,12 @@ class ClientConfig(msgspec.Struct, forbid_unknown_fields=True):
     Parameters
     ----------
     heartbeat_interval:
-        Seconds between pings to each worker. Calls made before any worker answered
-        wait at most this long (or ``connect_timeout``) for every worker that may be
-        up, so that the first burst is spread.
+        Seconds between pings. The first calls wait at most this long (or
+        ``connect_timeout``) for every worker that may be up, to spread the first burst.
     heartbeat_liveness:
         Silent heartbeat intervals after which a worker is dead (a slow answer never is).
     connect_timeout:
-        Seconds without a live worker after which calls fail with
-        :class:`~transport.NoWorkerAvailable`.
+        Seconds without a live worker before calls fail with ``NoWorkerAvailable``.
     request_timeout:
         Default per-request timeout in seconds.
     max_in_flight_per_worker:
@@ -44,16 +42,16 @@ class ClientConfig(msgspec.Struct, forbid_unknown_fields=True):
         Times a request may be re-sent after its worker died or lost it.
     resend_backoff, resend_backoff_max:
         The ``k``-th re-send waits ``min(resend_backoff * 2**(k-1), resend_backoff_max)``
-        seconds times a random factor in [0.5, 1].
+        s times a random factor in [0.5, 1].
     stream:
         Ask workers to stream tokens (real ``ttft``/``itl``, ``on_chunk`` as they come).
     max_message_size, hwm, curve:
         See :mod:`transport.sockets`.
     sticky_cache_size:
-        How many rid -> worker assignments are kept (when full, the older half goes).
+        rid -> worker assignments kept (when full, the older half goes).
     metrics_port:
-        Serve Prometheus metrics on ``127.0.0.1`` at this port (0: any free port), with
-        the latency histogram; needs the ``metrics`` extra. ``None``: no endpoint.
+        Serve Prometheus metrics on ``127.0.0.1`` at this port (0: any), with the latency
+        histogram (the ``metrics`` extra). ``None``: no endpoint.
     """
 
     heartbeat_interval: _Seconds = 1.0
@@ -73,14 +71,8 @@ class ClientConfig(msgspec.Struct, forbid_unknown_fields=True):
 
 
 def client_config(config: ClientConfig | None, options: Mapping[str, Any]) -> ClientConfig:
-    """``config`` (default: all defaults) with ``options`` (field name -> value) applied,
-    checked against the fields' types and constraints.
-
-    Raises
-    ------
-    ValueError
-        One line naming the option: unknown, of the wrong type or out of range.
-    """
+    """``config`` (default: all defaults) with ``options`` (field name -> value) applied
+    and checked; ``ValueError`` names a bad option."""
     if config is not None and not isinstance(config, ClientConfig):
         raise TypeError(f"config must be a ClientConfig, got {type(config).__name__}")
     given = msgspec.structs.asdict(config) if config is not None else {}

@@ -1,7 +1,6 @@
-"""The asyncio rollout client, built from its parts: :class:`Counters` (``stats``,
-metrics), :class:`Calls` (how calls end), :class:`Scheduler` (workers, queue, where a
-call goes) and :class:`Liveness` (heartbeats, deaths, re-sends); the client routes what
-the workers send to them."""
+"""The asyncio rollout client: it owns :class:`Counters`, :class:`Scheduler` (where a
+call goes, how it ends) and :class:`Liveness` (heartbeats, deaths, re-sends), and routes
+what the workers send to them."""
 
 from __future__ import annotations
 
@@ -19,9 +18,8 @@ from fastio import fabric_msgs as fm
 from fastio.protocol import MsgKind
 from transport import metrics
 from transport.addresses import resolve_problem, tcp_host
-from transport.client.calls import Calls, absorb_result, on_stream
+from transport.client.calls import Counters, absorb_result, on_stream
 from transport.client.config import ChunkCallback, ClientConfig, client_config
-from transport.client.counters import Counters
 from transport.client.future import GenerateFuture, bind, install_task_factory
 from transport.client.liveness import Liveness, log
 from transport.client.scheduling import Scheduler
@@ -37,12 +35,10 @@ class FabricClient:
     Parameters
     ----------
     workers:
-        Worker addresses (``tcp://host:port``, ``ipc://path``, ``inproc://name``); more
-        can be added and removed at run time. A malformed one raises
-        :class:`~transport.BadAddress` here.
+        Worker addresses (``tcp://host:port``, ``ipc://path``, ``inproc://name``); a
+        malformed one raises :class:`~transport.BadAddress`.
     config, **options:
-        A :class:`ClientConfig`, and its fields as keywords applied over it (a bad one
-        raises ``ValueError`` naming it).
+        A :class:`ClientConfig`, and its fields as keywords applied over it.
 
     Examples
     --------
@@ -58,12 +54,11 @@ class FabricClient:
         self.config = config = client_config(config, options)
         self._initial = [check_address(a) for a in workers]
         self.counters = Counters(observe_latency=config.metrics_port is not None)
-        self._calls = Calls(self.counters)
-        self._sched = Scheduler(config, self._calls)
-        self._live = Liveness(config, self._sched, self._calls)
+        self._sched = Scheduler(config, self.counters)
+        self._live = Liveness(config, self._sched)
         self._dec = Decoder(fm.WORKER_TO_CLIENT, max_message_size=config.max_message_size)
-        # One routing id on every DEALER: a worker knows this client by it across
-        # reconnects, so answers (and LOST reports) still reach it.
+        # One routing id on every DEALER: answers (and LOST reports) reach it after a
+        # reconnect.
         self._identity = b"fc-" + uuid.uuid4().hex.encode()
         self._ctx: zmq.Context[Any] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -76,7 +71,6 @@ class FabricClient:
         """Counts of what happened to calls and workers (see :class:`Counters`)."""
         return self.counters.stats
 
-    # -- lifecycle ------------------------------------------------------------------
     async def start(self) -> FabricClient:
         """Open the sockets in the running loop (done on first use otherwise)."""
         self._start()
@@ -110,15 +104,13 @@ class FabricClient:
         self._closed = True
         self._live.close()
         for call in self._sched.close():
-            self._calls.fail(call, ClientClosed("the client was closed"))
+            self._sched.fail(call, ClientClosed("the client was closed"))
         if self._ctx is not None:
             self._ctx.term()
 
-    # -- workers --------------------------------------------------------------------
     def add_worker(self, address: str) -> None:
-        """Start using the worker at ``address`` (it joins once it answers a ping).
-
-        Raises :class:`~transport.BadAddress` when ``address`` is malformed."""
+        """Start using the worker at ``address`` once it answers a ping
+        (:class:`~transport.BadAddress` if malformed)."""
         check_address(address)
         if self._loop is None:
             self._initial.append(address)
@@ -139,7 +131,7 @@ class FabricClient:
         """Stop sending to ``address``; its in-flight requests finish there first (or are
         re-sent if it dies), then its socket closes."""
         if self._sched.drain(address):
-            self._live.unwatch()
+            self._live.gate_check()  # its first answer is no longer awaited
             self._sched.dispatch()
 
     @property
@@ -155,10 +147,9 @@ class FabricClient:
     @property
     def pending(self) -> int:
         """Requests queued in the client, waiting to be re-sent, or in flight."""
-        n = len(self._sched.queue) + len(self._calls.backing_off)
+        n = len(self._sched.queue) + len(self._sched.backing_off)
         return n + sum(len(w.inflight) + len(w.sticky_queue) for w in self._sched.order)
 
-    # -- the call -------------------------------------------------------------------
     def agenerate(
         self,
         req: LLMRequest,
@@ -168,30 +159,27 @@ class FabricClient:
     ) -> GenerateFuture:
         """Generate for ``req`` on some worker; ``await`` the result for the response.
 
-        In the client's running loop the request is on its way when this returns, as a
-        :class:`GenerateFuture`; with no running loop it returns a coroutine that
-        submits when it first runs (``asyncio.run(client.agenerate(req))``).
+        Returns a :class:`GenerateFuture`, the request already on its way; with no
+        running loop, a coroutine that submits when it first runs.
 
         Parameters
         ----------
         req:
-            The request (its arrays are sent without a copy: leave them unchanged until
-            the response arrives).
+            The request (sent without a copy: leave its arrays unchanged until answered).
         timeout:
             Seconds (default ``config.request_timeout``).
         on_chunk:
-            Called with ``(tokens, logprobs, versions)`` as output arrives: every output
-            position once and in order, also across re-sends and interrupts.
+            ``(tokens, logprobs, versions)`` as output arrives: each position once, in
+            order, also across re-sends and interrupts.
 
         Raises
         ------
         RequestTimeout
-            Not done in time (it is cancelled on its worker, as when the future is).
+            Not done in time (then cancelled on its worker, as when the future is).
         RemoteError
-            The worker failed the request (:class:`RequestAborted`: a controller
-            aborted it).
+            The worker failed it (:class:`RequestAborted`: a controller aborted it).
         NoWorkerAvailable
-            No worker alive for ``config.connect_timeout``; it says what was seen where.
+            No worker alive for ``config.connect_timeout``; says what was seen where.
         NoWorkers
             No worker is configured.
         ValueError
@@ -204,7 +192,7 @@ class FabricClient:
         except RuntimeError:
             return _in_loop(self, req, timeout, on_chunk)  # type: ignore[return-value]
         fut = GenerateFuture(loop=loop)
-        if not len(req.input_ids):  # refused here rather than by a worker, a round trip later
+        if not len(req.input_ids):
             fut.set_exception(ValueError(EMPTY_PROMPT))
             return fut
         live = self._live
@@ -239,7 +227,6 @@ class FabricClient:
             live.watch_for_none()
         return fut
 
-    # -- receiving --------------------------------------------------------------------
     def _on_message(self, w: Worker, frames: list[zmq.Frame]) -> None:
         w.last_seen = time.monotonic()
         for msg in fm.split(frames):
@@ -257,7 +244,13 @@ class FabricClient:
             if call is None:
                 self.counters.add("stale")
                 return
-            self._on_result(call, msg)
+            if not call.done:
+                out = absorb_result(call, msg)
+                if out is not None:
+                    self._sched.complete(call, out)
+                else:
+                    self.counters.add("interrupted")
+                    self._sched.enqueue(call, front=True)
             if w.limit < self.config.max_in_flight_per_worker:
                 w.limit += 1
             if w.sticky_queue or w.draining or self._sched.queue:
@@ -270,22 +263,11 @@ class FabricClient:
             self._live.on_pong(w, msg)
         elif tp is fm.Error:
             if msg.code == fm.ErrorCode.UNSUPPORTED_VERSION and msg.id == -1 and not w.alive:
-                # The worker refuses to speak with this client (its versions).
                 self._live.refused_by(w, f"worker {w.address} refused this client: {msg.message}")
                 return
             self._on_error(w, msg)
         else:
             self.counters.add("bad_messages")
-
-    def _on_result(self, call: Call, res: fm.Result) -> None:
-        if call.done:
-            return
-        out = absorb_result(call, res)
-        if out is not None:
-            self._calls.complete(call, out)
-            return
-        self.counters.add("interrupted")
-        self._sched.enqueue(call, front=True)
 
     def _bad_message(self, w: Worker, frames: list[zmq.Frame], exc: DecodeError) -> None:
         n = self.counters.add("bad_messages")
@@ -298,7 +280,7 @@ class FabricClient:
         w.send(fm.Error(id=sub_id if call is not None else -1, code=code, message=str(exc)))
         if call is not None:
             why = f"malformed response from {w.address}: {exc}"
-            self._calls.fail(call, RemoteError(why, code=code, worker=w.address))
+            self._sched.fail(call, RemoteError(why, code=code, worker=w.address))
             self._sched.slot_freed(w)
 
     def _on_error(self, w: Worker, err: fm.Error) -> None:
@@ -319,14 +301,12 @@ class FabricClient:
                 self._loop.call_later(0.011, self._sched.dispatch)
             self._sched.requeue([call])
         elif err.code == fm.ErrorCode.ABORTED:
-            self._calls.fail(call, RequestAborted(err.message, code=err.code, worker=w.address))
-        elif err.code == fm.ErrorCode.LOST:
-            # The worker gave it up (it took this client for dead, or could not deliver
-            # the answer): re-send it, as if that worker had died under it.
+            self._sched.fail(call, RequestAborted(err.message, code=err.code, worker=w.address))
+        elif err.code == fm.ErrorCode.LOST:  # the worker gave it up: re-send it
             self._live.lose_attempt(call, w, "the worker lost it", code=err.code)
         else:
             why = f"worker {w.address}: {err.message}"
-            self._calls.fail(call, RemoteError(why, code=err.code, worker=w.address))
+            self._sched.fail(call, RemoteError(why, code=err.code, worker=w.address))
         self._sched.slot_freed(w)
 
 

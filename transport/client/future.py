@@ -1,6 +1,5 @@
 """What :meth:`FabricClient.agenerate` returns: a plain future (no task per request),
-and the task factory that lets ``create_task`` take it. (A coroutine cannot also be a
-future: ``asyncio.wait`` refuses coroutines, ``Task()`` takes nothing else.)"""
+and the task factory that lets ``create_task`` take it."""
 
 from __future__ import annotations
 
@@ -14,12 +13,9 @@ __all__ = ["GenerateFuture", "bind", "install_task_factory", "unbind"]
 
 
 class GenerateFuture(asyncio.Future[LLMResponse]):
-    """The pending result of :meth:`FabricClient.agenerate`: an :class:`asyncio.Future`.
-
-    ``await``, ``gather``, ``wait``, ``as_completed``, ``wait_for`` and ``shield`` take
-    it as it is; ``create_task`` through the client's task factory (type checkers need
-    ``# type: ignore[arg-type]``). Cancelling it cancels the request on its worker.
-    """
+    """The pending result of :meth:`FabricClient.agenerate`: an :class:`asyncio.Future`
+    (``create_task`` takes it through the client's task factory). Cancelling it cancels
+    the request on its worker."""
 
     # No __init__ of its own (asyncio's C one alone is cheaper): see bind().
     __slots__ = ("_call", "_canceller")
@@ -50,8 +46,8 @@ def unbind(fut: GenerateFuture) -> None:
 
 
 class _Awaiting(Coroutine[Any, Any, LLMResponse]):
-    """``async def f(): return await fut`` as an object, so that a task cancelled (or
-    closed) before its first step still cancels the request."""
+    """``return await fut`` as an object: a task cancelled (or closed) before its first
+    step still cancels the request."""
 
     __slots__ = ("_fut",)
 
@@ -82,9 +78,8 @@ _TaskFactory = Callable[..., "asyncio.Future[Any]"]
 
 
 def install_task_factory(loop: asyncio.AbstractEventLoop) -> None:
-    """Let ``loop.create_task`` take a :class:`GenerateFuture`, as a task awaiting it;
-    other coroutines go to the factory set before (chained), or become plain tasks.
-    Installing twice is a no-op."""
+    """Let ``loop.create_task`` take a :class:`GenerateFuture`, as a task awaiting it
+    (other coroutines go to the factory set before). Installing twice is a no-op."""
     prev: _TaskFactory | None = loop.get_task_factory()
     if getattr(prev, "_fastio_generate", False):
         return

@@ -1,11 +1,9 @@
-"""Busy or dead: heartbeats, deaths, re-sends with back-off, the wait for first
-answers, and failing fast when no worker is there.
+"""Busy or dead: heartbeats, deaths, re-sends, the wait for first answers, and
+failing fast when no worker is there.
 
-Only silence kills: a worker is dead after ``heartbeat_liveness`` of this client's
-heartbeat ticks with no message from it (and at least ``interval * liveness`` s), never
-for a slow answer. A lost attempt is re-sent under a new id (a late answer is stale)
-after an exponential back-off with jitter, so a worker that keeps dying cannot make the
-client re-send in a storm.
+Only silence kills: a worker is dead after ``heartbeat_liveness`` of this client's ticks
+(and ``interval * liveness`` s) with no message from it. A lost attempt is re-sent under
+a new id after an exponential back-off with jitter (no re-send storm).
 """
 
 from __future__ import annotations
@@ -18,7 +16,7 @@ from collections.abc import Callable
 
 from fastio import IncompatiblePeer, versions
 from fastio import fabric_msgs as fm
-from transport.client.calls import Calls, keep_streamed
+from transport.client.calls import keep_streamed
 from transport.client.config import ClientConfig
 from transport.client.scheduling import Scheduler
 from transport.client.workers import Call, Worker
@@ -37,16 +35,12 @@ def resend_delay(k: int, base: float, cap: float, rand: float | None = None) -> 
 
 
 class Liveness:
-    """Which workers are alive, and what becomes of the calls of those that are not.
+    """Which workers are alive, and what becomes of the calls of those that are not; it
+    holds the scheduler's queue while none is alive and while first answers are due."""
 
-    Runs on the loop given to :meth:`start`; holds the scheduler's queue while no worker
-    is alive, and while the first answers are awaited.
-    """
-
-    def __init__(self, config: ClientConfig, sched: Scheduler, calls: Calls) -> None:
+    def __init__(self, config: ClientConfig, sched: Scheduler) -> None:
         self.config = config
         self.sched = sched
-        self.calls = calls
         self.n_alive = 0
         self.alive_at = 0.0  # last moment a worker was alive: connect_timeout runs from it
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -74,21 +68,15 @@ class Liveness:
         """Start pinging a new worker; while none is alive, calls wait for it too."""
         if not self.n_alive:
             self.alive_at = time.monotonic()  # a new worker gets its connect_timeout
-            self.sched.hold()
+            self.sched.held = True
         self._probe(w, 0.002)
 
-    def unwatch(self) -> None:
-        """A worker was removed: its first answer is no longer awaited."""
-        if self.sched.held:
-            self._gate_check()
-
     def _probe(self, w: Worker, delay: float) -> None:
-        # Until a worker first answers, ping it at growing intervals up to a quarter
-        # heartbeat interval, so a new client need not wait a whole interval.
+        # Until it first answers: pings at growing intervals up to interval / 4.
         if w.alive or w.last_seen or self._closed or w.address not in self.sched.workers:
             return
         if self.sched.held:
-            self._gate_check()  # a refused connection ends the wait for this one
+            self.gate_check()  # a refused connection ends the wait for this one
         w.ping()
         assert self._loop is not None
         cap = self.config.heartbeat_interval / 4
@@ -98,12 +86,12 @@ class Liveness:
         cfg = self.config
         now = time.monotonic()
         prev = self._last_tick
-        self._sweep_deadlines(now)
+        expired = [c for c in self.sched.unfinished() if c.deadline <= now and c.timer is None]
+        for call in expired:  # calls with no timer of their own
+            self.sched.timed_out(call, call.timeout)
         for w in list(self.sched.order):
             w.pump.drain_now()  # our loop may lag the socket: read before judging
-            if w.alive:
-                # Paranoid Pirate: count silent intervals in *our* ticks, so a late tick
-                # of a busy client loop is not taken for a death.
+            if w.alive:  # counted in our ticks: a late tick of a busy loop is no death
                 w.missed = w.missed + 1 if w.last_seen < prev else 0
                 if w.load_current and w.pong_at < prev:
                     w.load_current = False  # no pong since the last tick: go by our own
@@ -122,12 +110,6 @@ class Liveness:
             log.warning("%s", self.no_worker_error())
         self._last_tick = now
         self._later("heartbeat", cfg.heartbeat_interval, self._heartbeat)
-
-    def _sweep_deadlines(self, now: float) -> None:
-        # Calls with no timer of their own (long timeouts) time out here.
-        expired = [c for c in self.sched.unfinished() if c.deadline <= now and c.timer is None]
-        for call in expired:
-            self.sched.timed_out(call, call.timeout)
 
     def on_pong(self, w: Worker, hb: fm.Heartbeat) -> None:
         """A pong says what ``w`` reads (written to it from now on, or refused) and how
@@ -154,7 +136,7 @@ class Liveness:
         w.alive = True
         self.n_alive += 1
         self._warned_none = False
-        self.calls.counters.add("workers_joined")
+        self.sched.counters.add("workers_joined")
         log.info("worker %s (%s) joined", w.address, hb.worker_id)
         if not self.sched.held:
             self.sched.dispatch()
@@ -164,13 +146,12 @@ class Liveness:
             for o in self.sched.order:  # those that died with it may be back: ask now
                 if not o.alive and o.last_seen and not o.draining:
                     o.ping()
-        self._gate_check()
+        self.gate_check()
 
-    def _gate_check(self) -> None:
+    def gate_check(self) -> None:
         """Release the held calls once no worker that may be up is unheard from within
-        ``min(heartbeat_interval, connect_timeout)``: since it was added, for one never
-        heard from (unless its connection or handshake was refused); since the first
-        came back, for those that died in the same outage as the last one."""
+        ``min(heartbeat_interval, connect_timeout)`` of its being added (if never heard
+        and not refused) or of the first coming back (if it died in the same outage)."""
         if not self.sched.held or not self.n_alive or self._closed:
             return  # nothing to send to yet: checked again when one answers
         cfg = self.config
@@ -201,18 +182,18 @@ class Liveness:
 
     def _gate_timeout(self) -> None:
         self._timers.pop("gate", None)
-        self._gate_check()
+        self.gate_check()
 
     def worker_died(self, w: Worker, why: str) -> None:
         """``w`` is dead (or unusable): re-send its calls elsewhere."""
-        self.calls.counters.add("workers_died")
+        self.sched.counters.add("workers_died")
         if w.alive:
             w.alive = False
             w.died_at = time.monotonic()
             self.n_alive -= 1
             if not self.n_alive:
                 self.alive_at = w.died_at
-                self.sched.hold()  # the first back must not take the whole backlog
+                self.sched.held = True  # the first back must not take the whole backlog
         calls = [*w.inflight.values(), *w.sticky_queue]
         w.pump.discard_queued()
         for sub_id in w.inflight:  # in case it is only stalled: stop it working for nobody
@@ -234,27 +215,26 @@ class Liveness:
         call.resends += 1
         out = keep_streamed(call)
         if out is not None:  # the streamed tokens were the whole answer
-            self.calls.complete(call, out)
+            self.sched.complete(call, out)
             return
         cfg = self.config
         if call.resends > cfg.max_resends:
             why = f"request {call.orig.rid}: attempt {call.resends} lost ({why}); giving up"
-            self.calls.fail(call, RemoteError(why, code=code, worker=w.address))
+            self.sched.fail(call, RemoteError(why, code=code, worker=w.address))
             return
-        self.calls.counters.add("resent")
+        self.sched.counters.add("resent")
         assert self._loop is not None
         delay = resend_delay(call.resends, cfg.resend_backoff, cfg.resend_backoff_max)
-        self.calls.backing_off.add(call)
+        self.sched.backing_off.add(call)
         call.backoff = self._loop.call_later(delay, self._resend_now, call)
 
     def _resend_now(self, call: Call) -> None:
         call.backoff = None
-        self.calls.backing_off.discard(call)
+        self.sched.backing_off.discard(call)
         if not call.done and not self._closed:
             self.sched.enqueue(call, front=True)
             self.watch_for_none()
 
-    # -- no worker at all, or none this client can use ------------------------------
     def no_worker_expired(self) -> bool:
         return not self.n_alive and time.monotonic() - self.alive_at >= self.config.connect_timeout
 
@@ -262,7 +242,7 @@ class Liveness:
         """With calls waiting and no live worker, end the wait at ``connect_timeout``."""
         if self.n_alive or "none" in self._timers or self._closed:
             return
-        if self.sched.queue or self.calls.backing_off:
+        if self.sched.queue or self.sched.backing_off:
             left = self.alive_at + self.config.connect_timeout - time.monotonic()
             self._later("none", max(left, 0.0), self._check_none)
 
@@ -294,7 +274,7 @@ class Liveness:
         calls = self.sched.waiting()
         self.sched.queue.clear()
         for call in calls:
-            self.calls.fail(call, type(err)(str(err), err.seen), also="no_worker")
+            self.sched.fail(call, type(err)(str(err), err.seen), also="no_worker")
 
     def all_incompatible(self) -> bool:
         return bool(self.sched.order) and all(w.incompatible for w in self.sched.order)

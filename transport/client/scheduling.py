@@ -1,9 +1,8 @@
 """Where each call goes: its rid's worker, else the least-loaded live one, else the
-client's queue; and taking a call back (cancel, timeout).
+client's queue; and how a call ends (result, failure, cancel, timeout).
 
-A worker's load is this client's requests on it plus the others' it reported in its
-last pong while that answers the latest or the previous ping (an older report steers
-a whole burst onto one worker). While :attr:`Scheduler.held`, calls wait in the queue.
+A worker's load: this client's requests on it, plus the others' from its last pong
+while that pong is current (an older one would steer a burst onto one worker).
 """
 
 from __future__ import annotations
@@ -12,9 +11,12 @@ import collections
 import itertools
 from collections.abc import Iterator
 
+from fastio import LLMResponse
 from fastio import fabric_msgs as fm
-from transport.client.calls import Calls
+from transport import metrics
+from transport.client.calls import Counters
 from transport.client.config import ClientConfig
+from transport.client.future import GenerateFuture, unbind
 from transport.client.workers import Call, Worker
 from transport.errors import RequestTimeout
 
@@ -22,16 +24,18 @@ __all__ = ["Scheduler"]
 
 
 class Scheduler:
-    """The workers in use, the calls waiting for one, and which call goes where."""
+    """The workers in use, the calls waiting for one (or out a back-off before a
+    re-send), which call goes where, and how calls end (counted in ``counters``)."""
 
-    def __init__(self, config: ClientConfig, calls: Calls) -> None:
+    def __init__(self, config: ClientConfig, counters: Counters) -> None:
         self.config = config
-        self.calls = calls
+        self.counters = counters
+        self.backing_off: set[Call] = set()
         self.workers: dict[str, Worker] = {}
         self.order: list[Worker] = []  # the workers in the order they were added
         self.queue: collections.deque[Call] = collections.deque()
         self.sticky: dict[str, str] = {}  # rid -> worker address
-        self.held = False
+        self.held = False  # calls wait in the queue until release()
         self._ids = itertools.count(1)
         self._rr = 0
 
@@ -60,10 +64,6 @@ class Scheduler:
         self.order.clear()
         self.queue.clear()
         return calls
-
-    def hold(self) -> None:
-        """Keep new calls in the queue until :meth:`release`."""
-        self.held = True
 
     def release(self) -> None:
         self.held = False
@@ -124,7 +124,7 @@ class Scheduler:
             if addr is not None:
                 w = self.workers.get(addr)
                 if w is not None and w.alive and not w.draining and len(w.inflight) >= w.limit:
-                    q.popleft()  # its worker is busy: wait there, not in front of the others
+                    q.popleft()  # wait at its busy worker, not in front of the others
                     w.sticky_queue.append(call)
                     continue
             target = self._target(call)
@@ -139,10 +139,8 @@ class Scheduler:
             frames = w.enc.encode(
                 fm.Submit(id=sub_id, request=call.segment, stream=self.config.stream)
             )
-        except Exception as exc:
-            # Encoded before it takes a slot: a request that cannot be sent fails
-            # alone, also when dispatched inside a socket callback, and leaks nothing.
-            self.calls.fail(call, exc)
+        except Exception as exc:  # before it takes a slot: it fails alone, leaks nothing
+            self.fail(call, exc)
             return
         call.worker = w
         call.sub_id = sub_id
@@ -152,8 +150,7 @@ class Scheduler:
         w.inflight[sub_id] = call
         rid = call.orig.rid
         if self.sticky.get(rid) != w.address:
-            if len(self.sticky) >= self.config.sticky_cache_size:
-                # Forget the older half at once (a dict deletes from its front in O(n)).
+            if len(self.sticky) >= self.config.sticky_cache_size:  # forget the older half
                 items = itertools.islice(self.sticky.items(), len(self.sticky) // 2, None)
                 self.sticky = dict(items)
             self.sticky[rid] = w.address
@@ -181,12 +178,12 @@ class Scheduler:
 
     def waiting(self) -> list[Call]:
         """Calls not on a worker: queued or backing off."""
-        return [*self.queue, *self.calls.backing_off]
+        return [*self.queue, *self.backing_off]
 
     def unfinished(self) -> Iterator[Call]:
         """Every call not done: waiting, or sent to (or waiting for) a worker."""
         yield from self.queue
-        yield from self.calls.backing_off
+        yield from self.backing_off
         for w in self.order:
             yield from w.inflight.values()
             yield from w.sticky_queue
@@ -194,22 +191,55 @@ class Scheduler:
     def cancelled(self, call: Call) -> None:
         """The caller cancelled ``call``'s future: stop it here and on its worker."""
         if not call.done:
-            self.calls.counters.add("cancelled")
+            self.counters.add("cancelled")
             self._abandon(call)
 
     def timed_out(self, call: Call, t: float) -> None:
         if call.done:
             return
-        self.calls.counters.add("timeouts")
+        self.counters.add("timeouts")
         fut = call.fut
         self._abandon(call)
         if not fut.done():
             fut.set_exception(RequestTimeout(f"request {call.orig.rid} not done within {t} s"))
 
     def _abandon(self, call: Call) -> None:
-        self.calls.settle(call)
+        self.settle(call)
         w = call.worker
         if w is not None and w.inflight.pop(call.sub_id, None) is not None:
             w.send(fm.Cancel(id=call.sub_id))
             call.worker = None
             self.slot_freed(w)
+
+    def settle(self, call: Call) -> GenerateFuture:
+        """Mark ``call`` done and stop its timers; returns its future."""
+        call.done = True
+        if call.timer is not None:
+            call.timer.cancel()
+        if call.backoff is not None:
+            call.backoff.cancel()
+            call.backoff = None
+            self.backing_off.discard(call)
+        unbind(call.fut)
+        return call.fut
+
+    def complete(self, call: Call, out: LLMResponse) -> None:
+        fut = self.settle(call)
+        counters = self.counters
+        counters.add("completed")
+        if counters.observe_latency:
+            metrics.CLIENT_LATENCY.observe(out.latency)
+        if not fut.done():
+            fut.set_result(out)
+
+    def fail(self, call: Call, exc: BaseException, also: str = "") -> None:
+        """Fail ``call`` with ``exc`` unless it ended already; counted as failed (and as
+        ``also`` when given)."""
+        if call.done:
+            return
+        fut = self.settle(call)
+        self.counters.add("failed")
+        if also:
+            self.counters.add(also)
+        if not fut.done():
+            fut.set_exception(exc)

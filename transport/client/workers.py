@@ -1,6 +1,5 @@
-"""The client's table entries: a :class:`Worker` per address (its DEALER, its calls in
-flight, what its pongs and socket monitor said) and a :class:`Call` per ``agenerate``
-call; each holds the other."""
+"""The client's table entries: a :class:`Worker` per address and a :class:`Call` per
+``agenerate`` call."""
 
 from __future__ import annotations
 
@@ -39,9 +38,8 @@ _ADDRESS = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://(.*)", re.DOTALL)
 
 
 def check_address(address: str) -> str:
-    """Return ``address`` if a client can connect to it, else raise :class:`BadAddress`
-    saying what is wrong: ``tcp://host:port`` (port 1-65535), ``ipc://path`` or
-    ``inproc://name``."""
+    """``address`` if a client can connect to it (``tcp://host:port``, ``ipc://path``,
+    ``inproc://name``), else :class:`BadAddress` saying what is wrong."""
     if not isinstance(address, str):
         raise BadAddress(f"worker address must be a str, got {type(address).__name__}")
     m = _ADDRESS.fullmatch(address)
@@ -73,13 +71,9 @@ def check_address(address: str) -> str:
 
 @dataclass
 class WorkerInfo:
-    """What the client knows about one worker.
-
-    ``running``, ``waiting`` and ``engine_lag`` are the worker's figures from its last
-    pong, over all its clients; ``load_current``: that pong answers this client's latest
-    or previous ping, so they count in scheduling. ``seen``: what was seen at the
-    address (answers, connection, refused handshakes).
-    """
+    """What the client knows about one worker: ``running``, ``waiting`` and
+    ``engine_lag`` from its last pong (over all its clients; ``load_current``: recent
+    enough to count in scheduling); ``seen``: what was seen at the address."""
 
     address: str
     alive: bool
@@ -98,8 +92,8 @@ class WorkerInfo:
 
 
 class Worker:
-    """One worker as the client sees it: its DEALER (made in the running loop), its
-    calls, its liveness; ``on_message(worker, frames)`` gets what arrives."""
+    """One worker as the client sees it: its DEALER, calls and liveness;
+    ``on_message(worker, frames)`` gets what arrives."""
 
     def __init__(
         self,
@@ -131,21 +125,18 @@ class Worker:
         self.last_seen = 0.0
         self.died_at = 0.0
         self.missed = 0  # heartbeat ticks without a message from it
-        # Lowered to what the worker took when it answers OVERLOADED (it serves other
-        # clients too), raised again by one per answer.
+        # Lowered at an OVERLOADED answer (it serves others too), raised by one per answer.
         self.limit = config.max_in_flight_per_worker
         self.cool_until = 0.0
-        # Its requests not from this client, by the last pong while that is current.
-        self.others = 0
+        self.others = 0  # its requests from other clients, by a current pong
         self.load_current = False
         self.connected = False
         self.connect_retries = 0
         self.handshake_ok = False
         self.handshake_failed: list[str] = []
         self.unresolved = ""  # why its host name does not resolve
-        # What it reads (version 1 until its pongs say), and why it cannot be used.
         self.enc: Encoder = versions.VERSION_1
-        self.incompatible = ""
+        self.incompatible = ""  # why it cannot be used (its versions)
 
     def refused(self) -> bool:
         """Never answered, and the connection or its handshake was refused: not up."""
@@ -162,8 +153,8 @@ class Worker:
         self.pump.send(self.enc.encode(msg))
 
     def send_quiet(self, msg: Any) -> None:
-        """Send ``msg`` in version 1 (every worker reads it), or drop it: pings, and
-        cancels to a worker presumed dead, never queue up for a worker that is down."""
+        """Send ``msg`` in version 1 (every worker reads it), or drop it: pings and
+        cancels never queue up for a worker that is down."""
         with contextlib.suppress(zmq.ZMQError):
             frames = versions.VERSION_1.encode(msg)
             self.pump.sock.send_multipart(frames, zmq.NOBLOCK, copy=False)

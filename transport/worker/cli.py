@@ -1,11 +1,9 @@
 """``python -m transport.worker``: a generation worker process.
 
 It prints one JSON line ``{"ready": [endpoints], "pid": ..., "worker_id": ...}`` (plus
-``"metrics": port`` with ``--metrics-port``) once it serves. A user error (a bad flag,
-an engine that cannot be built, an address that cannot be bound, a plugin that fails as
-it starts) prints one line on stderr and exits non-zero: 2 for a usage error, 1 for a
-plugin that failed. The main thread runs the engine's loop (``asyncio.run``); the
-server starts the socket thread.
+``"metrics": port`` with ``--metrics-port``) once it serves. A user error prints one
+line on stderr and exits 2 (1: a plugin failed as it started). The main thread runs the
+engine's loop; the server starts the socket thread.
 """
 
 from __future__ import annotations
@@ -49,8 +47,7 @@ class UserError(Exception):
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        # One line, not the usage block: the usage is one --help away.
+    def error(self, message: str) -> NoReturn:  # one line, not the usage block
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
@@ -69,9 +66,9 @@ def _key_value(value: str) -> tuple[str, str]:
     return key, val
 
 
-#: Flags that set the WorkerConfig field of the same name, with their help; their values
-#: are converted and checked by WorkerConfig itself (:func:`_config`).
+#: Flags that set the WorkerConfig field of the same name (checked by WorkerConfig).
 _CONFIG_FLAGS = {
+    "worker_id": "name in heartbeats (default host:pid)",
     "max_concurrency": "handlers running at once",
     "max_pending": "running plus waiting",
     "client_timeout": "s of silence before a client is dead",
@@ -100,23 +97,18 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--bind", action="append", required=True, help="address to bind (repeatable)")
     p.add_argument(
-        "--engine",
-        default="reference",
-        type=_engine_spec,
+        "--engine", default="reference", type=_engine_spec,
         metavar="{" + ",".join(ENGINES) + ",module:factory}",
         help="the engine: the reference TinyLM, an echo, a transformers causal LM, a "
         "bridge to a running SGLang or vLLM server (--engine-opt url=http://...), or "
         "module:factory (factory(engine_opts) returns a handler or an engine)",
-    )
+    )  # fmt: skip
     p.add_argument(
-        "--model-size",
-        default="small",
-        choices=("tiny", "small", "medium", "large"),
+        "--model-size", default="small", choices=("tiny", "small", "medium", "large"),
         help="--engine hf: the size of the randomly initialised model",
-    )
+    )  # fmt: skip
     p.add_argument("--model-path", help="--engine hf: a local from_pretrained directory")
     p.add_argument("--device", help="--engine hf: torch device (default: cuda when present)")
-    p.add_argument("--worker-id", default="", help="name in heartbeats (default host:pid)")
     p.add_argument("--seed", default="0", help="weights seed of reference / hf")
     for name, (default, help) in _REFERENCE_FLAGS.items():
         p.add_argument(_flag(name), default=default, help=help)
@@ -124,27 +116,21 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     for name, help in _CONFIG_FLAGS.items():
         p.add_argument(_flag(name), default=getattr(defaults, name), help=help)
     p.add_argument(
-        "--inline",
-        default="auto",
-        choices=("auto", "on", "off"),
+        "--inline", default="auto", choices=("auto", "on", "off"),
         help="serve the socket on the engine's loop (on: only for engines that never block; "
         "auto: as the engine says, the echo does) instead of a thread of its own",
-    )
+    )  # fmt: skip
     p.add_argument(
-        "--loop",
-        default="asyncio",
-        choices=("asyncio", "uvloop"),
+        "--loop", default="asyncio", choices=("asyncio", "uvloop"),
         help="event loop of the engine's loop and the socket thread (uvloop: pip install "
         "'fastio[uvloop]')",
-    )
+    )  # fmt: skip
     p.add_argument("--curve-secret", help="this worker's .key_secret certificate (enables CURVE)")
     p.add_argument("--curve-clients", help="directory of authorized client .key certificates")
     p.add_argument(
-        "--plugin",
-        action="append",
-        default=[],
+        "--plugin", action="append", default=[],
         help="module:function(server, plugin_opts), a background job in the worker's loop",
-    )
+    )  # fmt: skip
     for flag, help in (
         ("--engine-opt", "option for the engine factory (repeatable)"),
         ("--plugin-opt", "option passed to plugins (repeatable)"),
@@ -153,12 +139,10 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
             flag, action="append", default=[], type=_key_value, metavar="KEY=VALUE", help=help
         )
     p.add_argument(
-        "--metrics-port",
-        type=int,
-        default=None,
+        "--metrics-port", type=int, default=None,
         help="serve Prometheus /metrics on 127.0.0.1 at this port (0 picks one) and record "
         "the latency histograms; off if unset",
-    )
+    )  # fmt: skip
     p.add_argument(
         "--log-level", default="WARNING", type=str.upper, choices=_LEVELS, help="any case"
     )
@@ -173,7 +157,7 @@ def _config(args: argparse.Namespace) -> WorkerConfig:
     """The WorkerConfig the flags describe; a bad value is named by its flag."""
     given: dict[str, Any] = {name: getattr(args, name) for name in _CONFIG_FLAGS}
     given.update(
-        bind=args.bind, worker_id=args.worker_id, extra=dict(args.plugin_opt),
+        bind=args.bind, extra=dict(args.plugin_opt),
         inline={"auto": None, "on": True, "off": False}[args.inline],
         latency_metrics=args.metrics_port is not None,
     )  # fmt: skip
@@ -216,8 +200,6 @@ def build_engine(args: argparse.Namespace) -> Any:
         raise UserError(f"--engine {spec}: {exc}") from exc
     try:
         return factory(_engine_opts(args))
-    except UserError:
-        raise
     except ValueError as exc:
         raise UserError(f"--engine {spec}: {exc}") from exc
     except Exception as exc:
@@ -265,8 +247,8 @@ async def _amain(args: argparse.Namespace) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, lambda: asyncio.ensure_future(server.close()))
-    # What exists now lives as long as the process: out of the cyclic GC's sight, a
-    # full collection no longer walks it while holding the GIL (delaying pongs).
+    # What exists now lives as long as the process: a full collection need not walk it
+    # holding the GIL (delaying pongs).
     gc.freeze()
     print(json.dumps(ready), flush=True)
     await server.serve_forever()
@@ -287,8 +269,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = _parse_args(argv)
     fmt = "%(asctime)s %(name)s %(levelname)s %(message)s"
     logging.basicConfig(level=args.log_level, format=fmt, stream=sys.stderr)
-    # The socket thread waits at most this long for the GIL held by engine code (the
-    # default would be most of a pong's budget under a busy pure-Python engine).
+    # The socket thread waits at most this long for a GIL held by engine code.
     sys.setswitchinterval(0.001)
     if args.engine not in _NO_TORCH:
         with contextlib.suppress(ImportError):

@@ -20,44 +20,36 @@ _Positive = Annotated[int, msgspec.Meta(ge=1)]
 
 
 class WorkerConfig(msgspec.Struct, forbid_unknown_fields=True):
-    """Settings of a :class:`~transport.WorkerServer` (checked by :func:`checked_config`
-    when the server is built).
+    """Settings of a :class:`~transport.WorkerServer`, checked when it is built.
 
     Parameters
     ----------
     bind:
         Addresses to bind (``tcp://127.0.0.1:0`` picks a free port; ``ipc://path``).
     worker_id:
-        Stable name reported in heartbeats and status (default ``host:pid``).
+        Name in heartbeats and status (default ``host:pid``).
     max_concurrency:
         Handlers running at once; more submissions wait for a slot.
     max_pending:
-        Running plus waiting; a Submit beyond it gets an ``OVERLOADED`` Error reply.
+        Running plus waiting; a Submit beyond it is answered ``OVERLOADED``.
     client_timeout:
-        Seconds a client may stay silent before it is presumed dead and its requests
-        are cancelled (reported ``LOST`` if it pings again). A few times the clients'
-        heartbeat interval.
+        Seconds of silence after which a client is dead and its requests cancelled
+        (reported ``LOST`` if it pings again).
     max_message_size, hwm, curve:
         See :mod:`transport.sockets`.
     peer_queue_limit:
         Bytes of replies held for a client that does not read; past it that client is
-        dropped (replies discarded, requests cancelled, ``dropped_peers`` counted), so
-        it never holds up the others.
+        dropped, so it never holds up the others.
     extra:
         Options for plugins (``--plugin-opt key=value``).
     eager_start:
-        Run each handler's first step in the callback that took its Submit (as Python
-        3.12's eager tasks): one that returns without awaiting costs no task. During
-        that step ``asyncio.current_task()`` is not the request's task; set False for
-        handlers that need it.
+        Run each handler's first step in the callback that took its Submit; set False
+        for handlers that need ``asyncio.current_task()`` to be their request's task.
     latency_metrics:
-        Record the latency histograms (``WORKER_TTFT``, ``WORKER_ITL``,
-        ``WORKER_E2E``); off by default, as each observation costs the worker time.
-        ``--metrics-port`` turns it on. Counts are always kept.
+        Record the latency histograms (on with ``--metrics-port``).
     inline:
-        Serve the socket on the handler's loop instead of a thread of its own, for
-        handlers that never block (a blocking one then delays pongs too). ``None``: the
-        handler's ``inline`` attribute decides (the echo sets it), else off.
+        Serve the socket on the handler's loop, for handlers that never block.
+        ``None``: the handler's ``inline`` attribute decides (the echo sets it).
     """
 
     bind: str | list[str] = "tcp://127.0.0.1:0"
@@ -76,15 +68,9 @@ class WorkerConfig(msgspec.Struct, forbid_unknown_fields=True):
 
 
 def checked_config(config: WorkerConfig | Mapping[str, Any] | None = None) -> WorkerConfig:
-    """``config`` (a :class:`WorkerConfig`, or its fields by name, strings allowed) as a
-    :class:`WorkerConfig` that meets its constraints.
-
-    Raises
-    ------
-    ValueError
-        A field is unknown or its value out of range (``msgspec.ValidationError``,
-        whose message names the field as ``$.name``).
-    """
+    """``config`` (a :class:`WorkerConfig`, or its fields by name, strings allowed)
+    checked against its constraints; ``msgspec.ValidationError`` (a ``ValueError``)
+    names a bad field as ``$.name``."""
     if config is None:
         return WorkerConfig()
     given = msgspec.structs.asdict(config) if isinstance(config, WorkerConfig) else config

@@ -1,28 +1,42 @@
-"""What a handler knows about its request (:class:`RequestContext`) and how the tokens
-it streams leave (:class:`Replies`). Both live on the engine's loop."""
+"""What a handler knows about its request (:class:`RequestContext`), how the tokens it
+streams leave (:class:`Replies`), how it is started, and whether its answer can be sent.
+All on the engine's loop.
+
+Eager start (as Python 3.12's eager tasks): a handler's first step runs in the callback
+that took its Submit, so one that answers without waiting costs no task; one that
+awaits continues in a task through :class:`Resume`.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+import types
+from collections.abc import Awaitable, Callable, Coroutine, Generator
 from typing import Any
 
 import numpy as np
 
-from fastio import LLMResponse
+from fastio import LLMRequest, LLMResponse
 from fastio import fabric_msgs as fm
 from fastio.tokens import TokenArray
 from transport import metrics
 from transport.worker.pausing import PauseGate
 
-__all__ = ["InvalidHandlerOutput", "Replies", "RequestContext", "output_problem"]
+__all__ = [
+    "InvalidHandlerOutput",
+    "Replies",
+    "RequestContext",
+    "Resume",
+    "abandon",
+    "first_step",
+    "output_problem",
+]
 
 
 class Replies:
-    """What the request contexts of one worker share: ``send(peer, msg)`` (from the
-    engine's loop), its pause gate, its weight ``version()``, and whether to record
-    latency histograms."""
+    """What one worker's request contexts share: ``send(peer, msg)``, the pause gate,
+    the weight ``version()``, and whether to record latency histograms."""
 
     def __init__(
         self,
@@ -67,8 +81,7 @@ class Replies:
         """Latency histograms of a request answered with a Result of ``n_tokens``."""
         now = time.monotonic()
         metrics.WORKER_E2E.observe(now - ctx._t0)
-        if not ctx._first:
-            # Nothing streamed: the first token left with the Result.
+        if not ctx._first:  # nothing streamed: the first token left with the Result
             if n_tokens:
                 metrics.WORKER_TTFT.observe(now - ctx._t0)
         elif n_tokens > 1:
@@ -118,9 +131,8 @@ class RequestContext:
         return self._replies.version()
 
     def emit(self, token: int, logprob: float = 0.0, version: int = 0) -> None:
-        """Stream one generated token. Tokens emitted in the same loop iteration travel
-        in one Stream message; does nothing when the client asked for no stream.
-        Call it from the worker's loop (the thread running the handler's coroutine)."""
+        """Stream one generated token (from the worker's loop); those of one loop
+        iteration travel in one Stream message. A no-op when no stream was asked for."""
         if not self._first:
             self._first = time.monotonic()
             if self._replies.latency_metrics:
@@ -143,8 +155,7 @@ _STOP_REASONS = frozenset(("length", "stop", "interrupt", "abort"))
 
 def output_problem(resp: Any) -> str | None:
     """Why ``resp`` cannot be sent as a Result, or None."""
-    if type(resp) is LLMResponse:
-        # The usual answer: its construction made the arrays TokenArrays.
+    if type(resp) is LLMResponse:  # the usual answer: its arrays are TokenArrays
         tok, lp, ver = resp.output_tokens, resp.output_logprobs, resp.output_versions
         if type(tok) is TokenArray and type(lp) is TokenArray and type(ver) is TokenArray:
             n = len(tok._a)
@@ -165,3 +176,68 @@ def output_problem(resp: Any) -> str | None:
     if resp.stop_reason not in _STOP_REASONS:
         return f"stop_reason must be one of {sorted(_STOP_REASONS)}, got {resp.stop_reason!r}"
     return None
+
+
+CoroutineType = types.CoroutineType
+
+
+class Resume:
+    """Continues a coroutine already stepped once, as if the awaiting task had started
+    it (cancellation and errors pass through)."""
+
+    __slots__ = ("_coro", "_step")
+
+    def __init__(self, coro: Coroutine[Any, Any, LLMResponse], step: Any) -> None:
+        self._coro = coro
+        self._step = step
+
+    def close(self) -> None:
+        """End the handler's coroutine (its task was cancelled before awaiting it)."""
+        self._coro.close()
+
+    def __await__(self) -> Generator[Any, None, LLMResponse]:
+        coro, out = self._coro, self._step
+        self._step = None
+        while True:
+            try:
+                yield out
+            except GeneratorExit:
+                coro.close()
+                raise
+            except BaseException as exc:
+                try:
+                    out = coro.throw(exc)
+                except StopIteration as stop:
+                    return stop.value  # type: ignore[no-any-return]
+            else:
+                try:
+                    out = coro.send(None)
+                except StopIteration as stop:
+                    return stop.value  # type: ignore[no-any-return]
+
+
+def first_step(
+    handler: Callable[[LLMRequest, Any], Any], req: LLMRequest, ctx: Any
+) -> tuple[Any, BaseException | None, Awaitable[LLMResponse] | None]:
+    """Call ``handler`` and run its first step now: ``(response, error, rest)``, where
+    ``rest`` is what a task must await when the handler did not finish at once."""
+    try:
+        aw = handler(req, ctx)
+        if type(aw) is not CoroutineType:
+            if not hasattr(aw, "__await__"):  # a sync handler's answer
+                return aw, None, None
+            return None, None, aw  # an awaitable that is not a coroutine (a Future)
+        step = aw.send(None)
+    except StopIteration as stop:
+        return stop.value, None, None
+    except (Exception, asyncio.CancelledError) as exc:
+        return None, exc, None
+    return None, None, Resume(aw, step)
+
+
+def abandon(rest: Awaitable[LLMResponse] | None) -> None:
+    """End what :func:`first_step` left, its task cancelled before it awaited it."""
+    if isinstance(rest, Resume):
+        rest.close()
+    elif asyncio.isfuture(rest):
+        rest.cancel()

@@ -1,10 +1,6 @@
-"""The counts of one worker, in one object: read by ``status()`` and health replies, and
-exported to Prometheus when scraped (:func:`transport.metrics.on_scrape`).
-
-Two threads count: the engine's loop (requests, replies, pauses) and the socket thread
-(pings, bad input, unreachable clients). Each writes only its own :class:`Shard`, with
-``+=`` on plain ints whose keys never change (no lock, no call into prometheus-client
-on the request path); readers sum the two shards.
+"""The counts of one worker: read by ``status()`` and health replies, exported to
+Prometheus when scraped. The engine's loop and the socket thread each write only their
+own :class:`Shard` (plain ints, no lock on the request path); readers sum both.
 """
 
 from __future__ import annotations
@@ -72,12 +68,9 @@ class Shard:
 
 
 class Counters(Mapping[str, int]):
-    """Every count of one worker, and a read-only mapping of its status counts.
-
-    ``loop`` and ``io`` are the shards of the engine's loop and of the socket thread;
-    ``read`` maps the names of counts other parts keep (lost replies, refused keys) to
-    functions that read them.
-    """
+    """Every count of one worker, and a read-only mapping of its status counts: the
+    shards ``loop`` and ``io``, and ``read``, names of counts other parts keep mapped to
+    functions that read them."""
 
     def __init__(self) -> None:
         self.loop = Shard()

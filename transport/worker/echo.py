@@ -1,5 +1,4 @@
-"""The echo engine: answers with the prompt (for benchmarks and tests). It never blocks,
-so it runs inline: on the engine's loop, which then serves the socket too."""
+"""The echo engine: answers with the prompt (for benchmarks and tests)."""
 
 from __future__ import annotations
 
@@ -28,15 +27,12 @@ async def echo_handler(req: LLMRequest, ctx: GenerationContext) -> LLMResponse:
     )
 
 
-#: The echo measures no inter-token latency (the worker never sends it: only encoded).
 _NO_ITL = TokenArray._wrap(constant(0, np.float64))
 
 
 def _echo_fill(n: int, version: int) -> tuple[TokenArray, TokenArray]:
-    """Read-only zero logprobs and constant versions of length ``n``: views of arrays
-    shared by every echo (the server only encodes them), so the benchmark's worker
-    spends its time on the fabric, not on allocating and filling arrays that grow with
-    the message."""
+    """Read-only zero logprobs and constant versions of length ``n``: views of shared
+    arrays, so the benchmark's worker spends its time on the fabric."""
     return (
         TokenArray._wrap(constant(n, np.float32)),
         TokenArray._wrap(constant(n, np.int32, version)),

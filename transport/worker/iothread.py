@@ -1,14 +1,10 @@
 """The worker's socket thread: it owns the ROUTER, answers pings and moves bytes.
 
-The thread runs an asyncio loop of its own with a :class:`~transport.sockets.SocketPump`
-on the ROUTER. It decodes what arrives, answers pings and ``health`` controls itself,
-answers undecodable input with an ``Error``, and hands every other message to the
-engine's loop through a queue (one wake-up per batch); replies come back through another
-queue and leave as one coalesced burst per wake-up. With ``WorkerConfig.inline`` the
-same code runs on the engine's loop, with no thread and no queues.
-
-So a handler blocking the engine's loop never delays a pong; a pure-Python engine step
-holding the GIL delays it by at most the interpreter's switch interval.
+Its own asyncio loop runs a :class:`~transport.sockets.SocketPump` on the ROUTER: it
+decodes, answers pings, ``health`` and bad input itself, and hands the rest to the
+engine's loop through a queue (one wake-up per batch); replies come back through
+another. So a handler blocking the engine's loop never delays a pong. With
+``WorkerConfig.inline`` the same code runs on the engine's loop, with no queues.
 """
 
 from __future__ import annotations
@@ -18,8 +14,8 @@ import contextlib
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Container, Sized
-from typing import Any, Protocol
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import zmq
 from zmq.utils.monitor import parse_monitor_message
@@ -50,8 +46,8 @@ _ACCEPTED_KINDS |= {MsgKind.FABRIC_CONTROL, MsgKind.FABRIC_ERROR}
 #: Handed to the engine's loop for a peer the pump dropped (it stopped reading).
 DROPPED = object()
 
-#: Peers whose encoder is remembered; past it the table starts afresh (a forgotten peer
-#: gets version-1 replies, which every peer reads, until its next ping).
+#: Peers whose encoder is remembered; past it the table starts afresh (version 1 until
+#: a forgotten peer's next ping).
 _MAX_ENCODERS = 65536
 _V1 = versions.VERSION_1
 
@@ -79,25 +75,14 @@ class _Handoff:
             self._take(self.items)
 
 
-class _Table(Container[Any], Sized, Protocol):
-    """The requests a worker holds, keyed ``(peer, id)`` (read here, never written)."""
-
-
 class SocketThread:
     """The ROUTER of one :class:`~transport.WorkerServer`, served from its own thread.
 
-    Parameters
-    ----------
-    config, counters, lost, gate, held:
-        The worker's settings and the parts this thread counts in (the ``io`` shard)
-        or reads: lost replies, pause gate, table of held requests.
-    worker_id, incarnation, version, engine_waiting, status:
-        What pongs and health replies report.
-    dispatch:
-        ``dispatch(peer, msg)``, run on the engine's loop for each message that is its
-        (Submit, Cancel, other controls, :data:`DROPPED`).
-    threaded:
-        False: serve the socket on the engine's loop (``WorkerConfig.inline``).
+    It counts in ``counters.io`` and reads ``lost``, ``gate`` and ``held`` (the held
+    requests by ``(peer, id)``); pongs and health replies report ``worker_id``,
+    ``incarnation``, ``version()``, ``engine_waiting()`` and ``status()``.
+    ``dispatch(peer, msg)`` runs on the engine's loop for a Submit, Cancel, Control or
+    :data:`DROPPED`. ``threaded=False``: served on the engine's loop (``inline``).
     """
 
     def __init__(
@@ -106,7 +91,7 @@ class SocketThread:
         counters: Counters,
         lost: LostReplies,
         gate: PauseGate,
-        held: _Table,
+        held: Mapping[tuple[bytes, int], object],
         *,
         worker_id: str,
         incarnation: str,
@@ -136,8 +121,8 @@ class SocketThread:
         #: Peers refused for their versions, with the reason they were sent (once).
         self._refused: dict[bytes, str] = {}
         self._dec = Decoder(fm.CLIENT_TO_WORKER, max_message_size=config.max_message_size)
-        # (arrival time, peer, message) for the engine's loop; Submits put there and
-        # taken are counted by this thread and that loop: one writer each.
+        # (arrival time, peer, message) for the engine's loop; Submits in and taken have
+        # one writer each.
         self._inbox = _Handoff(self._take_inbox)
         self._submits_in = 0
         self._submits_taken = 0
@@ -151,7 +136,6 @@ class SocketThread:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
 
-    # -- lifecycle (called on the engine's loop) ----------------------------------------
     async def start(self, zmq_context: zmq.Context[Any]) -> list[str]:
         """Bind and serve; returns the bound endpoints (or raises what binding raised)."""
         self._inbox.loop = asyncio.get_running_loop()
@@ -230,7 +214,6 @@ class SocketThread:
         if self.threaded and self._loop is not None:
             self._loop.stop()
 
-    # -- load, as pongs and status report it -------------------------------------------
     def engine_lag(self) -> float:
         """Seconds the oldest message not yet taken by the engine's loop has waited."""
         inbox = self._inbox.items
@@ -256,7 +239,6 @@ class SocketThread:
         self._doomed = doomed = {k for k in self._doomed if k in held}
         return len(doomed)
 
-    # -- the engine's loop side ----------------------------------------------------------
     def send(self, peer: bytes, msg: Any) -> None:
         """Encode ``msg`` in the version ``peer`` reads and send it (engine's loop)."""
         frames = self.encoders.get(peer, _V1).encode(msg)
@@ -271,7 +253,6 @@ class SocketThread:
                 self._submits_taken += 1
             dispatch(peer, msg)
 
-    # -- this thread's side ----------------------------------------------------------------
     def _send_out(self, out: deque[list[Any]]) -> None:
         if self._pump is not None:
             msgs = []
@@ -281,9 +262,7 @@ class SocketThread:
 
     def _send(self, peer: bytes, msg: Any) -> None:
         assert self._pump is not None
-        frames = self.encoders.get(peer, _V1).encode(msg)
-        frames.insert(0, peer)
-        self._pump.send(frames)
+        self._pump.send([peer, *self.encoders.get(peer, _V1).encode(msg)])
 
     def _to_engine(self, peer: bytes, msg: Any) -> None:
         if not self.threaded:
@@ -320,8 +299,7 @@ class SocketThread:
             self._to_engine(peer, msg)
         elif tp is fm.Heartbeat:
             self._pong(peer, msg)
-        elif tp is fm.Control and msg.op == "health":
-            # Liveness of the controller's view too: answered here, not by the engine.
+        elif tp is fm.Control and msg.op == "health":  # as live as a pong
             self.counts.counts["control"] += 1
             self._send(peer, fm.ControlReply(seq=msg.seq, ok=True, status=self._status()))
         elif tp is fm.Error:
@@ -350,9 +328,8 @@ class SocketThread:
             encoders[peer] = enc
         if peer in self.lost:
             self._report_lost(peer)
-        # The engine's load, as what a new request would wait behind: Submits held or
-        # queued for it, less those a Cancel already on its way will end (counted off
-        # the waiting ones first).
+        # What a new request would wait behind: Submits held or queued, less those a
+        # Cancel on its way will end (off the waiting ones first).
         running = self.gate.running
         held = len(self.held)
         doomed = self._doomed_held()
@@ -430,16 +407,13 @@ class SocketThread:
             self._bad(peer, -1, fm.ErrorCode.BAD_MESSAGE, str(exc))
 
     def _on_undeliverable(self, frames: list[Any]) -> None:
-        # The peer's connection is down (gone, or about to reconnect): its requests keep
-        # running; what is lost here is reported when it is heard from again.
+        # Its requests keep running; what is lost is reported when it is heard again.
         counts = self.counts.counts
         counts["undeliverable"] += 1
         peer = self.lost.note_undeliverable(frames)
         log_counted(counts["undeliverable"], "client %r unreachable: a reply is dropped", peer)
 
-    def _on_drop(self, peer: Any) -> None:
-        # The pump dropped a peer that stopped reading: the engine's loop cancels its
-        # requests.
+    def _on_drop(self, peer: Any) -> None:  # it stopped reading: cancel its requests
         self.counts.counts["dropped_peers"] += 1
         self._to_engine(bytes(peer), DROPPED)
 

@@ -1,11 +1,8 @@
-"""Lost-reply bookkeeping: what a worker gave up for a client it could not reach.
+"""What a worker gave up for a client it could not reach, reported when it pings again.
 
-A client presumed dead may only have stalled, and a connection may be reset while its
-client lives. So the worker remembers, per peer, the submission ids it cancelled that
-way or whose ``Result`` was undeliverable, and its undeliverable ``Error`` replies; when
-the peer pings again, each id is reported ``Error(LOST)`` (the client re-sends it) and
-each Error is sent again. Written by the socket thread and the engine's loop: a lock
-guards the table.
+A client presumed dead may only have stalled. Per peer: the submission ids cancelled
+that way or whose ``Result`` was undeliverable (each reported ``Error(LOST)``: the client
+re-sends it) and undeliverable ``Error`` replies (sent again). Written from two threads.
 """
 
 from __future__ import annotations
@@ -51,9 +48,8 @@ class LostReplies:
                 entry[2].extend(replies)
 
     def note_undeliverable(self, frames: list[Any]) -> bytes:
-        """Record what an undeliverable ZeroMQ message (``[peer, *body]``) carried: the
-        ids of its Results (an output can be large: generated again instead) and private
-        copies of its Errors (small, and their codes matter). Returns the peer."""
+        """Record what an undeliverable ``[peer, *body]`` carried: its Results' ids (to
+        be generated again) and copies of its Errors; returns the peer."""
         peer = bytes(frames[0])
         lost, replies = [], []
         for msg in fm.split(frames[1:]):
@@ -62,8 +58,7 @@ class LostReplies:
                 continue
             if kind == MsgKind.FABRIC_RESULT:
                 lost.append(first)
-            elif kind == MsgKind.FABRIC_ERROR:
-                # A copy: the encoder's buffers are not ours to keep.
+            elif kind == MsgKind.FABRIC_ERROR:  # a copy: the encoder's buffers are not ours
                 replies.append([bytes(f) for f in msg])
         self.note(peer, lost, replies)
         return peer

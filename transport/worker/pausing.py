@@ -1,9 +1,8 @@
 """The pause gate of a worker: handler slots, pause and resume (on the engine's loop).
 
-Pause: new submissions wait; running handlers see ``ctx.interrupted`` become true and
-should return their partial output with ``stop_reason="interrupt"`` (the client
-re-submits the rest after resume). A pause completes once no handler is running, so a
-weight update that starts after it never races a generation step.
+Paused, new submissions wait and running handlers see ``ctx.interrupted`` (they return
+their output so far with ``stop_reason="interrupt"``). A pause completes once no handler
+runs, so a weight update after it never races a generation step.
 """
 
 from __future__ import annotations
@@ -20,26 +19,22 @@ __all__ = ["PauseGate", "ResumeRefused"]
 
 
 class PauseGate:
-    """At most ``max_running`` handlers run at once, and none starts while paused.
-
-    Used on the engine's loop (the socket thread only reads :attr:`paused` and
-    :attr:`running`); pauses are counted in ``counts``, the engine loop's shard.
-    """
+    """At most ``max_running`` handlers run at once, none starts while paused; pauses
+    are counted in ``counts``. The socket thread only reads :attr:`paused` and
+    :attr:`running`."""
 
     def __init__(self, max_running: int, counts: Shard) -> None:
         self.max_running = max_running
         self.paused = False
         #: Handlers running now.
         self.running = 0
-        #: How many times :meth:`pause` was called: lets an in-process pauser (a weight
-        #: copy) tell whether someone else paused the worker after it did.
+        #: Calls of :meth:`pause`: an in-process pauser sees whether another followed.
         self.pause_requests = 0
         self.on_pause: list[Callable[[], Any]] = []
         self.on_resume: list[Callable[[], Any]] = []
         self._counts = counts
         self._waiting: collections.deque[asyncio.Future[None]] = collections.deque()
-        # Futures of pause() calls waiting for no handler to run: not an Event toggled
-        # by every request, which would cost every request a call.
+        # pause() calls waiting for no handler to run (no Event set by every request).
         self._idle: list[asyncio.Future[None]] = []
 
     def try_enter(self) -> bool:
@@ -51,8 +46,7 @@ class PauseGate:
 
     async def enter(self) -> None:
         """Take a slot once one is free and the worker is not paused."""
-        while self.paused or self.running >= self.max_running:
-            # Woken by a resume or a finished request: look again.
+        while self.paused or self.running >= self.max_running:  # woken: look again
             gate: asyncio.Future[None] = asyncio.get_running_loop().create_future()
             self._waiting.append(gate)
             await gate

@@ -1,17 +1,8 @@
 """The generation worker's server: requests, pause / resume / abort, dead clients.
 
-The handler is the adapter point for an engine (:mod:`transport.engines.api`)::
-
-    async def handler(req: LLMRequest, ctx: RequestContext) -> LLMResponse
-
-Two kinds of work never share a thread. The ROUTER belongs to the socket thread
-(:mod:`transport.worker.iothread`), which answers pings and moves bytes; all of this
-module runs on the *engine's loop* (the asyncio loop that awaited
-:meth:`WorkerServer.start`), where each Submit is its own task. A handler may block that
-loop: its requests wait, pings are still answered at once.
-
-:class:`WorkerServer` owns its parts and hands each the others it needs: counters, pause
-gate, lost replies, socket thread and the replies its request contexts share.
+All of this module runs on the *engine's loop* (the one that awaited
+:meth:`WorkerServer.start`); the ROUTER belongs to the socket thread
+(:mod:`transport.worker.iothread`), so a handler blocking that loop never delays a pong.
 """
 
 from __future__ import annotations
@@ -36,11 +27,16 @@ from transport.engines.api import Engine, attach_engine
 from transport.errors import EMPTY_PROMPT, ResumeRefused
 from transport.sockets import WorkerAuthenticator
 from transport.worker.config import WorkerConfig, checked_config
-from transport.worker.context import InvalidHandlerOutput, Replies, RequestContext, output_problem
+from transport.worker.context import (
+    InvalidHandlerOutput,
+    Replies,
+    RequestContext,
+    abandon,
+    first_step,
+    output_problem,
+)
 from transport.worker.counters import Counters, log_counted
-from transport.worker.eager import abandon, first_step
 from transport.worker.iothread import DROPPED, SocketThread
-from transport.worker.jobs import start_jobs
 from transport.worker.lost import LostReplies
 from transport.worker.pausing import PauseGate
 
@@ -75,15 +71,13 @@ class WorkerServer:
     Parameters
     ----------
     handler:
-        ``async (req, ctx) -> LLMResponse``, a plain function ``(req, ctx) ->
-        LLMResponse`` (it may block: it runs on the engine's loop, never on the socket
-        thread), or an engine object whose ``generate`` is one of those; the engine is
-        then :attr:`engine` (weight updates reach it there).
+        ``async (req, ctx) -> LLMResponse``, a plain function of the same shape (it may
+        block the engine's loop), or an engine whose ``generate`` is one (then
+        :attr:`engine`).
     config:
         :class:`WorkerConfig` (or its fields by name); ``ValueError`` names a bad one.
     background:
-        Coroutine functions ``f(server)`` started in the server's loop once it serves
-        and cancelled at close (a weight subscriber, say). Keep them non-blocking.
+        Coroutine functions ``f(server)`` run in the server's loop from start to close.
 
     Examples
     --------
@@ -135,7 +129,6 @@ class WorkerServer:
         self._closed: asyncio.Event | None = None
         self._unexport: Callable[[], None] | None = None
 
-    # -- public state -------------------------------------------------------------------
     @property
     def paused(self) -> bool:
         """Whether generation is paused."""
@@ -171,7 +164,6 @@ class WorkerServer:
         )  # fmt: skip
 
     def _queue_depth(self) -> int:
-        # Received and not running: waiting for a slot, a resume, or the engine's loop.
         return max(0, len(self._tasks) - self.gate.running) + self.io.queued_submits()
 
     def _engine_waiting(self) -> int:
@@ -184,7 +176,6 @@ class WorkerServer:
         except Exception:
             return 0
 
-    # -- pause / resume / abort (also callable in-process) ------------------------------
     async def pause(self, timeout: float = 30.0) -> bool:
         """Stop generation: new requests wait, running ones are interrupted. Returns
         True once no handler runs, False if some still run after ``timeout`` s."""
@@ -202,7 +193,6 @@ class WorkerServer:
                 req.task.cancel()
         return len(self._tasks)
 
-    # -- lifecycle ----------------------------------------------------------------------
     async def start(self) -> list[str]:
         """Bind, start serving and the background jobs; returns the bound endpoints.
 
@@ -228,17 +218,24 @@ class WorkerServer:
         self._sweeper = asyncio.get_running_loop().call_later(
             cfg.client_timeout / 4, self._sweep_peers
         )
-        try:
-            self._bg_tasks = await start_jobs(self.background, self)
-        except RuntimeError:
-            await self.close()
-            raise
+        self._bg_tasks = tasks = [asyncio.ensure_future(job(self)) for job in self.background]
+        if tasks:
+            await asyncio.sleep(0)
+            await asyncio.sleep(0)
+        for task, job in zip(tasks, self.background, strict=True):
+            # A worker must not report ready without what it was told to run.
+            if task.done() and not task.cancelled() and (exc := task.exception()) is not None:
+                await self.close()
+                name = getattr(job, "__qualname__", repr(job))
+                why = f"{type(exc).__name__}: {exc}"
+                raise RuntimeError(f"background job {name} failed at start: {why}") from exc
+        for task in tasks:
+            task.add_done_callback(_log_failure)
         log.info("worker %s serving on %s", self.worker_id, ", ".join(self.endpoints))
         return self.endpoints
 
     def _bind_gauges(self) -> None:
-        # Read when scraped, never written per request; the gauges report the last
-        # server started (one per process).
+        # Read when scraped, never written per request (one server per process).
         metrics.expose("worker")
         self._unexport = metrics.on_scrape("worker", self.counters.export)
         for gauge, fn in (
@@ -281,7 +278,6 @@ class WorkerServer:
         if self._closed is not None:
             self._closed.set()
 
-    # -- what the socket thread hands over ----------------------------------------------
     def _dispatch(self, peer: bytes, msg: Any) -> None:
         tp = type(msg)
         if tp is fm.Submit:
@@ -329,16 +325,13 @@ class WorkerServer:
         counts = self.counters.loop
         counts.counts["received"] += 1
         key = (peer, sub.id)
-        if key in self._tasks:
-            # A re-send of a submission still in flight (docs/PROTOCOL.md): its one
-            # answer answers both; the running one is not disturbed.
+        if key in self._tasks:  # a re-send of one in flight: its one answer answers both
             counts.counts["duplicates"] += 1
             return
         if sub.id < 0:
             self._bad(peer, sub.id, f"Submit.id must be >= 0, got {sub.id}")
             return
         if not len(sub.request.input_ids):
-            # An engine would generate from nothing until max_new_tokens: refuse it.
             self._bad(peer, sub.id, EMPTY_PROMPT)
             return
         if len(self._tasks) >= self.config.max_pending:
@@ -409,14 +402,12 @@ class WorkerServer:
         counts = self.counters.loop
         try:
             if err is None:
-                # Checked here, not at the client: a reply it could not decode would
-                # fail there as a BAD_RESPONSE with no word of what the handler did wrong.
+                # Checked here: the client could only say BAD_RESPONSE, not why.
                 problem = output_problem(resp)
                 if problem is None:
                     assert resp is not None
                     self.replies.flush(ctx)  # the tokens streamed before the Result
-                    # Counted before the answer leaves: a health request its client
-                    # sends once it has every answer sees them all.
+                    # Counted before it leaves: a health check after the answers sees it.
                     n = len(resp.output_tokens)
                     counts.result(resp.stop_reason, len(sub.request.input_ids), n)
                     self.io.send(
@@ -442,17 +433,13 @@ class WorkerServer:
                 text = f"worker time limit {sub.timeout} s passed"
                 self._send_error(peer, id, fm.ErrorCode.TIMEOUT, text)
                 return
-            if isinstance(err, ValueError):
-                # The engine refused this input (ids outside its vocabulary, say): the
-                # sender's mistake, one line, no traceback.
+            if isinstance(err, ValueError):  # the engine refused the input: no traceback
                 why = f"{type(err).__name__}: {err}"
                 log.warning("request %s refused by the engine: %s", sub.request.rid, why)
             else:
                 log.error("handler failed on request %s", sub.request.rid, exc_info=err)
             self._send_error(peer, id, fm.ErrorCode.HANDLER_ERROR, f"{type(err).__name__}: {err}")
-        except Exception:
-            # A reply that cannot be built (a handler returning a wrong type, say) must
-            # not leak the slot.
+        except Exception:  # a reply that cannot be built must not leak the slot
             counts.counts["errors"] += 1
             log.exception("cannot send the reply to request %s", sub.request.rid)
             with contextlib.suppress(Exception):
@@ -472,21 +459,18 @@ class WorkerServer:
         else:
             counts.counts["cancelled"] += 1
 
-    # -- dead clients -----------------------------------------------------------------
     def _sweep_peers(self) -> None:
         now = time.monotonic()
         limit = self.config.client_timeout
         self.lost.expire()  # clients that are not coming back
-        for peer, seen in list(self.io.peers.items()):
-            # A quiet controller holds no requests: forgotten without a fuss.
+        for peer, seen in list(self.io.peers.items()):  # a quiet controller holds nothing
             if now - seen > limit and self._forget_peer(peer):
                 self.counters.loop.counts["dead_peers"] += 1
                 log.warning("client %r silent for %.1f s: cancelled its requests", peer, now - seen)
         self._sweeper = asyncio.get_running_loop().call_later(limit / 4, self._sweep_peers)
 
     def _forget_peer(self, peer: bytes) -> int:
-        # Presumed dead, perhaps only stalled: what is cancelled here is reported if it
-        # pings again.
+        # Perhaps only stalled: what is cancelled here is reported LOST if it pings again.
         self.io.peers.pop(peer, None)
         lost = []
         for (p, id), req in list(self._tasks.items()):
@@ -496,3 +480,8 @@ class WorkerServer:
                 lost.append(id)
         self.lost.note(peer, lost)
         return len(lost)
+
+
+def _log_failure(task: asyncio.Task[Any]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("background job failed", exc_info=task.exception())
