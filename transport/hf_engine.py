@@ -23,11 +23,10 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
 import numpy as np
-from msgspec import Meta
 
 try:
     import torch
@@ -48,7 +47,7 @@ from transport.hf_model import (
     transformers_module,
     weight_left_linear,
 )
-from transport.options import parse_options
+from transport.options import NonNegativeSeconds, Positive, parse_options
 
 if TYPE_CHECKING:
     from transport.engines.api import GenerationContext
@@ -388,10 +387,10 @@ class HFOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     seed: int = 0
     arch: str = "llama"
     dtype: Literal["float32", "float16", "bfloat16"] = "float32"
-    max_batch: Annotated[int, Meta(ge=1)] = 64
-    max_len: Annotated[int, Meta(ge=1)] = 4096
-    token_interval: Annotated[float, Meta(ge=0)] = 0.0
-    threads: Annotated[int, Meta(ge=1)] | None = None
+    max_batch: Positive = 64
+    max_len: Positive = 4096
+    token_interval: NonNegativeSeconds = 0.0
+    threads: Positive | None = None
 
 
 def create_engine(

@@ -3,23 +3,25 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Annotated, Any
+from typing import Any
 
 import msgspec
-from msgspec import Meta
 
 from fastio.tokens import TokenArray
-from transport.options import parse_options
+from transport.options import (
+    NonNegative,
+    NonNegativeSeconds,
+    Port,
+    Positive,
+    Seconds,
+    parse_options,
+)
 from transport.sockets import DEFAULT_HWM, DEFAULT_MAX_MESSAGE_SIZE, CurveConfig
 
 __all__ = ["ChunkCallback", "ClientConfig", "client_config"]
 
 #: ``on_chunk(tokens, logprobs, versions)``: output tokens not delivered before.
 ChunkCallback = Callable[[TokenArray, TokenArray, TokenArray], None]
-
-_Seconds = Annotated[float, Meta(gt=0)]
-_AtLeastOne = Annotated[int, Meta(ge=1)]
-_NonNegative = Annotated[int, Meta(ge=0)]
 
 
 class ClientConfig(msgspec.Struct, forbid_unknown_fields=True):
@@ -54,20 +56,20 @@ class ClientConfig(msgspec.Struct, forbid_unknown_fields=True):
         histogram (the ``metrics`` extra). ``None``: no endpoint.
     """
 
-    heartbeat_interval: _Seconds = 1.0
-    heartbeat_liveness: _AtLeastOne = 3
-    connect_timeout: _Seconds = 10.0
-    request_timeout: _Seconds = 3600.0
-    max_in_flight_per_worker: _AtLeastOne = 1024
-    max_resends: _NonNegative = 8
-    resend_backoff: Annotated[float, Meta(ge=0)] = 0.05
-    resend_backoff_max: Annotated[float, Meta(ge=0)] = 5.0
+    heartbeat_interval: Seconds = 1.0
+    heartbeat_liveness: Positive = 3
+    connect_timeout: Seconds = 10.0
+    request_timeout: Seconds = 3600.0
+    max_in_flight_per_worker: Positive = 1024
+    max_resends: NonNegative = 8
+    resend_backoff: NonNegativeSeconds = 0.05
+    resend_backoff_max: NonNegativeSeconds = 5.0
     stream: bool = True
-    max_message_size: _AtLeastOne = DEFAULT_MAX_MESSAGE_SIZE
-    hwm: _NonNegative = DEFAULT_HWM
+    max_message_size: Positive = DEFAULT_MAX_MESSAGE_SIZE
+    hwm: NonNegative = DEFAULT_HWM
     curve: CurveConfig | None = None
-    sticky_cache_size: _NonNegative = 100_000
-    metrics_port: Annotated[int, Meta(ge=0, le=65535)] | None = None
+    sticky_cache_size: NonNegative = 100_000
+    metrics_port: Port | None = None
 
 
 def client_config(config: ClientConfig | None, options: Mapping[str, Any]) -> ClientConfig:

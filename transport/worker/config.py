@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Annotated, Any
+from typing import Any
 
 import msgspec
 
+from transport.options import NonNegative, Positive, Seconds
 from transport.sockets import (
     DEFAULT_HWM,
     DEFAULT_MAX_MESSAGE_SIZE,
@@ -15,8 +16,6 @@ from transport.sockets import (
 )
 
 __all__ = ["WorkerConfig", "checked_config"]
-
-_Positive = Annotated[int, msgspec.Meta(ge=1)]
 
 
 class WorkerConfig(msgspec.Struct, forbid_unknown_fields=True):
@@ -54,13 +53,13 @@ class WorkerConfig(msgspec.Struct, forbid_unknown_fields=True):
 
     bind: str | list[str] = "tcp://127.0.0.1:0"
     worker_id: str = ""
-    max_concurrency: _Positive = 4096
-    max_pending: _Positive = 65536
-    client_timeout: Annotated[float, msgspec.Meta(gt=0)] = 10.0
-    max_message_size: _Positive = DEFAULT_MAX_MESSAGE_SIZE
-    hwm: Annotated[int, msgspec.Meta(ge=0)] = DEFAULT_HWM
+    max_concurrency: Positive = 4096
+    max_pending: Positive = 65536
+    client_timeout: Seconds = 10.0
+    max_message_size: Positive = DEFAULT_MAX_MESSAGE_SIZE
+    hwm: NonNegative = DEFAULT_HWM
     curve: CurveConfig | None = None
-    peer_queue_limit: _Positive = DEFAULT_PEER_QUEUE_LIMIT
+    peer_queue_limit: Positive = DEFAULT_PEER_QUEUE_LIMIT
     extra: dict[str, str] = msgspec.field(default_factory=dict)
     eager_start: bool = True
     inline: bool | None = None
