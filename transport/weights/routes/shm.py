@@ -25,7 +25,8 @@ from typing import Any
 import torch
 
 from fastio.weight_msgs import WeightBucket
-from transport.weights.routes import Receiver, part_of, take
+from transport.weights.routes import Receiver
+from transport.weights.routes.receive import part_of, take
 
 __all__ = [
     "SHM_DIR",

@@ -22,7 +22,8 @@ from typing import Any, NamedTuple
 import numpy as np
 import zmq
 
-from transport.weights.routes import Receiver, part_of, take
+from transport.weights.routes import Receiver
+from transport.weights.routes.receive import part_of, take
 
 __all__ = [
     "PIECE",

@@ -12,7 +12,8 @@ from typing import Any
 import numpy as np
 
 from fastio.weight_msgs import WeightBucket
-from transport.weights.routes import Receiver, part_of, take
+from transport.weights.routes import Receiver
+from transport.weights.routes.receive import part_of, take
 
 __all__ = ["receive_frames"]
 
