@@ -1,16 +1,18 @@
 """Routes: where a version's bytes travel between a trainer and a worker.
 
-Every route carries the same buckets under the same control messages (Announce, Fetch,
-Ack: :mod:`transport.weights.core`); only where the bytes live differs. Each module
-holds both sides of its route: the trainer's offer and send, the worker's open, receive
-(a bucket into views of its weights or staging buffer) and close.
+Every route carries the same buckets under the same control messages
+(:mod:`transport.weights.core`); only where the bytes live differs. Each module holds
+both sides of its route:
 
 * :mod:`~transport.weights.routes.shm`: a shared-memory segment on the trainer's host;
 * :mod:`~transport.weights.routes.tcp`: the data link, a plain TCP connection per worker;
 * :mod:`~transport.weights.routes.zmq`: ZeroMQ frames on the control sockets, the
   fallback of both;
 * :mod:`~transport.weights.routes.ipc`: the trainer's own memory (CUDA IPC or torch
-  shared storage), with its slots in ``ipc_export``, ``ipc_import`` and ``ipc_tensors``.
+  shared storage), its worker side in :mod:`~transport.weights.routes.ipc_worker`.
+
+The receiving sides of shm, tcp and zmq share one step:
+:func:`~transport.weights.routes.receive.take`.
 """
 
 from typing import Any, Protocol

@@ -1,49 +1,49 @@
 """The ``ipc`` route: persistent buckets ("slots") of the trainer's own memory, opened
 once by every worker on its host and packed again for every version (``docs/PROTOCOL.md``,
-"The ipc path"): CUDA IPC on a GPU, torch shared-memory files on CPU. Both sides as the
-drivers run them: :class:`IpcOffering` (publisher) and :class:`IpcReceiver` (subscriber),
-over the sans-I/O slots (:class:`IpcExporter`, :class:`IpcImporter`).
+"The ipc path"): CUDA IPC on a GPU, torch shared-memory files on CPU.
 
-Bucket b goes to slot ``b % slots``, packed and checksummed on the slot's device into its
-trailer with the version; a slot is packed again only once every worker sent its last
-``IpcReady`` acked it or is gone (the trainer then releases its references).
-
-A version takes the route as the publisher's ``ipc`` allows (``"auto"``: CUDA tensors,
-``"cpu"``: any, ``"off"``: never); a worker on the publisher's host that copies into its
-target as is asks for the slots (``IpcHello``) once it holds the latest version, opens the
-``IpcOffer``, applies ``IpcReady`` notices and acks each slot (``IpcAck``) and version
-(``WeightAck(via="ipc")``). A version that fails here, or makes no progress for
-``publisher_timeout``, is fetched by shm/tcp from its kept Announce.
+Trainer side here: :class:`IpcOffering` (the publisher's route) over :class:`IpcExporter`
+(the slots of one layout, sans-I/O). Worker side, re-exported here:
+:mod:`~transport.weights.routes.ipc_worker`. A version takes the route as the
+publisher's ``ipc`` allows (``"auto"``: CUDA tensors, ``"cpu"``: any, ``"off"``: never).
 """
 
 from __future__ import annotations
 
-import logging
+import os
 import threading
 import time
+import uuid
 from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
 
 import fastio
-from fastio.ipc_msgs import IpcAck, IpcHello, IpcOffer, IpcReady
-from fastio.weight_msgs import WeightAnnounce
+from fastio.ipc_msgs import (
+    TRAILER_BYTES,
+    IpcAck,
+    IpcHandle,
+    IpcHello,
+    IpcOffer,
+    IpcReady,
+    IpcSlot,
+)
 from transport import metrics
 from transport.weights.core.publisher import PublisherCore
-from transport.weights.core.subscriber import SubscriberCore
-from transport.weights.fetching import VersionFetcher
-from transport.weights.reporting import Reporter
-from transport.weights.results import UpdateStats
-from transport.weights.routes.ipc_export import IpcExporter, IpcResult
-from transport.weights.routes.ipc_import import IpcImporter
+from transport.weights.errors import WeightUpdateError
+from transport.weights.routes import ipc_tensors as shared
 from transport.weights.routes.ipc_tensors import (
     DEFAULT_IPC_BUCKET_BYTES,
     IpcRefused,
-    _layout_of,
     checksum,
     plan_layout,
+    process_alive,
+    process_start_time,
 )
+from transport.weights.routes.ipc_worker import PATHS, IpcImporter, IpcReceiver, ipc_eligible
 
 __all__ = [
     "DEFAULT_IPC_BUCKET_BYTES",
@@ -60,26 +60,311 @@ __all__ = [
     "plan_layout",
 ]
 
-log = logging.getLogger("transport.weights.subscriber")
-
 #: Values of ``WeightPublisher(ipc=...)``.
 IPC_MODES = ("auto", "cpu", "off")
 
 
-class IpcOffering:
-    """The ``ipc`` slots of a publisher and the workers that asked for them.
+@dataclass
+class _Worker:
+    hello: IpcHello
+    opened: bool = False
+    version: int = -1
+    exports: list[IpcHandle] = field(default_factory=list)
+    acks: dict[int, IpcAck] = field(default_factory=dict)  # version -> its last bucket's ack
+    failed: dict[int, str] = field(default_factory=dict)  # version -> why
+    offered_at: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class IpcResult:
+    """Outcome of a version: the last ack of each worker that applied it, and why the
+    others did not (``failed``: refused a bucket, process gone, not done in time)."""
+
+    version: int
+    applied: dict[str, IpcAck]
+    failed: dict[str, str]
+
+    @property
+    def ok(self) -> bool:
+        """Every worker applied the version."""
+        return not self.failed
+
+
+class IpcExporter:
+    """The trainer's slots for one layout (sans-I/O): offered to workers, packed per
+    version, gated by their acks.
 
     Parameters
     ----------
-    mode, slots, timeout:
-        The publisher's ``ipc``, ``ipc_slots`` and ``ipc_timeout``.
-    core, cond:
-        The publisher's protocol core (its workers) and lock.
-    encoder, wake:
-        How a queued notice is encoded, and how the serving thread is woken to send it.
-    publisher_id, bucket_bytes:
-        The publisher's.
+    state:
+        A module or ``name -> tensor`` mapping: the layout of every version (names,
+        shapes, dtypes), and the device of the slots (its first tensor's).
+    bucket_bytes:
+        Bound of one bucket.
+    slots:
+        Persistent buckets (2: double buffering; ``None``: one per bucket).
+    verify:
+        Compute :func:`checksum` into every slot (the workers then check it).
+    publisher_id:
+        Named in the offers (default: a random one).
     """
+
+    def __init__(
+        self,
+        state: Any,
+        *,
+        bucket_bytes: int = DEFAULT_IPC_BUCKET_BYTES,
+        slots: int | None = 2,
+        verify: bool = True,
+        publisher_id: str | None = None,
+    ) -> None:
+        tensors = shared._named(state)
+        if not tensors:
+            raise ValueError("nothing to share: the state has no tensors")
+        self.layout = shared._layout_of(tensors, bucket_bytes)
+        self.device = next(iter(tensors.values())).device
+        self.verify = verify
+        self.publisher_id = publisher_id or uuid.uuid4().hex[:12]
+        n = len(self.layout) if slots is None else max(1, min(slots, len(self.layout)))
+        self.capacity = max(b.nbytes for b in self.layout)
+        self._slots: list[torch.Tensor] = []
+        self._events: list[Any] = []
+        self._cpu_handles: list[IpcHandle | None] = []
+        for _ in range(n):
+            slot, event, handle = shared._new_slot(self.capacity + TRAILER_BYTES, self.device)
+            self._slots.append(slot)
+            self._cpu_handles.append(handle)
+            if event is not None:  # pragma: no cover - CUDA
+                self._events.append(event)
+        #: Workers that may still read each slot (sent its last IpcReady, not acked).
+        self.pending: list[set[str]] = [set() for _ in range(n)]
+        self.workers: dict[str, _Worker] = {}
+        self._start_time = process_start_time(os.getpid()) or 0
+        self._versions: dict[int, set[str]] = {}  # version -> workers it was sent to
+        #: The version the slots hold whole (one slot per bucket), else ``-1``.
+        self.held = -1
+        #: Readers of :meth:`snapshot` views still at work: :meth:`publish` waits for them.
+        self.snapshot_reads = 0
+        self.closed = False
+
+    @property
+    def n_slots(self) -> int:
+        """Persistent buckets held."""
+        return len(self._slots)
+
+    def offer(self, hello: IpcHello) -> IpcOffer:
+        """Register a worker and export every slot for it, or refuse (an offer with an
+        ``error``): a process this trainer cannot see (another host or pid namespace),
+        a CUDA worker without access to the slots' device."""
+        if self.closed:
+            raise WeightUpdateError("exporter closed")
+        why = ""
+        if not process_alive(hello.pid, hello.start_time):
+            why = (
+                f"worker {hello.worker_id!r} (pid {hello.pid}) is not visible from the "
+                "trainer: another host or pid namespace; ipc needs one host"
+            )
+        elif self.device.type == "cuda":  # pragma: no cover - CUDA
+            mine = self.device.index or 0
+            if hello.device < 0:
+                why = "the slots are CUDA memory and the worker has no CUDA device"
+            elif hello.device != mine and not torch.cuda.can_device_access_peer(hello.device, mine):
+                why = f"cuda:{hello.device} has no peer access to cuda:{mine}"
+        if why:
+            return IpcOffer(self.publisher_id, os.getpid(), self._start_time, [], [], error=why)
+        old = self.workers.get(hello.worker_id)
+        if old is not None:  # a restarted worker: its old process holds nothing now
+            self.drop_worker(
+                hello.worker_id, dead=not process_alive(old.hello.pid, old.hello.start_time)
+            )
+        w = _Worker(hello, version=hello.version)
+        w.exports = [  # CUDA: one export (reference counter) per worker, released alone
+            h or shared._export_cuda(self._slots[k], self._events[k])
+            for k, h in enumerate(self._cpu_handles)
+        ]
+        self.workers[hello.worker_id] = w
+        return IpcOffer(
+            self.publisher_id,
+            os.getpid(),
+            self._start_time,
+            [IpcSlot(k, self.capacity, h) for k, h in enumerate(w.exports)],
+            self.layout,
+            checksum="sum64" if self.verify else "",
+        )
+
+    def handle_ack(self, ack: IpcAck) -> None:
+        """Account one :class:`IpcAck` (unknown workers are ignored)."""
+        w = self.workers.get(ack.worker_id)
+        if w is None:
+            return
+        if ack.bucket == -2:  # it unmapped the slots itself: nothing to release for it
+            self.drop_worker(ack.worker_id, dead=False)
+            return
+        if ack.bucket < 0:
+            if ack.ok:
+                w.opened = True
+            else:
+                self.drop_worker(ack.worker_id, dead=False)
+            return
+        if 0 <= ack.slot < self.n_slots:
+            self.pending[ack.slot].discard(ack.worker_id)
+        if not ack.ok:
+            w.failed.setdefault(ack.version, ack.error or "refused")
+        elif ack.bucket == len(self.layout) - 1 and ack.version not in w.failed:
+            w.acks[ack.version] = ack
+            w.version = ack.version
+
+    def drop_worker(self, worker_id: str, *, dead: bool) -> None:
+        """Forget a worker: no slot waits for it any more. ``dead``: its process is gone,
+        so the trainer also releases the references its opening took (no leak)."""
+        w = self.workers.pop(worker_id, None)
+        if w is None:
+            return
+        for p in self.pending:
+            p.discard(worker_id)
+        if not (dead and w.opened):
+            return
+        for k, h in enumerate(w.exports):
+            shared._release(self._slots[k], h)
+
+    def reap(self) -> list[str]:
+        """Drop every worker whose process is gone; their ids."""
+        gone = [
+            k for k, w in self.workers.items() if not process_alive(w.hello.pid, w.hello.start_time)
+        ]
+        for k in gone:
+            self.drop_worker(k, dead=True)
+        return gone
+
+    def _free(self, k: int) -> bool:
+        if self.pending[k]:
+            self.reap()
+        return not self.pending[k]
+
+    def publish(
+        self,
+        state: Any,
+        version: int,
+        *,
+        send: Callable[[str, IpcReady], None],
+        wait: Callable[[float], object],
+        timeout: float = 60.0,
+    ) -> None:
+        """Pack ``state`` as ``version``, bucket by bucket, and ``send`` an
+        :class:`IpcReady` to every opened worker after each; returns once the last is
+        sent (see :meth:`result`). ``wait(seconds)`` is called while a slot is still
+        read: it blocks up to that long, handing each :class:`IpcAck` to :meth:`handle_ack`.
+
+        Raises
+        ------
+        WeightMismatchError
+            ``state`` does not match the layout.
+        WeightUpdateError
+            A slot stayed in use by a live worker for ``timeout`` seconds.
+        """
+        tensors = shared._named(state)
+        shared._check_layout(self.layout, tensors)
+        deadline = time.monotonic() + timeout
+        if not _until(lambda: not self.snapshot_reads, deadline, wait):
+            raise WeightUpdateError("the slots are still read for a snapshot")
+        self.held = -1
+        n = len(self.layout)
+        sent_to: set[str] = set()
+        for b in self.layout:
+            k = b.index % self.n_slots
+            if not _until(partial(self._free, k), deadline, wait):
+                raise WeightUpdateError(
+                    f"slot {k} is still read by {sorted(self.pending[k])}: not packed again "
+                    "(a worker that may read it neither acked nor died in time)"
+                )
+            slot = self._slots[k]
+            payload = slot[: b.nbytes]
+            shared._pack(b, tensors, slot)
+            trailer = slot[self.capacity : self.capacity + TRAILER_BYTES].view(torch.int64)
+            if self.verify:
+                trailer[0].copy_(checksum(payload))
+            else:
+                trailer[0].zero_()
+            trailer[1].fill_(version)
+            if self._events:  # pragma: no cover - CUDA
+                self._events[k].record()
+            msg = IpcReady(version, b.index, k, n)
+            for wid, w in list(self.workers.items()):
+                if w.opened:
+                    self.pending[k].add(wid)
+                    sent_to.add(wid)
+                    send(wid, msg)
+        self._versions[version] = sent_to
+        for old in [v for v in self._versions if v < version - 8]:
+            del self._versions[old]
+        self.held = version if self.n_slots >= n else -1
+
+    def snapshot(self, version: int) -> dict[str, torch.Tensor] | None:
+        """Typed views of every tensor of ``version`` while the slots hold it whole (else
+        ``None``), valid until the next :meth:`publish`, which waits while
+        :attr:`snapshot_reads` (raised by the reader) is not zero."""
+        if self.held != version or self.closed:
+            return None
+        return shared._views(self.layout, self._slots)
+
+    def result(
+        self, version: int, *, wait: Callable[[float], object], timeout: float = 60.0
+    ) -> IpcResult:
+        """Wait until every worker ``version`` was sent to has applied it, refused it or
+        is gone (up to ``timeout`` seconds), calling ``wait`` as in :meth:`publish`."""
+        targets = self._versions.get(version, set())
+
+        def settled() -> bool:
+            self.reap()
+            ws = self.workers
+            return all(
+                t not in ws or version in ws[t].acks or version in ws[t].failed for t in targets
+            )
+
+        _until(settled, time.monotonic() + timeout, wait)
+        applied: dict[str, IpcAck] = {}
+        failed: dict[str, str] = {}
+        for t in sorted(targets):
+            w = self.workers.get(t)
+            if w is None:
+                failed[t] = "worker gone"
+            elif version in w.acks:
+                applied[t] = w.acks[version]
+            else:
+                failed[t] = w.failed.get(version, f"not applied within {timeout} s")
+        return IpcResult(version, applied, failed)
+
+    def close(self) -> None:
+        """Drop the slots (their memory is freed once no live worker maps them)."""
+        self.reap()
+        self.closed = True
+        self._slots.clear()
+        self._events.clear()
+        self._cpu_handles.clear()
+        if (
+            self.device.type == "cuda"
+        ):  # pragma: no cover - CUDA: free blocks whose readers have all let go
+            shared._cuda.ipc_collect()
+
+
+def _until(
+    done: Callable[[], bool], deadline: float, wait: Callable[[float], object], step: float = 0.2
+) -> bool:
+    """Call ``wait`` (``step`` seconds at most) until ``done()``; False at the deadline."""
+    while not done():
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        wait(min(left, step))
+    return True
+
+
+class IpcOffering:
+    """The publisher's ``ipc`` route: its slots (new ones when the layout changes) and
+    the workers that asked for them. ``mode``, ``slots``, ``timeout``: the publisher's
+    ``ipc``, ``ipc_slots``, ``ipc_timeout``; ``core``, ``cond``: its protocol core and
+    lock; notices go to :attr:`outbox`, encoded by ``encoder``, and ``wake`` the serving
+    thread that sends them."""
 
     def __init__(
         self,
@@ -157,17 +442,17 @@ class IpcOffering:
         return offer
 
     def reap(self) -> list[str]:
-        """Release the slots of workers whose process is gone; their ids (lock held)."""
+        """Release the slots of dead workers; their ids (call with the lock held)."""
         return self.exporter.reap() if self.exporter is not None else []
 
     def _queue(self, wid: str, msg: Any) -> None:
         self.outbox.append((wid.encode(), self.encoder.encode(msg)))
+        self.wake()
 
     def prepare(self, tensors: dict[str, torch.Tensor], closed: Callable[[], bool]) -> None:
         """Slots for this layout (new ones when it changed), offered to every worker
-        that asked; those still opening them get a moment (else this version misses
-        them)."""
-        layout = _layout_of(tensors, self.bucket_bytes)
+        that asked; those still opening them get a moment to."""
+        layout = shared._layout_of(tensors, self.bucket_bytes)
         with self.cond:
             if self.exporter is None or self.exporter.layout != layout:
                 if self.exporter is not None:
@@ -180,21 +465,17 @@ class IpcOffering:
                 for wid, hello in self.hellos.items():
                     if wid in alive:
                         self._queue(wid, self.exporter.offer(hello))
-                self.wake()
             grace = min(5.0, self.timeout)
-            deadline = time.monotonic() + grace
-            exp = self.exporter
-            while not closed():
-                alive = self.core.alive()
-                waiting = [
-                    w
-                    for w, st in exp.workers.items()
-                    if not st.opened and time.monotonic() - st.offered_at < 2 * grace and w in alive
-                ]
-                left = deadline - time.monotonic()
-                if not waiting or left <= 0:
-                    break
-                self.cond.wait(min(left, 0.1))
+            workers = self.exporter.workers
+
+            def settled() -> bool:
+                alive, now = self.core.alive(), time.monotonic()
+                return closed() or not any(
+                    not st.opened and now - st.offered_at < 2 * grace and w in alive
+                    for w, st in workers.items()
+                )
+
+            _until(settled, time.monotonic() + grace, self.cond.wait, 0.1)
 
     def publish(self, tensors: dict[str, torch.Tensor], version: int) -> None:
         """Pack ``version`` into the slots and queue its IpcReady notices (under the
@@ -202,14 +483,10 @@ class IpcOffering:
         with self.cond:
             exp = self.exporter
             assert exp is not None
-
-            def send(wid: str, ready: Any) -> None:
-                self._queue(wid, ready)
-                self.wake()
-
-            exp.publish(tensors, version, send=send, wait=self.cond.wait, timeout=self.timeout)
+            exp.publish(
+                tensors, version, send=self._queue, wait=self.cond.wait, timeout=self.timeout
+            )
             readers = sum(w.opened for w in exp.workers.values())
-        self.wake()
         metrics.PUBLISHER_BYTES.labels(path="ipc").inc(sum(b.nbytes for b in exp.layout) * readers)
         self.core.count("ipc_versions")
 
@@ -219,279 +496,3 @@ class IpcOffering:
             exp, self.exporter = self.exporter, None
         if exp is not None:
             exp.close()
-
-
-#: Values of ``WeightSubscriber(path=...)`` (``None``: whatever the publisher offers).
-PATHS = ("ipc", "shm", "tcp")
-
-
-def ipc_eligible(path: str | None, target: Any, loader: Any, dtype: Any, rename: Any) -> bool:
-    """Whether a subscriber built with these parameters may take the ``ipc`` path;
-    raises ``ValueError`` for an unknown ``path`` or ``path="ipc"`` that cannot be."""
-    if path is not None and path not in PATHS:
-        raise ValueError(f"path must be None or one of {PATHS}, not {path!r}")
-    as_is = loader is None and dtype is None and rename is None
-    eligible = path in (None, "ipc") and target is not None and as_is
-    if path == "ipc" and not eligible:
-        raise ValueError("path='ipc' copies into `target` as is: no loader, dtype or rename")
-    return eligible
-
-
-class IpcReceiver:
-    """The ``ipc`` route of a :class:`~transport.weights.WeightSubscriber` (its thread).
-
-    Parameters
-    ----------
-    core, reporter, fetcher:
-        The subscriber's protocol core, reporter and shm/tcp fetcher (the fallback).
-    targets:
-        The tensors written in place.
-    eligible:
-        From :func:`ipc_eligible`.
-    atomic:
-        Verify every bucket before the first write (the route's default).
-    lock, send:
-        As the fetcher's.
-    publisher_timeout:
-        Seconds without progress here before an announced version goes by shm/tcp.
-    """
-
-    def __init__(
-        self,
-        core: SubscriberCore,
-        reporter: Reporter,
-        fetcher: VersionFetcher,
-        targets: dict[str, Any],
-        *,
-        eligible: bool,
-        atomic: bool,
-        lock: Any,
-        send: Callable[[Any], None],
-        worker_id: str,
-        host: str,
-        publisher_timeout: float,
-    ) -> None:
-        self.core = core
-        self.reporter = reporter
-        self.fetcher = fetcher
-        self.targets = targets
-        self.eligible = eligible
-        self.atomic = atomic
-        self.lock = lock
-        self.send = send
-        self.worker_id = worker_id
-        self.host = host
-        self.publisher_timeout = publisher_timeout
-        self.importer: IpcImporter | None = None
-        self.pub_host = ""
-        self._asked = ""  # the publisher id an IpcHello went to
-        self.opened = False
-        self._deferred: WeightAnnounce | None = None
-        self._progress = 0.0  # monotonic time of the last IpcReady or deferral
-        self._failed: set[int] = set()
-        self._t0 = 0.0
-        #: Why the ipc route was refused ("" if it was not).
-        self.refused = ""
-
-    def hello(self, *, up_to_date: bool) -> None:
-        """Ask this publisher for its ipc slots, once, when this worker could take
-        them and holds the latest version (a late joiner first catches up from the
-        snapshot by shm/tcp: the ipc path carries only versions whole)."""
-        if (
-            not self.eligible
-            or self._asked == self.core.publisher_id
-            or not up_to_date
-            or self.fetcher.update is not None
-            or self.pub_host != self.host
-        ):
-            return
-        if self.importer is None:
-            self.importer = IpcImporter(
-                self.targets,
-                worker_id=self.worker_id,
-                atomic=self.atomic,
-                version=self.core.version,
-            )
-        self.importer.version = self.core.version
-        self._asked = self.core.publisher_id
-        self.send(self.importer.hello())
-
-    def reset(self, pub_host: str | None = None) -> None:
-        """Drop the slots and the version half-read (the weights keep the last complete
-        one); a new publisher (``pub_host``) also forgets the old one's versions."""
-        if self.importer is not None:
-            self.importer.abandon()
-            self.importer.close_slots()
-        self.opened = False
-        self._asked = ""
-        if pub_host is not None:
-            self.pub_host = pub_host
-            self._deferred = None
-            self._failed.clear()
-
-    def close(self) -> bool:
-        """Unmap the trainer's slots; whether a goodbye was sent."""
-        imp, self.importer = self.importer, None
-        if imp is None:
-            return False
-        bye = imp.release()
-        imp.close()
-        if bye is not None:
-            self.send(bye)
-        return bye is not None
-
-    def on_offer(self, offer: IpcOffer) -> None:
-        """Open the slots of this publisher's offer, or note why they cannot be."""
-        imp = self.importer
-        if imp is None or offer.publisher_id != self.core.publisher_id:
-            return
-        imp.version = self.core.version
-        ack: IpcAck | None = None
-        try:
-            ack = imp.open(offer)
-            why = ack.error
-        except IpcRefused as exc:
-            why = str(exc)
-        if ack is not None:
-            self.send(ack)
-        self.opened = ack is not None and ack.ok
-        self.refused = "" if self.opened else why
-        if not self.opened:
-            self.core.count("ipc_refused")
-            log.info("worker %s: no ipc path (%s); using shm/tcp", self.worker_id, why)
-
-    def consider(self, ann: WeightAnnounce) -> None:
-        """An Announce: kept as the fallback while the slots are open, else fetched."""
-        if self.opened and ann.version not in self._failed:
-            if ann.version > self.core.version and (
-                self._deferred is None or ann.version > self._deferred.version
-            ):
-                self._deferred = ann
-                self._progress = time.monotonic()
-            return
-        self.fetcher.consider(ann)
-
-    def on_ready(self, r: IpcReady) -> None:
-        imp = self.importer
-        if imp is None or not self.opened:
-            return
-        self._progress = time.monotonic()
-        if r.bucket == 0:
-            self._t0 = self._progress
-        before = imp.version
-        last = r.bucket == r.n_buckets - 1
-        locked = last or not imp.atomic  # the live weights are written only then
-        acks: list[IpcAck]
-        up = self.fetcher.update
-        if locked and up is not None and up.locked:
-            # A shm/tcp version (one-pass, after an ipc fallback) holds the lock on this
-            # very thread: never enter it twice. A newer ipc version supersedes it; an
-            # older one is refused.
-            if r.version > up.ann.version:
-                self.fetcher.abandon(f"superseded by version {r.version} (ipc)")
-            else:
-                why = f"not applied, version {up.ann.version} is being written by shm/tcp"
-                self._refuse(r, why, before)
-                return
-        if locked:
-            try:
-                self.lock.__enter__()
-            except Exception as exc:  # the weights are not free: refuse the version
-                self._refuse(r, f"not applied, the weights were not free: {exc}", before)
-                return
-        try:
-            acks = imp.on_ready(r)
-            if imp.version != before:
-                self.reporter.now_at(imp.version)
-            elif not imp.serving:
-                self.core.consistent = False
-        finally:
-            if locked:
-                self.lock.__exit__(None, None, None)
-        self._after(r, acks, before)
-
-    def _refuse(self, r: IpcReady, why: str, before: int) -> None:
-        """Refuse the version ``r`` belongs to: every slot held for it is acked failed."""
-        imp = self.importer
-        assert imp is not None
-        held = [*imp._held, r]
-        imp.abandon()
-        acks = [
-            IpcAck(self.worker_id, h.version, h.bucket, h.slot, False, imp.version, why)
-            for h in held
-        ]
-        self._after(r, acks, before)
-
-    def _after(self, r: IpcReady, acks: list[IpcAck], before: int) -> None:
-        """Send the slot acks, then report the version (applied, or fetched again by
-        shm/tcp when it failed here)."""
-        imp = self.importer
-        assert imp is not None
-        for a in acks:
-            self.send(a)
-        bad = next((a for a in acks if not a.ok), None)
-        if imp.version != before:
-            assert self.offer_layout_bytes is not None
-            stats = UpdateStats(
-                version=imp.version,
-                via="ipc",
-                bytes=self.offer_layout_bytes,
-                total_s=time.monotonic() - self._t0,
-            )
-            for a in acks:
-                stats.verify_s += a.stats.get("verify_s", 0.0)
-                stats.apply_s = max(stats.apply_s, a.stats.get("copy_s", 0.0))
-            self.core.count("ipc_versions_applied")
-            metrics.SUBSCRIBER_PHASE_SECONDS.labels(phase="total").observe(stats.total_s)
-            if self._deferred is not None and self._deferred.version <= imp.version:
-                self._deferred = None
-            self.reporter.applied(stats)
-        elif bad is not None and bad.version not in self._failed:
-            self._failed.add(bad.version)
-            self.core.count("ipc_fallbacks")
-            log.warning(
-                "worker %s: version %d failed on the ipc path (%s); fetching it by shm/tcp",
-                self.worker_id, bad.version, bad.error,
-            )  # fmt: skip
-            ann = self._deferred
-            up = self.fetcher.update
-            if bad.version <= self.core.version or (
-                up is not None and up.ann.version == bad.version
-            ):
-                pass  # applied already, or being fetched by shm/tcp (opened mid-version)
-            elif ann is not None and ann.version == bad.version:
-                self._deferred = None
-                self.fetcher.consider(ann)
-            else:
-                self.fetcher.fail(bad.version, bad.error, "ipc")
-
-    @property
-    def offer_layout_bytes(self) -> int | None:
-        """Bytes of one version on the ipc path (``None``: no offer open)."""
-        imp = self.importer
-        if imp is None or imp.offer is None:
-            return None
-        return sum(b.nbytes for b in imp.offer.buckets)
-
-    def check_timeouts(self, now: float) -> None:
-        """Fall back to shm/tcp for a version the route does not deliver; drop the
-        slots of a trainer that is gone."""
-        ann = self._deferred
-        if (
-            ann is not None
-            and ann.version > self.core.version
-            and now - self._progress > self.publisher_timeout
-        ):
-            # An announced version that the ipc path does not deliver (this worker opened
-            # the slots after it began, or the trainer gave up on a slot): shm/tcp.
-            log.warning(
-                "worker %s: version %d did not come by ipc in %.1f s; fetching it by shm/tcp",
-                self.worker_id, ann.version, self.publisher_timeout,
-            )  # fmt: skip
-            self._deferred = None
-            self._failed.add(ann.version)
-            self.core.count("ipc_fallbacks")
-            self.fetcher.consider(ann)
-        imp = self.importer
-        if self.opened and imp is not None and not imp.trainer_alive():
-            self.reset()  # a restarted trainer offers its slots again

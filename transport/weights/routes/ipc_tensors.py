@@ -1,7 +1,5 @@
-"""What both sides of the ``ipc`` route share (:mod:`transport.weights.routes.ipc`): the
-bucket layout, the ``sum64`` checksum, the process-liveness checks and the slots' memory
-(exported as an :class:`~fastio.ipc_msgs.IpcHandle`, opened from one without a pickle).
-"""
+"""What both sides of the ``ipc`` route share: the bucket layout, the ``sum64``
+checksum and the slots' memory (an :class:`~fastio.ipc_msgs.IpcHandle`, no pickle)."""
 
 from __future__ import annotations
 
@@ -11,7 +9,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from fastio.ipc_msgs import IpcBucket, IpcHandle, IpcTensor
+from fastio.ipc_msgs import TRAILER_BYTES, IpcBucket, IpcHandle, IpcTensor
 from transport.weights.core.process import process_alive, process_start_time
 from transport.weights.errors import WeightMismatchError, WeightUpdateError
 
@@ -33,8 +31,8 @@ _Storage: Any = torch.UntypedStorage
 
 
 class IpcRefused(WeightUpdateError):
-    """The ipc route cannot serve this worker (other host or pid namespace, no access to
-    the trainer's device, layout mismatch): use another route."""
+    """The ipc route cannot serve this worker (other host or pid namespace, no access
+    to the trainer's device): use another route."""
 
 
 def _dtype_name(dt: torch.dtype) -> str:
@@ -103,16 +101,108 @@ def _check_layout(buckets: list[IpcBucket], tensors: Mapping[str, torch.Tensor])
         raise WeightMismatchError(f"tensors not in the layout: {extra[:5]}")
 
 
+def _pack(b: IpcBucket, tensors: Mapping[str, torch.Tensor], slot: torch.Tensor) -> None:
+    """Copy bucket ``b`` of ``tensors`` into ``slot``, zero-padded to ``b.nbytes``."""
+    srcs = [_byte_view(tensors[e.name]) for e in b.tensors]
+    used = b.tensors[-1].offset + b.tensors[-1].nbytes
+    if slot.device.type == "cpu" and all(s.device.type == "cpu" for s in srcs):
+        # one memcpy each, no intra-op threads (see checksum)
+        dst = slot.numpy()
+        for e, s in zip(b.tensors, srcs, strict=True):
+            np.copyto(dst[e.offset : e.offset + e.nbytes], s.numpy())
+        dst[used : b.nbytes] = 0
+        return
+    if all(s.device == slot.device for s in srcs):
+        torch.cat(srcs, out=slot[:used])
+    else:  # sources elsewhere (e.g. CUDA tensors into CPU slots): one copy each
+        for e, s in zip(b.tensors, srcs, strict=True):
+            slot[e.offset : e.offset + e.nbytes].copy_(s, non_blocking=True)
+    slot[used : b.nbytes].zero_()
+
+
+def _views(layout: list[IpcBucket], slots: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Typed views of every tensor of ``layout`` in ``slots`` (one per bucket)."""
+    out: dict[str, torch.Tensor] = {}
+    for b in layout:
+        slot = slots[b.index]
+        for e in b.tensors:
+            dt = getattr(torch, e.dtype)
+            raw = slot[e.offset : e.offset + e.nbytes]
+            if raw.storage_offset() % torch.empty((), dtype=dt).element_size():
+                raw = raw.clone()  # a view must be aligned to its dtype
+            out[e.name] = raw.view(dt).view(e.shape)
+    return out
+
+
+def _unpack(
+    b: IpcBucket, src: torch.Tensor, targets: Mapping[str, torch.Tensor], plans: dict[Any, Any]
+) -> None:
+    """Copy bucket ``b`` from ``src`` into ``targets`` (the reverse of :func:`_pack`).
+    The views are built once per (bucket, source) in ``plans`` and reused by every
+    version: one batched copy per bucket, no Python call per tensor."""
+    key = (b.index, src.data_ptr())
+    plan = plans.get(key)
+    if plan is None:
+        dsts: list[torch.Tensor] = []
+        srcs: list[torch.Tensor] = []
+        odd: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for e in b.tensors:
+            t = targets[e.name]
+            piece = src[e.offset : e.offset + e.nbytes]
+            if t.is_contiguous():
+                dsts.append(_byte_view(t))
+                srcs.append(piece)
+            else:  # rare: through a contiguous temporary
+                odd.append((t, piece))
+        plan = plans[key] = (dsts, srcs, odd)
+    dsts, srcs, odd = plan
+    with torch.no_grad():
+        if dsts and src.device.type == "cpu" and dsts[0].device.type == "cpu":
+            for d, s in zip(dsts, srcs, strict=True):  # plain memcpys (see checksum)
+                np.copyto(d.detach().numpy(), s.numpy())
+        elif dsts:
+            torch._foreach_copy_(dsts, srcs, non_blocking=True)
+        for t, piece in odd:
+            tmp = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+            _byte_view(tmp).copy_(piece)
+            t.copy_(tmp)
+
+
+def _sync(slot: torch.Tensor, device: torch.device) -> None:
+    """Wait for the copies out of ``slot``: the ack lets the trainer pack it again."""
+    if slot.device.type == "cuda" or device.type == "cuda":  # pragma: no cover - CUDA
+        torch.cuda.current_stream(slot.device).synchronize()
+        if device != slot.device:
+            torch.cuda.current_stream(device).synchronize()
+
+
+def _check_slot(slot: torch.Tensor, b: IpcBucket, version: int, cap: int, verify: bool) -> str:
+    """Why bucket ``b`` of ``version`` in ``slot`` (payload ``cap`` bytes, then the
+    trailer) is not to be taken, or ``""``; ``verify``: check its ``sum64`` too."""
+    trailer = slot[cap : cap + TRAILER_BYTES].view(torch.int64)
+    if verify:
+        ok_t = (trailer[1] == version) & (checksum(slot[: b.nbytes]) == trailer[0])
+        if bool(ok_t.item()):  # the one host synchronisation of a check
+            return ""
+    elif int(trailer[1].item()) == version:
+        return ""
+    got = int(trailer[1].item())
+    if got != version:
+        return f"bucket {b.index}: the slot holds version {got}, not {version}"
+    return f"bucket {b.index} of version {version}: checksum mismatch"
+
+
 _WEIGHTS: dict[tuple[int, torch.device], torch.Tensor] = {}
 
 
 def checksum(payload: torch.Tensor) -> torch.Tensor:
-    """``sum64`` of a bucket: a 0-d int64 tensor on ``payload``'s device, computed there
-    (no host synchronisation): the bytes as int64 words in rows of 64, each row's
-    wrapping sum times the row's number (from 1), summed with wrap-around. Exact and
-    order-independent, so both devices agree bit for bit; catches stale, torn and
-    shifted data (not an adversary). ``payload``: 1-D uint8, a multiple of 512 bytes,
-    8-byte aligned."""
+    """``sum64`` of a bucket (1-D ``uint8``, a multiple of 512 bytes, 8-byte aligned): a
+    0-d int64 tensor computed on ``payload``'s device, no host synchronisation.
+
+    The bytes as int64 words in rows of 64; each row's wrapping sum times the row's
+    number (from 1), summed with wrap-around: exact, so both devices agree bit for bit;
+    catches stale, torn and shifted data (not an adversary).
+    """
     if payload.device.type == "cpu":
         # numpy, single-threaded: torch's intra-op threads spin on a busy trainer host
         words = payload.numpy().view(np.int64).reshape(-1, _ROW // 8)
@@ -127,7 +217,6 @@ def checksum(payload: torch.Tensor) -> torch.Tensor:
     return (rows * w).sum()
 
 
-# -- slot memory -------------------------------------------------------------------------
 def _new_slot(nbytes: int, device: torch.device) -> tuple[torch.Tensor, Any, IpcHandle | None]:
     """A zeroed slot other processes can open: the tensor, its CUDA interprocess event
     and, on CPU, its handle (one for every worker)."""
@@ -167,8 +256,7 @@ def _open_slot(h: IpcHandle) -> tuple[torch.Tensor, Any]:
         return torch.empty(0, dtype=torch.uint8).set_(st, 0, (h.size,), (1,)), None
     if h.kind != "cuda":
         raise ValueError(f"unknown handle kind {h.kind!r}")
-    # pragma: no cover - CUDA: torch.multiprocessing.reductions' rebuild_cuda_tensor,
-    # from msgpack fields instead of a pickle.
+    # pragma: no cover - CUDA: torch's rebuild_cuda_tensor, from msgpack fields
     _cuda._lazy_init()  # pragma: no cover
     st = _Storage._new_shared_cuda(  # pragma: no cover
         h.device, h.handle, h.size, h.offset, h.ref_counter_handle,

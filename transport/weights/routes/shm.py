@@ -1,13 +1,12 @@
 """The shm route: a version staged in a shared-memory segment under ``/dev/shm``.
 
 The publisher packs each version into a segment (a ``MAP_SHARED`` file); a worker on
-its host maps it read-only (:class:`ShmReader`) and copies straight from it, so the bytes
-cross no socket. Plain files rather than :mod:`multiprocessing.shared_memory`, whose
-resource tracker (before Python 3.13) unlinks a segment when any attaching process exits.
-A worker takes the route when the boot id and ``/dev/shm`` match (:func:`host_id`) and it
-reads the publisher's probe token (a private ``/dev/shm`` fails this: tcp). Ownership is
-an exclusive ``flock`` held by the creator, which the kernel drops when it dies in any
-PID namespace: :func:`cleanup_stale` removes exactly the files whose lock it can take.
+its host maps it read-only (:class:`ShmReader`) and copies straight from it. Plain files
+rather than :mod:`multiprocessing.shared_memory`, whose resource tracker (before Python
+3.13) unlinks a segment when any attaching process exits. A worker takes the route when
+the :func:`host_id` matches and it reads the publisher's probe token. The creator holds
+an exclusive ``flock``, which the kernel drops when it dies in any PID namespace:
+:func:`cleanup_stale` removes exactly the files whose lock it can take.
 """
 
 from __future__ import annotations
@@ -21,14 +20,13 @@ import secrets
 import time
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from fastio.weight_msgs import WeightBucket
-
-if TYPE_CHECKING:
-    from transport.weights.routes import Receiver
+from transport.weights.routes import Receiver
+from transport.weights.routes.receive import part_of, take
 
 __all__ = [
     "SHM_DIR",
@@ -44,16 +42,17 @@ __all__ = [
 #: Where segments live (tmpfs on Linux).
 SHM_DIR = Path("/dev/shm")
 _PREFIX = "fastio-w-"
+#: Files younger than this are left alone by :func:`cleanup_stale`: their creator may
+#: be between ``open`` and ``flock``.
+_GRACE_S = 10.0
+#: Mappings a worker keeps between versions (the publisher's pool alternates two).
+KEEP_MAPPINGS = 2
 
 
 def host_id() -> str:
     """``boot-id/shm-device:inode``: equal for two processes only on the same running
-    kernel *and* with the same ``/dev/shm`` (the same tmpfs, whatever its mount point).
-
-    Host names do not enter it: containers that share ``/dev/shm`` under other host names
-    are local to each other, and a container with a private ``/dev/shm`` on the same
-    kernel is not.
-    """
+    kernel with the same ``/dev/shm`` (host names do not enter it: containers sharing
+    ``/dev/shm`` are local to each other, one with a private ``/dev/shm`` is not)."""
     try:
         boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
     except OSError:
@@ -72,17 +71,14 @@ def available() -> bool:
 
 
 class ShmSegment:
-    """A mapped file in ``/dev/shm``, viewed as a 1-D ``uint8`` tensor (:attr:`tensor`).
-
-    Use :meth:`create` (publisher) or :meth:`open` (subscriber, read-only).
-    """
+    """A mapped file in ``/dev/shm``, viewed as a 1-D ``uint8`` tensor (:attr:`tensor`):
+    :meth:`create` (publisher) or :meth:`open` (subscriber, read-only)."""
 
     def __init__(self, name: str, mm: mmap.mmap, size: int, owner: bool, lock_fd: int = -1) -> None:
         self.name = name
         self.size = size
         self.owner = owner
-        #: The owner's descriptor holding the flock that marks the segment as live.
-        self._lock_fd = lock_fd
+        self._lock_fd = lock_fd  # the owner's flock: the segment is live
         self._mm: mmap.mmap | None = mm
         with warnings.catch_warnings():
             # A read-only mapping yields a read-only tensor: it is only ever read.
@@ -95,24 +91,16 @@ class ShmSegment:
 
     @classmethod
     def create(cls, size: int) -> ShmSegment:
-        """Create and map a new segment of ``size`` bytes, space reserved up front.
-
-        Raises ``OSError`` (e.g. ``ENOSPC``) when ``/dev/shm`` cannot hold it; reserving
-        with ``posix_fallocate`` turns what would be a ``SIGBUS`` on a later write into
-        this clean error, and the caller falls back to private memory.
-        """
+        """Create and map a new segment of ``size`` bytes, reserved up front: a full
+        ``/dev/shm`` raises ``OSError`` (``ENOSPC``) here, not ``SIGBUS`` on a write."""
         name = f"{_PREFIX}{secrets.token_hex(8)}"
         path = SHM_DIR / name
         fd = _create_locked(path, os.O_RDWR)
         try:
             if size:
                 os.posix_fallocate(fd, 0, size)
-            mm = mmap.mmap(
-                fd,
-                max(size, 1),
-                flags=mmap.MAP_SHARED | mmap.MAP_POPULATE,
-                prot=mmap.PROT_READ | mmap.PROT_WRITE,
-            )
+            flags, prot = mmap.MAP_SHARED | mmap.MAP_POPULATE, mmap.PROT_READ | mmap.PROT_WRITE
+            mm = mmap.mmap(fd, max(size, 1), flags=flags, prot=prot)
         except BaseException:
             with contextlib.suppress(OSError):
                 path.unlink()
@@ -128,9 +116,8 @@ class ShmSegment:
         fd = os.open(SHM_DIR / name, os.O_RDONLY)
         try:
             size = os.fstat(fd).st_size
-            mm = mmap.mmap(
-                fd, max(size, 1), flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, prot=mmap.PROT_READ
-            )
+            flags = mmap.MAP_SHARED | mmap.MAP_POPULATE
+            mm = mmap.mmap(fd, max(size, 1), flags=flags, prot=mmap.PROT_READ)
         finally:
             os.close(fd)
         return cls(name, mm, size, owner=False)
@@ -155,8 +142,7 @@ class ShmSegment:
 
 
 def _create_locked(path: Path, mode: int) -> int:
-    """Create ``path`` exclusively and take the owner's lock on it (see the module
-    docstring); the descriptor stays open for as long as the file is live."""
+    """Create ``path`` exclusively, holding the owner's lock while the file is live."""
     fd = os.open(path, os.O_CREAT | os.O_EXCL | mode, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -167,7 +153,7 @@ def _create_locked(path: Path, mode: int) -> int:
 
 
 class Probe:
-    """A probe file holding a random token, owned (locked) while this object lives."""
+    """A probe file holding a random :attr:`token`, owned (locked) while this lives."""
 
     def __init__(self) -> None:
         self.token = secrets.token_hex(16)
@@ -199,18 +185,9 @@ def read_probe(name: str, token: str) -> bool:
         return False
 
 
-#: Files younger than this are left alone by :func:`cleanup_stale`: their creator may
-#: be between ``open`` and ``flock``.
-_GRACE_S = 10.0
-
-
 def cleanup_stale() -> int:
-    """Unlink segments and probes in ``/dev/shm`` whose owner is gone.
-
-    A file is stale when its owner's ``flock`` can be taken (the kernel released it when
-    the owner died, in any PID namespace). Returns how many were removed. Only names
-    with this module's prefix are touched.
-    """
+    """Unlink this module's segments and probes in ``/dev/shm`` whose owner is gone
+    (its ``flock`` can be taken); how many were removed."""
     removed = 0
     try:
         entries = list(SHM_DIR.iterdir())
@@ -239,23 +216,17 @@ def cleanup_stale() -> int:
     return removed
 
 
-#: Mappings a worker keeps between versions (the publisher's pool holds two segments in
-#: turn for a steady stream of versions).
-KEEP_MAPPINGS = 2
-
-
 class ShmReader:
     """The worker's side: its mappings of the publisher's segments, and the "bytes
-    ready" notices answering a ``Fetch(shm=true)``, hashed (and in one-pass mode
-    copied) in place."""
+    ready" notices answering a ``Fetch(shm=true)``."""
 
     def __init__(self) -> None:
         self.segments: dict[str, ShmSegment] = {}
 
     def open(self, name: str) -> ShmSegment:
-        """Map ``name``, or reuse its mapping: the publisher packs the same segments
-        again, and mapping anew would cost a page-table fill per version. Only the most
-        recent ``KEEP_MAPPINGS`` stay: an older one may pin an unlinked segment."""
+        """Map ``name``, or reuse its mapping (the publisher packs the same segments
+        again); only the most recent ``KEEP_MAPPINGS`` stay, an older one may pin an
+        unlinked segment."""
         seg = self.segments.pop(name, None)
         if seg is None:
             seg = ShmSegment.open(name)
@@ -276,9 +247,7 @@ class ShmReader:
         assert up.seg is not None
         i = msg.index
         info = up.ann.buckets[i]
-        part = up.partial.get(i)
-        if part is None:
-            part = up.partial[i] = f.partial(up, i)
+        part = part_of(f, up, i)
         up.sched.progress(i, t)
         lo = info.shm_offset + msg.offset
         if (
@@ -290,13 +259,9 @@ class ShmReader:
         ):
             f.fail(up.ann.version, f"bad shared-memory notice for bucket {i}", "shm")
             return
-        if part.stream is not None:
-            if msg.nbytes and not f.hold(up):
-                return
-            part.stream.feed(up.seg.tensor[lo : lo + msg.nbytes].numpy())
-        else:
-            part.hasher.update(up.seg.tensor[lo : lo + msg.nbytes].numpy())
-        part.size += msg.nbytes
+        if part.stream is not None and msg.nbytes and not f.hold(up):
+            return
+        take(part, up.seg.tensor[lo : lo + msg.nbytes].numpy(), msg.nbytes, None, keep=False)
         dt = time.monotonic() - t
         part.verify_s += dt
         up.stats.verify_s += dt
@@ -314,6 +279,5 @@ class ShmReader:
                 "shm",
             )
             return
-        f.landed(
-            up, i, [up.seg.tensor[info.shm_offset : info.shm_offset + info.nbytes]], part.stream
-        )
+        seg = up.seg.tensor[info.shm_offset : info.shm_offset + info.nbytes]
+        f.landed(up, i, [seg], part.stream)

@@ -1,9 +1,8 @@
-"""The tcp route's data link: bucket bytes on a plain TCP stream beside the sockets.
+"""The tcp route's data link: bucket bytes on a plain TCP stream beside the sockets,
+read by the worker straight where they go (wire: ``docs/PROTOCOL.md``, "Data link").
 
-A worker reads each block straight where it goes and hashes it in cache (no libzmq
-message buffer copied again); control stays on ZeroMQ; the wire is ``docs/PROTOCOL.md``,
-"Data link". Trainer side (threads of their own): :class:`DataListener`, a
-:class:`DataSender` per worker. Worker side (the subscriber's thread): :class:`LinkClient`.
+Trainer side (threads of their own): :class:`DataListener`, a :class:`DataSender` per
+worker. Worker side (the subscriber's thread): :class:`LinkClient`.
 """
 
 from __future__ import annotations
@@ -18,13 +17,13 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
-import torch
 import zmq
 
-from transport.weights.streaming import BLOCK
+from transport.weights.routes import Receiver
+from transport.weights.routes.receive import part_of, take
 
 __all__ = [
     "PIECE",
@@ -37,9 +36,6 @@ __all__ = [
     "connect",
     "worker_token",
 ]
-
-if TYPE_CHECKING:
-    from transport.weights.routes import Receiver
 
 log = logging.getLogger("transport.weights.datalink")
 
@@ -86,13 +82,9 @@ def _host_of(endpoint: str) -> tuple[str, socket.AddressFamily]:
     return host, socket.AF_INET6 if ":" in host else socket.AF_INET
 
 
-def _tune(sock: socket.socket) -> None:
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
-
 def _blocking(sock: socket.socket, timeout: float) -> None:
-    """Blocking, giving up after ``timeout`` seconds without progress (``SO_*TIMEO``):
-    a whole chunk moves in one system call (Python's timeouts poll per partial one)."""
+    """Blocking with ``SO_*TIMEO`` of ``timeout`` seconds: a whole chunk moves in one
+    system call (Python's timeouts poll per partial one)."""
     sock.settimeout(None)
     sec = int(timeout)
     tv = struct.pack("ll", sec, int((timeout - sec) * 1e6))
@@ -101,8 +93,8 @@ def _blocking(sock: socket.socket, timeout: float) -> None:
 
 
 class Sent:
-    """A queued chunk: :attr:`done` once the kernel copied its bytes (or the link
-    dropped it); its buffer may be written again then."""
+    """A queued chunk: :attr:`done` once the kernel copied its bytes or the link
+    dropped it (its buffer may be written again)."""
 
     __slots__ = ("done",)
 
@@ -111,9 +103,9 @@ class Sent:
 
 
 class DataSender:
-    """One worker's data connection on the publisher: a thread writes queued chunks.
-    A worker that stops reading stalls only its own thread; after ``timeout`` seconds
-    without progress the connection is closed (the worker fetches again as frames)."""
+    """One worker's data connection on the publisher, written by a thread of its own
+    (a worker that stops reading stalls only it); closed after ``timeout`` seconds
+    without progress (the worker fetches again as frames)."""
 
     def __init__(
         self,
@@ -128,7 +120,7 @@ class DataSender:
         self.broken = False
         self._on_close = on_close
         self._queue: deque[tuple[bytes, Any, Sent]] = deque()
-        if first:  # written by this thread before any chunk (one writer per socket)
+        if first:  # one writer per socket: this thread writes it before any chunk
             self._queue.append((first, None, Sent()))
         self._cv = threading.Condition()
         _blocking(sock, timeout)
@@ -138,8 +130,8 @@ class DataSender:
         self._thread.start()
 
     def send(self, header: bytes, data: Any) -> Sent | None:
-        """Queue a chunk (``data``: a buffer that stays unchanged until the returned
-        tracker is done); None when the link is closed."""
+        """Queue a chunk (``data`` unchanged until the tracker is done); ``None`` when
+        the link is closed."""
         sent = Sent()
         with self._cv:
             if self.broken:
@@ -180,7 +172,7 @@ class DataSender:
                 self.sock.sendall(header)
                 if data is not None:
                     self.sock.sendall(data)
-            except Exception as exc:  # timeout, reset, closed; anything else closes it too
+            except Exception as exc:  # timeout, reset, closed: the link is done
                 if not self.broken:
                     log.info("weight data link to %s closed: %s", self.worker_id, exc)
                 sent.done = True
@@ -257,7 +249,7 @@ class DataListener:
             self._slots.release()
 
     def _handshake(self, conn: socket.socket, deadline: float) -> str:
-        _tune(conn)
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         head = _recv_exact(conn, HELLO.size, deadline)
         magic, proto, n_id, n_token = HELLO.unpack(head)
         if magic != HELLO_MAGIC or proto != PROTOCOL:
@@ -292,7 +284,7 @@ def connect(endpoint: str, port: int, worker_id: str, token: bytes, timeout: flo
     host, _ = _host_of(endpoint)
     sock = socket.create_connection((host, port), timeout=timeout)
     try:
-        _tune(sock)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         wid = worker_id.encode("utf-8")
         sock.sendall(HELLO.pack(HELLO_MAGIC, PROTOCOL, len(wid), len(token)) + wid + token)
         if _recv_exact(sock, 1, time.monotonic() + timeout) != b"\x01":
@@ -305,13 +297,12 @@ def connect(endpoint: str, port: int, worker_id: str, token: bytes, timeout: flo
 
 class DataReceiver:
     """The worker's end of the link: chunk headers, and bytes straight into the
-    caller's buffers. A read without progress for ``timeout`` seconds, the end of the
-    stream or a malformed header raises :class:`DataLinkError` (close the link then)."""
+    caller's buffers; a stall of ``timeout`` seconds, the end of the stream or a
+    malformed header raises :class:`DataLinkError` (close the link then)."""
 
     def __init__(self, sock: socket.socket, timeout: float) -> None:
         self.sock = sock
-        #: The descriptor (the key ``zmq.Poller.poll`` reports it under).
-        self.fd = sock.fileno()
+        self.fd = sock.fileno()  # the key zmq.Poller.poll reports it under
         _blocking(sock, timeout)
         self._head = bytearray(PIECE.size)
         self._head_view = memoryview(self._head)
@@ -371,9 +362,9 @@ LINK_RETRY_S = 60.0  # before a link that could not be opened is tried again
 
 
 class LinkClient:
-    """The worker's side: the link offered in the Welcome (to the ROUTER ``endpoint``'s
-    host), opened for a TCP version (``min(fetch_timeout, 2 s)``) and read straight into
-    the weights or the staging buffer; no chunk over ``max_message_size`` is read."""
+    """The worker's side: the link offered in the Welcome (on the ROUTER ``endpoint``'s
+    host), opened for a TCP version within ``min(fetch_timeout, 2 s)``; no chunk over
+    ``max_message_size`` is read."""
 
     def __init__(
         self,
@@ -450,51 +441,18 @@ class LinkClient:
             if p.offset + p.nbytes > up.ann.buckets[i].nbytes:
                 raise DataLinkError(f"a chunk beyond the end of bucket {i}")
             t = time.monotonic()
-            part = up.partial.get(i)
-            if part is None:
-                part = up.partial[i] = f.partial(up, i)
+            part = part_of(f, up, i)
             if p.offset != part.size:
                 # Left over from an earlier answer to this bucket (asked again).
                 self.count("stale_pieces")
                 link.discard(p.nbytes)
                 return
             up.sched.progress(i, t)
-            if not self._take(f, up, i, part, p.nbytes):
-                return  # the version failed (its lock refused); the bytes were read away
+            if part.stream is not None and p.nbytes and not f.hold(up):
+                link.discard(p.nbytes)  # the version failed (its lock refused)
+                return
+            take(part, link, p.nbytes, up.stage[i] if up.stage is not None else None, keep=True)
         except DataLinkError as exc:
             f.link_failed(str(exc))
             return
         f.chunk_done(up, i, part, t, True, p.last, p.checksum)
-
-    def _take(self, f: Receiver, up: Any, i: int, part: Any, n: int) -> bool:
-        """Receive ``n`` bytes of bucket ``i`` where they go: the weights (one pass),
-        the staging buffer (atomic), or a buffer kept for the bucket."""
-        link = self.link
-        assert link is not None
-        stream = part.stream
-        if stream is not None:
-            if n and not f.hold(up):
-                link.discard(n)
-                return False
-            if stream.rest:
-                # Tensors that need their bytes whole: keep the chunk for them.
-                c = np.empty(n, dtype=np.uint8)
-                link.fill(c)
-                stream.feed(c)
-                part.chunks.append(torch.from_numpy(c))
-            else:
-                stream.take(n, link.fill, link.scratch(BLOCK))
-        elif up.stage is not None:
-            stage = up.stage[i]
-            base = part.size
-            for a in range(0, n, BLOCK):
-                block = stage[base + a : base + min(a + BLOCK, n)]
-                link.fill(block)
-                part.hasher.update(block)
-        else:
-            c = np.empty(n, dtype=np.uint8)
-            link.fill(c)
-            part.hasher.update(c)
-            part.chunks.append(torch.from_numpy(c))
-        part.size += n
-        return True
