@@ -23,7 +23,7 @@ from transport import metrics
 from transport.weights.binding import Binding
 from transport.weights.bucket import BucketApplier
 from transport.weights.config import SubscriberConfig
-from transport.weights.core.subscriber import FetchSchedule, SubscriberCore
+from transport.weights.core.subscriber import FetchSchedule, SubscriberCore, choose_atomic
 from transport.weights.errors import WeightUpdateError
 from transport.weights.layout import CHECKSUM_ALGOS, Hasher, _align
 from transport.weights.reporting import Reporter
@@ -81,10 +81,10 @@ class VersionFetcher:
     """Fetches, verifies and commits shm/tcp versions for a
     :class:`~transport.weights.WeightSubscriber`, whose parts and settings it is given:
     its protocol core, :class:`~transport.weights.reporting.Reporter` (which also
-    sends), config, copier into the targets, ``bind`` (a manifest -> its
+    sends), config, ``bind`` (a manifest -> its
     :class:`~transport.weights.binding.Binding`), and ``keepalive`` (a Hello if one is
-    due, inside a long copy). ``atomic``, ``lock``, ``loader`` and ``on_progress``: as
-    the subscriber's.
+    due, inside a long copy). ``lock``, ``loader`` and ``on_progress``: as the
+    subscriber's.
     """
 
     def __init__(
@@ -92,10 +92,8 @@ class VersionFetcher:
         core: SubscriberCore,
         reporter: Reporter,
         config: SubscriberConfig,
-        applier: BucketApplier,
         bind: Callable[..., Binding],
         *,
-        atomic: bool,
         lock: Any,
         loader: Callable[[Iterable[tuple[str, torch.Tensor]]], Any] | None,
         on_progress: Callable[[int, int], None] | None,
@@ -105,10 +103,12 @@ class VersionFetcher:
         self.core = core
         self.reporter = reporter
         self.config = config
-        self.applier = applier
         self.bind = bind
-        self.atomic = atomic
+        #: Verify every bucket before the first write, or one pass.
+        refuses_mixed = getattr(lock, "refuses_mixed", False)
+        self.atomic = choose_atomic(config.atomic, refuses_mixed, loader is not None)
         self.lock = lock
+        self.applier = BucketApplier(reporter.targets, copy_threads=config.copy_threads)
         self.loader = loader
         self.on_progress = on_progress
         self.keepalive = keepalive

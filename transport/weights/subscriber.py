@@ -39,9 +39,9 @@ from transport import metrics
 from transport.addresses import warn_if_unresolvable, with_reachable_host
 from transport.sockets import CurveConfig, make_dealer, make_socket
 from transport.weights.binding import Binding, DtypeSpec, Rename, advertised_dtype, parse_dtype_spec
-from transport.weights.bucket import BucketApplier, named_tensors
+from transport.weights.bucket import named_tensors
 from transport.weights.config import SubscriberConfig, make_config
-from transport.weights.core.subscriber import SubscriberCore, choose_atomic
+from transport.weights.core.subscriber import SubscriberCore
 from transport.weights.fetching import VersionFetcher
 from transport.weights.malloc import tune_malloc
 from transport.weights.ratelog import RateLimitedLog
@@ -127,8 +127,6 @@ class WeightSubscriber:
         self.targets = named_tensors(target) if target is not None else {}
         self.dtype = parse_dtype_spec(dtype)
         self.shm = cfg.shm and cfg.route != "tcp"
-        refuses_mixed = getattr(lock, "refuses_mixed", False)
-        self.atomic = choose_atomic(cfg.atomic, refuses_mixed, loader is not None)
         self.lock = lock if lock is not None else contextlib.nullcontext()
         self.core = SubscriberCore(cfg.version, cfg.retries)
         #: Bad messages, gaps, retries, versions applied or failed, ...
@@ -142,10 +140,10 @@ class WeightSubscriber:
             loader=loader is not None,
         )  # fmt: skip
         self.fetcher = VersionFetcher(
-            self.core, self.reporter, cfg, BucketApplier(self.targets, copy_threads=cfg.copy_threads),
-            bind, atomic=self.atomic, lock=self.lock, loader=loader, on_progress=on_progress,
-            keepalive=self.keepalive, endpoint=endpoint,
+            self.core, self.reporter, cfg, bind, lock=self.lock, loader=loader,
+            on_progress=on_progress, keepalive=self.keepalive, endpoint=endpoint,
         )  # fmt: skip
+        self.atomic = self.fetcher.atomic
         self._host = _shm.host_id()
         self.ipc = IpcReceiver(
             self.core, self.reporter, self.fetcher, self.targets,
