@@ -70,23 +70,19 @@ def advertised_dtype(spec: DtypeSpec, targets: Mapping[str, torch.Tensor]) -> st
 
 
 class Binding:
-    """One version bound to one worker (see the module docstring); raises
-    :class:`WeightMismatchError` naming every problem.
+    """One version bound to one worker; :class:`WeightMismatchError` names every problem.
 
     Parameters
     ----------
-    buckets:
-        The version's manifest.
+    buckets, aliases:
+        The version's manifest; trainer name -> the travelling name whose bytes it shares.
     targets:
         Engine name -> the tensor copied into in place (may be empty with a loader).
-    aliases:
-        Trainer name -> the travelling trainer name whose bytes it shares.
     rename, dtype:
         :data:`Rename` and :data:`DtypeSpec`.
-    strict:
-        Every target must be covered by the update.
-    loader:
-        A loader takes the tensors: names that are no target are then allowed.
+    strict, loader:
+        Every target must be covered by the update; a loader takes the tensors (names
+        that are no target are then allowed).
 
     Attributes
     ----------

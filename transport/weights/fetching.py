@@ -1,10 +1,8 @@
 """Fetching one shm/tcp version on the worker (the subscriber's thread): bind the
-manifest to the model before a byte moves, keep ``window`` Fetches in flight over TCP
-(all of them through shared memory), hash chunks as they arrive, fetch again what fails
-or times out, then commit. With ``atomic=False`` each bucket is also copied into the
-model as it is hashed (:class:`~transport.weights.streaming.BucketStream`), under the
-lock.
-"""
+manifest to the model before a byte moves, keep ``window`` Fetches in flight (all of
+them through shared memory), hash chunks as they arrive, fetch again what fails or times
+out, then commit; with ``atomic=False`` each bucket is also copied into the model as it
+is hashed (:class:`~transport.weights.streaming.BucketStream`), under the lock."""
 
 from __future__ import annotations
 
@@ -63,8 +61,8 @@ class InFlight:
     t0: float = field(default_factory=time.monotonic)
     #: Per bucket fetched: whether its bytes were asked on the data link.
     linked: dict[int, bool] = field(default_factory=dict)
+    #: Per bucket verified and not applied yet: its bytes.
     received: dict[int, list[torch.Tensor]] = field(default_factory=dict)
-    applied: set[int] = field(default_factory=set)
     partial: dict[int, Partial] = field(default_factory=dict)
     #: Whether the lock is held for this version (one pass: from its first write).
     locked: bool = False
@@ -266,10 +264,11 @@ class VersionFetcher:
     ) -> None:
         """Bucket ``i`` arrived and is verified: keep it, or, in one pass, apply what its
         stream could not (tensors that need their bytes whole)."""
-        up.received[i] = chunks
         if self.on_progress is not None:
             self.on_progress(up.ann.version, i)
-        if stream is not None:
+        if stream is None:
+            up.received[i] = chunks
+        else:
             # The copy of the plain tensors ran with the checksum (in ``verify_s``).
             up.stats.buckets[i]["apply_s"] = 0.0
             if stream.rest:
@@ -280,13 +279,11 @@ class VersionFetcher:
                 self.applier.finish()
                 up.stats.buckets[i]["apply_s"] = time.monotonic() - ta
                 up.stats.apply_s += up.stats.buckets[i]["apply_s"]
-            up.applied.add(i)
-            up.received[i] = []  # applied: the frames can go
         self.pump()
         if up.sched.finished:
             self.update = None
             up.stats.fetch_s = time.monotonic() - up.t0
-            rest = [(b, up.received[b.index]) for b in up.ann.buckets if b.index not in up.applied]
+            rest = [(b, up.received[b.index]) for b in up.ann.buckets if b.index in up.received]
             up.received.clear()
             self._commit(up, rest)
 

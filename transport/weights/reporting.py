@@ -1,11 +1,8 @@
-"""What a worker tells about its weights: its version and its Acks.
-
-:class:`Reporter` is the part of :class:`~transport.weights.WeightSubscriber` that both
-routes of a version (shm/tcp fetching, the ``ipc`` slots) report through, in the
-subscriber's thread: it switches the version (waking
-:meth:`~transport.weights.WeightSubscriber.wait_version`, then ``on_applied`` before the
-Ack), keeps the digest and the last stats, and sends the ``WeightAck``.
-"""
+"""What a worker tells about its weights: :class:`Reporter`, the part of a
+:class:`~transport.weights.WeightSubscriber` that both routes of a version (shm/tcp
+fetching, the ``ipc`` slots) report through, in the subscriber's thread. It switches the
+version (waking ``wait_version``, then ``on_applied`` before the Ack), keeps the digest
+and the last stats, and sends the ``WeightAck``."""
 
 from __future__ import annotations
 
@@ -30,8 +27,7 @@ log = logging.getLogger("transport.weights.subscriber")
 
 
 class Reporter:
-    """Version switches and Acks of one worker (see the module docstring); ``send``
-    sends a message to the publisher."""
+    """Version switches and Acks of one worker; ``send`` sends to the publisher."""
 
     def __init__(
         self,

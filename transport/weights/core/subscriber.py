@@ -30,15 +30,8 @@ def choose_atomic(atomic: bool | None, refuses_mixed: bool, loader: bool) -> boo
 
 
 class SubscriberCore:
-    """The subscriber's state machine over publishers and versions.
-
-    Parameters
-    ----------
-    version:
-        The version the weights hold at start (``-1``: none).
-    retries:
-        Attempts per version and per bucket.
-    """
+    """The subscriber's state machine over publishers and versions: the weights hold
+    ``version`` at start (``-1``: none); ``retries`` attempts per version."""
 
     def __init__(self, version: int = -1, retries: int = 3) -> None:
         self.version = version
@@ -52,8 +45,8 @@ class SubscriberCore:
         self._attempts: dict[tuple[str, int], int] = {}
         self._given_up: set[tuple[str, int]] = set()
 
-    def count(self, key: str, n: int = 1) -> None:
-        self.counters[key] = self.counters.get(key, 0) + n
+    def count(self, key: str) -> None:
+        self.counters[key] = self.counters.get(key, 0) + 1
 
     @property
     def reported_version(self) -> int:
