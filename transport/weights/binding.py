@@ -1,12 +1,8 @@
-"""How a version's tensors land on one worker: names, aliases and dtypes.
-
-A version travels under the trainer's names, each distinct tensor once; a worker binds
-it to its engine before a byte is fetched (:class:`Binding`): aliases (tied weights)
-are applied from the tensor they share memory with, names are mapped by ``rename``, and
-floating tensors are cast to the declared dtypes bit-identically to ``tensor.to(dtype)``
-(without a declaration dtypes must match). The checks name every problem at once
-(:class:`WeightMismatchError`) before anything is written.
-"""
+"""How a version's tensors land on one worker: names, aliases and dtypes, bound before a
+byte is fetched (``docs/PROTOCOL.md``, "Names, aliases and dtypes"). Aliases (tied
+weights) are applied from the tensor they share memory with, names mapped by ``rename``,
+floating tensors cast bit-identically to ``tensor.to(dtype)``; without a declaration
+dtypes must match."""
 
 from __future__ import annotations
 
@@ -73,32 +69,20 @@ def advertised_dtype(spec: DtypeSpec, targets: Mapping[str, torch.Tensor]) -> st
     return dtype_name(parse_dtype(spec))
 
 
-def _renamer(rename: Rename) -> Callable[[str], str | None]:
-    if rename is None:
-        return lambda n: n
-    if isinstance(rename, Mapping):
-        table = rename
-        return lambda n: table.get(n, n)
-    return rename
-
-
 class Binding:
-    """One version bound to one worker (see the module docstring).
+    """One version bound to one worker; :class:`WeightMismatchError` names every problem.
 
     Parameters
     ----------
-    buckets:
-        The version's manifest.
+    buckets, aliases:
+        The version's manifest; trainer name -> the travelling name whose bytes it shares.
     targets:
         Engine name -> the tensor copied into in place (may be empty with a loader).
-    aliases:
-        Trainer name -> the travelling trainer name whose bytes it shares.
     rename, dtype:
-        See the module docstring.
-    strict:
-        Every target must be covered by the update.
-    loader:
-        A loader takes the tensors: names that are no target are then allowed.
+        :data:`Rename` and :data:`DtypeSpec`.
+    strict, loader:
+        Every target must be covered by the update; a loader takes the tensors (names
+        that are no target are then allowed).
 
     Attributes
     ----------
@@ -121,34 +105,35 @@ class Binding:
     ) -> None:
         self.dests: dict[str, list[str]] = {}
         self.wanted: dict[str, torch.dtype] = {}
-        self.entries: dict[str, WeightTensor] = {}
-        to_engine = _renamer(rename)
+        table = rename if isinstance(rename, Mapping) else {}
+        to_engine = rename if callable(rename) else (lambda n: table.get(n, n))
         problems: list[str] = []
-        wire_names: dict[str, WeightTensor] = {}
+        #: Travelling name -> its entry and its dtype (``None``: unknown, reported).
+        wire: dict[str, tuple[WeightTensor, torch.dtype | None]] = {}
         for b in buckets:
             end = 0
             for e in b.tensors:
-                if e.name in wire_names:
+                if e.name in wire:
                     problems.append(f"{e.name!r} appears twice in the update")
-                wire_names[e.name] = e
                 try:
                     dt = dtype_from_name(e.dtype)
                 except WeightMismatchError as exc:
                     problems.append(str(exc))
+                    wire[e.name] = (e, None)
                     continue
+                wire[e.name] = (e, dt)
                 want = _numel(e.shape) * torch.empty((), dtype=dt).element_size()
                 if e.nbytes != want or e.offset < end or e.offset + e.nbytes > b.nbytes:
                     problems.append(f"bad layout for {e.name!r} in bucket {b.index}")
                 end = e.offset + e.nbytes
-        names: dict[str, list[str]] = {n: [n] for n in wire_names}
+        names: dict[str, list[str]] = {n: [n] for n in wire}
         for alias, canon in (aliases or {}).items():
-            if canon not in wire_names or alias in wire_names:
+            if canon not in wire or alias in wire:
                 problems.append(f"bad alias {alias!r} -> {canon!r} in the manifest")
-                continue
-            names[canon].append(alias)
+            else:
+                names[canon].append(alias)
         covered: dict[str, str] = {}
         for wname, trainer_names in names.items():
-            e = wire_names[wname]
             self.dests[wname] = []
             for tname in trainer_names:
                 en = to_engine(tname)
@@ -161,13 +146,13 @@ class Binding:
                     continue
                 covered[en] = tname
                 self.dests[wname].append(en)
-                self.entries[en] = e
-                self._check(en, e, targets.get(en), dtype, loader, problems)
-        if strict:
-            missing = [n for n in targets if n not in covered]
-            if missing:
-                more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
-                problems.append(f"parameters missing from the update: {missing[:5]}{more}")
+                e, wdt = wire[wname]
+                if wdt is not None:
+                    self._check(en, e, wdt, targets.get(en), dtype, loader, problems)
+        missing = [n for n in targets if n not in covered] if strict else []
+        if missing:
+            more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+            problems.append(f"parameters missing from the update: {missing[:5]}{more}")
         if problems:
             more = f" (and {len(problems) - 8} more)" if len(problems) > 8 else ""
             raise WeightMismatchError("; ".join(problems[:8]) + more)
@@ -176,15 +161,12 @@ class Binding:
         self,
         en: str,
         e: WeightTensor,
+        wire: torch.dtype,
         t: torch.Tensor | None,
         spec: DtypeSpec,
         loader: bool,
         problems: list[str],
     ) -> None:
-        try:
-            wire = dtype_from_name(e.dtype)
-        except WeightMismatchError:
-            return  # reported already
         wanted = wire
         if isinstance(spec, Mapping):
             if en in spec:

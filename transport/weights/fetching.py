@@ -1,12 +1,8 @@
-"""Fetching one version on the worker side (the subscriber's thread): check, fetch,
-verify, hold.
-
-:class:`VersionFetcher` binds the manifest to the model before a byte moves, keeps
-``window`` Fetches in flight over TCP (all of them through shared memory), hashes chunks
-as they arrive, re-fetches what fails or times out and commits the verified buckets;
-with ``atomic=False`` each bucket is also copied into the model as it is hashed
-(:class:`~transport.weights.streaming.BucketStream`), under the lock.
-"""
+"""Fetching one shm/tcp version on the worker (the subscriber's thread): bind the
+manifest to the model before a byte moves, keep ``window`` Fetches in flight (all of
+them through shared memory), hash chunks as they arrive, fetch again what fails or times
+out, then commit; with ``atomic=False`` each bucket is also copied into the model as it
+is hashed (:class:`~transport.weights.streaming.BucketStream`), under the lock."""
 
 from __future__ import annotations
 
@@ -14,6 +10,7 @@ import itertools
 import logging
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -21,16 +18,15 @@ import torch
 
 from fastio.weight_msgs import WeightAnnounce, WeightBucket, WeightFetch
 from transport import metrics
-from transport.weights.binding import Binding, DtypeSpec, Rename
+from transport.weights.binding import Binding
 from transport.weights.bucket import BucketApplier
 from transport.weights.config import SubscriberConfig
-from transport.weights.core.subscriber import FetchSchedule, SubscriberCore
+from transport.weights.core.subscriber import FetchSchedule, SubscriberCore, choose_atomic
 from transport.weights.errors import WeightUpdateError
 from transport.weights.layout import CHECKSUM_ALGOS, Hasher, _align
 from transport.weights.reporting import Reporter
 from transport.weights.results import UpdateStats
-from transport.weights.routes import shm as _shm
-from transport.weights.routes.shm import ShmReader
+from transport.weights.routes.shm import ShmReader, ShmSegment
 from transport.weights.routes.tcp import LinkClient
 from transport.weights.routes.zmq import receive_frames
 from transport.weights.streaming import BucketStream
@@ -40,68 +36,53 @@ __all__ = ["InFlight", "Partial", "VersionFetcher"]
 log = logging.getLogger("transport.weights.subscriber")
 
 
-class InFlight:
-    """State of one version being fetched over TCP."""
-
-    def __init__(
-        self,
-        ann: WeightAnnounce,
-        seg: _shm.ShmSegment | None,
-        binding: Binding,
-        window: int,
-        retries: int,
-    ) -> None:
-        self.ann = ann
-        self.seg = seg
-        self.binding = binding
-        self.t0 = time.monotonic()
-        # Through shared memory nothing but "ready" notices come back: ask for all.
-        n = len(ann.buckets)
-        self.sched = FetchSchedule(ann.version, n, n if seg is not None else window, retries)
-        #: Per bucket fetched: whether its bytes were asked on the data link.
-        self.linked: dict[int, bool] = {}
-        self.received: dict[int, list[torch.Tensor]] = {}
-        self.stats = UpdateStats(ann.version, "tcp" if seg is None else "shm", ann.total_bytes)
-        self.stats.buckets = [{} for _ in ann.buckets]
-        self.applied: set[int] = set()
-        self.partial: dict[int, Partial] = {}
-        #: Over TCP with ``atomic``: per bucket, its region of the staging buffer.
-        self.stage: list[np.ndarray[Any, Any]] | None = None
-        #: Whether the subscriber's lock is held for this version (streaming mode:
-        #: from its first write until it commits or fails).
-        self.locked = False
-        #: Whether anything of this version was written into the weights.
-        self.wrote = False
-
-
+@dataclass(eq=False)
 class Partial:
     """A bucket whose chunks are arriving: the checksum so far, the frames kept; in
-    streaming mode (``atomic=False``) the stream that hashes and applies them."""
+    one-pass mode the stream that hashes and applies them."""
 
-    def __init__(self, hasher: Hasher, stream: BucketStream | None = None) -> None:
-        self.hasher = hasher
-        self.stream = stream
-        self.size = 0
-        self.verify_s = 0.0
-        self.chunks: list[torch.Tensor] = []
+    hasher: Hasher
+    stream: BucketStream | None = None
+    size: int = 0
+    verify_s: float = 0.0
+    chunks: list[torch.Tensor] = field(default_factory=list)
+
+
+@dataclass(eq=False)
+class InFlight:
+    """One version being fetched: through shared memory when ``seg`` is set, else TCP."""
+
+    ann: WeightAnnounce
+    seg: ShmSegment | None
+    binding: Binding
+    sched: FetchSchedule
+    #: TCP with ``atomic``: per bucket, its region of the staging buffer.
+    stage: list[np.ndarray[Any, Any]] | None = None
+    t0: float = field(default_factory=time.monotonic)
+    #: Per bucket fetched: whether its bytes were asked on the data link.
+    linked: dict[int, bool] = field(default_factory=dict)
+    #: Per bucket verified and not applied yet: its bytes.
+    received: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+    partial: dict[int, Partial] = field(default_factory=dict)
+    #: Whether the lock is held for this version (one pass: from its first write).
+    locked: bool = False
+    #: Whether anything of this version was written into the weights.
+    wrote: bool = False
+
+    def __post_init__(self) -> None:
+        via = "tcp" if self.seg is None else "shm"
+        self.stats = UpdateStats(self.ann.version, via, self.ann.total_bytes)
+        self.stats.buckets = [{} for _ in self.ann.buckets]
 
 
 class VersionFetcher:
     """Fetches, verifies and commits shm/tcp versions for a
-    :class:`~transport.weights.WeightSubscriber` (its thread).
-
-    Parameters
-    ----------
-    core, reporter:
-        The subscriber's protocol core and its :class:`~transport.weights.reporting.Reporter`.
-    config:
-        The subscriber's settings.
-    targets, applier:
-        The tensors written in place and the copier into them.
-    lock:
-        Held while the weights are written (see :class:`~transport.weights.WeightSubscriber`).
-    send, keepalive:
-        Send a message to the publisher; say Hello if one is due (inside a long copy).
+    :class:`~transport.weights.WeightSubscriber`, whose parts and settings it is given:
+    its protocol core, :class:`~transport.weights.reporting.Reporter` (which also
+    sends), config, ``bind`` (a manifest -> its
+    :class:`~transport.weights.binding.Binding`), and ``keepalive`` (a Hello if one is
+    due, inside a long copy). ``lock``, ``loader`` and ``on_progress``: as the
+    subscriber's.
     """
 
     def __init__(
@@ -109,35 +90,26 @@ class VersionFetcher:
         core: SubscriberCore,
         reporter: Reporter,
         config: SubscriberConfig,
-        targets: dict[str, torch.Tensor],
-        applier: BucketApplier,
+        bind: Callable[..., Binding],
         *,
-        atomic: bool,
         lock: Any,
-        dtype: DtypeSpec,
-        rename: Rename,
         loader: Callable[[Iterable[tuple[str, torch.Tensor]]], Any] | None,
         on_progress: Callable[[int, int], None] | None,
-        send: Callable[[Any], None],
         keepalive: Callable[[], None],
         endpoint: str,
-        worker_id: str,
     ) -> None:
         self.core = core
         self.reporter = reporter
         self.config = config
-        self.targets = targets
-        self.applier = applier
-        self.atomic = atomic
+        self.bind = bind
+        #: Verify every bucket before the first write, or one pass.
+        refuses_mixed = getattr(lock, "refuses_mixed", False)
+        self.atomic = choose_atomic(config.atomic, refuses_mixed, loader is not None)
         self.lock = lock
-        self.dtype = dtype
-        self.rename = rename
+        self.applier = BucketApplier(reporter.targets, copy_threads=config.copy_threads)
         self.loader = loader
         self.on_progress = on_progress
-        self.send = send
         self.keepalive = keepalive
-        self.endpoint = endpoint
-        self.worker_id = worker_id
         #: The version being fetched (``None``: none).
         self.update: InFlight | None = None
         #: Whether the publisher's shared memory is readable here (its handshake).
@@ -146,8 +118,9 @@ class VersionFetcher:
         #: The shm route's mappings and the tcp route's data link.
         self.shm = ShmReader()
         self.tcp = LinkClient(
-            endpoint, worker_id, config.fetch_timeout, config.max_message_size, core.count
-        )
+            endpoint, reporter.worker_id, config.fetch_timeout, config.max_message_size,
+            core.count,
+        )  # fmt: skip
 
     def new_publisher(self, shm_ok: bool, link_offer: tuple[int, bytes] | None) -> None:
         """A new publisher instance: its offers replace the old one's."""
@@ -155,8 +128,8 @@ class VersionFetcher:
         self.shm_ok = shm_ok
         self.shm.drop()
 
-    # -- a version -------------------------------------------------------------------
     def consider(self, ann: WeightAnnounce) -> None:
+        """An Announce: fetch its version if the core says so."""
         up = self.update
         supersede, attempt = self.core.consider(
             ann.publisher_id, ann.version, up.ann.version if up is not None else None
@@ -168,15 +141,7 @@ class VersionFetcher:
         try:
             if ann.checksum_algo not in CHECKSUM_ALGOS:
                 raise WeightUpdateError(f"checksum {ann.checksum_algo!r} not available here")
-            binding = Binding(
-                ann.buckets,
-                self.targets,
-                aliases=ann.aliases,
-                rename=self.rename,
-                dtype=self.dtype,
-                strict=self.config.strict,
-                loader=self.loader is not None,
-            )
+            binding = self.bind(ann.buckets, aliases=ann.aliases)
         except WeightUpdateError as exc:
             self.core.give_up(ann.publisher_id, ann.version)  # retrying will not help
             self.fail(ann.version, str(exc), route="")
@@ -188,30 +153,28 @@ class VersionFetcher:
             except OSError as exc:
                 log.info("shared memory %s unusable (%s); fetching over TCP", ann.shm_name, exc)
                 self.core.count("shm_fallbacks")
-        up = InFlight(ann, seg, binding, self.config.window, self.config.retries)
+        # Through shared memory only "ready" notices come back: ask for every bucket.
+        n = len(ann.buckets)
+        window = n if seg is not None else self.config.window
+        up = InFlight(ann, seg, binding, FetchSchedule(ann.version, n, window, self.config.retries))
         if seg is None:
             self.tcp.open()
         if seg is None and self.atomic:
+            # Over TCP each chunk is hashed and copied into one staging buffer kept
+            # between versions while in cache (its frame freed at once); nothing reaches
+            # the weights before every bucket verified.
+            sizes = [max(0, b.nbytes) for b in ann.buckets]
+            starts = list(itertools.accumulate((_align(s) for s in sizes), initial=0))
             try:
-                up.stage = self._stage_for(ann)
+                if self._staging is None or self._staging.size < starts[-1]:
+                    self._staging = None  # the old one goes before the new one is made
+                    self._staging = np.empty(starts[-1], dtype=np.uint8)
             except MemoryError as exc:
                 self.fail(ann.version, f"no memory to receive the version: {exc!r}")
                 return
+            up.stage = [self._staging[a : a + n] for a, n in zip(starts, sizes, strict=False)]
         self.update = up
         self.pump()
-
-    def _stage_for(self, ann: WeightAnnounce) -> list[np.ndarray[Any, Any]]:
-        """Per bucket, where its bytes land over TCP: a region of one staging buffer
-        kept between versions (grown when a version needs more). Each chunk is hashed
-        and copied here while in cache and its frame freed at once, so the next chunk
-        reuses warm memory; nothing reaches the weights before every bucket verified."""
-        sizes = [max(0, b.nbytes) for b in ann.buckets]
-        starts = list(itertools.accumulate((_align(n) for n in sizes), initial=0))
-        if self._staging is None or self._staging.size < starts[-1]:
-            self._staging = None  # the old one goes before the new one is made
-            self._staging = np.empty(starts[-1], dtype=np.uint8)
-        buf = self._staging
-        return [buf[a : a + n] for a, n in zip(starts, sizes, strict=False)]
 
     def pump(self) -> None:
         """Keep ``window`` fetches in flight."""
@@ -219,41 +182,32 @@ class VersionFetcher:
         if up is None:
             return
         shm = up.seg is not None
+        r = self.reporter
         for i in up.sched.due(time.monotonic()):
-            data = not shm and self.tcp.link is not None
-            up.linked[i] = data
-            self.send(
-                WeightFetch(
-                    up.ann.version, i, shm, self.reporter.pid, self.reporter.start_time, data
-                )
-            )
+            up.linked[i] = data = not shm and self.tcp.link is not None
+            r.send(WeightFetch(up.ann.version, i, shm, r.pid, r.start_time, data))
 
     def on_bucket(self, msg: WeightBucket) -> None:
         up = self.update
         if up is None or msg.version != up.ann.version or msg.index not in up.sched.outstanding:
             self.core.count("stale_pieces")
-            return
-        t = time.monotonic()
-        if up.seg is not None:
-            self.shm.ready(self, up, msg, t)
-            return
-        receive_frames(self, up, msg, t)
+        elif up.seg is not None:
+            self.shm.ready(self, up, msg, time.monotonic())
+        else:
+            receive_frames(self, up, msg, time.monotonic())
 
     def chunk_done(
         self, up: InFlight, i: int, part: Partial, t: float, ok: bool, last: bool, checksum: int
     ) -> None:
         """A TCP chunk of bucket ``i`` was taken (``ok``: in order and in bounds): on
         the last one (or a bad one) check the bucket, then keep it or fetch it again."""
-        info = up.ann.buckets[i]
-        stage = up.stage[i] if up.stage is not None else None
         dt = time.monotonic() - t
         up.stats.verify_s += dt
         part.verify_s += dt
         if ok and not last:
             return
         del up.partial[i]
-        ok = ok and part.size == info.nbytes and part.hasher.digest() == checksum
-        if not ok:
+        if not ok or part.size != up.ann.buckets[i].nbytes or part.hasher.digest() != checksum:
             self.core.count("checksum_failures")
             error = up.sched.again(i)
             if error is not None:
@@ -264,7 +218,8 @@ class VersionFetcher:
             return
         up.sched.done(i)
         up.stats.buckets[i].update(recv_s=t - up.t0, verify_s=part.verify_s)
-        self.landed(up, i, part.chunks if stage is None else [torch.from_numpy(stage)], part.stream)
+        chunks = part.chunks if up.stage is None else [torch.from_numpy(up.stage[i])]
+        self.landed(up, i, chunks, part.stream)
 
     def link_failed(self, why: str) -> None:
         """The data link broke: the buckets asked on it are asked again as ZeroMQ
@@ -281,45 +236,39 @@ class VersionFetcher:
         self.pump()
 
     def partial(self, up: InFlight, i: int) -> Partial:
-        """A bucket starting to arrive; in streaming mode with its :class:`BucketStream`."""
+        """A bucket starting to arrive; in one-pass mode with its :class:`BucketStream`."""
         algo = up.ann.checksum_algo
         if self.atomic:
             return Partial(Hasher(algo))
-        stream = BucketStream(up.ann.buckets[i], self.targets, up.binding.dests, algo)
+        stream = BucketStream(up.ann.buckets[i], self.reporter.targets, up.binding.dests, algo)
         return Partial(stream.hasher, stream)
 
-    def hold(self, up: InFlight) -> bool:
-        """Streaming mode: enter the lock before the version's first write, once (it is
-        left when the version commits or fails). False when the lock refused: the
-        version failed, nothing written."""
-        if up.locked:
-            return True
-        try:
-            self.lock.__enter__()
-        except Exception as exc:  # e.g. the worker could not stop generating in time
-            self.fail(up.ann.version, f"not applied, the weights were not free: {exc}")
-            return False
-        up.locked = up.wrote = True
-        # From the first write the weights hold no complete version: report -1 (and
-        # no longer the old digest) until a version commits.
-        self.reporter.mixing()
+    def hold(self, up: InFlight, *, writing: bool = True) -> bool:
+        """Enter the lock for ``up`` once (left when it commits or fails); ``writing``:
+        the version's first write follows (one pass), so no version is reported until
+        it ends. False when the lock refused: the version failed, nothing written."""
+        if not up.locked:
+            try:
+                self.lock.__enter__()
+            except Exception as exc:  # e.g. the worker could not stop generating in time
+                self.fail(up.ann.version, f"not applied, the weights were not free: {exc}")
+                return False
+            up.locked = True
+            if writing:
+                up.wrote = True
+                self.reporter.mixing()
         return True
-
-    def unhold(self, up: InFlight) -> None:
-        """Leave the lock :meth:`hold` or the commit entered for ``up`` (if it did)."""
-        if up.locked:
-            up.locked = False
-            self.lock.__exit__(None, None, None)
 
     def landed(
         self, up: InFlight, i: int, chunks: list[torch.Tensor], stream: BucketStream | None
     ) -> None:
-        """Bucket ``i`` arrived and is verified: keep it, or, streaming, apply what its
+        """Bucket ``i`` arrived and is verified: keep it, or, in one pass, apply what its
         stream could not (tensors that need their bytes whole)."""
-        up.received[i] = chunks
         if self.on_progress is not None:
             self.on_progress(up.ann.version, i)
-        if stream is not None:
+        if stream is None:
+            up.received[i] = chunks
+        else:
             # The copy of the plain tensors ran with the checksum (in ``verify_s``).
             up.stats.buckets[i]["apply_s"] = 0.0
             if stream.rest:
@@ -330,23 +279,13 @@ class VersionFetcher:
                 self.applier.finish()
                 up.stats.buckets[i]["apply_s"] = time.monotonic() - ta
                 up.stats.apply_s += up.stats.buckets[i]["apply_s"]
-            up.applied.add(i)
-            up.received[i] = []  # applied: the frames can go
         self.pump()
         if up.sched.finished:
             self.update = None
             up.stats.fetch_s = time.monotonic() - up.t0
-            try:
-                self._commit(
-                    up,
-                    [
-                        (b, up.received[b.index])
-                        for b in up.ann.buckets
-                        if b.index not in up.applied
-                    ],
-                )
-            finally:
-                up.received.clear()
+            rest = [(b, up.received[b.index]) for b in up.ann.buckets if b.index in up.received]
+            up.received.clear()
+            self._commit(up, rest)
 
     def check_timeouts(self, now: float) -> None:
         up = self.update
@@ -372,13 +311,8 @@ class VersionFetcher:
         """Every bucket verified: copy what is not in yet under the lock (one pass holds
         it since the first write), run the loader, switch the version, Ack."""
         ann, stats = up.ann, up.stats
-        if not up.locked:
-            try:
-                self.lock.__enter__()
-            except Exception as exc:  # e.g. the worker could not stop generating in time
-                self.fail(ann.version, f"not applied, the weights were not free: {exc}")
-                return
-            up.locked = True
+        if not self.hold(up, writing=False):
+            return
         try:  # the lock's body (not a `with`: a lock that refuses fails the version)
             try:
                 for b, chunks in parts:
@@ -407,18 +341,22 @@ class VersionFetcher:
             # Before the Ack: once the trainer hears "applied", the engine stamps it.
             self.reporter.now_at(ann.version)
         finally:
-            # After a failure marked the weights mixed: the lock sees it.
-            self.unhold(up)
+            self.unhold(up)  # after a failure marked the weights mixed: the lock sees it
         parts.clear()  # drop the frames now, not at the next update
         stats.total_s = time.monotonic() - up.t0
-        for phase, secs in (
-            ("receive", stats.fetch_s),
-            ("verify", stats.verify_s),
-            ("apply", stats.apply_s),
-            ("total", stats.total_s),
+        for phase, secs in zip(
+            ("receive", "verify", "apply", "total"),
+            (stats.fetch_s, stats.verify_s, stats.apply_s, stats.total_s),
+            strict=True,
         ):
             metrics.SUBSCRIBER_PHASE_SECONDS.labels(phase=phase).observe(secs)
         self.reporter.applied(stats, sum(b.nbytes for b in ann.buckets))
+
+    def unhold(self, up: InFlight) -> None:
+        """Leave the lock :meth:`hold` entered for ``up`` (if it did)."""
+        if up.locked:
+            up.locked = False
+            self.lock.__exit__(None, None, None)
 
     def fail(self, version: int, error: str, route: str = "tcp") -> None:
         """Report ``version`` failed; if it is the one in flight, end it (leaving the

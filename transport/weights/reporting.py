@@ -1,11 +1,8 @@
-"""What a worker tells about its weights: its version and its Acks.
-
-:class:`Reporter` is the part of :class:`~transport.weights.WeightSubscriber` that both
-routes of a version (shm/tcp fetching, the ``ipc`` slots) report through: it switches
-the version (waking :meth:`~transport.weights.WeightSubscriber.wait_version` and
-calling ``on_applied`` before the Ack), keeps the digest and the last stats, and sends
-the ``WeightAck``. It runs in the subscriber's thread.
-"""
+"""What a worker tells about its weights: :class:`Reporter`, the part of a
+:class:`~transport.weights.WeightSubscriber` that both routes of a version (shm/tcp
+fetching, the ``ipc`` slots) report through, in the subscriber's thread. It switches the
+version (waking ``wait_version``, then ``on_applied`` before the Ack), keeps the digest
+and the last stats, and sends the ``WeightAck``."""
 
 from __future__ import annotations
 
@@ -30,7 +27,7 @@ log = logging.getLogger("transport.weights.subscriber")
 
 
 class Reporter:
-    """Version switches and Acks of one worker (see the module docstring)."""
+    """Version switches and Acks of one worker; ``send`` sends to the publisher."""
 
     def __init__(
         self,
@@ -82,30 +79,28 @@ class Reporter:
         )
         if self.report_digest:
             self.digest = state_digest(self.targets)
-        v = stats.version
+        v, ipc = stats.version, stats.via == "ipc"
         self.send(
             WeightAck(
                 self.worker_id, v, True, v, "", self.digest, stats.via, stats.flat(),
-                self.pid if stats.via != "ipc" else 0,
-                self.start_time if stats.via != "ipc" else 0,
+                0 if ipc else self.pid, 0 if ipc else self.start_time,
             )
         )  # fmt: skip
 
-    def failed(self, version: int, error: str, route: str, *, wrote: bool = False) -> None:
-        """Report ``version`` failed (``wrote``: after its first write, weights mixed)."""
-        was_mixed = "weights are mixed" in error
-        error = self.core.failed(error, wrote)
-        if not self.core.consistent and not was_mixed and self.report_digest:
+    def failed(self, version: int, error: str, route: str) -> None:
+        """Report ``version`` failed."""
+        reported = self.core.failed(error, False)
+        if reported != error and self.report_digest:  # the weights were left mixed
             self.digest = state_digest(self.targets)
-        self.last_error = error
+        self.last_error = reported
         metrics.SUBSCRIBER_FAILURES.inc()
         log.warning(
             "weight version %d not applied (%s); reporting version %d",
-            version, error, self.core.reported_version,
+            version, reported, self.core.reported_version,
         )  # fmt: skip
         self.send(
             WeightAck(
-                self.worker_id, version, False, self.core.reported_version, error, self.digest,
-                route, {}, self.pid, self.start_time,
+                self.worker_id, version, False, self.core.reported_version, reported,
+                self.digest, route, {}, self.pid, self.start_time,
             )
         )  # fmt: skip

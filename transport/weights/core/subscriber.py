@@ -1,20 +1,12 @@
 """The subscriber's protocol core: which version to try, what to fetch next, what to
 report. No sockets, no threads, no clock: the caller passes ``now``.
 
-The rules decided here (``docs/PROTOCOL.md``, "Weight updates"):
-
-* notices from a publisher not yet shaken hands with ask for a Hello; a Heartbeat whose
-  sequence number is ahead means an Announce was lost (a Hello fetches the snapshot);
-* a version is tried when it is newer than the weights (or the weights are mixed), at
-  most ``retries`` times per publisher instance; a manifest that does not fit the
-  model is given up at once; a newer Announce supersedes the version in flight;
-* ``window`` Fetches in flight, re-sent on a bad bucket or a timeout up to ``retries``
-  times per bucket, then the version fails;
-* never a mixed version served: from a one-pass version's first write the worker
-  reports version ``-1`` until a version completes; a failed version says
-  "weights are mixed" when it left them so;
-* the pause lease: a worker paused by someone else with a silent publisher resumes
-  after ``lease`` seconds, unless its weights are mixed.
+The rules decided here (``docs/PROTOCOL.md``, "Weight updates", steps 3-9): a notice
+from a publisher not shaken hands with asks for a Hello, a Heartbeat ahead means a lost
+Announce; a version is tried when newer than the weights (or they are mixed), at most
+``retries`` times per publisher instance; ``window`` Fetches in flight, each bucket
+asked at most ``retries`` times; from a one-pass version's first write the worker
+reports version ``-1`` until a version completes; the pause lease.
 """
 
 from __future__ import annotations
@@ -25,8 +17,6 @@ __all__ = ["MIXED", "FetchSchedule", "PauseLease", "SubscriberCore", "choose_ato
 
 #: Added to the error of a version that left the weights mixed.
 MIXED = "weights are mixed (atomic=False): not serving until a version completes"
-
-Notice = Literal["handshake", "hello", "handle"]
 
 
 def choose_atomic(atomic: bool | None, refuses_mixed: bool, loader: bool) -> bool:
@@ -40,15 +30,8 @@ def choose_atomic(atomic: bool | None, refuses_mixed: bool, loader: bool) -> boo
 
 
 class SubscriberCore:
-    """The subscriber's state machine over publishers and versions.
-
-    Parameters
-    ----------
-    version:
-        The version the weights hold at start (``-1``: none).
-    retries:
-        Attempts per version and per bucket.
-    """
+    """The subscriber's state machine over publishers and versions: the weights hold
+    ``version`` at start (``-1``: none); ``retries`` attempts per version."""
 
     def __init__(self, version: int = -1, retries: int = 3) -> None:
         self.version = version
@@ -62,26 +45,24 @@ class SubscriberCore:
         self._attempts: dict[tuple[str, int], int] = {}
         self._given_up: set[tuple[str, int]] = set()
 
-    def count(self, key: str, n: int = 1) -> None:
-        self.counters[key] = self.counters.get(key, 0) + n
+    def count(self, key: str) -> None:
+        self.counters[key] = self.counters.get(key, 0) + 1
 
     @property
     def reported_version(self) -> int:
         """The version reported in Hellos and Acks: ``-1`` while the weights are mixed."""
         return self.version if self.consistent else -1
 
-    # -- notices -----------------------------------------------------------------------
-    def notice(self, publisher_id: str, is_welcome: bool, now: float) -> Notice:
+    def notice(
+        self, publisher_id: str, is_welcome: bool, now: float
+    ) -> Literal["handshake", "hello", "handle"]:
         """A Welcome, Announce or Heartbeat arrived: ``"handshake"`` (a Welcome from a
         new publisher instance: start over with it), ``"hello"`` (a notice from one not
         shaken hands with: ask it for its state) or ``"handle"``."""
-        if publisher_id != self.publisher_id:
-            if not is_welcome:
-                return "hello"
-            self.last_heard = now
-            return "handshake"
+        if publisher_id != self.publisher_id and not is_welcome:
+            return "hello"
         self.last_heard = now
-        return "handle"
+        return "handle" if publisher_id == self.publisher_id else "handshake"
 
     def shake_hands(self, publisher_id: str, seq: int) -> None:
         """A new publisher instance: sequence numbers restart."""
@@ -105,23 +86,19 @@ class SubscriberCore:
         """No word from the publisher for ``timeout`` seconds (after a first one)."""
         return bool(self.last_heard) and now - self.last_heard > timeout
 
-    # -- versions ----------------------------------------------------------------------
     def consider(self, publisher_id: str, version: int, in_flight: int | None) -> tuple[bool, bool]:
         """An Announce of ``version``: ``(supersede, attempt)``, whether to abandon the
         version in flight, and whether to try this one."""
-        if version <= self.version and self.consistent:
+        if (version <= self.version and self.consistent) or (
+            in_flight is not None and in_flight >= version
+        ):
             return False, False
-        if in_flight is not None and in_flight >= version:
-            return False, False
-        supersede = in_flight is not None
         key = (publisher_id, version)
-        if key in self._given_up:
-            return supersede, False
-        n = self._attempts[key] = self._attempts.get(key, 0) + 1
-        if n > self.retries:
-            self._given_up.add(key)
-            return supersede, False
-        return supersede, True
+        if key not in self._given_up:
+            self._attempts[key] = self._attempts.get(key, 0) + 1
+            if self._attempts[key] > self.retries:
+                self._given_up.add(key)
+        return in_flight is not None, key not in self._given_up
 
     def give_up(self, publisher_id: str, version: int) -> None:
         """A version that cannot fit this model: never tried again."""
@@ -135,8 +112,7 @@ class SubscriberCore:
         """The weights are now all of ``version``."""
         self.version = version
         self.consistent = True
-        for key in [k for k in self._attempts if k[1] <= version]:
-            del self._attempts[key]
+        self._attempts = {k: n for k, n in self._attempts.items() if k[1] > version}
         self._given_up = {k for k in self._given_up if k[1] > version}
 
     def failed(self, error: str, wrote: bool) -> str:
@@ -185,10 +161,9 @@ class FetchSchedule:
     def again(self, i: int) -> str | None:
         """Bucket ``i`` failed its check: ``None`` (asked again) or why the version fails."""
         self.outstanding.pop(i, None)
-        if self.attempts.get(i, 0) >= self.retries:
-            return (
-                f"bucket {i} of version {self.version} failed its checksum {self.attempts[i]} times"
-            )
+        n = self.attempts.get(i, 0)
+        if n >= self.retries:
+            return f"bucket {i} of version {self.version} failed its checksum {n} times"
         self.todo.append(i)
         return None
 
@@ -203,11 +178,10 @@ class FetchSchedule:
         for i, sent in list(self.outstanding.items()):
             if now - sent < fetch_timeout:
                 continue
-            if self.attempts.get(i, 0) >= self.retries:
-                n = self.attempts[i]
+            n = self.attempts.get(i, 0)
+            if n >= self.retries:
                 return again, f"bucket {i} of version {self.version}: no answer after {n} fetches"
-            del self.outstanding[i]
-            self.todo.append(i)
+            self.requeue(i)
             again.append(i)
         return again, None
 
@@ -217,11 +191,9 @@ class FetchSchedule:
 
 
 class PauseLease:
-    """A pause is a lease held by a live trainer (the worker plugin's rule).
-
-    A worker paused by someone else (not its own copy) whose publisher is silent for
-    ``lease`` seconds resumes; never while its weights are mixed.
-    """
+    """A pause is a lease held by a live trainer (the worker plugin's rule): a worker
+    paused by someone else (not its own copy) whose publisher is silent for ``lease``
+    seconds resumes; never while its weights are mixed."""
 
     def __init__(self, lease: float) -> None:
         self.lease = lease
