@@ -225,7 +225,7 @@ def test_the_verdict_judges_answers_not_deaths() -> None:
     ("args", "message"),
     [
         (["--workers", "0"], "--workers must be at least 1"),
-        (["--duration", "-1"], "--duration must be positive"),
+        (["--duration", "-1"], "--duration must be more than 0"),
         (["--model-path", "/nonexistent/model"], "no config.json"),
         (["--chaos", "--workers", "1"], "--chaos needs --workers 2 or more"),
     ],
@@ -355,8 +355,7 @@ def test_a_worker_killed_from_outside_is_survived() -> None:
 def test_the_progress_line_counts_dead_workers_not_declarations(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    from transport.demo.display import Display
-    from transport.demo.reports import ClientReport, RunState, WorkerEvent
+    from transport.demo.reports import ClientReport, Display, RunState, WorkerEvent
 
     st = RunState()
     # Two clients each declared the one dead worker.
