@@ -47,11 +47,6 @@ __all__ = ["ChunkObserver", "FabricInferenceEngine"]
 ChunkObserver = Callable[[str, TokenArray, TokenArray, TokenArray], None]
 
 
-def _address(addr: str) -> str:
-    # AReaL passes servers as host:port; the fabric takes ZeroMQ addresses.
-    return addr if "://" in addr else f"tcp://{addr}"
-
-
 class FabricInferenceEngine(InferenceEngine):  # type: ignore[misc]
     """AReaL's ``InferenceEngine`` over the fastio fabric.
 
@@ -122,7 +117,8 @@ class FabricInferenceEngine(InferenceEngine):  # type: ignore[misc]
                 "No configured fastio workers. Pass their addresses to initialize(addr=...) "
                 "or set AREAL_LLM_SERVER_ADDRS."
             )
-        self.addresses = [_address(a) for a in addresses]
+        # AReaL passes servers as host:port; the fabric takes ZeroMQ addresses.
+        self.addresses = [a if "://" in a else f"tcp://{a}" for a in addresses]
         timeout = float(self.config.setup_timeout)
         self.controller = FabricController(self.addresses, timeout=min(60.0, timeout))
         try:
@@ -193,10 +189,12 @@ class FabricInferenceEngine(InferenceEngine):  # type: ignore[misc]
             raise RuntimeError("the engine is not initialized (call initialize first)")
         return self.controller
 
-    def _submit(self, fn: Callable[..., None], *args: Any) -> concurrent.futures.Future[None]:
+    def _submit(
+        self, fn: Callable[..., Any], *args: Any, **kw: Any
+    ) -> concurrent.futures.Future[None]:
         if self._updates is None:
             raise RuntimeError("the engine is not initialized (call initialize first)")
-        return self._updates.submit(fn, *args)
+        return self._updates.submit(fn, *args, **kw)
 
     # -- generation -----------------------------------------------------------------------
     async def agenerate(self, req: Any) -> Any:
@@ -207,8 +205,7 @@ class FabricInferenceEngine(InferenceEngine):  # type: ignore[misc]
         loop = self._loop
         if loop is None:
             raise RuntimeError("the engine is not initialized (call initialize first)")
-        llm_req = to_llm_request(req)
-        fut = asyncio.run_coroutine_threadsafe(self._generate(llm_req), loop)
+        fut = asyncio.run_coroutine_threadsafe(self._generate(to_llm_request(req)), loop)
         resp = await asyncio.wrap_future(fut)
         return to_model_response(req, resp, ModelResponse)
 
@@ -245,9 +242,7 @@ class FabricInferenceEngine(InferenceEngine):  # type: ignore[misc]
         (``--plugin transport.weights.disk_follow:follow --plugin-opt disk_root=DIR``).
         As with AReaL's engines it may be called before the trainer writes."""
         disk_root(meta)  # a clear error now for a meta that is not a disk one
-        expected = self._expected(meta)
-        ctl = self._ctl()
-        return self._submit(self._await_version, ctl, expected, "disk")
+        return self._submit(self._await_version, self._ctl(), self._expected(meta), "disk")
 
     def init_weights_update_group(
         self, meta: Any, xccl_group_ranks: list[int] | None = None
@@ -255,7 +250,7 @@ class FabricInferenceEngine(InferenceEngine):  # type: ignore[misc]
         """Nothing to set up: each worker's weight subscriber connected to the trainer's
         :class:`~transport.weights.WeightPublisher` when it started. The future checks
         that every worker answers."""
-        return self._submit(self._check_workers, self._ctl())
+        return self._submit(self._ctl().request, "health", strict=True)
 
     def update_weights_from_distributed(
         self, meta: Any, param_specs: list[Any]
@@ -264,13 +259,7 @@ class FabricInferenceEngine(InferenceEngine):  # type: ignore[misc]
         publishes with its :class:`~transport.weights.WeightPublisher` (every worker runs
         ``--plugin transport.weights.update:subscribe``). ``param_specs`` are not needed:
         the publisher's manifest describes the version."""
-        expected = self._expected(meta)
-        ctl = self._ctl()
-        return self._submit(self._await_version, ctl, expected, "publisher")
-
-    @staticmethod
-    def _check_workers(ctl: FabricController) -> None:
-        ctl.request("health", strict=True)
+        return self._submit(self._await_version, self._ctl(), self._expected(meta), "publisher")
 
     def _await_version(self, ctl: FabricController, version: int, route: str) -> None:
         seen = wait_for_version(ctl, version, self.weights_timeout)
@@ -402,17 +391,8 @@ class FabricInferenceEngine(InferenceEngine):  # type: ignore[misc]
         """The scalars the workflows recorded (AReaL's ``stats_tracker``)."""
         return stats_tracker.export_all(reduce_group=None)  # type: ignore[no-any-return]
 
-    def offload(self) -> None:
-        raise NotImplementedError("the fabric has no offload operation")
-
-    def onload(self, tags: list[str] | None = None) -> None:
-        raise NotImplementedError("the fabric has no onload operation")
-
     def launch_server(self, server_args: dict[str, Any]) -> Any:
         raise NotImplementedError(
             "start generation workers with fastio-worker and pass their addresses to "
             "initialize(addr=...)"
         )
-
-    def teardown_server(self) -> None:
-        raise NotImplementedError("the engine launches no server")
