@@ -1,19 +1,10 @@
 """``FabricInferenceEngine``: AReaL's ``InferenceEngine`` speaking the fastio fabric to
 generation workers (``fastio-worker``, any engine behind them) where AReaL's
-``RemoteSGLangEngine`` speaks HTTP+JSON to SGLang servers:
-
-==================================  ===================================================
-``agenerate``                       one :class:`~transport.FabricClient` request;
-                                    interrupted generations are completed by the client;
-                                    each token keeps the version that produced it
-``pause_generation`` / ``continue``  :class:`~transport.FabricController` pause / resume
-``update_weights_from_disk``        fastio's disk route (see :mod:`.weights`)
-``update_weights_from_distributed`` fastio's weight publisher (see :mod:`.weights`)
-``submit`` / ``wait`` /             AReaL's own ``WorkflowExecutor``, as AReaL's remote
-``rollout_batch`` / ``prepare_...`` engines hand them over
-``pause`` / ``resume``              the executor's pause (no new rollouts)
-``set_version`` / ``get_version``   the client's version (staleness control)
-==================================  ===================================================
+``RemoteSGLangEngine`` speaks HTTP+JSON to SGLang servers. ``agenerate`` is one
+:class:`~transport.FabricClient` request, the pauses are the
+:class:`~transport.FabricController`'s, weight updates go through fastio's routes
+(:mod:`.weights`) and rollouts through AReaL's own ``WorkflowExecutor``; the table of
+``docs/areal.md`` maps each method.
 """
 
 from __future__ import annotations

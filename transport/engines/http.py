@@ -160,7 +160,7 @@ class Flight:
 class HTTPBridge(abc.ABC):
     """Base of the server bridges (see the module docstring): a subclass says how a
     request is written (:meth:`request`), a streamed chunk read (:meth:`take`) and a
-    request stopped on the server (:meth:`interrupt`, :meth:`abort`).
+    request stopped on the server (:meth:`abort`; :meth:`interrupt` for a pause).
 
     Parameters
     ----------
@@ -360,9 +360,13 @@ class HTTPBridge(abc.ABC):
         """Add the new tokens of one streamed chunk to ``flight`` (:meth:`Flight.add`),
         set ``flight.finish`` when it ends the stream; returns how many tokens."""
 
-    @abc.abstractmethod
     def interrupt(self, flight: Flight) -> None:
-        """Make the server end ``flight`` soon with its partial output (pause)."""
+        """Make the server end ``flight`` soon with its partial output (pause): by
+        default :meth:`abort` it, again at its first chunk when the server may not have
+        known it yet."""
+        flight.blind_abort = not flight.first
+        flight.interrupted = True
+        self.abort(flight)
 
     @abc.abstractmethod
     def abort(self, flight: Flight) -> None:

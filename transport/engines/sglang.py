@@ -99,13 +99,6 @@ class SGLangEngine(HTTPBridge):
         flight.finish = meta.get("finish_reason")
         return len(new)
 
-    def interrupt(self, flight: Flight) -> None:
-        """Abort ``flight`` on the server by its rid (again at its first chunk when the
-        server may not have known it yet)."""
-        flight.blind_abort = not flight.first
-        flight.interrupted = True
-        self.abort(flight)
-
     def abort(self, flight: Flight) -> None:
         """``POST /abort_request`` for ``flight``'s rid, in the background."""
         self.spawn(self._abort(flight.rid))

@@ -103,11 +103,6 @@ class VLLMEngine(HTTPBridge):
             flight.finish = choice.get("finish_reason") or flight.finish
         return n
 
-    def interrupt(self, flight: Flight) -> None:
-        """Close ``flight``'s stream (:meth:`abort`); its tokens so far are kept."""
-        flight.interrupted = True
-        self.abort(flight)
-
     def abort(self, flight: Flight) -> None:
         """Close ``flight``'s stream: the server aborts a request whose client left."""
         if flight.response is not None:
