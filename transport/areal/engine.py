@@ -87,7 +87,6 @@ class FabricInferenceEngine(InferenceEngine):  # type: ignore[misc]
         self._initialized = False
         self.logger = areal_logging.getLogger("FabricInferenceEngine")
 
-    # -- lifecycle ----------------------------------------------------------------------
     def initialize(
         self,
         engine_id: str | None = None,
@@ -187,7 +186,6 @@ class FabricInferenceEngine(InferenceEngine):  # type: ignore[misc]
             raise RuntimeError("the engine is not initialized (call initialize first)")
         return self._updates.submit(fn, *args, **kw)
 
-    # -- generation -----------------------------------------------------------------------
     async def agenerate(self, req: Any) -> Any:
         """Generate for AReaL's ``ModelRequest`` on some worker; AReaL's
         ``ModelResponse``. Runs in any event loop (the executor's, ``asyncio.run``...):
@@ -209,7 +207,6 @@ class FabricInferenceEngine(InferenceEngine):  # type: ignore[misc]
             on_chunk=None if cb is None else functools.partial(cb, req.rid),
         )
 
-    # -- versions and weights -----------------------------------------------------------
     def set_version(self, version: int) -> None:
         """Set the version the executor's staleness control counts from."""
         with self._lock:
@@ -256,7 +253,6 @@ class FabricInferenceEngine(InferenceEngine):  # type: ignore[misc]
         seen = wait_for_version(ctl, version, self.weights_timeout)
         self.logger.info("version %d on every worker via the %s route: %s", version, route, seen)
 
-    # -- pause ----------------------------------------------------------------------------
     def pause_generation(self) -> None:
         """Pause every worker; returns once none generates. Running generations end
         with ``interrupt`` and their clients re-submit the rest, which waits on the
@@ -274,7 +270,6 @@ class FabricInferenceEngine(InferenceEngine):  # type: ignore[misc]
     def resume(self) -> None:
         self.workflow_executor.resume()
 
-    # -- rollouts: AReaL's executor ---------------------------------------------------------
     def _resolve_workflow(
         self, workflow: Any, workflow_kwargs: dict[str, Any] | None, group_size: int
     ) -> Any:
@@ -377,7 +372,6 @@ class FabricInferenceEngine(InferenceEngine):  # type: ignore[misc]
             dynamic_bs=dynamic_bs,
         )
 
-    # -- the rest of AReaL's interface ---------------------------------------------------------
     def export_stats(self) -> dict[str, float]:
         """The scalars the workflows recorded (AReaL's ``stats_tracker``)."""
         return stats_tracker.export_all(reduce_group=None)  # type: ignore[no-any-return]

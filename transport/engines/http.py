@@ -216,7 +216,6 @@ class HTTPBridge(abc.ABC):
             engine.check_reachable()
         return engine
 
-    # -- lifecycle (EngineHooks) ----------------------------------------------------------
     def check_reachable(self, timeout: float = 5.0) -> None:
         """``GET /health`` once, blocking (the factory calls it so that a worker pointed
         at nothing fails at start with one clear line)."""
@@ -282,7 +281,6 @@ class HTTPBridge(abc.ABC):
             if not flight.interrupted:
                 self.interrupt(flight)
 
-    # -- generation -------------------------------------------------------------------------
     async def generate(self, req: LLMRequest, ctx: GenerationContext) -> LLMResponse:
         """Forward ``req`` to the server and stream the answer through ``ctx``."""
         # The worker runs a handler's first step outside any task (its eager start);
@@ -350,7 +348,6 @@ class HTTPBridge(abc.ABC):
         if not self.flights and self._idle is not None:
             self._idle.set()
 
-    # -- what a subclass says -----------------------------------------------------------
     @abc.abstractmethod
     async def request(self, req: LLMRequest, rid: str) -> tuple[str, Any]:
         """The path and JSON body that ask the server to stream ``req`` as ``rid``."""
@@ -372,7 +369,6 @@ class HTTPBridge(abc.ABC):
     def abort(self, flight: Flight) -> None:
         """Stop the server's work on ``flight``, cancelled (an abort, a client gone)."""
 
-    # -- helpers for the subclasses ---------------------------------------------------------
     def new_rid(self) -> str:
         """A request id unique to this worker's life (servers key aborts by it)."""
         return f"{self._prefix}-{next(self._rids)}"

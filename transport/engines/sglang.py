@@ -109,7 +109,6 @@ class SGLangEngine(HTTPBridge):
         except Exception as exc:  # the server may be gone; the watchdog deals with it
             log.debug("abort of %s failed: %r", rid, exc)
 
-    # -- weights --------------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
         """Write one verified version under :attr:`weights_dir` and have the server load
         it (called on the weight subscriber's thread while the worker is paused). Raises
