@@ -225,7 +225,7 @@ def test_the_verdict_judges_answers_not_deaths() -> None:
     ("args", "message"),
     [
         (["--workers", "0"], "--workers must be at least 1"),
-        (["--duration", "-1"], "--duration must be positive"),
+        (["--duration", "-1"], "--duration must be more than 0"),
         (["--model-path", "/nonexistent/model"], "no config.json"),
         (["--chaos", "--workers", "1"], "--chaos needs --workers 2 or more"),
     ],
@@ -355,8 +355,7 @@ def test_a_worker_killed_from_outside_is_survived() -> None:
 def test_the_progress_line_counts_dead_workers_not_declarations(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    from transport.demo.display import Display
-    from transport.demo.reports import ClientReport, RunState, WorkerEvent
+    from transport.demo.reports import ClientReport, Display, RunState, WorkerEvent
 
     st = RunState()
     # Two clients each declared the one dead worker.
@@ -366,3 +365,37 @@ def test_the_progress_line_counts_dead_workers_not_declarations(
         display.update(st)
     line = capsys.readouterr().out
     assert re.search(r"workers dead 1, restarted 0", line), line
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--prompt-len", "3"], "--prompt-len must be at least 8 (got 3)"),
+        (["--workers", "x"], "--workers 'x': expected an integer"),
+        (["--token-interval", "-1"], "--token-interval must be at least 0.0 (got -1)"),
+        (["--update-every", "0"], "--update-every must be more than 0"),
+        (["--engine", "gpu"], "invalid choice: 'gpu'"),
+        (["--model-path", "/m", "--engine", "reference"], "--model-path needs --engine hf"),
+    ],
+)
+def test_a_bad_flag_is_named_by_the_config_check(args: list[str], message: str) -> None:
+    from transport.demo.config import UserError, parse_config
+
+    with pytest.raises(UserError, match=re.escape(message)):
+        parse_config(args)
+
+
+def test_the_flags_are_the_config_fields() -> None:
+    import msgspec
+
+    from transport.demo.config import DemoConfig, parse_config
+
+    role, c = parse_config(["--engine", "reference", "--model-size", "tiny", "--workers", "3",
+                            "--chaos", "--duration", "2.5"])  # fmt: skip
+    assert role == "orchestrator"
+    # The size's defaults fill --concurrency and --update-every; the rest are the fields'.
+    want = DemoConfig(engine="reference", model_size="tiny", workers=3, chaos=True,
+                      duration=2.5, concurrency=32, update_every=5.0)  # fmt: skip
+    assert c == want
+    role, child = parse_config(["--role", "client", "--config", msgspec.json.encode(c).decode()])
+    assert (role, child) == ("client", c)

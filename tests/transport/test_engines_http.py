@@ -148,3 +148,19 @@ def test_a_failed_load_reports_its_own_error_not_the_resume(
         ):
             asyncio.run(main(continue_))
     assert "scheduler gone" in caplog.text  # the resume's failure is logged
+
+
+def test_constructor_keywords_are_checked_by_the_options_struct() -> None:
+    from transport.engines.vllm import VLLMEngine
+
+    eng = SGLangEngine("http://127.0.0.1:1/", health_interval=0, reload_timeout=5)
+    assert (eng.url, eng.options.health_interval, eng.options.reload_timeout) == (
+        "http://127.0.0.1:1", 0.0, 5.0,
+    )  # fmt: skip
+    assert VLLMEngine("http://127.0.0.1:1", model="m").served_model == "m"
+    with pytest.raises(ValueError, match="health_failures"):
+        SGLangEngine("http://127.0.0.1:1", health_failures=0)
+    with pytest.raises(ValueError, match="colour"):
+        SGLangEngine("http://127.0.0.1:1", colour="red")
+    with pytest.raises(ValueError, match="url must be"):
+        SGLangEngine("127.0.0.1:1")

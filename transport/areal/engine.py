@@ -1,19 +1,10 @@
 """``FabricInferenceEngine``: AReaL's ``InferenceEngine`` speaking the fastio fabric to
 generation workers (``fastio-worker``, any engine behind them) where AReaL's
-``RemoteSGLangEngine`` speaks HTTP+JSON to SGLang servers:
-
-==================================  ===================================================
-``agenerate``                       one :class:`~transport.FabricClient` request;
-                                    interrupted generations are completed by the client;
-                                    each token keeps the version that produced it
-``pause_generation`` / ``continue``  :class:`~transport.FabricController` pause / resume
-``update_weights_from_disk``        fastio's disk route (see :mod:`.weights`)
-``update_weights_from_distributed`` fastio's weight publisher (see :mod:`.weights`)
-``submit`` / ``wait`` /             AReaL's own ``WorkflowExecutor``, as AReaL's remote
-``rollout_batch`` / ``prepare_...`` engines hand them over
-``pause`` / ``resume``              the executor's pause (no new rollouts)
-``set_version`` / ``get_version``   the client's version (staleness control)
-==================================  ===================================================
+``RemoteSGLangEngine`` speaks HTTP+JSON to SGLang servers. ``agenerate`` is one
+:class:`~transport.FabricClient` request, the pauses are the
+:class:`~transport.FabricController`'s, weight updates go through fastio's routes
+(:mod:`.weights`) and rollouts through AReaL's own ``WorkflowExecutor``; the table of
+``docs/areal.md`` maps each method.
 """
 
 from __future__ import annotations
@@ -45,11 +36,6 @@ __all__ = ["ChunkObserver", "FabricInferenceEngine"]
 
 #: ``on_chunk(rid, tokens, logprobs, versions)``: output not delivered before.
 ChunkObserver = Callable[[str, TokenArray, TokenArray, TokenArray], None]
-
-
-def _address(addr: str) -> str:
-    # AReaL passes servers as host:port; the fabric takes ZeroMQ addresses.
-    return addr if "://" in addr else f"tcp://{addr}"
 
 
 class FabricInferenceEngine(InferenceEngine):  # type: ignore[misc]
@@ -101,7 +87,6 @@ class FabricInferenceEngine(InferenceEngine):  # type: ignore[misc]
         self._initialized = False
         self.logger = areal_logging.getLogger("FabricInferenceEngine")
 
-    # -- lifecycle ----------------------------------------------------------------------
     def initialize(
         self,
         engine_id: str | None = None,
@@ -122,7 +107,8 @@ class FabricInferenceEngine(InferenceEngine):  # type: ignore[misc]
                 "No configured fastio workers. Pass their addresses to initialize(addr=...) "
                 "or set AREAL_LLM_SERVER_ADDRS."
             )
-        self.addresses = [_address(a) for a in addresses]
+        # AReaL passes servers as host:port; the fabric takes ZeroMQ addresses.
+        self.addresses = [a if "://" in a else f"tcp://{a}" for a in addresses]
         timeout = float(self.config.setup_timeout)
         self.controller = FabricController(self.addresses, timeout=min(60.0, timeout))
         try:
@@ -193,12 +179,13 @@ class FabricInferenceEngine(InferenceEngine):  # type: ignore[misc]
             raise RuntimeError("the engine is not initialized (call initialize first)")
         return self.controller
 
-    def _submit(self, fn: Callable[..., None], *args: Any) -> concurrent.futures.Future[None]:
+    def _submit(
+        self, fn: Callable[..., Any], *args: Any, **kw: Any
+    ) -> concurrent.futures.Future[None]:
         if self._updates is None:
             raise RuntimeError("the engine is not initialized (call initialize first)")
-        return self._updates.submit(fn, *args)
+        return self._updates.submit(fn, *args, **kw)
 
-    # -- generation -----------------------------------------------------------------------
     async def agenerate(self, req: Any) -> Any:
         """Generate for AReaL's ``ModelRequest`` on some worker; AReaL's
         ``ModelResponse``. Runs in any event loop (the executor's, ``asyncio.run``...):
@@ -207,8 +194,7 @@ class FabricInferenceEngine(InferenceEngine):  # type: ignore[misc]
         loop = self._loop
         if loop is None:
             raise RuntimeError("the engine is not initialized (call initialize first)")
-        llm_req = to_llm_request(req)
-        fut = asyncio.run_coroutine_threadsafe(self._generate(llm_req), loop)
+        fut = asyncio.run_coroutine_threadsafe(self._generate(to_llm_request(req)), loop)
         resp = await asyncio.wrap_future(fut)
         return to_model_response(req, resp, ModelResponse)
 
@@ -221,7 +207,6 @@ class FabricInferenceEngine(InferenceEngine):  # type: ignore[misc]
             on_chunk=None if cb is None else functools.partial(cb, req.rid),
         )
 
-    # -- versions and weights -----------------------------------------------------------
     def set_version(self, version: int) -> None:
         """Set the version the executor's staleness control counts from."""
         with self._lock:
@@ -245,9 +230,7 @@ class FabricInferenceEngine(InferenceEngine):  # type: ignore[misc]
         (``--plugin transport.weights.disk_follow:follow --plugin-opt disk_root=DIR``).
         As with AReaL's engines it may be called before the trainer writes."""
         disk_root(meta)  # a clear error now for a meta that is not a disk one
-        expected = self._expected(meta)
-        ctl = self._ctl()
-        return self._submit(self._await_version, ctl, expected, "disk")
+        return self._submit(self._await_version, self._ctl(), self._expected(meta), "disk")
 
     def init_weights_update_group(
         self, meta: Any, xccl_group_ranks: list[int] | None = None
@@ -255,7 +238,7 @@ class FabricInferenceEngine(InferenceEngine):  # type: ignore[misc]
         """Nothing to set up: each worker's weight subscriber connected to the trainer's
         :class:`~transport.weights.WeightPublisher` when it started. The future checks
         that every worker answers."""
-        return self._submit(self._check_workers, self._ctl())
+        return self._submit(self._ctl().request, "health", strict=True)
 
     def update_weights_from_distributed(
         self, meta: Any, param_specs: list[Any]
@@ -264,19 +247,12 @@ class FabricInferenceEngine(InferenceEngine):  # type: ignore[misc]
         publishes with its :class:`~transport.weights.WeightPublisher` (every worker runs
         ``--plugin transport.weights.update:subscribe``). ``param_specs`` are not needed:
         the publisher's manifest describes the version."""
-        expected = self._expected(meta)
-        ctl = self._ctl()
-        return self._submit(self._await_version, ctl, expected, "publisher")
-
-    @staticmethod
-    def _check_workers(ctl: FabricController) -> None:
-        ctl.request("health", strict=True)
+        return self._submit(self._await_version, self._ctl(), self._expected(meta), "publisher")
 
     def _await_version(self, ctl: FabricController, version: int, route: str) -> None:
         seen = wait_for_version(ctl, version, self.weights_timeout)
         self.logger.info("version %d on every worker via the %s route: %s", version, route, seen)
 
-    # -- pause ----------------------------------------------------------------------------
     def pause_generation(self) -> None:
         """Pause every worker; returns once none generates. Running generations end
         with ``interrupt`` and their clients re-submit the rest, which waits on the
@@ -294,7 +270,6 @@ class FabricInferenceEngine(InferenceEngine):  # type: ignore[misc]
     def resume(self) -> None:
         self.workflow_executor.resume()
 
-    # -- rollouts: AReaL's executor ---------------------------------------------------------
     def _resolve_workflow(
         self, workflow: Any, workflow_kwargs: dict[str, Any] | None, group_size: int
     ) -> Any:
@@ -397,22 +372,12 @@ class FabricInferenceEngine(InferenceEngine):  # type: ignore[misc]
             dynamic_bs=dynamic_bs,
         )
 
-    # -- the rest of AReaL's interface ---------------------------------------------------------
     def export_stats(self) -> dict[str, float]:
         """The scalars the workflows recorded (AReaL's ``stats_tracker``)."""
         return stats_tracker.export_all(reduce_group=None)  # type: ignore[no-any-return]
-
-    def offload(self) -> None:
-        raise NotImplementedError("the fabric has no offload operation")
-
-    def onload(self, tags: list[str] | None = None) -> None:
-        raise NotImplementedError("the fabric has no onload operation")
 
     def launch_server(self, server_args: dict[str, Any]) -> Any:
         raise NotImplementedError(
             "start generation workers with fastio-worker and pass their addresses to "
             "initialize(addr=...)"
         )
-
-    def teardown_server(self) -> None:
-        raise NotImplementedError("the engine launches no server")

@@ -1,15 +1,11 @@
 """How AReaL's weight-update calls land on fastio's weight routes.
 
-* ``WeightUpdateMeta(type="disk")``: the trainer writes the version with
-  :func:`save_for_rollout` under :func:`disk_root` of the meta; every worker follows that
-  directory with fastio's disk plugin (``--plugin transport.weights.disk_follow:follow
-  --plugin-opt disk_root=DIR``). AReaL pauses and resumes the workers itself.
-* ``WeightUpdateMeta(type="xccl")``: the trainer publishes with a
-  :class:`transport.weights.WeightPublisher` that every worker's weights plugin
-  (``transport.weights.update:subscribe``) follows.
-
-Either way the rollout side's future is done once every worker reports the version
-(:func:`wait_for_version`), which a worker does only once the weights are in place.
+A disk ``WeightUpdateMeta``: the trainer writes with :func:`save_for_rollout` under
+:func:`disk_root` of the meta, which every worker follows (``--plugin
+transport.weights.disk_follow:follow --plugin-opt disk_root=DIR``). An ``xccl`` one: the
+trainer publishes with a :class:`transport.weights.WeightPublisher` that every worker's
+weights plugin follows. Either way the rollout side waits for every worker to report the
+version (:func:`wait_for_version`), which a worker does once the weights are in place.
 """
 
 from __future__ import annotations

@@ -1,34 +1,43 @@
-"""Starting, watching and stopping the demo's child processes, and the worker command."""
+"""The demo's child processes: starting, watching and stopping them, and the generation
+workers under supervision (a worker that dies is reported and started again on its
+address; ``--chaos`` kills one on purpose)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import importlib.util
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from transport.demo.config import REFERENCE_SIZES
+from transport.demo.config import REFERENCE_SIZES, DemoConfig
+from transport.demo.reports import WorkerEvent
 
-if TYPE_CHECKING:
-    from transport.demo.config import DemoConfig
+__all__ = ["MAX_RESTARTS", "Child", "WorkerPool", "hf_worker_args", "watch_parent"]
+
+#: Restarts of one worker before it is left down (one that keeps dying as it starts is
+#: broken, not unlucky).
+MAX_RESTARTS = 3
+#: Seconds a (re)started worker has to say it is ready (a model to load, on busy cores).
+READY_TIMEOUT = 300.0
 
 
 def watch_parent(grace: float = 10.0) -> None:
     """In a child: end this process when the demo process is gone.
 
     Its stdin is a pipe whose only writer is the demo process (which never writes), so
-    a read returns end-of-file exactly when that process exits, however it exits. The
-    watchdog then sends this process SIGTERM (an orderly stop) and, if it is still
-    alive ``grace`` seconds later, SIGKILL.
+    a read returns end-of-file exactly when that process exits, however it exits: then
+    SIGTERM, and SIGKILL ``grace`` seconds later.
     """
 
     def watch() -> None:
@@ -36,32 +45,10 @@ def watch_parent(grace: float = 10.0) -> None:
             while os.read(0, 4096):
                 pass
         os.kill(os.getpid(), signal.SIGTERM)
-        time.sleep(grace)  # the orderly stop's allowance, then no more waiting
+        time.sleep(grace)  # the orderly stop's allowance
         os.kill(os.getpid(), signal.SIGKILL)
 
     threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
-
-
-def spawn(args: list[str], log_path: Path) -> subprocess.Popen[bytes]:
-    log = open(log_path, "wb")  # noqa: SIM115 - owned by the child for its lifetime
-    # The run's directory marks every child's environment, so a test (or a person) can
-    # find them all: grep FASTIO_DEMO_RUN /proc/*/environ.
-    env = {**os.environ, "FASTIO_DEMO_RUN": str(log_path.parent)}
-    root = str(Path(__file__).resolve().parents[2])
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
-    proc = subprocess.Popen(
-        [sys.executable, *args],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=log,
-        # The parent-death pipe (see watch_parent): we hold the only write end.
-        stdin=subprocess.PIPE,
-        # Own session: a terminal Ctrl-C reaches only this process, which then stops
-        # the children in order (clients, trainer, workers).
-        start_new_session=True,
-    )
-    log.close()  # the child has its own copy
-    return proc
 
 
 def log_tail(path: Path) -> str:
@@ -72,31 +59,63 @@ def log_tail(path: Path) -> str:
     return "(no output)"
 
 
-def read_ready(proc: subprocess.Popen[bytes], name: str, log: Path, timeout: float) -> Any:
-    """Wait for the child's one-line JSON ``{"ready": ...}`` on stdout."""
-    assert proc.stdout is not None
-    import selectors
+@dataclasses.dataclass(eq=False)
+class Child:
+    """One child process: ``python ARGS`` logging to ``log``, in its own session (a
+    terminal's Ctrl-C reaches only the demo process, which stops the children in order)."""
 
-    sel = selectors.DefaultSelector()
-    sel.register(proc.stdout, selectors.EVENT_READ)
-    deadline = time.monotonic() + timeout
-    buf = b""
-    try:
-        while b"\n" not in buf:
-            left = deadline - time.monotonic()
-            if left <= 0 or not sel.select(left):
-                raise RuntimeError(f"{name} was not ready after {timeout:.0f} s")
-            chunk = os.read(proc.stdout.fileno(), 4096)
+    name: str
+    log: Path
+    args: list[str]
+    proc: subprocess.Popen[bytes] = dataclasses.field(init=False)
+    buf: bytes = b""
+
+    def __post_init__(self) -> None:
+        self.start()
+
+    def start(self) -> None:
+        """Start the process (again)."""
+        self.buf = b""
+        # The run's directory marks every child's environment: grep FASTIO_DEMO_RUN.
+        env = {**os.environ, "FASTIO_DEMO_RUN": str(self.log.parent)}
+        root = str(Path(__file__).resolve().parents[2])
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+        with open(self.log, "wb") as log:
+            # stdin: the parent-death pipe (watch_parent), whose write end only we hold.
+            self.proc = subprocess.Popen(
+                [sys.executable, *self.args], env=env, stdout=subprocess.PIPE, stderr=log,
+                stdin=subprocess.PIPE, start_new_session=True,
+            )  # fmt: skip
+
+    def ready(self, timeout: float) -> Any:
+        """The child's one-line JSON ``{"ready": ...}`` on stdout, waiting up to
+        ``timeout`` s (None: not yet; ``RuntimeError`` when it exited before)."""
+        assert self.proc.stdout is not None
+        fd = self.proc.stdout.fileno()
+        deadline = time.monotonic() + timeout
+        while b"\n" not in self.buf:
+            if not select.select([fd], [], [], max(0.0, deadline - time.monotonic()))[0]:
+                return None
+            chunk = os.read(fd, 4096)
             if not chunk:
-                code = proc.wait()
-                raise RuntimeError(f"{name} exited ({code}) before it was ready: {log_tail(log)}")
-            buf += chunk
-    finally:
-        sel.close()
-    return json.loads(buf.split(b"\n", 1)[0])
+                if not timeout:
+                    return None  # the caller sees it dead
+                code = self.proc.wait()
+                raise RuntimeError(
+                    f"{self.name} exited ({code}) before it was ready: {log_tail(self.log)}"
+                )
+            self.buf += chunk
+        return json.loads(self.buf.split(b"\n", 1)[0])
+
+    def wait_ready(self, timeout: float) -> Any:
+        ready = self.ready(timeout)
+        if ready is None:
+            raise RuntimeError(f"{self.name} was not ready after {timeout:.0f} s")
+        return ready
 
 
 def stop_all(procs: Sequence[subprocess.Popen[bytes]], timeout: float) -> None:
+    """SIGTERM each, SIGKILL what is left after ``timeout`` s, close our pipe ends."""
     for p in procs:
         if p.poll() is None:
             with contextlib.suppress(ProcessLookupError):
@@ -108,7 +127,6 @@ def stop_all(procs: Sequence[subprocess.Popen[bytes]], timeout: float) -> None:
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait()
-    for p in procs:
         for f in (p.stdin, p.stdout):
             if f is not None:
                 with contextlib.suppress(OSError):
@@ -136,10 +154,10 @@ class StopSignals:
 
 
 def stop_event() -> asyncio.Event:
+    """An event set by SIGINT or SIGTERM (in a role that runs a loop)."""
     stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
     return stop
 
 
@@ -185,3 +203,113 @@ def worker_cmd(c: DemoConfig, i: int, bind: str) -> list[str]:
             "--curve-secret", f"{c.keys}/worker.key_secret", "--curve-clients", f"{c.keys}/clients",
         ]  # fmt: skip
     return cmd
+
+
+@dataclasses.dataclass(eq=False)
+class _Worker(Child):
+    address: str = ""
+    restarts: int = 0
+    starting_since: float | None = None  # None: up, or down for good
+    chaos: bool = False
+    down: bool = False
+
+
+def _how(code: int) -> str:
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            return signal.Signals(-code).name
+        return f"signal {-code}"
+    return f"exit status {code}"
+
+
+def _metrics(ready: dict[str, object]) -> str:
+    port = ready.get("metrics")
+    return f", metrics http://127.0.0.1:{port}/metrics" if port else ""
+
+
+class WorkerPool:
+    """The workers of one demo run.
+
+    ``say`` prints a line for the person watching; :attr:`events` records each death and
+    return (for the summary); :attr:`crashed` names the workers that failed by
+    themselves (a nonzero exit status, not a signal): that fails the run.
+    """
+
+    def __init__(self, c: DemoConfig, tmp: Path, say: Callable[[str], None]) -> None:
+        self._config, self._tmp, self._say = c, tmp, say
+        self.workers: list[_Worker] = []
+        self.events: list[WorkerEvent] = []
+        self.crashed: list[str] = []
+
+    @property
+    def addresses(self) -> list[str]:
+        return [w.address for w in self.workers]
+
+    def start(self) -> None:
+        """Start every worker and wait for each to be ready (``RuntimeError`` if not)."""
+        c, tmp = self._config, self._tmp
+        for i in range(c.workers):
+            bind = f"ipc://{tmp}/worker{i}" if c.transport == "ipc" else "tcp://127.0.0.1:0"
+            self.workers.append(
+                _Worker(f"worker{i}", tmp / f"worker{i}.log", worker_cmd(c, i, bind))
+            )
+        for w in self.workers:
+            ready = w.wait_ready(READY_TIMEOUT)
+            w.address = ready["ready"][0]
+            self._say(f"{w.name}: {w.address}{_metrics(ready)}")
+
+    def kill(self, i: int, at: float) -> None:
+        """``--chaos``: SIGKILL worker ``i`` (no goodbye: its sockets just vanish)."""
+        w = self.workers[i]
+        w.chaos = True
+        self._say(f"[{at:5.1f} s] chaos: killing {w.name} (pid {w.proc.pid}) with SIGKILL")
+        with contextlib.suppress(ProcessLookupError):
+            w.proc.send_signal(signal.SIGKILL)
+
+    def check(self, at: float, now: float) -> None:
+        """Note deaths and returns (call it often; it never blocks)."""
+        for i, w in enumerate(self.workers):
+            code = None if w.down else w.proc.poll()
+            if w.down or (code is None and w.starting_since is None):
+                continue
+            if code is None:
+                self._read_ready(w, at, now)
+                continue
+            how = _how(code)
+            tail = "" if w.starting_since is None else " while starting again"
+            self.events.append(WorkerEvent(w.name, at, "died", how, w.chaos))
+            w.chaos = False
+            if code > 0:
+                self.crashed.append(f"{w.name} ({how}: {log_tail(w.log)})")
+            if w.restarts >= MAX_RESTARTS:
+                w.down, w.starting_since = True, None
+                self._say(f"[{at:5.1f} s] {w.name} died ({how}){tail}; left down, see {w.log}")
+                continue
+            w.restarts += 1
+            w.log = self._tmp / f"worker{i}.restart{w.restarts}.log"
+            self._say(
+                f"[{at:5.1f} s] {w.name} died ({how}){tail}; its clients re-send its requests;"
+                f" restarting it on {w.address} (log {w.log.name})"
+            )
+            stop_all([w.proc], 0)  # closes our ends of its pipes
+            w.args, w.starting_since = worker_cmd(self._config, i, w.address), now
+            w.start()
+
+    def _read_ready(self, w: _Worker, at: float, now: float) -> None:
+        assert w.starting_since is not None
+        ready = w.ready(0)
+        if ready is not None:
+            w.starting_since = None
+            self.events.append(WorkerEvent(w.name, at, "back", f"restart {w.restarts}"))
+            self._say(f"[{at:5.1f} s] {w.name} is back on {ready['ready'][0]}{_metrics(ready)}")
+        elif now - w.starting_since > READY_TIMEOUT:
+            self.crashed.append(f"{w.name} (not ready {READY_TIMEOUT:.0f} s after a restart)")
+            w.restarts = MAX_RESTARTS
+            w.proc.kill()  # seen dead at the next check, and left down
+
+    def starting(self) -> list[str]:
+        """The workers starting again now."""
+        return [w.name for w in self.workers if w.starting_since is not None and not w.down]
+
+    def procs(self) -> list[subprocess.Popen[bytes]]:
+        return [w.proc for w in self.workers]

@@ -1,15 +1,11 @@
-"""``python -m transport.demo``: the run's configuration, the orchestrator, the entry point."""
+"""``python -m transport.demo``: the orchestrator and the entry point."""
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import importlib.util
-import os
 import random
 import runpy
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -19,60 +15,19 @@ from pathlib import Path
 import msgspec
 import zmq
 
-from fastio._optional import install_hint
 from transport.demo.children import (
+    Child,
     StopSignals,
+    WorkerPool,
     free_port,
-    read_ready,
-    spawn,
     stop_all,
     watch_parent,
 )
-from transport.demo.config import SIZE_DEFAULTS, SIZES, DemoConfig
-from transport.demo.display import Display
-from transport.demo.reports import REPORT_DECODER, RunState, verdict
-from transport.demo.supervise import WorkerPool
+from transport.demo.config import DemoConfig, UserError, parse_config
+from transport.demo.reports import REPORT_DECODER, Display, RunState, verdict
 from transport.sockets import bind_all, make_socket
 
 __all__ = ["DemoConfig", "UserError", "main"]
-
-
-class UserError(Exception):
-    """A mistake of the person running the demo: reported in one line, exit status 2."""
-
-
-def _check(c: DemoConfig) -> None:
-    for name in ("workers", "clients", "concurrency", "max_new_tokens"):
-        if getattr(c, name) < 1:
-            raise UserError(f"--{name.replace('_', '-')} must be at least 1")
-    if c.chaos and c.workers < 2:
-        raise UserError("--chaos needs --workers 2 or more (someone must serve meanwhile)")
-    if c.prompt_len < 8:
-        raise UserError("--prompt-len must be at least 8")
-    for name in ("duration", "update_every"):
-        if not getattr(c, name) > 0:
-            raise UserError(f"--{name.replace('_', '-')} must be positive")
-    if c.model_path:
-        if c.engine != "hf":
-            raise UserError("--model-path needs --engine hf")
-        if not os.path.isfile(os.path.join(c.model_path, "config.json")):
-            raise UserError(f"--model-path {c.model_path}: no config.json there")
-    if c.engine == "hf" and importlib.util.find_spec("transformers") is None:
-        raise UserError(f"--engine hf needs transformers: {install_hint('hf')}")
-
-
-def _orchestrate(c: DemoConfig) -> int:
-    _check(c)
-    tmp = Path(tempfile.mkdtemp(prefix="fastio-demo-"))
-    ok = False
-    try:
-        ok = _run(c, tmp)
-    finally:
-        if ok and not c.keep_logs:
-            shutil.rmtree(tmp, ignore_errors=True)
-        else:
-            print(f"logs kept in {tmp}", file=sys.stderr, flush=True)
-    return 0 if ok else 1
 
 
 def _make_keys(tmp: Path) -> str:
@@ -82,17 +37,16 @@ def _make_keys(tmp: Path) -> str:
     keys.mkdir()
     for name in ("worker", "client", "trainer"):
         create_certificates(keys, name)
-    # Workers admit the client public keys in clients/; the trainer's weight publisher
-    # admits the worker public keys in workers/.
+    # Workers admit the client keys in clients/, the trainer's publisher the worker keys.
     for who, sub in (("client", "clients"), ("worker", "workers")):
         (keys / sub).mkdir()
         shutil.copy(keys / f"{who}.key", keys / sub)
     return str(keys)
 
 
-def _child(role: str, c: DemoConfig, log: Path) -> subprocess.Popen[bytes]:
-    config = msgspec.json.encode(c).decode()
-    return spawn(["-m", "transport.demo", "--role", role, "--config", config], log)
+def _child(role: str, c: DemoConfig, tmp: Path, name: str) -> Child:
+    args = ["-m", "transport.demo", "--role", role, "--config", msgspec.json.encode(c).decode()]
+    return Child(name, tmp / f"{name}.log", args)
 
 
 def _run(c: DemoConfig, tmp: Path) -> bool:
@@ -100,8 +54,7 @@ def _run(c: DemoConfig, tmp: Path) -> bool:
     zctx = zmq.Context()
     pull = make_socket(zctx, zmq.PULL, hwm=None, max_message_size=None)
     bind_all(pull, f"ipc://{tmp}/report")
-    # Chosen before anything starts: workers connect to it (ZeroMQ retries until the
-    # trainer binds), and the trainer is started once the workers' addresses are known.
+    # Known before anything starts: the workers connect to it before the trainer binds.
     publisher = f"ipc://{tmp}/weights" if c.transport == "ipc" else f"tcp://127.0.0.1:{free_port()}"
     c = msgspec.structs.replace(
         c,
@@ -111,8 +64,7 @@ def _run(c: DemoConfig, tmp: Path) -> bool:
     )
     stop = StopSignals()
     pool = WorkerPool(c, tmp, display.print)
-    clients: list[subprocess.Popen[bytes]] = []
-    trainer: subprocess.Popen[bytes] | None = None
+    children: list[Child] = []
     st = RunState()
     try:
         model = c.model_path or f"{c.engine} {c.model_size}"
@@ -122,16 +74,14 @@ def _run(c: DemoConfig, tmp: Path) -> bool:
         )
         pool.start()
         c = msgspec.structs.replace(c, addresses=pool.addresses)
-        trainer = _child("trainer", c, tmp / "trainer.log")
-        read_ready(trainer, "the trainer", tmp / "trainer.log", 300)
+        children.append(_child("trainer", c, tmp, "trainer"))
+        children[0].wait_ready(300)
         for i in range(c.clients):
-            clients.append(
-                _child("client", msgspec.structs.replace(c, index=i), tmp / f"client{i}.log")
+            children.append(
+                _child("client", msgspec.structs.replace(c, index=i), tmp, f"client{i}")
             )
-        for i, p in enumerate(clients):
-            read_ready(p, f"client{i}", tmp / f"client{i}.log", 120)
-        names = {f"client{i}": p for i, p in enumerate(clients)}
-        names["trainer"] = trainer
+        for ch in children[1:]:
+            ch.wait_ready(120)
         st.started = time.perf_counter()
         end = st.started + c.duration
         # --chaos: one worker killed (and restarted) once the run is well under way.
@@ -158,23 +108,22 @@ def _run(c: DemoConfig, tmp: Path) -> bool:
                     chaos_at = None
                     pool.kill(victim, time.perf_counter() - st.started)
                 step()
-                dead = [n for n, p in names.items() if p.poll() is not None]
+                dead = [ch.name for ch in children if ch.proc.poll() is not None]
                 if dead:
                     display.print(f"{dead[0]} exited early; see {tmp}/{dead[0]}.log")
                     early = True
                     break
             if not early and not stop.seen and pool.starting():
-                # The final check is over every worker: one restarting now is waited
-                # for, so that the summary shows it caught up.
+                # The final check is over every worker: wait for one restarting now.
                 at = time.perf_counter() - st.started
                 display.print(f"[{at:5.1f} s] waiting for {', '.join(pool.starting())} to be back")
                 while not stop.seen and pool.starting():
                     step()
         elapsed = time.perf_counter() - st.started
         # Orderly stop: clients (final reports), then the trainer (final weight check).
-        stop_all(clients, 30)
+        stop_all([ch.proc for ch in children[1:]], 30)
         drain(100)
-        stop_all([trainer], 60)
+        stop_all([children[0].proc], 60)
         drain(500)
         display.summary(st, elapsed)
         problem = verdict(st, early)
@@ -185,53 +134,9 @@ def _run(c: DemoConfig, tmp: Path) -> bool:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return False
     finally:
-        stop_all([*clients, *([trainer] if trainer else []), *pool.procs()], 15)
+        stop_all([*(ch.proc for ch in children), *pool.procs()], 15)
         pull.close()
         zctx.term()
-
-
-def _parse(argv: Sequence[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="python -m transport.demo",
-        description="The whole system on one machine, in one command.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    p.add_argument("--workers", type=int, default=2, help="generation worker processes")
-    p.add_argument("--clients", type=int, default=2, help="rollout client processes")
-    p.add_argument("--engine", choices=("hf", "reference"), default="hf",
-                   help="hf: a transformers causal LM; reference: a tiny GRU")  # fmt: skip
-    p.add_argument("--model-size", choices=SIZES, default="small",
-                   help="size of the randomly initialised model")  # fmt: skip
-    p.add_argument("--model-path", help="--engine hf: a local from_pretrained directory")
-    p.add_argument("--device", help="the workers' torch device (default: cuda when present)")
-    p.add_argument("--concurrency", type=int, default=None,
-                   help="requests in flight per client (default: 32, 16, 8, 4 for tiny..large)")  # fmt: skip
-    p.add_argument("--duration", type=float, default=30.0, help="seconds to run")
-    p.add_argument("--update-every", type=float, default=None,
-                   help="seconds between weight updates (default: 5, 5, 10, 15 for tiny..large)")  # fmt: skip
-    p.add_argument("--max-new-tokens", type=int, default=32,
-                   help="each request asks for 8 to this many tokens")  # fmt: skip
-    p.add_argument("--prompt-len", type=int, default=32,
-                   help="each prompt has 8 to this many tokens")  # fmt: skip
-    p.add_argument("--token-interval", type=float, default=0.0,
-                   help="simulated extra seconds per token (or step)")  # fmt: skip
-    p.add_argument("--transport", choices=("tcp", "ipc"), default="tcp")
-    p.add_argument(
-        "--auth", action="store_true", help="CurveZMQ encryption + client authentication"
-    )
-    p.add_argument("--seed", type=int, default=0, help="the models' weights")
-    p.add_argument("--chaos", action="store_true",
-                   help="kill one worker with SIGKILL at 40%% of --duration; it is restarted "
-                        "and the run must still answer every request once")  # fmt: skip
-    p.add_argument("--progress-every", type=float, default=5.0,
-                   help="seconds between progress lines when the output is not a terminal")  # fmt: skip
-    p.add_argument("--keep-logs", action="store_true",
-                   help="keep the run's directory (kept anyway when the run fails)")  # fmt: skip
-    # internal: a child role and its DemoConfig as JSON
-    p.add_argument("--role", choices=("orchestrator", "client", "trainer"),
-                   default="orchestrator", help=argparse.SUPPRESS)  # fmt: skip
-    p.add_argument("--config", help=argparse.SUPPRESS)
-    return p.parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -243,28 +148,33 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.argv = [args[2], *args[3:]]
         runpy.run_module(args[2], run_name="__main__", alter_sys=True)
         return 0
-    a = _parse(args)
-    if a.role != "orchestrator":
-        watch_parent()
-        c = msgspec.json.decode(a.config, type=DemoConfig)
-        if a.role == "client":
-            from transport.demo.roles import client_role
-
-            asyncio.run(client_role(c))
-        else:
-            import torch
-
-            from transport.demo.trainer import trainer_role
-
-            torch.set_num_threads(1)
-            trainer_role(c)
-        return 0
-    flags = {k: v for k, v in vars(a).items() if k not in ("role", "config")}
-    concurrency, update_every = SIZE_DEFAULTS[a.model_size]
-    flags["concurrency"] = concurrency if a.concurrency is None else a.concurrency
-    flags["update_every"] = update_every if a.update_every is None else a.update_every
     try:
-        return _orchestrate(DemoConfig(**flags))
+        role, c = parse_config(args)
     except UserError as exc:
         print(f"python -m transport.demo: error: {exc}", file=sys.stderr, flush=True)
         return 2
+    if role == "client":
+        from transport.demo.roles import client_role
+
+        watch_parent()
+        asyncio.run(client_role(c))
+    elif role == "trainer":
+        import torch
+
+        from transport.demo.roles import trainer_role
+
+        watch_parent()
+        torch.set_num_threads(1)
+        trainer_role(c)
+    else:
+        tmp = Path(tempfile.mkdtemp(prefix="fastio-demo-"))
+        ok = False
+        try:
+            ok = _run(c, tmp)
+        finally:
+            if ok and not c.keep_logs:
+                shutil.rmtree(tmp, ignore_errors=True)
+            else:
+                print(f"logs kept in {tmp}", file=sys.stderr, flush=True)
+        return 0 if ok else 1
+    return 0

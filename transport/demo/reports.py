@@ -1,10 +1,11 @@
 """What the demo's children report to it (msgspec msgpack over PUSH/PULL, no pickle),
-and what it makes of them: the run's state, the summary rows and the verdict."""
+and what it makes of them: the run's state, the display, the summary and the verdict."""
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -67,17 +68,14 @@ class FinalCheck(msgspec.Struct, tag="final"):
 
 
 class WorkerEvent(msgspec.Struct):
-    """A worker's death or return, as the demo process saw it."""
+    """A worker's death or return ``at`` seconds into the run, as the demo process saw it
+    (``kind`` "died" or "back"; ``detail``: how it died or which restart it is)."""
 
     worker: str
-    #: Seconds since the run started.
     at: float
-    #: "died" or "back".
     kind: str
-    #: How it died ("SIGKILL", "exit status 1") or which restart brought it back.
     detail: str = ""
-    #: Killed by the demo's ``--chaos``.
-    chaos: bool = False
+    chaos: bool = False  # killed by --chaos
 
 
 Report = ClientReport | UpdateReport | FinalCheck
@@ -95,7 +93,6 @@ class RunState:
     final: FinalCheck | None = None
     started: float = field(default_factory=time.perf_counter)
     events: list[WorkerEvent] = field(default_factory=list)
-    #: Workers that ended on their own with a failure status (not killed by a signal).
     crashed: list[str] = field(default_factory=list)
 
     def total(self, name: str) -> int:
@@ -137,7 +134,7 @@ class ReportSender:
         self.zctx.term()
 
 
-def pct(values: list[float], q: float) -> float:
+def _pct(values: list[float], q: float) -> float:
     return float(np.percentile(values, q)) if values else float("nan")
 
 
@@ -152,10 +149,10 @@ def summary_rows(st: RunState, elapsed: float) -> list[tuple[str, str]]:
         ("tokens/s", f"{toks / max(elapsed, 1e-9):.0f}"),
         (
             "latency p50 / p90 / p99",
-            f"{pct(lat, 50) * 1e3:.0f} / {pct(lat, 90) * 1e3:.0f} / {pct(lat, 99) * 1e3:.0f} ms",
+            f"{_pct(lat, 50) * 1e3:.0f} / {_pct(lat, 90) * 1e3:.0f} / {_pct(lat, 99) * 1e3:.0f} ms",
         ),
-        ("ttft p50 / p99", f"{pct(ttft, 50) * 1e3:.1f} / {pct(ttft, 99) * 1e3:.1f} ms"),
-        ("itl mean p50", f"{pct(itl, 50) * 1e3:.2f} ms"),
+        ("ttft p50 / p99", f"{_pct(ttft, 50) * 1e3:.1f} / {_pct(ttft, 99) * 1e3:.1f} ms"),
+        ("itl mean p50", f"{_pct(itl, 50) * 1e3:.2f} ms"),
         ("interrupted (resumed) chunks", str(st.total("interrupted"))),
         ("responses spanning >1 weight version", str(st.total("multi_version"))),
         ("re-sent after worker loss", str(st.total("resent"))),
@@ -192,14 +189,10 @@ def summary_rows(st: RunState, elapsed: float) -> list[tuple[str, str]]:
 
 
 def verdict(st: RunState, early: bool) -> str:
-    """Why the run failed ("" when it did not).
-
-    What the run promises: every request answered exactly once (none failed; each one
-    sent was answered or still in flight at the stop), every weight update applied by
-    each worker that was up through it, and the weights of the workers alive at the
-    end equal to the trainer's. A worker killed by a signal breaks none of that (its
-    requests are re-sent; it catches up when restarted); one that fails by itself does.
-    """
+    """Why the run failed ("" when it did not): a request not answered exactly once, an
+    update not applied by a worker up through it, the weights of the workers alive at
+    the end not the trainer's, or a worker that failed by itself (one killed by a signal
+    breaks no promise: its requests are re-sent and it catches up when restarted)."""
     if early:
         return "a client or the trainer exited early"
     if st.crashed:
@@ -224,3 +217,82 @@ def verdict(st: RunState, early: bool) -> str:
             return "no worker was alive at the end"
         return "the workers' weights differ from the trainer's"
     return ""
+
+
+class Display:
+    """rich when it is installed, plain lines otherwise; a live table on a terminal, a
+    progress line every few seconds elsewhere (a log, CI)."""
+
+    def __init__(self, live: bool, interval: float = 5.0) -> None:
+        try:
+            import rich.console
+            import rich.live
+            import rich.table
+
+            self.console: Any = rich.console.Console()
+        except ImportError:
+            self.console = None
+        self.live = live and self.console is not None
+        self.interval = interval
+        self._next = time.monotonic() + interval
+        self._live: Any = None
+
+    def print(self, text: str) -> None:
+        if self.console is not None:
+            self.console.print(text, markup=False, highlight=False, soft_wrap=True)
+        else:
+            print(text, flush=True)
+
+    def table(self, rows: list[tuple[str, str]], title: str) -> Any:
+        if self.console is None:
+            width = max(len(k) for k, _ in rows)
+            return "\n".join([title, *(f"{k:<{width}} │ {v}" for k, v in rows)])
+        from rich.table import Table
+
+        t = Table(title=title, show_header=True)
+        t.add_column("metric")
+        t.add_column("value", justify="right")
+        for k, v in rows:
+            t.add_row(k, v)
+        return t
+
+    def __enter__(self) -> Display:
+        self._next = time.monotonic() + self.interval
+        if self.live:
+            from rich.live import Live
+
+            self._live = Live(console=self.console, refresh_per_second=4, transient=True)
+            self._live.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._live is not None:
+            self._live.__exit__(*exc)
+            self._live = None
+
+    def update(self, st: RunState) -> None:
+        elapsed = time.perf_counter() - st.started
+        if self._live is not None:
+            self._live.update(self.table(summary_rows(st, elapsed), "running (Ctrl-C stops)"))
+            return
+        now = time.monotonic()
+        if now < self._next:
+            return
+        self._next = now + self.interval
+        done = st.total("done")
+        # Each client declares a dead worker on its own: count the workers instead.
+        dead = len({e.worker for e in st.events if e.kind == "died"})
+        self.print(
+            f"[{elapsed:5.0f} s] done {done} ({done / max(elapsed, 1e-9):.1f}/s), "
+            f"failed {st.total('failed')}, {st.total('tokens') / max(elapsed, 1e-9):.0f} tok/s, "
+            f"version {st.updates[-1].version if st.updates else 0}, "
+            f"re-sent {st.total('resent')}, workers dead {dead}, "
+            f"restarted {sum(e.kind == 'back' for e in st.events)}"
+        )
+
+    def summary(self, st: RunState, elapsed: float) -> None:
+        t = self.table(summary_rows(st, elapsed), "fastio demo summary")
+        if self.console is not None:
+            self.console.print(t)
+        else:
+            print(t, flush=True)

@@ -1,4 +1,5 @@
-"""The demo's child roles: a rollout client process and the trainer process."""
+"""The demo's child roles: a rollout client process, and the trainer process (optimizer
+steps, weight updates that go on when a worker dies, the end-of-run weight check)."""
 
 from __future__ import annotations
 
@@ -13,20 +14,35 @@ from typing import Any
 
 import numpy as np
 
-from transport.demo.children import stop_event
+from transport.demo.children import StopSignals, stop_event
 from transport.demo.config import REFERENCE_SIZES, DemoConfig
-from transport.demo.reports import ClientReport, ReportSender
+from transport.demo.reports import ClientReport, FinalCheck, ReportSender, UpdateReport
+
+__all__ = ["client_role", "trainer_model", "trainer_role"]
+
+#: Seconds for the workers to apply a version (the publisher sees a dead worker's
+#: process end within a heartbeat: it is not waited for this long).
+UPDATE_TIMEOUT = 20.0
+#: Seconds for the pause and the resume: the others stand paused while a worker killed
+#: just before its pause is waited for, and a live one pauses between two steps.
+CONTROL_TIMEOUT = 6.0
+#: Seconds the final check waits for every worker to be alive and caught up.
+CATCH_UP_TIMEOUT = 20.0
 
 
-def curve_for_client(keys: str | None) -> Any:
+def _curve(keys: str | None, secret: str, **files: str) -> Any:
     if not keys:
         return None
     from transport import CurveConfig
 
     return CurveConfig(
-        secret_key_file=os.path.join(keys, "client.key_secret"),
-        server_public_key_file=os.path.join(keys, "worker.key"),
+        secret_key_file=os.path.join(keys, secret),
+        **{k: os.path.join(keys, v) for k, v in files.items()},
     )
+
+
+def curve_for_client(keys: str | None) -> Any:
+    return _curve(keys, "client.key_secret", server_public_key_file="worker.key")
 
 
 def vocab_of(c: DemoConfig) -> int:
@@ -50,8 +66,7 @@ async def client_role(c: DemoConfig) -> None:
     rep = ClientReport(client=c.index)
     rng = random.Random(c.index)
     vocab = vocab_of(c)
-    # Failover within about two seconds of a worker's death (pongs every 0.5 s, four
-    # missed): its requests are re-sent while the run is still watching.
+    # Failover within about two seconds of a worker's death, while the run still watches.
     config = ClientConfig(
         curve=curve_for_client(c.keys), heartbeat_interval=0.5, heartbeat_liveness=4
     )
@@ -81,8 +96,7 @@ async def client_role(c: DemoConfig) -> None:
                 except Exception as exc:
                     rep.failed += 1
                     print(f"request failed: {type(exc).__name__}: {exc}", file=sys.stderr)
-                    # No worker alive (NoWorkerAvailable) fails at once: wait before the
-                    # next try instead of spinning.
+                    # With no worker alive it fails at once: wait instead of spinning.
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(stop.wait(), 1.0)
                     continue
@@ -113,4 +127,161 @@ async def client_role(c: DemoConfig) -> None:
         counters()
     rep.final = True
     reports.send(rep)
+    reports.close()
+
+
+def trainer_model(c: DemoConfig) -> tuple[Any, int, Any]:
+    """The trainer's copy of the workers' model, its vocabulary and its logits function."""
+    if c.engine == "reference":
+        from transport.engine import TinyLM
+
+        vocab, hidden, layers = REFERENCE_SIZES[c.model_size]
+        tiny = TinyLM(vocab, hidden, layers, seed=c.seed)
+        return tiny, vocab, lambda x: tiny(x)[0]
+    from transport import hf_engine
+
+    if c.model_path:
+        model: Any = hf_engine.load_pretrained(c.model_path)
+    else:
+        model = hf_engine.build_model(c.model_size, seed=c.seed)
+    return model, int(model.config.vocab_size), lambda x: model(input_ids=x).logits
+
+
+def _alive(c: DemoConfig, pub: Any) -> dict[str, Any]:
+    """Worker address -> the publisher's view of its subscriber, for each one alive (the
+    publisher sees a same-host worker's process end within a heartbeat)."""
+    infos = pub.workers()
+    out = {}
+    for i, address in enumerate(c.addresses):
+        info = infos.get(f"worker{i}")  # the demo's --worker-id of the i-th address
+        if info is not None and info.alive:
+            out[address] = info
+    return out
+
+
+class _ShortControl:
+    """The controller for :func:`update_weights`, with :data:`CONTROL_TIMEOUT` for pause
+    and resume instead of the update's own timeout."""
+
+    def __init__(self, ctl: Any) -> None:
+        self.ctl = ctl
+
+    def pause(self, timeout: float | None = None, *, strict: bool = True) -> Any:
+        return self.ctl.pause(CONTROL_TIMEOUT, strict=strict)
+
+    def resume(self, timeout: float | None = None, *, strict: bool = True) -> Any:
+        return self.ctl.resume(CONTROL_TIMEOUT, strict=strict)
+
+
+def _update(c: DemoConfig, ctl: Any, pub: Any, model: Any, version: int) -> UpdateReport:
+    """One update over the workers alive now; one that dies during it is reported lost,
+    not failed (the run promised nothing for a dead worker)."""
+    from transport.weights import update_weights
+
+    t0 = time.perf_counter()
+    before = _alive(c, pub)
+    skipped = [f"worker{i}" for i, w in enumerate(c.addresses) if w not in before]
+    if not before:
+        # Published all the same: a worker that comes back catches up to it.
+        pub.publish(model, version)
+        return UpdateReport(version=version, seconds=time.perf_counter() - t0, skipped=skipped)
+    for address in ctl.addresses:
+        if address not in before:
+            ctl.remove_worker(address)
+    for address in before:
+        ctl.add_worker(address)
+    res = update_weights(
+        _ShortControl(ctl), pub, model, version, timeout=UPDATE_TIMEOUT, strict=False
+    )
+    problems = {**res.failed, **dict.fromkeys(res.missing, "no answer"), **res.resume_failed}
+    lost = []
+    if problems:
+        after = _alive(c, pub)
+        for address, info in before.items():
+            now = after.get(address)
+            if now is None or (now.pid, now.hello_start_time) != (info.pid, info.hello_start_time):
+                lost.append(info.worker_id)
+                problems.pop(address, None)
+                problems.pop(info.worker_id, None)
+    return UpdateReport(
+        version=version, seconds=time.perf_counter() - t0, ok=not problems,
+        failed=problems, skipped=skipped, lost=lost,
+    )  # fmt: skip
+
+
+def _final_check(c: DemoConfig, pub: Any, model: Any, version: int) -> FinalCheck:
+    """Every worker alive at the end holds the trainer's weights; each one not down for
+    good (the demo waits for a restarting one) has :data:`CATCH_UP_TIMEOUT` to catch up."""
+    from transport.weights import state_digest
+
+    want = state_digest(model.state_dict())
+    deadline = time.monotonic() + CATCH_UP_TIMEOUT
+    while True:
+        live = _alive(c, pub)
+        digests = {
+            info.worker_id: info.digest if info.version == version else None
+            for info in live.values()
+        }
+        equal = bool(live) and all(d == want for d in digests.values())
+        if (equal and len(live) == len(c.addresses)) or time.monotonic() > deadline:
+            break
+        time.sleep(0.25)  # polling the publisher's view, with a deadline
+    return FinalCheck(
+        version=version,
+        trainer_digest=f"{want:016x}",
+        workers={w: f"{d:016x}" if d is not None else "behind" for w, d in digests.items()},
+        equal=equal,
+        down=[f"worker{i}" for i, w in enumerate(c.addresses) if w not in live],
+    )
+
+
+def trainer_role(c: DemoConfig) -> None:
+    """The trainer process: a step and an update every ``update_every`` s until stopped."""
+    import torch
+
+    from transport import FabricController
+    from transport.weights import WeightPublisher
+
+    stop = StopSignals()
+    torch.manual_seed(1234)
+    model, vocab, logits_of = trainer_model(c)
+    model.train()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    nbytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    reports = ReportSender(c.report)
+    ctl = FabricController(c.addresses, curve=curve_for_client(c.keys), timeout=UPDATE_TIMEOUT)
+    curve = _curve(c.keys, "trainer.key_secret", authorized_clients_dir="workers")
+    pub = WeightPublisher(c.publisher, curve=curve)
+    print(json.dumps({"ready": pub.endpoint}), flush=True)
+    joined_by = time.monotonic() + 120
+    while not stop.seen:  # every worker's subscriber, staying responsive to a stop
+        try:
+            pub.wait_for_workers(len(c.addresses), timeout=0.25)
+            break
+        except TimeoutError:
+            if time.monotonic() > joined_by:
+                raise
+    version = 0
+    next_update = time.monotonic() + c.update_every
+    while not stop.seen:
+        while not stop.seen and time.monotonic() < next_update:
+            time.sleep(min(0.05, max(0.0, next_update - time.monotonic())))
+        if stop.seen:
+            break
+        # A real step on a small synthetic next-token batch: the weights really change.
+        x = torch.randint(0, vocab, (2, 17))
+        logits = logits_of(x[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, vocab), x[:, 1:].reshape(-1))
+        opt.zero_grad()
+        loss.backward()  # type: ignore[no-untyped-call]
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        version += 1
+        rep = _update(c, ctl, pub, model, version)
+        rep.loss, rep.nbytes = loss.item(), nbytes
+        reports.send(rep)
+        next_update = time.monotonic() + c.update_every
+    reports.send(_final_check(c, pub, model, version))
+    ctl.close()
+    pub.close()
     reports.close()

@@ -1,14 +1,7 @@
-"""Engines: the public interface a worker serves, the registry of names, the bridges.
-
-- :mod:`transport.engines.api`: :class:`Engine`, :class:`GenerationContext`, the optional
-  hooks (:class:`EngineHooks`)
-- :mod:`transport.engines.registry`: ``--engine NAME`` -> ``module:factory``
-- :mod:`transport.engines.builtin`: factories of ``reference``, ``echo``, ``hf``
-- :mod:`transport.engines.sglang`, :mod:`transport.engines.vllm`: bridges to running
-  SGLang / vLLM servers over HTTP (extras ``fastio[sglang]`` / ``fastio[vllm]``;
-  imported only when named)
-
-See ``docs/engines.md``.
+"""Engines: the interface a worker serves (:mod:`.api`), the registry of ``--engine``
+names (:mod:`.registry`), the built-in factories (:mod:`.builtin`) and the bridges to
+running SGLang / vLLM servers (:mod:`.sglang`, :mod:`.vllm`; extras ``fastio[sglang]`` /
+``fastio[vllm]``, imported only when named). See ``docs/engines.md``.
 """
 
 from transport.engines.api import (

@@ -1,28 +1,20 @@
 """The public engine interface: what a generation worker asks of an engine.
 
 An engine is any object with a weight ``version`` and a coroutine ``generate(req, ctx)``
-(:class:`Engine`). The worker (:class:`~transport.WorkerServer`) calls ``generate`` once
-per request, in its own task on the worker's loop, with a :class:`GenerationContext`;
-the optional hooks (``start``, ``close``, ``pause_generation``, ``continue_generation``,
-``queue_depth``, ``model``, ``load_weights``) are found by name (:class:`EngineHooks`).
+(:class:`Engine`), called once per request in its own task on the worker's loop; the
+optional hooks are found by name (:class:`EngineHooks`). The contract:
 
-The contract, in short:
+* **Streaming**: ``ctx.emit`` once per token, in order; the response holds the same.
+* **Interrupt**: once ``ctx.interrupted`` (the worker pauses) return the output so far
+  with ``stop_reason="interrupt"``; the client re-submits the rest after the resume.
+* **Abort and cancel**: the task is cancelled: tell the backend to stop, let
+  ``asyncio.CancelledError`` propagate.
+* **Versions**: stamp each token with the version of the weights that produced it.
+* **Blocking**: heartbeats are answered whatever ``generate`` does, but other requests
+  wait while it blocks: run heavy compute on a thread of the engine's own or in another
+  process (the bridges).
 
-* **Streaming**: ``ctx.emit`` once per token, in order; the response's arrays hold the
-  same tokens, logprobs and versions.
-* **Interrupt**: once ``ctx.interrupted`` is true (the worker is pausing) return what was
-  generated so far with ``stop_reason="interrupt"``; the client re-submits the rest after
-  the resume. ``pause_generation`` is the prompt way to learn it without polling.
-* **Abort and cancel**: the request's task is cancelled: let ``asyncio.CancelledError``
-  propagate, after telling the backend to stop.
-* **Versions**: stamp each token with the version of the weights that produced it;
-  weights change only while the worker is paused and no ``generate`` runs.
-* **Blocking**: heartbeats are answered on another thread whatever ``generate`` does,
-  but other requests wait while it blocks: run heavy compute on a thread of the
-  engine's own (:mod:`transport.hf_engine`) or in another process (the bridges).
-
-A plain coroutine function ``handler(req, ctx)`` is also accepted by the worker (the
-echo engine is one); it has version 0 unless it reads ``ctx.version``.
+A plain coroutine function ``handler(req, ctx)`` is accepted too (the echo engine).
 """
 
 from __future__ import annotations

@@ -1,15 +1,11 @@
 """What the HTTP server bridges share: options, session, health watchdog, the requests in
 flight, server-sent events and the streaming ``generate`` loop.
 
-A bridge is an :class:`~transport.Engine` whose ``generate`` forwards each request to a
-server running in its own process (SGLang, vLLM) and streams the answer back through the
-fabric. The worker keeps its sockets, heartbeats, pause and failover; the server keeps
-the model.
-
-A server that is gone takes its worker with it: a request that finds it unreachable, or
-a watchdog that sees ``/health`` fail ``health_failures`` times in a row, closes the
-worker. Its clients then re-send its requests to the other workers, so each request is
-still answered once. Run the worker under a supervisor that restarts it with its server.
+A bridge is an :class:`~transport.Engine` that forwards each request to a server in its
+own process (SGLang, vLLM) and streams the answer back; the worker keeps its sockets,
+pause and failover. A server that is gone (unreachable, or ``/health`` failing
+``health_failures`` times in a row) closes the worker, whose clients re-send its requests
+elsewhere: run the worker under a supervisor that restarts it with its server.
 """
 
 from __future__ import annotations
@@ -24,7 +20,7 @@ import os
 import urllib.error
 import urllib.request
 from collections.abc import AsyncIterator
-from typing import Annotated, Any, ClassVar
+from typing import Annotated, Any, ClassVar, Self
 
 import msgspec
 
@@ -57,8 +53,23 @@ Seconds = Annotated[float, msgspec.Meta(gt=0)]
 
 
 class BridgeOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """The ``--engine-opt`` keys of every bridge (see :class:`HTTPBridge`); ``check=0``
-    skips the probe of the server when the worker starts."""
+    """The options of every bridge (``--engine-opt`` keys, :class:`HTTPBridge` keywords).
+
+    Attributes
+    ----------
+    url:
+        The server's base URL (``http://127.0.0.1:30000``).
+    check:
+        Probe ``/health`` when the worker starts (:meth:`HTTPBridge.from_opts`).
+    request_timeout:
+        Seconds to connect and get response headers.
+    stall_timeout:
+        Seconds without a byte of a streamed answer before the server is taken as hung.
+    health_interval, health_timeout, health_failures:
+        The watchdog: ``GET /health`` every ``health_interval`` s (0: off); after
+        ``health_failures`` failures (errors or no answer in ``health_timeout`` s) in a
+        row the worker closes.
+    """
 
     url: str
     check: bool = True
@@ -147,23 +158,16 @@ class Flight:
 
 
 class HTTPBridge(abc.ABC):
-    """Base of the server bridges (see the module docstring).
-
-    A subclass says how a request is written (:meth:`request`), how a streamed chunk is
-    read (:meth:`take`) and how a request is stopped on the server (:meth:`interrupt`).
+    """Base of the server bridges (see the module docstring): a subclass says how a
+    request is written (:meth:`request`), a streamed chunk read (:meth:`take`) and a
+    request stopped on the server (:meth:`abort`; :meth:`interrupt` for a pause).
 
     Parameters
     ----------
     url:
         The server's base URL (``http://127.0.0.1:30000``).
-    request_timeout:
-        Seconds to connect and get response headers.
-    stall_timeout:
-        Seconds without a byte of a streamed answer before the server is taken as hung.
-    health_interval, health_timeout, health_failures:
-        The watchdog: ``GET /health`` every ``health_interval`` s; after
-        ``health_failures`` failures (errors or no answer in ``health_timeout`` s) in a
-        row the worker closes. ``health_interval=0`` turns it off.
+    **options:
+        The other fields of :attr:`Options`, checked by it (``ValueError`` naming a bad one).
     """
 
     #: Weight version stamped on new tokens.
@@ -171,32 +175,20 @@ class HTTPBridge(abc.ABC):
     #: Name in messages, and the extra that installs what it needs.
     name = "http"
     extra = "sglang"
-    #: The ``--engine-opt`` Struct of :meth:`from_opts`.
+    #: The options Struct, of the constructor and of :meth:`from_opts`.
     Options: ClassVar[type[BridgeOptions]] = BridgeOptions
+    options: BridgeOptions
     #: An interrupt closes the stream (the server aborts a request whose client left):
     #: the bridge stops reading at once and a connection error then is expected.
     closes_to_interrupt = False
 
-    def __init__(
-        self,
-        url: str,
-        *,
-        request_timeout: float = 30.0,
-        stall_timeout: float = 300.0,
-        health_interval: float = 2.0,
-        health_timeout: float = 5.0,
-        health_failures: int = 3,
-    ) -> None:
+    def __init__(self, url: str, **options: Any) -> None:
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"url must be http://host:port, got {url!r}")
+        self.options = msgspec.convert({"url": url, **options}, self.Options)
         self.aiohttp = require("aiohttp", type(self).extra, f"the {type(self).name} bridge")
         self.url = url.rstrip("/")
         self.version = 0
-        self.request_timeout = request_timeout
-        self.stall_timeout = stall_timeout
-        self.health_interval = health_interval
-        self.health_timeout = health_timeout
-        self.health_failures = health_failures
         self.flights: dict[str, Flight] = {}
         # Flights without a token yet, counted on the loop thread; an int is read whole
         # from the socket thread (queue_depth), the dict is never iterated there.
@@ -214,19 +206,16 @@ class HTTPBridge(abc.ABC):
         self._idle: asyncio.Event | None = None  # set when the last flight ends (close)
 
     @classmethod
-    def from_opts(cls, opts: dict[str, str]) -> Any:
+    def from_opts(cls, opts: dict[str, str]) -> Self:
         """The bridge the ``--engine-opt`` strings describe (:attr:`Options`); probes
         the server first unless ``check=0``."""
         if not opts.get("url"):
             raise ValueError("needs --engine-opt url=http://host:port")
-        kwargs = msgspec.structs.asdict(engine_options(opts, cls.Options, cls.name.lower()))
-        check = kwargs.pop("check")
-        engine = cls(kwargs.pop("url"), **kwargs)
-        if check:
+        engine = cls(**msgspec.structs.asdict(engine_options(opts, cls.Options, cls.name.lower())))
+        if engine.options.check:
             engine.check_reachable()
         return engine
 
-    # -- lifecycle (EngineHooks) ----------------------------------------------------------
     def check_reachable(self, timeout: float = 5.0) -> None:
         """``GET /health`` once, blocking (the factory calls it so that a worker pointed
         at nothing fails at start with one clear line)."""
@@ -247,9 +236,10 @@ class HTTPBridge(abc.ABC):
                 raise EngineUnavailable(f"the {self.name} bridge is closed")
             aiohttp = self.aiohttp
             self._loop = asyncio.get_running_loop()
+            o = self.options
             self._session = aiohttp.ClientSession(
                 timeout=aiohttp.ClientTimeout(
-                    total=None, sock_connect=self.request_timeout, sock_read=self.stall_timeout
+                    total=None, sock_connect=o.request_timeout, sock_read=o.stall_timeout
                 ),
                 connector=aiohttp.TCPConnector(limit=0),
             )
@@ -259,7 +249,7 @@ class HTTPBridge(abc.ABC):
         """Open the session and start the health watchdog."""
         self._worker = worker
         self.session()
-        if self.health_interval > 0:
+        if self.options.health_interval > 0:
             self._watchdog = asyncio.ensure_future(self._watch())
 
     async def close(self) -> None:
@@ -291,7 +281,6 @@ class HTTPBridge(abc.ABC):
             if not flight.interrupted:
                 self.interrupt(flight)
 
-    # -- generation -------------------------------------------------------------------------
     async def generate(self, req: LLMRequest, ctx: GenerationContext) -> LLMResponse:
         """Forward ``req`` to the server and stream the answer through ``ctx``."""
         # The worker runs a handler's first step outside any task (its eager start);
@@ -359,7 +348,6 @@ class HTTPBridge(abc.ABC):
         if not self.flights and self._idle is not None:
             self._idle.set()
 
-    # -- what a subclass says -----------------------------------------------------------
     @abc.abstractmethod
     async def request(self, req: LLMRequest, rid: str) -> tuple[str, Any]:
         """The path and JSON body that ask the server to stream ``req`` as ``rid``."""
@@ -369,15 +357,18 @@ class HTTPBridge(abc.ABC):
         """Add the new tokens of one streamed chunk to ``flight`` (:meth:`Flight.add`),
         set ``flight.finish`` when it ends the stream; returns how many tokens."""
 
-    @abc.abstractmethod
     def interrupt(self, flight: Flight) -> None:
-        """Make the server end ``flight`` soon with its partial output (pause)."""
+        """Make the server end ``flight`` soon with its partial output (pause): by
+        default :meth:`abort` it, again at its first chunk when the server may not have
+        known it yet."""
+        flight.blind_abort = not flight.first
+        flight.interrupted = True
+        self.abort(flight)
 
     @abc.abstractmethod
     def abort(self, flight: Flight) -> None:
         """Stop the server's work on ``flight``, cancelled (an abort, a client gone)."""
 
-    # -- helpers for the subclasses ---------------------------------------------------------
     def new_rid(self) -> str:
         """A request id unique to this worker's life (servers key aborts by it)."""
         return f"{self._prefix}-{next(self._rids)}"
@@ -391,7 +382,7 @@ class HTTPBridge(abc.ABC):
                 self.url + path,
                 data=msgspec.json.encode(body),
                 headers=JSON_HEADERS,
-                timeout=aiohttp.ClientTimeout(total=timeout or self.request_timeout),
+                timeout=aiohttp.ClientTimeout(total=timeout or self.options.request_timeout),
             ) as resp:
                 raw = await resp.read()
                 try:
@@ -436,19 +427,18 @@ class HTTPBridge(abc.ABC):
                 self._closer = asyncio.ensure_future(self._worker.close())
 
     async def _watch(self) -> None:
-        aiohttp = self.aiohttp
+        aiohttp, o = self.aiohttp, self.options
         misses = 0
         while True:
-            await asyncio.sleep(self.health_interval)
+            await asyncio.sleep(o.health_interval)
             try:
                 async with self.session().get(
-                    self.url + "/health",
-                    timeout=aiohttp.ClientTimeout(total=self.health_timeout),
+                    self.url + "/health", timeout=aiohttp.ClientTimeout(total=o.health_timeout)
                 ) as resp:
                     ok = resp.status == 200
             except (aiohttp.ClientError, TimeoutError, OSError):
                 ok = False
             misses = 0 if ok else misses + 1
-            if misses >= self.health_failures:
+            if misses >= o.health_failures:
                 self._server_failed(f"/health failed {misses} times in a row")
                 return

@@ -1,10 +1,8 @@
 """Engines by name: what ``--engine NAME`` of the worker CLI resolves.
 
-Each name maps to a ``module:factory`` string resolved on use (so naming an engine
-imports only its module). A factory takes the engine options as strings (``--engine-opt
-key=value``), reads them with :func:`engine_options`, and returns an
-:class:`~transport.Engine` or a handler. Any other ``module:factory`` works the same
-way without being registered.
+Each name maps to a ``module:factory`` resolved on use (naming an engine imports only its
+module); any other ``module:factory`` works unregistered. A factory reads the
+``--engine-opt`` strings with :func:`engine_options` and returns an engine or a handler.
 """
 
 from __future__ import annotations

@@ -6,23 +6,10 @@
     fastio-worker --bind tcp://0.0.0.0:5555 --engine sglang \\
         --engine-opt url=http://127.0.0.1:30000
 
-* a request: ``POST /generate`` with ``input_ids``, ``sampling_params``, ``return_logprob``,
-  ``stream`` and a ``rid`` of the bridge's own; each chunk's new
-  ``meta_info.output_token_logprobs`` (cumulative or incremental) are emitted as they
-  come; ``finish_reason.type`` ``abort`` becomes ``interrupt`` when the worker paused;
-* pause, a controller's abort or a client's cancel: ``POST /abort_request`` for the rid
-  (the server ends the stream with its partial output);
-* weights: the worker's weights plugin hands each verified version to
-  :meth:`SGLangEngine.load_weights`, which writes it as safetensors under ``weights_dir``
-  and has the server load it (``/update_weights_from_disk``, bracketed by
-  ``/pause_generation`` and ``/continue_generation`` where the server has them); the
-  version is acknowledged once the server says ``success``.
-  :meth:`SGLangEngine.load_weights_from_disk` loads a version a trainer already wrote
-  (the disk plugin, :mod:`transport.weights.disk_follow`, calls it);
-* a server that dies or hangs closes the worker (:mod:`transport.engines.http`).
-
-Options (``--engine-opt key=value``): those of :class:`~transport.engines.http.BridgeOptions`
-and :class:`SGLangOptions`.
+A request is ``POST /generate`` (streamed, with logprobs, under a rid of the bridge's
+own); pause, abort and cancel are ``POST /abort_request`` for the rid. Each verified
+weight version is written as safetensors and loaded with ``/update_weights_from_disk``
+(:meth:`SGLangEngine.load_weights`); options: :class:`SGLangOptions`.
 """
 
 from __future__ import annotations
@@ -43,7 +30,19 @@ log = logging.getLogger("transport.engines")
 
 
 class SGLangOptions(BridgeOptions):
-    """``weights_dir``, ``model_config``, ``reload_timeout`` of :class:`SGLangEngine`."""
+    """The options of :class:`SGLangEngine`: those of :class:`BridgeOptions`, and
+
+    Attributes
+    ----------
+    weights_dir:
+        Where received versions are written (default: a new temporary directory); the
+        server must be able to read it.
+    model_config:
+        A model directory whose non-weight files (``config.json``, tokenizer files) are
+        linked into each version directory written.
+    reload_timeout:
+        Seconds the server may take to load a version.
+    """
 
     weights_dir: str | None = None
     model_config: str | None = None
@@ -59,41 +58,19 @@ def sampling_params(g: GenerationHyperparameters) -> dict[str, Any]:
 
 
 class SGLangEngine(HTTPBridge):
-    """An :class:`~transport.Engine` that forwards to an SGLang server (module docstring).
-
-    Parameters
-    ----------
-    url:
-        The server, ``http://host:port``.
-    weights_dir:
-        Where versions received from the weight route are written (default: a new
-        temporary directory); the server must be able to read it.
-    model_config:
-        A model directory whose non-weight files (``config.json``, tokenizer files) are
-        linked into each version directory written.
-    reload_timeout:
-        Seconds the server may take to load a version.
-    **kwargs:
-        See :class:`~transport.engines.http.HTTPBridge`.
-    """
+    """An :class:`~transport.Engine` that forwards to an SGLang server (module docstring);
+    ``url`` and the keywords of :class:`SGLangOptions`."""
 
     name = "SGLang"
     extra = "sglang"
     Options = SGLangOptions
+    options: SGLangOptions
 
-    def __init__(
-        self,
-        url: str,
-        *,
-        weights_dir: str | None = None,
-        model_config: str | None = None,
-        reload_timeout: float = 600.0,
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(url, **kwargs)
-        self.weights_dir = Path(weights_dir or tempfile.mkdtemp(prefix="fastio-sglang-"))
-        self.model_config = Path(model_config) if model_config else None
-        self.reload_timeout = reload_timeout
+    def __init__(self, url: str, **options: Any) -> None:
+        super().__init__(url, **options)
+        self.weights_dir = Path(
+            self.options.weights_dir or tempfile.mkdtemp(prefix="fastio-sglang-")
+        )
         #: Whether the server has /pause_generation (None: not asked yet).
         self.has_pause: bool | None = None
 
@@ -122,13 +99,6 @@ class SGLangEngine(HTTPBridge):
         flight.finish = meta.get("finish_reason")
         return len(new)
 
-    def interrupt(self, flight: Flight) -> None:
-        """Abort ``flight`` on the server by its rid (again at its first chunk when the
-        server may not have known it yet)."""
-        flight.blind_abort = not flight.first
-        flight.interrupted = True
-        self.abort(flight)
-
     def abort(self, flight: Flight) -> None:
         """``POST /abort_request`` for ``flight``'s rid, in the background."""
         self.spawn(self._abort(flight.rid))
@@ -139,7 +109,6 @@ class SGLangEngine(HTTPBridge):
         except Exception as exc:  # the server may be gone; the watchdog deals with it
             log.debug("abort of %s failed: %r", rid, exc)
 
-    # -- weights --------------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
         """Write one verified version under :attr:`weights_dir` and have the server load
         it (called on the weight subscriber's thread while the worker is paused). Raises
@@ -151,12 +120,12 @@ class SGLangEngine(HTTPBridge):
         n = (latest_version(root) or 0) + 1
         path = save_weights(root, list(weights), n).parent
         self._link_config(path)
-        self.run_in_loop(self.load_weights_from_disk(str(path)), self.reload_timeout + 10)
+        self.run_in_loop(self.load_weights_from_disk(str(path)), self.options.reload_timeout + 10)
 
     def _link_config(self, path: Path) -> None:
-        if self.model_config is None:
+        if self.options.model_config is None:
             return
-        for f in self.model_config.iterdir():
+        for f in Path(self.options.model_config).iterdir():
             if f.is_file() and f.suffix not in (".safetensors", ".bin", ".pt"):
                 dest = path / f.name
                 if not dest.exists():
@@ -176,18 +145,15 @@ class SGLangEngine(HTTPBridge):
         body: dict[str, Any] = {"model_path": path}
         if version is not None:
             body["weight_version"] = str(version)
-        paused = await self._server_pause()
+        paused, failed = await self._server_pause(), True
         try:
-            data = await self.post_json(
-                "/update_weights_from_disk", body, timeout=self.reload_timeout
-            )
+            timeout = self.options.reload_timeout
+            data = await self.post_json("/update_weights_from_disk", body, timeout=timeout)
+            failed = False
         except RuntimeError as exc:
-            await self._server_continue(paused, failed=True)
             raise WeightUpdateError(f"SGLang did not load {path}: {exc}") from exc
-        except BaseException:
-            await self._server_continue(paused, failed=True)
-            raise
-        await self._server_continue(paused, failed=False)
+        finally:
+            await self._server_continue(paused, failed=failed)
         if not isinstance(data, dict) or not data.get("success"):
             msg = data.get("message") if isinstance(data, dict) else data
             raise WeightUpdateError(f"SGLang did not load {path}: {msg}")
@@ -221,8 +187,5 @@ class SGLangEngine(HTTPBridge):
             log.error("SGLang /continue_generation after a failed load failed: %r", exc)
 
 
-def factory(opts: dict[str, str]) -> SGLangEngine:
-    """``--engine sglang``: an :class:`SGLangEngine` from the ``--engine-opt`` strings;
-    probes ``/health`` first (``check=0`` skips it)."""
-    engine: SGLangEngine = SGLangEngine.from_opts(opts)
-    return engine
+#: ``--engine sglang``: an :class:`SGLangEngine` from the ``--engine-opt`` strings.
+factory = SGLangEngine.from_opts

@@ -6,19 +6,10 @@
     fastio-worker --bind tcp://0.0.0.0:5555 --engine vllm \\
         --engine-opt url=http://127.0.0.1:8000
 
-* a request: ``POST /v1/completions`` with the prompt as token ids, the sampling
-  parameters, ``logprobs: 0``, ``return_tokens_as_token_ids`` and ``stream``; each
-  chunk's tokens are emitted as they come, until ``data: [DONE]``;
-* pause, a controller's abort or a client's cancel: the request's stream is closed,
-  which aborts it on the server; on a pause the tokens so far return with
-  ``interrupt`` and the client resumes after them;
-* weights: refused (:data:`WEIGHTS_REFUSED`): the trainer sees the version fail on this
-  worker. Use the in-process adapter of ``docs/engines.md``, or restart the server on
-  the new checkpoint;
-* a server that dies or hangs closes the worker (:mod:`transport.engines.http`).
-
-Options (``--engine-opt key=value``): those of :class:`~transport.engines.http.BridgeOptions`
-and ``model`` (the served model name; default: the first of ``GET /v1/models``).
+A request is ``POST /v1/completions`` (the prompt as token ids, streamed, with logprobs
+and ``return_tokens_as_token_ids``); pause, abort and cancel close its stream, which
+aborts it on the server (on a pause the tokens so far return with ``interrupt``).
+Weights are refused (:data:`WEIGHTS_REFUSED`). Options: :class:`VLLMOptions`.
 """
 
 from __future__ import annotations
@@ -45,24 +36,16 @@ WEIGHTS_REFUSED = (
 
 
 class VLLMOptions(BridgeOptions):
-    """``model`` of :class:`VLLMEngine`."""
+    """Those of :class:`BridgeOptions`, and ``model``: the served model name sent with
+    each request (default: the first of ``GET /v1/models``)."""
 
     model: str | None = None
 
 
 class VLLMEngine(HTTPBridge):
-    """An :class:`~transport.Engine` that forwards to a vLLM server (module docstring).
-
-    Parameters
-    ----------
-    url:
-        The server, ``http://host:port``.
-    model:
-        The model name sent with each request (``None``: asked of ``/v1/models``), kept
-        as :attr:`served_model` (``model`` names the weight route's in-place target).
-    **kwargs:
-        See :class:`~transport.engines.http.HTTPBridge`.
-    """
+    """An :class:`~transport.Engine` that forwards to a vLLM server (module docstring);
+    ``url`` and the keywords of :class:`VLLMOptions` (``model`` is kept as
+    :attr:`served_model`: an engine's ``model`` is the weight route's in-place target)."""
 
     name = "vLLM"
     extra = "vllm"
@@ -71,9 +54,11 @@ class VLLMEngine(HTTPBridge):
     #: Why a weight route is refused (the worker's weights plugin fails at start with it).
     no_weights_reason = WEIGHTS_REFUSED
 
-    def __init__(self, url: str, *, model: str | None = None, **kwargs: Any) -> None:
-        super().__init__(url, **kwargs)
-        self.served_model = model
+    options: VLLMOptions
+
+    def __init__(self, url: str, **options: Any) -> None:
+        super().__init__(url, **options)
+        self.served_model = self.options.model
 
     def check_reachable(self, timeout: float = 5.0) -> None:
         """``/health``, and the model name from ``/v1/models`` when none was given."""
@@ -118,11 +103,6 @@ class VLLMEngine(HTTPBridge):
             flight.finish = choice.get("finish_reason") or flight.finish
         return n
 
-    def interrupt(self, flight: Flight) -> None:
-        """Close ``flight``'s stream (:meth:`abort`); its tokens so far are kept."""
-        flight.interrupted = True
-        self.abort(flight)
-
     def abort(self, flight: Flight) -> None:
         """Close ``flight``'s stream: the server aborts a request whose client left."""
         if flight.response is not None:
@@ -137,8 +117,5 @@ def _token_id(name: str) -> int:
     return int(tail)
 
 
-def factory(opts: dict[str, str]) -> VLLMEngine:
-    """``--engine vllm``: a :class:`VLLMEngine` from the ``--engine-opt`` strings;
-    probes the server first (``check=0`` skips it)."""
-    engine: VLLMEngine = VLLMEngine.from_opts(opts)
-    return engine
+#: ``--engine vllm``: a :class:`VLLMEngine` from the ``--engine-opt`` strings.
+factory = VLLMEngine.from_opts
