@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal, TypeVar
 import msgspec
 from msgspec import Meta
 
-from transport.weights.layout import DEFAULT_BUCKET_BYTES, Hasher
+from transport.weights.bucket import DEFAULT_BUCKET_BYTES, Hasher
 
 __all__ = ["PublisherConfig", "Route", "SubscriberConfig", "make_config"]
 
