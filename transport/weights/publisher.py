@@ -161,7 +161,7 @@ class WeightPublisher:
         )
         #: The serving thread's loop, its sockets and the data link.
         self.serving = self.serving_class(
-            cfg, self.core, self.store, self.ipc, router, pub, welcome, link=bool(link)
+            cfg, self.store, self.ipc, router, pub, welcome, link=bool(link)
         )
         self._listener = self.serving.listener
         self.senders = self.serving.senders

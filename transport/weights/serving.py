@@ -39,17 +39,9 @@ from fastio.weight_msgs import (
 from transport import metrics
 from transport.sockets import make_pair
 from transport.weights.config import PublisherConfig
-from transport.weights.core.publisher import PublisherCore
 from transport.weights.ratelog import RateLimitedLog
+from transport.weights.routes import tcp
 from transport.weights.routes.ipc import IpcOffering
-from transport.weights.routes.tcp import (
-    PIECE,
-    PIECE_MAGIC,
-    DataListener,
-    DataSender,
-    Sent,
-    worker_token,
-)
 from transport.weights.staging import Send, Staged, VersionStore, pack_steps
 
 __all__ = ["SHM_NOTICE_BYTES", "Serving"]
@@ -65,16 +57,15 @@ _FROM_SUBSCRIBER = Union[SUBSCRIBER_TO_PUBLISHER, IpcHello, IpcAck]  # noqa: UP0
 
 
 class Serving:
-    """The serving loop of a :class:`~transport.weights.WeightPublisher` over its parts
-    (``store.cond`` is the lock shared with ``publish``), its bound ROUTER and PUB, and
-    ``welcome``, the Welcome every Hello gets (publisher, host, PUB address, shm probe).
-    ``link``: serve TCP workers' bytes on the data link (its listener and senders are
-    this loop's)."""
+    """The serving loop of a :class:`~transport.weights.WeightPublisher` over its parts:
+    the versions (``store``, with the protocol core and the lock shared with
+    ``publish``), the ``ipc`` route, the bound ROUTER and PUB, and ``welcome``, the
+    Welcome every Hello gets. ``link``: serve TCP workers' bytes on the data link (its
+    listener and senders are this loop's)."""
 
     def __init__(
         self,
         config: PublisherConfig,
-        core: PublisherCore,
         store: VersionStore,
         ipc: IpcOffering,
         router: zmq.Socket[Any],
@@ -84,19 +75,19 @@ class Serving:
         link: bool = False,
     ) -> None:
         self.config = config
-        self.core = core
+        self.core = store.core
         self.store = store
         self.ipc = ipc
         self.cond = store.cond
         self.router = router
         self.pub = pub
-        self.senders: dict[str, DataSender] = {}
-        self.listener: DataListener | None = None
+        self.senders: dict[str, tcp.DataSender] = {}
+        self.listener: tcp.DataListener | None = None
         self.data_token = secrets.token_bytes(16) if link else b""
         if link:
             endpoint = router.getsockopt_string(zmq.LAST_ENDPOINT)
             try:
-                self.listener = DataListener(
+                self.listener = tcp.DataListener(
                     endpoint, self.data_token, self._admit_link, config.data_port
                 )
                 welcome = msgspec.structs.replace(welcome, data_port=self.listener.port)
@@ -140,7 +131,7 @@ class Serving:
             if self.closed:
                 return False
             old = self.senders.pop(worker_id, None)
-            self.senders[worker_id] = DataSender(
+            self.senders[worker_id] = tcp.DataSender(
                 sock, worker_id, self.config.worker_timeout, self._link_closed, first=b"\x01"
             )
             self.core.count("data_links")
@@ -148,7 +139,7 @@ class Serving:
             old.close()  # a restarted worker's: its replacement has the id now
         return True
 
-    def _link_closed(self, sender: DataSender) -> None:
+    def _link_closed(self, sender: tcp.DataSender) -> None:
         with self.cond:
             if self.senders.get(sender.worker_id) is sender:
                 del self.senders[sender.worker_id]
@@ -343,7 +334,7 @@ class Serving:
             # that the snapshot names its segment.
             if behind is not None and not self.ipc.reader(wid):
                 self.stage_late(behind)
-            token = worker_token(self.data_token, wid) if self.listener is not None else b""
+            token = tcp.worker_token(self.data_token, wid) if self.listener is not None else b""
             welcome = msgspec.structs.replace(
                 self.welcome,
                 seq=self.seq,
@@ -405,7 +396,7 @@ class Serving:
     def _refuse(self, ident: bytes, msg: WeightFetch, reason: str, latest: int) -> None:
         self.reply(ident, self.encoder.encode(WeightError(msg.version, msg.index, reason, latest)))
 
-    def _link_send(self, snd: Send, msg: WeightBucket) -> Sent | None:
+    def _link_send(self, snd: Send, msg: WeightBucket) -> tcp.Sent | None:
         """Queue ``msg`` (one chunk) on the worker's data link; None without one."""
         with self.cond:
             sender = self.senders.get(snd.wid)
@@ -413,8 +404,8 @@ class Serving:
             return None
         (chunk,) = msg.chunks
         n = memoryview(chunk).nbytes
-        head = PIECE.pack(
-            PIECE_MAGIC, msg.version, msg.index, msg.offset, n, msg.checksum, msg.last
+        head = tcp.PIECE.pack(
+            tcp.PIECE_MAGIC, msg.version, msg.index, msg.offset, n, msg.checksum, msg.last
         )
         sent = sender.send(head, chunk)
         if sent is not None:
