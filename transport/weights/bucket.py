@@ -151,12 +151,10 @@ def named_tensors(source: Any) -> dict[str, torch.Tensor]:
 def split_aliases(
     tensors: Mapping[str, torch.Tensor],
 ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """Separate tensors that are the same memory under several names (tied weights).
-
-    Returns ``(unique, aliases)``: ``unique`` keeps the first name of each distinct
-    tensor, in order; ``aliases`` maps every other name to that first name. Two names
-    are aliases when they view the same bytes the same way (device, address, dtype,
-    shape and strides); tensors that merely overlap are distinct.
+    """Separate tensors that are one memory under several names (tied weights): returns
+    ``(unique, aliases)``, the first name of each distinct tensor in order, and every
+    other name -> that first name. Aliases view the same bytes the same way (device,
+    address, dtype, shape, strides); tensors that merely overlap are distinct.
 
     >>> w = torch.ones(2, 2)
     >>> split_aliases({"embed": w, "head": w, "b": torch.zeros(2)})[1]
@@ -326,17 +324,9 @@ def default_copy_threads() -> int:
 
 
 class BucketApplier:
-    """Copies received buckets into live tensors, in place.
-
-    Parameters
-    ----------
-    targets:
-        Name -> the tensor to overwrite (parameters or their detached views).
-    pinned_bytes:
-        Size of each of the two pinned host buffers used for CUDA targets.
-    copy_threads:
-        Threads for the copies into CPU targets (default: :func:`default_copy_threads`).
-    """
+    """Copies received buckets into ``targets`` (name -> parameter or detached view), in
+    place; CUDA targets through two pinned host buffers of ``pinned_bytes``, CPU targets
+    on ``copy_threads`` threads (default: :func:`default_copy_threads`)."""
 
     def __init__(
         self,
@@ -361,13 +351,10 @@ class BucketApplier:
         dests: Mapping[str, Sequence[str]] | None = None,
     ) -> None:
         """Copy every tensor of bucket ``info`` from ``chunks`` (1-D uint8 CPU tensors
-        whose concatenation is the bucket) into its target.
-
-        ``dests`` maps a travelling name to the target names it goes to (renaming and
-        aliases, see :class:`transport.weights.binding.Binding`; default: its own name).
-        Names that are no target are skipped; a target of another dtype gets the cast
-        value (``Tensor.copy_`` semantics); targets that are one memory are written once.
-        """
+        whose concatenation is the bucket) into its targets: ``dests`` maps a travelling
+        name to target names (:class:`transport.weights.binding.Binding`; default: its
+        own). Unknown names are skipped, another dtype gets the cast value, targets that
+        are one memory are written once."""
         with torch.no_grad():
             # CPU targets: copied at the end, on copy_threads threads.
             arrs: list[np.ndarray[Any, Any]] = []

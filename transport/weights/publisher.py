@@ -1,18 +1,12 @@
 """Trainer side of weight updates: stage a version in flat buckets and serve it.
 
-:class:`WeightPublisher` owns its parts: the protocol core
-(:class:`~transport.weights.core.publisher.PublisherCore`: who is a worker, who must
-answer, who may still read a buffer), the staged versions
-(:class:`~transport.weights.staging.VersionStore`), the ``ipc`` route
+:class:`WeightPublisher` owns its parts: the protocol core (:mod:`.core.publisher`), the
+staged versions (:class:`~transport.weights.staging.VersionStore`), the ``ipc`` route
 (:class:`~transport.weights.routes.ipc.IpcOffering`) and the serving loop
-(:class:`~transport.weights.serving.Serving`, one thread that owns the ROUTER, the PUB
-and the data link). :meth:`WeightPublisher.publish` runs in the caller's thread: it lays
-the version out and hands it to the serving thread, which announces and packs it.
-
-Routes, per worker: one on this host that can open the trainer's memory takes ``ipc``
-when the ``ipc`` setting allows it (``"auto"``: CUDA tensors, ``"cpu"``: CPU tensors
-too, ``"off"``: never); any other worker, and a version that fails there, takes ``shm``
-(same host) or ``tcp``. Each Ack says which, and :attr:`UpdateResult.paths` reports it.
+(:class:`~transport.weights.serving.Serving`: one thread, the sockets, the data link).
+:meth:`~WeightPublisher.publish` lays a version out in the caller's thread and hands it
+to the serving thread. A worker takes ``ipc`` where the ``ipc`` setting allows it, else
+``shm`` (same host) or ``tcp``; :attr:`UpdateResult.paths` reports which.
 """
 
 from __future__ import annotations
@@ -50,12 +44,9 @@ __all__ = ["DEFAULT_CHUNK_BYTES", "IPC_MODES", "WeightPublisher"]
 
 log = logging.getLogger("transport.weights.publisher")
 
-#: Size of the chunks a bucket travels in: the I/O thread interleaves workers and a
-#: worker hashes one while the next arrives.
-DEFAULT_CHUNK_BYTES = 4 << 20
-
-#: I/O threads of the private context that carry the ROUTER's connections (the bucket
-#: bytes); one more carries the PUB's.
+#: Size of the chunks a bucket travels in (``PublisherConfig.chunk_bytes``).
+DEFAULT_CHUNK_BYTES = PublisherConfig().chunk_bytes
+#: I/O threads of the private context for the ROUTER (the bucket bytes); one more: PUB.
 _ROUTER_IO_THREADS = 2
 
 
@@ -107,7 +98,6 @@ class WeightPublisher:
         metrics.expose("publisher")
         #: Workers and versions: who must answer, who may still read a buffer.
         self.core = PublisherCore(self.host_id, cfg.worker_timeout)
-        #: Counters: bad messages, fetches served, bytes sent, ...
         self.counters = self.core.counters
         self._cond = threading.Condition()
         self._probe: _shm.Probe | None = None
@@ -194,22 +184,10 @@ class WeightPublisher:
             return alive
 
     def publish(self, state: Any, version: int) -> WeightAnnounce:
-        """Stage ``state`` as ``version`` and announce it to every worker.
-
-        Parameters
-        ----------
-        state:
-            An ``nn.Module``, a state dict or an iterable of ``(name, tensor)``; CPU or
-            CUDA tensors of any supported dtype.
-        version:
-            Must be greater than every version published before.
-
-        Returns
-        -------
-        WeightAnnounce
-            The manifest sent, once every bucket is packed (the caller may then change
-            its tensors); :meth:`wait` collects the workers' answers.
-        """
+        """Stage ``state`` (an ``nn.Module``, a state dict or ``(name, tensor)`` pairs, on
+        CPU or CUDA) as ``version`` (newer than any before) and announce it; returns the
+        manifest sent once every bucket is packed (the caller may then change its
+        tensors). :meth:`wait` collects the workers' answers."""
         t0 = time.monotonic()
         everything = named_tensors(state)
         tensors, aliases = split_aliases(dict(everything))
@@ -277,25 +255,11 @@ class WeightPublisher:
     def wait(
         self, version: int, timeout: float, *, workers: Iterable[str] | None = None
     ) -> UpdateResult:
-        """Wait until every expected worker answered ``version``, or ``timeout`` passed.
-
-        Parameters
-        ----------
-        version:
-            A published version; one retired since returns its final result while it is
-            among the last ``KEEP_RESULTS`` (64) retired.
-        timeout:
-            Seconds to wait at most.
-        workers:
-            The worker ids to wait for; default: the workers alive when the version was
-            announced, plus any that answered it since.
-
-        Returns
-        -------
-        UpdateResult
-            Never raises for workers' failures: ``result.ok`` says whether all applied
-            (:meth:`publish_and_wait` raises instead).
-        """
+        """Wait until every expected worker answered ``version``, or ``timeout`` passed;
+        ``workers``: the ids to wait for (default: the workers alive at the announcement
+        and any that answered since). A retired version returns its final result while
+        among the last ``KEEP_RESULTS`` (64). Never raises for workers' failures:
+        ``result.ok`` says whether all applied (:meth:`publish_and_wait` raises)."""
         deadline = time.monotonic() + timeout
         with self._cond:
             st = self.store.versions.get(version)

@@ -1,13 +1,8 @@
-"""A version on the trainer side: its layout, its buffer, and the packing into it.
+"""Versions on the trainer side: layout, buffer, packing, and the store of them.
 
-:func:`plan_version` lays a state dict out in buckets, in the dtypes the version
-travels in; :class:`Staged` is one version's buffer (a shared-memory segment, or private
-memory) with its manifest and bookkeeping; :func:`pack_steps` packs and hashes the
-buckets in steps that the serving thread interleaves with its sends;
-:class:`VersionStore` holds the staged versions under the buffer rule
-(``docs/PROTOCOL.md``): a segment is packed again only when no process may still read
-it, free segments wait in a pool of at most ``keep_versions``, and a private buffer is
-reused once no zero-copy send reads it.
+:class:`VersionStore` keeps the buffer rule (``docs/PROTOCOL.md``): a segment is packed
+again only when no process may still read it, free segments wait in a pool of at most
+``keep_versions``, and a private buffer is reused once no zero-copy send reads it.
 """
 
 from __future__ import annotations
@@ -94,22 +89,17 @@ class Staged:
         self._view: np.ndarray[Any, Any] | None = None
         self._view_of: torch.Tensor | None = None
         self.announce: WeightAnnounce | None = None
-        #: Who must answer this version and who may still read its buffer (the core's).
-        self.ledger = VersionLedger(version)
+        self.ledger = VersionLedger(version)  # who must answer, who may still read
         #: Sends that may still read the buffer: ZeroMQ trackers, data-link chunks.
         self.trackers: list[zmq.MessageTracker | Sent] = []
-        #: Bytes packed so far, and buckets packed with their checksum known.
-        self.packed = 0
-        self.buckets_done = 0
-        #: Fetches being answered, chunk by chunk as packing progresses.
-        self.active: list[Send] = []
-        #: The packing still to do (run by the serving thread), and its failure.
-        self.job: Iterator[None] | None = None
+        self.packed = 0  # bytes packed so far
+        self.buckets_done = 0  # buckets packed, their checksum known
+        self.active: list[Send] = []  # Fetches being answered as packing progresses
+        self.job: Iterator[None] | None = None  # the packing still to do
         self.error: BaseException | None = None
-        #: Published to ``ipc`` workers only: no buffer yet (staged on first need).
+        #: Published to ``ipc`` workers only: no buffer until one is needed.
         self.unstaged = False
-        #: Being packed into the ipc slots (which become its snapshot once done).
-        self.ipc_packing = False
+        self.ipc_packing = False  # being packed into the ipc slots
 
     def view(self) -> np.ndarray[Any, Any]:
         """The buffer as a numpy array (cheaper to slice per chunk than a tensor)."""

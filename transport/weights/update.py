@@ -111,13 +111,9 @@ def update_weights(
         if resumed is None:
             resumed, resume_failed = _resume(controller, timeout)
     out = FabricUpdateResult(
-        res.version,
-        dict(res.applied),
-        dict(res.failed),
-        list(res.missing),
-        paths=dict(res.paths),
-        resume_failed=resume_failed,
-    )
+        res.version, dict(res.applied), dict(res.failed), list(res.missing),
+        paths=dict(res.paths), resume_failed=resume_failed,
+    )  # fmt: skip
     for address, why in not_paused.items():
         # One whose pause only timed out may still have applied the version safely.
         wid = resumed[address].worker_id if address in resumed else address
@@ -149,13 +145,9 @@ def _resume(controller: Any, timeout: float) -> tuple[dict[str, Any], dict[str, 
 
 
 async def aupdate_weights(
-    controller: Any,
-    publisher: WeightPublisher,
-    state: Any,
-    version: int,
-    timeout: float = 60.0,
-    **kwargs: Any,
-) -> FabricUpdateResult:
+    controller: Any, publisher: WeightPublisher, state: Any, version: int,
+    timeout: float = 60.0, **kwargs: Any,
+) -> FabricUpdateResult:  # fmt: skip
     """:func:`update_weights` for asyncio callers (runs in a thread)."""
     return await asyncio.to_thread(
         update_weights, controller, publisher, state, version, timeout, **kwargs

@@ -17,6 +17,7 @@ The rules decided here (``docs/PROTOCOL.md``, "Weight updates"):
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 
 from fastio.weight_msgs import WeightAck, WeightFetch, WeightHello
 from transport.weights.core.process import process_alive, process_start_time
@@ -32,29 +33,18 @@ Reader = tuple[str, int, int, int]
 KEEP_RESULTS = 64
 
 
+@dataclass(slots=True, eq=False)
 class VersionLedger:
     """Who must answer one version, who did, and who may still read its buffer."""
 
-    __slots__ = (
-        "acks",
-        "announced_at",
-        "done_at",
-        "expected",
-        "failure_counted",
-        "lost",
-        "readers",
-        "version",
-    )
-
-    def __init__(self, version: int) -> None:
-        self.version = version
-        self.announced_at = 0.0
-        self.done_at = 0.0
-        self.expected: set[str] = set()
-        self.acks: dict[str, WeightAck] = {}
-        self.lost: dict[str, str] = {}
-        self.readers: set[Reader] = set()
-        self.failure_counted = False  # in the metrics
+    version: int
+    announced_at: float = 0.0
+    done_at: float = 0.0
+    expected: set[str] = field(default_factory=set)
+    acks: dict[str, WeightAck] = field(default_factory=dict)
+    lost: dict[str, str] = field(default_factory=dict)
+    readers: set[Reader] = field(default_factory=set)
+    failure_counted: bool = False  # in the metrics
 
     def answered(self) -> bool:
         """Every expected worker acked the version or was lost."""
@@ -161,11 +151,8 @@ class PublisherCore:
         """Record a Hello; returns the latest version when the worker is behind it (the
         Welcome then carries its Announce, the snapshot)."""
         info = self.touch(wid, now, hello=True)
-        if (info.host_id, info.pid, info.hello_start_time) != (
-            msg.host_id,
-            msg.pid,
-            msg.start_time,
-        ):
+        process = (msg.host_id, msg.pid, msg.start_time)
+        if (info.host_id, info.pid, info.hello_start_time) != process:
             # Another process (a restart may even reuse the pid): its own start time.
             info.start_time = self._visible_start(msg)
             info.hello_start_time = msg.start_time
