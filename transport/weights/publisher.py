@@ -226,10 +226,7 @@ class WeightPublisher:
             aliases=aliases,
         )
         if not lazy:  # packed by the serving thread between its sends
-            staged.job = pack_steps(
-                staged, plan, tensors, checksum_algo=self.checksum_algo,
-                chunk_bytes=self.chunk_bytes, cond=self._cond,
-            )  # fmt: skip
+            staged.job = pack_steps(staged, tensors, self.chunk_bytes, self._cond)
         with self._cond:
             self.serving.pending.append(staged)
         self._wake()

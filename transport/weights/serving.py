@@ -163,10 +163,7 @@ class Serving:
             with self.cond:
                 exp.snapshot_reads -= 1
             raise
-        job = pack_steps(
-            st, st.announce.buckets, src, checksum_algo=self.config.checksum,
-            chunk_bytes=self.config.chunk_bytes, cond=self.cond,
-        )  # fmt: skip
+        job = pack_steps(st, src, self.config.chunk_bytes, self.cond)
 
         def reading() -> Iterator[None]:
             try:

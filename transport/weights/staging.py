@@ -120,22 +120,17 @@ class Staged:
 
 
 def pack_steps(
-    st: Staged,
-    plan: list[WeightBucketInfo],
-    tensors: Mapping[str, torch.Tensor],
-    *,
-    checksum_algo: str,
-    chunk_bytes: int,
-    cond: threading.Condition,
+    st: Staged, tensors: Mapping[str, torch.Tensor], chunk_bytes: int, cond: threading.Condition
 ) -> Iterator[None]:
-    """Pack and hash bucket after bucket, block by block (each block hashed, then copied
-    while in cache), yielding to the serving loop after every ``chunk_bytes``."""
+    """Pack and hash the buckets of ``st.announce`` block by block (each block hashed,
+    then copied while in cache), yielding to the serving loop every ``chunk_bytes``."""
+    assert st.announce is not None
     told = 0
-    for info in plan:
+    for info in st.announce.buckets:
         base = info.shm_offset
         bucket = st.buf[base : base + info.nbytes]
         bnp = bucket.numpy()  # numpy views: cheaper to slice per block than tensors
-        h = Hasher(checksum_algo)
+        h = Hasher(st.announce.checksum_algo)
         cur = 0  # bytes of this bucket hashed so far
         for e in info.tensors:
             if e.offset > cur:
