@@ -86,13 +86,8 @@ class WeightPublisher:
         curve: CurveConfig | None = None,
         **settings: Any,
     ) -> None:
+        #: The settings, checked once (:class:`~transport.weights.config.PublisherConfig`).
         cfg = self.config = make_config(PublisherConfig, config, settings)
-        self.bucket_bytes = cfg.bucket_bytes
-        self.chunk_bytes = cfg.chunk_bytes
-        self.checksum_algo = cfg.checksum
-        self.heartbeat_interval = cfg.heartbeat_interval
-        self.worker_timeout = cfg.worker_timeout
-        self.keep_versions = cfg.keep_versions
         self.publisher_id = secrets.token_hex(8)
         self.host_id = _shm.host_id()
         metrics.expose("publisher")
@@ -204,7 +199,7 @@ class WeightPublisher:
             self.ipc.prepare(everything, lambda: self.serving.closed)
         with self._cond:
             wanted = {i.dtype for i in self.core.workers.values() if i.alive}
-        plan = plan_version(tensors, wanted, self.bucket_bytes)
+        plan = plan_version(tensors, wanted, self.config.bucket_bytes)
         total = plan[-1].shm_offset + plan[-1].nbytes if plan else 0
         # Staged now only when someone will read it by shm/tcp; otherwise the ipc slots
         # are the snapshot, staged when a late joiner or a re-fetch needs it.
@@ -219,14 +214,14 @@ class WeightPublisher:
             publisher_id=self.publisher_id,
             seq=0,  # assigned by the serving thread, which owns the sequence
             version=version,
-            checksum_algo=self.checksum_algo,
+            checksum_algo=self.config.checksum,
             total_bytes=total,
             buckets=plan,
             shm_name=staged.seg.name if staged.seg is not None else "",
             aliases=aliases,
         )
         if not lazy:  # packed by the serving thread between its sends
-            staged.job = pack_steps(staged, tensors, self.chunk_bytes, self._cond)
+            staged.job = pack_steps(staged, tensors, self.config.chunk_bytes, self._cond)
         with self._cond:
             self.serving.pending.append(staged)
         self._wake()
