@@ -410,10 +410,9 @@ class Serving:
         return sent
 
     def _advance(self, st: Staged, snd: Send) -> None:
-        """Send what is packed of the bucket ``snd`` asks for, from where it stopped:
-        over TCP, chunks of ``chunk_bytes`` (zero-copy from the buffer); to a same-host
-        worker, notices "bytes [offset, offset+nbytes) are ready". The last carries the
-        checksum."""
+        """Send what is packed of the bucket ``snd`` asks for, from where it stopped: TCP
+        chunks (zero-copy from the buffer) or, same host, "bytes ready" notices; the last
+        carries the checksum."""
         assert st.announce is not None
         if snd.cancelled:
             return

@@ -259,22 +259,12 @@ def attach_subscriber(
     ``model`` by an in-place copy, its ``load_weights(pairs)`` (when it has one) with
     each verified version (see :mod:`transport.engines.api`).
 
-    Parameters
-    ----------
-    server:
-        A :class:`transport.WorkerServer` whose engine has ``model`` and ``version``.
-    endpoint:
-        The publisher's ROUTER address.
-    loop:
-        The loop the server runs in (pause and resume are scheduled there).
-    pause_timeout:
-        Seconds a copy waits for generations to stop; past that the version fails on
-        this worker, which keeps its previous weights.
-    pause_lease:
-        Seconds paused (by anyone but its own copy) with no word from the publisher
-        before the worker resumes on its last complete version (``0``: never).
-    **kwargs:
-        Passed to :class:`WeightSubscriber`.
+    ``server`` is a :class:`transport.WorkerServer` running in ``loop``, ``endpoint``
+    the publisher's ROUTER address, ``kwargs`` go to :class:`WeightSubscriber`.
+    ``pause_timeout``: seconds a copy waits for generations to stop (past that the
+    version fails here and the previous weights stay); ``pause_lease``: seconds paused
+    (by anyone but its own copy) with no word from the publisher before the worker
+    resumes on its last complete version (``0``: never).
     """
     engine = server.engine
     model = getattr(engine, "model", None)
