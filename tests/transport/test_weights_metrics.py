@@ -61,9 +61,9 @@ def test_the_allocator_is_tuned_only_on_request() -> None:
         "import torch, transport.weights.malloc as m\n"
         "from transport.weights import WeightSubscriber\n"
         "WeightSubscriber('tcp://127.0.0.1:1', {'w': torch.zeros(2)})\n"
-        "a = m._TUNED\n"
+        "a = bool(m.tune_malloc.cache_info().currsize)\n"
         "WeightSubscriber('tcp://127.0.0.1:1', {'w': torch.zeros(2)}, tune_malloc=True)\n"
-        "print(a, m._TUNED)\n"
+        "print(a, bool(m.tune_malloc.cache_info().currsize))\n"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120

@@ -1,38 +1,30 @@
 """Flat buckets: a state dict packed into a few large byte buffers, and back.
 
-The layout (dtypes, checksums, plans) is :mod:`transport.weights.layout`, re-exported
-here. Applying is one copy per byte into the live tensor; CUDA targets go through two
-pinned host buffers in turn, so one slice's host copy overlaps the previous one's
+A *plan* (:class:`~fastio.weight_msgs.WeightBucketInfo` list) lays tensors, in order,
+into buckets of at most ``bucket_bytes`` (a larger tensor gets its own), each at a
+64-byte aligned offset; it depends only on names, shapes and dtypes, so both sides can
+compute it. Applying is one copy per byte into the live tensor; CUDA targets go through
+two pinned host buffers in turn, so one slice's host copy overlaps the previous one's
 device copy.
 """
 
 from __future__ import annotations
 
 import bisect
+import functools
 import itertools
+import math
 import os
-from collections.abc import Iterator, Mapping, Sequence
+import zlib
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from fastio._optional import lazy
+from fastio._optional import lazy, require
 from fastio.weight_msgs import WeightBucketInfo, WeightTensor
-from transport.weights.layout import (
-    ALIGNMENT,
-    CHECKSUM_ALGOS,
-    DEFAULT_BUCKET_BYTES,
-    DEFAULT_CHECKSUM,
-    Hasher,
-    checksum,
-    dtype_from_name,
-    dtype_name,
-    named_tensors,
-    plan_buckets,
-    plan_for,
-    split_aliases,
-)
+from transport.weights.errors import WeightMismatchError
 
 if TYPE_CHECKING:
     import torch
@@ -60,39 +52,201 @@ __all__ = [
     "wire_tensor",
 ]
 
+#: Default bucket size: per-bucket overheads vanish, and a worker applies one bucket
+#: while the next is on the wire.
+DEFAULT_BUCKET_BYTES = 256 << 20
+#: Byte alignment of every tensor inside a bucket.
+ALIGNMENT = 64
+#: Wire names of the supported dtypes, each the name of its ``torch`` attribute.
+_DTYPE_NAMES = "bool uint8 int8 int16 int32 int64 float16 bfloat16 float32 float64".split()  # noqa: SIM905
+#: Smallest share of a bucket worth a copy thread of its own.
+_THREAD_PIECE = 8 << 20
 
+_numel = math.prod
+
+
+@functools.cache
+def _dtypes() -> dict[str, torch.dtype]:
+    return {n: getattr(torch, n) for n in _DTYPE_NAMES}
+
+
+@functools.cache
+def _names() -> dict[torch.dtype, str]:
+    return {v: k for k, v in _dtypes().items()}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """Wire name of a torch dtype (``torch.bfloat16`` -> ``"bfloat16"``)."""
+    try:
+        return _names()[dtype]
+    except KeyError:
+        raise WeightMismatchError(
+            f"unsupported dtype {dtype} for a weight update; supported: {sorted(_DTYPE_NAMES)}"
+        ) from None
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    """The torch dtype of a wire name; :class:`WeightMismatchError` if unknown."""
+    try:
+        return _dtypes()[name]
+    except KeyError:
+        raise WeightMismatchError(f"unknown dtype {name!r} in a weight update") from None
+
+
+# -- checksums -----------------------------------------------------------------------
+_xxhash: Any
+try:
+    _xxhash = require("xxhash", "weights", "the xxh3_64 checksum")
+except ImportError:  # pragma: no cover - depends on the environment
+    _xxhash = None
+
+#: Checksum algorithms this side can compute (xxh3 is faster than crc32).
+CHECKSUM_ALGOS: tuple[str, ...] = ("xxh3_64", "crc32") if _xxhash is not None else ("crc32",)
+#: Algorithm a publisher uses unless told otherwise.
+DEFAULT_CHECKSUM = CHECKSUM_ALGOS[0]
+
+
+class Hasher:
+    """Streaming checksum over several buffers (``update`` in order, then ``digest``);
+    ``algo``: ``"xxh3_64"`` (needs the ``xxhash`` package) or ``"crc32"``."""
+
+    def __init__(self, algo: str = DEFAULT_CHECKSUM) -> None:
+        if algo not in CHECKSUM_ALGOS:
+            raise ValueError(f"checksum algorithm {algo!r} not available; have {CHECKSUM_ALGOS}")
+        self.algo = algo
+        self._crc = 0
+        self._xxh: Any = _xxhash.xxh3_64() if algo == "xxh3_64" else None
+
+    def update(self, buf: Any) -> None:
+        """Feed one bytes-like object (a memoryview of a frame, an array, ...)."""
+        if self._xxh is not None:
+            self._xxh.update(buf)
+        else:
+            self._crc = zlib.crc32(buf, self._crc)
+
+    def digest(self) -> int:
+        """The checksum of everything fed so far, as an unsigned int."""
+        return int(self._xxh.intdigest()) if self._xxh is not None else self._crc
+
+
+def checksum(buffers: Iterable[Any], algo: str = DEFAULT_CHECKSUM) -> int:
+    """Checksum of the concatenation of ``buffers`` (bytes-like objects)."""
+    h = Hasher(algo)
+    for b in buffers:
+        h.update(b)
+    return h.digest()
+
+
+# -- plans ---------------------------------------------------------------------------
+def named_tensors(source: Any) -> dict[str, torch.Tensor]:
+    """The tensors of an ``nn.Module`` (its state dict: detached views sharing storage
+    with the parameters), a mapping of name -> tensor, or ``(name, tensor)`` pairs."""
+    if isinstance(source, torch.nn.Module):
+        return dict(source.state_dict(keep_vars=False))
+    if isinstance(source, Iterable):
+        return dict(source)
+    raise TypeError(f"expected an nn.Module or a mapping of tensors, got {type(source).__name__}")
+
+
+def split_aliases(
+    tensors: Mapping[str, torch.Tensor],
+) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Separate tensors that are one memory under several names (tied weights): returns
+    ``(unique, aliases)``, the first name of each distinct tensor in order, and every
+    other name -> that first name. Aliases view the same bytes the same way (device,
+    address, dtype, shape, strides); tensors that merely overlap are distinct.
+
+    >>> w = torch.ones(2, 2)
+    >>> split_aliases({"embed": w, "head": w, "b": torch.zeros(2)})[1]
+    {'head': 'embed'}
+    """
+    unique: dict[str, torch.Tensor] = {}
+    aliases: dict[str, str] = {}
+    first: dict[tuple[Any, ...], str] = {}
+    for name, t in tensors.items():
+        key = (t.device, t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
+        if t.numel() == 0 or key not in first:
+            first.setdefault(key, name)
+            unique[name] = t
+        else:
+            aliases[name] = first[key]
+    return unique, aliases
+
+
+def _align(n: int) -> int:
+    return (n + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
+
+
+def plan_buckets(
+    specs: Iterable[tuple[str, str, Sequence[int]]], bucket_bytes: int = DEFAULT_BUCKET_BYTES
+) -> list[WeightBucketInfo]:
+    """Lay tensors, given as ``(name, dtype_name, shape)`` in wire order, out in flat
+    buckets of at most ``bucket_bytes`` (a larger tensor gets one of its own); each with
+    ``checksum=0`` and ``shm_offset`` as if the buckets lay back to back in one segment.
+
+    >>> plan = plan_buckets([("w", "float32", (4, 4)), ("b", "bfloat16", (4,))], 1 << 20)
+    >>> [(t.name, t.offset, t.nbytes) for t in plan[0].tensors]
+    [('w', 0, 64), ('b', 64, 8)]
+    """
+    if bucket_bytes <= 0:
+        raise ValueError("bucket_bytes must be positive")
+    buckets: list[WeightBucketInfo] = []
+    cur: list[WeightTensor] = []
+    size = seg = 0
+    seen: set[str] = set()
+    for name, dname, shape in specs:
+        if name in seen:
+            raise WeightMismatchError(f"duplicate tensor name {name!r}")
+        seen.add(name)
+        nbytes = _numel(shape) * dtype_from_name(dname).itemsize
+        off = _align(size)
+        if cur and off + nbytes > bucket_bytes:
+            buckets.append(WeightBucketInfo(len(buckets), size, 0, cur, seg))
+            seg += _align(size)
+            cur, off = [], 0
+        cur.append(WeightTensor(name, dname, tuple(int(d) for d in shape), off, nbytes))
+        size = off + nbytes
+    if cur:
+        buckets.append(WeightBucketInfo(len(buckets), size, 0, cur, seg))
+    return buckets
+
+
+def plan_for(tensors: Mapping[str, torch.Tensor], bucket_bytes: int) -> list[WeightBucketInfo]:
+    """:func:`plan_buckets` for a mapping of tensors, in its iteration order."""
+    return plan_buckets(
+        ((n, dtype_name(t.dtype), tuple(t.shape)) for n, t in tensors.items()), bucket_bytes
+    )
+
+
+# -- packing and applying ----------------------------------------------------------
 def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
     """A 1-D uint8 view of a contiguous tensor's memory."""
-    return t.reshape(-1).view(torch.uint8) if t.dim() else t.reshape(1).view(torch.uint8)
+    return t.reshape(-1).view(torch.uint8)
 
 
 def pack_bucket(
     info: WeightBucketInfo, tensors: Mapping[str, torch.Tensor], out: torch.Tensor
 ) -> None:
     """Copy the bucket's tensors into ``out`` (a CPU uint8 tensor of at least
-    ``info.nbytes`` bytes); the padding between tensors is zeroed so the checksum is
-    deterministic. CUDA tensors are copied with ``non_blocking=True`` and synchronised
-    once at the end (``out`` should be pinned for the copies to be asynchronous)."""
+    ``info.nbytes``), the padding zeroed so the checksum is deterministic; CUDA tensors
+    are copied non-blocking (into a pinned ``out``) and synchronised once at the end."""
     pos = 0
     cuda = False
     for e in info.tensors:
-        if e.offset > pos:
-            out[pos : e.offset].zero_()
-        t = tensors[e.name].detach()
-        cuda = copy_tensor(out[e.offset : e.offset + e.nbytes], t, sync=False) or cuda
+        out[pos : e.offset].zero_()
+        cuda = (
+            copy_tensor(out[e.offset : e.offset + e.nbytes], tensors[e.name].detach(), sync=False)
+            or cuda
+        )
         pos = e.offset + e.nbytes
     if cuda:
         torch.cuda.synchronize()
 
 
 def copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """Copy between two 1-D uint8 tensors of equal size.
-
-    CPU to CPU goes through ``numpy.copyto`` (one memcpy, GIL released): torch's
-    ``copy_`` splits large copies over intra-op threads that spin on busy cores. A
-    worker started with ``GLIBC_TUNABLES=glibc.cpu.x86_non_temporal_threshold=131072``
-    copies faster (non-temporal stores for blocks of a few MiB; see bench/results).
-    """
+    """Copy between two 1-D uint8 tensors of equal size: CPU to CPU by ``numpy.copyto``
+    (one memcpy, GIL released; torch's ``copy_`` splits large copies over intra-op
+    threads that spin on busy cores)."""
     if dst.device.type == "cpu" and src.device.type == "cpu":
         np.copyto(dst.numpy(), src.numpy())
     else:
@@ -114,37 +268,34 @@ def copy_tensor(dst: torch.Tensor, t: torch.Tensor, *, sync: bool = True) -> boo
     return False
 
 
-# -- applying ---------------------------------------------------------------------
 def _copy_span(
     dst: np.ndarray[Any, Any], arrs: list[np.ndarray[Any, Any]], starts: list[int], offset: int
 ) -> None:
     """Copy bytes ``[offset, offset + dst.size)`` of a bucket held in the chunks ``arrs``
     (chunk ``k`` starts at byte ``starts[k]``) into ``dst``."""
-    n = dst.size
     k = bisect.bisect_right(starts, offset) - 1
     pos = 0
-    while pos < n:
+    while pos < dst.size:
         if k >= len(arrs):
             raise ValueError("bucket chunks end before the tensor does")
-        arr = arrs[k]
         a = offset + pos - starts[k]
-        take = min(n - pos, arr.size - a)
-        np.copyto(dst[pos : pos + take], arr[a : a + take])
+        take = min(dst.size - pos, arrs[k].size - a)
+        np.copyto(dst[pos : pos + take], arrs[k][a : a + take])
         pos += take
         k += 1
 
 
 def _chunk_spans(
     chunks: Sequence[torch.Tensor], lo: int, hi: int
-) -> Iterator[tuple[torch.Tensor, int]]:
-    """Chunks of bytes ``[lo, hi)`` of a bucket split into ``chunks``: (chunk, offset
-    of the chunk relative to ``lo``)."""
+) -> Iterator[tuple[torch.Tensor, int, int]]:
+    """The parts of bytes ``[lo, hi)`` of a bucket split into ``chunks``: (part, its
+    offset from ``lo``, its offset in its chunk)."""
     base = 0
     for c in chunks:
         n = c.numel()
         a, b = max(lo, base), min(hi, base + n)
         if a < b:
-            yield c[a - base : b - base], a - lo
+            yield c[a - base : b - base], a - lo, a - base
         base += n
         if base >= hi:
             break
@@ -154,44 +305,28 @@ def wire_tensor(e: WeightTensor, chunks: Sequence[torch.Tensor]) -> torch.Tensor
     """Tensor ``e`` of a bucket held in ``chunks`` (1-D uint8 chunks in order), typed and
     shaped: a view when it lies in one chunk at an aligned offset, else a copy."""
     dt = dtype_from_name(e.dtype)
-    size = torch.empty((), dtype=dt).element_size()
-    lo, hi = e.offset, e.offset + e.nbytes
-    base = 0
-    raw: torch.Tensor | None = None
-    for c in chunks:
-        n = c.numel()
-        if base <= lo and hi <= base + n and (lo - base) % size == 0:
-            raw = c[lo - base : hi - base]
-            break
-        if base + n > lo:
-            break
-        base += n
-    if raw is None:
-        raw = torch.empty(e.nbytes, dtype=torch.uint8)
-        base = 0
-        for c in chunks:
-            n = c.numel()
-            a, b = max(lo, base), min(hi, base + n)
-            if a < b:
-                raw[a - lo : b - lo].copy_(c[a - base : b - base])
-            base += n
-            if base >= hi:
-                break
     if e.nbytes == 0:
         return torch.empty(e.shape, dtype=dt)
+    parts = list(_chunk_spans(chunks, e.offset, e.offset + e.nbytes))
+    if len(parts) == 1 and parts[0][0].numel() == e.nbytes and parts[0][2] % dt.itemsize == 0:
+        raw = parts[0][0]
+    else:
+        raw = torch.empty(e.nbytes, dtype=torch.uint8)
+        for part, rel, _ in parts:
+            raw[rel : rel + part.numel()].copy_(part)
     return raw.view(dt).view(e.shape)
 
 
-class BucketApplier:
-    """Copies received buckets into live tensors, in place.
+def default_copy_threads() -> int:
+    """Copy threads per worker by default: one per 4 cores this process may use, 1 to 4
+    (memory-bound copies gain little more, and every worker on the host copies at once)."""
+    return max(1, min(4, len(os.sched_getaffinity(0)) // 4))
 
-    Parameters
-    ----------
-    targets:
-        Name -> the tensor to overwrite (parameters or their detached views).
-    pinned_bytes:
-        Size of each of the two pinned host buffers used for CUDA targets.
-    """
+
+class BucketApplier:
+    """Copies received buckets into ``targets`` (name -> parameter or detached view), in
+    place; CUDA targets through two pinned host buffers of ``pinned_bytes``, CPU targets
+    on ``copy_threads`` threads (default: :func:`default_copy_threads`)."""
 
     def __init__(
         self,
@@ -205,7 +340,7 @@ class BucketApplier:
         self._pool: ThreadPoolExecutor | None = None
         self._pinned_bytes = pinned_bytes
         self._pinned: list[torch.Tensor] = []
-        self._events: list[Any] = []
+        self._events: list[Any] = [None, None]
         self._turn = 0
         self._cuda = any(t.device.type == "cuda" for t in targets.values())
 
@@ -216,25 +351,19 @@ class BucketApplier:
         dests: Mapping[str, Sequence[str]] | None = None,
     ) -> None:
         """Copy every tensor of bucket ``info`` from ``chunks`` (1-D uint8 CPU tensors
-        whose concatenation is the bucket) into its target.
-
-        ``dests`` maps a travelling name to the target names it goes to (renaming and
-        aliases, see :class:`transport.weights.binding.Binding`; default: its own name).
-        Names that are no target are skipped; a target of another dtype gets the cast
-        value (``Tensor.copy_`` semantics); targets that are one memory are written once.
-        """
+        whose concatenation is the bucket) into its targets: ``dests`` maps a travelling
+        name to target names (:class:`transport.weights.binding.Binding`; default: its
+        own). Unknown names are skipped, another dtype gets the cast value, targets that
+        are one memory are written once."""
         with torch.no_grad():
-            # CPU targets: numpy views of the chunks made once, a tensor's first chunk
-            # found by bisection; the copies run at the end, on copy_threads threads.
-            arrs: list[np.ndarray[Any, Any]] | None = None
-            starts: list[int] = []
+            # CPU targets: copied at the end, on copy_threads threads.
+            arrs: list[np.ndarray[Any, Any]] = []
             plain: list[tuple[np.ndarray[Any, Any], int]] = []
             for e in info.tensors:
                 if e.nbytes == 0:
                     continue
-                names = (e.name,) if dests is None else dests.get(e.name, ())
                 written: set[tuple[Any, ...]] = set()
-                for name in names:
+                for name in (e.name,) if dests is None else dests.get(e.name, ()):
                     dst = self.targets.get(name)
                     if dst is None:
                         continue
@@ -242,23 +371,23 @@ class BucketApplier:
                     if key in written:
                         continue  # tied on this side too: one copy
                     written.add(key)
+                    spans = _chunk_spans(chunks, e.offset, e.offset + e.nbytes)
                     if dtype_name(dst.dtype) != e.dtype:
                         dst.copy_(wire_tensor(e, chunks))
                     elif dst.device.type == "cpu" and dst.is_contiguous():
-                        if arrs is None:
-                            arrs = [c.numpy() for c in chunks]
-                            starts = list(itertools.accumulate((a.size for a in arrs), initial=0))
+                        arrs = arrs or [c.numpy() for c in chunks]
                         plain.append((_flat_bytes(dst).numpy(), e.offset))
                     elif dst.is_contiguous():
                         dflat = _flat_bytes(dst)
-                        for chunk, rel in _chunk_spans(chunks, e.offset, e.offset + e.nbytes):
-                            self._copy(dflat[rel : rel + chunk.numel()], chunk)
+                        for part, rel, _ in spans:
+                            self._copy(dflat[rel : rel + part.numel()], part)
                     else:  # rare: assemble, then one strided copy
                         tmp = torch.empty(e.nbytes, dtype=torch.uint8)
-                        for chunk, rel in _chunk_spans(chunks, e.offset, e.offset + e.nbytes):
-                            copy_bytes(tmp[rel : rel + chunk.numel()], chunk)
+                        for part, rel, _ in spans:
+                            copy_bytes(tmp[rel : rel + part.numel()], part)
                         dst.copy_(tmp.view(dst.dtype).view(dst.shape))
-            if plain and arrs is not None:
+            if plain:
+                starts = list(itertools.accumulate((a.size for a in arrs), initial=0))
                 self._copy_plain(plain, arrs, starts)
 
     def _copy_plain(
@@ -267,17 +396,12 @@ class BucketApplier:
         arrs: list[np.ndarray[Any, Any]],
         starts: list[int],
     ) -> None:
-        """Run the plain CPU copies: inline, or cut into slices of at least
-        ``_THREAD_PIECE`` bytes spread over ``copy_threads`` threads (``np.copyto``
-        releases the GIL, so memory-bound copies of a large bucket run in parallel)."""
+        """Run the plain CPU copies inline, or in slices of at least ``_THREAD_PIECE``
+        bytes over ``copy_threads`` threads (``np.copyto`` releases the GIL)."""
         total = sum(d.size for d, _ in jobs)
         threads = min(self.copy_threads, total // _THREAD_PIECE)
-        if threads <= 1:
-            for dst, off in jobs:
-                _copy_span(dst, arrs, starts, off)
-            return
-        share = -(-total // threads)
-        groups: list[list[tuple[np.ndarray[Any, Any], int]]] = [[] for _ in range(threads)]
+        share = -(-total // max(threads, 1))
+        groups: list[list[tuple[np.ndarray[Any, Any], int]]] = [[] for _ in range(max(threads, 1))]
         g = filled = 0
         for dst, off in jobs:
             pos = 0
@@ -286,16 +410,16 @@ class BucketApplier:
                 groups[g].append((dst[pos : pos + take], off + pos))
                 pos += take
                 filled += take
-                if filled >= share and g < threads - 1:
+                if filled >= share and g < len(groups) - 1:
                     g, filled = g + 1, 0
 
         def run(group: list[tuple[np.ndarray[Any, Any], int]]) -> None:
             for d, o in group:
                 _copy_span(d, arrs, starts, o)
 
-        if self._pool is None:
+        if threads > 1 and self._pool is None:
             self._pool = ThreadPoolExecutor(self.copy_threads, thread_name_prefix="weights-copy")
-        futures = [self._pool.submit(run, grp) for grp in groups[1:] if grp]
+        futures = [self._pool.submit(run, grp) for grp in groups[1:] if grp] if self._pool else []
         try:
             run(groups[0])
         finally:
@@ -309,44 +433,26 @@ class BucketApplier:
         if dst.device.type != "cuda":
             copy_bytes(dst, src)
             return
-        # Device target: stage through pinned memory so the H2D copy is asynchronous,
-        # alternating two buffers; an event guards a buffer until its copy has run.
+        # Staged through two pinned buffers in turn, so the H2D copy is asynchronous; an
+        # event guards a buffer until its copy has run.
         if not self._pinned:
             self._pinned = [
                 torch.empty(self._pinned_bytes, dtype=torch.uint8).pin_memory() for _ in range(2)
             ]
-            self._events = [None, None]
         step = self._pinned_bytes
         for a in range(0, src.numel(), step):
             part = src[a : a + step]
             i = self._turn
             self._turn ^= 1
-            ev = self._events[i]
-            if ev is not None:
-                ev.synchronize()
+            if self._events[i] is not None:
+                self._events[i].synchronize()
             buf = self._pinned[i][: part.numel()]
             copy_bytes(buf, part)
             dst[a : a + part.numel()].copy_(buf, non_blocking=True)
-            ev = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            ev.record()
-            self._events[i] = ev
+            self._events[i] = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            self._events[i].record()
 
     def finish(self) -> None:
         """Wait until every copy issued so far has landed (a no-op on CPU)."""
         if self._cuda:
             torch.cuda.synchronize()
-
-
-#: Smallest share of a bucket worth a copy thread of its own.
-_THREAD_PIECE = 8 << 20
-
-
-def default_copy_threads() -> int:
-    """Copy threads per worker by default: one per 4 cores this process may use, 1 to
-    4 (memory-bound copies gain little beyond that, and every worker on the host
-    copies at the same time)."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - not Linux
-        cores = os.cpu_count() or 1
-    return max(1, min(4, cores // 4))

@@ -1,5 +1,5 @@
-"""Exceptions raised by :mod:`transport.weights`; all derive from
-:class:`WeightUpdateError`, itself a ``TransportError`` and a ``fastio.FastioError``."""
+"""Exceptions of :mod:`transport.weights`, all under :class:`WeightUpdateError` (itself a
+``TransportError`` and a ``fastio.FastioError``)."""
 
 from __future__ import annotations
 
@@ -37,14 +37,8 @@ class VersionUnavailable(WeightUpdateError):
 
 
 class UpdateIncomplete(WeightUpdateError, TimeoutError):
-    """Not every expected worker applied the version before the timeout.
-
-    Attributes
-    ----------
-    result:
-        The :class:`~transport.weights.results.UpdateResult`: who applied, who failed
-        and why, who never answered.
-    """
+    """Not every expected worker applied the version before the timeout; ``result`` is
+    the :class:`~transport.weights.results.UpdateResult` (applied, failed, missing)."""
 
     def __init__(self, message: str, result: UpdateResult) -> None:
         super().__init__(message)

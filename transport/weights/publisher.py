@@ -1,27 +1,18 @@
 """Trainer side of weight updates: stage a version in flat buckets and serve it.
 
-:class:`WeightPublisher` owns its parts: the protocol core
-(:class:`~transport.weights.core.publisher.PublisherCore`: who is a worker, who must
-answer, who may still read a buffer), the staged versions
-(:class:`~transport.weights.buffers.VersionStore`), the ``ipc`` route
-(:class:`~transport.weights.routes.ipc.IpcOffering`), the data link's listener and
-senders (:mod:`transport.weights.routes.tcp`) and the serving loop
-(:class:`~transport.weights.serving.Serving`, one thread that owns the ROUTER and PUB).
-:meth:`WeightPublisher.publish` runs in the caller's thread: it lays the version out and
-hands it to the serving thread, which announces it and packs it while it serves.
-
-Routes, per worker: a worker on this host that can open the trainer's memory takes
-``ipc`` when the ``ipc`` setting allows it (``"auto"``: CUDA tensors, ``"cpu"``: CPU
-tensors too, ``"off"``: never); every other worker, and a version that fails there,
-takes ``shm`` (same host) or ``tcp``. Each Ack says which (``via``), and
-:attr:`UpdateResult.paths` reports it per worker.
+:class:`WeightPublisher` owns its parts: the protocol core (:mod:`.core.publisher`), the
+staged versions (:class:`~transport.weights.staging.VersionStore`), the ``ipc`` route
+(:class:`~transport.weights.routes.ipc.IpcOffering`) and the serving loop
+(:class:`~transport.weights.serving.Serving`: one thread, the sockets, the data link).
+:meth:`~WeightPublisher.publish` lays a version out in the caller's thread and hands it
+to the serving thread. A worker takes ``ipc`` where the ``ipc`` setting allows it, else
+``shm`` (same host) or ``tcp``; :attr:`UpdateResult.paths` reports which.
 """
 
 from __future__ import annotations
 
 import logging
 import secrets
-import socket
 import threading
 import time
 from collections.abc import Iterable
@@ -36,35 +27,27 @@ except ImportError as exc:  # name the extra that brings torch
 import zmq
 
 from fastio.versions import VERSION_1
-from fastio.weight_msgs import WeightAnnounce
+from fastio.weight_msgs import WeightAnnounce, WeightWelcome
 from transport import metrics
 from transport.sockets import CurveConfig, WorkerAuthenticator, bind_all, make_socket
-from transport.weights.bucket import Hasher, named_tensors, split_aliases
-from transport.weights.buffers import VersionStore
+from transport.weights.bucket import named_tensors, split_aliases
 from transport.weights.config import PublisherConfig, make_config
 from transport.weights.core.publisher import PublisherCore
 from transport.weights.errors import UpdateIncomplete
 from transport.weights.results import SubscriberInfo, UpdateResult
 from transport.weights.routes import shm as _shm
 from transport.weights.routes.ipc import IPC_MODES, IpcOffering
-from transport.weights.routes.tcp import DataListener, DataSender
 from transport.weights.serving import Serving
-from transport.weights.staging import Staged, pack_steps, plan_version
+from transport.weights.staging import Staged, VersionStore, pack_steps, plan_version
 
 __all__ = ["DEFAULT_CHUNK_BYTES", "IPC_MODES", "WeightPublisher"]
 
 log = logging.getLogger("transport.weights.publisher")
 
-#: Size of the chunks a bucket travels in, one message each: chunks let the I/O thread
-#: interleave workers and the worker hash one while the next arrives; a huge frame is
-#: one huge fresh allocation on the receiver.
-DEFAULT_CHUNK_BYTES = 4 << 20
-
-#: I/O threads of the publisher's private context that carry the ROUTER's connections
-#: (the bucket bytes); one more carries the PUB's.
+#: Size of the chunks a bucket travels in (``PublisherConfig.chunk_bytes``).
+DEFAULT_CHUNK_BYTES = PublisherConfig().chunk_bytes
+#: I/O threads of the private context for the ROUTER (the bucket bytes); one more: PUB.
 _ROUTER_IO_THREADS = 2
-#: Workers only send small messages; a larger frame is hostile: disconnect.
-_MAX_FROM_WORKER = 4 << 20
 
 
 class WeightPublisher:
@@ -73,17 +56,15 @@ class WeightPublisher:
     Parameters
     ----------
     endpoint:
-        ROUTER address to bind (``tcp://127.0.0.1:*`` picks a free port; see
-        :attr:`endpoint` for the bound one). Workers connect here.
+        ROUTER address to bind (``tcp://127.0.0.1:*`` picks a free port: see
+        :attr:`endpoint`). Workers connect here.
     config:
-        :class:`~transport.weights.config.PublisherConfig`; its fields are also taken
-        as keyword arguments (``bucket_bytes=...``), which override it.
+        :class:`~transport.weights.config.PublisherConfig`; its fields are also taken as
+        keyword arguments (``bucket_bytes=...``), which override it.
     context:
         ZeroMQ context (default: a private one, terminated at :meth:`close`).
     curve:
-        CurveZMQ on both sockets (:class:`transport.CurveConfig`; ``authorized_clients_dir``
-        admits only known workers). Use it across hosts: a worker without the right
-        key gets nothing, not even the announcements.
+        CurveZMQ on both sockets (:class:`transport.CurveConfig`); use it across hosts.
 
     Examples
     --------
@@ -105,81 +86,75 @@ class WeightPublisher:
         curve: CurveConfig | None = None,
         **settings: Any,
     ) -> None:
+        #: The settings, checked once (:class:`~transport.weights.config.PublisherConfig`).
         cfg = self.config = make_config(PublisherConfig, config, settings)
-        Hasher(cfg.checksum)  # validates the name now rather than at the first publish
-        self.bucket_bytes = cfg.bucket_bytes
-        self.chunk_bytes = cfg.chunk_bytes
-        self.checksum_algo = cfg.checksum
-        self.heartbeat_interval = cfg.heartbeat_interval
-        self.worker_timeout = cfg.worker_timeout
-        self.keep_versions = cfg.keep_versions
         self.publisher_id = secrets.token_hex(8)
         self.host_id = _shm.host_id()
         metrics.expose("publisher")
         #: Workers and versions: who must answer, who may still read a buffer.
         self.core = PublisherCore(self.host_id, cfg.worker_timeout)
-        #: Counters: bad messages, fetches served, bytes sent, ...
         self.counters = self.core.counters
         self._cond = threading.Condition()
-        use_shm = _shm.available() if cfg.shm is None else bool(cfg.shm and _shm.available())
-        probe: _shm.Probe | None = None
-        if use_shm:
+        self._probe: _shm.Probe | None = None
+        if cfg.shm is not False and _shm.available():
             _shm.cleanup_stale()
             try:
-                probe = _shm.write_probe()
+                self._probe = _shm.write_probe()
             except OSError as exc:
                 log.warning("no shared-memory fast path (%s); workers will use TCP", exc)
-                use_shm = False
-        self._probe = probe
         #: The staged versions and their buffers (the buffer rule).
-        self.store = VersionStore(self.core, self._cond, use_shm, cfg.keep_versions)
-        # A private context by default, its I/O threads pinned (see _options): libzmq
-        # would otherwise put every ROUTER connection on the least loaded one.
+        self.store = VersionStore(self.core, self._cond, self._probe is not None, cfg.keep_versions)
+        # A private context by default, its I/O threads pinned: libzmq would otherwise
+        # put every ROUTER connection on the least loaded one.
         self._own_zctx = context is None
         self._zctx: zmq.Context[Any] = context or zmq.Context(io_threads=1 + _ROUTER_IO_THREADS)
-        self._auth: WorkerAuthenticator | None = None
-        if curve is not None:  # the ZAP handler must run before the sockets bind
-            self._auth = WorkerAuthenticator(self._zctx, curve)
-        affinity = self._own_zctx
+        self._auth = WorkerAuthenticator(self._zctx, curve) if curve is not None else None
+        # At the HWM a ROUTER drops silently; MANDATORY turns that into EAGAIN, answered
+        # as "busy". A restarted worker reuses its id; HANDOVER gives it the route.
+        router_opts: dict[int, int | bytes] = {zmq.ROUTER_MANDATORY: 1, zmq.ROUTER_HANDOVER: 1}
+        pub_opts: dict[int, int | bytes] = {zmq.SNDHWM: 10_000}  # a PUB receives nothing
+        if self._own_zctx:  # the ROUTER on I/O threads 1.._ROUTER_IO_THREADS, the PUB on 0
+            router_opts[zmq.AFFINITY] = ((1 << _ROUTER_IO_THREADS) - 1) << 1
+            pub_opts[zmq.AFFINITY] = 1
         router = make_socket(
-            self._zctx, zmq.ROUTER, hwm=10_000, max_message_size=_MAX_FROM_WORKER, curve=curve,
-            curve_server=True, options=_options(zmq.ROUTER, affinity),
+            self._zctx, zmq.ROUTER, hwm=10_000, max_message_size=4 << 20, curve=curve,
+            curve_server=True, options=router_opts,
         )  # fmt: skip
         self.endpoint: str = bind_all(router, endpoint)[0]
         pub = make_socket(
             self._zctx, zmq.PUB, hwm=None, max_message_size=None, curve=curve,
-            curve_server=True, options=_options(zmq.PUB, affinity),
+            curve_server=True, options=pub_opts,
         )  # fmt: skip
-        self.pub_endpoint: str = bind_all(pub, cfg.pub_endpoint or _sibling(self.endpoint))[0]
-        self.senders: dict[str, DataSender] = {}
-        token, listener = b"", None
-        if self.endpoint.startswith("tcp://") and (
-            cfg.data_link or (cfg.data_link is None and curve is None)
-        ):
-            token = secrets.token_bytes(16)
-            try:
-                listener = DataListener(self.endpoint, token, self._admit_link, cfg.data_port)
-            except OSError as exc:
-                log.warning("no data link (%s); TCP workers get ZeroMQ frames", exc)
-        self._listener = listener
+        if cfg.pub_endpoint is None and endpoint.startswith("tcp://"):
+            cfg_pub = f"tcp://{self.endpoint[6:].rsplit(':', 1)[0]}:*"
+        else:
+            cfg_pub = cfg.pub_endpoint or self.endpoint + ".pub"
+        self.pub_endpoint: str = bind_all(pub, cfg_pub)[0]
         #: The ipc route's slots and the workers that asked for them.
         self.ipc = IpcOffering(
             cfg.ipc, cfg.ipc_slots, cfg.ipc_timeout, core=self.core, cond=self._cond,
             encoder=VERSION_1, wake=self._wake, publisher_id=self.publisher_id,
             bucket_bytes=cfg.bucket_bytes,
         )  # fmt: skip
-        #: The serving thread's loop and its sockets.
-        self.serving = self.serving_class(
-            cfg, self.core, self.store, self.ipc, self._cond, router=router, pub=pub,
-            zctx=self._zctx, publisher_id=self.publisher_id, host_id=self.host_id,
-            probe=probe, listener=listener, data_token=token, senders=self.senders,
+        probe = self._probe
+        welcome = WeightWelcome(
+            self.publisher_id, self.host_id, self.pub_endpoint, 0,
+            probe.name if probe else "", probe.token if probe else "",
         )  # fmt: skip
+        link = self.endpoint.startswith("tcp://") and (
+            cfg.data_link or (cfg.data_link is None and curve is None)
+        )
+        #: The serving thread's loop, its sockets and the data link.
+        self.serving = self.serving_class(
+            cfg, self.store, self.ipc, router, pub, welcome, link=bool(link)
+        )
+        self._listener = self.serving.listener
+        self.senders = self.serving.senders
         self._thread = threading.Thread(
             target=self.serving.run, name=f"weights-publisher-{self.publisher_id}", daemon=True
         )
         self._thread.start()
 
-    # -- public API ------------------------------------------------------------------
     @property
     def latest_version(self) -> int:
         """The latest published version (``-1`` before the first)."""
@@ -192,61 +167,45 @@ class WeightPublisher:
             return {k: SubscriberInfo(**vars(v)) for k, v in self.core.workers.items()}
 
     def wait_for_workers(self, n: int, timeout: float) -> list[str]:
-        """Wait until at least ``n`` live workers said Hello; returns their ids.
-
-        Raises ``TimeoutError`` when fewer are there after ``timeout`` seconds.
-        """
+        """Wait until at least ``n`` live workers said Hello; returns their ids
+        (``TimeoutError`` when fewer are there after ``timeout`` seconds)."""
         deadline = time.monotonic() + timeout
         with self._cond:
-            while True:
-                alive = sorted(w for w, i in self.core.workers.items() if i.alive)
-                if len(alive) >= n:
-                    return alive
+            while len(alive := sorted(self.core.alive())) < n:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise TimeoutError(f"{len(alive)} of {n} weight subscribers connected")
                 self._cond.wait(left)
+            return alive
 
     def publish(self, state: Any, version: int) -> WeightAnnounce:
-        """Stage ``state`` as ``version`` and announce it to every worker.
-
-        Parameters
-        ----------
-        state:
-            An ``nn.Module``, a state dict or an iterable of ``(name, tensor)`` (e.g.
-            ``model.named_parameters()``); CPU or CUDA tensors of any supported dtype.
-        version:
-            Must be greater than every version published before.
-
-        Returns
-        -------
-        WeightAnnounce
-            The manifest sent, once every bucket is packed (the caller may then change
-            its tensors); :meth:`wait` collects the workers' answers.
-        """
+        """Stage ``state`` (an ``nn.Module``, a state dict or ``(name, tensor)`` pairs, on
+        CPU or CUDA) as ``version`` (newer than any before) and announce it; returns the
+        manifest sent once every bucket is packed (the caller may then change its
+        tensors). :meth:`wait` collects the workers' answers."""
         t0 = time.monotonic()
         everything = named_tensors(state)
         tensors, aliases = split_aliases(dict(everything))
         with self._cond:
             if self.serving.closed:
                 raise RuntimeError("publisher is closed")
-            if self.store.latest is not None and version <= self.store.latest.version:
+            latest = self.store.latest
+            if latest is not None and version <= latest.version:
                 raise ValueError(
-                    f"version {version} is not newer than the latest ({self.store.latest.version})"
+                    f"version {version} is not newer than the latest ({latest.version})"
                 )
         ipc = self.ipc.wanted(everything)
-        if ipc:
-            # Slots first: a worker that opens them defers the Announce below.
+        if ipc:  # slots first: a worker that opens them defers the Announce below
             self.ipc.prepare(everything, lambda: self.serving.closed)
         with self._cond:
             wanted = {i.dtype for i in self.core.workers.values() if i.alive}
-        plan = plan_version(tensors, wanted, self.bucket_bytes)
+        plan = plan_version(tensors, wanted, self.config.bucket_bytes)
         total = plan[-1].shm_offset + plan[-1].nbytes if plan else 0
-        # Staged now only when someone will read it by shm/tcp; otherwise the ipc
-        # slots are the snapshot, staged from when a late joiner or a re-fetch needs it.
+        # Staged now only when someone will read it by shm/tcp; otherwise the ipc slots
+        # are the snapshot, staged when a late joiner or a re-fetch needs it.
         lazy = ipc and self.ipc.only()
-        staged = Staged(version, torch.empty(0, dtype=torch.uint8), None)
         if lazy:
+            staged = Staged(version, torch.empty(0, dtype=torch.uint8), None)
             staged.unstaged = staged.ipc_packing = True
             self.core.count("versions_not_staged")
         else:
@@ -255,23 +214,14 @@ class WeightPublisher:
             publisher_id=self.publisher_id,
             seq=0,  # assigned by the serving thread, which owns the sequence
             version=version,
-            checksum_algo=self.checksum_algo,
+            checksum_algo=self.config.checksum,
             total_bytes=total,
             buckets=plan,
             shm_name=staged.seg.name if staged.seg is not None else "",
             aliases=aliases,
         )
-        # The serving thread packs step by step between its sends (packing here would
-        # fight it for the GIL), so bucket k is on the wire while the rest is packed.
-        if not lazy:
-            staged.job = pack_steps(
-                staged,
-                plan,
-                tensors,
-                checksum_algo=self.checksum_algo,
-                chunk_bytes=self.chunk_bytes,
-                cond=self._cond,
-            )
+        if not lazy:  # packed by the serving thread between its sends
+            staged.job = pack_steps(staged, tensors, self.config.chunk_bytes, self._cond)
         with self._cond:
             self.serving.pending.append(staged)
         self._wake()
@@ -284,9 +234,7 @@ class WeightPublisher:
                 raise staged.error
             if self.serving.closed:
                 raise RuntimeError("publisher closed while publishing")
-        if ipc:
-            # After the Announce (which ipc workers keep as their fallback), so that
-            # their Acks find the version registered.
+        if ipc:  # after the Announce (ipc workers' fallback), so their Acks find it
             try:
                 self.ipc.publish(everything, version)
             finally:
@@ -299,30 +247,16 @@ class WeightPublisher:
     def wait(
         self, version: int, timeout: float, *, workers: Iterable[str] | None = None
     ) -> UpdateResult:
-        """Wait until every expected worker answered ``version``, or ``timeout`` passed.
-
-        Parameters
-        ----------
-        version:
-            A published version; one retired since (its buffer freed) returns its
-            final result while it is among the last ``KEEP_RESULTS`` (64) retired.
-        timeout:
-            Seconds to wait at most.
-        workers:
-            The worker ids to wait for; default: the workers alive when the version
-            was announced, plus any that answered it since.
-
-        Returns
-        -------
-        UpdateResult
-            Never raises for workers' failures: ``result.ok`` says whether all applied.
-            (:meth:`publish_and_wait` raises instead.)
-        """
+        """Wait until every expected worker answered ``version``, or ``timeout`` passed;
+        ``workers``: the ids to wait for (default: the workers alive at the announcement
+        and any that answered since). A retired version returns its final result while
+        among the last ``KEEP_RESULTS`` (64). Never raises for workers' failures:
+        ``result.ok`` says whether all applied (:meth:`publish_and_wait` raises)."""
         deadline = time.monotonic() + timeout
         with self._cond:
             st = self.store.versions.get(version)
             if st is None and version in self.core.retired:
-                return self.core.retired[version]  # answered and retired since
+                return self.core.retired[version]
             if st is None or st.announce is None:
                 raise KeyError(f"version {version} was not published by this publisher")
             led = st.ledger
@@ -343,8 +277,8 @@ class WeightPublisher:
     def publish_and_wait(
         self, state: Any, version: int, timeout: float, *, workers: Iterable[str] | None = None
     ) -> UpdateResult:
-        """:meth:`publish` then :meth:`wait`; raises :class:`UpdateIncomplete` unless every
-        expected worker applied the version (the exception carries the result)."""
+        """:meth:`publish` then :meth:`wait`; raises :class:`UpdateIncomplete` (carrying
+        the result) unless every expected worker applied the version."""
         t0 = time.monotonic()
         self.publish(state, version)
         res = self.wait(version, timeout, workers=workers)
@@ -366,22 +300,13 @@ class WeightPublisher:
             self._cond.notify_all()
         self._wake()
         self._thread.join(5.0)
-        if self._listener is not None:
-            self._listener.close()
-        with self._cond:
-            senders = list(self.senders.values())
-        for sender in senders:
-            sender.close()
-            sender.join(5.0)
-        self.serving.close_sockets()
+        self.serving.close()
         if self._auth is not None:
             self._auth.stop()
         if self._own_zctx:
             self._zctx.term()
         with self._cond:
-            self.store.closed = True
             self.store.close()
-            self.store.latest = None
         self.ipc.close()
         if self._probe is not None:
             self._probe.close()
@@ -392,49 +317,5 @@ class WeightPublisher:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _admit_link(self, worker_id: str, sock: socket.socket) -> bool:
-        """A worker's data link, token checked (the listener's thread)."""
-        with self._cond:
-            if self.serving.closed:
-                return False
-            old = self.senders.pop(worker_id, None)
-            self.senders[worker_id] = DataSender(
-                sock, worker_id, self.worker_timeout, self._link_closed, first=b"\x01"
-            )
-            self.core.count("data_links")
-        if old is not None:
-            old.close()  # a restarted worker's: its replacement has the id now
-        return True
-
-    def _link_closed(self, sender: DataSender) -> None:
-        with self._cond:
-            if self.senders.get(sender.worker_id) is sender:
-                del self.senders[sender.worker_id]
-
     def _wake(self) -> None:
         self.serving.wake()
-
-
-def _options(kind: int, pinned: bool) -> dict[int, int | bytes]:
-    """The ROUTER's or PUB's further options; ``pinned``: on the private context's I/O
-    threads (the ROUTER on 1.._ROUTER_IO_THREADS, the PUB on 0)."""
-    if kind == zmq.PUB:  # a send HWM only: a PUB receives nothing but subscriptions
-        options: dict[int, int | bytes] = {zmq.SNDHWM: 10_000}
-        affinity = 1
-    else:
-        # At the HWM a ROUTER drops silently; MANDATORY turns that into EAGAIN, answered
-        # as "busy" (workers bound their fetches by a window). A restarted worker reuses
-        # its id; HANDOVER lets it take the route over from the dead one.
-        options = {zmq.ROUTER_MANDATORY: 1, zmq.ROUTER_HANDOVER: 1}
-        affinity = ((1 << _ROUTER_IO_THREADS) - 1) << 1
-    if pinned:
-        options[zmq.AFFINITY] = affinity
-    return options
-
-
-def _sibling(endpoint: str) -> str:
-    """A PUB address next to the ROUTER's: same host with a free port, or ``.pub``."""
-    if endpoint.startswith("tcp://"):
-        host = endpoint[6:].rsplit(":", 1)[0]
-        return f"tcp://{host}:*"
-    return endpoint + ".pub"

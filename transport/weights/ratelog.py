@@ -1,9 +1,4 @@
-"""Warnings that hostile or broken peers cannot turn into a log flood.
-
-The first occurrence of each *kind* (``"bad message"``, ``"failed version"``, ...) is
-logged in full; later ones are only counted, and a summary line ("N more ... in the
-last T s") is written at most once per ``interval`` while they keep coming.
-"""
+"""Warnings that hostile or broken peers cannot turn into a log flood."""
 
 from __future__ import annotations
 
@@ -15,15 +10,8 @@ __all__ = ["RateLimitedLog"]
 
 
 class RateLimitedLog:
-    """One warning per kind, then a periodic count.
-
-    Parameters
-    ----------
-    logger:
-        Where the lines go.
-    interval:
-        Seconds between two summary lines of one kind.
-    """
+    """The first warning of each kind in full; later ones counted, and a summary line
+    at most once per ``interval`` seconds while they keep coming."""
 
     def __init__(self, logger: logging.Logger, interval: float = 30.0) -> None:
         self.logger = logger

@@ -1,5 +1,4 @@
-"""What a weight update reports: per worker, per version, per worker's last update
-(plain dataclasses, apart so that no driver imports another for a type)."""
+"""What a weight update reports: per worker, per version, per worker's last update."""
 
 from __future__ import annotations
 
@@ -12,54 +11,41 @@ __all__ = ["SubscriberInfo", "UpdateResult", "UpdateStats"]
 
 @dataclass
 class SubscriberInfo:
-    """What the publisher knows of one subscriber (from its Hellos and Acks)."""
+    """What the publisher knows of one subscriber (from its Hellos and Acks).
+
+    ``start_time`` is its process's start time as this host sees it (0: not visible
+    here), ``hello_start_time`` the one its last Hello gave; with ``pid`` they tell
+    which process it is and when it is gone. ``dtype``: the floating dtype it wants
+    (``""``: none); ``path``: the route its last answered version took (:attr:`route`).
+    """
 
     worker_id: str
     host_id: str = ""
     pid: int = 0
-    #: Its process's start time as this host sees it (0: not on this host, or its pid
-    #: is not visible here): with ``pid``, tells when that process is gone.
     start_time: int = 0
-    #: The start time its last Hello gave (with ``pid``, which process that is, even
-    #: when this host cannot see it).
     hello_start_time: int = 0
     version: int = -1
     digest: int | None = None
     last_seen: float = 0.0
     alive: bool = True
-    #: The one dtype it wants floating tensors in ("" if none declared).
     dtype: str = ""
-    #: The route its last answered version took: ``"ipc"``, ``"shm"`` or ``"tcp"``.
     path: str = ""
 
     @property
     def route(self) -> str:
-        """The route its last answered version took (the field's name is ``path``)."""
+        """The route its last answered version took: ``"ipc"``, ``"shm"`` or ``"tcp"``."""
         return self.path
 
 
 @dataclass
 class UpdateResult:
-    """Outcome of one version across workers (:meth:`transport.weights.WeightPublisher.wait`).
+    """Outcome of one version across workers (:meth:`WeightPublisher.wait`).
 
-    Attributes
-    ----------
-    version:
-        The version waited for.
-    applied:
-        Worker id -> its Ack, for every worker that applied the version.
-    failed:
-        Worker id -> why it did not (its error, or that it was lost). A failed worker
-        kept its previous weights unless its error says they are mixed (then it
-        reports version ``-1`` until a later version completes).
-    missing:
-        Expected workers that had not answered when the timeout passed.
-    elapsed_s:
-        Seconds from the announcement to the last answer (or the timeout).
-    paths:
-        Worker id -> the route its answer came by (``"ipc"``, ``"shm"`` or ``"tcp"``;
-        ``""`` when it failed before choosing one), for every worker that answered;
-        also :attr:`routes`.
+    ``applied``: worker id -> its Ack; ``failed``: worker id -> why (it kept its previous
+    weights unless the error says they are mixed); ``missing``: expected workers that
+    had not answered at the timeout; ``elapsed_s``: from the announcement to the last
+    answer; ``paths`` (also :attr:`routes`): worker id -> the route its answer came by
+    (``""`` when it failed before choosing one).
     """
 
     version: int
@@ -82,11 +68,8 @@ class UpdateResult:
 
 @dataclass
 class UpdateStats:
-    """Timings of the last update on this worker (seconds, monotonic clock).
-
-    ``buckets`` holds one dict per bucket: ``recv_s`` (from the update's start to its
-    arrival), ``verify_s`` and ``apply_s``.
-    """
+    """Timings of the last update on this worker (seconds); ``buckets`` holds per bucket
+    ``recv_s`` (from the update's start), ``verify_s`` and ``apply_s``."""
 
     version: int = -1
     via: str = ""
@@ -99,14 +82,8 @@ class UpdateStats:
 
     def flat(self) -> dict[str, float]:
         """A flat ``str -> float`` form for the Ack."""
-        out = {
-            "bytes": float(self.bytes),
-            "fetch_s": self.fetch_s,
-            "verify_s": self.verify_s,
-            "apply_s": self.apply_s,
-            "total_s": self.total_s,
-        }
+        keys = ("fetch_s", "verify_s", "apply_s", "total_s")
+        out = {"bytes": float(self.bytes), **{k: getattr(self, k) for k in keys}}
         for i, b in enumerate(self.buckets):
-            for k, v in b.items():
-                out[f"b{i}_{k}"] = v
+            out.update({f"b{i}_{k}": v for k, v in b.items()})
         return out

@@ -5,7 +5,7 @@ a wake-up pair (``zmq.Poller``): it answers Hellos, Fetches (zero-copy frames, t
 link, or "ready" notices for same-host workers) and Acks, announces versions, sends
 heartbeats, and packs a version step by step in between; the decisions are
 :class:`~transport.weights.core.publisher.PublisherCore`'s. The data link's writers run
-on threads of their own; ``publish`` hands versions over under the shared lock.
+on threads of their own; ``publish`` hands versions over under the store's lock.
 """
 
 from __future__ import annotations
@@ -13,11 +13,14 @@ from __future__ import annotations
 import contextlib
 import errno
 import logging
+import secrets
+import socket
 import threading
 import time
 from collections.abc import Iterator
 from typing import Any, Union
 
+import msgspec
 import zmq
 
 import fastio
@@ -35,21 +38,11 @@ from fastio.weight_msgs import (
 )
 from transport import metrics
 from transport.sockets import make_pair
-from transport.weights.buffers import VersionStore
 from transport.weights.config import PublisherConfig
-from transport.weights.core.publisher import PublisherCore
 from transport.weights.ratelog import RateLimitedLog
-from transport.weights.routes import shm as _shm
+from transport.weights.routes import tcp
 from transport.weights.routes.ipc import IpcOffering
-from transport.weights.routes.tcp import (
-    PIECE,
-    PIECE_MAGIC,
-    DataListener,
-    DataSender,
-    Sent,
-    worker_token,
-)
-from transport.weights.staging import Send, Staged, pack_steps
+from transport.weights.staging import Send, Staged, VersionStore, pack_steps
 
 __all__ = ["SHM_NOTICE_BYTES", "Serving"]
 
@@ -64,44 +57,45 @@ _FROM_SUBSCRIBER = Union[SUBSCRIBER_TO_PUBLISHER, IpcHello, IpcAck]  # noqa: UP0
 
 
 class Serving:
-    """The serving loop of a :class:`~transport.weights.WeightPublisher` (see the
-    module docstring): its parts, its lock (shared with ``publish``), its bound ROUTER
-    and PUB, the shm probe (``None``: no shm route) and the data link's listener,
-    secret and senders (``None``: no link)."""
+    """The serving loop of a :class:`~transport.weights.WeightPublisher` over its parts:
+    the versions (``store``, with the protocol core and the lock shared with
+    ``publish``), the ``ipc`` route, the bound ROUTER and PUB, and ``welcome``, the
+    Welcome every Hello gets. ``link``: serve TCP workers' bytes on the data link (its
+    listener and senders are this loop's)."""
 
     def __init__(
         self,
         config: PublisherConfig,
-        core: PublisherCore,
         store: VersionStore,
         ipc: IpcOffering,
-        cond: threading.Condition,
-        *,
         router: zmq.Socket[Any],
         pub: zmq.Socket[Any],
-        zctx: zmq.Context[Any],
-        publisher_id: str,
-        host_id: str,
-        probe: _shm.Probe | None,
-        listener: DataListener | None,
-        data_token: bytes,
-        senders: dict[str, DataSender],
+        welcome: WeightWelcome,
+        *,
+        link: bool = False,
     ) -> None:
         self.config = config
-        self.core = core
+        self.core = store.core
         self.store = store
         self.ipc = ipc
-        self.cond = cond
+        self.cond = store.cond
         self.router = router
         self.pub = pub
-        self.publisher_id = publisher_id
-        self.host_id = host_id
-        self.pub_endpoint: str = pub.getsockopt_string(zmq.LAST_ENDPOINT)
-        self.probe = probe
-        self.listener = listener
-        self.data_token = data_token
-        self.senders = senders
-        self._wake_r, self._wake_w = make_pair(zctx, f"inproc://fastio-weights-wake-{publisher_id}")
+        self.senders: dict[str, tcp.DataSender] = {}
+        self.listener: tcp.DataListener | None = None
+        self.data_token = secrets.token_bytes(16) if link else b""
+        if link:
+            endpoint = router.getsockopt_string(zmq.LAST_ENDPOINT)
+            try:
+                self.listener = tcp.DataListener(
+                    endpoint, self.data_token, self._admit_link, config.data_port
+                )
+                welcome = msgspec.structs.replace(welcome, data_port=self.listener.port)
+            except OSError as exc:
+                log.warning("no data link (%s); TCP workers get ZeroMQ frames", exc)
+        self.welcome = welcome
+        wake = f"inproc://fastio-weights-wake-{welcome.publisher_id}"
+        self._wake_r, self._wake_w = make_pair(router.context, wake)
         self._wake_lock = threading.Lock()
         # Weight messages carry no token arrays: version 1, which every release reads.
         self.encoder = VERSION_1
@@ -119,14 +113,41 @@ class Serving:
         with self._wake_lock, contextlib.suppress(zmq.ZMQError):
             self._wake_w.send(b"", zmq.NOBLOCK)
 
-    def close_sockets(self) -> None:
+    def close(self) -> None:
+        """Close the data link and the sockets (the loop has stopped)."""
+        if self.listener is not None:
+            self.listener.close()
+        with self.cond:
+            senders = list(self.senders.values())
+        for sender in senders:
+            sender.close()
+            sender.join(5.0)
         for sock in (self.router, self.pub, self._wake_r, self._wake_w):
             sock.close(linger=0)
+
+    def _admit_link(self, worker_id: str, sock: socket.socket) -> bool:
+        """A worker's data link, token checked (the listener's thread)."""
+        with self.cond:
+            if self.closed:
+                return False
+            old = self.senders.pop(worker_id, None)
+            self.senders[worker_id] = tcp.DataSender(
+                sock, worker_id, self.config.worker_timeout, self._link_closed, first=b"\x01"
+            )
+            self.core.count("data_links")
+        if old is not None:
+            old.close()  # a restarted worker's: its replacement has the id now
+        return True
+
+    def _link_closed(self, sender: tcp.DataSender) -> None:
+        with self.cond:
+            if self.senders.get(sender.worker_id) is sender:
+                del self.senders[sender.worker_id]
 
     # -- serving thread ----------------------------------------------------------------
     def stage_late(self, st: Staged) -> bool:
         """Stage a version published only to ``ipc`` workers, from the ipc slots, while
-        they still hold it (serving thread). False when they no longer do."""
+        they still hold it; False when they no longer do."""
         assert st.announce is not None
         with self.cond:
             if not st.unstaged:
@@ -136,21 +157,13 @@ class Serving:
             if exp is None or src is None:
                 return False
             exp.snapshot_reads += 1
-        total = st.announce.total_bytes
         try:
-            fresh = self.store.acquire(st.version, total)
+            fresh = self.store.acquire(st.version, st.announce.total_bytes)
         except BaseException:
             with self.cond:
                 exp.snapshot_reads -= 1
             raise
-        job = pack_steps(
-            st,
-            st.announce.buckets,
-            src,
-            checksum_algo=self.config.checksum,
-            chunk_bytes=self.config.chunk_bytes,
-            cond=self.cond,
-        )
+        job = pack_steps(st, src, self.config.chunk_bytes, self.cond)
 
         def reading() -> Iterator[None]:
             try:
@@ -181,16 +194,13 @@ class Serving:
                 next_hb = now + self.config.heartbeat_interval
             packing = self._pack_step()
             try:
-                wait_ms = 0 if packing else int(max(0.0, next_hb - now) * 1000) + 1
-                events = dict(poller.poll(wait_ms))
+                events = dict(poller.poll(0 if packing else int((next_hb - now) * 1000) + 1))
             except zmq.ZMQError:
                 break
             if self._wake_r in events:
-                while True:
-                    try:
+                with contextlib.suppress(zmq.Again):
+                    while True:
                         self._wake_r.recv(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
                 with self.cond:
                     if self.closed:
                         return
@@ -204,35 +214,33 @@ class Serving:
                 for st in pending:
                     self._announce(st)
                 self._advance_all()
-            if self.router in events:
-                for _ in range(256):  # bounded, so heartbeats keep their rhythm
-                    try:
-                        frames = self.router.recv_multipart(zmq.NOBLOCK, copy=False)
-                    except zmq.Again:
-                        break
-                    try:
-                        self._handle(frames)
-                    except Exception:  # one bad request must not stop the service
-                        self.core.count("internal_errors")
-                        log.exception("weight publisher: error serving a request")
+            for _ in range(256 if self.router in events else 0):  # heartbeats keep rhythm
+                try:
+                    frames = self.router.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                try:
+                    self._handle(frames)
+                except Exception:  # one bad request must not stop the service
+                    self.core.count("internal_errors")
+                    log.exception("weight publisher: error serving a request")
 
     def _pack_step(self) -> bool:
         """Run one step of the version being packed; False when none is."""
-        st = self.store.latest
+        with self.cond:  # the latest, or an older version staged late
+            jobs = [v for v in self.store.versions.values() if v.job is not None]
+            latest = self.store.latest
+            st = latest if latest is not None and latest.job is not None else next(iter(jobs), None)
         if st is None or st.job is None:
-            with self.cond:  # an older version staged late (from the ipc slots)
-                st = next((v for v in self.store.versions.values() if v.job is not None), None)
-            if st is None or st.job is None:
-                return False
+            return False
+        done = True
         try:
             next(st.job)
+            done = False
         except StopIteration:
-            done = True
+            pass
         except Exception as exc:  # reported to the publish() caller
             st.error = exc
-            done = True
-        else:
-            done = False
         if done:
             with self.cond:
                 st.job = None
@@ -251,8 +259,7 @@ class Serving:
             self.cond.notify_all()
         frames = self.encoder.encode(st.announce)
         self.pub.send_multipart(frames, copy=False)
-        # Also straight to every known worker over the ROUTER: a SUB that has just
-        # connected misses PUB messages (the slow joiner).
+        # Also to every known worker over the ROUTER: a SUB just connected misses PUB.
         for w in sorted(st.ledger.expected):
             self.reply(w.encode(), frames)
 
@@ -264,17 +271,18 @@ class Serving:
 
     def _heartbeat(self, now: float) -> None:
         with self.cond:
-            # An ipc worker whose process is gone has its slots released now.
-            gone = self.ipc.reap()
+            gone = self.ipc.reap()  # an ipc worker whose process is gone frees its slots
             for w, reason in self.core.tick(now, gone):
                 log.warning("weight subscriber %s %s", w, reason)
             latest = self.store.latest.version if self.store.latest else -1
             self.store.retire()
             self.cond.notify_all()
-        hb = WeightHeartbeat(self.publisher_id, self.seq, latest)
+        hb = WeightHeartbeat(self.welcome.publisher_id, self.seq, latest)
         self.pub.send_multipart(self.encoder.encode(hb), copy=False)
 
     def reply(self, ident: bytes, frames: list[Any], track: bool = False) -> Any:
+        """Send to one worker without blocking: its tracker (``track``) or True; None or
+        False when it was not queued (counted)."""
         try:
             tracker = self.router.send_multipart(
                 [ident, *frames], zmq.NOBLOCK, copy=False, track=track
@@ -296,8 +304,7 @@ class Serving:
         except fastio.DecodeError as exc:
             self.core.count("bad_messages")
             self._rlog.warning("bad message", "bad message from weight subscriber %r: %s", wid, exc)
-            err = WeightError(-1, -1, f"bad message: {exc}")
-            self.reply(ident, self.encoder.encode(err))
+            self.reply(ident, self.encoder.encode(WeightError(-1, -1, f"bad message: {exc}")))
             return
         now = time.monotonic()
         if isinstance(msg, (IpcHello, IpcAck)):
@@ -320,23 +327,16 @@ class Serving:
                 self.core.touch(wid, now)
             self.cond.notify_all()
         if isinstance(msg, WeightHello):
-            announce = None
-            if behind is not None:
-                # A worker behind a version that went to ipc workers only: stage it
-                # now, so that the snapshot names its segment.
-                if not self.ipc.reader(wid):
-                    self.stage_late(behind)
-                announce = behind.announce
-            welcome = WeightWelcome(
-                self.publisher_id,
-                self.host_id,
-                self.pub_endpoint,
-                self.seq,
-                self.probe.name if self.probe else "",
-                self.probe.token if self.probe else "",
-                announce,
-                self.listener.port if self.listener is not None else 0,
-                worker_token(self.data_token, wid) if self.listener is not None else b"",
+            # A worker behind a version that went to ipc workers only: staged now, so
+            # that the snapshot names its segment.
+            if behind is not None and not self.ipc.reader(wid):
+                self.stage_late(behind)
+            token = tcp.worker_token(self.data_token, wid) if self.listener is not None else b""
+            welcome = msgspec.structs.replace(
+                self.welcome,
+                seq=self.seq,
+                announce=behind.announce if behind else None,
+                data_token=token,
             )
             self.reply(ident, self.encoder.encode(welcome))
         elif isinstance(msg, WeightFetch):
@@ -348,27 +348,27 @@ class Serving:
         with self.cond:
             st = self.store.versions.get(msg.version)
             latest = self.store.latest.version if self.store.latest else -1
+        why = f"version {msg.version} is not available (latest is {latest})"
         if st is None or st.announce is None:
-            why = f"version {msg.version} is not available (latest is {latest})"
             return self._refuse(ident, msg, why, latest)
         if st.unstaged and not self.stage_late(st):
             if st.ipc_packing:
                 # The slots do not hold it whole yet: answered once they do (the
                 # publishing thread wakes this one), not at the worker's next Fetch.
                 self.core.count("fetches_deferred")
+                key = (wid, msg.version, msg.index)
                 with self.cond:
                     self.parked = [
-                        p
-                        for p in self.parked
-                        if (p[1], p[2].version, p[2].index) != (wid, msg.version, msg.index)
+                        p for p in self.parked if (p[1], p[2].version, p[2].index) != key
                     ]
                     self.parked.append((ident, wid, msg))
                 return
             why = f"version {msg.version} is no longer held (latest is {latest})"
             return self._refuse(ident, msg, why, latest)
         if not 0 <= msg.index < len(st.announce.buckets):
-            why = f"no bucket {msg.index} in version {msg.version}"
-            return self._refuse(ident, msg, why, latest)
+            return self._refuse(
+                ident, msg, f"no bucket {msg.index} in version {msg.version}", latest
+            )
         if msg.shm and st.seg is None:
             return self._refuse(ident, msg, "no shared memory for this version", -1)
         snd = Send(ident, msg)
@@ -377,16 +377,14 @@ class Serving:
             # version may have been retired (its segment recycled) since the look-up.
             held = self.store.versions.get(msg.version) is st and not (msg.shm and st.seg is None)
             if held:
-                # A Fetch asked again (a timeout, a broken link) ends the earlier answer
-                # of that bucket to that worker: two streams of one bucket would mix.
+                # A Fetch asked again ends the earlier answer of that bucket to that
+                # worker: two streams of one bucket would mix.
                 for old in st.active:
                     if old.wid == snd.wid and old.fetch.index == msg.index:
                         old.cancelled = True
                 st.active = [a for a in st.active if not a.cancelled]
                 st.active.append(snd)
-                if msg.shm:
-                    # It reads the segment from the first notice until it answers: the
-                    # segment is not packed again before (the buffer rule).
+                if msg.shm:  # it reads the segment until it answers (the buffer rule)
                     st.ledger.readers.add(self.core.reader(wid, msg))
         if not held:
             return self._refuse(ident, msg, f"version {msg.version} is no longer held", latest)
@@ -395,21 +393,16 @@ class Serving:
     def _refuse(self, ident: bytes, msg: WeightFetch, reason: str, latest: int) -> None:
         self.reply(ident, self.encoder.encode(WeightError(msg.version, msg.index, reason, latest)))
 
-    def _link_send(self, snd: Send, msg: WeightBucket) -> Sent | None:
+    def _link_send(self, snd: Send, msg: WeightBucket) -> tcp.Sent | None:
         """Queue ``msg`` (one chunk) on the worker's data link; None without one."""
         with self.cond:
             sender = self.senders.get(snd.wid)
         if sender is None:
             return None
         (chunk,) = msg.chunks
-        head = PIECE.pack(
-            PIECE_MAGIC,
-            msg.version,
-            msg.index,
-            msg.offset,
-            memoryview(chunk).nbytes,
-            msg.checksum,
-            msg.last,
+        n = memoryview(chunk).nbytes
+        head = tcp.PIECE.pack(
+            tcp.PIECE_MAGIC, msg.version, msg.index, msg.offset, n, msg.checksum, msg.last
         )
         sent = sender.send(head, chunk)
         if sent is not None:
@@ -417,12 +410,9 @@ class Serving:
         return sent
 
     def _advance(self, st: Staged, snd: Send) -> None:
-        """Send what is packed of the bucket ``snd`` asks for, from where it stopped.
-
-        Over TCP, chunks of ``chunk_bytes`` (the bytes, zero-copy from the buffer); for
-        a same-host worker, notices "bytes [offset, offset+nbytes) are ready" that it
-        hashes in shared memory as they come. The last chunk carries the checksum.
-        """
+        """Send what is packed of the bucket ``snd`` asks for, from where it stopped: TCP
+        chunks (zero-copy from the buffer) or, same host, "bytes ready" notices; the last
+        carries the checksum."""
         assert st.announce is not None
         if snd.cancelled:
             return
@@ -435,14 +425,11 @@ class Serving:
         v, k = snd.fetch.version, snd.fetch.index
         while True:
             start = snd.cursor
-            if snd.shm:
-                end = ready
-                if not complete and end - start < max(step, SHM_NOTICE_BYTES):
-                    break
-            else:
-                end = min(start + step, info.nbytes)
-                if end > ready:
-                    break
+            end = ready if snd.shm else min(start + step, info.nbytes)
+            if snd.shm and not complete and end - start < max(step, SHM_NOTICE_BYTES):
+                break
+            if end > ready:
+                break
             last = complete and end == info.nbytes
             if end == start and not last:
                 break
@@ -451,9 +438,9 @@ class Serving:
                 ok = self.reply(snd.ident, self.encoder.encode(msg)) is not False
             else:
                 chunk = st.view()[info.shm_offset + start : info.shm_offset + end]
+                msg = WeightBucket(v, k, start, checksum if last else 0, last, [chunk])
                 tracker = None
                 if snd.fetch.data and snd.linked is not False:
-                    msg = WeightBucket(v, k, start, checksum if last else 0, last, [chunk])
                     tracker = self._link_send(snd, msg)
                     if tracker is None and snd.linked:
                         # The link closed mid-bucket: this answer ends here (the worker
@@ -465,16 +452,14 @@ class Serving:
                         return
                     snd.linked = tracker is not None
                 if tracker is None:  # no data link: ZeroMQ frames
-                    msg = WeightBucket(v, k, start, checksum if last else 0, last, [chunk])
                     tracker = self.reply(snd.ident, self.encoder.encode(msg), track=True)
                 ok = tracker is not None
                 if ok:
                     with self.cond:
                         st.trackers.append(tracker)
-            if not ok:
-                # Not queued (HWM or peer gone): the worker's fetch times out and it asks
-                # again; the chunks it got are discarded there as incomplete.
-                last = True
+            # Not queued (HWM or peer gone): the worker's fetch times out and it asks
+            # again; the chunks it got are discarded there as incomplete.
+            last = last or not ok
             snd.cursor = end
             if last:
                 with self.cond:

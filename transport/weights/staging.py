@@ -1,14 +1,15 @@
-"""A version on the trainer side: its layout, its buffer, and the packing into it.
+"""Versions on the trainer side: layout, buffer, packing, and the store of them.
 
-:func:`plan_version` lays a state dict out in buckets, in the dtypes the version travels
-in; :class:`Staged` is one version's buffer (a fresh shared-memory segment, or private
-memory) with its manifest and bookkeeping; :func:`pack_steps` packs and hashes the
-buckets in steps that the publisher's serving thread interleaves with its sends.
+:class:`VersionStore` keeps the buffer rule (``docs/PROTOCOL.md``): a segment is packed
+again only when no process may still read it, free segments wait in a pool of at most
+``keep_versions``, and a private buffer is reused once no zero-copy send reads it.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -27,24 +28,22 @@ from transport.weights.bucket import (
     dtype_name,
     plan_buckets,
 )
-from transport.weights.core.publisher import VersionLedger
+from transport.weights.core.publisher import PublisherCore, VersionLedger
 from transport.weights.routes import shm as _shm
 from transport.weights.routes.tcp import Sent
 from transport.weights.streaming import BLOCK
 
-__all__ = ["BLOCK", "Send", "Staged", "pack_steps", "plan_version"]
+__all__ = ["Send", "Staged", "VersionStore", "pack_steps", "plan_version"]
+
+log = logging.getLogger("transport.weights.publisher")
 
 
 def plan_version(
     tensors: Mapping[str, torch.Tensor], wanted: set[str], bucket_bytes: int
 ) -> list[WeightBucketInfo]:
-    """The buckets of a version, in the dtypes it travels in.
-
-    ``wanted`` holds the dtype each live worker asked for in its Hello (``""``: none).
-    When every live worker asked for the same floating dtype and it is narrower
-    than a tensor's, the tensor is cast here while packing (fewer bytes to move);
-    otherwise it travels as it is and each worker casts during its copy.
-    """
+    """The buckets of a version, in the dtypes it travels in: when every live worker
+    asked for the same floating dtype (``wanted``, from their Hellos; ``""``: none) and
+    it is narrower than a tensor's, the tensor is cast while packing."""
     cast = parse_dtype(wanted.pop()) if len(wanted) == 1 and "" not in wanted else None
     wire: dict[str, torch.dtype] = {}
     for n, t in tensors.items():
@@ -64,7 +63,9 @@ def plan_version(
 
 
 class Send:
-    """One Fetch being answered: where the next chunk starts."""
+    """One Fetch being answered: where the next chunk starts; over TCP, whether it took
+    the data link (``linked``, fixed at its first chunk: a bucket never comes on both);
+    whether a later Fetch of the same bucket superseded it (``cancelled``)."""
 
     __slots__ = ("cancelled", "cursor", "fetch", "ident", "linked", "shm", "wid")
 
@@ -74,10 +75,7 @@ class Send:
         self.fetch = fetch
         self.shm = fetch.shm
         self.cursor = 0
-        #: Over TCP, the channel this answer took at its first chunk (the data link or
-        #: ZeroMQ frames; ``None`` before): one bucket never comes on both.
         self.linked: bool | None = None
-        #: Superseded by a later Fetch of the same bucket from the same worker.
         self.cancelled = False
 
 
@@ -91,33 +89,23 @@ class Staged:
         self._view: np.ndarray[Any, Any] | None = None
         self._view_of: torch.Tensor | None = None
         self.announce: WeightAnnounce | None = None
-        #: Who must answer this version and who may still read its buffer (the core's).
-        self.ledger = VersionLedger(version)
+        self.ledger = VersionLedger(version)  # who must answer, who may still read
         #: Sends that may still read the buffer: ZeroMQ trackers, data-link chunks.
         self.trackers: list[zmq.MessageTracker | Sent] = []
-        #: Bytes of the buffer packed so far (buckets are packed in order).
-        self.packed = 0
-        #: Buckets packed completely, their checksum known.
-        self.buckets_done = 0
-        #: Fetches being answered, chunk by chunk as packing progresses.
-        self.active: list[Send] = []
-        #: The packing still to do (run by the serving thread), and its failure.
-        self.job: Iterator[None] | None = None
-        #: Published to ``ipc`` workers only: no buffer yet (staged on first need).
-        self.unstaged = False
-        #: Being packed into the ipc slots (which become its snapshot once done).
-        self.ipc_packing = False
+        self.packed = 0  # bytes packed so far
+        self.buckets_done = 0  # buckets packed, their checksum known
+        self.active: list[Send] = []  # Fetches being answered as packing progresses
+        self.job: Iterator[None] | None = None  # the packing still to do
         self.error: BaseException | None = None
+        #: Published to ``ipc`` workers only: no buffer until one is needed.
+        self.unstaged = False
+        self.ipc_packing = False  # being packed into the ipc slots
 
     def view(self) -> np.ndarray[Any, Any]:
-        """The buffer as a numpy array (cheaper to slice per chunk sent than a tensor)."""
+        """The buffer as a numpy array (cheaper to slice per chunk than a tensor)."""
         if self._view is None or self._view_of is not self.buf:
             self._view, self._view_of = self.buf.numpy(), self.buf
         return self._view
-
-    @property
-    def capacity(self) -> int:
-        return int(self.buf.numel())
 
     def sends_done(self) -> bool:
         self.trackers = [t for t in self.trackers if not t.done]
@@ -132,28 +120,17 @@ class Staged:
 
 
 def pack_steps(
-    st: Staged,
-    plan: list[WeightBucketInfo],
-    tensors: Mapping[str, torch.Tensor],
-    *,
-    checksum_algo: str,
-    chunk_bytes: int,
-    cond: threading.Condition,
+    st: Staged, tensors: Mapping[str, torch.Tensor], chunk_bytes: int, cond: threading.Condition
 ) -> Iterator[None]:
-    """Pack and hash bucket after bucket, block by block (each block of a tensor is
-    hashed, then copied while still in cache), yielding to the serving loop after every
-    ``chunk_bytes`` of progress.
-
-    The loop works on numpy views made once per tensor: slicing a torch tensor costs a
-    few microseconds, which over the thousands of blocks of a GiB added tens of ms.
-    """
-    block = BLOCK
+    """Pack and hash the buckets of ``st.announce`` block by block (each block hashed,
+    then copied while in cache), yielding to the serving loop every ``chunk_bytes``."""
+    assert st.announce is not None
     told = 0
-    for info in plan:
+    for info in st.announce.buckets:
         base = info.shm_offset
         bucket = st.buf[base : base + info.nbytes]
-        bnp = bucket.numpy()
-        h = Hasher(checksum_algo)
+        bnp = bucket.numpy()  # numpy views: cheaper to slice per block than tensors
+        h = Hasher(st.announce.checksum_algo)
         cur = 0  # bytes of this bucket hashed so far
         for e in info.tensors:
             if e.offset > cur:
@@ -166,12 +143,9 @@ def pack_steps(
             if t.device.type == "cpu" and t.is_contiguous():
                 src = _flat_bytes(t).numpy()
                 off = e.offset
-                for a in range(0, e.nbytes, block):
-                    b = min(a + block, e.nbytes)
-                    # Hash the source block, then copy it from cache: the destination
-                    # is only written (with non-temporal stores where glibc's
-                    # threshold allows), never read back.
-                    h.update(src[a:b])
+                for a in range(0, e.nbytes, BLOCK):
+                    b = min(a + BLOCK, e.nbytes)
+                    h.update(src[a:b])  # then copied from cache, the destination never read
                     np.copyto(bnp[off + a : off + b], src[a:b])
                     cur = off + b
                     if base + cur - told >= chunk_bytes:
@@ -181,8 +155,8 @@ def pack_steps(
                         yield
             else:  # device or strided tensors: one copy, then hash the region
                 copy_tensor(bucket[e.offset : e.offset + e.nbytes], t)
-                for a in range(cur, e.offset + e.nbytes, block):
-                    h.update(bnp[a : min(a + block, e.offset + e.nbytes)])
+                for a in range(cur, e.offset + e.nbytes, BLOCK):
+                    h.update(bnp[a : min(a + BLOCK, e.offset + e.nbytes)])
                 cur = e.offset + e.nbytes
         if info.nbytes > cur:
             bnp[cur:] = 0
@@ -192,3 +166,114 @@ def pack_steps(
             told = st.packed = base + info.nbytes
             st.buckets_done = info.index + 1
         yield
+
+
+class VersionStore:
+    """The staged versions by number, the latest, and the pool of free segments (used
+    under ``cond``, the publisher's lock, by the serving thread and ``publish``)."""
+
+    def __init__(
+        self, core: PublisherCore, cond: threading.Condition, use_shm: bool, keep_versions: int
+    ) -> None:
+        self.core = core
+        self.cond = cond
+        self.use_shm = use_shm
+        self.keep_versions = keep_versions
+        self.versions: dict[int, Staged] = {}
+        self.latest: Staged | None = None
+        self.closed = False
+        self._free: list[_shm.ShmSegment] = []
+
+    def add(self, st: Staged) -> None:
+        """``st`` was announced: the latest version."""
+        self.versions[st.version] = st
+        self.latest = st
+
+    def acquire(self, version: int, total: int) -> Staged:
+        """A buffer for a new version: a free or reusable one of the right size, else a
+        new one (takes the lock; a new segment is made outside it)."""
+        with self.cond:
+            seg = self._take_free(total)
+            for v, st in sorted(self.versions.items()):
+                if seg is not None:
+                    break
+                if st is self.latest or not st.sends_done() or st.active:
+                    continue
+                if not st.ledger.answered():
+                    continue
+                if st.seg is None and st.buf.numel() >= total:
+                    self.forget(v)
+                    buf = st.buf
+                    st.take_segment()
+                    self.core.count("buffers_reused")
+                    return Staged(version, buf, None)
+                if st.seg is not None and self.core.readers_done(st.ledger):
+                    self.forget(v)
+                    self._recycle(st)
+                    seg = self._take_free(total)
+        if seg is not None:
+            self.core.count("buffers_reused")
+            return Staged(version, seg.tensor[:total], seg)
+        if self.use_shm:
+            try:
+                seg = _shm.ShmSegment.create(total)
+            except OSError as exc:
+                log.warning(
+                    "cannot stage %d bytes in /dev/shm (%s); using private memory", total, exc
+                )
+        self.core.count("buffers_created")
+        if seg is not None:
+            return Staged(version, seg.tensor, seg)
+        return Staged(version, torch.empty(total, dtype=torch.uint8), None)
+
+    def _take_free(self, total: int) -> _shm.ShmSegment | None:
+        """A pooled segment that fits ``total`` without wasting more than half."""
+        for i, seg in enumerate(self._free):
+            if total <= seg.size <= 2 * total or (total == 0 and seg.size == 0):
+                return self._free.pop(i)
+        return None
+
+    def forget(self, version: int) -> None:
+        """Drop a version from the store and the core (lock held)."""
+        del self.versions[version]
+        self.core.drop(version, time.monotonic())
+
+    def _recycle(self, st: Staged) -> None:
+        """Take ``st``'s buffer away: a segment no one may read goes to the pool, any
+        other is unlinked, never rewritten (lock held)."""
+        reusable = self.core.readers_done(st.ledger)
+        seg = st.take_segment()
+        if seg is None:
+            return
+        if reusable and not self.closed and len(self._free) < self.keep_versions:
+            self._free.append(seg)
+            return
+        if not reusable:
+            self.core.count("segments_abandoned")
+        seg.close()
+
+    def close(self) -> None:
+        """Free every buffer (the publisher is closing; lock held)."""
+        self.closed = True
+        for st in self.versions.values():
+            seg = st.take_segment()
+            if seg is not None:
+                seg.close()
+        for seg in self._free:
+            seg.close()
+        self.versions.clear()
+        self.core.versions.clear()
+        self._free.clear()
+        self.latest = None
+
+    def retire(self) -> None:
+        """Free buffers of old versions that no one can still need (lock held)."""
+        excess = len(self.versions) - self.keep_versions
+        for v in sorted(self.versions):
+            st = self.versions[v]
+            if excess <= 0:
+                break
+            if st is not self.latest and st.sends_done() and st.ledger.answered():
+                self._recycle(st)
+                self.forget(v)
+                excess -= 1

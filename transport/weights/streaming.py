@@ -1,11 +1,9 @@
 """Verify-and-copy in one pass (``atomic=False``): a bucket hashed and applied block by
-block as it comes, each 256 KiB block copied into the live parameters while in cache.
+block as it comes, each block copied into the live parameters while in cache.
 
 :class:`BucketStream` does it for the *plain* tensors of one bucket (CPU, contiguous,
-the dtype they travel in); the others (casts, CUDA targets, strided views) need their
-bytes whole and go to :class:`~transport.weights.bucket.BucketApplier` once the bucket
-verified. The weights are mixed from the first write until the version ends (the
-subscriber's lock is held meanwhile; see :mod:`transport.weights.subscriber`).
+the dtype they travel in); the others need their bytes whole and go to
+:class:`~transport.weights.bucket.BucketApplier` once the bucket verified.
 """
 
 from __future__ import annotations
@@ -13,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import msgspec
 import numpy as np
 import torch
 
@@ -25,34 +24,12 @@ __all__ = ["BLOCK", "BucketStream"]
 BLOCK = 256 << 10
 
 
-def _plain(dst: torch.Tensor, e: WeightTensor) -> bool:
-    return dst.device.type == "cpu" and dst.is_contiguous() and dtype_name(dst.dtype) == e.dtype
-
-
 class BucketStream:
-    """One bucket's bytes, fed in order: hashed and copied into the plain targets.
-
-    Parameters
-    ----------
-    info:
-        The bucket (its tensors' offsets within it).
-    targets:
-        Name -> live tensor.
-    dests:
-        Travelling name -> the target names it goes to (see
-        :class:`~transport.weights.binding.Binding`); a target reached twice (tied on
-        this side) is written once.
-    algo:
-        The checksum algorithm of the version.
-
-    Attributes
-    ----------
-    rest:
-        The tensors of the bucket that are not plain: apply them from the complete
-        bucket (:meth:`rest_info`).
-    size:
-        Bytes fed so far.
-    """
+    """One bucket's bytes (``info``), fed in order: hashed with ``algo`` and copied into
+    the plain ones of ``targets`` (name -> live tensor; ``dests``: travelling name ->
+    target names, see :class:`~transport.weights.binding.Binding`; a target reached
+    twice is written once). ``rest``: the tensors that are not plain, to apply from
+    the complete bucket (:meth:`rest_info`); ``size``: bytes fed so far."""
 
     __slots__ = ("_k", "_spans", "hasher", "info", "rest", "size")
 
@@ -85,7 +62,11 @@ class BucketStream:
                 if key in seen:
                     continue
                 seen.add(key)
-                if _plain(dst, e):
+                if (
+                    dst.device.type == "cpu"
+                    and dst.is_contiguous()
+                    and dtype_name(dst.dtype) == e.dtype
+                ):
                     outs.append(_flat_bytes(dst).numpy())
                 else:
                     other = True
@@ -95,10 +76,7 @@ class BucketStream:
                 self.rest.append(e)
 
     def rest_info(self) -> WeightBucketInfo:
-        """The bucket restricted to :attr:`rest` (for ``BucketApplier.apply``, whose
-        plain targets this stream wrote already: only the others are left)."""
-        import msgspec
-
+        """The bucket restricted to :attr:`rest` (for ``BucketApplier.apply``)."""
         return msgspec.structs.replace(self.info, tensors=self.rest)
 
     def feed(self, data: np.ndarray[Any, Any]) -> None:
@@ -115,10 +93,9 @@ class BucketStream:
         self, n: int, fill: Callable[[np.ndarray[Any, Any]], None], scratch: np.ndarray[Any, Any]
     ) -> None:
         """Bytes ``[size, size + n)`` of the bucket, received by ``fill`` (which fills
-        the array it is given, e.g. from a socket): a block inside one plain tensor is
-        received straight into it and hashed there while in cache; anything else
-        (padding, a tensor written to twice) lands in ``scratch`` (at least
-        :data:`BLOCK` bytes) and goes through :meth:`feed`."""
+        the array it is given): a block inside one plain tensor straight into it, the
+        rest (padding, a tensor written twice) into ``scratch`` (at least :data:`BLOCK`
+        bytes) and through :meth:`feed`."""
         end = self.size + n
         spans = self._spans
         while self.size < end:

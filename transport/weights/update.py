@@ -1,11 +1,11 @@
 """The weight update as the training loop sees it, on top of the fabric.
 
-Trainer side: :func:`update_weights` pauses every generation worker, publishes, waits
-until every worker applied the version and resumes. Worker side: the plugin
-(``--plugin transport.weights.update:subscribe``) or :func:`attach_subscriber`, a
+Trainer side: :func:`update_weights` pauses the generation workers, publishes, waits
+for every worker and resumes. Worker side: the plugin (``--plugin
+transport.weights.update:subscribe``) or :func:`attach_subscriber`, a
 :class:`WeightSubscriber` whose copies run only while the worker is paused. Loop model:
-the subscriber's thread enters the pause lock and waits on the worker's event loop
-(``run_coroutine_threadsafe``); the pause lease runs on that loop.
+the subscriber's thread enters the pause lock and waits on the worker's event loop; the
+pause lease runs on that loop.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 import msgspec
 from msgspec import Meta
@@ -25,6 +25,7 @@ from msgspec import Meta
 from fastio.weight_msgs import WeightAck  # noqa: F401  (names FabricUpdateResult's inherited fields)
 from transport.errors import ControlError, ResumeRefused
 from transport.options import parse_options, resolve_entry
+from transport.weights.config import Route
 from transport.weights.core.subscriber import PauseLease
 from transport.weights.errors import UpdateIncomplete, WeightUpdateError
 from transport.weights.publisher import WeightPublisher
@@ -47,17 +48,10 @@ log = logging.getLogger("transport.weights.update")
 
 @dataclass
 class FabricUpdateResult(UpdateResult):
-    """:class:`UpdateResult` of :func:`update_weights`, plus what the fabric reported.
-
-    Workers that could not be paused (``strict=False``) are in ``failed`` under their
-    address; workers that acknowledged the version but report an older one after the
-    resume are moved from ``applied`` to ``failed``.
-
-    Attributes
-    ----------
-    resume_failed:
-        Worker address -> why it did not confirm the resume (it may still be paused).
-    """
+    """:class:`UpdateResult` of :func:`update_weights`: workers that could not be paused
+    (``strict=False``), or that report an older version after the resume, are in
+    ``failed``; ``resume_failed``: worker address -> why it did not confirm the resume
+    (it may still be paused)."""
 
     resume_failed: dict[str, str] = field(default_factory=dict)
 
@@ -79,40 +73,19 @@ def update_weights(
 ) -> FabricUpdateResult:
     """Pause generation, publish ``state`` as ``version``, await every worker, resume.
 
-    Parameters
-    ----------
-    controller:
-        A :class:`transport.FabricController` over the generation workers.
-    publisher:
-        The :class:`WeightPublisher` the workers' subscribers follow.
-    state:
-        Module, state dict or ``(name, tensor)`` pairs.
-    version:
-        The new version (greater than the last one).
-    timeout:
-        Seconds for the pause, for the workers to apply the version, and for the resume.
-    workers:
-        Weight-subscriber ids to wait for (default: the worker id of every worker the
-        controller paused, whether or not its subscriber reached the publisher).
-    strict:
-        Raise (see below) when a worker could not be paused, failed, did not answer,
-        reports an older version after the resume or did not confirm it; ``False``
-        goes on with the workers that paused and reports the others in ``failed``.
-        Workers are resumed either way; one whose failure left its weights mixed
-        stays paused (in ``resume_failed``) until a later version completes there.
+    ``controller`` is a :class:`transport.FabricController` over the generation
+    workers, ``publisher`` the :class:`WeightPublisher` their subscribers follow,
+    ``state`` a module, state dict or ``(name, tensor)`` pairs; ``timeout`` bounds the
+    pause, the wait and the resume each. ``workers``: subscriber ids to wait for
+    (default: every worker the controller paused, known to the publisher or not).
 
-    Returns
-    -------
-    FabricUpdateResult
-        Who applied the version, who failed and why, who did not resume; ``elapsed_s``
-        is the whole call, pause and resume included.
-
-    Raises
-    ------
-    transport.ControlError
-        ``strict`` and a worker could not be paused (nothing was published).
-    UpdateIncomplete
-        ``strict`` and the update did not reach every worker (see ``strict``).
+    ``strict`` raises :class:`transport.ControlError` when a worker could not be paused
+    (nothing is published) and :class:`UpdateIncomplete` when one failed, did not
+    answer, reports an older version after the resume or did not confirm it; ``False``
+    goes on with the workers that paused and reports the others in ``failed``. Workers
+    are resumed either way, but one whose weights a failure left mixed stays paused (in
+    ``resume_failed``) until a later version completes there. The result's
+    ``elapsed_s`` is the whole call.
     """
     t0 = time.monotonic()
     not_paused: dict[str, str] = {}
@@ -129,31 +102,24 @@ def update_weights(
                 raise ControlError(
                     f"{exc}; nothing published, the others resumed{left}", exc.failed, exc.statuses
                 ) from exc
-        # (No worker paused at all: wait for those the publisher knows.)
+        # Every paused worker by id, even one whose subscriber never reached the
+        # publisher (none paused: those the publisher knows).
         ids = [s.worker_id for s in paused.values()] or None
         publisher.publish(state, version)
-        # Wait for every paused worker by id: a worker whose subscriber never reached
-        # the publisher is unknown to it and would otherwise not be waited for at all.
         res = publisher.wait(version, timeout, workers=ids if workers is None else workers)
     finally:
         if resumed is None:
             resumed, resume_failed = _resume(controller, timeout)
     out = FabricUpdateResult(
-        res.version,
-        dict(res.applied),
-        dict(res.failed),
-        list(res.missing),
-        paths=dict(res.paths),
-        resume_failed=resume_failed,
-    )
+        res.version, dict(res.applied), dict(res.failed), list(res.missing),
+        paths=dict(res.paths), resume_failed=resume_failed,
+    )  # fmt: skip
     for address, why in not_paused.items():
-        # Known by its id if it answered the resume; one whose pause only timed out
-        # may still have applied the version safely (its copy waits for idle).
+        # One whose pause only timed out may still have applied the version safely.
         wid = resumed[address].worker_id if address in resumed else address
         if wid not in out.applied:
             out.failed.setdefault(wid, f"not paused: {why}")
-    # An Ack says the subscriber applied the version; the worker's status says its
-    # engine serves it. Check both: they differ if, e.g., the worker restarted since.
+    # The Ack says the subscriber applied it, the status that the engine serves it.
     for status in resumed.values():
         wid = status.worker_id
         if wid in out.applied and status.version < version:
@@ -170,8 +136,8 @@ def update_weights(
 
 
 def _resume(controller: Any, timeout: float) -> tuple[dict[str, Any], dict[str, str]]:
-    """Resume every worker (a worker whose pause timed out is paused too); one that
-    cannot be reached must not keep the others paused, so failures are returned."""
+    """Resume every worker; failures are returned, not raised (one unreachable worker
+    must not keep the others paused)."""
     try:
         return controller.resume(timeout), {}
     except ControlError as exc:
@@ -179,34 +145,21 @@ def _resume(controller: Any, timeout: float) -> tuple[dict[str, Any], dict[str, 
 
 
 async def aupdate_weights(
-    controller: Any,
-    publisher: WeightPublisher,
-    state: Any,
-    version: int,
-    timeout: float = 60.0,
-    **kwargs: Any,
-) -> FabricUpdateResult:
+    controller: Any, publisher: WeightPublisher, state: Any, version: int,
+    timeout: float = 60.0, **kwargs: Any,
+) -> FabricUpdateResult:  # fmt: skip
     """:func:`update_weights` for asyncio callers (runs in a thread)."""
     return await asyncio.to_thread(
         update_weights, controller, publisher, state, version, timeout, **kwargs
     )
 
 
-def _nothing() -> None:
-    pass
-
-
-def _never() -> bool:
-    return False
-
-
 class _PausedWhileCopying:
     """The subscriber's lock: the copy runs only while the worker is paused and idle.
 
-    Entering pauses the server (or waits for idle under a controller's pause) and
-    raises if it does not go idle in time; leaving resumes only a pause the lock owns
-    and nobody renewed. A controller's resume waits for the copy; after a copy that
-    left the weights mixed the worker stays paused and its engine's version is ``-1``.
+    Entering pauses the server (or waits for idle under a controller's pause); leaving
+    resumes only a pause the lock owns. A controller's resume waits for the copy; after
+    a copy that left the weights mixed the worker stays paused, its version ``-1``.
     """
 
     #: Refuses to serve mixed weights: subscribers default to one-pass mode under it.
@@ -217,17 +170,16 @@ class _PausedWhileCopying:
         self.loop = loop
         self.timeout = timeout
         #: Called while waiting on the loop (the subscriber's Hello when one is due).
-        self.keepalive: Callable[[], None] = _nothing
+        self.keepalive: Callable[[], None] = lambda: None
         #: Whether the weights are mixed now (the subscriber's ``not consistent``).
-        self.mixed: Callable[[], bool] = _never
+        self.mixed: Callable[[], bool] = lambda: False
         self._mine: int | None = None  # server.pause_requests right after our own pause
         self._free = asyncio.Event()  # set while no copy runs; used in the loop only
         self._free.set()
 
     async def hold_resume(self) -> None:
-        """``server.on_resume`` callback: a resume waits for a running copy, and is
-        refused (:class:`~transport.errors.ResumeRefused`) while the weights
-        are mixed."""
+        """``server.on_resume``: a resume waits for a running copy, and is refused
+        (:class:`~transport.errors.ResumeRefused`) while the weights are mixed."""
         await self._free.wait()
         if self.mixed():
             raise ResumeRefused(
@@ -284,8 +236,7 @@ class _PausedWhileCopying:
                 if time.monotonic() >= deadline:
                     fut.cancel()
                     raise
-                # Waiting for generations to stop can outlast the publisher's
-                # worker_timeout: keep saying we are alive meanwhile.
+                # Waiting for generations to stop can outlast worker_timeout.
                 self.keepalive()
 
     def __enter__(self) -> None:
@@ -308,24 +259,12 @@ def attach_subscriber(
     ``model`` by an in-place copy, its ``load_weights(pairs)`` (when it has one) with
     each verified version (see :mod:`transport.engines.api`).
 
-    Parameters
-    ----------
-    server:
-        A :class:`transport.WorkerServer` whose engine has ``model`` and ``version``.
-    endpoint:
-        The publisher's ROUTER address.
-    loop:
-        The loop the server runs in (pause and resume are scheduled there).
-    pause_timeout:
-        Seconds a copy waits for the worker's generations to stop; past that the
-        version fails on this worker, which keeps its previous weights.
-    pause_lease:
-        Seconds paused (by anyone but its own copy) with no word from the publisher
-        (the trainer died) before the worker resumes on its last complete version,
-        with a warning. ``0`` disables the lease.
-    **kwargs:
-        Passed to :class:`WeightSubscriber` (``shm``, ``report_digest``, ``dtype``,
-        ``rename``, ``loader``, timeouts...).
+    ``server`` is a :class:`transport.WorkerServer` running in ``loop``, ``endpoint``
+    the publisher's ROUTER address, ``kwargs`` go to :class:`WeightSubscriber`.
+    ``pause_timeout``: seconds a copy waits for generations to stop (past that the
+    version fails here and the previous weights stay); ``pause_lease``: seconds paused
+    (by anyone but its own copy) with no word from the publisher before the worker
+    resumes on its last complete version (``0``: never).
     """
     engine = server.engine
     model = getattr(engine, "model", None)
@@ -334,13 +273,9 @@ def attach_subscriber(
         why = getattr(engine, "no_weights_reason", None)
         raise TypeError(why or "the worker's engine has no .model to update and no load_weights")
     if callable(load_weights) and "loader" not in kwargs:
-        # An engine that places weights itself (a server bridge, fused layouts) takes
-        # each verified version whole, after the in-place copy into .model if any.
+        # An engine that places weights itself takes each verified version whole.
         kwargs["loader"] = load_weights
         kwargs.setdefault("atomic", True)
-
-    def applied(version: int) -> None:
-        engine.version = version
 
     lock = _PausedWhileCopying(server, loop, pause_timeout)
     server.on_resume.append(lock.hold_resume)
@@ -350,7 +285,7 @@ def attach_subscriber(
         model,
         version=int(getattr(engine, "version", -1)),
         lock=lock,
-        on_applied=applied,
+        on_applied=lambda version: setattr(engine, "version", version),
         **kwargs,
     )
     # The lock is entered in the subscriber's thread, which may send on its socket.
@@ -394,19 +329,18 @@ class PluginOptions(
     the default of :func:`attach_subscriber`).
 
     ``endpoint`` (required), ``shm``, ``path`` (the route), ``atomic``, ``data_link``,
-    ``strict``, ``publisher_timeout``: as in
-    :class:`~transport.weights.config.SubscriberConfig`; ``digest``: its
-    ``report_digest``; ``dtype``: ``auto`` or one dtype name; ``rename``: a JSON object
-    ``{"trainer name": "engine name"}`` or ``module:name``; ``loader``:
-    ``module:function`` called as ``function(model, weights)`` with each verified
+    ``strict``, ``publisher_timeout``: as in :class:`~transport.weights.config.SubscriberConfig`;
+    ``digest``: its ``report_digest``; ``dtype``: ``auto`` or a dtype name; ``rename``:
+    a JSON object ``{"trainer name": "engine name"}`` or ``module:name``; ``loader``:
+    ``module:function``, called as ``function(model, weights)`` with each verified
     version; ``pause_timeout``, ``pause_lease``: as in :func:`attach_subscriber`;
-    ``curve_secret`` (this worker's ``.key_secret``), ``curve_server`` (the
-    publisher's ``.key``): CurveZMQ.
+    ``curve_secret`` (this worker's ``.key_secret``), ``curve_server`` (the publisher's
+    ``.key``): CurveZMQ.
     """
 
     endpoint: Annotated[str, Meta(min_length=1)]
     shm: bool = True
-    path: Literal["ipc", "shm", "tcp"] | None = None
+    path: Route | None = None
     atomic: bool | None = None
     data_link: bool | None = None
     digest: bool = False
@@ -421,6 +355,8 @@ class PluginOptions(
     curve_server: str | None = None
 
 
+_PASSED = ("path", "atomic", "data_link", "publisher_timeout", "pause_timeout", "pause_lease")
+
 #: Options of the worker plugin (``--plugin-opt key=value``), see :func:`subscribe`.
 PLUGIN_OPTIONS = frozenset(PluginOptions.__struct_encode_fields__)
 
@@ -433,9 +369,7 @@ def subscriber_options(opts: dict[str, str], model: Any) -> dict[str, Any]:
 
     o = parse_options(opts, PluginOptions, "weights plugin option")
     kw: dict[str, Any] = {"shm": o.shm, "report_digest": o.digest, "strict": o.strict}
-    for arg in ("path", "atomic", "data_link", "publisher_timeout", "pause_timeout", "pause_lease"):
-        if getattr(o, arg) is not None:
-            kw[arg] = getattr(o, arg)
+    kw.update({k: v for k in _PASSED if (v := getattr(o, k)) is not None})
     if o.dtype:
         try:
             kw["dtype"] = parse_dtype_spec(o.dtype)
@@ -463,10 +397,8 @@ def subscriber_options(opts: dict[str, str], model: Any) -> dict[str, Any]:
 async def subscribe(server: Any, opts: dict[str, str]) -> None:
     """Fabric worker plugin: follow the weight publisher at ``opts["weights_endpoint"]``
     (``--plugin transport.weights.update:subscribe --plugin-opt weights_<field>=value``,
-    the fields of :class:`PluginOptions`). Raises ``ValueError`` at start for a missing
-    endpoint or a bad or unknown option."""
-    engine = server.engine
-    kw = subscriber_options(opts, getattr(engine, "model", None))
+    see :class:`PluginOptions`); ``ValueError`` at start for a bad or unknown option."""
+    kw = subscriber_options(opts, getattr(server.engine, "model", None))
     sub = attach_subscriber(server, opts["weights_endpoint"], asyncio.get_running_loop(), **kw)
     try:
         await asyncio.Event().wait()  # lives as long as the server; cancelled at close

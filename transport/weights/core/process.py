@@ -13,12 +13,10 @@ def process_start_time(pid: int) -> int | None:
             fields = f.read().rsplit(b")", 1)[1].split()
     except (OSError, IndexError):
         return None
-    if fields[0] == b"Z":  # a zombie holds no memory and runs no code
-        return None
-    return int(fields[19])
+    return None if fields[0] == b"Z" else int(fields[19])  # a zombie runs no code
 
 
 def process_alive(pid: int, start_time: int) -> bool:
-    """Whether process ``pid`` that started at ``start_time`` still runs (a reused pid
-    has another start time)."""
+    """Whether process ``pid`` started at ``start_time`` still runs (a reused pid has
+    another start time)."""
     return process_start_time(pid) == start_time

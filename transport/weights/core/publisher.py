@@ -17,6 +17,7 @@ The rules decided here (``docs/PROTOCOL.md``, "Weight updates"):
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 
 from fastio.weight_msgs import WeightAck, WeightFetch, WeightHello
 from transport.weights.core.process import process_alive, process_start_time
@@ -28,35 +29,22 @@ __all__ = ["PublisherCore", "Reader", "VersionLedger"]
 #: ``visible`` is its start time when this host can see that pid, else 0.
 Reader = tuple[str, int, int, int]
 
-
 #: How many dropped versions keep their final result for :meth:`PublisherCore.result`.
 KEEP_RESULTS = 64
 
 
+@dataclass(slots=True, eq=False)
 class VersionLedger:
     """Who must answer one version, who did, and who may still read its buffer."""
 
-    __slots__ = (
-        "acks",
-        "announced_at",
-        "done_at",
-        "expected",
-        "failure_counted",
-        "lost",
-        "readers",
-        "version",
-    )
-
-    def __init__(self, version: int) -> None:
-        self.version = version
-        self.announced_at = 0.0
-        self.done_at = 0.0
-        self.expected: set[str] = set()
-        self.acks: dict[str, WeightAck] = {}
-        self.lost: dict[str, str] = {}
-        self.readers: set[Reader] = set()
-        #: Whether a failure of this version was counted in the metrics.
-        self.failure_counted = False
+    version: int
+    announced_at: float = 0.0
+    done_at: float = 0.0
+    expected: set[str] = field(default_factory=set)
+    acks: dict[str, WeightAck] = field(default_factory=dict)
+    lost: dict[str, str] = field(default_factory=dict)
+    readers: set[Reader] = field(default_factory=set)
+    failure_counted: bool = False  # in the metrics
 
     def answered(self) -> bool:
         """Every expected worker acked the version or was lost."""
@@ -81,9 +69,12 @@ class VersionLedger:
         res.elapsed_s = end - self.announced_at
         return res
 
-    def forget_reader(self, wid: str, pid: int, start_time: int) -> None:
-        """Process ``(wid, pid, start_time)`` answered: it reads this buffer no more."""
-        self.readers = {r for r in self.readers if r[:3] != (wid, pid, start_time)}
+    def answer(self, wid: str, ack: WeightAck, reader: tuple[str, int, int], now: float) -> None:
+        """``wid`` answered (process ``reader`` reads this buffer no more)."""
+        self.readers = {r for r in self.readers if r[:3] != reader}
+        self.acks[wid] = ack
+        self.expected.add(wid)
+        self.check_done(now)
 
     def check_done(self, now: float) -> None:
         if not self.done_at and self.expected and self.answered():
@@ -91,18 +82,10 @@ class VersionLedger:
 
 
 class PublisherCore:
-    """The publisher's state machine over workers and versions.
-
-    Parameters
-    ----------
-    host_id:
-        This host (``hostname/boot-id``): a Hello from it names a process this host
-        may see.
-    worker_timeout:
-        Seconds of silence after which a worker is lost.
-    alive, start_time_of:
-        How a process is looked up (``/proc`` by default; tests pass their own).
-    """
+    """The publisher's state machine over workers and versions: ``host_id`` is this host
+    (a Hello from it names a process this host may see), ``worker_timeout`` the silence
+    after which a worker is lost; ``alive`` and ``start_time_of`` look a process up
+    (``/proc`` by default)."""
 
     def __init__(
         self,
@@ -168,11 +151,8 @@ class PublisherCore:
         """Record a Hello; returns the latest version when the worker is behind it (the
         Welcome then carries its Announce, the snapshot)."""
         info = self.touch(wid, now, hello=True)
-        if (info.host_id, info.pid, info.hello_start_time) != (
-            msg.host_id,
-            msg.pid,
-            msg.start_time,
-        ):
+        process = (msg.host_id, msg.pid, msg.start_time)
+        if (info.host_id, info.pid, info.hello_start_time) != process:
             # Another process (a restart may even reuse the pid): its own start time.
             info.start_time = self._visible_start(msg)
             info.hello_start_time = msg.start_time
@@ -184,13 +164,12 @@ class PublisherCore:
         for led in self.versions.values():
             if led.version > msg.version:
                 continue
-            led.forget_reader(wid, msg.pid, msg.start_time)  # done with those bytes
+            # A Hello at version >= v means v was applied even if its Ack was lost.
             if wid in led.expected and wid not in led.acks:
-                # A Hello at version >= v means v was applied even if its Ack was lost.
-                led.acks[wid] = WeightAck(
-                    wid, led.version, True, msg.version, "", msg.digest, info.path
-                )
-                led.check_done(now)
+                ack = WeightAck(wid, led.version, True, msg.version, "", msg.digest, info.path)
+                led.answer(wid, ack, (wid, msg.pid, msg.start_time), now)
+            else:
+                led.readers = {r for r in led.readers if r[:3] != (wid, msg.pid, msg.start_time)}
         return latest if latest is not None and msg.version < latest.version else None
 
     def on_ack(self, wid: str, msg: WeightAck, now: float) -> bool:
@@ -201,10 +180,8 @@ class PublisherCore:
         info = self.touch(wid, now)
         led = self.versions.get(msg.version)
         if led is not None:
-            led.forget_reader(*self.reader(wid, msg)[:3])
-            led.acks[wid] = msg
-            led.expected.add(wid)
-            led.check_done(now)
+            wid_, pid, start, _ = self.reader(wid, msg)
+            led.answer(wid, msg, (wid_, pid, start), now)
         info.version = msg.current_version
         if msg.via:
             info.path = msg.via
