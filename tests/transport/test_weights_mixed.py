@@ -155,6 +155,11 @@ class FakeImporter:
         self.readies.append(r)
         return [IpcAck("w", r.version, r.bucket, r.slot, True, self.version, "")]
 
+    def refuse(self, r: IpcReady, why: str) -> list[IpcAck]:
+        held = [*self._held, r]
+        self.abandon()
+        return [IpcAck("w", h.version, h.bucket, h.slot, False, self.version, why) for h in held]
+
     def abandon(self) -> None:
         self.abandoned += 1
 
