@@ -61,6 +61,7 @@ MODULES = [
     "transport.weights.routes.shm",
     "transport.weights.routes.tcp",
     "transport.weights.routes.ipc",
+    "transport.weights.routes.ipc_worker",
     "transport.weights.results",
     "transport.weights.errors",
     "transport.weights.bucket",
