@@ -13,7 +13,11 @@ from tests.transport.conftest import await_for
 from tests.transport.fakes.common import FakeProc
 from transport import ClientConfig, FabricClient, FabricController, RequestAborted
 
-FAST = ClientConfig(heartbeat_interval=0.05, heartbeat_liveness=4, request_timeout=60)
+# Quick pings (first answers and load reports come soon), but a long liveness (10 s): these
+# tests count the requests a server saw, and a pong late on a loaded machine would make the
+# client take its worker for dead and re-send. FAILOVER is for the tests of a death.
+FAST = ClientConfig(heartbeat_interval=0.05, heartbeat_liveness=200, request_timeout=60)
+FAILOVER = ClientConfig(heartbeat_interval=0.05, heartbeat_liveness=20, request_timeout=60)
 
 
 @pytest.fixture
@@ -32,10 +36,11 @@ def fake() -> Iterator[Callable[..., FakeProc]]:
 
 
 def bridge_args(kind: str, url: str, *extra: str) -> list[str]:
-    """CLI arguments of a worker fronting the server at ``url`` (fast health checks)."""
+    """CLI arguments of a worker fronting the server at ``url``: fast health checks, but
+    1 s to answer each, so a fake server slow on a loaded machine is not taken for hung."""
     return [
         "--bind", "tcp://127.0.0.1:0", "--engine", kind, "--engine-opt", f"url={url}",
-        "--engine-opt", "health_interval=0.1", "--engine-opt", "health_timeout=0.5",
+        "--engine-opt", "health_interval=0.1", "--engine-opt", "health_timeout=1",
         "--engine-opt", "health_failures=3", "--engine-opt", "stall_timeout=30", *extra,
     ]  # fmt: skip
 

@@ -33,9 +33,9 @@ def test_curve_admits_authorized_keys_only(
     rogue = CurveConfig(secret_key_file=rogue_sec, server_public_key_file=server_pub)
 
     async def main() -> None:
-        async with FabricClient(
-            [w.address], ClientConfig(heartbeat_interval=0.05, curve=good)
-        ) as client:
+        # A long liveness: a late pong must not make it re-send (received == 1 below).
+        cfg = ClientConfig(heartbeat_interval=0.05, heartbeat_liveness=200, curve=good)
+        async with FabricClient([w.address], cfg) as client:
             assert (await client.agenerate(LLMRequest(input_ids=[1, 2]))).output_tokens == [1, 2]
         for curve in (rogue, None):  # wrong key, and no encryption at all
             cfg = ClientConfig(heartbeat_interval=0.05, curve=curve)

@@ -33,15 +33,16 @@ def blocking_engine(opts: dict[str, str]) -> Any:
 
 @pytest.mark.slow
 def test_worker_blocked_in_its_engine_is_not_dead(spawn: Callable[..., WorkerProc]) -> None:
-    # Silence for 0.15 s would kill a worker here; each request blocks its engine for
-    # 2 s, 13x that. Pongs come from the worker's socket side, so nothing dies.
+    # Silence for 0.5 s would kill a worker here; each request blocks its engine for
+    # 2.5 s, 5x that. Pongs come from the worker's socket side, so nothing dies. (Not
+    # shorter: a pong can come 0.15 s late on a loaded machine, and that is no death.)
     args = (
         "--bind", "tcp://127.0.0.1:0", "--engine",
-        "tests.transport.test_client_busy:blocking_engine",
+        "tests.transport.test_client_busy:blocking_engine", "--engine-opt", "block=2.5",
     )  # fmt: skip
     w1, w2 = spawn(*args, wait=False), spawn(*args, wait=False)
     addresses = [w1.wait_ready(), w2.wait_ready()]
-    cfg = ClientConfig(heartbeat_interval=0.05, heartbeat_liveness=3, request_timeout=60)
+    cfg = ClientConfig(heartbeat_interval=0.1, heartbeat_liveness=5, request_timeout=60)
 
     async def main() -> None:
         async with FabricClient(addresses, cfg) as client:

@@ -13,7 +13,9 @@ from fastio import GenerationHyperparameters, LLMRequest
 from tests.transport.conftest import WorkerProc, await_for
 from transport import ClientConfig, FabricClient
 
-FAST = ClientConfig(heartbeat_interval=0.05, heartbeat_liveness=3, request_timeout=60)
+# The killed worker is found within 1 s; the other one, whose pongs may come late on a
+# loaded machine, must not be taken for dead as well (the test counts one death).
+FAST = ClientConfig(heartbeat_interval=0.05, heartbeat_liveness=20, request_timeout=60)
 
 
 @pytest.mark.slow

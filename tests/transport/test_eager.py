@@ -15,7 +15,9 @@ from fastio.fabric_msgs import ErrorCode
 from tests.transport.conftest import WorkerProc, await_for, wait_for
 from transport import ClientConfig, FabricClient, FabricController, RemoteError, RequestTimeout
 
-CFG = ClientConfig(heartbeat_interval=0.1, heartbeat_liveness=10, request_timeout=30, stream=False)
+# A long liveness (10 s): these tests count requests exactly, and a pong late on a loaded
+# machine must not make a client take its worker for dead and re-send.
+CFG = ClientConfig(heartbeat_interval=0.1, heartbeat_liveness=100, request_timeout=30, stream=False)
 
 SYNC, RAISE_FIRST, AWAIT_ONCE, SLOW, FUTURE, RAISE_LATER = range(6)
 

@@ -11,7 +11,7 @@ import pytest
 
 from fastio import GenerationHyperparameters, LLMRequest
 from tests.transport.conftest import WorkerProc, await_for
-from tests.transport.engines_helpers import FAST, Streams, bridge_args, fake
+from tests.transport.engines_helpers import FAILOVER, Streams, bridge_args, fake
 from tests.transport.fakes.common import FakeProc, reference_output
 from transport import FabricClient
 
@@ -46,7 +46,7 @@ def test_every_request_answered_once_across_a_failure(
     streams = Streams(calls)
 
     async def main() -> tuple[list[object], dict[str, int]]:
-        async with FabricClient([a1, a2], FAST) as client:
+        async with FabricClient([a1, a2], FAILOVER) as client:
             await await_for(lambda: all(i.alive for i in client.workers), what="workers alive")
             g = GenerationHyperparameters(max_new_tokens=n)
             futs = [

@@ -26,15 +26,16 @@ from transport import (
 )
 
 # Tight heartbeats where death detection is tested: a dead worker is found within
-# 0.05 * (3 + 1) = 0.2 s. Elsewhere a looser liveness (1 s), so that a loaded machine
-# (other suites running) does not starve a worker into a false death.
+# 0.05 * (3 + 1) = 0.2 s. Elsewhere a long liveness (10 s): those tests count requests
+# exactly, and a loaded machine (other suites running) must not starve a worker into a
+# false death, after which the client re-sends.
 # connect_timeout: a worker restarted on a loaded machine may take longer than the
 # default 10 s to answer again; these tests wait for it rather than fail fast.
 FAST = ClientConfig(
     heartbeat_interval=0.05, heartbeat_liveness=3, request_timeout=30, connect_timeout=60
 )
 STEADY = ClientConfig(
-    heartbeat_interval=0.1, heartbeat_liveness=10, request_timeout=30, connect_timeout=60
+    heartbeat_interval=0.1, heartbeat_liveness=100, request_timeout=30, connect_timeout=60
 )
 
 
@@ -158,7 +159,7 @@ def test_sticky_cache_stays_bounded_and_keeps_recent_rids(
     spawn: Callable[..., WorkerProc],
 ) -> None:
     ws = [spawn("--bind", "tcp://127.0.0.1:0", "--engine", "echo") for _ in range(2)]
-    cfg = ClientConfig(heartbeat_interval=0.1, heartbeat_liveness=10, sticky_cache_size=10)
+    cfg = ClientConfig(heartbeat_interval=0.1, heartbeat_liveness=100, sticky_cache_size=10)
 
     async def main() -> None:
         async with (
@@ -219,7 +220,9 @@ def test_worker_restarted_rejoins(spawn: Callable[..., WorkerProc]) -> None:
     address = w.address
 
     async def main() -> None:
-        async with FabricClient([address], FAST) as client:
+        # A 1 s liveness: a false death before the kill would count a third join.
+        cfg = ClientConfig(heartbeat_interval=0.1, heartbeat_liveness=10, connect_timeout=60)
+        async with FabricClient([address], cfg) as client:
             assert (await client.agenerate(req([1, 2]))).output_tokens == [1, 2]
             inc = client.workers[0].incarnation
             w.kill()
@@ -361,7 +364,9 @@ asyncio.run(main())
 def test_worker_cancels_requests_of_a_killed_client(spawn: Callable[..., WorkerProc]) -> None:
     w = spawn(
         "--bind", "tcp://127.0.0.1:0", "--engine", "reference", "--token-interval", "0.01",
-        "--client-timeout", "0.5",
+        # Not shorter: a client process stalled half a second on a loaded machine would
+        # be taken for dead before the kill, and re-send (6 cancelled, 2 dead peers).
+        "--client-timeout", "2",
     )  # fmt: skip
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     client = subprocess.Popen([sys.executable, "-c", CLIENT_SCRIPT, w.address], env=env, cwd=ROOT)
@@ -390,7 +395,7 @@ def test_overloaded_worker_pushes_back_without_loss(spawn: Callable[..., WorkerP
         "--bind", "tcp://127.0.0.1:0", "--engine", "reference", "--token-interval", "0.002",
         "--max-pending", "4",
     )  # fmt: skip
-    cfg = ClientConfig(heartbeat_interval=0.1, heartbeat_liveness=10, max_in_flight_per_worker=64)
+    cfg = ClientConfig(heartbeat_interval=0.1, heartbeat_liveness=100, max_in_flight_per_worker=64)
 
     async def main() -> None:
         async with FabricClient([w.address], cfg) as client:

@@ -194,7 +194,7 @@ def digest_of(version: int) -> int:
 
 def test_subscriber_killed_mid_update(procs: Callable[..., Any]) -> None:
     with WeightPublisher(
-        bucket_bytes=BUCKET, shm=False, heartbeat_interval=0.1, worker_timeout=1.5
+        bucket_bytes=BUCKET, shm=False, heartbeat_interval=0.1, worker_timeout=3.0
     ) as pub:
         procs(subscriber_proc, pub.endpoint, [("a", "good")], {})
         victim = procs(subscriber_proc, pub.endpoint, [("b", "good")], {"die_at": ("b", 2, 3)})

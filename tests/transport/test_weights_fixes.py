@@ -179,8 +179,10 @@ def test_a_subscriber_unmaps_the_segments_of_a_silent_publisher() -> None:
     ctx: zmq.Context[Any] = zmq.Context()
     pub = WeightPublisher(context=ctx, shm=True, heartbeat_interval=0.1)
     target = zeros_like(make_state(0))
+    # 2 s: a publisher thread late by half a second on a loaded machine is not silent,
+    # and its mappings must stay between the versions below.
     sub = WeightSubscriber(
-        pub.endpoint, target, context=ctx, heartbeat_interval=0.1, publisher_timeout=0.5
+        pub.endpoint, target, context=ctx, heartbeat_interval=0.1, publisher_timeout=2.0
     ).start()
     try:
         pub.wait_for_workers(1, 30)
