@@ -12,9 +12,8 @@ from typing import Union
 import torch
 
 from fastio.weight_msgs import WeightBucketInfo, WeightTensor
-from transport.weights.bucket import dtype_from_name, dtype_name, wire_tensor
+from transport.weights.bucket import _numel, dtype_from_name, dtype_name, wire_tensor
 from transport.weights.errors import WeightMismatchError
-from transport.weights.layout import _numel
 
 __all__ = [
     "FLOAT_DTYPES",

@@ -19,11 +19,10 @@ import torch
 from fastio.weight_msgs import WeightAnnounce, WeightBucket, WeightFetch
 from transport import metrics
 from transport.weights.binding import Binding
-from transport.weights.bucket import BucketApplier
+from transport.weights.bucket import CHECKSUM_ALGOS, BucketApplier, Hasher, _align
 from transport.weights.config import SubscriberConfig
 from transport.weights.core.subscriber import FetchSchedule, SubscriberCore, choose_atomic
 from transport.weights.errors import WeightUpdateError
-from transport.weights.layout import CHECKSUM_ALGOS, Hasher, _align
 from transport.weights.reporting import Reporter
 from transport.weights.results import UpdateStats
 from transport.weights.routes.shm import ShmReader, ShmSegment
