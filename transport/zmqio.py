@@ -9,7 +9,15 @@ from typing import Any
 
 import zmq
 
-__all__ = ["POLLIN", "nbytes", "recv_frames", "send_frames", "tune_allocator", "zmq_poll"]
+__all__ = [
+    "POLLIN",
+    "nbytes",
+    "recv_frames",
+    "send_frames",
+    "set_malloc",
+    "tune_allocator",
+    "zmq_poll",
+]
 
 # Plain ints: ``zmq.POLLIN`` and friends are enums whose ``&`` runs Python code.
 POLLIN = int(zmq.POLLIN)
@@ -68,6 +76,20 @@ TRIM_THRESHOLD = 256 << 20
 _tuned: bool | None = None
 
 
+def set_malloc(mmap_threshold: int, trim_threshold: int) -> bool:
+    """Set glibc's mmap and trim thresholds (returns whether both took; False without
+    glibc, e.g. macOS or musl)."""
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    # The mmap threshold first: setting either one turns glibc's dynamic one off.
+    return bool(mallopt(_M_MMAP_THRESHOLD, mmap_threshold)) and bool(
+        mallopt(_M_TRIM_THRESHOLD, trim_threshold)
+    )
+
+
 def tune_allocator(
     mmap_threshold: int = MMAP_THRESHOLD, trim_threshold: int = TRIM_THRESHOLD
 ) -> bool:
@@ -75,18 +97,7 @@ def tune_allocator(
     tuned): otherwise each large received message lands in fresh pages, faulted and
     zeroed. ``FASTIO_TUNE_MALLOC=0`` leaves the allocator alone."""
     global _tuned
-    if _tuned is not None:
-        return _tuned
-    _tuned = False
-    if os.environ.get("FASTIO_TUNE_MALLOC", "1") == "0":
-        return False
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):  # not glibc (macOS, musl): nothing to tune
-        return False
-    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-    # The mmap threshold first: setting either one turns glibc's dynamic one off.
-    _tuned = bool(mallopt(_M_MMAP_THRESHOLD, mmap_threshold)) and bool(
-        mallopt(_M_TRIM_THRESHOLD, trim_threshold)
-    )
+    if _tuned is None:
+        off = os.environ.get("FASTIO_TUNE_MALLOC", "1") == "0"
+        _tuned = not off and set_malloc(mmap_threshold, trim_threshold)
     return _tuned
