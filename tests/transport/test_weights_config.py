@@ -47,3 +47,10 @@ def test_drivers_take_either_form() -> None:
         assert pub.config.keep_versions == 3
     finally:
         pub.close()
+
+
+@pytest.mark.parametrize("pub_endpoint", [None, ""])
+def test_an_empty_pub_endpoint_means_next_to_the_router(pub_endpoint: str | None) -> None:
+    with WeightPublisher("tcp://127.0.0.1:0", pub_endpoint=pub_endpoint) as pub:
+        host, port = pub.pub_endpoint[len("tcp://") :].rsplit(":", 1)
+        assert host == "127.0.0.1" and int(port) > 0 and pub.pub_endpoint != pub.endpoint

@@ -11,7 +11,32 @@ Names are imported on first use, so that ``import transport.weights.bucket`` sta
 """
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the names as type checkers see them; at run time, on first use
+    from transport.weights.bucket import (
+        DEFAULT_BUCKET_BYTES,
+        BucketApplier,
+        pack_bucket,
+        plan_buckets,
+    )
+    from transport.weights.errors import (
+        ChecksumError,
+        UpdateIncomplete,
+        VersionUnavailable,
+        WeightMismatchError,
+        WeightUpdateError,
+    )
+    from transport.weights.manifest import check_manifest, state_digest
+    from transport.weights.publisher import WeightPublisher
+    from transport.weights.results import SubscriberInfo, UpdateResult, UpdateStats
+    from transport.weights.subscriber import WeightSubscriber
+    from transport.weights.update import (
+        FabricUpdateResult,
+        attach_subscriber,
+        aupdate_weights,
+        update_weights,
+    )
 
 _MODULES = {
     "bucket": ("BucketApplier", "DEFAULT_BUCKET_BYTES", "pack_bucket", "plan_buckets"),

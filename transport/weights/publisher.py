@@ -125,10 +125,11 @@ class WeightPublisher:
             self._zctx, zmq.PUB, hwm=None, max_message_size=None, curve=curve,
             curve_server=True, options=pub_opts,
         )  # fmt: skip
-        if cfg.pub_endpoint is None and endpoint.startswith("tcp://"):
+        cfg_pub = cfg.pub_endpoint  # default: next to the ROUTER (a free port, or ".pub")
+        if not cfg_pub and self.endpoint.startswith("tcp://"):
             cfg_pub = f"tcp://{self.endpoint[6:].rsplit(':', 1)[0]}:*"
-        else:
-            cfg_pub = cfg.pub_endpoint or self.endpoint + ".pub"
+        elif not cfg_pub:
+            cfg_pub = self.endpoint + ".pub"
         self.pub_endpoint: str = bind_all(pub, cfg_pub)[0]
         #: The ipc route's slots and the workers that asked for them.
         self.ipc = IpcOffering(

@@ -194,7 +194,9 @@ class Serving:
                 next_hb = now + self.config.heartbeat_interval
             packing = self._pack_step()
             try:
-                events = dict(poller.poll(0 if packing else int((next_hb - now) * 1000) + 1))
+                events = dict(
+                    poller.poll(0 if packing else max(0, int((next_hb - now) * 1000)) + 1)
+                )
             except zmq.ZMQError:
                 break
             if self._wake_r in events:
