@@ -47,6 +47,8 @@ class FaultyServing(Serving):
         what = self.fault(wid, msg.version, msg.index)
         if what == "die":
             os.kill(os.getpid(), signal.SIGKILL)
+        if what == "hold":
+            return  # not answered (a trainer that is slow there); the worker asks again
         key = (ident, msg.version, msg.index)
         if what == "corrupt":
             self._corrupt.add(key)
@@ -85,7 +87,8 @@ class FaultyPublisher(WeightPublisher):
     """A publisher with faults injected where the bytes leave it (tests only).
 
     ``fault(worker, version, bucket)`` is asked at every Fetch: ``"die"`` SIGKILLs this
-    process there (a trainer dying mid-update); ``"corrupt"`` changes what that answer
+    process there (a trainer dying mid-update); ``"hold"`` leaves the Fetch unanswered;
+    ``"corrupt"`` changes what that answer
     carries, as bytes changed after they were hashed would: over TCP one byte of the
     first piece is flipped (in a copy: the staged snapshot is never touched; ZeroMQ
     frames and the data link alike), through
@@ -156,11 +159,16 @@ def subscriber_proc(endpoint: str, workers: list[tuple[str, str]], opts: dict[st
 
 def publisher_proc(endpoint: str, n_workers: int, die_at: tuple[int, int]) -> None:
     """A trainer that publishes version 1, then dies serving bucket die_at[1] of version
-    die_at[0]."""
+    die_at[0] once every worker asked for it (so each holds the buckets before it,
+    whatever its pace; an earlier asker's Fetch is left unanswered meanwhile)."""
     torch.set_num_threads(1)
+    asked: set[str] = set()
 
     def fault(worker: str, version: int, index: int) -> str | None:
-        return "die" if (version, index) == die_at else None
+        if (version, index) != die_at:
+            return None
+        asked.add(worker)
+        return "die" if len(asked) == n_workers else "hold"
 
     pub = FaultyPublisher(fault, endpoint, bucket_bytes=BUCKET, shm=False, heartbeat_interval=0.1)
     pub.wait_for_workers(n_workers, 60)
