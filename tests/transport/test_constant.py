@@ -54,3 +54,24 @@ def test_echo_fillers_of_long_prompts_are_shared() -> None:
     assert r1.output_versions.tolist() == [4] * 10_000
     assert np.shares_memory(r1.output_logprobs.array, r2.output_logprobs.array)
     assert np.shares_memory(r1.output_versions.array, r2.output_versions.array)
+
+
+def test_echo_fillers_of_short_prompts_follow_the_weight_version() -> None:
+    # Short prompts take cached fillers: a new version must replace them at once.
+    async def run(version: int, n: int) -> Any:
+        return await echo_handler(
+            LLMRequest(input_ids=list(range(n))), SimpleNamespace(version=version)
+        )
+
+    for version, n in ((0, 16), (7, 16), (7, 4096), (0, 3), (2, 5000), (2, 1)):
+        r = asyncio.run(run(version, n))
+        assert r.output_versions.tolist() == [version] * n
+        assert r.output_logprobs.tolist() == [0.0] * n
+        assert r.output_tokens.tolist() == list(range(n))
+        assert not r.output_versions.array.flags.writeable
+
+
+def test_zero_itl_of_the_usual_response_is_a_read_only_view() -> None:
+    for n in (0, 1, 15, 4096, 4097, 10_000):
+        itl = _zero_itl(n)
+        assert len(itl) == n and not itl.array.any() and not itl.array.flags.writeable

@@ -148,9 +148,10 @@ def absorb_result(call: Call, res: fm.Result) -> LLMResponse | None:
         # One segment, nothing streamed: the worker's arrays (views of the received
         # frames) become the response as they are.
         latency = now - call.t0
+        itl = TokenArray._wrap(_ZEROS[: n - 1]) if 0 < n <= _N_ZEROS else _zero_itl(n - 1)
         return _response(
             call.orig, res.output_tokens, res.output_logprobs, res.output_versions,
-            stop_reason, latency, latency, _zero_itl(n - 1),
+            stop_reason, latency, latency, itl,
         )  # fmt: skip
     if call.chunks:
         call.chunks = []
@@ -172,6 +173,11 @@ def absorb_result(call: Call, res: fm.Result) -> LLMResponse | None:
                 return None
             stop_reason = stop
     return _finish(call, toks, lps, vers, stop_reason, now)
+
+
+# The zeros of the usual response's itl, sliced without a call to constant().
+_N_ZEROS = 4097
+_ZEROS = constant(_N_ZEROS - 1, np.float64)
 
 
 def _zero_itl(n: int) -> TokenArray:

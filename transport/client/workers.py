@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
 import re
 import time
 from collections.abc import Callable
@@ -113,7 +114,7 @@ class Worker:
             raise BadAddress(f"cannot connect to worker address {address!r}: {exc}") from exc
         self.monitor: zmq.Socket[Any] | None = make_monitor(sock, _MONITOR_EVENTS)
         self.pump = SocketPump(
-            sock, lambda frames: on_message(self, frames), batch_frames=True, defer_check=True
+            sock, functools.partial(on_message, self), batch_frames=True, defer_check=True
         )
         self.added_at = time.monotonic()  # its first pongs are waited for from here
         self.alive = False

@@ -74,7 +74,7 @@ class Replies:
             output_versions=TokenArray(np.array(ctx._ver, dtype=np.int32)),
         )
         ctx._seq += 1
-        ctx._tok, ctx._lp, ctx._ver = [], [], []
+        ctx._tok = ctx._lp = ctx._ver = _NO_TOKENS
         self.send(ctx.peer, msg)
 
     def finished(self, ctx: RequestContext, n_tokens: int) -> None:
@@ -86,6 +86,10 @@ class Replies:
                 metrics.WORKER_TTFT.observe(now - ctx._t0)
         elif n_tokens > 1:
             metrics.WORKER_ITL.observe((now - ctx._first) / (n_tokens - 1))
+
+
+# Shared by every context with nothing to send (never appended to: emit() replaces it).
+_NO_TOKENS: list[Any] = []
 
 
 class RequestContext:
@@ -113,10 +117,11 @@ class RequestContext:
         self.stream = stream
         self.deadline = deadline
         self._seq = 0
-        self._tok: list[int] = []
-        self._lp: list[float] = []
-        self._ver: list[int] = []
-        self._t0 = time.monotonic()
+        # Emitted and not sent yet: lists of their own once a token is emitted.
+        self._tok: list[int] = _NO_TOKENS
+        self._lp: list[float] = _NO_TOKENS
+        self._ver: list[int] = _NO_TOKENS
+        self._t0 = time.monotonic() if replies.latency_metrics else 0.0
         self._first = 0.0  # when the first token was emitted (0: none yet)
 
     @property
@@ -140,6 +145,7 @@ class RequestContext:
         if not self.stream:
             return
         if not self._tok:
+            self._tok, self._lp, self._ver = [], [], []
             self._replies.flush_soon(self)
         self._tok.append(token)
         self._lp.append(logprob)

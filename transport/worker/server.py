@@ -114,11 +114,12 @@ class WorkerServer:
         self.io = SocketThread(
             cfg, self.counters, self.lost, self.gate, self._tasks,
             worker_id=self.worker_id, incarnation=self.incarnation,
-            version=lambda: self.version, engine_waiting=self._engine_waiting,
+            version=self._version, engine_waiting=self._engine_waiting,
             status=self.status, dispatch=self._dispatch, threaded=not inline,
+            submit=self._on_submit,
         )  # fmt: skip
         self.counters.read["discarded"] = self.io.discarded
-        self.replies = Replies(self.io.send, self.gate, lambda: self.version, cfg.latency_metrics)
+        self.replies = Replies(self.io.send, self.gate, self._version, cfg.latency_metrics)
         if self.engine is not None:
             attach_engine(self, self.engine)  # its optional hooks (transport.engines.api)
         self._zmq_context: zmq.Context[Any] | None = None
@@ -152,6 +153,9 @@ class WorkerServer:
     @property
     def version(self) -> int:
         """The engine's weight version (0 without an engine exposing one)."""
+        return int(getattr(self.engine, "version", 0))
+
+    def _version(self) -> int:  # the property's value, one call cheaper per request
         return int(getattr(self.engine, "version", 0))
 
     def status(self) -> fm.WorkerStatus:
@@ -342,12 +346,15 @@ class WorkerServer:
             return
         timeout = sub.timeout
         deadline = time.monotonic() + timeout if timeout > 0 else _INF
-        req = _Request(RequestContext(self.replies, peer, sub.id, sub.stream, deadline), sub)
+        ctx = RequestContext(self.replies, peer, sub.id, sub.stream, deadline)
+        started = None
         if self.config.eager_start and timeout <= 0 and self.gate.try_enter():
-            resp, err, req.started = first_step(self.handler, sub.request, req.ctx)
-            if req.started is None:
-                self._ended(req, resp, err)
+            resp, err, started = first_step(self.handler, sub.request, ctx)
+            if started is None:  # answered at once: no task, no entry
+                self._ended(ctx, sub, resp, err)
                 return
+        req = _Request(ctx, sub)
+        req.started = started
         req.task = task = asyncio.ensure_future(self._run(req))
         task.add_done_callback(functools.partial(self._reap, req))
         self._tasks[key] = req
@@ -376,11 +383,11 @@ class WorkerServer:
         except (Exception, asyncio.CancelledError) as exc:
             err = exc
         if running:
-            self._ended(req, resp, err)
+            self._ended(req.ctx, req.sub, resp, err, req.aborted)
         else:  # cancelled while waiting for a slot: it never ran
             self._tasks.pop((req.ctx.peer, req.ctx.id), None)
             if isinstance(err, asyncio.CancelledError):
-                self._cancelled(req)
+                self._cancelled(req.ctx, req.aborted)
 
     def _reap(self, req: _Request, _: object) -> None:
         # A task cancelled before its first step (a Cancel in its Submit's batch) never
@@ -389,15 +396,17 @@ class WorkerServer:
             return
         abandon(req.started)
         if req.started is not None:
-            self._ended(req, None, asyncio.CancelledError())
+            self._ended(req.ctx, req.sub, None, asyncio.CancelledError(), req.aborted)
         else:
             self._tasks.pop((req.ctx.peer, req.ctx.id), None)
-            self._cancelled(req)
+            self._cancelled(req.ctx, req.aborted)
 
-    def _ended(self, req: _Request, resp: LLMResponse | None, err: BaseException | None) -> None:
-        """A handler holding a slot returned ``resp`` or raised ``err``: reply, free
-        the slot."""
-        ctx, sub = req.ctx, req.sub
+    def _ended(
+        self, ctx: RequestContext, sub: fm.Submit, resp: LLMResponse | None,
+        err: BaseException | None, aborted: bool = False,
+    ) -> None:  # fmt: skip
+        """A handler holding a slot returned ``resp`` or raised ``err`` (``aborted``: its
+        task was cancelled by an abort): reply, free the slot."""
         peer, id = ctx.peer, ctx.id
         counts = self.counters.loop
         try:
@@ -406,7 +415,8 @@ class WorkerServer:
                 problem = output_problem(resp)
                 if problem is None:
                     assert resp is not None
-                    self.replies.flush(ctx)  # the tokens streamed before the Result
+                    if ctx._tok:  # tokens emitted and not sent: they go before the Result
+                        self.replies.flush(ctx)
                     # Counted before it leaves: a health check after the answers sees it.
                     n = len(resp.output_tokens)
                     counts.result(resp.stop_reason, len(sub.request.input_ids), n)
@@ -425,7 +435,7 @@ class WorkerServer:
                     return
                 err = InvalidHandlerOutput(problem)
             if isinstance(err, asyncio.CancelledError):
-                self._cancelled(req)
+                self._cancelled(ctx, aborted)
                 return
             counts.counts["errors"] += 1
             counts.outcomes["error"] += 1
@@ -448,13 +458,12 @@ class WorkerServer:
             self._tasks.pop((peer, id), None)
             self.gate.leave()
 
-    def _cancelled(self, req: _Request) -> None:
+    def _cancelled(self, ctx: RequestContext, aborted: bool) -> None:
         counts = self.counters.loop
         counts.outcomes["cancelled"] += 1
-        if req.aborted:
+        if aborted:
             counts.counts["aborted"] += 1
             counts.finished["abort"] += 1
-            ctx = req.ctx
             self._send_error(ctx.peer, ctx.id, fm.ErrorCode.ABORTED, "aborted by a controller")
         else:
             counts.counts["cancelled"] += 1
