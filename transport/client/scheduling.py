@@ -70,10 +70,11 @@ class Scheduler:
         self.dispatch()
 
     def enqueue(self, call: Call, front: bool = False) -> None:
-        w = self._target(call)
-        if w is not None and not self.queue:
-            self._send(w, call)
-            return
+        if not self.queue:  # else it waits its turn: no worker to pick now
+            w = self._target(call)
+            if w is not None:
+                self._send(w, call)
+                return
         if front:
             self.queue.appendleft(call)
         else:
@@ -103,13 +104,15 @@ class Scheduler:
             return None
         best: Worker | None = None
         best_load = 0
-        self._rr = (self._rr + 1) % n
+        rr = self._rr = (self._rr + 1) % n
         for i in range(n):
-            w = order[(self._rr + i) % n]
-            if w.alive and not w.draining and len(w.inflight) < w.limit and w.warm():
-                load = len(w.inflight) + w.others
-                if best is None or load < best_load:
-                    best, best_load = w, load
+            w = order[(rr + i) % n]
+            if w.alive and not w.draining and (not w.cool_until or w.warm()):
+                load = len(w.inflight)
+                if load < w.limit:
+                    load += w.others
+                    if best is None or load < best_load:
+                        best, best_load = w, load
         return best
 
     def dispatch(self) -> None:
