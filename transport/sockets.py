@@ -31,7 +31,7 @@ import zmq
 
 from transport.curve import CurveConfig, WorkerAuthenticator, apply_curve_client, apply_curve_server
 from transport.pump import DEFAULT_PEER_QUEUE_LIMIT, SocketPump
-from transport.zmqio import recv_frames, send_frames, tune_allocator
+from transport.zmqio import COPY_BELOW, recv_frames, send_frames, tune_allocator
 
 __all__ = [
     "DEFAULT_HWM",
@@ -85,6 +85,7 @@ def make_socket(
     >>> sub.close(); zctx.term()
     """
     sock: zmq.Socket[Any] = zctx.socket(kind)
+    sock.copy_threshold = COPY_BELOW
     try:
         sock.setsockopt(zmq.LINGER, 0)
         if hwm is not None:

@@ -1,0 +1,93 @@
+"""How :func:`transport.zmqio.send_frames` hands buffers to libzmq on the fabric's
+sockets: copied below ``COPY_BELOW``, lent above it, and a received frame sent on as
+itself. Over ``inproc://``, where libzmq passes a message's memory through unchanged, so
+what arrives shows whether the sender's buffer was copied or shared."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import zmq
+
+from tests.helpers import wait_for
+from transport.sockets import make_socket
+from transport.zmqio import COPY_BELOW, recv_frames, send_frames
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[zmq.Socket[Any], zmq.Socket[Any]]]:
+    zctx: zmq.Context[Any] = zmq.Context()
+    a = make_socket(zctx, zmq.PAIR)
+    a.bind("inproc://zmqio-test")
+    b = make_socket(zctx, zmq.PAIR)
+    b.connect("inproc://zmqio-test")
+    try:
+        yield a, b
+    finally:
+        a.close()
+        b.close()
+        zctx.term()
+
+
+def _recv(sock: zmq.Socket[Any]) -> list[zmq.Frame]:
+    out: list[list[zmq.Frame]] = []
+
+    def ready() -> bool:
+        try:
+            out.append(recv_frames(sock))
+        except zmq.Again:
+            return False
+        return True
+
+    wait_for(ready, timeout=5)
+    return out[0]
+
+
+def _address(buf: Any) -> int:
+    return int(np.frombuffer(buf, np.uint8).ctypes.data)
+
+
+def test_a_frame_under_the_threshold_is_copied_at_send(pair: Any) -> None:
+    a, b = pair
+    assert a.copy_threshold == COPY_BELOW
+    arr = np.full((COPY_BELOW - 4) // 4, 7, np.int32)  # 128 KiB and more: lent by pyzmq
+    send_frames(a, [b"h", arr])
+    arr[:] = 9  # after the send: a copy does not see it
+    got = _recv(b)
+    assert np.frombuffer(got[1], np.int32).max() == 7
+    assert _address(got[1]) != arr.ctypes.data
+
+
+def test_a_frame_at_the_threshold_is_lent(pair: Any) -> None:
+    a, b = pair
+    arr = np.full(COPY_BELOW // 4, 7, np.int32)
+    send_frames(a, [b"h", arr])
+    got = _recv(b)
+    assert _address(got[1]) == arr.ctypes.data  # the sender's memory, not a copy
+
+
+@pytest.mark.parametrize("nbytes", [4096, COPY_BELOW * 2])
+def test_a_view_of_a_whole_received_frame_goes_as_that_frame(pair: Any, nbytes: int) -> None:
+    a, b = pair
+    send_frames(a, [b"h", np.arange(nbytes // 4, dtype=np.int32)])
+    first = _recv(b)[1]
+    view = np.frombuffer(first, np.int32)  # as the decoder makes a token array
+    send_frames(b, [b"again", view])
+    again = _recv(a)
+    assert again[0].bytes == b"again"
+    assert _address(again[1]) == _address(first)  # shared, neither copied nor lent
+    assert np.array_equal(np.frombuffer(again[1], np.int32), np.arange(nbytes // 4))
+
+
+def test_a_view_of_part_of_a_frame_is_sent_as_its_own_bytes(pair: Any) -> None:
+    a, b = pair
+    send_frames(a, [b"h", np.arange(1000, dtype=np.int32)])
+    first = _recv(b)[1]
+    part = np.frombuffer(first, np.int32)[10:20]
+    send_frames(b, [part])
+    got = _recv(a)
+    assert len(got) == 1
+    assert np.frombuffer(got[0], np.int32).tolist() == list(range(10, 20))
