@@ -8,10 +8,11 @@ from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
+import zmq
 
 from fastio import LLMRequest, TokenArray
 from transport.client.calls import _zero_itl
-from transport.constant import MAX_SHARED, constant
+from transport.constant import MAX_SHARED, constant, frame_constant
 from transport.worker.echo import echo_handler
 
 
@@ -54,3 +55,16 @@ def test_echo_fillers_of_long_prompts_are_shared() -> None:
     assert r1.output_versions.tolist() == [4] * 10_000
     assert np.shares_memory(r1.output_logprobs.array, r2.output_logprobs.array)
     assert np.shares_memory(r1.output_versions.array, r2.output_versions.array)
+
+
+def test_frame_constants_are_whole_frames_kept_per_length() -> None:
+    a = frame_constant(70_000, np.float32)
+    assert type(a.base) is zmq.Frame and a.nbytes == len(a.base)  # sent as that frame
+    assert not a.flags.writeable and not a.any() and len(a) == 70_000
+    assert frame_constant(70_000, np.float32) is a
+    v = frame_constant(5, np.int32, 3)
+    assert v.tolist() == [3] * 5 and v.dtype == np.int32
+    assert frame_constant(-1, np.int32).shape == (0,)
+    for n in range(40):  # a bounded table: old lengths are made again
+        frame_constant(n + 1, np.int8)
+    assert frame_constant(70_000, np.float32) is not a
