@@ -73,10 +73,16 @@ def nbytes(frames: list[Any]) -> int:
     """Bytes of a message's frames (a non-buffer counts as small)."""
     n = 0
     for f in frames:
-        try:
-            n += memoryview(f).nbytes
-        except TypeError:  # pragma: no cover - not a buffer
-            n += 64
+        t = type(f)
+        if t is bytes or t is _Frame:
+            n += len(f)
+        elif t is _ndarray:
+            n += f.nbytes
+        else:
+            try:
+                n += memoryview(f).nbytes
+            except TypeError:  # pragma: no cover - not a buffer
+                n += 64
     return n
 
 

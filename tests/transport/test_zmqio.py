@@ -14,7 +14,7 @@ import zmq
 
 from tests.helpers import wait_for
 from transport.sockets import make_socket
-from transport.zmqio import COPY_BELOW, recv_frames, send_frames
+from transport.zmqio import COPY_BELOW, nbytes, recv_frames, send_frames
 
 
 @pytest.fixture
@@ -91,3 +91,11 @@ def test_a_view_of_part_of_a_frame_is_sent_as_its_own_bytes(pair: Any) -> None:
     got = _recv(a)
     assert len(got) == 1
     assert np.frombuffer(got[0], np.int32).tolist() == list(range(10, 20))
+
+
+def test_nbytes_counts_bytes_of_every_frame_type() -> None:
+    frames = [
+        b"peer", np.zeros(1000, np.float64), np.zeros((3, 5), np.int16), memoryview(b"abc"),
+        zmq.Frame(b"x" * 30), bytearray(7),
+    ]  # fmt: skip
+    assert nbytes(frames) == 4 + 8000 + 30 + 3 + 30 + 7
