@@ -46,13 +46,14 @@ def constant(n: int, dtype: Any, value: Any = 0) -> npt.NDArray[Any]:
 
 
 _frames: dict[tuple[Any, Any, int], npt.NDArray[Any]] = {}
-_MAX_FRAMES = 16  # lengths kept
+_MAX_FRAMES = 16  # arrays kept
+_MAX_FRAME_BYTES = 16 << 20  # per array; the table holds at most 16 times that
 
 
 def frame_constant(n: int, dtype: Any, value: Any = 0) -> npt.NDArray[Any]:
     """As :func:`constant`, over a ``zmq.Frame`` of its own: the fabric sends it as that
-    frame (libzmq shares it: neither copied nor lent per message). The arrays of the
-    last 16 lengths asked for are kept (thread-safe); beyond ``MAX_SHARED``, ``constant``.
+    frame (libzmq shares it: neither copied nor lent per message). The last 16 arrays
+    asked for are kept (thread-safe); one over 16 MiB is :func:`constant`'s view.
 
     Examples
     --------
@@ -61,7 +62,7 @@ def frame_constant(n: int, dtype: Any, value: Any = 0) -> npt.NDArray[Any]:
     ([7, 7, 7], 'Frame', True)
     """
     n = max(n, 0)
-    if n > MAX_SHARED:
+    if n * np.dtype(dtype).itemsize > _MAX_FRAME_BYTES:
         return constant(n, dtype, value)
     key = (dtype, value, n)
     a = _frames.get(key)

@@ -68,3 +68,5 @@ def test_frame_constants_are_whole_frames_kept_per_length() -> None:
     for n in range(40):  # a bounded table: old lengths are made again
         frame_constant(n + 1, np.int8)
     assert frame_constant(70_000, np.float32) is not a
+    huge = frame_constant(5 << 20, np.float32)  # over 16 MiB: not kept, a shared view
+    assert type(huge.base) is not zmq.Frame and np.shares_memory(huge, constant(10, np.float32))
