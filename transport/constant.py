@@ -47,13 +47,13 @@ def constant(n: int, dtype: Any, value: Any = 0) -> npt.NDArray[Any]:
 
 _frames: dict[tuple[Any, Any, int], npt.NDArray[Any]] = {}
 _MAX_FRAMES = 16  # arrays kept
-_MAX_FRAME_BYTES = 16 << 20  # per array; the table holds at most 16 times that
+_MAX_FRAME_BYTES = 4 << 20  # per array: the table holds at most 64 MiB
 
 
 def frame_constant(n: int, dtype: Any, value: Any = 0) -> npt.NDArray[Any]:
     """As :func:`constant`, over a ``zmq.Frame`` of its own: the fabric sends it as that
     frame (libzmq shares it: neither copied nor lent per message). The last 16 arrays
-    asked for are kept (thread-safe); one over 16 MiB is :func:`constant`'s view.
+    asked for are kept (thread-safe); one over 4 MiB is :func:`constant`'s view.
 
     Examples
     --------
