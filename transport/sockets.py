@@ -20,6 +20,9 @@ Routing ids and ``ZMQ_ROUTER_HANDOVER``
     it take over: answers reach a client whose connection reset.
 ``linger``
     0 at close; :meth:`SocketPump.close` still hands libzmq what the pump holds.
+``copy_threshold`` of ROUTERs and DEALERs
+    :data:`transport.zmqio.COPY_BELOW`: smaller frames are copied at send, larger ones
+    lent to libzmq (pyzmq's default threshold elsewhere, e.g. the weights' publisher).
 """
 
 from __future__ import annotations
@@ -85,7 +88,6 @@ def make_socket(
     >>> sub.close(); zctx.term()
     """
     sock: zmq.Socket[Any] = zctx.socket(kind)
-    sock.copy_threshold = COPY_BELOW
     try:
         sock.setsockopt(zmq.LINGER, 0)
         if hwm is not None:
@@ -153,6 +155,7 @@ def make_router(
         ctx, zmq.ROUTER, hwm=hwm, max_message_size=max_message_size, curve=curve,
         curve_server=True, options=options,
     )  # fmt: skip
+    sock.copy_threshold = COPY_BELOW
     return sock, bind_all(sock, bind)
 
 
@@ -179,5 +182,6 @@ def make_dealer(
         ctx, zmq.DEALER, hwm=hwm, max_message_size=max_message_size, curve=curve,
         options=options,
     )  # fmt: skip
+    sock.copy_threshold = COPY_BELOW
     sock.connect(address)
     return sock

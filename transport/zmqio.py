@@ -34,8 +34,8 @@ _recv: Callable[..., Any] = getattr(_backend_socket, "recv", None) or zmq.Socket
 zmq_poll: Callable[..., list[Any]] = zmq.zmq_poll
 
 #: Frames under this many bytes are copied into libzmq's memory when sent, larger ones
-#: lent (the sockets' ``copy_threshold``, set by :func:`transport.sockets.make_socket`):
-#: libzmq hands a lent buffer back through pyzmq's garbage-collector thread, a thread
+#: lent (the ``copy_threshold`` of the fabric's ROUTERs and DEALERs, set in
+#: :mod:`transport.sockets`): libzmq hands a lent buffer back through pyzmq's garbage-collector thread, a thread
 #: wake-up and a GIL hand-off per frame, which cost more than copying a smaller one.
 COPY_BELOW = 256 << 10
 _Frame = zmq.Frame

@@ -1,7 +1,7 @@
 """How :func:`transport.zmqio.send_frames` hands buffers to libzmq on the fabric's
-sockets: copied below ``COPY_BELOW``, lent above it, and a received frame sent on as
-itself. Over ``inproc://``, where libzmq passes a message's memory through unchanged, so
-what arrives shows whether the sender's buffer was copied or shared."""
+ROUTERs and DEALERs: copied below ``COPY_BELOW``, lent above it, and a received frame
+sent on as itself. Over ``inproc://``, where libzmq passes a message's memory through
+unchanged, so what arrives shows whether the sender's buffer was copied or shared."""
 
 from __future__ import annotations
 
@@ -13,17 +13,16 @@ import pytest
 import zmq
 
 from tests.helpers import wait_for
-from transport.sockets import make_socket
+from transport.sockets import make_dealer, make_router
 from transport.zmqio import COPY_BELOW, nbytes, recv_frames, send_frames
 
 
 @pytest.fixture
 def pair() -> Iterator[tuple[zmq.Socket[Any], zmq.Socket[Any]]]:
+    """A DEALER (sends first) and the ROUTER it is connected to."""
     zctx: zmq.Context[Any] = zmq.Context()
-    a = make_socket(zctx, zmq.PAIR)
-    a.bind("inproc://zmqio-test")
-    b = make_socket(zctx, zmq.PAIR)
-    b.connect("inproc://zmqio-test")
+    b, _ = make_router(zctx, "inproc://zmqio-test")
+    a = make_dealer(zctx, "inproc://zmqio-test", routing_id=b"A")
     try:
         yield a, b
     finally:
@@ -57,8 +56,8 @@ def test_a_frame_under_the_threshold_is_copied_at_send(pair: Any) -> None:
     send_frames(a, [b"h", arr])
     arr[:] = 9  # after the send: a copy does not see it
     got = _recv(b)
-    assert np.frombuffer(got[1], np.int32).max() == 7
-    assert _address(got[1]) != arr.ctypes.data
+    assert np.frombuffer(got[2], np.int32).max() == 7
+    assert _address(got[2]) != arr.ctypes.data
 
 
 def test_a_frame_at_the_threshold_is_lent(pair: Any) -> None:
@@ -66,16 +65,16 @@ def test_a_frame_at_the_threshold_is_lent(pair: Any) -> None:
     arr = np.full(COPY_BELOW // 4, 7, np.int32)
     send_frames(a, [b"h", arr])
     got = _recv(b)
-    assert _address(got[1]) == arr.ctypes.data  # the sender's memory, not a copy
+    assert _address(got[2]) == arr.ctypes.data  # the sender's memory, not a copy
 
 
 @pytest.mark.parametrize("nbytes", [4096, COPY_BELOW * 2])
 def test_a_view_of_a_whole_received_frame_goes_as_that_frame(pair: Any, nbytes: int) -> None:
     a, b = pair
     send_frames(a, [b"h", np.arange(nbytes // 4, dtype=np.int32)])
-    first = _recv(b)[1]
+    first = _recv(b)[2]
     view = np.frombuffer(first, np.int32)  # as the decoder makes a token array
-    send_frames(b, [b"again", view])
+    send_frames(b, [b"A", b"again", view])
     again = _recv(a)
     assert again[0].bytes == b"again"
     assert _address(again[1]) == _address(first)  # shared, neither copied nor lent
@@ -85,9 +84,9 @@ def test_a_view_of_a_whole_received_frame_goes_as_that_frame(pair: Any, nbytes: 
 def test_a_view_of_part_of_a_frame_is_sent_as_its_own_bytes(pair: Any) -> None:
     a, b = pair
     send_frames(a, [b"h", np.arange(1000, dtype=np.int32)])
-    first = _recv(b)[1]
+    first = _recv(b)[2]
     part = np.frombuffer(first, np.int32)[10:20]
-    send_frames(b, [part])
+    send_frames(b, [b"A", part])
     got = _recv(a)
     assert len(got) == 1
     assert np.frombuffer(got[0], np.int32).tolist() == list(range(10, 20))
