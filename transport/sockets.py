@@ -20,6 +20,9 @@ Routing ids and ``ZMQ_ROUTER_HANDOVER``
     it take over: answers reach a client whose connection reset.
 ``linger``
     0 at close; :meth:`SocketPump.close` still hands libzmq what the pump holds.
+``copy_threshold`` of ROUTERs and DEALERs
+    :data:`transport.zmqio.COPY_BELOW`: smaller frames are copied at send, larger ones
+    lent to libzmq (pyzmq's default threshold elsewhere, e.g. the weights' publisher).
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ import zmq
 
 from transport.curve import CurveConfig, WorkerAuthenticator, apply_curve_client, apply_curve_server
 from transport.pump import DEFAULT_PEER_QUEUE_LIMIT, SocketPump
-from transport.zmqio import recv_frames, send_frames, tune_allocator
+from transport.zmqio import COPY_BELOW, recv_frames, send_frames, tune_allocator
 
 __all__ = [
     "DEFAULT_HWM",
@@ -152,6 +155,7 @@ def make_router(
         ctx, zmq.ROUTER, hwm=hwm, max_message_size=max_message_size, curve=curve,
         curve_server=True, options=options,
     )  # fmt: skip
+    sock.copy_threshold = COPY_BELOW
     return sock, bind_all(sock, bind)
 
 
@@ -178,5 +182,6 @@ def make_dealer(
         ctx, zmq.DEALER, hwm=hwm, max_message_size=max_message_size, curve=curve,
         options=options,
     )  # fmt: skip
+    sock.copy_threshold = COPY_BELOW
     sock.connect(address)
     return sock

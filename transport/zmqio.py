@@ -7,9 +7,11 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import zmq
 
 __all__ = [
+    "COPY_BELOW",
     "POLLIN",
     "nbytes",
     "recv_frames",
@@ -31,17 +33,28 @@ _recv: Callable[..., Any] = getattr(_backend_socket, "recv", None) or zmq.Socket
 #: ``zmq_poll([(sock, POLLIN)], 0)``: does input wait (re-arms the FD)?
 zmq_poll: Callable[..., list[Any]] = zmq.zmq_poll
 
+#: Frames under this many bytes are copied into libzmq's memory when sent, larger ones
+#: lent (the ``copy_threshold`` of the fabric's ROUTERs and DEALERs, set in
+#: :mod:`transport.sockets`): libzmq hands a lent buffer back through pyzmq's garbage-collector thread, a thread
+#: wake-up and a GIL hand-off per frame, which cost more than copying a smaller one.
+COPY_BELOW = 256 << 10
+_Frame = zmq.Frame
+_ndarray = np.ndarray
+
 
 def send_frames(sock: zmq.Socket[Any], frames: list[Any]) -> None:
     """``sock.send_multipart(frames, zmq.NOBLOCK, copy=False)``, cheaper; as atomic
-    (``zmq.Again``/``EHOSTUNREACH`` only for the first frame)."""
+    (``zmq.Again``/``EHOSTUNREACH`` only for the first frame). An array over a whole
+    received ``zmq.Frame`` (a decoded token array sent on) goes as that frame: libzmq
+    shares its memory, neither copied nor lent."""
     last = len(frames) - 1
-    if last == 0:
-        _send(sock, frames[0], _NOBLOCK, False)
-        return
-    for i in range(last):
-        _send(sock, frames[i], _SNDMORE_NOBLOCK, False)
-    _send(sock, frames[last], _NOBLOCK, False)
+    for i in range(last + 1):
+        f = frames[i]
+        if type(f) is _ndarray:
+            base: Any = f.base
+            if type(base) is _Frame and f.nbytes == len(base):
+                f = base
+        _send(sock, f, _SNDMORE_NOBLOCK if i < last else _NOBLOCK, False)
 
 
 def recv_frames(sock: zmq.Socket[Any]) -> list[zmq.Frame]:
@@ -60,10 +73,16 @@ def nbytes(frames: list[Any]) -> int:
     """Bytes of a message's frames (a non-buffer counts as small)."""
     n = 0
     for f in frames:
-        try:
-            n += memoryview(f).nbytes
-        except TypeError:  # pragma: no cover - not a buffer
-            n += 64
+        t = type(f)
+        if t is bytes or t is _Frame:
+            n += len(f)
+        elif t is _ndarray:
+            n += f.nbytes
+        else:
+            try:
+                n += memoryview(f).nbytes
+            except TypeError:  # pragma: no cover - not a buffer
+                n += 64
     return n
 
 

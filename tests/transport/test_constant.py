@@ -8,10 +8,11 @@ from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
+import zmq
 
 from fastio import LLMRequest, TokenArray
 from transport.client.calls import _zero_itl
-from transport.constant import MAX_SHARED, constant
+from transport.constant import MAX_SHARED, constant, frame_constant
 from transport.worker.echo import echo_handler
 
 
@@ -75,3 +76,18 @@ def test_zero_itl_of_the_usual_response_is_a_read_only_view() -> None:
     for n in (0, 1, 15, 4096, 4097, 10_000):
         itl = _zero_itl(n)
         assert len(itl) == n and not itl.array.any() and not itl.array.flags.writeable
+
+
+def test_frame_constants_are_whole_frames_kept_per_length() -> None:
+    a = frame_constant(70_000, np.float32)
+    assert type(a.base) is zmq.Frame and a.nbytes == len(a.base)  # sent as that frame
+    assert not a.flags.writeable and not a.any() and len(a) == 70_000
+    assert frame_constant(70_000, np.float32) is a
+    v = frame_constant(5, np.int32, 3)
+    assert v.tolist() == [3] * 5 and v.dtype == np.int32
+    assert frame_constant(-1, np.int32).shape == (0,)
+    for n in range(40):  # a bounded table: old lengths are made again
+        frame_constant(n + 1, np.int8)
+    assert frame_constant(70_000, np.float32) is not a
+    huge = frame_constant(5 << 20, np.float32)  # over 4 MiB: not kept, a shared view
+    assert type(huge.base) is not zmq.Frame and np.shares_memory(huge, constant(10, np.float32))

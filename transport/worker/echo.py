@@ -6,7 +6,7 @@ import numpy as np
 
 from fastio import LLMRequest, LLMResponse
 from fastio.tokens import TokenArray
-from transport.constant import constant
+from transport.constant import constant, frame_constant
 from transport.engines.api import GenerationContext
 
 __all__ = ["echo_handler"]
@@ -40,14 +40,15 @@ _fill = (0, constant(_FILL_LEN, np.float32), constant(_FILL_LEN, np.int32, 0))
 
 
 def _echo_fill(n: int, version: int) -> tuple[TokenArray, TokenArray]:
-    """Read-only zero logprobs and constant versions of length ``n``: views of shared
-    arrays, so the benchmark's worker spends its time on the fabric."""
+    """Read-only zero logprobs and constant versions of length ``n``, shared and sent as
+    frames of their own (as the raw echo's padding), so the benchmark's worker spends
+    its time on the fabric."""
     global _fill
     if n <= _FILL_LEN:  # the next ones of this version take the short path
         _fill = (version, constant(_FILL_LEN, np.float32), constant(_FILL_LEN, np.int32, version))
     return (
-        TokenArray._wrap(constant(n, np.float32)),
-        TokenArray._wrap(constant(n, np.int32, version)),
+        TokenArray._wrap(frame_constant(n, np.float32)),
+        TokenArray._wrap(frame_constant(n, np.int32, version)),
     )
 
 
