@@ -52,7 +52,9 @@ CUDA exists, ``gpu-tcp@<size>``/``gpu-shm@<size>`` measure trainer GPU tensors t
 GPU tensors (one process). ``python -m bench.weights --gpu-only`` runs the GPU suite
 (:func:`gpu_suite`: the ``ipc`` path with one and two worker processes, pinned staging,
 the device-copy and pinned-copy floors and a raw CUDA IPC bucket baseline) and writes its
-rows under ``--out`` (``bench/results/gpu/`` by default).
+rows under ``--out`` (``bench/results/gpu/`` by default); ``--focus`` runs only the
+~184 MiB model's ``tcp`` and ``shm`` cases and ``gloo-bucketed`` (a quick loop for work
+on the weight path).
 """
 
 from __future__ import annotations
