@@ -52,7 +52,9 @@ CUDA exists, ``gpu-tcp@<size>``/``gpu-shm@<size>`` measure trainer GPU tensors t
 GPU tensors (one process). ``python -m bench.weights --gpu-only`` runs the GPU suite
 (:func:`gpu_suite`: the ``ipc`` path with one and two worker processes, pinned staging,
 the device-copy and pinned-copy floors and a raw CUDA IPC bucket baseline) and writes its
-rows under ``--out`` (``bench/results/gpu/`` by default).
+rows under ``--out`` (``bench/results/gpu/`` by default); ``--focus`` runs only the
+~184 MiB model's ``tcp`` and ``shm`` cases and ``gloo-bucketed`` (a quick loop for work
+on the weight path).
 """
 
 from __future__ import annotations
@@ -304,7 +306,9 @@ def _primitives(state: dict[str, torch.Tensor]) -> dict[str, float]:
     buf = np.ones(total, dtype=np.uint8)  # written: no page faults in the timings
     hot = buf[: 256 << 10]
     plan = plan_for(state, 1 << 62)
-    packed = np.zeros(sum(b.nbytes for b in plan), dtype=np.uint8)
+    # Written, as a worker's segment is: pages never written would all read the one
+    # zero page, from cache, and make the verify-and-copy pass look cheaper than it is.
+    packed = np.ones(sum(b.nbytes for b in plan), dtype=np.uint8)
     dst = {k: v.clone() for k, v in state.items()}
     best = {"copy_s": 1e9, "hash_s": 1e9, "hash_hot_s": 1e9, "fused_s": 1e9}
     for _ in range(3):
@@ -364,7 +368,11 @@ def _bucket_table(ack: Any) -> list[dict[str, float]]:
     return out
 
 
-def _run_size(nbytes: int, hidden: int, vocab: int, reps: int, quick: bool) -> list[Measurement]:
+def _run_size(
+    nbytes: int, hidden: int, vocab: int, reps: int, quick: bool, focus: bool = False
+) -> list[Measurement]:
+    """One model size: the fastio cases and their baselines; ``focus``: only ``tcp``,
+    ``shm`` and ``gloo-bucketed`` (for iterating on the weight path)."""
     import fastio
     from bench.ipc_link import IpcTrainerLink
     from fastio import AllocationMode, WeightUpdateMeta
@@ -520,7 +528,9 @@ def _run_size(nbytes: int, hidden: int, vocab: int, reps: int, quick: bool) -> l
             )
 
         prim = _primitives(state)
-        ours = [fastio_case(tcp_pub, "tcp"), fastio_case(shm_pub, "shm"), ipc_case()]
+        ours = [fastio_case(tcp_pub, "tcp"), fastio_case(shm_pub, "shm")]
+        if not focus:
+            ours.append(ipc_case())
 
         # gloo, one broadcast per tensor into the live tensors (the reference's way)
         pg = None
@@ -577,12 +587,14 @@ def _run_size(nbytes: int, hidden: int, vocab: int, reps: int, quick: bool) -> l
                 samples.append(time.perf_counter() - t0)
             return samples[1:]
 
-        baselines = {"gloo": gloo_per_tensor(), "gloo-bucketed": gloo_bucketed()}
-        if not quick or size <= 256 * _MIB:
+        baselines = {"gloo-bucketed": gloo_bucketed()}
+        if not focus:
+            baselines = {"gloo": gloo_per_tensor(), **baselines}
+        if not focus and (not quick or size <= 256 * _MIB):
             baselines["disk"] = disk()
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 2
         floors = _floors(prim, cpu.get("gloo", {}).get("total", 0.0), cores)
-        gloo_med = statistics.median(baselines["gloo"])
+        gloo_med = statistics.median(baselines.get("gloo", baselines["gloo-bucketed"]))
         for m in ours:
             via = m.case.split("@")[0]
             # What the guarantees leave reachable here: the floor and the best ratio
@@ -977,6 +989,12 @@ def cpu_measurements(quick: bool) -> list[Measurement]:
     return out
 
 
+def focus_measurements(quick: bool) -> list[Measurement]:
+    """The ~184 MiB model's ``tcp`` and ``shm`` cases and ``gloo-bucketed`` only
+    (``python -m bench.weights --focus``: a quick loop for work on the weight path)."""
+    return _run_size(192 * _MIB, 512, 32000, 5, True, focus=True)
+
+
 def _import_roots() -> list[str]:
     """The directories ``bench``, ``fastio`` and ``transport`` are imported from here
     (a checkout's root, usually one), for the child's ``PYTHONPATH``."""
@@ -1141,8 +1159,15 @@ if __name__ == "__main__":  # pragma: no cover - manual runs
         budget = float(args[args.index("--budget") + 1]) if "--budget" in args else 230.0
         gpu_suite(out_dir, budget_s=budget)
         os._exit(0)
-    for m in run("--quick" in sys.argv):
+    if "--focus" in sys.argv:
+        ms = _cpu_measurements_in_child(True, target="bench.weights:focus_measurements")
+    else:
+        ms = run("--quick" in sys.argv)
+    for m in ms:
         print(m.case, m.impl, f"{m.median_s:.3f}s", m.extra.get("gb_per_s_per_worker"))
         if m.impl == FASTIO:
             print("   buckets:", m.extra.get("buckets"))
+        for k in ("cpu_s_per_update", "worker_stats", "publish_returned_s", "primitives_s"):
+            if k in m.extra:
+                print(f"   {k}:", m.extra[k])
     os._exit(0)
