@@ -52,8 +52,9 @@ _MAX_FRAME_BYTES = 4 << 20  # per array: the table holds at most 64 MiB
 
 def frame_constant(n: int, dtype: Any, value: Any = 0) -> npt.NDArray[Any]:
     """As :func:`constant`, over a ``zmq.Frame`` of its own: the fabric sends it as that
-    frame (libzmq shares it: neither copied nor lent per message). The last 16 arrays
-    asked for are kept (thread-safe); one over 4 MiB is :func:`constant`'s view.
+    frame (libzmq shares it: neither copied nor lent per message). Up to 16 arrays are
+    kept, then the table starts afresh (thread-safe); one over 4 MiB is
+    :func:`constant`'s view. Never make it writable: every later reply shares it.
 
     Examples
     --------
