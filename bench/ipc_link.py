@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any, Union
 
 import zmq
@@ -20,15 +21,89 @@ import fastio
 from fastio.errors import DecodeError
 from fastio.ipc_msgs import IpcAck, IpcHello, IpcOffer, IpcReady
 from fastio.versions import VERSION_1
-from transport.weights.routes.ipc import IpcExporter, IpcImporter, IpcRefused, IpcResult
+from transport.weights.routes.ipc import IpcExporter, IpcImporter, IpcRefused
 
 # No token arrays here: version 1, which every release reads.
 _encode = VERSION_1.encode
 
-__all__ = ["IpcTrainerLink", "IpcWorkerLink"]
+__all__ = ["IpcOutcomes", "IpcResult", "IpcTrainerLink", "IpcWorkerLink"]
 
 _TO_TRAINER = Union[IpcHello, IpcAck]  # noqa: UP007
 _TO_WORKER = Union[IpcOffer, IpcReady]  # noqa: UP007
+
+
+@dataclass
+class IpcResult:
+    """Outcome of a version: the last ack of each worker that applied it, and why the
+    others did not (``failed``: refused a bucket, process gone, not done in time)."""
+
+    version: int
+    applied: dict[str, IpcAck]
+    failed: dict[str, str]
+
+    @property
+    def ok(self) -> bool:
+        """Every worker applied the version."""
+        return not self.failed
+
+
+@dataclass
+class IpcOutcomes:
+    """How each version ended on each worker it was sent to, beside an
+    :class:`IpcExporter` (which keeps only what slot reuse needs): wrap the exporter's
+    ``send`` with :meth:`sending`, hand every ack to :meth:`ack`."""
+
+    exporter: IpcExporter
+    sent: dict[int, set[str]] = field(default_factory=dict)  # version -> workers
+    applied: dict[int, dict[str, IpcAck]] = field(default_factory=dict)  # its last bucket
+    failed: dict[int, dict[str, str]] = field(default_factory=dict)
+
+    def sending(self, send: Callable[[str, IpcReady], None]) -> Callable[[str, IpcReady], None]:
+        """``send``, noting who each version went to."""
+
+        def noting(wid: str, msg: IpcReady) -> None:
+            self.sent.setdefault(msg.version, set()).add(wid)
+            send(wid, msg)
+
+        return noting
+
+    def ack(self, ack: IpcAck) -> None:
+        """Hand ``ack`` to the exporter and note what it says of its version."""
+        self.exporter.handle_ack(ack)
+        failed = self.failed.setdefault(ack.version, {})
+        if ack.bucket < 0 or ack.worker_id in failed:
+            return
+        if not ack.ok:
+            failed[ack.worker_id] = ack.error or "refused"
+        elif ack.bucket == len(self.exporter.layout) - 1:
+            self.applied.setdefault(ack.version, {})[ack.worker_id] = ack
+
+    def result(
+        self, version: int, *, wait: Callable[[float], object], timeout: float = 60.0
+    ) -> IpcResult:
+        """Wait until every worker ``version`` was sent to has applied it, refused it or
+        is gone (up to ``timeout`` seconds), calling ``wait`` as the exporter's publish."""
+        targets = self.sent.get(version, set())
+        applied = self.applied.setdefault(version, {})
+        failed = self.failed.setdefault(version, {})
+
+        def settled() -> bool:
+            self.exporter.reap()
+            ws = self.exporter.workers
+            return all(t not in ws or t in applied or t in failed for t in targets)
+
+        deadline = time.monotonic() + timeout
+        while not settled() and (left := deadline - time.monotonic()) > 0:
+            wait(min(left, 0.2))
+        out = IpcResult(version, {}, {})
+        for t in sorted(targets):
+            if t in applied:
+                out.applied[t] = applied[t]
+            elif t in failed or t not in self.exporter.workers:
+                out.failed[t] = failed.get(t, "worker gone")
+            else:
+                out.failed[t] = f"not applied within {timeout} s"
+        return out
 
 
 class IpcTrainerLink:
@@ -45,6 +120,7 @@ class IpcTrainerLink:
 
     def __init__(self, exporter: IpcExporter, endpoint: str = "tcp://127.0.0.1:0") -> None:
         self.exporter = exporter
+        self.outcomes = IpcOutcomes(exporter)
         self._ctx: zmq.Context[Any] = zmq.Context.instance()
         self.sock = self._ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -86,13 +162,14 @@ class IpcTrainerLink:
                     self.refused[wid] = offer.error
                 self._send(wid, offer)
             elif msg.worker_id == wid:
-                self.exporter.handle_ack(msg)
+                self.outcomes.ack(msg)
 
     def swap(self, exporter: IpcExporter, workers: list[str]) -> None:
         """Serve ``exporter`` from now on, offering its slots to ``workers`` (ids that
         said hello); the old exporter is closed once they opened the new slots (a
         worker unmaps the old ones when it opens an offer)."""
         old, self.exporter = self.exporter, exporter
+        self.outcomes.exporter = exporter
         for wid in workers:
             self._send(wid, exporter.offer(self.hellos[wid]))
         self.wait_for_workers(len(workers))
@@ -109,8 +186,9 @@ class IpcTrainerLink:
 
     def publish(self, state: Any, version: int, timeout: float = 60.0) -> IpcResult:
         """Publish ``version`` and wait until every worker applied it (or failed)."""
-        self.exporter.publish(state, version, send=self._send, wait=self.pump, timeout=timeout)
-        return self.exporter.result(version, wait=self.pump, timeout=timeout)
+        send = self.outcomes.sending(self._send)
+        self.exporter.publish(state, version, send=send, wait=self.pump, timeout=timeout)
+        return self.outcomes.result(version, wait=self.pump, timeout=timeout)
 
     def close(self) -> None:
         """Close the socket and the exporter."""

@@ -3,14 +3,13 @@ teardown, and addresses on tcp (random loopback ports) or ipc (a temporary dir).
 
 from __future__ import annotations
 
-import multiprocessing as mp
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.helpers import ROOT, WorkerProc, await_for, wait_for
+from tests.helpers import ROOT, WorkerProc, await_for, mp_context, wait_for
 
 # Test modules import these from here too; tests/helpers.py is their home.
 __all__ = ["ROOT", "WorkerProc", "await_for", "wait_for"]
@@ -48,9 +47,9 @@ def bind(request: Any, tmp_path: Path) -> Callable[[str], str]:
 
 @pytest.fixture
 def procs() -> Iterator[Callable[..., Any]]:
-    """Start ``target(*args)`` in spawned daemon processes; the test's end kills those
-    still alive."""
-    ctx = mp.get_context("spawn")
+    """Start ``target(*args)`` in daemon child processes (:func:`tests.helpers.mp_context`);
+    the test's end kills those still alive."""
+    ctx = mp_context()
     started: list[Any] = []
 
     def start(target: Callable[..., None], *args: Any) -> Any:

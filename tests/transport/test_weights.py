@@ -33,6 +33,7 @@ from fastio.weight_msgs import (
     WeightWelcome,
 )
 from tests.transport.conftest import wait_for
+from tests.transport.weights_helpers import equal, make_state, zeros_like
 from transport.weights import (
     BucketApplier,
     ChecksumError,
@@ -50,29 +51,6 @@ from transport.weights.routes import shm as wshm
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int8,
           torch.uint8, torch.bool, torch.int32, torch.int16]  # fmt: skip
-
-
-def make_state(seed: int, *, scale: int = 1) -> dict[str, torch.Tensor]:
-    """A small state dict mixing dtypes and shapes (0-d, empty, odd sizes)."""
-    g = torch.Generator().manual_seed(seed)
-    return {
-        "embed.weight": torch.randn(97 * scale, 33, generator=g),
-        "layers.0.attn.weight": torch.randn(64, 64, generator=g).to(torch.bfloat16),
-        "layers.0.mlp.weight": torch.randn(65, 31, generator=g).half(),
-        "layers.0.norm.weight": torch.randn(33, generator=g),
-        "scalar": torch.randn((), generator=g, dtype=torch.float64),
-        "empty": torch.empty(0, 5),
-        "steps": torch.randint(0, 1 << 40, (3,), generator=g),
-        "mask": torch.rand(17, generator=g) > 0.5,
-    }
-
-
-def zeros_like(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {k: torch.zeros_like(v) for k, v in sd.items()}
-
-
-def equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 # -- bucketing -----------------------------------------------------------------------
@@ -247,7 +225,7 @@ class Pair:
         kw.setdefault("heartbeat_interval", 0.1)
         fault = kw.pop("fault", None)
         if fault is not None:
-            from tests.transport.test_weights_faults import FaultyPublisher
+            from tests.transport.weights_helpers import FaultyPublisher
 
             self.pub = FaultyPublisher(fault, context=self.ctx, **kw)
         else:

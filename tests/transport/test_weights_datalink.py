@@ -20,8 +20,14 @@ import pytest
 import torch
 
 from tests.transport.conftest import wait_for
-from tests.transport.test_weights import equal, make_state, zeros_like
-from tests.transport.test_weights_faults import BUCKET, digest_of, subscriber_proc
+from tests.transport.weights_helpers import (
+    BUCKET,
+    digest_of,
+    equal,
+    make_state,
+    subscriber_proc,
+    zeros_like,
+)
 from transport.weights import BucketApplier, WeightPublisher, WeightSubscriber, pack_bucket
 from transport.weights.bucket import checksum, dtype_name, plan_buckets
 from transport.weights.routes import tcp as dl

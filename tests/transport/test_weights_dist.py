@@ -4,7 +4,6 @@ later responses carry the new version."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import socket
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -14,15 +13,10 @@ import pytest
 import torch
 
 from fastio import AllocationMode, GenerationHyperparameters, LLMRequest, WeightUpdateMeta
-from tests.transport.test_weights import equal, make_state, zeros_like
+from tests.helpers import free_port, mp_context
+from tests.transport.weights_helpers import equal, make_state, zeros_like
 from transport.weights import WeightPublisher, state_digest, update_weights
 from transport.weights.dist import WeightGroup, param_specs, trainer_rank, worker_rank, world_size
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def test_ranks_follow_the_reference_layout() -> None:
@@ -57,9 +51,9 @@ def test_gloo_broadcast_of_buckets_to_worker_processes() -> None:
     alloc = AllocationMode.from_str("sglang.d1p1t2+d1p1t1")  # one server, tp 2: ranks 1, 2
     meta = WeightUpdateMeta.from_param_specs(
         alloc, param_specs(make_state(0)), nccl_group_name="test-weights",
-        master_address="127.0.0.1", master_port=_free_port(),
+        master_address="127.0.0.1", master_port=free_port(),
     )  # fmt: skip
-    ctx = mp.get_context("spawn")
+    ctx = mp_context()
     ps = [ctx.Process(target=dist_worker, args=(meta, 0, r), daemon=True) for r in (0, 1)]
     for p in ps:
         p.start()
@@ -198,9 +192,9 @@ def test_nccl_group_refuses_two_ranks_on_one_gpu_at_setup() -> None:
     each other (before: every rank went to cuda:0 and NCCL said "Duplicate GPU")."""
     meta = WeightUpdateMeta.from_param_specs(
         AllocationMode.from_str("sglang.d1p1t1+d1p1t1"), param_specs(make_state(0)),
-        nccl_group_name="test-one-gpu", master_address="127.0.0.1", master_port=_free_port(),
+        nccl_group_name="test-one-gpu", master_address="127.0.0.1", master_port=free_port(),
     )  # fmt: skip
-    ctx = mp.get_context("spawn")
+    ctx = mp_context()
     q = ctx.Queue()
     ps = [ctx.Process(target=_nccl_rank_on_one_gpu, args=(meta, r, q), daemon=True) for r in (0, 1)]
     for p in ps:
@@ -248,7 +242,7 @@ def _worker_recv_timed(meta: WeightUpdateMeta, q: Any, join_timeout: float | Non
 def _meta_one_worker(name: str) -> WeightUpdateMeta:
     return WeightUpdateMeta.from_param_specs(
         AllocationMode.from_str("sglang.d1p1t1+d1p1t1"), param_specs(make_state(0)),
-        nccl_group_name=name, master_address="127.0.0.1", master_port=_free_port(),
+        nccl_group_name=name, master_address="127.0.0.1", master_port=free_port(),
     )  # fmt: skip
 
 
@@ -257,7 +251,7 @@ def test_worker_fails_fast_when_its_trainer_dies_before_broadcasting() -> None:
     """The group formed, the trainer is killed before its first broadcast: the worker's
     recv fails within seconds (gloo's connections close), not after timeout=300."""
     meta = _meta_one_worker("test-dead-trainer")
-    ctx = mp.get_context("spawn")
+    ctx = mp_context()
     tq, wq = ctx.Queue(), ctx.Queue()
     trainer = ctx.Process(target=_trainer_forms_group_then_dies, args=(meta, tq), daemon=True)
     worker = ctx.Process(target=_worker_recv_timed, args=(meta, wq, None), daemon=True)
@@ -289,9 +283,9 @@ def test_worker_whose_trainer_died_before_the_group_formed_waits_join_timeout_on
     meta = WeightUpdateMeta.from_param_specs(
         AllocationMode.from_str("sglang.d1p1t2+d1p1t1"), param_specs(make_state(0)),
         nccl_group_name="test-dead-forming", master_address="127.0.0.1",
-        master_port=_free_port(),
+        master_port=free_port(),
     )  # fmt: skip
-    ctx = mp.get_context("spawn")
+    ctx = mp_context()
     trainer = ctx.Process(target=_trainer_dies_while_forming, args=(meta,), daemon=True)
     trainer.start()
     wq = ctx.Queue()

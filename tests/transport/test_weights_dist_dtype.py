@@ -7,15 +7,14 @@ and leaves the weights and the group usable."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
 from typing import Any
 
 import pytest
 import torch
 
 from fastio import AllocationMode, WeightUpdateMeta
-from tests.transport.test_weights_dist import _free_port
-from tests.transport.test_weights_engines import bits, make_lm, zeroed
+from tests.helpers import free_port, mp_context
+from tests.transport.weights_helpers import bits, make_lm, zeroed
 from transport.weights.dist import WeightGroup, param_specs, trainer_rank, worker_rank
 from transport.weights.errors import WeightMismatchError
 
@@ -30,7 +29,7 @@ def _meta() -> WeightUpdateMeta:
     return WeightUpdateMeta.from_param_specs(
         AllocationMode.from_str("sglang.d1p1t1+d1p1t1"), param_specs(make_lm()),
         nccl_group_name="test-weights-dtype", master_address="127.0.0.1",
-        master_port=_free_port(),
+        master_port=free_port(),
     )  # fmt: skip
 
 
@@ -95,7 +94,7 @@ def refusing_worker(meta: WeightUpdateMeta) -> None:
 
 def _run(target: Any, versions: list[int]) -> tuple[int | None, WeightGroup]:
     meta = _meta()
-    p = mp.get_context("spawn").Process(target=target, args=(meta,), daemon=True)
+    p = mp_context().Process(target=target, args=(meta,), daemon=True)
     p.start()
     try:
         group = _group(meta, trainer_rank())

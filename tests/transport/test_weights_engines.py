@@ -16,6 +16,7 @@ import torch
 import zmq
 
 from tests.transport.conftest import wait_for
+from tests.transport.weights_helpers import bits, make_lm, zeroed
 from transport.weights import WeightPublisher, WeightSubscriber
 from transport.weights.disk import load_weights, save_weights
 
@@ -25,43 +26,6 @@ pytestmark = pytest.mark.slow
 
 TIED = "lm_head.weight"
 EMBED = "model.embed_tokens.weight"
-
-
-def make_lm(kind: str = "llama", seed: int = 0, dtype: torch.dtype = torch.float32) -> Any:
-    """A small causal LM with random weights and tied embeddings."""
-    common = dict(
-        vocab_size=320,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=True,
-    )
-    if kind == "llama":
-        cfg = transformers.LlamaConfig(**common)
-        cls = transformers.LlamaForCausalLM
-    else:
-        cfg = transformers.Qwen2Config(**common)
-        cls = transformers.Qwen2ForCausalLM
-    torch.manual_seed(seed)
-    model = cls(cfg).to(dtype).eval()
-    assert model.lm_head.weight is model.model.embed_tokens.weight
-    return model
-
-
-def zeroed(model: Any) -> Any:
-    with torch.no_grad():
-        for p in model.parameters():
-            p.zero_()
-    return model
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    """The raw bits of a tensor (so NaN payloads and -0.0 compare exactly too)."""
-    t = t.detach().contiguous()
-    return t.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
 
 
 def assert_cast_of(worker: Any, trainer: Any, dtype: torch.dtype) -> None:

@@ -7,7 +7,6 @@ worker plugin's options.
 from __future__ import annotations
 
 import logging
-import multiprocessing as mp
 import os
 import signal
 import threading
@@ -22,8 +21,9 @@ import zmq
 
 import fastio
 from fastio.weight_msgs import WeightAck
+from tests.helpers import mp_context
 from tests.transport.conftest import wait_for
-from tests.transport.test_weights import equal, make_state, zeros_like
+from tests.transport.weights_helpers import equal, make_state, zeros_like
 from transport.weights import WeightPublisher, WeightSubscriber, state_digest
 from transport.weights.routes import shm as wshm
 
@@ -61,7 +61,7 @@ def test_a_stopped_worker_never_applies_a_mixed_version(
 ) -> None:
     if not wshm.available():
         pytest.skip("no /dev/shm")
-    events = mp.get_context("spawn").Queue()
+    events = mp_context().Queue()
     with WeightPublisher(shm=True, heartbeat_interval=0.1, worker_timeout=2.0) as pub:
         worker = procs(slow_subscriber_proc, pub.endpoint, events)
         pub.wait_for_workers(1, 60)
@@ -221,7 +221,7 @@ def test_a_killed_reader_frees_its_segment_at_once(
     version reports it lost, and its segment is packed again."""
     if not wshm.available():
         pytest.skip("no /dev/shm")
-    events = mp.get_context("spawn").Queue()
+    events = mp_context().Queue()
     with WeightPublisher(shm=True, heartbeat_interval=0.1, worker_timeout=600) as pub:
         worker = procs(killed_reader_proc, pub.endpoint, events)
         pub.wait_for_workers(1, 60)
@@ -385,7 +385,7 @@ def test_stale_segments_are_the_ones_whose_owner_died(
 ) -> None:
     if not wshm.available():
         pytest.skip("no /dev/shm")
-    names = mp.get_context("spawn").Queue()
+    names = mp_context().Queue()
     owner = procs(segment_owner_proc, names)
     path = wshm.SHM_DIR / names.get(timeout=60)
     old = time.time() - 60
@@ -432,7 +432,7 @@ def test_workers_paused_by_a_dead_trainer_resume(
         "--plugin-opt", "weights_shm=0",
         "--plugin-opt", "weights_pause_lease=2.5",
     )  # fmt: skip
-    events = mp.get_context("spawn").Queue()
+    events = mp_context().Queue()
     trainer = procs(pausing_trainer_proc, endpoint, w.address, events)
     assert events.get(timeout=60) == "paused"
     with FabricController([w.address], timeout=10) as ctl:

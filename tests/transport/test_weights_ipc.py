@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import fastio
+from bench.ipc_link import IpcOutcomes
 from fastio.ipc_msgs import IpcAck, IpcHandle, IpcHello, IpcOffer, IpcReady
 from transport.weights.core.process import process_start_time
 from transport.weights.errors import WeightUpdateError
@@ -110,14 +111,15 @@ def _pair(
 def test_versions_through_reused_slots(slots: int | None, atomic: bool) -> None:
     exp, imp, dst = _pair(slots, atomic)
     assert len(exp.layout) > 2 and exp.n_slots == (2 if slots else len(exp.layout))
+    outcomes = IpcOutcomes(exp)
 
     def send(_: str, r: IpcReady) -> None:
         for a in imp.on_ready(r):
-            exp.handle_ack(a)
+            outcomes.ack(a)
 
     for v in (1, 2, 3):
-        exp.publish(make_state(v), v, send=send, wait=lambda s: None)
-        res = exp.result(v, wait=lambda s: None, timeout=5)
+        exp.publish(make_state(v), v, send=outcomes.sending(send), wait=lambda s: None)
+        res = outcomes.result(v, wait=lambda s: None, timeout=5)
         assert res.ok and list(res.applied) == ["w"]
         assert equal(dst, make_state(v)) and imp.version == v and imp.serving
     exp.close()
@@ -151,13 +153,14 @@ def test_a_corrupt_bucket_is_refused_and_the_worker_keeps_its_version() -> None:
             exp._slots[r.slot][3] ^= 0xFF  # the bytes a worker reads are not what was packed
         acks.extend(imp.on_ready(r))
 
-    exp.publish(make_state(2), 2, send=corrupting, wait=time.sleep)
+    outcomes = IpcOutcomes(exp)
+    exp.publish(make_state(2), 2, send=outcomes.sending(corrupting), wait=time.sleep)
     assert [a.ok for a in acks] == [False] * len(exp.layout)
     assert "checksum mismatch" in acks[0].error and acks[0].current_version == 1
     assert equal(dst, make_state(1)) and imp.version == 1
     for a in acks:
-        exp.handle_ack(a)
-    res = exp.result(2, wait=time.sleep, timeout=1)
+        outcomes.ack(a)
+    res = outcomes.result(2, wait=time.sleep, timeout=1)
     assert not res.ok and "checksum" in res.failed["w"]
 
 

@@ -13,8 +13,13 @@ import pytest
 
 from fastio.ipc_msgs import IpcAck, IpcReady
 from tests.transport.conftest import wait_for
-from tests.transport.test_weights import equal, make_state, zeros_like
-from tests.transport.test_weights_faults import FaultyPublisher, corrupting_bucket_1
+from tests.transport.weights_helpers import (
+    FaultyPublisher,
+    corrupting_bucket_1,
+    equal,
+    make_state,
+    zeros_like,
+)
 from transport.weights import WeightPublisher, WeightSubscriber, state_digest
 
 

@@ -8,7 +8,6 @@ a worker stamped a version on another version's bytes.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import signal
 import threading
@@ -21,8 +20,9 @@ import zmq
 
 import fastio
 from fastio.weight_msgs import WeightBucket, WeightError, WeightFetch
+from tests.helpers import mp_context
 from tests.transport.conftest import wait_for
-from tests.transport.test_weights import make_state, zeros_like
+from tests.transport.weights_helpers import make_state, zeros_like
 from transport.weights import WeightPublisher, WeightSubscriber, serving, state_digest
 from transport.weights.routes import shm as wshm
 
@@ -77,8 +77,8 @@ def test_a_replacement_under_the_same_id_does_not_answer_for_its_predecessor(
         pytest.skip("no /dev/shm")
     # One queue per process: a process stopped while its queue's feeder thread still
     # holds the (cross-process) write lock would block the other one's reports.
-    events_a = mp.get_context("spawn").Queue()
-    events_b = mp.get_context("spawn").Queue()
+    events_a = mp_context().Queue()
+    events_b = mp_context().Queue()
     with WeightPublisher(shm=True, heartbeat_interval=0.1, worker_timeout=60) as pub:
         procs(same_id_proc, pub.endpoint, events_a, True)
         pub.wait_for_workers(1, 60)

@@ -16,9 +16,14 @@ import pytest
 import torch
 
 from tests.transport.conftest import wait_for
-from tests.transport.test_weights import equal, make_state, zeros_like
-from tests.transport.test_weights_faults import corrupting_bucket_1
-from tests.transport.test_weights_update import status, worker_args
+from tests.transport.weights_helpers import (
+    corrupting_bucket_1,
+    equal,
+    make_state,
+    status,
+    worker_args,
+    zeros_like,
+)
 from transport import ControlError, FabricController
 from transport.engine import TinyLM
 from transport.weights import BucketApplier, pack_bucket, plan_buckets

@@ -8,7 +8,6 @@ them with a real :class:`FabricController` over loopback TCP.
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -17,7 +16,9 @@ import pytest
 
 from fastio import GenerationHyperparameters, LLMRequest
 from fastio.weight_msgs import WeightAck
+from tests.helpers import free_port
 from tests.transport.conftest import wait_for
+from tests.transport.weights_helpers import status, worker_args
 from transport import ControlError, FabricController, SyncFabricClient
 from transport.engine import ReferenceEngine, TinyLM
 from transport.weights import UpdateIncomplete, WeightPublisher, WeightSubscriber, update_weights
@@ -34,31 +35,6 @@ def publisher() -> Iterator[WeightPublisher]:
     )
     yield pub
     pub.close()
-
-
-def worker_args(wid: str, endpoint: str, *extra: str) -> list[str]:
-    return [
-        "--bind",
-        "tcp://127.0.0.1:0",
-        "--worker-id",
-        wid,
-        "--plugin-opt",
-        f"weights_endpoint={endpoint}",
-        "--plugin-opt",
-        "weights_shm=0",
-        *extra,
-    ]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def status(ctl: FabricController) -> dict[str, Any]:
-    """Worker id -> status, of every worker that answers."""
-    return {s.worker_id: s for s in ctl.health(timeout=5).values()}
 
 
 # -- 1. a pause that fails on one worker must not leave the others paused ---------------

@@ -22,6 +22,7 @@ from transport.errors import ControlError
 from transport.options import parse_options
 from transport.weights.disk import _dirname, latest_version, load_weights, save_weights
 from transport.weights.errors import WeightUpdateError
+from transport.weights.update import PausedWhileCopying
 
 if TYPE_CHECKING:
     from transport.control import FabricController
@@ -95,9 +96,8 @@ class DiskFollower:
         self.pause_timeout = pause_timeout
         self.strict = strict
         self.refused: int | None = None
-        self._free = asyncio.Event()  # set while no load runs
-        self._free.set()
-        server.on_resume.append(self._free.wait)  # no generation under a running load
+        # No generation under a running load; a resume waits for it.
+        self.gate = PausedWhileCopying(server, pause_timeout)
 
     async def run(self) -> None:
         """Look at the marker every ``poll`` seconds until cancelled."""
@@ -125,29 +125,23 @@ class DiskFollower:
         """Load ``version`` (or, by copy, a newer one written meanwhile) while the
         worker is paused; True when the engine serves it."""
         s = self.server
-        ours, n = not s.paused, s.pause_requests
-        self._free.clear()
+        if not await self.gate.acquire():
+            msg = "worker %s: generations still running %.1f s after pausing for version %d from disk; trying again"
+            log.warning(msg, s.worker_id, self.pause_timeout, version)
+            return False
         try:
-            if not await s.pause(self.pause_timeout):
-                msg = "worker %s: generations still running %.1f s after pausing for version %d from disk; trying again"
-                log.warning(msg, s.worker_id, self.pause_timeout, version)
-                return False
-            try:
-                loaded = await self._load(version)
-            except Exception as exc:  # the engine's own loader may raise anything
-                self.refused = version
-                msg = "worker %s: version %d from %s refused, keeping version %d: %s"
-                log.error(msg, s.worker_id, version, self.root, self.engine.version, exc)
-                return False
-            self.engine.version = loaded
-            log.info("worker %s: loaded version %d from %s", s.worker_id, loaded, self.root)
-            return True
+            self.engine.version = await self._load(version)
+        except Exception as exc:  # the engine's own loader may raise anything
+            self.refused = version
+            msg = "worker %s: version %d from %s refused, keeping version %d: %s"
+            log.error(msg, s.worker_id, version, self.root, self.engine.version, exc)
+            return False
         finally:
-            self._free.set()
-            # Resume only a pause we took and no one renewed: a controller that paused
-            # meanwhile was promised that nothing generates until it resumes.
-            if ours and s.paused and s.pause_requests == n + 1:
-                await s.resume()
+            await self.gate.release()
+        log.info(
+            "worker %s: loaded version %d from %s", s.worker_id, self.engine.version, self.root
+        )
+        return True
 
 
 class DiskOptions(

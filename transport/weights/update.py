@@ -35,6 +35,7 @@ from transport.weights.subscriber import WeightSubscriber
 __all__ = [
     "PLUGIN_OPTIONS",
     "FabricUpdateResult",
+    "PausedWhileCopying",
     "PluginOptions",
     "attach_subscriber",
     "aupdate_weights",
@@ -154,18 +155,22 @@ async def aupdate_weights(
     )
 
 
-class _PausedWhileCopying:
-    """The subscriber's lock: the copy runs only while the worker is paused and idle.
+class PausedWhileCopying:
+    """The worker paused and idle while weights are written into its engine (a
+    subscriber's copy, a load from disk).
 
-    Entering pauses the server (or waits for idle under a controller's pause); leaving
-    resumes only a pause the lock owns. A controller's resume waits for the copy; after
-    a copy that left the weights mixed the worker stays paused, its version ``-1``.
+    :meth:`acquire` pauses the server (or waits for idle under a controller's pause);
+    :meth:`release` resumes only a pause it owns. A controller's resume waits for the
+    copy; after a copy that left the weights mixed the worker stays paused, its version
+    ``-1``. ``with`` runs both from another thread (the subscriber's) on ``loop``.
     """
 
     #: Refuses to serve mixed weights: subscribers default to one-pass mode under it.
     refuses_mixed = True
 
-    def __init__(self, server: Any, loop: asyncio.AbstractEventLoop, timeout: float) -> None:
+    def __init__(
+        self, server: Any, timeout: float, loop: asyncio.AbstractEventLoop | None = None
+    ) -> None:
         self.server = server
         self.loop = loop
         self.timeout = timeout
@@ -176,6 +181,7 @@ class _PausedWhileCopying:
         self._mine: int | None = None  # server.pause_requests right after our own pause
         self._free = asyncio.Event()  # set while no copy runs; used in the loop only
         self._free.set()
+        server.on_resume.append(self.hold_resume)
 
     async def hold_resume(self) -> None:
         """``server.on_resume``: a resume waits for a running copy, and is refused
@@ -187,7 +193,9 @@ class _PausedWhileCopying:
                 "midway); it stays paused until a complete version lands"
             )
 
-    async def _acquire(self) -> None:
+    async def acquire(self) -> bool:
+        """Pause and wait for idle; False (and released) when generations still run
+        after ``timeout`` seconds."""
         s = self.server
         # Still holding the pause of a copy that left the weights mixed: ours again.
         held = self._mine is not None and s.paused and s.pause_requests == self._mine
@@ -201,15 +209,13 @@ class _PausedWhileCopying:
             raise
         self._mine = n + 1 if ours else None
         if not ok:
-            await self._release()
-            raise RuntimeError(
-                f"worker {s.worker_id} still generating {self.timeout} s after pausing "
-                "for the weight copy"
-            )
+            await self.release()
+        return bool(ok)
 
-    async def _release(self) -> None:
+    async def release(self) -> None:
+        """The copy is over: resume a pause of ours unless the weights are mixed."""
         s = self.server
-        self._free.set()  # the copy is over (resumes see whether it left them mixed)
+        self._free.set()  # resumes see whether the copy left them mixed
         if self.mixed():
             # Refuse to serve: stay paused, keep the pause ours, health says -1.
             engine = getattr(s, "engine", None)
@@ -225,13 +231,13 @@ class _PausedWhileCopying:
         """Whether a copy holds the lock now."""
         return not self._free.is_set()
 
-    def _call(self, coro: Any) -> None:
+    def _call(self, coro: Any) -> Any:
+        assert self.loop is not None, "with PausedWhileCopying needs the server's loop"
         fut = asyncio.run_coroutine_threadsafe(coro, self.loop)
         deadline = time.monotonic() + self.timeout + 10.0
         while True:
             try:
-                fut.result(max(0.0, min(0.25, deadline - time.monotonic())))
-                return
+                return fut.result(max(0.0, min(0.25, deadline - time.monotonic())))
             except concurrent.futures.TimeoutError:
                 if time.monotonic() >= deadline:
                     fut.cancel()
@@ -240,10 +246,14 @@ class _PausedWhileCopying:
                 self.keepalive()
 
     def __enter__(self) -> None:
-        self._call(self._acquire())
+        if not self._call(self.acquire()):
+            raise RuntimeError(
+                f"worker {self.server.worker_id} still generating {self.timeout} s after "
+                "pausing for the weight copy"
+            )
 
     def __exit__(self, *exc: object) -> None:
-        self._call(self._release())
+        self._call(self.release())
 
 
 def attach_subscriber(
@@ -277,8 +287,7 @@ def attach_subscriber(
         kwargs["loader"] = load_weights
         kwargs.setdefault("atomic", True)
 
-    lock = _PausedWhileCopying(server, loop, pause_timeout)
-    server.on_resume.append(lock.hold_resume)
+    lock = PausedWhileCopying(server, pause_timeout, loop)
     kwargs.setdefault("worker_id", server.worker_id)
     sub = WeightSubscriber(
         endpoint,
@@ -298,7 +307,7 @@ def attach_subscriber(
 
 
 async def _pause_lease(
-    server: Any, sub: WeightSubscriber, lock: _PausedWhileCopying, lease: float
+    server: Any, sub: WeightSubscriber, lock: PausedWhileCopying, lease: float
 ) -> None:
     """Resume a worker left paused by a trainer that is gone (see ``pause_lease``)."""
     rule = PauseLease(lease)

@@ -54,7 +54,6 @@ __all__ = [
     "IpcOffering",
     "IpcReceiver",
     "IpcRefused",
-    "IpcResult",
     "checksum",
     "ipc_eligible",
     "plan_layout",
@@ -68,26 +67,8 @@ IPC_MODES = ("auto", "cpu", "off")
 class _Worker:
     hello: IpcHello
     opened: bool = False
-    version: int = -1
     exports: list[IpcHandle] = field(default_factory=list)
-    acks: dict[int, IpcAck] = field(default_factory=dict)  # version -> its last bucket's ack
-    failed: dict[int, str] = field(default_factory=dict)  # version -> why
     offered_at: float = field(default_factory=time.monotonic)
-
-
-@dataclass
-class IpcResult:
-    """Outcome of a version: the last ack of each worker that applied it, and why the
-    others did not (``failed``: refused a bucket, process gone, not done in time)."""
-
-    version: int
-    applied: dict[str, IpcAck]
-    failed: dict[str, str]
-
-    @property
-    def ok(self) -> bool:
-        """Every worker applied the version."""
-        return not self.failed
 
 
 class IpcExporter:
@@ -140,7 +121,6 @@ class IpcExporter:
         self.pending: list[set[str]] = [set() for _ in range(n)]
         self.workers: dict[str, _Worker] = {}
         self._start_time = process_start_time(os.getpid()) or 0
-        self._versions: dict[int, set[str]] = {}  # version -> workers it was sent to
         #: The version the slots hold whole (one slot per bucket), else ``-1``.
         self.held = -1
         #: Readers of :meth:`snapshot` views still at work: :meth:`publish` waits for them.
@@ -177,7 +157,7 @@ class IpcExporter:
             self.drop_worker(
                 hello.worker_id, dead=not process_alive(old.hello.pid, old.hello.start_time)
             )
-        w = _Worker(hello, version=hello.version)
+        w = _Worker(hello)
         w.exports = [  # CUDA: one export (reference counter) per worker, released alone
             h or shared._export_cuda(self._slots[k], self._events[k])
             for k, h in enumerate(self._cpu_handles)
@@ -193,7 +173,8 @@ class IpcExporter:
         )
 
     def handle_ack(self, ack: IpcAck) -> None:
-        """Account one :class:`IpcAck` (unknown workers are ignored)."""
+        """Account one :class:`IpcAck` (unknown workers are ignored): a slot it
+        released, the slots it opened or let go."""
         w = self.workers.get(ack.worker_id)
         if w is None:
             return
@@ -208,11 +189,6 @@ class IpcExporter:
             return
         if 0 <= ack.slot < self.n_slots:
             self.pending[ack.slot].discard(ack.worker_id)
-        if not ack.ok:
-            w.failed.setdefault(ack.version, ack.error or "refused")
-        elif ack.bucket == len(self.layout) - 1 and ack.version not in w.failed:
-            w.acks[ack.version] = ack
-            w.version = ack.version
 
     def drop_worker(self, worker_id: str, *, dead: bool) -> None:
         """Forget a worker: no slot waits for it any more. ``dead``: its process is gone,
@@ -252,7 +228,7 @@ class IpcExporter:
     ) -> None:
         """Pack ``state`` as ``version``, bucket by bucket, and ``send`` an
         :class:`IpcReady` to every opened worker after each; returns once the last is
-        sent (see :meth:`result`). ``wait(seconds)`` is called while a slot is still
+        sent. ``wait(seconds)`` is called while a slot is still
         read: it blocks up to that long, handing each :class:`IpcAck` to :meth:`handle_ack`.
 
         Raises
@@ -269,7 +245,6 @@ class IpcExporter:
             raise WeightUpdateError("the slots are still read for a snapshot")
         self.held = -1
         n = len(self.layout)
-        sent_to: set[str] = set()
         for b in self.layout:
             k = b.index % self.n_slots
             if not _until(partial(self._free, k), deadline, wait):
@@ -292,11 +267,7 @@ class IpcExporter:
             for wid, w in list(self.workers.items()):
                 if w.opened:
                     self.pending[k].add(wid)
-                    sent_to.add(wid)
                     send(wid, msg)
-        self._versions[version] = sent_to
-        for old in [v for v in self._versions if v < version - 8]:
-            del self._versions[old]
         self.held = version if self.n_slots >= n else -1
 
     def snapshot(self, version: int) -> dict[str, torch.Tensor] | None:
@@ -306,33 +277,6 @@ class IpcExporter:
         if self.held != version or self.closed:
             return None
         return shared._views(self.layout, self._slots)
-
-    def result(
-        self, version: int, *, wait: Callable[[float], object], timeout: float = 60.0
-    ) -> IpcResult:
-        """Wait until every worker ``version`` was sent to has applied it, refused it or
-        is gone (up to ``timeout`` seconds), calling ``wait`` as in :meth:`publish`."""
-        targets = self._versions.get(version, set())
-
-        def settled() -> bool:
-            self.reap()
-            ws = self.workers
-            return all(
-                t not in ws or version in ws[t].acks or version in ws[t].failed for t in targets
-            )
-
-        _until(settled, time.monotonic() + timeout, wait)
-        applied: dict[str, IpcAck] = {}
-        failed: dict[str, str] = {}
-        for t in sorted(targets):
-            w = self.workers.get(t)
-            if w is None:
-                failed[t] = "worker gone"
-            elif version in w.acks:
-                applied[t] = w.acks[version]
-            else:
-                failed[t] = w.failed.get(version, f"not applied within {timeout} s")
-        return IpcResult(version, applied, failed)
 
     def close(self) -> None:
         """Drop the slots (their memory is freed once no live worker maps them)."""

@@ -414,14 +414,14 @@ class IpcReceiver:
                 self.fetcher.abandon(f"superseded by version {r.version} (ipc)")
             else:
                 why = f"not applied, version {up.ann.version} is being written by shm/tcp"
-                self._after(r, imp.refuse(r, why), before)
+                self._after(imp.refuse(r, why), before)
                 return
         if locked:
             try:
                 self.lock.__enter__()
             except Exception as exc:  # the weights are not free: refuse the version
                 why = f"not applied, the weights were not free: {exc}"
-                self._after(r, imp.refuse(r, why), before)
+                self._after(imp.refuse(r, why), before)
                 return
         try:
             acks = imp.on_ready(r)
@@ -432,9 +432,9 @@ class IpcReceiver:
         finally:
             if locked:
                 self.lock.__exit__(None, None, None)
-        self._after(r, acks, before)
+        self._after(acks, before)
 
-    def _after(self, r: IpcReady, acks: list[IpcAck], before: int) -> None:
+    def _after(self, acks: list[IpcAck], before: int) -> None:
         """Send the slot acks, then report the version (applied, or fetched again by
         shm/tcp when it failed here)."""
         imp = self.importer
