@@ -40,7 +40,8 @@ _perf_counter = time.perf_counter
 # A joined message is sent at this size, and a larger message never joined: ZeroMQ
 # delivers a message whole, so its receiver would idle until all of it arrived.
 _JOIN_LIMIT = 256 << 10
-# Marks "no message to this destination in the burst yet" in SocketPump._pending.
+# Marks "no message to this destination in the burst yet" in SocketPump._pending, and
+# "none at all" in SocketPump._first.
 _FIRST: Any = object()
 
 
@@ -125,7 +126,10 @@ class SocketPump:
         self._last_send = 0.0
         self._in_batch = False
         self.batch_frames = batch_frames
-        # Per destination of this burst: messages being joined (None: none yet).
+        # The first destination of this burst (its first message went at once; a burst
+        # to one destination needs no dict), and per other destination of this burst:
+        # messages being joined (None: none yet).
+        self._first: Any = _FIRST
         self._pending: dict[Any, _Joined | None] = {}
         self._scheduled = False
         self._timer: asyncio.TimerHandle | None = None
@@ -200,28 +204,33 @@ class SocketPump:
     def send(self, frames: list[Any]) -> None:
         """Send one message without blocking (coalesced within a burst, queued at the
         HWM)."""
-        if self._closed:
-            return
         if not self._burst:
-            if self._in_batch:
-                self._burst = True  # it ends with the batch
-            elif _perf_counter() - self._last_send < _BURST_GAP_S:  # ended by a drain
-                self._burst = True
-                self._schedule()
-            else:
-                self._send_now(frames)
-                self._last_send = _perf_counter()
+            if self._closed:
                 return
+            if self._in_batch:  # a burst, ended by the batch; its first message goes now
+                self._burst = True
+                self._first = frames[0] if self.router else None
+                self._send_now(frames)
+                return
+            if _perf_counter() - self._last_send < _BURST_GAP_S:  # ended by a drain
+                self._burst = True
+                self._first = frames[0] if self.router else None
+                self._schedule()
+            self._send_now(frames)
+            self._last_send = _perf_counter()
+            return
         router = self.router
         key = frames[0] if router else None
         pending = self._pending
         joined = pending.get(key, _FIRST)
-        if joined is _FIRST:  # goes at once: a lone reply never waits for its batch
-            pending[key] = None
-            self._send_now(frames)
-            if not self._in_batch:
-                self._last_send = _perf_counter()
-            return
+        if joined is _FIRST:
+            if key != self._first:  # goes at once: a lone reply never waits for its batch
+                pending[key] = None
+                self._send_now(frames)
+                if not self._in_batch:
+                    self._last_send = _perf_counter()
+                return
+            joined = None
         body = len(frames) - 1 if router else len(frames)
         last = frames[-1]
         if body == 1 and type(last) is bytes:
@@ -261,6 +270,7 @@ class SocketPump:
                 self.send(frames)
             return
         self._burst = True
+        self._first = _FIRST
         try:
             for frames in messages:
                 self.send(frames)
@@ -295,15 +305,10 @@ class SocketPump:
         except zmq.ZMQError as exc:
             self._undeliverable(frames, exc)
         else:
-            if self._dropped and self.router:
+            if self._dropped:  # only a ROUTER drops
                 self._dropped.discard(frames[0])  # it reads again
         # The send may have taken the FD's edge: look now.
-        if (
-            not self._in_batch
-            and not self._scheduled
-            and not self._closed
-            and zmq_poll(self._pollin, 0)
-        ):
+        if not (self._in_batch or self._scheduled or self._closed) and zmq_poll(self._pollin, 0):
             self._schedule()
 
     def _undeliverable(self, frames: list[Any], exc: zmq.ZMQError) -> None:

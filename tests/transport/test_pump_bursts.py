@@ -111,3 +111,72 @@ def test_large_messages_are_not_joined_and_joined_ones_are_bounded() -> None:
     ]
     assert 40 // 5 <= len(per_message) - 5 < 40
     assert max(per_message[5:]) < (256 + 65) << 10
+
+
+def test_a_burst_to_two_peers_sends_each_first_at_once_and_joins_the_rest() -> None:
+    # In a batch, and in a send_many: each peer's first message of the burst goes at
+    # once (the first peer's as well as later ones), the rest to that peer are joined
+    # into one ZeroMQ message, and every peer gets its own in order.
+    ctx = zmq.Context()
+    peers = {name: ctx.socket(zmq.DEALER) for name in (b"peer-a", b"peer-b")}
+    got: dict[bytes, list[list[int]]] = {name: [] for name in peers}
+    on_way: list[bool] = []
+
+    def cancel(i: int) -> bytes:
+        frames = fastio.encode(fm.Cancel(id=i))
+        assert len(frames) == 1
+        return bytes(frames[0])
+
+    def burst(base: int) -> list[list[Any]]:
+        return [[name, cancel(base + 10 * k + j)] for k in range(4) for j, name in enumerate(peers)]
+
+    def receive(n: int) -> bool:
+        for name, s in peers.items():
+            while s.poll(0):
+                m = s.recv_multipart(copy=False)
+                ids = [fastio.decode(b, type=fm.CLIENT_TO_WORKER).id for b in fm.split(m)]
+                got[name].append(ids)
+        return sum(len(ids) for per in got.values() for ids in per) >= n
+
+    async def main() -> None:
+        router = ctx.socket(zmq.ROUTER)
+        router.setsockopt(zmq.LINGER, 0)
+        router.bind("inproc://pump-two-peers")
+        for name, s in peers.items():
+            s.setsockopt(zmq.LINGER, 0)
+            s.setsockopt(zmq.ROUTING_ID, name)
+            s.connect("inproc://pump-two-peers")
+            s.send(b"hello")
+        hellos = asyncio.Event()
+        seen = set()
+
+        def on_recv(frames: list[zmq.Frame]) -> None:
+            if frames[1].bytes == b"hello":
+                seen.add(frames[0].bytes)
+                if len(seen) == 2:
+                    hellos.set()
+                return
+            for frames_out in burst(0):
+                pump.send(frames_out)
+            # Still inside the batch: both firsts are on their way, the rest held.
+            on_way.append(all(s.poll(2000) for s in peers.values()))
+
+        pump = SocketPump(router, on_recv, router=True, batch_frames=True)
+        await asyncio.wait_for(hellos.wait(), 10)
+        peers[b"peer-a"].send(b"go")
+        await await_for(lambda: receive(8), what="the batch's replies")
+        pump.send_many(burst(100))
+        await await_for(lambda: receive(16), what="the send_many's messages")
+        pump.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        for s in peers.values():
+            s.close(0)
+        ctx.term()
+    assert on_way == [True]
+    for j, name in enumerate(peers):
+        assert got[name] == [
+            ids for b in (0, 100) for ids in ([b + j], [b + j + 10 * k for k in range(1, 4)])
+        ]
