@@ -65,9 +65,18 @@ class RawClient:
         s.send_multipart(frames, copy=False)
         s.recv_multipart(copy=False)
 
-    def pipelined(self, frames: list[bytes], number: int, window: int) -> float:
+    def pipelined(self, frames: list[bytes], number: int, window: int, hold: bool = True) -> float:
+        """``number`` requests, at most ``window`` in flight; seconds per request.
+
+        ``hold``: keep every reply until all are in, then release them (inside the
+        timing), as a caller of the fabric holds its responses (``asyncio.gather``'s
+        list). ``hold=False`` drops each reply at once, so the next one is received into
+        the same cache-hot buffer: a reader of its replies never gets that.
+        """
         socks = self.socks
         sent = done = k = 0
+        kept: list[list[zmq.Frame]] = []
+        keep = kept.append if hold else _drop
         t0 = time.perf_counter()
         while sent < min(window, number):
             socks[k % len(socks)].send_multipart(frames, copy=False)
@@ -77,16 +86,21 @@ class RawClient:
             for s, _ in self.poller.poll():
                 while True:
                     try:
-                        s.recv_multipart(zmq.NOBLOCK, copy=False)
+                        keep(s.recv_multipart(zmq.NOBLOCK, copy=False))
                     except zmq.Again:
                         break
                     done += 1
                     if sent < number:
                         s.send_multipart(frames, copy=False)
                         sent += 1
+        kept.clear()
         return (time.perf_counter() - t0) / number
 
     def close(self) -> None:
         for s in self.socks:
             s.close(0)
         self.ctx.term()
+
+
+def _drop(msg: list[zmq.Frame]) -> None:
+    """A reply not kept."""
