@@ -54,8 +54,8 @@ Cases
     Both hold every reply until the sample's last is in (fastio: ``gather``'s list of
     responses; raw: a list of the received frames), then release it, inside the timing.
     A client that drops each reply at once receives the next into the same cache-hot
-    buffer: 20-25% faster at 64 KiB-1 MiB on these machines, a speed no caller that
-    keeps its replies gets. That figure is still measured, in the same rounds, as raw's
+    buffer: up to 25% faster at 64 KiB-4 MiB on these machines (it varies by run and
+    size), a speed no caller that keeps its replies gets. That figure is still measured, in the same rounds, as raw's
     ``extra["req_per_s_dropping_replies"]``.
 ``rtt@<size>``, ``throughput@<size>``
     The same two measurements for requests whose token array is ``<size>`` bytes
@@ -242,10 +242,13 @@ async def _sample(c: _Case, key: str, pids: list[int], n: int, fn: Callable[[], 
     r = fn()
     if inspect.isawaitable(r):
         await r
-        # What we awaited (for a gather: every response) is released when the loop
-        # callback that resumed us ends: yield once, so that happens inside the timing,
-        # as raw's release of the replies it held.
+        # Released inside the timing, as raw releases the replies it held: what we
+        # awaited (for a gather: every response) is held by our name and by the loop
+        # callback that resumed us, until that callback ends.
+        del r
         await asyncio.sleep(0)
+    else:
+        del r
     dt = time.perf_counter() - t0
     cpu = time.process_time() + sum(_proc_cpu(p) for p in pids) - cpu0
     c.samples[key].append(dt / n)
@@ -323,6 +326,7 @@ async def _rtt_chunks(c: _Case, rtts: list[tuple[str, list[int], Callable[[], An
                 r = one_rtt()
                 if r is not None:
                     await r
+                    r = None  # the reply is released in the next timing, as raw's is in its own
                 times.append(time.perf_counter() - t0)
             cpu = time.process_time() + sum(_proc_cpu(p) for p in pids) - cpu0
             c.samples[key].append(float(np.median(times)))
