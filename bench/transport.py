@@ -64,6 +64,11 @@ Cases
     ``throughput@64`` are the samples of ``rtt-small`` and ``throughput-2w``.
     Throughput of large requests uses fewer requests, all in flight at once on both
     sides (the raw window equals the request count, below the fabric's in-flight bound).
+``throughput-2w-gc``
+    ``throughput-2w`` with the client's cyclic GC on (every other case pauses it), at
+    Python's default thresholds (``fastio-default-gc``) and after
+    :func:`transport.tune_gc` (``fastio``), alternated: what the README's advice to call
+    ``tune_gc`` in a rollout process gains.
 ``inflight-100k``
     100,000 requests submitted at once by one client to two echo workers
     (:mod:`bench.inflight`; a fresh process so its RSS is its own), two rounds:
@@ -258,8 +263,9 @@ async def _sample(c: _Case, key: str, pids: list[int], n: int, fn: Callable[[], 
 
 
 def _interleaved(
-    workers: dict[str, list[_Proc]], cases: list[_Case], repeat: int, peer: bool, loop: str
-) -> None:
+    workers: dict[str, list[_Proc]], cases: list[_Case], repeat: int, peer: bool, loop: str,
+    gc_case: _Case | None = None,
+) -> None:  # fmt: skip
     """Samples of every implementation, one after the other, round after round."""
     from bench.vllm_style import VllmStyleClient
     from transport import ClientConfig, FabricClient
@@ -293,6 +299,8 @@ def _interleaved(
                 for r in range(repeat):
                     for c in cases:
                         await _round(c, r, one, two, raw, v_one, v_two, pids)
+                if gc_case is not None:
+                    await _gc_rounds(gc_case, repeat, two, pids[FASTIO])
             finally:
                 for v in (v_one, v_two):
                     if v is not None:
@@ -383,6 +391,44 @@ async def _round(
         gc.enable()
 
 
+async def _gc_rounds(c: _Case, repeat: int, two: Any, pids: list[int]) -> None:
+    """``throughput-2w-gc``: the small throughput with the client's cyclic GC on, at
+    Python's default thresholds (``fastio-default-gc``) and after
+    :func:`transport.tune_gc` (``fastio``), alternated."""
+    from transport import tune_gc
+
+    reqs = [c.request(f"gc-{i}") for i in range(c.tp_number)]
+    before = gc.get_threshold()
+    try:
+        for _ in range(repeat):
+            for key in (_DEFAULT_GC, FASTIO):
+                gc.set_threshold(700, 10, 10)  # CPython's defaults
+                if key == FASTIO:
+                    tune_gc()
+                await _sample(
+                    c, key, pids, c.tp_number,
+                    lambda: asyncio.gather(*(two.agenerate(q) for q in reqs)),
+                )  # fmt: skip
+    finally:
+        gc.set_threshold(*before)
+
+
+_DEFAULT_GC = "fastio-default-gc"
+
+
+def _gc_measurements(c: _Case) -> list[Measurement]:
+    unit = {"size_unit": "bytes", "wire_bytes": c.request_bytes, "reply_bytes": c.reply_bytes}
+    out = []
+    for impl in (FASTIO, _DEFAULT_GC):
+        m = Measurement.from_samples(
+            SUITE, "throughput-2w-gc", impl, c.n_tokens * 4, c.samples[impl], **unit
+        )
+        m.extra["req_per_s"] = round(1 / m.median_s)
+        m.extra["cpu_us_per_req"] = c.cpu_us(impl)
+        out.append(m)
+    return out
+
+
 def _cases(quick: bool) -> list[_Case]:
     # The first case is the small request of rtt-small / throughput-2w. The vLLM-style
     # peer is measured at 1k- and 32k-token prompts.
@@ -456,8 +502,11 @@ def run(quick: bool, fabric_only: bool = False, loop: str = "asyncio") -> list[M
     try:
         for p in procs:
             p.ready()
-        _interleaved(workers, cases, repeat, peer=True, loop=loop)
+        gc_case = None if fabric_only else _Case(16, 0, cases[0].tp_number, cases[0].window)
+        _interleaved(workers, cases, repeat, peer=True, loop=loop, gc_case=gc_case)
         out += _measurements(cases)
+        if gc_case is not None:
+            out += _gc_measurements(gc_case)
         if not fabric_only:
             from bench.inflight import inflight
 

@@ -39,6 +39,7 @@ MODULES = [
     "transport.sockets",
     "transport.pump",
     "transport.addresses",
+    "transport.collector",
     "transport.engines",
     "transport.engines.api",
     "transport.engines.registry",

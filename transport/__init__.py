@@ -11,6 +11,7 @@ only the fabric envelope (:mod:`fastio.fabric_msgs`). Rooms:
   of ``--engine`` names, the SGLang and vLLM bridges
 - :mod:`transport.engine`: a reference engine (tiny torch LM on CPU)
 - :mod:`transport.addresses`: host names checked, wildcard hosts made reachable
+- :mod:`transport.collector`: the cyclic GC's setting for processes with many requests
 
 The rooms are imported on first use: ``import transport`` loads only the errors, and
 the base install (no torch) serves the client, the controller and the echo worker.
@@ -41,6 +42,7 @@ if TYPE_CHECKING:
         SyncFabricClient,
         WorkerInfo,
     )
+    from transport.collector import tune_gc
     from transport.control import FabricController
     from transport.engine import ReferenceEngine, TinyLM
     from transport.engines import Engine, GenerationContext
@@ -67,6 +69,7 @@ _LAZY = {
     "WorkerInfo": "transport.client",
     "WorkerServer": "transport.worker",
     "echo_handler": "transport.worker",
+    "tune_gc": "transport.collector",
 }
 
 __all__ = [
@@ -95,6 +98,7 @@ __all__ = [
     "WorkerInfo",
     "WorkerServer",
     "echo_handler",
+    "tune_gc",
 ]
 
 
