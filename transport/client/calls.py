@@ -21,7 +21,7 @@ from transport import metrics
 from transport.client.workers import Call
 from transport.constant import constant
 
-__all__ = ["Counters", "absorb_result", "keep_streamed", "on_stream"]
+__all__ = ["Counters", "absorb_result", "drop_times", "keep_streamed", "on_stream"]
 
 _NAMES = (
     "submitted", "completed", "failed", "resent", "interrupted", "timeouts", "cancelled",
@@ -74,10 +74,25 @@ def on_stream(call: Call, msg: fm.Stream) -> None:
         return
     pos = call.base + call.seg_streamed
     call.seg_streamed += k
-    call.chunks.append((msg.output_tokens, msg.output_logprobs, msg.output_versions))
-    call.times.extend([time.perf_counter()] * k)
+    chunk = (msg.output_tokens, msg.output_logprobs, msg.output_versions)
+    if call.chunks:
+        call.chunks.append(chunk)
+    else:
+        call.chunks = [chunk]
+    now = [time.perf_counter()] * k
+    if call.times:
+        call.times.extend(now)
+    else:
+        call.times = now
     if call.on_chunk is not None:
         _deliver(call, pos, msg.output_tokens, msg.output_logprobs, msg.output_versions)
+
+
+def drop_times(call: Call, keep: int) -> None:
+    """Forget the arrival times of output positions ``keep`` and on."""
+    if len(call.times) > keep:
+        assert isinstance(call.times, list)  # non-empty: a list
+        del call.times[keep:]
 
 
 def _append(call: Call, toks: TokenArray, lps: TokenArray, vers: TokenArray) -> None:
@@ -116,7 +131,7 @@ def keep_streamed(call: Call) -> LLMResponse | None:
     the re-send continue after them. Returns the response when those tokens complete
     the call, else None."""
     chunks = call.chunks
-    call.chunks = []
+    call.chunks = ()
     call.seg_streamed = 0
     if chunks:
         if len(chunks) == 1:
@@ -126,7 +141,7 @@ def keep_streamed(call: Call) -> LLMResponse | None:
                 TokenArray._wrap(np.concatenate([c[i].array for c in chunks])) for i in range(3)
             )
         _append(call, toks, lps, vers)
-    del call.times[call.base :]
+    drop_times(call, call.base)
     if call.out_tok is None:
         return None
     stop = _next_segment(call)
@@ -153,13 +168,15 @@ def absorb_result(call: Call, res: fm.Result) -> LLMResponse | None:
             call.orig, res.output_tokens, res.output_logprobs, res.output_versions,
             stop_reason, latency, latency, itl,
         )  # fmt: skip
-    if call.chunks:
-        call.chunks = []
+    call.chunks = ()
     extra = call.base + n - len(call.times)  # tokens the stream did not announce
     if extra > 0:
-        call.times.extend([now] * extra)
+        if call.times:
+            call.times.extend([now] * extra)
+        else:
+            call.times = [now] * extra
     elif extra < 0:
-        del call.times[call.base + n :]
+        drop_times(call, call.base + n)
     if call.out_tok is None and stop_reason != "interrupt":
         toks, lps, vers = res.output_tokens, res.output_logprobs, res.output_versions
     else:

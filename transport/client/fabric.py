@@ -18,7 +18,7 @@ from fastio import fabric_msgs as fm
 from fastio.protocol import MsgKind
 from transport import metrics
 from transport.addresses import resolve_problem, tcp_host
-from transport.client.calls import Counters, absorb_result, on_stream
+from transport.client.calls import Counters, absorb_result, drop_times, on_stream
 from transport.client.config import ChunkCallback, ClientConfig, client_config
 from transport.client.future import GenerateFuture, bind, install_task_factory
 from transport.client.liveness import Liveness, log
@@ -294,8 +294,8 @@ class FabricClient:
         call.worker = None
         if err.code == fm.ErrorCode.OVERLOADED:
             self.counters.add("overloaded")
-            call.chunks = []
-            del call.times[call.base :]
+            call.chunks = ()
+            drop_times(call, call.base)
             w.limit = max(1, len(w.inflight))
             if not w.inflight:  # full with other clients' work: back off, do not spin
                 w.cool_until = time.monotonic() + 0.01

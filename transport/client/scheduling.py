@@ -148,8 +148,7 @@ class Scheduler:
         call.worker = w
         call.sub_id = sub_id
         call.seg_streamed = 0
-        if call.chunks:
-            call.chunks = []
+        call.chunks = ()
         w.inflight[sub_id] = call
         rid = call.orig.rid
         if self.sticky.get(rid) != w.address:

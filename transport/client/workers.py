@@ -250,9 +250,11 @@ class Call:
         self.out_tok: TokenArray | None = None
         self.out_lp: TokenArray | None = None
         self.out_ver: TokenArray | None = None
-        self.times: list[float] = []  # arrival time of every accumulated/streamed token
-        # Streamed chunks of the current attempt, and their token count.
-        self.chunks: list[tuple[TokenArray, TokenArray, TokenArray]] = []
+        # Arrival time of every accumulated/streamed token; the shared empty tuple until
+        # the first (most calls never stream: no list each for the GC to walk).
+        self.times: list[float] | tuple[()] = ()
+        # Streamed chunks of the current attempt (the empty tuple: none), and their count.
+        self.chunks: list[tuple[TokenArray, TokenArray, TokenArray]] | tuple[()] = ()
         self.seg_streamed = 0
         self.delivered = 0  # output positions handed to on_chunk
         self.resends = 0
