@@ -67,8 +67,9 @@ Cases
 ``throughput-2w-gc``
     ``throughput-2w`` with the client's cyclic GC on (every other case pauses it), at
     Python's default thresholds (``fastio-default-gc``) and after
-    :func:`transport.tune_gc` (``fastio``), alternated: what the README's advice to call
-    ``tune_gc`` in a rollout process gains.
+    :func:`transport.tune_gc` (``fastio``), in alternating order, each sample starting
+    after a full collection: what the README's advice to call ``tune_gc`` in a rollout
+    process gains.
 ``inflight-100k``
     100,000 requests submitted at once by one client to two echo workers
     (:mod:`bench.inflight`; a fresh process so its RSS is its own), two rounds:
@@ -395,16 +396,17 @@ async def _gc_rounds(c: _Case, repeat: int, two: Any, pids: list[int]) -> None:
     """``throughput-2w-gc``: the small throughput with the client's cyclic GC on, at
     Python's default thresholds (``fastio-default-gc``) and after
     :func:`transport.tune_gc` (``fastio``), alternated."""
-    from transport import tune_gc
+    from transport.collector import GC_THRESHOLD
 
     reqs = [c.request(f"gc-{i}") for i in range(c.tp_number)]
     before = gc.get_threshold()
     try:
-        for _ in range(repeat):
-            for key in (_DEFAULT_GC, FASTIO):
-                gc.set_threshold(700, 10, 10)  # CPython's defaults
-                if key == FASTIO:
-                    tune_gc()
+        for r in range(repeat):
+            for key in (_DEFAULT_GC, FASTIO)[:: 1 if r % 2 else -1]:
+                # tune_gc's setting (set here: FASTIO_TUNE_GC=0 must not change the
+                # case), or CPython 3.11-3.13's defaults.
+                gc.set_threshold(GC_THRESHOLD if key == FASTIO else 700, 10, 10)
+                gc.collect()  # both start from empty generations
                 await _sample(
                     c, key, pids, c.tp_number,
                     lambda: asyncio.gather(*(two.agenerate(q) for q in reqs)),

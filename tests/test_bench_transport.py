@@ -36,9 +36,9 @@ def _timed_events(monkeypatch: pytest.MonkeyPatch, fn: Any) -> list[str]:
         return clock()
 
     async def main() -> None:
-        monkeypatch.setattr(bt.time, "perf_counter", perf_counter)
+        monkeypatch.setattr(time, "perf_counter", perf_counter)
         await bt._sample(bt._Case(16, 1, 1, 1), "k", [], 3, lambda: fn(events))
-        monkeypatch.setattr(bt.time, "perf_counter", clock)
+        monkeypatch.setattr(time, "perf_counter", clock)
         events.append("returned")
 
     asyncio.run(main())

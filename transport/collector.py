@@ -25,9 +25,9 @@ def tune_gc(threshold: int = GC_THRESHOLD, *, freeze: bool = False) -> bool:
     (the others unchanged; a collector disabled by a zero threshold stays so). With
     ``freeze``, every object alive now leaves the collector's passes
     (:func:`gc.freeze`: call it once a program has loaded what it keeps, such as its
-    modules and model). The settings are process-wide. Cyclic garbage waits longer to be
-    freed: up to ``threshold`` container objects. ``FASTIO_TUNE_GC=0`` in the
-    environment leaves the collector alone.
+    modules and model). The settings are process-wide. Cyclic garbage waits much longer
+    to be freed (the older generations' passes come as much rarer).
+    ``FASTIO_TUNE_GC=0`` in the environment leaves the collector alone.
 
     fastio never calls it: a program embedding a :class:`~transport.FabricClient` (a
     rollout process) calls it itself, once it has started. A program whose cyclic garbage

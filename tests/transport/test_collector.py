@@ -12,11 +12,15 @@ from transport import tune_gc
 
 
 @pytest.fixture(autouse=True)
-def _restore() -> Iterator[None]:
-    before = gc.get_threshold()
+def _restore(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    monkeypatch.delenv("FASTIO_TUNE_GC", raising=False)
+    before, enabled = gc.get_threshold(), gc.isenabled()
+    gc.enable()
     yield
     gc.set_threshold(*before)
     gc.unfreeze()
+    if not enabled:
+        gc.disable()
 
 
 def test_raises_the_first_threshold_only() -> None:
@@ -37,9 +41,10 @@ def test_never_lowers_a_higher_threshold_nor_enables_a_disabled_collector() -> N
 def test_the_environment_turns_it_off(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("FASTIO_TUNE_GC", "0")
     gc.set_threshold(700, 10, 10)
+    frozen = gc.get_freeze_count()
     assert tune_gc(freeze=True) is False
     assert gc.get_threshold() == (700, 10, 10)
-    assert gc.get_freeze_count() == 0
+    assert gc.get_freeze_count() == frozen
 
 
 def test_freeze_moves_what_is_alive_out_of_the_passes() -> None:
