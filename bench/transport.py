@@ -67,9 +67,9 @@ Cases
 ``throughput-2w-gc``
     ``throughput-2w`` with the client's cyclic GC on (every other case pauses it), at
     Python's default thresholds (``fastio-default-gc``) and after
-    :func:`transport.tune_gc` (``fastio``), in alternating order, each sample starting
-    after a full collection: what the README's advice to call ``tune_gc`` in a rollout
-    process gains.
+    :func:`transport.tune_gc` (``fastio``), in alternating order; a sample is 4 bursts
+    of the ``throughput-2w`` requests, one after another, starting after a full
+    collection: what the README's advice to call ``tune_gc`` in a rollout process gains.
 ``inflight-100k``
     100,000 requests submitted at once by one client to two echo workers
     (:mod:`bench.inflight`; a fresh process so its RSS is its own), two rounds:
@@ -407,15 +407,21 @@ async def _gc_rounds(c: _Case, repeat: int, two: Any, pids: list[int]) -> None:
                 # case), or CPython 3.11-3.13's defaults.
                 gc.set_threshold(GC_THRESHOLD if key == FASTIO else 700, 10, 10)
                 gc.collect()  # both start from empty generations
-                await _sample(
-                    c, key, pids, c.tp_number,
-                    lambda: asyncio.gather(*(two.agenerate(q) for q in reqs)),
-                )  # fmt: skip
+                await _sample(c, key, pids, _GC_BURSTS * c.tp_number, lambda: _bursts(two, reqs))
     finally:
         gc.set_threshold(*before)
 
 
 _DEFAULT_GC = "fastio-default-gc"
+# Bursts per sample: a rollout process sends one after another, and the full passes
+# come once enough survivors of earlier bursts have piled up.
+_GC_BURSTS = 4
+
+
+async def _bursts(two: Any, reqs: list[Any]) -> None:
+    for _ in range(_GC_BURSTS):
+        await asyncio.gather(*(two.agenerate(q) for q in reqs))
+        await asyncio.sleep(0)  # release the responses, as a caller done with them
 
 
 def _gc_measurements(c: _Case) -> list[Measurement]:
