@@ -232,6 +232,7 @@ def test_readme_benchmark_table_lists_every_case() -> None:
     named = {"vllm-style": "vLLM-style", "msgspec-lists": "msgspec lists"}
     named |= {"msgspec-bytes": "msgspec bytes", "raw-pyzmq": "raw pyzmq", "frame": "a frame"}
     named |= {"fastio-1k-tokens": "1k tokens", "fastio-16KiB": "16 KiB"}
+    named |= {"fastio-default-gc": "default GC thresholds"}
     absent = sorted(b for b in baselines if named.get(b, b) not in table)
     assert not absent, f"README's benchmark table lacks the baselines {absent}"
 
