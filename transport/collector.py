@@ -1,10 +1,11 @@
 """The cyclic garbage collector's setting for processes that hold many requests.
 
 CPython runs a pass over its youngest objects every 700 net allocations of container
-objects, and over everything when enough have survived. A client or worker with
-thousands of requests in flight keeps about ten such objects per request (futures, calls,
-token arrays, responses) that form no cycles: at the default threshold the collector
-walks them again and again, holding the GIL, and frees nothing.
+objects, and over everything when enough have survived. A client with thousands of
+requests in flight keeps about ten such objects per request (futures, calls, token
+arrays, responses) that form no cycles: at the default threshold it runs hundreds of
+passes a second and, every few thousand requests, a full pass over all of them, holding
+the GIL, and they free nothing.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ def tune_gc(threshold: int = GC_THRESHOLD, *, freeze: bool = False) -> bool:
     ``freeze``, every object alive now leaves the collector's passes
     (:func:`gc.freeze`: call it once a program has loaded what it keeps, such as its
     modules and model). The settings are process-wide. Cyclic garbage waits much longer
-    to be freed (the older generations' passes come as much rarer).
+    to be freed: the older generations' passes become as much rarer.
     ``FASTIO_TUNE_GC=0`` in the environment leaves the collector alone.
 
     fastio never calls it: a program embedding a :class:`~transport.FabricClient` (a
