@@ -21,6 +21,7 @@ import torch
 import fastio
 from bench.ipc_link import IpcOutcomes
 from fastio.ipc_msgs import IpcAck, IpcHandle, IpcHello, IpcOffer, IpcReady
+from tests.transport import weights_helpers
 from transport.weights.core.process import process_start_time
 from transport.weights.errors import WeightUpdateError
 from transport.weights.routes.ipc import (
@@ -35,20 +36,12 @@ BUCKET = 8 << 10  # several buckets of the state below, so two slots are reused 
 
 
 def make_state(version: int) -> dict[str, torch.Tensor]:
-    """A small model mixing dtypes and sizes (0-d, empty, odd byte counts), different
-    for every version."""
-    g = torch.Generator().manual_seed(version)
-    return {
-        "embed.weight": torch.randn(97, 33, generator=g),
-        "attn.weight": torch.randn(64, 64, generator=g).to(torch.bfloat16),
-        "mlp.weight": torch.randn(65, 31, generator=g).half(),
-        "norm.weight": torch.randn(33, generator=g),
-        "scalar": torch.randn((), generator=g, dtype=torch.float64),
-        "empty": torch.empty(0, 5),
-        "steps": torch.randint(0, 1 << 40, (3,), generator=g),
-        "mask": torch.rand(17, generator=g) > 0.5,
-        "head.weight": torch.randn(40, 50, generator=g),
-    }
+    """The helpers' mixed state dict (0-d, empty, odd byte counts) plus one more tensor,
+    different for every version."""
+    state = weights_helpers.make_state(version)
+    g = torch.Generator().manual_seed(1_000_003 + version)
+    state["head.weight"] = torch.randn(40, 50, generator=g)
+    return state
 
 
 def zeros() -> dict[str, torch.Tensor]:
