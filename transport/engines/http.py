@@ -3,9 +3,11 @@ flight, server-sent events and the streaming ``generate`` loop.
 
 A bridge is an :class:`~transport.Engine` that forwards each request to a server in its
 own process (SGLang, vLLM) and streams the answer back; the worker keeps its sockets,
-pause and failover. A server that is gone (unreachable, or ``/health`` failing
-``health_failures`` times in a row) closes the worker, whose clients re-send its requests
-elsewhere: run the worker under a supervisor that restarts it with its server.
+pause and failover. A server is gone when ``/health`` says so (unreachable, or failing
+``health_failures`` times in a row), not when one connection breaks: that closes the
+worker, whose clients re-send its requests elsewhere (run the worker under a supervisor
+that restarts it with its server). A request the server rejects (an HTTP error, an error
+event inside its stream) fails alone, with the server's message.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ __all__ = [
     "BridgeOptions",
     "Flight",
     "HTTPBridge",
+    "ServerRejected",
     "raise_for_status",
     "sampling_common",
     "sse_events",
@@ -50,6 +53,12 @@ _NO_TOP_K = 1 << 30
 JSON_HEADERS = {"Content-Type": "application/json"}
 
 Seconds = Annotated[float, msgspec.Meta(gt=0)]
+
+
+class ServerRejected(RuntimeError):
+    """The server refused or failed one request (an HTTP error status, an error event
+    in its stream, a stream that broke while the server stayed healthy): that request
+    fails with this message, and the worker serves on."""
 
 
 class BridgeOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -69,6 +78,11 @@ class BridgeOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         The watchdog: ``GET /health`` every ``health_interval`` s (0: off); after
         ``health_failures`` failures (errors or no answer in ``health_timeout`` s) in a
         row the worker closes.
+    keepalive:
+        Seconds an idle connection is kept for reuse: below the server's own (uvicorn,
+        under vLLM and SGLang, closes idle ones after 5 s), so that the bridge closes
+        first. A request that finds its connection closed anyway is sent once more on
+        a fresh one.
     """
 
     url: str
@@ -78,6 +92,7 @@ class BridgeOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     health_interval: Annotated[float, msgspec.Meta(ge=0)] = 2.0
     health_timeout: Seconds = 5.0
     health_failures: Annotated[int, msgspec.Meta(ge=1)] = 3
+    keepalive: Seconds = 2.0
 
 
 def sampling_common(g: Any, max_key: str, min_key: str) -> dict[str, Any]:
@@ -99,10 +114,22 @@ def sampling_common(g: Any, max_key: str, min_key: str) -> dict[str, Any]:
 
 
 async def raise_for_status(resp: Any, what: str) -> None:
-    """``RuntimeError`` quoting the start of the body when ``resp`` is an HTTP error."""
+    """:class:`ServerRejected` quoting the start of the body when ``resp`` is an HTTP
+    error."""
     if resp.status >= 400:
         text = (await resp.read())[:500].decode(errors="replace")
-        raise RuntimeError(f"{what} answered {resp.status}: {text}")
+        raise ServerRejected(f"{what} answered {resp.status}: {text}")
+
+
+def stream_error(chunk: Any) -> str | None:
+    """The message of an error event inside a stream (``{"error": {"message": ...}}``,
+    as vLLM sends after a 200 for a request it rejects), else None."""
+    err = chunk.get("error") if isinstance(chunk, dict) else None
+    if err is None:
+        return None
+    if isinstance(err, dict):
+        return str(err.get("message") or err)
+    return str(err)
 
 
 async def sse_events(content: Any) -> AsyncIterator[Any]:
@@ -241,7 +268,7 @@ class HTTPBridge(abc.ABC):
                 timeout=aiohttp.ClientTimeout(
                     total=None, sock_connect=o.request_timeout, sock_read=o.stall_timeout
                 ),
-                connector=aiohttp.TCPConnector(limit=0),
+                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=o.keepalive),
             )
         return self._session
 
@@ -291,19 +318,31 @@ class HTTPBridge(abc.ABC):
         self.flights[flight.rid] = flight
         self._waiting += 1
         try:
-            try:
-                path, body = await self.request(req, flight.rid)
-                async with self.session().post(
-                    self.url + path, data=msgspec.json.encode(body), headers=JSON_HEADERS
-                ) as resp:
-                    flight.response = resp
-                    await raise_for_status(resp, f"{self.name} {path}")
-                    await self._read(resp, flight)
-            except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, TimeoutError) as exc:
-                if not self._closed_by_us(flight):
-                    await self.server_gone(repr(exc))
+            path, body = await self.request(req, flight.rid)
+            data = msgspec.json.encode(body)
+            broken_errors = (
+                aiohttp.ClientConnectionError,
+                aiohttp.ClientPayloadError,
+                TimeoutError,
+            )
+            broken = None
+            for fresh in (False, True):
+                try:
+                    async with self.session().post(
+                        self.url + path, data=data, headers=JSON_HEADERS
+                    ) as resp:
+                        flight.response = resp
+                        await raise_for_status(resp, f"{self.name} {path}")
+                        await self._read(resp, flight)
+                    break
+                except broken_errors as exc:
+                    broken = repr(exc)
+                    # A kept-alive connection the server closed while idle fails before
+                    # any answer: the server never saw the request; once more, fresh.
+                    if fresh or flight.response is not None or self._closed_by_us(flight):
+                        break
             if not flight.finish and not self._closed_by_us(flight):
-                await self.server_gone(f"the stream of {flight.rid} ended without a finish_reason")
+                await self._stream_broke(flight, broken)
         except asyncio.CancelledError:
             if not flight.finish:
                 self.abort(flight)  # aborted or cancelled: stop the server's work
@@ -312,11 +351,38 @@ class HTTPBridge(abc.ABC):
             self._end(flight)
         return flight.result(req, self._stop(flight))
 
+    async def _stream_broke(self, flight: Flight, why: str | None) -> None:
+        """A stream ended without a finish reason: the server is gone if ``/health``
+        says so (the worker closes), else only this request fails."""
+        what = why or "it ended without a finish_reason"
+        if not await self.healthy():
+            await self.server_gone(f"the stream of {flight.rid} broke ({what}) and /health fails")
+        raise ServerRejected(
+            f"the {self.name} server broke the stream of {flight.rid} after "
+            f"{len(flight.toks)} tokens ({what}); the server is healthy: this request fails"
+        )
+
+    async def healthy(self) -> bool:
+        """``GET /health`` answers 200 within ``health_timeout`` s (on a fresh
+        connection: a kept one may be the one that broke)."""
+        aiohttp, o = self.aiohttp, self.options
+        try:
+            async with self.session().get(
+                self.url + "/health",
+                timeout=aiohttp.ClientTimeout(total=o.health_timeout),
+                headers={"Connection": "close"},
+            ) as resp:
+                return bool(resp.status == 200)
+        except (aiohttp.ClientError, TimeoutError, OSError):
+            return False
+
     async def _read(self, resp: Any, flight: Flight) -> None:
         ctx = flight.ctx
         if self.closes_to_interrupt and ctx.interrupted:
             self.interrupt(flight)  # paused while the request was on its way
         async for chunk in sse_events(resp.content):
+            if (err := stream_error(chunk)) is not None:
+                raise ServerRejected(f"{self.name} rejected {flight.rid}: {err}")
             if self.take(chunk, flight) and not flight.first:
                 flight.first = True
                 self._waiting -= 1
@@ -427,17 +493,11 @@ class HTTPBridge(abc.ABC):
                 self._closer = asyncio.ensure_future(self._worker.close())
 
     async def _watch(self) -> None:
-        aiohttp, o = self.aiohttp, self.options
+        o = self.options
         misses = 0
         while True:
             await asyncio.sleep(o.health_interval)
-            try:
-                async with self.session().get(
-                    self.url + "/health", timeout=aiohttp.ClientTimeout(total=o.health_timeout)
-                ) as resp:
-                    ok = resp.status == 200
-            except (aiohttp.ClientError, TimeoutError, OSError):
-                ok = False
+            ok = await self.healthy()
             misses = 0 if ok else misses + 1
             if misses >= o.health_failures:
                 self._server_failed(f"/health failed {misses} times in a row")
