@@ -128,6 +128,12 @@ class EngineHooks(Protocol):
     def continue_generation(self) -> Awaitable[None] | None:
         """The worker resumes."""
 
+    pauses_in_place: bool
+    """True while :meth:`pause_generation` freezes running generations in place
+    instead of interrupting them (they continue after the resume, each token stamped
+    with the version that produced it): the worker's pause then completes at once, and
+    a weight update loads under the frozen requests."""
+
     def queue_depth(self) -> int:
         """Requests held inside the engine and not yet generating, added to the
         ``waiting`` load of the worker's pongs (called from the worker's socket thread:
@@ -155,6 +161,8 @@ def attach_engine(server: Any, engine: Any) -> None:
         hook = getattr(engine, name, None)
         if callable(hook):
             callbacks.append(hook)
+    if hasattr(engine, "pauses_in_place"):
+        server.gate.keeps_in_place = lambda: bool(engine.pauses_in_place)
     depth = getattr(engine, "queue_depth", None)
     if callable(depth):
         server.engine_load = depth

@@ -162,6 +162,7 @@ class Flight:
     toks: list[int] = dataclasses.field(default_factory=list)
     lps: list[float] = dataclasses.field(default_factory=list)
     vers: list[int] = dataclasses.field(default_factory=list)
+    spans: Any = None  # the server's per-token version spans, where it sends them
 
     def add(self, token: int, logprob: Any, version: int) -> None:
         """Keep one token and stream it through the request's context."""
@@ -208,6 +209,9 @@ class HTTPBridge(abc.ABC):
     #: An interrupt closes the stream (the server aborts a request whose client left):
     #: the bridge stops reading at once and a connection error then is expected.
     closes_to_interrupt = False
+    #: True while a pause froze the server's requests in place (see
+    #: :attr:`transport.engines.EngineHooks.pauses_in_place`): streams stay open.
+    pauses_in_place = False
 
     def __init__(self, url: str, **options: Any) -> None:
         if not url.startswith(("http://", "https://")):
@@ -349,6 +353,10 @@ class HTTPBridge(abc.ABC):
             raise
         finally:
             self._end(flight)
+        return self.result(req, flight)
+
+    def result(self, req: LLMRequest, flight: Flight) -> LLMResponse:
+        """The response of a flight that ended (a bridge may correct its versions)."""
         return flight.result(req, self._stop(flight))
 
     async def _stream_broke(self, flight: Flight, why: str | None) -> None:
@@ -378,7 +386,7 @@ class HTTPBridge(abc.ABC):
 
     async def _read(self, resp: Any, flight: Flight) -> None:
         ctx = flight.ctx
-        if self.closes_to_interrupt and ctx.interrupted:
+        if self.closes_to_interrupt and ctx.interrupted and not self.pauses_in_place:
             self.interrupt(flight)  # paused while the request was on its way
         async for chunk in sse_events(resp.content):
             if (err := stream_error(chunk)) is not None:
@@ -388,7 +396,11 @@ class HTTPBridge(abc.ABC):
                 self._waiting -= 1
             if flight.finish and not self.closes_to_interrupt:
                 break
-            if ctx.interrupted and (not flight.interrupted or flight.blind_abort):
+            if (
+                ctx.interrupted
+                and not self.pauses_in_place
+                and (not flight.interrupted or flight.blind_abort)
+            ):
                 # Paused; or paused while the request was on its way, when the first
                 # interrupt may have reached the server before the request did.
                 self.interrupt(flight)

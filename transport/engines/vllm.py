@@ -1,86 +1,199 @@
-"""``--engine vllm``: a worker fronting a running vLLM OpenAI-compatible server.
+"""``--engine vllm``: a worker fronting a running vLLM server, on vLLM's native RL API.
 
 ::
 
-    vllm serve MODEL --port 8000 &
+    VLLM_SERVER_DEV_MODE=1 python -m vllm.entrypoints.openai.api_server --model MODEL \\
+        --port 8000 --enable-scale-out --weight-transfer-config '{"backend": "fastio"}' &
     fastio-worker --bind tcp://0.0.0.0:5555 --engine vllm \\
         --engine-opt url=http://127.0.0.1:8000
 
-A request is ``POST /v1/completions`` (the prompt as token ids, streamed, with logprobs
-and ``return_tokens_as_token_ids``); pause, abort and cancel close its stream, which
-aborts it on the server (on a pause the tokens so far return with ``interrupt``).
-Weights are refused (:data:`WEIGHTS_REFUSED`). Options: :class:`VLLMOptions`.
+What the server has is read once at start (``/openapi.json``, ``/weight_info``):
+
+- a request is ``POST /inference/v1/generate`` (token ids in and out, ``request_id`` =
+  the bridge's id for it, the final chunk's ``weight_versions`` spans become
+  ``output_versions``) where the server has it (``--enable-scale-out`` or
+  ``--tokens-only``), else ``POST /v1/completions``;
+- a pause is ``POST /pause?mode=keep`` where the server has it (dev mode): requests
+  freeze in place with their KV cache and continue after ``/resume``, so nothing is
+  re-sent; else the streams are closed (vLLM aborts them) and the client resumes them;
+- weights (with ``--weight-transfer-config '{"backend": "fastio"}'``): each verified
+  version is staged in shared memory (:mod:`transport.engines.vllm_staging`), loaded by
+  fastio's backend in vLLM's workers (:mod:`transport.engines.vllm_backend`) between
+  ``/start_weight_update`` and ``/finish_weight_update`` (labelled with the version)
+  while the server is paused, and reported only once ``/weight_info`` says it. A failed
+  load leaves the server paused and the worker refusing to serve until a whole version
+  lands. Options: :class:`VLLMOptions`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
+import os
 import urllib.request
-from typing import Any
+from collections.abc import Iterable
+from typing import Any, Literal
 
 import msgspec
 
-from fastio import LLMRequest
+from fastio import LLMRequest, LLMResponse, TokenArray
 from transport.engines.api import EngineUnavailable
-from transport.engines.http import BridgeOptions, Flight, HTTPBridge, sampling_common
+from transport.engines.http import (
+    BridgeOptions,
+    Flight,
+    HTTPBridge,
+    Seconds,
+    ServerRejected,
+    sampling_common,
+)
 
 __all__ = ["WEIGHTS_REFUSED", "VLLMEngine", "VLLMOptions", "factory"]
 
-#: Why the vLLM bridge takes no weights.
+log = logging.getLogger("transport.engines")
+
+#: Why a vLLM server without the RL routes takes no weights.
 WEIGHTS_REFUSED = (
-    "the vLLM bridge cannot load weights: vLLM's OpenAI-compatible server documents no "
-    "endpoint that reloads them (its RL endpoints need VLLM_SERVER_DEV_MODE); restart the "
-    "server on the new checkpoint, or serve vLLM in-process through the engine interface "
-    "(docs/engines.md)"
+    "the vLLM server at {url} has no weight-transfer routes: start it with "
+    'VLLM_SERVER_DEV_MODE=1 and --weight-transfer-config \'{{"backend": "fastio"}}\' '
+    "(docs/engines.md#vllm)"
 )
+_GENERATE = "/inference/v1/generate"
 
 
 class VLLMOptions(BridgeOptions):
-    """Those of :class:`BridgeOptions`, and ``model``: the served model name sent with
-    each request (default: the first of ``GET /v1/models``)."""
+    """Those of :class:`BridgeOptions`, and
+
+    Attributes
+    ----------
+    model:
+        The served model name sent with each request (default: the first of
+        ``GET /v1/models``).
+    route:
+        ``auto``: ``/inference/v1/generate`` where the server has it, else
+        ``/v1/completions``; or one of ``generate``, ``completions``.
+    pause:
+        ``keep``: freeze requests in place where the server has ``/pause`` (their
+        KV cache is kept: vLLM ignores ``clear_cache`` in this mode); ``abort``:
+        close their streams, the client re-sends the rest after the resume.
+    shm_dir:
+        Where a weight version is staged for vLLM's workers (same host).
+    weight_timeout:
+        Seconds vLLM may take to load one version.
+    """
 
     model: str | None = None
+    route: Literal["auto", "generate", "completions"] = "auto"
+    pause: Literal["keep", "abort"] = "keep"
+    shm_dir: str = "/dev/shm"
+    weight_timeout: Seconds = 600.0
 
 
 class VLLMEngine(HTTPBridge):
     """An :class:`~transport.Engine` that forwards to a vLLM server (module docstring);
     ``url`` and the keywords of :class:`VLLMOptions` (``model`` is kept as
-    :attr:`served_model`: an engine's ``model`` is the weight route's in-place target)."""
+    :attr:`served_model`)."""
 
     name = "vLLM"
     extra = "vllm"
     Options = VLLMOptions
     closes_to_interrupt = True
-    #: Why a weight route is refused (the worker's weights plugin fails at start with it).
-    no_weights_reason = WEIGHTS_REFUSED
-
     options: VLLMOptions
 
     def __init__(self, url: str, **options: Any) -> None:
         super().__init__(url, **options)
         self.served_model = self.options.model
+        #: The server's routes (None: not read yet).
+        self.routes: set[str] | None = None
+        #: The vocabulary size from the model's config.json, where the worker can read it.
+        self.vocab_size: int | None = None
+        self._kept = False  # the server is paused in place by us
+        self._mixed = False  # a load failed after the server started it
+        self._transfer_ready = False
+        self._base_version = 0  # what vLLM's label "default" means
+
+    # -- what the server has ------------------------------------------------------------
 
     def check_reachable(self, timeout: float = 5.0) -> None:
-        """``/health``, and the model name from ``/v1/models`` when none was given."""
+        """``/health``, then what the server has (routes, model, version, vocabulary)."""
         super().check_reachable(timeout)
+        self.probe(timeout)
+
+    def probe(self, timeout: float = 5.0) -> None:
+        """Read the server's routes, model name, weight version and vocabulary (blocking)."""
+
+        def get(path: str) -> Any:
+            with urllib.request.urlopen(self.url + path, timeout=timeout) as r:
+                return json.loads(r.read())
+
+        try:
+            self.routes = set(get("/openapi.json").get("paths", {}))
+        except (OSError, ValueError):
+            self.routes = set()  # docs disabled: the OpenAI routes only
+        try:
+            model = get("/v1/models")["data"][0]
+        except (OSError, ValueError, KeyError, IndexError) as exc:
+            raise EngineUnavailable(f"{self.url}/v1/models names no model: {exc}") from exc
         if self.served_model is None:
-            try:
-                with urllib.request.urlopen(self.url + "/v1/models", timeout=timeout) as r:
-                    self.served_model = str(json.loads(r.read())["data"][0]["id"])
-            except (OSError, ValueError, KeyError, IndexError) as exc:
-                raise EngineUnavailable(f"{self.url}/v1/models names no model: {exc}") from exc
+            self.served_model = str(model["id"])
+        config = os.path.join(str(model.get("root") or ""), "config.json")
+        try:
+            with open(config, "rb") as f:
+                vocab = json.loads(f.read()).get("vocab_size")
+            self.vocab_size = int(vocab) if vocab else None
+        except (OSError, ValueError, TypeError):
+            self.vocab_size = None  # not on this host: the server checks
+        if "/weight_info" in self.routes:
+            label = get("/weight_info").get("weight_version")
+            if label is not None and str(label).lstrip("-").isdigit():
+                self.version = self._base_version = int(label)
+        if self.options.route == "generate" and _GENERATE not in self.routes:
+            raise EngineUnavailable(
+                f"{self.url} has no {_GENERATE}: start vLLM with --enable-scale-out"
+            )
+
+    @property
+    def native(self) -> bool:
+        """Requests go to ``/inference/v1/generate``."""
+        o = self.options.route
+        return o == "generate" or (o == "auto" and _GENERATE in (self.routes or ()))
+
+    @property
+    def no_weights_reason(self) -> str | None:  # type: ignore[override]
+        """Why this server takes no weights (None: it has the weight-transfer routes)."""
+        if self.routes is None or "/update_weights" in self.routes:
+            return None
+        return WEIGHTS_REFUSED.format(url=self.url)
+
+    async def start(self, worker: Any) -> None:
+        """Read what the server has (when the factory did not), then as the base."""
+        if self.routes is None:
+            await asyncio.to_thread(self.probe)
+        await super().start(worker)
+
+    # -- requests -----------------------------------------------------------------------
 
     async def request(self, req: LLMRequest, rid: str) -> tuple[str, Any]:
-        """``/v1/completions``, streamed, with the sampled tokens' logprobs as ids."""
-        if self.served_model is None:
-            async with self.session().get(self.url + "/v1/models") as resp:
-                data = msgspec.json.decode(await resp.read())
-            self.served_model = str(data["data"][0]["id"])
+        """The native route's body, or ``/v1/completions``'s, streamed with logprobs."""
+        g = req.gconfig
+        if g.n_samples != 1:
+            raise ValueError(
+                f"n_samples={g.n_samples}: the vLLM bridge streams one sample per "
+                "request; send n requests (or use the group helpers of the client)"
+            )
+        # JSON wants a list: the one conversion of the prompt on this path.
+        prompt = req.input_ids.array.tolist()
+        if self.native:
+            sp = sampling_common(g, "max_tokens", "min_tokens")
+            sp["logprobs"] = 0
+            body = {"request_id": rid, "token_ids": prompt, "sampling_params": sp, "stream": True}
+            if self.served_model is not None:
+                body["model"] = self.served_model
+            return _GENERATE, body
         return "/v1/completions", {
             "model": self.served_model,
-            # JSON wants a list: the one conversion of the prompt on this path.
-            "prompt": req.input_ids.array.tolist(),
-            **sampling_common(req.gconfig, "max_tokens", "min_tokens"),
+            "prompt": prompt,
+            **sampling_common(g, "max_tokens", "min_tokens"),
             "logprobs": 0,
             "return_tokens_as_token_ids": True,
             "include_stop_str_in_output": True,
@@ -88,25 +201,131 @@ class VLLMEngine(HTTPBridge):
         }
 
     def take(self, chunk: Any, flight: Flight) -> int:
-        """Emit the tokens of each streamed choice."""
+        """Emit the tokens of each streamed choice; keep the final chunk's version spans."""
         n = 0
         version = self.version
         for choice in chunk.get("choices") or ():
             lp = choice.get("logprobs") or {}
-            values = lp.get("token_logprobs") or ()
             ids = choice.get("token_ids")
-            if ids is None:
-                ids = [_token_id(name) for name in lp.get("tokens") or ()]
+            if "content" in lp:  # the native route: [{token_id, logprob, ...}]
+                values = [c.get("logprob") for c in lp.get("content") or ()]
+            else:
+                values = lp.get("token_logprobs") or []
+                if ids is None:
+                    ids = [_token_id(name) for name in lp.get("tokens") or ()]
+            ids = ids or ()
             for k, tok in enumerate(ids):
                 flight.add(int(tok), values[k] if k < len(values) else None, version)
             n += len(ids)
+            if choice.get("weight_versions"):
+                flight.spans = choice["weight_versions"]
             flight.finish = choice.get("finish_reason") or flight.finish
         return n
 
+    def result(self, req: LLMRequest, flight: Flight) -> LLMResponse:
+        """The response, its versions from vLLM's spans where the server sent them."""
+        res = super().result(req, flight)
+        if flight.spans:
+            import numpy as np
+
+            vers = np.array(flight.vers, dtype=np.int32)
+            for span in flight.spans:
+                vers[int(span["start"]) : int(span["end"])] = self._label_version(span["version"])
+            res.output_versions = TokenArray(vers)
+        return res
+
+    def _label_version(self, label: Any) -> int:
+        text = str(label)
+        return int(text) if text.lstrip("-").isdigit() else self._base_version
+
     def abort(self, flight: Flight) -> None:
-        """Close ``flight``'s stream: the server aborts a request whose client left."""
+        """Close ``flight``'s stream (vLLM aborts a request whose client left); a request
+        frozen by a pause never sees that, so it is also aborted by id."""
         if flight.response is not None:
             flight.response.close()
+        if self._kept:
+            self.spawn(self._abort_by_id(flight.rid))
+
+    async def _abort_by_id(self, rid: str) -> None:
+        try:
+            await self.post_json("/abort_requests", {"request_ids": [rid]})
+        except (EngineUnavailable, RuntimeError) as exc:
+            log.warning("vLLM /abort_requests %s: %s", rid, exc)
+
+    # -- pause ---------------------------------------------------------------------------
+
+    @property
+    def pauses_in_place(self) -> bool:  # type: ignore[override]
+        """The server is paused in place by this bridge (requests frozen, not ended)."""
+        return self._kept
+
+    async def pause_generation(self) -> None:  # type: ignore[override]
+        """``/pause?mode=keep`` where the server has it, else interrupt every flight."""
+        if self.options.pause == "keep" and "/pause" in (self.routes or ()):
+            try:
+                await self.post_json("/pause?mode=keep", {})
+                self._kept = True
+                return
+            except (EngineUnavailable, RuntimeError) as exc:
+                log.warning("vLLM /pause?mode=keep failed (%s): interrupting instead", exc)
+        super().pause_generation()
+
+    async def continue_generation(self) -> None:
+        """``/resume`` a server this bridge paused, unless a failed load left it mixed."""
+        if not self._kept:
+            return
+        if self._mixed:
+            log.error("vLLM at %s stays paused: its weights are mixed (a load failed)", self.url)
+            return
+        await self.post_json("/resume", {})
+        self._kept = False
+
+    # -- weights -------------------------------------------------------------------------
+
+    def load_weights(self, weights: Iterable[tuple[str, Any]], version: int | None = None) -> None:
+        """Stage one verified version in shared memory and have vLLM's workers load it
+        (called on the weight subscriber's thread while the worker is paused)."""
+        from transport.engines.vllm_staging import stage
+
+        if (why := self.no_weights_reason) is not None:
+            raise RuntimeError(why)
+        if version is None:
+            version = self.version + 1
+        staged = stage(weights, version, self.options.shm_dir)
+        try:
+            self.run_in_loop(self._load(staged.update_info, version), self.options.weight_timeout)
+        finally:
+            staged.close()
+
+    async def _load(self, update_info: dict[str, Any], version: int) -> None:
+        t = self.options.weight_timeout
+        if not self._transfer_ready:
+            from transport.engines.vllm_staging import PROTOCOL
+
+            await self.post_json(
+                "/init_weight_transfer_engine", {"init_info": {"protocol": PROTOCOL}}
+            )
+            self._transfer_ready = True
+        if not self._kept:  # never an update while the server generates
+            await self.post_json("/pause?mode=keep", {})
+            self._kept = True
+        await self.post_json("/start_weight_update", {})
+        try:
+            await self.post_json("/update_weights", {"update_info": update_info}, timeout=t)
+            await self.post_json("/finish_weight_update", {"weight_version": str(version)})
+            label = (await self._get_json("/weight_info")).get("weight_version")
+            if str(label) != str(version):
+                raise RuntimeError(f"vLLM reports weight version {label!r} after loading {version}")
+        except BaseException:
+            self._mixed = True
+            raise
+        self._mixed = False
+
+    async def _get_json(self, path: str) -> Any:
+        async with self.session().get(self.url + path) as resp:
+            if resp.status >= 400:
+                raise ServerRejected(f"vLLM {path} answered {resp.status}")
+            return msgspec.json.decode(await resp.read())
 
 
 def _token_id(name: str) -> int:

@@ -6,6 +6,7 @@ is hashed (:class:`~transport.weights.streaming.BucketStream`), under the lock."
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import logging
 import time
@@ -107,6 +108,8 @@ class VersionFetcher:
         self.lock = lock
         self.applier = BucketApplier(reporter.targets, copy_threads=config.copy_threads)
         self.loader = loader
+        # A loader with a ``version`` keyword is told which version it loads.
+        self.loader_takes_version = loader is not None and _takes_version(loader)
         self.on_progress = on_progress
         self.keepalive = keepalive
         #: The version being fetched (``None``: none).
@@ -329,7 +332,10 @@ class VersionFetcher:
             if self.loader is not None:
                 ta = time.monotonic()
                 try:
-                    self.loader(up.binding.named_tensors(parts))
+                    if self.loader_takes_version:
+                        self.loader(up.binding.named_tensors(parts), version=ann.version)  # type: ignore[call-arg]
+                    else:
+                        self.loader(up.binding.named_tensors(parts))
                 except Exception as exc:
                     self.core.consistent = False
                     self.core.count("loader_failures")
@@ -372,3 +378,10 @@ class VersionFetcher:
         """End the version in flight (superseded, the subscriber closing)."""
         if self.update is not None:
             self.fail(self.update.ann.version, why)
+
+
+def _takes_version(fn: Callable[..., Any]) -> bool:
+    try:
+        return "version" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False

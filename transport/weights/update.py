@@ -181,7 +181,9 @@ class PausedWhileCopying:
         self._mine: int | None = None  # server.pause_requests right after our own pause
         self._free = asyncio.Event()  # set while no copy runs; used in the loop only
         self._free.set()
-        server.on_resume.append(self.hold_resume)
+        # First: the engine's own resume hook (a server resumed in place) runs only
+        # once no copy runs and the weights are whole.
+        server.on_resume.insert(0, self.hold_resume)
 
     async def hold_resume(self) -> None:
         """``server.on_resume``: a resume waits for a running copy, and is refused
@@ -279,8 +281,8 @@ def attach_subscriber(
     engine = server.engine
     model = getattr(engine, "model", None)
     load_weights = getattr(engine, "load_weights", None)
-    if engine is None or (model is None and not callable(load_weights)):
-        why = getattr(engine, "no_weights_reason", None)
+    why = getattr(engine, "no_weights_reason", None)
+    if why or engine is None or (model is None and not callable(load_weights)):
         raise TypeError(why or "the worker's engine has no .model to update and no load_weights")
     if callable(load_weights) and "loader" not in kwargs:
         # An engine that places weights itself takes each verified version whole.

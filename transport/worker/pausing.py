@@ -32,6 +32,10 @@ class PauseGate:
         self.pause_requests = 0
         self.on_pause: list[Callable[[], Any]] = []
         self.on_resume: list[Callable[[], Any]] = []
+        #: Whether the engine froze its running generations in place when paused (they
+        #: go on after the resume, as vLLM's ``pause?mode=keep``): a pause then
+        #: completes without waiting for them to return.
+        self.keeps_in_place: Callable[[], bool] = lambda: False
         self._counts = counts
         self._waiting: collections.deque[asyncio.Future[None]] = collections.deque()
         # pause() calls waiting for no handler to run (no Event set by every request).
@@ -72,15 +76,16 @@ class PauseGate:
                 n -= 1
 
     async def pause(self, timeout: float = 30.0) -> bool:
-        """Stop generation: new requests wait, running ones are interrupted. Returns
-        True once no handler runs, False if some still run after ``timeout`` s."""
+        """Stop generation: new requests wait, running ones are interrupted (or frozen,
+        see :attr:`keeps_in_place`). Returns True once no handler runs (or all are
+        frozen), False if some still run after ``timeout`` s."""
         self.pause_requests += 1
         if not self.paused:
             self._counts.counts["pauses"] += 1
             self.paused = True
             for cb in self.on_pause:
                 await _maybe_await(cb())
-        if self.running == 0:
+        if self.running == 0 or self.keeps_in_place():
             return True
         idle: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._idle.append(idle)

@@ -1,0 +1,123 @@
+"""A verified weight version laid out in one shared-memory file, for vLLM's worker process.
+
+The fastio side (the ``--engine vllm`` bridge, or vLLM in the worker) receives a version
+through fastio's weight routes, checksummed bucket by bucket, and :func:`stage` writes it
+once into a file under ``/dev/shm``: each tensor's bytes at a 64-byte aligned offset, the
+whole file hashed (xxh3_64). The ``update_info`` it returns is what vLLM's
+``/update_weights`` carries to fastio's weight-transfer backend
+(:mod:`transport.engines.vllm_backend`), which maps the file, checks the hash before it
+touches the model (:func:`open_staged`) and hands the tensors, as views of the file, to the
+model's own ``load_weights``. No vLLM import here: the bridge's process has no vLLM.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from fastio._optional import require
+
+__all__ = ["PROTOCOL", "StagedCorrupt", "StagedVersion", "open_staged", "stage"]
+
+#: The layout's version, in ``update_info["protocol"]``; a backend refuses another.
+PROTOCOL = 1
+_ALIGN = 64
+
+
+class StagedCorrupt(ValueError):
+    """A staged file whose size or hash is not what its ``update_info`` says (nothing
+    was loaded)."""
+
+
+@dataclass
+class StagedVersion:
+    """One staged version: its file and the ``update_info`` that names it."""
+
+    path: str
+    update_info: dict[str, Any]
+
+    def close(self) -> None:
+        """Remove the file (the backend holds no mapping after its update returns)."""
+        with suppress(FileNotFoundError):
+            os.unlink(self.path)
+
+
+def _digest(buf: Any) -> str:
+    return str(require("xxhash", "weights", "the xxh3_64 checksum").xxh3_64_hexdigest(buf))
+
+
+def _view(mm: Any, dtype: torch.dtype, shape: list[int], offset: int) -> torch.Tensor:
+    n = 1
+    for d in shape:
+        n *= d
+    if n == 0:
+        return torch.empty(shape, dtype=dtype)
+    nbytes = n * torch.empty((), dtype=dtype).element_size()
+    raw = torch.frombuffer(mm, dtype=torch.uint8, count=nbytes, offset=offset)
+    return raw.view(dtype).view(shape)
+
+
+def stage(
+    pairs: Iterable[tuple[str, torch.Tensor]], version: int, directory: str = "/dev/shm"
+) -> StagedVersion:
+    """Write ``pairs`` (CPU or CUDA tensors) into a new file under ``directory`` (one
+    copy each) and return it with its ``update_info``."""
+    items = [(name, t.detach()) for name, t in pairs]
+    layout: list[list[Any]] = []
+    size = 0
+    for name, t in items:
+        size = -(-size // _ALIGN) * _ALIGN
+        layout.append([name, str(t.dtype).removeprefix("torch."), list(t.shape), size])
+        size += t.numel() * t.element_size()
+    path = os.path.join(directory, f"fastio-vllm-{os.getpid()}-v{version}-{os.urandom(4).hex()}")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.ftruncate(fd, max(size, 1))
+        with mmap.mmap(fd, max(size, 1)) as mm:
+            for (_, t), (_, _, shape, off) in zip(items, layout, strict=True):
+                if t.numel():
+                    _view(mm, t.dtype, shape, off).copy_(t)
+            digest = _digest(memoryview(mm)[:size])
+    except BaseException:
+        os.unlink(path)
+        raise
+    finally:
+        os.close(fd)
+    info = {
+        "protocol": PROTOCOL, "version": version, "path": path, "size": size,
+        "xxh3_64": digest, "tensors": layout,
+    }  # fmt: skip
+    return StagedVersion(path, info)
+
+
+@contextmanager
+def open_staged(info: dict[str, Any]) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """The ``(name, tensor)`` views of a staged file, after its size and hash were
+    checked (:class:`StagedCorrupt` otherwise); valid inside the ``with``."""
+    if info.get("protocol") != PROTOCOL:
+        raise StagedCorrupt(f"staged layout protocol {info.get('protocol')!r}, expected {PROTOCOL}")
+    path, size = str(info["path"]), int(info["size"])
+    with open(path, "rb") as f:
+        actual = os.fstat(f.fileno()).st_size
+        if actual < size:
+            raise StagedCorrupt(f"{path}: {actual} bytes, update_info says {size}")
+        mm = mmap.mmap(f.fileno(), max(size, 1), prot=mmap.PROT_READ | mmap.PROT_WRITE,
+                       flags=mmap.MAP_PRIVATE)  # fmt: skip
+    try:
+        if (got := _digest(memoryview(mm)[:size])) != info["xxh3_64"]:
+            raise StagedCorrupt(f"{path}: xxh3_64 {got}, update_info says {info['xxh3_64']}")
+        views = [
+            (str(name), _view(mm, getattr(torch, dtype), list(shape), int(off)))
+            for name, dtype, shape, off in info["tensors"]
+        ]
+        yield views
+        del views
+    finally:
+        with suppress(BufferError):  # a loader kept a view: the mapping goes with it
+            mm.close()
