@@ -169,7 +169,7 @@ PROMPTS = [[10 + i, 20 + i, 30 + i, 40] for i in range(8)]
 
 def test_greedy_tokens_equal_vllms_own(server: Server, workers: Callable[..., WorkerProc]) -> None:
     w = workers(server.url)
-    assert w.ready  # noqa: S101
+    assert w.ready
     n = 24
 
     async def main() -> list[Any]:

@@ -262,11 +262,12 @@ class VLLMEngine(HTTPBridge):
     async def pause_generation(self) -> None:  # type: ignore[override]
         """``/pause?mode=keep`` where the server has it, else interrupt every flight."""
         if self.options.pause == "keep" and "/pause" in (self.routes or ()):
+            self._kept = True  # from now: streams read on, they are not interrupted
             try:
                 await self.post_json("/pause?mode=keep", {})
-                self._kept = True
                 return
             except (EngineUnavailable, RuntimeError) as exc:
+                self._kept = False
                 log.warning("vLLM /pause?mode=keep failed (%s): interrupting instead", exc)
         super().pause_generation()
 

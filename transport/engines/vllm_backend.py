@@ -78,7 +78,9 @@ def _empty_layers(model: torch.nn.Module) -> list[str]:
     empty = []
     for name, layer in model.named_modules():
         info = get_layerwise_info(layer)
-        loadable = info.can_load() and not is_deferred_attention_layer(layer)
+        # Layers with parameters of their own (not buffers a checkpoint never holds).
+        owns = next(layer.parameters(recurse=False), None) is not None
+        loadable = owns and info.can_load() and not is_deferred_attention_layer(layer)
         if loadable and info.load_numel == 0 and (info.load_numel_total or 0) > 0:
             empty.append(name or type(layer).__name__)
     return empty
