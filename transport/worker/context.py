@@ -31,6 +31,7 @@ __all__ = [
     "abandon",
     "first_step",
     "output_problem",
+    "token_problem",
 ]
 
 
@@ -182,6 +183,40 @@ def output_problem(resp: Any) -> str | None:
     if resp.stop_reason not in _STOP_REASONS:
         return f"stop_reason must be one of {sorted(_STOP_REASONS)}, got {resp.stop_reason!r}"
     return None
+
+
+# Signed token dtype -> the unsigned one of its size: one max() then also finds a
+# negative id (it reads as a huge one).
+_UNSIGNED = {np.dtype(f"i{n}"): np.dtype(f"u{n}") for n in (1, 2, 4, 8)}
+
+
+def token_problem(req: LLMRequest, vocab_size: int) -> str | None:
+    """Why ``req`` holds a token id outside ``[0, vocab_size)`` (in ``input_ids`` or
+    ``gconfig.stop_token_ids``), naming the field and such an id, or None.
+
+    One reduction over the prompt (no list of it): an engine handed such an id may fail
+    the whole engine rather than the one request.
+    """
+    ids = req.input_ids._a
+    u = _UNSIGNED.get(ids.dtype)
+    if ids.size and int((ids if u is None else ids.view(u)).max()) >= vocab_size:
+        lo = int(ids.min())
+        bad = lo if lo < 0 else int(ids.max())
+        return _out_of_vocab("input ids", "input_ids", bad, vocab_size)
+    stops = req.gconfig.stop_token_ids
+    if stops:
+        for t in stops:
+            if not 0 <= t < vocab_size:
+                return _out_of_vocab("stop token ids", "gconfig.stop_token_ids", t, vocab_size)
+    return None
+
+
+def _out_of_vocab(what: str, field: str, token: int, vocab_size: int) -> str:
+    # Worded as the reference and HF engines' own refusal ("input ids must lie in ...").
+    return (
+        f"{what} must lie in [0, {vocab_size}) (the engine's vocab_size={vocab_size}): "
+        f"{field} holds token id {token}"
+    )
 
 
 CoroutineType = types.CoroutineType

@@ -34,6 +34,7 @@ from transport.worker.context import (
     abandon,
     first_step,
     output_problem,
+    token_problem,
 )
 from transport.worker.counters import Counters, log_counted
 from transport.worker.iothread import DROPPED, SocketThread
@@ -73,7 +74,10 @@ class WorkerServer:
     handler:
         ``async (req, ctx) -> LLMResponse``, a plain function of the same shape (it may
         block the engine's loop), or an engine whose ``generate`` is one (then
-        :attr:`engine`).
+        :attr:`engine`). An engine with an int ``vocab_size`` never sees a token id
+        outside ``[0, vocab_size)`` (in ``input_ids`` or ``gconfig.stop_token_ids``):
+        the worker refuses such a request for it (``HANDLER_ERROR`` naming the id, as
+        an engine's ``ValueError`` is answered).
     config:
         :class:`WorkerConfig` (or its fields by name); ``ValueError`` names a bad one.
     background:
@@ -338,6 +342,15 @@ class WorkerServer:
         if not len(sub.request.input_ids):
             self._bad(peer, sub.id, EMPTY_PROMPT)
             return
+        vocab = getattr(self.engine, "vocab_size", None)  # an id past it may kill the engine
+        if isinstance(vocab, int) and vocab > 0 and type(vocab) is not bool:
+            problem = token_problem(sub.request, vocab)
+            if problem is not None:  # answered as the engine's own refusal would be
+                counts.counts["errors"] += 1
+                counts.outcomes["error"] += 1
+                log.warning("request %s refused by the engine: %s", sub.request.rid, problem)
+                self._send_error(peer, sub.id, fm.ErrorCode.HANDLER_ERROR, problem)
+                return
         if len(self._tasks) >= self.config.max_pending:
             counts.counts["overloaded"] += 1
             counts.outcomes["rejected"] += 1
