@@ -7,7 +7,8 @@ Exception tree::
         ├── RequestTimeout(TimeoutError)  a request's time limit passed (it was
         │                                 cancelled on its worker)
         ├── RemoteError                   a worker answered with an Error reply
-        │   └── RequestAborted            a controller aborted the request
+        │   ├── RequestAborted            a controller aborted the request
+        │   └── PoisonRequest             its workers kept dying while running it
         ├── NoWorkers(RuntimeError)       no worker is configured
         │   └── NoWorkerAvailable         none has been alive for ``connect_timeout``
         │       └── IncompatibleWorkers   every worker speaks protocol versions or
@@ -35,6 +36,7 @@ __all__ = [
     "IncompatibleWorkers",
     "NoWorkerAvailable",
     "NoWorkers",
+    "PoisonRequest",
     "RemoteError",
     "RequestAborted",
     "RequestTimeout",
@@ -67,6 +69,18 @@ class RemoteError(TransportError):
 
 class RequestAborted(RemoteError):
     """A controller aborted the request on its worker."""
+
+
+class PoisonRequest(RemoteError):
+    """The request was running on ``max_worker_deaths + 1`` workers that each died while
+    it ran (:class:`~transport.ClientConfig`), so it is taken for what kills them and
+    not sent to another: ``rid``, and ``workers``, the addresses of those workers in the
+    order they died (``worker``: the last)."""
+
+    def __init__(self, message: str, *, rid: str, workers: tuple[str, ...]) -> None:
+        super().__init__(message, worker=workers[-1] if workers else "")
+        self.rid = rid
+        self.workers = workers
 
 
 class NoWorkers(TransportError, RuntimeError):

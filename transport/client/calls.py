@@ -26,6 +26,7 @@ __all__ = ["Counters", "absorb_result", "drop_times", "keep_streamed", "on_strea
 _NAMES = (
     "submitted", "completed", "failed", "resent", "interrupted", "timeouts", "cancelled",
     "stale", "bad_messages", "overloaded", "workers_died", "workers_joined", "no_worker",
+    "poisoned",
 )  # fmt: skip
 # Counts that are also Prometheus counters.
 _EXPORTED: dict[str, Any] = {

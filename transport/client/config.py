@@ -42,6 +42,13 @@ class ClientConfig(msgspec.Struct, forbid_unknown_fields=True):
         Requests on one worker at once (keep it below the worker's ``max_pending``).
     max_resends:
         Times a request may be re-sent after its worker died or lost it.
+    max_worker_deaths:
+        Times a request may be re-sent after a worker died while running it (also
+        counted in ``max_resends``): on the next such death it fails with
+        :class:`~transport.errors.PoisonRequest` instead of killing one more worker (a
+        prompt that crashes the engine). A request given up by a live worker, or
+        interrupted, does not count. Any other request that was in flight on each of
+        those workers fails with it. 0: nothing is re-sent after a worker died.
     resend_backoff, resend_backoff_max:
         The ``k``-th re-send waits ``min(resend_backoff * 2**(k-1), resend_backoff_max)``
         s times a random factor in [0.5, 1].
@@ -62,6 +69,7 @@ class ClientConfig(msgspec.Struct, forbid_unknown_fields=True):
     request_timeout: Seconds = 3600.0
     max_in_flight_per_worker: Positive = 1024
     max_resends: NonNegative = 8
+    max_worker_deaths: NonNegative = 2
     resend_backoff: NonNegativeSeconds = 0.05
     resend_backoff_max: NonNegativeSeconds = 5.0
     stream: bool = True

@@ -179,7 +179,9 @@ class FabricClient:
         RequestTimeout
             Not done in time (then cancelled on its worker, as when the future is).
         RemoteError
-            The worker failed it (:class:`RequestAborted`: a controller aborted it).
+            The worker failed it (:class:`RequestAborted`: a controller aborted it;
+            :class:`~transport.errors.PoisonRequest`: ``max_worker_deaths + 1`` workers
+            died while running it). A worker's error reply is never re-sent.
         NoWorkerAvailable
             No worker alive for ``config.connect_timeout``; says what was seen where.
         NoWorkers

@@ -3,7 +3,9 @@ failing fast when no worker is there.
 
 Only silence kills: a worker is dead after ``heartbeat_liveness`` of this client's ticks
 (and ``interval * liveness`` s) with no message from it. A lost attempt is re-sent under
-a new id after an exponential back-off with jitter (no re-send storm).
+a new id after an exponential back-off with jitter (no re-send storm). A call that was
+running on ``max_worker_deaths + 1`` workers that died fails as a
+:class:`~transport.errors.PoisonRequest` instead of taking down one more.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from transport.client.calls import keep_streamed
 from transport.client.config import ClientConfig
 from transport.client.scheduling import Scheduler
 from transport.client.workers import Call, Worker
-from transport.errors import IncompatibleWorkers, NoWorkerAvailable, RemoteError
+from transport.errors import IncompatibleWorkers, NoWorkerAvailable, PoisonRequest, RemoteError
 
 __all__ = ["Liveness", "resend_delay"]
 
@@ -184,8 +186,10 @@ class Liveness:
         self._timers.pop("gate", None)
         self.gate_check()
 
-    def worker_died(self, w: Worker, why: str) -> None:
-        """``w`` is dead (or unusable): re-send its calls elsewhere."""
+    def worker_died(self, w: Worker, why: str, crashed: bool = True) -> None:
+        """``w`` is dead (or unusable): re-send its calls elsewhere. ``crashed``: it died
+        (silent, or restarted), which counts against the calls it was running (see
+        ``max_worker_deaths``)."""
         self.sched.counters.add("workers_died")
         if w.alive:
             w.alive = False
@@ -194,30 +198,41 @@ class Liveness:
             if not self.n_alive:
                 self.alive_at = w.died_at
                 self.sched.held = True  # the first back must not take the whole backlog
-        calls = [*w.inflight.values(), *w.sticky_queue]
+        running = list(w.inflight.values())
+        calls = [*running, *w.sticky_queue]
         w.pump.discard_queued()
         for sub_id in w.inflight:  # in case it is only stalled: stop it working for nobody
             w.send_quiet(fm.Cancel(id=sub_id))
         w.inflight.clear()
         w.sticky_queue.clear()
         log.warning("worker %s is dead (%s): re-sending %d requests", w.address, why, len(calls))
-        for call in calls:
+        n_running = len(running) if crashed else 0
+        for i, call in enumerate(calls):
             call.worker = None
             if not call.done:
-                self.lose_attempt(call, w, "its worker died")
+                # Those waiting for it in this client were never there: no death of theirs.
+                self.lose_attempt(call, w, "its worker died", died=i < n_running)
         self.sched.maybe_drop(w)
         self.sched.dispatch()
         self.watch_for_none()
 
-    def lose_attempt(self, call: Call, w: Worker, why: str, code: int = 0) -> None:
-        """The current attempt of ``call`` is lost: keep what it streamed, and re-send
-        the rest after a back-off, or fail the call past ``max_resends``."""
+    def lose_attempt(
+        self, call: Call, w: Worker, why: str, code: int = 0, died: bool = False
+    ) -> None:
+        """The current attempt of ``call`` is lost (``died``: ``w`` died while running
+        it): keep what it streamed, and re-send the rest after a back-off, or fail the
+        call past ``max_worker_deaths`` or ``max_resends``."""
         call.resends += 1
+        if died:
+            call.died_on += (w.address,)
         out = keep_streamed(call)
         if out is not None:  # the streamed tokens were the whole answer
             self.sched.complete(call, out)
             return
         cfg = self.config
+        if len(call.died_on) > cfg.max_worker_deaths:
+            self._poisoned(call)
+            return
         if call.resends > cfg.max_resends:
             why = f"request {call.orig.rid}: attempt {call.resends} lost ({why}); giving up"
             self.sched.fail(call, RemoteError(why, code=code, worker=w.address))
@@ -227,6 +242,20 @@ class Liveness:
         delay = resend_delay(call.resends, cfg.resend_backoff, cfg.resend_backoff_max)
         self.sched.backing_off.add(call)
         call.backoff = self._loop.call_later(delay, self._resend_now, call)
+
+    def _poisoned(self, call: Call) -> None:
+        """``call`` was running on more than ``max_worker_deaths`` workers that died:
+        fail it, so that it kills no other (a prompt that crashes the engine, say)."""
+        rid, dead = call.orig.rid, call.died_on
+        m = self.config.max_worker_deaths
+        msg = (
+            f"request {rid}: {len(dead)} workers died while running it ({', '.join(dead)}); "
+            "it may be what kills them (a poison request), so it is not sent to another. "
+            f"ClientConfig.max_worker_deaths={m} allows {m} re-sends after such a death: "
+            "raise it to allow more"
+        )
+        log.error("%s", msg)
+        self.sched.fail(call, PoisonRequest(msg, rid=rid, workers=dead), also="poisoned")
 
     def _resend_now(self, call: Call) -> None:
         call.backoff = None
@@ -266,7 +295,7 @@ class Liveness:
             log.error("%s", why)
             w.incompatible = why
         if w.alive or w.inflight or w.sticky_queue:
-            self.worker_died(w, "it speaks an incompatible protocol version")
+            self.worker_died(w, "it speaks an incompatible protocol version", crashed=False)
         if not self.n_alive and self.all_incompatible():
             self._fail_waiting(self.incompatible_error())
 

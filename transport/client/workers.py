@@ -227,9 +227,9 @@ class Call:
     """One ``agenerate`` call, across re-sends and resumptions."""
 
     __slots__ = (
-        "backoff", "chunks", "deadline", "delivered", "done", "fut", "interrupts", "on_chunk",
-        "orig", "out_lp", "out_tok", "out_ver", "resends", "seg_streamed", "segment", "sub_id",
-        "t0", "timeout", "timer", "times", "worker",
+        "backoff", "chunks", "deadline", "delivered", "died_on", "done", "fut", "interrupts",
+        "on_chunk", "orig", "out_lp", "out_tok", "out_ver", "resends", "seg_streamed",
+        "segment", "sub_id", "t0", "timeout", "timer", "times", "worker",
     )  # fmt: skip
 
     def __init__(
@@ -259,6 +259,8 @@ class Call:
         self.delivered = 0  # output positions handed to on_chunk
         self.resends = 0
         self.interrupts = 0
+        # Addresses of the workers that died while running it (the shared empty tuple).
+        self.died_on: tuple[str, ...] = ()
         self.done = False
 
     @property
