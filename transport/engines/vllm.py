@@ -47,6 +47,7 @@ from transport.engines.http import (
     ServerRejected,
     sampling_common,
 )
+from transport.engines.vllm_staging import PROTOCOL, VersionLabels, drive_update, stage
 
 __all__ = ["WEIGHTS_REFUSED", "VLLMEngine", "VLLMOptions", "factory"]
 
@@ -110,7 +111,7 @@ class VLLMEngine(HTTPBridge):
         self._kept = False  # the server is paused in place by us
         self._mixed = False  # a load failed after the server started it
         self._transfer_ready = False
-        self._base_version = 0  # what vLLM's label "default" means
+        self.labels = VersionLabels()
 
     # -- what the server has ------------------------------------------------------------
 
@@ -146,7 +147,7 @@ class VLLMEngine(HTTPBridge):
         if "/weight_info" in self.routes:
             label = get("/weight_info").get("weight_version")
             if label is not None and str(label).lstrip("-").isdigit():
-                self.version = self._base_version = int(label)
+                self.version = self.labels.base = int(label)
         if self.options.route == "generate" and _GENERATE not in self.routes:
             raise EngineUnavailable(
                 f"{self.url} has no {_GENERATE}: start vLLM with --enable-scale-out"
@@ -226,17 +227,8 @@ class VLLMEngine(HTTPBridge):
         """The response, its versions from vLLM's spans where the server sent them."""
         res = super().result(req, flight)
         if flight.spans:
-            import numpy as np
-
-            vers = np.array(flight.vers, dtype=np.int32)
-            for span in flight.spans:
-                vers[int(span["start"]) : int(span["end"])] = self._label_version(span["version"])
-            res.output_versions = TokenArray(vers)
+            res.output_versions = TokenArray(self.labels.stamp(flight.vers, flight.spans))
         return res
-
-    def _label_version(self, label: Any) -> int:
-        text = str(label)
-        return int(text) if text.lstrip("-").isdigit() else self._base_version
 
     def abort(self, flight: Flight) -> None:
         """Close ``flight``'s stream (vLLM aborts a request whose client left); a request
@@ -286,8 +278,6 @@ class VLLMEngine(HTTPBridge):
     def load_weights(self, weights: Iterable[tuple[str, Any]], version: int | None = None) -> None:
         """Stage one verified version in shared memory and have vLLM's workers load it
         (called on the weight subscriber's thread while the worker is paused)."""
-        from transport.engines.vllm_staging import stage
-
         if (why := self.no_weights_reason) is not None:
             raise RuntimeError(why)
         if version is None:
@@ -299,24 +289,13 @@ class VLLMEngine(HTTPBridge):
             staged.close()
 
     async def _load(self, update_info: dict[str, Any], version: int) -> None:
-        t = self.options.weight_timeout
+        sync = _HTTPSync(self)
         if not self._transfer_ready:
-            from transport.engines.vllm_staging import PROTOCOL
-
-            await self.post_json(
-                "/init_weight_transfer_engine", {"init_info": {"protocol": PROTOCOL}}
-            )
+            await sync.init_transfer()
             self._transfer_ready = True
-        if not self._kept:  # never an update while the server generates
-            await self.post_json("/pause?mode=keep", {})
-            self._kept = True
-        await self.post_json("/start_weight_update", {})
+        paused, self._kept = self._kept, True
         try:
-            await self.post_json("/update_weights", {"update_info": update_info}, timeout=t)
-            await self.post_json("/finish_weight_update", {"weight_version": str(version)})
-            label = (await self._get_json("/weight_info")).get("weight_version")
-            if str(label) != str(version):
-                raise RuntimeError(f"vLLM reports weight version {label!r} after loading {version}")
+            await drive_update(sync, update_info, version, paused)
         except BaseException:
             self._mixed = True
             raise
@@ -329,6 +308,34 @@ class VLLMEngine(HTTPBridge):
             return msgspec.json.decode(await resp.read())
 
 
+class _HTTPSync:
+    """:class:`~transport.engines.vllm_staging.WeightSync` over the server's RL routes."""
+
+    def __init__(self, bridge: VLLMEngine) -> None:
+        self.b = bridge
+
+    async def init_transfer(self) -> None:
+        await self.b.post_json(
+            "/init_weight_transfer_engine", {"init_info": {"protocol": PROTOCOL}}
+        )
+
+    async def pause_in_place(self) -> None:
+        await self.b.post_json("/pause?mode=keep", {})
+
+    async def start_update(self) -> None:
+        await self.b.post_json("/start_weight_update", {})
+
+    async def update(self, update_info: dict[str, Any]) -> None:
+        t = self.b.options.weight_timeout
+        await self.b.post_json("/update_weights", {"update_info": update_info}, timeout=t)
+
+    async def finish_update(self, label: str) -> None:
+        await self.b.post_json("/finish_weight_update", {"weight_version": label})
+
+    async def label(self) -> str:
+        return str((await self.b._get_json("/weight_info")).get("weight_version"))
+
+
 def _token_id(name: str) -> int:
     # return_tokens_as_token_ids: each token is written "token_id:<id>".
     head, _, tail = str(name).rpartition(":")
@@ -337,5 +344,17 @@ def _token_id(name: str) -> int:
     return int(tail)
 
 
-#: ``--engine vllm``: a :class:`VLLMEngine` from the ``--engine-opt`` strings.
-factory = VLLMEngine.from_opts
+def factory(opts: dict[str, str]) -> Any:
+    """``--engine vllm``: with ``url``, a :class:`VLLMEngine` in front of that server;
+    with ``model`` (a path, no ``url``), vLLM in this worker
+    (:mod:`transport.engines.vllm_inproc`)."""
+    if not opts.get("url") and opts.get("model"):
+        from transport.engines.vllm_inproc import factory as in_worker
+
+        return in_worker(opts)
+    if not opts.get("url"):
+        raise ValueError(
+            "needs --engine-opt url=http://host:port (a vLLM server) or model=PATH "
+            "(vLLM in this worker)"
+        )
+    return VLLMEngine.from_opts(opts)

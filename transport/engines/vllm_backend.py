@@ -44,7 +44,15 @@ log = logging.getLogger("vllm.fastio")
 def register() -> None:
     """``vllm.general_plugins`` entry point: register the ``fastio`` backend (runs in
     vLLM's API server, engine core and workers: cheap, and idempotent)."""
+    import os
+
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    from transport.engines.vllm_inproc import PARENT_ENV, die_with_parent
+
+    parent = os.environ.get(PARENT_ENV)
+    if parent and parent != str(os.getpid()):  # spawned by vLLM in a fastio worker
+        die_with_parent()
 
     if BACKEND not in WeightTransferEngineFactory._registry:
         WeightTransferEngineFactory.register_engine(BACKEND, __name__, "FastioWeightTransferEngine")

@@ -17,13 +17,22 @@ import os
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from fastio._optional import require
 
-__all__ = ["PROTOCOL", "StagedCorrupt", "StagedVersion", "open_staged", "stage"]
+__all__ = [
+    "PROTOCOL",
+    "StagedCorrupt",
+    "StagedVersion",
+    "VersionLabels",
+    "WeightSync",
+    "drive_update",
+    "open_staged",
+    "stage",
+]
 
 #: The layout's version, in ``update_info["protocol"]``; a backend refuses another.
 PROTOCOL = 1
@@ -121,3 +130,65 @@ def open_staged(info: dict[str, Any]) -> Iterator[list[tuple[str, torch.Tensor]]
     finally:
         with suppress(BufferError):  # a loader kept a view: the mapping goes with it
             mm.close()
+
+
+class WeightSync(Protocol):
+    """vLLM's weight-sync surface as fastio drives it: its HTTP routes (the bridge) or
+    ``AsyncLLM``'s methods (vLLM in the worker)."""
+
+    async def init_transfer(self) -> None:
+        """``init_weight_transfer_engine`` with fastio's init info."""
+
+    async def pause_in_place(self) -> None:
+        """``pause_generation(mode="keep")``."""
+
+    async def start_update(self) -> None:
+        """``start_weight_update``."""
+
+    async def update(self, update_info: dict[str, Any]) -> None:
+        """``update_weights`` with one staged version."""
+
+    async def finish_update(self, label: str) -> None:
+        """``finish_weight_update`` labelled ``label``."""
+
+    async def label(self) -> str:
+        """The weight version vLLM reports."""
+
+
+async def drive_update(sync: WeightSync, info: dict[str, Any], version: int, paused: bool) -> None:
+    """Load one staged version: pause in place unless ``paused`` (never an update while
+    vLLM generates), start, update, finish labelled ``version``; raises unless vLLM then
+    reports that label."""
+    if not paused:
+        await sync.pause_in_place()
+    await sync.start_update()
+    await sync.update(info)
+    await sync.finish_update(str(version))
+    if (label := await sync.label()) != str(version):
+        raise RuntimeError(f"vLLM reports weight version {label!r} after loading {version}")
+
+
+class VersionLabels:
+    """vLLM's version labels and fastio's versions: labels are ``str(version)``;
+    ``default`` (the weights vLLM started on) is :attr:`base`."""
+
+    def __init__(self, base: int = 0) -> None:
+        self.base = base
+
+    def version(self, label: Any) -> int:
+        """The fastio version of a label."""
+        text = str(label)
+        return int(text) if text.lstrip("-").isdigit() else self.base
+
+    def stamp(self, versions: list[int], spans: Any) -> Any:
+        """``versions`` (one per output token) as an int32 array, each span of vLLM's
+        ``weight_versions`` (``{version, start, end}`` mappings or objects) set to its
+        label's version."""
+        import numpy as np
+
+        out = np.array(versions, dtype=np.int32)
+        for span in spans or ():
+            if not isinstance(span, dict):  # vLLM's WeightVersionSpan
+                span = {"start": span.start, "end": span.end, "version": span.version}
+            out[int(span["start"]) : int(span["end"])] = self.version(span["version"])
+        return out

@@ -1,0 +1,279 @@
+"""``--engine vllm --engine-opt model=PATH``: vLLM's ``AsyncLLM`` inside the worker.
+
+::
+
+    fastio-worker --bind tcp://0.0.0.0:5555 --engine vllm --engine-opt model=/models/m \\
+        --engine-opt max_model_len=4096 --engine-opt dtype=bfloat16
+
+No HTTP hop: rollout client -> fastio (ZeroMQ, msgpack, zero-copy tokens) -> the worker's
+``AsyncLLM`` -> vLLM's engine core (its own process, ZeroMQ). The ``--engine-opt`` keys
+but ``model`` are vLLM's engine arguments by name (``dtype``, ``max_model_len``,
+``load_format``, ``skip_tokenizer_init``, ``gpu_memory_utilization``, ``enforce_eager``,
+``max_num_seqs``, ``tensor_parallel_size``, ``weight_transfer_config``...), read by vLLM's
+own argument parser (:func:`engine_args`): an unknown key or a bad value fails the
+worker's start with vLLM's message. ``weight_transfer_config`` defaults to fastio's
+backend, so the weights plugin works as for any engine.
+
+The contract is the bridge's: tokens streamed as vLLM makes them, abort and cancel
+(``AsyncLLM.abort``), a pause that freezes requests in place (``mode="keep"``) and
+resumes them, per-token versions from vLLM's ``weight_versions`` spans, weights through
+fastio's weight-transfer backend (:mod:`transport.engines.vllm_backend`, reached through
+``AsyncLLM``'s ``collective_rpc``). vLLM's processes die with the worker, also on
+``kill -9`` (``PR_SET_PDEATHSIG``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ctypes
+import itertools
+import logging
+import os
+import signal
+from collections.abc import Iterable
+from typing import Any
+
+from fastio import LLMRequest, LLMResponse, TokenArray
+from transport.engines.api import GenerationContext
+from transport.engines.http import Flight
+from transport.engines.vllm_staging import PROTOCOL, VersionLabels, drive_update, stage
+
+__all__ = ["PARENT_ENV", "AsyncLLMEngine", "die_with_parent", "engine_args", "factory"]
+
+log = logging.getLogger("transport.engines")
+_PR_SET_PDEATHSIG = 1
+#: The worker's pid, in its environment: vLLM processes it starts die with their parent.
+PARENT_ENV = "FASTIO_VLLM_DIE_WITH_PARENT"
+
+
+def _prctl() -> Any:
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):  # not Linux: vLLM's own shutdown only
+        return None
+
+
+_PRCTL = _prctl()  # resolved before any fork: a forked child only calls it
+
+
+def die_with_parent() -> None:
+    """Have the kernel SIGKILL this process when its parent dies (Linux); exit now if
+    the parent is already gone."""
+    if _PRCTL is None:
+        return
+    _PRCTL(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() == 1:
+        os._exit(1)
+
+
+def engine_args(opts: dict[str, str]) -> Any:
+    """vLLM's ``AsyncEngineArgs`` from ``--engine-opt`` strings, through vLLM's own CLI
+    parser (``max_model_len=1024`` is ``--max-model-len 1024``; booleans take 1/0,
+    true/false); ``ValueError`` naming an unknown key or a bad value."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = AsyncEngineArgs.add_cli_args(FlexibleArgumentParser(exit_on_error=False))
+    actions = {a.dest: a for a in parser._actions}
+    opts = {"weight_transfer_config": '{"backend": "fastio"}', **opts}
+    argv: list[str] = []
+    for key, value in opts.items():
+        action = actions.get(key.replace("-", "_"))
+        if action is None or not action.option_strings:
+            raise ValueError(f"unknown vLLM engine option {key!r} (vLLM's engine arguments)")
+        flag = next(s for s in action.option_strings if s.startswith("--"))
+        if action.nargs == 0 or isinstance(action, argparse.BooleanOptionalAction):
+            on = _truth(key, value)
+            if isinstance(action, argparse.BooleanOptionalAction):
+                argv.append(flag if on else "--no-" + flag[2:])
+            elif on:
+                argv.append(flag)
+        else:
+            argv += [flag, value]
+    try:
+        ns = parser.parse_args(argv)
+    except (argparse.ArgumentError, SystemExit) as exc:
+        raise ValueError(f"bad vLLM engine option: {exc}") from None
+    return AsyncEngineArgs.from_cli_args(ns)
+
+
+def _truth(key: str, value: str) -> bool:
+    v = value.strip().lower()
+    if v in ("1", "true", "yes", "on", ""):
+        return True
+    if v in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"vLLM engine option {key}={value!r}: expected 1/0 or true/false")
+
+
+class AsyncLLMEngine:
+    """A :class:`~transport.Engine` running vLLM's ``AsyncLLM`` in the worker (module
+    docstring). ``args``: vLLM's ``AsyncEngineArgs``."""
+
+    def __init__(self, args: Any) -> None:
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        # vLLM's processes (engine core, its workers) die with this one: forked ones
+        # through this hook, spawned ones through the plugin's register().
+        os.environ[PARENT_ENV] = str(os.getpid())
+        os.register_at_fork(after_in_child=die_with_parent)
+        self.llm = AsyncLLM.from_engine_args(args)
+        self.version = 0
+        self.labels = VersionLabels()
+        self.vocab_size: int | None = self.llm.model_config.get_vocab_size()
+        self._rids = itertools.count()
+        self._prefix = f"fastio-{os.getpid()}-{os.urandom(3).hex()}"
+        self._waiting = 0
+        self._kept = False
+        self._mixed = False
+        self._transfer_ready = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    @property
+    def pauses_in_place(self) -> bool:
+        """A pause froze vLLM's requests in place (they go on after the resume)."""
+        return self._kept
+
+    async def start(self, worker: Any) -> None:
+        """Keep the worker's loop (weights are driven from the subscriber's thread)."""
+        self._loop = asyncio.get_running_loop()
+        label = await self.llm.get_weight_version()
+        if str(label).lstrip("-").isdigit():
+            self.version = self.labels.base = int(label)
+
+    async def close(self) -> None:
+        """Shut vLLM's engine down (its processes exit)."""
+        self.llm.shutdown()
+
+    def queue_depth(self) -> int:
+        """Requests given to vLLM that have no token yet."""
+        return self._waiting
+
+    async def generate(self, req: LLMRequest, ctx: GenerationContext) -> LLMResponse:
+        """Generate through ``AsyncLLM.generate`` (delta outputs), streaming each token."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        g = req.gconfig
+        if g.n_samples != 1:
+            raise ValueError(f"n_samples={g.n_samples}: one sample per request; send n requests")
+        params = SamplingParams(
+            max_tokens=g.max_new_tokens,
+            min_tokens=g.min_new_tokens,
+            temperature=0.0 if g.greedy else g.temperature,
+            top_p=g.top_p,
+            top_k=-1 if g.top_k >= 1 << 30 else g.top_k,
+            stop_token_ids=list(g.stop_token_ids),
+            logprobs=0,
+            skip_special_tokens=False,
+            detokenize=False,
+            output_kind=RequestOutputKind.DELTA,
+        )
+        rid = f"{self._prefix}-{next(self._rids)}"
+        # vLLM's prompt is a list: the one conversion of the prompt on this path.
+        prompt = TokensPrompt(prompt_token_ids=req.input_ids.array.tolist())
+        flight = Flight(rid, ctx)
+        self._waiting += 1
+        try:
+            async for out in self.llm.generate(prompt, params, rid):
+                version = self.version
+                for c in out.outputs:
+                    lps = c.logprobs or ()
+                    for k, tok in enumerate(c.token_ids):
+                        lp = lps[k][tok].logprob if k < len(lps) else None
+                        flight.add(tok, lp, version)
+                    if c.token_ids and not flight.first:
+                        flight.first = True
+                        self._waiting -= 1
+                    flight.finish = c.finish_reason or flight.finish
+                    flight.spans = c.weight_versions or flight.spans
+        finally:
+            if not flight.first:
+                self._waiting -= 1
+        stop = {"length": "length", "abort": "abort"}.get(str(flight.finish), "stop")
+        res = flight.result(req, stop)
+        if flight.spans:
+            res.output_versions = TokenArray(self.labels.stamp(flight.vers, flight.spans))
+        return res
+
+    async def pause_generation(self) -> None:
+        """Freeze vLLM's requests in place (``mode="keep"``)."""
+        self._kept = True
+        await self.llm.pause_generation(mode="keep", clear_cache=False)
+
+    async def continue_generation(self) -> None:
+        """Resume vLLM, unless a failed load left its weights mixed."""
+        if not self._kept:
+            return
+        if self._mixed:
+            log.error("vLLM stays paused: its weights are mixed (a load failed)")
+            return
+        await self.llm.resume_generation()
+        self._kept = False
+
+    def load_weights(self, weights: Iterable[tuple[str, Any]], version: int | None = None) -> None:
+        """Stage one verified version in shared memory and load it into vLLM's workers
+        (called on the weight subscriber's thread while the worker is paused)."""
+        if self._loop is None:
+            raise RuntimeError("the vLLM engine has not started")
+        v = self.version + 1 if version is None else version
+        staged = stage(weights, v, os.environ.get("FASTIO_SHM_DIR", "/dev/shm"))
+        try:
+            asyncio.run_coroutine_threadsafe(self._load(staged.update_info, v), self._loop).result()
+        finally:
+            staged.close()
+
+    async def _load(self, info: dict[str, Any], version: int) -> None:
+        sync = _LLMSync(self.llm)
+        if not self._transfer_ready:
+            await sync.init_transfer()
+            self._transfer_ready = True
+        paused, self._kept = self._kept, True
+        try:
+            await drive_update(sync, info, version, paused)
+        except BaseException:
+            self._mixed = True
+            raise
+        self._mixed = False
+
+
+class _LLMSync:
+    """:class:`~transport.engines.vllm_staging.WeightSync` over ``AsyncLLM``."""
+
+    def __init__(self, llm: Any) -> None:
+        self.llm = llm
+
+    async def init_transfer(self) -> None:
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+
+        await self.llm.init_weight_transfer_engine(
+            WeightTransferInitRequest(init_info={"protocol": PROTOCOL})
+        )
+
+    async def pause_in_place(self) -> None:
+        await self.llm.pause_generation(mode="keep", clear_cache=False)
+
+    async def start_update(self) -> None:
+        await self.llm.start_weight_update()
+
+    async def update(self, update_info: dict[str, Any]) -> None:
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        await self.llm.update_weights(WeightTransferUpdateRequest(update_info=update_info))
+
+    async def finish_update(self, label: str) -> None:
+        await self.llm.finish_weight_update(label)
+
+    async def label(self) -> str:
+        return str(await self.llm.get_weight_version())
+
+
+def factory(opts: dict[str, str]) -> AsyncLLMEngine:
+    """``--engine vllm --engine-opt model=PATH ...``: vLLM in this worker."""
+    if not opts.get("model"):
+        raise ValueError("vLLM in the worker needs --engine-opt model=PATH")
+    # The worker's stdout carries its ready line: vLLM logs to stderr (before its import).
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+    return AsyncLLMEngine(engine_args(opts))
