@@ -137,6 +137,49 @@ def workers() -> Iterator[Callable[..., WorkerProc]]:
         w.kill()
 
 
+INPROC_OPTS = {
+    "skip_tokenizer_init": "1", "load_format": "dummy", "dtype": "float32",
+    "enforce_eager": "1", "max_model_len": "1024", "gpu_memory_utilization": "0.1",
+}  # fmt: skip
+
+
+def inproc_args(model: Path, *extra: str) -> list[str]:
+    """A worker running vLLM in its own process (the same engine settings as the server)."""
+    args = ["--bind", "tcp://127.0.0.1:0", "--engine", "vllm", "--engine-opt", f"model={model}"]
+    for k, v in INPROC_OPTS.items():
+        args += ["--engine-opt", f"{k}={v}"]
+    return [*args, *extra]
+
+
+def children(pid: int) -> set[int]:
+    """Every descendant of ``pid`` (from /proc)."""
+    out: set[int] = set()
+    todo = [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            tasks = os.listdir(f"/proc/{p}/task")
+        except OSError:
+            continue
+        for t in tasks:
+            try:
+                with open(f"/proc/{p}/task/{t}/children") as f:
+                    kids = [int(x) for x in f.read().split()]
+            except OSError:
+                continue
+            out.update(kids)
+            todo += kids
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except OSError:
+        return False
+
+
 def greedy(n: int) -> GenerationHyperparameters:
     # The random model's end token would stop some prompts early: vLLM's ignore_eos is
     # not in the types, so the direct calls ignore it and the prompts avoid it (below).
@@ -244,19 +287,26 @@ def _publish_and_update(address: str, pub: WeightPublisher, state: Any, version:
         return update_weights(ctl, pub, state, version, timeout=120)
 
 
+@pytest.mark.parametrize("where", ["bridge", "in-worker"])
 def test_pause_keeps_requests_in_place_and_weights_land_between(
-    server: Server, workers: Callable[..., WorkerProc]
+    where: str, server: Server, model_dir: Path, workers: Callable[..., WorkerProc]
 ) -> None:
     """8 x 200 tokens in flight, an update_weights in between: each request completes
     once, not interrupted, its versions from 0 to 1; then greedy output equals
-    transformers' with the new weights."""
+    transformers' with the new weights. Through the bridge, and with vLLM in the worker."""
     port = free_port()
     pub = WeightPublisher(f"tcp://127.0.0.1:{port}")
+    inproc: WorkerProc | None = None
     try:
-        w = workers(
-            server.url, "--plugin", "transport.weights.update:subscribe",
+        plugin = (
+            "--plugin", "transport.weights.update:subscribe",
             "--plugin-opt", f"weights_endpoint=tcp://127.0.0.1:{port}",
         )  # fmt: skip
+        if where == "bridge":
+            w = workers(server.url, *plugin)
+        else:
+            w = inproc = WorkerProc(inproc_args(model_dir, *plugin))
+            w.wait_ready(300)
         model = hf_model(seed=7)
         n = 200
         seen: dict[int, int] = {}
@@ -285,7 +335,8 @@ def test_pause_keeps_requests_in_place_and_weights_land_between(
             vers = r.output_versions.tolist()
             assert r.stop_reason in ("length", "stop") and len(vers) == len(r.output_tokens)
             assert vers == sorted(vers) and vers[0] == 0 and vers[-1] == 1, vers
-        assert server.get("/weight_info")["weight_version"] == "1"
+        if where == "bridge":
+            assert server.get("/weight_info")["weight_version"] == "1"
 
         async def after() -> list[Any]:
             async with FabricClient([w.address], CLIENT) as c:
@@ -304,6 +355,8 @@ def test_pause_keeps_requests_in_place_and_weights_land_between(
             assert set(r.output_versions.tolist()) == {1}
     finally:
         pub.close()
+        if inproc is not None:
+            inproc.kill()
 
 
 def test_a_version_vllm_refuses_leaves_it_paused_until_a_whole_one_lands(
@@ -343,3 +396,46 @@ def test_a_version_vllm_refuses_leaves_it_paused_until_a_whole_one_lands(
         assert set(r.output_versions.tolist()) == {51}
     finally:
         pub.close()
+
+
+def test_vllm_in_the_worker_equals_vllms_server_and_dies_with_the_worker(
+    server: Server, model_dir: Path
+) -> None:
+    """Greedy tokens equal the server's (same engine, same dummy weights); a cancelled
+    request stops and the worker serves on; a bad option fails the start with vLLM's
+    message; ``kill -9`` of the worker leaves no vLLM process behind."""
+    bad = subprocess.run(
+        [sys.executable, "-m", "transport.worker", *inproc_args(model_dir, "--engine-opt", "no_such_option=1")],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert bad.returncode == 2 and "unknown vLLM engine option 'no_such_option'" in bad.stderr
+    w = WorkerProc(inproc_args(model_dir))
+    try:
+        w.wait_ready(300)
+        kids = children(w.pid)
+        assert kids, "vLLM's engine core runs in a process of its own"
+        n = 24
+
+        async def main() -> list[Any]:
+            async with FabricClient([w.address], CLIENT) as c:
+                slow = c.agenerate(LLMRequest(input_ids=[5, 6, 7], gconfig=greedy(900)))
+                out = list(
+                    await asyncio.gather(
+                        *(c.agenerate(LLMRequest(input_ids=p, gconfig=greedy(n))) for p in PROMPTS)
+                    )
+                )
+                slow.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await slow
+                out.append(await c.agenerate(LLMRequest(input_ids=PROMPTS[0], gconfig=greedy(n))))
+                return out
+
+        resps = run(main())
+        for p, r in zip([*PROMPTS, PROMPTS[0]], resps, strict=True):
+            want = server.generate(p, n)
+            got = r.output_tokens.tolist()
+            assert got == want[: len(got)] and len(got) in (n, len(want)), (p, got, want)
+            assert r.output_versions.tolist() == [0] * len(got)
+    finally:
+        w.kill()
+    wait_for(lambda: not any(alive(k) for k in kids), 60, "vLLM's processes gone")
