@@ -214,3 +214,48 @@ def test_closing_the_worker_aborts_on_the_server_and_leaks_no_session(
     asyncio.run(main())
     wait_for(lambda: server.stats()["running"] == 0, what="the server's requests aborted")
     assert server.stats()["abort_requests"] == 2
+
+
+def test_a_rejected_request_fails_alone_and_the_worker_serves_the_next(
+    spawn: Callable[..., WorkerProc], fake: Callable[..., FakeProc]
+) -> None:
+    from transport import RemoteError
+
+    server = fake("sglang")
+    w = spawn(*bridge_args("sglang", server.url))
+    g = GenerationHyperparameters(max_new_tokens=8)
+
+    async def main() -> list[object]:
+        async with FabricClient([w.address], FAST) as client:
+            bad = client.agenerate(LLMRequest(input_ids=[1, 300], gconfig=g))  # 300: no such id
+            good = client.agenerate(LLMRequest(input_ids=[1, 2], gconfig=g))
+            with pytest.raises(RemoteError, match="greater than the vocab size"):
+                await bad
+            return [await good, await client.agenerate(LLMRequest(input_ids=[3], gconfig=g))]
+
+    first, second = asyncio.run(main())
+    assert first.output_tokens.tolist() == reference_output(SEED, [1, 2], 8)  # type: ignore[attr-defined]
+    assert second.output_tokens.tolist() == reference_output(SEED, [3], 8)  # type: ignore[attr-defined]
+    assert server.stats()["rejected"] == 1
+
+
+@pytest.mark.slow
+def test_a_worker_idle_longer_than_the_servers_keepalive_serves_the_next_request(
+    spawn: Callable[..., WorkerProc], fake: Callable[..., FakeProc]
+) -> None:
+    # The server closes idle connections after 0.2 s, before the bridge's 2 s: the next
+    # request finds its kept connection closed, or gone, and is sent (once) on a new one.
+    server = fake("sglang", "--keepalive", "0.2")
+    w = spawn(*bridge_args("sglang", server.url))
+    g = GenerationHyperparameters(max_new_tokens=6)
+
+    async def main() -> list[object]:
+        async with FabricClient([w.address], FAST) as client:
+            first = await client.agenerate(LLMRequest(input_ids=[1], gconfig=g))
+            await asyncio.sleep(0.5)  # idle past the server's keep-alive: what is tested
+            return [first, await client.agenerate(LLMRequest(input_ids=[2], gconfig=g))]
+
+    resps = asyncio.run(main())
+    for prompt, r in zip(([1], [2]), resps, strict=True):
+        assert r.output_tokens.tolist() == reference_output(SEED, prompt, 6)  # type: ignore[attr-defined]
+    assert server.stats()["generate"] == 2
