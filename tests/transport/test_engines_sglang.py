@@ -73,11 +73,11 @@ def test_stop_token_and_sampling_reach_the_server(
 
 
 @pytest.mark.slow
-def test_pause_interrupts_on_the_server_and_resume_continues_after_the_partial(
+def test_pause_mode_abort_interrupts_on_the_server_and_resume_continues_after_the_partial(
     spawn: Callable[..., WorkerProc], fake: Callable[..., FakeProc]
 ) -> None:
     server = fake("sglang", "--token-interval", "0.02")
-    w = spawn(*bridge_args("sglang", server.url))
+    w = spawn(*bridge_args("sglang", server.url, "--engine-opt", "pause_mode=abort"))
     n, calls = 40, 4
     streams = Streams(calls)
 
@@ -101,13 +101,13 @@ def test_pause_interrupts_on_the_server_and_resume_continues_after_the_partial(
     assert stats["generate"] == 2 * calls
 
 
-def test_pause_before_the_server_knows_the_request_still_interrupts_it(
+def test_pause_mode_abort_before_the_server_knows_the_request_still_interrupts_it(
     spawn: Callable[..., WorkerProc], fake: Callable[..., FakeProc]
 ) -> None:
     # The abort sent at the pause finds no such rid on the server (still queued); the
     # bridge aborts again once the server streams, instead of waiting for the end.
     server = fake("sglang", "--token-interval", "0.02", "--register-delay", "0.5")
-    w = spawn(*bridge_args("sglang", server.url))
+    w = spawn(*bridge_args("sglang", server.url, "--engine-opt", "pause_mode=abort"))
     n = 400
 
     async def main() -> object:
@@ -214,6 +214,98 @@ def test_closing_the_worker_aborts_on_the_server_and_leaks_no_session(
     asyncio.run(main())
     wait_for(lambda: server.stats()["running"] == 0, what="the server's requests aborted")
     assert server.stats()["abort_requests"] == 2
+
+
+@pytest.mark.parametrize("mode", ["in_place", "retract"])
+def test_a_keeping_pause_freezes_the_streams_and_they_go_on_after_the_resume(
+    spawn: Callable[..., WorkerProc], fake: Callable[..., FakeProc], mode: str
+) -> None:
+    # SGLang holds the requests (no abort, nothing re-sent): the worker's pause completes
+    # with them frozen, and each stream continues on the same request after the resume.
+    server = fake("sglang", "--token-interval", "0.01")
+    w = spawn(*bridge_args("sglang", server.url, "--engine-opt", f"pause_mode={mode}"))
+    n, calls = 40, 3
+    streams = Streams(calls)
+
+    async def while_paused() -> None:
+        stats = server.stats()
+        assert stats["running"] == calls and stats.get("aborted", 0) == 0, stats
+        assert stats[f"pauses_{mode}"] == 1 and stats.get("abort_requests", 0) == 0
+        assert all(0 < streams.got(i) < n for i in range(calls))
+
+    pause = pause_when_streaming(w.address, streams, calls, while_paused)
+    resps = generate_all(w.address, [[i, 5] for i in range(calls)], n, streams, while_running=pause)
+    for i, r in enumerate(resps):
+        want = reference_output(SEED, [i, 5], n)
+        assert r.output_tokens.tolist() == want and streams.tokens(i) == want  # type: ignore[attr-defined]
+        assert r.stop_reason == "length"  # type: ignore[attr-defined]
+    stats = server.stats()
+    # One request per call, every token generated once; a retracted request is
+    # prefilled again inside SGLang, one kept in place is not.
+    assert stats["generate"] == calls and stats["tokens"] == n * calls, stats
+    assert stats["prefills"] == calls * (2 if mode == "retract" else 1), stats
+    assert stats["continues"] == 1
+
+
+@pytest.mark.slow
+def test_versions_move_from_old_to_new_across_a_load_under_frozen_requests(
+    fake: Callable[..., FakeProc], tmp_path: Path
+) -> None:
+    # A weight version loaded while the requests are frozen in place: the tokens before
+    # carry the old version, those after the new one (SGLang's meta_info label), and the
+    # rest of each output is the new weights' continuation of the same context.
+    import torch
+
+    from transport import WorkerServer
+    from transport.engines.sglang import SGLangEngine
+    from transport.worker import WorkerConfig
+
+    server = fake("sglang", "--token-interval", "0.01")
+    eng = SGLangEngine(server.url, health_interval=0, weights_dir=str(tmp_path / "w"))
+    n, calls = 40, 3
+    streams = Streams(calls)
+    state = [("w", torch.arange(6, dtype=torch.float32)), ("b", torch.ones(2))]
+
+    async def main() -> list[object]:
+        worker = WorkerServer(eng, WorkerConfig(bind="tcp://127.0.0.1:0"))
+        [addr] = await worker.start()
+        try:
+            async with FabricClient([addr], FAST) as client:
+                g = GenerationHyperparameters(max_new_tokens=n)
+                futs = [
+                    client.agenerate(
+                        LLMRequest(input_ids=[i, 9], gconfig=g), on_chunk=streams.on_chunk(i)
+                    )
+                    for i in range(calls)
+                ]
+                await await_for(
+                    lambda: all(streams.got(i) >= 3 for i in range(calls)), what="tokens"
+                )
+                with FabricController([addr]) as ctl:
+                    await asyncio.to_thread(ctl.pause, 10)
+                    assert eng.pauses_in_place and server.stats()["running"] == calls
+                    await asyncio.to_thread(eng.load_weights, state, version=3)
+                    assert ctl.health()[addr].version == 3
+                    await asyncio.to_thread(ctl.resume, 10)
+                return list(await asyncio.gather(*futs))
+        finally:
+            await worker.close()
+
+    resps = asyncio.run(main())
+    [written] = (tmp_path / "w").glob("v0*")
+    new_seed = seed_of_path(str(written))
+    for i, r in enumerate(resps):
+        out, vers = r.output_tokens.tolist(), r.output_versions.tolist()  # type: ignore[attr-defined]
+        j = vers.index(3)
+        assert 0 < j < n and vers == [0] * j + [3] * (n - j), vers
+        assert out[:j] == reference_output(SEED, [i, 9], j)
+        assert out[j:] == reference_output(new_seed, [i, 9, *out[:j]], n - j)
+        assert streams.tokens(i) == out and streams.versions(i) == vers
+    stats = server.stats()
+    assert stats["reloads"] == 1 and stats.get("flush_failures", 0) == 0, stats
+    assert stats["generate"] == calls and stats["prefills"] == calls, stats
+    # Loaded without a flush (requests were held): asked once none of them was left.
+    wait_for(lambda: server.stats().get("flushes") == 1, what="the deferred cache flush")
 
 
 def test_a_rejected_request_fails_alone_and_the_worker_serves_the_next(

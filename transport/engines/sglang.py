@@ -6,27 +6,44 @@
     fastio-worker --bind tcp://0.0.0.0:5555 --engine sglang \\
         --engine-opt url=http://127.0.0.1:30000
 
-A request is ``POST /generate`` (streamed, with logprobs, under a rid of the bridge's
-own); pause, abort and cancel are ``POST /abort_request`` for the rid. Each verified
-weight version is written as safetensors and loaded with ``/update_weights_from_disk``
-(:meth:`SGLangEngine.load_weights`); options: :class:`SGLangOptions`.
+What SGLang (0.5) does natively, as its docs ("SGLang for RL Systems") and its
+``io_struct.py`` describe it, and how the bridge uses it:
+
+- a request is ``POST /generate`` (streamed, with logprobs, under a rid of the bridge's
+  own); each chunk's ``meta_info.weight_version`` is the label the server holds when it
+  sends the chunk, so each token is stamped with the fastio version of that label;
+- a pause is ``POST /pause_generation {"mode": pause_mode}`` (:class:`SGLangOptions`):
+  ``in_place`` (the default) and ``retract`` freeze the requests inside SGLang, their
+  streams stay open (:attr:`SGLangEngine.pauses_in_place`: the worker's pause completes
+  at once) and go on after ``/continue_generation``, so nothing is re-sent or
+  re-prefilled; ``abort``, or a server without the route, interrupts each request with
+  ``POST /abort_request`` (the client re-sends the rest after the resume);
+- each verified weight version is written as safetensors and loaded with
+  ``/update_weights_from_disk`` labelled ``weight_version=str(version)``, under the
+  frozen requests (:meth:`SGLangEngine.load_weights`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
 import os
 import tempfile
+import urllib.request
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-from fastio import GenerationHyperparameters, LLMRequest
+from fastio import GenerationHyperparameters, LLMRequest, LLMResponse
+from transport.engines.api import GenerationContext
 from transport.engines.http import BridgeOptions, Flight, HTTPBridge, Seconds, sampling_common
 
 __all__ = ["SGLangEngine", "SGLangOptions", "factory", "sampling_params"]
 
 log = logging.getLogger("transport.engines")
+
+_NO_LABEL = object()
 
 
 class SGLangOptions(BridgeOptions):
@@ -42,11 +59,28 @@ class SGLangOptions(BridgeOptions):
         linked into each version directory written.
     reload_timeout:
         Seconds the server may take to load a version.
+    pause_mode:
+        What a worker pause asks of the server (SGLang's ``/pause_generation`` modes).
+        ``in_place`` (default): requests stay in SGLang's running batch with their KV
+        cache and continue after ``/continue_generation``: no token is re-sent, no
+        prompt prefilled again (SGLang's docs: "Running requests rely on availability
+        of KV caches to continue"). ``retract``: requests go back to SGLang's waiting
+        queue with the tokens they have and continue after the resume, their KV
+        recomputed by SGLang. Both keep the stream open; a weight version loaded during
+        the pause is loaded without flushing SGLang's cache (a flush fails while
+        requests are held), and the bridge asks ``/flush_cache`` once none of its
+        requests is left. The frozen requests continue on the KV cache (and SGLang's
+        prefix cache) computed by the older weights, as partial rollouts do; each token
+        is stamped with the version SGLang labels it with. ``abort``: interrupt every
+        request (``/abort_request``): it returns with ``interrupt`` and the client
+        re-sends the rest (a new prefill), each version loaded on a flushed cache.
+        A server without ``/pause_generation`` is paused by ``abort``.
     """
 
     weights_dir: str | None = None
     model_config: str | None = None
     reload_timeout: Seconds = 600.0
+    pause_mode: Literal["in_place", "retract", "abort"] = "in_place"
 
 
 def sampling_params(g: GenerationHyperparameters) -> dict[str, Any]:
@@ -73,6 +107,72 @@ class SGLangEngine(HTTPBridge):
         )
         #: Whether the server has /pause_generation (None: not asked yet).
         self.has_pause: bool | None = None
+        #: The fastio version a label that is not a number stands for (SGLang's
+        #: ``default``): the version the server reported at start.
+        self.base_version = 0
+        self._kept = False  # the server is paused in place (or retracted) by us
+        self._in_place_ok = True  # the worker lets a pause leave requests frozen
+        self._flush_due = False  # a version was loaded without flushing the cache
+        self._probed = False
+        self._label: tuple[Any, int] = (_NO_LABEL, 0)  # the last label seen, its version
+
+    # -- the server ----------------------------------------------------------------------
+
+    def check_reachable(self, timeout: float = 5.0) -> None:
+        """``/health``, then the server's weight version (``/model_info``)."""
+        super().check_reachable(timeout)
+        try:
+            with urllib.request.urlopen(self.url + "/model_info", timeout=timeout) as r:
+                self._set_base(json.loads(r.read()))
+        except (OSError, ValueError):
+            pass  # no /model_info: the labels that are numbers still count
+        self._probed = True
+
+    async def start(self, worker: Any) -> None:
+        """As the base; reads the server's weight version when the factory did not, and
+        whether the worker takes a pause that leaves requests frozen (else
+        ``pause_mode`` acts as ``abort``)."""
+        gate = getattr(worker, "gate", None)
+        self._in_place_ok = callable(getattr(gate, "keeps_in_place", None))
+        if not self._in_place_ok and self.options.pause_mode != "abort":
+            log.warning(
+                "this worker cannot leave requests frozen in a pause: SGLang pause_mode=%s "
+                "acts as abort",
+                self.options.pause_mode,
+            )
+        await super().start(worker)
+        if not self._probed:
+            self._probed = True
+            with contextlib.suppress(Exception):
+                async with self.session().get(self.url + "/model_info") as resp:
+                    if resp.status == 200:
+                        self._set_base(json.loads(await resp.read()))
+
+    async def close(self) -> None:
+        """As the base; a server this bridge holds paused is let go first (SGLang ends
+        an aborted request only at its next step, and nothing else would resume it)."""
+        if self._kept:
+            self._kept = False
+            with contextlib.suppress(Exception):
+                await self.post_json("/continue_generation", {}, timeout=2.0)
+        await super().close()
+
+    def _set_base(self, info: Any) -> None:
+        label = info.get("weight_version") if isinstance(info, dict) else None
+        if isinstance(label, str) and label.isdigit():
+            self.version = self.base_version = int(label)
+
+    def version_of(self, label: Any) -> int:
+        """The fastio version of SGLang's ``weight_version`` label: the number the
+        bridge sent (``str(version)``), else :attr:`base_version`."""
+        last, v = self._label
+        if label == last:
+            return v
+        v = int(label) if isinstance(label, str) and label.isdigit() else self.base_version
+        self._label = (label, v)
+        return v
+
+    # -- requests ------------------------------------------------------------------------
 
     async def request(self, req: LLMRequest, rid: str) -> tuple[str, Any]:
         """``/generate``, streamed, with the sampled tokens' logprobs."""
@@ -85,15 +185,26 @@ class SGLangEngine(HTTPBridge):
             "rid": rid,
         }
 
+    async def generate(self, req: LLMRequest, ctx: GenerationContext) -> LLMResponse:
+        """As the base; once none of its requests is left, a cache flush that a load
+        under frozen requests could not do is asked for."""
+        try:
+            return await super().generate(req, ctx)
+        finally:
+            if self._flush_due and not self.flights:
+                self.spawn(self._flush())
+
     def take(self, chunk: Any, flight: Flight) -> int:
-        """Emit the tokens of one chunk that are new (``[logprob, token_id, text]``)."""
+        """Emit the tokens of one chunk that are new (``[logprob, token_id, text]``),
+        stamped with the version of the chunk's ``weight_version``."""
         meta = chunk.get("meta_info") or {}
         items = meta.get("output_token_logprobs") or ()
         seen = len(flight.toks)
         # Cumulative chunks repeat what came before: skip it. (Incremental ones hold
         # only the new tokens; with nothing seen yet both read the same.)
         new = items[seen:] if seen and meta.get("completion_tokens") == len(items) else items
-        version = self.version
+        label = meta.get("weight_version")
+        version = self.version if label is None else self.version_of(label)
         for item in new:
             flight.add(int(item[1]), item[0], version)
         flight.finish = meta.get("finish_reason")
@@ -109,63 +220,69 @@ class SGLangEngine(HTTPBridge):
         except Exception as exc:  # the server may be gone; the watchdog deals with it
             log.debug("abort of %s failed: %r", rid, exc)
 
-    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
-        """Write one verified version under :attr:`weights_dir` and have the server load
-        it (called on the weight subscriber's thread while the worker is paused). Raises
-        when the server does not confirm the load: the version then fails on this worker
-        and the trainer is told why."""
-        from transport.weights.disk import latest_version, save_weights
+    # -- pause ---------------------------------------------------------------------------
 
-        root = self.weights_dir
-        n = (latest_version(root) or 0) + 1
-        path = save_weights(root, list(weights), n).parent
-        self._link_config(path)
-        self.run_in_loop(self.load_weights_from_disk(str(path)), self.options.reload_timeout + 10)
+    @property
+    def pauses_in_place(self) -> bool:  # type: ignore[override]
+        """The server is paused by this bridge with its requests frozen (``in_place`` or
+        ``retract``): their streams stay open and continue after the resume."""
+        return self._kept
 
-    def _link_config(self, path: Path) -> None:
-        if self.options.model_config is None:
+    def _keeps(self) -> bool:
+        return self.options.pause_mode != "abort" and self.has_pause is not False
+
+    async def pause_generation(self) -> None:  # type: ignore[override]
+        """The worker pauses: ``/pause_generation`` with ``pause_mode`` where it keeps
+        the requests (their streams then wait, without a stall timeout, for the
+        resume); else interrupt every request (the base)."""
+        if self._keeps() and self._in_place_ok:
+            # Kept from the start: a chunk that arrives meanwhile interrupts nothing.
+            self._kept = True
+            self._stall_timeouts(None)
+            try:
+                if await self._server_pause(self.options.pause_mode):
+                    return
+            except Exception as exc:  # a pause must never fail the worker's pause
+                log.warning("SGLang /pause_generation failed (%r): interrupting instead", exc)
+            self._kept = False
+            self._stall_timeouts(self.options.stall_timeout)
+        super().pause_generation()
+
+    async def continue_generation(self) -> None:
+        """The worker resumes: ``/continue_generation`` for a server this bridge paused
+        (its frozen streams go on)."""
+        if not self._kept:
             return
-        for f in Path(self.options.model_config).iterdir():
-            if f.is_file() and f.suffix not in (".safetensors", ".bin", ".pt"):
-                dest = path / f.name
-                if not dest.exists():
-                    os.symlink(f.resolve(), dest)
-
-    async def load_weights_from_disk(self, path: str, version: int | None = None) -> None:
-        """Have the server load the model at ``path`` (``/update_weights_from_disk``);
-        set :attr:`version` to ``version`` when given, once the server confirms.
-
-        Raises
-        ------
-        transport.weights.WeightUpdateError
-            The server answered without ``success``.
-        """
-        from transport.weights.errors import WeightUpdateError
-
-        body: dict[str, Any] = {"model_path": path}
-        if version is not None:
-            body["weight_version"] = str(version)
-        paused, failed = await self._server_pause(), True
         try:
-            timeout = self.options.reload_timeout
-            data = await self.post_json("/update_weights_from_disk", body, timeout=timeout)
-            failed = False
-        except RuntimeError as exc:
-            raise WeightUpdateError(f"SGLang did not load {path}: {exc}") from exc
-        finally:
-            await self._server_continue(paused, failed=failed)
-        if not isinstance(data, dict) or not data.get("success"):
-            msg = data.get("message") if isinstance(data, dict) else data
-            raise WeightUpdateError(f"SGLang did not load {path}: {msg}")
-        if version is not None:
-            self.version = version
+            await self.post_json("/continue_generation", {})
+        except Exception as exc:  # the watchdog sees a server that is gone
+            log.error("SGLang /continue_generation failed: %r", exc)
+        # Not before: until the worker is resumed, a chunk must not interrupt its flight.
+        self._kept = False
+        self._stall_timeouts(self.options.stall_timeout)
+        if self._flush_due and not self.flights:
+            self.spawn(self._flush())
 
-    async def _server_pause(self) -> bool:
-        """``/pause_generation`` where the server has it (asked once)."""
+    def interrupt(self, flight: Flight) -> None:
+        """As the base, except while the server holds the requests frozen."""
+        if not self._kept:
+            super().interrupt(flight)
+
+    def _stall_timeouts(self, seconds: float | None) -> None:
+        """Set the read timeout of every open stream (None: a frozen stream may stay
+        silent as long as the pause lasts)."""
+        for flight in self.flights.values():
+            with contextlib.suppress(AttributeError):
+                proto = flight.response.connection.protocol
+                proto.read_timeout = seconds
+                proto.start_timeout()
+
+    async def _server_pause(self, mode: str) -> bool:
+        """``/pause_generation`` in ``mode`` where the server has it (asked once)."""
         if self.has_pause is False:
             return False
         try:
-            await self.post_json("/pause_generation", {})
+            await self.post_json("/pause_generation", {"mode": mode})
         except RuntimeError as exc:
             if " 404" in str(exc) or " 405" in str(exc):
                 self.has_pause = False
@@ -185,6 +302,90 @@ class SGLangEngine(HTTPBridge):
             if not failed:
                 raise
             log.error("SGLang /continue_generation after a failed load failed: %r", exc)
+
+    async def _flush(self) -> None:
+        """``/flush_cache`` (SGLang answers 400 while it holds requests: asked again
+        once none of this bridge's is left)."""
+        if not self._flush_due:
+            return
+        try:
+            await self.post_json("/flush_cache", {})
+            self._flush_due = False
+        except RuntimeError as exc:
+            if " 404" in str(exc) or " 405" in str(exc):
+                self._flush_due = False  # no such route: nothing to ask again
+            log.debug("SGLang /flush_cache: %r", exc)
+
+    # -- weights -------------------------------------------------------------------------
+
+    def load_weights(self, weights: Iterable[tuple[str, Any]], version: int | None = None) -> None:
+        """Write one verified version under :attr:`weights_dir` and have the server load
+        it, labelled with ``version`` (called on the weight subscriber's thread while the
+        worker is paused). Raises when the server does not confirm the load: the version
+        then fails on this worker and the trainer is told why."""
+        from transport.weights.disk import latest_version, save_weights
+
+        if version is None:
+            version = self.version + 1
+        root = self.weights_dir
+        n = (latest_version(root) or 0) + 1
+        path = save_weights(root, list(weights), n).parent
+        self._link_config(path)
+        self.run_in_loop(
+            self.load_weights_from_disk(str(path), version), self.options.reload_timeout + 10
+        )
+
+    def _link_config(self, path: Path) -> None:
+        if self.options.model_config is None:
+            return
+        for f in Path(self.options.model_config).iterdir():
+            if f.is_file() and f.suffix not in (".safetensors", ".bin", ".pt"):
+                dest = path / f.name
+                if not dest.exists():
+                    os.symlink(f.resolve(), dest)
+
+    async def load_weights_from_disk(self, path: str, version: int | None = None) -> None:
+        """Have the server load the model at ``path`` (``/update_weights_from_disk``,
+        labelled ``str(version)`` when given); set :attr:`version` to ``version`` once
+        the server confirms. Under a pause that keeps the requests the load goes in
+        under them (without a cache flush); otherwise it is bracketed by
+        ``/pause_generation`` and ``/continue_generation`` where the server has them.
+
+        Raises
+        ------
+        transport.weights.WeightUpdateError
+            The server answered without ``success``.
+        """
+        from transport.weights.errors import WeightUpdateError
+
+        body: dict[str, Any] = {"model_path": path}
+        if version is not None:
+            body["weight_version"] = str(version)
+        keeps = self._keeps()
+        if keeps:
+            # SGLang flushes its cache after a load unless told not to, and a flush
+            # fails (in 0.5 an assertion) while it holds requests.
+            body["flush_cache"] = False
+        paused, failed = False, True
+        if not self._kept:
+            paused = await self._server_pause(self.options.pause_mode if keeps else "abort")
+        try:
+            timeout = self.options.reload_timeout
+            data = await self.post_json("/update_weights_from_disk", body, timeout=timeout)
+            failed = False
+        except RuntimeError as exc:
+            raise WeightUpdateError(f"SGLang did not load {path}: {exc}") from exc
+        finally:
+            await self._server_continue(paused, failed=failed)
+        if not isinstance(data, dict) or not data.get("success"):
+            msg = data.get("message") if isinstance(data, dict) else data
+            raise WeightUpdateError(f"SGLang did not load {path}: {msg}")
+        if "flush_cache" in body:
+            self._flush_due = True
+            if not self.flights:
+                await self._flush()
+        if version is not None:
+            self.version = version
 
 
 #: ``--engine sglang``: an :class:`SGLangEngine` from the ``--engine-opt`` strings.
