@@ -1,26 +1,130 @@
-"""The SGLang bridge in-process: a pause on a server without ``/pause_generation``, a
-stream frozen by a pause, a kept connection the server closed."""
+"""The SGLang bridge in-process: a version written once per weights directory, a load
+that another worker in front of the same server already did, a pause on a server
+without ``/pause_generation``, a kept connection the server closed."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import threading
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 pytest.importorskip("aiohttp")
+pytest.importorskip("torch")
 
+import torch
 from aiohttp import web
 
 from fastio import GenerationHyperparameters, LLMRequest
 from tests.transport.conftest import await_for
 from tests.transport.engines_helpers import fake
 from tests.transport.fakes.common import FakeProc
-from transport.engines.sglang import SGLangEngine
+from transport.engines.sglang import DONE, SGLangEngine, write_version
 
 __all__ = ["fake"]  # the fixture, imported for pytest
+
+
+def pairs(scale: float = 1.0) -> list[tuple[str, Any]]:
+    return [
+        ("w", torch.arange(12, dtype=torch.float32).reshape(3, 4) * scale),
+        ("b", torch.ones(5, dtype=torch.bfloat16) * scale),
+    ]
+
+
+@pytest.fixture
+def writes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The versions actually written (save_weights calls), in order."""
+    import transport.weights.disk as disk
+
+    done: list[int] = []
+    real = disk.save_weights
+
+    def counted(where: Any, state: Any, version: int, **kw: Any) -> Path:
+        done.append(version)
+        return real(where, state, version, **kw)
+
+    monkeypatch.setattr(disk, "save_weights", counted)
+    return done
+
+
+def test_workers_sharing_a_weights_dir_write_each_version_once(
+    tmp_path: Path, writes: list[int]
+) -> None:
+    got: list[Path] = []
+    start = threading.Barrier(4)
+
+    def one() -> None:
+        start.wait()
+        got.append(write_version(tmp_path, pairs(), 3, timeout=30))
+
+    threads = [threading.Thread(target=one) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert writes == [3], "written more than once"
+    assert len(set(got)) == 1 and len(got) == 4
+    d = got[0]
+    assert d.name.startswith("v00000003-") and (d / "model.safetensors").is_file()
+    done = json.loads((d / DONE).read_text())
+    assert done["version"] == 3 and done["size"] == (d / "model.safetensors").stat().st_size
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]
+
+
+def test_a_version_left_by_another_run_or_damaged_is_written_again(
+    tmp_path: Path, writes: list[int]
+) -> None:
+    first = write_version(tmp_path, pairs(), 3)
+    # Same version number, other weights (another run's leftover): not taken for these.
+    other = write_version(tmp_path, pairs(2.0), 3)
+    assert other != first and writes == [3, 3]
+    # Same weights again: reused after checking size and checksum.
+    assert write_version(tmp_path, pairs(), 3) == first and writes == [3, 3]
+    f = first / "model.safetensors"
+    data = bytearray(f.read_bytes())
+    data[-1] ^= 0xFF  # one byte flipped: same size, another checksum
+    f.write_bytes(bytes(data))
+    assert write_version(tmp_path, pairs(), 3) == first and writes == [3, 3, 3]
+    assert f.read_bytes() != bytes(data)
+
+
+def test_versions_older_than_the_previous_one_are_removed(tmp_path: Path) -> None:
+    for v in (1, 2, 3, 4):
+        write_version(tmp_path, pairs(float(v)), v)
+    left = sorted(p.name[:9] for p in tmp_path.iterdir() if not p.name.startswith("."))
+    assert left == ["v00000003", "v00000004"]
+    locks = sorted(p.name[:10] for p in tmp_path.iterdir() if p.name.endswith(".lock"))
+    assert locks == [".v00000003", ".v00000004"]
+
+
+def test_two_workers_in_front_of_one_server_write_and_load_a_version_once(
+    fake: Callable[..., FakeProc], tmp_path: Path, writes: list[int]
+) -> None:
+    server = fake("sglang")
+    a = SGLangEngine(server.url, health_interval=0, weights_dir=str(tmp_path))
+    b = SGLangEngine(server.url, health_interval=0, weights_dir=str(tmp_path))
+
+    async def main() -> None:
+        for eng in (a, b):
+            eng.session()  # in this loop: load_weights runs its calls here
+        try:
+            await asyncio.to_thread(a.load_weights, pairs(), version=3)
+            await asyncio.to_thread(b.load_weights, pairs(), version=3)
+        finally:
+            await a.close()
+            await b.close()
+
+    asyncio.run(main())
+    assert writes == [3] and a.version == b.version == 3
+    stats = server.stats()
+    assert stats["reloads"] == 1, stats  # b found the server serving it already
+
+
+# -- against tiny in-process servers -------------------------------------------------------
 
 
 class Ctx:

@@ -18,9 +18,10 @@ What SGLang (0.5) does natively, as its docs ("SGLang for RL Systems") and its
   at once) and go on after ``/continue_generation``, so nothing is re-sent or
   re-prefilled; ``abort``, or a server without the route, interrupts each request with
   ``POST /abort_request`` (the client re-sends the rest after the resume);
-- each verified weight version is written as safetensors and loaded with
-  ``/update_weights_from_disk`` labelled ``weight_version=str(version)``, under the
-  frozen requests (:meth:`SGLangEngine.load_weights`).
+- each verified weight version is written once per ``weights_dir`` (workers that share
+  it write it once: :func:`write_version`) and loaded with ``/update_weights_from_disk``
+  labelled ``weight_version=str(version)``, under the frozen requests
+  (:meth:`SGLangEngine.load_weights`).
 """
 
 from __future__ import annotations
@@ -29,9 +30,14 @@ import contextlib
 import json
 import logging
 import os
+import re
+import secrets
+import shutil
 import tempfile
+import time
 import urllib.request
-from collections.abc import Iterable
+import zlib
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -39,11 +45,17 @@ from fastio import GenerationHyperparameters, LLMRequest, LLMResponse
 from transport.engines.api import GenerationContext
 from transport.engines.http import BridgeOptions, Flight, HTTPBridge, Seconds, sampling_common
 
-__all__ = ["SGLangEngine", "SGLangOptions", "factory", "sampling_params"]
+__all__ = ["SGLangEngine", "SGLangOptions", "factory", "sampling_params", "write_version"]
 
 log = logging.getLogger("transport.engines")
 
+#: The file in a version directory that says it is complete (and what it holds).
+DONE = "fastio-version.json"
+_WEIGHTS = "model.safetensors"
+_VERSION_DIR = re.compile(r"^\.?v(\d{8})-[0-9a-f]+(\.lock)?$")
 _NO_LABEL = object()
+# How often a worker looks again at a version another worker is writing.
+_LOCK_POLL_S = 0.02
 
 
 class SGLangOptions(BridgeOptions):
@@ -53,12 +65,14 @@ class SGLangOptions(BridgeOptions):
     ----------
     weights_dir:
         Where received versions are written (default: a new temporary directory); the
-        server must be able to read it.
+        server must be able to read it. Workers that share it (several workers of one
+        host, one server behind several workers) write each version once.
     model_config:
         A model directory whose non-weight files (``config.json``, tokenizer files) are
         linked into each version directory written.
     reload_timeout:
-        Seconds the server may take to load a version.
+        Seconds the server may take to load a version (and another worker to write one
+        this worker waits for).
     pause_mode:
         What a worker pause asks of the server (SGLang's ``/pause_generation`` modes).
         ``in_place`` (default): requests stay in SGLang's running batch with their KV
@@ -319,18 +333,17 @@ class SGLangEngine(HTTPBridge):
     # -- weights -------------------------------------------------------------------------
 
     def load_weights(self, weights: Iterable[tuple[str, Any]], version: int | None = None) -> None:
-        """Write one verified version under :attr:`weights_dir` and have the server load
-        it, labelled with ``version`` (called on the weight subscriber's thread while the
-        worker is paused). Raises when the server does not confirm the load: the version
-        then fails on this worker and the trainer is told why."""
-        from transport.weights.disk import latest_version, save_weights
-
+        """Write one verified version under :attr:`weights_dir` (once for every worker
+        that shares it: :func:`write_version`) and have the server load it (called on
+        the weight subscriber's thread while the worker is paused). Raises when the
+        server does not confirm the load: the version then fails on this worker and the
+        trainer is told why."""
         if version is None:
             version = self.version + 1
-        root = self.weights_dir
-        n = (latest_version(root) or 0) + 1
-        path = save_weights(root, list(weights), n).parent
-        self._link_config(path)
+        path = write_version(
+            self.weights_dir, list(weights), version,
+            timeout=self.options.reload_timeout, prepare=self._link_config,
+        )  # fmt: skip
         self.run_in_loop(
             self.load_weights_from_disk(str(path), version), self.options.reload_timeout + 10
         )
@@ -350,6 +363,8 @@ class SGLangEngine(HTTPBridge):
         the server confirms. Under a pause that keeps the requests the load goes in
         under them (without a cache flush); otherwise it is bracketed by
         ``/pause_generation`` and ``/continue_generation`` where the server has them.
+        A server that already reports this version loaded from ``path`` (another worker
+        in front of it loaded it) is not asked again.
 
         Raises
         ------
@@ -358,6 +373,9 @@ class SGLangEngine(HTTPBridge):
         """
         from transport.weights.errors import WeightUpdateError
 
+        if version is not None and await self._has_loaded(path, version):
+            self.version = version
+            return
         body: dict[str, Any] = {"model_path": path}
         if version is not None:
             body["weight_version"] = str(version)
@@ -386,6 +404,167 @@ class SGLangEngine(HTTPBridge):
                 await self._flush()
         if version is not None:
             self.version = version
+
+    async def _has_loaded(self, path: str, version: int) -> bool:
+        """``/model_info`` says the server serves ``version`` from ``path``."""
+        try:
+            async with self.session().get(self.url + "/model_info") as resp:
+                info = json.loads(await resp.read()) if resp.status == 200 else None
+        except Exception:
+            return False
+        if not isinstance(info, dict):
+            return False
+        return info.get("weight_version") == str(version) and info.get("model_path") == path
+
+
+# -- a version written once per weights directory -----------------------------------------
+
+
+def write_version(
+    root: Path,
+    weights: Sequence[tuple[str, Any]],
+    version: int,
+    *,
+    timeout: float = 600.0,
+    prepare: Callable[[Path], None] | None = None,
+) -> Path:
+    """The directory of ``version`` of ``weights`` under ``root``, written there once
+    for every process that shares ``root``.
+
+    The directory is ``v{version:08d}-{fingerprint}`` (the fingerprint: a hash of the
+    names, dtypes, shapes and a sample of the values, so that a directory left by
+    another run with the same version number is never taken for this one). The first
+    process to take its lock file (``flock``) writes it (:func:`~transport.weights.disk.
+    save_weights` in a scratch directory; ``prepare(dir)`` adds files; then
+    :data:`DONE` with the file's size and CRC-32; then one rename into place); the
+    others wait for the lock (at most ``timeout`` s) and reuse the directory once its
+    size and checksum match. A writer that dies releases its lock: the next one writes.
+    Versions older than the one before are removed.
+    """
+    import fcntl
+
+    root.mkdir(parents=True, exist_ok=True)
+    fp = _fingerprint(weights)
+    name = f"v{version:08d}-{fp}"
+    final = root / name
+    if _intact(final, version, fp):
+        return final
+    fd = os.open(root / f".{name}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    from transport.weights.errors import WeightUpdateError
+
+                    raise WeightUpdateError(
+                        f"{final} is still being written by another worker after {timeout} s"
+                    ) from None
+                time.sleep(_LOCK_POLL_S)  # another worker is writing it
+        try:
+            if not _intact(final, version, fp):
+                _write(root, final, weights, version, fp, prepare)
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+    _forget_old(root, version)
+    return final
+
+
+def _fingerprint(weights: Sequence[tuple[str, Any]]) -> str:
+    """A short hash of the names, dtypes, shapes and 64 values of each tensor."""
+    import hashlib
+
+    import torch
+
+    h = hashlib.blake2b(digest_size=8)
+    for name, t in sorted(weights, key=lambda p: p[0]):
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)};".encode())
+        flat = t.detach().reshape(-1)
+        n = flat.numel()
+        if not n:
+            continue
+        idx = torch.linspace(0, n - 1, min(n, 64), device=flat.device).long()
+        sample = flat.index_select(0, idx).to("cpu").contiguous()
+        try:
+            h.update(sample.view(torch.uint8).numpy().tobytes())
+        except (RuntimeError, TypeError):
+            h.update(repr(sample.tolist()).encode())
+    return h.hexdigest()
+
+
+def _crc32(path: Path) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while block := f.read(16 << 20):
+            crc = zlib.crc32(block, crc)
+    return crc
+
+
+def _intact(final: Path, version: int, fp: str) -> bool:
+    """``final`` is a complete version directory of these weights: its :data:`DONE`
+    names them, and the file's size and CRC-32 are those written."""
+    try:
+        done = json.loads((final / DONE).read_text())
+        f = final / _WEIGHTS
+        ok = done.get("version") == version and done.get("fingerprint") == fp
+        return bool(ok and f.stat().st_size == done.get("size") and _crc32(f) == done.get("crc32"))
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write(
+    root: Path,
+    final: Path,
+    weights: Sequence[tuple[str, Any]],
+    version: int,
+    fp: str,
+    prepare: Callable[[Path], None] | None,
+) -> None:
+    from transport.weights.disk import save_weights
+
+    scratch = root / f".tmp-{final.name}-{secrets.token_hex(4)}"
+    try:
+        f = save_weights(scratch, weights, version)  # fsynced, in its own directory
+        d = f.parent
+        if prepare is not None:
+            prepare(d)
+        done = {"version": version, "fingerprint": fp, "size": f.stat().st_size}
+        done["crc32"] = _crc32(f)
+        (d / DONE).write_text(json.dumps(done))
+        _fsync(d / DONE)
+        _fsync(d)
+        if final.exists():  # a directory that failed its check
+            shutil.rmtree(final)
+        os.rename(d, final)
+        _fsync(root)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _forget_old(root: Path, version: int) -> None:
+    """Remove the version directories (and lock files) older than ``version - 1``."""
+    for p in root.iterdir():
+        m = _VERSION_DIR.match(p.name)
+        if m is None or int(m.group(1)) >= version - 1:
+            continue
+        with contextlib.suppress(OSError):
+            if p.is_dir():
+                shutil.rmtree(p)
+            else:
+                p.unlink()
 
 
 #: ``--engine sglang``: an :class:`SGLangEngine` from the ``--engine-opt`` strings.
