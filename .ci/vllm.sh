@@ -25,5 +25,5 @@ print('vllm', vllm.__version__, 'beside torch', torch.__version__, 'plugins', na
 "$VENV/bin/python" -m pytest tests/transport/test_vllm_real.py -q -n 0 -p no:randomly
 if [ "${FASTIO_VLLM_BENCH:-1}" = 1 ]; then
     mkdir -p bench/out
-    "$VENV/bin/python" -m bench.vllm_real --out bench/out/vllm.json
+    "$VENV/bin/python" -m bench.vllm_real --out bench/out/vllm.json --check bench/reference.json
 fi
