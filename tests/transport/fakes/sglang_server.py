@@ -219,10 +219,10 @@ class SGLang(FakeState):
         abort = asyncio.Event()
         self._enter(rid, abort)
         self.count("prefills")
+        finish: Any = None
         try:
             out: list[int] = []
             lps: list[float] = []
-            finish: Any = None
             h = context_hash(ids)
             stop = set(sp.get("stop_token_ids") or ())
             max_new = int(sp.get("max_new_tokens", 128))
@@ -263,6 +263,12 @@ class SGLang(FakeState):
             await resp.write(self._chunk(rid, ids, out, lps, sent, finish))
             await end_stream(resp)
             return resp
+        except ConnectionResetError:
+            # The client left (a cancel, a closed stream): SGLang aborts such a request
+            # (http_server.py: the StreamingResponse's background abort task).
+            if finish is None or finish["type"] != "abort":
+                self.count("aborted")
+            raise
         finally:
             self._leave(rid)
 
