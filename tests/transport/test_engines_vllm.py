@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 from collections.abc import Callable
@@ -11,6 +12,7 @@ import pytest
 from fastio import GenerationHyperparameters, LLMRequest
 from tests.transport.conftest import WorkerProc, await_for, wait_for
 from tests.transport.engines_helpers import (
+    FAST,
     Streams,
     abort_from_the_controller,
     bridge_args,
@@ -19,6 +21,7 @@ from tests.transport.engines_helpers import (
     pause_when_streaming,
 )
 from tests.transport.fakes.common import FakeProc, reference_output
+from transport import FabricClient
 
 __all__ = ["fake"]
 
@@ -97,5 +100,62 @@ def test_weights_are_refused_at_start_with_a_clear_message(fake: Callable[..., F
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert r.returncode == 1 and "ready" not in r.stdout
-    assert "documents no endpoint that reloads them" in r.stderr
+    assert "has no weight-transfer routes" in r.stderr and "VLLM_SERVER_DEV_MODE" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_an_error_event_in_the_stream_fails_that_request_alone(
+    spawn: Callable[..., WorkerProc], fake: Callable[..., FakeProc]
+) -> None:
+    """vLLM answers 200 and then an error event for an out-of-vocabulary stop token: that
+    request fails with vLLM's message; the worker serves the next ones."""
+    server = fake("vllm")
+    w = spawn(*bridge_args("vllm", server.url))
+    bad = LLMRequest(
+        input_ids=[1, 2], gconfig=GenerationHyperparameters(max_new_tokens=4, stop_token_ids=[5000])
+    )
+
+    async def main() -> tuple[BaseException | None, list[int]]:
+        async with FabricClient([w.address], FAST) as client:
+            try:
+                await client.agenerate(bad)
+                err = None
+            except Exception as exc:  # the error reply
+                err = exc
+            ok = await client.agenerate(
+                LLMRequest(input_ids=[3, 4], gconfig=GenerationHyperparameters(max_new_tokens=5))
+            )
+            return err, ok.output_tokens.tolist()  # type: ignore[attr-defined]
+
+    err, toks = asyncio.run(main())
+    assert err is not None and "out-of-vocab" in str(err) and "5000" in str(err), err
+    assert toks == reference_output(SEED, [3, 4], 5)
+    assert server.stats()["rejected"] == 1 and server.stats()["completions"] == 2
+    assert w.proc.poll() is None
+
+
+@pytest.mark.slow
+def test_a_connection_the_server_closed_while_idle_is_not_a_death(
+    spawn: Callable[..., WorkerProc], fake: Callable[..., FakeProc]
+) -> None:
+    """The server closes idle kept connections after 0.2 s, the bridge would keep them
+    30 s, and the server drops a reused connection unanswered once (the race of a close
+    as it is reused): requests after idle spells are served, the worker never closes."""
+    server = fake("vllm", "--keepalive", "0.3", "--drop-reused")
+    w = spawn(*bridge_args("vllm", server.url, "--engine-opt", "keepalive=30"))
+
+    async def main() -> list[list[int]]:
+        out = []
+        async with FabricClient([w.address], FAST) as client:
+            for i in range(4):
+                g = GenerationHyperparameters(max_new_tokens=3)
+                r = await client.agenerate(LLMRequest(input_ids=[i, 9], gconfig=g))
+                out.append(r.output_tokens.tolist())  # type: ignore[attr-defined]
+                if i % 2:  # idle past the server's keep-alive (the behaviour under test)
+                    await asyncio.sleep(0.5)
+        return out
+
+    for i, toks in enumerate(asyncio.run(main())):
+        assert toks == reference_output(SEED, [i, 9], 3)
+    assert w.proc.poll() is None and server.stats()["completions"] == 4
+    assert server.stats()["dropped"] >= 1  # the race happened, and was survived

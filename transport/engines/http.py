@@ -134,7 +134,8 @@ def stream_error(chunk: Any) -> str | None:
 
 async def sse_events(content: Any) -> AsyncIterator[Any]:
     """Decoded JSON of each ``data:`` line of a server-sent event stream, until
-    ``data: [DONE]`` or the end of the body (``content``: an aiohttp StreamReader)."""
+    ``data: [DONE]`` (read to the end of the body, so that the connection is kept for
+    the next request) or the end of the body (``content``: an aiohttp StreamReader)."""
     decode = msgspec.json.decode
     async for raw in content:
         line = raw.strip()
@@ -142,6 +143,7 @@ async def sse_events(content: Any) -> AsyncIterator[Any]:
             continue  # blank separators, comments, event names
         data = line[5:].strip()
         if data == _DONE:
+            await content.read()  # the body's end: the connection goes back to the pool
             return
         yield decode(data)
 

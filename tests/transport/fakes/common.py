@@ -172,14 +172,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def serve(make_app: Any, port: int) -> None:
+def serve(make_app: Any, port: int, keepalive: float = 75.0) -> None:
     """Run the app ``make_app()`` builds (in the loop) on 127.0.0.1:port (0: any) and
-    print ``{"port": P}`` once listening."""
+    print ``{"port": P}`` once listening; idle kept connections close after
+    ``keepalive`` s (aiohttp's default 75)."""
     from aiohttp import web
 
     async def main() -> None:
         app = make_app()
-        runner = web.AppRunner(app, handle_signals=False, access_log=None)
+        runner = web.AppRunner(
+            app, handle_signals=False, access_log=None, keepalive_timeout=keepalive
+        )
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", port)
         await site.start()

@@ -30,8 +30,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import os
-import signal
 from typing import Any
 
 from aiohttp import web
@@ -44,6 +42,7 @@ from tests.transport.fakes.common import (
     open_stream,
     parse_args,
     seed_of_path,
+    serve,
     sse,
 )
 
@@ -303,29 +302,6 @@ class SGLang(FakeState):
         return json.dumps(body).encode() if raw else sse(body)
 
 
-def serve(make_app: Any, port: int, keepalive: float) -> None:
-    """common.serve, with idle keep-alive connections closed after ``keepalive`` s."""
-
-    async def main() -> None:
-        app = make_app()
-        runner = web.AppRunner(
-            app, handle_signals=False, access_log=None, keepalive_timeout=keepalive
-        )
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", port)
-        await site.start()
-        server = site._server
-        assert server is not None
-        real = server.sockets[0].getsockname()[1]  # type: ignore[attr-defined]
-        print(json.dumps({"port": real, "pid": os.getpid()}), flush=True)
-        stop = asyncio.Event()
-        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
-        await stop.wait()
-        await runner.cleanup()
-
-    asyncio.run(main())
-
-
 def main(argv: list[str] | None = None) -> None:
     extra = argparse.ArgumentParser(add_help=False)
     extra.add_argument(
@@ -334,7 +310,7 @@ def main(argv: list[str] | None = None) -> None:
     )  # fmt: skip
     own, rest = extra.parse_known_args(argv)
     args = parse_args(rest)
-    serve(lambda: SGLang(args).app(), args.port, own.keepalive)
+    serve(lambda: SGLang(args).app(), args.port, keepalive=own.keepalive)
 
 
 if __name__ == "__main__":

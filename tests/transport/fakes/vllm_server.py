@@ -7,12 +7,19 @@ token each, ending ``data: [DONE]``; ``choices[0].logprobs`` has ``tokens`` (``t
 with ``return_tokens_as_token_ids``), ``token_logprobs``, ``top_logprobs``,
 ``text_offset``; ``finish_reason`` ``null`` until ``length`` or ``stop``), ``GET
 /v1/models``, ``GET /health``; a client that closes its stream aborts its request
-(counted as ``disconnected``). No weight reload endpoint. ``GET /fake/stats`` for the
+(counted as ``disconnected``). A ``stop_token_ids`` entry outside the vocabulary is
+answered as vLLM 0.32 does: HTTP 200, then one ``data: {"error": {"message": ...,
+"code": 400}}`` event and ``[DONE]``. Idle kept connections close after ``--keepalive`` s
+(uvicorn's ``timeout_keep_alive``, 5 s, under vLLM); ``--drop-reused`` closes, once per
+time, a completion that arrived on a reused connection unanswered (the race of a
+server closing an idle connection as it is reused). No weight reload endpoint and no
+RL routes (the bridge falls back to ``/v1/completions``). ``GET /fake/stats`` for the
 tests. Run: ``python -m tests.transport.fakes.vllm_server [--port 0] [options]``.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import time
 from typing import Any
@@ -20,6 +27,7 @@ from typing import Any
 from aiohttp import web
 
 from tests.transport.fakes.common import (
+    VOCAB,
     FakeState,
     context_hash,
     end_stream,
@@ -35,8 +43,11 @@ class VLLM(FakeState):
         super().__init__(args)
         self.model: str = args.model
         self.running = 0
+        self.drop_reused: bool = getattr(args, "drop_reused", False)
+        self.seen_transports: set[int] = set()
 
     def routes(self, app: web.Application) -> None:
+        app.middlewares.append(self._track)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_get("/v1/models", self.models)
 
@@ -63,9 +74,25 @@ class VLLM(FakeState):
             "stop_reason": None,
         }
 
+    @web.middleware
+    async def _track(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        """Mark a request that arrived on a connection an earlier one used."""
+        key = id(request.transport)
+        request["reused"] = key in self.seen_transports
+        self.seen_transports.add(key)
+        return await handler(request)
+
     async def completions(self, request: web.Request) -> web.StreamResponse:
         await self.fault_point()
         body = await request.json()
+        if self.drop_reused and request.get("reused"):
+            # The race of a server closing an idle kept connection just as the client
+            # reuses it: the request is read, never answered, the connection closes.
+            self.drop_reused = False
+            self.count("dropped")
+            assert request.transport is not None
+            request.transport.close()
+            return web.Response()
         if body.get("model") != self.model:
             return web.json_response(
                 {"object": "error", "message": f"The model `{body.get('model')}` does not exist.",
@@ -77,6 +104,15 @@ class VLLM(FakeState):
                 {"object": "error", "message": "token ids only here"}, status=400
             )
         self.count("completions")
+        bad = [t for t in body.get("stop_token_ids") or () if not 0 <= int(t) < VOCAB]
+        if bad and body.get("stream"):
+            self.count("rejected")
+            resp = await open_stream(request)
+            msg = (f"token_id(s) {bad} in stop_token_ids contain out-of-vocab token ids. "
+                   f"Vocabulary size: {VOCAB}")  # fmt: skip
+            await resp.write(sse({"error": {"message": msg, "type": "BadRequestError",
+                                            "param": "stop_token_ids", "code": 400}}))  # fmt: skip
+            return await end_stream(resp)
         as_ids = bool(body.get("return_tokens_as_token_ids"))
         max_tokens = int(body.get("max_tokens") or 16)
         min_tokens = int(body.get("min_tokens") or 0)
@@ -136,8 +172,13 @@ class VLLM(FakeState):
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    serve(lambda: VLLM(args).app(), args.port)
+    own = argparse.ArgumentParser(add_help=False)
+    own.add_argument("--keepalive", type=float, default=5.0)
+    own.add_argument("--drop-reused", action="store_true", help="close a reused connection once")
+    mine, rest = own.parse_known_args(argv)
+    args = parse_args(rest)
+    args.drop_reused = mine.drop_reused
+    serve(lambda: VLLM(args).app(), args.port, keepalive=mine.keepalive)
 
 
 if __name__ == "__main__":
