@@ -46,6 +46,8 @@ MODULES = [
     "transport.engines.http",
     "transport.engines.sglang",
     "transport.engines.vllm",
+    "transport.engines.vllm_staging",
+    "transport.engines.vllm_inproc",
     "transport.engine",
     "transport.hf_engine",
     "transport.generation",
