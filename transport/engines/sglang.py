@@ -517,14 +517,6 @@ def _intact(final: Path, version: int, fp: str) -> bool:
         return False
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _write(
     root: Path,
     final: Path,
@@ -533,7 +525,7 @@ def _write(
     fp: str,
     prepare: Callable[[Path], None] | None,
 ) -> None:
-    from transport.weights.disk import save_weights
+    from transport.weights.disk import fsync_path, save_weights
 
     scratch = root / f".tmp-{final.name}-{secrets.token_hex(4)}"
     try:
@@ -544,12 +536,12 @@ def _write(
         done = {"version": version, "fingerprint": fp, "size": f.stat().st_size}
         done["crc32"] = _crc32(f)
         (d / DONE).write_text(json.dumps(done))
-        _fsync(d / DONE)
-        _fsync(d)
+        fsync_path(d / DONE)
+        fsync_path(d)
         if final.exists():  # a directory that failed its check
             shutil.rmtree(final)
         os.rename(d, final)
-        _fsync(root)
+        fsync_path(root)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 

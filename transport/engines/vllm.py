@@ -47,7 +47,7 @@ from transport.engines.http import (
     ServerRejected,
     sampling_common,
 )
-from transport.engines.vllm_staging import PROTOCOL, VersionLabels, drive_update, stage
+from transport.engines.vllm_staging import PROTOCOL, UpdateState, VersionLabels, stage
 
 __all__ = ["WEIGHTS_REFUSED", "VLLMEngine", "VLLMOptions", "factory"]
 
@@ -108,9 +108,7 @@ class VLLMEngine(HTTPBridge):
         self.routes: set[str] | None = None
         #: The vocabulary size from the model's config.json, where the worker can read it.
         self.vocab_size: int | None = None
-        self._kept = False  # the server is paused in place by us
-        self._mixed = False  # a load failed after the server started it
-        self._transfer_ready = False
+        self.state = UpdateState()
         self.labels = VersionLabels()
 
     # -- what the server has ------------------------------------------------------------
@@ -235,7 +233,7 @@ class VLLMEngine(HTTPBridge):
         frozen by a pause never sees that, so it is also aborted by id."""
         if flight.response is not None:
             flight.response.close()
-        if self._kept:
+        if self.state.kept:
             self.spawn(self._abort_by_id(flight.rid))
 
     async def _abort_by_id(self, rid: str) -> None:
@@ -249,29 +247,29 @@ class VLLMEngine(HTTPBridge):
     @property
     def pauses_in_place(self) -> bool:  # type: ignore[override]
         """The server is paused in place by this bridge (requests frozen, not ended)."""
-        return self._kept
+        return self.state.kept
 
     async def pause_generation(self) -> None:  # type: ignore[override]
         """``/pause?mode=keep`` where the server has it, else interrupt every flight."""
         if self.options.pause == "keep" and "/pause" in (self.routes or ()):
-            self._kept = True  # from now: streams read on, they are not interrupted
+            self.state.kept = True  # from now: streams read on, they are not interrupted
             try:
                 await self.post_json("/pause?mode=keep", {})
                 return
             except (EngineUnavailable, RuntimeError) as exc:
-                self._kept = False
+                self.state.kept = False
                 log.warning("vLLM /pause?mode=keep failed (%s): interrupting instead", exc)
         super().pause_generation()
 
     async def continue_generation(self) -> None:
         """``/resume`` a server this bridge paused, unless a failed load left it mixed."""
-        if not self._kept:
+        if not self.state.kept:
             return
-        if self._mixed:
+        if self.state.mixed:
             log.error("vLLM at %s stays paused: its weights are mixed (a load failed)", self.url)
             return
         await self.post_json("/resume", {})
-        self._kept = False
+        self.state.kept = False
 
     # -- weights -------------------------------------------------------------------------
 
@@ -284,22 +282,10 @@ class VLLMEngine(HTTPBridge):
             version = self.version + 1
         staged = stage(weights, version, self.options.shm_dir)
         try:
-            self.run_in_loop(self._load(staged.update_info, version), self.options.weight_timeout)
+            load = self.state.load(_HTTPSync(self), staged.update_info, version)
+            self.run_in_loop(load, self.options.weight_timeout)
         finally:
             staged.close()
-
-    async def _load(self, update_info: dict[str, Any], version: int) -> None:
-        sync = _HTTPSync(self)
-        if not self._transfer_ready:
-            await sync.init_transfer()
-            self._transfer_ready = True
-        paused, self._kept = self._kept, True
-        try:
-            await drive_update(sync, update_info, version, paused)
-        except BaseException:
-            self._mixed = True
-            raise
-        self._mixed = False
 
     async def _get_json(self, path: str) -> Any:
         async with self.session().get(self.url + path) as resp:

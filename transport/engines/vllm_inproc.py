@@ -37,7 +37,7 @@ from typing import Any
 from fastio import LLMRequest, LLMResponse, TokenArray
 from transport.engines.api import GenerationContext
 from transport.engines.http import Flight
-from transport.engines.vllm_staging import PROTOCOL, VersionLabels, drive_update, stage
+from transport.engines.vllm_staging import PROTOCOL, UpdateState, VersionLabels, stage
 
 __all__ = ["PARENT_ENV", "AsyncLLMEngine", "die_with_parent", "engine_args", "factory"]
 
@@ -125,15 +125,13 @@ class AsyncLLMEngine:
         self._rids = itertools.count()
         self._prefix = f"fastio-{os.getpid()}-{os.urandom(3).hex()}"
         self._waiting = 0
-        self._kept = False
-        self._mixed = False
-        self._transfer_ready = False
+        self.state = UpdateState()
         self._loop: asyncio.AbstractEventLoop | None = None
 
     @property
     def pauses_in_place(self) -> bool:
         """A pause froze vLLM's requests in place (they go on after the resume)."""
-        return self._kept
+        return self.state.kept
 
     async def start(self, worker: Any) -> None:
         """Keep the worker's loop (weights are driven from the subscriber's thread)."""
@@ -200,18 +198,18 @@ class AsyncLLMEngine:
 
     async def pause_generation(self) -> None:
         """Freeze vLLM's requests in place (``mode="keep"``)."""
-        self._kept = True
+        self.state.kept = True
         await self.llm.pause_generation(mode="keep", clear_cache=False)
 
     async def continue_generation(self) -> None:
         """Resume vLLM, unless a failed load left its weights mixed."""
-        if not self._kept:
+        if not self.state.kept:
             return
-        if self._mixed:
+        if self.state.mixed:
             log.error("vLLM stays paused: its weights are mixed (a load failed)")
             return
         await self.llm.resume_generation()
-        self._kept = False
+        self.state.kept = False
 
     def load_weights(self, weights: Iterable[tuple[str, Any]], version: int | None = None) -> None:
         """Stage one verified version in shared memory and load it into vLLM's workers
@@ -221,22 +219,10 @@ class AsyncLLMEngine:
         v = self.version + 1 if version is None else version
         staged = stage(weights, v, os.environ.get("FASTIO_SHM_DIR", "/dev/shm"))
         try:
-            asyncio.run_coroutine_threadsafe(self._load(staged.update_info, v), self._loop).result()
+            load = self.state.load(_LLMSync(self.llm), staged.update_info, v)
+            asyncio.run_coroutine_threadsafe(load, self._loop).result()
         finally:
             staged.close()
-
-    async def _load(self, info: dict[str, Any], version: int) -> None:
-        sync = _LLMSync(self.llm)
-        if not self._transfer_ready:
-            await sync.init_transfer()
-            self._transfer_ready = True
-        paused, self._kept = self._kept, True
-        try:
-            await drive_update(sync, info, version, paused)
-        except BaseException:
-            self._mixed = True
-            raise
-        self._mixed = False
 
 
 class _LLMSync:

@@ -27,6 +27,7 @@ __all__ = [
     "PROTOCOL",
     "StagedCorrupt",
     "StagedVersion",
+    "UpdateState",
     "VersionLabels",
     "WeightSync",
     "drive_update",
@@ -166,6 +167,32 @@ async def drive_update(sync: WeightSync, info: dict[str, Any], version: int, pau
     await sync.finish_update(str(version))
     if (label := await sync.label()) != str(version):
         raise RuntimeError(f"vLLM reports weight version {label!r} after loading {version}")
+
+
+class UpdateState:
+    """What fastio knows of one vLLM engine between updates, for the bridge and for vLLM
+    in the worker alike."""
+
+    def __init__(self) -> None:
+        #: The engine is paused in place by fastio (its requests frozen, not ended).
+        self.kept = False
+        #: A load failed after vLLM started it: the engine stays paused until one lands.
+        self.mixed = False
+        self._ready = False  # init_weight_transfer_engine done
+
+    async def load(self, sync: WeightSync, info: dict[str, Any], version: int) -> None:
+        """:func:`drive_update` once the transfer is initialised; the engine stays
+        paused in place after it, and :attr:`mixed` says whether the load failed."""
+        if not self._ready:
+            await sync.init_transfer()
+            self._ready = True
+        paused, self.kept = self.kept, True
+        try:
+            await drive_update(sync, info, version, paused)
+        except BaseException:
+            self.mixed = True
+            raise
+        self.mixed = False
 
 
 class VersionLabels:

@@ -58,7 +58,8 @@ def _dirname(version: int) -> str:
     return f"v{version:08d}"
 
 
-def _fsync(path: Path) -> None:
+def fsync_path(path: Path) -> None:
+    """fsync a file or a directory (a rename is durable once its directory is)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -102,8 +103,8 @@ def save_weights(
         if aliases:  # tied weights: stored once, applied to every name
             meta["fastio_aliases"] = json.dumps(aliases, sort_keys=True)
         _save_file(tensors, str(f), metadata=meta)
-        _fsync(f)
-        _fsync(tmp)
+        fsync_path(f)
+        fsync_path(tmp)
         final = root / name
         if final.exists():  # left by a writer that died before moving the marker
             shutil.rmtree(final)
@@ -111,12 +112,12 @@ def save_weights(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    _fsync(root)
+    fsync_path(root)
     marker_tmp = root / f".{MARKER}.{secrets.token_hex(4)}"
     marker_tmp.write_text(json.dumps({"version": version, "dir": name}))
-    _fsync(marker_tmp)
+    fsync_path(marker_tmp)
     os.replace(marker_tmp, root / MARKER)
-    _fsync(root)
+    fsync_path(root)
     _gc(root, keep=max(1, keep))
     return root / name / _FILE
 
