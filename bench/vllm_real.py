@@ -8,8 +8,10 @@ the streamed body the bridge sends to the server and reads the server-sent event
 (aiohttp); the fastio paths are a :class:`~transport.FabricClient` (streaming on).
 Requests: 16-token prompts, 32 new tokens. Round trips at concurrency 1 interleave the
 paths request by request; throughput rounds (32, 128 and 512 concurrent) alternate the
-paths, twice each (the best of two). CPU per request: user+system seconds of each
-process tree (server: API server + engine core; worker; this client) over the 128 rounds.
+paths, twice each (the best of two); at 128 also unstreamed (one answer per request:
+``stream: false`` to the server, ``ClientConfig(stream=False)`` in vLLM's worker). CPU per
+request: user+system seconds of each process tree (server: API server + engine core;
+worker; this client) over the 128 rounds.
 
 Run where vLLM is installed (``.ci/vllm.sh`` does): ``python -m bench.vllm_real [--out
 file.json] [--requests 60] [--total 512]``.
@@ -127,18 +129,20 @@ def _prompt(i: int) -> list[int]:
     return [(7 * i + k) % 1000 + 3 for k in range(PROMPT_LEN)]
 
 
-async def _direct(session: Any, url: str, i: int) -> int:
+async def _direct(session: Any, url: str, i: int, stream: bool = True) -> int:
     body = {
         "request_id": f"direct-{i}-{os.urandom(3).hex()}", "token_ids": _prompt(i),
         "sampling_params": {"max_tokens": NEW, "temperature": 0.0, "top_p": 1.0, "top_k": -1,
                             "skip_special_tokens": False, "logprobs": 0},
-        "stream": True,
+        "stream": stream,
     }  # fmt: skip
     n = 0
     async with session.post(
         url + "/inference/v1/generate", data=msgspec.json.encode(body),
         headers={"Content-Type": "application/json"},
     ) as resp:  # fmt: skip
+        if not stream:
+            return len(msgspec.json.decode(await resp.read())["choices"][0]["token_ids"])
         async for raw in resp.content:
             line = raw.strip()
             if line.startswith(b"data:") and line[5:].strip() != b"[DONE]":
@@ -147,11 +151,12 @@ async def _direct(session: Any, url: str, i: int) -> int:
     return n
 
 
-async def _fabric(client: Any, i: int) -> int:
+async def _fabric(client: Any, i: int, stream: bool = True) -> int:
     from fastio import GenerationHyperparameters, LLMRequest
 
     g = GenerationHyperparameters(max_new_tokens=NEW, greedy=True)
-    r = await client.agenerate(LLMRequest(input_ids=_prompt(i), gconfig=g), on_chunk=_ignore)
+    req = LLMRequest(input_ids=_prompt(i), gconfig=g)
+    r = await client.agenerate(req, on_chunk=_ignore if stream else None)
     return len(r.output_tokens)
 
 
@@ -178,6 +183,7 @@ async def measure(
         aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=2)) as s,
         FabricClient([bridge], cfg) as cb,
         FabricClient([inworker], cfg) as ci,
+        FabricClient([inworker], msgspec.structs.replace(cfg, stream=False)) as cu,
     ):
         paths: dict[str, Callable[[int], Awaitable[int]]] = {
             "direct": lambda i: _direct(s, url, i),
@@ -223,6 +229,26 @@ async def measure(
                 out[f"c{conc}_{name}_vs_direct"] = round(
                     out[f"c{conc}_{name}_req_per_s"] / out[f"c{conc}_direct_req_per_s"], 3
                 )
+        # Unstreamed (one answer per request, as RL rollouts mostly ask), at 128.
+        plain: dict[str, Callable[[int], Awaitable[int]]] = {
+            "direct": lambda i: _direct(s, url, i, stream=False),
+            "in_worker": lambda i: _fabric(cu, i, stream=False),
+        }
+        best: dict[str, float] = {}
+        for _ in range(2):
+            for name, call in plain.items():
+                sem = asyncio.Semaphore(128)
+
+                async def one_plain(i: int, call: Any = call, sem: Any = sem) -> int:
+                    async with sem:
+                        return int(await call(i))
+
+                t0 = time.perf_counter()
+                await asyncio.gather(*(one_plain(i) for i in range(total)))
+                best[name] = max(best.get(name, 0.0), total / (time.perf_counter() - t0))
+        out["c128_unstreamed_direct_req_per_s"] = round(best["direct"], 1)
+        out["c128_unstreamed_in_worker_req_per_s"] = round(best["in_worker"], 1)
+        out["c128_unstreamed_in_worker_vs_direct"] = round(best["in_worker"] / best["direct"], 3)
         for name in ("bridge", "in_worker"):
             out[f"rtt_p50_{name}_vs_direct"] = round(
                 out[f"rtt_{name}_p50_ms"] / out["rtt_direct_p50_ms"], 3
@@ -238,6 +264,9 @@ def ratios(res: dict[str, Any]) -> dict[str, float]:
         for conc in (32, 128, 512):
             out[f"vllm/throughput@c{conc} {key} vs vllm-server"] = res[f"c{conc}_{name}_vs_direct"]
         out[f"vllm/rtt-p50 {key} vs vllm-server"] = round(1 / res[f"rtt_p50_{name}_vs_direct"], 3)
+    out["vllm/throughput@c128-unstreamed in-worker vs vllm-server"] = res[
+        "c128_unstreamed_in_worker_vs_direct"
+    ]
     return out
 
 

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 
 if importlib.util.find_spec("vllm") is None:
@@ -433,10 +434,15 @@ def test_vllm_in_the_worker_equals_vllms_server_and_dies_with_the_worker(
                 with pytest.raises(asyncio.CancelledError):
                     await slow
                 out.append(await c.agenerate(LLMRequest(input_ids=PROMPTS[0], gconfig=greedy(n))))
-                return out
+            # Not streamed: vLLM's final output only, the same tokens.
+            async with FabricClient(
+                [w.address], msgspec.structs.replace(CLIENT, stream=False)
+            ) as c:
+                out.append(await c.agenerate(LLMRequest(input_ids=PROMPTS[1], gconfig=greedy(n))))
+            return out
 
         resps = run(main())
-        for p, r in zip([*PROMPTS, PROMPTS[0]], resps, strict=True):
+        for p, r in zip([*PROMPTS, PROMPTS[0], PROMPTS[1]], resps, strict=True):
             want = server.initial[tuple(p)]  # the same dummy weights as the worker's vLLM
             got = r.output_tokens.tolist()
             assert got == want[: len(got)] and len(got) in (n, len(want)), (p, got, want)

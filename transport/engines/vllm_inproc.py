@@ -149,7 +149,8 @@ class AsyncLLMEngine:
         return self._waiting
 
     async def generate(self, req: LLMRequest, ctx: GenerationContext) -> LLMResponse:
-        """Generate through ``AsyncLLM.generate`` (delta outputs), streaming each token."""
+        """Generate through ``AsyncLLM.generate``: delta outputs streamed token by token
+        when the client streams, else vLLM's final output only."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
@@ -167,7 +168,10 @@ class AsyncLLMEngine:
             logprobs=0,
             skip_special_tokens=False,
             detokenize=False,
-            output_kind=RequestOutputKind.DELTA,
+            # Streamed: each step's new tokens; else only the end (no per-step outputs).
+            output_kind=RequestOutputKind.DELTA
+            if getattr(ctx, "stream", True)
+            else RequestOutputKind.FINAL_ONLY,
         )
         rid = f"{self._prefix}-{next(self._rids)}"
         # vLLM's prompt is a list: the one conversion of the prompt on this path.
