@@ -450,3 +450,32 @@ def test_vllm_in_the_worker_equals_vllms_server_and_dies_with_the_worker(
     finally:
         w.kill()
     wait_for(lambda: not any(alive(k) for k in kids), 60, "vLLM's processes gone")
+
+
+def test_a_corrupted_bucket_never_reaches_vllm(
+    server: Server, workers: Callable[..., WorkerProc]
+) -> None:
+    """A version one of whose buckets fails its checksum on the way is never staged for
+    vLLM: its label and its weights stay, and the worker serves on (the same path as a
+    trainer killed mid-version: no complete version, nothing loaded)."""
+    from tests.transport.weights_helpers import corrupting_bucket_1
+
+    with corrupting_bucket_1({60}) as pub:
+        w = workers(
+            server.url, "--plugin", "transport.weights.update:subscribe",
+            "--plugin-opt", f"weights_endpoint={pub.endpoint}",
+        )  # fmt: skip
+
+        async def ask() -> list[int]:
+            async with FabricClient([w.address], CLIENT) as c:
+                r = await c.agenerate(LLMRequest(input_ids=PROMPTS[2], gconfig=greedy(12)))
+                return list(r.output_tokens.tolist())
+
+        before, label = run(ask()), server.get("/weight_info")["weight_version"]
+        pub.wait_for_workers(1, 60)
+        res = pub.wait(pub.publish(hf_model(seed=13), 60).version, 60)
+        assert not res.applied and res.failed, res
+        assert "checksum" in next(iter(res.failed.values()))
+        assert server.get("/weight_info")["weight_version"] == label
+        assert server.get("/is_paused")["is_paused"] is False
+        assert run(ask()) == before  # the old weights, whole, still served
