@@ -27,9 +27,11 @@ from areal.api.cli_args import InferenceEngineConfig
 from areal.api.io_struct import ModelRequest, ModelResponse, WeightUpdateMeta
 from areal.workflow.rlvr import RLVRWorkflow
 
-from tests.transport.conftest import WorkerProc, wait_for
-from transport import FabricController
+from fastio import LLMRequest
+from tests.transport.conftest import WorkerProc, await_for, wait_for
+from transport import ClientClosed, ClientConfig, FabricController
 from transport.areal import FabricInferenceEngine, disk_root, save_for_rollout, to_llm_request
+from transport.areal.loops import LoopClients
 from transport.demo import hf_worker_args
 from transport.hf_engine import build_model
 from transport.weights import WeightPublisher, WeightUpdateError
@@ -202,6 +204,98 @@ def test_initialize_names_a_worker_that_does_not_answer() -> None:
         asyncio.run(engine.agenerate(ModelRequest(input_ids=[1])))
 
 
+def _nobody() -> str:
+    """A loopback address with no worker behind it (a client to it waits)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+
+
+def test_each_event_loop_gets_its_own_client_closed_with_that_loop() -> None:
+    clients = LoopClients([_nobody()], ClientConfig())
+    try:
+
+        async def use() -> tuple[Any, Any, dict[Any, Any]]:
+            first, again = await clients.get(), await clients.get()
+            return first, again, clients.snapshot()
+
+        c1, again, seen = asyncio.run(use())
+        assert again is c1 and list(seen.values()) == [c1]
+        # asyncio.run's shutdown of async generators closed it with its loop.
+        assert clients.snapshot() == {} and c1.workers == []
+
+        # A loop closed without that shutdown (as AReaL's executor closes its own): its
+        # client goes when the next loop's first request finds it closed.
+        loop = asyncio.new_event_loop()
+        c2 = loop.run_until_complete(clients.get())
+        loop.close()
+        assert clients.snapshot() == {loop: c2} and len(c2.workers) == 1
+
+        async def other() -> Any:
+            return await clients.get()
+
+        c3 = asyncio.run(other())
+        assert c3 is not c2 and c2.workers == [] and clients.snapshot() == {}
+    finally:
+        clients.close()
+    with pytest.raises(RuntimeError, match="not initialized"):
+        asyncio.run(other())
+
+
+def test_clients_of_two_threads_and_close_from_a_third() -> None:
+    """Two threads await on loops of their own, each with its client; close() from
+    the main thread closes each on its loop: their waiting requests fail with
+    ClientClosed there."""
+    clients = LoopClients([_nobody()], ClientConfig(connect_timeout=120))
+    got: dict[str, Any] = {}
+    lock = threading.Lock()
+
+    async def wait_forever(name: str) -> None:
+        client = await clients.get()
+        fut = client.agenerate(LLMRequest(input_ids=[1, 2]))  # no worker: it waits
+        with lock:
+            got[name] = (client, threading.get_ident())
+        try:
+            await fut
+        except ClientClosed as exc:
+            with lock:
+                got[name + ".error"] = (exc, threading.get_ident())
+
+    threads = [threading.Thread(target=asyncio.run, args=(wait_forever(n),)) for n in ("a", "b")]
+    for t in threads:
+        t.start()
+    try:
+        wait_for(lambda: len(clients.snapshot()) == 2 and len(got) == 2, 30, "two clients")
+        (ca, ta), (cb, tb) = got["a"], got["b"]
+        assert ca is not cb and ta != tb and set(clients.snapshot().values()) == {ca, cb}
+        assert ca.pending == cb.pending == 1
+        clients.close()
+        for t in threads:
+            t.join(30)
+            assert not t.is_alive()
+        # Each request failed on its own loop's thread, its client closed.
+        assert got["a.error"][1] == ta and got["b.error"][1] == tb
+        assert ca.workers == cb.workers == [] and clients.snapshot() == {}
+    finally:
+        clients.close()
+        for t in threads:
+            t.join(30)
+
+
+def test_close_from_inside_a_clients_own_loop() -> None:
+    clients = LoopClients([_nobody()], ClientConfig())
+
+    async def use_then_close() -> Any:
+        client = await clients.get()
+        clients.close()  # e.g. engine.destroy() awaited in a coroutine
+        return client
+
+    client = asyncio.run(use_then_close())
+    assert client.workers == [] and clients.snapshot() == {}
+
+
 # -- with worker processes ------------------------------------------------------------------
 @pytest.mark.slow
 @pytest.mark.timeout(400)  # two process starts of torch + transformers on a loaded machine
@@ -363,3 +457,70 @@ def test_rollout_batches_around_a_weight_update_from_disk(
             check_trajectory(t, tok, model1, version=1)
     finally:
         engine.destroy()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)  # a process start of torch + transformers on a loaded machine
+def test_agenerate_on_the_callers_loops_from_threads_and_the_executor(
+    workers: Callable[..., WorkerProc], tok: Any, model0: torch.nn.Module
+) -> None:
+    """No thread of the engine's own: each loop that awaits (two threads' asyncio.run,
+    AReaL's executor) sends and receives on its own client, at the same time; a
+    cancelled task cancels its request on the worker; destroy closes every client."""
+    w = workers(token_interval=0.01)
+    engine = make_engine([w.address])
+    prompts = [[5 + i, 6, 7] for i in range(4)]
+    out: dict[int, Any] = {}
+    errors: list[BaseException] = []
+
+    def caller(k: int) -> None:
+        async def run() -> None:
+            reqs = [ModelRequest(input_ids=p, tokenizer=tok, gconfig=AGen(max_new_tokens=6,
+                                                                        greedy=True))
+                    for p in prompts]  # fmt: skip
+            resps = await asyncio.gather(*(engine.agenerate(r) for r in reqs))
+            loop = asyncio.get_running_loop()
+            out[k] = ([r.output_tokens for r in resps], engine.fabric_clients.get(loop))
+
+        try:
+            asyncio.run(run())
+        except BaseException as exc:
+            errors.append(exc)
+
+    try:
+        assert engine.fabric_clients == {}  # made by each loop's first request
+        threads = [threading.Thread(target=caller, args=(k,)) for k in range(2)]
+        for t in threads:
+            t.start()
+        batch = engine.rollout_batch(DATA, workflow=workflow(tok))
+        for t in threads:
+            t.join(120)
+        assert not errors, errors
+        expect = [greedy(model0, p, 6, stops=()) for p in prompts]
+        assert out[0][0] == out[1][0] == expect
+        assert out[0][1] is not None and out[1][1] is not None and out[0][1] is not out[1][1]
+        for t in batch:
+            check_trajectory(t, tok, model0, version=0)
+        # The threads' clients closed with their loops; the executor's stays open.
+        (left,) = engine.fabric_clients.values()
+        assert left not in (out[0][1], out[1][1]) and len(left.workers) == 1
+        assert out[0][1].workers == out[1][1].workers == []
+
+        # Cancelling the awaiting task cancels the request on its worker.
+        with FabricController([w.address]) as ctl:
+
+            async def cancel_one() -> None:
+                long = ModelRequest(input_ids=[9, 9], gconfig=AGen(max_new_tokens=100000,
+                                                                   max_tokens=100002))  # fmt: skip
+                task = asyncio.create_task(engine.agenerate(long))
+                await await_for(lambda: sum(s.running for s in ctl.health(5).values()) == 1,
+                                60, "the request running")  # fmt: skip
+                task.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+
+            asyncio.run(cancel_one())
+            wait_for(lambda: sum(s.running for s in ctl.health(5).values()) == 0, 60, "cancelled")
+    finally:
+        engine.destroy()
+    assert engine.fabric_clients == {} and left.workers == []

@@ -1,7 +1,8 @@
 """``FabricInferenceEngine``: AReaL's ``InferenceEngine`` speaking the fastio fabric to
 generation workers (``fastio-worker``, any engine behind them) where AReaL's
 ``RemoteSGLangEngine`` speaks HTTP+JSON to SGLang servers. ``agenerate`` is one
-:class:`~transport.FabricClient` request, the pauses are the
+:class:`~transport.FabricClient` request, sent and answered on the event loop that awaits
+it (a client per loop: :mod:`.loops`), the pauses are the
 :class:`~transport.FabricController`'s, weight updates go through fastio's routes
 (:mod:`.weights`) and rollouts through AReaL's own ``WorkflowExecutor``; the table of
 ``docs/areal.md`` maps each method.
@@ -9,7 +10,6 @@ generation workers (``fastio-worker``, any engine behind them) where AReaL's
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import functools
 import os
@@ -25,9 +25,9 @@ from areal.utils import logging as areal_logging
 from areal.utils import stats_tracker
 from areal.utils.dynamic_import import import_from_string
 
-from fastio import LLMRequest, LLMResponse
 from fastio.tokens import TokenArray
 from transport.areal.convert import to_llm_request, to_model_response
+from transport.areal.loops import LoopClients
 from transport.areal.weights import disk_root, wait_for_version
 from transport.client import ClientConfig, FabricClient
 from transport.control import FabricController
@@ -48,13 +48,14 @@ class FabricInferenceEngine(InferenceEngine):  # type: ignore[misc]
         executor's settings: ``max_concurrent_rollouts``, ``consumer_batch_size``,
         ``max_head_offpolicyness``...).
     client_config:
-        The fabric client's settings (:class:`~transport.ClientConfig`).
+        The fabric clients' settings (:class:`~transport.ClientConfig`; one client per
+        event loop that awaits ``agenerate``).
     weights_timeout:
         Seconds a weight update's future waits for every worker to report the version.
     on_chunk:
         Called as ``on_chunk(rid, tokens, logprobs, versions)`` while output arrives
-        (every output position once, across interrupts; on the client's thread: keep
-        it short), e.g. to watch rollouts progress.
+        (every output position once, across interrupts; on the event loop that awaits
+        the request: keep it short), e.g. to watch rollouts progress.
 
     Examples
     --------
@@ -76,9 +77,7 @@ class FabricInferenceEngine(InferenceEngine):  # type: ignore[misc]
         self.weights_timeout = weights_timeout
         self.on_chunk = on_chunk
         self.addresses: list[str] = []
-        self.client: FabricClient | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
+        self._clients: LoopClients | None = None
         self.controller: FabricController | None = None
         self._version = 0
         self._lock = threading.Lock()
@@ -114,11 +113,11 @@ class FabricInferenceEngine(InferenceEngine):  # type: ignore[misc]
         try:
             # Raises ControlError naming each worker that did not answer in time.
             self.controller.request("health", timeout=timeout)
+            self._clients = LoopClients(self.addresses, self.client_config or ClientConfig())
         except BaseException:
             self.controller.close()
             self.controller = None
             raise
-        self._start_client()
         # Weight-update futures: one thread, so updates complete in the order asked.
         self._updates = concurrent.futures.ThreadPoolExecutor(1, "fabric-weights")
         self._executor = WorkflowExecutor(config=self.config, inference_engine=self)
@@ -128,7 +127,7 @@ class FabricInferenceEngine(InferenceEngine):  # type: ignore[misc]
         self._initialized = True
 
     def destroy(self) -> None:
-        """Stop the executor, close the client and the controller."""
+        """Stop the executor, close the clients and the controller."""
         self._initialized = False
         if self._executor is not None:
             self._executor.destroy()
@@ -137,31 +136,18 @@ class FabricInferenceEngine(InferenceEngine):  # type: ignore[misc]
             # A wait in progress ends by its own timeout; queued ones are dropped.
             self._updates.shutdown(wait=True, cancel_futures=True)
             self._updates = None
-        self._stop_client()
+        if self._clients is not None:
+            # After the executor: its loop cancelled its requests, now closed.
+            self._clients.close()
+            self._clients = None
         if self.controller is not None:
             self.controller.close()
             self.controller = None
 
-    def _start_client(self) -> None:
-        # A loop of its own: AReaL calls agenerate from any loop or thread, and a
-        # FabricClient belongs to one loop.
-        self.client = FabricClient(self.addresses, self.client_config)
-        self._loop = loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(
-            target=loop.run_forever, name="fabric-areal-client", daemon=True
-        )
-        self._thread.start()
-        asyncio.run_coroutine_threadsafe(self.client.start(), loop).result(30)
-
-    def _stop_client(self) -> None:
-        loop, client, thread = self._loop, self.client, self._thread
-        self._loop = self.client = self._thread = None
-        if loop is None or client is None or thread is None:
-            return
-        asyncio.run_coroutine_threadsafe(client.close(), loop).result(10)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(10)
-        loop.close()
+    @property
+    def fabric_clients(self) -> dict[Any, FabricClient]:
+        """The fabric clients open now, by the event loop each belongs to."""
+        return {} if self._clients is None else self._clients.snapshot()
 
     @property
     def initialized(self) -> bool:
@@ -188,24 +174,22 @@ class FabricInferenceEngine(InferenceEngine):  # type: ignore[misc]
 
     async def agenerate(self, req: Any) -> Any:
         """Generate for AReaL's ``ModelRequest`` on some worker; AReaL's
-        ``ModelResponse``. Runs in any event loop (the executor's, ``asyncio.run``...):
-        the request travels on the client's own loop, and cancelling the awaiting task
-        cancels it on its worker."""
-        loop = self._loop
-        if loop is None:
+        ``ModelResponse``. Runs in any event loop (the executor's, ``asyncio.run``...,
+        from any thread): the request goes out and its answer comes back on that loop,
+        through a client of its own, and cancelling the awaiting task cancels it on its
+        worker."""
+        clients = self._clients
+        if clients is None:
             raise RuntimeError("the engine is not initialized (call initialize first)")
-        fut = asyncio.run_coroutine_threadsafe(self._generate(to_llm_request(req)), loop)
-        resp = await asyncio.wrap_future(fut)
-        return to_model_response(req, resp, ModelResponse)
-
-    async def _generate(self, req: LLMRequest) -> LLMResponse:
-        assert self.client is not None
+        llm_req = to_llm_request(req)
+        client = await clients.get()
         cb = self.on_chunk
-        return await self.client.agenerate(
-            req,
+        resp = await client.agenerate(
+            llm_req,
             timeout=float(self.config.request_timeout),
-            on_chunk=None if cb is None else functools.partial(cb, req.rid),
+            on_chunk=None if cb is None else functools.partial(cb, llm_req.rid),
         )
+        return to_model_response(req, resp, ModelResponse)
 
     def set_version(self, version: int) -> None:
         """Set the version the executor's staleness control counts from."""

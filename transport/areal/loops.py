@@ -1,0 +1,184 @@
+"""A :class:`~transport.FabricClient` per event loop that awaits ``agenerate``.
+
+A ``FabricClient`` belongs to one event loop. AReaL awaits ``agenerate`` on its
+executor's loop (a uvloop in a thread of its own), and user code on any other
+(``asyncio.run``, several threads at once): :class:`LoopClients` gives each loop a
+client of its own, made there on its first request, so a request is sent, streamed and
+answered on the loop that awaits it, with no thread between them.
+
+Each client closes with its loop: at ``asyncio.run``'s (and ``uvloop.run``'s) shutdown of
+async generators, after that loop's tasks were cancelled; when another loop's first
+request finds its loop closed (a loop closed without that shutdown, as AReaL's
+executor's); at the latest at :meth:`LoopClients.close` (on the client's own loop while
+it runs in another thread, else in the calling thread).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import AsyncGenerator, Awaitable, Sequence
+from typing import Any
+
+import msgspec
+
+from transport import metrics
+from transport.client import ClientConfig, FabricClient
+
+__all__ = ["LoopClients"]
+
+log = logging.getLogger("transport.areal")
+
+
+class _Bound:
+    """One loop's client and the async generator whose shutdown closes it."""
+
+    __slots__ = ("client", "loop", "watch")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, client: FabricClient) -> None:
+        self.loop = loop
+        self.client = client
+        self.watch: AsyncGenerator[None, None] | None = None
+
+
+class LoopClients:
+    """FabricClients by event loop, all to ``addresses`` with ``config``.
+
+    ``config.metrics_port`` is served once, from the constructor (every client observes
+    its latencies into the process's metrics), and stopped by :meth:`close`.
+
+    Examples
+    --------
+    >>> clients = LoopClients(["tcp://127.0.0.1:5555"], ClientConfig())  # doctest: +SKIP
+    >>> resp = await (await clients.get()).agenerate(req)  # doctest: +SKIP
+    >>> clients.close()  # doctest: +SKIP
+    """
+
+    def __init__(
+        self, addresses: Sequence[str], config: ClientConfig, close_timeout: float = 10.0
+    ) -> None:
+        self.addresses = list(addresses)
+        self.close_timeout = close_timeout
+        self._observe_latency = config.metrics_port is not None
+        self.config = msgspec.structs.replace(config, metrics_port=None)
+        FabricClient(self.addresses, self.config)  # a bad address fails here, not later
+        self._by_loop: dict[asyncio.AbstractEventLoop, _Bound] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+        #: The port of the metrics endpoint (``config.metrics_port``), or None.
+        self.metrics_port: int | None = None
+        if config.metrics_port is not None:
+            self.metrics_port = metrics.start_http_server(config.metrics_port)
+
+    def snapshot(self) -> dict[asyncio.AbstractEventLoop, FabricClient]:
+        """The clients now open, by loop."""
+        with self._lock:
+            return {loop: b.client for loop, b in self._by_loop.items()}
+
+    async def get(self) -> FabricClient:
+        """The running loop's client (made on its first request).
+
+        Raises
+        ------
+        RuntimeError
+            :meth:`close` was called.
+        """
+        loop = asyncio.get_running_loop()
+        b = self._by_loop.get(loop)  # one dict read per request: no lock
+        if b is not None:
+            return b.client
+        return await self._bind(loop)
+
+    async def _bind(self, loop: asyncio.AbstractEventLoop) -> FabricClient:
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the engine is not initialized (call initialize first)")
+            stale = [b for b in self._by_loop.values() if b.loop.is_closed()]
+            for b in stale:
+                del self._by_loop[b.loop]
+            b = _Bound(loop, FabricClient(self.addresses, self.config))
+            b.client.counters.observe_latency = self._observe_latency
+            b.watch = self._watch(b)
+            self._by_loop[loop] = b
+        for old in stale:
+            self._end(old)
+        # The first step registers the generator with this loop (its shutdown of async
+        # generators closes the client) and stops at its yield: nothing is awaited.
+        await b.watch.__anext__()
+        return await b.client.start()  # its sockets open now, on this loop
+
+    async def _watch(self, b: _Bound) -> AsyncGenerator[None, None]:
+        try:
+            yield
+        finally:
+            self._release(b)
+
+    def _release(self, b: _Bound) -> None:
+        """Close ``b``'s client here and now (its loop's thread, or the loop is over)."""
+        with self._lock:
+            if self._by_loop.get(b.loop) is b:
+                del self._by_loop[b.loop]
+        _drive(b.client.close(), "closing a fabric client")
+
+    def _end(self, b: _Bound) -> None:
+        """Close the generator of ``b`` (whose ``finally`` closes the client): on its
+        loop if that runs in another thread, else here."""
+        assert b.watch is not None
+        loop = b.loop
+        if loop.is_running() and not _runs_here(loop):
+            try:
+                fut = asyncio.run_coroutine_threadsafe(_aclose(b.watch), loop)
+            except RuntimeError:  # closed meanwhile: finished here below
+                pass
+            else:
+                try:
+                    fut.result(self.close_timeout)
+                    return
+                except Exception:  # timed out, or the loop stopped first
+                    fut.cancel()
+                if loop.is_running():
+                    log.warning(
+                        "the loop of a fabric client did not close it within %.0f s; "
+                        "its sockets stay open until that loop ends",
+                        self.close_timeout,
+                    )
+                    return
+        _drive(b.watch.aclose(), "closing a fabric client's loop watch")
+
+    def close(self) -> None:
+        """Close every client (requests still pending fail with ``ClientClosed``); no
+        client is made after this."""
+        with self._lock:
+            self._closed = True
+            bound = list(self._by_loop.values())
+        for b in bound:
+            self._end(b)
+        if self.metrics_port is not None:
+            metrics.stop_http_server(self.metrics_port)
+            self.metrics_port = None
+
+
+def _runs_here(loop: asyncio.AbstractEventLoop) -> bool:
+    try:
+        return asyncio.get_running_loop() is loop
+    except RuntimeError:
+        return False
+
+
+async def _aclose(agen: AsyncGenerator[None, None]) -> None:
+    await agen.aclose()
+
+
+def _drive(aw: Awaitable[Any], what: str) -> None:
+    """Run ``aw`` to its end without a loop: the closes driven here never suspend."""
+    step = aw.__await__()
+    try:
+        step.send(None)
+    except StopIteration:
+        return
+    except Exception:
+        log.warning("%s failed", what, exc_info=True)
+        return
+    step.close()
+    log.warning("%s did not complete at once: left unfinished", what)
