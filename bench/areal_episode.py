@@ -12,11 +12,18 @@ Setups (each an AReaL ``RLVRWorkflow`` run by AReaL's executor, ``rollout_batch`
 Run (the ``areal`` venv of ``.ci/areal.sh``, with the fake servers of
 ``tests/transport/fakes``)::
 
-    python -m bench.areal_episode [--episodes 50] [--batch 64] [--new-tokens 32]
+    python -m bench.areal_episode [--episodes 50] [--batch 64] [--new-tokens 32] [--rounds 3]
+        [--workflow rlvr|minimal] [--incremental]
 
-Prints one JSON line per setup: the median of sequential episodes (``arun_episode``
-awaited one after another), the wall time of a batch of concurrent ones, and the same
-batch through AReaL's executor (``rollout_batch``). The outputs of every setup are checked to be the same tokens.
+Each round runs every setup once (a fresh engine; the order rotates from round to
+round, the server and workers stay up) and prints one JSON line per setup: the median
+of sequential episodes (``arun_episode`` awaited one after another), the wall time of a
+batch of concurrent ones, and the same batch through AReaL's executor
+(``rollout_batch``, ``--batches`` times: median and each), with the CPU time each
+process spent per ``rollout_batch`` (this one, the worker, the server). Then one
+summary line per setup: each figure's median and range over the rounds, and its ratio
+to ``sglang-http`` measured in the same round (on a loaded machine the ratios hold
+better than the times). The outputs of every setup are checked to be the same tokens.
 """
 
 from __future__ import annotations
@@ -94,6 +101,30 @@ def fake_factory(opts: dict[str, str]) -> FakeEngine:
     return FakeEngine(int(opts.get("seed", 1)))
 
 
+def minimal_workflow(gconfig: Any, tokenizer: Any) -> Any:
+    """A ``RolloutWorkflow`` whose episode is one ``agenerate`` of the item's message
+    (tokenized once per message) and nothing else: what the engine itself costs."""
+    import uuid
+
+    import torch
+    from areal.api import ModelRequest, RolloutWorkflow
+
+    prompts: dict[str, list[int]] = {}
+
+    class Minimal(RolloutWorkflow):  # type: ignore[misc]
+        async def arun_episode(self, engine: Any, data: dict[str, Any]) -> dict[str, Any]:
+            text = data["messages"][0]["content"]
+            ids = prompts.get(text) or prompts.setdefault(text, tokenizer.encode(text))
+            req = ModelRequest(
+                rid=uuid.uuid4().hex, input_ids=list(ids), gconfig=gconfig.new(n_samples=1),
+                tokenizer=tokenizer,
+            )  # fmt: skip
+            resp = await engine.agenerate(req)
+            return {"input_ids": torch.tensor([ids + resp.output_tokens])}
+
+    return Minimal()
+
+
 def _proc(args: list[str], cwd: Path) -> Any:
     import select
     import subprocess
@@ -111,10 +142,29 @@ def _proc(args: list[str], cwd: Path) -> Any:
     raise TimeoutError(f"{args} did not start")
 
 
-def _measure(engine: Any, wf: Any, data: list[dict[str, Any]], episodes: int, batch: int) -> Any:
+def _cpu_s(pid: int) -> float | None:
+    """User + system CPU seconds of process ``pid`` so far (None where /proc is not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _measure(
+    engine: Any,
+    wf: Any,
+    data: list[dict[str, Any]],
+    episodes: int,
+    batch: int,
+    batches: int,
+    pids: dict[str, int],
+) -> Any:
     """Episodes awaited one after another and ``batch`` at once in one loop (the
     episode itself), then ``batch`` through AReaL's executor (``rollout_batch``, whose
-    polling threads add their own delays)."""
+    polling threads add their own delays) ``batches`` times, with the CPU seconds each
+    process of ``pids`` spent per ``rollout_batch``."""
     import asyncio
 
     async def run() -> tuple[list[float], float, list[list[int]]]:
@@ -131,11 +181,40 @@ def _measure(engine: Any, wf: Any, data: list[dict[str, Any]], episodes: int, ba
 
     seq, concurrent, outs = asyncio.run(run())
     items = [data[i % len(data)] for i in range(batch)]
-    t0 = time.perf_counter()
-    got = engine.rollout_batch(items, workflow=wf)
-    executor = time.perf_counter() - t0
-    assert len(got) == batch
-    return seq, concurrent, executor, outs
+    walls: list[float] = []
+    cpu: dict[str, list[float]] = {k: [] for k in pids}
+    for _ in range(batches):
+        c0 = {k: _cpu_s(pid) for k, pid in pids.items()}
+        t0 = time.perf_counter()
+        got = engine.rollout_batch(items, workflow=wf)
+        walls.append(time.perf_counter() - t0)
+        assert len(got) == batch
+        for k, pid in pids.items():
+            a, b = c0[k], _cpu_s(pid)
+            if a is not None and b is not None:
+                cpu[k].append(b - a)
+    return seq, concurrent, walls, cpu, outs
+
+
+def _summary(rows: list[dict[str, Any]], base: list[dict[str, Any]] | None) -> dict[str, Any]:
+    """Median and range of each figure over the rounds; with ``base`` (sglang-http's
+    rows, round by round), the ratio of each to the base's in the same round."""
+    out: dict[str, Any] = {"setup": rows[0]["setup"], "rounds": len(rows)}
+    keys = ("episode_median_ms", "batch_concurrent_ms", "batch_rollout_batch_ms")
+    for k in keys:
+        v = [r[k] for r in rows]
+        out[k] = {"median": round(statistics.median(v), 1), "min": min(v), "max": max(v)}
+        if base is not None:
+            q = [r[k] / b[k] for r, b in zip(rows, base, strict=True)]
+            out[k]["ratio_vs_sglang_http"] = {
+                "median": round(statistics.median(q), 3),
+                "min": round(min(q), 3),
+                "max": round(max(q), 3),
+            }
+    for k in rows[0]["cpu_ms_per_rollout_batch"]:
+        v = [r["cpu_ms_per_rollout_batch"][k] for r in rows]
+        out.setdefault("cpu_ms_per_rollout_batch", {})[k] = round(statistics.median(v), 1)
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -144,7 +223,19 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--setups", default="sglang-http,fabric-bridge,fabric-native")
+    p.add_argument("--rounds", type=int, default=3, help="each setup once per round")
+    p.add_argument("--batches", type=int, default=3, help="rollout_batch calls per round")
     p.add_argument("--bridge-root", default=str(ROOT), help="checkout with --engine sglang")
+    p.add_argument(
+        "--workflow", choices=("rlvr", "minimal"), default="rlvr",
+        help="rlvr: AReaL's RLVRWorkflow; minimal: one agenerate per episode and nothing "
+        "else (the engine's own cost, without the chat template, tokenizer and reward)",
+    )  # fmt: skip
+    p.add_argument(
+        "--incremental", action="store_true",
+        help="the fake SGLang streams incremental chunks (SGLang's "
+        "--incremental-streaming-output); by default cumulative, as SGLang's default",
+    )  # fmt: skip
     a = p.parse_args(argv)
 
     from areal.api.cli_args import GenerationHyperparameters, InferenceEngineConfig
@@ -155,10 +246,11 @@ def main(argv: list[str] | None = None) -> None:
     from transport.areal import FabricInferenceEngine
 
     tok = make_tokenizer()
-    wf = RLVRWorkflow(
-        reward_fn=reward,
-        gconfig=GenerationHyperparameters(max_new_tokens=a.new_tokens, greedy=True),
-        tokenizer=tok,
+    gconfig = GenerationHyperparameters(max_new_tokens=a.new_tokens, greedy=True)
+    wf: Any = (
+        RLVRWorkflow(reward_fn=reward, gconfig=gconfig, tokenizer=tok)
+        if a.workflow == "rlvr"
+        else minimal_workflow(gconfig, tok)
     )
 
     def config(backend: str) -> Any:
@@ -167,39 +259,63 @@ def main(argv: list[str] | None = None) -> None:
             max_head_offpolicyness=1000, setup_timeout=60, request_timeout=60,
         )  # fmt: skip
 
-    fake, info = _proc(["-m", "tests.transport.fakes.sglang_server", "--port", "0"], ROOT)
+    server = ["-m", "tests.transport.fakes.sglang_server", "--port", "0"]
+    fake, info = _proc(server + ["--incremental"] * a.incremental, ROOT)
     url = f"127.0.0.1:{info['port']}"
     procs = [fake]
+    setups = a.setups.split(",")
+    addrs: dict[str, list[str]] = {}
+    pids: dict[str, dict[str, int]] = {}
     results: dict[str, Any] = {}
+    rows: dict[str, list[dict[str, Any]]] = {s: [] for s in setups}
     try:
-        for setup in a.setups.split(","):
+        for setup in setups:  # the workers stay up through every round
+            pids[setup] = {"areal": os.getpid(), "server": fake.pid}
             if setup == "sglang-http":
-                engine: Any = RemoteSGLangEngine(config("sglang:d1"))
-                engine.initialize(addr=[url], train_data_parallel_size=1)
+                continue
+            cli = ["-m", "transport.worker", "--bind", "tcp://127.0.0.1:0"]
+            if setup == "fabric-bridge":
+                cwd = Path(a.bridge_root)
+                cli += ["--engine", "sglang", "--engine-opt", f"url=http://{url}"]
             else:
-                cli = ["-m", "transport.worker", "--bind", "tcp://127.0.0.1:0"]
-                if setup == "fabric-bridge":
-                    cwd = Path(a.bridge_root)
-                    cli += ["--engine", "sglang", "--engine-opt", f"url=http://{url}"]
+                cwd = ROOT
+                cli += ["--engine", "bench.areal_episode:fake_factory"]
+            w, ready = _proc(cli, cwd)
+            procs.append(w)
+            addrs[setup] = ready["ready"]
+            pids[setup]["worker"] = w.pid
+            if setup == "fabric-native":
+                del pids[setup]["server"]
+        for rnd in range(a.rounds):
+            for setup in setups[rnd % len(setups) :] + setups[: rnd % len(setups)]:
+                if setup == "sglang-http":
+                    engine: Any = RemoteSGLangEngine(config("sglang:d1"))
+                    engine.initialize(addr=[url], train_data_parallel_size=1)
                 else:
-                    cwd = ROOT
-                    cli += ["--engine", "bench.areal_episode:fake_factory"]
-                w, ready = _proc(cli, cwd)
-                procs.append(w)
-                engine = FabricInferenceEngine(config("fastio:d1"))
-                engine.initialize(addr=ready["ready"], train_data_parallel_size=1)
-            try:
-                seq, conc, ex, outs = _measure(engine, wf, DATA, a.episodes, a.batch)
-            finally:
-                engine.destroy()
-            results[setup] = outs
-            print(json.dumps({
-                "setup": setup, "episodes": a.episodes, "new_tokens": a.new_tokens,
-                "episode_median_ms": round(1e3 * statistics.median(seq), 3),
-                "episode_p10_ms": round(1e3 * sorted(seq)[len(seq) // 10], 3),
-                "batch": a.batch, "batch_concurrent_ms": round(1e3 * conc, 1),
-                "batch_rollout_batch_ms": round(1e3 * ex, 1),
-            }), flush=True)  # fmt: skip
+                    engine = FabricInferenceEngine(config("fastio:d1"))
+                    engine.initialize(addr=addrs[setup], train_data_parallel_size=1)
+                try:
+                    seq, conc, walls, cpu, outs = _measure(
+                        engine, wf, DATA, a.episodes, a.batch, a.batches, pids[setup]
+                    )
+                finally:
+                    engine.destroy()
+                results.setdefault(setup, outs)
+                assert outs == results[setup], f"{setup} generated other tokens"
+                row = {
+                    "setup": setup, "round": rnd, "episodes": a.episodes,
+                    "new_tokens": a.new_tokens,
+                    "episode_median_ms": round(1e3 * statistics.median(seq), 3),
+                    "episode_p10_ms": round(1e3 * sorted(seq)[len(seq) // 10], 3),
+                    "batch": a.batch, "batch_concurrent_ms": round(1e3 * conc, 1),
+                    "batch_rollout_batch_ms": round(1e3 * statistics.median(walls), 1),
+                    "rollout_batch_ms": [round(1e3 * t, 1) for t in walls],
+                    "cpu_ms_per_rollout_batch": {
+                        k: round(1e3 * statistics.median(v), 1) for k, v in cpu.items() if v
+                    },
+                }  # fmt: skip
+                rows[setup].append(row)
+                print(json.dumps(row), flush=True)
     finally:
         for proc in procs:
             proc.kill()
@@ -207,6 +323,11 @@ def main(argv: list[str] | None = None) -> None:
     first = next(iter(results.values()), None)
     for setup, outs in results.items():
         assert outs == first, f"{setup} generated other tokens"
+    base = rows.get("sglang-http")
+    for setup in setups:
+        if rows[setup]:
+            ref = base if setup != "sglang-http" and base else None
+            print(json.dumps({"summary": _summary(rows[setup], ref)}), flush=True)
 
 
 if __name__ == "__main__":
