@@ -25,7 +25,6 @@ __all__ = ["Decoder"]
 #: The header's version as the decoders' msgspec types check it: any version read.
 _VERSION: Any = Literal.__getitem__(tuple(range(MIN_PROTOCOL_VERSION, PROTOCOL_VERSION + 1)))
 _NO_BUFFERS = (None,)
-_new_object = object.__new__
 
 
 class Decoder:
@@ -106,32 +105,26 @@ class Decoder:
         """The ``ext_hook`` of one msgspec decoder; ``state[0]`` is the frame list of the
         call holding the state."""
         dtypes, ref, frame, unpack = _ext.TOKEN_DTYPES, _ext.REF, _ext.FRAME, _ext.FRAME_REF.unpack
-        frombuffer, new, other = np.frombuffer, _new_object, self._ext_hook
+        frombuffer, wrap, other = np.frombuffer, TokenArray.wrap, self._ext_hook
 
         def ext_hook(code: int, payload: memoryview) -> Any:
             dtype = dtypes[code]
             if dtype is None:
                 return other(code, payload, state[0])
-            # TokenArray._wrap inlined (_buf, _excl unset); bad values reach the raise.
+            # Bad values reach the raise.
             try:
                 if code >= ref:  # in frame k, one byte: the frame is the array
                     (k,) = payload  # ValueError unless exactly one byte
                     if k:  # frame 0 is the header
-                        tokens = new(TokenArray)
-                        tokens._a = frombuffer(state[0][k], dtype)  # whole items or ValueError
-                        return tokens
+                        return wrap(frombuffer(state[0][k], dtype))  # whole items or ValueError
                 elif code < frame:  # inline: the payload is the elements
-                    tokens = new(TokenArray)
-                    tokens._a = frombuffer(payload, dtype)
-                    return tokens
+                    return wrap(frombuffer(payload, dtype))
                 else:  # the 8-byte reference (frame index, element count)
                     k, count = unpack(payload)
                     if k:
                         arr = frombuffer(state[0][k], dtype)
                         if len(arr) == count:
-                            tokens = new(TokenArray)
-                            tokens._a = arr
-                            return tokens
+                            return wrap(arr)
             except (ValueError, TypeError, IndexError, BufferError, struct.error):
                 pass
             raise _token_error(code, payload, state[0])
@@ -224,7 +217,7 @@ class Decoder:
             return arr if len(shape) == 1 else arr.reshape(shape)
         if len(shape) != 1:
             raise DecodeError(f"token array must be 1-D, got shape {list(shape)}")
-        return TokenArray._wrap(arr)
+        return TokenArray.wrap(arr)
 
     def _tensor(
         self, name: str, shape: tuple[int, ...], count: int, slot: int | bytearray, frames: Any
@@ -295,7 +288,7 @@ def _dec_hook(tp: Any, obj: Any) -> Any:
         if type(obj) is np.ndarray:
             if obj.ndim != 1:
                 raise ValueError(f"token array must be 1-D, got shape {obj.shape}")
-            return TokenArray._wrap(obj)
+            return TokenArray.wrap(obj)
         if type(obj) is list:  # peers in other languages: plain arrays of numbers
             for x in obj:
                 if type(x) is not int and type(x) is not float:

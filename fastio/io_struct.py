@@ -72,11 +72,11 @@ _STOP_REASONS = frozenset(("length", "stop", "interrupt", "abort"))
 
 
 def _empty_ids() -> TokenArray:
-    return TokenArray._wrap(np.empty(0, np.int32))
+    return TokenArray.wrap(np.empty(0, np.int32))
 
 
 def _empty_floats() -> TokenArray:
-    return TokenArray._wrap(np.empty(0, np.float64))
+    return TokenArray.wrap(np.empty(0, np.float64))
 
 
 def _new_rid() -> str:

@@ -100,7 +100,7 @@ def _tokens(value: Any, dtype: Any, field: str) -> TokenArray:
         )
     target = np.dtype(dtype)
     if len(value) == 0:
-        return TokenArray._wrap(np.empty(0, target))
+        return TokenArray.wrap(np.empty(0, target))
     try:
         arr = np.asarray(value)
     except ValueError as exc:  # ragged nesting
@@ -121,9 +121,7 @@ def _tokens(value: Any, dtype: Any, field: str) -> TokenArray:
         info = np.iinfo(target)
         if arr.min() < info.min or arr.max() > info.max:  # keep numpy's wider dtype
             target = arr.dtype
-    t = TokenArray._wrap(arr.astype(target, copy=False))
-    t._excl = True
-    return t
+    return TokenArray.wrap(arr.astype(target, copy=False), owned=True)
 
 
 def _int_tokens(value: Any, dtype: Any, field: str) -> TokenArray:

@@ -104,7 +104,7 @@ class TokenArray(Sequence[Any]):
     _a: npt.NDArray[Any]
     #: Over-allocated private buffer that ``_a`` is a prefix of, or None.
     _buf: npt.NDArray[Any] | None
-    #: No view of ``_a`` exists elsewhere: assignment may write in place. The decoder
+    #: No view of ``_a`` exists elsewhere: assignment may write in place. :meth:`wrap`
     #: leaves ``_buf`` and ``_excl`` unset (read with defaults None and False).
     _excl: bool
 
@@ -138,12 +138,14 @@ class TokenArray(Sequence[Any]):
         self._a = arr
 
     @classmethod
-    def _wrap(cls, arr: npt.NDArray[Any]) -> TokenArray:
-        """Wrap a 1-D numeric array without any checks (the codec's fast path)."""
+    def wrap(cls, arr: npt.NDArray[Any], owned: bool = False) -> TokenArray:
+        """A TokenArray over ``arr``, a 1-D numeric array, sharing its memory, with no
+        checks (the codec's constructor; ``TokenArray(arr)`` checks). ``owned``: no other
+        view of ``arr`` exists, so assignment may write it in place (else it copies)."""
         self = _new(cls)
         self._a = arr
-        self._buf = None
-        self._excl = False
+        if owned:
+            self._excl = True
         return self
 
     @property
@@ -195,7 +197,7 @@ class TokenArray(Sequence[Any]):
     def __getitem__(self, index: SupportsIndex | slice) -> Any:
         if isinstance(index, slice):
             self._excl = False  # the slice shares memory: assignment copies first
-            return TokenArray._wrap(self._a[index])
+            return TokenArray.wrap(self._a[index])
         try:
             return self._a[_index(index)].item()
         except IndexError:
@@ -257,10 +259,10 @@ class TokenArray(Sequence[Any]):
         raise TypeError(_hint(f"{op} {type(other).__name__}"))
 
     def __add__(self, other: Any) -> TokenArray:
-        return TokenArray._wrap(_concat(self._a, self._coerce(other, "+")))
+        return TokenArray.wrap(_concat(self._a, self._coerce(other, "+")))
 
     def __radd__(self, other: Any) -> TokenArray:
-        return TokenArray._wrap(_concat(self._coerce(other, "+"), self._a))
+        return TokenArray.wrap(_concat(self._coerce(other, "+"), self._a))
 
     def __iadd__(self, other: Any) -> TokenArray:
         self.extend(self._coerce(other, "+="))

@@ -301,6 +301,20 @@ def test_item_assignment_like_lists_copy_on_write() -> None:
     assert arr.tolist() == [7, 1, 2]
 
 
+def test_wrap_shares_the_array_and_copies_on_write_unless_owned() -> None:
+    a = np.arange(4, dtype=np.int32)
+    t = TokenArray.wrap(a)
+    assert t == [0, 1, 2, 3] and t.dtype == np.int32 and np.shares_memory(t.array, a)
+    t[0] = 9  # shared: the write goes to a copy
+    assert a.tolist() == [0, 1, 2, 3] and t == [9, 1, 2, 3]
+    t.append(4)
+    assert a.tolist() == [0, 1, 2, 3] and t == [9, 1, 2, 3, 4]
+    b = np.arange(4, dtype=np.int32)
+    u = TokenArray.wrap(b, owned=True)
+    u[0] = 9  # owned: written in place
+    assert b.tolist() == [9, 1, 2, 3]
+
+
 def test_item_assignment_never_writes_a_received_frame() -> None:
     frames = [bytearray(f) for f in fastio.encode(LLMResponse(output_tokens=np.arange(2000)))]
     snapshot = [bytes(f) for f in frames]

@@ -99,7 +99,7 @@ def drop_times(call: Call, keep: int) -> None:
 def _append(call: Call, toks: TokenArray, lps: TokenArray, vers: TokenArray) -> None:
     if call.out_tok is None:  # private copies: later segments are appended to them
         call.out_tok, call.out_lp, call.out_ver = (
-            TokenArray._wrap(t.array.copy()) for t in (toks, lps, vers)
+            TokenArray.wrap(t.array.copy()) for t in (toks, lps, vers)
         )
     else:
         assert call.out_lp is not None and call.out_ver is not None
@@ -139,7 +139,7 @@ def keep_streamed(call: Call) -> LLMResponse | None:
             toks, lps, vers = chunks[0]
         else:
             toks, lps, vers = (
-                TokenArray._wrap(np.concatenate([c[i].array for c in chunks])) for i in range(3)
+                TokenArray.wrap(np.concatenate([c[i].array for c in chunks])) for i in range(3)
             )
         _append(call, toks, lps, vers)
     drop_times(call, call.base)
@@ -164,7 +164,7 @@ def absorb_result(call: Call, res: fm.Result) -> LLMResponse | None:
         # One segment, nothing streamed: the worker's arrays (views of the received
         # frames) become the response as they are.
         latency = now - call.t0
-        itl = TokenArray._wrap(_ZEROS[: n - 1]) if 0 < n <= _N_ZEROS else _zero_itl(n - 1)
+        itl = TokenArray.wrap(_ZEROS[: n - 1]) if 0 < n <= _N_ZEROS else _zero_itl(n - 1)
         return _response(
             call.orig, res.output_tokens, res.output_logprobs, res.output_versions,
             stop_reason, latency, latency, itl,
@@ -201,7 +201,7 @@ _ZEROS = constant(_N_ZEROS - 1, np.float64)
 def _zero_itl(n: int) -> TokenArray:
     """``n`` zero inter-token latencies (tokens that arrived together): a view of one
     shared read-only zero array (a TokenArray copies before changing it)."""
-    return TokenArray._wrap(constant(n, np.float64))
+    return TokenArray.wrap(constant(n, np.float64))
 
 
 def _finish(

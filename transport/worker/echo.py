@@ -20,7 +20,7 @@ async def echo_handler(req: LLMRequest, ctx: GenerationContext) -> LLMResponse:
     version = ctx.version
     fill = _fill  # read once: another thread's worker may replace it
     if n <= _FILL_LEN and fill[0] == version:
-        lp, ver = TokenArray._wrap(fill[1][:n]), TokenArray._wrap(fill[2][:n])
+        lp, ver = TokenArray.wrap(fill[1][:n]), TokenArray.wrap(fill[2][:n])
     else:
         lp, ver = _echo_fill(n, version)
     return LLMResponse(
@@ -33,7 +33,7 @@ async def echo_handler(req: LLMRequest, ctx: GenerationContext) -> LLMResponse:
     )
 
 
-_NO_ITL = TokenArray._wrap(constant(0, np.float64))
+_NO_ITL = TokenArray.wrap(constant(0, np.float64))
 # Prompts up to this length take their fillers from _fill: (version, logprobs, versions).
 _FILL_LEN = 4096
 _fill = (0, constant(_FILL_LEN, np.float32), constant(_FILL_LEN, np.int32, 0))
@@ -47,8 +47,8 @@ def _echo_fill(n: int, version: int) -> tuple[TokenArray, TokenArray]:
     if n <= _FILL_LEN:  # the next ones of this version take the short path
         _fill = (version, constant(_FILL_LEN, np.float32), constant(_FILL_LEN, np.int32, version))
     return (
-        TokenArray._wrap(frame_constant(n, np.float32)),
-        TokenArray._wrap(frame_constant(n, np.int32, version)),
+        TokenArray.wrap(frame_constant(n, np.float32)),
+        TokenArray.wrap(frame_constant(n, np.int32, version)),
     )
 
 
