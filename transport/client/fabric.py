@@ -25,8 +25,11 @@ from transport.client.liveness import Liveness, log
 from transport.client.scheduling import Scheduler
 from transport.client.workers import Call, Worker, WorkerInfo, check_address
 from transport.errors import EMPTY_PROMPT, ClientClosed, NoWorkers, RemoteError, RequestAborted
+from transport.ratelog import RateLimitedLog
 
 __all__ = ["FabricClient"]
+
+_rlog = RateLimitedLog(log)
 
 
 class FabricClient:
@@ -274,9 +277,9 @@ class FabricClient:
             self.counters.add("bad_messages")
 
     def _bad_message(self, w: Worker, frames: list[zmq.Frame], exc: DecodeError) -> None:
-        n = self.counters.add("bad_messages")
-        if n <= 10 or (n & (n - 1)) == 0:
-            log.warning("bad message from worker %s: %s (occurrence %d)", w.address, exc, n)
+        _rlog.counted(
+            self.counters.add("bad_messages"), "bad message from worker %s: %s", w.address, exc
+        )
         _, kind, first = fm.peek(frames)
         sub_id = first if kind == MsgKind.FABRIC_RESULT and first is not None else -1
         call = w.inflight.pop(sub_id, None)

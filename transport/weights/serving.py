@@ -37,9 +37,9 @@ from fastio.weight_msgs import (
     WeightWelcome,
 )
 from transport import metrics
+from transport.ratelog import RateLimitedLog
 from transport.sockets import make_pair
 from transport.weights.config import PublisherConfig
-from transport.weights.ratelog import RateLimitedLog
 from transport.weights.routes import tcp
 from transport.weights.routes.ipc import IpcOffering
 from transport.weights.staging import Send, Staged, VersionStore, pack_steps

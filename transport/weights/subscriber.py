@@ -37,6 +37,7 @@ from fastio.ipc_msgs import IpcOffer, IpcReady
 from fastio.versions import VERSION_1
 from transport import metrics
 from transport.addresses import warn_if_unresolvable, with_reachable_host
+from transport.ratelog import RateLimitedLog
 from transport.sockets import CurveConfig, make_dealer, make_socket
 from transport.weights.binding import Binding, DtypeSpec, Rename, advertised_dtype, parse_dtype_spec
 from transport.weights.bucket import named_tensors
@@ -44,7 +45,6 @@ from transport.weights.config import SubscriberConfig, make_config
 from transport.weights.core.subscriber import SubscriberCore
 from transport.weights.fetching import VersionFetcher
 from transport.weights.malloc import tune_malloc
-from transport.weights.ratelog import RateLimitedLog
 from transport.weights.reporting import Reporter
 from transport.weights.results import UpdateStats
 from transport.weights.routes import shm as _shm

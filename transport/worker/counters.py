@@ -12,6 +12,7 @@ from typing import Any
 
 from fastio import fabric_msgs as fm
 from transport import metrics
+from transport.ratelog import RateLimitedLog
 
 __all__ = ["STATUS_KEYS", "Counters", "Shard", "log_counted"]
 
@@ -27,11 +28,9 @@ STATUS_KEYS = (
 OUTCOMES = ("ok", "error", "cancelled", "rejected")
 
 
-def log_counted(n: int, fmt: str, *args: Any) -> None:
-    """Log the ``n``-th occurrence if it is one of the first ten or a power of two:
-    hostile input must not flood the log."""
-    if n <= 10 or (n & (n - 1)) == 0:
-        log.warning(fmt + " (occurrence %d)", *args, n)
+#: ``log_counted(n, fmt, *args)``: the ``n``-th occurrence logged if one of the first
+#: ten or a power of two (hostile input must not flood the log).
+log_counted = RateLimitedLog(log).counted
 
 
 class Shard:

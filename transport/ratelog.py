@@ -10,8 +10,13 @@ __all__ = ["RateLimitedLog"]
 
 
 class RateLimitedLog:
-    """The first warning of each kind in full; later ones counted, and a summary line
-    at most once per ``interval`` seconds while they keep coming."""
+    """A logger's warnings, rate-limited in one of two ways.
+
+    :meth:`warning` logs the first of each kind in full, counts the later ones, and logs
+    a summary line at most once per ``interval`` seconds while they keep coming.
+    :meth:`counted` logs the ``n``-th occurrence of something already counted elsewhere
+    (a status count) if it is one of the first ten or a power of two.
+    """
 
     def __init__(self, logger: logging.Logger, interval: float = 30.0) -> None:
         self.logger = logger
@@ -33,3 +38,9 @@ class RateLimitedLog:
             self._last[kind] = now
             n = 0
         self._suppressed[kind] = n
+
+    def counted(self, n: int, fmt: str, *args: Any) -> None:
+        """Log ``fmt % args`` with ``(occurrence n)`` if ``n`` is at most ten or a power
+        of two."""
+        if n <= 10 or (n & (n - 1)) == 0:
+            self.logger.warning(fmt + " (occurrence %d)", *args, n)
