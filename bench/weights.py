@@ -298,14 +298,16 @@ def _primitives(state: dict[str, torch.Tensor]) -> dict[str, float]:
     """
     import numpy as np
 
-    from transport.weights.bucket import Hasher, checksum, plan_for
+    from transport.weights.bucket import Hasher, checksum, dtype_name, plan_buckets
     from transport.weights.streaming import BucketStream
 
     srcs = [t.detach().reshape(-1).view(torch.uint8).numpy() for t in state.values()]
     total = sum(a.size for a in srcs)
     buf = np.ones(total, dtype=np.uint8)  # written: no page faults in the timings
     hot = buf[: 256 << 10]
-    plan = plan_for(state, 1 << 62)
+    plan = plan_buckets(
+        ((k, dtype_name(t.dtype), tuple(t.shape)) for k, t in state.items()), 1 << 62
+    )
     # Written, as a worker's segment is: pages never written would all read the one
     # zero page, from cache, and make the verify-and-copy pass look cheaper than it is.
     packed = np.ones(sum(b.nbytes for b in plan), dtype=np.uint8)

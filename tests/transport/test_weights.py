@@ -33,7 +33,7 @@ from fastio.weight_msgs import (
     WeightWelcome,
 )
 from tests.transport.conftest import wait_for
-from tests.transport.weights_helpers import equal, make_state, zeros_like
+from tests.transport.weights_helpers import equal, make_state, plan_for, zeros_like
 from transport.weights import (
     BucketApplier,
     ChecksumError,
@@ -45,7 +45,7 @@ from transport.weights import (
     plan_buckets,
     state_digest,
 )
-from transport.weights.bucket import ALIGNMENT, Hasher, checksum, plan_for
+from transport.weights.bucket import ALIGNMENT, Hasher, checksum
 from transport.weights.disk import MARKER, latest_version, load_weights, save_weights
 from transport.weights.routes import shm as wshm
 

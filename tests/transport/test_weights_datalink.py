@@ -1,4 +1,4 @@
-"""The data link of the TCP path (``transport.weights.datalink``): bucket bytes on a
+"""The data link of the TCP path (``transport.weights.routes.tcp``): bucket bytes on a
 plain TCP connection per worker, received straight where they go.
 
 Real sockets throughout; worker processes where the bytes cross a process boundary.
@@ -25,6 +25,7 @@ from tests.transport.weights_helpers import (
     digest_of,
     equal,
     make_state,
+    serving_with,
     subscriber_proc,
     zeros_like,
 )
@@ -123,7 +124,9 @@ class BreakingServing(Serving):
 
 
 class BreakingPublisher(WeightPublisher):
-    serving_class = BreakingServing
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        with serving_with(BreakingServing):
+            super().__init__(*args, **kwargs)
 
 
 def two_tensors(seed: int) -> dict[str, torch.Tensor]:
@@ -200,8 +203,8 @@ def test_the_listener_refuses_strangers_and_keeps_serving() -> None:
     state = make_state(3)
     dst = zeros_like(state)
     with WeightPublisher(shm=False, heartbeat_interval=0.1) as pub:
-        assert pub._listener is not None
-        addr = ("127.0.0.1", pub._listener.port)
+        assert pub.serving.listener is not None
+        addr = ("127.0.0.1", pub.serving.listener.port)
         silent = [socket.create_connection(addr) for _ in range(4)]  # never say a word
         with socket.create_connection(addr) as s:
             s.sendall(_hello("intruder", b"x" * 16))
@@ -212,7 +215,7 @@ def test_the_listener_refuses_strangers_and_keeps_serving() -> None:
         with socket.create_connection(addr) as s:
             s.sendall(b"GET / HTTP/1.1\r\n\r\n")
             assert _closed_by_peer(s)
-        assert not pub.senders
+        assert not pub.serving.senders
         with WeightSubscriber(pub.endpoint, dst, shm=False, heartbeat_interval=0.1) as sub:
             pub.wait_for_workers(1, 30)
             for v in (1, 2):
@@ -223,7 +226,7 @@ def test_the_listener_refuses_strangers_and_keeps_serving() -> None:
         for s in silent:
             assert _closed_by_peer(s)  # dropped after the handshake deadline
             s.close()
-        wait_for(lambda: pub._listener.rejected == 7, 10, "7 connections refused")
+        wait_for(lambda: pub.serving.listener.rejected == 7, 10, "7 connections refused")
 
 
 def test_the_answer_byte_comes_before_any_piece() -> None:
@@ -259,7 +262,7 @@ def test_the_link_listens_on_the_port_asked_for() -> None:
     state = make_state(4)
     dst = zeros_like(state)
     with WeightPublisher(shm=False, data_port=port, heartbeat_interval=0.1) as pub:
-        assert pub._listener is not None and pub._listener.port == port
+        assert pub.serving.listener is not None and pub.serving.listener.port == port
         with WeightSubscriber(pub.endpoint, dst, shm=False, heartbeat_interval=0.1) as sub:
             pub.wait_for_workers(1, 30)
             assert pub.publish_and_wait(state, 1, timeout=30).ok
@@ -276,13 +279,13 @@ def test_no_link_with_curve_unless_asked(tmp_path: Any) -> None:
     _, secret = zmq.auth.create_certificates(str(tmp_path), "trainer")
     curve = CurveConfig(secret_key_file=secret)
     with WeightPublisher(shm=False, curve=curve) as pub:
-        assert pub._listener is None
+        assert pub.serving.listener is None
     with WeightPublisher(shm=False, curve=curve, data_link=True) as pub:
-        assert pub._listener is not None
+        assert pub.serving.listener is not None
     with WeightPublisher(shm=False) as pub:
-        assert pub._listener is not None
+        assert pub.serving.listener is not None
     with WeightPublisher("ipc://" + str(tmp_path / "w.sock"), shm=False) as pub:
-        assert pub._listener is None
+        assert pub.serving.listener is None
 
 
 def big_worker(endpoint: str, wid: str, freeze: bool) -> None:
@@ -327,7 +330,7 @@ def test_a_worker_that_stops_reading_holds_up_no_one(procs: Callable[..., Any]) 
         pub.publish(big_state(1), 1)
         res = pub.wait(1, 60)
         assert res.applied.keys() == {"a"} and "lost" in res.failed["b"], res
-        wait_for(lambda: "b" not in pub.senders, 20, "b's data link closed")
+        wait_for(lambda: "b" not in pub.serving.senders, 20, "b's data link closed")
         assert b.pid is not None
         os.kill(b.pid, signal.SIGCONT)
         want = digest_of_big(1)
@@ -359,3 +362,4 @@ def test_the_worker_plugin_can_decline_the_link() -> None:
     base = {"weights_endpoint": "tcp://127.0.0.1:1"}
     assert subscriber_options({**base, "weights_data_link": "0"}, None)["data_link"] is False
     assert "data_link" not in subscriber_options(base, None)  # the subscriber's default: on
+

@@ -5,19 +5,27 @@ transformers causal LM."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
+from unittest import mock
 
 import msgspec
 import torch
 
 import fastio
-from fastio.weight_msgs import PUBLISHER_TO_SUBSCRIBER, WeightBucket, WeightFetch
+from fastio.weight_msgs import (
+    PUBLISHER_TO_SUBSCRIBER,
+    WeightBucket,
+    WeightBucketInfo,
+    WeightFetch,
+)
 from transport import FabricController
 from transport.weights import WeightPublisher, WeightSubscriber, state_digest
+from transport.weights.bucket import dtype_name, plan_buckets
 from transport.weights.serving import Serving
 
 # -- state dicts ---------------------------------------------------------------------
@@ -54,6 +62,21 @@ def digest_of(version: int) -> int:
 BUCKET = 2048  # many small buckets: "mid-update" has room
 
 Fault = Callable[[str, int, int], "str | None"]
+
+
+def plan_for(tensors: Mapping[str, torch.Tensor], bucket_bytes: int) -> list[WeightBucketInfo]:
+    """:func:`~transport.weights.bucket.plan_buckets` for a mapping of tensors, in its
+    iteration order."""
+    specs = ((n, dtype_name(t.dtype), tuple(t.shape)) for n, t in tensors.items())
+    return plan_buckets(specs, bucket_bytes)
+
+
+@contextlib.contextmanager
+def serving_with(cls: type[Serving]) -> Iterator[None]:
+    """Publishers made inside serve with ``cls``, a :class:`Serving` subclass that
+    injects faults (the publisher builds its serving loop in ``__init__``)."""
+    with mock.patch("transport.weights.publisher.Serving", cls):
+        yield
 
 
 class FaultyServing(Serving):
@@ -124,8 +147,8 @@ class FaultyPublisher(WeightPublisher):
             pass
 
         Faulty.fault = staticmethod(fault)  # type: ignore[assignment]
-        self.serving_class = Faulty
-        super().__init__(*args, **kwargs)
+        with serving_with(Faulty):
+            super().__init__(*args, **kwargs)
 
 
 def corrupting_bucket_1(versions: set[int], **kw: Any) -> FaultyPublisher:

@@ -47,7 +47,6 @@ __all__ = [
     "named_tensors",
     "pack_bucket",
     "plan_buckets",
-    "plan_for",
     "split_aliases",
     "wire_tensor",
 ]
@@ -209,13 +208,6 @@ def plan_buckets(
     if cur:
         buckets.append(WeightBucketInfo(len(buckets), size, 0, cur, seg))
     return buckets
-
-
-def plan_for(tensors: Mapping[str, torch.Tensor], bucket_bytes: int) -> list[WeightBucketInfo]:
-    """:func:`plan_buckets` for a mapping of tensors, in its iteration order."""
-    return plan_buckets(
-        ((n, dtype_name(t.dtype), tuple(t.shape)) for n, t in tensors.items()), bucket_bytes
-    )
 
 
 # -- packing and applying ----------------------------------------------------------

@@ -40,12 +40,10 @@ from transport.weights.routes.ipc import IPC_MODES, IpcOffering
 from transport.weights.serving import Serving
 from transport.weights.staging import Staged, VersionStore, pack_steps, plan_version
 
-__all__ = ["DEFAULT_CHUNK_BYTES", "IPC_MODES", "WeightPublisher"]
+__all__ = ["IPC_MODES", "WeightPublisher"]
 
 log = logging.getLogger("transport.weights.publisher")
 
-#: Size of the chunks a bucket travels in (``PublisherConfig.chunk_bytes``).
-DEFAULT_CHUNK_BYTES = PublisherConfig().chunk_bytes
 #: I/O threads of the private context for the ROUTER (the bucket bytes); one more: PUB.
 _ROUTER_IO_THREADS = 2
 
@@ -73,9 +71,6 @@ class WeightPublisher:
     >>> pub.wait(1, timeout=30).ok  # doctest: +SKIP
     True
     """
-
-    #: The serving loop's class (a subclass may inject faults, as the tests do).
-    serving_class: type[Serving] = Serving
 
     def __init__(
         self,
@@ -146,11 +141,7 @@ class WeightPublisher:
             cfg.data_link or (cfg.data_link is None and curve is None)
         )
         #: The serving thread's loop, its sockets and the data link.
-        self.serving = self.serving_class(
-            cfg, self.store, self.ipc, router, pub, welcome, link=bool(link)
-        )
-        self._listener = self.serving.listener
-        self.senders = self.serving.senders
+        self.serving = Serving(cfg, self.store, self.ipc, router, pub, welcome, link=bool(link))
         self._thread = threading.Thread(
             target=self.serving.run, name=f"weights-publisher-{self.publisher_id}", daemon=True
         )
