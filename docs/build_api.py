@@ -70,7 +70,6 @@ MODULES = [
     "transport.weights.bucket",
     "transport.weights.disk",
     "transport.weights.dist",
-    "transport.weights.datalink",
 ]
 
 #: AReaL's rollout engine over the fabric: documented where the ``areal`` package is

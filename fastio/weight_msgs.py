@@ -124,7 +124,7 @@ class WeightWelcome(WireStruct, tag=int(MsgKind.WEIGHT_WELCOME)):
     buckets from shared memory. ``announce`` is the latest version when the Hello showed
     the worker behind it (the snapshot of the Clone pattern), else ``None``.
     ``data_port`` (0: none) is the publisher's data-link listener on its host, and
-    ``data_token`` the secret a worker presents there (``transport.weights.datalink``).
+    ``data_token`` the secret a worker presents there (``transport.weights.routes.tcp``).
     """
 
     publisher_id: str
@@ -167,7 +167,7 @@ class WeightFetch(WireStruct, tag=int(MsgKind.WEIGHT_FETCH)):
     #: same process answers or is gone. 0: the worker's last Hello names it.
     pid: int = 0
     start_time: int = 0
-    #: Send the bytes on the worker's data link (``transport.weights.datalink``)
+    #: Send the bytes on the worker's data link (``transport.weights.routes.tcp``)
     #: rather than as ZeroMQ frames (when the publisher has that link open).
     data: bool = False
 

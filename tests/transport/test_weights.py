@@ -36,7 +36,6 @@ from tests.transport.conftest import wait_for
 from tests.transport.weights_helpers import equal, make_state, plan_for, zeros_like
 from transport.weights import (
     BucketApplier,
-    ChecksumError,
     WeightMismatchError,
     WeightPublisher,
     WeightSubscriber,
@@ -680,10 +679,25 @@ def test_disk_mismatch_leaves_weights_untouched(tmp_path: Path) -> None:
 def test_errors_form_one_tree() -> None:
     from transport.errors import TransportError
 
-    for e in (ChecksumError, WeightMismatchError, tw.VersionUnavailable, tw.UpdateIncomplete):
+    for e in (WeightMismatchError, tw.UpdateIncomplete):
         assert issubclass(e, tw.WeightUpdateError) and issubclass(e, TransportError)
     assert issubclass(WeightMismatchError, ValueError)
     assert issubclass(tw.UpdateIncomplete, TimeoutError)
+
+
+def test_never_raised_errors_are_deprecated_aliases() -> None:
+    """``ChecksumError`` and ``VersionUnavailable`` still import, with a warning."""
+    from transport.weights import errors
+
+    for name in ("ChecksumError", "VersionUnavailable"):
+        with pytest.warns(DeprecationWarning, match=f"{name} is deprecated"):
+            cls = getattr(tw, name)
+        with pytest.warns(DeprecationWarning, match=f"{name} is deprecated"):
+            assert getattr(errors, name) is cls
+        assert issubclass(cls, tw.WeightUpdateError) and name not in tw.__all__
+    with pytest.warns(DeprecationWarning):
+        from transport.weights import ChecksumError
+    assert issubclass(ChecksumError, ValueError)
 
 
 @pytest.mark.cuda

@@ -363,3 +363,12 @@ def test_the_worker_plugin_can_decline_the_link() -> None:
     assert subscriber_options({**base, "weights_data_link": "0"}, None)["data_link"] is False
     assert "data_link" not in subscriber_options(base, None)  # the subscriber's default: on
 
+
+def test_the_old_module_name_still_imports_deprecated() -> None:
+    import importlib
+    import sys
+
+    sys.modules.pop("transport.weights.datalink", None)
+    with pytest.warns(DeprecationWarning, match=r"import transport\.weights\.routes\.tcp"):
+        old = importlib.import_module("transport.weights.datalink")
+    assert old.DataSender is dl.DataSender and old.__all__ == dl.__all__

@@ -20,13 +20,7 @@ if TYPE_CHECKING:  # the names as type checkers see them; at run time, on first 
         pack_bucket,
         plan_buckets,
     )
-    from transport.weights.errors import (
-        ChecksumError,
-        UpdateIncomplete,
-        VersionUnavailable,
-        WeightMismatchError,
-        WeightUpdateError,
-    )
+    from transport.weights.errors import UpdateIncomplete, WeightMismatchError, WeightUpdateError
     from transport.weights.manifest import check_manifest, state_digest
     from transport.weights.publisher import WeightPublisher
     from transport.weights.results import SubscriberInfo, UpdateResult, UpdateStats
@@ -40,13 +34,7 @@ if TYPE_CHECKING:  # the names as type checkers see them; at run time, on first 
 
 _MODULES = {
     "bucket": ("BucketApplier", "DEFAULT_BUCKET_BYTES", "pack_bucket", "plan_buckets"),
-    "errors": (
-        "ChecksumError",
-        "UpdateIncomplete",
-        "VersionUnavailable",
-        "WeightMismatchError",
-        "WeightUpdateError",
-    ),
+    "errors": ("UpdateIncomplete", "WeightMismatchError", "WeightUpdateError"),
     "manifest": ("check_manifest", "state_digest"),
     "publisher": ("WeightPublisher",),
     "results": ("SubscriberInfo", "UpdateResult", "UpdateStats"),
@@ -58,13 +46,11 @@ _LAZY = {n: f"transport.weights.{m}" for m, names in _MODULES.items() for n in n
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
     "BucketApplier",
-    "ChecksumError",
     "FabricUpdateResult",
     "SubscriberInfo",
     "UpdateIncomplete",
     "UpdateResult",
     "UpdateStats",
-    "VersionUnavailable",
     "WeightMismatchError",
     "WeightPublisher",
     "WeightSubscriber",
@@ -80,6 +66,10 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
+    if name in ("ChecksumError", "VersionUnavailable"):  # deprecated, never raised
+        from transport.weights.errors import deprecated
+
+        return deprecated(name)
     if name not in _LAZY:
         raise AttributeError(f"module 'transport.weights' has no attribute {name!r}")
     return getattr(importlib.import_module(_LAZY[name]), name)

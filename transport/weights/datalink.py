@@ -1,4 +1,12 @@
-"""The data link's old module name: it is :mod:`transport.weights.routes.tcp`."""
+"""The data link's old module name, deprecated: it is :mod:`transport.weights.routes.tcp`."""
+
+import warnings
 
 from transport.weights.routes.tcp import *  # noqa: F403
 from transport.weights.routes.tcp import __all__ as __all__
+
+warnings.warn(
+    "transport.weights.datalink is deprecated: import transport.weights.routes.tcp",
+    DeprecationWarning,
+    stacklevel=2,
+)

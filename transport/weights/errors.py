@@ -3,7 +3,8 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import warnings
+from typing import TYPE_CHECKING, Any
 
 from fastio.errors import FastioError
 from transport.errors import TransportError
@@ -11,13 +12,7 @@ from transport.errors import TransportError
 if TYPE_CHECKING:
     from transport.weights.results import UpdateResult
 
-__all__ = [
-    "ChecksumError",
-    "UpdateIncomplete",
-    "VersionUnavailable",
-    "WeightMismatchError",
-    "WeightUpdateError",
-]
+__all__ = ["UpdateIncomplete", "WeightMismatchError", "WeightUpdateError"]
 
 
 class WeightUpdateError(TransportError, FastioError):
@@ -28,14 +23,6 @@ class WeightMismatchError(WeightUpdateError, ValueError):
     """An update's parameter names, shapes or dtypes do not match the model."""
 
 
-class ChecksumError(WeightUpdateError, ValueError):
-    """A bucket's bytes do not match the checksum announced for it."""
-
-
-class VersionUnavailable(WeightUpdateError):
-    """The publisher has retired the version asked for (a newer one replaced it)."""
-
-
 class UpdateIncomplete(WeightUpdateError, TimeoutError):
     """Not every expected worker applied the version before the timeout; ``result`` is
     the :class:`~transport.weights.results.UpdateResult` (applied, failed, missing)."""
@@ -43,3 +30,37 @@ class UpdateIncomplete(WeightUpdateError, TimeoutError):
     def __init__(self, message: str, result: UpdateResult) -> None:
         super().__init__(message)
         self.result = result
+
+
+# Never raised (a damaged bucket is fetched again, a retired version replaced by the
+# latest; what still fails is in ``UpdateResult.failed``): kept for imports, deprecated.
+class ChecksumError(WeightUpdateError, ValueError):
+    """Deprecated, never raised."""
+
+
+class VersionUnavailable(WeightUpdateError):
+    """Deprecated, never raised."""
+
+
+_DEPRECATED: dict[str, type[WeightUpdateError]] = {
+    c.__name__: c for c in (ChecksumError, VersionUnavailable)
+}
+del ChecksumError, VersionUnavailable  # served by __getattr__, with a warning
+
+
+def deprecated(name: str, stacklevel: int = 3) -> type[WeightUpdateError]:
+    """The deprecated error class ``name``, with a ``DeprecationWarning``."""
+    cls = _DEPRECATED[name]
+    warnings.warn(
+        f"transport.weights.{name} is deprecated and never raised: a version that fails "
+        "on a worker is reported in UpdateResult.failed",
+        DeprecationWarning,
+        stacklevel=stacklevel,
+    )
+    return cls
+
+
+def __getattr__(name: str) -> Any:
+    if name in _DEPRECATED:
+        return deprecated(name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
