@@ -33,8 +33,9 @@ allocator settings fastio's sockets set (:func:`transport.zmqio.tune_allocator`;
 ``FASTIO_TUNE_MALLOC=0`` runs all of them on glibc's defaults), so the ratios compare the
 fabrics, not malloc.
 
-The echo worker serves its socket on the handler's loop (``WorkerConfig.inline``: the echo
-never blocks). Engines that may block run on a loop of their own behind the worker's
+The echo worker (``--engine bench.echo:engine``: :func:`transport.echo_handler`'s answer,
+its fillers shared frames) serves its socket on the handler's loop
+(``WorkerConfig.inline``: the echo never blocks). Engines that may block run on a loop of their own behind the worker's
 socket thread and pay two thread hand-offs per request on top of these figures.
 
 Cases
@@ -150,7 +151,8 @@ class _Proc:
 
 def _echo_worker(loop: str = "asyncio") -> _Proc:
     argv = [sys.executable, "-m", "transport.worker", "--bind", "tcp://127.0.0.1:0"]
-    return _Proc([*argv, "--engine", "echo", *(["--loop", loop] if loop != "asyncio" else [])])
+    engine = ["--engine", "bench.echo:engine"]
+    return _Proc([*argv, *engine, *(["--loop", loop] if loop != "asyncio" else [])])
 
 
 def _raw_worker(pads: dict[int, int] | None = None) -> _Proc:

@@ -8,9 +8,8 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-import zmq
 
-__all__ = ["MAX_SHARED", "constant", "frame_constant"]
+__all__ = ["MAX_SHARED", "constant"]
 
 #: Longest array kept shared (elements); longer ones are allocated per call.
 MAX_SHARED = 1 << 24
@@ -43,34 +42,3 @@ def constant(n: int, dtype: Any, value: Any = 0) -> npt.NDArray[Any]:
             _arrays.clear()
         _arrays[key] = a
     return a[:n]
-
-
-_frames: dict[tuple[Any, Any, int], npt.NDArray[Any]] = {}
-_MAX_FRAMES = 16  # arrays kept
-_MAX_FRAME_BYTES = 4 << 20  # per array: the table holds at most 64 MiB
-
-
-def frame_constant(n: int, dtype: Any, value: Any = 0) -> npt.NDArray[Any]:
-    """As :func:`constant`, over a ``zmq.Frame`` of its own: the fabric sends it as that
-    frame (libzmq shares it: neither copied nor lent per message). Up to 16 arrays are
-    kept, then the table starts afresh (thread-safe); one over 4 MiB is
-    :func:`constant`'s view. Never make it writable: every later reply shares it.
-
-    Examples
-    --------
-    >>> a = frame_constant(3, np.int32, 7)
-    >>> a.tolist(), type(a.base).__name__, a is frame_constant(3, np.int32, 7)
-    ([7, 7, 7], 'Frame', True)
-    """
-    n = max(n, 0)
-    if n * np.dtype(dtype).itemsize > _MAX_FRAME_BYTES:
-        return constant(n, dtype, value)
-    key = (dtype, value, n)
-    a = _frames.get(key)
-    if a is None:
-        if len(_frames) >= _MAX_FRAMES:
-            _frames.clear()
-        frame: Any = zmq.Frame(constant(n, dtype, value), copy=True)
-        a = _frames[key] = np.frombuffer(frame, dtype)
-        a.flags.writeable = False
-    return a

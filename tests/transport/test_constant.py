@@ -1,5 +1,6 @@
-"""Constant arrays shared by responses: the client's zero itl and the echo's fillers
-are read-only views of one array, whatever the length (no allocation per message)."""
+"""Constant arrays shared by responses: the client's zero itl and the echo engines'
+fillers are read-only views of one array, whatever the length (no allocation per
+message); the benchmarks' echo sends its fillers as shared frames."""
 
 from __future__ import annotations
 
@@ -8,12 +9,19 @@ from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
+import pytest
 import zmq
 
+from bench import echo as bench_echo
 from fastio import LLMRequest, TokenArray
 from transport.client.calls import _zero_itl
-from transport.constant import MAX_SHARED, constant, frame_constant
+from transport.constant import MAX_SHARED, constant
 from transport.worker.echo import echo_handler
+
+#: The echo engine users run and the benchmarks' one: the same answers.
+ECHOES = pytest.mark.parametrize(
+    "echo", [echo_handler, bench_echo.echo_handler], ids=["transport", "bench"]
+)
 
 
 def test_constant_views_are_read_only_correct_and_shared() -> None:
@@ -42,12 +50,13 @@ def test_zero_itl_of_long_responses_shares_memory_and_copies_on_write() -> None:
     assert not _zero_itl(32_767).array.any()
 
 
-def test_echo_fillers_of_long_prompts_are_shared() -> None:
+@ECHOES
+def test_echo_fillers_of_long_prompts_are_shared(echo: Any) -> None:
     ctx: Any = SimpleNamespace(version=4)
     ids = list(range(10_000))
 
     async def two() -> Any:
-        return [await echo_handler(LLMRequest(input_ids=ids), ctx) for _ in range(2)]
+        return [await echo(LLMRequest(input_ids=ids), ctx) for _ in range(2)]
 
     r1, r2 = asyncio.run(two())
     assert r1.output_tokens.tolist() == ids
@@ -57,12 +66,11 @@ def test_echo_fillers_of_long_prompts_are_shared() -> None:
     assert np.shares_memory(r1.output_versions.array, r2.output_versions.array)
 
 
-def test_echo_fillers_of_short_prompts_follow_the_weight_version() -> None:
+@ECHOES
+def test_echo_fillers_of_short_prompts_follow_the_weight_version(echo: Any) -> None:
     # Short prompts take cached fillers: a new version must replace them at once.
     async def run(version: int, n: int) -> Any:
-        return await echo_handler(
-            LLMRequest(input_ids=list(range(n))), SimpleNamespace(version=version)
-        )
+        return await echo(LLMRequest(input_ids=list(range(n))), SimpleNamespace(version=version))
 
     for version, n in ((0, 16), (7, 16), (7, 4096), (0, 3), (2, 5000), (2, 1)):
         r = asyncio.run(run(version, n))
@@ -79,6 +87,7 @@ def test_zero_itl_of_the_usual_response_is_a_read_only_view() -> None:
 
 
 def test_frame_constants_are_whole_frames_kept_per_length() -> None:
+    frame_constant = bench_echo.frame_constant
     a = frame_constant(70_000, np.float32)
     assert type(a.base) is zmq.Frame and a.nbytes == len(a.base)  # sent as that frame
     assert not a.flags.writeable and not a.any() and len(a) == 70_000
@@ -91,3 +100,12 @@ def test_frame_constants_are_whole_frames_kept_per_length() -> None:
     assert frame_constant(70_000, np.float32) is not a
     huge = frame_constant(5 << 20, np.float32)  # over 4 MiB: not kept, a shared view
     assert type(huge.base) is not zmq.Frame and np.shares_memory(huge, constant(10, np.float32))
+
+
+def test_the_bench_echo_is_an_engine_the_worker_resolves() -> None:
+    from transport.engines.registry import resolve_engine
+
+    assert resolve_engine("bench.echo:engine")({}) is bench_echo.echo_handler
+    assert bench_echo.echo_handler.inline and echo_handler.inline  # type: ignore[attr-defined]
+    with pytest.raises(ValueError, match="no --engine-opt"):
+        bench_echo.engine({"x": "1"})
