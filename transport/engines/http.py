@@ -1,13 +1,10 @@
-"""What the HTTP server bridges share: options, session, health watchdog, the requests in
-flight, server-sent events and the streaming ``generate`` loop.
+"""What the HTTP server bridges share: options, the streaming ``generate`` loop, server-sent
+events, one error mapping and one health probe.
 
-A bridge is an :class:`~transport.Engine` that forwards each request to a server in its
-own process (SGLang, vLLM) and streams the answer back; the worker keeps its sockets,
-pause and failover. A server is gone when ``/health`` says so (unreachable, or failing
-``health_failures`` times in a row), not when one connection breaks: that closes the
-worker, whose clients re-send its requests elsewhere (run the worker under a supervisor
-that restarts it with its server). A request the server rejects (an HTTP error, an error
-event inside its stream) fails alone, with the server's message.
+A bridge is an :class:`~transport.Engine` that forwards each request to a server in its own
+process (SGLang, vLLM) and streams the answer back. The server is gone when ``/health``
+says so, not when one connection breaks: the worker then closes. A request the server
+rejects fails alone, with the server's message (``docs/engines.md#bridges``).
 """
 
 from __future__ import annotations
@@ -19,7 +16,6 @@ import dataclasses
 import itertools
 import logging
 import os
-import urllib.error
 import urllib.request
 from collections.abc import AsyncIterator
 from typing import Annotated, Any, ClassVar, Self
@@ -56,9 +52,13 @@ Seconds = Annotated[float, msgspec.Meta(gt=0)]
 
 
 class ServerRejected(RuntimeError):
-    """The server refused or failed one request (an HTTP error status, an error event
-    in its stream, a stream that broke while the server stayed healthy): that request
-    fails with this message, and the worker serves on."""
+    """The server refused or failed one request (an HTTP error status, an error event in
+    its stream, a stream that broke while the server stayed healthy): that request fails
+    with this message and the worker serves on. ``status``: the HTTP status, if any."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 class BridgeOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -70,19 +70,14 @@ class BridgeOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         The server's base URL (``http://127.0.0.1:30000``).
     check:
         Probe ``/health`` when the worker starts (:meth:`HTTPBridge.from_opts`).
-    request_timeout:
-        Seconds to connect and get response headers.
-    stall_timeout:
-        Seconds without a byte of a streamed answer before the server is taken as hung.
+    request_timeout, stall_timeout:
+        Seconds to connect and get headers; without a byte of a streamed answer.
     health_interval, health_timeout, health_failures:
-        The watchdog: ``GET /health`` every ``health_interval`` s (0: off); after
-        ``health_failures`` failures (errors or no answer in ``health_timeout`` s) in a
-        row the worker closes.
+        ``GET /health`` every ``health_interval`` s (0: off); ``health_failures``
+        failures in a row (or no answer in ``health_timeout`` s) close the worker.
     keepalive:
-        Seconds an idle connection is kept for reuse: below the server's own (uvicorn,
-        under vLLM and SGLang, closes idle ones after 5 s), so that the bridge closes
-        first. A request that finds its connection closed anyway is sent once more on
-        a fresh one.
+        Seconds an idle connection is kept: below uvicorn's 5 s, so that the bridge
+        closes first (a request that finds its connection closed is sent once more).
     """
 
     url: str
@@ -96,9 +91,8 @@ class BridgeOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 
 def sampling_common(g: Any, max_key: str, min_key: str) -> dict[str, Any]:
-    """The sampling parameters both servers take, from a
-    :class:`~fastio.GenerationHyperparameters` (the token limits under the server's
-    names ``max_key`` and ``min_key``; special tokens kept in the output)."""
+    """The sampling parameters both servers take from a
+    :class:`~fastio.GenerationHyperparameters` (limits named ``max_key``, ``min_key``)."""
     sp: dict[str, Any] = {
         max_key: g.max_new_tokens,
         "temperature": 0.0 if g.greedy else g.temperature,
@@ -118,12 +112,12 @@ async def raise_for_status(resp: Any, what: str) -> None:
     error."""
     if resp.status >= 400:
         text = (await resp.read())[:500].decode(errors="replace")
-        raise ServerRejected(f"{what} answered {resp.status}: {text}")
+        raise ServerRejected(f"{what} answered {resp.status}: {text}", resp.status)
 
 
 def stream_error(chunk: Any) -> str | None:
-    """The message of an error event inside a stream (``{"error": {"message": ...}}``,
-    as vLLM sends after a 200 for a request it rejects), else None."""
+    """The message of an error event in a stream (``{"error": {"message": ...}}``, as
+    vLLM sends after a 200 for a request it rejects), else None."""
     err = chunk.get("error") if isinstance(chunk, dict) else None
     if err is None:
         return None
@@ -133,10 +127,9 @@ def stream_error(chunk: Any) -> str | None:
 
 
 async def sse_events(content: Any) -> AsyncIterator[Any]:
-    """Decoded JSON of each ``data:`` line of a server-sent event stream, until
-    ``data: [DONE]`` (read to the end of the body, so that the connection is kept for
-    the next request) or the end of the body (``content``: an aiohttp StreamReader)."""
-    decode = msgspec.json.decode
+    """Decoded JSON of each ``data:`` line of a server-sent event stream (``content``:
+    an aiohttp StreamReader), until ``data: [DONE]`` (the body is then read to its end,
+    so that the connection is kept) or the end of the body."""
     async for raw in content:
         line = raw.strip()
         if not line.startswith(b"data:"):
@@ -145,7 +138,7 @@ async def sse_events(content: Any) -> AsyncIterator[Any]:
         if data == _DONE:
             await content.read()  # the body's end: the connection goes back to the pool
             return
-        yield decode(data)
+        yield msgspec.json.decode(data)
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -156,9 +149,7 @@ class Flight:
     ctx: GenerationContext
     first: bool = False  # a token arrived
     interrupted: bool = False  # the bridge asked the server to stop it (pause)
-    #: The interrupt left before the server streamed anything: it may have arrived
-    #: before the request did (then it is sent again at the first chunk).
-    blind_abort: bool = False
+    blind_abort: bool = False  # interrupted before a token: sent again at the first chunk
     response: Any = None  # the open HTTP response
     finish: Any = None  # the server's finish reason
     toks: list[int] = dataclasses.field(default_factory=list)
@@ -174,58 +165,54 @@ class Flight:
         self.vers.append(version)
         self.ctx.emit(token, lp, version)
 
-    def result(self, req: LLMRequest, stop: str) -> LLMResponse:
-        """The :class:`~fastio.LLMResponse` of the output so far."""
+    def result(self, req: LLMRequest, stop: str, labels: Any = None) -> LLMResponse:
+        """The :class:`~fastio.LLMResponse` of the output so far; its versions from the
+        server's spans where it sent them (``labels``: a ``VersionLabels``)."""
         import numpy as np
 
+        vers = np.array(self.vers, dtype=np.int32)
+        if self.spans and labels is not None:
+            vers = labels.stamp(self.vers, self.spans)
         return LLMResponse(
             input_tokens=req.input_ids,
             output_tokens=TokenArray(np.array(self.toks, dtype=np.int32)),
             output_logprobs=TokenArray(np.array(self.lps, dtype=np.float32)),
-            output_versions=TokenArray(np.array(self.vers, dtype=np.int32)),
+            output_versions=TokenArray(vers),
             stop_reason=stop,  # type: ignore[arg-type]  # one of four
         )
 
 
 class HTTPBridge(abc.ABC):
-    """Base of the server bridges (see the module docstring): a subclass says how a
-    request is written (:meth:`request`), a streamed chunk read (:meth:`take`) and a
-    request stopped on the server (:meth:`abort`; :meth:`interrupt` for a pause).
-
-    Parameters
-    ----------
-    url:
-        The server's base URL (``http://127.0.0.1:30000``).
-    **options:
-        The other fields of :attr:`Options`, checked by it (``ValueError`` naming a bad one).
+    """Base of the server bridges: a subclass says how a request is written
+    (:meth:`request`), a streamed chunk read (:meth:`take`) and a request stopped on the
+    server (:meth:`abort`; :meth:`interrupt` for a pause). ``url`` and the other fields
+    of :attr:`Options` (``ValueError`` naming a bad one).
     """
 
     #: Weight version stamped on new tokens.
     version: int
-    #: Name in messages, and the extra that installs what it needs.
+    #: Turns the server's version spans into fastio versions (a bridge that has them).
+    labels: Any = None
+    #: Name in messages, the extra that installs what it needs, the options Struct.
     name = "http"
     extra = "sglang"
-    #: The options Struct, of the constructor and of :meth:`from_opts`.
     Options: ClassVar[type[BridgeOptions]] = BridgeOptions
     options: BridgeOptions
-    #: An interrupt closes the stream (the server aborts a request whose client left):
-    #: the bridge stops reading at once and a connection error then is expected.
+    #: An interrupt closes the stream (the server aborts a request whose client left).
     closes_to_interrupt = False
-    #: True while a pause froze the server's requests in place (see
-    #: :attr:`transport.engines.EngineHooks.pauses_in_place`): streams stay open.
+    #: A pause froze the server's requests in place: streams stay open (:class:`EngineHooks`).
     pauses_in_place = False
 
     def __init__(self, url: str, **options: Any) -> None:
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"url must be http://host:port, got {url!r}")
         self.options = msgspec.convert({"url": url, **options}, self.Options)
-        self.aiohttp = require("aiohttp", type(self).extra, f"the {type(self).name} bridge")
+        self.aiohttp = ah = require("aiohttp", type(self).extra, f"the {type(self).name} bridge")
+        self._broken = (ah.ClientConnectionError, ah.ClientPayloadError, TimeoutError)
         self.url = url.rstrip("/")
         self.version = 0
         self.flights: dict[str, Flight] = {}
-        # Flights without a token yet, counted on the loop thread; an int is read whole
-        # from the socket thread (queue_depth), the dict is never iterated there.
-        self._waiting = 0
+        self._waiting = 0  # flights without a token (read whole from the socket thread)
         self._rids = itertools.count()
         self._prefix = f"fastio-{os.getpid()}-{os.urandom(3).hex()}"
         self._session: Any = None
@@ -250,20 +237,28 @@ class HTTPBridge(abc.ABC):
         return engine
 
     def check_reachable(self, timeout: float = 5.0) -> None:
-        """``GET /health`` once, blocking (the factory calls it so that a worker pointed
-        at nothing fails at start with one clear line)."""
-        try:
-            with urllib.request.urlopen(self.url + "/health", timeout=timeout) as resp:
-                if resp.status != 200:
-                    raise EngineUnavailable(f"{self.url}/health answered {resp.status}")
-        except (urllib.error.URLError, OSError) as exc:
-            raise EngineUnavailable(
-                f"cannot reach the {self.name} server at {self.url}: {exc}"
-            ) from exc
+        """``GET /health`` once, blocking: a worker pointed at nothing fails at start."""
+        try:  # an error status raises urllib's HTTPError, an OSError
+            urllib.request.urlopen(self.url + "/health", timeout=timeout).close()
+        except OSError as exc:
+            msg = f"cannot reach the {self.name} server at {self.url}: {exc}"
+            raise EngineUnavailable(msg) from exc
+
+    def fetch_json(self, path: str, timeout: float = 5.0) -> Any:
+        """``GET path`` blocking (before the loop runs), its decoded JSON; ``OSError`` or
+        ``ValueError`` when it cannot be read."""
+        with urllib.request.urlopen(self.url + path, timeout=timeout) as resp:
+            return msgspec.json.decode(resp.read())
+
+    async def get_json(self, path: str) -> Any:
+        """``GET path`` on the bridge's session, its decoded JSON; :class:`ServerRejected`
+        for an error status."""
+        async with self.session().get(self.url + path) as resp:
+            await raise_for_status(resp, f"{self.name} {path}")
+            return msgspec.json.decode(await resp.read())
 
     def session(self) -> Any:
-        """The aiohttp session (made on first use, in the worker's loop);
-        ``EngineUnavailable`` once the bridge is closed."""
+        """The aiohttp session (made on first use, in the worker's loop)."""
         if self._session is None:
             if self._closed:
                 raise EngineUnavailable(f"the {self.name} bridge is closed")
@@ -286,8 +281,8 @@ class HTTPBridge(abc.ABC):
             self._watchdog = asyncio.ensure_future(self._watch())
 
     async def close(self) -> None:
-        """Stop the watchdog, close the session once the requests the worker cancels
-        have ended and their aborts reached the server (a few seconds at most)."""
+        """Stop the watchdog; close the session once the requests the worker cancels have
+        ended and their aborts reached the server (a few seconds at most)."""
         if self._watchdog is not None:
             self._watchdog.cancel()
         if self.flights:
@@ -308,8 +303,7 @@ class HTTPBridge(abc.ABC):
         return self._waiting
 
     def pause_generation(self) -> None:
-        """The worker pauses: interrupt every request in flight (each returns its
-        partial output, stop reason ``interrupt``)."""
+        """Interrupt every request in flight (each returns its output so far)."""
         for flight in list(self.flights.values()):
             if not flight.interrupted:
                 self.interrupt(flight)
@@ -319,18 +313,12 @@ class HTTPBridge(abc.ABC):
         # The worker runs a handler's first step outside any task (its eager start);
         # aiohttp's timeouts need one: continue in the request's task.
         await asyncio.sleep(0)
-        aiohttp = self.aiohttp
         flight = Flight(self.new_rid(), ctx)
         self.flights[flight.rid] = flight
         self._waiting += 1
         try:
             path, body = await self.request(req, flight.rid)
             data = msgspec.json.encode(body)
-            broken_errors = (
-                aiohttp.ClientConnectionError,
-                aiohttp.ClientPayloadError,
-                TimeoutError,
-            )
             broken = None
             for fresh in (False, True):
                 try:
@@ -341,7 +329,7 @@ class HTTPBridge(abc.ABC):
                         await raise_for_status(resp, f"{self.name} {path}")
                         await self._read(resp, flight)
                     break
-                except broken_errors as exc:
+                except self._broken as exc:
                     broken = repr(exc)
                     # A kept-alive connection the server closed while idle fails before
                     # any answer: the server never saw the request; once more, fresh.
@@ -358,12 +346,11 @@ class HTTPBridge(abc.ABC):
         return self.result(req, flight)
 
     def result(self, req: LLMRequest, flight: Flight) -> LLMResponse:
-        """The response of a flight that ended (a bridge may correct its versions)."""
-        return flight.result(req, self._stop(flight))
+        """The response of a flight that ended."""
+        return flight.result(req, self._stop(flight), self.labels)
 
     async def _stream_broke(self, flight: Flight, why: str | None) -> None:
-        """A stream ended without a finish reason: the server is gone if ``/health``
-        says so (the worker closes), else only this request fails."""
+        # A stream ended without a finish reason: the server is gone if /health says so.
         what = why or "it ended without a finish_reason"
         if not await self.healthy():
             await self.server_gone(f"the stream of {flight.rid} broke ({what}) and /health fails")
@@ -373,13 +360,12 @@ class HTTPBridge(abc.ABC):
         )
 
     async def healthy(self) -> bool:
-        """``GET /health`` answers 200 within ``health_timeout`` s (on a fresh
-        connection: a kept one may be the one that broke)."""
-        aiohttp, o = self.aiohttp, self.options
+        """``GET /health`` answers 200 within ``health_timeout`` s (on a fresh connection)."""
+        aiohttp = self.aiohttp
         try:
             async with self.session().get(
                 self.url + "/health",
-                timeout=aiohttp.ClientTimeout(total=o.health_timeout),
+                timeout=aiohttp.ClientTimeout(total=self.options.health_timeout),
                 headers={"Connection": "close"},
             ) as resp:
                 return bool(resp.status == 200)
@@ -438,9 +424,8 @@ class HTTPBridge(abc.ABC):
         set ``flight.finish`` when it ends the stream; returns how many tokens."""
 
     def interrupt(self, flight: Flight) -> None:
-        """Make the server end ``flight`` soon with its partial output (pause): by
-        default :meth:`abort` it, again at its first chunk when the server may not have
-        known it yet."""
+        """Make the server end ``flight`` soon with its output so far (pause): :meth:`abort`
+        it, again at its first chunk when the server may not have known it yet."""
         flight.blind_abort = not flight.first
         flight.interrupted = True
         self.abort(flight)
@@ -455,7 +440,7 @@ class HTTPBridge(abc.ABC):
 
     async def post_json(self, path: str, body: Any, timeout: float | None = None) -> Any:
         """POST JSON, return the decoded JSON answer; ``EngineUnavailable`` for an
-        unreachable server, ``RuntimeError`` for an error status."""
+        unreachable server, :class:`ServerRejected` for an error status."""
         aiohttp = self.aiohttp
         try:
             async with self.session().post(
@@ -467,17 +452,17 @@ class HTTPBridge(abc.ABC):
                 raw = await resp.read()
                 try:
                     data = msgspec.json.decode(raw) if raw else None
-                except msgspec.DecodeError:
+                except msgspec.DecodeError:  # a plain-text error page
                     data = raw.decode(errors="replace")
                 if resp.status >= 400:
-                    raise RuntimeError(f"{self.name} {path} answered {resp.status}: {data}")
+                    msg = f"{self.name} {path} answered {resp.status}: {data}"
+                    raise ServerRejected(msg, resp.status)
                 return data
         except (aiohttp.ClientConnectionError, TimeoutError) as exc:
             raise EngineUnavailable(f"{self.name} server {self.url}{path}: {exc!r}") from exc
 
     def run_in_loop(self, coro: Any, timeout: float) -> Any:
-        """Run ``coro`` on the worker's loop from another thread (the weight
-        subscriber's) and wait for its result."""
+        """Run ``coro`` on the worker's loop from another thread and wait for its result."""
         if self._loop is None:
             coro.close()
             raise EngineUnavailable(f"the {self.name} bridge has not started")
@@ -493,8 +478,8 @@ class HTTPBridge(abc.ABC):
         task.add_done_callback(self._aux.discard)
 
     async def server_gone(self, why: str) -> None:
-        """The server cannot serve: close the worker (its clients re-send its requests
-        elsewhere) and never answer this request (its task is cancelled by the close)."""
+        """The server cannot serve: close the worker and never answer this request (the
+        close cancels its task; the clients re-send it elsewhere)."""
         self._server_failed(why)
         await asyncio.Event().wait()
 
@@ -502,17 +487,14 @@ class HTTPBridge(abc.ABC):
         if not self._failing:
             self._failing = True
             log.error("%s server %s is gone (%s): closing this worker", self.name, self.url, why)
-            if self._worker is not None:
-                # Not one of _aux: the close it starts waits for those (and closes us).
+            if self._worker is not None:  # not one of _aux: its close waits for those
                 self._closer = asyncio.ensure_future(self._worker.close())
 
     async def _watch(self) -> None:
-        o = self.options
-        misses = 0
+        o, misses = self.options, 0
         while True:
             await asyncio.sleep(o.health_interval)
-            ok = await self.healthy()
-            misses = 0 if ok else misses + 1
+            misses = 0 if await self.healthy() else misses + 1
             if misses >= o.health_failures:
                 self._server_failed(f"/health failed {misses} times in a row")
                 return

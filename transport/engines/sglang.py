@@ -6,56 +6,40 @@
     fastio-worker --bind tcp://0.0.0.0:5555 --engine sglang \\
         --engine-opt url=http://127.0.0.1:30000
 
-What SGLang (0.5) does natively, as its docs ("SGLang for RL Systems") and its
-``io_struct.py`` describe it, and how the bridge uses it:
-
-- a request is ``POST /generate`` (streamed, with logprobs, under a rid of the bridge's
-  own); each chunk's ``meta_info.weight_version`` is the label the server holds when it
-  sends the chunk, so each token is stamped with the fastio version of that label;
-- a pause is ``POST /pause_generation {"mode": pause_mode}`` (:class:`SGLangOptions`):
-  ``in_place`` (the default) and ``retract`` freeze the requests inside SGLang, their
-  streams stay open (:attr:`SGLangEngine.pauses_in_place`: the worker's pause completes
-  at once) and go on after ``/continue_generation``, so nothing is re-sent or
-  re-prefilled; ``abort``, or a server without the route, interrupts each request with
-  ``POST /abort_request`` (the client re-sends the rest after the resume);
-- each verified weight version is written once per ``weights_dir`` (workers that share
-  it write it once: :func:`write_version`) and loaded with ``/update_weights_from_disk``
-  labelled ``weight_version=str(version)``, under the frozen requests
-  (:meth:`SGLangEngine.load_weights`).
+Requests are ``POST /generate`` (streamed, tokens stamped with the version of each chunk's
+``weight_version`` label); a pause is ``/pause_generation`` in ``pause_mode`` (requests
+frozen, nothing re-sent) or ``/abort_request``; each version is written once per
+``weights_dir`` (:func:`write_version`) and loaded with ``/update_weights_from_disk``.
+See ``docs/engines.md#the-sglang-and-vllm-bridges``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
-import re
-import secrets
-import shutil
 import tempfile
-import time
-import urllib.request
-import zlib
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Literal
 
 from fastio import GenerationHyperparameters, LLMRequest, LLMResponse
 from transport.engines.api import GenerationContext
-from transport.engines.http import BridgeOptions, Flight, HTTPBridge, Seconds, sampling_common
+from transport.engines.http import (
+    BridgeOptions,
+    Flight,
+    HTTPBridge,
+    Seconds,
+    ServerRejected,
+    sampling_common,
+)
+from transport.engines.sglang_disk import DONE, write_version
 
-__all__ = ["SGLangEngine", "SGLangOptions", "factory", "sampling_params", "write_version"]
+__all__ = ["DONE", "SGLangEngine", "SGLangOptions", "factory", "sampling_params", "write_version"]
 
 log = logging.getLogger("transport.engines")
 
-#: The file in a version directory that says it is complete (and what it holds).
-DONE = "fastio-version.json"
-_WEIGHTS = "model.safetensors"
-_VERSION_DIR = re.compile(r"^\.?v(\d{8})-[0-9a-f]+(\.lock)?$")
 _NO_LABEL = object()
-# How often a worker looks again at a version another worker is writing.
-_LOCK_POLL_S = 0.02
 
 
 class SGLangOptions(BridgeOptions):
@@ -74,21 +58,12 @@ class SGLangOptions(BridgeOptions):
         Seconds the server may take to load a version (and another worker to write one
         this worker waits for).
     pause_mode:
-        What a worker pause asks of the server (SGLang's ``/pause_generation`` modes).
-        ``in_place`` (default): requests stay in SGLang's running batch with their KV
-        cache and continue after ``/continue_generation``: no token is re-sent, no
-        prompt prefilled again (SGLang's docs: "Running requests rely on availability
-        of KV caches to continue"). ``retract``: requests go back to SGLang's waiting
-        queue with the tokens they have and continue after the resume, their KV
-        recomputed by SGLang. Both keep the stream open; a weight version loaded during
-        the pause is loaded without flushing SGLang's cache (a flush fails while
-        requests are held), and the bridge asks ``/flush_cache`` once none of its
-        requests is left. The frozen requests continue on the KV cache (and SGLang's
-        prefix cache) computed by the older weights, as partial rollouts do; each token
-        is stamped with the version SGLang labels it with. ``abort``: interrupt every
-        request (``/abort_request``): it returns with ``interrupt`` and the client
-        re-sends the rest (a new prefill), each version loaded on a flushed cache.
-        A server without ``/pause_generation`` is paused by ``abort``.
+        What a worker pause asks of the server (``/pause_generation``'s modes):
+        ``in_place`` (default) keeps the requests in SGLang's running batch with their KV
+        cache, ``retract`` puts them back in its queue (KV recomputed); both keep the
+        streams open, load a version under them without a cache flush, and continue
+        after the resume. ``abort`` interrupts every request (``/abort_request``), the
+        client re-sends the rest; so is a server without ``/pause_generation`` paused.
     """
 
     weights_dir: str | None = None
@@ -135,11 +110,8 @@ class SGLangEngine(HTTPBridge):
     def check_reachable(self, timeout: float = 5.0) -> None:
         """``/health``, then the server's weight version (``/model_info``)."""
         super().check_reachable(timeout)
-        try:
-            with urllib.request.urlopen(self.url + "/model_info", timeout=timeout) as r:
-                self._set_base(json.loads(r.read()))
-        except (OSError, ValueError):
-            pass  # no /model_info: the labels that are numbers still count
+        with contextlib.suppress(OSError, ValueError):  # no /model_info: numbers still count
+            self._set_base(self.fetch_json("/model_info", timeout))
         self._probed = True
 
     async def start(self, worker: Any) -> None:
@@ -158,9 +130,7 @@ class SGLangEngine(HTTPBridge):
         if not self._probed:
             self._probed = True
             with contextlib.suppress(Exception):
-                async with self.session().get(self.url + "/model_info") as resp:
-                    if resp.status == 200:
-                        self._set_base(json.loads(await resp.read()))
+                self._set_base(await self.get_json("/model_info"))
 
     async def close(self) -> None:
         """As the base; a server this bridge holds paused is let go first (SGLang ends
@@ -297,8 +267,8 @@ class SGLangEngine(HTTPBridge):
             return False
         try:
             await self.post_json("/pause_generation", {"mode": mode})
-        except RuntimeError as exc:
-            if " 404" in str(exc) or " 405" in str(exc):
+        except ServerRejected as exc:
+            if exc.status in (404, 405):
                 self.has_pause = False
                 return False
             raise
@@ -325,8 +295,8 @@ class SGLangEngine(HTTPBridge):
         try:
             await self.post_json("/flush_cache", {})
             self._flush_due = False
-        except RuntimeError as exc:
-            if " 404" in str(exc) or " 405" in str(exc):
+        except ServerRejected as exc:
+            if exc.status in (404, 405):
                 self._flush_due = False  # no such route: nothing to ask again
             log.debug("SGLang /flush_cache: %r", exc)
 
@@ -408,155 +378,12 @@ class SGLangEngine(HTTPBridge):
     async def _has_loaded(self, path: str, version: int) -> bool:
         """``/model_info`` says the server serves ``version`` from ``path``."""
         try:
-            async with self.session().get(self.url + "/model_info") as resp:
-                info = json.loads(await resp.read()) if resp.status == 200 else None
+            info = await self.get_json("/model_info")
         except Exception:
             return False
         if not isinstance(info, dict):
             return False
         return info.get("weight_version") == str(version) and info.get("model_path") == path
-
-
-# -- a version written once per weights directory -----------------------------------------
-
-
-def write_version(
-    root: Path,
-    weights: Sequence[tuple[str, Any]],
-    version: int,
-    *,
-    timeout: float = 600.0,
-    prepare: Callable[[Path], None] | None = None,
-) -> Path:
-    """The directory of ``version`` of ``weights`` under ``root``, written there once
-    for every process that shares ``root``.
-
-    The directory is ``v{version:08d}-{fingerprint}`` (the fingerprint: a hash of the
-    names, dtypes, shapes and a sample of the values, so that a directory left by
-    another run with the same version number is never taken for this one). The first
-    process to take its lock file (``flock``) writes it (:func:`~transport.weights.disk.
-    save_weights` in a scratch directory; ``prepare(dir)`` adds files; then
-    :data:`DONE` with the file's size and CRC-32; then one rename into place); the
-    others wait for the lock (at most ``timeout`` s) and reuse the directory once its
-    size and checksum match. A writer that dies releases its lock: the next one writes.
-    Versions older than the one before are removed.
-    """
-    import fcntl
-
-    root.mkdir(parents=True, exist_ok=True)
-    fp = _fingerprint(weights)
-    name = f"v{version:08d}-{fp}"
-    final = root / name
-    if _intact(final, version, fp):
-        return final
-    fd = os.open(root / f".{name}.lock", os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    from transport.weights.errors import WeightUpdateError
-
-                    raise WeightUpdateError(
-                        f"{final} is still being written by another worker after {timeout} s"
-                    ) from None
-                time.sleep(_LOCK_POLL_S)  # another worker is writing it
-        try:
-            if not _intact(final, version, fp):
-                _write(root, final, weights, version, fp, prepare)
-        finally:
-            fcntl.flock(fd, fcntl.LOCK_UN)
-    finally:
-        os.close(fd)
-    _forget_old(root, version)
-    return final
-
-
-def _fingerprint(weights: Sequence[tuple[str, Any]]) -> str:
-    """A short hash of the names, dtypes, shapes and 64 values of each tensor."""
-    import hashlib
-
-    import torch
-
-    h = hashlib.blake2b(digest_size=8)
-    for name, t in sorted(weights, key=lambda p: p[0]):
-        h.update(f"{name}|{t.dtype}|{tuple(t.shape)};".encode())
-        flat = t.detach().reshape(-1)
-        n = flat.numel()
-        if not n:
-            continue
-        idx = torch.linspace(0, n - 1, min(n, 64), device=flat.device).long()
-        sample = flat.index_select(0, idx).to("cpu").contiguous()
-        try:
-            h.update(sample.view(torch.uint8).numpy().tobytes())
-        except (RuntimeError, TypeError):
-            h.update(repr(sample.tolist()).encode())
-    return h.hexdigest()
-
-
-def _crc32(path: Path) -> int:
-    crc = 0
-    with open(path, "rb") as f:
-        while block := f.read(16 << 20):
-            crc = zlib.crc32(block, crc)
-    return crc
-
-
-def _intact(final: Path, version: int, fp: str) -> bool:
-    """``final`` is a complete version directory of these weights: its :data:`DONE`
-    names them, and the file's size and CRC-32 are those written."""
-    try:
-        done = json.loads((final / DONE).read_text())
-        f = final / _WEIGHTS
-        ok = done.get("version") == version and done.get("fingerprint") == fp
-        return bool(ok and f.stat().st_size == done.get("size") and _crc32(f) == done.get("crc32"))
-    except (OSError, ValueError, AttributeError):
-        return False
-
-
-def _write(
-    root: Path,
-    final: Path,
-    weights: Sequence[tuple[str, Any]],
-    version: int,
-    fp: str,
-    prepare: Callable[[Path], None] | None,
-) -> None:
-    from transport.weights.disk import fsync_path, save_weights
-
-    scratch = root / f".tmp-{final.name}-{secrets.token_hex(4)}"
-    try:
-        f = save_weights(scratch, weights, version)  # fsynced, in its own directory
-        d = f.parent
-        if prepare is not None:
-            prepare(d)
-        done = {"version": version, "fingerprint": fp, "size": f.stat().st_size}
-        done["crc32"] = _crc32(f)
-        (d / DONE).write_text(json.dumps(done))
-        fsync_path(d / DONE)
-        fsync_path(d)
-        if final.exists():  # a directory that failed its check
-            shutil.rmtree(final)
-        os.rename(d, final)
-        fsync_path(root)
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
-
-
-def _forget_old(root: Path, version: int) -> None:
-    """Remove the version directories (and lock files) older than ``version - 1``."""
-    for p in root.iterdir():
-        m = _VERSION_DIR.match(p.name)
-        if m is None or int(m.group(1)) >= version - 1:
-            continue
-        with contextlib.suppress(OSError):
-            if p.is_dir():
-                shutil.rmtree(p)
-            else:
-                p.unlink()
 
 
 #: ``--engine sglang``: an :class:`SGLangEngine` from the ``--engine-opt`` strings.

@@ -31,20 +31,16 @@ import asyncio
 import json
 import logging
 import os
-import urllib.request
 from collections.abc import Iterable
 from typing import Any, Literal
 
-import msgspec
-
-from fastio import LLMRequest, LLMResponse, TokenArray
+from fastio import LLMRequest
 from transport.engines.api import EngineUnavailable
 from transport.engines.http import (
     BridgeOptions,
     Flight,
     HTTPBridge,
     Seconds,
-    ServerRejected,
     sampling_common,
 )
 from transport.engines.vllm_staging import PROTOCOL, UpdateState, VersionLabels, stage
@@ -122,8 +118,7 @@ class VLLMEngine(HTTPBridge):
         """Read the server's routes, model name, weight version and vocabulary (blocking)."""
 
         def get(path: str) -> Any:
-            with urllib.request.urlopen(self.url + path, timeout=timeout) as r:
-                return json.loads(r.read())
+            return self.fetch_json(path, timeout)
 
         try:
             self.routes = set(get("/openapi.json").get("paths", {}))
@@ -221,13 +216,6 @@ class VLLMEngine(HTTPBridge):
             flight.finish = choice.get("finish_reason") or flight.finish
         return n
 
-    def result(self, req: LLMRequest, flight: Flight) -> LLMResponse:
-        """The response, its versions from vLLM's spans where the server sent them."""
-        res = super().result(req, flight)
-        if flight.spans:
-            res.output_versions = TokenArray(self.labels.stamp(flight.vers, flight.spans))
-        return res
-
     def abort(self, flight: Flight) -> None:
         """Close ``flight``'s stream (vLLM aborts a request whose client left); a request
         frozen by a pause never sees that, so it is also aborted by id."""
@@ -287,12 +275,6 @@ class VLLMEngine(HTTPBridge):
         finally:
             staged.close()
 
-    async def _get_json(self, path: str) -> Any:
-        async with self.session().get(self.url + path) as resp:
-            if resp.status >= 400:
-                raise ServerRejected(f"vLLM {path} answered {resp.status}")
-            return msgspec.json.decode(await resp.read())
-
 
 class _HTTPSync:
     """:class:`~transport.engines.vllm_staging.WeightSync` over the server's RL routes."""
@@ -319,7 +301,7 @@ class _HTTPSync:
         await self.b.post_json("/finish_weight_update", {"weight_version": label})
 
     async def label(self) -> str:
-        return str((await self.b._get_json("/weight_info")).get("weight_version"))
+        return str((await self.b.get_json("/weight_info")).get("weight_version"))
 
 
 def _token_id(name: str) -> int:

@@ -34,9 +34,9 @@ import signal
 from collections.abc import Iterable
 from typing import Any
 
-from fastio import LLMRequest, LLMResponse, TokenArray
+from fastio import LLMRequest, LLMResponse
 from transport.engines.api import GenerationContext
-from transport.engines.http import Flight
+from transport.engines.http import Flight, sampling_common
 from transport.engines.vllm_staging import PROTOCOL, UpdateState, VersionLabels, stage
 
 __all__ = ["PARENT_ENV", "AsyncLLMEngine", "die_with_parent", "engine_args", "factory"]
@@ -159,14 +159,8 @@ class AsyncLLMEngine:
         if g.n_samples != 1:
             raise ValueError(f"n_samples={g.n_samples}: one sample per request; send n requests")
         params = SamplingParams(
-            max_tokens=g.max_new_tokens,
-            min_tokens=g.min_new_tokens,
-            temperature=0.0 if g.greedy else g.temperature,
-            top_p=g.top_p,
-            top_k=-1 if g.top_k >= 1 << 30 else g.top_k,
-            stop_token_ids=list(g.stop_token_ids),
+            **sampling_common(g, "max_tokens", "min_tokens"),
             logprobs=0,
-            skip_special_tokens=False,
             detokenize=False,
             # Streamed: each step's new tokens; else only the end (no per-step outputs).
             output_kind=RequestOutputKind.DELTA
@@ -195,10 +189,7 @@ class AsyncLLMEngine:
             if not flight.first:
                 self._waiting -= 1
         stop = {"length": "length", "abort": "abort"}.get(str(flight.finish), "stop")
-        res = flight.result(req, stop)
-        if flight.spans:
-            res.output_versions = TokenArray(self.labels.stamp(flight.vers, flight.spans))
-        return res
+        return flight.result(req, stop, self.labels)
 
     async def pause_generation(self) -> None:
         """Freeze vLLM's requests in place (``mode="keep"``)."""
