@@ -125,6 +125,31 @@ def test_hooks_are_called_by_the_worker() -> None:
     asyncio.run(main())
 
 
+def test_engine_hooks_are_found_by_name_and_wired_by_the_worker_itself() -> None:
+    from transport.engines import BoundHooks, attach_engine, engine_hooks
+
+    class Frozen(Hooked):
+        pauses_in_place = True
+
+    assert engine_hooks(None) == BoundHooks() == engine_hooks(object())
+    eng = Frozen()
+    hooks = engine_hooks(eng)
+    assert hooks.on_pause == (eng.pause_generation,)
+    assert hooks.on_resume == (eng.continue_generation,)
+    assert hooks.queue_depth is not None and hooks.queue_depth() == 3
+    assert hooks.keeps_in_place is not None and hooks.keeps_in_place() is True
+    assert hooks.lifetime is not None and hooks.lifetime.__qualname__ == "Frozen.start"
+    # The worker takes them into its own state (no socket until start()).
+    server = WorkerServer(eng, WorkerConfig(bind="tcp://127.0.0.1:0"))
+    assert server.on_pause == [eng.pause_generation] and server.engine_load is not None
+    assert server.gate.keeps_in_place() and server.background[0].__qualname__ == "Frozen.start"
+    # The old entry point still works, with a warning.
+    bare = WorkerServer(lambda req, ctx: None, WorkerConfig(bind="tcp://127.0.0.1:0"))
+    with pytest.warns(DeprecationWarning, match="attach_engine"):
+        attach_engine(bare, eng)
+    assert bare.on_resume == [eng.continue_generation] and bare.engine_load is not None
+
+
 def test_a_failing_start_fails_the_worker() -> None:
     class Broken(Hooked):
         async def start(self, worker: Any) -> None:

@@ -5,21 +5,24 @@ running SGLang / vLLM servers (:mod:`.sglang`, :mod:`.vllm`; extras ``fastio[sgl
 """
 
 from transport.engines.api import (
+    BoundHooks,
     Engine,
     EngineHooks,
     EngineUnavailable,
     GenerationContext,
-    attach_engine,
+    attach_engine,  # noqa: F401  (deprecated: out of __all__)
+    engine_hooks,
 )
 from transport.engines.registry import ENGINES, register_engine, resolve_engine
 
 __all__ = [
     "ENGINES",
+    "BoundHooks",
     "Engine",
     "EngineHooks",
     "EngineUnavailable",
     "GenerationContext",
-    "attach_engine",
+    "engine_hooks",
     "register_engine",
     "resolve_engine",
 ]

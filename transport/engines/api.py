@@ -1,28 +1,22 @@
 """The public engine interface: what a generation worker asks of an engine.
 
 An engine is any object with a weight ``version`` and a coroutine ``generate(req, ctx)``
-(:class:`Engine`), called once per request in its own task on the worker's loop; the
-optional hooks are found by name (:class:`EngineHooks`). The contract:
-
-* **Streaming**: ``ctx.emit`` once per token, in order; the response holds the same.
-* **Interrupt**: once ``ctx.interrupted`` (the worker pauses) return the output so far
-  with ``stop_reason="interrupt"``; the client re-submits the rest after the resume.
-* **Abort and cancel**: the task is cancelled: tell the backend to stop, let
-  ``asyncio.CancelledError`` propagate.
-* **Versions**: stamp each token with the version of the weights that produced it.
-* **Blocking**: heartbeats are answered whatever ``generate`` does, but other requests
-  wait while it blocks: run heavy compute on a thread of the engine's own or in another
-  process (the bridges).
-
-A plain coroutine function ``handler(req, ctx)`` is accepted too (the echo engine).
+(:class:`Engine`), called once per request in its own task on the worker's loop: it streams
+each token with ``ctx.emit``, returns the output so far with ``stop_reason="interrupt"`` once
+``ctx.interrupted``, lets ``asyncio.CancelledError`` propagate, stamps each token with its
+weight version and does not block the loop. Optional hooks are found by name
+(:class:`EngineHooks`); a plain coroutine function ``handler(req, ctx)`` is accepted too.
+The rules in full: ``docs/engines.md#the-interface``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import inspect
-from collections.abc import Awaitable, Iterable
+import warnings
+from collections.abc import Awaitable, Callable, Iterable
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from fastio import LLMRequest, LLMResponse
@@ -30,7 +24,14 @@ from fastio import LLMRequest, LLMResponse
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Engine", "EngineHooks", "EngineUnavailable", "GenerationContext", "attach_engine"]
+__all__ = [
+    "BoundHooks",
+    "Engine",
+    "EngineHooks",
+    "EngineUnavailable",
+    "GenerationContext",
+    "engine_hooks",
+]
 
 
 class EngineUnavailable(RuntimeError):
@@ -115,9 +116,8 @@ class EngineHooks(Protocol):
     """The optional hooks of an :class:`Engine`, found by name (none is required)."""
 
     async def start(self, worker: Any) -> None:
-        """Awaited once the worker serves; ``worker`` is the :class:`~transport.WorkerServer`
-        (``await worker.close()`` takes the worker down when the backend is gone, so
-        clients re-send its requests elsewhere). Raising fails the worker's start."""
+        """Awaited once the worker serves (``worker``: the :class:`~transport.WorkerServer`;
+        ``await worker.close()`` takes it down). Raising fails the worker's start."""
 
     async def close(self) -> None:
         """Awaited when the worker closes."""
@@ -129,59 +129,81 @@ class EngineHooks(Protocol):
         """The worker resumes."""
 
     pauses_in_place: bool
-    """True while :meth:`pause_generation` freezes running generations in place
-    instead of interrupting them (they continue after the resume, each token stamped
-    with the version that produced it): the worker's pause then completes at once, and
-    a weight update loads under the frozen requests."""
+    """True while :meth:`pause_generation` froze running generations in place (they go
+    on after the resume): the worker's pause completes at once, weights load under them."""
 
     def queue_depth(self) -> int:
-        """Requests held inside the engine and not yet generating, added to the
-        ``waiting`` load of the worker's pongs (called from the worker's socket thread:
-        read a counter, take no lock)."""
+        """Requests inside the engine not yet generating, added to the pongs' ``waiting``
+        (called from the worker's socket thread: read a counter, take no lock)."""
         ...
 
     model: Any
     """An ``nn.Module``: a weight update copies each verified version into it in place."""
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Take one verified weight version as ``(name, tensor)`` pairs, after the
-        in-place copy into :attr:`model` if any (called on the weight subscriber's thread
-        while the worker is paused; tensors are read-only and valid during the call). The
-        worker's version follows once it returns; raise to fail the version on this
-        worker (the trainer is told why)."""
+        """Take one verified version as read-only ``(name, tensor)`` pairs, valid during
+        the call (on the weight subscriber's thread, the worker paused, after the copy
+        into :attr:`model` if any); raise to fail the version on this worker."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class BoundHooks:
+    """An engine's optional hooks (:class:`EngineHooks`) as a worker takes them, from
+    :func:`engine_hooks`; the worker wires them into its own state."""
+
+    on_pause: tuple[Callable[[], Any], ...] = ()
+    on_resume: tuple[Callable[[], Any], ...] = ()
+    #: ``pauses_in_place`` read on each pause (None: the engine never freezes requests).
+    keeps_in_place: Callable[[], bool] | None = None
+    queue_depth: Callable[[], int] | None = None
+    #: A background job: ``start(worker)``, then ``close()`` when the worker cancels it.
+    lifetime: Callable[[Any], Awaitable[None]] | None = None
+
+
+def engine_hooks(engine: Any) -> BoundHooks:
+    """The optional hooks ``engine`` has, found by name (``None``: no engine, no hooks)."""
+    if engine is None:
+        return BoundHooks()
+    pause, resume = (getattr(engine, n, None) for n in ("pause_generation", "continue_generation"))
+    depth = getattr(engine, "queue_depth", None)
+    start, close = getattr(engine, "start", None), getattr(engine, "close", None)
+    lifetime = None
+    if inspect.iscoroutinefunction(start) or inspect.iscoroutinefunction(close):
+
+        async def engine_lifetime(worker: Any) -> None:
+            # Started with the server (a failure fails its start), cancelled at its close.
+            if inspect.iscoroutinefunction(start):
+                await start(worker)
+            try:
+                await asyncio.Event().wait()
+            finally:
+                if inspect.iscoroutinefunction(close):
+                    with contextlib.suppress(Exception):
+                        await close()
+
+        engine_lifetime.__qualname__ = f"{type(engine).__name__}.start"
+        lifetime = engine_lifetime
+    return BoundHooks(
+        on_pause=(pause,) if callable(pause) else (),
+        on_resume=(resume,) if callable(resume) else (),
+        keeps_in_place=(
+            (lambda: bool(engine.pauses_in_place)) if hasattr(engine, "pauses_in_place") else None
+        ),
+        queue_depth=depth if callable(depth) else None,
+        lifetime=lifetime,
+    )
 
 
 def attach_engine(server: Any, engine: Any) -> None:
-    """Wire ``engine``'s optional hooks into ``server`` (a :class:`~transport.WorkerServer`;
-    called by its constructor)."""
-    for name, callbacks in (
-        ("pause_generation", server.on_pause),
-        ("continue_generation", server.on_resume),
-    ):
-        hook = getattr(engine, name, None)
-        if callable(hook):
-            callbacks.append(hook)
-    if hasattr(engine, "pauses_in_place"):
-        server.gate.keeps_in_place = lambda: bool(engine.pauses_in_place)
-    depth = getattr(engine, "queue_depth", None)
-    if callable(depth):
-        server.engine_load = depth
-    start = getattr(engine, "start", None)
-    close = getattr(engine, "close", None)
-    if not (inspect.iscoroutinefunction(start) or inspect.iscoroutinefunction(close)):
-        return
-
-    async def engine_lifetime(worker: Any) -> None:
-        # A background job: started with the server (a failure fails its start) and
-        # cancelled at close, when the engine is closed.
-        if inspect.iscoroutinefunction(start):
-            await start(worker)
-        try:
-            await asyncio.Event().wait()
-        finally:
-            if inspect.iscoroutinefunction(close):
-                with contextlib.suppress(Exception):
-                    await close()
-
-    engine_lifetime.__qualname__ = f"{type(engine).__name__}.start"
-    server.background.insert(0, engine_lifetime)
+    """Deprecated: a :class:`~transport.WorkerServer` wires its engine's hooks itself."""
+    msg = "attach_engine is deprecated: WorkerServer(engine) wires the hooks (engine_hooks)"
+    warnings.warn(msg, DeprecationWarning, stacklevel=2)
+    hooks = engine_hooks(engine)
+    server.on_pause.extend(hooks.on_pause)
+    server.on_resume.extend(hooks.on_resume)
+    if hooks.keeps_in_place is not None:
+        server.gate.keeps_in_place = hooks.keeps_in_place
+    if hooks.queue_depth is not None:
+        server.engine_load = hooks.queue_depth
+    if hooks.lifetime is not None:
+        server.background.insert(0, hooks.lifetime)

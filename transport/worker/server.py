@@ -23,7 +23,7 @@ import zmq
 from fastio import LLMRequest, LLMResponse
 from fastio import fabric_msgs as fm
 from transport import metrics
-from transport.engines.api import Engine, attach_engine
+from transport.engines.api import Engine, engine_hooks
 from transport.errors import EMPTY_PROMPT, ResumeRefused
 from transport.sockets import WorkerAuthenticator
 from transport.worker.config import WorkerConfig, checked_config
@@ -105,12 +105,17 @@ class WorkerServer:
         self.handler: Handler = handler if gen is None else gen  # type: ignore[assignment]
         self.worker_id = cfg.worker_id or f"{socket.gethostname()}:{os.getpid()}"
         self.incarnation = uuid.uuid4().hex[:16]
-        self.background = list(background)
+        hooks = engine_hooks(self.engine)  # its optional hooks (transport.engines.api)
+        self.background = [hooks.lifetime, *background] if hooks.lifetime else list(background)
         #: The engine's ``queue_depth()``, added to pongs' ``waiting``.
-        self.engine_load: Callable[[], int] | None = None
+        self.engine_load: Callable[[], int] | None = hooks.queue_depth
         self.endpoints: list[str] = []
         self.counters = Counters()
         self.gate = PauseGate(cfg.max_concurrency, self.counters.loop)
+        self.gate.on_pause.extend(hooks.on_pause)
+        self.gate.on_resume.extend(hooks.on_resume)
+        if hooks.keeps_in_place is not None:
+            self.gate.keeps_in_place = hooks.keeps_in_place
         self.lost = LostReplies()
         self.counters.read["lost"] = lambda: self.lost.count
         self._tasks: dict[tuple[bytes, int], _Request] = {}
@@ -124,8 +129,6 @@ class WorkerServer:
         )  # fmt: skip
         self.counters.read["discarded"] = self.io.discarded
         self.replies = Replies(self.io.send, self.gate, self._version, cfg.latency_metrics)
-        if self.engine is not None:
-            attach_engine(self, self.engine)  # its optional hooks (transport.engines.api)
         self._zmq_context: zmq.Context[Any] | None = None
         self._auth: WorkerAuthenticator | None = None
         self._bg_tasks: list[asyncio.Task[Any]] = []
