@@ -57,27 +57,11 @@ class TinyLM(nn.Module):
 
 
 class ReferenceEngine:
-    """Generates with a :class:`TinyLM`; its ``generate`` is a worker handler.
+    """Generates with a :class:`TinyLM` (``vocab_size``, ``hidden``, ``layers``, ``seed``;
+    or ``model``); ``seed`` also seeds the sampling, ``token_interval`` adds seconds per
+    token. A weight update copies into :attr:`model` in place (the worker paused), then
+    sets :attr:`version`, stamped on each token.
 
-    Parameters
-    ----------
-    vocab_size, hidden, layers, seed:
-        The :class:`TinyLM`; ``seed`` also seeds the sampling.
-    token_interval:
-        Extra seconds per token, to simulate a slower model in demos and tests.
-    model:
-        Use this module instead of building one.
-
-    Attributes
-    ----------
-    model:
-        A weight update copies into its parameters in place (while the worker is
-        paused), then sets :attr:`version`.
-    version:
-        Weight version stamped on every token generated (``output_versions``).
-
-    Examples
-    --------
     >>> import asyncio
     >>> from fastio import LLMRequest, GenerationHyperparameters
     >>> req = LLMRequest(input_ids=[1, 2, 3], gconfig=GenerationHyperparameters(max_new_tokens=4))

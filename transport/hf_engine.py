@@ -82,40 +82,17 @@ class _Seq(Generation):
 
 
 class HFEngine:
-    """Serves a ``transformers`` causal LM; its ``generate`` is a worker handler.
+    """Serves a ``transformers`` causal LM (or a module with its ``forward`` signature) on
+    one engine thread; ``generate`` is a worker handler.
 
-    Parameters
-    ----------
-    model:
-        A causal LM, or a module with its ``forward`` signature (``input_ids``,
-        ``attention_mask``, ``position_ids``, a ``DynamicCache``); moved to ``device``.
-    device:
-        Default: ``cuda`` when available, else ``cpu``.
-    seed:
-        Mixed into every request's sampling seed.
-    max_batch:
-        Sequences decoded together at most; more requests wait for a row.
-    token_interval:
-        Extra seconds per step, to simulate a slower model in tests.
-    weight_left:
-        On CPU, compute each ``nn.Linear`` as ``weight @ x.T``
-        (:func:`~transport.hf_model.weight_left_linear`); parameters are untouched.
+    ``device`` defaults to ``cuda`` when available; ``seed`` is mixed into every request's
+    sampling seed; at most ``max_batch`` sequences decode together; ``token_interval``
+    adds seconds per step (tests); ``weight_left`` computes each ``nn.Linear`` on CPU as
+    ``weight @ x.T`` (:func:`~transport.hf_model.weight_left_linear`). A weight update
+    copies into :attr:`model` in place under the worker's pause or :attr:`step_lock` (held
+    for each step), then sets :attr:`version`. :attr:`stats` counts ``forwards``,
+    ``prefills``, ``decodes``, ``tokens``, ``max_batch_seen``.
 
-    Attributes
-    ----------
-    model:
-        A weight update copies into its parameters in place, then sets :attr:`version`:
-        under the worker's pause, or between two steps under :attr:`step_lock`
-        (``WeightSubscriber(..., lock=engine.step_lock)``).
-    version:
-        Weight version stamped on every token generated (``output_versions``).
-    step_lock:
-        Held by the engine thread for each step (prefill, decode, sampling).
-    stats:
-        Counts: ``forwards``, ``prefills``, ``decodes``, ``tokens``, ``max_batch_seen``.
-
-    Examples
-    --------
     >>> import asyncio
     >>> from fastio import GenerationHyperparameters, LLMRequest
     >>> eng = HFEngine(build_model("tiny"), device="cpu")
@@ -175,17 +152,10 @@ class HFEngine:
 
     # -- the loop's side ----------------------------------------------------------------
     async def generate(self, req: LLMRequest, ctx: GenerationContext | None = None) -> LLMResponse:
-        """Generate after ``req.input_ids`` (empty: from the model's BOS token);
-        ``stop_reason`` is ``"stop"`` (a stop token, in the output), ``"length"``
-        (``max_new_tokens`` or the context) or ``"interrupt"`` (the worker paused).
-
-        Raises
-        ------
-        ValueError
-            Token ids outside the vocabulary, or a prompt as long as the context.
-        RuntimeError
-            The engine is closed, or the forward failed (out of memory, say).
-        """
+        """Generate after ``req.input_ids`` (empty: from the model's BOS token), stopping
+        at a stop token (kept), ``max_new_tokens``, the context or a pause (``interrupt``).
+        ``ValueError`` for ids outside the vocabulary or a prompt as long as the context;
+        ``RuntimeError`` once closed or when the forward failed (out of memory, say)."""
         if self._closing:
             raise RuntimeError("the engine is closed")
         ids = prompt_ids(req, self.vocab_size, self._start_token)
@@ -400,25 +370,10 @@ def create_engine(
     seed: int | str = 0,
     **opts: Any,
 ) -> HFEngine:
-    """The ``hf`` engine of the worker CLI (``--engine hf``).
-
-    Parameters
-    ----------
-    model_size, model_path:
-        A key of :data:`MODEL_SIZES` (random weights from ``seed``), or a local
-        directory for ``from_pretrained`` (never downloads; wins when given).
-    device:
-        ``cpu``, ``cuda``, ``cuda:1``... (default: cuda when available).
-    seed:
-        Weights of the random model, and the sampling seed.
-    **opts:
-        The other fields of :class:`HFOptions`; values may be strings.
-
-    Raises
-    ------
-    ValueError
-        Unknown size, architecture, dtype or option, or a malformed value.
-    """
+    """The ``hf`` engine of the worker CLI (``--engine hf``): a model of
+    :data:`MODEL_SIZES` with random weights from ``seed`` (also the sampling seed), or the
+    local directory ``model_path`` (never downloads); ``opts``: the other fields of
+    :class:`HFOptions`, values may be strings (``ValueError`` for a bad one)."""
     given = dict(model_size=model_size, model_path=model_path, device=device, seed=seed)
     o = parse_options({**given, **opts}, HFOptions, "hf engine option")
     dtype = getattr(torch, o.dtype)

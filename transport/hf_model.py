@@ -52,17 +52,8 @@ def transformers_module() -> Any:
 
 
 def model_config(size: str = "small", arch: str = "llama", max_len: int = 4096) -> Any:
-    """The ``transformers`` config of a random-weight model of :data:`MODEL_SIZES`.
-
-    Parameters
-    ----------
-    size:
-        A key of :data:`MODEL_SIZES`.
-    arch:
-        ``"llama"`` (``LlamaConfig``) or ``"qwen2"`` (``Qwen2Config``, biased q/k/v).
-    max_len:
-        ``max_position_embeddings``: prompt plus output never exceed it.
-    """
+    """The ``transformers`` config of a random-weight model of :data:`MODEL_SIZES`:
+    ``arch`` ``"llama"`` or ``"qwen2"`` (biased q/k/v), a context of ``max_len`` tokens."""
     if size not in MODEL_SIZES:
         raise ValueError(f"unknown model size {size!r}; choose from {', '.join(MODEL_SIZES)}")
     if arch not in _ARCHS:
@@ -135,12 +126,8 @@ def _set_kv(cache: Any, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
 
 
 def _left_pad(t: torch.Tensor, width: int, dim: int) -> torch.Tensor:
-    extra = width - t.shape[dim]
-    if extra <= 0:
-        return t
-    shape = list(t.shape)
-    shape[dim] = extra
-    return torch.cat([t.new_zeros(shape), t], dim)
+    pad = [0, 0] * (t.dim() - 1 - dim) + [max(0, width - t.shape[dim]), 0]
+    return torch.nn.functional.pad(t, pad) if pad[-2] else t
 
 
 class KVBatch(Generic[T]):
