@@ -1,9 +1,6 @@
-"""AReaL's ``ModelRequest`` / ``ModelResponse`` <-> fastio's ``LLMRequest`` / ``LLMResponse``.
-
-The rid, the prompt, the sampling parameters and ``metadata`` cross; the tokenizer and
-processor stay on AReaL's side (put back on the response); images, stop strings and
-beam search are refused with a ``ValueError`` (the fabric works on token ids). AReaL's
-workflows treat the response's token fields as lists, so they become lists here, once.
+"""AReaL's ``ModelRequest`` / ``ModelResponse`` <-> fastio's ``LLMRequest`` / ``LLMResponse``:
+the rid, prompt, sampling parameters and ``metadata`` cross; the tokenizer and processor
+stay on AReaL's side; images, stop strings and beam search are refused (``ValueError``).
 """
 
 from __future__ import annotations
@@ -33,14 +30,8 @@ def max_new_tokens(req: Any) -> int:
 
 
 def to_llm_request(req: Any) -> LLMRequest:
-    """An AReaL ``ModelRequest`` as a fastio :class:`~fastio.LLMRequest`.
-
-    Raises
-    ------
-    ValueError
-        ``n_samples != 1`` (AReaL's engines refuse it too), images, stop strings, beam
-        search, or a sampling parameter outside fastio's bounds (the message names it).
-    """
+    """An AReaL ``ModelRequest`` as a fastio :class:`~fastio.LLMRequest`; ``ValueError``
+    for ``n_samples != 1``, images, stop strings, beam search or a parameter out of bounds."""
     g = req.gconfig
     if g.n_samples != 1:
         raise ValueError(
@@ -82,9 +73,8 @@ def to_llm_request(req: Any) -> LLMRequest:
 
 
 def to_model_response(req: Any, resp: LLMResponse, response_cls: Any) -> Any:
-    """``resp`` as AReaL's ``ModelResponse`` (``response_cls``), with the tokenizer and
-    processor of ``req``. Each output token keeps the weight version that produced it
-    (``output_versions``, from the worker), not the version the client had."""
+    """``resp`` as AReaL's ``ModelResponse`` (``response_cls``; token fields as lists, as
+    AReaL's workflows take them), each token with the version that produced it."""
     return response_cls(
         input_tokens=list(req.input_ids),
         input_images=req.image_data,

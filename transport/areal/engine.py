@@ -1,11 +1,8 @@
-"""``FabricInferenceEngine``: AReaL's ``InferenceEngine`` speaking the fastio fabric to
-generation workers (``fastio-worker``, any engine behind them) where AReaL's
-``RemoteSGLangEngine`` speaks HTTP+JSON to SGLang servers. ``agenerate`` is one
-:class:`~transport.FabricClient` request, sent and answered on the event loop that awaits
-it (a client per loop: :mod:`.loops`), the pauses are the
-:class:`~transport.FabricController`'s, weight updates go through fastio's routes
-(:mod:`.weights`) and rollouts through AReaL's own ``WorkflowExecutor``; the table of
-``docs/areal.md`` maps each method.
+"""``FabricInferenceEngine``: AReaL's ``InferenceEngine`` over the fastio fabric, where
+AReaL's ``RemoteSGLangEngine`` speaks HTTP+JSON: ``agenerate`` is one
+:class:`~transport.FabricClient` request on the loop that awaits it (:mod:`.loops`), pauses
+are the :class:`~transport.FabricController`'s, weights go through fastio's routes
+(:mod:`.weights`), rollouts through AReaL's ``WorkflowExecutor`` (``docs/areal.md``).
 """
 
 from __future__ import annotations
@@ -16,7 +13,7 @@ import os
 import threading
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from areal.api import InferenceEngine, ModelResponse, RolloutWorkflow
 from areal.infra.remote_inf_engine import GroupedRolloutWorkflow
@@ -34,6 +31,8 @@ from transport.control import FabricController
 
 __all__ = ["ChunkObserver", "FabricInferenceEngine"]
 
+T = TypeVar("T")
+
 #: ``on_chunk(rid, tokens, logprobs, versions)``: output not delivered before.
 ChunkObserver = Callable[[str, TokenArray, TokenArray, TokenArray], None]
 
@@ -41,24 +40,13 @@ ChunkObserver = Callable[[str, TokenArray, TokenArray, TokenArray], None]
 class FabricInferenceEngine(InferenceEngine):  # type: ignore[misc]
     """AReaL's ``InferenceEngine`` over the fastio fabric.
 
-    Parameters
-    ----------
-    config:
-        AReaL's ``InferenceEngineConfig`` (``request_timeout``, ``setup_timeout`` and the
-        executor's settings: ``max_concurrent_rollouts``, ``consumer_batch_size``,
-        ``max_head_offpolicyness``...).
-    client_config:
-        The fabric clients' settings (:class:`~transport.ClientConfig`; one client per
-        event loop that awaits ``agenerate``).
-    weights_timeout:
-        Seconds a weight update's future waits for every worker to report the version.
-    on_chunk:
-        Called as ``on_chunk(rid, tokens, logprobs, versions)`` while output arrives
-        (every output position once, across interrupts; on the event loop that awaits
-        the request: keep it short), e.g. to watch rollouts progress.
+    ``config``: AReaL's ``InferenceEngineConfig`` (``request_timeout``, ``setup_timeout``,
+    the executor's settings); ``client_config``: the fabric clients'
+    (:class:`~transport.ClientConfig`); ``weights_timeout``: seconds a weight update's
+    future waits for every worker to report the version; ``on_chunk(rid, tokens,
+    logprobs, versions)``: called on the awaiting loop as output arrives (each position
+    once, across interrupts).
 
-    Examples
-    --------
     >>> engine = FabricInferenceEngine(InferenceEngineConfig(backend="fastio:d1"))  # doctest: +SKIP
     >>> engine.initialize(addr=["tcp://127.0.0.1:5555"])  # doctest: +SKIP
     >>> batch = engine.rollout_batch(data, workflow=RLVRWorkflow(...))  # doctest: +SKIP
@@ -161,26 +149,18 @@ class FabricInferenceEngine(InferenceEngine):  # type: ignore[misc]
         return self._executor
 
     def _ctl(self) -> FabricController:
-        if self.controller is None:
-            raise RuntimeError("the engine is not initialized (call initialize first)")
-        return self.controller
+        return _ready(self.controller)
 
     def _submit(
         self, fn: Callable[..., Any], *args: Any, **kw: Any
     ) -> concurrent.futures.Future[None]:
-        if self._updates is None:
-            raise RuntimeError("the engine is not initialized (call initialize first)")
-        return self._updates.submit(fn, *args, **kw)
+        return _ready(self._updates).submit(fn, *args, **kw)
 
     async def agenerate(self, req: Any) -> Any:
-        """Generate for AReaL's ``ModelRequest`` on some worker; AReaL's
-        ``ModelResponse``. Runs in any event loop (the executor's, ``asyncio.run``...,
-        from any thread): the request goes out and its answer comes back on that loop,
-        through a client of its own, and cancelling the awaiting task cancels it on its
-        worker."""
-        clients = self._clients
-        if clients is None:
-            raise RuntimeError("the engine is not initialized (call initialize first)")
+        """AReaL's ``ModelResponse`` for its ``ModelRequest``, from some worker, on any
+        event loop in any thread (through that loop's client); cancelling the awaiting
+        task cancels the request on its worker."""
+        clients = _ready(self._clients)
         llm_req = to_llm_request(req)
         client = await clients.get()
         cb = self.on_chunk
@@ -208,29 +188,23 @@ class FabricInferenceEngine(InferenceEngine):  # type: ignore[misc]
         return max(s.version for s in statuses.values()) + 1
 
     def update_weights_from_disk(self, meta: Any) -> concurrent.futures.Future[None]:
-        """Wait until every worker has loaded ``meta.version`` through fastio's disk
-        route: the trainer writes it with :func:`transport.areal.save_for_rollout` under
-        :func:`transport.areal.disk_root` of ``meta``, the workers follow that directory
-        (``--plugin transport.weights.disk_follow:follow --plugin-opt disk_root=DIR``).
-        As with AReaL's engines it may be called before the trainer writes."""
+        """Wait until every worker loaded ``meta.version`` from fastio's disk route (the
+        trainer's :func:`transport.areal.save_for_rollout`; may be called before it)."""
         disk_root(meta)  # a clear error now for a meta that is not a disk one
         return self._submit(self._await_version, self._ctl(), self._expected(meta), "disk")
 
     def init_weights_update_group(
         self, meta: Any, xccl_group_ranks: list[int] | None = None
     ) -> concurrent.futures.Future[None]:
-        """Nothing to set up: each worker's weight subscriber connected to the trainer's
-        :class:`~transport.weights.WeightPublisher` when it started. The future checks
-        that every worker answers."""
+        """Nothing to set up (each worker's subscriber connected to the trainer's
+        publisher when it started): the future checks that every worker answers."""
         return self._submit(self._ctl().request, "health", strict=True)
 
     def update_weights_from_distributed(
         self, meta: Any, param_specs: list[Any]
     ) -> concurrent.futures.Future[None]:
-        """Wait until every worker has applied ``meta.version``, which the trainer
-        publishes with its :class:`~transport.weights.WeightPublisher` (every worker runs
-        ``--plugin transport.weights.update:subscribe``). ``param_specs`` are not needed:
-        the publisher's manifest describes the version."""
+        """Wait until every worker applied ``meta.version``, published by the trainer's
+        :class:`~transport.weights.WeightPublisher` (``param_specs``: not needed)."""
         return self._submit(self._await_version, self._ctl(), self._expected(meta), "publisher")
 
     def _await_version(self, ctl: FabricController, version: int, route: str) -> None:
@@ -238,9 +212,8 @@ class FabricInferenceEngine(InferenceEngine):  # type: ignore[misc]
         self.logger.info("version %d on every worker via the %s route: %s", version, route, seen)
 
     def pause_generation(self) -> None:
-        """Pause every worker; returns once none generates. Running generations end
-        with ``interrupt`` and their clients re-submit the rest, which waits on the
-        worker until :meth:`continue_generation`."""
+        """Pause every worker; returns once none generates (interrupted requests are
+        re-submitted by their clients and wait until :meth:`continue_generation`)."""
         self._ctl().pause()
 
     def continue_generation(self) -> None:
@@ -333,11 +306,8 @@ class FabricInferenceEngine(InferenceEngine):  # type: ignore[misc]
         group_size: int = 1,
     ) -> list[dict[str, Any]]:
         """AReaL's ``rollout_batch``: submit every item, wait for all."""
-        ex, workflow = (
-            self.workflow_executor,
-            self._resolve_workflow(workflow, workflow_kwargs, group_size),
-        )
-        return ex.rollout_batch(data=data, workflow=workflow)  # type: ignore[no-any-return]
+        workflow = self._resolve_workflow(workflow, workflow_kwargs, group_size)
+        return self.workflow_executor.rollout_batch(data=data, workflow=workflow)  # type: ignore[no-any-return]
 
     def prepare_batch(
         self,
@@ -365,3 +335,9 @@ class FabricInferenceEngine(InferenceEngine):  # type: ignore[misc]
             "start generation workers with fastio-worker and pass their addresses to "
             "initialize(addr=...)"
         )
+
+
+def _ready(part: T | None) -> T:
+    if part is None:
+        raise RuntimeError("the engine is not initialized (call initialize first)")
+    return part

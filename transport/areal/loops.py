@@ -1,21 +1,15 @@
 """A :class:`~transport.FabricClient` per event loop that awaits ``agenerate``.
 
-A ``FabricClient`` belongs to one event loop. AReaL awaits ``agenerate`` on its
-executor's loop (a uvloop in a thread of its own), and user code on any other
-(``asyncio.run``, several threads at once): :class:`LoopClients` gives each loop a
-client of its own, made there on its first request, so a request is sent, streamed and
-answered on the loop that awaits it, with no thread between them.
-
-Each client closes with its loop: at ``asyncio.run``'s (and ``uvloop.run``'s) shutdown of
-async generators, after that loop's tasks were cancelled; when another loop's first
-request finds its loop closed (a loop closed without that shutdown, as AReaL's
-executor's); at the latest at :meth:`LoopClients.close` (on the client's own loop while
-it runs in another thread, else in the calling thread).
+A ``FabricClient`` belongs to one loop; AReaL awaits ``agenerate`` on its executor's loop
+(a thread of its own) and user code on any other. :class:`LoopClients` makes each loop's
+client there, on its first request, and closes it with its loop: at the loop's shutdown
+of async generators, when another loop finds it closed, or at :meth:`LoopClients.close`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import threading
 from collections.abc import AsyncGenerator, Awaitable, Sequence
@@ -31,25 +25,19 @@ __all__ = ["LoopClients"]
 log = logging.getLogger("transport.areal")
 
 
+@dataclasses.dataclass(slots=True, eq=False)
 class _Bound:
     """One loop's client and the async generator whose shutdown closes it."""
 
-    __slots__ = ("client", "loop", "watch")
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, client: FabricClient) -> None:
-        self.loop = loop
-        self.client = client
-        self.watch: AsyncGenerator[None, None] | None = None
+    loop: asyncio.AbstractEventLoop
+    client: FabricClient
+    watch: AsyncGenerator[None, None] | None = None
 
 
 class LoopClients:
-    """FabricClients by event loop, all to ``addresses`` with ``config``.
+    """FabricClients by event loop, all to ``addresses`` with ``config``
+    (``config.metrics_port`` is served once, from here, until :meth:`close`).
 
-    ``config.metrics_port`` is served once, from the constructor (every client observes
-    its latencies into the process's metrics), and stopped by :meth:`close`.
-
-    Examples
-    --------
     >>> clients = LoopClients(["tcp://127.0.0.1:5555"], ClientConfig())  # doctest: +SKIP
     >>> resp = await (await clients.get()).agenerate(req)  # doctest: +SKIP
     >>> clients.close()  # doctest: +SKIP
@@ -77,13 +65,8 @@ class LoopClients:
             return {loop: b.client for loop, b in self._by_loop.items()}
 
     async def get(self) -> FabricClient:
-        """The running loop's client (made on its first request).
-
-        Raises
-        ------
-        RuntimeError
-            :meth:`close` was called.
-        """
+        """The running loop's client (made on its first request); ``RuntimeError``
+        after :meth:`close`."""
         loop = asyncio.get_running_loop()
         b = self._by_loop.get(loop)  # one dict read per request: no lock
         if b is not None:

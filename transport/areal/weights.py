@@ -1,11 +1,8 @@
-"""How AReaL's weight-update calls land on fastio's weight routes.
-
-A disk ``WeightUpdateMeta``: the trainer writes with :func:`save_for_rollout` under
-:func:`disk_root` of the meta, which every worker follows (``--plugin
-transport.weights.disk_follow:follow --plugin-opt disk_root=DIR``). An ``xccl`` one: the
-trainer publishes with a :class:`transport.weights.WeightPublisher` that every worker's
-weights plugin follows. Either way the rollout side waits for every worker to report the
-version (:func:`wait_for_version`), which a worker does once the weights are in place.
+"""How AReaL's weight-update calls land on fastio's weight routes: a disk
+``WeightUpdateMeta`` is written by the trainer with :func:`save_for_rollout` under
+:func:`disk_root`, which every worker follows (``transport.weights.disk_follow``); an
+``xccl`` one is published by a :class:`transport.weights.WeightPublisher`. The rollout side
+waits for every worker to report the version (:func:`wait_for_version`).
 """
 
 from __future__ import annotations

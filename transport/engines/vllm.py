@@ -7,22 +7,12 @@
     fastio-worker --bind tcp://0.0.0.0:5555 --engine vllm \\
         --engine-opt url=http://127.0.0.1:8000
 
-What the server has is read once at start (``/openapi.json``, ``/weight_info``):
-
-- a request is ``POST /inference/v1/generate`` (token ids in and out, ``request_id`` =
-  the bridge's id for it, the final chunk's ``weight_versions`` spans become
-  ``output_versions``) where the server has it (``--enable-scale-out`` or
-  ``--tokens-only``), else ``POST /v1/completions``;
-- a pause is ``POST /pause?mode=keep`` where the server has it (dev mode): requests
-  freeze in place with their KV cache and continue after ``/resume``, so nothing is
-  re-sent; else the streams are closed (vLLM aborts them) and the client resumes them;
-- weights (with ``--weight-transfer-config '{"backend": "fastio"}'``): each verified
-  version is staged in shared memory (:mod:`transport.engines.vllm_staging`), loaded by
-  fastio's backend in vLLM's workers (:mod:`transport.engines.vllm_backend`) between
-  ``/start_weight_update`` and ``/finish_weight_update`` (labelled with the version)
-  while the server is paused, and reported only once ``/weight_info`` says it. A failed
-  load leaves the server paused and the worker refusing to serve until a whole version
-  lands. Options: :class:`VLLMOptions`.
+What the server has is read once at start (``/openapi.json``, ``/weight_info``): requests
+go to ``/inference/v1/generate`` (versions from its ``weight_versions`` spans) or
+``/v1/completions``; a pause is ``/pause?mode=keep`` (requests frozen in place) or closes
+the streams; each weight version is staged in shared memory
+(:mod:`transport.engines.vllm_staging`) and loaded by fastio's backend in vLLM's workers
+(:mod:`transport.engines.vllm_backend`). See ``docs/engines.md#vllm``.
 """
 
 from __future__ import annotations

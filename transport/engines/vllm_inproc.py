@@ -5,21 +5,10 @@
     fastio-worker --bind tcp://0.0.0.0:5555 --engine vllm --engine-opt model=/models/m \\
         --engine-opt max_model_len=4096 --engine-opt dtype=bfloat16
 
-No HTTP hop: rollout client -> fastio (ZeroMQ, msgpack, zero-copy tokens) -> the worker's
-``AsyncLLM`` -> vLLM's engine core (its own process, ZeroMQ). The ``--engine-opt`` keys
-but ``model`` are vLLM's engine arguments by name (``dtype``, ``max_model_len``,
-``load_format``, ``skip_tokenizer_init``, ``gpu_memory_utilization``, ``enforce_eager``,
-``max_num_seqs``, ``tensor_parallel_size``, ``weight_transfer_config``...), read by vLLM's
-own argument parser (:func:`engine_args`): an unknown key or a bad value fails the
-worker's start with vLLM's message. ``weight_transfer_config`` defaults to fastio's
-backend, so the weights plugin works as for any engine.
-
-The contract is the bridge's: tokens streamed as vLLM makes them, abort and cancel
-(``AsyncLLM.abort``), a pause that freezes requests in place (``mode="keep"``) and
-resumes them, per-token versions from vLLM's ``weight_versions`` spans, weights through
-fastio's weight-transfer backend (:mod:`transport.engines.vllm_backend`, reached through
-``AsyncLLM``'s ``collective_rpc``). vLLM's processes die with the worker, also on
-``kill -9`` (``PR_SET_PDEATHSIG``).
+The ``--engine-opt`` keys but ``model`` are vLLM's engine arguments, read by vLLM's own
+parser (:func:`engine_args`); the contract is the bridge's (streaming, abort, pause in
+place, versions from spans, weights through fastio's backend); vLLM's processes die with
+the worker (``PR_SET_PDEATHSIG``). See ``docs/engines.md#vllm-in-the-worker``.
 """
 
 from __future__ import annotations
