@@ -17,4 +17,4 @@ import areal, areal.api.io_struct, areal.api.engine_api, areal.api.workflow_api
 import areal.workflow.rlvr, areal.infra.remote_inf_engine, torch
 print('areal', areal.__version__, 'beside torch', torch.__version__)
 "
-"$VENV/bin/python" -m pytest tests/transport/test_areal.py -q
+"$VENV/bin/python" -m pytest tests/transport/areal/test_areal.py -q

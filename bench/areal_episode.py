@@ -242,7 +242,7 @@ def main(argv: list[str] | None = None) -> None:
     from areal.engine.sglang_remote import RemoteSGLangEngine
     from areal.workflow.rlvr import RLVRWorkflow
 
-    from tests.transport.test_areal import DATA, make_tokenizer, reward
+    from tests.transport.areal.test_areal import DATA, make_tokenizer, reward
     from transport.areal import FabricInferenceEngine
 
     tok = make_tokenizer()

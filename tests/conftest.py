@@ -86,8 +86,8 @@ GROUPS = {
     "tests/transport/test_demo.py": "each run is a trainer, workers and clients at once",
     "tests/transport/test_client_asyncio.py": "one module-scoped worker process",
     "tests/transport/test_wire_compat.py": "one module-scoped echo worker",
-    "tests/transport/test_hf_engine.py": "one module-scoped tiny model",
-    "tests/transport/test_areal.py": "a module-scoped tokenizer and model",
+    "tests/transport/engines/test_hf_engine.py": "one module-scoped tiny model",
+    "tests/transport/areal/test_areal.py": "a module-scoped tokenizer and model",
     "tests/test_metrics.py": "one module-scoped metrics endpoint",
     "tests/test_clear_failures.py": "one module-scoped mount namespace probe",
 }
