@@ -100,7 +100,6 @@ class SGLangEngine(HTTPBridge):
         #: ``default``): the version the server reported at start.
         self.base_version = 0
         self._kept = False  # the server is paused in place (or retracted) by us
-        self._in_place_ok = True  # the worker lets a pause leave requests frozen
         self._flush_due = False  # a version was loaded without flushing the cache
         self._probed = False
         self._label: tuple[Any, int] = (_NO_LABEL, 0)  # the last label seen, its version
@@ -115,17 +114,7 @@ class SGLangEngine(HTTPBridge):
         self._probed = True
 
     async def start(self, worker: Any) -> None:
-        """As the base; reads the server's weight version when the factory did not, and
-        whether the worker takes a pause that leaves requests frozen (else
-        ``pause_mode`` acts as ``abort``)."""
-        gate = getattr(worker, "gate", None)
-        self._in_place_ok = callable(getattr(gate, "keeps_in_place", None))
-        if not self._in_place_ok and self.options.pause_mode != "abort":
-            log.warning(
-                "this worker cannot leave requests frozen in a pause: SGLang pause_mode=%s "
-                "acts as abort",
-                self.options.pause_mode,
-            )
+        """As the base; reads the server's weight version when the factory did not."""
         await super().start(worker)
         if not self._probed:
             self._probed = True
@@ -219,7 +208,7 @@ class SGLangEngine(HTTPBridge):
         """The worker pauses: ``/pause_generation`` with ``pause_mode`` where it keeps
         the requests (their streams then wait, without a stall timeout, for the
         resume); else interrupt every request (the base)."""
-        if self._keeps() and self._in_place_ok:
+        if self._keeps():
             # Kept from the start: a chunk that arrives meanwhile interrupts nothing.
             self._kept = True
             self._stall_timeouts(None)
