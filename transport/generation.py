@@ -29,10 +29,9 @@ __all__ = ["Generation", "RequestSeeds", "prompt_ids", "sample_rows"]
 
 
 class RequestSeeds:
-    """Each generation's random generator, mixed with the engine's ``seed``: fresh per
-    generation, so the ``n_samples`` requests of one rid differ; an integer
-    ``metadata["seed"]`` seeds it from ``(seed, metadata seed, prompt length)`` instead,
-    so the same request on the same weights gives the same tokens."""
+    """Each generation's random generator from the engine's ``seed``: fresh per
+    generation, or from an integer ``metadata["seed"]`` and the prompt length (the same
+    request on the same weights then gives the same tokens)."""
 
     def __init__(self, seed: int) -> None:
         self.seed = seed

@@ -1,14 +1,9 @@
-"""A generation engine serving a Hugging Face ``transformers`` causal LM.
+"""A generation engine serving a Hugging Face ``transformers`` causal LM (``--engine hf``).
 
-The model is built from a config with random weights (:data:`MODEL_SIZES`, nothing is
-downloaded) or loaded from a local directory; a worker serves it with ``--engine hf``
-(:func:`create_engine`) or ``--engine transport.hf_engine:factory``.
-
-One engine thread owns the model, so the worker's loop keeps answering heartbeats while
-it computes: each step decodes every active sequence in one forward (a left-padded KV
-cache); new requests are prefilled and join, ended ones leave, between steps. A handler
-returns only once the thread let go of its sequence: a paused worker with no running
-handler runs no forward.
+The model has random weights (:data:`MODEL_SIZES`, nothing downloaded) or comes from a
+local directory. One engine thread owns it, so the worker's loop keeps answering: each step
+decodes every active sequence in one forward (a left-padded KV cache); new requests are
+prefilled and join, ended ones leave, between steps.
 """
 
 from __future__ import annotations
@@ -71,7 +66,7 @@ _Emitted = list[tuple["_Seq", int, float, int]]
 
 @dataclass(eq=False, kw_only=True)
 class _Seq(Generation):
-    """A request in the engine thread, which alone writes it but for ``cancelled``."""
+    """A request in the engine thread, which alone writes it (``cancelled`` aside)."""
 
     prompt: np.ndarray[Any, Any]
     ctx: GenerationContext | None
@@ -183,8 +178,7 @@ class HFEngine:
 
     @contextlib.contextmanager
     def hold(self) -> Iterator[None]:
-        """Keep the engine thread between two steps for the ``with`` body (a weight copy
-        outside a worker pause, say)."""
+        """Keep the engine thread between two steps for the ``with`` body."""
         with self.step_lock:
             yield
 
@@ -347,9 +341,8 @@ def _set_exception(fut: asyncio.Future[Any], exc: BaseException) -> None:
 
 # -- construction from the command line --------------------------------------------------
 class HFOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """The options of :func:`create_engine` (``--engine-opt key=value``): those of
-    :class:`HFEngine`, the model's ``arch`` (``llama``/``qwen2``), ``dtype``, ``max_len``
-    (context) and ``threads`` (torch threads of the process)."""
+    """:func:`create_engine`'s options (``--engine-opt``): :class:`HFEngine`'s, the model's
+    ``arch`` (``llama``/``qwen2``), ``dtype``, ``max_len`` and torch's ``threads``."""
 
     model_size: str = "small"
     model_path: str | None = None
@@ -393,7 +386,6 @@ def create_engine(
 
 
 def factory(opts: dict[str, str]) -> HFEngine:
-    """``--engine transport.hf_engine:factory``: :func:`create_engine` from the worker's
-    ``--plugin-opt key=value`` options (keys it does not know, such as the weight
-    plugin's ``weights_*``, are left to their plugins)."""
+    """``--engine transport.hf_engine:factory``: :func:`create_engine` from the options it
+    knows (others, such as the weight plugin's ``weights_*``, are left to their plugins)."""
     return create_engine(**{k: v for k, v in opts.items() if k in HFOptions.__struct_fields__})
