@@ -159,8 +159,7 @@ class SGLangEngine(HTTPBridge):
         }
 
     async def generate(self, req: LLMRequest, ctx: GenerationContext) -> LLMResponse:
-        """As the base; once none of its requests is left, a cache flush that a load
-        under frozen requests could not do is asked for."""
+        """As the base; a flush a load under frozen requests could not do follows it."""
         try:
             return await super().generate(req, ctx)
         finally:
@@ -205,9 +204,8 @@ class SGLangEngine(HTTPBridge):
         return self.options.pause_mode != "abort" and self.has_pause is not False
 
     async def pause_generation(self) -> None:  # type: ignore[override]
-        """The worker pauses: ``/pause_generation`` with ``pause_mode`` where it keeps
-        the requests (their streams then wait, without a stall timeout, for the
-        resume); else interrupt every request (the base)."""
+        """``/pause_generation`` in ``pause_mode`` where it keeps the requests (their
+        streams wait, without a stall timeout); else interrupt every request."""
         if self._keeps():
             # Kept from the start: a chunk that arrives meanwhile interrupts nothing.
             self._kept = True
@@ -222,8 +220,7 @@ class SGLangEngine(HTTPBridge):
         super().pause_generation()
 
     async def continue_generation(self) -> None:
-        """The worker resumes: ``/continue_generation`` for a server this bridge paused
-        (its frozen streams go on)."""
+        """``/continue_generation`` for a server this bridge paused (the streams go on)."""
         if not self._kept:
             return
         try:
@@ -292,11 +289,9 @@ class SGLangEngine(HTTPBridge):
     # -- weights -------------------------------------------------------------------------
 
     def load_weights(self, weights: Iterable[tuple[str, Any]], version: int | None = None) -> None:
-        """Write one verified version under :attr:`weights_dir` (once for every worker
-        that shares it: :func:`write_version`) and have the server load it (called on
-        the weight subscriber's thread while the worker is paused). Raises when the
-        server does not confirm the load: the version then fails on this worker and the
-        trainer is told why."""
+        """Write one verified version under :attr:`weights_dir` (once for the workers that
+        share it) and have the server load it (on the weight subscriber's thread, the
+        worker paused); raises when the server does not confirm the load."""
         if version is None:
             version = self.version + 1
         path = write_version(
@@ -318,18 +313,9 @@ class SGLangEngine(HTTPBridge):
 
     async def load_weights_from_disk(self, path: str, version: int | None = None) -> None:
         """Have the server load the model at ``path`` (``/update_weights_from_disk``,
-        labelled ``str(version)`` when given); set :attr:`version` to ``version`` once
-        the server confirms. Under a pause that keeps the requests the load goes in
-        under them (without a cache flush); otherwise it is bracketed by
-        ``/pause_generation`` and ``/continue_generation`` where the server has them.
-        A server that already reports this version loaded from ``path`` (another worker
-        in front of it loaded it) is not asked again.
-
-        Raises
-        ------
-        transport.weights.WeightUpdateError
-            The server answered without ``success``.
-        """
+        labelled ``str(version)``), under the frozen requests or bracketed by a pause, and
+        set :attr:`version` once it confirms (not asked again when ``/model_info`` already
+        says so); :class:`~transport.weights.WeightUpdateError` when it does not."""
         from transport.weights.errors import WeightUpdateError
 
         if version is not None and await self._has_loaded(path, version):
@@ -370,9 +356,8 @@ class SGLangEngine(HTTPBridge):
             info = await self.get_json("/model_info")
         except Exception:
             return False
-        if not isinstance(info, dict):
-            return False
-        return info.get("weight_version") == str(version) and info.get("model_path") == path
+        ok = isinstance(info, dict) and info.get("model_path") == path
+        return ok and info.get("weight_version") == str(version)
 
 
 #: ``--engine sglang``: an :class:`SGLangEngine` from the ``--engine-opt`` strings.
