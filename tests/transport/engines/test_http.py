@@ -164,3 +164,23 @@ def test_constructor_keywords_are_checked_by_the_options_struct() -> None:
         SGLangEngine("http://127.0.0.1:1", colour="red")
     with pytest.raises(ValueError, match="url must be"):
         SGLangEngine("127.0.0.1:1")
+
+
+def test_one_error_mapping_carries_the_status_and_the_servers_text() -> None:
+    """No socket: an error status is a ServerRejected (a RuntimeError) with the status."""
+    from transport.engines.http import ServerRejected, raise_for_status, stream_error
+
+    class Resp:
+        def __init__(self, status: int, body: bytes) -> None:
+            self.status, self.body = status, body
+
+        async def read(self) -> bytes:
+            return self.body
+
+    asyncio.run(raise_for_status(Resp(200, b"{}"), "x"))  # no error
+    with pytest.raises(ServerRejected, match="SGLang /generate answered 404: no such") as info:
+        asyncio.run(raise_for_status(Resp(404, b"no such route"), "SGLang /generate"))
+    assert info.value.status == 404 and isinstance(info.value, RuntimeError)
+    assert ServerRejected("broken stream").status is None
+    assert stream_error({"error": {"message": "too long"}}) == "too long"
+    assert stream_error({"error": "bad"}) == "bad" and stream_error({"choices": []}) is None
