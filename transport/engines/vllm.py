@@ -18,6 +18,7 @@ the streams; each weight version is staged in shared memory
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import os
@@ -54,19 +55,15 @@ class VLLMOptions(BridgeOptions):
     Attributes
     ----------
     model:
-        The served model name sent with each request (default: the first of
-        ``GET /v1/models``).
+        The served model name sent with each request (default: the first of ``/v1/models``).
     route:
         ``auto``: ``/inference/v1/generate`` where the server has it, else
         ``/v1/completions``; or one of ``generate``, ``completions``.
     pause:
-        ``keep``: freeze requests in place where the server has ``/pause`` (their
-        KV cache is kept: vLLM ignores ``clear_cache`` in this mode); ``abort``:
-        close their streams, the client re-sends the rest after the resume.
-    shm_dir:
-        Where a weight version is staged for vLLM's workers (same host).
-    weight_timeout:
-        Seconds vLLM may take to load one version.
+        ``keep``: freeze requests in place where the server has ``/pause`` (KV cache
+        kept); ``abort``: close their streams, the client re-sends the rest.
+    shm_dir, weight_timeout:
+        Where a version is staged for vLLM's workers (same host); seconds to load one.
     """
 
     model: str | None = None
@@ -107,9 +104,7 @@ class VLLMEngine(HTTPBridge):
     def probe(self, timeout: float = 5.0) -> None:
         """Read the server's routes, model name, weight version and vocabulary (blocking)."""
 
-        def get(path: str) -> Any:
-            return self.fetch_json(path, timeout)
-
+        get = functools.partial(self.fetch_json, timeout=timeout)
         try:
             self.routes = set(get("/openapi.json").get("paths", {}))
         except (OSError, ValueError):
