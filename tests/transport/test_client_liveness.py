@@ -24,7 +24,7 @@ from fastio.tokens import TokenArray
 from tests.transport.conftest import await_for
 from transport import ClientConfig, FabricClient, RemoteError
 
-FAST = ClientConfig(heartbeat_interval=0.05, heartbeat_liveness=3, request_timeout=30)
+FAST = ClientConfig(heartbeat_interval=0.05, heartbeat_liveness=10, request_timeout=30)
 
 
 class ScriptedWorker(threading.Thread):

@@ -32,7 +32,7 @@ from transport import (
 # connect_timeout: a worker restarted on a loaded machine may take longer than the
 # default 10 s to answer again; these tests wait for it rather than fail fast.
 FAST = ClientConfig(
-    heartbeat_interval=0.05, heartbeat_liveness=3, request_timeout=30, connect_timeout=60
+    heartbeat_interval=0.05, heartbeat_liveness=10, request_timeout=30, connect_timeout=60
 )
 STEADY = ClientConfig(
     heartbeat_interval=0.1, heartbeat_liveness=100, request_timeout=30, connect_timeout=60
