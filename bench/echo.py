@@ -15,9 +15,11 @@ from fastio import LLMRequest, LLMResponse
 from fastio.tokens import TokenArray
 from transport.constant import constant
 from transport.engines.api import GenerationContext
+from transport.zmqio import tune_malloc
 
 __all__ = ["echo_handler", "engine", "frame_constant"]
 
+tune_malloc()  # the worker process of the suite opts in, as the clients' (bench.transport)
 _frames: dict[tuple[Any, Any, int], npt.NDArray[Any]] = {}
 _MAX_FRAMES = 16  # arrays kept
 _MAX_FRAME_BYTES = 4 << 20  # per array: the table holds at most 64 MiB

@@ -13,12 +13,12 @@ __all__ = ["RAW_ECHO", "RawClient"]
 # back, plus one frame that makes the reply as large as the fabric's (a Result carries
 # tokens, logprobs and versions: about 3x the request's payload). argv[1] maps a
 # request's size in bytes (frames after the identity) to that extra size. It runs with
-# the allocator settings fastio's processes use (transport.zmqio.tune_allocator), as
+# the allocator settings fastio's processes use (transport.zmqio.tune_malloc), as
 # does the client's process: the comparison is of the fabric, not of malloc.
 RAW_ECHO = """
 import sys, json, zmq
-from transport.zmqio import tune_allocator
-tune_allocator()  # the allocator settings of every process of the suite
+from transport.zmqio import tune_malloc
+tune_malloc()  # the allocator settings of every process of the suite
 pads = {int(k): zmq.Frame(bytes(v)) for k, v in json.loads(sys.argv[1]).items() if v > 0}
 ctx = zmq.Context(); s = ctx.socket(zmq.ROUTER); s.setsockopt(zmq.LINGER, 0)
 s.setsockopt(zmq.SNDHWM, 100000); s.setsockopt(zmq.RCVHWM, 100000)

@@ -29,7 +29,7 @@ CPU microseconds per request of the client process and its workers together, ove
 samples (less sensitive to a loaded machine than wall time).
 
 Every process of the suite (fastio's, raw pyzmq's and the vLLM-style echo) runs with the
-allocator settings fastio's sockets set (:func:`transport.zmqio.tune_allocator`;
+same allocator settings (each opts in with :func:`transport.zmqio.tune_malloc`;
 ``FASTIO_TUNE_MALLOC=0`` runs all of them on glibc's defaults), so the ratios compare the
 fabrics, not malloc.
 
@@ -121,6 +121,7 @@ from bench.common import FASTIO, Measurement
 from bench.raw import RAW_ECHO, RawClient
 from bench.vllm_style import VLLM
 from fastio.tokens import TokenArray
+from transport.zmqio import tune_malloc
 
 SUITE = "transport"
 RAW = "raw-pyzmq"
@@ -498,6 +499,7 @@ def run(quick: bool, fabric_only: bool = False, loop: str = "asyncio") -> list[M
     ``fabric_only``: the round trips and throughputs, not in-flight memory or pongs;
     ``loop``: the event loop of the clients and the fabric's workers, asyncio or
     uvloop)."""
+    tune_malloc()  # the client's process, as the workers' (bench.echo, bench.raw)
     repeat = 7 if quick else 9
     out: list[Measurement] = []
 

@@ -117,9 +117,9 @@ class VllmStyleClient:
 
 def serve() -> None:
     """The echo engine: a blocking ROUTER loop (run as ``python -m bench.vllm_style``)."""
-    from transport.zmqio import tune_allocator
+    from transport.zmqio import tune_malloc
 
-    tune_allocator()  # as every process of the suite: the comparison is not of malloc
+    tune_malloc()  # as every process of the suite: the comparison is not of malloc
     ctx: zmq.Context[Any] = zmq.Context()
     s = ctx.socket(zmq.ROUTER)
     s.setsockopt(zmq.LINGER, 0)

@@ -20,7 +20,7 @@ from typing import Any
 import zmq
 
 from fastio.fabric_msgs import MAX_BATCHED_FRAME, pack_batch
-from transport.zmqio import POLLIN, nbytes, recv_frames, send_frames, tune_allocator, zmq_poll
+from transport.zmqio import POLLIN, nbytes, recv_frames, send_frames, zmq_poll
 
 __all__ = ["DEFAULT_PEER_QUEUE_LIMIT", "SocketPump"]
 
@@ -111,7 +111,6 @@ class SocketPump:
         self.peer_queue_limit = peer_queue_limit
         self.batch = batch
         self.loop = asyncio.get_running_loop()
-        tune_allocator()
         # Per destination (None for a DEALER): messages that met EAGAIN, and bytes.
         self._queues: dict[Any, deque[list[Any]]] = {}
         self._queued_bytes: dict[Any, int] = {}

@@ -34,7 +34,7 @@ import zmq
 
 from transport.curve import CurveConfig, WorkerAuthenticator, apply_curve_client, apply_curve_server
 from transport.pump import DEFAULT_PEER_QUEUE_LIMIT, SocketPump
-from transport.zmqio import COPY_BELOW, recv_frames, send_frames, tune_allocator
+from transport.zmqio import COPY_BELOW, recv_frames, send_frames, tune_allocator, tune_malloc
 
 __all__ = [
     "DEFAULT_HWM",
@@ -54,6 +54,7 @@ __all__ = [
     "recv_frames",
     "send_frames",
     "tune_allocator",
+    "tune_malloc",
 ]
 
 #: High-water mark (messages): reached only when a peer stops reading.

@@ -1,9 +1,10 @@
-"""Frame I/O at the cost of the C calls, and the allocator settings large messages need."""
+"""Frame I/O at the cost of the C calls, and the opt-in allocator settings for large messages."""
 
 from __future__ import annotations
 
 import ctypes
 import os
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -16,8 +17,7 @@ __all__ = [
     "nbytes",
     "recv_frames",
     "send_frames",
-    "set_malloc",
-    "tune_allocator",
+    "tune_malloc",
     "zmq_poll",
 ]
 
@@ -88,16 +88,19 @@ def nbytes(frames: list[Any]) -> int:
 
 _M_TRIM_THRESHOLD = -1  # glibc's mallopt parameters
 _M_MMAP_THRESHOLD = -3
-#: Defaults of :func:`tune_allocator`: messages up to 32 MiB from the heap, and up to
+#: Defaults of :func:`tune_malloc`: messages up to 32 MiB from the heap, and up to
 #: 256 MiB of freed heap kept mapped.
 MMAP_THRESHOLD = 32 << 20
 TRIM_THRESHOLD = 256 << 20
-_tuned: bool | None = None
 
 
-def set_malloc(mmap_threshold: int, trim_threshold: int) -> bool:
-    """Set glibc's mmap and trim thresholds (returns whether both took; False without
-    glibc, e.g. macOS or musl)."""
+def tune_malloc(mmap_threshold: int = MMAP_THRESHOLD, trim_threshold: int = TRIM_THRESHOLD) -> bool:
+    """Opt in, process-wide: keep freed message memory mapped, so that large received
+    messages reuse pages instead of faulting in fresh zeroed ones. glibc only; returns
+    whether both thresholds took. Nothing in fastio calls it unless asked (the weights
+    subscriber's ``tune_malloc=True``); ``FASTIO_TUNE_MALLOC=0`` makes it a no-op."""
+    if os.environ.get("FASTIO_TUNE_MALLOC", "1") == "0":
+        return False
     try:
         mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):
@@ -112,11 +115,12 @@ def set_malloc(mmap_threshold: int, trim_threshold: int) -> bool:
 def tune_allocator(
     mmap_threshold: int = MMAP_THRESHOLD, trim_threshold: int = TRIM_THRESHOLD
 ) -> bool:
-    """Keep freed message memory mapped (glibc only, once per process; returns whether
-    tuned): otherwise each large received message lands in fresh pages, faulted and
-    zeroed. ``FASTIO_TUNE_MALLOC=0`` leaves the allocator alone."""
-    global _tuned
-    if _tuned is None:
-        off = os.environ.get("FASTIO_TUNE_MALLOC", "1") == "0"
-        _tuned = not off and set_malloc(mmap_threshold, trim_threshold)
-    return _tuned
+    """Deprecated alias of :func:`tune_malloc`."""
+    warnings.warn("tune_allocator is deprecated: use tune_malloc", DeprecationWarning, 2)
+    return tune_malloc(mmap_threshold, trim_threshold)
+
+
+def set_malloc(mmap_threshold: int, trim_threshold: int) -> bool:
+    """Deprecated alias of :func:`tune_malloc` (which also reads ``FASTIO_TUNE_MALLOC``)."""
+    warnings.warn("set_malloc is deprecated: use tune_malloc", DeprecationWarning, 2)
+    return tune_malloc(mmap_threshold, trim_threshold)

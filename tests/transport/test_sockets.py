@@ -339,8 +339,8 @@ def test_make_socket_sets_options_and_closes_on_a_bad_one() -> None:
 _HELD_AND_FREED = """
 import resource, sys
 import numpy as np
-from transport.zmqio import tune_allocator
-print(tune_allocator(), file=sys.stderr)
+from transport.zmqio import tune_malloc
+print(tune_malloc(), file=sys.stderr)
 faults = []
 for _ in range(8):
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -369,3 +369,12 @@ def test_tuned_allocator_reuses_freed_message_memory() -> None:
     untuned, said = _faults("0")
     assert said == "False"
     assert tuned * 4 < untuned, (tuned, untuned)
+
+
+def test_old_allocator_names_warn_and_still_tune(monkeypatch: pytest.MonkeyPatch) -> None:
+    import transport.zmqio as zmqio
+
+    monkeypatch.setenv("FASTIO_TUNE_MALLOC", "0")  # the names, not the process's malloc
+    for old in (zmqio.tune_allocator, zmqio.set_malloc):
+        with pytest.warns(DeprecationWarning, match="use tune_malloc"):
+            assert old(32 << 20, 256 << 20) is False

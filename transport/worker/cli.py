@@ -29,6 +29,7 @@ from transport.options import resolve_entry
 from transport.sockets import CurveConfig
 from transport.worker.config import WorkerConfig, checked_config
 from transport.worker.server import Background, WorkerServer
+from transport.zmqio import tune_malloc
 
 __all__ = ["main"]
 
@@ -269,6 +270,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = _parse_args(argv)
     fmt = "%(asctime)s %(name)s %(levelname)s %(message)s"
     logging.basicConfig(level=args.log_level, format=fmt, stream=sys.stderr)
+    tune_malloc()  # this process is the worker's own: large messages reuse freed pages
     # The socket thread waits at most this long for a GIL held by engine code.
     sys.setswitchinterval(0.001)
     if args.engine not in _NO_TORCH:
