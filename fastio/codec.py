@@ -1,23 +1,7 @@
 """Multi-frame msgpack codec: a message becomes ``[header, *buffers]`` and back.
 
-The header is msgpack ``[protocol_version, n_buffers, body]``; arrays, tensors,
-``TokenArray`` and PIL images in the body are extension values
-(:class:`~fastio.protocol.ExtCode`); an array of ``inline_threshold`` bytes or more is
-its own frame, without a copy. ``docs/PROTOCOL.md`` is the specification.
-
-Zero-copy: encoded buffer frames are the caller's memory (do not mutate them until
-sent; copies only where the wire form differs: non-contiguous or big-endian arrays,
-CUDA tensors, PIL images). Decoded arrays are views of the frames and keep them alive,
-writable when the frame is; small token arrays view the header, other small arrays are
-private copies; tensors over read-only frames are copied.
-
-Trust: msgspec checks every typed field and constraint, ``__post_init__`` the token
-fields; ``Decoder(trusted=False)``, the default for anything from a socket, also holds
-the frames to ``max_message_size`` (by ``len()``) before parsing.
-
-Threads: an ``Encoder`` or ``Decoder`` may be shared by threads and used re-entrantly:
-per-call state is taken from a list of idle ones (atomic ``pop``/``append``), never
-kept on the instance.
+``docs/PROTOCOL.md`` is the specification; the zero-copy, trust and threading rules are
+in ``docs/concepts.md``, "The codec".
 """
 
 from __future__ import annotations

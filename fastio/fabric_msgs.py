@@ -1,14 +1,5 @@
-"""Wire messages of the fabric between rollout clients and generation workers.
-
-Each is one fastio message whose body is a Struct below (tags 20-39); a request
-travels nested in its :class:`Submit` (one decode per hop, token arrays stay frames).
-Directions (client = DEALER, worker = ROUTER)::
-
-    client -> worker : Submit, Cancel, Heartbeat (ping), Control, Error
-    worker -> client : Result, Stream, Heartbeat (pong), ControlReply, Error
-
-``id`` is the client's, unique per *submission* (a re-sent request gets a new one), so
-a late answer to an old submission is dropped as stale.
+"""Wire messages of the fabric between rollout clients and generation workers (tags
+20-39). Sockets, directions and every field's meaning: ``docs/PROTOCOL.md``, "Fabric".
 """
 
 from __future__ import annotations
@@ -48,32 +39,19 @@ __all__ = [
 
 
 class ErrorCode(enum.IntEnum):
-    """Codes of :class:`Error` replies (wire values)."""
+    """Codes of :class:`Error` replies (wire values; see ``docs/PROTOCOL.md``, "Fabric")."""
 
-    #: Frames that are not a fastio message at all.
     BAD_MESSAGE = 1
-    #: A header carrying another protocol version.
     UNSUPPORTED_VERSION = 2
-    #: A well-formed message of a kind this side does not accept.
     UNKNOWN_KIND = 3
-    #: The message's frames add up to more than the receiver's limit.
     TOO_LARGE = 4
-    #: A Submit whose request does not validate (wrong types, bad values).
     BAD_REQUEST = 5
-    #: The generate handler raised; ``message`` holds its error.
     HANDLER_ERROR = 6
-    #: The worker holds too many requests; re-send later or elsewhere.
     OVERLOADED = 7
-    #: The request was aborted by a controller.
     ABORTED = 8
-    #: The request's worker-side time limit passed.
     TIMEOUT = 9
-    #: A Control message naming an unknown operation.
     UNKNOWN_OP = 10
-    #: The client could not use a worker's answer (informational, to the worker).
     BAD_RESPONSE = 11
-    #: The worker gave the submission up (client presumed gone, answer undeliverable);
-    #: sent when the client is heard from again. Re-send it.
     LOST = 12
 
 
@@ -86,27 +64,22 @@ class Submit(WireStruct, tag=int(MsgKind.FABRIC_SUBMIT)):
 
     id: int
     request: Union[LLMRequest, VLMRequest]  # noqa: UP007 - msgspec tagged union
-    #: Seconds the worker may spend on it (0: no limit); the client enforces its own.
     timeout: float = 0.0
-    #: Whether the worker should send :class:`Stream` chunks while generating.
     stream: bool = True
 
 
 class Result(WireStruct, tag=int(MsgKind.FABRIC_RESULT)):
-    """Worker -> client: the final answer to a :class:`Submit`, the output only (the
-    client rebuilds the :class:`~fastio.LLMResponse` with what it sent and measured)."""
+    """Worker -> client: the final answer to a :class:`Submit` (the output only)."""
 
     id: int
     output_tokens: TokenArray = msgspec.field(default_factory=TokenArray)
     output_logprobs: TokenArray = msgspec.field(default_factory=TokenArray)
     output_versions: TokenArray = msgspec.field(default_factory=TokenArray)
-    #: ``"abort"``: a controller aborted the generation; the output so far.
     stop_reason: Literal["length", "stop", "interrupt", "abort"] = "stop"
 
 
 class Stream(WireStruct, tag=int(MsgKind.FABRIC_STREAM)):
-    """Worker -> client: output tokens since the previous chunk (``seq`` from 0); the
-    :class:`Result` carries the whole output again."""
+    """Worker -> client: output tokens since the previous chunk (``seq`` from 0)."""
 
     id: int
     seq: int
@@ -122,23 +95,17 @@ class Cancel(WireStruct, tag=int(MsgKind.FABRIC_CANCEL)):
 
 
 class Heartbeat(WireStruct, tag=int(MsgKind.FABRIC_HEARTBEAT)):
-    """Both ways: a client's ping; the worker's pong echoes ``sent_at``, adding its
-    identity and load."""
+    """Both ways: a client's ping; the worker's pong echoes ``sent_at`` with its state."""
 
     sent_at: float = 0.0
-    #: Worker -> client only: a stable name and a random id of this process's life.
     worker_id: str = ""
     incarnation: str = ""
     in_flight: int = 0
     paused: bool = False
     version: int = 0
-    #: Worker -> client only: handlers running, submissions waiting, and seconds the
-    #: engine is behind: these tell a busy worker from a dead one.
     running: int = 0
     waiting: int = 0
     engine_lag: float = 0.0
-    #: Both ways: the versions and ``TokenEncoding`` bits the sender reads (defaults: a
-    #: version-1 peer, see ``fastio.versions``).
     protocol: int = 1
     protocol_min: int = 1
     token_encodings: int = 1
@@ -151,11 +118,8 @@ class WorkerStatus(WireStruct, tag=int(MsgKind.FABRIC_WORKER_STATUS)):
     incarnation: str = ""
     version: int = 0
     paused: bool = False
-    #: Requests whose handler is running.
     running: int = 0
-    #: Requests waiting for resume or a concurrency slot.
     waiting: int = 0
-    #: Counters since start (received, completed, errors, ...).
     counters: dict[str, int] = msgspec.field(default_factory=dict)
 
 
@@ -164,7 +128,6 @@ class Control(WireStruct, tag=int(MsgKind.FABRIC_CONTROL)):
 
     seq: int
     op: str
-    #: pause: seconds to wait for running generations to stop before answering.
     timeout: float = 30.0
 
 

@@ -1,13 +1,9 @@
 """The seed's types (AReaL's ``io_struct``) as msgspec Structs: requests and responses
 here, metadata types from :mod:`fastio.meta`, the base from :mod:`fastio.structs`.
 
-Token fields are :class:`~fastio.tokens.TokenArray`; lists, tuples, numpy arrays (no
-copy) and CPU tensors convert on construction: lists to ``int32`` ids and versions when
-every value fits (else ``int64``/``uint64``), ``float64`` logprobs and latencies; a
-float among token ids raises ``TypeError``. Constraints are checked on construction
-(naming the field and the rule) and on decode or ``msgspec.convert`` (a
-:class:`~fastio.DecodeError` with the field path); ``msgspec.structs.replace`` checks
-nothing (use ``gconfig.new(...)``).
+Token fields are :class:`~fastio.tokens.TokenArray` (how values convert: ``docs/PROTOCOL.md``,
+"Structs"). Constraints are checked on construction, naming the field and the rule, and on
+decode or ``msgspec.convert``; ``msgspec.structs.replace`` checks nothing (use ``gconfig.new``).
 """
 
 from __future__ import annotations
@@ -86,12 +82,8 @@ def _new_rid() -> str:
 class GenerationHyperparameters(
     WireStruct, tag=int(MsgKind.GENERATION_HYPERPARAMETERS), metaclass=_CheckedMeta
 ):
-    """Sampling parameters of one generation request (AReaL's defaults).
-
-    The fields' constraints are checked on construction and on decode; a violation
-    raises ``ValueError`` (``TypeError`` for a wrong type) naming the field and the
-    rule, e.g. ``max_new_tokens must be >= 1, got 0``. ``top_k=100000000``: no top-k.
-    """
+    """Sampling parameters of one generation request (AReaL's defaults; ``top_k=100000000``:
+    no top-k). A violated constraint raises ``ValueError`` (``TypeError`` for a wrong type)."""
 
     n_samples: Annotated[int, msgspec.Meta(ge=1)] = 1
     max_new_tokens: Annotated[int, msgspec.Meta(ge=1, le=MAX_NEW_TOKENS)] = 16384

@@ -1,24 +1,7 @@
-"""Wire messages of the ``ipc`` weight path: a trainer shares persistent buckets of its
-own memory with generation workers on its node (CUDA IPC on a GPU, torch's shared-memory
-files on CPU) and says, per version, what it packed into them.
-
-Every message is one fastio message (``[header]``: none carries buffers) whose body is one
-of the Structs below, tagged 60-63 (``MsgKind.IPC_*``, see :data:`IPC_TAGS`). The
-handles are plain msgpack fields of :class:`IpcHandle`: bytes, integers and a flag. No
-pickle.
-
-Flow (trainer = exporter, worker = importer; see ``docs/PROTOCOL.md``, "The ipc path")::
-
-    worker  -> trainer : IpcHello                   once (and again after a trainer restart)
-    trainer -> worker  : IpcOffer                   once: every slot's handle + the layout
-    worker  -> trainer : IpcAck(bucket=-1)          opened (ok) or refused (error)
-    per version, per bucket:
-    trainer -> worker  : IpcReady(version, bucket, slot)   after packing the slot
-    worker  -> trainer : IpcAck(version, bucket, slot)     after the worker is done reading it
-    worker  -> trainer : IpcAck(bucket=-2)          it unmapped the slots and leaves
-
-A slot is packed again only when every worker that was sent its last ``IpcReady`` has
-acked it or its process is gone.
+"""Wire messages of the ``ipc`` weight route (tags 60-63): a trainer shares persistent
+buckets of its own memory (CUDA IPC, or torch's CPU shared storage) with the workers on
+its host. Handles are plain msgpack fields, no pickle. Flow and fields:
+``docs/PROTOCOL.md``, "The ipc path".
 """
 
 from __future__ import annotations
@@ -48,27 +31,13 @@ IPC_TAGS = {
     "IpcAck": int(MsgKind.IPC_ACK),
 }
 
-#: Bytes after a slot's payload: the checksum and the version of what was packed, two
-#: little-endian int64, written by the trainer (on its device) after the payload.
+#: Bytes after a slot's payload: its checksum and version, two little-endian int64.
 TRAILER_BYTES = 16
 
 
 class IpcHandle(msgspec.Struct, array_like=True, frozen=True, gc=False):
-    """How another process opens one persistent bucket (a slot), exported once.
-
-    ``kind="cuda"``: the fields of ``torch.UntypedStorage._share_cuda_()`` in order:
-    ``device`` index, ``handle`` (the ``cudaIpcMemHandle_t`` bytes of the allocation),
-    ``size`` (bytes of the storage), ``offset`` (bytes of the storage inside the
-    allocation), ``ref_counter_handle``/``ref_counter_offset`` (torch's producer-side
-    reference counter of this export), ``event_handle`` (the IPC handle of the event
-    torch recorded at export), ``event_sync_required``. ``slot_event`` is the
-    ``cudaIpcEventHandle_t`` of the slot's own inter-process event, recorded after every
-    packing.
-
-    ``kind="cpu"``: ``handle`` is the name of the shared-memory file (``/torch_...``)
-    and ``manager`` the socket of the ``torch_shm_manager`` that owns it (the fields of
-    ``_share_filename_cpu_()``); ``device`` is ``-1`` and the CUDA fields are empty.
-    """
+    """How another process opens one slot (the fields of torch's ``_share_cuda_()`` or
+    ``_share_filename_cpu_()``)."""
 
     kind: str
     device: int
@@ -84,8 +53,7 @@ class IpcHandle(msgspec.Struct, array_like=True, frozen=True, gc=False):
 
 
 class IpcSlot(msgspec.Struct, array_like=True, frozen=True, gc=False):
-    """One persistent bucket of the trainer: ``capacity`` payload bytes (a multiple of
-    512) followed by the trailer (see :data:`TRAILER_BYTES`)."""
+    """One persistent bucket of the trainer: ``capacity`` payload bytes, then the trailer."""
 
     index: int
     capacity: int
@@ -93,8 +61,7 @@ class IpcSlot(msgspec.Struct, array_like=True, frozen=True, gc=False):
 
 
 class IpcTensor(msgspec.Struct, array_like=True, frozen=True, gc=False):
-    """Where one tensor lies in its bucket: torch dtype name, shape, byte offset, bytes
-    (C order, packed back to back: offsets need no alignment, workers copy bytes)."""
+    """Where one tensor lies in its bucket (C order, packed back to back)."""
 
     name: str
     dtype: str
@@ -104,8 +71,7 @@ class IpcTensor(msgspec.Struct, array_like=True, frozen=True, gc=False):
 
 
 class IpcBucket(msgspec.Struct, array_like=True, frozen=True, gc=False):
-    """One bucket of every version: its tensors and ``nbytes`` (the checksummed length,
-    the tensors' bytes rounded up to 512 with zeros)."""
+    """One bucket of every version: its tensors and ``nbytes`` (rounded up to 512)."""
 
     index: int
     nbytes: int
@@ -113,13 +79,7 @@ class IpcBucket(msgspec.Struct, array_like=True, frozen=True, gc=False):
 
 
 class IpcHello(WireStruct, tag=IPC_TAGS["IpcHello"]):
-    """Worker -> trainer: I can take the ipc path.
-
-    ``pid`` and ``start_time`` (field 22 of ``/proc/<pid>/stat``) let the trainer see the
-    process die (and not mistake a reused pid for it); a trainer that cannot see that
-    process is on another host or in another pid namespace and refuses. ``device`` is the
-    worker's CUDA device index (``-1``: CPU tensors). ``version``: the one it holds.
-    """
+    """Worker -> trainer: I can take the ipc path."""
 
     worker_id: str
     pid: int
@@ -129,13 +89,7 @@ class IpcHello(WireStruct, tag=IPC_TAGS["IpcHello"]):
 
 
 class IpcOffer(WireStruct, tag=IPC_TAGS["IpcOffer"]):
-    """Trainer -> worker, once per worker: every slot's handle and the layout of a
-    version (``buckets``; bucket ``b`` of a version goes to slot ``b % len(slots)``).
-
-    ``checksum`` is ``"sum64"`` (see :func:`transport.weights.routes.ipc.checksum`) or ``""``
-    (not computed). A non-empty ``error`` is a refusal (nothing else is meaningful): the
-    worker should take another path.
-    """
+    """Trainer -> worker, once: every slot's handle and the layout (``error``: refused)."""
 
     publisher_id: str
     pid: int
@@ -147,8 +101,7 @@ class IpcOffer(WireStruct, tag=IPC_TAGS["IpcOffer"]):
 
 
 class IpcReady(WireStruct, tag=IPC_TAGS["IpcReady"]):
-    """Trainer -> worker: bucket ``bucket`` of ``version`` is packed in slot ``slot``
-    (on CUDA: once the slot's event fires). ``n_buckets`` buckets make the version."""
+    """Trainer -> worker: bucket ``bucket`` of ``version`` is packed in slot ``slot``."""
 
     version: int
     bucket: int
@@ -157,14 +110,7 @@ class IpcReady(WireStruct, tag=IPC_TAGS["IpcReady"]):
 
 
 class IpcAck(WireStruct, tag=IPC_TAGS["IpcAck"]):
-    """Worker -> trainer: done with ``slot`` (it may be packed again).
-
-    ``bucket=-1`` answers an :class:`IpcOffer` (``ok``: every slot opened);
-    ``bucket=-2`` says the worker unmapped every slot and leaves the path. Otherwise
-    ``ok=False`` means the bucket was refused (checksum or version mismatch) and the
-    worker kept ``current_version``. ``stats`` holds seconds (``wait_s``, ``verify_s``,
-    ``copy_s``).
-    """
+    """Worker -> trainer: done with ``slot`` (``bucket=-1``: the offer's answer, ``-2``: leaving)."""
 
     worker_id: str
     version: int

@@ -1,14 +1,5 @@
-"""The base of every fastio message, the registry of message types, and the conversion
-of token fields.
-
-Struct options, once for every wire type: ``array_like=True`` (a Struct is a msgpack
-array of its fields, tag first; schema evolution *appends* fields with defaults, see
-``docs/PROTOCOL.md``); ``gc=False`` (thousands of requests live at once; safe because
-the types hold no cycles: keep ``metadata`` so); an integer ``tag`` per type
-(``tag_field="__kind__"``) so one receiver decodes whatever arrives. Neither
-``frozen`` (rollout code mutates messages) nor ``forbid_unknown_fields`` (old readers
-accept newer peers' appended fields).
-"""
+"""The base of every fastio message (its Struct options: ``docs/concepts.md``, "The
+codec"), the registry of message types, and the conversion of token fields."""
 
 from __future__ import annotations
 
@@ -26,11 +17,8 @@ _registry_generation = 0
 
 
 class WireStruct(msgspec.Struct, array_like=True, gc=False, tag_field="__kind__"):
-    """Base of every fastio wire type (see :mod:`fastio.structs` for the options).
-
-    Subclass it with ``tag=<unused MsgKind value>`` to define a new message type; the
-    codec's ``type=None`` union picks it up automatically.
-    """
+    """Base of every fastio wire type: subclass it with ``tag=<unused MsgKind value>``;
+    the codec's ``type=None`` union picks the new type up."""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         global _registry_generation

@@ -1,24 +1,5 @@
-"""``TokenArray``: a zero-copy, list-like view of a 1-D numpy array.
-
-Token ids, logprobs, versions and latencies as lists cost a Python object per element;
-as numpy arrays they change the meaning of user code (``a + b`` adds). ``TokenArray``
-keeps a numpy array (after decoding, a view of the received frame) with *list*
-semantics: indexing, ``len``, ``==``, ``+``/``+=``/``extend``/``append`` and the other
-list methods; slices are views; ``copy()`` gives a ``list``; ``np.asarray(t)`` and
-``t.tensor()`` share memory. ``seq`` operands are lists, tuples, ranges, 1-D arrays or
-``TokenArray``.
-
-Python numbers joining an array keep its dtype when they fit (numpy's rule for Python
-scalars), so ``[-1] * n + versions`` stays ``int32``; numbers that do not fit widen the
-result (``uint64`` for ``[2**63, 2**64)``); ints beyond 64 bits raise
-``OverflowError``. Operations whose list and array meanings disagree (``t * 2``,
-``t - x``, ``t < x``) raise ``TypeError``: use ``t.array`` for numpy arithmetic.
-
-Item assignment is copy-on-write (``u = t[:]; t[0] = 5`` leaves ``u`` alone), and
-``append``/``extend`` never write into a received frame nor into memory another view
-sees. A decoded ``TokenArray`` keeps its frame alive; it is writable when the frame is
-(``zmq.Frame``), read-only for ``bytes``.
-"""
+"""``TokenArray``: a zero-copy, list-like view of a 1-D numpy array (its dtype rules,
+copy-on-write and lifetime: ``docs/concepts.md``, "Token arrays")."""
 
 from __future__ import annotations
 

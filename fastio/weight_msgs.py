@@ -1,20 +1,7 @@
-"""Wire messages of weight updates from a trainer to generation workers.
+"""Wire messages of weight updates from a trainer to generation workers (tags 40-59).
 
-Every message is one fastio message (``[header, *buffers]``, see ``docs/PROTOCOL.md``)
-whose body is one of the Structs below, tagged with a :class:`~fastio.protocol.MsgKind`
-in the range 40-59. The transport lives in :mod:`transport.weights`; this module only
-says what travels.
-
-Sockets and directions (publisher = trainer side, subscriber = worker side)::
-
-    subscriber DEALER -> publisher ROUTER : Hello (handshake and heartbeat), Fetch, Ack
-    publisher ROUTER  -> subscriber DEALER: Welcome, Bucket, Error
-    publisher PUB     -> subscriber SUB   : Announce, Heartbeat   (sequence-numbered)
-
-The PUB channel carries only small notices; every byte of weights travels over the
-flow-controlled ROUTER/DEALER pair (one ``Fetch`` per bucket, a bounded window of them
-in flight) or through shared memory, so nothing a worker needs can be dropped silently
-at a high-water mark (the zguide's Clone pattern: notices by PUB, state by ROUTER).
+Sockets, flows and every field's meaning: ``docs/PROTOCOL.md``, "Weight updates". The
+transport lives in :mod:`transport.weights`; this module only says what travels.
 """
 
 from __future__ import annotations
@@ -43,13 +30,8 @@ __all__ = [
 
 
 class WeightTensor(msgspec.Struct, array_like=True, frozen=True, gc=False):
-    """Where one tensor lies inside its bucket.
-
-    ``dtype`` is a torch dtype name (``"bfloat16"``, ``"float32"``, ...), ``offset`` the
-    byte offset of its C-ordered data inside the bucket, ``nbytes`` its size in bytes.
-    ``src_dtype`` is the trainer's dtype when the trainer cast the tensor to ``dtype``
-    for the workers (``""``: it travels as the trainer holds it).
-    """
+    """Where one tensor lies inside its bucket (``src_dtype``: the trainer's dtype when it
+    cast the tensor to ``dtype``, else ``""``)."""
 
     name: str
     dtype: str
@@ -60,12 +42,7 @@ class WeightTensor(msgspec.Struct, array_like=True, frozen=True, gc=False):
 
 
 class WeightBucketInfo(msgspec.Struct, array_like=True, gc=False):
-    """One flat bucket of a version: its size, checksum and tensors.
-
-    ``checksum`` is computed over the bucket's ``nbytes`` bytes with the version's
-    ``checksum_algo`` (``0`` while not yet known: see :class:`WeightBucket`); ``shm_offset`` is where the bucket starts inside the version's
-    shared-memory segment (meaningless without one).
-    """
+    """One flat bucket of a version: its size, checksum (``0`` until packed) and tensors."""
 
     index: int
     nbytes: int
@@ -75,17 +52,7 @@ class WeightBucketInfo(msgspec.Struct, array_like=True, gc=False):
 
 
 class WeightHello(WireStruct, tag=int(MsgKind.WEIGHT_HELLO)):
-    """Subscriber -> publisher: handshake, repeated as a heartbeat.
-
-    Carries the version the worker holds (``-1``: none) and, when known, a digest of
-    its weights (:func:`transport.weights.state_digest`), so a publisher (also a
-    restarted one) learns every worker's state. ``dtype`` is the one dtype the worker
-    wants every floating tensor in (``""``: none declared); when every worker wants the
-    same narrower dtype, the trainer casts while packing. ``start_time`` is the
-    worker process's start time (field 22 of ``/proc/<pid>/stat``; ``0``: unknown): a
-    trainer on the same host that sees the same ``pid`` with the same start time knows
-    when that process is gone, and no longer waits for it to release shared memory.
-    """
+    """Subscriber -> publisher: handshake, repeated as a heartbeat (``version -1``: none)."""
 
     worker_id: str
     host_id: str
@@ -97,14 +64,7 @@ class WeightHello(WireStruct, tag=int(MsgKind.WEIGHT_HELLO)):
 
 
 class WeightAnnounce(WireStruct, tag=int(MsgKind.WEIGHT_ANNOUNCE)):
-    """A complete version is ready: its manifest (every bucket and tensor).
-
-    Sent on PUB with the next sequence number, and nested in :class:`WeightWelcome`.
-    ``shm_name`` names the shared-memory segment (under ``/dev/shm``) that holds every
-    bucket at its ``shm_offset``; empty when the publisher staged in private memory.
-    ``aliases`` maps names that share memory with a travelling tensor (tied weights) to
-    that tensor's name: their bytes travel once and are applied to every name.
-    """
+    """A complete version is ready: its manifest (every bucket and tensor)."""
 
     publisher_id: str
     seq: int
@@ -117,15 +77,7 @@ class WeightAnnounce(WireStruct, tag=int(MsgKind.WEIGHT_ANNOUNCE)):
 
 
 class WeightWelcome(WireStruct, tag=int(MsgKind.WEIGHT_WELCOME)):
-    """Publisher -> subscriber: reply to every Hello.
-
-    ``shm_probe`` names a small file in ``/dev/shm`` holding ``shm_token``: a subscriber
-    that can read it shares the publisher's host *and* its ``/dev/shm`` and may read
-    buckets from shared memory. ``announce`` is the latest version when the Hello showed
-    the worker behind it (the snapshot of the Clone pattern), else ``None``.
-    ``data_port`` (0: none) is the publisher's data-link listener on its host, and
-    ``data_token`` the secret a worker presents there (``transport.weights.routes.tcp``).
-    """
+    """Publisher -> subscriber: reply to every Hello (``announce``: the snapshot)."""
 
     publisher_id: str
     host_id: str
@@ -139,11 +91,7 @@ class WeightWelcome(WireStruct, tag=int(MsgKind.WEIGHT_WELCOME)):
 
 
 class WeightHeartbeat(WireStruct, tag=int(MsgKind.WEIGHT_HEARTBEAT)):
-    """Publisher -> all on PUB, periodically: the latest sequence number and version.
-
-    A subscriber whose last seen ``seq`` is lower missed an Announce (slow joiner, HWM
-    drop) and asks for the state again with a Hello.
-    """
+    """Publisher -> all on PUB, periodically: the latest sequence number and version."""
 
     publisher_id: str
     seq: int
@@ -151,41 +99,18 @@ class WeightHeartbeat(WireStruct, tag=int(MsgKind.WEIGHT_HEARTBEAT)):
 
 
 class WeightFetch(WireStruct, tag=int(MsgKind.WEIGHT_FETCH)):
-    """Subscriber -> publisher: send me bucket ``index`` of ``version``.
-
-    The publisher answers once the bucket is packed (a version is announced before its
-    buckets are packed, so that packing overlaps sending). With ``shm`` the worker reads
-    the bytes from shared memory and the answer is one :class:`WeightBucket` without
-    chunks: "ready, with this checksum".
-    """
+    """Subscriber -> publisher: send me bucket ``index`` of ``version``."""
 
     version: int
     index: int
     shm: bool = False
-    #: The asking process (pid and start time, as in :class:`WeightHello`): with
-    #: ``shm`` the publisher keeps that process as a reader of the segment until that
-    #: same process answers or is gone. 0: the worker's last Hello names it.
     pid: int = 0
     start_time: int = 0
-    #: Send the bytes on the worker's data link (``transport.weights.routes.tcp``)
-    #: rather than as ZeroMQ frames (when the publisher has that link open).
     data: bool = False
 
 
 class WeightBucket(WireStruct, tag=int(MsgKind.WEIGHT_BUCKET)):
-    """Publisher -> subscriber: one piece of a bucket's bytes, as zero-copy frames.
-
-    A Fetch is answered by the pieces of the bucket in order, each its own message
-    (``offset`` is where the piece starts in the bucket, ``last`` marks the final one),
-    so a receiver checksums piece k while piece k+1 is on the wire and the sender
-    interleaves pieces for several workers. ``chunks`` are 1-D ``uint8`` arrays (each a
-    frame) whose concatenation is the piece. ``checksum`` is the bucket's checksum, set
-    on the last piece (``0`` on the others) and authoritative (an Announce goes out
-    before its buckets are packed, with zeros in their place).
-
-    To a same-host worker (its Fetch said ``shm``) the pieces carry no chunks: each says
-    that ``nbytes`` bytes from ``offset`` are packed in the shared segment.
-    """
+    """Publisher -> subscriber: one piece of a bucket's bytes, as zero-copy frames."""
 
     version: int
     index: int
@@ -197,12 +122,7 @@ class WeightBucket(WireStruct, tag=int(MsgKind.WEIGHT_BUCKET)):
 
 
 class WeightAck(WireStruct, tag=int(MsgKind.WEIGHT_ACK)):
-    """Subscriber -> publisher: the outcome of ``version`` on this worker.
-
-    ``ok=False`` means the worker kept ``current_version`` (its previous weights) and
-    ``error`` says why. ``via`` is ``"shm"`` or ``"tcp"``; ``stats`` holds timings in
-    seconds (``fetch_s``, ``verify_s``, ``apply_s``, ``total_s``) and per-bucket figures.
-    """
+    """Subscriber -> publisher: the outcome of ``version`` on this worker."""
 
     worker_id: str
     version: int
@@ -212,17 +132,12 @@ class WeightAck(WireStruct, tag=int(MsgKind.WEIGHT_ACK)):
     digest: int | None = None
     via: str = ""
     stats: dict[str, float] = msgspec.field(default_factory=dict)
-    #: The answering process (see :class:`WeightFetch`); 0: the last Hello names it.
     pid: int = 0
     start_time: int = 0
 
 
 class WeightError(WireStruct, tag=int(MsgKind.WEIGHT_ERROR)):
-    """Publisher -> subscriber: a request could not be served.
-
-    ``version``/``index`` echo the request (``-1`` when it could not be decoded);
-    ``latest_version`` tells a subscriber that asked for a retired version where to go.
-    """
+    """Publisher -> subscriber: a request could not be served."""
 
     version: int
     index: int
