@@ -1,14 +1,6 @@
-"""Rollout side: an asyncio client that spreads requests over generation workers.
-
-Everything runs on the caller's asyncio loop (:class:`SyncFabricClient` runs it in a
-thread): one DEALER per worker, read and written by a
-:class:`~transport.sockets.SocketPump`; only host-name lookups run in the executor.
-:class:`FabricClient` owns its parts: the scheduler (:mod:`~transport.client.scheduling`:
-least load, same ``rid`` to the same worker), liveness
-(:mod:`~transport.client.liveness`: only silence kills; re-sends with back-off), calls
-(:mod:`~transport.client.calls`: an interrupted or lost attempt keeps its output) and
-counters (``stats``, also in Prometheus).
-"""
+"""Rollout side: an asyncio client that spreads requests over generation workers, on
+the caller's loop (:class:`SyncFabricClient`: in a thread of its own); its parts are in
+docs/concepts.md ("How the objects are built")."""
 
 from transport.client.config import ClientConfig
 from transport.client.fabric import FabricClient

@@ -1,10 +1,5 @@
-"""One ``agenerate`` call across its attempts, and the client's counts.
-
-A call's output grows by *segments*: an attempt interrupted (a pause for a weight
-update) or lost (its worker died or gave it up) keeps what it produced, and the rest is
-re-submitted as a continuation (prompt plus output so far, fewer new tokens). So
-``on_chunk`` sees every output position once, in order.
-"""
+"""One ``agenerate`` call's output across its attempts (an interrupted or lost attempt
+keeps what it produced: docs/concepts.md, "Pause and interrupt"), and the client's counts."""
 
 from __future__ import annotations
 

@@ -25,13 +25,13 @@ ChunkCallback = Callable[[TokenArray, TokenArray, TokenArray], None]
 
 
 class ClientConfig(msgspec.Struct, forbid_unknown_fields=True):
-    """Settings of a :class:`~transport.FabricClient`, checked when the client is made.
+    """Settings of a :class:`~transport.FabricClient`, checked when the client is made
+    (docs/concepts.md, "A request's life", says what each one does).
 
     Parameters
     ----------
     heartbeat_interval:
-        Seconds between pings. The first calls wait at most this long (or
-        ``connect_timeout``) for every worker that may be up, to spread the first burst.
+        Seconds between pings (and the longest the first calls wait for every worker).
     heartbeat_liveness:
         Silent heartbeat intervals after which a worker is dead (a slow answer never is).
     connect_timeout:
@@ -44,11 +44,8 @@ class ClientConfig(msgspec.Struct, forbid_unknown_fields=True):
         Times a request may be re-sent after its worker died or lost it.
     max_worker_deaths:
         Times a request may be re-sent after a worker died while running it (also
-        counted in ``max_resends``): on the next such death it fails with
-        :class:`~transport.errors.PoisonRequest` instead of killing one more worker (a
-        prompt that crashes the engine). A request given up by a live worker, or
-        interrupted, does not count. Any other request that was in flight on each of
-        those workers fails with it. 0: nothing is re-sent after a worker died.
+        counted in ``max_resends``); the next such death fails it with
+        :class:`~transport.errors.PoisonRequest`. 0: none.
     resend_backoff, resend_backoff_max:
         The ``k``-th re-send waits ``min(resend_backoff * 2**(k-1), resend_backoff_max)``
         s times a random factor in [0.5, 1].
@@ -81,8 +78,7 @@ class ClientConfig(msgspec.Struct, forbid_unknown_fields=True):
 
 
 def client_config(config: ClientConfig | None, options: Mapping[str, Any]) -> ClientConfig:
-    """``config`` (default: all defaults) with ``options`` (field name -> value) applied
-    and checked; ``ValueError`` names a bad option."""
+    """``config`` (None: the defaults) with ``options`` applied, checked (``ValueError``)."""
     if config is not None and not isinstance(config, ClientConfig):
         raise TypeError(f"config must be a ClientConfig, got {type(config).__name__}")
     given = msgspec.structs.asdict(config) if config is not None else {}

@@ -5,7 +5,6 @@ what the workers send to them."""
 from __future__ import annotations
 
 import asyncio
-import functools
 import time
 import uuid
 from collections.abc import Sequence
@@ -122,14 +121,14 @@ class FabricClient:
             return
         w = self._sched.workers.get(address)
         if w is not None:
-            w.draining = False
+            w.drain(False)
             return
         assert self._ctx is not None
         w = Worker(address, self._ctx, self.config, self._identity, self._on_message)
         self._sched.add(w)
         if tcp_host(address) is not None:  # a host name: say so if it does not resolve
             lookup = self._loop.run_in_executor(None, resolve_problem, address)
-            lookup.add_done_callback(functools.partial(_resolved, w))
+            lookup.add_done_callback(w.resolved)
         self._live.watch(w)
 
     def remove_worker(self, address: str) -> None:
@@ -235,7 +234,6 @@ class FabricClient:
         return fut
 
     def _on_message(self, w: Worker, frames: list[zmq.Frame]) -> None:
-        w.last_seen = time.monotonic()
         for msg in fm.split(frames):
             self._on_one(w, msg)
 
@@ -258,8 +256,7 @@ class FabricClient:
                 else:
                     self.counters.add("interrupted")
                     self._sched.enqueue(call, front=True)
-            if w.limit < self.config.max_in_flight_per_worker:
-                w.limit += 1
+            w.answered()
             if w.sticky_queue or w.draining or self._sched.queue:
                 self._sched.slot_freed(w)
         elif tp is fm.Stream:
@@ -301,9 +298,7 @@ class FabricClient:
             self.counters.add("overloaded")
             call.chunks = ()
             drop_times(call, call.base)
-            w.limit = max(1, len(w.inflight))
-            if not w.inflight:  # full with other clients' work: back off, do not spin
-                w.cool_until = time.monotonic() + 0.01
+            if w.overloaded():  # full with other clients' work: back off, do not spin
                 assert self._loop is not None
                 self._loop.call_later(0.011, self._sched.dispatch)
             self._sched.requeue([call])
@@ -322,11 +317,3 @@ async def _in_loop(
 ) -> LLMResponse:
     """``agenerate`` from inside the loop that runs this coroutine."""
     return await client.agenerate(req, timeout=timeout, on_chunk=on_chunk)
-
-
-def _resolved(w: Worker, lookup: asyncio.Future[str]) -> None:
-    if lookup.cancelled() or lookup.exception() is not None:
-        return
-    w.unresolved = lookup.result()
-    if w.unresolved:
-        log.warning("worker %s: %s; retrying until it does", w.address, w.unresolved)

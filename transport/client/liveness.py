@@ -1,12 +1,5 @@
-"""Busy or dead: heartbeats, deaths, re-sends, the wait for first answers, and
-failing fast when no worker is there.
-
-Only silence kills: a worker is dead after ``heartbeat_liveness`` of this client's ticks
-(and ``interval * liveness`` s) with no message from it. A lost attempt is re-sent under
-a new id after an exponential back-off with jitter (no re-send storm). A call that was
-running on ``max_worker_deaths + 1`` workers that died fails as a
-:class:`~transport.errors.PoisonRequest` instead of taking down one more.
-"""
+"""Busy or dead: heartbeats, deaths, re-sends, the wait for first answers, and failing
+fast when no worker is there (docs/concepts.md: heartbeats, failover, a poison request)."""
 
 from __future__ import annotations
 
@@ -94,10 +87,7 @@ class Liveness:
         for w in list(self.sched.order):
             w.pump.drain_now()  # our loop may lag the socket: read before judging
             if w.alive:  # counted in our ticks: a late tick of a busy loop is no death
-                w.missed = w.missed + 1 if w.last_seen < prev else 0
-                if w.load_current and w.pong_at < prev:
-                    w.load_current = False  # no pong since the last tick: go by our own
-                    w.others = 0
+                w.tick(prev)
                 silent = now - w.last_seen
                 if (
                     w.missed >= cfg.heartbeat_liveness
@@ -117,25 +107,18 @@ class Liveness:
         """A pong says what ``w`` reads (written to it from now on, or refused) and how
         busy it is."""
         try:
-            w.enc = versions.encoder_for(hb)
+            enc = versions.encoder_for(hb)
         except IncompatiblePeer as exc:
             name = f" ({hb.worker_id})" if hb.worker_id else ""
             self.refused_by(w, f"worker {w.address}{name}: {exc}")
             return
         if w.incompatible:
             log.info("worker %s now speaks a version this client reads", w.address)
-            w.incompatible = ""
         was = w.pong.incarnation
         if was and hb.incarnation != was and (w.inflight or w.sticky_queue):
             self.worker_died(w, "restarted")  # faster than the liveness timeout
-        w.pong = hb
-        w.pong_at = w.last_seen  # set as this message arrived
-        w.others = max(0, max(hb.in_flight, hb.running + hb.waiting) - len(w.inflight))
-        w.load_current = True
-        w.missed = 0
-        if w.alive:
+        if not w.record_pong(hb, enc):
             return
-        w.alive = True
         self.n_alive += 1
         self._warned_none = False
         self.sched.counters.add("workers_joined")
@@ -191,20 +174,13 @@ class Liveness:
         (silent, or restarted), which counts against the calls it was running (see
         ``max_worker_deaths``)."""
         self.sched.counters.add("workers_died")
-        if w.alive:
-            w.alive = False
-            w.died_at = time.monotonic()
+        if w.mark_dead():
             self.n_alive -= 1
             if not self.n_alive:
                 self.alive_at = w.died_at
                 self.sched.held = True  # the first back must not take the whole backlog
-        running = list(w.inflight.values())
-        calls = [*running, *w.sticky_queue]
-        w.pump.discard_queued()
-        for sub_id in w.inflight:  # in case it is only stalled: stop it working for nobody
-            w.send_quiet(fm.Cancel(id=sub_id))
-        w.inflight.clear()
-        w.sticky_queue.clear()
+        running, waiting = w.take_calls()
+        calls = running + waiting
         log.warning("worker %s is dead (%s): re-sending %d requests", w.address, why, len(calls))
         n_running = len(running) if crashed else 0
         for i, call in enumerate(calls):
@@ -291,9 +267,8 @@ class Liveness:
     def refused_by(self, w: Worker, why: str) -> None:
         """``w`` answers in versions this client cannot use: say so once, send it
         nothing, and fail what waits if no worker is left."""
-        if w.incompatible != why:
+        if w.mark_incompatible(why):
             log.error("%s", why)
-            w.incompatible = why
         if w.alive or w.inflight or w.sticky_queue:
             self.worker_died(w, "it speaks an incompatible protocol version", crashed=False)
         if not self.n_alive and self.all_incompatible():

@@ -1,9 +1,5 @@
-"""Where each call goes: its rid's worker, else the least-loaded live one, else the
-client's queue; and how a call ends (result, failure, cancel, timeout).
-
-A worker's load: this client's requests on it, plus the others' from its last pong
-while that pong is current (an older one would steer a burst onto one worker).
-"""
+"""Where each call goes (its rid's worker, else the least-loaded live one, else the
+client's queue: docs/concepts.md, "Choosing a worker") and how it ends."""
 
 from __future__ import annotations
 
@@ -49,9 +45,7 @@ class Scheduler:
         w = self.workers.get(address)
         if w is None:
             return False
-        w.draining = True
-        self.requeue(list(w.sticky_queue))
-        w.sticky_queue.clear()
+        self.requeue(w.drain())
         self.maybe_drop(w)
         return True
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import functools
+import logging
 import re
 import time
 from collections.abc import Callable
@@ -25,6 +25,8 @@ from transport.errors import BadAddress
 from transport.sockets import SocketPump, make_dealer, make_monitor
 
 __all__ = ["Call", "Worker", "WorkerInfo", "check_address"]
+
+log = logging.getLogger("transport.client")
 
 _HANDSHAKE_FAILED = (
     zmq.EVENT_HANDSHAKE_FAILED_AUTH,
@@ -113,9 +115,8 @@ class Worker:
         except zmq.ZMQError as exc:
             raise BadAddress(f"cannot connect to worker address {address!r}: {exc}") from exc
         self.monitor: zmq.Socket[Any] | None = make_monitor(sock, _MONITOR_EVENTS)
-        self.pump = SocketPump(
-            sock, functools.partial(on_message, self), batch_frames=True, defer_check=True
-        )
+        self._on_message = on_message
+        self.pump = SocketPump(sock, self._received, batch_frames=True, defer_check=True)
         self.added_at = time.monotonic()  # its first pongs are waited for from here
         self.alive = False
         self.draining = False
@@ -127,7 +128,7 @@ class Worker:
         self.died_at = 0.0
         self.missed = 0  # heartbeat ticks without a message from it
         # Lowered at an OVERLOADED answer (it serves others too), raised by one per answer.
-        self.limit = config.max_in_flight_per_worker
+        self.limit = self._max_limit = config.max_in_flight_per_worker
         self.cool_until = 0.0
         self.others = 0  # its requests from other clients, by a current pong
         self.load_current = False
@@ -138,6 +139,85 @@ class Worker:
         self.unresolved = ""  # why its host name does not resolve
         self.enc: Encoder = versions.VERSION_1
         self.incompatible = ""  # why it cannot be used (its versions)
+
+    def _received(self, frames: list[zmq.Frame]) -> None:
+        self.last_seen = time.monotonic()
+        self._on_message(self, frames)
+
+    def tick(self, prev: float) -> None:
+        """A heartbeat tick (the one before ran at ``prev``): missed if nothing came
+        since; a load figure no pong renewed since is forgotten."""
+        self.missed = self.missed + 1 if self.last_seen < prev else 0
+        if self.load_current and self.pong_at < prev:
+            self.load_current = False  # go by this client's own count
+            self.others = 0
+
+    def record_pong(self, hb: fm.Heartbeat, enc: Encoder) -> bool:
+        """A pong, from a worker that reads ``enc``; True if it was not alive before."""
+        self.enc = enc
+        self.incompatible = ""
+        self.pong = hb
+        self.pong_at = self.last_seen  # set as this message arrived
+        self.others = max(0, max(hb.in_flight, hb.running + hb.waiting) - len(self.inflight))
+        self.load_current = True
+        self.missed = 0
+        was_alive, self.alive = self.alive, True
+        return not was_alive
+
+    def mark_dead(self) -> bool:
+        """It is dead (or unusable); True if it was alive until now."""
+        if not self.alive:
+            return False
+        self.alive = False
+        self.died_at = time.monotonic()
+        return True
+
+    def mark_incompatible(self, why: str) -> bool:
+        """It speaks no version this client reads (``why``); True if that is news."""
+        was, self.incompatible = self.incompatible, why
+        return was != why
+
+    def take_calls(self) -> tuple[list[Call], list[Call]]:
+        """Take its calls: those running there (cancelled there, in case it is only
+        stalled) and those waiting for it; what is queued to it is dropped."""
+        running = list(self.inflight.values())
+        waiting = list(self.sticky_queue)
+        self.pump.discard_queued()
+        for sub_id in self.inflight:
+            self.send_quiet(fm.Cancel(id=sub_id))
+        self.inflight.clear()
+        self.sticky_queue.clear()
+        return running, waiting
+
+    def drain(self, draining: bool = True) -> list[Call]:
+        """Send it nothing more (or again, with False); returns the calls that were
+        waiting for it."""
+        self.draining = draining
+        calls = list(self.sticky_queue) if draining else []
+        self.sticky_queue.clear()
+        return calls
+
+    def answered(self) -> None:
+        """A call ended there: one more may go to it (up to the configured limit)."""
+        if self.limit < self._max_limit:
+            self.limit += 1
+
+    def overloaded(self) -> bool:
+        """It answered OVERLOADED: take no more than it runs now; True when it runs
+        none of ours (full with other clients' work: cool down for 10 ms)."""
+        self.limit = max(1, len(self.inflight))
+        if self.inflight:
+            return False
+        self.cool_until = time.monotonic() + 0.01
+        return True
+
+    def resolved(self, lookup: asyncio.Future[str]) -> None:
+        """The lookup of its host name ended (``resolve_problem``'s answer)."""
+        if lookup.cancelled() or lookup.exception() is not None:
+            return
+        self.unresolved = lookup.result()
+        if self.unresolved:
+            log.warning("worker %s: %s; retrying until it does", self.address, self.unresolved)
 
     def refused(self) -> bool:
         """Never answered, and the connection or its handshake was refused: not up."""
