@@ -44,7 +44,7 @@ if TYPE_CHECKING:
         WorkerInfo,
     )
     from transport.collector import tune_gc
-    from transport.control import FabricController
+    from transport.control import ControllerConfig, FabricController
     from transport.engine import ReferenceEngine, TinyLM
     from transport.engines import Engine, GenerationContext
     from transport.sockets import CurveConfig
@@ -56,6 +56,7 @@ if TYPE_CHECKING:
 # imported by the package.
 _LAZY = {
     "ClientConfig": "transport.client",
+    "ControllerConfig": "transport.control",
     "CurveConfig": "transport.sockets",
     "Engine": "transport.engines",
     "FabricClient": "transport.client",
@@ -78,6 +79,7 @@ __all__ = [
     "ClientClosed",
     "ClientConfig",
     "ControlError",
+    "ControllerConfig",
     "CurveConfig",
     "Engine",
     "FabricClient",

@@ -15,55 +15,61 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import msgspec
 import zmq
 
 from fastio import DecodeError, Decoder, versions
 from fastio import fabric_msgs as fm
 from transport.errors import ControlError
+from transport.options import Positive, Seconds, configure
 from transport.sockets import DEFAULT_MAX_MESSAGE_SIZE, CurveConfig, make_dealer
 
-__all__ = ["FabricController"]
+__all__ = ["ControllerConfig", "FabricController"]
 
 #: Worker address -> its status after an operation.
 Statuses = dict[str, fm.WorkerStatus]
 
 
-class FabricController:
-    """Sends control operations to every worker and gathers their answers.
+class ControllerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Settings of a :class:`FabricController`.
 
     Parameters
     ----------
-    workers:
-        Worker addresses.
-    curve:
-        CURVE keys when the workers require them.
     timeout:
         Default seconds to wait for each operation's answers.
+    max_message_size, curve:
+        See :mod:`transport.sockets` (``curve``: the workers' keys when they require them).
+    """
+
+    timeout: Seconds = 60.0
+    max_message_size: Positive = DEFAULT_MAX_MESSAGE_SIZE
+    curve: CurveConfig | None = None
+
+
+class FabricController:
+    """Sends control operations to every worker and gathers their answers.
+
+    ``config`` and keyword arguments (the fields of :class:`ControllerConfig`) are the
+    same settings; a bad one is named by a ``ValueError`` (``TypeError`` if unknown).
 
     Examples
     --------
-    >>> with FabricController(["tcp://127.0.0.1:5555"]) as ctl:  # doctest: +SKIP
+    >>> with FabricController(["tcp://127.0.0.1:5555"], timeout=30) as ctl:  # doctest: +SKIP
     ...     ctl.pause()  # then publish weights
     ...     ctl.resume()
     """
 
     def __init__(
-        self,
-        workers: Sequence[str] = (),
-        *,
-        curve: CurveConfig | None = None,
-        timeout: float = 60.0,
-        max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE,
+        self, workers: Sequence[str] = (), config: ControllerConfig | None = None, **options: Any
     ) -> None:
-        self.timeout = timeout
-        self._curve = curve
-        self._max = max_message_size
+        self.config = config = configure(ControllerConfig, config, options, "controller option")
+        self.timeout = config.timeout
         self._zmq_context: zmq.Context[Any] = zmq.Context()
         self._socks: dict[str, zmq.Socket[Any]] = {}
         self._seq = itertools.count(1)
         self._lock = threading.Lock()
         self._enc = versions.VERSION_1
-        self._dec = Decoder(fm.WORKER_TO_CLIENT, max_message_size=max_message_size)
+        self._dec = Decoder(fm.WORKER_TO_CLIENT, max_message_size=config.max_message_size)
         for address in workers:
             self.add_worker(address)
 
@@ -76,8 +82,12 @@ class FabricController:
         """Drive one more worker."""
         with self._lock:
             if address not in self._socks:
+                cfg = self.config
                 self._socks[address] = make_dealer(
-                    self._zmq_context, address, max_message_size=self._max, curve=self._curve
+                    self._zmq_context,
+                    address,
+                    max_message_size=cfg.max_message_size,
+                    curve=cfg.curve,
                 )
 
     def remove_worker(self, address: str) -> None:

@@ -1,9 +1,10 @@
-"""``key=value`` options (``--plugin-opt``, ``--engine-opt``) into a typed config Struct,
-and the constraint aliases config Structs share.
+"""The one normaliser of config Structs, and the constraint aliases they share.
 
-A plugin or an engine declares its options once, as a :class:`msgspec.Struct` with
-defaults and constraints, and reads them with :func:`parse_options` (a bad key or value
-is reported as one line that names it); :func:`resolve_entry` finds ``module:attribute``.
+A role, a plugin or an engine declares its settings once, as a :class:`msgspec.Struct`
+with defaults and constraints. :func:`configure` applies keyword arguments to a config,
+:func:`parse_options` reads ``key=value`` strings (``--plugin-opt``, ``--engine-opt``);
+both report a bad key or value as one line that names it. :func:`resolve_entry` finds
+``module:attribute``.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ __all__ = [
     "Port",
     "Positive",
     "Seconds",
+    "UnknownOption",
+    "configure",
     "parse_options",
     "resolve_entry",
 ]
@@ -86,6 +89,32 @@ def parse_options(opts: Mapping[str, Any], type_: type[T], what: str, *, prefix:
         return msgspec.convert(given, type_, strict=False)
     except msgspec.ValidationError as exc:
         raise ValueError(_message(str(exc), given, fields, what)) from None
+
+
+class UnknownOption(TypeError, ValueError):
+    """A key the config Struct does not have: a ``TypeError`` as for an unknown keyword
+    argument, and a ``ValueError`` as for any bad option."""
+
+
+def configure(type_: type[T], config: T | None, settings: Mapping[str, Any], what: str) -> T:
+    """``config`` (default: ``type_()``) with ``settings`` (field name -> value, strings
+    allowed) applied and checked, as one new ``type_``.
+
+    Raises
+    ------
+    TypeError
+        ``config`` is not a ``type_``, or a key is unknown (:class:`UnknownOption`).
+    ValueError
+        A bad value, named as by :func:`parse_options`.
+    """
+    if config is not None and not isinstance(config, type_):
+        raise TypeError(f"config must be a {type_.__name__}, got {type(config).__name__}")
+    known = type_.__struct_fields__
+    unknown = [k for k in settings if k not in known]
+    if unknown:
+        raise UnknownOption(f"unknown {what} {unknown[0]!r}; known: {', '.join(known)}")
+    given = msgspec.structs.asdict(config) if config is not None else {}
+    return parse_options({**given, **settings}, type_, what)
 
 
 def resolve_entry(spec: str, what: str) -> Any:

@@ -16,6 +16,8 @@ from transport.options import (
     Port,
     Positive,
     Seconds,
+    UnknownOption,
+    configure,
     parse_options,
     resolve_entry,
 )
@@ -195,3 +197,31 @@ def test_hf_engine_options(opts: dict[str, Any], line: str) -> None:
     with pytest.raises(ValueError) as info:
         create_engine("tiny", device="cpu", **opts)
     assert line in str(info.value) and "\n" not in str(info.value)
+
+
+def test_configure_applies_settings_to_a_config_and_names_a_bad_one() -> None:
+    base = Opts(name="x", wait=2.0)
+    assert configure(Opts, base, {"count": "3"}, "opt") == Opts(name="x", wait=2.0, count=3)
+    assert configure(Opts, None, {"name": "y"}, "opt") == Opts(name="y")
+    assert base == Opts(name="x", wait=2.0)  # a new config; the given one is unchanged
+    with pytest.raises(UnknownOption, match="unknown opt 'nmae'; known: name, on") as info:
+        configure(Opts, base, {"nmae": "y"}, "opt")
+    assert isinstance(info.value, TypeError) and isinstance(info.value, ValueError)
+    with pytest.raises(ValueError, match="opt wait=0: expected a number > 0"):
+        configure(Opts, base, {"wait": 0}, "opt")
+    with pytest.raises(TypeError, match="config must be a Opts, got dict"):
+        configure(Opts, {"name": "x"}, {}, "opt")  # type: ignore[type-var]
+
+
+def test_the_controller_reads_its_settings_through_one_config() -> None:
+    from transport import ControllerConfig, FabricController
+
+    with FabricController((), timeout=5, max_message_size=1 << 20) as ctl:
+        assert ctl.config == ControllerConfig(timeout=5.0, max_message_size=1 << 20)
+        assert ctl.timeout == 5.0
+    with FabricController((), ControllerConfig(timeout=7), timeout="9") as ctl:
+        assert ctl.timeout == 9.0  # keywords override the config
+    with pytest.raises(ValueError, match="controller option timeout=-1: expected a number > 0"):
+        FabricController((), timeout=-1)
+    with pytest.raises(TypeError, match="unknown controller option 'timout'"):
+        FabricController((), timout=5)
