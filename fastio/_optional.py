@@ -10,20 +10,12 @@ __all__ = ["install_hint", "lazy", "missing", "require"]
 
 
 def install_hint(extra: str) -> str:
-    """The command that installs fastio's ``extra``, from an index and from a checkout.
-
-    >>> install_hint("weights")
-    "pip install 'fastio[weights]' (from a checkout: pip install '.[weights]')"
-    """
+    """The command that installs fastio's ``extra``, from an index and from a checkout."""
     return f"pip install 'fastio[{extra}]' (from a checkout: pip install '.[{extra}]')"
 
 
 def missing(module: str, extra: str, purpose: str = "") -> ImportError:
-    """The ImportError for a missing optional ``module``, naming what needs it.
-
-    >>> print(missing("torch", "weights", "weight updates"))
-    weight updates needs 'torch', which is not installed: pip install 'fastio[weights]' (from a checkout: pip install '.[weights]')
-    """
+    """The ImportError for a missing optional ``module``, naming what needs it."""
     what = f"{purpose} needs " if purpose else ""
     return ImportError(
         f"{what}{module!r}, which is not installed: {install_hint(extra)}", name=module
@@ -31,11 +23,7 @@ def missing(module: str, extra: str, purpose: str = "") -> ImportError:
 
 
 def require(module: str, extra: str, purpose: str = "") -> ModuleType:
-    """Import ``module`` or raise an ImportError that says which fastio extra provides it.
-
-    >>> require("json", "none").__name__
-    'json'
-    """
+    """Import ``module`` or raise an ImportError that says which fastio extra provides it."""
     try:
         return importlib.import_module(module)
     except ImportError as exc:

@@ -1,6 +1,19 @@
-"""Exceptions raised by :mod:`fastio` (the tree: ``docs/troubleshooting.md``); errors of
-lower layers (msgspec, numpy, PIL) are translated once, at the codec boundary, with
-``raise ... from exc``."""
+"""Exceptions raised by :mod:`fastio`.
+
+Exception tree::
+
+    FastioError                      root of everything fastio raises
+    ├── EncodeError(ValueError)      an object cannot be put on the wire
+    ├── DecodeError(ValueError)      a frame list is not a valid fastio message
+    │   ├── MessageTooLarge          the frames exceed the decoder's size limit
+    │   └── FrameError               not a fastio message at all: the frame list, the
+    │       │                        header or the frame count is wrong
+    │       └── UnsupportedVersion   the header's protocol version is not one it reads
+    └── IncompatiblePeer(ValueError) a peer states versions this side cannot serve
+
+Errors from lower layers (msgspec, numpy, PIL) are translated once, at the codec
+boundary, with ``raise ... from exc`` so the original cause stays attached.
+"""
 
 from __future__ import annotations
 

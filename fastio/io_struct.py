@@ -35,9 +35,8 @@ from fastio.structs import (
     _TA,
     WireStruct,
     _CheckedMeta,
-    _float_tokens,
-    _int_tokens,
     _Tokens,
+    _tokens,
 )
 from fastio.tokens import TokenArray
 
@@ -189,7 +188,7 @@ class LLMRequest(WireStruct, tag=int(MsgKind.LLM_REQUEST), metaclass=_CheckedMet
         # Construction and decode: msgspec sees the token field as Any.
         ids = self.input_ids
         if type(ids) is not _TA or ids._a.dtype not in _INT_DTYPES:
-            self.input_ids = _int_tokens(ids, np.int32, "input_ids")
+            self.input_ids = _tokens(ids, np.int32, "input_ids")
 
     @staticmethod
     def _check_new(obj: LLMRequest) -> None:
@@ -236,11 +235,11 @@ class LLMResponse(WireStruct, tag=int(MsgKind.LLM_RESPONSE)):
             and self.stop_reason in _STOP_REASONS
         ):
             return
-        self.input_tokens = _int_tokens(self.input_tokens, np.int32, "input_tokens")
-        self.output_tokens = _int_tokens(self.output_tokens, np.int32, "output_tokens")
-        self.output_logprobs = _float_tokens(self.output_logprobs, np.float64, "output_logprobs")
-        self.output_versions = _int_tokens(self.output_versions, np.int32, "output_versions")
-        self.itl = _float_tokens(self.itl, np.float64, "itl")
+        self.input_tokens = _tokens(self.input_tokens, np.int32, "input_tokens")
+        self.output_tokens = _tokens(self.output_tokens, np.int32, "output_tokens")
+        self.output_logprobs = _tokens(self.output_logprobs, np.float64, "output_logprobs")
+        self.output_versions = _tokens(self.output_versions, np.int32, "output_versions")
+        self.itl = _tokens(self.itl, np.float64, "itl")
         if self.stop_reason not in _STOP_REASONS:
             raise ValueError(
                 f"stop_reason must be one of {sorted(_STOP_REASONS)}, got {self.stop_reason!r}"

@@ -17,11 +17,7 @@ __all__ = ["enc_hook", "to_builtins", "to_json"]
 def enc_hook(obj: Any) -> Any:
     """``enc_hook`` for msgspec's other encoders: arrays and tensors as lists, numpy
     scalars as numbers, PIL images as ``data:image/png;base64,...`` URLs, tokenizers and
-    processors as their ``name_or_path``.
-
-    >>> msgspec.json.encode(fastio.LLMResponse(output_tokens=[5]), enc_hook=fastio.enc_hook)
-    b'[3,[],[5],[],[],"stop",null,null,[]]'
-    """
+    processors as their ``name_or_path``: ``msgspec.json.encode(msg, enc_hook=enc_hook)``."""
     if isinstance(obj, (TokenArray, np.ndarray, np.generic)) or _ext.is_tensor(obj):
         return obj.tolist()
     if _ext.is_pil_image(obj):
@@ -50,11 +46,7 @@ def _named(obj: Any) -> Any:
 
 def to_builtins(obj: Any) -> Any:
     """A message (or value holding messages) as JSON-ready builtins: Structs as dicts,
-    arrays as lists, ``bytes`` base64, images data URLs (one way, for logs).
-
-    >>> fastio.to_builtins(fastio.LLMResponse(output_tokens=[5, 6]))["output_tokens"]
-    [5, 6]
-    """
+    arrays as lists, ``bytes`` base64, images data URLs (one way, for logs)."""
     return msgspec.to_builtins(_named(obj), enc_hook=enc_hook)
 
 

@@ -75,10 +75,19 @@ _NUM_DTYPES = _INT_DTYPES | {np.dtype(n) for n in ("float16", "float32", "float6
 
 
 def _tokens(value: Any, dtype: Any, field: str) -> TokenArray:
-    """A token field's value as a TokenArray: lists in ``dtype`` when every value fits
-    exactly, else wider; a float among ids raises."""
-    if isinstance(value, TokenArray):
-        return value
+    """A token field's value as a TokenArray: lists in ``dtype`` (``int32`` for ids and
+    versions, ``float64`` for logprobs and latencies) when every value fits exactly, else
+    wider; floats among ids, and bool arrays, raise."""
+    target = np.dtype(dtype)
+    ints = target.kind in "iu"
+    t = value if isinstance(value, TokenArray) else _convert(value, target, field, ints)
+    if t.dtype.kind not in ("iu" if ints else "fiu"):
+        what = "integers" if ints else "numbers"
+        raise TypeError(f"{field} holds {what}, got an array of {t.dtype}")
+    return t
+
+
+def _convert(value: Any, target: np.dtype[Any], field: str, ints: bool) -> TokenArray:
     if isinstance(value, np.ndarray) or type(value).__module__ == "torch":
         return TokenArray(value)
     if not isinstance(value, (list, tuple, range)):
@@ -86,7 +95,6 @@ def _tokens(value: Any, dtype: Any, field: str) -> TokenArray:
             f"{field} takes a list, tuple, numpy array or TokenArray of numbers, "
             f"got {type(value).__name__}"
         )
-    target = np.dtype(dtype)
     if len(value) == 0:
         return TokenArray.wrap(np.empty(0, target))
     try:
@@ -103,26 +111,10 @@ def _tokens(value: Any, dtype: Any, field: str) -> TokenArray:
         raise TypeError(f"{field} holds numbers, got {arr.dtype} values")
     if arr.ndim != 1:
         raise ValueError(f"{field} must be a flat sequence of numbers, got shape {arr.shape}")
-    if target.kind in "iu" and kind == "f":
+    if ints and kind == "f":
         raise TypeError(f"{field} holds integers, got floats")
-    if target.kind in "iu" and kind in "iu":
+    if ints and kind in "iu":
         info = np.iinfo(target)
         if arr.min() < info.min or arr.max() > info.max:  # keep numpy's wider dtype
             target = arr.dtype
     return TokenArray.wrap(arr.astype(target, copy=False), owned=True)
-
-
-def _int_tokens(value: Any, dtype: Any, field: str) -> TokenArray:
-    """A token field of integers (ids, versions): a float or bool array raises."""
-    t = value if type(value) is TokenArray else _tokens(value, dtype, field)
-    if t._a.dtype.kind not in "iu":
-        raise TypeError(f"{field} holds integers, got an array of {t._a.dtype}")
-    return t
-
-
-def _float_tokens(value: Any, dtype: Any, field: str) -> TokenArray:
-    """A token field of numbers (logprobs, latencies): a bool array raises."""
-    t = value if type(value) is TokenArray else _tokens(value, dtype, field)
-    if t._a.dtype.kind not in "fiu":
-        raise TypeError(f"{field} holds numbers, got an array of {t._a.dtype}")
-    return t

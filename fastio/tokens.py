@@ -239,6 +239,16 @@ class TokenArray(Sequence[Any]):
             return _weak(other, self._a.dtype)
         raise TypeError(_hint(f"{op} {type(other).__name__}"))
 
+    def _values(self, values: Any, op: str) -> npt.NDArray[Any]:
+        """``_coerce``, for any iterable of numbers too (``extend``, slice assignment)."""
+        if isinstance(values, (TokenArray, np.ndarray, list, tuple, range)):
+            return self._coerce(values, op)
+        if isinstance(values, Iterable) and not isinstance(values, (str, bytes)):
+            return _weak(list(values), self._a.dtype)
+        raise TypeError(
+            f"TokenArray {op} needs an iterable of numbers, got {type(values).__name__}"
+        )
+
     def __add__(self, other: Any) -> TokenArray:
         return TokenArray.wrap(_concat(self._a, self._coerce(other, "+")))
 
@@ -251,14 +261,7 @@ class TokenArray(Sequence[Any]):
 
     def extend(self, values: Iterable[Any]) -> None:
         """Append every element of ``values`` (amortised; never writes a received frame)."""
-        if isinstance(values, (TokenArray, np.ndarray, list, tuple, range)):
-            extra = self._coerce(values, "extend")
-        elif isinstance(values, Iterable) and not isinstance(values, (str, bytes)):
-            extra = _weak(list(values), self._a.dtype)
-        else:
-            raise TypeError(
-                f"TokenArray.extend needs an iterable of numbers, got {type(values).__name__}"
-            )
+        extra = self._values(values, "extend")
         n, k = len(self), extra.shape[0]
         if k == 0:
             return
@@ -328,12 +331,8 @@ class TokenArray(Sequence[Any]):
             start, stop, step = index.indices(len(self))
             if isinstance(value, TokenArray):
                 values = value._a.copy()  # t[a:b] = t reads what it writes
-            elif isinstance(value, Iterable) and not isinstance(
-                value, (str, bytes, np.ndarray, list, tuple, range)
-            ):
-                values = _weak(list(value), self._a.dtype)
             else:
-                values = self._coerce(value, "slice assignment")
+                values = self._values(value, "slice assignment")
             if step == 1:
                 stop = max(stop, start)
                 a = self._a

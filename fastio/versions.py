@@ -1,17 +1,12 @@
-"""What a peer reads, and what to write to it.
+"""What a peer reads, and what to write to it (``docs/PROTOCOL.md``, "Versions").
 
-A fabric peer states in every :class:`~fastio.fabric_msgs.Heartbeat` the protocol
-versions (``protocol_min`` .. ``protocol``) and the token encodings it reads (a
-version-1 peer states nothing: the defaults describe it). :func:`encoder_for` turns
-that into the :class:`~fastio.Encoder` for the peer, or raises
+:func:`encoder_for` turns the versions a peer's :class:`~fastio.fabric_msgs.Heartbeat`
+states into the :class:`~fastio.Encoder` for that peer, or raises
 :class:`~fastio.IncompatiblePeer`; a peer not heard from yet gets :data:`VERSION_1`.
 
 >>> from fastio import fabric_msgs as fm
->>> encoder_for(fm.Heartbeat()).version
-1
->>> enc = encoder_for(fm.Heartbeat(**STATED))
->>> enc.version, enc.tokens.name
-(2, 'REF')
+>>> encoder_for(fm.Heartbeat(**STATED)).version
+2
 """
 
 from __future__ import annotations
@@ -59,13 +54,8 @@ def describe(protocol: int, protocol_min: int, token_encodings: int) -> str:
 
 def pick(protocol: int, protocol_min: int, token_encodings: int) -> tuple[int, TokenEncoding]:
     """The newest (version, token encoding) both sides know, for a peer that reads
-    versions ``protocol_min`` .. ``protocol`` and ``token_encodings``.
-
-    Raises
-    ------
-    IncompatiblePeer
-        No version, or no token encoding, in common; the message names both sides.
-    """
+    versions ``protocol_min`` .. ``protocol`` and ``token_encodings``; else
+    :class:`~fastio.IncompatiblePeer`, naming both sides."""
     got = _pick(protocol, protocol_min, token_encodings)
     if isinstance(got, str):
         raise IncompatiblePeer(got)
@@ -92,13 +82,8 @@ def _pick(
 
 
 def encoder_for(hb: Any) -> Encoder:
-    """The (shared) encoder for a peer, from the versions its Heartbeat states.
-
-    Raises
-    ------
-    IncompatiblePeer
-        See :func:`pick`.
-    """
+    """The (shared) encoder for a peer, from the versions its Heartbeat states (raises
+    as :func:`pick`)."""
     return _encoder(*pick(hb.protocol, hb.protocol_min, hb.token_encodings))
 
 

@@ -179,8 +179,7 @@ def test_token_fields_accept_integer_arrays_of_any_byte_order(dtype: Any) -> Non
 
 @pytest.mark.parametrize("dtype", ["bool", "float32", "complex64"])
 def test_token_ids_refuse_non_integer_token_arrays(dtype: str) -> None:
-    ids = TokenArray.__new__(TokenArray)
-    ids._a = np.zeros(3, dtype)
+    ids = TokenArray.wrap(np.zeros(3, dtype))  # wrap checks nothing
     with pytest.raises(TypeError, match="input_ids holds integers"):
         LLMRequest(input_ids=ids)
     with pytest.raises(TypeError, match="output_versions holds integers"):
