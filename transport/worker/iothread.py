@@ -82,8 +82,7 @@ class SocketThread:
     requests by ``(peer, id)``); pongs and health replies report ``worker_id``,
     ``incarnation``, ``version()``, ``engine_waiting()`` and ``status()``.
     ``dispatch(peer, msg)`` runs on the engine's loop for a Submit, Cancel, Control or
-    :data:`DROPPED`. ``threaded=False``: served on the engine's loop (``inline``), where
-    a Submit goes to ``submit(peer, msg)`` when given (what ``dispatch`` would call).
+    :data:`DROPPED`. ``threaded=False``: served on the engine's loop (``inline``).
     """
 
     def __init__(
@@ -101,7 +100,6 @@ class SocketThread:
         status: Callable[[], fm.WorkerStatus],
         dispatch: Callable[[bytes, Any], None],
         threaded: bool = True,
-        submit: Callable[[bytes, fm.Submit], None] | None = None,
     ) -> None:
         self.config = config
         self.counts = counters.io
@@ -115,8 +113,6 @@ class SocketThread:
         self._status = status
         self._dispatch = dispatch
         self.threaded = threaded
-        # Where a Submit goes: straight to the engine's handler when on its loop.
-        self._submit = submit if submit is not None and not threaded else self._to_engine
         self.endpoints: list[str] = []
         #: Last time each peer was heard from (written here; the engine's loop sweeps it).
         self.peers: dict[bytes, float] = {}
@@ -300,7 +296,7 @@ class SocketThread:
             return
         tp = type(msg)
         if tp is fm.Submit:
-            self._submit(peer, msg)
+            self._to_engine(peer, msg)
         elif tp is fm.Heartbeat:
             self._pong(peer, msg)
         elif tp is fm.Control and msg.op == "health":  # as live as a pong

@@ -8,8 +8,6 @@ All of this module runs on the *engine's loop* (the one that awaited
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import functools
 import logging
 import os
 import socket
@@ -24,46 +22,23 @@ from fastio import LLMRequest, LLMResponse
 from fastio import fabric_msgs as fm
 from transport import metrics
 from transport.engines.api import Engine, engine_hooks
-from transport.errors import EMPTY_PROMPT, ResumeRefused
+from transport.errors import ResumeRefused
 from transport.sockets import WorkerAuthenticator
 from transport.worker.config import WorkerConfig, checked_config
-from transport.worker.context import (
-    InvalidHandlerOutput,
-    Replies,
-    RequestContext,
-    abandon,
-    first_step,
-    output_problem,
-    token_problem,
-)
-from transport.worker.counters import Counters, log_counted
+from transport.worker.context import InvalidHandlerOutput, Replies, RequestContext
+from transport.worker.counters import Counters
 from transport.worker.iothread import DROPPED, SocketThread
 from transport.worker.lost import LostReplies
 from transport.worker.pausing import PauseGate
+from transport.worker.requests import Held, Requests
 
 __all__ = ["Background", "Handler", "InvalidHandlerOutput", "WorkerServer"]
 
 log = logging.getLogger("transport.worker")
 
-_INF = float("inf")
-
 Handler = Callable[[LLMRequest, RequestContext], Awaitable[LLMResponse]]
 #: A background job started with the server in its loop (e.g. a weight subscriber).
 Background = Callable[["WorkerServer"], Awaitable[None]]
-
-
-class _Request:
-    """One held submission: its task, and what its end needs to know."""
-
-    __slots__ = ("aborted", "ctx", "ran", "started", "sub", "task")
-
-    def __init__(self, ctx: RequestContext, sub: fm.Submit) -> None:
-        self.ctx = ctx
-        self.sub = sub
-        self.started: Awaitable[LLMResponse] | None = None  # its eagerly started handler
-        self.task: asyncio.Task[None] | None = None
-        self.ran = False  # the task's body started
-        self.aborted = False  # ended by a controller's abort
 
 
 class WorkerServer:
@@ -118,17 +93,19 @@ class WorkerServer:
             self.gate.keeps_in_place = hooks.keeps_in_place
         self.lost = LostReplies()
         self.counters.read["lost"] = lambda: self.lost.count
-        self._tasks: dict[tuple[bytes, int], _Request] = {}
+        self._held: dict[tuple[bytes, int], Held] = {}
         inline = cfg.inline if cfg.inline is not None else bool(getattr(self.handler, "inline", 0))
         self.io = SocketThread(
-            cfg, self.counters, self.lost, self.gate, self._tasks,
+            cfg, self.counters, self.lost, self.gate, self._held,
             worker_id=self.worker_id, incarnation=self.incarnation,
             version=self._version, engine_waiting=self._engine_waiting,
             status=self.status, dispatch=self._dispatch, threaded=not inline,
-            submit=self._on_submit,
         )  # fmt: skip
         self.counters.read["discarded"] = self.io.discarded
         self.replies = Replies(self.io.send, self.gate, self._version, cfg.latency_metrics)
+        self.requests = Requests(
+            self._held, self.handler, self.engine, cfg, self.counters.loop, self.replies
+        )
         self._zmq_context: zmq.Context[Any] | None = None
         self._auth: WorkerAuthenticator | None = None
         self._bg_tasks: list[asyncio.Task[Any]] = []
@@ -167,7 +144,7 @@ class WorkerServer:
 
     def status(self) -> fm.WorkerStatus:
         """A snapshot of this worker's state and counters (callable from any thread)."""
-        running, waiting = self.gate.running, max(0, len(self._tasks) - self.gate.running)
+        running, waiting = self.gate.running, max(0, len(self._held) - self.gate.running)
         return fm.WorkerStatus(
             worker_id=self.worker_id, incarnation=self.incarnation, version=self.version,
             paused=self.gate.paused, running=running, waiting=waiting,
@@ -175,7 +152,7 @@ class WorkerServer:
         )  # fmt: skip
 
     def _queue_depth(self) -> int:
-        return max(0, len(self._tasks) - self.gate.running) + self.io.queued_submits()
+        return max(0, len(self._held) - self.gate.running) + self.io.queued_submits()
 
     def _engine_waiting(self) -> int:
         # A failing hook must not cost the pong.
@@ -198,11 +175,7 @@ class WorkerServer:
 
     def abort_all(self) -> int:
         """Abort every request (each answers ``ABORTED``); returns how many."""
-        for req in self._tasks.values():
-            req.aborted = True
-            if req.task is not None:
-                req.task.cancel()
-        return len(self._tasks)
+        return self.requests.abort_all()
 
     async def start(self) -> list[str]:
         """Bind, start serving and the background jobs; returns the bound endpoints.
@@ -270,7 +243,7 @@ class WorkerServer:
         """Stop serving: cancel requests and background jobs, close the socket."""
         for task in self._bg_tasks:
             task.cancel()
-        pending = [r.task for r in self._tasks.values() if r.task is not None]
+        pending = self.requests.tasks()
         for task in pending:
             task.cancel()
         if pending or self._bg_tasks:
@@ -292,11 +265,9 @@ class WorkerServer:
     def _dispatch(self, peer: bytes, msg: Any) -> None:
         tp = type(msg)
         if tp is fm.Submit:
-            self._on_submit(peer, msg)
+            self.requests.submit(peer, msg)
         elif tp is fm.Cancel:
-            req = self._tasks.get((peer, msg.id))
-            if req is not None and req.task is not None:
-                req.task.cancel()
+            self.requests.cancel(peer, msg.id)
         elif tp is fm.Control:
             self.counters.loop.counts["control"] += 1
             task = asyncio.ensure_future(self._on_control(peer, msg))
@@ -324,166 +295,6 @@ class WorkerServer:
             self.counters.loop.bad(rejected=False)
         self.io.send(peer, fm.ControlReply(seq=msg.seq, ok=ok, error=error, status=self.status()))
 
-    def _send_error(self, peer: bytes, id: int, code: fm.ErrorCode, text: str) -> None:
-        self.counters.loop.errors[code.name] += 1
-        self.io.send(peer, fm.Error(id=id, code=int(code), message=text))
-
-    def _bad(self, peer: bytes, id: int, text: str) -> None:
-        log_counted(self.counters.loop.bad(), "bad message from %r: %s", peer, text)
-        self._send_error(peer, id, fm.ErrorCode.BAD_REQUEST, text)
-
-    def _on_submit(self, peer: bytes, sub: fm.Submit) -> None:
-        counts = self.counters.loop
-        counts.counts["received"] += 1
-        key = (peer, sub.id)
-        if key in self._tasks:  # a re-send of one in flight: its one answer answers both
-            counts.counts["duplicates"] += 1
-            return
-        if sub.id < 0:
-            self._bad(peer, sub.id, f"Submit.id must be >= 0, got {sub.id}")
-            return
-        if not len(sub.request.input_ids):
-            self._bad(peer, sub.id, EMPTY_PROMPT)
-            return
-        vocab = getattr(self.engine, "vocab_size", None)  # an id past it may kill the engine
-        if isinstance(vocab, int) and vocab > 0 and type(vocab) is not bool:
-            problem = token_problem(sub.request, vocab)
-            if problem is not None:  # answered as the engine's own refusal would be
-                counts.counts["errors"] += 1
-                counts.outcomes["error"] += 1
-                log.warning("request %s refused by the engine: %s", sub.request.rid, problem)
-                self._send_error(peer, sub.id, fm.ErrorCode.HANDLER_ERROR, problem)
-                return
-        if len(self._tasks) >= self.config.max_pending:
-            counts.counts["overloaded"] += 1
-            counts.outcomes["rejected"] += 1
-            text = "worker holds too many requests"
-            self._send_error(peer, sub.id, fm.ErrorCode.OVERLOADED, text)
-            return
-        timeout = sub.timeout
-        deadline = time.monotonic() + timeout if timeout > 0 else _INF
-        ctx = RequestContext(self.replies, peer, sub.id, sub.stream, deadline)
-        started = None
-        if self.config.eager_start and timeout <= 0 and self.gate.try_enter():
-            resp, err, started = first_step(self.handler, sub.request, ctx)
-            if started is None:  # answered at once: no task, no entry
-                self._ended(ctx, sub, resp, err)
-                return
-        req = _Request(ctx, sub)
-        req.started = started
-        req.task = task = asyncio.ensure_future(self._run(req))
-        task.add_done_callback(functools.partial(self._reap, req))
-        self._tasks[key] = req
-
-    async def _run(self, req: _Request) -> None:
-        """One request in a task (its handler already running after an eager start)."""
-        req.ran = True
-        resp: LLMResponse | None = None
-        err: BaseException | None = None
-        started = req.started
-        running = started is not None
-        try:
-            if started is not None:
-                resp = await started
-            else:
-                await self.gate.enter()
-                running = True
-                sub = req.sub
-                aw = self.handler(sub.request, req.ctx)
-                if not hasattr(aw, "__await__"):  # a sync handler's answer
-                    resp = aw  # type: ignore[assignment]
-                elif sub.timeout > 0:
-                    resp = await asyncio.wait_for(aw, sub.timeout)
-                else:
-                    resp = await aw
-        except (Exception, asyncio.CancelledError) as exc:
-            err = exc
-        if running:
-            self._ended(req.ctx, req.sub, resp, err, req.aborted)
-        else:  # cancelled while waiting for a slot: it never ran
-            self._tasks.pop((req.ctx.peer, req.ctx.id), None)
-            if isinstance(err, asyncio.CancelledError):
-                self._cancelled(req.ctx, req.aborted)
-
-    def _reap(self, req: _Request, _: object) -> None:
-        # A task cancelled before its first step (a Cancel in its Submit's batch) never
-        # ran _run: do what it would have, or the request would hold its slot forever.
-        if req.ran:
-            return
-        abandon(req.started)
-        if req.started is not None:
-            self._ended(req.ctx, req.sub, None, asyncio.CancelledError(), req.aborted)
-        else:
-            self._tasks.pop((req.ctx.peer, req.ctx.id), None)
-            self._cancelled(req.ctx, req.aborted)
-
-    def _ended(
-        self, ctx: RequestContext, sub: fm.Submit, resp: LLMResponse | None,
-        err: BaseException | None, aborted: bool = False,
-    ) -> None:  # fmt: skip
-        """A handler holding a slot returned ``resp`` or raised ``err`` (``aborted``: its
-        task was cancelled by an abort): reply, free the slot."""
-        peer, id = ctx.peer, ctx.id
-        counts = self.counters.loop
-        try:
-            if err is None:
-                # Checked here: the client could only say BAD_RESPONSE, not why.
-                problem = output_problem(resp)
-                if problem is None:
-                    assert resp is not None
-                    if ctx._tok:  # tokens emitted and not sent: they go before the Result
-                        self.replies.flush(ctx)
-                    # Counted before it leaves: a health check after the answers sees it.
-                    n = len(resp.output_tokens)
-                    counts.result(resp.stop_reason, len(sub.request.input_ids), n)
-                    self.io.send(
-                        peer,
-                        fm.Result(
-                            id=id,
-                            output_tokens=resp.output_tokens,
-                            output_logprobs=resp.output_logprobs,
-                            output_versions=resp.output_versions,
-                            stop_reason=resp.stop_reason,
-                        ),
-                    )
-                    if self.replies.latency_metrics:
-                        self.replies.finished(ctx, n)
-                    return
-                err = InvalidHandlerOutput(problem)
-            if isinstance(err, asyncio.CancelledError):
-                self._cancelled(ctx, aborted)
-                return
-            counts.counts["errors"] += 1
-            counts.outcomes["error"] += 1
-            if isinstance(err, TimeoutError):
-                text = f"worker time limit {sub.timeout} s passed"
-                self._send_error(peer, id, fm.ErrorCode.TIMEOUT, text)
-                return
-            if isinstance(err, ValueError):  # the engine refused the input: no traceback
-                why = f"{type(err).__name__}: {err}"
-                log.warning("request %s refused by the engine: %s", sub.request.rid, why)
-            else:
-                log.error("handler failed on request %s", sub.request.rid, exc_info=err)
-            self._send_error(peer, id, fm.ErrorCode.HANDLER_ERROR, f"{type(err).__name__}: {err}")
-        except Exception:  # a reply that cannot be built must not leak the slot
-            counts.counts["errors"] += 1
-            log.exception("cannot send the reply to request %s", sub.request.rid)
-            with contextlib.suppress(Exception):
-                self._send_error(peer, id, fm.ErrorCode.HANDLER_ERROR, "invalid handler output")
-        finally:
-            self._tasks.pop((peer, id), None)
-            self.gate.leave()
-
-    def _cancelled(self, ctx: RequestContext, aborted: bool) -> None:
-        counts = self.counters.loop
-        counts.outcomes["cancelled"] += 1
-        if aborted:
-            counts.counts["aborted"] += 1
-            counts.finished["abort"] += 1
-            self._send_error(ctx.peer, ctx.id, fm.ErrorCode.ABORTED, "aborted by a controller")
-        else:
-            counts.counts["cancelled"] += 1
-
     def _sweep_peers(self) -> None:
         now = time.monotonic()
         limit = self.config.client_timeout
@@ -497,12 +308,7 @@ class WorkerServer:
     def _forget_peer(self, peer: bytes) -> int:
         # Perhaps only stalled: what is cancelled here is reported LOST if it pings again.
         self.io.peers.pop(peer, None)
-        lost = []
-        for (p, id), req in list(self._tasks.items()):
-            if p == peer:
-                if req.task is not None:
-                    req.task.cancel()
-                lost.append(id)
+        lost = self.requests.forget(peer)
         self.lost.note(peer, lost)
         return len(lost)
 
