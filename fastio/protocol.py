@@ -75,22 +75,15 @@ class MsgKind(enum.IntEnum):
 
 
 class ExtCode(enum.IntEnum):
-    """msgpack extension type codes."""
+    """msgpack extension type codes; ``TOKENS_*`` are bases, ``+ d`` for dtype ``DTYPE_NAMES[d]``
+    (payloads: ``docs/PROTOCOL.md``, "Extension types")."""
 
-    #: numpy array: payload ``[dtype, shape, data]``.
     NDARRAY = 1
-    #: torch tensor: same payload as NDARRAY, decoded as a ``torch.Tensor``.
     TENSOR = 2
-    #: PIL image: payload ``[mode, width, height, data]`` (raw pixel bytes).
     IMAGE = 3
-    #: ``TokenArray``: the NDARRAY payload, 1-D; written at version 1.
     TOKENS = 4
-    #: ``TokenArray`` inline: ``16 + d`` (``d``: index in :data:`DTYPE_NAMES`), the
-    #: little-endian elements.
     TOKENS_INLINE = 16
-    #: ``TokenArray`` in a frame: ``32 + d``, frame index and count as two ``<u4``.
     TOKENS_FRAME = 32
-    #: ``TokenArray`` in a frame, compact: ``48 + d``, the frame index (1-255), a byte.
     TOKENS_REF = 48
 
 
