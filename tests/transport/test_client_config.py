@@ -68,3 +68,7 @@ def test_stats_are_the_counters_and_feed_the_metrics() -> None:
     assert counters.add("completed") == 1 and counters.stats["resent"] == 3
     if before is not None:  # prometheus-client installed: the exported counter moved as much
         assert _resends_exported() == before + 3
+    snap = counters.snapshot()  # read like the worker's Counters: a mapping, a snapshot
+    assert counters["resent"] == 3 and dict(counters) == snap and snap is not counters.stats
+    counters.add("completed")
+    assert snap["completed"] == 1 and counters["completed"] == 2 and len(counters) == len(snap)

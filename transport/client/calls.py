@@ -4,6 +4,7 @@ keeps what it produced: docs/concepts.md, "Pause and interrupt"), and the client
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import msgspec
@@ -30,15 +31,29 @@ _EXPORTED: dict[str, Any] = {
 }
 
 
-class Counters:
-    """Event counts of one client (``stats``) and the metrics they feed; the latency
-    histogram only with ``observe_latency``."""
+class Counters(Mapping[str, int]):
+    """Event counts of one client (``stats``), read like the worker's ``Counters`` (a
+    mapping, ``snapshot()``), and the metrics they feed; the latency histogram only with
+    ``observe_latency``."""
 
     __slots__ = ("observe_latency", "stats")
 
     def __init__(self, observe_latency: bool = False) -> None:
         self.observe_latency = observe_latency
         self.stats: dict[str, int] = dict.fromkeys(_NAMES, 0)
+
+    def snapshot(self) -> dict[str, int]:
+        """The counts now."""
+        return dict(self.stats)
+
+    def __getitem__(self, name: str) -> int:
+        return self.stats[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.stats)
+
+    def __len__(self) -> int:
+        return len(self.stats)
 
     def add(self, name: str, n: int = 1) -> int:
         """Count ``n`` more ``name`` events; returns the new total."""
@@ -75,13 +90,17 @@ def on_stream(call: Call, msg: fm.Stream) -> None:
         call.chunks.append(chunk)
     else:
         call.chunks = [chunk]
-    now = [time.perf_counter()] * k
-    if call.times:
-        call.times.extend(now)
-    else:
-        call.times = now
+    _stamp(call, k, time.perf_counter())
     if call.on_chunk is not None:
         _deliver(call, pos, msg.output_tokens, msg.output_logprobs, msg.output_versions)
+
+
+def _stamp(call: Call, n: int, now: float) -> None:
+    """``n`` more output positions arrived at ``now``."""
+    if call.times:
+        call.times.extend([now] * n)
+    else:
+        call.times = [now] * n
 
 
 def drop_times(call: Call, keep: int) -> None:
@@ -167,10 +186,7 @@ def absorb_result(call: Call, res: fm.Result) -> LLMResponse | None:
     call.chunks = ()
     extra = call.base + n - len(call.times)  # tokens the stream did not announce
     if extra > 0:
-        if call.times:
-            call.times.extend([now] * extra)
-        else:
-            call.times = [now] * extra
+        _stamp(call, extra, now)
     elif extra < 0:
         drop_times(call, call.base + n)
     if call.out_tok is None and stop_reason != "interrupt":
@@ -188,6 +204,7 @@ def absorb_result(call: Call, res: fm.Result) -> LLMResponse | None:
     return _finish(call, toks, lps, vers, stop_reason, now)
 
 
+_NO_IMAGES: dict[str, Any] = {}
 # The zeros of the usual response's itl, sliced without a call to constant().
 _N_ZEROS = 4097
 _ZEROS = constant(_N_ZEROS - 1, np.float64)
@@ -215,13 +232,11 @@ def _response(
     latency: float, ttft: float, itl: TokenArray,
 ) -> LLMResponse:  # fmt: skip
     """The caller's response: the worker's output around the caller's own prompt."""
+    cls, images = LLMResponse, _NO_IMAGES
     if isinstance(orig, VLMRequest):
-        return VLMResponse(
-            input_tokens=orig.input_ids, output_tokens=toks, output_logprobs=lps,
-            output_versions=vers, stop_reason=stop_reason, latency=latency, ttft=ttft, itl=itl,
-            input_images=list(orig.image_data or []),
-        )  # fmt: skip
-    return LLMResponse(
+        cls, images = VLMResponse, {"input_images": list(orig.image_data or [])}
+    return cls(
         input_tokens=orig.input_ids, output_tokens=toks, output_logprobs=lps,
         output_versions=vers, stop_reason=stop_reason, latency=latency, ttft=ttft, itl=itl,
+        **images,
     )  # fmt: skip

@@ -10,7 +10,7 @@ from typing import Any, TypeVar
 
 from fastio import LLMRequest, LLMResponse
 from transport.client.config import ClientConfig
-from transport.client.fabric import FabricClient
+from transport.client.fabric import FabricClient, _in_loop
 from transport.client.workers import check_address
 
 __all__ = ["SyncFabricClient"]
@@ -47,19 +47,16 @@ class SyncFabricClient:
             fut.cancel()
             raise
 
-    async def _generate(self, req: LLMRequest, timeout: float | None) -> LLMResponse:
-        # Called in the client's loop (agenerate binds to the loop it is called in).
-        return await self.client.agenerate(req, timeout=timeout)
-
     def generate(self, req: LLMRequest, *, timeout: float | None = None) -> LLMResponse:
         """Blocking :meth:`FabricClient.agenerate`."""
-        return self._run(self._generate(req, timeout))
+        return self._run(_in_loop(self.client, req, timeout, None))
 
     def submit(
         self, req: LLMRequest, *, timeout: float | None = None
     ) -> concurrent.futures.Future[LLMResponse]:
         """Start a request; returns a ``concurrent.futures.Future``."""
-        return asyncio.run_coroutine_threadsafe(self._generate(req, timeout), self._loop)
+        coro = _in_loop(self.client, req, timeout, None)  # agenerate in the client's loop
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
 
     def add_worker(self, address: str) -> None:
         """Thread-safe :meth:`FabricClient.add_worker` (a bad address raises here)."""

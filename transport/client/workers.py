@@ -46,29 +46,24 @@ def check_address(address: str) -> str:
     if not isinstance(address, str):
         raise BadAddress(f"worker address must be a str, got {type(address).__name__}")
     m = _ADDRESS.fullmatch(address)
+    scheme, rest = m.groups() if m is not None else ("", "")
+    why = ""
     if m is None:
-        raise BadAddress(
-            f"worker address {address!r} has no scheme: expected tcp://host:port, "
-            "ipc://path or inproc://name"
-        )
-    scheme, rest = m.group(1), m.group(2)
-    if scheme not in _SCHEMES:
-        raise BadAddress(
-            f"worker address {address!r}: transport {scheme!r} is not supported "
-            f"(use one of {', '.join(_SCHEMES)})"
-        )
-    if not rest:
-        raise BadAddress(f"worker address {address!r} names no endpoint after {scheme}://")
-    if scheme == "tcp":
+        why = " has no scheme: expected tcp://host:port, ipc://path or inproc://name"
+    elif scheme not in _SCHEMES:
+        why = f": transport {scheme!r} is not supported (use one of {', '.join(_SCHEMES)})"
+    elif not rest:
+        why = f" names no endpoint after {scheme}://"
+    elif scheme == "tcp":
         host, sep, port = rest.rpartition(":")
         if not sep or not host:
-            raise BadAddress(f"worker address {address!r} needs a port: tcp://host:port")
-        if host == "*":
-            raise BadAddress(f"worker address {address!r}: '*' binds, a client needs a host")
-        if not port.isdigit() or not 0 < int(port) < 65536:
-            raise BadAddress(
-                f"worker address {address!r}: port {port!r} is not a number in 1-65535"
-            )
+            why = " needs a port: tcp://host:port"
+        elif host == "*":
+            why = ": '*' binds, a client needs a host"
+        elif not port.isdigit() or not 0 < int(port) < 65536:
+            why = f": port {port!r} is not a number in 1-65535"
+    if why:
+        raise BadAddress(f"worker address {address!r}{why}")
     return address
 
 
@@ -145,8 +140,7 @@ class Worker:
         self._on_message(self, frames)
 
     def tick(self, prev: float) -> None:
-        """A heartbeat tick (the one before ran at ``prev``): missed if nothing came
-        since; a load figure no pong renewed since is forgotten."""
+        """A heartbeat tick (the last at ``prev``): count a miss, forget a stale load."""
         self.missed = self.missed + 1 if self.last_seen < prev else 0
         if self.load_current and self.pong_at < prev:
             self.load_current = False  # go by this client's own count
@@ -178,8 +172,7 @@ class Worker:
         return was != why
 
     def take_calls(self) -> tuple[list[Call], list[Call]]:
-        """Take its calls: those running there (cancelled there, in case it is only
-        stalled) and those waiting for it; what is queued to it is dropped."""
+        """Take its calls, running (cancelled there: it may only be stalled) and waiting."""
         running = list(self.inflight.values())
         waiting = list(self.sticky_queue)
         self.pump.discard_queued()
@@ -190,8 +183,7 @@ class Worker:
         return running, waiting
 
     def drain(self, draining: bool = True) -> list[Call]:
-        """Send it nothing more (or again, with False); returns the calls that were
-        waiting for it."""
+        """Send it nothing more (False: again); returns the calls waiting for it."""
         self.draining = draining
         calls = list(self.sticky_queue) if draining else []
         self.sticky_queue.clear()
@@ -203,8 +195,7 @@ class Worker:
             self.limit += 1
 
     def overloaded(self) -> bool:
-        """It answered OVERLOADED: take no more than it runs now; True when it runs
-        none of ours (full with other clients' work: cool down for 10 ms)."""
+        """It answered OVERLOADED; True when it runs none of ours (it cools for 10 ms)."""
         self.limit = max(1, len(self.inflight))
         if self.inflight:
             return False
