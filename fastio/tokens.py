@@ -1,5 +1,5 @@
 """``TokenArray``: a zero-copy, list-like view of a 1-D numpy array (its dtype rules,
-copy-on-write and lifetime: ``docs/concepts.md``, "Token arrays")."""
+copy-on-write and lifetime: ``docs/concepts.md``, "The codec")."""
 
 from __future__ import annotations
 
