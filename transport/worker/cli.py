@@ -2,8 +2,7 @@
 
 It prints one JSON line ``{"ready": [endpoints], "pid": ..., "worker_id": ...}`` (plus
 ``"metrics": port`` with ``--metrics-port``) once it serves. A user error prints one
-line on stderr and exits 2 (1: a plugin failed as it started). The main thread runs the
-engine's loop; the server starts the socket thread.
+line on stderr and exits 2 (1: a plugin failed as it started).
 """
 
 from __future__ import annotations
@@ -196,11 +195,7 @@ def build_engine(args: argparse.Namespace) -> Any:
     built with its options."""
     spec = args.engine
     try:
-        factory = resolve_engine(spec)
-    except ValueError as exc:
-        raise UserError(f"--engine {spec}: {exc}") from exc
-    try:
-        return factory(_engine_opts(args))
+        return resolve_engine(spec)(_engine_opts(args))
     except ValueError as exc:
         raise UserError(f"--engine {spec}: {exc}") from exc
     except Exception as exc:

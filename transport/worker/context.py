@@ -1,11 +1,5 @@
-"""What a handler knows about its request (:class:`RequestContext`), how the tokens it
-streams leave (:class:`Replies`), how it is started, and whether its answer can be sent.
-All on the engine's loop.
-
-Eager start (as Python 3.12's eager tasks): a handler's first step runs in the callback
-that took its Submit, so one that answers without waiting costs no task; one that
-awaits continues in a task through :class:`Resume`.
-"""
+"""A handler's :class:`RequestContext`, its streamed tokens (:class:`Replies`), its eager
+start (:func:`first_step`) and the checks of its answer. All on the engine's loop."""
 
 from __future__ import annotations
 
@@ -192,11 +186,7 @@ _UNSIGNED = {np.dtype(f"i{n}"): np.dtype(f"u{n}") for n in (1, 2, 4, 8)}
 
 def token_problem(req: LLMRequest, vocab_size: int) -> str | None:
     """Why ``req`` holds a token id outside ``[0, vocab_size)`` (in ``input_ids`` or
-    ``gconfig.stop_token_ids``), naming the field and such an id, or None.
-
-    One reduction over the prompt (no list of it): an engine handed such an id may fail
-    the whole engine rather than the one request.
-    """
+    ``gconfig.stop_token_ids``), naming the field and such an id, or None."""
     ids = req.input_ids._a
     u = _UNSIGNED.get(ids.dtype)
     if ids.size and int((ids if u is None else ids.view(u)).max()) >= vocab_size:

@@ -1,7 +1,5 @@
-"""The counts of one worker: read by ``status()`` and health replies, exported to
-Prometheus when scraped. The engine's loop and the socket thread each write only their
-own :class:`Shard` (plain ints, no lock on the request path); readers sum both.
-"""
+"""The counts of one worker (docs/metrics.md): each thread writes its own :class:`Shard`
+(plain ints, no lock on the request path); readers sum both."""
 
 from __future__ import annotations
 

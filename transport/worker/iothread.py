@@ -1,11 +1,5 @@
-"""The worker's socket thread: it owns the ROUTER, answers pings and moves bytes.
-
-Its own asyncio loop runs a :class:`~transport.sockets.SocketPump` on the ROUTER: it
-decodes, answers pings, ``health`` and bad input itself, and hands the rest to the
-engine's loop through a queue (one wake-up per batch); replies come back through
-another. So a handler blocking the engine's loop never delays a pong. With
-``WorkerConfig.inline`` the same code runs on the engine's loop, with no queues.
-"""
+"""The worker's socket thread: it owns the ROUTER, answers pings, ``health`` and bad
+input itself and hands the rest to the engine's loop (one wake-up per batch each way)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""What a worker gave up for a client it could not reach, reported when it pings again.
-
-A client presumed dead may only have stalled. Per peer: the submission ids cancelled
-that way or whose ``Result`` was undeliverable (each reported ``Error(LOST)``: the client
-re-sends it) and undeliverable ``Error`` replies (sent again). Written from two threads.
-"""
+"""What a worker gave up for a client it could not reach, reported when it pings again
+(``Error(LOST)``, PROTOCOL.md's "Behaviour of a worker"). Written from two threads."""
 
 from __future__ import annotations
 

@@ -1,9 +1,4 @@
-"""The pause gate of a worker: handler slots, pause and resume (on the engine's loop).
-
-Paused, new submissions wait and running handlers see ``ctx.interrupted`` (they return
-their output so far with ``stop_reason="interrupt"``). A pause completes once no handler
-runs, so a weight update after it never races a generation step.
-"""
+"""The pause gate of a worker: handler slots, pause and resume (on the engine's loop)."""
 
 from __future__ import annotations
 

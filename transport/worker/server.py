@@ -1,9 +1,4 @@
-"""The generation worker's server: requests, pause / resume / abort, dead clients.
-
-All of this module runs on the *engine's loop* (the one that awaited
-:meth:`WorkerServer.start`); the ROUTER belongs to the socket thread
-(:mod:`transport.worker.iothread`), so a handler blocking that loop never delays a pong.
-"""
+"""The generation worker's server, on the engine's loop (the ROUTER is the socket thread's)."""
 
 from __future__ import annotations
 
@@ -49,10 +44,8 @@ class WorkerServer:
     handler:
         ``async (req, ctx) -> LLMResponse``, a plain function of the same shape (it may
         block the engine's loop), or an engine whose ``generate`` is one (then
-        :attr:`engine`). An engine with an int ``vocab_size`` never sees a token id
-        outside ``[0, vocab_size)`` (in ``input_ids`` or ``gconfig.stop_token_ids``):
-        the worker refuses such a request for it (``HANDLER_ERROR`` naming the id, as
-        an engine's ``ValueError`` is answered).
+        :attr:`engine`). A token id outside an engine's int ``vocab_size`` is refused
+        before the engine sees it (``HANDLER_ERROR``).
     config:
         :class:`WorkerConfig` (or its fields by name); ``ValueError`` names a bad one.
     background:
