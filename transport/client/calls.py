@@ -64,8 +64,7 @@ class Counters(Mapping[str, int]):
 
 
 def _deliver(call: Call, pos: int, toks: TokenArray, lps: TokenArray, vers: TokenArray) -> None:
-    """Hand ``on_chunk`` what it has not had of the tokens at output positions
-    ``pos...`` (never a position twice, never out of order)."""
+    """Hand ``on_chunk`` the tokens at output positions ``pos...`` it has not had."""
     cb = call.on_chunk
     assert cb is not None
     skip = call.delivered - pos
@@ -123,8 +122,7 @@ def _append(call: Call, toks: TokenArray, lps: TokenArray, vers: TokenArray) -> 
 
 
 def _next_segment(call: Call) -> str | None:
-    """After a segment ended early: set up the continuation, or return the stop reason
-    when nothing is left to generate."""
+    """Set up the continuation of a segment that ended early, or return why none is due."""
     orig = call.orig
     assert call.out_tok is not None
     produced = len(call.out_tok)
@@ -142,9 +140,8 @@ def _next_segment(call: Call) -> str | None:
 
 
 def keep_streamed(call: Call) -> LLMResponse | None:
-    """The current attempt was lost: keep the tokens it streamed as a segment and make
-    the re-send continue after them. Returns the response when those tokens complete
-    the call, else None."""
+    """The current attempt was lost: keep what it streamed as a segment (the re-send goes
+    on from there); the response when those tokens complete the call."""
     chunks = call.chunks
     call.chunks = ()
     call.seg_streamed = 0
@@ -211,8 +208,7 @@ _ZEROS = constant(_N_ZEROS - 1, np.float64)
 
 
 def _zero_itl(n: int) -> TokenArray:
-    """``n`` zero inter-token latencies (tokens that arrived together): a view of one
-    shared read-only zero array (a TokenArray copies before changing it)."""
+    """``n`` zero inter-token latencies: a view of one shared read-only zero array."""
     return TokenArray.wrap(constant(n, np.float64))
 
 

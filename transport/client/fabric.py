@@ -61,8 +61,7 @@ class FabricClient:
         self._cancelled = self._sched.cancelled  # bound once, not per call
         self._live = Liveness(config, self._sched)
         self._dec = Decoder(fm.WORKER_TO_CLIENT, max_message_size=config.max_message_size)
-        # One routing id on every DEALER: answers (and LOST reports) reach it after a
-        # reconnect.
+        # One routing id on every DEALER: answers and LOST reports reach it after a reconnect.
         self._identity = b"fc-" + uuid.uuid4().hex.encode()
         self._ctx: zmq.Context[Any] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -161,10 +160,8 @@ class FabricClient:
         timeout: float | None = None,
         on_chunk: ChunkCallback | None = None,
     ) -> GenerateFuture:
-        """Generate for ``req`` on some worker; ``await`` the result for the response.
-
-        Returns a :class:`GenerateFuture`, the request already on its way; with no
-        running loop, a coroutine that submits when it first runs.
+        """Generate for ``req`` on some worker: a :class:`GenerateFuture`, the request
+        already on its way (with no running loop, a coroutine that submits when it runs).
 
         Parameters
         ----------
@@ -181,9 +178,8 @@ class FabricClient:
         RequestTimeout
             Not done in time (then cancelled on its worker, as when the future is).
         RemoteError
-            The worker failed it (:class:`RequestAborted`: a controller aborted it;
-            :class:`~transport.errors.PoisonRequest`: ``max_worker_deaths + 1`` workers
-            died while running it). A worker's error reply is never re-sent.
+            The worker failed it, never re-sent (:class:`RequestAborted`: a controller
+            aborted it; :class:`~transport.errors.PoisonRequest`: too many died running it).
         NoWorkerAvailable
             No worker alive for ``config.connect_timeout``; says what was seen where.
         NoWorkers

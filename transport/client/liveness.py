@@ -87,25 +87,19 @@ class Liveness:
         for w in list(self.sched.order):
             w.pump.drain_now()  # our loop may lag the socket: read before judging
             if w.alive:  # counted in our ticks: a late tick of a busy loop is no death
-                w.tick(prev)
-                silent = now - w.last_seen
-                if (
-                    w.missed >= cfg.heartbeat_liveness
-                    and silent > cfg.heartbeat_interval * cfg.heartbeat_liveness
-                ):
-                    self.worker_died(w, f"no pong for {silent:.2f} s")
+                n = cfg.heartbeat_liveness
+                if w.tick(prev, n, cfg.heartbeat_interval * n):
+                    self.worker_died(w, f"no pong for {now - w.last_seen:.2f} s")
             else:
                 w.poll_monitor()
             w.ping()
-        if not self.n_alive and not self._warned_none and self.no_worker_expired():
-            self._warned_none = True
-            log.warning("%s", self.no_worker_error())
+        if not self.n_alive and self.no_worker_expired():
+            self._warn_none()
         self._last_tick = now
         self._later("heartbeat", cfg.heartbeat_interval, self._heartbeat)
 
     def on_pong(self, w: Worker, hb: fm.Heartbeat) -> None:
-        """A pong says what ``w`` reads (written to it from now on, or refused) and how
-        busy it is."""
+        """A pong: what ``w`` reads (or it is refused), how busy it is."""
         try:
             enc = versions.encoder_for(hb)
         except IncompatiblePeer as exc:
@@ -134,9 +128,7 @@ class Liveness:
         self.gate_check()
 
     def gate_check(self) -> None:
-        """Release the held calls once no worker that may be up is unheard from within
-        ``min(heartbeat_interval, connect_timeout)`` of its being added (if never heard
-        and not refused) or of the first coming back (if it died in the same outage)."""
+        """Release the held calls once no worker that may be up is still awaited."""
         if not self.sched.held or not self.n_alive or self._closed:
             return  # nothing to send to yet: checked again when one answers
         cfg = self.config
@@ -170,9 +162,8 @@ class Liveness:
         self.gate_check()
 
     def worker_died(self, w: Worker, why: str, crashed: bool = True) -> None:
-        """``w`` is dead (or unusable): re-send its calls elsewhere. ``crashed``: it died
-        (silent, or restarted), which counts against the calls it was running (see
-        ``max_worker_deaths``)."""
+        """``w`` is dead (or unusable): re-send its calls elsewhere; ``crashed`` counts
+        against the calls it was running (``max_worker_deaths``)."""
         self.sched.counters.add("workers_died")
         if w.mark_dead():
             self.n_alive -= 1
@@ -195,9 +186,8 @@ class Liveness:
     def lose_attempt(
         self, call: Call, w: Worker, why: str, code: int = 0, died: bool = False
     ) -> None:
-        """The current attempt of ``call`` is lost (``died``: ``w`` died while running
-        it): keep what it streamed, and re-send the rest after a back-off, or fail the
-        call past ``max_worker_deaths`` or ``max_resends``."""
+        """The current attempt of ``call`` is lost (``died``: ``w`` died running it): keep
+        what it streamed, re-send the rest after a back-off, or fail it past the limits."""
         call.resends += 1
         if died:
             call.died_on += (w.address,)
@@ -220,8 +210,7 @@ class Liveness:
         call.backoff = self._loop.call_later(delay, self._resend_now, call)
 
     def _poisoned(self, call: Call) -> None:
-        """``call`` was running on more than ``max_worker_deaths`` workers that died:
-        fail it, so that it kills no other (a prompt that crashes the engine, say)."""
+        """``call`` was running on more than ``max_worker_deaths`` workers that died."""
         rid, dead = call.orig.rid, call.died_on
         m = self.config.max_worker_deaths
         msg = (
@@ -258,15 +247,19 @@ class Liveness:
         if not self.no_worker_expired():
             self.watch_for_none()
             return
+        self._fail_waiting(self._warn_none())
+
+    def _warn_none(self) -> NoWorkerAvailable:
+        """The no-worker error, logged once per stretch without a live worker."""
         err = self.no_worker_error()
         if not self._warned_none:
             self._warned_none = True
             log.warning("%s", err)
-        self._fail_waiting(err)
+        return err
 
     def refused_by(self, w: Worker, why: str) -> None:
-        """``w`` answers in versions this client cannot use: say so once, send it
-        nothing, and fail what waits if no worker is left."""
+        """``w`` speaks no version this client reads: send it nothing; fail what waits
+        if no worker is left."""
         if w.mark_incompatible(why):
             log.error("%s", why)
         if w.alive or w.inflight or w.sticky_queue:

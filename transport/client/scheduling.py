@@ -20,8 +20,7 @@ __all__ = ["Scheduler"]
 
 
 class Scheduler:
-    """The workers in use, the calls waiting for one (or out a back-off before a
-    re-send), which call goes where, and how calls end (counted in ``counters``)."""
+    """The workers in use, the calls waiting for one, where each goes and how it ends."""
 
     def __init__(self, config: ClientConfig, counters: Counters) -> None:
         self.config = config
@@ -40,8 +39,7 @@ class Scheduler:
         self.order.append(w)
 
     def drain(self, address: str) -> bool:
-        """Send nothing more to ``address``; it closes once its calls are done. False
-        when no such worker is in use."""
+        """Send nothing more to ``address`` (closed once its calls are done); False if unknown."""
         w = self.workers.get(address)
         if w is None:
             return False
@@ -82,16 +80,18 @@ class Scheduler:
                 call.worker = None
                 self.queue.appendleft(call)
 
-    def _target(self, call: Call) -> Worker | None:
-        """The worker to send ``call`` to now, or None: its rid's worker while that one
-        lives (None while it is full), else the usable worker with the least load."""
+    def _home(self, call: Call) -> Worker | None:
+        """The worker ``call``'s rid went to, while it is alive and not draining."""
         addr = self.sticky.get(call.orig.rid)
-        if addr is not None:
-            w = self.workers.get(addr)
-            if w is not None and w.alive and not w.draining:
-                if len(w.inflight) < w.limit and (not w.cool_until or w.warm()):
-                    return w
-                return None
+        w = self.workers.get(addr) if addr is not None else None
+        return w if w is not None and w.alive and not w.draining else None
+
+    def _target(self, call: Call) -> Worker | None:
+        """Its rid's worker while that one lives (None while full), else the least loaded."""
+        home = self._home(call)
+        if home is not None:
+            room = len(home.inflight) < home.limit and (not home.cool_until or home.warm())
+            return home if room else None
         order = self.order
         n = len(order)
         if n == 0 or self.held:
@@ -117,13 +117,11 @@ class Scheduler:
             if call.done:
                 q.popleft()
                 continue
-            addr = self.sticky.get(call.orig.rid)
-            if addr is not None:
-                w = self.workers.get(addr)
-                if w is not None and w.alive and not w.draining and len(w.inflight) >= w.limit:
-                    q.popleft()  # wait at its busy worker, not in front of the others
-                    w.sticky_queue.append(call)
-                    continue
+            home = self._home(call)
+            if home is not None and len(home.inflight) >= home.limit:
+                q.popleft()  # wait at its busy worker, not in front of the others
+                home.sticky_queue.append(call)
+                continue
             target = self._target(call)
             if target is None:
                 return
@@ -234,8 +232,7 @@ class Scheduler:
             fut.set_result(out)
 
     def fail(self, call: Call, exc: BaseException, also: str = "") -> None:
-        """Fail ``call`` with ``exc`` unless it ended already; counted as failed (and as
-        ``also`` when given)."""
+        """Fail ``call`` unless it ended already (counted as failed, and as ``also``)."""
         if call.done:
             return
         fut = self.settle(call)

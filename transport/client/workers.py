@@ -70,8 +70,8 @@ def check_address(address: str) -> str:
 @dataclass
 class WorkerInfo:
     """What the client knows about one worker: ``running``, ``waiting`` and
-    ``engine_lag`` from its last pong (over all its clients; ``load_current``: recent
-    enough to count in scheduling); ``seen``: what was seen at the address."""
+    ``engine_lag`` from its last pong (``load_current``: recent enough to count in
+    scheduling); ``seen``: what was seen at the address."""
 
     address: str
     alive: bool
@@ -90,8 +90,7 @@ class WorkerInfo:
 
 
 class Worker:
-    """One worker as the client sees it: its DEALER, calls and liveness;
-    ``on_message(worker, frames)`` gets what arrives."""
+    """One worker as the client sees it; ``on_message(worker, frames)`` gets what arrives."""
 
     def __init__(
         self,
@@ -139,12 +138,14 @@ class Worker:
         self.last_seen = time.monotonic()
         self._on_message(self, frames)
 
-    def tick(self, prev: float) -> None:
-        """A heartbeat tick (the last at ``prev``): count a miss, forget a stale load."""
+    def tick(self, prev: float, ticks: int, seconds: float) -> bool:
+        """A heartbeat tick (the last at ``prev``): count a miss, forget a stale load;
+        True when it was silent for ``ticks`` ticks and ``seconds``: it is dead."""
         self.missed = self.missed + 1 if self.last_seen < prev else 0
         if self.load_current and self.pong_at < prev:
             self.load_current = False  # go by this client's own count
             self.others = 0
+        return self.missed >= ticks and time.monotonic() - self.last_seen > seconds
 
     def record_pong(self, hb: fm.Heartbeat, enc: Encoder) -> bool:
         """A pong, from a worker that reads ``enc``; True if it was not alive before."""
@@ -225,8 +226,7 @@ class Worker:
         self.pump.send(self.enc.encode(msg))
 
     def send_quiet(self, msg: Any) -> None:
-        """Send ``msg`` in version 1 (every worker reads it), or drop it: pings and
-        cancels never queue up for a worker that is down."""
+        """Send ``msg`` in version 1 (every worker reads it) or drop it: never queued."""
         with contextlib.suppress(zmq.ZMQError):
             frames = versions.VERSION_1.encode(msg)
             self.pump.sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
