@@ -1,5 +1,5 @@
-"""A handler's :class:`RequestContext`, its streamed tokens (:class:`Replies`), its eager
-start (:func:`first_step`) and the checks of its answer. All on the engine's loop."""
+"""A handler's :class:`RequestContext`, its eager start (:func:`first_step`) and the
+checks of its answer. All on the engine's loop."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import asyncio
 import time
 import types
 from collections.abc import Awaitable, Callable, Coroutine, Generator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -15,11 +15,12 @@ from fastio import LLMRequest, LLMResponse
 from fastio import fabric_msgs as fm
 from fastio.tokens import TokenArray
 from transport import metrics
-from transport.worker.pausing import PauseGate
+
+if TYPE_CHECKING:
+    from transport.worker.requests import Requests
 
 __all__ = [
     "InvalidHandlerOutput",
-    "Replies",
     "RequestContext",
     "Resume",
     "abandon",
@@ -27,60 +28,6 @@ __all__ = [
     "output_problem",
     "token_problem",
 ]
-
-
-class Replies:
-    """What one worker's request contexts share: ``send(peer, msg)``, the pause gate,
-    the weight ``version()``, and whether to record latency histograms."""
-
-    def __init__(
-        self,
-        send: Callable[[bytes, Any], None],
-        gate: PauseGate,
-        version: Callable[[], int],
-        latency_metrics: bool,
-    ) -> None:
-        self.send = send
-        self.gate = gate
-        self.version = version
-        self.latency_metrics = latency_metrics
-        self._pending: list[RequestContext] = []
-
-    def flush_soon(self, ctx: RequestContext) -> None:
-        """Send ``ctx``'s emitted tokens at the end of this loop iteration."""
-        if not self._pending:
-            asyncio.get_running_loop().call_soon(self._flush_all)
-        self._pending.append(ctx)
-
-    def _flush_all(self) -> None:
-        pending, self._pending = self._pending, []
-        for ctx in pending:
-            self.flush(ctx)
-
-    def flush(self, ctx: RequestContext) -> None:
-        """Send the tokens ``ctx`` emitted and has not sent, as one Stream message."""
-        if not ctx._tok:
-            return
-        msg = fm.Stream(
-            id=ctx.id,
-            seq=ctx._seq,
-            output_tokens=TokenArray(np.array(ctx._tok, dtype=np.int32)),
-            output_logprobs=TokenArray(np.array(ctx._lp, dtype=np.float32)),
-            output_versions=TokenArray(np.array(ctx._ver, dtype=np.int32)),
-        )
-        ctx._seq += 1
-        ctx._tok = ctx._lp = ctx._ver = _NO_TOKENS
-        self.send(ctx.peer, msg)
-
-    def finished(self, ctx: RequestContext, n_tokens: int) -> None:
-        """Latency histograms of a request answered with a Result of ``n_tokens``."""
-        now = time.monotonic()
-        metrics.WORKER_E2E.observe(now - ctx._t0)
-        if not ctx._first:  # nothing streamed: the first token left with the Result
-            if n_tokens:
-                metrics.WORKER_TTFT.observe(now - ctx._t0)
-        elif n_tokens > 1:
-            metrics.WORKER_ITL.observe((now - ctx._first) / (n_tokens - 1))
 
 
 # Shared by every context with nothing to send (never appended to: emit() replaces it).
@@ -99,14 +46,14 @@ class RequestContext:
     """
 
     __slots__ = (
-        "_first", "_lp", "_replies", "_seq", "_t0", "_tok", "_ver", "deadline", "id", "peer",
+        "_first", "_lp", "_owner", "_seq", "_t0", "_tok", "_ver", "deadline", "id", "peer",
         "stream",
     )  # fmt: skip
 
     def __init__(
-        self, replies: Replies, peer: bytes, id: int, stream: bool, deadline: float
+        self, owner: Requests, peer: bytes, id: int, stream: bool, deadline: float
     ) -> None:
-        self._replies = replies
+        self._owner = owner
         self.peer = peer
         self.id = id
         self.stream = stream
@@ -116,35 +63,60 @@ class RequestContext:
         self._tok: list[int] = _NO_TOKENS
         self._lp: list[float] = _NO_TOKENS
         self._ver: list[int] = _NO_TOKENS
-        self._t0 = time.monotonic() if replies.latency_metrics else 0.0
+        self._t0 = time.monotonic() if owner.latency_metrics else 0.0
         self._first = 0.0  # when the first token was emitted (0: none yet)
 
     @property
     def interrupted(self) -> bool:
         """True once the worker is pausing: return the output so far with
         ``stop_reason="interrupt"`` at the next step."""
-        return self._replies.gate.paused
+        return self._owner.gate.paused
 
     @property
     def version(self) -> int:
         """The weight version the worker serves now (its engine's ``version``)."""
-        return self._replies.version()
+        return self._owner.version()
 
     def emit(self, token: int, logprob: float = 0.0, version: int = 0) -> None:
         """Stream one generated token (from the worker's loop); those of one loop
         iteration travel in one Stream message. A no-op when no stream was asked for."""
         if not self._first:
             self._first = time.monotonic()
-            if self._replies.latency_metrics:
+            if self._owner.latency_metrics:
                 metrics.WORKER_TTFT.observe(self._first - self._t0)
         if not self.stream:
             return
         if not self._tok:
             self._tok, self._lp, self._ver = [], [], []
-            self._replies.flush_soon(self)
+            self._owner.flush_soon(self)
         self._tok.append(token)
         self._lp.append(logprob)
         self._ver.append(version)
+
+    def take_stream(self) -> fm.Stream | None:
+        """The tokens emitted and not sent yet, as one Stream message (None: none)."""
+        if not self._tok:
+            return None
+        msg = fm.Stream(
+            id=self.id,
+            seq=self._seq,
+            output_tokens=TokenArray(np.array(self._tok, dtype=np.int32)),
+            output_logprobs=TokenArray(np.array(self._lp, dtype=np.float32)),
+            output_versions=TokenArray(np.array(self._ver, dtype=np.int32)),
+        )
+        self._seq += 1
+        self._tok = self._lp = self._ver = _NO_TOKENS
+        return msg
+
+    def finished(self, n_tokens: int) -> None:
+        """Latency histograms of this request, answered with a Result of ``n_tokens``."""
+        now = time.monotonic()
+        metrics.WORKER_E2E.observe(now - self._t0)
+        if not self._first:  # nothing streamed: the first token left with the Result
+            if n_tokens:
+                metrics.WORKER_TTFT.observe(now - self._t0)
+        elif n_tokens > 1:
+            metrics.WORKER_ITL.observe((now - self._first) / (n_tokens - 1))
 
 
 class InvalidHandlerOutput(ValueError):

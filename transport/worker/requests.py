@@ -16,7 +16,6 @@ from transport.errors import EMPTY_PROMPT
 from transport.worker.config import WorkerConfig
 from transport.worker.context import (
     InvalidHandlerOutput,
-    Replies,
     RequestContext,
     abandon,
     first_step,
@@ -24,6 +23,7 @@ from transport.worker.context import (
     token_problem,
 )
 from transport.worker.counters import Shard, log_counted
+from transport.worker.pausing import PauseGate
 
 __all__ = ["Held", "Requests"]
 
@@ -49,9 +49,9 @@ class Held:
 class Requests:
     """The submissions of one worker, held in ``held`` by ``(peer, id)`` until answered.
 
-    Each runs ``handler`` in a slot of the pause gate (``replies.gate``) and is answered
-    through ``replies.send``; counted in ``counts``. ``engine`` (or None) is read for its
-    ``vocab_size``.
+    Each runs ``handler`` in a slot of ``gate`` and is answered through ``send(peer,
+    msg)``; counted in ``counts``. Their contexts read the weight ``version()``;
+    ``engine`` (or None) is read for its ``vocab_size``.
     """
 
     def __init__(
@@ -61,16 +61,34 @@ class Requests:
         engine: Any,
         config: WorkerConfig,
         counts: Shard,
-        replies: Replies,
+        gate: PauseGate,
+        send: Callable[[bytes, Any], None],
+        version: Callable[[], int],
     ) -> None:
         self.held = held
         self.handler = handler
         self.engine = engine
         self.config = config
         self.counts = counts
-        self.replies = replies
-        self.gate = replies.gate
-        self._send = replies.send
+        self.gate = gate
+        self._send = send
+        self.version = version
+        #: Record the latency histograms.
+        self.latency_metrics = config.latency_metrics
+        self._flushing: list[RequestContext] = []  # contexts with tokens to stream
+
+    def flush_soon(self, ctx: RequestContext) -> None:
+        """Send ``ctx``'s emitted tokens at the end of this loop iteration."""
+        if not self._flushing:
+            asyncio.get_running_loop().call_soon(self._flush_all)
+        self._flushing.append(ctx)
+
+    def _flush_all(self) -> None:
+        pending, self._flushing = self._flushing, []
+        for ctx in pending:
+            msg = ctx.take_stream()
+            if msg is not None:
+                self._send(ctx.peer, msg)
 
     def tasks(self) -> list[asyncio.Task[None]]:
         """The tasks of the held requests."""
@@ -139,7 +157,7 @@ class Requests:
             return
         timeout = sub.timeout
         deadline = time.monotonic() + timeout if timeout > 0 else _INF
-        ctx = RequestContext(self.replies, peer, sub.id, sub.stream, deadline)
+        ctx = RequestContext(self, peer, sub.id, sub.stream, deadline)
         started = None
         if self.config.eager_start and timeout <= 0 and self.gate.try_enter():
             resp, err, started = first_step(self.handler, sub.request, ctx)
@@ -208,8 +226,9 @@ class Requests:
                 problem = output_problem(resp)
                 if problem is None:
                     assert resp is not None
-                    if ctx._tok:  # tokens emitted and not sent: they go before the Result
-                        self.replies.flush(ctx)
+                    stream = ctx.take_stream()  # tokens not sent yet go before the Result
+                    if stream is not None:
+                        self._send(peer, stream)
                     # Counted before it leaves: a health check after the answers sees it.
                     n = len(resp.output_tokens)
                     counts.result(resp.stop_reason, len(sub.request.input_ids), n)
@@ -223,8 +242,8 @@ class Requests:
                             stop_reason=resp.stop_reason,
                         ),
                     )
-                    if self.replies.latency_metrics:
-                        self.replies.finished(ctx, n)
+                    if self.latency_metrics:
+                        ctx.finished(n)
                     return
                 err = InvalidHandlerOutput(problem)
             if isinstance(err, asyncio.CancelledError):

@@ -20,7 +20,7 @@ from transport.engines.api import Engine, engine_hooks
 from transport.errors import ResumeRefused
 from transport.sockets import WorkerAuthenticator
 from transport.worker.config import WorkerConfig, checked_config
-from transport.worker.context import InvalidHandlerOutput, Replies, RequestContext
+from transport.worker.context import InvalidHandlerOutput, RequestContext
 from transport.worker.counters import Counters
 from transport.worker.iothread import DROPPED, SocketThread
 from transport.worker.lost import LostReplies
@@ -95,10 +95,10 @@ class WorkerServer:
             status=self.status, dispatch=self._dispatch, threaded=not inline,
         )  # fmt: skip
         self.counters.read["discarded"] = self.io.discarded
-        self.replies = Replies(self.io.send, self.gate, self._version, cfg.latency_metrics)
         self.requests = Requests(
-            self._held, self.handler, self.engine, cfg, self.counters.loop, self.replies
-        )
+            self._held, self.handler, self.engine, cfg, self.counters.loop, self.gate,
+            self.io.send, self._version,
+        )  # fmt: skip
         self._zmq_context: zmq.Context[Any] | None = None
         self._auth: WorkerAuthenticator | None = None
         self._bg_tasks: list[asyncio.Task[Any]] = []
