@@ -22,7 +22,7 @@ names = [e.name for e in entry_points(group='vllm.general_plugins')]
 assert 'fastio' in names, names
 print('vllm', vllm.__version__, 'beside torch', torch.__version__, 'plugins', names)
 "
-"$VENV/bin/python" -m pytest tests/transport/test_vllm_real.py -q -n 0 -p no:randomly
+"$VENV/bin/python" -m pytest tests/transport/engines/test_vllm_real.py -q -n 0 -p no:randomly
 if [ "${FASTIO_VLLM_BENCH:-1}" = 1 ]; then
     mkdir -p bench/out
     "$VENV/bin/python" -m bench.vllm_real --out bench/out/vllm.json --check bench/reference.json

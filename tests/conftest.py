@@ -43,7 +43,7 @@ SLOW_MODULES = {
 SLOW_TESTS = {
     "tests/fastio/test_codec.py": ["test_cross_process_echo"],
     "tests/fastio/test_properties.py": ["test_round_trip_every_type"],
-    "tests/transport/test_auth.py": ["test_curve_admits_authorized_keys_only"],
+    "tests/transport/sockets/test_auth.py": ["test_curve_admits_authorized_keys_only"],
     "tests/transport/test_bad_input.py": [
         "test_garbage_to_worker_gets_error_replies_and_others_unaffected",
         "test_handler_error_is_reported",

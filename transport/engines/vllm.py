@@ -34,7 +34,7 @@ from transport.engines.http import (
     Seconds,
     sampling_common,
 )
-from transport.engines.vllm_staging import PROTOCOL, UpdateState, VersionLabels, stage
+from transport.engines.vllm_staging import PROTOCOL, UpdateState, VersionLabels
 
 __all__ = ["WEIGHTS_REFUSED", "VLLMEngine", "VLLMOptions", "factory"]
 
@@ -91,7 +91,7 @@ class VLLMEngine(HTTPBridge):
         self.routes: set[str] | None = None
         #: The vocabulary size from the model's config.json, where the worker can read it.
         self.vocab_size: int | None = None
-        self.state = UpdateState()
+        self.state = UpdateState(_HTTPSync(self), f" at {url}")
         self.labels = VersionLabels()
 
     # -- what the server has ------------------------------------------------------------
@@ -225,24 +225,16 @@ class VLLMEngine(HTTPBridge):
     async def pause_generation(self) -> None:  # type: ignore[override]
         """``/pause?mode=keep`` where the server has it, else interrupt every flight."""
         if self.options.pause == "keep" and "/pause" in (self.routes or ()):
-            self.state.kept = True  # from now: streams read on, they are not interrupted
             try:
-                await self.post_json("/pause?mode=keep", {})
+                await self.state.pause()  # kept from now: streams read on, not interrupted
                 return
             except (EngineUnavailable, RuntimeError) as exc:
-                self.state.kept = False
                 log.warning("vLLM /pause?mode=keep failed (%s): interrupting instead", exc)
         super().pause_generation()
 
     async def continue_generation(self) -> None:
         """``/resume`` a server this bridge paused, unless a failed load left it mixed."""
-        if not self.state.kept:
-            return
-        if self.state.mixed:
-            log.error("vLLM at %s stays paused: its weights are mixed (a load failed)", self.url)
-            return
-        await self.post_json("/resume", {})
-        self.state.kept = False
+        await self.state.resume()
 
     # -- weights -------------------------------------------------------------------------
 
@@ -253,12 +245,8 @@ class VLLMEngine(HTTPBridge):
             raise RuntimeError(why)
         if version is None:
             version = self.version + 1
-        staged = stage(weights, version, self.options.shm_dir)
-        try:
-            load = self.state.load(_HTTPSync(self), staged.update_info, version)
-            self.run_in_loop(load, self.options.weight_timeout)
-        finally:
-            staged.close()
+        run = functools.partial(self.run_in_loop, timeout=self.options.weight_timeout)
+        self.state.load_pairs(weights, version, self.options.shm_dir, run)
 
 
 class _HTTPSync:
@@ -274,6 +262,9 @@ class _HTTPSync:
 
     async def pause_in_place(self) -> None:
         await self.b.post_json("/pause?mode=keep", {})
+
+    async def resume(self) -> None:
+        await self.b.post_json("/resume", {})
 
     async def start_update(self) -> None:
         await self.b.post_json("/start_weight_update", {})

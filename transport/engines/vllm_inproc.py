@@ -26,7 +26,7 @@ from typing import Any
 from fastio import LLMRequest, LLMResponse
 from transport.engines.api import GenerationContext
 from transport.engines.http import Flight, sampling_common
-from transport.engines.vllm_staging import PROTOCOL, UpdateState, VersionLabels, stage
+from transport.engines.vllm_staging import PROTOCOL, UpdateState, VersionLabels
 
 __all__ = ["PARENT_ENV", "AsyncLLMEngine", "die_with_parent", "engine_args", "factory"]
 
@@ -114,7 +114,7 @@ class AsyncLLMEngine:
         self._rids = itertools.count()
         self._prefix = f"fastio-{os.getpid()}-{os.urandom(3).hex()}"
         self._waiting = 0
-        self.state = UpdateState()
+        self.state = UpdateState(_LLMSync(self.llm))
         self._loop: asyncio.AbstractEventLoop | None = None
 
     @property
@@ -182,18 +182,11 @@ class AsyncLLMEngine:
 
     async def pause_generation(self) -> None:
         """Freeze vLLM's requests in place (``mode="keep"``)."""
-        self.state.kept = True
-        await self.llm.pause_generation(mode="keep", clear_cache=False)
+        await self.state.pause()
 
     async def continue_generation(self) -> None:
         """Resume vLLM, unless a failed load left its weights mixed."""
-        if not self.state.kept:
-            return
-        if self.state.mixed:
-            log.error("vLLM stays paused: its weights are mixed (a load failed)")
-            return
-        await self.llm.resume_generation()
-        self.state.kept = False
+        await self.state.resume()
 
     def load_weights(self, weights: Iterable[tuple[str, Any]], version: int | None = None) -> None:
         """Stage one verified version in shared memory and load it into vLLM's workers
@@ -201,12 +194,11 @@ class AsyncLLMEngine:
         if self._loop is None:
             raise RuntimeError("the vLLM engine has not started")
         v = self.version + 1 if version is None else version
-        staged = stage(weights, v, os.environ.get("FASTIO_SHM_DIR", "/dev/shm"))
-        try:
-            load = self.state.load(_LLMSync(self.llm), staged.update_info, v)
-            asyncio.run_coroutine_threadsafe(load, self._loop).result()
-        finally:
-            staged.close()
+        loop = self._loop
+        shm_dir = os.environ.get("FASTIO_SHM_DIR", "/dev/shm")
+        self.state.load_pairs(
+            weights, v, shm_dir, lambda c: asyncio.run_coroutine_threadsafe(c, loop).result()
+        )
 
 
 class _LLMSync:
@@ -224,6 +216,9 @@ class _LLMSync:
 
     async def pause_in_place(self) -> None:
         await self.llm.pause_generation(mode="keep", clear_cache=False)
+
+    async def resume(self) -> None:
+        await self.llm.resume_generation()
 
     async def start_update(self) -> None:
         await self.llm.start_weight_update()

@@ -12,9 +12,10 @@ model's own ``load_weights``. No vLLM import here: the bridge's process has no v
 
 from __future__ import annotations
 
+import logging
 import mmap
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Coroutine, Iterable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -37,6 +38,7 @@ __all__ = [
 
 #: The layout's version, in ``update_info["protocol"]``; a backend refuses another.
 PROTOCOL = 1
+log = logging.getLogger("transport.engines")
 _ALIGN = 64
 
 
@@ -143,6 +145,9 @@ class WeightSync(Protocol):
     async def pause_in_place(self) -> None:
         """``pause_generation(mode="keep")``."""
 
+    async def resume(self) -> None:
+        """``resume_generation``."""
+
     async def start_update(self) -> None:
         """``start_weight_update``."""
 
@@ -170,29 +175,78 @@ async def drive_update(sync: WeightSync, info: dict[str, Any], version: int, pau
 
 
 class UpdateState:
-    """What fastio knows of one vLLM engine between updates, for the bridge and for vLLM
-    in the worker alike."""
+    """fastio's rules for one vLLM engine, the bridge's and vLLM in the worker alike: a
+    pause keeps vLLM's requests in place; never an update while vLLM generates; a load
+    that failed once vLLM started it leaves the engine paused (mixed) until a whole
+    version lands. ``where`` names the engine in the log."""
 
-    def __init__(self) -> None:
-        #: The engine is paused in place by fastio (its requests frozen, not ended).
-        self.kept = False
-        #: A load failed after vLLM started it: the engine stays paused until one lands.
-        self.mixed = False
+    def __init__(self, sync: WeightSync, where: str = "") -> None:
+        self.sync = sync
+        self.where = where
+        self._kept = False  # paused in place by fastio (requests frozen, not ended)
+        self._mixed = False
         self._ready = False  # init_weight_transfer_engine done
 
-    async def load(self, sync: WeightSync, info: dict[str, Any], version: int) -> None:
-        """:func:`drive_update` once the transfer is initialised; the engine stays
-        paused in place after it, and :attr:`mixed` says whether the load failed."""
-        if not self._ready:
-            await sync.init_transfer()
-            self._ready = True
-        paused, self.kept = self.kept, True
+    @property
+    def kept(self) -> bool:
+        """The engine is paused in place by fastio (its requests frozen, not ended)."""
+        return self._kept
+
+    @property
+    def mixed(self) -> bool:
+        """The last load failed after vLLM started it."""
+        return self._mixed
+
+    async def pause(self) -> None:
+        """Pause in place; :attr:`kept` from the moment it is asked (streams are read on,
+        not interrupted) until it failed or the engine resumed."""
+        self._kept = True
         try:
-            await drive_update(sync, info, version, paused)
+            await self.sync.pause_in_place()
         except BaseException:
-            self.mixed = True
+            self._kept = False
             raise
-        self.mixed = False
+
+    async def resume(self) -> bool:
+        """Resume an engine fastio paused, unless its weights are mixed; returns whether
+        it resumed."""
+        if not self._kept:
+            return False
+        if self._mixed:
+            log.error("vLLM%s stays paused: its weights are mixed (a load failed)", self.where)
+            return False
+        await self.sync.resume()
+        self._kept = False
+        return True
+
+    async def load(self, info: dict[str, Any], version: int) -> None:
+        """:func:`drive_update` once the transfer is initialised; the engine stays paused
+        in place after it, and :attr:`mixed` says whether the load failed."""
+        if not self._ready:
+            await self.sync.init_transfer()
+            self._ready = True
+        paused, self._kept = self._kept, True
+        try:
+            await drive_update(self.sync, info, version, paused)
+        except BaseException:
+            self._mixed = True
+            raise
+        self._mixed = False
+
+    def load_pairs(
+        self,
+        pairs: Iterable[tuple[str, torch.Tensor]],
+        version: int,
+        directory: str,
+        run: Callable[[Coroutine[Any, Any, None]], object],
+    ) -> None:
+        """Stage ``pairs`` under ``directory``, :meth:`load` them through ``run`` (which
+        runs the coroutine on the engine's loop and waits), and remove the staged file."""
+        staged = stage(pairs, version, directory)
+        try:
+            run(self.load(staged.update_info, version))
+        finally:
+            staged.close()
 
 
 class VersionLabels:

@@ -13,6 +13,7 @@ import torch
 
 from transport.engines.vllm_staging import (
     StagedCorrupt,
+    UpdateState,
     VersionLabels,
     drive_update,
     open_staged,
@@ -102,6 +103,9 @@ class _Sync:
     async def pause_in_place(self) -> None:
         await self._do("pause")
 
+    async def resume(self) -> None:
+        await self._do("resume")
+
     async def start_update(self) -> None:
         await self._do("start")
 
@@ -130,3 +134,50 @@ def test_an_update_is_paused_started_loaded_finished_and_confirmed() -> None:
     s = _Sync(label="4")  # vLLM reports another version after the finish
     with pytest.raises(RuntimeError, match="reports weight version '4'"):
         asyncio.run(drive_update(s, {}, 8, paused=True))
+
+
+def test_a_failed_pause_keeps_nothing_and_the_engine_is_not_resumed() -> None:
+    st = UpdateState(_Sync(fail="pause"))
+    with pytest.raises(RuntimeError, match="pause refused"):
+        asyncio.run(st.pause())
+    assert not st.kept  # the bridge interrupts its flights instead
+    assert asyncio.run(st.resume()) is False and "resume" not in st.sync.calls  # type: ignore[attr-defined]
+
+
+def test_mixed_weights_keep_the_engine_paused_until_a_whole_version_lands() -> None:
+    sync = _Sync(fail="update")
+    st = UpdateState(sync)
+    asyncio.run(st.pause())
+    with pytest.raises(RuntimeError):
+        asyncio.run(st.load({}, 1))
+    assert st.kept and st.mixed
+    assert asyncio.run(st.resume()) is False  # never serves mixed weights
+    assert "resume" not in sync.calls
+    sync.fail = ""
+    asyncio.run(st.load({}, 2))  # already paused: no second pause
+    assert sync.calls == ["pause", "init", "start", "update", "start", "update", "finish:2"]
+    assert not st.mixed and asyncio.run(st.resume()) is True and not st.kept
+    assert sync.calls[-1] == "resume"
+    assert asyncio.run(st.resume()) is False  # nothing fastio paused now
+
+
+def test_a_load_of_pairs_stages_loads_and_removes_the_file(tmp_path: Path) -> None:
+    seen: list[dict[str, Any]] = []
+
+    class Recording(_Sync):
+        async def update(self, update_info: dict[str, Any]) -> None:
+            with open_staged(update_info) as views:  # the file is there while vLLM loads
+                seen.append({name: t.clone() for name, t in views})
+            await super().update(update_info)
+
+    sync = Recording()
+    st = UpdateState(sync)
+    st.load_pairs(_state().items(), 3, str(tmp_path), asyncio.run)
+    assert sync.calls == ["init", "pause", "start", "update", "finish:3"]  # paused first
+    assert st.kept and not st.mixed
+    assert all(torch.equal(seen[0][k], v) for k, v in _state().items())
+    assert os.listdir(tmp_path) == []  # removed after the load
+    sync.fail = "update"
+    with pytest.raises(RuntimeError):
+        st.load_pairs(_state().items(), 4, str(tmp_path), asyncio.run)
+    assert st.mixed and os.listdir(tmp_path) == []  # removed after a failed load too
