@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 from collections.abc import Callable, Iterator, Mapping
@@ -95,21 +96,18 @@ class Counters(Mapping[str, int]):
 
     def export(self) -> None:
         """Add what was counted since the last call to the Prometheus metrics."""
-        totals: dict[tuple[Any, str], int] = {}
+        totals: collections.Counter[tuple[Any, str]] = collections.Counter()
         for shard in (self.loop, self.io):
             for metric, values in (
                 (metrics.WORKER_REQUESTS, shard.outcomes),
                 (metrics.WORKER_ERRORS, shard.errors),
                 (metrics.WORKER_FINISHED, shard.finished),
+                (metrics.WORKER_PROMPT_TOKENS, {"": shard.prompt_tokens}),
+                (metrics.WORKER_GENERATION_TOKENS, {"": shard.generation_tokens}),
+                (metrics.WORKER_PAUSES, {"": shard.counts["pauses"]}),
             ):
                 for label, n in list(values.items()):
-                    totals[metric, label] = totals.get((metric, label), 0) + n
-            for metric, n in (
-                (metrics.WORKER_PROMPT_TOKENS, shard.prompt_tokens),
-                (metrics.WORKER_GENERATION_TOKENS, shard.generation_tokens),
-                (metrics.WORKER_PAUSES, shard.counts["pauses"]),
-            ):
-                totals[metric, ""] = totals.get((metric, ""), 0) + n
+                    totals[metric, label] += n
         with self._lock:  # two scrapes at once must not add a delta twice
             for (metric, label), n in totals.items():
                 delta = n - self._exported.get((metric, label), 0)
