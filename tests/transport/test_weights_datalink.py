@@ -116,8 +116,9 @@ class BreakingServing(Serving):
     def _link_send(self, snd: Any, piece: Any) -> Any:
         sent = super()._link_send(snd, piece)
         if (piece.version, piece.index, piece.offset) == (1, 0, 0):
-            with self.cond:
-                sender = self.senders.get(snd.wid)
+            assert self.link is not None
+            with self.link.lock:
+                sender = self.link.senders.get(snd.wid)
             if sender is not None:
                 sender.close()
         return sent
@@ -139,16 +140,16 @@ class DroppingSubscriber(WeightSubscriber):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        link, read, n = self.fetcher.tcp, self.fetcher.tcp.read, [0]
+        link, receive, n = self.fetcher.tcp, self.fetcher.tcp.receive, [0]
 
-        def dropping(f: Any) -> None:
+        def dropping(f: Any, msg: Any = None) -> None:
             n[0] += 1
             if n[0] == 2:
                 f.link_failed("injected by the test")
                 return
-            read(f)
+            receive(f, msg)
 
-        link.read = dropping  # type: ignore[method-assign]
+        link.receive = dropping  # type: ignore[method-assign]
 
 
 @pytest.mark.parametrize("atomic", [True, False], ids=["atomic", "streaming"])
@@ -203,19 +204,19 @@ def test_the_listener_refuses_strangers_and_keeps_serving() -> None:
     state = make_state(3)
     dst = zeros_like(state)
     with WeightPublisher(shm=False, heartbeat_interval=0.1) as pub:
-        assert pub.serving.listener is not None
-        addr = ("127.0.0.1", pub.serving.listener.port)
+        assert pub.serving.link is not None
+        addr = ("127.0.0.1", pub.serving.link.listener.port)
         silent = [socket.create_connection(addr) for _ in range(4)]  # never say a word
         with socket.create_connection(addr) as s:
             s.sendall(_hello("intruder", b"x" * 16))
             assert _closed_by_peer(s)
         with socket.create_connection(addr) as s:  # a's token is not b's
-            s.sendall(_hello("b", dl.worker_token(pub.serving.data_token, "a")))
+            s.sendall(_hello("b", pub.serving.link.token("a")))
             assert _closed_by_peer(s)
         with socket.create_connection(addr) as s:
             s.sendall(b"GET / HTTP/1.1\r\n\r\n")
             assert _closed_by_peer(s)
-        assert not pub.serving.senders
+        assert not pub.serving.link.senders
         with WeightSubscriber(pub.endpoint, dst, shm=False, heartbeat_interval=0.1) as sub:
             pub.wait_for_workers(1, 30)
             for v in (1, 2):
@@ -226,7 +227,7 @@ def test_the_listener_refuses_strangers_and_keeps_serving() -> None:
         for s in silent:
             assert _closed_by_peer(s)  # dropped after the handshake deadline
             s.close()
-        wait_for(lambda: pub.serving.listener.rejected == 7, 10, "7 connections refused")
+        wait_for(lambda: pub.serving.link.listener.rejected == 7, 10, "7 connections refused")
 
 
 def test_the_answer_byte_comes_before_any_piece() -> None:
@@ -262,7 +263,7 @@ def test_the_link_listens_on_the_port_asked_for() -> None:
     state = make_state(4)
     dst = zeros_like(state)
     with WeightPublisher(shm=False, data_port=port, heartbeat_interval=0.1) as pub:
-        assert pub.serving.listener is not None and pub.serving.listener.port == port
+        assert pub.serving.link is not None and pub.serving.link.listener.port == port
         with WeightSubscriber(pub.endpoint, dst, shm=False, heartbeat_interval=0.1) as sub:
             pub.wait_for_workers(1, 30)
             assert pub.publish_and_wait(state, 1, timeout=30).ok
@@ -279,13 +280,13 @@ def test_no_link_with_curve_unless_asked(tmp_path: Any) -> None:
     _, secret = zmq.auth.create_certificates(str(tmp_path), "trainer")
     curve = CurveConfig(secret_key_file=secret)
     with WeightPublisher(shm=False, curve=curve) as pub:
-        assert pub.serving.listener is None
+        assert pub.serving.link is None
     with WeightPublisher(shm=False, curve=curve, data_link=True) as pub:
-        assert pub.serving.listener is not None
+        assert pub.serving.link is not None
     with WeightPublisher(shm=False) as pub:
-        assert pub.serving.listener is not None
+        assert pub.serving.link is not None
     with WeightPublisher("ipc://" + str(tmp_path / "w.sock"), shm=False) as pub:
-        assert pub.serving.listener is None
+        assert pub.serving.link is None
 
 
 def big_worker(endpoint: str, wid: str, freeze: bool) -> None:
@@ -330,7 +331,7 @@ def test_a_worker_that_stops_reading_holds_up_no_one(procs: Callable[..., Any]) 
         pub.publish(big_state(1), 1)
         res = pub.wait(1, 60)
         assert res.applied.keys() == {"a"} and "lost" in res.failed["b"], res
-        wait_for(lambda: "b" not in pub.serving.senders, 20, "b's data link closed")
+        wait_for(lambda: "b" not in pub.serving.link.senders, 20, "b's data link closed")
         assert b.pid is not None
         os.kill(b.pid, signal.SIGCONT)
         want = digest_of_big(1)

@@ -11,7 +11,6 @@ import itertools
 import logging
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -25,54 +24,15 @@ from transport.weights.config import SubscriberConfig
 from transport.weights.core.subscriber import FetchSchedule, SubscriberCore, choose_atomic
 from transport.weights.errors import WeightUpdateError
 from transport.weights.reporting import Reporter
-from transport.weights.results import UpdateStats
-from transport.weights.routes.shm import ShmReader, ShmSegment
+from transport.weights.routes.inflight import InFlight, Partial
+from transport.weights.routes.shm import ShmReader
 from transport.weights.routes.tcp import LinkClient
-from transport.weights.routes.zmq import receive_frames
+from transport.weights.routes.zmq import FrameReceiver
 from transport.weights.streaming import BucketStream
 
 __all__ = ["InFlight", "Partial", "VersionFetcher"]
 
 log = logging.getLogger("transport.weights.subscriber")
-
-
-@dataclass(eq=False)
-class Partial:
-    """A bucket whose chunks are arriving: the checksum so far, the frames kept; in
-    one-pass mode the stream that hashes and applies them."""
-
-    hasher: Hasher
-    stream: BucketStream | None = None
-    size: int = 0
-    verify_s: float = 0.0
-    chunks: list[torch.Tensor] = field(default_factory=list)
-
-
-@dataclass(eq=False)
-class InFlight:
-    """One version being fetched: through shared memory when ``seg`` is set, else TCP."""
-
-    ann: WeightAnnounce
-    seg: ShmSegment | None
-    binding: Binding
-    sched: FetchSchedule
-    #: TCP with ``atomic``: per bucket, its region of the staging buffer.
-    stage: list[np.ndarray[Any, Any]] | None = None
-    t0: float = field(default_factory=time.monotonic)
-    #: Per bucket fetched: whether its bytes were asked on the data link.
-    linked: dict[int, bool] = field(default_factory=dict)
-    #: Per bucket verified and not applied yet: its bytes.
-    received: dict[int, list[torch.Tensor]] = field(default_factory=dict)
-    partial: dict[int, Partial] = field(default_factory=dict)
-    #: Whether the lock is held for this version (one pass: from its first write).
-    locked: bool = False
-    #: Whether anything of this version was written into the weights.
-    wrote: bool = False
-
-    def __post_init__(self) -> None:
-        via = "tcp" if self.seg is None else "shm"
-        self.stats = UpdateStats(self.ann.version, via, self.ann.total_bytes)
-        self.stats.buckets = [{} for _ in self.ann.buckets]
 
 
 class VersionFetcher:
@@ -117,8 +77,9 @@ class VersionFetcher:
         #: Whether the publisher's shared memory is readable here (its handshake).
         self.shm_ok = False
         self._staging: np.ndarray[Any, Any] | None = None
-        #: The shm route's mappings and the tcp route's data link.
+        #: The routes' worker sides: shm mappings, frames, the tcp data link.
         self.shm = ShmReader()
+        self.frames = FrameReceiver()
         self.tcp = LinkClient(
             endpoint, reporter.worker_id, config.fetch_timeout, config.max_message_size,
             core.count,
@@ -128,7 +89,7 @@ class VersionFetcher:
         """A new publisher instance: its offers replace the old one's."""
         self.tcp.new_offer(link_offer)
         self.shm_ok = shm_ok
-        self.shm.drop()
+        self.shm.close()
 
     def consider(self, ann: WeightAnnounce) -> None:
         """An Announce: fetch its version if the core says so."""
@@ -193,10 +154,8 @@ class VersionFetcher:
         up = self.update
         if up is None or msg.version != up.ann.version or msg.index not in up.sched.outstanding:
             self.core.count("stale_pieces")
-        elif up.seg is not None:
-            self.shm.ready(self, up, msg, time.monotonic())
         else:
-            receive_frames(self, up, msg, time.monotonic())
+            (self.shm if up.seg is not None else self.frames).receive(self, msg)
 
     def chunk_done(
         self, up: InFlight, i: int, part: Partial, t: float, ok: bool, last: bool, checksum: int
@@ -294,7 +253,7 @@ class VersionFetcher:
         silent = self.core.silent(now, self.config.publisher_timeout)
         if up is None:
             if silent and self.shm.segments:
-                self.shm.drop()  # a dead publisher's segments: do not pin them
+                self.shm.close()  # a dead publisher's segments: do not pin them
             return
         if silent:
             quiet = now - self.core.last_heard

@@ -13,8 +13,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import logging
-import secrets
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -40,7 +38,8 @@ from transport import metrics
 from transport.ratelog import RateLimitedLog
 from transport.sockets import make_pair
 from transport.weights.config import PublisherConfig
-from transport.weights.routes import tcp
+from transport.weights.routes import Tracker, shm, tcp
+from transport.weights.routes import zmq as zmq_route
 from transport.weights.routes.ipc import IpcOffering
 from transport.weights.staging import Send, Staged, VersionStore, pack_steps
 
@@ -48,9 +47,8 @@ __all__ = ["SHM_NOTICE_BYTES", "Serving"]
 
 log = logging.getLogger("transport.weights.publisher")
 
-#: Same-host workers get a "bytes ready" notice at most every this many packed bytes
-#: (while they are still in the last-level cache for the worker to hash).
-SHM_NOTICE_BYTES = 8 << 20
+#: Same-host workers get a "bytes ready" notice at most every this many packed bytes.
+SHM_NOTICE_BYTES = shm.NOTICE_BYTES
 
 #: What the ROUTER accepts: the weight messages and the ipc route's Hello and Ack.
 _FROM_SUBSCRIBER = Union[SUBSCRIBER_TO_PUBLISHER, IpcHello, IpcAck]  # noqa: UP007
@@ -81,16 +79,17 @@ class Serving:
         self.cond = store.cond
         self.router = router
         self.pub = pub
-        self.senders: dict[str, tcp.DataSender] = {}
-        self.listener: tcp.DataListener | None = None
-        self.data_token = secrets.token_bytes(16) if link else b""
+        #: The routes' trainer sides: notices, frames, and the data link (if any).
+        self.notices = shm.NoticeSender(self)
+        self.frames = zmq_route.FrameSender(self)
+        self.link: tcp.LinkSender | None = None
         if link:
             endpoint = router.getsockopt_string(zmq.LAST_ENDPOINT)
             try:
-                self.listener = tcp.DataListener(
-                    endpoint, self.data_token, self._admit_link, config.data_port
+                self.link = tcp.LinkSender(
+                    endpoint, config.data_port, config.worker_timeout, self.core.count
                 )
-                welcome = msgspec.structs.replace(welcome, data_port=self.listener.port)
+                welcome = msgspec.structs.replace(welcome, data_port=self.link.port)
             except OSError as exc:
                 log.warning("no data link (%s); TCP workers get ZeroMQ frames", exc)
         self.welcome = welcome
@@ -115,34 +114,10 @@ class Serving:
 
     def close(self) -> None:
         """Close the data link and the sockets (the loop has stopped)."""
-        if self.listener is not None:
-            self.listener.close()
-        with self.cond:
-            senders = list(self.senders.values())
-        for sender in senders:
-            sender.close()
-            sender.join(5.0)
+        if self.link is not None:
+            self.link.close()
         for sock in (self.router, self.pub, self._wake_r, self._wake_w):
             sock.close(linger=0)
-
-    def _admit_link(self, worker_id: str, sock: socket.socket) -> bool:
-        """A worker's data link, token checked (the listener's thread)."""
-        with self.cond:
-            if self.closed:
-                return False
-            old = self.senders.pop(worker_id, None)
-            self.senders[worker_id] = tcp.DataSender(
-                sock, worker_id, self.config.worker_timeout, self._link_closed, first=b"\x01"
-            )
-            self.core.count("data_links")
-        if old is not None:
-            old.close()  # a restarted worker's: its replacement has the id now
-        return True
-
-    def _link_closed(self, sender: tcp.DataSender) -> None:
-        with self.cond:
-            if self.senders.get(sender.worker_id) is sender:
-                del self.senders[sender.worker_id]
 
     # -- serving thread ----------------------------------------------------------------
     def stage_late(self, st: Staged) -> bool:
@@ -333,7 +308,7 @@ class Serving:
             # that the snapshot names its segment.
             if behind is not None and not self.ipc.reader(wid):
                 self.stage_late(behind)
-            token = tcp.worker_token(self.data_token, wid) if self.listener is not None else b""
+            token = self.link.token(wid) if self.link is not None else b""
             welcome = msgspec.structs.replace(
                 self.welcome,
                 seq=self.seq,
@@ -395,21 +370,9 @@ class Serving:
     def _refuse(self, ident: bytes, msg: WeightFetch, reason: str, latest: int) -> None:
         self.reply(ident, self.encoder.encode(WeightError(msg.version, msg.index, reason, latest)))
 
-    def _link_send(self, snd: Send, msg: WeightBucket) -> tcp.Sent | None:
+    def _link_send(self, snd: Send, msg: WeightBucket) -> Tracker | None:
         """Queue ``msg`` (one chunk) on the worker's data link; None without one."""
-        with self.cond:
-            sender = self.senders.get(snd.wid)
-        if sender is None:
-            return None
-        (chunk,) = msg.chunks
-        n = memoryview(chunk).nbytes
-        head = tcp.PIECE.pack(
-            tcp.PIECE_MAGIC, msg.version, msg.index, msg.offset, n, msg.checksum, msg.last
-        )
-        sent = sender.send(head, chunk)
-        if sent is not None:
-            self.core.count("data_link_pieces")
-        return sent
+        return self.link.send(snd.ident, snd.wid, msg) if self.link is not None else None
 
     def _advance(self, st: Staged, snd: Send) -> None:
         """Send what is packed of the bucket ``snd`` asks for, from where it stopped: TCP
@@ -425,19 +388,18 @@ class Serving:
             checksum = info.checksum
         step = self.config.chunk_bytes
         v, k = snd.fetch.version, snd.fetch.index
+        span = self.notices.span if snd.shm else self.frames.span
         while True:
             start = snd.cursor
-            end = ready if snd.shm else min(start + step, info.nbytes)
-            if snd.shm and not complete and end - start < max(step, SHM_NOTICE_BYTES):
-                break
-            if end > ready:
+            end = span(start, ready, info.nbytes, complete, step)
+            if end is None:
                 break
             last = complete and end == info.nbytes
             if end == start and not last:
                 break
             if snd.shm:
                 msg = WeightBucket(v, k, start, checksum if last else 0, last, [], end - start)
-                ok = self.reply(snd.ident, self.encoder.encode(msg)) is not False
+                ok = self.notices.send(snd.ident, snd.wid, msg) is not None
             else:
                 chunk = st.view()[info.shm_offset + start : info.shm_offset + end]
                 msg = WeightBucket(v, k, start, checksum if last else 0, last, [chunk])
@@ -454,9 +416,9 @@ class Serving:
                         return
                     snd.linked = tracker is not None
                 if tracker is None:  # no data link: ZeroMQ frames
-                    tracker = self.reply(snd.ident, self.encoder.encode(msg), track=True)
+                    tracker = self.frames.send(snd.ident, snd.wid, msg)
                 ok = tracker is not None
-                if ok:
+                if tracker is not None:
                     with self.cond:
                         st.trackers.append(tracker)
             # Not queued (HWM or peer gone): the worker's fetch times out and it asks

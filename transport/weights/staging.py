@@ -16,7 +16,6 @@ from typing import Any
 import msgspec
 import numpy as np
 import torch
-import zmq
 
 from fastio.weight_msgs import WeightAnnounce, WeightBucketInfo, WeightFetch
 from transport.weights.binding import FLOAT_DTYPES, parse_dtype
@@ -29,8 +28,8 @@ from transport.weights.bucket import (
     plan_buckets,
 )
 from transport.weights.core.publisher import PublisherCore, VersionLedger
+from transport.weights.routes import Tracker
 from transport.weights.routes import shm as _shm
-from transport.weights.routes.tcp import Sent
 
 __all__ = ["Send", "Staged", "VersionStore", "pack_steps", "plan_version"]
 
@@ -95,7 +94,7 @@ class Staged:
         self.announce: WeightAnnounce | None = None
         self.ledger = VersionLedger(version)  # who must answer, who may still read
         #: Sends that may still read the buffer: ZeroMQ trackers, data-link chunks.
-        self.trackers: list[zmq.MessageTracker | Sent] = []
+        self.trackers: list[Tracker] = []
         self.packed = 0  # bytes packed so far
         self.buckets_done = 0  # buckets packed, their checksum known
         self.active: list[Send] = []  # Fetches being answered as packing progresses

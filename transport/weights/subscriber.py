@@ -280,7 +280,7 @@ class WeightSubscriber:
                     if sock in events:
                         self._drain(sock)
                 if tcp.link is not None and tcp.link.fd in events:
-                    tcp.read(self.fetcher)
+                    tcp.receive(self.fetcher)
         except Exception:  # the thread must not die silently
             log.exception("weight subscriber %s crashed", self.worker_id)
             raise
@@ -296,7 +296,7 @@ class WeightSubscriber:
             said_bye = self.ipc.close()
             self._dealer.close(linger=500 if said_bye else 0)
             self._sub.close(linger=0)
-            self.fetcher.shm.drop()
+            self.fetcher.shm.close()
 
     def _drain(self, sock: zmq.Socket[Any]) -> None:
         for _ in range(64):

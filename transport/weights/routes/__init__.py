@@ -1,43 +1,94 @@
 """Routes: where a version's bytes travel between a trainer and a worker.
 
-Every route carries the same buckets under the same control messages
-(:mod:`transport.weights.core`); only where the bytes live differs. Each module holds
-both sides of its route:
-
-* :mod:`~transport.weights.routes.shm`: a shared-memory segment on the trainer's host;
-* :mod:`~transport.weights.routes.tcp`: the data link, a plain TCP connection per worker;
-* :mod:`~transport.weights.routes.zmq`: ZeroMQ frames on the control sockets, the
-  fallback of both;
-* :mod:`~transport.weights.routes.ipc`: the trainer's own memory (CUDA IPC or torch
-  shared storage), its worker side in :mod:`~transport.weights.routes.ipc_worker`.
-
-The receiving sides of shm, tcp and zmq share one step:
-:func:`~transport.weights.routes.receive.take`.
+Every route carries the same buckets under the same control messages; only where the
+bytes live differs (``docs/weights.md``, "Route interface"). Each module holds both sides
+of its route: :mod:`~.shm`, :mod:`~.tcp`, :mod:`~.zmq`, and :mod:`~.ipc` (worker side in
+:mod:`~.ipc_worker`). The trainer side of shm, tcp and zmq is a :class:`Sender`, the
+worker side an :class:`Inbound` that calls back a :class:`Receiver`; no route imports a
+driver.
 """
 
-from typing import Any, Protocol
+from __future__ import annotations
 
-__all__ = ["Receiver"]
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    import torch
+
+    from fastio.weight_msgs import WeightAnnounce, WeightBucket
+    from transport.weights.core.subscriber import SubscriberCore
+    from transport.weights.routes.inflight import InFlight, Partial
+    from transport.weights.streaming import BucketStream
+
+__all__ = ["Inbound", "Receiver", "Replies", "Sender", "Tracker"]
+
+
+class Tracker(Protocol):
+    """A queued send: ``done`` once the staged buffer it reads may be written again."""
+
+    @property
+    def done(self) -> bool: ...
+
+
+class Replies(Protocol):
+    """The trainer's control socket: ``reply`` sends frames to one worker without
+    blocking (its tracker with ``track``; None or False when not queued)."""
+
+    def reply(self, ident: bytes, frames: list[object], track: bool = False) -> object: ...
+
+
+class Sender(Protocol):
+    """A route's trainer side: the chunks of one bucket to one worker, zero-copy."""
+
+    def span(self, start: int, ready: int, total: int, complete: bool, step: int) -> int | None:
+        """Where the chunk from ``start`` ends, ``ready`` bytes of ``total`` packed
+        (``complete``: all); None when it must wait for more."""
+        ...
+
+    def send(self, ident: bytes, wid: str, msg: WeightBucket) -> Tracker | None:
+        """Queue one chunk to worker ``wid``; None when it was not queued."""
+        ...
+
+    def close(self) -> None: ...
 
 
 class Receiver(Protocol):
-    """What a route's receiving side calls on the worker's version in flight
-    (:class:`~transport.weights.fetching.VersionFetcher`; ``up`` is its ``InFlight``,
-    ``part`` a bucket arriving)."""
+    """What a route's worker side calls on the version in flight (the subscriber's
+    :class:`~transport.weights.fetching.VersionFetcher`)."""
 
-    update: Any
-    core: Any
+    @property
+    def update(self) -> InFlight | None: ...
 
-    def partial(self, up: Any, i: int) -> Any: ...
+    @property
+    def core(self) -> SubscriberCore: ...
 
-    def hold(self, up: Any) -> bool: ...
+    def partial(self, up: InFlight, i: int) -> Partial: ...
+
+    def hold(self, up: InFlight) -> bool: ...
 
     def chunk_done(
-        self, up: Any, i: int, part: Any, t: float, ok: bool, last: bool, checksum: int
+        self, up: InFlight, i: int, part: Partial, t: float, ok: bool, last: bool, checksum: int
     ) -> None: ...
 
-    def landed(self, up: Any, i: int, chunks: list[Any], stream: Any) -> None: ...
+    def landed(
+        self, up: InFlight, i: int, chunks: list[torch.Tensor], stream: BucketStream | None
+    ) -> None: ...
 
     def fail(self, version: int, error: str, route: str = "tcp") -> None: ...
 
     def link_failed(self, why: str) -> None: ...
+
+    def consider(self, ann: WeightAnnounce) -> None: ...
+
+    def abandon(self, why: str) -> None: ...
+
+
+class Inbound(Protocol):
+    """A route's worker side: takes what arrived into the views of ``f.update``."""
+
+    def receive(self, f: Receiver, msg: WeightBucket | None) -> None:
+        """One chunk: ``msg`` from the control socket, or (``None``) read from the
+        route's own connection; each bucket's end is reported to ``f``."""
+        ...
+
+    def close(self) -> None: ...

@@ -20,9 +20,9 @@ from fastio.weight_msgs import WeightAnnounce
 from transport import metrics
 from transport.weights.core.subscriber import SubscriberCore
 from transport.weights.errors import WeightMismatchError
-from transport.weights.fetching import VersionFetcher
 from transport.weights.reporting import Reporter
 from transport.weights.results import UpdateStats
+from transport.weights.routes import Receiver
 from transport.weights.routes import ipc_tensors as shared
 from transport.weights.routes.ipc_tensors import IpcRefused
 
@@ -288,7 +288,7 @@ class IpcReceiver:
         self,
         core: SubscriberCore,
         reporter: Reporter,
-        fetcher: VersionFetcher,
+        fetcher: Receiver,
         targets: dict[str, Any],
         *,
         eligible: bool,

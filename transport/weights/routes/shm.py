@@ -20,16 +20,18 @@ import secrets
 import time
 import warnings
 from pathlib import Path
-from typing import Any
 
 import torch
 
+from fastio.versions import VERSION_1
 from fastio.weight_msgs import WeightBucket
-from transport.weights.routes import Receiver
+from transport.weights.routes import Receiver, Replies, Tracker
 from transport.weights.routes.receive import part_of, take
 
 __all__ = [
+    "NOTICE_BYTES",
     "SHM_DIR",
+    "NoticeSender",
     "Probe",
     "ShmReader",
     "ShmSegment",
@@ -45,6 +47,9 @@ _PREFIX = "fastio-w-"
 #: Files younger than this are left alone by :func:`cleanup_stale`: their creator may
 #: be between ``open`` and ``flock``.
 _GRACE_S = 10.0
+#: Same-host workers get a "bytes ready" notice at most every this many packed bytes
+#: (while they are still in the last-level cache for the worker to hash).
+NOTICE_BYTES = 8 << 20
 #: Mappings a worker keeps between versions (the publisher's pool alternates two).
 KEEP_MAPPINGS = 2
 
@@ -235,17 +240,18 @@ class ShmReader:
         self.segments[name] = seg  # most recently used last
         return seg
 
-    def drop(self) -> None:
+    def close(self) -> None:
         """Unmap every kept segment (a new or silent publisher, closing)."""
         for seg in self.segments.values():
             seg.close()
         self.segments.clear()
 
-    def ready(self, f: Receiver, up: Any, msg: WeightBucket, t: float) -> None:
-        """Bytes of bucket ``msg.index`` are packed in the segment: hash them in place
-        as they come; on the last notice compare with the checksum."""
-        assert up.seg is not None
-        i = msg.index
+    def receive(self, f: Receiver, msg: WeightBucket | None) -> None:
+        """A notice: bytes of bucket ``msg.index`` are packed in the segment; hash them
+        in place; on the last notice compare with the checksum."""
+        up = f.update
+        assert msg is not None and up is not None and up.seg is not None
+        i, t = msg.index, time.monotonic()
         info = up.ann.buckets[i]
         part = part_of(f, up, i)
         up.sched.progress(i, t)
@@ -281,3 +287,24 @@ class ShmReader:
             return
         seg = up.seg.tensor[info.shm_offset : info.shm_offset + info.nbytes]
         f.landed(up, i, [seg], part.stream)
+
+
+class _Done:
+    done = True  # a notice reads nothing of the buffer once queued
+
+
+class NoticeSender:
+    """The trainer side: "bytes ready" notices (``WeightBucket`` without chunks) through
+    ``out.reply``, at most one per :data:`NOTICE_BYTES` packed."""
+
+    def __init__(self, out: Replies) -> None:
+        self.out = out
+
+    def span(self, start: int, ready: int, total: int, complete: bool, step: int) -> int | None:
+        return ready if complete or ready - start >= max(step, NOTICE_BYTES) else None
+
+    def send(self, ident: bytes, wid: str, msg: WeightBucket) -> Tracker | None:
+        return _Done() if self.out.reply(ident, VERSION_1.encode(msg)) is not False else None
+
+    def close(self) -> None:
+        """Nothing of its own (the segments are the staging's)."""

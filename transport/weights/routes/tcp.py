@@ -1,8 +1,8 @@
 """The tcp route's data link: bucket bytes on a plain TCP stream beside the sockets,
 read by the worker straight where they go (wire: ``docs/PROTOCOL.md``, "Data link").
 
-Trainer side (threads of their own): :class:`DataListener`, a :class:`DataSender` per
-worker. Worker side (the subscriber's thread): :class:`LinkClient`.
+Trainer side: :class:`LinkSender` (a :class:`DataListener`, a :class:`DataSender` per
+worker, threads of their own). Worker side (the subscriber's thread): :class:`LinkClient`.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import contextlib
 import hashlib
 import hmac
 import logging
+import secrets
 import socket
 import struct
 import threading
@@ -22,8 +23,10 @@ from typing import Any, NamedTuple
 import numpy as np
 import zmq
 
+from fastio.weight_msgs import WeightBucket
 from transport.weights.routes import Receiver
-from transport.weights.routes.receive import part_of, take
+from transport.weights.routes.receive import begin, take
+from transport.weights.routes.zmq import stream_span
 
 __all__ = [
     "PIECE",
@@ -32,6 +35,7 @@ __all__ = [
     "DataReceiver",
     "DataSender",
     "LinkClient",
+    "LinkSender",
     "Piece",
     "connect",
     "worker_token",
@@ -418,8 +422,9 @@ class LinkClient:
                 self.poller.unregister(link)
             link.close()
 
-    def read(self, f: Receiver) -> None:
-        """A chunk on the data link: its bytes go straight where they belong."""
+    def receive(self, f: Receiver, msg: WeightBucket | None = None) -> None:
+        """A chunk on the data link (``msg`` unused): its bytes go straight where they
+        belong."""
         link = self.link
         assert link is not None
         try:
@@ -441,18 +446,81 @@ class LinkClient:
             if p.offset + p.nbytes > up.ann.buckets[i].nbytes:
                 raise DataLinkError(f"a chunk beyond the end of bucket {i}")
             t = time.monotonic()
-            part = part_of(f, up, i)
-            if p.offset != part.size:
-                # Left over from an earlier answer to this bucket (asked again).
-                self.count("stale_pieces")
+            part = begin(f, up, i, p.offset, p.nbytes, t)
+            if part is None:  # left over from an earlier answer, or the lock refused
                 link.discard(p.nbytes)
-                return
-            up.sched.progress(i, t)
-            if part.stream is not None and p.nbytes and not f.hold(up):
-                link.discard(p.nbytes)  # the version failed (its lock refused)
                 return
             take(part, link, p.nbytes, up.stage[i] if up.stage is not None else None, keep=True)
         except DataLinkError as exc:
             f.link_failed(str(exc))
             return
         f.chunk_done(up, i, part, t, True, p.last, p.checksum)
+
+
+class LinkSender:
+    """The trainer side: a :class:`DataListener` on the ROUTER ``endpoint``'s host and
+    ``port``, and a :class:`DataSender` per worker admitted (``timeout``: seconds without
+    progress before one is closed). Raises ``OSError`` when it cannot listen."""
+
+    span = staticmethod(stream_span)
+
+    def __init__(
+        self, endpoint: str, port: int, timeout: float, count: Callable[[str], None]
+    ) -> None:
+        self.secret = secrets.token_bytes(16)
+        self.timeout = timeout
+        self.count = count
+        self.senders: dict[str, DataSender] = {}
+        self.lock = threading.Lock()
+        self.closed = False
+        self.listener = DataListener(endpoint, self.secret, self._admit, port)
+        self.port = self.listener.port
+
+    def token(self, worker_id: str) -> bytes:
+        """The token ``worker_id`` learns in its Welcome."""
+        return worker_token(self.secret, worker_id)
+
+    def send(self, ident: bytes, wid: str, msg: WeightBucket) -> Sent | None:
+        """Queue ``msg`` (one chunk) on ``wid``'s link; None without one."""
+        with self.lock:
+            sender = self.senders.get(wid)
+        if sender is None:
+            return None
+        (chunk,) = msg.chunks
+        n = memoryview(chunk).nbytes
+        head = PIECE.pack(
+            PIECE_MAGIC, msg.version, msg.index, msg.offset, n, msg.checksum, msg.last
+        )
+        sent = sender.send(head, chunk)
+        if sent is not None:
+            self.count("data_link_pieces")
+        return sent
+
+    def close(self) -> None:
+        """Stop listening and close every link."""
+        self.listener.close()
+        with self.lock:
+            self.closed = True
+            senders = list(self.senders.values())
+        for sender in senders:
+            sender.close()
+            sender.join(5.0)
+
+    def _admit(self, worker_id: str, sock: socket.socket) -> bool:
+        """A worker's data link, token checked (the listener's thread)."""
+        with self.lock:
+            if self.closed:
+                return False
+            old = self.senders.pop(worker_id, None)
+            self.senders[worker_id] = DataSender(
+                sock, worker_id, self.timeout, self._closed, first=b"\x01"
+            )
+            self.count("data_links")
+        if old is not None:
+            old.close()  # a restarted worker's: its replacement has the id now
+        return True
+
+    def _closed(self, sender: DataSender) -> None:
+        with self.lock:
+            if self.senders.get(sender.worker_id) is sender:
+                del self.senders[sender.worker_id]
