@@ -142,16 +142,12 @@ class FabricClient:
         """A snapshot of every worker's state as this client sees it."""
         now = time.monotonic()
         curve = self.config.curve is not None
-        for w in self._sched.order:
-            if not w.alive:
-                w.poll_monitor()
         return [w.info(now, curve) for w in self._sched.order]
 
     @property
     def pending(self) -> int:
         """Requests queued in the client, waiting to be re-sent, or in flight."""
-        n = len(self._sched.queue) + len(self._sched.backing_off)
-        return n + sum(len(w.inflight) + len(w.sticky_queue) for w in self._sched.order)
+        return sum(1 for _ in self._sched.unfinished())
 
     def agenerate(
         self,

@@ -63,7 +63,7 @@ class Liveness:
         """Start pinging a new worker; while none is alive, calls wait for it too."""
         if not self.n_alive:
             self.alive_at = time.monotonic()  # a new worker gets its connect_timeout
-            self.sched.held = True
+            self.sched.hold()
         self._probe(w, 0.002)
 
     def _probe(self, w: Worker, delay: float) -> None:
@@ -169,7 +169,7 @@ class Liveness:
             self.n_alive -= 1
             if not self.n_alive:
                 self.alive_at = w.died_at
-                self.sched.held = True  # the first back must not take the whole backlog
+                self.sched.hold()  # the first back must not take the whole backlog
         running, waiting = w.take_calls()
         calls = running + waiting
         log.warning("worker %s is dead (%s): re-sending %d requests", w.address, why, len(calls))
@@ -206,8 +206,7 @@ class Liveness:
         self.sched.counters.add("resent")
         assert self._loop is not None
         delay = resend_delay(call.resends, cfg.resend_backoff, cfg.resend_backoff_max)
-        self.sched.backing_off.add(call)
-        call.backoff = self._loop.call_later(delay, self._resend_now, call)
+        self.sched.back_off(call, self._loop.call_later(delay, self._resend_now, call))
 
     def _poisoned(self, call: Call) -> None:
         """``call`` was running on more than ``max_worker_deaths`` workers that died."""
@@ -223,8 +222,7 @@ class Liveness:
         self.sched.fail(call, PoisonRequest(msg, rid=rid, workers=dead), also="poisoned")
 
     def _resend_now(self, call: Call) -> None:
-        call.backoff = None
-        self.sched.backing_off.discard(call)
+        self.sched.back_off(call, None)
         if not call.done and not self._closed:
             self.sched.enqueue(call, front=True)
             self.watch_for_none()
@@ -268,17 +266,13 @@ class Liveness:
             self._fail_waiting(self.incompatible_error())
 
     def _fail_waiting(self, err: NoWorkerAvailable) -> None:
-        calls = self.sched.waiting()
-        self.sched.queue.clear()
-        for call in calls:
+        for call in self.sched.take_waiting():
             self.sched.fail(call, type(err)(str(err), err.seen), also="no_worker")
 
     def all_incompatible(self) -> bool:
         return bool(self.sched.order) and all(w.incompatible for w in self.sched.order)
 
     def no_worker_error(self) -> NoWorkerAvailable:
-        for w in self.sched.order:
-            w.poll_monitor()
         seen, where = self._seen(self.config.curve is not None)
         t = self.config.connect_timeout
         return NoWorkerAvailable(f"no generation worker alive for {t:g} s ({where})", seen)

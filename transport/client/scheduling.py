@@ -3,6 +3,7 @@ client's queue: docs/concepts.md, "Choosing a worker") and how it ends."""
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import itertools
 from collections.abc import Iterator
@@ -57,9 +58,21 @@ class Scheduler:
         self.queue.clear()
         return calls
 
+    def hold(self) -> None:
+        """Keep calls in the queue until :meth:`release`."""
+        self.held = True
+
     def release(self) -> None:
         self.held = False
         self.dispatch()
+
+    def back_off(self, call: Call, timer: asyncio.TimerHandle | None = None) -> None:
+        """``call`` waits for ``timer`` to re-send it (None: the wait is over)."""
+        call.backoff = timer
+        if timer is not None:
+            self.backing_off.add(call)
+        else:
+            self.backing_off.discard(call)
 
     def enqueue(self, call: Call, front: bool = False) -> None:
         if not self.queue:  # else it waits its turn: no worker to pick now
@@ -170,9 +183,11 @@ class Scheduler:
                 self.order.remove(w)
             w.close()
 
-    def waiting(self) -> list[Call]:
-        """Calls not on a worker: queued or backing off."""
-        return [*self.queue, *self.backing_off]
+    def take_waiting(self) -> list[Call]:
+        """Take the calls not on a worker: queued or backing off."""
+        calls = [*self.queue, *self.backing_off]
+        self.queue.clear()
+        return calls
 
     def unfinished(self) -> Iterator[Call]:
         """Every call not done: waiting, or sent to (or waiting for) a worker."""
@@ -212,8 +227,7 @@ class Scheduler:
             call.timer.cancel()
         if call.backoff is not None:
             call.backoff.cancel()
-            call.backoff = None
-            self.backing_off.discard(call)
+            self.back_off(call, None)
         unbind(call.fut)
         return call.fut
 

@@ -269,6 +269,7 @@ class Worker:
         if self.last_seen:
             state = "alive" if self.alive else "dead"
             return f"{state}, last answered {now - self.last_seen:.1f} s ago"
+        self.poll_monitor()
         if self.handshake_failed:
             n = len(self.handshake_failed)
             mech = "CURVE" if curve else "ZMTP (it may expect CURVE)"
