@@ -159,6 +159,33 @@ def test_no_import_circles() -> None:
     assert _circles(graph) == []
 
 
+#: The weights' drivers: they run the core on sockets and threads and use the routes.
+WEIGHT_DRIVERS = {
+    f"transport.weights.{m}"
+    for m in ("fetching", "publisher", "serving", "staging", "subscriber", "update")
+}
+
+
+def test_no_route_imports_a_weights_driver() -> None:
+    graph = _module_graph()
+    routes = {m for m in graph if m.startswith("transport.weights.routes")}
+    assert "transport.weights.routes.tcp" in routes  # sanity
+    assert {r: sorted(graph[r] & WEIGHT_DRIVERS) for r in routes if graph[r] & WEIGHT_DRIVERS} == {}
+    # The core (no I/O) uses neither: the drivers carry bytes and time to it.
+    core = {m for m in graph if m.startswith("transport.weights.core")}
+    above = WEIGHT_DRIVERS | routes
+    assert {c: sorted(graph[c] & above) for c in core if graph[c] & above} == {}
+
+
+def test_no_module_is_longer_than_500_lines() -> None:
+    lengths = {
+        str(p.relative_to(ROOT)): len(p.read_text().splitlines())
+        for pkg in ("fastio", "transport")
+        for p in (ROOT / pkg).rglob("*.py")
+    }
+    assert {p: n for p, n in lengths.items() if n > 500} == {}
+
+
 def test_circle_finder_finds_a_circle() -> None:
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert _circles(graph) == [["a", "b", "c"]]
