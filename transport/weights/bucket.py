@@ -16,7 +16,7 @@ import itertools
 import math
 import os
 import zlib
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING, Any
 
@@ -36,6 +36,7 @@ __all__ = [
     "CHECKSUM_ALGOS",
     "DEFAULT_BUCKET_BYTES",
     "DEFAULT_CHECKSUM",
+    "SUM64_ROW",
     "BucketApplier",
     "Hasher",
     "checksum",
@@ -47,7 +48,9 @@ __all__ = [
     "named_tensors",
     "pack_bucket",
     "plan_buckets",
+    "plan_spans",
     "split_aliases",
+    "sum64",
     "wire_tensor",
 ]
 
@@ -176,6 +179,34 @@ def _align(n: int) -> int:
     return (n + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
 
 
+def plan_spans(
+    specs: Iterable[tuple[str, str, Sequence[int]]],
+    bucket_bytes: int,
+    align: int,
+    dtype: Callable[[str], torch.dtype] = dtype_from_name,
+) -> Iterator[tuple[list[tuple[str, str, tuple[int, ...], int, int]], int]]:
+    """The one planner of every route: ``(name, dtype_name, shape)`` in order, grouped
+    into buckets of at most ``bucket_bytes`` (a larger tensor gets one of its own), each
+    tensor's offset a multiple of ``align``; yields each bucket's ``(name, dtype, shape,
+    offset, nbytes)`` entries and its length. ``dtype``: a name -> its torch dtype."""
+    cur: list[tuple[str, str, tuple[int, ...], int, int]] = []
+    size = 0
+    seen: set[str] = set()
+    for name, dname, shape in specs:
+        if name in seen:
+            raise WeightMismatchError(f"duplicate tensor name {name!r}")
+        seen.add(name)
+        nbytes = _numel(shape) * dtype(dname).itemsize
+        off = -(-size // align) * align
+        if cur and off + nbytes > bucket_bytes:
+            yield cur, size
+            cur, off = [], 0
+        cur.append((name, dname, tuple(int(d) for d in shape), off, nbytes))
+        size = off + nbytes
+    if cur:
+        yield cur, size
+
+
 def plan_buckets(
     specs: Iterable[tuple[str, str, Sequence[int]]], bucket_bytes: int = DEFAULT_BUCKET_BYTES
 ) -> list[WeightBucketInfo]:
@@ -190,24 +221,35 @@ def plan_buckets(
     if bucket_bytes <= 0:
         raise ValueError("bucket_bytes must be positive")
     buckets: list[WeightBucketInfo] = []
-    cur: list[WeightTensor] = []
-    size = seg = 0
-    seen: set[str] = set()
-    for name, dname, shape in specs:
-        if name in seen:
-            raise WeightMismatchError(f"duplicate tensor name {name!r}")
-        seen.add(name)
-        nbytes = _numel(shape) * dtype_from_name(dname).itemsize
-        off = _align(size)
-        if cur and off + nbytes > bucket_bytes:
-            buckets.append(WeightBucketInfo(len(buckets), size, 0, cur, seg))
-            seg += _align(size)
-            cur, off = [], 0
-        cur.append(WeightTensor(name, dname, tuple(int(d) for d in shape), off, nbytes))
-        size = off + nbytes
-    if cur:
-        buckets.append(WeightBucketInfo(len(buckets), size, 0, cur, seg))
+    seg = 0
+    for i, (entries, size) in enumerate(plan_spans(specs, bucket_bytes, ALIGNMENT)):
+        buckets.append(WeightBucketInfo(i, size, 0, [WeightTensor(*e) for e in entries], seg))
+        seg += _align(size)
     return buckets
+
+
+#: Bytes per ``sum64`` row; a bucket it checks is a multiple of it.
+SUM64_ROW = 512
+_SUM64_WEIGHTS: dict[tuple[int, Any], torch.Tensor] = {}
+
+
+def sum64(payload: torch.Tensor) -> torch.Tensor:
+    """``sum64`` of a bucket (1-D ``uint8``, a multiple of 512 bytes, 8-byte aligned): a
+    0-d int64 tensor computed on ``payload``'s device, no host synchronisation (the ipc
+    route's checksum; ``docs/weights.md``)."""
+    if payload.device.type == "cpu":
+        # numpy, single-threaded: torch's intra-op threads spin on a busy trainer host
+        words = payload.numpy().view(np.int64).reshape(-1, SUM64_ROW // 8)
+        rows_np = words.sum(axis=1, dtype=np.int64)
+        weights = np.arange(1, rows_np.size + 1, dtype=np.int64)
+        return torch.tensor(int((rows_np * weights).sum(dtype=np.int64)), dtype=torch.int64)
+    rows = payload.view(torch.int64).view(-1, SUM64_ROW // 8).sum(dim=1)
+    key = (rows.numel(), rows.device)
+    w = _SUM64_WEIGHTS.get(key)
+    if w is None:
+        w = torch.arange(1, rows.numel() + 1, dtype=torch.int64, device=rows.device)
+        _SUM64_WEIGHTS[key] = w
+    return (rows * w).sum()
 
 
 # -- packing and applying ----------------------------------------------------------

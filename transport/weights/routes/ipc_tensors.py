@@ -10,6 +10,8 @@ import numpy as np
 import torch
 
 from fastio.ipc_msgs import TRAILER_BYTES, IpcBucket, IpcHandle, IpcTensor
+from transport.weights.bucket import SUM64_ROW, _flat_bytes, named_tensors, plan_spans
+from transport.weights.bucket import sum64 as checksum
 from transport.weights.core.process import process_alive, process_start_time
 from transport.weights.errors import WeightMismatchError, WeightUpdateError
 
@@ -24,7 +26,6 @@ __all__ = [
 
 #: Default bound of one bucket (and so of one slot).
 DEFAULT_IPC_BUCKET_BYTES = 512 << 20
-_ROW = 512  # bytes per checksum row; bucket lengths are multiples of it
 # Typed loosely: torch's private sharing API has no annotations.
 _cuda: Any = torch.cuda
 _Storage: Any = torch.UntypedStorage
@@ -36,17 +37,12 @@ class IpcRefused(WeightUpdateError):
 
 
 def _dtype_name(dt: torch.dtype) -> str:
+    # Any dtype torch can view: the slots carry bytes, never cast.
     return str(dt).removeprefix("torch.")
 
 
 def _named(state: Any) -> dict[str, torch.Tensor]:
-    if isinstance(state, torch.nn.Module):
-        state = state.state_dict(keep_vars=True)
-    return {k: v.detach() for k, v in state.items()}
-
-
-def _byte_view(t: torch.Tensor) -> torch.Tensor:
-    return t.reshape(-1).view(torch.uint8)
+    return {k: v.detach() for k, v in named_tensors(state).items()}
 
 
 def plan_layout(
@@ -54,28 +50,12 @@ def plan_layout(
 ) -> list[IpcBucket]:
     """Buckets of ``(name, dtype name, shape)`` in order, each at most ``bucket_bytes``
     (a larger tensor gets a bucket of its own), tensors back to back, each bucket's
-    length rounded up to 512 bytes (zeros)."""
-    out: list[IpcBucket] = []
-    cur: list[IpcTensor] = []
-    pos = 0
-
-    def close() -> None:
-        nonlocal cur, pos
-        if cur:
-            out.append(IpcBucket(len(out), -(-pos // _ROW) * _ROW, cur))
-        cur, pos = [], 0
-
-    for name, dtype, shape in specs:
-        n = 1
-        for d in shape:
-            n *= d
-        nbytes = n * torch.empty((), dtype=getattr(torch, dtype)).element_size()
-        if cur and pos + nbytes > bucket_bytes:
-            close()
-        cur.append(IpcTensor(name, dtype, tuple(shape), pos, nbytes))
-        pos += nbytes
-    close()
-    return out
+    length rounded up to 512 bytes (zeros): :func:`~transport.weights.bucket.plan_spans`."""
+    spans = plan_spans(specs, bucket_bytes, 1, lambda name: getattr(torch, name))
+    return [
+        IpcBucket(i, -(-size // SUM64_ROW) * SUM64_ROW, [IpcTensor(*e) for e in entries])
+        for i, (entries, size) in enumerate(spans)
+    ]
 
 
 def _layout_of(tensors: Mapping[str, torch.Tensor], bucket_bytes: int) -> list[IpcBucket]:
@@ -103,7 +83,7 @@ def _check_layout(buckets: list[IpcBucket], tensors: Mapping[str, torch.Tensor])
 
 def _pack(b: IpcBucket, tensors: Mapping[str, torch.Tensor], slot: torch.Tensor) -> None:
     """Copy bucket ``b`` of ``tensors`` into ``slot``, zero-padded to ``b.nbytes``."""
-    srcs = [_byte_view(tensors[e.name]) for e in b.tensors]
+    srcs = [_flat_bytes(tensors[e.name]) for e in b.tensors]
     used = b.tensors[-1].offset + b.tensors[-1].nbytes
     if slot.device.type == "cpu" and all(s.device.type == "cpu" for s in srcs):
         # one memcpy each, no intra-op threads (see checksum)
@@ -150,7 +130,7 @@ def _unpack(
             t = targets[e.name]
             piece = src[e.offset : e.offset + e.nbytes]
             if t.is_contiguous():
-                dsts.append(_byte_view(t))
+                dsts.append(_flat_bytes(t))
                 srcs.append(piece)
             else:  # rare: through a contiguous temporary
                 odd.append((t, piece))
@@ -164,7 +144,7 @@ def _unpack(
             torch._foreach_copy_(dsts, srcs, non_blocking=True)
         for t, piece in odd:
             tmp = torch.empty(t.shape, dtype=t.dtype, device=t.device)
-            _byte_view(tmp).copy_(piece)
+            _flat_bytes(tmp).copy_(piece)
             t.copy_(tmp)
 
 
@@ -190,31 +170,6 @@ def _check_slot(slot: torch.Tensor, b: IpcBucket, version: int, cap: int, verify
     if got != version:
         return f"bucket {b.index}: the slot holds version {got}, not {version}"
     return f"bucket {b.index} of version {version}: checksum mismatch"
-
-
-_WEIGHTS: dict[tuple[int, torch.device], torch.Tensor] = {}
-
-
-def checksum(payload: torch.Tensor) -> torch.Tensor:
-    """``sum64`` of a bucket (1-D ``uint8``, a multiple of 512 bytes, 8-byte aligned): a
-    0-d int64 tensor computed on ``payload``'s device, no host synchronisation.
-
-    The bytes as int64 words in rows of 64; each row's wrapping sum times the row's
-    number (from 1), summed with wrap-around: exact, so both devices agree bit for bit;
-    catches stale, torn and shifted data (not an adversary).
-    """
-    if payload.device.type == "cpu":
-        # numpy, single-threaded: torch's intra-op threads spin on a busy trainer host
-        words = payload.numpy().view(np.int64).reshape(-1, _ROW // 8)
-        rows_np = words.sum(axis=1, dtype=np.int64)
-        weights = np.arange(1, rows_np.size + 1, dtype=np.int64)
-        return torch.tensor(int((rows_np * weights).sum(dtype=np.int64)), dtype=torch.int64)
-    rows = payload.view(torch.int64).view(-1, _ROW // 8).sum(dim=1)
-    key = (rows.numel(), rows.device)
-    w = _WEIGHTS.get(key)
-    if w is None:
-        w = _WEIGHTS[key] = torch.arange(1, rows.numel() + 1, dtype=torch.int64, device=rows.device)
-    return (rows * w).sum()
 
 
 def _new_slot(nbytes: int, device: torch.device) -> tuple[torch.Tensor, Any, IpcHandle | None]:
