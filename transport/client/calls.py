@@ -145,13 +145,10 @@ def keep_streamed(call: Call) -> LLMResponse | None:
     chunks = call.chunks
     call.chunks = ()
     call.seg_streamed = 0
-    if chunks:
-        if len(chunks) == 1:
-            toks, lps, vers = chunks[0]
-        else:
-            toks, lps, vers = (
-                TokenArray.wrap(np.concatenate([c[i].array for c in chunks])) for i in range(3)
-            )
+    if chunks:  # a rare path (a lost attempt): one more copy is no matter
+        toks, lps, vers = (
+            TokenArray.wrap(np.concatenate([c[i].array for c in chunks])) for i in range(3)
+        )
         _append(call, toks, lps, vers)
     drop_times(call, call.base)
     if call.out_tok is None:

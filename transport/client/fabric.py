@@ -201,21 +201,17 @@ class FabricClient:
                     raise RuntimeError("this FabricClient belongs to another event loop")
                 if not self._sched.workers:
                     raise NoWorkers("no generation worker configured; add_worker() first")
-                if not live.n_alive and live.no_worker_expired():
+                if not live.n_alive and (live.no_worker_expired() or live.all_incompatible()):
                     self.counters.add("no_worker")
-                    raise live.no_worker_error()
-                if not live.n_alive and live.all_incompatible():
-                    self.counters.add("no_worker")
-                    raise live.incompatible_error()
+                    expired = live.no_worker_expired()
+                    raise live.no_worker_error() if expired else live.incompatible_error()
             except Exception as exc:
                 fut.set_exception(exc)
                 return fut
-        call = Call(req, fut, on_chunk)
-        bind(fut, call, self._cancelled)
         config = self.config
         t = config.request_timeout if timeout is None else timeout
-        call.deadline = time.monotonic() + t
-        call.timeout = t
+        call = Call(req, fut, on_chunk, t)
+        bind(fut, call, self._cancelled)
         # Longer timeouts are checked on each heartbeat tick: no timer per request.
         if t < 30 * config.heartbeat_interval:
             call.timer = loop.call_later(t, self._sched.timed_out, call, t)

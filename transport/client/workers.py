@@ -305,7 +305,7 @@ class Call:
     )  # fmt: skip
 
     def __init__(
-        self, req: LLMRequest, fut: GenerateFuture, on_chunk: ChunkCallback | None
+        self, req: LLMRequest, fut: GenerateFuture, on_chunk: ChunkCallback | None, timeout: float
     ) -> None:
         self.orig = req
         self.segment = req  # what the current attempt asks for
@@ -314,8 +314,8 @@ class Call:
         self.t0 = time.perf_counter()
         self.timer: asyncio.TimerHandle | None = None
         self.backoff: asyncio.TimerHandle | None = None  # a re-send waiting its turn
-        self.deadline = float("inf")
-        self.timeout = float("inf")
+        self.deadline = time.monotonic() + timeout
+        self.timeout = timeout
         self.worker: Worker | None = None
         self.sub_id = -1
         # Output of the finished segments (None until one ends with more to come).
