@@ -221,6 +221,7 @@ class HTTPBridge(abc.ABC):
         self._watchdog: asyncio.Task[None] | None = None
         self._aux: set[asyncio.Task[Any]] = set()
         self._failing = False
+        self._probed = False
         self._closer: asyncio.Future[Any] | None = None
         self._closed = False
         self._idle: asyncio.Event | None = None  # set when the last flight ends (close)
@@ -237,12 +238,18 @@ class HTTPBridge(abc.ABC):
         return engine
 
     def check_reachable(self, timeout: float = 5.0) -> None:
-        """``GET /health`` once, blocking: a worker pointed at nothing fails at start."""
+        """``GET /health`` once, then :meth:`probe`, blocking: a worker pointed at nothing
+        fails at start."""
         try:  # an error status raises urllib's HTTPError, an OSError
             urllib.request.urlopen(self.url + "/health", timeout=timeout).close()
         except OSError as exc:
             msg = f"cannot reach the {self.name} server at {self.url}: {exc}"
             raise EngineUnavailable(msg) from exc
+        self.probe(timeout)
+        self._probed = True
+
+    def probe(self, timeout: float = 5.0) -> None:  # noqa: B027  (optional)
+        """Read what the server has, blocking (by the factory, else at :meth:`start`)."""
 
     def fetch_json(self, path: str, timeout: float = 5.0) -> Any:
         """``GET path`` blocking (before the loop runs), its decoded JSON; ``OSError`` or
@@ -274,7 +281,10 @@ class HTTPBridge(abc.ABC):
         return self._session
 
     async def start(self, worker: Any) -> None:
-        """Open the session and start the health watchdog."""
+        """:meth:`probe` (when the factory did not), open the session, start the watchdog."""
+        if not self._probed:
+            await asyncio.to_thread(self.probe)
+            self._probed = True
         self._worker = worker
         self.session()
         if self.options.health_interval > 0:

@@ -1,16 +1,6 @@
-"""``--engine sglang``: a worker fronting a running SGLang server over its native HTTP API.
-
-::
-
-    python -m sglang.launch_server --model-path MODEL --port 30000 &
-    fastio-worker --bind tcp://0.0.0.0:5555 --engine sglang \\
-        --engine-opt url=http://127.0.0.1:30000
-
-Requests are ``POST /generate`` (streamed, tokens stamped with the version of each chunk's
-``weight_version`` label); a pause is ``/pause_generation`` in ``pause_mode`` (requests
-frozen, nothing re-sent) or ``/abort_request``; each version is written once per
-``weights_dir`` (:func:`write_version`) and loaded with ``/update_weights_from_disk``.
-See ``docs/engines.md#the-sglang-and-vllm-bridges``.
+"""``--engine sglang``: a worker fronting a running SGLang server over its native HTTP API
+(``--engine-opt url=http://127.0.0.1:30000``); how requests, pauses and weights map onto
+SGLang: ``docs/engines.md#the-sglang-and-vllm-bridges``.
 """
 
 from __future__ import annotations
@@ -48,22 +38,15 @@ class SGLangOptions(BridgeOptions):
     Attributes
     ----------
     weights_dir:
-        Where received versions are written (default: a new temporary directory); the
-        server must be able to read it. Workers that share it (several workers of one
-        host, one server behind several workers) write each version once.
+        Where received versions are written, readable by the server (default: a new
+        temporary directory); workers that share it write each version once.
     model_config:
-        A model directory whose non-weight files (``config.json``, tokenizer files) are
-        linked into each version directory written.
+        A model directory whose non-weight files are linked into each version written.
     reload_timeout:
-        Seconds the server may take to load a version (and another worker to write one
-        this worker waits for).
+        Seconds the server may take to load a version (or another worker to write it).
     pause_mode:
-        What a worker pause asks of the server (``/pause_generation``'s modes):
-        ``in_place`` (default) keeps the requests in SGLang's running batch with their KV
-        cache, ``retract`` puts them back in its queue (KV recomputed); both keep the
-        streams open, load a version under them without a cache flush, and continue
-        after the resume. ``abort`` interrupts every request (``/abort_request``), the
-        client re-sends the rest; so is a server without ``/pause_generation`` paused.
+        ``in_place`` (default) or ``retract`` (requests kept in SGLang, streams open),
+        ``abort`` (each request interrupted, the client re-sends the rest).
     """
 
     weights_dir: str | None = None
@@ -101,33 +84,21 @@ class SGLangEngine(HTTPBridge):
         self.base_version = 0
         self._kept = False  # the server is paused in place (or retracted) by us
         self._flush_due = False  # a version was loaded without flushing the cache
-        self._probed = False
         self._label: tuple[Any, int] = (_NO_LABEL, 0)  # the last label seen, its version
 
     # -- the server ----------------------------------------------------------------------
 
-    def check_reachable(self, timeout: float = 5.0) -> None:
-        """``/health``, then the server's weight version (``/model_info``)."""
-        super().check_reachable(timeout)
-        with contextlib.suppress(OSError, ValueError):  # no /model_info: numbers still count
+    def probe(self, timeout: float = 5.0) -> None:
+        """The server's weight version (``/model_info``), where it has one."""
+        with contextlib.suppress(Exception):  # no /model_info: numbers still count
             self._set_base(self.fetch_json("/model_info", timeout))
-        self._probed = True
-
-    async def start(self, worker: Any) -> None:
-        """As the base; reads the server's weight version when the factory did not."""
-        await super().start(worker)
-        if not self._probed:
-            self._probed = True
-            with contextlib.suppress(Exception):
-                self._set_base(await self.get_json("/model_info"))
 
     async def close(self) -> None:
         """As the base; a server this bridge holds paused is let go first (SGLang ends
         an aborted request only at its next step, and nothing else would resume it)."""
         if self._kept:
             self._kept = False
-            with contextlib.suppress(Exception):
-                await self.post_json("/continue_generation", {}, timeout=2.0)
+            await self._continue(timeout=2.0)
         await super().close()
 
     def _set_base(self, info: Any) -> None:
@@ -223,9 +194,7 @@ class SGLangEngine(HTTPBridge):
         """``/continue_generation`` for a server this bridge paused (the streams go on)."""
         if not self._kept:
             return
-        try:
-            await self.post_json("/continue_generation", {})
-        except Exception as exc:  # the watchdog sees a server that is gone
+        if (exc := await self._continue()) is not None:  # the watchdog sees a server gone
             log.error("SGLang /continue_generation failed: %r", exc)
         # Not before: until the worker is resumed, a chunk must not interrupt its flight.
         self._kept = False
@@ -261,17 +230,13 @@ class SGLangEngine(HTTPBridge):
         self.has_pause = True
         return True
 
-    async def _server_continue(self, paused: bool, *, failed: bool) -> None:
-        """``/continue_generation`` after a paused load. After a failed load its own
-        failure is logged, never raised: the load's error is the one to report."""
-        if not paused:
-            return
+    async def _continue(self, timeout: float | None = None) -> Exception | None:
+        """``/continue_generation``; its error, if any, returned."""
         try:
-            await self.post_json("/continue_generation", {})
+            await self.post_json("/continue_generation", {}, timeout=timeout)
         except Exception as exc:
-            if not failed:
-                raise
-            log.error("SGLang /continue_generation after a failed load failed: %r", exc)
+            return exc
+        return None
 
     async def _flush(self) -> None:
         """``/flush_cache`` (SGLang answers 400 while it holds requests: asked again
@@ -338,8 +303,11 @@ class SGLangEngine(HTTPBridge):
             failed = False
         except RuntimeError as exc:
             raise WeightUpdateError(f"SGLang did not load {path}: {exc}") from exc
-        finally:
-            await self._server_continue(paused, failed=failed)
+        finally:  # after a failed load, the load's error is the one to report
+            if paused and (err := await self._continue()) is not None:
+                if not failed:
+                    raise err
+                log.error("SGLang /continue_generation after a failed load failed: %r", err)
         if not isinstance(data, dict) or not data.get("success"):
             msg = data.get("message") if isinstance(data, dict) else data
             raise WeightUpdateError(f"SGLang did not load {path}: {msg}")

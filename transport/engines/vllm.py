@@ -17,7 +17,6 @@ the streams; each weight version is staged in shared memory
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import json
 import logging
@@ -96,14 +95,8 @@ class VLLMEngine(HTTPBridge):
 
     # -- what the server has ------------------------------------------------------------
 
-    def check_reachable(self, timeout: float = 5.0) -> None:
-        """``/health``, then what the server has (routes, model, version, vocabulary)."""
-        super().check_reachable(timeout)
-        self.probe(timeout)
-
     def probe(self, timeout: float = 5.0) -> None:
         """Read the server's routes, model name, weight version and vocabulary (blocking)."""
-
         get = functools.partial(self.fetch_json, timeout=timeout)
         try:
             self.routes = set(get("/openapi.json").get("paths", {}))
@@ -143,12 +136,6 @@ class VLLMEngine(HTTPBridge):
         if self.routes is None or "/update_weights" in self.routes:
             return None
         return WEIGHTS_REFUSED.format(url=self.url)
-
-    async def start(self, worker: Any) -> None:
-        """Read what the server has (when the factory did not), then as the base."""
-        if self.routes is None:
-            await asyncio.to_thread(self.probe)
-        await super().start(worker)
 
     # -- requests -----------------------------------------------------------------------
 
