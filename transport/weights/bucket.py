@@ -1,11 +1,8 @@
 """Flat buckets: a state dict packed into a few large byte buffers, and back.
 
-A *plan* (:class:`~fastio.weight_msgs.WeightBucketInfo` list) lays tensors, in order,
-into buckets of at most ``bucket_bytes`` (a larger tensor gets its own), each at a
-64-byte aligned offset; it depends only on names, shapes and dtypes, so both sides can
-compute it. Applying is one copy per byte into the live tensor; CUDA targets go through
-two pinned host buffers in turn, so one slice's host copy overlaps the previous one's
-device copy.
+A *plan* (:class:`~fastio.weight_msgs.WeightBucketInfo` list) depends only on names,
+shapes and dtypes, so both sides compute it (:func:`plan_buckets`); the checksums of
+every route live here too.
 """
 
 from __future__ import annotations

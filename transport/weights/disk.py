@@ -1,11 +1,6 @@
-"""Disk route: versions as safetensors files under ``WeightUpdateMeta.path``, atomically.
-
-One directory per version (``v00000008/model.safetensors``), fsynced before it is renamed
-to its final name, then the ``LATEST`` marker (``{"version": 8, "dir": "v00000008"}``)
-replaced atomically: a reader sees the previous complete version or the new one, whenever
-the writer dies. Reading maps the file and checks every name, shape and dtype before it
-copies each tensor from the mapping into the live parameter.
-"""
+"""Disk route: versions as safetensors files under ``WeightUpdateMeta.path``, written
+atomically and read with every name, shape and dtype checked (layout:
+``docs/PROTOCOL.md``, "Disk path")."""
 
 from __future__ import annotations
 

@@ -1,11 +1,6 @@
-"""The disk route's drivers: a worker plugin that follows a directory of versions, and
-the trainer call that writes a version and waits until every worker holds it.
-
-Trainer: ``update_weights_on_disk(controller, "/shared/weights", model, version=step)``.
-Worker: ``fastio-worker ... --plugin transport.weights.disk_follow:follow --plugin-opt
-disk_root=/shared/weights``; the follower has the engine load every newer version while
-the worker is paused, then sets ``engine.version`` (reported by the worker's status).
-"""
+"""The disk route's drivers: a worker plugin that follows a directory of versions
+(:func:`follow`), and the trainer call that writes a version and waits until every
+worker holds it (:func:`update_weights_on_disk`); ``docs/weights.md``, "Disk"."""
 
 from __future__ import annotations
 

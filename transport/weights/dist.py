@@ -1,13 +1,6 @@
-"""Process-group route: weights broadcast in a torch.distributed group, bucket by bucket.
-
-Driven by a ``type="nccl"`` :class:`fastio.WeightUpdateMeta` (ranks, store and bucket
-order: ``docs/PROTOCOL.md``, "Process-group path"). NCCL on GPUs, gloo on CPU. Both sides
-compute the same plan (:func:`~transport.weights.bucket.plan_buckets`); two buckets are
-in flight, the next on the wire while the previous is copied. NCCL needs one device per
-rank: the ranks exchange host, device count and request through the store and all derive
-the same :func:`assign_devices`. Forming the group is bounded by ``join_timeout``; once
-formed, a trainer's death closes gloo's connections and a waiting worker fails.
-"""
+"""Process-group route: weights broadcast in a torch.distributed group, bucket by bucket
+(``docs/PROTOCOL.md``, "Process-group path"): NCCL on GPUs (one device per rank,
+:func:`assign_devices`), gloo on CPU; both sides compute the same plan."""
 
 from __future__ import annotations
 

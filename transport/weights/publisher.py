@@ -2,11 +2,7 @@
 
 :class:`WeightPublisher` owns its parts: the protocol core (:mod:`.core.publisher`), the
 staged versions (:class:`~transport.weights.staging.VersionStore`), the ``ipc`` route
-(:class:`~transport.weights.routes.ipc.IpcOffering`) and the serving loop
-(:class:`~transport.weights.serving.Serving`: one thread, the sockets, the data link).
-:meth:`~WeightPublisher.publish` lays a version out in the caller's thread and hands it
-to the serving thread. A worker takes ``ipc`` where the ``ipc`` setting allows it, else
-``shm`` (same host) or ``tcp``; :attr:`UpdateResult.paths` reports which.
+and the serving loop (:class:`~transport.weights.serving.Serving`).
 """
 
 from __future__ import annotations

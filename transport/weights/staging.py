@@ -1,9 +1,5 @@
-"""Versions on the trainer side: layout, buffer, packing, and the store of them.
-
-:class:`VersionStore` keeps the buffer rule (``docs/PROTOCOL.md``): a segment is packed
-again only when no process may still read it, free segments wait in a pool of at most
-``keep_versions``, and a private buffer is reused once no zero-copy send reads it.
-"""
+"""Versions on the trainer side: layout, buffer, packing, and the store of them that
+keeps the buffer rule (``docs/PROTOCOL.md``)."""
 
 from __future__ import annotations
 

@@ -1,18 +1,7 @@
 """The publisher's protocol core: who is a worker, who must answer a version, who
-may still read its buffer. No sockets, no threads, no clock: the caller passes ``now``.
-
-The rules decided here (``docs/PROTOCOL.md``, "Weight updates"):
-
-* only a Hello makes a peer a worker; an Ack from any other peer is ignored and
-  counted (``acks_from_strangers``): it cannot fail an update;
-* a version waits for the workers alive when it was announced, plus any that answer it
-  or say Hello from behind it; a Hello at a version or newer counts as its Ack;
-* a worker silent for ``worker_timeout``, or whose process is gone, is lost;
-* the buffer rule: a process that fetched a version through shared memory reads its
-  segment until it answers that version (an Ack, or a Hello at it or newer) or is
-  known to be gone; a reader is a process (worker id, pid, start time), never a worker
-  id, so a replacement does not answer for its predecessor.
-"""
+may still read its buffer (the rules of ``docs/PROTOCOL.md``, "Weight updates", stranger
+Acks and the buffer rule included). No sockets, no threads, no clock: the caller passes
+``now``."""
 
 from __future__ import annotations
 

@@ -1,13 +1,6 @@
 """The subscriber's protocol core: which version to try, what to fetch next, what to
-report. No sockets, no threads, no clock: the caller passes ``now``.
-
-The rules decided here (``docs/PROTOCOL.md``, "Weight updates", steps 3-9): a notice
-from a publisher not shaken hands with asks for a Hello, a Heartbeat ahead means a lost
-Announce; a version is tried when newer than the weights (or they are mixed), at most
-``retries`` times per publisher instance; ``window`` Fetches in flight, each bucket
-asked at most ``retries`` times; from a one-pass version's first write the worker
-reports version ``-1`` until a version completes; the pause lease.
-"""
+report, the pause lease (``docs/PROTOCOL.md``, "Weight updates", steps 3-9). No sockets,
+no threads, no clock: the caller passes ``now``."""
 
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
-"""The tcp route's data link: bucket bytes on a plain TCP stream beside the sockets,
-read by the worker straight where they go (wire: ``docs/PROTOCOL.md``, "Data link").
-
-Trainer side: :class:`LinkSender` (a :class:`DataListener`, a :class:`DataSender` per
-worker, threads of their own). Worker side (the subscriber's thread): :class:`LinkClient`.
-"""
+"""The tcp route's data link: bucket bytes on a plain TCP stream beside the sockets
+(wire: ``docs/PROTOCOL.md``, "Data link"). Trainer side: :class:`LinkSender`; worker
+side: :class:`LinkClient`."""
 
 from __future__ import annotations
 
@@ -18,6 +15,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -58,8 +56,7 @@ _MAX_HANDSHAKES = 64  # under way at once; more connections are closed
 
 
 def worker_token(secret: bytes, worker_id: str) -> bytes:
-    """The token ``worker_id`` presents: an HMAC of its id under the publisher's secret
-    (each worker learns only its own, in its Welcome)."""
+    """The token ``worker_id`` presents: an HMAC of its id under the publisher's secret."""
     return hmac.new(secret, worker_id.encode("utf-8"), hashlib.sha256).digest()[:16]
 
 
@@ -68,8 +65,6 @@ class DataLinkError(ConnectionError):
 
 
 class Piece(NamedTuple):
-    """A chunk header read from the link."""
-
     version: int
     bucket: int
     offset: int
@@ -79,7 +74,6 @@ class Piece(NamedTuple):
 
 
 def _host_of(endpoint: str) -> tuple[str, socket.AddressFamily]:
-    """The host of ``tcp://host:port``, unbracketed, and its family."""
     host = endpoint[len("tcp://") :].rsplit(":", 1)[0]
     if host.startswith("[") and host.endswith("]"):
         return host[1:-1], socket.AF_INET6
@@ -87,8 +81,7 @@ def _host_of(endpoint: str) -> tuple[str, socket.AddressFamily]:
 
 
 def _blocking(sock: socket.socket, timeout: float) -> None:
-    """Blocking with ``SO_*TIMEO`` of ``timeout`` seconds: a whole chunk moves in one
-    system call (Python's timeouts poll per partial one)."""
+    # SO_*TIMEO, not settimeout: a whole chunk moves in one system call.
     sock.settimeout(None)
     sec = int(timeout)
     tv = struct.pack("ll", sec, int((timeout - sec) * 1e6))
@@ -96,20 +89,16 @@ def _blocking(sock: socket.socket, timeout: float) -> None:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
 
 
+@dataclass(slots=True)
 class Sent:
-    """A queued chunk: :attr:`done` once the kernel copied its bytes or the link
-    dropped it (its buffer may be written again)."""
+    """A queued chunk: :attr:`done` once sent or dropped (its buffer is free again)."""
 
-    __slots__ = ("done",)
-
-    def __init__(self) -> None:
-        self.done = False
+    done: bool = False
 
 
 class DataSender:
-    """One worker's data connection on the publisher, written by a thread of its own
-    (a worker that stops reading stalls only it); closed after ``timeout`` seconds
-    without progress (the worker fetches again as frames)."""
+    """One worker's data connection, written by a thread of its own; closed after
+    ``timeout`` seconds without progress."""
 
     def __init__(
         self,
@@ -134,8 +123,7 @@ class DataSender:
         self._thread.start()
 
     def send(self, header: bytes, data: Any) -> Sent | None:
-        """Queue a chunk (``data`` unchanged until the tracker is done); ``None`` when
-        the link is closed."""
+        """Queue a chunk (``data`` unchanged until done); ``None`` when closed."""
         sent = Sent()
         with self._cv:
             if self.broken:
@@ -186,10 +174,9 @@ class DataSender:
 
 
 class DataListener:
-    """Accepts workers' data connections on the ROUTER endpoint's host, ``port`` (0: a
-    free one, :attr:`port`). A worker presents :func:`worker_token` of ``secret``;
-    ``admit(worker_id, socket)`` (from a handshake thread) takes the connection or not,
-    and owes the worker the answer byte ``1`` before any chunk."""
+    """Accepts data connections on ``endpoint``'s host and ``port`` (0: a free one) that
+    present :func:`worker_token` of ``secret``; ``admit(worker_id, socket)`` takes one
+    or not (and owes the worker the answer byte ``1`` before any chunk)."""
 
     def __init__(
         self,
@@ -300,20 +287,16 @@ def connect(endpoint: str, port: int, worker_id: str, token: bytes, timeout: flo
 
 
 class DataReceiver:
-    """The worker's end of the link: chunk headers, and bytes straight into the
-    caller's buffers; a stall of ``timeout`` seconds, the end of the stream or a
-    malformed header raises :class:`DataLinkError` (close the link then)."""
+    """The worker's end of the link: chunk headers, and bytes into the caller's buffers
+    (:class:`DataLinkError` on a stall of ``timeout`` s, the end or a bad header)."""
 
     def __init__(self, sock: socket.socket, timeout: float) -> None:
         self.sock = sock
-        self.fd = sock.fileno()  # the key zmq.Poller.poll reports it under
+        self.fd = sock.fileno()  # registered with the subscriber's zmq.Poller
         _blocking(sock, timeout)
         self._head = bytearray(PIECE.size)
         self._head_view = memoryview(self._head)
         self._scratch: np.ndarray[Any, Any] | None = None
-
-    def fileno(self) -> int:  # for zmq.Poller
-        return self.sock.fileno()
 
     def close(self) -> None:
         with contextlib.suppress(OSError):
@@ -353,8 +336,7 @@ class DataReceiver:
             self._scratch = np.empty(max(n, 256 << 10), dtype=np.uint8)
         return self._scratch[:n]
 
-    def discard(self, n: int) -> None:
-        """Read ``n`` bytes away (a chunk nobody wants any more)."""
+    def discard(self, n: int) -> None:  # a chunk nobody wants any more
         step = 1 << 20
         while n > 0:
             k = min(n, step)
@@ -366,9 +348,8 @@ LINK_RETRY_S = 60.0  # before a link that could not be opened is tried again
 
 
 class LinkClient:
-    """The worker's side: the link offered in the Welcome (on the ROUTER ``endpoint``'s
-    host), opened for a TCP version within ``min(fetch_timeout, 2 s)``; no chunk over
-    ``max_message_size`` is read."""
+    """The worker's side: the link offered in the Welcome, opened for a TCP version
+    within ``min(fetch_timeout, 2 s)``; no chunk over ``max_message_size`` is read."""
 
     def __init__(
         self,
@@ -389,7 +370,7 @@ class LinkClient:
         self.retry_at = 0.0
 
     def new_offer(self, offer: tuple[int, bytes] | None) -> None:
-        """A new publisher instance and its offer (``(port, token)``, or ``None``)."""
+        """A new publisher's offer: ``(port, token)`` or ``None``."""
         self.close()
         self.retry_at = 0.0
         self.offer = offer
@@ -411,20 +392,18 @@ class LinkClient:
             self.count("data_link_refused")
             log.info("weight data link unavailable (%s); fetching as ZeroMQ frames", exc)
             return
-        self.poller.register(self.link, zmq.POLLIN)
+        self.poller.register(self.link.fd, zmq.POLLIN)
         self.count("data_links")
 
     def close(self) -> None:
-        """Close the link (if open)."""
         link, self.link = self.link, None
         if link is not None:
             if self.poller is not None:
-                self.poller.unregister(link)
+                self.poller.unregister(link.fd)
             link.close()
 
     def receive(self, f: Receiver, msg: WeightBucket | None = None) -> None:
-        """A chunk on the data link (``msg`` unused): its bytes go straight where they
-        belong."""
+        """A chunk on the data link (``msg`` unused), straight where it belongs."""
         link = self.link
         assert link is not None
         try:
@@ -458,9 +437,8 @@ class LinkClient:
 
 
 class LinkSender:
-    """The trainer side: a :class:`DataListener` on the ROUTER ``endpoint``'s host and
-    ``port``, and a :class:`DataSender` per worker admitted (``timeout``: seconds without
-    progress before one is closed). Raises ``OSError`` when it cannot listen."""
+    """The trainer side: a :class:`DataListener` and a :class:`DataSender` per worker
+    admitted; ``OSError`` when it cannot listen."""
 
     span = staticmethod(stream_span)
 
@@ -476,12 +454,10 @@ class LinkSender:
         self.listener = DataListener(endpoint, self.secret, self._admit, port)
         self.port = self.listener.port
 
-    def token(self, worker_id: str) -> bytes:
-        """The token ``worker_id`` learns in its Welcome."""
+    def token(self, worker_id: str) -> bytes:  # for its Welcome
         return worker_token(self.secret, worker_id)
 
     def send(self, ident: bytes, wid: str, msg: WeightBucket) -> Sent | None:
-        """Queue ``msg`` (one chunk) on ``wid``'s link; None without one."""
         with self.lock:
             sender = self.senders.get(wid)
         if sender is None:
@@ -497,7 +473,6 @@ class LinkSender:
         return sent
 
     def close(self) -> None:
-        """Stop listening and close every link."""
         self.listener.close()
         with self.lock:
             self.closed = True
@@ -506,8 +481,7 @@ class LinkSender:
             sender.close()
             sender.join(5.0)
 
-    def _admit(self, worker_id: str, sock: socket.socket) -> bool:
-        """A worker's data link, token checked (the listener's thread)."""
+    def _admit(self, worker_id: str, sock: socket.socket) -> bool:  # token checked
         with self.lock:
             if self.closed:
                 return False
