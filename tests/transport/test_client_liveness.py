@@ -262,6 +262,36 @@ def test_resend_delay_is_exponential_jittered_and_bounded() -> None:
     assert all(0.025 <= resend_delay(2, 0.05, 1.0) <= 0.1 for _ in range(100))
 
 
+def test_a_worker_keeps_its_own_liveness_state() -> None:
+    """Misses, deaths, the load of other clients and the in-flight limit, as a Worker's
+    own methods keep them (no worker process, no traffic)."""
+    from fastio import versions
+    from transport.client.workers import Worker
+
+    async def main() -> None:
+        ctx: zmq.Context[Any] = zmq.Context()
+        w = Worker("inproc://nobody", ctx, ClientConfig(max_in_flight_per_worker=3), b"c", print)
+        try:
+            hb = fm.Heartbeat(worker_id="a", incarnation="1", running=3, waiting=2, in_flight=1)
+            assert w.mark_incompatible("old") and not w.mark_incompatible("old")
+            assert w.record_pong(hb, versions.VERSION_1) and w.alive and not w.incompatible
+            assert w.others == 5 and w.load_current and not w.record_pong(hb, versions.VERSION_1)
+            assert not w.tick(prev=1.0, ticks=2, seconds=0.0)  # one silent tick: not yet
+            assert w.missed == 1 and not w.load_current and w.others == 0  # a stale load
+            assert w.tick(prev=1.0, ticks=2, seconds=0.0)  # two: dead
+            assert w.mark_dead() and not w.alive and w.died_at > 0 and not w.mark_dead()
+            assert w.overloaded() and w.limit == 1 and not w.warm()  # none of ours: cool
+            for limit in (2, 3, 3):
+                w.answered()
+                assert w.limit == limit  # back up one per answer, to the configured limit
+            assert w.drain() == [] and w.draining and w.drain(False) == [] and not w.draining
+        finally:
+            w.close()
+            ctx.term()
+
+    asyncio.run(main())
+
+
 def test_scheduler_prefers_the_less_loaded_worker(scripted: Any) -> None:
     # Worker a reports 50 requests of other clients; b none: new work goes to b.
     a = scripted(hold=1.0, running=40, waiting=10)

@@ -203,8 +203,7 @@ class FabricClient:
                     raise NoWorkers("no generation worker configured; add_worker() first")
                 if not live.n_alive and (live.no_worker_expired() or live.all_incompatible()):
                     self.counters.add("no_worker")
-                    expired = live.no_worker_expired()
-                    raise live.no_worker_error() if expired else live.incompatible_error()
+                    raise live.no_worker_error(incompatible=not live.no_worker_expired())
             except Exception as exc:
                 fut.set_exception(exc)
                 return fut

@@ -263,7 +263,7 @@ class Liveness:
         if w.alive or w.inflight or w.sticky_queue:
             self.worker_died(w, "it speaks an incompatible protocol version", crashed=False)
         if not self.n_alive and self.all_incompatible():
-            self._fail_waiting(self.incompatible_error())
+            self._fail_waiting(self.no_worker_error(incompatible=True))
 
     def _fail_waiting(self, err: NoWorkerAvailable) -> None:
         for call in self.sched.take_waiting():
@@ -272,16 +272,13 @@ class Liveness:
     def all_incompatible(self) -> bool:
         return bool(self.sched.order) and all(w.incompatible for w in self.sched.order)
 
-    def no_worker_error(self) -> NoWorkerAvailable:
-        seen, where = self._seen(self.config.curve is not None)
+    def no_worker_error(self, incompatible: bool = False) -> NoWorkerAvailable:
+        """What calls fail with: no worker alive for ``connect_timeout`` (or, with
+        ``incompatible``, none this client can use), and what was seen where."""
+        now, curve = time.monotonic(), self.config.curve is not None and not incompatible
+        seen = {w.address: w.seen(now, curve) for w in self.sched.order}
+        where = "; ".join(f"{a}: {s}" for a, s in seen.items()) or "no worker configured"
+        if incompatible:
+            return IncompatibleWorkers(f"no generation worker this client can use ({where})", seen)
         t = self.config.connect_timeout
         return NoWorkerAvailable(f"no generation worker alive for {t:g} s ({where})", seen)
-
-    def incompatible_error(self) -> IncompatibleWorkers:
-        seen, where = self._seen(False)
-        return IncompatibleWorkers(f"no generation worker this client can use ({where})", seen)
-
-    def _seen(self, curve: bool) -> tuple[dict[str, str], str]:
-        now = time.monotonic()
-        seen = {w.address: w.seen(now, curve) for w in self.sched.order}
-        return seen, "; ".join(f"{a}: {s}" for a, s in seen.items()) or "no worker configured"

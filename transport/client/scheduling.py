@@ -199,26 +199,21 @@ class Scheduler:
 
     def cancelled(self, call: Call) -> None:
         """The caller cancelled ``call``'s future: stop it here and on its worker."""
-        if not call.done:
-            self.counters.add("cancelled")
-            self._abandon(call)
+        self.timed_out(call, None)
 
-    def timed_out(self, call: Call, t: float) -> None:
+    def timed_out(self, call: Call, t: float | None) -> None:
+        """``call`` is not done within ``t`` s (None: cancelled): stop it, also there."""
         if call.done:
             return
-        self.counters.add("timeouts")
-        fut = call.fut
-        self._abandon(call)
-        if not fut.done():
-            fut.set_exception(RequestTimeout(f"request {call.orig.rid} not done within {t} s"))
-
-    def _abandon(self, call: Call) -> None:
+        self.counters.add("cancelled" if t is None else "timeouts")
         self.settle(call)
         w = call.worker
         if w is not None and w.inflight.pop(call.sub_id, None) is not None:
             w.send(fm.Cancel(id=call.sub_id))
             call.worker = None
             self.slot_freed(w)
+        if t is not None and not call.fut.done():
+            call.fut.set_exception(RequestTimeout(f"request {call.orig.rid} not done within {t} s"))
 
     def settle(self, call: Call) -> GenerateFuture:
         """Mark ``call`` done and stop its timers; returns its future."""
