@@ -1,12 +1,6 @@
-"""The public engine interface: what a generation worker asks of an engine.
-
-An engine is any object with a weight ``version`` and a coroutine ``generate(req, ctx)``
-(:class:`Engine`), called once per request in its own task on the worker's loop: it streams
-each token with ``ctx.emit``, returns the output so far with ``stop_reason="interrupt"`` once
-``ctx.interrupted``, lets ``asyncio.CancelledError`` propagate, stamps each token with its
-weight version and does not block the loop. Optional hooks are found by name
-(:class:`EngineHooks`); a plain coroutine function ``handler(req, ctx)`` is accepted too.
-The rules in full: ``docs/engines.md#the-interface``.
+"""The public engine interface: what a generation worker asks of an engine (:class:`Engine`,
+its optional :class:`EngineHooks`; a plain coroutine ``handler(req, ctx)`` is accepted too).
+The rules: ``docs/engines.md#the-interface``.
 """
 
 from __future__ import annotations
@@ -113,14 +107,14 @@ class Engine(Protocol):
 
 
 class EngineHooks(Protocol):
-    """The optional hooks of an :class:`Engine`, found by name (none is required)."""
+    """The optional hooks of an :class:`Engine`, found by name (none is required; when
+    each is called: ``docs/engines.md#the-interface``)."""
 
     async def start(self, worker: Any) -> None:
-        """Awaited once the worker serves (``worker``: the :class:`~transport.WorkerServer`;
-        ``await worker.close()`` takes it down). Raising fails the worker's start."""
+        """The worker (a :class:`~transport.WorkerServer`) serves; raising fails its start."""
 
     async def close(self) -> None:
-        """Awaited when the worker closes."""
+        """The worker closes."""
 
     def pause_generation(self) -> Awaitable[None] | None:
         """The worker pauses: make running generations return ``"interrupt"`` soon."""
@@ -129,12 +123,10 @@ class EngineHooks(Protocol):
         """The worker resumes."""
 
     pauses_in_place: bool
-    """True while :meth:`pause_generation` froze running generations in place (they go
-    on after the resume): the worker's pause completes at once, weights load under them."""
+    """True while :meth:`pause_generation` froze running generations in place."""
 
     def queue_depth(self) -> int:
-        """Requests inside the engine not yet generating, added to the pongs' ``waiting``
-        (called from the worker's socket thread: read a counter, take no lock)."""
+        """Requests inside the engine not yet generating (from the socket thread: no lock)."""
         ...
 
     model: Any
@@ -142,8 +134,7 @@ class EngineHooks(Protocol):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Take one verified version as read-only ``(name, tensor)`` pairs, valid during
-        the call (on the weight subscriber's thread, the worker paused, after the copy
-        into :attr:`model` if any); raise to fail the version on this worker."""
+        the call; raise to fail the version on this worker."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -1,10 +1,5 @@
 """What the HTTP server bridges share: options, the streaming ``generate`` loop, server-sent
-events, one error mapping and one health probe.
-
-A bridge is an :class:`~transport.Engine` that forwards each request to a server in its own
-process (SGLang, vLLM) and streams the answer back. The server is gone when ``/health``
-says so, not when one connection breaks: the worker then closes. A request the server
-rejects fails alone, with the server's message (``docs/engines.md#bridges``).
+events, one error mapping and one health probe (``docs/engines.md#writing-a-bridge-of-your-own``).
 """
 
 from __future__ import annotations
@@ -33,6 +28,7 @@ __all__ = [
     "Flight",
     "HTTPBridge",
     "ServerRejected",
+    "VersionLabels",
     "raise_for_status",
     "sampling_common",
     "sse_events",
@@ -52,9 +48,8 @@ Seconds = Annotated[float, msgspec.Meta(gt=0)]
 
 
 class ServerRejected(RuntimeError):
-    """The server refused or failed one request (an HTTP error status, an error event in
-    its stream, a stream that broke while the server stayed healthy): that request fails
-    with this message and the worker serves on. ``status``: the HTTP status, if any."""
+    """The server refused or failed one request, which fails alone (the worker serves on);
+    ``status``: the HTTP status, if any."""
 
     def __init__(self, message: str, status: int | None = None) -> None:
         super().__init__(message)
@@ -76,8 +71,7 @@ class BridgeOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         ``GET /health`` every ``health_interval`` s (0: off); ``health_failures``
         failures in a row (or no answer in ``health_timeout`` s) close the worker.
     keepalive:
-        Seconds an idle connection is kept: below uvicorn's 5 s, so that the bridge
-        closes first (a request that finds its connection closed is sent once more).
+        Seconds an idle connection is kept (below the servers' 5).
     """
 
     url: str
@@ -128,8 +122,7 @@ def stream_error(chunk: Any) -> str | None:
 
 async def sse_events(content: Any) -> AsyncIterator[Any]:
     """Decoded JSON of each ``data:`` line of a server-sent event stream (``content``:
-    an aiohttp StreamReader), until ``data: [DONE]`` (the body is then read to its end,
-    so that the connection is kept) or the end of the body."""
+    an aiohttp StreamReader), until ``data: [DONE]`` or the end of the body."""
     async for raw in content:
         line = raw.strip()
         if not line.startswith(b"data:"):
@@ -139,6 +132,37 @@ async def sse_events(content: Any) -> AsyncIterator[Any]:
             await content.read()  # the body's end: the connection goes back to the pool
             return
         yield msgspec.json.decode(data)
+
+
+class VersionLabels:
+    """A server's weight-version labels and fastio's versions: labels are ``str(version)``;
+    any other (``default``: the weights the server started on) is :attr:`base`."""
+
+    def __init__(self, base: int = 0) -> None:
+        self.base = base
+
+    def version(self, label: Any) -> int:
+        """The fastio version of a label."""
+        text = str(label)
+        return int(text) if text.lstrip("-").isdigit() else self.base
+
+    def start(self, label: Any) -> int:
+        """Take ``label``, the server's at start, as :attr:`base`; returns its version."""
+        self.base = self.version(label)
+        return self.base
+
+    def stamp(self, versions: list[int], spans: Any) -> Any:
+        """``versions`` (one per output token) as an int32 array, each span of vLLM's
+        ``weight_versions`` (``{version, start, end}`` mappings or objects) set to its
+        label's version."""
+        import numpy as np
+
+        out = np.array(versions, dtype=np.int32)
+        for span in spans or ():
+            if not isinstance(span, dict):  # vLLM's WeightVersionSpan
+                span = {"start": span.start, "end": span.end, "version": span.version}
+            out[int(span["start"]) : int(span["end"])] = self.version(span["version"])
+        return out
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -165,9 +189,11 @@ class Flight:
         self.vers.append(version)
         self.ctx.emit(token, lp, version)
 
-    def result(self, req: LLMRequest, stop: str, labels: Any = None) -> LLMResponse:
+    def result(
+        self, req: LLMRequest, stop: str, labels: VersionLabels | None = None
+    ) -> LLMResponse:
         """The :class:`~fastio.LLMResponse` of the output so far; its versions from the
-        server's spans where it sent them (``labels``: a ``VersionLabels``)."""
+        server's spans where it sent them (read with ``labels``)."""
         import numpy as np
 
         vers = np.array(self.vers, dtype=np.int32)
@@ -183,16 +209,13 @@ class Flight:
 
 
 class HTTPBridge(abc.ABC):
-    """Base of the server bridges: a subclass says how a request is written
-    (:meth:`request`), a streamed chunk read (:meth:`take`) and a request stopped on the
-    server (:meth:`abort`; :meth:`interrupt` for a pause). ``url`` and the other fields
-    of :attr:`Options` (``ValueError`` naming a bad one).
-    """
+    """Base of the server bridges (:meth:`request`, :meth:`take`, :meth:`abort` to write);
+    ``url`` and the other fields of :attr:`Options` (``ValueError`` naming a bad one)."""
 
     #: Weight version stamped on new tokens.
     version: int
-    #: Turns the server's version spans into fastio versions (a bridge that has them).
-    labels: Any = None
+    #: The server's version labels (spans, where it sends them) as fastio versions.
+    labels: VersionLabels
     #: Name in messages, the extra that installs what it needs, the options Struct.
     name = "http"
     extra = "sglang"
@@ -211,6 +234,7 @@ class HTTPBridge(abc.ABC):
         self._broken = (ah.ClientConnectionError, ah.ClientPayloadError, TimeoutError)
         self.url = url.rstrip("/")
         self.version = 0
+        self.labels = VersionLabels()
         self.flights: dict[str, Flight] = {}
         self._waiting = 0  # flights without a token (read whole from the socket thread)
         self._rids = itertools.count()
@@ -291,8 +315,7 @@ class HTTPBridge(abc.ABC):
             self._watchdog = asyncio.ensure_future(self._watch())
 
     async def close(self) -> None:
-        """Stop the watchdog; close the session once the requests the worker cancels have
-        ended and their aborts reached the server (a few seconds at most)."""
+        """Stop the watchdog; close the session once the cancelled requests' aborts are sent."""
         if self._watchdog is not None:
             self._watchdog.cancel()
         if self.flights:
@@ -449,8 +472,7 @@ class HTTPBridge(abc.ABC):
         return f"{self._prefix}-{next(self._rids)}"
 
     async def post_json(self, path: str, body: Any, timeout: float | None = None) -> Any:
-        """POST JSON, return the decoded JSON answer; ``EngineUnavailable`` for an
-        unreachable server, :class:`ServerRejected` for an error status."""
+        """POST JSON, return the decoded answer; :class:`ServerRejected` for an error status."""
         aiohttp = self.aiohttp
         try:
             async with self.session().post(

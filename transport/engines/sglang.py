@@ -29,8 +29,6 @@ __all__ = ["DONE", "SGLangEngine", "SGLangOptions", "factory", "sampling_params"
 
 log = logging.getLogger("transport.engines")
 
-_NO_LABEL = object()
-
 
 class SGLangOptions(BridgeOptions):
     """The options of :class:`SGLangEngine`: those of :class:`BridgeOptions`, and
@@ -79,19 +77,16 @@ class SGLangEngine(HTTPBridge):
         )
         #: Whether the server has /pause_generation (None: not asked yet).
         self.has_pause: bool | None = None
-        #: The fastio version a label that is not a number stands for (SGLang's
-        #: ``default``): the version the server reported at start.
-        self.base_version = 0
         self._kept = False  # the server is paused in place (or retracted) by us
         self._flush_due = False  # a version was loaded without flushing the cache
-        self._label: tuple[Any, int] = (_NO_LABEL, 0)  # the last label seen, its version
 
     # -- the server ----------------------------------------------------------------------
 
     def probe(self, timeout: float = 5.0) -> None:
         """The server's weight version (``/model_info``), where it has one."""
         with contextlib.suppress(Exception):  # no /model_info: numbers still count
-            self._set_base(self.fetch_json("/model_info", timeout))
+            info = self.fetch_json("/model_info", timeout)
+            self.version = self.labels.start(info.get("weight_version"))
 
     async def close(self) -> None:
         """As the base; a server this bridge holds paused is let go first (SGLang ends
@@ -101,20 +96,14 @@ class SGLangEngine(HTTPBridge):
             await self._continue(timeout=2.0)
         await super().close()
 
-    def _set_base(self, info: Any) -> None:
-        label = info.get("weight_version") if isinstance(info, dict) else None
-        if isinstance(label, str) and label.isdigit():
-            self.version = self.base_version = int(label)
+    @property
+    def base_version(self) -> int:
+        """The version a label that is not a number stands for (the server's at start)."""
+        return self.labels.base
 
     def version_of(self, label: Any) -> int:
-        """The fastio version of SGLang's ``weight_version`` label: the number the
-        bridge sent (``str(version)``), else :attr:`base_version`."""
-        last, v = self._label
-        if label == last:
-            return v
-        v = int(label) if isinstance(label, str) and label.isdigit() else self.base_version
-        self._label = (label, v)
-        return v
+        """The fastio version of SGLang's ``weight_version`` label."""
+        return self.labels.version(label)
 
     # -- requests ------------------------------------------------------------------------
 

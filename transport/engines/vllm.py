@@ -1,18 +1,6 @@
-"""``--engine vllm``: a worker fronting a running vLLM server, on vLLM's native RL API.
-
-::
-
-    VLLM_SERVER_DEV_MODE=1 python -m vllm.entrypoints.openai.api_server --model MODEL \\
-        --port 8000 --enable-scale-out --weight-transfer-config '{"backend": "fastio"}' &
-    fastio-worker --bind tcp://0.0.0.0:5555 --engine vllm \\
-        --engine-opt url=http://127.0.0.1:8000
-
-What the server has is read once at start (``/openapi.json``, ``/weight_info``): requests
-go to ``/inference/v1/generate`` (versions from its ``weight_versions`` spans) or
-``/v1/completions``; a pause is ``/pause?mode=keep`` (requests frozen in place) or closes
-the streams; each weight version is staged in shared memory
-(:mod:`transport.engines.vllm_staging`) and loaded by fastio's backend in vLLM's workers
-(:mod:`transport.engines.vllm_backend`). See ``docs/engines.md#vllm``.
+"""``--engine vllm``: a worker fronting a running vLLM server on vLLM's native RL API
+(``--engine-opt url=http://127.0.0.1:8000``); how requests, pauses and weights map onto
+vLLM and how to start the server: ``docs/engines.md#vllm``.
 """
 
 from __future__ import annotations
@@ -33,7 +21,7 @@ from transport.engines.http import (
     Seconds,
     sampling_common,
 )
-from transport.engines.vllm_staging import PROTOCOL, UpdateState, VersionLabels
+from transport.engines.vllm_staging import PROTOCOL, UpdateState
 
 __all__ = ["WEIGHTS_REFUSED", "VLLMEngine", "VLLMOptions", "factory"]
 
@@ -73,9 +61,8 @@ class VLLMOptions(BridgeOptions):
 
 
 class VLLMEngine(HTTPBridge):
-    """An :class:`~transport.Engine` that forwards to a vLLM server (module docstring);
-    ``url`` and the keywords of :class:`VLLMOptions` (``model`` is kept as
-    :attr:`served_model`)."""
+    """An :class:`~transport.Engine` that forwards to a vLLM server; ``url`` and the keywords
+    of :class:`VLLMOptions` (``model`` is kept as :attr:`served_model`)."""
 
     name = "vLLM"
     extra = "vllm"
@@ -91,7 +78,6 @@ class VLLMEngine(HTTPBridge):
         #: The vocabulary size from the model's config.json, where the worker can read it.
         self.vocab_size: int | None = None
         self.state = UpdateState(_HTTPSync(self), f" at {url}")
-        self.labels = VersionLabels()
 
     # -- what the server has ------------------------------------------------------------
 
@@ -116,9 +102,7 @@ class VLLMEngine(HTTPBridge):
         except (OSError, ValueError, TypeError):
             self.vocab_size = None  # not on this host: the server checks
         if "/weight_info" in self.routes:
-            label = get("/weight_info").get("weight_version")
-            if label is not None and str(label).lstrip("-").isdigit():
-                self.version = self.labels.base = int(label)
+            self.version = self.labels.start(get("/weight_info").get("weight_version"))
         if self.options.route == "generate" and _GENERATE not in self.routes:
             raise EngineUnavailable(
                 f"{self.url} has no {_GENERATE}: start vLLM with --enable-scale-out"
@@ -189,8 +173,7 @@ class VLLMEngine(HTTPBridge):
         return n
 
     def abort(self, flight: Flight) -> None:
-        """Close ``flight``'s stream (vLLM aborts a request whose client left); a request
-        frozen by a pause never sees that, so it is also aborted by id."""
+        """Close ``flight``'s stream; while paused in place, abort it by id too."""
         if flight.response is not None:
             flight.response.close()
         if self.state.kept:
@@ -226,8 +209,7 @@ class VLLMEngine(HTTPBridge):
     # -- weights -------------------------------------------------------------------------
 
     def load_weights(self, weights: Iterable[tuple[str, Any]], version: int | None = None) -> None:
-        """Stage one verified version in shared memory and have vLLM's workers load it
-        (called on the weight subscriber's thread while the worker is paused)."""
+        """Stage one verified version in shared memory and have vLLM's workers load it."""
         if (why := self.no_weights_reason) is not None:
             raise RuntimeError(why)
         if version is None:

@@ -25,8 +25,8 @@ from typing import Any
 
 from fastio import LLMRequest, LLMResponse
 from transport.engines.api import GenerationContext
-from transport.engines.http import Flight, sampling_common
-from transport.engines.vllm_staging import PROTOCOL, UpdateState, VersionLabels
+from transport.engines.http import Flight, VersionLabels, sampling_common
+from transport.engines.vllm_staging import PROTOCOL, UpdateState
 
 __all__ = ["PARENT_ENV", "AsyncLLMEngine", "die_with_parent", "engine_args", "factory"]
 
@@ -125,9 +125,7 @@ class AsyncLLMEngine:
     async def start(self, worker: Any) -> None:
         """Keep the worker's loop (weights are driven from the subscriber's thread)."""
         self._loop = asyncio.get_running_loop()
-        label = await self.llm.get_weight_version()
-        if str(label).lstrip("-").isdigit():
-            self.version = self.labels.base = int(label)
+        self.version = self.labels.start(await self.llm.get_weight_version())
 
     async def close(self) -> None:
         """Shut vLLM's engine down (its processes exit)."""

@@ -23,6 +23,7 @@ from typing import Any, Protocol
 import torch
 
 from fastio._optional import require
+from transport.engines.http import VersionLabels
 
 __all__ = [
     "PROTOCOL",
@@ -247,29 +248,3 @@ class UpdateState:
             run(self.load(staged.update_info, version))
         finally:
             staged.close()
-
-
-class VersionLabels:
-    """vLLM's version labels and fastio's versions: labels are ``str(version)``;
-    ``default`` (the weights vLLM started on) is :attr:`base`."""
-
-    def __init__(self, base: int = 0) -> None:
-        self.base = base
-
-    def version(self, label: Any) -> int:
-        """The fastio version of a label."""
-        text = str(label)
-        return int(text) if text.lstrip("-").isdigit() else self.base
-
-    def stamp(self, versions: list[int], spans: Any) -> Any:
-        """``versions`` (one per output token) as an int32 array, each span of vLLM's
-        ``weight_versions`` (``{version, start, end}`` mappings or objects) set to its
-        label's version."""
-        import numpy as np
-
-        out = np.array(versions, dtype=np.int32)
-        for span in spans or ():
-            if not isinstance(span, dict):  # vLLM's WeightVersionSpan
-                span = {"start": span.start, "end": span.end, "version": span.version}
-            out[int(span["start"]) : int(span["end"])] = self.version(span["version"])
-        return out
