@@ -1,11 +1,9 @@
-"""The publisher's serving thread: one loop that owns the sockets.
+"""The publisher's serving thread: one loop that owns the sockets (:class:`Serving`).
 
-Loop model: :class:`Serving` runs in one thread per publisher and polls its ROUTER and
-a wake-up pair (``zmq.Poller``): it answers Hellos, Fetches (zero-copy frames, the data
-link, or "ready" notices for same-host workers) and Acks, announces versions, sends
-heartbeats, and packs a version step by step in between; the decisions are
-:class:`~transport.weights.core.publisher.PublisherCore`'s. The data link's writers run
-on threads of their own; ``publish`` hands versions over under the store's lock.
+It polls its ROUTER and a wake-up pair, answers Hellos, Fetches (through the routes'
+:class:`~transport.weights.routes.Sender` sides) and Acks, announces versions, sends
+heartbeats, and packs a version step by step in between; ``publish`` hands versions over
+under the store's lock.
 """
 
 from __future__ import annotations

@@ -1,15 +1,7 @@
 """Worker side of weight updates: follow a publisher, fetch, verify, apply, acknowledge
-(``docs/PROTOCOL.md``, "Weight updates").
-
-Loop model: one background thread owns the sockets, a DEALER to the publisher's ROUTER
-(Hello, Fetch, Ack) and a SUB on its PUB (Announce, Heartbeat), polled with a
-``zmq.Poller`` next to the data link's socket; other threads only read the version.
-:class:`WeightSubscriber` owns its parts: the protocol core
-(:class:`~transport.weights.core.subscriber.SubscriberCore`), the
-:class:`~transport.weights.reporting.Reporter` (version switches, Acks), the shm and tcp
-routes (:class:`~transport.weights.fetching.VersionFetcher`) and the ``ipc`` route
-(:class:`~transport.weights.routes.ipc.IpcReceiver`).
-"""
+(``docs/PROTOCOL.md``, "Weight updates"). One background thread owns the sockets (a
+DEALER to the publisher's ROUTER, a SUB on its PUB, the data link); other threads only
+read the version. Layers: ``docs/weights.md``, "Three layers"."""
 
 from __future__ import annotations
 

@@ -1,12 +1,7 @@
 """The ``ipc`` route: persistent buckets ("slots") of the trainer's own memory, opened
 once by every worker on its host and packed again for every version (``docs/PROTOCOL.md``,
-"The ipc path"): CUDA IPC on a GPU, torch shared-memory files on CPU.
-
-Trainer side here: :class:`IpcOffering` (the publisher's route) over :class:`IpcExporter`
-(the slots of one layout, sans-I/O). Worker side, re-exported here:
-:mod:`~transport.weights.routes.ipc_worker`. A version takes the route as the
-publisher's ``ipc`` allows (``"auto"``: CUDA tensors, ``"cpu"``: any, ``"off"``: never).
-"""
+"The ipc path"). Trainer side: :class:`IpcOffering` over :class:`IpcExporter`; worker
+side (re-exported here): :mod:`~transport.weights.routes.ipc_worker`."""
 
 from __future__ import annotations
 

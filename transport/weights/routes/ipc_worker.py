@@ -43,17 +43,15 @@ class IpcImporter:
     worker_id, version:
         Named in its messages (default: from the pid); the version ``targets`` hold.
     atomic:
-        Never a mixed version; ``False``: copy each bucket as it lands (``serving`` is
-        ``False`` while a version is partly copied).
+        Never a mixed version; ``False``: copy each bucket as it lands.
     verify:
         Check each bucket's checksum (when the trainer computed one).
 
     Attributes
     ----------
-    version:
-        The last version fully copied into ``targets`` (``-1``: none).
-    serving:
-        ``False`` while ``targets`` hold a partial version (``atomic=False`` only).
+    version, serving:
+        The last version fully copied into ``targets`` (``-1``: none); ``False`` while
+        they hold a partial one (``atomic=False`` only).
     """
 
     def __init__(
@@ -230,9 +228,7 @@ class IpcImporter:
         return [self._ack(h, False, why) for h in held]
 
     def abandon(self) -> None:
-        """The trainer is gone (or gave up on the version being assembled): drop it.
-        The live tensors keep the last complete version, except with ``atomic=False``
-        after a partial copy (``serving`` stays ``False`` until the next version)."""
+        """Drop the version being assembled (the live tensors keep what they hold)."""
         self._partial = None
         self._held = []
         self._failed = ""
@@ -245,17 +241,15 @@ class IpcImporter:
         self.offer = None
 
     def release(self) -> IpcAck | None:
-        """Unmap the trainer's slots and return the :class:`IpcAck` (``bucket=-2``) that
-        tells the trainer so (then it does not release them on this worker's behalf when
-        its process is gone); ``None`` when nothing was open."""
+        """Unmap the trainer's slots; the :class:`IpcAck` (``bucket=-2``) that tells the
+        trainer so, or ``None`` when nothing was open."""
         if self.offer is None:
             return None
         self.close_slots()
         return IpcAck(self.worker_id, -1, -2, -1, True, self.version)
 
     def close(self) -> None:
-        """Release everything this importer holds of the trainer's memory (prefer
-        :meth:`release` and send its ack)."""
+        """Release all it holds of the trainer's memory (prefer :meth:`release`)."""
         self.abandon()
         self.close_slots()
         self._staging = None
@@ -323,8 +317,7 @@ class IpcReceiver:
 
     def hello(self, *, up_to_date: bool) -> None:
         """Ask this publisher for its ipc slots, once, when this worker could take
-        them and holds the latest version (a late joiner first catches up from the
-        snapshot by shm/tcp: the ipc path carries only versions whole)."""
+        them and holds the latest version (the route carries only whole versions)."""
         if (
             not self.eligible
             or self._asked == self.core.publisher_id

@@ -1,13 +1,8 @@
-"""The shm route: a version staged in a shared-memory segment under ``/dev/shm``.
-
-The publisher packs each version into a segment (a ``MAP_SHARED`` file); a worker on
-its host maps it read-only (:class:`ShmReader`) and copies straight from it. Plain files
-rather than :mod:`multiprocessing.shared_memory`, whose resource tracker (before Python
-3.13) unlinks a segment when any attaching process exits. A worker takes the route when
-the :func:`host_id` matches and it reads the publisher's probe token. The creator holds
-an exclusive ``flock``, which the kernel drops when it dies in any PID namespace:
-:func:`cleanup_stale` removes exactly the files whose lock it can take.
-"""
+"""The shm route: a version staged in a shared-memory segment under ``/dev/shm``, mapped
+read-only by the workers on its host (:class:`ShmReader`). Plain ``MAP_SHARED`` files,
+not :mod:`multiprocessing.shared_memory` (whose resource tracker unlinks a segment when
+any attaching process exits); the creator's ``flock`` marks a live segment, so
+:func:`cleanup_stale` removes exactly those whose owner died."""
 
 from __future__ import annotations
 
