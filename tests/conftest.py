@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # Every test of these modules is slow.
 SLOW_MODULES = {
-    "tests/transport/test_client_asyncio.py": "one worker process serves every asyncio API",
+    "tests/transport/client/test_asyncio.py": "one worker process serves every asyncio API",
     "tests/transport/test_demo.py": "runs the demo: trainer, workers and clients",
     "tests/transport/test_eager.py": "each fixture starts worker processes (8-10 s)",
     "tests/transport/test_weights_dist.py": "torch.distributed groups across processes",
@@ -48,7 +48,7 @@ SLOW_TESTS = {
         "test_garbage_to_worker_gets_error_replies_and_others_unaffected",
         "test_handler_error_is_reported",
     ],
-    "tests/transport/test_fabric.py": [
+    "tests/transport/fabric/test_fabric.py": [
         "test_cancel_and_timeout_abort_on_worker",
         "test_custom_engine_factory_from_the_command_line",
         "test_many_concurrent_requests",
@@ -64,7 +64,7 @@ SLOW_TESTS = {
         "test_worker_restarted_rejoins",
         "test_worker_sigkilled_midflight_requests_resent",
     ],
-    "tests/transport/test_fabric_recovery.py": [
+    "tests/transport/fabric/test_recovery.py": [
         "test_client_stalled_past_client_timeout_gets_its_requests_back",
         "test_connection_reset_keeps_the_client_and_its_answers",
         "test_echo_handler_output_is_consistent",
@@ -84,7 +84,7 @@ SLOW_TESTS = {
 # module -> why its tests stay together on one xdist worker.
 GROUPS = {
     "tests/transport/test_demo.py": "each run is a trainer, workers and clients at once",
-    "tests/transport/test_client_asyncio.py": "one module-scoped worker process",
+    "tests/transport/client/test_asyncio.py": "one module-scoped worker process",
     "tests/transport/test_wire_compat.py": "one module-scoped echo worker",
     "tests/transport/engines/test_hf_engine.py": "one module-scoped tiny model",
     "tests/transport/areal/test_areal.py": "a module-scoped tokenizer and model",

@@ -1,4 +1,4 @@
-"""Engines of tests/transport/test_poison.py (``--engine module:function``): one that a
+"""Engines of tests/transport/client/test_poison.py (``--engine module:function``): one that a
 given prompt token kills, and one with a vocabulary it must never be handed ids outside."""
 
 from __future__ import annotations

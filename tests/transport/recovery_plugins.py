@@ -1,4 +1,4 @@
-"""Engines of tests/transport/test_fabric_recovery.py (``--engine module:function``)."""
+"""Engines of tests/transport/fabric/test_recovery.py (``--engine module:function``)."""
 
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ from transport import ClientConfig, FabricClient
 
 
 def blocking_engine(opts: dict[str, str]) -> Any:
-    """``--engine tests.transport.test_client_busy:blocking_engine``: each request
+    """``--engine tests.transport.client.test_busy:blocking_engine``: each request
     holds the engine for ``block`` seconds (an engine option; default 2) in a blocking call,
     as a torch forward pass does, then echoes the prompt."""
     seconds = float(opts.get("block", "2"))
@@ -38,7 +38,7 @@ def test_worker_blocked_in_its_engine_is_not_dead(spawn: Callable[..., WorkerPro
     # shorter: a pong can come 0.15 s late on a loaded machine, and that is no death.)
     args = (
         "--bind", "tcp://127.0.0.1:0", "--engine",
-        "tests.transport.test_client_busy:blocking_engine", "--engine-opt", "block=2.5",
+        "tests.transport.client.test_busy:blocking_engine", "--engine-opt", "block=2.5",
     )  # fmt: skip
     w1, w2 = spawn(*args, wait=False), spawn(*args, wait=False)
     addresses = [w1.wait_ready(), w2.wait_ready()]

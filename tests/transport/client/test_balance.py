@@ -84,7 +84,7 @@ def test_two_clients_bursting_at_once_are_each_spread(
 
 
 def parking_engine(opts: dict[str, str]) -> Any:
-    """``--engine tests.transport.test_client_balance:parking_engine``: a prompt starting
+    """``--engine tests.transport.client.test_balance:parking_engine``: a prompt starting
     with 0 blocks the engine's loop for ``block`` seconds (a forward pass run inline);
     any other waits there (yielding) for a minute."""
     block = float(opts.get("block", "20"))
@@ -116,7 +116,7 @@ def test_cancels_on_their_way_are_not_reported_as_load(
     # blocked handler and one new Submit.
     w = spawn(
         "--bind", "tcp://127.0.0.1:0", "--engine",
-        "tests.transport.test_client_balance:parking_engine", wait=False,
+        "tests.transport.client.test_balance:parking_engine", wait=False,
     )  # fmt: skip
     other = spawn("--bind", "tcp://127.0.0.1:0", "--engine", "echo", wait=False)
     addresses = [w.wait_ready(), other.wait_ready()]
