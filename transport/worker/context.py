@@ -94,7 +94,7 @@ class RequestContext:
         self._ver.append(version)
 
     def take_stream(self) -> fm.Stream | None:
-        """The tokens emitted and not sent yet, as one Stream message (None: none)."""
+        """The worker's: the tokens emitted and not sent yet, as one Stream (None: none)."""
         if not self._tok:
             return None
         msg = fm.Stream(
@@ -109,7 +109,7 @@ class RequestContext:
         return msg
 
     def finished(self, n_tokens: int) -> None:
-        """Latency histograms of this request, answered with a Result of ``n_tokens``."""
+        """The worker's: the latency histograms of this request's Result of ``n_tokens``."""
         now = time.monotonic()
         metrics.WORKER_E2E.observe(now - self._t0)
         if not self._first:  # nothing streamed: the first token left with the Result
