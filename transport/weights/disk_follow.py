@@ -35,13 +35,8 @@ log = logging.getLogger("transport.weights.disk_follow")
 
 
 class DiskFollower:
-    """Keeps ``server.engine`` at the newest version under ``root``.
-
-    The engine loads a version with ``await engine.load_weights_from_disk(path,
-    version)`` when it has that hook (the SGLang bridge), else by a checked in-place copy
-    into ``engine.model`` (:func:`~transport.weights.disk.load_weights`), always while the
-    worker is paused: under a controller's pause it waits until no handler runs (and the
-    resume waits for the load), otherwise it pauses and resumes the worker itself.
+    """Keeps ``server.engine`` at the newest version under ``root``, loaded while the
+    worker is paused (``docs/weights.md``, "Disk").
 
     Parameters
     ----------

@@ -160,16 +160,24 @@ class VersionFetcher:
     def chunk_done(
         self, up: InFlight, i: int, part: Partial, t: float, ok: bool, last: bool, checksum: int
     ) -> None:
-        """A TCP chunk of bucket ``i`` was taken (``ok``: in order and in bounds): on
-        the last one (or a bad one) check the bucket, then keep it or fetch it again."""
+        """A chunk of bucket ``i`` was taken (``ok``: in order and in bounds): on the
+        last one (or a bad one) check the bucket, then keep it or fetch it again (or,
+        through shared memory, fail the version)."""
         dt = time.monotonic() - t
         up.stats.verify_s += dt
         part.verify_s += dt
         if ok and not last:
             return
         del up.partial[i]
-        if not ok or part.size != up.ann.buckets[i].nbytes or part.hasher.digest() != checksum:
+        info = up.ann.buckets[i]
+        if not ok or part.size != info.nbytes or part.hasher.digest() != checksum:
             self.core.count("checksum_failures")
+            if up.seg is not None:  # the segment is the snapshot: asked again, the same bytes
+                v = up.ann.version
+                self.fail(
+                    v, f"bucket {i} of version {v} fails its checksum in shared memory", "shm"
+                )
+                return
             error = up.sched.again(i)
             if error is not None:
                 self.fail(up.ann.version, error)
@@ -179,7 +187,10 @@ class VersionFetcher:
             return
         up.sched.done(i)
         up.stats.buckets[i].update(recv_s=t - up.t0, verify_s=part.verify_s)
-        chunks = part.chunks if up.stage is None else [torch.from_numpy(up.stage[i])]
+        if up.seg is not None:
+            chunks = [up.seg.tensor[info.shm_offset : info.shm_offset + info.nbytes]]
+        else:
+            chunks = part.chunks if up.stage is None else [torch.from_numpy(up.stage[i])]
         self.landed(up, i, chunks, part.stream)
 
     def link_failed(self, why: str) -> None:

@@ -243,7 +243,7 @@ class ShmReader:
 
     def receive(self, f: Receiver, msg: WeightBucket | None) -> None:
         """A notice: bytes of bucket ``msg.index`` are packed in the segment; hash them
-        in place; on the last notice compare with the checksum."""
+        in place (``f`` checks the bucket on the last)."""
         up = f.update
         assert msg is not None and up is not None and up.seg is not None
         i, t = msg.index, time.monotonic()
@@ -263,25 +263,7 @@ class ShmReader:
         if part.stream is not None and msg.nbytes and not f.hold(up):
             return
         take(part, up.seg.tensor[lo : lo + msg.nbytes].numpy(), msg.nbytes, None, keep=False)
-        dt = time.monotonic() - t
-        part.verify_s += dt
-        up.stats.verify_s += dt
-        if not msg.last:
-            return
-        up.sched.done(i)
-        del up.partial[i]
-        up.stats.buckets[i].update(recv_s=t - up.t0, verify_s=part.verify_s)
-        if part.size != info.nbytes or part.hasher.digest() != msg.checksum:
-            # The segment is the snapshot itself: fetching again would read the same bytes.
-            f.core.count("checksum_failures")
-            f.fail(
-                up.ann.version,
-                f"bucket {i} of version {up.ann.version} fails its checksum in shared memory",
-                "shm",
-            )
-            return
-        seg = up.seg.tensor[info.shm_offset : info.shm_offset + info.nbytes]
-        f.landed(up, i, [seg], part.stream)
+        f.chunk_done(up, i, part, t, True, msg.last, msg.checksum)
 
 
 class _Done:
