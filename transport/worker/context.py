@@ -7,7 +7,7 @@ import asyncio
 import time
 import types
 from collections.abc import Awaitable, Callable, Coroutine, Generator
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -15,9 +15,6 @@ from fastio import LLMRequest, LLMResponse
 from fastio import fabric_msgs as fm
 from fastio.tokens import TokenArray
 from transport import metrics
-
-if TYPE_CHECKING:
-    from transport.worker.requests import Requests
 
 __all__ = [
     "InvalidHandlerOutput",
@@ -28,6 +25,25 @@ __all__ = [
     "output_problem",
     "token_problem",
 ]
+
+
+class _Gate(Protocol):
+    @property
+    def paused(self) -> bool: ...
+
+
+class Owner(Protocol):
+    """What a context needs of the table that holds it
+    (:class:`~transport.worker.requests.Requests`)."""
+
+    latency_metrics: bool
+
+    @property
+    def gate(self) -> _Gate: ...
+
+    def version(self) -> int: ...
+
+    def flush_soon(self, ctx: RequestContext) -> None: ...
 
 
 # Shared by every context with nothing to send (never appended to: emit() replaces it).
@@ -50,9 +66,7 @@ class RequestContext:
         "stream",
     )  # fmt: skip
 
-    def __init__(
-        self, owner: Requests, peer: bytes, id: int, stream: bool, deadline: float
-    ) -> None:
+    def __init__(self, owner: Owner, peer: bytes, id: int, stream: bool, deadline: float) -> None:
         self._owner = owner
         self.peer = peer
         self.id = id
