@@ -4,7 +4,6 @@ keeps what it produced: docs/concepts.md, "Pause and interrupt"), and the client
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Mapping
 from typing import Any
 
 import msgspec
@@ -16,6 +15,7 @@ from fastio.tokens import TokenArray
 from transport import metrics
 from transport.client.workers import Call
 from transport.constant import constant
+from transport.counting import Counts
 
 __all__ = ["Counters", "absorb_result", "drop_times", "keep_streamed", "on_stream"]
 
@@ -31,36 +31,21 @@ _EXPORTED: dict[str, Any] = {
 }
 
 
-class Counters(Mapping[str, int]):
-    """Event counts of one client (``stats``), read like the worker's ``Counters`` (a
-    mapping, ``snapshot()``), and the metrics they feed; the latency histogram only with
+class Counters(Counts):
+    """Event counts of one client (:class:`~transport.counting.Counts`; ``resent`` and
+    ``workers_died`` also Prometheus counters); the latency histogram only with
     ``observe_latency``."""
 
-    __slots__ = ("observe_latency", "stats")
+    __slots__ = ("observe_latency",)
 
     def __init__(self, observe_latency: bool = False) -> None:
+        super().__init__(_NAMES, _EXPORTED)
         self.observe_latency = observe_latency
-        self.stats: dict[str, int] = dict.fromkeys(_NAMES, 0)
 
-    def snapshot(self) -> dict[str, int]:
-        """The counts now."""
-        return dict(self.stats)
-
-    def __getitem__(self, name: str) -> int:
-        return self.stats[name]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.stats)
-
-    def __len__(self) -> int:
-        return len(self.stats)
-
-    def add(self, name: str, n: int = 1) -> int:
-        """Count ``n`` more ``name`` events; returns the new total."""
-        total = self.stats[name] = self.stats[name] + n
-        if name in _EXPORTED:
-            _EXPORTED[name].inc(n)
-        return total
+    @property
+    def stats(self) -> Counters:
+        """The counts (this mapping itself)."""
+        return self
 
 
 def _deliver(call: Call, pos: int, toks: TokenArray, lps: TokenArray, vers: TokenArray) -> None:

@@ -11,6 +11,7 @@ from typing import Any
 
 from fastio import fabric_msgs as fm
 from transport import metrics
+from transport.counting import Counts
 from transport.ratelog import RateLimitedLog
 
 __all__ = ["STATUS_KEYS", "Counters", "Shard", "log_counted"]
@@ -38,11 +39,11 @@ class Shard:
     __slots__ = ("counts", "errors", "finished", "generation_tokens", "outcomes", "prompt_tokens")
 
     def __init__(self) -> None:
-        self.counts = dict.fromkeys(STATUS_KEYS, 0)
+        self.counts = Counts(STATUS_KEYS)
         #: Requests by outcome, error replies by ``ErrorCode`` name, finish reasons.
-        self.outcomes = dict.fromkeys(OUTCOMES, 0)
-        self.errors = dict.fromkeys(fm.ErrorCode.__members__, 0)
-        self.finished = dict.fromkeys(metrics.FINISHED_REASONS, 0)
+        self.outcomes = Counts(OUTCOMES)
+        self.errors = Counts(fm.ErrorCode.__members__)
+        self.finished = Counts(metrics.FINISHED_REASONS)
         self.prompt_tokens = 0
         self.generation_tokens = 0
 

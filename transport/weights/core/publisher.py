@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from fastio.weight_msgs import WeightAck, WeightFetch, WeightHello
+from transport.counting import Counts
 from transport.weights.core.process import process_alive, process_start_time
 from transport.weights.results import SubscriberInfo, UpdateResult
 
@@ -93,10 +94,10 @@ class PublisherCore:
         #: Final results of dropped versions, oldest first (at most KEEP_RESULTS).
         self.retired: dict[int, UpdateResult] = {}
         self.latest: VersionLedger | None = None
-        self.counters: dict[str, int] = {}
+        self.counters = Counts()
 
     def count(self, key: str, n: int = 1) -> None:
-        self.counters[key] = self.counters.get(key, 0) + n
+        self.counters.add(key, n)
 
     def alive(self) -> set[str]:
         """Ids of the live workers."""

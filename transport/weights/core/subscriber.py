@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import Literal
 
+from transport.counting import Counts
+
 __all__ = ["MIXED", "FetchSchedule", "PauseLease", "SubscriberCore", "choose_atomic"]
 
 #: Added to the error of a version that left the weights mixed.
@@ -34,12 +36,12 @@ class SubscriberCore:
         self.publisher_id = ""
         self.last_seq = 0
         self.last_heard = 0.0
-        self.counters: dict[str, int] = {}
+        self.counters = Counts()
         self._attempts: dict[tuple[str, int], int] = {}
         self._given_up: set[tuple[str, int]] = set()
 
     def count(self, key: str) -> None:
-        self.counters[key] = self.counters.get(key, 0) + 1
+        self.counters.add(key)
 
     @property
     def reported_version(self) -> int:
