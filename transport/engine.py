@@ -1,9 +1,5 @@
-"""A reference generation engine: a tiny torch causal LM on CPU, in the worker's loop.
-
-Every token comes from the model's weights (new weights change the output), sampled per
-:mod:`transport.generation` and streamed one at a time; it stops early on pause
-(``stop_reason="interrupt"``) and on cancellation.
-"""
+"""A reference generation engine: a tiny torch causal LM on CPU, in the worker's loop
+(``docs/engines.md#the-built-in-engines``)."""
 
 from __future__ import annotations
 
@@ -25,9 +21,8 @@ __all__ = ["GenerationContext", "ReferenceEngine", "TinyLM"]
 
 
 class TinyLM(nn.Module):
-    """Embedding -> GRU -> LayerNorm -> linear head: a recurrent state keeps each step
-    O(1) without a KV cache. Sizes ``vocab_size``, ``hidden``, ``layers``; initial
-    weights drawn from ``seed``."""
+    """Embedding -> GRU -> LayerNorm -> linear head of sizes ``vocab_size``, ``hidden``,
+    ``layers``; initial weights drawn from ``seed``."""
 
     def __init__(
         self, vocab_size: int = 256, hidden: int = 64, layers: int = 2, seed: int = 0
@@ -59,8 +54,7 @@ class TinyLM(nn.Module):
 class ReferenceEngine:
     """Generates with a :class:`TinyLM` (``vocab_size``, ``hidden``, ``layers``, ``seed``;
     or ``model``); ``seed`` also seeds the sampling, ``token_interval`` adds seconds per
-    token. A weight update copies into :attr:`model` in place (the worker paused), then
-    sets :attr:`version`, stamped on each token.
+    token.
 
     >>> import asyncio
     >>> from fastio import LLMRequest, GenerationHyperparameters
@@ -88,9 +82,8 @@ class ReferenceEngine:
         self._seeds = RequestSeeds(seed)
 
     async def generate(self, req: LLMRequest, ctx: GenerationContext | None = None) -> LLMResponse:
-        """Generate after ``req.input_ids`` (empty: from token 0); ``stop_reason`` is
-        ``"stop"`` (a stop token, in the output), ``"length"`` or ``"interrupt"`` (the
-        worker paused). :class:`ValueError` for token ids outside the vocabulary."""
+        """Generate after ``req.input_ids``, streaming through ``ctx``; ``ValueError`` for
+        token ids outside the vocabulary."""
         ids = prompt_ids(req, self.vocab_size, 0)
         seq = Generation.of(req, self._seeds)
         # Grad mode is thread state and other coroutines run at each await: no

@@ -1,10 +1,5 @@
-"""One request as the built-in engines (:mod:`transport.engine`,
-:mod:`transport.hf_engine`) generate it: prompt, randomness, sampled tokens, response.
-
-Sampling follows every field of :class:`~fastio.GenerationHyperparameters` but
-``n_samples`` (the caller's). Logprobs are under the temperature-scaled distribution
-before top-k/top-p (greedy: the model's own distribution).
-"""
+"""One request as the built-in engines generate it: prompt, randomness, sampled tokens,
+response (the sampling rules: ``docs/engines.md#the-built-in-engines``)."""
 
 from __future__ import annotations
 
@@ -29,9 +24,8 @@ __all__ = ["Generation", "RequestSeeds", "prompt_ids", "sample_rows"]
 
 
 class RequestSeeds:
-    """Each generation's random generator from the engine's ``seed``: fresh per
-    generation, or from an integer ``metadata["seed"]`` and the prompt length (the same
-    request on the same weights then gives the same tokens)."""
+    """Each generation's random generator from the engine's ``seed`` (and a request's
+    integer ``metadata["seed"]``)."""
 
     def __init__(self, seed: int) -> None:
         self.seed = seed

@@ -1,10 +1,5 @@
-"""A generation engine serving a Hugging Face ``transformers`` causal LM (``--engine hf``).
-
-The model has random weights (:data:`MODEL_SIZES`, nothing downloaded) or comes from a
-local directory. One engine thread owns it, so the worker's loop keeps answering: each step
-decodes every active sequence in one forward (a left-padded KV cache); new requests are
-prefilled and join, ended ones leave, between steps.
-"""
+"""A generation engine serving a Hugging Face ``transformers`` causal LM (``--engine hf``),
+batched on an engine thread of its own (``docs/engines.md#the-built-in-engines``)."""
 
 from __future__ import annotations
 
@@ -78,15 +73,9 @@ class _Seq(Generation):
 
 class HFEngine:
     """Serves a ``transformers`` causal LM (or a module with its ``forward`` signature) on
-    one engine thread; ``generate`` is a worker handler.
-
-    ``device`` defaults to ``cuda`` when available; ``seed`` is mixed into every request's
-    sampling seed; at most ``max_batch`` sequences decode together; ``token_interval``
-    adds seconds per step (tests); ``weight_left`` computes each ``nn.Linear`` on CPU as
-    ``weight @ x.T`` (:func:`~transport.hf_model.weight_left_linear`). A weight update
-    copies into :attr:`model` in place under the worker's pause or :attr:`step_lock` (held
-    for each step), then sets :attr:`version`. :attr:`stats` counts ``forwards``,
-    ``prefills``, ``decodes``, ``tokens``, ``max_batch_seen``.
+    one engine thread. ``device``: ``cuda`` when available; ``seed``: mixed into every
+    request's sampling seed; ``max_batch``: sequences decoded together; ``token_interval``:
+    seconds added per step; ``weight_left``: each ``nn.Linear`` on CPU as ``weight @ x.T``.
 
     >>> import asyncio
     >>> from fastio import GenerationHyperparameters, LLMRequest
@@ -147,10 +136,9 @@ class HFEngine:
 
     # -- the loop's side ----------------------------------------------------------------
     async def generate(self, req: LLMRequest, ctx: GenerationContext | None = None) -> LLMResponse:
-        """Generate after ``req.input_ids`` (empty: from the model's BOS token), stopping
-        at a stop token (kept), ``max_new_tokens``, the context or a pause (``interrupt``).
-        ``ValueError`` for ids outside the vocabulary or a prompt as long as the context;
-        ``RuntimeError`` once closed or when the forward failed (out of memory, say)."""
+        """Generate after ``req.input_ids``, streaming through ``ctx``; ``ValueError`` for
+        ids outside the vocabulary or a prompt as long as the context, ``RuntimeError``
+        once closed or when the forward failed."""
         if self._closing:
             raise RuntimeError("the engine is closed")
         ids = prompt_ids(req, self.vocab_size, self._start_token)
@@ -363,10 +351,9 @@ def create_engine(
     seed: int | str = 0,
     **opts: Any,
 ) -> HFEngine:
-    """The ``hf`` engine of the worker CLI (``--engine hf``): a model of
-    :data:`MODEL_SIZES` with random weights from ``seed`` (also the sampling seed), or the
-    local directory ``model_path`` (never downloads); ``opts``: the other fields of
-    :class:`HFOptions`, values may be strings (``ValueError`` for a bad one)."""
+    """The ``hf`` engine of the worker CLI: a model of :data:`MODEL_SIZES` with random
+    weights from ``seed`` (also the sampling seed), or the local directory ``model_path``;
+    ``opts``: the other fields of :class:`HFOptions`, as values or strings."""
     given = dict(model_size=model_size, model_path=model_path, device=device, seed=seed)
     o = parse_options({**given, **opts}, HFOptions, "hf engine option")
     dtype = getattr(torch, o.dtype)

@@ -1,7 +1,5 @@
-"""The ``transformers`` side of the ``hf`` engine (:mod:`transport.hf_engine`): models
-of :data:`MODEL_SIZES` with random weights, ``from_pretrained`` on a local directory,
-and the batched KV cache (:class:`KVBatch`), whatever the ``transformers`` version.
-"""
+"""The ``transformers`` side of the ``hf`` engine: random-weight models of
+:data:`MODEL_SIZES`, local ``from_pretrained``, the batched KV cache (:class:`KVBatch`)."""
 
 from __future__ import annotations
 
@@ -174,9 +172,8 @@ class KVBatch(Generic[T]):
 
 
 def weight_left_linear(mod: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """``mod(x)`` computed as ``(weight @ x.T).T``: with the few rows of a decode step,
-    MKL runs ``F.linear``'s ``x @ weight.T`` slower than this product, which streams the
-    row-major weight once (``python -m bench.hf_engine`` compares both)."""
+    """``mod(x)`` computed as ``(weight @ x.T).T``, which streams the row-major weight once
+    (faster with MKL for a decode step's few rows; ``python -m bench.hf_engine``)."""
     rows = x.reshape(-1, x.shape[-1])
     y = torch.mm(mod.weight, rows.t()).t()
     if mod.bias is not None:

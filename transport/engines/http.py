@@ -7,19 +7,17 @@ from __future__ import annotations
 import abc
 import asyncio
 import contextlib
-import dataclasses
-import itertools
 import logging
-import os
 import urllib.request
 from collections.abc import AsyncIterator
 from typing import Annotated, Any, ClassVar, Self
 
 import msgspec
 
-from fastio import LLMRequest, LLMResponse, TokenArray
+from fastio import LLMRequest, LLMResponse
 from fastio._optional import require
 from transport.engines.api import EngineUnavailable, GenerationContext
+from transport.engines.flight import Flight, VersionLabels, request_ids, sampling_common
 from transport.engines.registry import engine_options
 
 __all__ = [
@@ -30,6 +28,7 @@ __all__ = [
     "ServerRejected",
     "VersionLabels",
     "raise_for_status",
+    "request_ids",
     "sampling_common",
     "sse_events",
 ]
@@ -39,8 +38,6 @@ log = logging.getLogger("transport.engines")
 _DONE = b"[DONE]"
 # How long a close waits for the requests it ends to abort theirs on the server.
 _CLOSE_WAIT_S = 2.0
-# GenerationHyperparameters.top_k at or above this means "no top-k" (the servers' -1).
-_NO_TOP_K = 1 << 30
 #: Headers of a JSON request body.
 JSON_HEADERS = {"Content-Type": "application/json"}
 
@@ -84,23 +81,6 @@ class BridgeOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     keepalive: Seconds = 2.0
 
 
-def sampling_common(g: Any, max_key: str, min_key: str) -> dict[str, Any]:
-    """The sampling parameters both servers take from a
-    :class:`~fastio.GenerationHyperparameters` (limits named ``max_key``, ``min_key``)."""
-    sp: dict[str, Any] = {
-        max_key: g.max_new_tokens,
-        "temperature": 0.0 if g.greedy else g.temperature,
-        "top_p": g.top_p,
-        "top_k": -1 if g.top_k >= _NO_TOP_K else g.top_k,
-        "skip_special_tokens": False,
-    }
-    if g.min_new_tokens:
-        sp[min_key] = g.min_new_tokens
-    if g.stop_token_ids:
-        sp["stop_token_ids"] = list(g.stop_token_ids)
-    return sp
-
-
 async def raise_for_status(resp: Any, what: str) -> None:
     """:class:`ServerRejected` quoting the start of the body when ``resp`` is an HTTP
     error."""
@@ -134,80 +114,6 @@ async def sse_events(content: Any) -> AsyncIterator[Any]:
         yield msgspec.json.decode(data)
 
 
-class VersionLabels:
-    """A server's weight-version labels and fastio's versions: labels are ``str(version)``;
-    any other (``default``: the weights the server started on) is :attr:`base`."""
-
-    def __init__(self, base: int = 0) -> None:
-        self.base = base
-
-    def version(self, label: Any) -> int:
-        """The fastio version of a label."""
-        text = str(label)
-        return int(text) if text.lstrip("-").isdigit() else self.base
-
-    def start(self, label: Any) -> int:
-        """Take ``label``, the server's at start, as :attr:`base`; returns its version."""
-        self.base = self.version(label)
-        return self.base
-
-    def stamp(self, versions: list[int], spans: Any) -> Any:
-        """``versions`` (one per output token) as an int32 array, each span of vLLM's
-        ``weight_versions`` (``{version, start, end}`` mappings or objects) set to its
-        label's version."""
-        import numpy as np
-
-        out = np.array(versions, dtype=np.int32)
-        for span in spans or ():
-            if not isinstance(span, dict):  # vLLM's WeightVersionSpan
-                span = {"start": span.start, "end": span.end, "version": span.version}
-            out[int(span["start"]) : int(span["end"])] = self.version(span["version"])
-        return out
-
-
-@dataclasses.dataclass(slots=True, eq=False)
-class Flight:
-    """One request in flight on the server, and its output so far."""
-
-    rid: str
-    ctx: GenerationContext
-    first: bool = False  # a token arrived
-    interrupted: bool = False  # the bridge asked the server to stop it (pause)
-    blind_abort: bool = False  # interrupted before a token: sent again at the first chunk
-    response: Any = None  # the open HTTP response
-    finish: Any = None  # the server's finish reason
-    toks: list[int] = dataclasses.field(default_factory=list)
-    lps: list[float] = dataclasses.field(default_factory=list)
-    vers: list[int] = dataclasses.field(default_factory=list)
-    spans: Any = None  # the server's per-token version spans, where it sends them
-
-    def add(self, token: int, logprob: Any, version: int) -> None:
-        """Keep one token and stream it through the request's context."""
-        lp = float(logprob) if logprob is not None else 0.0
-        self.toks.append(token)
-        self.lps.append(lp)
-        self.vers.append(version)
-        self.ctx.emit(token, lp, version)
-
-    def result(
-        self, req: LLMRequest, stop: str, labels: VersionLabels | None = None
-    ) -> LLMResponse:
-        """The :class:`~fastio.LLMResponse` of the output so far; its versions from the
-        server's spans where it sent them (read with ``labels``)."""
-        import numpy as np
-
-        vers = np.array(self.vers, dtype=np.int32)
-        if self.spans and labels is not None:
-            vers = labels.stamp(self.vers, self.spans)
-        return LLMResponse(
-            input_tokens=req.input_ids,
-            output_tokens=TokenArray(np.array(self.toks, dtype=np.int32)),
-            output_logprobs=TokenArray(np.array(self.lps, dtype=np.float32)),
-            output_versions=TokenArray(vers),
-            stop_reason=stop,  # type: ignore[arg-type]  # one of four
-        )
-
-
 class HTTPBridge(abc.ABC):
     """Base of the server bridges (:meth:`request`, :meth:`take`, :meth:`abort` to write);
     ``url`` and the other fields of :attr:`Options` (``ValueError`` naming a bad one)."""
@@ -237,8 +143,7 @@ class HTTPBridge(abc.ABC):
         self.labels = VersionLabels()
         self.flights: dict[str, Flight] = {}
         self._waiting = 0  # flights without a token (read whole from the socket thread)
-        self._rids = itertools.count()
-        self._prefix = f"fastio-{os.getpid()}-{os.urandom(3).hex()}"
+        self._rids = request_ids()
         self._session: Any = None
         self._worker: Any = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -469,7 +374,7 @@ class HTTPBridge(abc.ABC):
 
     def new_rid(self) -> str:
         """A request id unique to this worker's life (servers key aborts by it)."""
-        return f"{self._prefix}-{next(self._rids)}"
+        return next(self._rids)
 
     async def post_json(self, path: str, body: Any, timeout: float | None = None) -> Any:
         """POST JSON, return the decoded answer; :class:`ServerRejected` for an error status."""

@@ -15,14 +15,8 @@ from typing import Any, Literal
 
 from fastio import GenerationHyperparameters, LLMRequest, LLMResponse
 from transport.engines.api import GenerationContext
-from transport.engines.http import (
-    BridgeOptions,
-    Flight,
-    HTTPBridge,
-    Seconds,
-    ServerRejected,
-    sampling_common,
-)
+from transport.engines.flight import Flight, sampling_common
+from transport.engines.http import BridgeOptions, HTTPBridge, Seconds, ServerRejected
 from transport.engines.sglang_disk import DONE, write_version
 
 __all__ = ["DONE", "SGLangEngine", "SGLangOptions", "factory", "sampling_params", "write_version"]

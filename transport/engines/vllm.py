@@ -14,13 +14,8 @@ from typing import Any, Literal
 
 from fastio import LLMRequest
 from transport.engines.api import EngineUnavailable
-from transport.engines.http import (
-    BridgeOptions,
-    Flight,
-    HTTPBridge,
-    Seconds,
-    sampling_common,
-)
+from transport.engines.flight import Flight, sampling_common
+from transport.engines.http import BridgeOptions, HTTPBridge, Seconds
 from transport.engines.vllm_staging import PROTOCOL, UpdateState
 
 __all__ = ["WEIGHTS_REFUSED", "VLLMEngine", "VLLMOptions", "factory"]

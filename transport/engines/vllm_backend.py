@@ -1,21 +1,9 @@
 """fastio as a vLLM weight-transfer backend (``--weight-transfer-config '{"backend": "fastio"}'``).
 
 Runs inside vLLM's worker processes (one per rank); :func:`register` is the
-``vllm.general_plugins`` entry point of the ``fastio`` distribution. The rules (which
-version, checksums, never a mixed version served) stay on the fastio side; this side
-only loads a version that :mod:`transport.engines.vllm_staging` staged, and says whether
-it loaded whole:
-
-- ``start_weight_update`` arms an update and touches nothing;
-- ``update_weights`` checks the staged file's size and hash *before* the model is touched
-  (a corrupt file leaves the old weights intact), then runs vLLM's layerwise reload over
-  the whole version in one call (every fused module gets all its parts), and fails if a
-  layer got no weights (the reload would have put its old ones back: mixed);
-- ``finish_weight_update`` refuses unless a whole version loaded since the start, so
-  vLLM's version label moves only for a complete version.
-
-Tested on vLLM 0.32's CPU build, tensor parallel 1: each rank loads the full tensors
-through the model's ``load_weights``, which takes its own shard.
+``vllm.general_plugins`` entry point of the ``fastio`` distribution. It loads a version
+that :mod:`transport.engines.vllm_staging` staged, whole or not at all; the steps and the
+rules: ``docs/engines.md#vllm``.
 """
 
 from __future__ import annotations

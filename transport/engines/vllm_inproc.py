@@ -1,14 +1,6 @@
-"""``--engine vllm --engine-opt model=PATH``: vLLM's ``AsyncLLM`` inside the worker.
-
-::
-
-    fastio-worker --bind tcp://0.0.0.0:5555 --engine vllm --engine-opt model=/models/m \\
-        --engine-opt max_model_len=4096 --engine-opt dtype=bfloat16
-
-The ``--engine-opt`` keys but ``model`` are vLLM's engine arguments, read by vLLM's own
-parser (:func:`engine_args`); the contract is the bridge's (streaming, abort, pause in
-place, versions from spans, weights through fastio's backend); vLLM's processes die with
-the worker (``PR_SET_PDEATHSIG``). See ``docs/engines.md#vllm-in-the-worker``.
+"""``--engine vllm --engine-opt model=PATH``: vLLM's ``AsyncLLM`` inside the worker; the
+other ``--engine-opt`` keys are vLLM's engine arguments (:func:`engine_args`). The contract
+is the bridge's: ``docs/engines.md#vllm-in-the-worker``.
 """
 
 from __future__ import annotations
@@ -16,7 +8,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import ctypes
-import itertools
 import logging
 import os
 import signal
@@ -25,7 +16,7 @@ from typing import Any
 
 from fastio import LLMRequest, LLMResponse
 from transport.engines.api import GenerationContext
-from transport.engines.http import Flight, VersionLabels, sampling_common
+from transport.engines.flight import Flight, VersionLabels, request_ids, sampling_common
 from transport.engines.vllm_staging import PROTOCOL, UpdateState
 
 __all__ = ["PARENT_ENV", "AsyncLLMEngine", "die_with_parent", "engine_args", "factory"]
@@ -111,8 +102,7 @@ class AsyncLLMEngine:
         self.version = 0
         self.labels = VersionLabels()
         self.vocab_size: int | None = self.llm.model_config.get_vocab_size()
-        self._rids = itertools.count()
-        self._prefix = f"fastio-{os.getpid()}-{os.urandom(3).hex()}"
+        self._rids = request_ids()
         self._waiting = 0
         self.state = UpdateState(_LLMSync(self.llm))
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -154,7 +144,7 @@ class AsyncLLMEngine:
             if getattr(ctx, "stream", True)
             else RequestOutputKind.FINAL_ONLY,
         )
-        rid = f"{self._prefix}-{next(self._rids)}"
+        rid = next(self._rids)
         # vLLM's prompt is a list: the one conversion of the prompt on this path.
         prompt = TokensPrompt(prompt_token_ids=req.input_ids.array.tolist())
         flight = Flight(rid, ctx)

@@ -1,13 +1,6 @@
-"""A verified weight version laid out in one shared-memory file, for vLLM's worker process.
-
-The fastio side (the ``--engine vllm`` bridge, or vLLM in the worker) receives a version
-through fastio's weight routes, checksummed bucket by bucket, and :func:`stage` writes it
-once into a file under ``/dev/shm``: each tensor's bytes at a 64-byte aligned offset, the
-whole file hashed (xxh3_64). The ``update_info`` it returns is what vLLM's
-``/update_weights`` carries to fastio's weight-transfer backend
-(:mod:`transport.engines.vllm_backend`), which maps the file, checks the hash before it
-touches the model (:func:`open_staged`) and hands the tensors, as views of the file, to the
-model's own ``load_weights``. No vLLM import here: the bridge's process has no vLLM.
+"""A verified weight version laid out in one shared-memory file for vLLM's worker process
+(:func:`stage`, :func:`open_staged`), and the rules that drive its load (:class:`UpdateState`;
+``docs/engines.md#vllm``). No vLLM import here: the bridge's process has no vLLM.
 """
 
 from __future__ import annotations
@@ -23,7 +16,7 @@ from typing import Any, Protocol
 import torch
 
 from fastio._optional import require
-from transport.engines.http import VersionLabels
+from transport.engines.flight import VersionLabels
 
 __all__ = [
     "PROTOCOL",
