@@ -1,9 +1,5 @@
-"""AReaL's rollout engine over the fastio fabric (needs the ``areal`` package).
-
-``import transport`` never imports this package; it imports ``areal``. See
-:mod:`transport.areal.engine` for how each ``InferenceEngine`` method maps onto the
-fabric, and :mod:`transport.areal.weights` for the weight routes.
-"""
+"""AReaL's rollout engine over the fastio fabric (imports ``areal``, which ``import
+transport`` never does); how each ``InferenceEngine`` method maps: ``docs/areal.md``."""
 
 from transport.areal.convert import to_llm_request, to_model_response
 from transport.areal.engine import FabricInferenceEngine

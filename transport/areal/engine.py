@@ -1,9 +1,5 @@
 """``FabricInferenceEngine``: AReaL's ``InferenceEngine`` over the fastio fabric, where
-AReaL's ``RemoteSGLangEngine`` speaks HTTP+JSON: ``agenerate`` is one
-:class:`~transport.FabricClient` request on the loop that awaits it (:mod:`.loops`), pauses
-are the :class:`~transport.FabricController`'s, weights go through fastio's routes
-(:mod:`.weights`), rollouts through AReaL's ``WorkflowExecutor`` (``docs/areal.md``).
-"""
+AReaL's ``RemoteSGLangEngine`` speaks HTTP+JSON (``docs/areal.md``)."""
 
 from __future__ import annotations
 
@@ -38,14 +34,10 @@ ChunkObserver = Callable[[str, TokenArray, TokenArray, TokenArray], None]
 
 
 class FabricInferenceEngine(InferenceEngine):  # type: ignore[misc]
-    """AReaL's ``InferenceEngine`` over the fastio fabric.
-
-    ``config``: AReaL's ``InferenceEngineConfig`` (``request_timeout``, ``setup_timeout``,
-    the executor's settings); ``client_config``: the fabric clients'
-    (:class:`~transport.ClientConfig`); ``weights_timeout``: seconds a weight update's
-    future waits for every worker to report the version; ``on_chunk(rid, tokens,
-    logprobs, versions)``: called on the awaiting loop as output arrives (each position
-    once, across interrupts).
+    """AReaL's ``InferenceEngine`` over the fastio fabric. ``config``: AReaL's
+    ``InferenceEngineConfig``; ``client_config``: the fabric clients'; ``weights_timeout``:
+    seconds a weight update's future waits for every worker; ``on_chunk(rid, tokens,
+    logprobs, versions)``: sees the output as it arrives, on the awaiting loop.
 
     >>> engine = FabricInferenceEngine(InferenceEngineConfig(backend="fastio:d1"))  # doctest: +SKIP
     >>> engine.initialize(addr=["tcp://127.0.0.1:5555"])  # doctest: +SKIP

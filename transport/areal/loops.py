@@ -1,10 +1,5 @@
-"""A :class:`~transport.FabricClient` per event loop that awaits ``agenerate``.
-
-A ``FabricClient`` belongs to one loop; AReaL awaits ``agenerate`` on its executor's loop
-(a thread of its own) and user code on any other. :class:`LoopClients` makes each loop's
-client there, on its first request, and closes it with its loop: at the loop's shutdown
-of async generators, when another loop finds it closed, or at :meth:`LoopClients.close`.
-"""
+"""A :class:`~transport.FabricClient` per event loop that awaits ``agenerate``, closed
+with its loop (``docs/areal.md#use``)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
-"""How AReaL's weight-update calls land on fastio's weight routes: a disk
-``WeightUpdateMeta`` is written by the trainer with :func:`save_for_rollout` under
-:func:`disk_root`, which every worker follows (``transport.weights.disk_follow``); an
-``xccl`` one is published by a :class:`transport.weights.WeightPublisher`. The rollout side
-waits for every worker to report the version (:func:`wait_for_version`).
-"""
+"""How AReaL's weight-update calls land on fastio's weight routes (``docs/areal.md#weights``):
+the trainer's disk write (:func:`save_for_rollout`), the rollout side's wait for every
+worker (:func:`wait_for_version`)."""
 
 from __future__ import annotations
 
