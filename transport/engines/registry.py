@@ -39,14 +39,8 @@ def register_engine(name: str, spec: str) -> None:
 
 
 def resolve_engine(name: str) -> Factory:
-    """The factory ``name`` stands for: a registered name or ``module:factory``.
-
-    Raises
-    ------
-    ValueError
-        An unknown name, or a ``module:factory`` that cannot be imported or found (the
-        message says which).
-    """
+    """The factory ``name`` stands for: a registered name or ``module:factory``;
+    ``ValueError`` for one that is unknown or cannot be imported or found."""
     spec = ENGINES.get(name)
     if spec is None and not all(name.partition(":")[::2]):
         raise ValueError(

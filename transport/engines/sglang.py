@@ -161,16 +161,13 @@ class SGLangEngine(HTTPBridge):
         """``/pause_generation`` in ``pause_mode`` where it keeps the requests (their
         streams wait, without a stall timeout); else interrupt every request."""
         if self._keeps():
-            # Kept from the start: a chunk that arrives meanwhile interrupts nothing.
-            self._kept = True
-            self._stall_timeouts(None)
+            self._hold(True)  # from the start: a chunk arriving meanwhile interrupts nothing
             try:
                 if await self._server_pause(self.options.pause_mode):
                     return
             except Exception as exc:  # a pause must never fail the worker's pause
                 log.warning("SGLang /pause_generation failed (%r): interrupting instead", exc)
-            self._kept = False
-            self._stall_timeouts(self.options.stall_timeout)
+            self._hold(False)
         super().pause_generation()
 
     async def continue_generation(self) -> None:
@@ -179,9 +176,7 @@ class SGLangEngine(HTTPBridge):
             return
         if (exc := await self._continue()) is not None:  # the watchdog sees a server gone
             log.error("SGLang /continue_generation failed: %r", exc)
-        # Not before: until the worker is resumed, a chunk must not interrupt its flight.
-        self._kept = False
-        self._stall_timeouts(self.options.stall_timeout)
+        self._hold(False)  # not before: until the resume, a chunk must interrupt nothing
         if self._flush_due and not self.flights:
             self.spawn(self._flush())
 
@@ -190,13 +185,14 @@ class SGLangEngine(HTTPBridge):
         if not self._kept:
             super().interrupt(flight)
 
-    def _stall_timeouts(self, seconds: float | None) -> None:
-        """Set the read timeout of every open stream (None: a frozen stream may stay
-        silent as long as the pause lasts)."""
+    def _hold(self, kept: bool) -> None:
+        """Hold the server's requests frozen, or let them go: no stall timeout on their
+        streams while held (a frozen stream is silent as long as the pause lasts)."""
+        self._kept = kept
         for flight in self.flights.values():
             with contextlib.suppress(AttributeError):
                 proto = flight.response.connection.protocol
-                proto.read_timeout = seconds
+                proto.read_timeout = None if kept else self.options.stall_timeout
                 proto.start_timeout()
 
     async def _server_pause(self, mode: str) -> bool:

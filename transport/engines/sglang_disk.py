@@ -33,19 +33,10 @@ def write_version(
     timeout: float = 600.0,
     prepare: Callable[[Path], None] | None = None,
 ) -> Path:
-    """The directory of ``version`` of ``weights`` under ``root``, written there once
-    for every process that shares ``root``.
-
-    The directory is ``v{version:08d}-{fingerprint}`` (the fingerprint: a hash of the
-    names, dtypes, shapes and a sample of the values, so that a directory left by
-    another run with the same version number is never taken for this one). The first
-    process to take its lock file (``flock``) writes it (:func:`~transport.weights.disk.
-    save_weights` in a scratch directory; ``prepare(dir)`` adds files; then
-    :data:`DONE` with the file's size and CRC-32; then one rename into place); the
-    others wait for the lock (at most ``timeout`` s) and reuse the directory once its
-    size and checksum match. A writer that dies releases its lock: the next one writes.
-    Versions older than the one before are removed.
-    """
+    """The directory of ``version`` of ``weights`` under ``root``, written there once for
+    every process that shares ``root`` (how: ``docs/engines.md``, "a version written once
+    per host"); ``prepare(dir)`` adds files before it is renamed into place; waits at most
+    ``timeout`` s for another writer."""
     import fcntl
 
     root.mkdir(parents=True, exist_ok=True)
@@ -111,8 +102,7 @@ def _crc32(path: Path) -> int:
 
 
 def _intact(final: Path, version: int, fp: str) -> bool:
-    """``final`` is a complete version directory of these weights: its :data:`DONE`
-    names them, and the file's size and CRC-32 are those written."""
+    """``final`` is a complete version directory of these weights (:data:`DONE` agrees)."""
     try:
         done = json.loads((final / DONE).read_text())
         f = final / _WEIGHTS
