@@ -30,8 +30,8 @@ export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1
 # tensors, the ipc path over CUDA IPC, pinned staging, and the process-group path on one
 # GPU (two ranks on one device refused; the gloo test stays on gloo).
 timeout 150 python3 -m pytest -q -p no:cacheprovider -k "cuda or one_gpu or gloo_broadcast" \
-    tests/fastio/test_cuda.py tests/transport/test_weights.py \
-    tests/transport/test_weights_ipc.py tests/transport/test_weights_dist.py \
+    tests/fastio/test_cuda.py tests/transport/weights/drivers/test_publish.py \
+    tests/transport/weights/routes/test_ipc.py tests/transport/weights/test_dist.py \
     2>&1 | tee "$OUT/cuda-tests.log"
 tests_rc=${PIPESTATUS[0]}
 # The GPU suite (bench.weights.gpu_suite: ipc with 1 and 2 workers, pinned staging, floors,

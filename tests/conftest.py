@@ -35,8 +35,8 @@ SLOW_MODULES = {
     "tests/transport/client/test_asyncio.py": "one worker process serves every asyncio API",
     "tests/transport/test_demo.py": "runs the demo: trainer, workers and clients",
     "tests/transport/test_eager.py": "each fixture starts worker processes (8-10 s)",
-    "tests/transport/test_weights_dist.py": "torch.distributed groups across processes",
-    "tests/transport/test_weights_faults.py": "kills publishers/subscribers mid-update",
+    "tests/transport/weights/test_dist.py": "torch.distributed groups across processes",
+    "tests/transport/weights/drivers/test_faults.py": "kills publishers/subscribers mid-update",
 }
 
 # module -> slow test functions (all parametrizations).
@@ -72,7 +72,7 @@ SLOW_TESTS = {
         "test_invalid_handler_output_is_a_handler_error",
         "test_unencodable_request_fails_alone_and_frees_its_slot",
     ],
-    "tests/transport/test_weights_update.py": [
+    "tests/transport/weights/drivers/test_update.py": [
         "test_a_controller_pause_during_a_copy_is_not_undone",
         "test_a_worker_unknown_to_the_publisher_is_missing",
         "test_failed_pause_resumes_the_others",

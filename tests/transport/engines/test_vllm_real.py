@@ -458,7 +458,7 @@ def test_a_corrupted_bucket_never_reaches_vllm(
     """A version one of whose buckets fails its checksum on the way is never staged for
     vLLM: its label and its weights stay, and the worker serves on (the same path as a
     trainer killed mid-version: no complete version, nothing loaded)."""
-    from tests.transport.weights_helpers import corrupting_bucket_1
+    from tests.transport.weights.helpers import corrupting_bucket_1
 
     with corrupting_bucket_1({60}) as pub:
         w = workers(

@@ -18,14 +18,14 @@ from fastio import GenerationHyperparameters, LLMRequest
 from fastio.weight_msgs import WeightAck
 from tests.helpers import free_port
 from tests.transport.conftest import wait_for
-from tests.transport.weights_helpers import status, worker_args
+from tests.transport.weights.helpers import status, worker_args
 from transport import ControlError, FabricController, SyncFabricClient
 from transport.engine import ReferenceEngine, TinyLM
 from transport.weights import UpdateIncomplete, WeightPublisher, WeightSubscriber, update_weights
 from transport.weights.update import attach_subscriber
 
 PLUGIN = "transport.weights.update:subscribe"
-HERE = "tests.transport.test_weights_update"
+HERE = "tests.transport.weights.drivers.test_update"
 
 
 @pytest.fixture

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from tests.transport.conftest import wait_for
-from tests.transport.weights_helpers import make_state, zeros_like
+from tests.transport.weights.helpers import make_state, zeros_like
 from transport.weights import WeightPublisher, WeightSubscriber, state_digest
 
 BUCKET = 2048  # several buckets per version: more than the two slots

@@ -11,7 +11,7 @@ import pytest
 import zmq
 
 from tests.transport.conftest import ROOT
-from tests.transport.weights_helpers import make_state, zeros_like
+from tests.transport.weights.helpers import make_state, zeros_like
 from transport.weights import WeightPublisher, WeightSubscriber
 
 

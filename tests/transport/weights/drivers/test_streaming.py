@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tests.transport.conftest import wait_for
-from tests.transport.weights_helpers import (
+from tests.transport.weights.helpers import (
     corrupting_bucket_1,
     equal,
     make_state,

@@ -21,7 +21,7 @@ import torch
 import fastio
 from bench.ipc_link import IpcOutcomes
 from fastio.ipc_msgs import IpcAck, IpcHandle, IpcHello, IpcOffer, IpcReady
-from tests.transport import weights_helpers
+from tests.transport.weights import helpers as weights_helpers
 from transport.weights.core.process import process_start_time
 from transport.weights.errors import WeightUpdateError
 from transport.weights.routes.ipc import (

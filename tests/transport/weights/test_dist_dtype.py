@@ -14,7 +14,7 @@ import torch
 
 from fastio import AllocationMode, WeightUpdateMeta
 from tests.helpers import free_port, mp_context
-from tests.transport.weights_helpers import bits, make_lm, zeroed
+from tests.transport.weights.helpers import bits, make_lm, zeroed
 from transport.weights.dist import WeightGroup, param_specs, trainer_rank, worker_rank
 from transport.weights.errors import WeightMismatchError
 

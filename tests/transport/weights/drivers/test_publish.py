@@ -2,8 +2,8 @@
 the worker side in its thread), shared memory and its fallback, disk, bad input.
 
 Multi-process faults (SIGKILL mid-update, corrupt buckets, mismatches) live in
-``test_weights_faults.py``; the process-group path and the fabric integration in
-``test_weights_dist.py``.
+``drivers/test_faults.py``; the process-group path and the fabric integration in
+``test_dist.py``.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from fastio.weight_msgs import (
     WeightWelcome,
 )
 from tests.transport.conftest import wait_for
-from tests.transport.weights_helpers import equal, make_state, plan_for, zeros_like
+from tests.transport.weights.helpers import equal, make_state, plan_for, zeros_like
 from transport.weights import (
     BucketApplier,
     WeightMismatchError,
@@ -224,7 +224,7 @@ class Pair:
         kw.setdefault("heartbeat_interval", 0.1)
         fault = kw.pop("fault", None)
         if fault is not None:
-            from tests.transport.weights_helpers import FaultyPublisher
+            from tests.transport.weights.helpers import FaultyPublisher
 
             self.pub = FaultyPublisher(fault, context=self.ctx, **kw)
         else:

@@ -13,7 +13,7 @@ import pytest
 
 from fastio.ipc_msgs import IpcAck, IpcReady
 from tests.transport.conftest import wait_for
-from tests.transport.weights_helpers import (
+from tests.transport.weights.helpers import (
     FaultyPublisher,
     corrupting_bucket_1,
     equal,

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from tests.transport.conftest import wait_for
-from tests.transport.weights_helpers import (
+from tests.transport.weights.helpers import (
     BUCKET,
     FaultyPublisher,
     digest_of,

@@ -16,7 +16,7 @@ import torch
 import zmq
 
 from tests.transport.conftest import wait_for
-from tests.transport.weights_helpers import bits, make_lm, zeroed
+from tests.transport.weights.helpers import bits, make_lm, zeroed
 from transport.weights import WeightPublisher, WeightSubscriber
 from transport.weights.disk import load_weights, save_weights
 
@@ -280,7 +280,7 @@ def test_the_plugin_takes_dtype_rename_loader_and_strict(
         rename = (
             json.dumps({k: k.removeprefix("trainer.") for k in state})
             if how == "json"
-            else "tests.transport.test_weights_engines:strip_trainer"
+            else "tests.transport.weights.drivers.test_engines:strip_trainer"
         )
         w = spawn(
             "--bind", "tcp://127.0.0.1:0", "--worker-id", "gen",
@@ -290,7 +290,7 @@ def test_the_plugin_takes_dtype_rename_loader_and_strict(
             "--plugin-opt", "weights_dtype=auto",
             "--plugin-opt", f"weights_rename={rename}",
             "--plugin-opt", "weights_strict=1",
-            "--plugin-opt", "weights_loader=tests.transport.test_weights_engines:loader_for_tinylm",
+            "--plugin-opt", "weights_loader=tests.transport.weights.drivers.test_engines:loader_for_tinylm",
         )  # fmt: skip
         pub.wait_for_workers(1, 30)
         res = pub.publish_and_wait(state, 1, timeout=30)

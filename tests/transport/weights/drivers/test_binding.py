@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.transport.weights_helpers import plan_for
+from tests.transport.weights.helpers import plan_for
 from transport.weights import BucketApplier, WeightMismatchError
 from transport.weights.binding import Binding, advertised_dtype, parse_dtype
 from transport.weights.bucket import pack_bucket, split_aliases, wire_tensor

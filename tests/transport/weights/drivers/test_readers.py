@@ -22,7 +22,7 @@ import fastio
 from fastio.weight_msgs import WeightBucket, WeightError, WeightFetch
 from tests.helpers import mp_context
 from tests.transport.conftest import wait_for
-from tests.transport.weights_helpers import make_state, zeros_like
+from tests.transport.weights.helpers import make_state, zeros_like
 from transport.weights import WeightPublisher, WeightSubscriber, serving, state_digest
 from transport.weights.routes import shm as wshm
 

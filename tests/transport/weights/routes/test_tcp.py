@@ -2,7 +2,7 @@
 plain TCP connection per worker, received straight where they go.
 
 Real sockets throughout; worker processes where the bytes cross a process boundary.
-The fault tests of ``test_weights_faults`` (trainer or worker killed mid-update,
+The fault tests of ``drivers/test_faults.py`` (trainer or worker killed mid-update,
 corrupted buckets) run over the link too, since it is on by default.
 """
 
@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from tests.transport.conftest import wait_for
-from tests.transport.weights_helpers import (
+from tests.transport.weights.helpers import (
     BUCKET,
     digest_of,
     equal,

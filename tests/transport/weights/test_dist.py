@@ -14,7 +14,7 @@ import torch
 
 from fastio import AllocationMode, GenerationHyperparameters, LLMRequest, WeightUpdateMeta
 from tests.helpers import free_port, mp_context
-from tests.transport.weights_helpers import equal, make_state, zeros_like
+from tests.transport.weights.helpers import equal, make_state, zeros_like
 from transport.weights import WeightPublisher, state_digest, update_weights
 from transport.weights.dist import WeightGroup, param_specs, trainer_rank, worker_rank, world_size
 
