@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SLOW_MODULES = {
     "tests/transport/client/test_asyncio.py": "one worker process serves every asyncio API",
     "tests/transport/test_demo.py": "runs the demo: trainer, workers and clients",
-    "tests/transport/test_eager.py": "each fixture starts worker processes (8-10 s)",
+    "tests/transport/worker/test_eager.py": "each fixture starts worker processes (8-10 s)",
     "tests/transport/weights/test_dist.py": "torch.distributed groups across processes",
     "tests/transport/weights/drivers/test_faults.py": "kills publishers/subscribers mid-update",
 }
@@ -44,7 +44,7 @@ SLOW_TESTS = {
     "tests/fastio/test_codec.py": ["test_cross_process_echo"],
     "tests/fastio/test_properties.py": ["test_round_trip_every_type"],
     "tests/transport/sockets/test_auth.py": ["test_curve_admits_authorized_keys_only"],
-    "tests/transport/test_bad_input.py": [
+    "tests/transport/worker/test_bad_input.py": [
         "test_garbage_to_worker_gets_error_replies_and_others_unaffected",
         "test_handler_error_is_reported",
     ],

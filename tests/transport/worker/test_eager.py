@@ -34,7 +34,7 @@ def _echo(req: LLMRequest) -> LLMResponse:
 
 
 def modes_engine(opts: dict[str, str]) -> Any:
-    """``--engine tests.transport.test_eager:modes_engine``: ``input_ids[0]`` picks how
+    """``--engine tests.transport.worker.test_eager:modes_engine``: ``input_ids[0]`` picks how
     the handler ends (the rest of the prompt is echoed back)."""
 
     def generate(req: LLMRequest, ctx: Any) -> Any:
@@ -65,7 +65,7 @@ def modes_engine(opts: dict[str, str]) -> Any:
 @pytest.fixture
 def worker(spawn: Callable[..., WorkerProc]) -> WorkerProc:
     w: WorkerProc = spawn(
-        "--bind", "tcp://127.0.0.1:0", "--engine", "tests.transport.test_eager:modes_engine"
+        "--bind", "tcp://127.0.0.1:0", "--engine", "tests.transport.worker.test_eager:modes_engine"
     )
     return w
 

@@ -1,6 +1,6 @@
 """The worker's latency histograms are recorded only when asked for
 (``WorkerConfig.latency_metrics``; the CLI's ``--metrics-port`` sets it, see
-test_worker_cli), request outcomes always."""
+worker/test_cli.py), request outcomes always."""
 
 from __future__ import annotations
 
