@@ -296,7 +296,7 @@ class VersionFetcher:
                     self.keepalive()
                 self.applier.finish()
             except Exception as exc:  # a copy failed half-way: the weights are mixed
-                self.core.consistent = False
+                self.core.mark_mixed()
                 self.fail(ann.version, f"applying failed, weights are mixed: {exc!r}")
                 return
             if self.loader is not None:
@@ -307,7 +307,7 @@ class VersionFetcher:
                     else:
                         self.loader(up.binding.named_tensors(parts))
                 except Exception as exc:
-                    self.core.consistent = False
+                    self.core.mark_mixed()
                     self.core.count("loader_failures")
                     why = f"the loader raised {exc!r}; the engine's weights may be mixed"
                     self.fail(ann.version, why)

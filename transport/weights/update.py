@@ -15,7 +15,6 @@ import concurrent.futures
 import contextlib
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Annotated, Any
 
@@ -174,16 +173,27 @@ class PausedWhileCopying:
         self.server = server
         self.loop = loop
         self.timeout = timeout
-        #: Called while waiting on the loop (the subscriber's Hello when one is due).
-        self.keepalive: Callable[[], None] = lambda: None
-        #: Whether the weights are mixed now (the subscriber's ``not consistent``).
-        self.mixed: Callable[[], bool] = lambda: False
+        self._sub: Any = None  # the subscriber whose copies this lock guards
         self._mine: int | None = None  # server.pause_requests right after our own pause
         self._free = asyncio.Event()  # set while no copy runs; used in the loop only
         self._free.set()
         # First: the engine's own resume hook (a server resumed in place) runs only
         # once no copy runs and the weights are whole.
         server.on_resume.insert(0, self.hold_resume)
+
+    def guard(self, sub: Any) -> None:
+        """Guard ``sub``'s copies: its weights' state decides :meth:`mixed`, and it says
+        Hello while a copy waits on the loop."""
+        self._sub = sub
+
+    def mixed(self) -> bool:
+        """The guarded subscriber's weights hold no complete version."""
+        return self._sub is not None and not self._sub.consistent
+
+    def keepalive(self) -> None:
+        """Called while waiting on the loop: the subscriber's Hello when one is due."""
+        if self._sub is not None:
+            self._sub.keepalive()
 
     async def hold_resume(self) -> None:
         """``server.on_resume``: a resume waits for a running copy, and is refused
@@ -300,8 +310,7 @@ def attach_subscriber(
         **kwargs,
     )
     # The lock is entered in the subscriber's thread, which may send on its socket.
-    lock.keepalive = sub.keepalive
-    lock.mixed = lambda: not sub.consistent
+    lock.guard(sub)
     sub.start()
     if pause_lease > 0:
         asyncio.run_coroutine_threadsafe(_pause_lease(server, sub, lock, pause_lease), loop)

@@ -31,8 +31,7 @@ class SubscriberCore:
     def __init__(self, version: int = -1, retries: int = 3) -> None:
         self.version = version
         self.retries = max(1, retries)
-        #: False while the weights hold no complete version (see :attr:`reported_version`).
-        self.consistent = True
+        self._consistent = True
         self.publisher_id = ""
         self.last_seq = 0
         self.last_heard = 0.0
@@ -44,9 +43,19 @@ class SubscriberCore:
         self.counters.add(key)
 
     @property
+    def consistent(self) -> bool:
+        """The weights hold one complete version (False from a version's first write until
+        one completes: no Ack reports it, no resume is allowed)."""
+        return self._consistent
+
+    def mark_mixed(self) -> None:
+        """A copy or a load failed part-way: the weights hold no complete version."""
+        self._consistent = False
+
+    @property
     def reported_version(self) -> int:
         """The version reported in Hellos and Acks: ``-1`` while the weights are mixed."""
-        return self.version if self.consistent else -1
+        return self.version if self._consistent else -1
 
     def notice(
         self, publisher_id: str, is_welcome: bool, now: float
@@ -84,7 +93,7 @@ class SubscriberCore:
     def consider(self, publisher_id: str, version: int, in_flight: int | None) -> tuple[bool, bool]:
         """An Announce of ``version``: ``(supersede, attempt)``, whether to abandon the
         version in flight, and whether to try this one."""
-        if (version <= self.version and self.consistent) or (
+        if (version <= self.version and self._consistent) or (
             in_flight is not None and in_flight >= version
         ):
             return False, False
@@ -101,20 +110,20 @@ class SubscriberCore:
 
     def wrote(self) -> None:
         """A version's first write: the weights hold no complete version until it ends."""
-        self.consistent = False
+        self._consistent = False
 
     def applied(self, version: int) -> None:
         """The weights are now all of ``version``."""
         self.version = version
-        self.consistent = True
+        self._consistent = True
         self._attempts = {k: n for k, n in self._attempts.items() if k[1] > version}
         self._given_up = {k for k in self._given_up if k[1] > version}
 
     def failed(self, error: str, wrote: bool) -> str:
         """A version failed (``wrote``: after its first write); the error to report."""
         if wrote:
-            self.consistent = False
-        if not self.consistent and "weights are mixed" not in error:
+            self._consistent = False
+        if not self._consistent and "weights are mixed" not in error:
             error += f"; {MIXED}"
         self.count("versions_failed")
         return error

@@ -421,7 +421,7 @@ class IpcReceiver:
             if imp.version != before:
                 self.reporter.now_at(imp.version)
             elif not imp.serving:
-                self.core.consistent = False
+                self.core.mark_mixed()
         finally:
             if locked:
                 self.lock.__exit__(None, None, None)

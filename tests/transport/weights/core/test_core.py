@@ -226,6 +226,17 @@ def test_never_a_mixed_version_reported() -> None:
     assert s.reported_version == 2 and s.consistent
 
 
+def test_a_failed_copy_or_load_marks_the_weights_mixed_until_a_version_lands() -> None:
+    s = SubscriberCore(version=3)
+    s.mark_mixed()  # the driver's copy or the engine's loader failed part-way
+    assert not s.consistent and s.reported_version == -1
+    assert s.consider("p", 3, None) == (False, True)  # the same version is wanted again
+    s.applied(3)
+    assert s.consistent and s.reported_version == 3
+    with pytest.raises(AttributeError):
+        s.consistent = True  # type: ignore[misc]  # decided by the core only
+
+
 def test_a_version_failing_before_its_first_write_keeps_the_weights() -> None:
     s = SubscriberCore(version=1)
     error = s.failed("bucket 0 failed its checksum", wrote=False)

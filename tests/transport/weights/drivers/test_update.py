@@ -225,3 +225,23 @@ def test_a_lost_ack_is_recovered_from_the_next_hello(publisher: WeightPublisher)
         assert sorted(res.applied) == ["w"] and res.ok, res
     finally:
         sub.close()
+
+
+def test_the_copy_lock_reads_mixed_weights_from_the_subscriber_it_guards() -> None:
+    from types import SimpleNamespace
+
+    from transport.errors import ResumeRefused
+    from transport.weights.update import PausedWhileCopying
+
+    server = SimpleNamespace(on_resume=[], worker_id="w")
+    lock = PausedWhileCopying(server, 1.0)
+    assert server.on_resume == [lock.hold_resume] and not lock.mixed()  # guards none yet
+    hellos: list[int] = []
+    sub = SimpleNamespace(consistent=True, keepalive=lambda: hellos.append(1))
+    lock.guard(sub)
+    lock.keepalive()
+    assert hellos == [1] and not lock.mixed()
+    sub.consistent = False
+    assert lock.mixed()
+    with pytest.raises(ResumeRefused, match="weights are mixed"):
+        asyncio.run(lock.hold_resume())
