@@ -141,7 +141,14 @@ class WeightPublisher:
         self._thread = threading.Thread(
             target=self.serving.run, name=f"weights-publisher-{self.publisher_id}", daemon=True
         )
-        self._thread.start()
+        self.start()
+
+    def start(self) -> WeightPublisher:
+        """Start serving (returns ``self``; idempotent). A publisher starts when it is
+        made: workers that connect before its first publish are answered."""
+        if self._thread.ident is None and not self.serving.closed:
+            self._thread.start()
+        return self
 
     @property
     def latest_version(self) -> int:
@@ -300,7 +307,7 @@ class WeightPublisher:
             self._probe.close()
 
     def __enter__(self) -> WeightPublisher:
-        return self
+        return self.start()
 
     def __exit__(self, *exc: object) -> None:
         self.close()

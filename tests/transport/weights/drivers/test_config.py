@@ -54,3 +54,16 @@ def test_an_empty_pub_endpoint_means_next_to_the_router(pub_endpoint: str | None
     with WeightPublisher("tcp://127.0.0.1:0", pub_endpoint=pub_endpoint) as pub:
         host, port = pub.pub_endpoint[len("tcp://") :].rsplit(":", 1)
         assert host == "127.0.0.1" and int(port) > 0 and pub.pub_endpoint != pub.endpoint
+
+
+def test_publisher_and_subscriber_share_one_lifecycle() -> None:
+    import torch
+
+    from transport.weights import WeightPublisher, WeightSubscriber
+
+    with WeightPublisher("tcp://127.0.0.1:*") as pub:
+        assert pub.start() is pub  # started when made: start() again is a no-op
+        sub = WeightSubscriber(pub.endpoint, {"w": torch.zeros(2)})
+        with sub as entered:
+            assert entered is sub and sub.start() is sub
+    assert pub.start() is pub  # closed: not started again
