@@ -14,7 +14,7 @@ from transport.options import (
     Port,
     Positive,
     Seconds,
-    parse_options,
+    configure,
 )
 from transport.sockets import DEFAULT_HWM, DEFAULT_MAX_MESSAGE_SIZE, CurveConfig
 
@@ -78,8 +78,6 @@ class ClientConfig(msgspec.Struct, forbid_unknown_fields=True):
 
 
 def client_config(config: ClientConfig | None, options: Mapping[str, Any]) -> ClientConfig:
-    """``config`` (None: the defaults) with ``options`` applied, checked (``ValueError``)."""
-    if config is not None and not isinstance(config, ClientConfig):
-        raise TypeError(f"config must be a ClientConfig, got {type(config).__name__}")
-    given = msgspec.structs.asdict(config) if config is not None else {}
-    return parse_options({**given, **options}, ClientConfig, "client option")
+    """``config`` (default: all defaults) with ``options`` (field name -> value) applied
+    and checked (:func:`transport.options.configure`); ``ValueError`` names a bad option."""
+    return configure(ClientConfig, config, options, "client option")

@@ -1,7 +1,8 @@
 """Settings of the weight publisher and subscriber, as constrained Structs.
 
 ``config=PublisherConfig(...)`` and the keyword arguments (``bucket_bytes=...``) are
-the same thing, converted once by :func:`make_config`, which names a bad key or value.
+the same thing, converted once by :func:`make_config` (:func:`transport.options.configure`,
+the one normaliser), which names a bad key or value.
 Objects (a lock, callbacks, a ZeroMQ context, CURVE keys, a loader) stay keywords.
 """
 
@@ -12,6 +13,7 @@ from typing import Annotated, Any, Literal, TypeVar
 import msgspec
 from msgspec import Meta
 
+from transport.options import Port, Positive, Seconds, configure
 from transport.weights.bucket import DEFAULT_BUCKET_BYTES, Hasher
 
 __all__ = ["PublisherConfig", "Route", "SubscriberConfig", "make_config"]
@@ -19,9 +21,6 @@ __all__ = ["PublisherConfig", "Route", "SubscriberConfig", "make_config"]
 #: How a version's bytes reach a worker: ``"ipc"`` (the trainer's memory, CUDA IPC or
 #: torch shared storage), ``"shm"`` (a shared-memory segment) or ``"tcp"``.
 Route = Literal["ipc", "shm", "tcp"]
-
-Seconds = Annotated[float, Meta(gt=0)]
-Positive = Annotated[int, Meta(ge=1)]
 
 
 class PublisherConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -48,18 +47,16 @@ class PublisherConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     #: endpoint without CURVE; the link is not encrypted).
     data_link: bool | None = None
     #: The data link's port (0: a free one, told in the Welcome).
-    data_port: Annotated[int, Meta(ge=0, le=65535)] = 0
+    data_port: Port = 0
     #: When same-host workers take the ``ipc`` route: ``"auto"`` (CUDA tensors), ``"cpu"`` (CPU
     #: tensors too) or ``"off"``.
-    ipc: str = "auto"
+    ipc: Literal["auto", "cpu", "off"] = "auto"
     #: Persistent buckets of the ``ipc`` route (2: double buffering; ``None``: all).
     ipc_slots: Positive | None = 2
     #: Seconds a publish waits for a live ``ipc`` worker to release a slot.
     ipc_timeout: Seconds = 60.0
 
     def __post_init__(self) -> None:
-        if self.ipc not in ("auto", "cpu", "off"):
-            raise ValueError(f"ipc must be one of ('auto', 'cpu', 'off'), not {self.ipc!r}")
         Hasher(self.checksum)  # names an unknown algorithm now, not at the first publish
 
 
@@ -111,19 +108,16 @@ C = TypeVar("C", PublisherConfig, SubscriberConfig)
 
 
 def make_config(cls: type[C], config: C | None, settings: dict[str, Any]) -> C:
-    """``config`` (default: ``cls()``) with ``settings`` (keyword arguments) applied;
-    ``TypeError`` names an unknown keyword, ``ValueError`` a bad value."""
-    if "path" in settings:  # the route's other keyword
+    """``config`` (default: ``cls()``) with ``settings`` (keyword arguments) applied
+    (``path`` is ``route``'s other name); an unknown keyword is a ``TypeError``, a bad
+    value a ``ValueError``, each naming it."""
+    alias = "path" in settings  # the route's other keyword
+    if alias:
         settings["route"] = settings.pop("path")
-    if settings.get("route") not in (None, "ipc", "shm", "tcp"):
-        raise ValueError(
-            f"path must be None or one of ('ipc', 'shm', 'tcp'), not {settings['route']!r}"
-        )
-    unknown = sorted(set(settings) - set(cls.__struct_fields__))
-    if unknown:
-        raise TypeError(f"{cls.__name__} has no setting {', '.join(map(repr, unknown))}")
-    base = msgspec.structs.asdict(config) if config is not None else {}
+    what = "publisher setting" if cls is PublisherConfig else "subscriber setting"
     try:
-        return msgspec.convert({**base, **settings}, cls)
-    except msgspec.ValidationError as exc:
-        raise ValueError(f"{cls.__name__}: {exc}") from None
+        return configure(cls, config, settings, what)
+    except ValueError as exc:  # named as the caller wrote it
+        if alias and f"{what} route=" in str(exc):
+            raise ValueError(str(exc).replace(" route=", " path=", 1)) from None
+        raise
