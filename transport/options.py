@@ -76,15 +76,18 @@ def parse_options(opts: Mapping[str, Any], type_: type[T], what: str, *, prefix:
     >>> parse_options({"poll": "0.5"}, Opts, "plugin option").poll
     0.5
     """
+    given = {k: v for k, v in opts.items() if k.startswith(prefix) and v != ""}
+    return _convert(given, type_, what)
+
+
+def _convert(given: Mapping[str, Any], type_: type[T], what: str) -> T:
     fields = {f.encode_name: f for f in msgspec.structs.fields(type_)}
-    given: dict[str, Any] = {}
-    for key, value in opts.items():
-        if not key.startswith(prefix) or value == "":
-            continue
-        field = fields.get(key)
-        if field is not None and isinstance(value, str) and _is_bool(field.type):
-            value = _BOOL_WORDS.get(value.strip().lower(), value)
-        given[key] = value
+    words = {
+        k: _BOOL_WORDS.get(v.strip().lower(), v)
+        for k, v in given.items()
+        if isinstance(v, str) and k in fields and _is_bool(fields[k].type)
+    }
+    given = {**given, **words}
     try:
         return msgspec.convert(given, type_, strict=False)
     except msgspec.ValidationError as exc:
@@ -114,7 +117,7 @@ def configure(type_: type[T], config: T | None, settings: Mapping[str, Any], wha
     if unknown:
         raise UnknownOption(f"unknown {what} {unknown[0]!r}; known: {', '.join(known)}")
     given = msgspec.structs.asdict(config) if config is not None else {}
-    return parse_options({**given, **settings}, type_, what)
+    return _convert({**given, **settings}, type_, what)
 
 
 def resolve_entry(spec: str, what: str) -> Any:

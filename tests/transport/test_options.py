@@ -225,3 +225,11 @@ def test_the_controller_reads_its_settings_through_one_config() -> None:
         FabricController((), timeout=-1)
     with pytest.raises(TypeError, match="unknown controller option 'timout'"):
         FabricController((), timout=5)
+
+
+def test_configure_keeps_an_empty_string_a_config_holds() -> None:
+    class Named(msgspec.Struct, kw_only=True):
+        label: str = "default"
+
+    assert configure(Named, Named(label=""), {}, "opt").label == ""  # not the default
+    assert configure(Named, None, {"label": ""}, "opt").label == ""

@@ -20,7 +20,6 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
-import msgspec
 import zmq
 
 from transport.engines.registry import ENGINES, resolve_engine
@@ -167,11 +166,11 @@ def _config(args: argparse.Namespace) -> WorkerConfig:
         )
     try:
         return checked_config(given)
-    except msgspec.ValidationError as exc:
-        m = re.fullmatch(r"(.*) - at `\$\.(\w+)`", str(exc))
+    except ValueError as exc:  # "worker option NAME=VALUE: expected ...": named by its flag
+        m = re.fullmatch(r"worker option (\w+)=.*?: (expected .*)", str(exc))
         if m is None:
             raise UserError(str(exc)) from None
-        raise UserError(f"{_flag(m[2])} {given[m[2]]}: {m[1]}") from None
+        raise UserError(f"{_flag(m[1])} {given[m[1]]}: {m[2]}") from None
 
 
 def _engine_opts(args: argparse.Namespace) -> dict[str, str]:

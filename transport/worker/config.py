@@ -7,7 +7,7 @@ from typing import Any
 
 import msgspec
 
-from transport.options import NonNegative, Positive, Seconds
+from transport.options import NonNegative, Positive, Seconds, configure
 from transport.sockets import (
     DEFAULT_HWM,
     DEFAULT_MAX_MESSAGE_SIZE,
@@ -68,9 +68,9 @@ class WorkerConfig(msgspec.Struct, forbid_unknown_fields=True):
 
 def checked_config(config: WorkerConfig | Mapping[str, Any] | None = None) -> WorkerConfig:
     """``config`` (a :class:`WorkerConfig`, or its fields by name, strings allowed)
-    checked against its constraints; ``msgspec.ValidationError`` (a ``ValueError``)
-    names a bad field as ``$.name``."""
-    if config is None:
-        return WorkerConfig()
-    given = msgspec.structs.asdict(config) if isinstance(config, WorkerConfig) else config
-    return msgspec.convert(given, WorkerConfig, strict=False)
+    checked against its constraints (:func:`transport.options.configure`): a
+    ``ValueError`` names a bad field (``worker option max_pending=0: expected an integer
+    >= 1``), a ``TypeError`` an unknown one."""
+    if isinstance(config, WorkerConfig):
+        return configure(WorkerConfig, config, {}, "worker option")
+    return configure(WorkerConfig, None, config or {}, "worker option")

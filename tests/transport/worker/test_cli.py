@@ -41,8 +41,8 @@ def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]
         (["--bind", "tcp://127.0.0.1:0", "--log-level", "loud"], 2, "--log-level"),
         # WorkerConfig's constraints, named by the flag (a worker with 0 slots would
         # accept requests and never run them).
-        (["--bind", "tcp://127.0.0.1:0", "--engine", "echo", "--max-concurrency", "0"], 2, "--max-concurrency 0: Expected `int` >= 1"),
-        (["--bind", "tcp://127.0.0.1:0", "--engine", "echo", "--client-timeout", "soon"], 2, "--client-timeout soon: Expected `float`"),
+        (["--bind", "tcp://127.0.0.1:0", "--engine", "echo", "--max-concurrency", "0"], 2, "--max-concurrency 0: expected an integer >= 1"),
+        (["--bind", "tcp://127.0.0.1:0", "--engine", "echo", "--client-timeout", "soon"], 2, "--client-timeout soon: expected a number"),
         (
             ["--bind", "tcp://127.0.0.1:0", "--engine", "echo", "--log-level", "info",
              "--plugin", "tests.transport.plugins:failing_plugin", "--plugin-opt", "x=1"],
