@@ -22,7 +22,7 @@ log = logging.getLogger("transport.areal")
 
 @dataclasses.dataclass(slots=True, eq=False)
 class _Bound:
-    """One loop's client and the async generator whose shutdown closes it."""
+    """A loop's client and the async generator whose shutdown closes it."""
 
     loop: asyncio.AbstractEventLoop
     client: FabricClient
@@ -93,15 +93,14 @@ class LoopClients:
             self._release(b)
 
     def _release(self, b: _Bound) -> None:
-        """Close ``b``'s client here and now (its loop's thread, or the loop is over)."""
+        """Close ``b``'s client here and now."""
         with self._lock:
             if self._by_loop.get(b.loop) is b:
                 del self._by_loop[b.loop]
         _drive(b.client.close(), "closing a fabric client")
 
     def _end(self, b: _Bound) -> None:
-        """Close the generator of ``b`` (whose ``finally`` closes the client): on its
-        loop if that runs in another thread, else here."""
+        """Close ``b``'s generator (so its client): on its loop if that runs elsewhere."""
         assert b.watch is not None
         loop = b.loop
         if loop.is_running() and not _runs_here(loop):
