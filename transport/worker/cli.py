@@ -34,37 +34,6 @@ __all__ = ["main"]
 PROG = "python -m transport.worker"
 #: Engines that compute nothing in the worker: torch is not imported for them.
 _NO_TORCH = frozenset(("echo", "sglang", "vllm"))
-_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
-
-
-class UserError(Exception):
-    """An error the user can fix: printed as one line, exit status ``code``."""
-
-    def __init__(self, message: str, code: int = 2) -> None:
-        super().__init__(message)
-        self.code = code
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:  # one line, not the usage block
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
-
-
-def _engine_spec(value: str) -> str:
-    if value in ENGINES or (":" in value and all(value.partition(":")[::2])):
-        return value
-    raise argparse.ArgumentTypeError(
-        f"invalid choice {value!r} (choose from {', '.join(ENGINES)}, or module:factory)"
-    )
-
-
-def _key_value(value: str) -> tuple[str, str]:
-    key, sep, val = value.partition("=")
-    if not sep or not key:
-        raise argparse.ArgumentTypeError(f"expected key=value, got {value!r}")
-    return key, val
-
-
 #: Flags that set the WorkerConfig field of the same name (checked by WorkerConfig).
 _CONFIG_FLAGS = {
     "worker_id": "name in heartbeats (default host:pid)",
@@ -84,6 +53,35 @@ _REFERENCE_FLAGS = {
 }
 
 
+class UserError(Exception):
+    """An error the user can fix: printed as one line, exit status ``code``."""
+
+    def __init__(self, message: str, code: int = 2) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:  # one line, not the usage block
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def _engine_spec(value: str) -> str:
+    if value in ENGINES or (":" in value and all(value.partition(":")[::2])):
+        return value
+    choices = ", ".join(ENGINES)
+    raise argparse.ArgumentTypeError(
+        f"invalid choice {value!r} (choose from {choices}, or module:factory)"
+    )
+
+
+def _key_value(value: str) -> tuple[str, str]:
+    key, sep, val = value.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected key=value, got {value!r}")
+    return key, val
+
+
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
@@ -94,39 +92,40 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         description="A generation worker: a ZeroMQ ROUTER serving a generate engine.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--bind", action="append", required=True, help="address to bind (repeatable)")
-    p.add_argument(
+    add = p.add_argument
+    add("--bind", action="append", required=True, help="address to bind (repeatable)")
+    add(
         "--engine", default="reference", type=_engine_spec,
         metavar="{" + ",".join(ENGINES) + ",module:factory}",
         help="the engine: the reference TinyLM, an echo, a transformers causal LM, a "
         "bridge to a running SGLang or vLLM server (--engine-opt url=http://...), or "
         "module:factory (factory(engine_opts) returns a handler or an engine)",
     )  # fmt: skip
-    p.add_argument(
+    add(
         "--model-size", default="small", choices=("tiny", "small", "medium", "large"),
         help="--engine hf: the size of the randomly initialised model",
     )  # fmt: skip
-    p.add_argument("--model-path", help="--engine hf: a local from_pretrained directory")
-    p.add_argument("--device", help="--engine hf: torch device (default: cuda when present)")
-    p.add_argument("--seed", default="0", help="weights seed of reference / hf")
+    add("--model-path", help="--engine hf: a local from_pretrained directory")
+    add("--device", help="--engine hf: torch device (default: cuda when present)")
+    add("--seed", default="0", help="weights seed of reference / hf")
     for name, (default, help) in _REFERENCE_FLAGS.items():
-        p.add_argument(_flag(name), default=default, help=help)
+        add(_flag(name), default=default, help=help)
     defaults = WorkerConfig()
     for name, help in _CONFIG_FLAGS.items():
-        p.add_argument(_flag(name), default=getattr(defaults, name), help=help)
-    p.add_argument(
+        add(_flag(name), default=getattr(defaults, name), help=help)
+    add(
         "--inline", default="auto", choices=("auto", "on", "off"),
         help="serve the socket on the engine's loop (on: only for engines that never block; "
         "auto: as the engine says, the echo does) instead of a thread of its own",
     )  # fmt: skip
-    p.add_argument(
+    add(
         "--loop", default="asyncio", choices=("asyncio", "uvloop"),
         help="event loop of the engine's loop and the socket thread (uvloop: pip install "
         "'fastio[uvloop]')",
     )  # fmt: skip
-    p.add_argument("--curve-secret", help="this worker's .key_secret certificate (enables CURVE)")
-    p.add_argument("--curve-clients", help="directory of authorized client .key certificates")
-    p.add_argument(
+    add("--curve-secret", help="this worker's .key_secret certificate (enables CURVE)")
+    add("--curve-clients", help="directory of authorized client .key certificates")
+    add(
         "--plugin", action="append", default=[],
         help="module:function(server, plugin_opts), a background job in the worker's loop",
     )  # fmt: skip
@@ -134,17 +133,14 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         ("--engine-opt", "option for the engine factory (repeatable)"),
         ("--plugin-opt", "option passed to plugins (repeatable)"),
     ):
-        p.add_argument(
-            flag, action="append", default=[], type=_key_value, metavar="KEY=VALUE", help=help
-        )
-    p.add_argument(
+        add(flag, action="append", default=[], type=_key_value, metavar="KEY=VALUE", help=help)
+    add(
         "--metrics-port", type=int, default=None,
         help="serve Prometheus /metrics on 127.0.0.1 at this port (0 picks one) and record "
         "the latency histograms; off if unset",
     )  # fmt: skip
-    p.add_argument(
-        "--log-level", default="WARNING", type=str.upper, choices=_LEVELS, help="any case"
-    )
+    levels = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+    add("--log-level", default="WARNING", type=str.upper, choices=levels, help="any case")
     args = p.parse_args(argv)
     if args.plugin_opt and not args.plugin:
         keys = ", ".join(sorted({k for k, _ in args.plugin_opt}))
@@ -173,32 +169,22 @@ def _config(args: argparse.Namespace) -> WorkerConfig:
         raise UserError(f"{_flag(m[1])} {given[m[1]]}: {m[2]}") from None
 
 
-def _engine_opts(args: argparse.Namespace) -> dict[str, str]:
-    """``--engine-opt`` values, over the legacy flags of the reference and hf engines."""
+def build_engine(args: argparse.Namespace) -> Any:
+    """The handler or engine ``--engine`` names, built with its options: ``--engine-opt``
+    over the legacy flags of the reference and hf engines."""
     opts: dict[str, str] = {}
     if args.engine == "reference":
-        opts = {name: getattr(args, name) for name in _REFERENCE_FLAGS}
-        opts["seed"] = args.seed
+        opts = {name: getattr(args, name) for name in (*_REFERENCE_FLAGS, "seed")}
     elif args.engine == "hf":
         opts = {"model_size": args.model_size, "seed": args.seed}
-        if args.model_path:
-            opts["model_path"] = args.model_path
-        if args.device:
-            opts["device"] = args.device
+        opts.update((k, v) for k in ("model_path", "device") if (v := getattr(args, k)))
     opts.update(args.engine_opt)
-    return opts
-
-
-def build_engine(args: argparse.Namespace) -> Any:
-    """The handler or engine ``--engine`` names (:mod:`transport.engines.registry`),
-    built with its options."""
-    spec = args.engine
     try:
-        return resolve_engine(spec)(_engine_opts(args))
+        return resolve_engine(args.engine)(opts)
     except ValueError as exc:
-        raise UserError(f"--engine {spec}: {exc}") from exc
+        raise UserError(f"--engine {args.engine}: {exc}") from exc
     except Exception as exc:
-        raise UserError(f"--engine {spec}: {type(exc).__name__}: {exc}") from exc
+        raise UserError(f"--engine {args.engine}: {type(exc).__name__}: {exc}") from exc
 
 
 def _plugins(args: argparse.Namespace) -> list[Background]:
@@ -219,9 +205,8 @@ def _plugins(args: argparse.Namespace) -> list[Background]:
 
 
 async def _amain(args: argparse.Namespace) -> None:
-    config = _config(args)
-    handler = build_engine(args)
-    server = WorkerServer(handler, config, background=_plugins(args))
+    config = _config(args)  # a bad flag is told before the engine loads
+    server = WorkerServer(build_engine(args), config, background=_plugins(args))
     try:
         endpoints = await server.start()
     except zmq.ZMQError as exc:
@@ -271,8 +256,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         with contextlib.suppress(ImportError):
             import torch
 
-            # One generation thread per worker process: workers share the cores.
-            torch.set_num_threads(1)
+            torch.set_num_threads(1)  # one generation thread per worker: workers share cores
     try:
         _use_loop(args.loop)
         asyncio.run(_amain(args))

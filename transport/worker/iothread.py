@@ -1,5 +1,6 @@
 """The worker's socket thread: it owns the ROUTER, answers pings, ``health`` and bad
-input itself and hands the rest to the engine's loop (one wake-up per batch each way)."""
+input itself and hands the rest to the engine's loop (one wake-up per batch each way).
+It also keeps what was lost for clients it could not reach (:class:`LostReplies`)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ import contextlib
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 import zmq
 from zmq.utils.monitor import parse_monitor_message
@@ -29,21 +30,71 @@ from fastio.protocol import MsgKind
 from transport.sockets import SocketPump, make_monitor, make_router
 from transport.worker.config import WorkerConfig
 from transport.worker.counters import Counters, log_counted
-from transport.worker.lost import LostReplies
-from transport.worker.pausing import PauseGate
+from transport.worker.requests import PauseGate
 
-__all__ = ["DROPPED", "SocketThread"]
+__all__ = ["DROPPED", "LOST_TTL_S", "LostReplies", "SocketThread"]
 
 _ACCEPTED_KINDS = {MsgKind.FABRIC_SUBMIT, MsgKind.FABRIC_CANCEL, MsgKind.FABRIC_HEARTBEAT}
 _ACCEPTED_KINDS |= {MsgKind.FABRIC_CONTROL, MsgKind.FABRIC_ERROR}
-
 #: Handed to the engine's loop for a peer the pump dropped (it stopped reading).
 DROPPED = object()
-
-#: Peers whose encoder is remembered; past it the table starts afresh (version 1 until
-#: a forgotten peer's next ping).
-_MAX_ENCODERS = 65536
+#: Peers whose encoder (or refusal) is remembered; past it the table starts afresh.
+_MAX_PEERS = 65536
 _V1 = versions.VERSION_1
+#: Seconds a worker remembers the submissions it gave up for a client that stays away.
+LOST_TTL_S = 3600.0
+
+
+class LostReplies:
+    """What a worker gave up for a client it could not reach, reported as ``Error(LOST)``
+    when it pings again (PROTOCOL.md's "Behaviour of a worker"); from two threads."""
+
+    def __init__(self, ttl: float = LOST_TTL_S) -> None:
+        self.ttl = ttl
+        self._lock = threading.Lock()
+        # peer -> (since when, lost submission ids, undelivered Error replies)
+        self._table: dict[bytes, tuple[float, list[int], list[list[Any]]]] = {}
+        #: Ids and replies recorded since the start (the worker's ``lost`` counter).
+        self.count = 0
+
+    def __contains__(self, peer: object) -> bool:
+        return peer in self._table
+
+    def note(self, peer: bytes, ids: Sequence[int], replies: Sequence[list[Any]] = ()) -> None:
+        """Record ``ids`` given up and ``replies`` undelivered for ``peer``."""
+        if ids or replies:
+            with self._lock:
+                self.count += len(ids) + len(replies)
+                entry = self._table.setdefault(peer, (time.monotonic(), [], []))
+                entry[1].extend(ids)
+                entry[2].extend(replies)
+
+    def note_undeliverable(self, frames: list[Any]) -> bytes:
+        """Record what an undeliverable ``[peer, *body]`` carried: its Results' ids (to
+        be generated again) and copies of its Errors; returns the peer."""
+        peer = bytes(frames[0])
+        lost, replies = [], []
+        for msg in fm.split(frames[1:]):
+            _, kind, first = fm.peek(msg)
+            if first is not None and first >= 0 and kind == MsgKind.FABRIC_RESULT:
+                lost.append(first)
+            elif first is not None and first >= 0 and kind == MsgKind.FABRIC_ERROR:
+                replies.append([bytes(f) for f in msg])  # the encoder's buffers are not ours
+        self.note(peer, lost, replies)
+        return peer
+
+    def pop(self, peer: bytes) -> tuple[list[int], list[list[Any]]]:
+        """Take what was recorded for ``peer`` (to report it)."""
+        with self._lock:
+            _, ids, replies = self._table.pop(peer, (0.0, [], []))
+        return ids, replies
+
+    def expire(self) -> None:
+        """Forget peers recorded more than ``ttl`` seconds ago (not coming back)."""
+        old = time.monotonic() - self.ttl
+        with self._lock:
+            for peer in [p for p, entry in self._table.items() if entry[0] < old]:
+                del self._table[peer]
 
 
 class _Handoff:
@@ -63,65 +114,52 @@ class _Handoff:
                 self.loop.call_soon_threadsafe(self.take)
 
     def take(self) -> None:
-        # Cleared before taking: an item put after this schedules another take.
-        self._scheduled = False
+        self._scheduled = False  # first: an item put from now on schedules another take
         if self.items:
             self._take(self.items)
 
 
+class _Server(Protocol):
+    """What the socket thread reads of its :class:`~transport.WorkerServer`."""
+
+    config: WorkerConfig
+    counters: Counters
+    gate: PauseGate
+    worker_id: str
+    incarnation: str
+    _held: dict[tuple[bytes, int], Any]
+
+    def status(self) -> fm.WorkerStatus: ...
+    def _version(self) -> int: ...
+    def _engine_waiting(self) -> int: ...
+    def _dispatch(self, peer: bytes, msg: Any) -> None: ...
+
+
 class SocketThread:
-    """The ROUTER of one :class:`~transport.WorkerServer`, served from its own thread.
+    """The ROUTER of one :class:`~transport.WorkerServer`, served from its own thread
+    (``threaded=False``: on the engine's loop, ``WorkerConfig.inline``). It counts in
+    ``server.counters.io`` and hands Submits, Cancels, Controls and :data:`DROPPED` to
+    ``server._dispatch(peer, msg)`` on the engine's loop."""
 
-    It counts in ``counters.io`` and reads ``lost``, ``gate`` and ``held`` (the held
-    requests by ``(peer, id)``); pongs and health replies report ``worker_id``,
-    ``incarnation``, ``version()``, ``engine_waiting()`` and ``status()``.
-    ``dispatch(peer, msg)`` runs on the engine's loop for a Submit, Cancel, Control or
-    :data:`DROPPED`. ``threaded=False``: served on the engine's loop (``inline``).
-    """
-
-    def __init__(
-        self,
-        config: WorkerConfig,
-        counters: Counters,
-        lost: LostReplies,
-        gate: PauseGate,
-        held: Mapping[tuple[bytes, int], object],
-        *,
-        worker_id: str,
-        incarnation: str,
-        version: Callable[[], int],
-        engine_waiting: Callable[[], int],
-        status: Callable[[], fm.WorkerStatus],
-        dispatch: Callable[[bytes, Any], None],
-        threaded: bool = True,
-    ) -> None:
-        self.config = config
-        self.counts = counters.io
-        self.lost = lost
-        self.gate = gate
-        self.held = held
-        self.worker_id = worker_id
-        self.incarnation = incarnation
-        self._version = version
-        self._engine_waiting = engine_waiting
-        self._status = status
-        self._dispatch = dispatch
+    def __init__(self, server: _Server, threaded: bool = True) -> None:
+        self.server = server
+        self.config = server.config
+        self.counts = server.counters.io
+        self.held = server._held  # the held requests by (peer, id)
         self.threaded = threaded
+        self.lost = LostReplies()
         self.endpoints: list[str] = []
         #: Last time each peer was heard from (written here; the engine's loop sweeps it).
         self.peers: dict[bytes, float] = {}
         #: The encoder each peer reads (from its pings; version 1 before).
         self.encoders: dict[bytes, Encoder] = {}
-        #: Peers refused for their versions, with the reason they were sent (once).
-        self._refused: dict[bytes, str] = {}
-        self._dec = Decoder(fm.CLIENT_TO_WORKER, max_message_size=config.max_message_size)
-        # (arrival time, peer, message) for the engine's loop; Submits in and taken have
+        self._refused: dict[bytes, str] = {}  # peers refused for their versions, and why
+        self._dec = Decoder(fm.CLIENT_TO_WORKER, max_message_size=self.config.max_message_size)
+        # (arrival time, peer, message) for the engine's loop; the two Submit counts have
         # one writer each.
         self._inbox = _Handoff(self._take_inbox)
-        self._submits_in = 0
-        self._submits_taken = 0
-        # Held requests whose Cancel is on its way to the engine's loop.
-        self._doomed: set[tuple[bytes, int]] = set()
+        self._submits_in = self._submits_taken = 0
+        self._doomed: set[tuple[bytes, int]] = set()  # held, their Cancel on its way
         self._outbox = _Handoff(self._send_out)
         self._post: Callable[[list[Any]], None] = self._outbox.put
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -130,18 +168,18 @@ class SocketThread:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
 
-    async def start(self, zmq_context: zmq.Context[Any]) -> list[str]:
+    async def start(self, zctx: zmq.Context[Any]) -> list[str]:
         """Bind and serve; returns the bound endpoints (or raises what binding raised)."""
         self._inbox.loop = asyncio.get_running_loop()
         if not self.threaded:
             self._loop = self._inbox.loop
-            await self._setup(zmq_context)
+            await self._setup(zctx)
             assert self._pump is not None
             self._post = self._pump.send
             return self.endpoints
         ready = threading.Event()
         self._thread = threading.Thread(
-            target=self._run, args=(zmq_context, ready), name="fastio-worker-io", daemon=True
+            target=self._run, args=(zctx, ready), name="fastio-worker-io", daemon=True
         )
         self._thread.start()
         ready.wait()
@@ -150,11 +188,11 @@ class SocketThread:
             raise self._error
         return self.endpoints
 
-    def _run(self, zmq_context: zmq.Context[Any], ready: threading.Event) -> None:
+    def _run(self, zctx: zmq.Context[Any], ready: threading.Event) -> None:
         loop = self._loop = self._outbox.loop = asyncio.new_event_loop()
         try:
             try:
-                loop.run_until_complete(self._setup(zmq_context))
+                loop.run_until_complete(self._setup(zctx))
             except BaseException as exc:
                 self._error = exc
                 return
@@ -164,21 +202,16 @@ class SocketThread:
         finally:
             loop.close()
 
-    async def _setup(self, zmq_context: zmq.Context[Any]) -> None:
+    async def _setup(self, zctx: zmq.Context[Any]) -> None:
         cfg = self.config
         sock, self.endpoints = make_router(
-            zmq_context, cfg.bind, hwm=cfg.hwm, max_message_size=cfg.max_message_size,
-            curve=cfg.curve,
-        )  # fmt: skip
-        self._pump = SocketPump(
-            sock,
-            self._on_message,
-            on_undeliverable=self._on_undeliverable,
-            on_drop=self._on_drop,
-            peer_queue_limit=cfg.peer_queue_limit,
-            router=True,
-            batch_frames=True,
+            zctx, cfg.bind, hwm=cfg.hwm, max_message_size=cfg.max_message_size, curve=cfg.curve
         )
+        self._pump = SocketPump(
+            sock, self._on_message, on_undeliverable=self._on_undeliverable,
+            on_drop=self._on_drop, peer_queue_limit=cfg.peer_queue_limit, router=True,
+            batch_frames=True,
+        )  # fmt: skip
         if cfg.curve is not None:
             # A peer without CURVE, or with another server key, fails the handshake
             # before any authenticator sees it: only a socket monitor can tell.
@@ -201,10 +234,9 @@ class SocketThread:
 
     def _stop(self) -> None:
         self._outbox.take()
-        if self._monitor is not None:
-            self._monitor.close()
-        if self._pump is not None:
-            self._pump.close()
+        for pump in (self._monitor, self._pump):
+            if pump is not None:
+                pump.close()
         if self.threaded and self._loop is not None:
             self._loop.stop()
 
@@ -226,12 +258,10 @@ class SocketThread:
         return self._pump.discarded if self._pump is not None else 0
 
     def _doomed_held(self) -> int:
-        """Held requests whose Cancel is on its way: about to go, so not load."""
-        if not self._doomed:
-            return 0
-        held = self.held
-        self._doomed = doomed = {k for k in self._doomed if k in held}
-        return len(doomed)
+        # Held requests whose Cancel is on its way: about to go, so not load.
+        if self._doomed:
+            self._doomed = {k for k in self._doomed if k in self.held}
+        return len(self._doomed)
 
     def send(self, peer: bytes, msg: Any) -> None:
         """Encode ``msg`` in the version ``peer`` reads and send it (engine's loop)."""
@@ -240,7 +270,7 @@ class SocketThread:
         self._post(frames)
 
     def _take_inbox(self, inbox: deque[tuple[float, bytes, Any]]) -> None:
-        dispatch = self._dispatch
+        dispatch = self.server._dispatch
         while inbox:
             _, peer, msg = inbox.popleft()
             if type(msg) is fm.Submit:
@@ -250,7 +280,7 @@ class SocketThread:
     def _send_out(self, out: deque[list[Any]]) -> None:
         if self._pump is not None:
             msgs = []
-            while out:
+            while out:  # popped one by one: the engine's loop appends meanwhile
                 msgs.append(out.popleft())
             self._pump.send_many(msgs)
 
@@ -260,7 +290,7 @@ class SocketThread:
 
     def _to_engine(self, peer: bytes, msg: Any) -> None:
         if not self.threaded:
-            self._dispatch(peer, msg)
+            self.server._dispatch(peer, msg)
             return
         if type(msg) is fm.Submit:
             self._submits_in += 1
@@ -269,11 +299,8 @@ class SocketThread:
     def _on_message(self, frames: list[zmq.Frame]) -> None:
         peer = frames[0].bytes
         self.peers[peer] = time.monotonic()
-        if len(frames) > 1:
-            for body in fm.split(frames[1:]):
-                self._on_one(peer, body)
-        else:
-            self._on_one(peer, [])
+        for body in fm.split(frames[1:]) if len(frames) > 1 else [[]]:
+            self._on_one(peer, body)
 
     def _on_one(self, peer: bytes, body: list[zmq.Frame]) -> None:
         if not body:
@@ -281,26 +308,23 @@ class SocketThread:
             return
         try:
             msg = self._dec.decode(body)
-        except MessageTooLarge as exc:
-            _, _, first = fm.peek(body)
-            self._bad(peer, first if first is not None else -1, fm.ErrorCode.TOO_LARGE, str(exc))
-            return
         except DecodeError as exc:
             self._bad_decode(peer, body, exc)
             return
         tp = type(msg)
+        counts = self.counts.counts
         if tp is fm.Submit:
             self._to_engine(peer, msg)
         elif tp is fm.Heartbeat:
             self._pong(peer, msg)
         elif tp is fm.Control and msg.op == "health":  # as live as a pong
-            self.counts.counts["control"] += 1
-            self._send(peer, fm.ControlReply(seq=msg.seq, ok=True, status=self._status()))
+            counts["control"] += 1
+            self._send(peer, fm.ControlReply(seq=msg.seq, ok=True, status=self.server.status()))
         elif tp is fm.Error:
-            self.counts.counts["error_replies_received"] += 1
+            counts["error_replies_received"] += 1
             log_counted(
-                self.counts.counts["error_replies_received"],
-                "client %r reports error %s on id %s: %s", peer, msg.code, msg.id, msg.message,
+                counts["error_replies_received"], "client %r reports error %s on id %s: %s",
+                peer, msg.code, msg.id, msg.message,
             )  # fmt: skip
         else:  # a Cancel, or a Control op that is the engine's
             if tp is fm.Cancel and (peer, msg.id) in self.held:
@@ -315,18 +339,16 @@ class SocketThread:
         except IncompatiblePeer as exc:
             self._refuse(peer, str(exc))
             return
-        encoders = self.encoders
-        if encoders.get(peer) is not enc:
-            if len(encoders) >= _MAX_ENCODERS:
-                encoders.clear()
-            encoders[peer] = enc
+        if self.encoders.get(peer) is not enc:
+            if len(self.encoders) >= _MAX_PEERS:
+                self.encoders.clear()
+            self.encoders[peer] = enc
         if peer in self.lost:
             self._report_lost(peer)
         # What a new request would wait behind: Submits held or queued, less those a
         # Cancel on its way will end (off the waiting ones first).
-        running = self.gate.running
-        held = len(self.held)
-        doomed = self._doomed_held()
+        server, gate = self.server, self.server.gate
+        running, held, doomed = gate.running, len(self.held), self._doomed_held()
         if doomed:
             running = max(0, running - max(0, doomed - max(0, held - running)))
             held = max(0, held - doomed)
@@ -334,30 +356,25 @@ class SocketThread:
         self._send(
             peer,
             fm.Heartbeat(
-                sent_at=msg.sent_at,
-                worker_id=self.worker_id,
-                incarnation=self.incarnation,
-                in_flight=held + queued,
-                paused=self.gate.paused,
-                version=self._version(),
+                sent_at=msg.sent_at, worker_id=server.worker_id, incarnation=server.incarnation,
+                in_flight=held + queued, paused=gate.paused, version=server._version(),
                 running=running,
-                waiting=max(0, held - running) + queued + self._engine_waiting(),
-                engine_lag=self.engine_lag(),
-                **versions.STATED,
+                waiting=max(0, held - running) + queued + server._engine_waiting(),
+                engine_lag=self.engine_lag(), **versions.STATED,
             ),
-        )
+        )  # fmt: skip
 
     def _refuse(self, peer: bytes, why: str) -> None:
-        """A peer stating versions this worker cannot serve: one Error naming both
-        sides' versions (at version 1) and no pong, so it never uses this worker."""
+        # Versions this worker cannot serve: one Error naming both sides' versions (at
+        # version 1) and no pong, so that the peer never uses this worker.
         if self._refused.get(peer) == why:
             return
-        if len(self._refused) >= _MAX_ENCODERS:
+        if len(self._refused) >= _MAX_PEERS:
             self._refused.clear()
         self._refused[peer] = why
         counts = self.counts.counts
         counts["incompatible_peers"] += 1
-        text = f"worker {self.worker_id} cannot serve this client: {why}"
+        text = f"worker {self.server.worker_id} cannot serve this client: {why}"
         log_counted(counts["incompatible_peers"], "client %r refused: %s", peer, text)
         self.encoders.pop(peer, None)
         self._send_error(peer, -1, fm.ErrorCode.UNSUPPORTED_VERSION, text)
@@ -367,9 +384,8 @@ class SocketThread:
         ids, replies = self.lost.pop(peer)
         # Undeliverable again (the peer left at once): noted again by _on_undeliverable.
         for id in ids:
-            self._send_error(
-                peer, id, fm.ErrorCode.LOST, "the worker gave up this submission; re-send it"
-            )
+            text = "the worker gave up this submission; re-send it"
+            self._send_error(peer, id, fm.ErrorCode.LOST, text)
         for reply in replies:
             self._pump.send([peer, *reply])
 
@@ -384,21 +400,21 @@ class SocketThread:
 
     def _bad_decode(self, peer: bytes, body: list[Any], exc: DecodeError) -> None:
         _, kind, first = fm.peek(body)
-        if isinstance(exc, UnsupportedVersion):
-            self._bad(peer, -1, fm.ErrorCode.UNSUPPORTED_VERSION, str(exc))
+        submit = kind == MsgKind.FABRIC_SUBMIT and first is not None
+        code, id, text = fm.ErrorCode.BAD_MESSAGE, -1, str(exc)
+        if isinstance(exc, MessageTooLarge):
+            code, id = fm.ErrorCode.TOO_LARGE, first if first is not None else -1
+        elif isinstance(exc, UnsupportedVersion):
+            code = fm.ErrorCode.UNSUPPORTED_VERSION
         elif isinstance(exc, FrameError):
-            # Not a fastio message (header, frame count): BAD_MESSAGE, attributed to
-            # the Submit when its id can be read, so that its caller hears of it.
-            id = first if kind == MsgKind.FABRIC_SUBMIT and first is not None else -1
-            self._bad(peer, id, fm.ErrorCode.BAD_MESSAGE, str(exc))
-        elif kind == MsgKind.FABRIC_SUBMIT and first is not None:
-            self._bad(peer, first, fm.ErrorCode.BAD_REQUEST, f"invalid Submit: {exc}")
+            # Not a fastio message (header, frame count): attributed to the Submit when
+            # its id can be read, so that its caller hears of it.
+            id = first if submit and first is not None else -1
+        elif submit and first is not None:
+            code, id, text = fm.ErrorCode.BAD_REQUEST, first, f"invalid Submit: {exc}"
         elif kind is not None and kind not in _ACCEPTED_KINDS:
-            self._bad(
-                peer, -1, fm.ErrorCode.UNKNOWN_KIND, f"message kind {kind} not accepted by a worker"
-            )
-        else:
-            self._bad(peer, -1, fm.ErrorCode.BAD_MESSAGE, str(exc))
+            code, text = fm.ErrorCode.UNKNOWN_KIND, f"message kind {kind} not accepted by a worker"
+        self._bad(peer, id, code, text)
 
     def _on_undeliverable(self, frames: list[Any]) -> None:
         # Its requests keep running; what is lost is reported when it is heard again.
@@ -415,9 +431,6 @@ class SocketThread:
         event = parse_monitor_message([f.bytes for f in frames])
         counts = self.counts.counts
         counts["handshake_failed"] += 1
-        log_counted(
-            counts["handshake_failed"],
-            "refused a peer at the CURVE handshake (%s on %s)",
-            zmq.Event(event["event"]).name,
-            event["endpoint"],
-        )
+        name = zmq.Event(event["event"]).name
+        text = "refused a peer at the CURVE handshake (%s on %s)"
+        log_counted(counts["handshake_failed"], text, name, event["endpoint"])

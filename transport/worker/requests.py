@@ -1,8 +1,10 @@
-"""The requests a worker holds: admitted, run in a slot, answered once (engine's loop)."""
+"""The requests a worker holds (admitted, run in a slot of the :class:`PauseGate`,
+answered once) and the gate itself; all on the engine's loop."""
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import functools
 import logging
@@ -12,7 +14,7 @@ from typing import Any
 
 from fastio import LLMRequest, LLMResponse
 from fastio import fabric_msgs as fm
-from transport.errors import EMPTY_PROMPT
+from transport.errors import EMPTY_PROMPT, ResumeRefused
 from transport.worker.config import WorkerConfig
 from transport.worker.context import (
     InvalidHandlerOutput,
@@ -23,13 +25,99 @@ from transport.worker.context import (
     token_problem,
 )
 from transport.worker.counters import Shard, log_counted
-from transport.worker.pausing import PauseGate
 
-__all__ = ["Held", "Requests"]
+__all__ = ["Held", "PauseGate", "Requests", "ResumeRefused"]
 
 log = logging.getLogger("transport.worker")
 
-_INF = float("inf")
+
+class PauseGate:
+    """At most ``max_running`` handlers run at once, none starts while paused; pauses
+    are counted in ``counts``. The socket thread only reads :attr:`paused` and
+    :attr:`running`."""
+
+    def __init__(self, max_running: int, counts: Shard) -> None:
+        self.max_running = max_running
+        self.paused = False
+        self.running = 0  # handlers running now
+        #: Calls of :meth:`pause`: an in-process pauser sees whether another followed.
+        self.pause_requests = 0
+        self.on_pause: list[Callable[[], Any]] = []
+        self.on_resume: list[Callable[[], Any]] = []
+        #: Whether the engine froze its running generations in place when paused (they
+        #: go on after the resume, as vLLM's ``pause?mode=keep``): a pause then
+        #: completes without waiting for them.
+        self.keeps_in_place: Callable[[], bool] = lambda: False
+        self._counts = counts
+        self._waiting: collections.deque[asyncio.Future[None]] = collections.deque()
+        self._idle: list[asyncio.Future[None]] = []  # pause() calls waiting for running == 0
+
+    def try_enter(self) -> bool:
+        """Take a slot if one is free and the worker is not paused."""
+        if self.paused or self.running >= self.max_running:
+            return False
+        self.running += 1
+        return True
+
+    async def enter(self) -> None:
+        """Take a slot once one is free and the worker is not paused."""
+        while self.paused or self.running >= self.max_running:  # woken: look again
+            gate: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            self._waiting.append(gate)
+            await gate
+        self.running += 1
+
+    def leave(self) -> None:
+        """Free a slot."""
+        self.running -= 1
+        if self.running == 0 and self._idle:
+            idle, self._idle = self._idle, []
+            for fut in idle:
+                if not fut.done():
+                    fut.set_result(None)
+        if self._waiting:
+            self._wake(1)
+
+    def _wake(self, n: int) -> None:
+        while n > 0 and self._waiting:
+            fut = self._waiting.popleft()
+            if not fut.done():  # not a request cancelled while it waited
+                fut.set_result(None)
+                n -= 1
+
+    async def pause(self, timeout: float = 30.0) -> bool:
+        """Stop generation: new requests wait, running ones are interrupted (or frozen,
+        see :attr:`keeps_in_place`). Returns True once no handler runs (or all are
+        frozen), False if some still run after ``timeout`` s."""
+        self.pause_requests += 1
+        if not self.paused:
+            self._counts.counts["pauses"] += 1
+            self.paused = True
+            for cb in self.on_pause:
+                await _maybe_await(cb())
+        if self.running == 0 or self.keeps_in_place():
+            return True
+        idle: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._idle.append(idle)
+        try:
+            await asyncio.wait_for(idle, timeout)
+        except TimeoutError:
+            return self.running == 0
+        return True
+
+    async def resume(self) -> None:
+        """Let generation continue (waiting requests start). :class:`ResumeRefused`
+        (from an ``on_resume`` callback) when the worker must stay paused."""
+        if self.paused:
+            for cb in self.on_resume:
+                await _maybe_await(cb())
+            self.paused = False
+            self._wake(len(self._waiting))
+
+
+async def _maybe_await(x: Any) -> None:
+    if asyncio.iscoroutine(x) or isinstance(x, asyncio.Future):
+        await x
 
 
 class Held:
@@ -47,12 +135,9 @@ class Held:
 
 
 class Requests:
-    """The submissions of one worker, held in ``held`` by ``(peer, id)`` until answered.
-
-    Each runs ``handler`` in a slot of ``gate`` and is answered through ``send(peer,
-    msg)``; counted in ``counts``. Their contexts read the weight ``version()``;
-    ``engine`` (or None) is read for its ``vocab_size``.
-    """
+    """The submissions of one worker, held in ``held`` by ``(peer, id)`` until answered:
+    each runs ``handler`` in a slot of ``gate``, is answered through ``send(peer, msg)``
+    and counted in ``counts``. ``engine`` (or None) is read for its ``vocab_size``."""
 
     def __init__(
         self,
@@ -72,8 +157,7 @@ class Requests:
         self.counts = counts
         self.gate = gate
         self._send = send
-        self.version = version
-        #: Record the latency histograms.
+        self.version = version  # read by the contexts
         self.latency_metrics = config.latency_metrics
         self._flushing: list[RequestContext] = []  # contexts with tokens to stream
 
@@ -110,53 +194,54 @@ class Requests:
 
     def forget(self, peer: bytes) -> list[int]:
         """Cancel ``peer``'s requests (no answer); returns their ids."""
-        ids = []
-        for (p, id), req in list(self.held.items()):
-            if p == peer:
-                if req.task is not None:
-                    req.task.cancel()
-                ids.append(id)
+        ids = [id for p, id in self.held if p == peer]
+        for id in ids:
+            self.cancel(peer, id)
         return ids
 
     def _send_error(self, peer: bytes, id: int, code: fm.ErrorCode, text: str) -> None:
         self.counts.errors[code.name] += 1
         self._send(peer, fm.Error(id=id, code=int(code), message=text))
 
-    def _bad(self, peer: bytes, id: int, text: str) -> None:
-        log_counted(self.counts.bad(), "bad message from %r: %s", peer, text)
-        self._send_error(peer, id, fm.ErrorCode.BAD_REQUEST, text)
+    def _refuse(self, peer: bytes, sub: fm.Submit, code: fm.ErrorCode, text: str) -> None:
+        counts = self.counts
+        if code == fm.ErrorCode.BAD_REQUEST:
+            log_counted(counts.bad(), "bad message from %r: %s", peer, text)
+        elif code == fm.ErrorCode.OVERLOADED:
+            counts.counts["overloaded"] += 1
+            counts.outcomes["rejected"] += 1
+        else:  # answered as the engine's own refusal would be
+            counts.counts["errors"] += 1
+            counts.outcomes["error"] += 1
+            log.warning("request %s refused by the engine: %s", sub.request.rid, text)
+        self._send_error(peer, sub.id, code, text)
 
     def submit(self, peer: bytes, sub: fm.Submit) -> None:
         """Admit ``sub`` (or refuse it with an Error) and start it."""
-        counts = self.counts
-        counts.counts["received"] += 1
+        self.counts.counts["received"] += 1
         key = (peer, sub.id)
         if key in self.held:  # a re-send of one in flight: its one answer answers both
-            counts.counts["duplicates"] += 1
+            self.counts.counts["duplicates"] += 1
             return
         if sub.id < 0:
-            self._bad(peer, sub.id, f"Submit.id must be >= 0, got {sub.id}")
+            self._refuse(
+                peer, sub, fm.ErrorCode.BAD_REQUEST, f"Submit.id must be >= 0, got {sub.id}"
+            )
             return
         if not len(sub.request.input_ids):
-            self._bad(peer, sub.id, EMPTY_PROMPT)
+            self._refuse(peer, sub, fm.ErrorCode.BAD_REQUEST, EMPTY_PROMPT)
             return
         vocab = getattr(self.engine, "vocab_size", None)  # an id past it may kill the engine
         if isinstance(vocab, int) and vocab > 0 and type(vocab) is not bool:
             problem = token_problem(sub.request, vocab)
-            if problem is not None:  # answered as the engine's own refusal would be
-                counts.counts["errors"] += 1
-                counts.outcomes["error"] += 1
-                log.warning("request %s refused by the engine: %s", sub.request.rid, problem)
-                self._send_error(peer, sub.id, fm.ErrorCode.HANDLER_ERROR, problem)
+            if problem is not None:
+                self._refuse(peer, sub, fm.ErrorCode.HANDLER_ERROR, problem)
                 return
         if len(self.held) >= self.config.max_pending:
-            counts.counts["overloaded"] += 1
-            counts.outcomes["rejected"] += 1
-            text = "worker holds too many requests"
-            self._send_error(peer, sub.id, fm.ErrorCode.OVERLOADED, text)
+            self._refuse(peer, sub, fm.ErrorCode.OVERLOADED, "worker holds too many requests")
             return
         timeout = sub.timeout
-        deadline = time.monotonic() + timeout if timeout > 0 else _INF
+        deadline = time.monotonic() + timeout if timeout > 0 else float("inf")
         ctx = RequestContext(self, peer, sub.id, sub.stream, deadline)
         started = None
         if self.config.eager_start and timeout <= 0 and self.gate.try_enter():
@@ -171,15 +256,14 @@ class Requests:
         self.held[key] = req
 
     async def _run(self, req: Held) -> None:
-        """One request in a task (its handler already running after an eager start)."""
+        # One request in a task (its handler already running after an eager start).
         req.ran = True
         resp: LLMResponse | None = None
         err: BaseException | None = None
-        started = req.started
-        running = started is not None
+        running = req.started is not None
         try:
-            if started is not None:
-                resp = await started
+            if req.started is not None:
+                resp = await req.started
             else:
                 await self.gate.enter()
                 running = True
@@ -216,8 +300,7 @@ class Requests:
         self, ctx: RequestContext, sub: fm.Submit, resp: LLMResponse | None,
         err: BaseException | None, aborted: bool = False,
     ) -> None:  # fmt: skip
-        """A handler holding a slot returned ``resp`` or raised ``err`` (``aborted``: its
-        task was cancelled by an abort): reply, free the slot."""
+        # A handler holding a slot returned ``resp`` or raised ``err``: reply, free the slot.
         peer, id = ctx.peer, ctx.id
         counts = self.counts
         try:
@@ -226,24 +309,7 @@ class Requests:
                 problem = output_problem(resp)
                 if problem is None:
                     assert resp is not None
-                    stream = ctx.take_stream()  # tokens not sent yet go before the Result
-                    if stream is not None:
-                        self._send(peer, stream)
-                    # Counted before it leaves: a health check after the answers sees it.
-                    n = len(resp.output_tokens)
-                    counts.result(resp.stop_reason, len(sub.request.input_ids), n)
-                    self._send(
-                        peer,
-                        fm.Result(
-                            id=id,
-                            output_tokens=resp.output_tokens,
-                            output_logprobs=resp.output_logprobs,
-                            output_versions=resp.output_versions,
-                            stop_reason=resp.stop_reason,
-                        ),
-                    )
-                    if self.latency_metrics:
-                        ctx.finished(n)
+                    self._result(ctx, sub, resp)
                     return
                 err = InvalidHandlerOutput(problem)
             if isinstance(err, asyncio.CancelledError):
@@ -255,12 +321,12 @@ class Requests:
                 text = f"worker time limit {sub.timeout} s passed"
                 self._send_error(peer, id, fm.ErrorCode.TIMEOUT, text)
                 return
+            why = f"{type(err).__name__}: {err}"
             if isinstance(err, ValueError):  # the engine refused the input: no traceback
-                why = f"{type(err).__name__}: {err}"
                 log.warning("request %s refused by the engine: %s", sub.request.rid, why)
             else:
                 log.error("handler failed on request %s", sub.request.rid, exc_info=err)
-            self._send_error(peer, id, fm.ErrorCode.HANDLER_ERROR, f"{type(err).__name__}: {err}")
+            self._send_error(peer, id, fm.ErrorCode.HANDLER_ERROR, why)
         except Exception:  # a reply that cannot be built must not leak the slot
             counts.counts["errors"] += 1
             log.exception("cannot send the reply to request %s", sub.request.rid)
@@ -269,6 +335,26 @@ class Requests:
         finally:
             self.held.pop((peer, id), None)
             self.gate.leave()
+
+    def _result(self, ctx: RequestContext, sub: fm.Submit, resp: LLMResponse) -> None:
+        stream = ctx.take_stream()  # tokens not sent yet go before the Result
+        if stream is not None:
+            self._send(ctx.peer, stream)
+        # Counted before it leaves: a health check after the answers sees it.
+        n = len(resp.output_tokens)
+        self.counts.result(resp.stop_reason, len(sub.request.input_ids), n)
+        self._send(
+            ctx.peer,
+            fm.Result(
+                id=ctx.id,
+                output_tokens=resp.output_tokens,
+                output_logprobs=resp.output_logprobs,
+                output_versions=resp.output_versions,
+                stop_reason=resp.stop_reason,
+            ),
+        )
+        if self.latency_metrics:
+            ctx.finished(n)
 
     def _cancelled(self, ctx: RequestContext, aborted: bool) -> None:
         counts = self.counts

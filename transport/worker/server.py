@@ -23,9 +23,7 @@ from transport.worker.config import WorkerConfig, checked_config
 from transport.worker.context import InvalidHandlerOutput, RequestContext
 from transport.worker.counters import Counters
 from transport.worker.iothread import DROPPED, SocketThread
-from transport.worker.lost import LostReplies
-from transport.worker.pausing import PauseGate
-from transport.worker.requests import Held, Requests
+from transport.worker.requests import Held, PauseGate, Requests
 
 __all__ = ["Background", "Handler", "InvalidHandlerOutput", "WorkerServer"]
 
@@ -84,22 +82,17 @@ class WorkerServer:
         self.gate.on_resume.extend(hooks.on_resume)
         if hooks.keeps_in_place is not None:
             self.gate.keeps_in_place = hooks.keeps_in_place
-        self.lost = LostReplies()
-        self.counters.read["lost"] = lambda: self.lost.count
         self._held: dict[tuple[bytes, int], Held] = {}
         inline = cfg.inline if cfg.inline is not None else bool(getattr(self.handler, "inline", 0))
-        self.io = SocketThread(
-            cfg, self.counters, self.lost, self.gate, self._held,
-            worker_id=self.worker_id, incarnation=self.incarnation,
-            version=self._version, engine_waiting=self._engine_waiting,
-            status=self.status, dispatch=self._dispatch, threaded=not inline,
-        )  # fmt: skip
+        self.io = SocketThread(self, threaded=not inline)
+        self.lost = self.io.lost
+        self.counters.read["lost"] = lambda: self.lost.count
         self.counters.read["discarded"] = self.io.discarded
         self.requests = Requests(
             self._held, self.handler, self.engine, cfg, self.counters.loop, self.gate,
             self.io.send, self._version,
         )  # fmt: skip
-        self._zmq_context: zmq.Context[Any] | None = None
+        self._zctx: zmq.Context[Any] | None = None
         self._auth: WorkerAuthenticator | None = None
         self._bg_tasks: list[asyncio.Task[Any]] = []
         self._aux: set[asyncio.Task[Any]] = set()
@@ -181,13 +174,13 @@ class WorkerServer:
             A background job failed as it started (the server is closed again).
         """
         cfg = self.config
-        self._zmq_context = zmq.Context()
+        self._zctx = zmq.Context()
         if cfg.curve is not None:
-            self._auth = auth = WorkerAuthenticator(self._zmq_context, cfg.curve)
+            self._auth = auth = WorkerAuthenticator(self._zctx, cfg.curve)
             self.counters.read["auth_denied"] = lambda: auth.denied
         self._closed = asyncio.Event()
         try:
-            self.endpoints = await self.io.start(self._zmq_context)
+            self.endpoints = await self.io.start(self._zctx)
         except BaseException:
             await self.close()
             raise
@@ -246,9 +239,9 @@ class WorkerServer:
         self.io.close()
         if self._auth is not None:
             self._auth.stop()
-        if self._zmq_context is not None:
-            self._zmq_context.term()
-            self._zmq_context = None
+        if self._zctx is not None:
+            self._zctx.term()
+            self._zctx = None
         if self._unexport is not None:
             self.counters.export()  # what it counted stays in the metrics
             self._unexport()

@@ -10,8 +10,7 @@ from fastio import LLMRequest, LLMResponse
 from fastio import fabric_msgs as fm
 from transport.worker.config import WorkerConfig
 from transport.worker.counters import Shard
-from transport.worker.pausing import PauseGate
-from transport.worker.requests import Held, Requests
+from transport.worker.requests import Held, PauseGate, Requests
 
 PEER = b"client"
 
