@@ -1,13 +1,10 @@
-"""Weight updates from a trainer to generation workers.
+"""Weight updates from a trainer to generation workers (``docs/weights.md``).
 
-:class:`WeightPublisher` / :class:`WeightSubscriber` publish versions (flat buckets,
-:mod:`transport.weights.bucket`) over ZeroMQ, by route ``ipc``, ``shm`` or ``tcp``;
-:func:`update_weights` pauses generation, publishes, waits and resumes;
-:mod:`transport.weights.disk` (safetensors) and :mod:`transport.weights.dist`
-(torch.distributed) are the other two ways. Layers (``docs/weights.md``): the protocol
-core without I/O (:mod:`transport.weights.core`), the routes
-(:mod:`transport.weights.routes`), the drivers (``publisher``, ``subscriber``, ``update``).
-Names are imported on first use, so that ``import transport.weights.bucket`` stays light.
+:class:`WeightPublisher` / :class:`WeightSubscriber` publish versions over ZeroMQ, by
+route ``ipc``, ``shm`` or ``tcp``; :func:`update_weights` pauses generation, publishes,
+waits and resumes; :mod:`transport.weights.disk` and :mod:`transport.weights.dist` are
+the other two ways. Names are imported on first use (``transport.weights.bucket`` stays
+light).
 """
 
 import importlib

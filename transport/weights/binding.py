@@ -1,8 +1,5 @@
 """How a version's tensors land on one worker: names, aliases and dtypes, bound before a
-byte is fetched (``docs/PROTOCOL.md``, "Names, aliases and dtypes"). Aliases (tied
-weights) are applied from the tensor they share memory with, names mapped by ``rename``,
-floating tensors cast bit-identically to ``tensor.to(dtype)``; without a declaration
-dtypes must match."""
+byte is fetched (``docs/PROTOCOL.md``, "Names, aliases and dtypes")."""
 
 from __future__ import annotations
 
@@ -57,9 +54,7 @@ def parse_dtype_spec(spec: DtypeSpec) -> DtypeSpec:
 
 
 def advertised_dtype(spec: DtypeSpec, targets: Mapping[str, torch.Tensor]) -> str:
-    """The dtype a worker tells the publisher in its Hello: the one dtype it wants for
-    every floating tensor, or ``""`` when it has no single one (the trainer then sends
-    its own dtypes and the worker casts)."""
+    """The dtype a worker's Hello asks for: its one floating dtype, else ``""``."""
     if spec is None or isinstance(spec, Mapping):
         return ""
     if isinstance(spec, str) and spec == "auto":
@@ -69,27 +64,10 @@ def advertised_dtype(spec: DtypeSpec, targets: Mapping[str, torch.Tensor]) -> st
 
 
 class Binding:
-    """One version bound to one worker; :class:`WeightMismatchError` names every problem.
-
-    Parameters
-    ----------
-    buckets, aliases:
-        The version's manifest; trainer name -> the travelling name whose bytes it shares.
-    targets:
-        Engine name -> the tensor copied into in place (may be empty with a loader).
-    rename, dtype:
-        :data:`Rename` and :data:`DtypeSpec`.
-    strict, loader:
-        Every target must be covered by the update; a loader takes the tensors (names
-        that are no target are then allowed).
-
-    Attributes
-    ----------
-    dests:
-        Travelling name -> the engine names it is applied to.
-    wanted:
-        Engine name -> the dtype it is delivered in.
-    """
+    """One version (``buckets``, ``aliases``) bound to one worker's ``targets``;
+    :class:`WeightMismatchError` names every problem. ``strict``: every target covered;
+    ``loader``: names that are no target allowed. ``dests``: travelling name -> engine
+    names; ``wanted``: engine name -> the dtype it is delivered in."""
 
     def __init__(
         self,
@@ -107,7 +85,6 @@ class Binding:
         table = rename if isinstance(rename, Mapping) else {}
         to_engine = rename if callable(rename) else (lambda n: table.get(n, n))
         problems: list[str] = []
-        #: Travelling name -> its entry and its dtype (``None``: unknown, reported).
         wire: dict[str, tuple[WeightTensor, torch.dtype | None]] = {}
         for b in buckets:
             end = 0
@@ -203,9 +180,8 @@ class Binding:
     def named_tensors(
         self, buckets: Sequence[tuple[WeightBucketInfo, Sequence[torch.Tensor]]]
     ) -> Iterator[tuple[str, torch.Tensor]]:
-        """``(engine name, tensor)`` for every tensor of the version, in the wanted
-        dtype: the argument of a loader (``model.load_weights``). Tensors in the wire
-        dtype are read-only views of the received bytes, valid during the call only."""
+        """``(engine name, tensor)`` for every tensor, in the wanted dtype (a loader's
+        argument; views valid during the call only)."""
         for info, chunks in buckets:
             for e in info.tensors:
                 dests = self.dests.get(e.name, [])

@@ -24,16 +24,16 @@ class WeightMismatchError(WeightUpdateError, ValueError):
 
 
 class UpdateIncomplete(WeightUpdateError, TimeoutError):
-    """Not every expected worker applied the version before the timeout; ``result`` is
-    the :class:`~transport.weights.results.UpdateResult` (applied, failed, missing)."""
+    """Not every expected worker applied the version before the timeout; ``result``: the
+    :class:`~transport.weights.results.UpdateResult`."""
 
     def __init__(self, message: str, result: UpdateResult) -> None:
         super().__init__(message)
         self.result = result
 
 
-# Never raised (a damaged bucket is fetched again, a retired version replaced by the
-# latest; what still fails is in ``UpdateResult.failed``): kept for imports, deprecated.
+# Deprecated, never raised (a failed version is in UpdateResult.failed): served by
+# __getattr__ with a warning.
 class ChecksumError(WeightUpdateError, ValueError):
     """Deprecated, never raised."""
 
@@ -45,19 +45,18 @@ class VersionUnavailable(WeightUpdateError):
 _DEPRECATED: dict[str, type[WeightUpdateError]] = {
     c.__name__: c for c in (ChecksumError, VersionUnavailable)
 }
-del ChecksumError, VersionUnavailable  # served by __getattr__, with a warning
+del ChecksumError, VersionUnavailable
 
 
 def deprecated(name: str, stacklevel: int = 3) -> type[WeightUpdateError]:
     """The deprecated error class ``name``, with a ``DeprecationWarning``."""
-    cls = _DEPRECATED[name]
     warnings.warn(
         f"transport.weights.{name} is deprecated and never raised: a version that fails "
         "on a worker is reported in UpdateResult.failed",
         DeprecationWarning,
         stacklevel=stacklevel,
     )
-    return cls
+    return _DEPRECATED[name]
 
 
 def __getattr__(name: str) -> Any:

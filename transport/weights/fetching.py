@@ -1,8 +1,5 @@
-"""Fetching one shm/tcp version on the worker (the subscriber's thread): bind the
-manifest to the model before a byte moves, keep ``window`` Fetches in flight (all of
-them through shared memory), hash chunks as they arrive, fetch again what fails or times
-out, then commit; with ``atomic=False`` each bucket is also copied into the model as it
-is hashed (:class:`~transport.weights.streaming.BucketStream`), under the lock."""
+"""Fetching one shm/tcp version on the worker (the subscriber's thread): bind, fetch,
+verify, fetch again what fails, commit (``docs/weights.md``)."""
 
 from __future__ import annotations
 
@@ -37,13 +34,8 @@ log = logging.getLogger("transport.weights.subscriber")
 
 class VersionFetcher:
     """Fetches, verifies and commits shm/tcp versions for a
-    :class:`~transport.weights.WeightSubscriber`, whose parts and settings it is given:
-    its protocol core, :class:`~transport.weights.reporting.Reporter` (which also
-    sends), config, ``bind`` (a manifest -> its
-    :class:`~transport.weights.binding.Binding`), and ``keepalive`` (a Hello if one is
-    due, inside a long copy). ``lock``, ``loader`` and ``on_progress``: as the
-    subscriber's.
-    """
+    :class:`~transport.weights.WeightSubscriber`; ``bind``: a manifest -> its
+    :class:`~transport.weights.binding.Binding`."""
 
     def __init__(
         self,
@@ -62,22 +54,17 @@ class VersionFetcher:
         self.reporter = reporter
         self.config = config
         self.bind = bind
-        #: Verify every bucket before the first write, or one pass.
         refuses_mixed = getattr(lock, "refuses_mixed", False)
         self.atomic = choose_atomic(config.atomic, refuses_mixed, loader is not None)
         self.lock = lock
         self.applier = BucketApplier(reporter.targets, copy_threads=config.copy_threads)
         self.loader = loader
-        # A loader with a ``version`` keyword is told which version it loads.
         self.loader_takes_version = loader is not None and _takes_version(loader)
         self.on_progress = on_progress
         self.keepalive = keepalive
-        #: The version being fetched (``None``: none).
         self.update: InFlight | None = None
-        #: Whether the publisher's shared memory is readable here (its handshake).
         self.shm_ok = False
         self._staging: np.ndarray[Any, Any] | None = None
-        #: The routes' worker sides: shm mappings, frames, the tcp data link.
         self.shm = ShmReader()
         self.frames = FrameReceiver()
         self.tcp = LinkClient(
@@ -116,16 +103,12 @@ class VersionFetcher:
             except OSError as exc:
                 log.info("shared memory %s unusable (%s); fetching over TCP", ann.shm_name, exc)
                 self.core.count("shm_fallbacks")
-        # Through shared memory only "ready" notices come back: ask for every bucket.
         n = len(ann.buckets)
         window = n if seg is not None else self.config.window
         up = InFlight(ann, seg, binding, FetchSchedule(ann.version, n, window, self.config.retries))
         if seg is None:
             self.tcp.open()
-        if seg is None and self.atomic:
-            # Over TCP each chunk is hashed and copied into one staging buffer kept
-            # between versions while in cache (its frame freed at once); nothing reaches
-            # the weights before every bucket verified.
+        if seg is None and self.atomic:  # one staging buffer, kept between versions
             sizes = [max(0, b.nbytes) for b in ann.buckets]
             starts = list(itertools.accumulate((_align(s) for s in sizes), initial=0))
             try:
@@ -160,9 +143,8 @@ class VersionFetcher:
     def chunk_done(
         self, up: InFlight, i: int, part: Partial, t: float, ok: bool, last: bool, checksum: int
     ) -> None:
-        """A chunk of bucket ``i`` was taken (``ok``: in order and in bounds): on the
-        last one (or a bad one) check the bucket, then keep it or fetch it again (or,
-        through shared memory, fail the version)."""
+        """A chunk of bucket ``i`` was taken (``ok``: in order and in bounds); at the last
+        (or a bad) one, check the bucket: keep it, fetch it again, or fail."""
         dt = time.monotonic() - t
         up.stats.verify_s += dt
         part.verify_s += dt
@@ -194,8 +176,7 @@ class VersionFetcher:
         self.landed(up, i, chunks, part.stream)
 
     def link_failed(self, why: str) -> None:
-        """The data link broke: the buckets asked on it are asked again as ZeroMQ
-        frames (the link is opened again for the next version)."""
+        """The data link broke: its buckets are asked again as ZeroMQ frames."""
         self.core.count("data_link_failures")
         log.warning("weight data link closed: %s", why)
         self.tcp.close()
@@ -216,9 +197,8 @@ class VersionFetcher:
         return Partial(stream.hasher, stream)
 
     def hold(self, up: InFlight, *, writing: bool = True) -> bool:
-        """Enter the lock for ``up`` once (left when it commits or fails); ``writing``:
-        the version's first write follows (one pass), so no version is reported until
-        it ends. False when the lock refused: the version failed, nothing written."""
+        """Enter the lock for ``up`` once (``writing``: its first write follows); False
+        when the lock refused (the version failed)."""
         if not up.locked:
             try:
                 self.lock.__enter__()
@@ -234,14 +214,12 @@ class VersionFetcher:
     def landed(
         self, up: InFlight, i: int, chunks: list[torch.Tensor], stream: BucketStream | None
     ) -> None:
-        """Bucket ``i`` arrived and is verified: keep it, or, in one pass, apply what its
-        stream could not (tensors that need their bytes whole)."""
+        """Bucket ``i`` is verified: keep it, or (one pass) apply what its stream could not."""
         if self.on_progress is not None:
             self.on_progress(up.ann.version, i)
         if stream is None:
             up.received[i] = chunks
         else:
-            # The copy of the plain tensors ran with the checksum (in ``verify_s``).
             up.stats.buckets[i]["apply_s"] = 0.0
             if stream.rest:
                 ta = time.monotonic()
@@ -280,12 +258,11 @@ class VersionFetcher:
         self.pump()
 
     def _commit(self, up: InFlight, parts: list[tuple[Any, list[torch.Tensor]]]) -> None:
-        """Every bucket verified: copy what is not in yet under the lock (one pass holds
-        it since the first write), run the loader, switch the version, Ack."""
+        """Every bucket verified: copy the rest under the lock, load, switch, Ack."""
         ann, stats = up.ann, up.stats
         if not self.hold(up, writing=False):
             return
-        try:  # the lock's body (not a `with`: a lock that refuses fails the version)
+        try:  # the lock's body
             try:
                 for b, chunks in parts:
                     up.wrote = True
@@ -313,7 +290,6 @@ class VersionFetcher:
                     self.fail(ann.version, why)
                     return
                 stats.apply_s += time.monotonic() - ta
-            # Before the Ack: once the trainer hears "applied", the engine stamps it.
             self.reporter.now_at(ann.version)
         finally:
             self.unhold(up)  # after a failure marked the weights mixed: the lock sees it
@@ -334,8 +310,7 @@ class VersionFetcher:
             self.lock.__exit__(None, None, None)
 
     def fail(self, version: int, error: str, route: str = "tcp") -> None:
-        """Report ``version`` failed; if it is the one in flight, end it (leaving the
-        lock after the weights are marked mixed, if they are)."""
+        """Report ``version`` failed; end it if it is in flight."""
         up = self.update
         if up is not None and up.ann.version == version:
             self.update = None

@@ -1,9 +1,4 @@
-"""Trainer side of weight updates: stage a version in flat buckets and serve it.
-
-:class:`WeightPublisher` owns its parts: the protocol core (:mod:`.core.publisher`), the
-staged versions (:class:`~transport.weights.staging.VersionStore`), the ``ipc`` route
-and the serving loop (:class:`~transport.weights.serving.Serving`).
-"""
+"""Trainer side of weight updates: stage a version in flat buckets and serve it."""
 
 from __future__ import annotations
 
@@ -50,11 +45,9 @@ class WeightPublisher:
     Parameters
     ----------
     endpoint:
-        ROUTER address to bind (``tcp://127.0.0.1:*`` picks a free port: see
-        :attr:`endpoint`). Workers connect here.
-    config:
-        :class:`~transport.weights.config.PublisherConfig`; its fields are also taken as
-        keyword arguments (``bucket_bytes=...``), which override it.
+        ROUTER address to bind (``tcp://127.0.0.1:*``: a free port, see :attr:`endpoint`).
+    config, **settings:
+        A :class:`~transport.weights.config.PublisherConfig`, or its fields as keywords.
     context:
         ZeroMQ context (default: a private one, terminated at :meth:`close`).
     curve:
@@ -77,12 +70,10 @@ class WeightPublisher:
         curve: CurveConfig | None = None,
         **settings: Any,
     ) -> None:
-        #: The settings, checked once (:class:`~transport.weights.config.PublisherConfig`).
         cfg = self.config = make_config(PublisherConfig, config, settings)
         self.publisher_id = secrets.token_hex(8)
         self.host_id = _shm.host_id()
         metrics.expose("publisher")
-        #: Workers and versions: who must answer, who may still read a buffer.
         self.core = PublisherCore(self.host_id, cfg.worker_timeout)
         self.counters = self.core.counters
         self._cond = threading.Condition()
@@ -93,10 +84,8 @@ class WeightPublisher:
                 self._probe = _shm.write_probe()
             except OSError as exc:
                 log.warning("no shared-memory fast path (%s); workers will use TCP", exc)
-        #: The staged versions and their buffers (the buffer rule).
         self.store = VersionStore(self.core, self._cond, self._probe is not None, cfg.keep_versions)
-        # A private context by default, its I/O threads pinned: libzmq would otherwise
-        # put every ROUTER connection on the least loaded one.
+        # A private context by default, its I/O threads pinned (AFFINITY below).
         self._own_zctx = context is None
         self._zctx: zmq.Context[Any] = context or zmq.Context(io_threads=1 + _ROUTER_IO_THREADS)
         self._auth = WorkerAuthenticator(self._zctx, curve) if curve is not None else None
@@ -122,7 +111,6 @@ class WeightPublisher:
         elif not cfg_pub:
             cfg_pub = self.endpoint + ".pub"
         self.pub_endpoint: str = bind_all(pub, cfg_pub)[0]
-        #: The ipc route's slots and the workers that asked for them.
         self.ipc = IpcOffering(
             cfg.ipc, cfg.ipc_slots, cfg.ipc_timeout, core=self.core, cond=self._cond,
             encoder=VERSION_1, wake=self._wake, publisher_id=self.publisher_id,
@@ -136,7 +124,6 @@ class WeightPublisher:
         link = self.endpoint.startswith("tcp://") and (
             cfg.data_link or (cfg.data_link is None and curve is None)
         )
-        #: The serving thread's loop, its sockets and the data link.
         self.serving = Serving(cfg, self.store, self.ipc, router, pub, welcome, link=bool(link))
         self._thread = threading.Thread(
             target=self.serving.run, name=f"weights-publisher-{self.publisher_id}", daemon=True
@@ -144,8 +131,7 @@ class WeightPublisher:
         self.start()
 
     def start(self) -> WeightPublisher:
-        """Start serving (returns ``self``; idempotent). A publisher starts when it is
-        made: workers that connect before its first publish are answered."""
+        """Start serving (returns ``self``; idempotent; done when made)."""
         if self._thread.ident is None and not self.serving.closed:
             self._thread.start()
         return self
@@ -162,8 +148,7 @@ class WeightPublisher:
             return {k: SubscriberInfo(**vars(v)) for k, v in self.core.workers.items()}
 
     def wait_for_workers(self, n: int, timeout: float) -> list[str]:
-        """Wait until at least ``n`` live workers said Hello; returns their ids
-        (``TimeoutError`` when fewer are there after ``timeout`` seconds)."""
+        """Wait until ``n`` live workers said Hello; their ids (else ``TimeoutError``)."""
         deadline = time.monotonic() + timeout
         with self._cond:
             while len(alive := sorted(self.core.alive())) < n:
@@ -174,10 +159,9 @@ class WeightPublisher:
             return alive
 
     def publish(self, state: Any, version: int) -> WeightAnnounce:
-        """Stage ``state`` (an ``nn.Module``, a state dict or ``(name, tensor)`` pairs, on
-        CPU or CUDA) as ``version`` (newer than any before) and announce it; returns the
-        manifest sent once every bucket is packed (the caller may then change its
-        tensors). :meth:`wait` collects the workers' answers."""
+        """Stage ``state`` (an ``nn.Module``, a state dict or ``(name, tensor)`` pairs) as
+        ``version`` (newer than any before) and announce it; returns the manifest once
+        every bucket is packed (the tensors may then change)."""
         t0 = time.monotonic()
         everything = named_tensors(state)
         tensors, aliases = split_aliases(dict(everything))
@@ -196,8 +180,7 @@ class WeightPublisher:
             wanted = {i.dtype for i in self.core.workers.values() if i.alive}
         plan = plan_version(tensors, wanted, self.config.bucket_bytes)
         total = plan[-1].shm_offset + plan[-1].nbytes if plan else 0
-        # Staged now only when someone will read it by shm/tcp; otherwise the ipc slots
-        # are the snapshot, staged when a late joiner or a re-fetch needs it.
+        # Only ipc workers: the slots are the snapshot, staged late if someone needs it.
         lazy = ipc and self.ipc.only()
         if lazy:
             staged = Staged(version, torch.empty(0, dtype=torch.uint8), None)
@@ -242,11 +225,9 @@ class WeightPublisher:
     def wait(
         self, version: int, timeout: float, *, workers: Iterable[str] | None = None
     ) -> UpdateResult:
-        """Wait until every expected worker answered ``version``, or ``timeout`` passed;
-        ``workers``: the ids to wait for (default: the workers alive at the announcement
-        and any that answered since). A retired version returns its final result while
-        among the last ``KEEP_RESULTS`` (64). Never raises for workers' failures:
-        ``result.ok`` says whether all applied (:meth:`publish_and_wait` raises)."""
+        """Wait until every expected worker answered ``version`` (``workers``: the ids,
+        default those alive at the announcement), or ``timeout`` passed; never raises
+        for workers' failures (``result.ok``)."""
         deadline = time.monotonic() + timeout
         with self._cond:
             st = self.store.versions.get(version)
@@ -272,8 +253,7 @@ class WeightPublisher:
     def publish_and_wait(
         self, state: Any, version: int, timeout: float, *, workers: Iterable[str] | None = None
     ) -> UpdateResult:
-        """:meth:`publish` then :meth:`wait`; raises :class:`UpdateIncomplete` (carrying
-        the result) unless every expected worker applied the version."""
+        """:meth:`publish` then :meth:`wait`; :class:`UpdateIncomplete` unless all applied."""
         t0 = time.monotonic()
         self.publish(state, version)
         res = self.wait(version, timeout, workers=workers)

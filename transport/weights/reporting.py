@@ -1,8 +1,5 @@
-"""What a worker tells about its weights: :class:`Reporter`, the part of a
-:class:`~transport.weights.WeightSubscriber` that both routes of a version (shm/tcp
-fetching, the ``ipc`` slots) report through, in the subscriber's thread. It switches the
-version (waking ``wait_version``, then ``on_applied`` before the Ack), keeps the digest
-and the last stats, and sends the ``WeightAck``."""
+"""What a worker tells about its weights (:class:`Reporter`): version switches, the
+digest, the last stats, and the ``WeightAck``s of every route."""
 
 from __future__ import annotations
 
@@ -55,13 +52,12 @@ class Reporter:
         self.start_time = process_start_time(self.pid) or 0
 
     def mixing(self) -> None:
-        """A version's first write: no complete version (and no digest) until it ends."""
+        """A version's first write: no complete version (nor digest) until it ends."""
         self.core.wrote()
         self.digest = None
 
     def now_at(self, version: int) -> None:
-        """The weights are all of ``version``: wake waiters, then ``on_applied`` (before
-        any Ack goes out)."""
+        """The weights are all of ``version``: wake waiters, then ``on_applied``."""
         with self.cond:
             self.core.applied(version)
             self.cond.notify_all()
@@ -69,8 +65,7 @@ class Reporter:
             self.on_applied(version)
 
     def applied(self, stats: UpdateStats, nbytes: int | None = None) -> None:
-        """Report ``stats.version`` applied (:meth:`now_at` came first); ``nbytes``: the
-        payload for the metrics (default ``stats.bytes``)."""
+        """Report ``stats.version`` applied (after :meth:`now_at`)."""
         self.last_stats = stats
         self.last_error = ""
         self.core.count("versions_applied")

@@ -11,13 +11,9 @@ __all__ = ["SubscriberInfo", "UpdateResult", "UpdateStats"]
 
 @dataclass
 class SubscriberInfo:
-    """What the publisher knows of one subscriber (from its Hellos and Acks).
-
-    ``start_time`` is its process's start time as this host sees it (0: not visible
-    here), ``hello_start_time`` the one its last Hello gave; with ``pid`` they tell
-    which process it is and when it is gone. ``dtype``: the floating dtype it wants
-    (``""``: none); ``path``: the route its last answered version took (:attr:`route`).
-    """
+    """What the publisher knows of one subscriber (from its Hellos and Acks):
+    ``start_time`` as this host sees its process (0: not visible), ``hello_start_time``
+    as its Hello gave it; ``path``: :attr:`route`'s older name."""
 
     worker_id: str
     host_id: str = ""
@@ -39,14 +35,9 @@ class SubscriberInfo:
 
 @dataclass
 class UpdateResult:
-    """Outcome of one version across workers (:meth:`WeightPublisher.wait`).
-
-    ``applied``: worker id -> its Ack; ``failed``: worker id -> why (it kept its previous
-    weights unless the error says they are mixed); ``missing``: expected workers that
-    had not answered at the timeout; ``elapsed_s``: from the announcement to the last
-    answer; ``paths`` (also :attr:`routes`): worker id -> the route its answer came by
-    (``""`` when it failed before choosing one).
-    """
+    """Outcome of one version across workers (:meth:`WeightPublisher.wait`):
+    ``applied`` (id -> Ack), ``failed`` (id -> why), ``missing``, ``elapsed_s`` (from the
+    announcement to the last answer), ``paths`` (:attr:`routes`' older name)."""
 
     version: int
     applied: dict[str, WeightAck] = field(default_factory=dict)
@@ -68,8 +59,7 @@ class UpdateResult:
 
 @dataclass
 class UpdateStats:
-    """Timings of the last update on this worker (seconds); ``buckets`` holds per bucket
-    ``recv_s`` (from the update's start), ``verify_s`` and ``apply_s``."""
+    """Timings of the last update on this worker (seconds), and per bucket."""
 
     version: int = -1
     via: str = ""

@@ -1,10 +1,5 @@
-"""The publisher's serving thread: one loop that owns the sockets (:class:`Serving`).
-
-It polls its ROUTER and a wake-up pair, answers Hellos, Fetches (through the routes'
-:class:`~transport.weights.routes.Sender` sides) and Acks, announces versions, sends
-heartbeats, and packs a version step by step in between; ``publish`` hands versions over
-under the store's lock.
-"""
+"""The publisher's serving thread (:class:`Serving`): one loop owns the sockets, answers
+Hellos, Fetches and Acks, announces, sends heartbeats and packs between sends."""
 
 from __future__ import annotations
 
@@ -53,11 +48,8 @@ _FROM_SUBSCRIBER = Union[SUBSCRIBER_TO_PUBLISHER, IpcHello, IpcAck]  # noqa: UP0
 
 
 class Serving:
-    """The serving loop of a :class:`~transport.weights.WeightPublisher` over its parts:
-    the versions (``store``, with the protocol core and the lock shared with
-    ``publish``), the ``ipc`` route, the bound ROUTER and PUB, and ``welcome``, the
-    Welcome every Hello gets. ``link``: serve TCP workers' bytes on the data link (its
-    listener and senders are this loop's)."""
+    """The serving loop of a :class:`~transport.weights.WeightPublisher`: ``welcome`` is
+    what every Hello gets; ``link``: serve TCP workers' bytes on the data link."""
 
     def __init__(
         self,
@@ -77,7 +69,6 @@ class Serving:
         self.cond = store.cond
         self.router = router
         self.pub = pub
-        #: The routes' trainer sides: notices, frames, and the data link (if any).
         self.notices = shm.NoticeSender(self)
         self.frames = zmq_route.FrameSender(self)
         self.link: tcp.LinkSender | None = None
@@ -94,13 +85,11 @@ class Serving:
         wake = f"inproc://fastio-weights-wake-{welcome.publisher_id}"
         self._wake_r, self._wake_w = make_pair(router.context, wake)
         self._wake_lock = threading.Lock()
-        # Weight messages carry no token arrays: version 1, which every release reads.
         self.encoder = VERSION_1
         self._decoder = fastio.Decoder(_FROM_SUBSCRIBER, max_message_size=8 << 20)
         self._rlog = RateLimitedLog(log)
-        #: Versions published, to announce (publish() hands them over).
         self.pending: list[Staged] = []
-        #: Fetches of a version still being packed into the ipc slots (answered after).
+        # Fetches of a version still being packed into the ipc slots (answered after).
         self.parked: list[tuple[bytes, str, WeightFetch]] = []
         self.seq = 0
         self.closed = False
@@ -119,8 +108,8 @@ class Serving:
 
     # -- serving thread ----------------------------------------------------------------
     def stage_late(self, st: Staged) -> bool:
-        """Stage a version published only to ``ipc`` workers, from the ipc slots, while
-        they still hold it; False when they no longer do."""
+        """Stage a version published to ``ipc`` workers only, from the slots; False when
+        they no longer hold it."""
         assert st.announce is not None
         with self.cond:
             if not st.unstaged:
@@ -234,7 +223,6 @@ class Serving:
             self.cond.notify_all()
         frames = self.encoder.encode(st.announce)
         self.pub.send_multipart(frames, copy=False)
-        # Also to every known worker over the ROUTER: a SUB just connected misses PUB.
         for w in sorted(st.ledger.expected):
             self.reply(w.encode(), frames)
 
@@ -257,7 +245,7 @@ class Serving:
 
     def reply(self, ident: bytes, frames: list[Any], track: bool = False) -> Any:
         """Send to one worker without blocking: its tracker (``track``) or True; None or
-        False when it was not queued (counted)."""
+        False when not queued."""
         try:
             tracker = self.router.send_multipart(
                 [ident, *frames], zmq.NOBLOCK, copy=False, track=track
@@ -302,8 +290,7 @@ class Serving:
                 self.core.touch(wid, now)
             self.cond.notify_all()
         if isinstance(msg, WeightHello):
-            # A worker behind a version that went to ipc workers only: staged now, so
-            # that the snapshot names its segment.
+            # Behind an ipc-only version: staged now, so the snapshot names its segment.
             if behind is not None and not self.ipc.reader(wid):
                 self.stage_late(behind)
             token = self.link.token(wid) if self.link is not None else b""
@@ -327,9 +314,7 @@ class Serving:
         if st is None or st.announce is None:
             return self._refuse(ident, msg, why, latest)
         if st.unstaged and not self.stage_late(st):
-            if st.ipc_packing:
-                # The slots do not hold it whole yet: answered once they do (the
-                # publishing thread wakes this one), not at the worker's next Fetch.
+            if st.ipc_packing:  # answered once the slots hold it whole
                 self.core.count("fetches_deferred")
                 key = (wid, msg.version, msg.index)
                 with self.cond:
@@ -348,12 +333,10 @@ class Serving:
             return self._refuse(ident, msg, "no shared memory for this version", -1)
         snd = Send(ident, msg)
         with self.cond:
-            # Checked again under the lock that publish() takes to reuse buffers: the
-            # version may have been retired (its segment recycled) since the look-up.
+            # Again under the lock: it may have been retired since the look-up.
             held = self.store.versions.get(msg.version) is st and not (msg.shm and st.seg is None)
             if held:
-                # A Fetch asked again ends the earlier answer of that bucket to that
-                # worker: two streams of one bucket would mix.
+                # A Fetch asked again ends the earlier answer of that bucket.
                 for old in st.active:
                     if old.wid == snd.wid and old.fetch.index == msg.index:
                         old.cancelled = True
@@ -373,9 +356,8 @@ class Serving:
         return self.link.send(snd.ident, snd.wid, msg) if self.link is not None else None
 
     def _advance(self, st: Staged, snd: Send) -> None:
-        """Send what is packed of the bucket ``snd`` asks for, from where it stopped: TCP
-        chunks (zero-copy from the buffer) or, same host, "bytes ready" notices; the last
-        carries the checksum."""
+        """Send what is packed of ``snd``'s bucket from where it stopped (chunks, or
+        "bytes ready" notices); the last carries the checksum."""
         assert st.announce is not None
         if snd.cancelled:
             return
@@ -404,9 +386,7 @@ class Serving:
                 tracker = None
                 if snd.fetch.data and snd.linked is not False:
                     tracker = self._link_send(snd, msg)
-                    if tracker is None and snd.linked:
-                        # The link closed mid-bucket: this answer ends here (the worker
-                        # sees its link close and asks again, as frames).
+                    if tracker is None and snd.linked:  # closed mid-bucket: the worker asks again
                         self.core.count("sends_ended_by_link")
                         with self.cond:
                             if snd in st.active:
@@ -419,8 +399,7 @@ class Serving:
                 if tracker is not None:
                     with self.cond:
                         st.trackers.append(tracker)
-            # Not queued (HWM or peer gone): the worker's fetch times out and it asks
-            # again; the chunks it got are discarded there as incomplete.
+            # Not queued (HWM or peer gone): the worker times out and asks again.
             last = last or not ok
             snd.cursor = end
             if last:

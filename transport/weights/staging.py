@@ -1,5 +1,4 @@
-"""Versions on the trainer side: layout, buffer, packing, and the store of them that
-keeps the buffer rule (``docs/PROTOCOL.md``)."""
+"""Versions on the trainer side: layout, buffer, packing, and their store."""
 
 from __future__ import annotations
 
@@ -31,18 +30,16 @@ __all__ = ["Send", "Staged", "VersionStore", "pack_steps", "plan_version"]
 
 log = logging.getLogger("transport.weights.publisher")
 
-#: Pack granularity: each block of a tensor hashed, then copied while in the L2 cache.
-#: Larger than the workers' :data:`~transport.weights.streaming.BLOCK`: on the trainer
-#: it costs a quarter less CPU per byte (fewer, longer runs of each loop).
+#: Pack granularity: hashed, then copied while in cache (twice the workers' BLOCK: a
+#: quarter less CPU per byte on the trainer).
 PACK_BLOCK = 512 << 10
 
 
 def plan_version(
     tensors: Mapping[str, torch.Tensor], wanted: set[str], bucket_bytes: int
 ) -> list[WeightBucketInfo]:
-    """The buckets of a version, in the dtypes it travels in: when every live worker
-    asked for the same floating dtype (``wanted``, from their Hellos; ``""``: none) and
-    it is narrower than a tensor's, the tensor is cast while packing."""
+    """The buckets of a version: cast while packing to the floating dtype every live
+    worker asked for (``wanted``; ``""``: none) where it is narrower."""
     cast = parse_dtype(wanted.pop()) if len(wanted) == 1 and "" not in wanted else None
     wire: dict[str, torch.dtype] = {}
     for n, t in tensors.items():
@@ -62,9 +59,8 @@ def plan_version(
 
 
 class Send:
-    """One Fetch being answered: where the next chunk starts; over TCP, whether it took
-    the data link (``linked``, fixed at its first chunk: a bucket never comes on both);
-    whether a later Fetch of the same bucket superseded it (``cancelled``)."""
+    """One Fetch being answered: the next chunk's start; whether it took the data link
+    (fixed at its first chunk); whether a later Fetch superseded it."""
 
     __slots__ = ("cancelled", "cursor", "fetch", "ident", "linked", "shm", "wid")
 
@@ -88,20 +84,18 @@ class Staged:
         self._view: np.ndarray[Any, Any] | None = None
         self._view_of: torch.Tensor | None = None
         self.announce: WeightAnnounce | None = None
-        self.ledger = VersionLedger(version)  # who must answer, who may still read
-        #: Sends that may still read the buffer: ZeroMQ trackers, data-link chunks.
+        self.ledger = VersionLedger(version)
         self.trackers: list[Tracker] = []
         self.packed = 0  # bytes packed so far
         self.buckets_done = 0  # buckets packed, their checksum known
         self.active: list[Send] = []  # Fetches being answered as packing progresses
         self.job: Iterator[None] | None = None  # the packing still to do
         self.error: BaseException | None = None
-        #: Published to ``ipc`` workers only: no buffer until one is needed.
-        self.unstaged = False
+        self.unstaged = False  # published to ipc workers only: no buffer yet
         self.ipc_packing = False  # being packed into the ipc slots
 
     def view(self) -> np.ndarray[Any, Any]:
-        """The buffer as a numpy array (cheaper to slice per chunk than a tensor)."""
+        """The buffer as a numpy array (cheaper to slice than a tensor)."""
         if self._view is None or self._view_of is not self.buf:
             self._view, self._view_of = self.buf.numpy(), self.buf
         return self._view
@@ -121,14 +115,13 @@ class Staged:
 def pack_steps(
     st: Staged, tensors: Mapping[str, torch.Tensor], chunk_bytes: int, cond: threading.Condition
 ) -> Iterator[None]:
-    """Pack and hash the buckets of ``st.announce`` block by block (each block hashed,
-    then copied while in cache), yielding to the serving loop every ``chunk_bytes``."""
+    """Pack and hash ``st.announce``'s buckets, yielding every ``chunk_bytes``."""
     assert st.announce is not None
     told = 0
     for info in st.announce.buckets:
         base = info.shm_offset
         bucket = st.buf[base : base + info.nbytes]
-        bnp = bucket.numpy()  # numpy views: cheaper to slice per block than tensors
+        bnp = bucket.numpy()
         h = Hasher(st.announce.checksum_algo)
         cur = 0  # bytes of this bucket hashed so far
         for e in info.tensors:
@@ -168,8 +161,7 @@ def pack_steps(
 
 
 class VersionStore:
-    """The staged versions by number, the latest, and the pool of free segments (used
-    under ``cond``, the publisher's lock, by the serving thread and ``publish``)."""
+    """The staged versions, the latest, and the pool of free segments (under ``cond``)."""
 
     def __init__(
         self, core: PublisherCore, cond: threading.Condition, use_shm: bool, keep_versions: int
@@ -189,8 +181,7 @@ class VersionStore:
         self.latest = st
 
     def acquire(self, version: int, total: int) -> Staged:
-        """A buffer for a new version: a free or reusable one of the right size, else a
-        new one (takes the lock; a new segment is made outside it)."""
+        """A buffer for a new version: a free or reusable one that fits, else a new one."""
         with self.cond:
             seg = self._take_free(total)
             for v, st in sorted(self.versions.items()):
@@ -238,8 +229,7 @@ class VersionStore:
         self.core.drop(version, time.monotonic())
 
     def _recycle(self, st: Staged) -> None:
-        """Take ``st``'s buffer away: a segment no one may read goes to the pool, any
-        other is unlinked, never rewritten (lock held)."""
+        """Take ``st``'s buffer: to the pool if no one may read it, else unlinked."""
         reusable = self.core.readers_done(st.ledger)
         seg = st.take_segment()
         if seg is None:

@@ -1,10 +1,5 @@
-"""Verify-and-copy in one pass (``atomic=False``): a bucket hashed and applied block by
-block as it comes, each block copied into the live parameters while in cache.
-
-:class:`BucketStream` does it for the *plain* tensors of one bucket (CPU, contiguous,
-the dtype they travel in); the others need their bytes whole and go to
-:class:`~transport.weights.bucket.BucketApplier` once the bucket verified.
-"""
+"""Verify-and-copy in one pass (``atomic=False``): each block of a bucket hashed, then
+copied into the live parameters while in cache (:class:`BucketStream`)."""
 
 from __future__ import annotations
 
@@ -25,10 +20,8 @@ BLOCK = 256 << 10
 
 
 class BucketStream:
-    """One bucket's bytes (``info``), fed in order: hashed with ``algo`` and copied into
-    the plain ones of ``targets`` (name -> live tensor; ``dests``: travelling name ->
-    target names, see :class:`~transport.weights.binding.Binding`; a target reached
-    twice is written once). ``rest``: the tensors that are not plain, to apply from
+    """One bucket's bytes, fed in order: hashed and copied into the plain (CPU,
+    contiguous, wire dtype) tensors of ``targets``; ``rest``: the others, applied from
     the complete bucket (:meth:`rest_info`); ``size``: bytes fed so far."""
 
     __slots__ = ("_k", "_spans", "hasher", "info", "rest", "size")
@@ -80,8 +73,7 @@ class BucketStream:
         return msgspec.structs.replace(self.info, tensors=self.rest)
 
     def feed(self, data: np.ndarray[Any, Any]) -> None:
-        """Bytes ``[size, size + len(data))`` of the bucket (a 1-D uint8 array): hash
-        each block, then copy it where it goes while it is in cache."""
+        """The next bytes of the bucket (1-D uint8): hashed, then copied, per block."""
         n = data.size
         for a in range(0, n, BLOCK):
             blk = data[a : a + BLOCK]
@@ -92,10 +84,9 @@ class BucketStream:
     def take(
         self, n: int, fill: Callable[[np.ndarray[Any, Any]], None], scratch: np.ndarray[Any, Any]
     ) -> None:
-        """Bytes ``[size, size + n)`` of the bucket, received by ``fill`` (which fills
-        the array it is given): a block inside one plain tensor straight into it, the
-        rest (padding, a tensor written twice) into ``scratch`` (at least :data:`BLOCK`
-        bytes) and through :meth:`feed`."""
+        """The next ``n`` bytes, received by ``fill`` (which fills the array it is given):
+        straight into a plain tensor, else via ``scratch`` (:data:`BLOCK` bytes) and
+        :meth:`feed`."""
         end = self.size + n
         spans = self._spans
         while self.size < end:

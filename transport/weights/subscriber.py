@@ -1,7 +1,5 @@
-"""Worker side of weight updates: follow a publisher, fetch, verify, apply, acknowledge
-(``docs/PROTOCOL.md``, "Weight updates"). One background thread owns the sockets (a
-DEALER to the publisher's ROUTER, a SUB on its PUB, the data link); other threads only
-read the version. Layers: ``docs/weights.md``, "Three layers"."""
+"""Worker side of weight updates: follow a publisher, fetch, verify, apply, acknowledge.
+One background thread owns the sockets (``docs/weights.md``, "Three layers")."""
 
 from __future__ import annotations
 
@@ -58,29 +56,22 @@ class WeightSubscriber:
     endpoint:
         The publisher's ROUTER address.
     target:
-        An ``nn.Module`` (its state dict is updated in place) or a mapping of name ->
-        tensor (CPU or CUDA); ``None`` with a ``loader``.
+        An ``nn.Module`` or a mapping of name -> tensor, updated in place (``None`` with
+        a ``loader``).
     config, **settings:
-        A :class:`~transport.weights.config.SubscriberConfig`; its fields (documented
-        there) are also keywords, which override it (``window=4``; ``path=`` is
-        ``route``).
+        A :class:`~transport.weights.config.SubscriberConfig`, or its fields as keywords
+        (``path=`` is ``route``).
     lock:
-        Held while the weights are written (e.g. the engine's forward lock); if
-        entering it raises, the version fails and the weights stay. One-pass mode
-        (``atomic=False``) needs a lock that then refuses to serve (``refuses_mixed``).
+        Held while the weights are written (e.g. the engine's forward lock).
     on_applied, on_progress:
-        Called with the new version once it is in the weights (under ``lock``, before
-        the Ack), and with ``(version, bucket_index)`` when a bucket verified.
+        Called with each version applied (before its Ack), and with ``(version,
+        bucket_index)`` per bucket verified.
     dtype, rename:
-        The dtypes wanted and trainer name -> engine name
-        (:mod:`transport.weights.binding`).
+        The dtypes wanted, and trainer name -> engine name (:mod:`.binding`).
     loader:
-        Called under ``lock`` with the ``(engine name, tensor)`` pairs of every verified
-        version after the in-place copy (the tensors are valid during the call); if it
-        raises, the version fails and :attr:`consistent` is false until one completes.
+        Called under ``lock`` with the ``(engine name, tensor)`` pairs of each version.
     context, curve:
-        ZeroMQ context (default: the global one); CurveZMQ keys (the publisher's public
-        key as ``server_public_key_file``).
+        ZeroMQ context (default: the global one); CurveZMQ keys.
 
     Examples
     --------
@@ -121,7 +112,6 @@ class WeightSubscriber:
         self.shm = cfg.shm and cfg.route != "tcp"
         self.lock = lock if lock is not None else contextlib.nullcontext()
         self.core = SubscriberCore(cfg.version, cfg.retries)
-        #: Bad messages, gaps, retries, versions applied or failed, ...
         self.counters = self.core.counters
         self.reporter = Reporter(
             self.core, self.worker_id, self.targets, self._send,
@@ -161,8 +151,7 @@ class WeightSubscriber:
 
     @property
     def consistent(self) -> bool:
-        """False while the weights are mixed (a one-pass version in progress or failed, a
-        copy or the ``loader`` failed midway): version ``-1`` is reported, not served."""
+        """False while the weights are mixed (version ``-1`` reported)."""
         return self.core.consistent
 
     @property
@@ -209,8 +198,7 @@ class WeightSubscriber:
         return self.core.last_heard
 
     def start(self) -> WeightSubscriber:
-        """Start the background thread (returns ``self``); a publisher host name that
-        does not resolve is logged as a WARNING."""
+        """Start the background thread (returns ``self``)."""
         if self._thread is None:
             metrics.expose("subscriber")
             warn_if_unresolvable(
@@ -277,14 +265,12 @@ class WeightSubscriber:
             log.exception("weight subscriber %s crashed", self.worker_id)
             raise
         finally:
-            # A version in flight may hold the lock: fail it, so the lock is released.
-            try:
+            try:  # a version in flight may hold the lock: fail it
                 self.fetcher.abandon("the subscriber was closed mid-version")
             except Exception:
                 log.exception("weight subscriber %s: failing the version at close", self.worker_id)
             tcp.close()
-            # The ipc goodbye must reach the trainer (else it waits for this worker's
-            # acks until ipc_timeout): a short linger for it.
+            # A short linger for the ipc goodbye (the trainer waits for its acks).
             said_bye = self.ipc.close()
             self._dealer.close(linger=500 if said_bye else 0)
             self._sub.close(linger=0)
@@ -315,9 +301,7 @@ class WeightSubscriber:
             self._dealer.send_multipart(VERSION_1.encode(msg), zmq.NOBLOCK, copy=False)
 
     def keepalive(self) -> None:
-        """A Hello if one is due, from inside a long copy (or a lock's wait): a worker
-        silent for the publisher's ``worker_timeout`` is lost, and the shared memory it
-        still copies from could be reused."""
+        """A Hello if one is due (from inside a long copy or a lock's wait)."""
         if time.monotonic() - self._last_hello >= self.config.heartbeat_interval:
             self._hello()
 

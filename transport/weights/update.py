@@ -1,12 +1,5 @@
-"""The weight update as the training loop sees it, on top of the fabric.
-
-Trainer side: :func:`update_weights` pauses the generation workers, publishes, waits
-for every worker and resumes. Worker side: the plugin (``--plugin
-transport.weights.update:subscribe``) or :func:`attach_subscriber`, a
-:class:`WeightSubscriber` whose copies run only while the worker is paused. Loop model:
-the subscriber's thread enters the pause lock and waits on the worker's event loop; the
-pause lease runs on that loop.
-"""
+"""The weight update on the fabric: :func:`update_weights` (trainer side), the worker
+plugin and :func:`attach_subscriber` (worker side); see ``docs/weights.md``."""
 
 from __future__ import annotations
 
@@ -16,15 +9,14 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Annotated, Any
+from typing import Any
 
 import msgspec
-from msgspec import Meta
 
 from fastio.weight_msgs import WeightAck  # noqa: F401  (names FabricUpdateResult's inherited fields)
 from transport.errors import ControlError, ResumeRefused
-from transport.options import parse_options, resolve_entry
-from transport.weights.config import Route
+from transport.options import NonEmptyStr, NonNegativeSeconds, Seconds, parse_options, resolve_entry
+from transport.weights.config import SubscriberConfig
 from transport.weights.core.subscriber import PauseLease
 from transport.weights.errors import UpdateIncomplete, WeightUpdateError
 from transport.weights.publisher import WeightPublisher
@@ -48,10 +40,8 @@ log = logging.getLogger("transport.weights.update")
 
 @dataclass
 class FabricUpdateResult(UpdateResult):
-    """:class:`UpdateResult` of :func:`update_weights`: workers that could not be paused
-    (``strict=False``), or that report an older version after the resume, are in
-    ``failed``; ``resume_failed``: worker address -> why it did not confirm the resume
-    (it may still be paused)."""
+    """:class:`UpdateResult` of :func:`update_weights`; ``resume_failed``: worker address
+    -> why it did not confirm the resume."""
 
     resume_failed: dict[str, str] = field(default_factory=dict)
 
@@ -73,19 +63,12 @@ def update_weights(
 ) -> FabricUpdateResult:
     """Pause generation, publish ``state`` as ``version``, await every worker, resume.
 
-    ``controller`` is a :class:`transport.FabricController` over the generation
-    workers, ``publisher`` the :class:`WeightPublisher` their subscribers follow,
-    ``state`` a module, state dict or ``(name, tensor)`` pairs; ``timeout`` bounds the
-    pause, the wait and the resume each. ``workers``: subscriber ids to wait for
-    (default: every worker the controller paused, known to the publisher or not).
-
-    ``strict`` raises :class:`transport.ControlError` when a worker could not be paused
-    (nothing is published) and :class:`UpdateIncomplete` when one failed, did not
-    answer, reports an older version after the resume or did not confirm it; ``False``
-    goes on with the workers that paused and reports the others in ``failed``. Workers
-    are resumed either way, but one whose weights a failure left mixed stays paused (in
-    ``resume_failed``) until a later version completes there. The result's
-    ``elapsed_s`` is the whole call.
+    ``controller``: a :class:`transport.FabricController` over the workers;
+    ``publisher``: the :class:`WeightPublisher` they follow; ``timeout`` bounds the
+    pause, the wait and the resume each; ``workers``: ids to wait for (default: every
+    worker paused). ``strict`` raises :class:`transport.ControlError` when a worker
+    could not be paused (nothing published) and :class:`UpdateIncomplete` unless all
+    applied and resumed; ``False`` reports the others in ``failed``.
     """
     t0 = time.monotonic()
     not_paused: dict[str, str] = {}
@@ -136,8 +119,7 @@ def update_weights(
 
 
 def _resume(controller: Any, timeout: float) -> tuple[dict[str, Any], dict[str, str]]:
-    """Resume every worker; failures are returned, not raised (one unreachable worker
-    must not keep the others paused)."""
+    """Resume every worker; failures returned, not raised."""
     try:
         return controller.resume(timeout), {}
     except ControlError as exc:
@@ -155,14 +137,8 @@ async def aupdate_weights(
 
 
 class PausedWhileCopying:
-    """The worker paused and idle while weights are written into its engine (a
-    subscriber's copy, a load from disk).
-
-    :meth:`acquire` pauses the server (or waits for idle under a controller's pause);
-    :meth:`release` resumes only a pause it owns. A controller's resume waits for the
-    copy; after a copy that left the weights mixed the worker stays paused, its version
-    ``-1``. ``with`` runs both from another thread (the subscriber's) on ``loop``.
-    """
+    """The worker paused and idle while weights are written into its engine;
+    ``with`` from another thread runs :meth:`acquire` and :meth:`release` on ``loop``."""
 
     #: Refuses to serve mixed weights: subscribers default to one-pass mode under it.
     refuses_mixed = True
@@ -177,13 +153,10 @@ class PausedWhileCopying:
         self._mine: int | None = None  # server.pause_requests right after our own pause
         self._free = asyncio.Event()  # set while no copy runs; used in the loop only
         self._free.set()
-        # First: the engine's own resume hook (a server resumed in place) runs only
-        # once no copy runs and the weights are whole.
-        server.on_resume.insert(0, self.hold_resume)
+        server.on_resume.insert(0, self.hold_resume)  # before the engine's own hook
 
     def guard(self, sub: Any) -> None:
-        """Guard ``sub``'s copies: its weights' state decides :meth:`mixed`, and it says
-        Hello while a copy waits on the loop."""
+        """Guard ``sub``'s copies (its weights decide :meth:`mixed`)."""
         self._sub = sub
 
     def mixed(self) -> bool:
@@ -196,8 +169,7 @@ class PausedWhileCopying:
             self._sub.keepalive()
 
     async def hold_resume(self) -> None:
-        """``server.on_resume``: a resume waits for a running copy, and is refused
-        (:class:`~transport.errors.ResumeRefused`) while the weights are mixed."""
+        """``server.on_resume``: wait for a copy; :class:`ResumeRefused` while mixed."""
         await self._free.wait()
         if self.mixed():
             raise ResumeRefused(
@@ -206,8 +178,7 @@ class PausedWhileCopying:
             )
 
     async def acquire(self) -> bool:
-        """Pause and wait for idle; False (and released) when generations still run
-        after ``timeout`` seconds."""
+        """Pause and wait for idle; False (released) if still busy after ``timeout``."""
         s = self.server
         # Still holding the pause of a copy that left the weights mixed: ours again.
         held = self._mine is not None and s.paused and s.pause_requests == self._mine
@@ -277,16 +248,13 @@ def attach_subscriber(
     pause_lease: float = 30.0,
     **kwargs: Any,
 ) -> WeightSubscriber:
-    """Start a :class:`WeightSubscriber` that keeps ``server.engine`` current: its
-    ``model`` by an in-place copy, its ``load_weights(pairs)`` (when it has one) with
-    each verified version (see :mod:`transport.engines.api`).
+    """Start a :class:`WeightSubscriber` that keeps ``server.engine`` current (its
+    ``model`` in place, or its ``load_weights``).
 
-    ``server`` is a :class:`transport.WorkerServer` running in ``loop``, ``endpoint``
-    the publisher's ROUTER address, ``kwargs`` go to :class:`WeightSubscriber`.
-    ``pause_timeout``: seconds a copy waits for generations to stop (past that the
-    version fails here and the previous weights stay); ``pause_lease``: seconds paused
-    (by anyone but its own copy) with no word from the publisher before the worker
-    resumes on its last complete version (``0``: never).
+    ``server``: a :class:`transport.WorkerServer` running in ``loop``; ``endpoint``: the
+    publisher's ROUTER; ``kwargs`` go to :class:`WeightSubscriber`; ``pause_timeout``:
+    seconds a copy waits for generations to stop; ``pause_lease``: seconds paused with
+    a silent publisher before the worker resumes (``0``: never).
     """
     engine = server.engine
     model = getattr(engine, "model", None)
@@ -295,7 +263,6 @@ def attach_subscriber(
     if why or engine is None or (model is None and not callable(load_weights)):
         raise TypeError(why or "the worker's engine has no .model to update and no load_weights")
     if callable(load_weights) and "loader" not in kwargs:
-        # An engine that places weights itself takes each verified version whole.
         kwargs["loader"] = load_weights
         kwargs.setdefault("atomic", True)
 
@@ -309,7 +276,6 @@ def attach_subscriber(
         on_applied=lambda version: setattr(engine, "version", version),
         **kwargs,
     )
-    # The lock is entered in the subscriber's thread, which may send on its socket.
     lock.guard(sub)
     sub.start()
     if pause_lease > 0:
@@ -320,7 +286,7 @@ def attach_subscriber(
 async def _pause_lease(
     server: Any, sub: WeightSubscriber, lock: PausedWhileCopying, lease: float
 ) -> None:
-    """Resume a worker left paused by a trainer that is gone (see ``pause_lease``)."""
+    """Resume a worker left paused by a trainer that is gone."""
     rule = PauseLease(lease)
     while not sub.closed:
         await asyncio.sleep(min(1.0, lease / 4))
@@ -342,40 +308,39 @@ async def _pause_lease(
             await server.resume()
 
 
-class PluginOptions(
-    msgspec.Struct, kw_only=True, forbid_unknown_fields=True, rename=lambda n: f"weights_{n}"
-):
-    """The worker plugin's options, ``--plugin-opt weights_<field>=value`` (``None``:
-    the default of :func:`attach_subscriber`).
+#: The plugin's options taken from :class:`SubscriberConfig` -> its field (the keyword).
+_FROM_CONFIG = {
+    "shm": "shm", "digest": "report_digest", "strict": "strict", "path": "route",
+    "atomic": "atomic", "data_link": "data_link", "publisher_timeout": "publisher_timeout",
+}  # fmt: skip
+_ALWAYS = ("shm", "digest", "strict")  # passed with the config's default; others if given
+_CONFIG = {f.name: f for f in msgspec.structs.fields(SubscriberConfig)}
 
-    ``endpoint`` (required), ``shm``, ``path`` (the route), ``atomic``, ``data_link``,
-    ``strict``, ``publisher_timeout``: as in :class:`~transport.weights.config.SubscriberConfig`;
-    ``digest``: its ``report_digest``; ``dtype``: ``auto`` or a dtype name; ``rename``:
-    a JSON object ``{"trainer name": "engine name"}`` or ``module:name``; ``loader``:
-    ``module:function``, called as ``function(model, weights)`` with each verified
-    version; ``pause_timeout``, ``pause_lease``: as in :func:`attach_subscriber`;
-    ``curve_secret`` (this worker's ``.key_secret``), ``curve_server`` (the publisher's
-    ``.key``): CurveZMQ.
-    """
-
-    endpoint: Annotated[str, Meta(min_length=1)]
-    shm: bool = True
-    path: Route | None = None
-    atomic: bool | None = None
-    data_link: bool | None = None
-    digest: bool = False
-    strict: bool = True
-    dtype: str | None = None
-    rename: str | None = None
-    loader: str | None = None
-    publisher_timeout: Annotated[float, Meta(gt=0)] | None = None
-    pause_timeout: Annotated[float, Meta(gt=0)] | None = None
-    pause_lease: Annotated[float, Meta(ge=0)] | None = None
-    curve_secret: str | None = None
-    curve_server: str | None = None
-
-
-_PASSED = ("path", "atomic", "data_link", "publisher_timeout", "pause_timeout", "pause_lease")
+#: The worker plugin's options, ``--plugin-opt weights_<field>=value`` (``None``: the
+#: default of :func:`attach_subscriber`): the seven of ``_FROM_CONFIG`` as in
+#: :class:`SubscriberConfig`, ``endpoint`` (required), ``dtype``, ``rename`` (a JSON object
+#: or ``module:name``), ``loader`` (``module:function``, called as ``function(model,
+#: weights)``), ``pause_timeout``, ``pause_lease``, ``curve_secret`` and ``curve_server``.
+PluginOptions = msgspec.defstruct(
+    "PluginOptions",
+    [
+        ("endpoint", NonEmptyStr),
+        *(
+            (k, _CONFIG[f].type, _CONFIG[f].default)
+            if k in _ALWAYS
+            else (k, _CONFIG[f].type | None, None)
+            for k, f in _FROM_CONFIG.items()
+        ),
+        *((k, str | None, None) for k in ("dtype", "rename", "loader")),
+        ("pause_timeout", Seconds | None, None),
+        ("pause_lease", NonNegativeSeconds | None, None),
+        *((k, str | None, None) for k in ("curve_secret", "curve_server")),
+    ],
+    kw_only=True,
+    forbid_unknown_fields=True,
+    rename=lambda n: f"weights_{n}",
+    module=__name__,
+)
 
 #: Options of the worker plugin (``--plugin-opt key=value``), see :func:`subscribe`.
 PLUGIN_OPTIONS = frozenset(PluginOptions.__struct_encode_fields__)
@@ -383,41 +348,41 @@ PLUGIN_OPTIONS = frozenset(PluginOptions.__struct_encode_fields__)
 
 def subscriber_options(opts: dict[str, str], model: Any) -> dict[str, Any]:
     """The keyword arguments of :func:`attach_subscriber` (but the endpoint) from the
-    plugin's options; ``ValueError`` naming the option for anything unknown or malformed."""
+    plugin's options; ``ValueError`` naming a bad or unknown one."""
     from transport.sockets import CurveConfig
     from transport.weights.binding import parse_dtype_spec
 
-    o = parse_options(opts, PluginOptions, "weights plugin option")
-    kw: dict[str, Any] = {"shm": o.shm, "report_digest": o.digest, "strict": o.strict}
-    kw.update({k: v for k in _PASSED if (v := getattr(o, k)) is not None})
-    if o.dtype:
+    o = msgspec.structs.asdict(parse_options(opts, PluginOptions, "weights plugin option"))
+    kw: dict[str, Any] = {"report_digest" if k == "digest" else k: o[k] for k in _ALWAYS}
+    passed = [k for k in _FROM_CONFIG if k not in _ALWAYS] + ["pause_timeout", "pause_lease"]
+    kw.update({k: o[k] for k in passed if o[k] is not None})
+    if o["dtype"]:
         try:
-            kw["dtype"] = parse_dtype_spec(o.dtype)
+            kw["dtype"] = parse_dtype_spec(o["dtype"])
         except WeightUpdateError as exc:
             raise ValueError(f"weights_dtype: {exc}") from None
-    if o.rename and o.rename.lstrip().startswith("{"):
+    if o["rename"] and o["rename"].lstrip().startswith("{"):
         try:
-            kw["rename"] = msgspec.json.decode(o.rename, type=dict[str, str])
+            kw["rename"] = msgspec.json.decode(o["rename"], type=dict[str, str])
         except msgspec.DecodeError as exc:
             raise ValueError(f"weights_rename: not a JSON object of names ({exc})") from None
-    elif o.rename:
-        kw["rename"] = resolve_entry(o.rename, "weights_rename")
-    if o.loader:
-        fn = resolve_entry(o.loader, "weights_loader")
+    elif o["rename"]:
+        kw["rename"] = resolve_entry(o["rename"], "weights_rename")
+    if o["loader"]:
+        fn = resolve_entry(o["loader"], "weights_loader")
         if not callable(fn):
-            raise ValueError(f"weights_loader {o.loader!r} is not callable")
+            raise ValueError(f"weights_loader {o['loader']!r} is not callable")
         kw["loader"] = lambda weights: fn(model, weights)
-    if o.curve_secret:
+    if o["curve_secret"]:
         kw["curve"] = CurveConfig(
-            secret_key_file=o.curve_secret, server_public_key_file=o.curve_server
+            secret_key_file=o["curve_secret"], server_public_key_file=o["curve_server"]
         )
     return kw
 
 
 async def subscribe(server: Any, opts: dict[str, str]) -> None:
-    """Fabric worker plugin: follow the weight publisher at ``opts["weights_endpoint"]``
-    (``--plugin transport.weights.update:subscribe --plugin-opt weights_<field>=value``,
-    see :class:`PluginOptions`); ``ValueError`` at start for a bad or unknown option."""
+    """Worker plugin: follow the publisher at ``opts["weights_endpoint"]`` (options:
+    :data:`PluginOptions`); ``ValueError`` at start for a bad or unknown option."""
     kw = subscriber_options(opts, getattr(server.engine, "model", None))
     sub = attach_subscriber(server, opts["weights_endpoint"], asyncio.get_running_loop(), **kw)
     try:
