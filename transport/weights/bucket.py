@@ -258,19 +258,18 @@ def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
 def pack_bucket(
     info: WeightBucketInfo, tensors: Mapping[str, torch.Tensor], out: torch.Tensor
 ) -> None:
-    """Copy the bucket's tensors into ``out`` (a CPU uint8 tensor of at least
+    """Copy the bucket's tensors into ``out`` (a uint8 tensor of at least
     ``info.nbytes``), the padding zeroed so the checksum is deterministic; CUDA tensors
-    are copied non-blocking (into a pinned ``out``) and synchronised once at the end."""
+    are copied non-blocking, synchronised once at the end when ``out`` is on the CPU."""
     pos = 0
     cuda = False
     for e in info.tensors:
         out[pos : e.offset].zero_()
-        cuda = (
-            copy_tensor(out[e.offset : e.offset + e.nbytes], tensors[e.name].detach(), sync=False)
-            or cuda
-        )
+        dst = out[e.offset : e.offset + e.nbytes]
+        cuda = copy_tensor(dst, tensors[e.name].detach(), sync=False) or cuda
         pos = e.offset + e.nbytes
-    if cuda:
+    out[pos : info.nbytes].zero_()
+    if cuda and out.device.type == "cpu":
         torch.cuda.synchronize()
 
 
@@ -461,7 +460,7 @@ class BucketApplier:
             f.result()  # surfaces a failed copy
 
     def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        if dst.device.type != "cuda":
+        if dst.device.type != "cuda" or src.device.type != "cpu":
             copy_bytes(dst, src)
             return
         # Staged through two pinned buffers in turn, so the H2D copy is asynchronous; an

@@ -1,7 +1,9 @@
 """The ``ipc`` route: persistent buckets ("slots") of the trainer's own memory, opened
 once by every worker on its host and packed again for every version (``docs/PROTOCOL.md``,
-"The ipc path"). Trainer side: :class:`IpcOffering` over :class:`IpcExporter`; worker
-side (re-exported here): :mod:`~transport.weights.routes.ipc_worker`."""
+"The ipc path"). The buckets are planned, packed and checked as on every route
+(:mod:`~transport.weights.bucket`); only where they live is the route's own. Trainer
+side: :class:`IpcOffering` over :class:`IpcExporter`; worker side (re-exported here):
+:mod:`~transport.weights.routes.ipc_worker`."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -26,17 +28,24 @@ from fastio.ipc_msgs import (
     IpcReady,
     IpcSlot,
 )
+from fastio.weight_msgs import WeightBucketInfo, WeightTensor
 from transport import metrics
+from transport.weights.bucket import pack_bucket, wire_tensor
+from transport.weights.bucket import sum64 as checksum
+from transport.weights.core.process import process_alive, process_start_time
 from transport.weights.core.publisher import PublisherCore
 from transport.weights.errors import WeightUpdateError
-from transport.weights.routes import ipc_tensors as shared
 from transport.weights.routes.ipc_tensors import (
     DEFAULT_IPC_BUCKET_BYTES,
     IpcRefused,
-    checksum,
+    _cuda,
+    check_layout,
+    detached,
+    export_cuda,
+    layout_of,
+    new_slot,
     plan_layout,
-    process_alive,
-    process_start_time,
+    release_slot,
 )
 from transport.weights.routes.ipc_worker import PATHS, IpcImporter, IpcReceiver, ipc_eligible
 
@@ -68,22 +77,9 @@ class _Worker:
 
 class IpcExporter:
     """The trainer's slots for one layout (sans-I/O): offered to workers, packed per
-    version, gated by their acks.
-
-    Parameters
-    ----------
-    state:
-        A module or ``name -> tensor`` mapping: the layout of every version (names,
-        shapes, dtypes), and the device of the slots (its first tensor's).
-    bucket_bytes:
-        Bound of one bucket.
-    slots:
-        Persistent buckets (2: double buffering; ``None``: one per bucket).
-    verify:
-        Compute :func:`checksum` into every slot (the workers then check it).
-    publisher_id:
-        Named in the offers (default: a random one).
-    """
+    version, gated by their acks. ``state`` (a module or ``name -> tensor`` mapping)
+    gives the layout and the slots' device; ``slots``: 2 (double buffering) or ``None``
+    (one per bucket); ``verify``: write each bucket's :func:`checksum`."""
 
     def __init__(
         self,
@@ -94,10 +90,10 @@ class IpcExporter:
         verify: bool = True,
         publisher_id: str | None = None,
     ) -> None:
-        tensors = shared._named(state)
+        tensors = detached(state)
         if not tensors:
             raise ValueError("nothing to share: the state has no tensors")
-        self.layout = shared._layout_of(tensors, bucket_bytes)
+        self.layout = layout_of(tensors, bucket_bytes)
         self.device = next(iter(tensors.values())).device
         self.verify = verify
         self.publisher_id = publisher_id or uuid.uuid4().hex[:12]
@@ -107,7 +103,7 @@ class IpcExporter:
         self._events: list[Any] = []
         self._cpu_handles: list[IpcHandle | None] = []
         for _ in range(n):
-            slot, event, handle = shared._new_slot(self.capacity + TRAILER_BYTES, self.device)
+            slot, event, handle = new_slot(self.capacity + TRAILER_BYTES, self.device)
             self._slots.append(slot)
             self._cpu_handles.append(handle)
             if event is not None:  # pragma: no cover - CUDA
@@ -154,7 +150,7 @@ class IpcExporter:
             )
         w = _Worker(hello)
         w.exports = [  # CUDA: one export (reference counter) per worker, released alone
-            h or shared._export_cuda(self._slots[k], self._events[k])
+            h or export_cuda(self._slots[k], self._events[k])
             for k, h in enumerate(self._cpu_handles)
         ]
         self.workers[hello.worker_id] = w
@@ -196,7 +192,7 @@ class IpcExporter:
         if not (dead and w.opened):
             return
         for k, h in enumerate(w.exports):
-            shared._release(self._slots[k], h)
+            release_slot(self._slots[k], h)
 
     def reap(self) -> list[str]:
         """Drop every worker whose process is gone; their ids."""
@@ -221,20 +217,13 @@ class IpcExporter:
         wait: Callable[[float], object],
         timeout: float = 60.0,
     ) -> None:
-        """Pack ``state`` as ``version``, bucket by bucket, and ``send`` an
-        :class:`IpcReady` to every opened worker after each; returns once the last is
-        sent. ``wait(seconds)`` is called while a slot is still
-        read: it blocks up to that long, handing each :class:`IpcAck` to :meth:`handle_ack`.
-
-        Raises
-        ------
-        WeightMismatchError
-            ``state`` does not match the layout.
-        WeightUpdateError
-            A slot stayed in use by a live worker for ``timeout`` seconds.
-        """
-        tensors = shared._named(state)
-        shared._check_layout(self.layout, tensors)
+        """Pack ``state`` as ``version`` bucket by bucket, ``send`` an :class:`IpcReady`
+        to every opened worker after each. ``wait(seconds)`` blocks while a slot is still
+        read, handing each :class:`IpcAck` to :meth:`handle_ack`. Raises
+        :class:`WeightMismatchError` (not the layout) or :class:`WeightUpdateError` (a
+        slot stayed in use by a live worker for ``timeout`` seconds)."""
+        tensors = detached(state)
+        check_layout(self.layout, tensors)
         deadline = time.monotonic() + timeout
         if not _until(lambda: not self.snapshot_reads, deadline, wait):
             raise WeightUpdateError("the slots are still read for a snapshot")
@@ -248,13 +237,9 @@ class IpcExporter:
                     "(a worker that may read it neither acked nor died in time)"
                 )
             slot = self._slots[k]
-            payload = slot[: b.nbytes]
-            shared._pack(b, tensors, slot)
+            pack_bucket(cast("WeightBucketInfo", b), tensors, slot)
             trailer = slot[self.capacity : self.capacity + TRAILER_BYTES].view(torch.int64)
-            if self.verify:
-                trailer[0].copy_(checksum(payload))
-            else:
-                trailer[0].zero_()
+            trailer[0] = checksum(slot[: b.nbytes]) if self.verify else 0
             trailer[1].fill_(version)
             if self._events:  # pragma: no cover - CUDA
                 self._events[k].record()
@@ -271,7 +256,11 @@ class IpcExporter:
         :attr:`snapshot_reads` (raised by the reader) is not zero."""
         if self.held != version or self.closed:
             return None
-        return shared._views(self.layout, self._slots)
+        return {
+            e.name: wire_tensor(cast("WeightTensor", e), [self._slots[b.index]])
+            for b in self.layout
+            for e in b.tensors
+        }
 
     def close(self) -> None:
         """Drop the slots (their memory is freed once no live worker maps them)."""
@@ -280,10 +269,8 @@ class IpcExporter:
         self._slots.clear()
         self._events.clear()
         self._cpu_handles.clear()
-        if (
-            self.device.type == "cuda"
-        ):  # pragma: no cover - CUDA: free blocks whose readers have all let go
-            shared._cuda.ipc_collect()
+        if self.device.type == "cuda":  # pragma: no cover - CUDA
+            _cuda.ipc_collect()  # frees blocks whose readers have all let go
 
 
 def _until(
@@ -300,10 +287,8 @@ def _until(
 
 class IpcOffering:
     """The publisher's ``ipc`` route: its slots (new ones when the layout changes) and
-    the workers that asked for them. ``mode``, ``slots``, ``timeout``: the publisher's
-    ``ipc``, ``ipc_slots``, ``ipc_timeout``; ``core``, ``cond``: its protocol core and
-    lock; notices go to :attr:`outbox`, encoded by ``encoder``, and ``wake`` the serving
-    thread that sends them."""
+    the workers that asked for them; notices go to :attr:`outbox` and ``wake`` the
+    serving thread that sends them."""
 
     def __init__(
         self,
@@ -391,7 +376,7 @@ class IpcOffering:
     def prepare(self, tensors: dict[str, torch.Tensor], closed: Callable[[], bool]) -> None:
         """Slots for this layout (new ones when it changed), offered to every worker
         that asked; those still opening them get a moment to."""
-        layout = shared._layout_of(tensors, self.bucket_bytes)
+        layout = layout_of(tensors, self.bucket_bytes)
         with self.cond:
             if self.exporter is None or self.exporter.layout != layout:
                 if self.exporter is not None:

@@ -1,8 +1,7 @@
 """The worker's side of the ``ipc`` route (:mod:`transport.weights.routes.ipc`):
 :class:`IpcImporter` opens the trainer's slots and copies each version out (sans-I/O);
-:class:`IpcReceiver` runs it on the subscriber's thread, acks each slot (``IpcAck``) and
-version (``WeightAck(via="ipc")``), and hands a version that fails here or stalls for
-``publisher_timeout`` to shm/tcp from its kept Announce."""
+:class:`IpcReceiver` runs it on the subscriber's thread and hands a version that fails
+here or stalls to shm/tcp from its kept Announce."""
 
 from __future__ import annotations
 
@@ -10,48 +9,48 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from dataclasses import KW_ONLY, dataclass, field
 from itertools import accumulate
-from typing import Any
+from typing import Any, cast
 
 import torch
 
-from fastio.ipc_msgs import IpcAck, IpcHello, IpcOffer, IpcReady
-from fastio.weight_msgs import WeightAnnounce
+from fastio.ipc_msgs import (
+    TRAILER_BYTES,
+    IpcAck,
+    IpcHello,
+    IpcOffer,
+    IpcReady,
+)
+from fastio.weight_msgs import WeightAnnounce, WeightBucketInfo
 from transport import metrics
+from transport.weights.bucket import BucketApplier, copy_bytes, sum64
+from transport.weights.core.process import process_alive, process_start_time
 from transport.weights.core.subscriber import SubscriberCore
 from transport.weights.errors import WeightMismatchError
 from transport.weights.reporting import Reporter
 from transport.weights.results import UpdateStats
 from transport.weights.routes import Receiver
-from transport.weights.routes import ipc_tensors as shared
-from transport.weights.routes.ipc_tensors import IpcRefused
+from transport.weights.routes.ipc_tensors import (
+    IpcRefused,
+    check_layout,
+    detached,
+    open_slot,
+    sync_slot,
+)
 
-__all__ = ["PATHS", "IpcImporter", "IpcReceiver", "ipc_eligible"]
+__all__ = ["PATHS", "IpcImporter", "IpcReceiver", "IpcRefused", "ipc_eligible"]
 
 log = logging.getLogger("transport.weights.subscriber")
 
 
 class IpcImporter:
     """The worker's slots (sans-I/O): opens the trainer's offer once and copies each
-    version into ``targets``, its live tensors.
+    version into ``targets`` (a module or ``name -> tensor`` mapping on one device).
 
-    Parameters
-    ----------
-    targets:
-        A module or ``name -> tensor`` mapping (the names, shapes and dtypes of the
-        trainer's layout), all on one device.
-    worker_id, version:
-        Named in its messages (default: from the pid); the version ``targets`` hold.
-    atomic:
-        Never a mixed version; ``False``: copy each bucket as it lands.
-    verify:
-        Check each bucket's checksum (when the trainer computed one).
-
-    Attributes
-    ----------
-    version, serving:
-        The last version fully copied into ``targets`` (``-1``: none); ``False`` while
-        they hold a partial one (``atomic=False`` only).
+    ``atomic``: never a mixed version (``False``: copy each bucket as it lands);
+    ``verify``: check each bucket's checksum. :attr:`version` is the last version fully
+    copied (``-1``: none), :attr:`serving` ``False`` while ``targets`` hold a partial one.
     """
 
     def __init__(
@@ -63,7 +62,7 @@ class IpcImporter:
         verify: bool = True,
         version: int = -1,
     ) -> None:
-        self.targets = shared._named(targets)
+        self.targets = detached(targets)
         self.worker_id = worker_id or f"ipc-{os.getpid()}"
         self.atomic = atomic
         self.verify = verify
@@ -73,32 +72,25 @@ class IpcImporter:
         if len(dev) > 1:
             raise ValueError(f"targets on several devices: {sorted(map(str, dev))}")
         self.device = dev.pop() if dev else torch.device("cpu")
+        self.applier = BucketApplier(self.targets)
         self.offer: IpcOffer | None = None
         self._slots: list[torch.Tensor] = []
         self._events: list[Any] = []
         self._partial: int | None = None
         self._held: list[IpcReady] = []
-        self._failed: str = ""
+        self._failed = ""
         self._staging: torch.Tensor | None = None
         self._starts: list[int] = []  # of each bucket in the staging buffer, and the end
         self._expect = 0
-        self._plans: dict[tuple[int, int], Any] = {}
 
     def hello(self) -> IpcHello:
-        """The :class:`IpcHello` this worker sends (again after a trainer restart)."""
-        return IpcHello(
-            self.worker_id,
-            os.getpid(),
-            shared.process_start_time(os.getpid()) or 0,
-            (self.device.index or 0) if self.device.type == "cuda" else -1,
-            self.version,
-        )
+        dev = (self.device.index or 0) if self.device.type == "cuda" else -1
+        start = process_start_time(os.getpid()) or 0
+        return IpcHello(self.worker_id, os.getpid(), start, dev, self.version)
 
     def trainer_alive(self) -> bool:
         """Whether the trainer whose offer this worker opened still runs."""
-        return self.offer is not None and shared.process_alive(
-            self.offer.pid, self.offer.start_time
-        )
+        return self.offer is not None and process_alive(self.offer.pid, self.offer.start_time)
 
     def _ack(
         self, r: IpcReady, ok: bool, error: str = "", stats: dict[str, float] | None = None
@@ -107,20 +99,17 @@ class IpcImporter:
             self.worker_id, r.version, r.bucket, r.slot, ok, self.version, error, stats or {}
         )
 
+    def _opened(self, error: str = "") -> IpcAck:
+        return IpcAck(self.worker_id, -1, -1, -1, not error, self.version, error)
+
     def open(self, offer: IpcOffer) -> IpcAck:
-        """Open every slot of ``offer`` (once; a new offer replaces the old one).
-
-        Returns the :class:`IpcAck` (``bucket=-1``) to send: ``ok=False`` with the reason
-        when the layout does not match or a handle cannot be opened.
-
-        Raises
-        ------
-        IpcRefused
-            The offer is a refusal, or the trainer's process is not visible from here.
-        """
+        """Open every slot of ``offer`` (a new offer replaces the old one); the
+        :class:`IpcAck` (``bucket=-1``) to send, ``ok=False`` with the reason when the
+        layout does not match or a slot cannot be opened. :class:`IpcRefused`: the offer
+        is a refusal, or the trainer's process is not visible from here."""
         if offer.error:
             raise IpcRefused(offer.error)
-        if not shared.process_alive(offer.pid, offer.start_time):
+        if not process_alive(offer.pid, offer.start_time):
             raise IpcRefused(
                 f"trainer pid {offer.pid} is not visible from this worker: another host "
                 "or pid namespace; ipc needs one host"
@@ -128,12 +117,12 @@ class IpcImporter:
         self.abandon()  # a version of a previous offer (trainer) never completes now
         self.close_slots()
         try:
-            shared._check_layout(offer.buckets, self.targets)
+            check_layout(offer.buckets, self.targets)
         except WeightMismatchError as exc:
             return self._opened(str(exc))
         try:
             for s in offer.slots:
-                slot, event = shared._open_slot(s.handle)
+                slot, event = open_slot(s.handle)
                 self._slots.append(slot)
                 if event is not None:  # pragma: no cover - CUDA
                     self._events.append(event)
@@ -144,12 +133,26 @@ class IpcImporter:
         self._starts = [0, *accumulate(b.nbytes for b in offer.buckets)]
         return self._opened()
 
-    def _opened(self, error: str = "") -> IpcAck:
-        return IpcAck(self.worker_id, -1, -1, -1, not error, self.version, error)
+    def _why_not(self, slot: torch.Tensor, r: IpcReady) -> str:
+        """Why bucket ``r.bucket`` in ``slot`` is not ``r.version`` whole, or ``""``."""
+        assert self.offer is not None
+        cap = self.offer.slots[0].capacity
+        trailer = slot[cap : cap + TRAILER_BYTES].view(torch.int64)
+        if self.verify and self.offer.checksum == "sum64":
+            ok_t = (trailer[1] == r.version) & (
+                sum64(slot[: self.offer.buckets[r.bucket].nbytes]) == trailer[0]
+            )
+            if bool(ok_t.item()):  # the one host synchronisation of a check
+                return ""
+        elif int(trailer[1].item()) == r.version:
+            return ""
+        got = int(trailer[1].item())
+        if got != r.version:
+            return f"bucket {r.bucket}: the slot holds version {got}, not {r.version}"
+        return f"bucket {r.bucket} of version {r.version}: checksum mismatch"
 
     def on_ready(self, r: IpcReady) -> list[IpcAck]:
-        """Take one :class:`IpcReady`; the acks to send (several at once when the
-        worker held buckets until its version was complete)."""
+        """Take one :class:`IpcReady`; the acks to send (held ones with the last)."""
         if (
             self.offer is None
             or not 0 <= r.slot < len(self._slots)
@@ -171,26 +174,23 @@ class IpcImporter:
         if self._events:  # pragma: no cover - CUDA: the trainer's packing is done
             torch.cuda.current_stream(slot.device).wait_event(self._events[r.slot])
         if not self._failed:
-            cap = self.offer.slots[0].capacity
-            verify = self.verify and self.offer.checksum == "sum64"
-            self._failed = shared._check_slot(slot, b, r.version, cap, verify)
+            self._failed = self._why_not(slot, r)
         t1 = time.perf_counter()
         last = r.bucket == r.n_buckets - 1
         if self._failed:
             held, self._held = self._held, []
             return [self._ack(h, False, self._failed) for h in [*held, r]]
         stats = {"verify_s": t1 - t0}
-        if self.atomic and len(self.offer.buckets) <= len(self._slots):
+        buckets = cast("list[WeightBucketInfo]", self.offer.buckets)
+        if self.atomic and len(buckets) <= len(self._slots):
             # The whole version fits in the slots: verify all, then copy, no staging.
             self._held.append(r)
             if not last:
                 return []
             t2 = time.perf_counter()
             for h in self._held:
-                shared._unpack(
-                    self.offer.buckets[h.bucket], self._slots[h.slot], self.targets, self._plans
-                )
-            shared._sync(slot, self.device)
+                self.applier.apply(buckets[h.bucket], [self._slots[h.slot]])
+            sync_slot(slot, self.device)
             done, self._held = self._held, []
             self._complete(r.version)
             stats["copy_s"] = time.perf_counter() - t2
@@ -198,19 +198,18 @@ class IpcImporter:
         if self.atomic:
             st = self._staging
             if st is None or st.numel() < self._starts[-1]:
-                self._plans.clear()  # they may hold views of the old buffer
                 st = self._staging = torch.empty(
                     self._starts[-1], dtype=torch.uint8, device=self.device
                 )
             start = self._starts[r.bucket]
-            st[start : start + b.nbytes].copy_(slot[: b.nbytes])
+            copy_bytes(st[start : start + b.nbytes], slot[: b.nbytes])
             if last:
-                for bb, s0 in zip(self.offer.buckets, self._starts, strict=False):
-                    shared._unpack(bb, st[s0 : s0 + bb.nbytes], self.targets, self._plans)
+                for bb, s0 in zip(buckets, self._starts, strict=False):
+                    self.applier.apply(bb, [st[s0 : s0 + bb.nbytes]])
         else:
-            shared._unpack(b, slot, self.targets, self._plans)
+            self.applier.apply(buckets[r.bucket], [slot])
             self.serving = False
-        shared._sync(slot, self.device)
+        sync_slot(slot, self.device)
         if last:
             self._complete(r.version)
         stats["copy_s"] = time.perf_counter() - t1
@@ -235,14 +234,13 @@ class IpcImporter:
 
     def close_slots(self) -> None:
         """Unmap the trainer's slots (a new offer reopens)."""
-        self._plans.clear()
         self._slots.clear()
         self._events.clear()
         self.offer = None
 
     def release(self) -> IpcAck | None:
-        """Unmap the trainer's slots; the :class:`IpcAck` (``bucket=-2``) that tells the
-        trainer so, or ``None`` when nothing was open."""
+        """Unmap the trainer's slots; the goodbye :class:`IpcAck` (``bucket=-2``), or
+        ``None`` when nothing was open."""
         if self.offer is None:
             return None
         self.close_slots()
@@ -260,8 +258,8 @@ PATHS = ("ipc", "shm", "tcp")
 
 
 def ipc_eligible(path: str | None, target: Any, loader: Any, dtype: Any, rename: Any) -> bool:
-    """Whether a subscriber built with these parameters may take the ``ipc`` path;
-    raises ``ValueError`` for an unknown ``path`` or ``path="ipc"`` that cannot be."""
+    """Whether a subscriber built with these parameters may take the ``ipc`` route;
+    ``ValueError`` for an unknown ``path`` or ``path="ipc"`` that cannot be."""
     if path is not None and path not in PATHS:
         raise ValueError(f"path must be None or one of {PATHS}, not {path!r}")
     as_is = loader is None and dtype is None and rename is None
@@ -271,53 +269,38 @@ def ipc_eligible(path: str | None, target: Any, loader: Any, dtype: Any, rename:
     return eligible
 
 
+@dataclass(eq=False)
 class IpcReceiver:
     """The ``ipc`` route of a :class:`~transport.weights.WeightSubscriber` (its thread):
-    its ``core``, ``reporter``, shm/tcp ``fetcher`` (the fallback), ``targets`` written
-    in place, ``lock`` and ``send``; ``eligible`` from :func:`ipc_eligible`; ``atomic``:
-    verify every bucket before the first write; ``publisher_timeout``: seconds without
-    progress before an announced version goes by shm/tcp."""
+    acks each slot and version; ``fetcher`` (shm/tcp) takes a version that fails here or
+    makes no progress for ``publisher_timeout`` seconds."""
 
-    def __init__(
-        self,
-        core: SubscriberCore,
-        reporter: Reporter,
-        fetcher: Receiver,
-        targets: dict[str, Any],
-        *,
-        eligible: bool,
-        atomic: bool,
-        lock: Any,
-        send: Callable[[Any], None],
-        worker_id: str,
-        host: str,
-        publisher_timeout: float,
-    ) -> None:
-        self.core = core
-        self.reporter = reporter
-        self.fetcher = fetcher
-        self.targets = targets
-        self.eligible = eligible
-        self.atomic = atomic
-        self.lock = lock
-        self.send = send
-        self.worker_id = worker_id
-        self.host = host
-        self.publisher_timeout = publisher_timeout
-        self.importer: IpcImporter | None = None
-        self.pub_host = ""
-        self._asked = ""  # the publisher id an IpcHello went to
-        self.opened = False
-        self._deferred: WeightAnnounce | None = None
-        self._progress = 0.0  # monotonic time of the last IpcReady or deferral
-        self._failed: set[int] = set()
-        self._t0 = 0.0
-        #: Why the ipc route was refused ("" if it was not).
-        self.refused = ""
+    core: SubscriberCore
+    reporter: Reporter
+    fetcher: Receiver
+    targets: dict[str, Any]
+    _: KW_ONLY
+    eligible: bool
+    atomic: bool
+    lock: Any
+    send: Callable[[Any], None]
+    worker_id: str
+    host: str
+    publisher_timeout: float
+    importer: IpcImporter | None = None
+    pub_host: str = ""
+    opened: bool = False
+    #: Why the ipc route was refused ("" if it was not).
+    refused: str = ""
+    _asked: str = field(default="", init=False)  # the publisher id an IpcHello went to
+    _deferred: WeightAnnounce | None = field(default=None, init=False)
+    _progress: float = field(default=0.0, init=False)  # the last IpcReady or deferral
+    _failed: set[int] = field(default_factory=set, init=False)
+    _t0: float = field(default=0.0, init=False)
 
     def hello(self, *, up_to_date: bool) -> None:
-        """Ask this publisher for its ipc slots, once, when this worker could take
-        them and holds the latest version (the route carries only whole versions)."""
+        """Ask this publisher for its slots, once, when this worker could take them and
+        holds the latest version."""
         if (
             not self.eligible
             or self._asked == self.core.publisher_id
@@ -333,8 +316,8 @@ class IpcReceiver:
         self.send(self.importer.hello())
 
     def reset(self, pub_host: str | None = None) -> None:
-        """Drop the slots and the version half-read (the weights keep the last complete
-        one); a new publisher (``pub_host``) also forgets the old one's versions."""
+        """Drop the slots and the version half-read; a new publisher (``pub_host``) also
+        forgets the old one's versions."""
         if self.importer is not None:
             self.importer.abandon()
             self.importer.close_slots()
@@ -395,14 +378,11 @@ class IpcReceiver:
         if r.bucket == 0:
             self._t0 = self._progress
         before = imp.version
-        last = r.bucket == r.n_buckets - 1
-        locked = last or not imp.atomic  # the live weights are written only then
-        acks: list[IpcAck]
+        locked = r.bucket == r.n_buckets - 1 or not imp.atomic  # the weights are written
         up = self.fetcher.update
         if locked and up is not None and up.locked:
-            # A shm/tcp version (one-pass, after an ipc fallback) holds the lock on this
-            # very thread: never enter it twice. A newer ipc version supersedes it; an
-            # older one is refused.
+            # A shm/tcp version (one pass, after a fallback) holds the lock on this very
+            # thread: never enter it twice. A newer ipc version supersedes it.
             if r.version > up.ann.version:
                 self.fetcher.abandon(f"superseded by version {r.version} (ipc)")
             else:
@@ -413,8 +393,7 @@ class IpcReceiver:
             try:
                 self.lock.__enter__()
             except Exception as exc:  # the weights are not free: refuse the version
-                why = f"not applied, the weights were not free: {exc}"
-                self._after(imp.refuse(r, why), before)
+                self._after(imp.refuse(r, f"not applied, the weights were not free: {exc}"), before)
                 return
         try:
             acks = imp.on_ready(r)
@@ -473,16 +452,15 @@ class IpcReceiver:
         )
 
     def check_timeouts(self, now: float) -> None:
-        """Fall back to shm/tcp for a version the route does not deliver; drop the
-        slots of a trainer that is gone."""
+        """Fall back to shm/tcp for a version the route does not deliver (opened after
+        the version began, or the trainer gave up on a slot); drop the slots of a
+        trainer that is gone."""
         ann = self._deferred
         if (
             ann is not None
             and ann.version > self.core.version
             and now - self._progress > self.publisher_timeout
         ):
-            # This worker opened the slots after the version began, or the trainer gave
-            # up on a slot.
             self._deferred = None
             self._fall_back(ann.version, f"did not come by ipc in {self.publisher_timeout:.1f} s")
             self.fetcher.consider(ann)
