@@ -1,10 +1,5 @@
-"""Controller: pause, resume, abort and health of every generation worker.
-
-A synchronous core on the caller's thread (DEALERs polled with timeouts) with ``async``
-twins that run it in a thread. ``pause()`` returns once no worker runs a handler, so
-nothing generates with half-updated weights; interrupted generations were answered
-``"interrupt"`` and their rest waits on the worker until ``resume()``.
-"""
+"""Controller: pause, resume, abort and health of every generation worker, from a
+synchronous core on the caller's thread (``async`` twins run it in a thread)."""
 
 from __future__ import annotations
 
@@ -64,11 +59,10 @@ class FabricController:
     ) -> None:
         self.config = config = configure(ControllerConfig, config, options, "controller option")
         self.timeout = config.timeout
-        self._zmq_context: zmq.Context[Any] = zmq.Context()
+        self._zctx: zmq.Context[Any] = zmq.Context()
         self._socks: dict[str, zmq.Socket[Any]] = {}
         self._seq = itertools.count(1)
         self._lock = threading.Lock()
-        self._enc = versions.VERSION_1
         self._dec = Decoder(fm.WORKER_TO_CLIENT, max_message_size=config.max_message_size)
         for address in workers:
             self.add_worker(address)
@@ -80,14 +74,11 @@ class FabricController:
 
     def add_worker(self, address: str) -> None:
         """Drive one more worker."""
+        cfg = self.config
         with self._lock:
             if address not in self._socks:
-                cfg = self.config
                 self._socks[address] = make_dealer(
-                    self._zmq_context,
-                    address,
-                    max_message_size=cfg.max_message_size,
-                    curve=cfg.curve,
+                    self._zctx, address, max_message_size=cfg.max_message_size, curve=cfg.curve
                 )
 
     def remove_worker(self, address: str) -> None:
@@ -113,20 +104,18 @@ class FabricController:
         """
         t = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + t
-        op_t = op_timeout if op_timeout is not None else 0.8 * t
+        op_t = 0.8 * t if op_timeout is None else op_timeout
+        statuses: Statuses = {}
+        failed: dict[str, str] = {}
         with self._lock:
+            # Socket -> (address, seq), before and after its request is sent.
             unsent: dict[zmq.Socket[Any], tuple[str, int]] = {}
             waiting: dict[zmq.Socket[Any], tuple[str, int]] = {}
-            failed: dict[str, str] = {}
-            statuses: Statuses = {}
             for address, sock in self._socks.items():
-                # Answers to earlier, timed-out operations may still sit in the socket.
-                _drain(sock)
+                while sock.poll(0):  # answers to earlier, timed-out operations
+                    sock.recv_multipart(copy=False)
                 unsent[sock] = (address, next(self._seq))
-            while unsent or waiting:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
+            while (unsent or waiting) and (left := deadline - time.monotonic()) > 0:
                 # ZMQ_IMMEDIATE DEALERs send only on a live connection: POLLOUT first.
                 poller = zmq.Poller()
                 for sock in unsent:
@@ -135,14 +124,13 @@ class FabricController:
                     poller.register(sock, zmq.POLLIN)
                 for sock, ev in poller.poll(int(left * 1000) + 1):
                     if ev & zmq.POLLOUT and sock in unsent:
-                        address, seq = unsent.pop(sock)
-                        msg = fm.Control(seq=seq, op=op, timeout=op_t)
+                        msg = fm.Control(seq=unsent[sock][1], op=op, timeout=op_t)
                         try:
-                            sock.send_multipart(self._enc.encode(msg), zmq.NOBLOCK, copy=False)
+                            frames = versions.VERSION_1.encode(msg)
+                            sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
                         except zmq.Again:
-                            unsent[sock] = (address, seq)
                             continue
-                        waiting[sock] = (address, seq)
+                        waiting[sock] = unsent.pop(sock)
                     elif ev & zmq.POLLIN and sock in waiting:
                         address, seq = waiting[sock]
                         for frames in fm.split(sock.recv_multipart(copy=False)):
@@ -158,10 +146,8 @@ class FabricController:
                                 else:
                                     failed[address] = reply.error
                             waiting.pop(sock, None)
-            for address, _ in unsent.values():
-                failed[address] = f"not reachable within {t} s"
-            for address, _ in waiting.values():
-                failed[address] = f"no answer within {t} s"
+            failed.update({a: f"not reachable within {t} s" for a, _ in unsent.values()})
+            failed.update({a: f"no answer within {t} s" for a, _ in waiting.values()})
         if failed and strict:
             text = f"{op} failed on {len(failed)} of {len(self._socks)} workers: {failed}"
             raise ControlError(text, failed, dict(statuses))
@@ -205,7 +191,7 @@ class FabricController:
             for sock in self._socks.values():
                 sock.close(linger=0)
             self._socks.clear()
-            self._zmq_context.term()
+            self._zctx.term()
 
     def __enter__(self) -> FabricController:
         return self
@@ -218,11 +204,3 @@ class FabricController:
 
     async def __aexit__(self, *exc: object) -> None:
         self.close()
-
-
-def _drain(sock: zmq.Socket[Any]) -> None:
-    while True:
-        try:
-            sock.recv_multipart(zmq.NOBLOCK, copy=False)
-        except zmq.Again:
-            return

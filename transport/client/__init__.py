@@ -3,9 +3,7 @@ the caller's loop (:class:`SyncFabricClient`: in a thread of its own); its parts
 docs/concepts.md ("How the objects are built")."""
 
 from transport.client.config import ClientConfig
-from transport.client.fabric import FabricClient
-from transport.client.future import GenerateFuture
-from transport.client.sync import SyncFabricClient
-from transport.client.workers import WorkerInfo
+from transport.client.fabric import FabricClient, SyncFabricClient
+from transport.client.workers import GenerateFuture, WorkerInfo
 
 __all__ = ["ClientConfig", "FabricClient", "GenerateFuture", "SyncFabricClient", "WorkerInfo"]

@@ -9,7 +9,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from fastio import LLMRequest, LLMResponse, VLMRequest, VLMResponse
+from fastio import LLMResponse, VLMRequest, VLMResponse
 from fastio import fabric_msgs as fm
 from fastio.tokens import TokenArray
 from transport import metrics
@@ -24,11 +24,9 @@ _NAMES = (
     "stale", "bad_messages", "overloaded", "workers_died", "workers_joined", "no_worker",
     "poisoned",
 )  # fmt: skip
-# Counts that are also Prometheus counters.
-_EXPORTED: dict[str, Any] = {
-    "resent": metrics.CLIENT_RESENDS,
-    "workers_died": metrics.CLIENT_WORKER_DEATHS,
-}
+_EXPORTED = {"resent": metrics.CLIENT_RESENDS, "workers_died": metrics.CLIENT_WORKER_DEATHS}
+
+Chunk = tuple[TokenArray, TokenArray, TokenArray]
 
 
 class Counters(Counts):
@@ -50,16 +48,14 @@ class Counters(Counts):
 
 def _deliver(call: Call, pos: int, toks: TokenArray, lps: TokenArray, vers: TokenArray) -> None:
     """Hand ``on_chunk`` the tokens at output positions ``pos...`` it has not had."""
-    cb = call.on_chunk
-    assert cb is not None
+    assert call.on_chunk is not None
     skip = call.delivered - pos
-    n = len(toks)
-    if skip >= n:
+    if skip >= len(toks):
         return
+    call.delivered = pos + len(toks)
     if skip > 0:
         toks, lps, vers = toks[skip:], lps[skip:], vers[skip:]
-    call.delivered = pos + n
-    cb(toks, lps, vers)
+    call.on_chunk(toks, lps, vers)
 
 
 def on_stream(call: Call, msg: fm.Stream) -> None:
@@ -76,7 +72,7 @@ def on_stream(call: Call, msg: fm.Stream) -> None:
         call.chunks = [chunk]
     _stamp(call, k, time.perf_counter())
     if call.on_chunk is not None:
-        _deliver(call, pos, msg.output_tokens, msg.output_logprobs, msg.output_versions)
+        _deliver(call, pos, *chunk)
 
 
 def _stamp(call: Call, n: int, now: float) -> None:
@@ -108,40 +104,35 @@ def _append(call: Call, toks: TokenArray, lps: TokenArray, vers: TokenArray) -> 
 
 def _next_segment(call: Call) -> str | None:
     """Set up the continuation of a segment that ended early, or return why none is due."""
-    orig = call.orig
-    assert call.out_tok is not None
-    produced = len(call.out_tok)
-    remaining = orig.gconfig.max_new_tokens - produced
-    if remaining <= 0:
+    orig, out = call.orig, call.out_tok
+    assert out is not None
+    g = orig.gconfig
+    if g.max_new_tokens <= len(out):
         return "length"
-    stops = orig.gconfig.stop_token_ids
-    if stops and produced and call.out_tok[-1] in stops:
+    if g.stop_token_ids and len(out) and out[-1] in g.stop_token_ids:
         return "stop"
-    g = orig.gconfig.new(
-        max_new_tokens=remaining, min_new_tokens=max(0, orig.gconfig.min_new_tokens - produced)
+    g = g.new(
+        max_new_tokens=g.max_new_tokens - len(out),
+        min_new_tokens=max(0, g.min_new_tokens - len(out)),
     )
-    call.segment = msgspec.structs.replace(orig, input_ids=orig.input_ids + call.out_tok, gconfig=g)
+    call.segment = msgspec.structs.replace(orig, input_ids=orig.input_ids + out, gconfig=g)
     return None
 
 
 def keep_streamed(call: Call) -> LLMResponse | None:
     """The current attempt was lost: keep what it streamed as a segment (the re-send goes
     on from there); the response when those tokens complete the call."""
-    chunks = call.chunks
-    call.chunks = ()
-    call.seg_streamed = 0
+    chunks, call.chunks, call.seg_streamed = call.chunks, (), 0
     if chunks:  # a rare path (a lost attempt): one more copy is no matter
         toks, lps, vers = (
             TokenArray.wrap(np.concatenate([c[i].array for c in chunks])) for i in range(3)
         )
         _append(call, toks, lps, vers)
     drop_times(call, call.base)
-    if call.out_tok is None:
-        return None
-    stop = _next_segment(call)
+    stop = None if call.out_tok is None else _next_segment(call)
     if stop is None:
         return None
-    assert call.out_lp is not None and call.out_ver is not None
+    assert call.out_tok is not None and call.out_lp is not None and call.out_ver is not None
     return _finish(call, call.out_tok, call.out_lp, call.out_ver, stop, time.perf_counter())
 
 
@@ -150,37 +141,33 @@ def absorb_result(call: Call, res: fm.Result) -> LLMResponse | None:
     call goes on (an interrupt with tokens left; ``call.segment`` is set)."""
     now = time.perf_counter()
     n = len(res.output_tokens)
+    toks, lps, vers = res.output_tokens, res.output_logprobs, res.output_versions
     if call.on_chunk is not None:  # tokens the stream did not carry
-        _deliver(call, call.base, res.output_tokens, res.output_logprobs, res.output_versions)
-    stop_reason: str = res.stop_reason
-    if not call.times and call.out_tok is None and stop_reason != "interrupt":
+        _deliver(call, call.base, toks, lps, vers)
+    stop: str = res.stop_reason
+    if not call.times and call.out_tok is None and stop != "interrupt":
         # One segment, nothing streamed: the worker's arrays (views of the received
         # frames) become the response as they are.
         latency = now - call.t0
         itl = TokenArray.wrap(_ZEROS[: n - 1]) if 0 < n <= _N_ZEROS else _zero_itl(n - 1)
-        return _response(
-            call.orig, res.output_tokens, res.output_logprobs, res.output_versions,
-            stop_reason, latency, latency, itl,
-        )  # fmt: skip
+        return _response(call, toks, lps, vers, stop, latency, latency, itl)
     call.chunks = ()
     extra = call.base + n - len(call.times)  # tokens the stream did not announce
     if extra > 0:
         _stamp(call, extra, now)
-    elif extra < 0:
-        drop_times(call, call.base + n)
-    if call.out_tok is None and stop_reason != "interrupt":
-        toks, lps, vers = res.output_tokens, res.output_logprobs, res.output_versions
     else:
-        _append(call, res.output_tokens, res.output_logprobs, res.output_versions)
+        drop_times(call, call.base + n)
+    if call.out_tok is not None or stop == "interrupt":
+        _append(call, toks, lps, vers)
         assert call.out_tok is not None and call.out_lp is not None and call.out_ver is not None
         toks, lps, vers = call.out_tok, call.out_lp, call.out_ver
-        if stop_reason == "interrupt":
-            stop = _next_segment(call)
-            if stop is None:
+        if stop == "interrupt":
+            next_stop = _next_segment(call)
+            if next_stop is None:
                 call.interrupts += 1
                 return None
-            stop_reason = stop
-    return _finish(call, toks, lps, vers, stop_reason, now)
+            stop = next_stop
+    return _finish(call, toks, lps, vers, stop, now)
 
 
 _NO_IMAGES: dict[str, Any] = {}
@@ -198,23 +185,20 @@ def _finish(
     call: Call, toks: TokenArray, lps: TokenArray, vers: TokenArray, stop: str, now: float
 ) -> LLMResponse:
     times = call.times
-    return _response(
-        call.orig, toks, lps, vers, stop, now - call.t0,
-        times[0] - call.t0 if times else now - call.t0,
-        TokenArray(np.diff(np.asarray(times, dtype=np.float64))) if times else _zero_itl(0),
-    )  # fmt: skip
+    ttft = times[0] - call.t0 if times else now - call.t0
+    itl = TokenArray(np.diff(np.asarray(times, dtype=np.float64))) if times else _zero_itl(0)
+    return _response(call, toks, lps, vers, stop, now - call.t0, ttft, itl)
 
 
 def _response(
-    orig: LLMRequest, toks: Any, lps: Any, vers: Any, stop_reason: Any,
-    latency: float, ttft: float, itl: TokenArray,
-) -> LLMResponse:  # fmt: skip
+    call: Call, toks: Any, lps: Any, vers: Any, stop: Any, latency: float, ttft: float, itl: Any
+) -> LLMResponse:
     """The caller's response: the worker's output around the caller's own prompt."""
-    cls, images = LLMResponse, _NO_IMAGES
+    orig, cls, images = call.orig, LLMResponse, _NO_IMAGES
     if isinstance(orig, VLMRequest):
         cls, images = VLMResponse, {"input_images": list(orig.image_data or [])}
     return cls(
         input_tokens=orig.input_ids, output_tokens=toks, output_logprobs=lps,
-        output_versions=vers, stop_reason=stop_reason, latency=latency, ttft=ttft, itl=itl,
+        output_versions=vers, stop_reason=stop, latency=latency, ttft=ttft, itl=itl,
         **images,
     )  # fmt: skip

@@ -1,14 +1,17 @@
-"""The asyncio rollout client: it owns :class:`Counters`, :class:`Scheduler` (where a
-call goes, how it ends) and :class:`Liveness` (heartbeats, deaths, re-sends), and routes
-what the workers send to them."""
+"""The rollout client: :class:`FabricClient` on the caller's loop owns
+:class:`Counters`, :class:`Scheduler` (where a call goes, how it ends) and
+:class:`Liveness` (heartbeats, deaths, re-sends) and routes what the workers send to them;
+:class:`SyncFabricClient` runs one in a thread of its own."""
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import threading
 import time
 import uuid
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Coroutine, Sequence
+from typing import Any, TypeVar
 
 import zmq
 
@@ -19,14 +22,23 @@ from transport import metrics
 from transport.addresses import resolve_problem, tcp_host
 from transport.client.calls import Counters, absorb_result, drop_times, on_stream
 from transport.client.config import ChunkCallback, ClientConfig, client_config
-from transport.client.future import GenerateFuture, bind, install_task_factory
-from transport.client.liveness import Liveness, log
+from transport.client.liveness import Liveness
 from transport.client.scheduling import Scheduler
-from transport.client.workers import Call, Worker, WorkerInfo, check_address
+from transport.client.workers import (
+    Call,
+    GenerateFuture,
+    Worker,
+    WorkerInfo,
+    check_address,
+    install_task_factory,
+    log,
+)
 from transport.errors import EMPTY_PROMPT, ClientClosed, NoWorkers, RemoteError, RequestAborted
 from transport.ratelog import RateLimitedLog
 
-__all__ = ["FabricClient"]
+__all__ = ["FabricClient", "SyncFabricClient"]
+
+T = TypeVar("T")
 
 _rlog = RateLimitedLog(log)
 
@@ -63,7 +75,7 @@ class FabricClient:
         self._dec = Decoder(fm.WORKER_TO_CLIENT, max_message_size=config.max_message_size)
         # One routing id on every DEALER: answers and LOST reports reach it after a reconnect.
         self._identity = b"fc-" + uuid.uuid4().hex.encode()
-        self._ctx: zmq.Context[Any] | None = None
+        self._zctx: zmq.Context[Any] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
         #: Port of the metrics endpoint once started (``config.metrics_port``).
@@ -86,7 +98,7 @@ class FabricClient:
             raise ClientClosed("the client is closed")
         self._loop = asyncio.get_running_loop()
         install_task_factory(self._loop)
-        self._ctx = zmq.Context()
+        self._zctx = zmq.Context()
         metrics.expose("client")
         if self.config.metrics_port is not None:
             self.metrics_port = metrics.start_http_server(self.config.metrics_port)
@@ -108,8 +120,8 @@ class FabricClient:
         self._live.close()
         for call in self._sched.close():
             self._sched.fail(call, ClientClosed("the client was closed"))
-        if self._ctx is not None:
-            self._ctx.term()
+        if self._zctx is not None:
+            self._zctx.term()
 
     def add_worker(self, address: str) -> None:
         """Start using the worker at ``address`` once it answers a ping
@@ -122,8 +134,8 @@ class FabricClient:
         if w is not None:
             w.drain(False)
             return
-        assert self._ctx is not None
-        w = Worker(address, self._ctx, self.config, self._identity, self._on_message)
+        assert self._zctx is not None
+        w = Worker(address, self._zctx, self.config, self._identity, self._on_message)
         self._sched.add(w)
         if tcp_host(address) is not None:  # a host name: say so if it does not resolve
             lookup = self._loop.run_in_executor(None, resolve_problem, address)
@@ -169,21 +181,15 @@ class FabricClient:
             ``(tokens, logprobs, versions)`` as output arrives: each position once, in
             order, also across re-sends and interrupts.
 
-        Raises
-        ------
-        RequestTimeout
-            Not done in time (then cancelled on its worker, as when the future is).
-        RemoteError
-            The worker failed it, never re-sent (:class:`RequestAborted`: a controller
-            aborted it; :class:`~transport.errors.PoisonRequest`: too many died running it).
-        NoWorkerAvailable
-            No worker alive for ``config.connect_timeout``; says what was seen where.
-        NoWorkers
-            No worker is configured.
-        ValueError
-            ``req.input_ids`` is empty.
-
-        Errors are raised where the result is awaited, never by the call.
+        Errors are raised where the result is awaited, never by the call:
+        :class:`~transport.errors.RequestTimeout` (then cancelled on its worker, as when
+        the future is), :class:`RemoteError` (the worker failed it, never re-sent;
+        :class:`RequestAborted`: a controller aborted it;
+        :class:`~transport.errors.PoisonRequest`: too many died running it),
+        :class:`~transport.errors.NoWorkerAvailable` (none alive for
+        ``config.connect_timeout``; says what was seen where),
+        :class:`~transport.errors.NoWorkers` (none configured), ``ValueError`` (empty
+        ``req.input_ids``).
         """
         try:
             loop = asyncio.get_running_loop()
@@ -210,7 +216,7 @@ class FabricClient:
         config = self.config
         t = config.request_timeout if timeout is None else timeout
         call = Call(req, fut, on_chunk, t)
-        bind(fut, call, self._cancelled)
+        fut.bind(call, self._cancelled)
         # Longer timeouts are checked on each heartbeat tick: no timer per request.
         if t < 30 * config.heartbeat_interval:
             call.timer = loop.call_later(t, self._sched.timed_out, call, t)
@@ -304,3 +310,67 @@ async def _in_loop(
 ) -> LLMResponse:
     """``agenerate`` from inside the loop that runs this coroutine."""
     return await client.agenerate(req, timeout=timeout, on_chunk=on_chunk)
+
+
+class SyncFabricClient:
+    """A :class:`FabricClient` (``client``) driven from synchronous code: its loop runs
+    in a background thread. Takes the arguments of :class:`FabricClient`.
+
+    Examples
+    --------
+    >>> with SyncFabricClient(["tcp://127.0.0.1:5555"]) as client:  # doctest: +SKIP
+    ...     resp = client.generate(LLMRequest(input_ids=[1, 2, 3]))
+    """
+
+    def __init__(
+        self, workers: Sequence[str] = (), config: ClientConfig | None = None, **options: Any
+    ) -> None:
+        self.client = FabricClient(workers, config, **options)  # checks the arguments first
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="fabric-client", daemon=True
+        )
+        self._thread.start()
+        self._run(self.client.start())
+
+    def _run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            return fut.result(timeout)
+        except concurrent.futures.TimeoutError:
+            fut.cancel()
+            raise
+
+    def generate(self, req: LLMRequest, *, timeout: float | None = None) -> LLMResponse:
+        """Blocking :meth:`FabricClient.agenerate`."""
+        return self._run(_in_loop(self.client, req, timeout, None))
+
+    def submit(
+        self, req: LLMRequest, *, timeout: float | None = None
+    ) -> concurrent.futures.Future[LLMResponse]:
+        """Start a request; returns a ``concurrent.futures.Future``."""
+        coro = _in_loop(self.client, req, timeout, None)  # agenerate in the client's loop
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    def add_worker(self, address: str) -> None:
+        """Thread-safe :meth:`FabricClient.add_worker` (a bad address raises here)."""
+        check_address(address)
+        self._loop.call_soon_threadsafe(self.client.add_worker, address)
+
+    def remove_worker(self, address: str) -> None:
+        """Thread-safe :meth:`FabricClient.remove_worker`."""
+        self._loop.call_soon_threadsafe(self.client.remove_worker, address)
+
+    def close(self) -> None:
+        """Close the client and stop its thread."""
+        if self._thread.is_alive():
+            self._run(self.client.close(), timeout=10)
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=10)
+            self._loop.close()
+
+    def __enter__(self) -> SyncFabricClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -4,7 +4,6 @@ fast when no worker is there (docs/concepts.md: heartbeats, failover, a poison r
 from __future__ import annotations
 
 import asyncio
-import logging
 import random
 import time
 from collections.abc import Callable
@@ -14,12 +13,10 @@ from fastio import fabric_msgs as fm
 from transport.client.calls import keep_streamed
 from transport.client.config import ClientConfig
 from transport.client.scheduling import Scheduler
-from transport.client.workers import Call, Worker
+from transport.client.workers import Call, Worker, log
 from transport.errors import IncompatibleWorkers, NoWorkerAvailable, PoisonRequest, RemoteError
 
 __all__ = ["Liveness", "resend_delay"]
-
-log = logging.getLogger("transport.client")
 
 
 def resend_delay(k: int, base: float, cap: float, rand: float | None = None) -> float:
@@ -59,6 +56,11 @@ class Liveness:
         assert self._loop is not None
         self._timers[name] = self._loop.call_later(delay, fn)
 
+    def _cancel(self, name: str) -> None:
+        timer = self._timers.pop(name, None)
+        if timer is not None:
+            timer.cancel()
+
     def watch(self, w: Worker) -> None:
         """Start pinging a new worker; while none is alive, calls wait for it too."""
         if not self.n_alive:
@@ -93,7 +95,7 @@ class Liveness:
             else:
                 w.poll_monitor()
             w.ping()
-        if not self.n_alive and self.no_worker_expired():
+        if self.no_worker_expired():
             self._warn_none()
         self._last_tick = now
         self._later("heartbeat", cfg.heartbeat_interval, self._heartbeat)
@@ -152,13 +154,11 @@ class Liveness:
                 self._later("gate", until - now, self._gate_timeout)
             return
         self._first_back = 0.0
-        gate = self._timers.pop("gate", None)
-        if gate is not None:
-            gate.cancel()
+        self._cancel("gate")
         self.sched.release()
 
     def _gate_timeout(self) -> None:
-        self._timers.pop("gate", None)
+        del self._timers["gate"]
         self.gate_check()
 
     def worker_died(self, w: Worker, why: str, crashed: bool = True) -> None:
@@ -240,12 +240,10 @@ class Liveness:
 
     def _check_none(self) -> None:
         self._timers.pop("none", None)
-        if self._closed or self.n_alive:
-            return
-        if not self.no_worker_expired():
+        if self.no_worker_expired() and not self._closed:
+            self._fail_waiting(self._warn_none())
+        else:
             self.watch_for_none()
-            return
-        self._fail_waiting(self._warn_none())
 
     def _warn_none(self) -> NoWorkerAvailable:
         """The no-worker error, logged once per stretch without a live worker."""

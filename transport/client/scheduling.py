@@ -13,8 +13,7 @@ from fastio import fabric_msgs as fm
 from transport import metrics
 from transport.client.calls import Counters
 from transport.client.config import ClientConfig
-from transport.client.future import GenerateFuture, unbind
-from transport.client.workers import Call, Worker
+from transport.client.workers import Call, GenerateFuture, Worker
 from transport.errors import RequestTimeout
 
 __all__ = ["Scheduler"]
@@ -223,7 +222,7 @@ class Scheduler:
         if call.backoff is not None:
             call.backoff.cancel()
             self.back_off(call, None)
-        unbind(call.fut)
+        call.fut.unbind()
         return call.fut
 
     def complete(self, call: Call, out: LLMResponse) -> None:
@@ -232,10 +231,9 @@ class Scheduler:
         else:  # settle() without its timers: the usual call (one method call less)
             call.done = True
             fut = call.fut
-            unbind(fut)
-        counters = self.counters
-        counters.stats["completed"] += 1  # not exported: add()'s checks not needed
-        if counters.observe_latency:
+            fut.unbind()
+        self.counters["completed"] += 1  # not exported: add()'s checks not needed
+        if self.counters.observe_latency:
             metrics.CLIENT_LATENCY.observe(out.latency)
         if not fut.done():
             fut.set_result(out)

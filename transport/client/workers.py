@@ -1,5 +1,5 @@
-"""The client's table entries: a :class:`Worker` per address and a :class:`Call` per
-``agenerate`` call."""
+"""The client's table entries: a :class:`Worker` per address, a :class:`Call` per
+``agenerate`` call, and the :class:`GenerateFuture` it answers."""
 
 from __future__ import annotations
 
@@ -9,22 +9,21 @@ import contextlib
 import logging
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine, Generator
 from dataclasses import dataclass
 from typing import Any
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from fastio import Encoder, LLMRequest, versions
+from fastio import Encoder, LLMRequest, LLMResponse, versions
 from fastio import fabric_msgs as fm
 from fastio.tokens import TokenArray
 from transport.client.config import ChunkCallback, ClientConfig
-from transport.client.future import GenerateFuture
 from transport.errors import BadAddress
 from transport.sockets import SocketPump, make_dealer, make_monitor
 
-__all__ = ["Call", "Worker", "WorkerInfo", "check_address"]
+__all__ = ["Call", "GenerateFuture", "Worker", "WorkerInfo", "check_address"]
 
 log = logging.getLogger("transport.client")
 
@@ -41,12 +40,12 @@ _ADDRESS = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://(.*)", re.DOTALL)
 
 
 def check_address(address: str) -> str:
-    """``address`` if a client can connect to it (``tcp://host:port``, ``ipc://path``,
-    ``inproc://name``), else :class:`BadAddress` saying what is wrong."""
+    """``address`` if a client can connect to it, else :class:`BadAddress` saying why."""
     if not isinstance(address, str):
         raise BadAddress(f"worker address must be a str, got {type(address).__name__}")
     m = _ADDRESS.fullmatch(address)
     scheme, rest = m.groups() if m is not None else ("", "")
+    host, sep, port = rest.rpartition(":")
     why = ""
     if m is None:
         why = " has no scheme: expected tcp://host:port, ipc://path or inproc://name"
@@ -54,14 +53,12 @@ def check_address(address: str) -> str:
         why = f": transport {scheme!r} is not supported (use one of {', '.join(_SCHEMES)})"
     elif not rest:
         why = f" names no endpoint after {scheme}://"
-    elif scheme == "tcp":
-        host, sep, port = rest.rpartition(":")
-        if not sep or not host:
-            why = " needs a port: tcp://host:port"
-        elif host == "*":
-            why = ": '*' binds, a client needs a host"
-        elif not port.isdigit() or not 0 < int(port) < 65536:
-            why = f": port {port!r} is not a number in 1-65535"
+    elif scheme == "tcp" and (not sep or not host):
+        why = " needs a port: tcp://host:port"
+    elif scheme == "tcp" and host == "*":
+        why = ": '*' binds, a client needs a host"
+    elif scheme == "tcp" and not (port.isdigit() and 0 < int(port) < 65536):
+        why = f": port {port!r} is not a number in 1-65535"
     if why:
         raise BadAddress(f"worker address {address!r}{why}")
     return address
@@ -95,7 +92,7 @@ class Worker:
     def __init__(
         self,
         address: str,
-        ctx: zmq.Context[Any],
+        zctx: zmq.Context[Any],
         config: ClientConfig,
         identity: bytes,
         on_message: Callable[[Worker, list[zmq.Frame]], None],
@@ -103,7 +100,7 @@ class Worker:
         self.address = address
         try:
             sock = make_dealer(
-                ctx, address, hwm=config.hwm, max_message_size=config.max_message_size,
+                zctx, address, hwm=config.hwm, max_message_size=config.max_message_size,
                 curve=config.curve, routing_id=identity,
             )  # fmt: skip
         except zmq.ZMQError as exc:
@@ -112,23 +109,18 @@ class Worker:
         self._on_message = on_message
         self.pump = SocketPump(sock, self._received, batch_frames=True, defer_check=True)
         self.added_at = time.monotonic()  # its first pongs are waited for from here
-        self.alive = False
-        self.draining = False
+        self.alive = self.draining = False
         self.inflight: dict[int, Call] = {}
         self.sticky_queue: collections.deque[Call] = collections.deque()
         self.pong = fm.Heartbeat()  # the last one, received at pong_at
-        self.pong_at = 0.0
-        self.last_seen = 0.0
-        self.died_at = 0.0
+        self.pong_at = self.last_seen = self.died_at = 0.0
         self.missed = 0  # heartbeat ticks without a message from it
         # Lowered at an OVERLOADED answer (it serves others too), raised by one per answer.
         self.limit = self._max_limit = config.max_in_flight_per_worker
         self.cool_until = 0.0
         self.others = 0  # its requests from other clients, by a current pong
-        self.load_current = False
-        self.connected = False
+        self.load_current = self.connected = self.handshake_ok = False
         self.connect_retries = 0
-        self.handshake_ok = False
         self.handshake_failed: list[str] = []
         self.unresolved = ""  # why its host name does not resolve
         self.enc: Encoder = versions.VERSION_1
@@ -149,9 +141,7 @@ class Worker:
 
     def record_pong(self, hb: fm.Heartbeat, enc: Encoder) -> bool:
         """A pong, from a worker that reads ``enc``; True if it was not alive before."""
-        self.enc = enc
-        self.incompatible = ""
-        self.pong = hb
+        self.enc, self.incompatible, self.pong = enc, "", hb
         self.pong_at = self.last_seen  # set as this message arrived
         self.others = max(0, max(hb.in_flight, hb.running + hb.waiting) - len(self.inflight))
         self.load_current = True
@@ -161,11 +151,10 @@ class Worker:
 
     def mark_dead(self) -> bool:
         """It is dead (or unusable); True if it was alive until now."""
-        if not self.alive:
-            return False
-        self.alive = False
-        self.died_at = time.monotonic()
-        return True
+        was_alive, self.alive = self.alive, False
+        if was_alive:
+            self.died_at = time.monotonic()
+        return was_alive
 
     def mark_incompatible(self, why: str) -> bool:
         """It speaks no version this client reads (``why``); True if that is news."""
@@ -174,8 +163,7 @@ class Worker:
 
     def take_calls(self) -> tuple[list[Call], list[Call]]:
         """Take its calls, running (cancelled there: it may only be stalled) and waiting."""
-        running = list(self.inflight.values())
-        waiting = list(self.sticky_queue)
+        running, waiting = list(self.inflight.values()), list(self.sticky_queue)
         self.pump.discard_queued()
         for sub_id in self.inflight:
             self.send_quiet(fm.Cancel(id=sub_id))
@@ -192,30 +180,26 @@ class Worker:
 
     def answered(self) -> None:
         """A call ended there: one more may go to it (up to the configured limit)."""
-        if self.limit < self._max_limit:
-            self.limit += 1
+        self.limit = min(self.limit + 1, self._max_limit)
 
     def overloaded(self) -> bool:
         """It answered OVERLOADED; True when it runs none of ours (it cools for 10 ms)."""
         self.limit = max(1, len(self.inflight))
-        if self.inflight:
-            return False
-        self.cool_until = time.monotonic() + 0.01
-        return True
+        if not self.inflight:
+            self.cool_until = time.monotonic() + 0.01
+        return not self.inflight
 
     def resolved(self, lookup: asyncio.Future[str]) -> None:
         """The lookup of its host name ended (``resolve_problem``'s answer)."""
-        if lookup.cancelled() or lookup.exception() is not None:
-            return
-        self.unresolved = lookup.result()
-        if self.unresolved:
-            log.warning("worker %s: %s; retrying until it does", self.address, self.unresolved)
+        if not lookup.cancelled() and lookup.exception() is None:
+            self.unresolved = lookup.result()
+            if self.unresolved:
+                log.warning("worker %s: %s; retrying until it does", self.address, self.unresolved)
 
     def refused(self) -> bool:
         """Never answered, and the connection or its handshake was refused: not up."""
-        return not self.last_seen and (
-            bool(self.handshake_failed) or (self.connect_retries > 0 and not self.connected)
-        )
+        refused = bool(self.handshake_failed) or (self.connect_retries > 0 and not self.connected)
+        return not self.last_seen and refused
 
     def warm(self) -> bool:
         """Not in a short back-off after an OVERLOADED answer."""
@@ -242,7 +226,6 @@ class Worker:
                 ev = recv_monitor_message(self.monitor, zmq.NOBLOCK)
             except zmq.ZMQError:
                 return
-            assert isinstance(ev, dict)
             e = ev["event"]
             if e in _HANDSHAKE_FAILED:
                 name = str(zmq.Event(e).name)
@@ -307,8 +290,7 @@ class Call:
     def __init__(
         self, req: LLMRequest, fut: GenerateFuture, on_chunk: ChunkCallback | None, timeout: float
     ) -> None:
-        self.orig = req
-        self.segment = req  # what the current attempt asks for
+        self.orig = self.segment = req  # segment: what the current attempt asks for
         self.fut = fut
         self.on_chunk = on_chunk
         self.t0 = time.perf_counter()
@@ -322,20 +304,97 @@ class Call:
         self.out_tok: TokenArray | None = None
         self.out_lp: TokenArray | None = None
         self.out_ver: TokenArray | None = None
-        # Arrival time of every accumulated/streamed token; the shared empty tuple until
-        # the first (most calls never stream: no list each for the GC to walk).
+        # Arrival time of each output position, and the current attempt's streamed chunks:
+        # the shared empty tuple until the first (no list each for the GC to walk).
         self.times: list[float] | tuple[()] = ()
-        # Streamed chunks of the current attempt (the empty tuple: none), and their count.
         self.chunks: list[tuple[TokenArray, TokenArray, TokenArray]] | tuple[()] = ()
-        self.seg_streamed = 0
+        self.seg_streamed = 0  # positions the current attempt streamed
         self.delivered = 0  # output positions handed to on_chunk
-        self.resends = 0
-        self.interrupts = 0
-        # Addresses of the workers that died while running it (the shared empty tuple).
-        self.died_on: tuple[str, ...] = ()
+        self.resends = self.interrupts = 0
+        self.died_on: tuple[str, ...] = ()  # the workers that died while running it
         self.done = False
 
     @property
     def base(self) -> int:
         """Output position where the current attempt's tokens start."""
         return len(self.out_tok) if self.out_tok is not None else 0
+
+
+class GenerateFuture(asyncio.Future[LLMResponse]):
+    """The pending result of :meth:`FabricClient.agenerate`: an :class:`asyncio.Future`
+    (``create_task`` takes it through the client's task factory). Cancelling it cancels
+    the request on its worker."""
+
+    # No __init__ of its own (asyncio's C one alone is cheaper): see bind().
+    __slots__ = ("_call", "_canceller")
+    _call: Call | None
+    _canceller: Callable[[Call], None]
+
+    def cancel(self, msg: Any | None = None) -> bool:
+        """Cancel the future and the request behind it."""
+        if not super().cancel(msg):
+            return False
+        call = getattr(self, "_call", None)
+        self._call = None
+        if call is not None:
+            self._canceller(call)
+        return True
+
+    def bind(self, call: Call, canceller: Callable[[Call], None]) -> None:
+        """Cancelling calls ``canceller(call)`` until :meth:`unbind`."""
+        self._call = call
+        self._canceller = canceller
+
+    def unbind(self) -> None:
+        """The call ended: drop the reference (the call holds the future too)."""
+        self._call = None
+
+
+class _Awaiting(Coroutine[Any, Any, LLMResponse]):
+    """``return await fut`` as an object: a task cancelled (or closed) before its first
+    step still cancels the request."""
+
+    __slots__ = ("_fut",)
+
+    def __init__(self, fut: GenerateFuture) -> None:
+        self._fut = fut
+
+    def send(self, value: Any) -> Any:
+        if self._fut.done():
+            raise StopIteration(self._fut.result())
+        self._fut._asyncio_future_blocking = True
+        return self._fut
+
+    def throw(self, typ: Any, val: Any = None, tb: Any = None) -> Any:
+        exc = typ if isinstance(typ, BaseException) else (typ() if val is None else val)
+        if isinstance(exc, asyncio.CancelledError):
+            self._fut.cancel()
+        raise exc
+
+    def close(self) -> None:
+        self._fut.cancel()
+
+    def __await__(self) -> Generator[Any, None, LLMResponse]:
+        return self._fut.__await__()
+
+
+def install_task_factory(loop: asyncio.AbstractEventLoop) -> None:
+    """Let ``loop.create_task`` take a :class:`GenerateFuture`, as a task awaiting it
+    (other coroutines go to the factory set before). Installing twice is a no-op."""
+    prev: Callable[..., asyncio.Future[Any]] | None = loop.get_task_factory()
+    if getattr(prev, "_fastio_generate", False):
+        return
+
+    def factory(
+        loop: asyncio.AbstractEventLoop,
+        coro: Coroutine[Any, Any, Any] | Generator[Any, None, Any],
+        **kwargs: Any,
+    ) -> asyncio.Future[Any]:
+        if isinstance(coro, GenerateFuture):
+            coro = _Awaiting(coro)
+        if prev is not None:
+            return prev(loop, coro, **kwargs)
+        return asyncio.Task(coro, loop=loop, **kwargs)
+
+    factory._fastio_generate = True  # type: ignore[attr-defined]
+    loop.set_task_factory(factory)
