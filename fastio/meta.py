@@ -55,25 +55,31 @@ class AllocationType(enum.Enum):
 
 
 _STRATEGY = re.compile(r"([dpt])(\d+)([dpt])(\d+)([dpt])(\d+)")
-_VALID_EXAMPLE = "'sglang.d4p1t1+d2p2t1' or 'd2p2t1+vllm.d4t1p1'"
+
+
+def _invalid(whole: str, why: str) -> ValueError:
+    return ValueError(
+        f"invalid allocation mode {whole!r}: {why}. A valid mode looks like "
+        "'sglang.d4p1t1+d2p2t1' or 'd2p2t1+vllm.d4t1p1'"
+    )
 
 
 def _parse_strategy(text: str, role: str, whole: str) -> dict[str, int]:
     m = _STRATEGY.fullmatch(text)
-    if m is None or len({m.group(1), m.group(3), m.group(5)}) != 3:
-        raise ValueError(
-            f"invalid allocation mode {whole!r}: the {role} part {text!r} is not a parallel "
-            "strategy; it must name each of d, p, t exactly once with a size, such as "
-            f"'d4p1t1'. A valid mode looks like {_VALID_EXAMPLE}"
+    if m is None or len({m[1], m[3], m[5]}) != 3:
+        raise _invalid(
+            whole,
+            f"the {role} part {text!r} is not a parallel strategy; it must name each of "
+            "d, p, t exactly once with a size, such as 'd4p1t1'",
         )
-    strategy = {m.group(i): int(m.group(i + 1)) for i in (1, 3, 5)}
+    strategy = {m[i]: int(m[i + 1]) for i in (1, 3, 5)}
     for axis, size in strategy.items():
         if size < 1:
-            raise ValueError(
-                f"invalid allocation mode {whole!r}: {role} size {axis}{size} must be >= 1. "
-                f"A valid mode looks like {_VALID_EXAMPLE}"
-            )
+            raise _invalid(whole, f"{role} size {axis}{size} must be >= 1")
     return strategy
+
+
+_BACKENDS = {"vllm": AllocationType.DECOUPLED_vLLM, "sglang": AllocationType.DECOUPLED_SGLANG}
 
 
 class _Size:
@@ -125,26 +131,20 @@ class AllocationMode(WireStruct, tag=int(MsgKind.ALLOCATION_MODE)):
             raise ValueError(f"allocation mode must be a string, got {allocation_mode!r}")
         parts = allocation_mode.split("+")
         if len(parts) != 2:
-            raise ValueError(
-                f"invalid allocation mode {allocation_mode!r}: expected exactly one '+' "
-                f"between a generation and a training part, such as {_VALID_EXAMPLE}"
+            raise _invalid(
+                allocation_mode, "expected exactly one '+' between a generation and a training part"
             )
-        backends = {
-            "vllm": AllocationType.DECOUPLED_vLLM,
-            "sglang": AllocationType.DECOUPLED_SGLANG,
-        }
-        gen_idx = [i for i, p in enumerate(parts) if p.split(".", 1)[0] in backends and "." in p]
-        if len(gen_idx) != 1:
-            raise ValueError(
-                f"invalid allocation mode {allocation_mode!r}: exactly one part must name the "
-                f"generation backend as 'vllm.<strategy>' or 'sglang.<strategy>', such as "
-                f"{_VALID_EXAMPLE}"
+        gen = [i for i, p in enumerate(parts) if "." in p and p.split(".", 1)[0] in _BACKENDS]
+        if len(gen) != 1:
+            raise _invalid(
+                allocation_mode,
+                "exactly one part must name the generation backend as 'vllm.<strategy>' "
+                "or 'sglang.<strategy>'",
             )
-        backend, gen_text = parts[gen_idx[0]].split(".", 1)
-        train_text = parts[1 - gen_idx[0]]
-        train = _parse_strategy(train_text, "training", allocation_mode)
-        gen = _parse_strategy(gen_text, "generation", allocation_mode)
-        return cls(backends[backend], {"*": train, "gen": gen})
+        backend, gen_text = parts[gen[0]].split(".", 1)
+        train = _parse_strategy(parts[1 - gen[0]], "training", allocation_mode)
+        strat = {"*": train, "gen": _parse_strategy(gen_text, "generation", allocation_mode)}
+        return cls(_BACKENDS[backend], strat)
 
     @staticmethod
     def extract_parallelism_strategy(allocation_mode: str) -> dict[str, dict[str, int]]:

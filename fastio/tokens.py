@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 __all__ = ["TokenArray"]
 
 _NUMERIC_KINDS = frozenset("biuf")
-_EMPTY_INT = np.dtype(np.int64)
+_NUMBER = (int, float, np.number)
 
 
 def _hint(op: str) -> str:
@@ -39,22 +39,17 @@ def _weak(values: Sequence[Any], like: np.dtype[Any]) -> npt.NDArray[Any]:
     if len(values) == 0:
         return np.empty(0, like)
     arr = _numbers(values, None)
-    kind = arr.dtype.kind
+    kind, target = arr.dtype.kind, like.kind
     if kind not in _NUMERIC_KINDS:
         raise TypeError(f"TokenArray holds numbers only, got {arr.dtype} values")
-    if arr.dtype == like:
-        return arr
-    target = like.kind
-    if kind == "b" or (kind in "iu" and target in "iu"):
-        if kind != "b" and target in "iu":
-            info = np.iinfo(like)
-            if arr.min() < info.min or arr.max() > info.max:
-                return arr
-        return arr.astype(like)
-    if kind in "biu" and target == "f":
-        return arr.astype(like) if like.itemsize >= 8 else arr.astype(np.float64)
-    if kind == "f" and target == "f":
-        return arr.astype(like)
+    if kind == "b" or kind == target == "f":
+        return arr.astype(like, copy=False)
+    if kind in "iu" and target in "iu":
+        info = np.iinfo(like)
+        fits = info.min <= arr.min() and arr.max() <= info.max
+        return arr.astype(like, copy=False) if fits else arr
+    if kind in "iu" and target == "f":
+        return arr.astype(like if like.itemsize >= 8 else np.float64)
     return arr
 
 
@@ -104,11 +99,8 @@ class TokenArray(Sequence[Any]):
                 raise TypeError(
                     f"TokenArray needs a sequence of numbers, got {type(data).__name__}"
                 )
-            if not isinstance(data, (list, tuple)):
-                data = list(data)
-            if dtype is None and len(data) == 0:
-                dtype = _EMPTY_INT
-            arr = _numbers(data, dtype)
+            data = data if isinstance(data, (list, tuple)) else list(data)
+            arr = _numbers(data, np.int64 if dtype is None and not data else dtype)
             self._excl = True
         if dtype is not None and arr.dtype != np.dtype(dtype):
             arr = arr.astype(dtype)
@@ -188,13 +180,10 @@ class TokenArray(Sequence[Any]):
         return iter(self.tolist())
 
     def __reversed__(self) -> Iterator[Any]:
-        items: list[Any] = self._a[::-1].tolist()
-        return iter(items)
+        return iter(self._a[::-1].tolist())
 
     def __contains__(self, value: object) -> bool:
-        if not isinstance(value, (int, float, np.number)):
-            return False
-        return bool((self._a == value).any())
+        return isinstance(value, _NUMBER) and bool((self._a == value).any())
 
     def __bool__(self) -> bool:
         return len(self._a) > 0
@@ -228,21 +217,19 @@ class TokenArray(Sequence[Any]):
 
     __hash__ = None  # type: ignore[assignment]  # mutable, like list
 
-    def _coerce(self, other: Any, op: str) -> npt.NDArray[Any]:
-        if isinstance(other, TokenArray):
-            return other._a
-        if isinstance(other, np.ndarray):
-            if other.ndim != 1 or other.dtype.kind not in _NUMERIC_KINDS:
-                raise TypeError(_hint(f"{op} {other.ndim}-D {other.dtype} array"))
-            return other
-        if isinstance(other, (list, tuple, range)):
-            return _weak(other, self._a.dtype)
-        raise TypeError(_hint(f"{op} {type(other).__name__}"))
-
-    def _values(self, values: Any, op: str) -> npt.NDArray[Any]:
-        """``_coerce``, for any iterable of numbers too (``extend``, slice assignment)."""
-        if isinstance(values, (TokenArray, np.ndarray, list, tuple, range)):
-            return self._coerce(values, op)
+    def _values(self, values: Any, op: str, iterables: bool = False) -> npt.NDArray[Any]:
+        """``values`` as an array to join with this one; any iterable of numbers when
+        ``iterables`` (``extend``, slice assignment), else only list-likes (``+``)."""
+        if isinstance(values, TokenArray):
+            return values._a
+        if isinstance(values, np.ndarray):
+            if values.ndim != 1 or values.dtype.kind not in _NUMERIC_KINDS:
+                raise TypeError(_hint(f"{op} {values.ndim}-D {values.dtype} array"))
+            return values
+        if isinstance(values, (list, tuple, range)):
+            return _weak(values, self._a.dtype)
+        if not iterables:
+            raise TypeError(_hint(f"{op} {type(values).__name__}"))
         if isinstance(values, Iterable) and not isinstance(values, (str, bytes)):
             return _weak(list(values), self._a.dtype)
         raise TypeError(
@@ -250,18 +237,18 @@ class TokenArray(Sequence[Any]):
         )
 
     def __add__(self, other: Any) -> TokenArray:
-        return TokenArray.wrap(_concat(self._a, self._coerce(other, "+")))
+        return TokenArray.wrap(_concat(self._a, self._values(other, "+")))
 
     def __radd__(self, other: Any) -> TokenArray:
-        return TokenArray.wrap(_concat(self._coerce(other, "+"), self._a))
+        return TokenArray.wrap(_concat(self._values(other, "+"), self._a))
 
     def __iadd__(self, other: Any) -> TokenArray:
-        self.extend(self._coerce(other, "+="))
+        self.extend(self._values(other, "+="))
         return self
 
     def extend(self, values: Iterable[Any]) -> None:
         """Append every element of ``values`` (amortised; never writes a received frame)."""
-        extra = self._values(values, "extend")
+        extra = self._values(values, "extend", iterables=True)
         n, k = len(self), extra.shape[0]
         if k == 0:
             return
@@ -277,22 +264,18 @@ class TokenArray(Sequence[Any]):
 
     def append(self, value: Any) -> None:
         """Append one element."""
-        if not isinstance(value, (int, float, np.number)):
-            raise TypeError(f"TokenArray holds numbers only, got {type(value).__name__}")
-        self.extend((value,))
+        self.extend((_number(value),))
 
     def pop(self, index: SupportsIndex = -1) -> Any:
         """Remove and return the element at ``index`` (default last)."""
-        n = len(self)
-        if n == 0:
+        if not len(self):
             raise IndexError("pop from empty TokenArray")
         i = operator.index(index)
-        i = i + n if i < 0 else i
-        if not 0 <= i < n:
+        if not -len(self) <= i < len(self):
             raise IndexError("pop index out of range")
         value = self._a[i].item()
         # A new array: views of the old prefix must never see later appends.
-        self._set_private(np.concatenate((self._a[:i], self._a[i + 1 :])))
+        self._set_private(np.delete(self._a, i))
         return value
 
     def clear(self) -> None:
@@ -318,25 +301,16 @@ class TokenArray(Sequence[Any]):
         self._buf = None
         self._excl = True
 
-    def _own(self, dtype: np.dtype[Any]) -> npt.NDArray[Any]:
-        """``_a`` as private writable memory of ``dtype`` (copies once if shared)."""
-        a = self._a
-        if not getattr(self, "_excl", False) or a.dtype != dtype or not a.flags.writeable:
-            a = a.astype(dtype)  # always a copy
-            self._set_private(a)
-        return a
-
     def __setitem__(self, index: Any, value: Any) -> None:
         if isinstance(index, slice):
             start, stop, step = index.indices(len(self))
             if isinstance(value, TokenArray):
                 values = value._a.copy()  # t[a:b] = t reads what it writes
             else:
-                values = self._values(value, "slice assignment")
+                values = self._values(value, "slice assignment", iterables=True)
             if step == 1:
-                stop = max(stop, start)
                 a = self._a
-                self._set_private(_concat(a[:start], values, a[stop:]))
+                self._set_private(_concat(a[:start], values, a[max(stop, start) :]))
                 return
             n_slot = len(range(start, stop, step))
             if values.shape[0] != n_slot:
@@ -344,30 +318,25 @@ class TokenArray(Sequence[Any]):
                     f"attempt to assign sequence of size {values.shape[0]} "
                     f"to extended slice of size {n_slot}"
                 )
-            dtype = _joined(self._a.dtype, values.dtype)
-            self._own(dtype)[index] = values
-            return
-        i = self._assignment_index(index)
-        if not isinstance(value, (int, float, np.number)):
-            raise TypeError(f"TokenArray holds numbers only, got {type(value).__name__}")
-        item = _weak([value], self._a.dtype)
-        self._own(_joined(self._a.dtype, item.dtype))[i] = item[0]
+        else:
+            index = self._assignment_index(index)
+            values = _weak([_number(value)], self._a.dtype)
+        # Private writable memory of the joined dtype (copied once if shared).
+        a, dtype = self._a, _joined(self._a.dtype, values.dtype)
+        if not getattr(self, "_excl", False) or a.dtype != dtype or not a.flags.writeable:
+            a = a.astype(dtype)
+            self._set_private(a)
+        a[index] = values if isinstance(index, slice) else values[0]
 
     def _assignment_index(self, index: Any) -> int:
         i = _index(index)
-        n = len(self)
-        if not -n <= i < n:
+        if not -len(self) <= i < len(self):
             raise IndexError("TokenArray assignment index out of range")
         return i
 
     def __delitem__(self, index: Any) -> None:
-        if isinstance(index, slice):
-            keep = np.ones(len(self), bool)
-            keep[index] = False
-            self._set_private(self._a[keep])
-            return
-        i = self._assignment_index(index)
-        self.pop(i)
+        i = index if isinstance(index, slice) else self._assignment_index(index)
+        self._set_private(np.delete(self._a, i))
 
     # Operations whose list and array meanings disagree: refused.
     __mul__ = __rmul__ = __imul__ = _refused("*")
@@ -377,6 +346,12 @@ class TokenArray(Sequence[Any]):
 
 
 _new = object.__new__
+
+
+def _number(value: Any) -> Any:
+    if not isinstance(value, _NUMBER):
+        raise TypeError(f"TokenArray holds numbers only, got {type(value).__name__}")
+    return value
 
 
 def _index(index: Any) -> int:
@@ -390,12 +365,10 @@ def _index(index: Any) -> int:
 
 def _concat(*parts: npt.NDArray[Any]) -> npt.NDArray[Any]:
     """The parts joined; an empty part takes no part in the dtype (as ``[] + list``)."""
-    dtype = parts[-1].dtype
-    seen = False
-    for p in parts:
-        if p.shape[0]:
-            dtype = _joined(dtype, p.dtype) if seen else p.dtype
-            seen = True
+    dtypes = [p.dtype for p in parts if p.shape[0]] or [parts[-1].dtype]
+    dtype = dtypes[0]
+    for d in dtypes[1:]:
+        dtype = _joined(dtype, d)
     return np.concatenate(parts, dtype=dtype, casting="unsafe")
 
 
