@@ -27,28 +27,22 @@ class WorkerConfig(msgspec.Struct, forbid_unknown_fields=True):
         Addresses to bind (``tcp://127.0.0.1:0`` picks a free port; ``ipc://path``).
     worker_id:
         Name in heartbeats and status (default ``host:pid``).
-    max_concurrency:
-        Handlers running at once; more submissions wait for a slot.
-    max_pending:
-        Running plus waiting; a Submit beyond it is answered ``OVERLOADED``.
+    max_concurrency, max_pending:
+        Handlers running at once; running plus waiting (a Submit beyond: ``OVERLOADED``).
     client_timeout:
-        Seconds of silence after which a client is dead and its requests cancelled
-        (reported ``LOST`` if it pings again).
-    max_message_size, hwm, curve:
-        See :mod:`transport.sockets`.
-    peer_queue_limit:
-        Bytes of replies held for a client that does not read; past it that client is
-        dropped, so it never holds up the others.
+        Seconds of silence after which a client's requests are cancelled (``LOST``).
+    max_message_size, hwm, curve, peer_queue_limit:
+        See :mod:`transport.sockets` (a client holding more replies is dropped).
     extra:
         Options for plugins (``--plugin-opt key=value``).
     eager_start:
-        Run each handler's first step in the callback that took its Submit; set False
-        for handlers that need ``asyncio.current_task()`` to be their request's task.
+        Run each handler's first step in the callback that took its Submit (False for
+        handlers that need ``asyncio.current_task()`` to be their request's task).
     latency_metrics:
         Record the latency histograms (on with ``--metrics-port``).
     inline:
-        Serve the socket on the handler's loop, for handlers that never block.
-        ``None``: the handler's ``inline`` attribute decides (the echo sets it).
+        Serve the socket on the handler's loop, for handlers that never block (``None``:
+        the handler's ``inline`` attribute decides; the echo sets it).
     """
 
     bind: str | list[str] = "tcp://127.0.0.1:0"
@@ -67,10 +61,9 @@ class WorkerConfig(msgspec.Struct, forbid_unknown_fields=True):
 
 
 def checked_config(config: WorkerConfig | Mapping[str, Any] | None = None) -> WorkerConfig:
-    """``config`` (a :class:`WorkerConfig`, or its fields by name, strings allowed)
-    checked against its constraints (:func:`transport.options.configure`): a
-    ``ValueError`` names a bad field (``worker option max_pending=0: expected an integer
-    >= 1``), a ``TypeError`` an unknown one."""
+    """``config`` (or its fields by name, strings allowed) checked: ``ValueError`` names a
+    bad field (``worker option max_pending=0: expected an integer >= 1``), ``TypeError``
+    an unknown one."""
     if isinstance(config, WorkerConfig):
         return configure(WorkerConfig, config, {}, "worker option")
     return configure(WorkerConfig, None, config or {}, "worker option")

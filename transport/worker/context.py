@@ -28,13 +28,11 @@ __all__ = [
 
 
 class _Gate(Protocol):
-    @property
-    def paused(self) -> bool: ...
+    paused: bool
 
 
 class Owner(Protocol):
-    """What a context needs of the table that holds it
-    (:class:`~transport.worker.requests.Requests`)."""
+    """What a context reads of the :class:`~transport.worker.requests.Requests` holding it."""
 
     latency_metrics: bool
 
@@ -108,7 +106,7 @@ class RequestContext:
         self._ver.append(version)
 
     def take_stream(self) -> fm.Stream | None:
-        """The worker's: the tokens emitted and not sent yet, as one Stream (None: none)."""
+        """The tokens emitted and not sent yet, as one Stream (None: none)."""
         if not self._tok:
             return None
         msg = fm.Stream(
@@ -123,7 +121,7 @@ class RequestContext:
         return msg
 
     def finished(self, n_tokens: int) -> None:
-        """The worker's: the latency histograms of this request's Result of ``n_tokens``."""
+        """Record the latency histograms of this request's Result of ``n_tokens``."""
         now = time.monotonic()
         metrics.WORKER_E2E.observe(now - self._t0)
         if not self._first:  # nothing streamed: the first token left with the Result
@@ -195,9 +193,6 @@ def _out_of_vocab(what: str, field: str, token: int, vocab_size: int) -> str:
     )
 
 
-CoroutineType = types.CoroutineType
-
-
 class Resume:
     """Continues a coroutine already stepped once, as if the awaiting task had started
     it (cancellation and errors pass through)."""
@@ -240,7 +235,7 @@ def first_step(
     ``rest`` is what a task must await when the handler did not finish at once."""
     try:
         aw = handler(req, ctx)
-        if type(aw) is not CoroutineType:
+        if type(aw) is not types.CoroutineType:
             if not hasattr(aw, "__await__"):  # a sync handler's answer
                 return aw, None, None
             return None, None, aw  # an awaitable that is not a coroutine (a Future)

@@ -16,8 +16,6 @@ from transport.ratelog import RateLimitedLog
 
 __all__ = ["STATUS_KEYS", "Counters", "Shard", "log_counted"]
 
-log = logging.getLogger("transport.worker")
-
 #: The counts of ``WorkerStatus.counters`` that the worker's threads keep.
 STATUS_KEYS = (
     "received", "completed", "cancelled", "interrupted", "aborted", "errors", "duplicates",
@@ -30,7 +28,7 @@ OUTCOMES = ("ok", "error", "cancelled", "rejected")
 
 #: ``log_counted(n, fmt, *args)``: the ``n``-th occurrence logged if one of the first
 #: ten or a power of two (hostile input must not flood the log).
-log_counted = RateLimitedLog(log).counted
+log_counted = RateLimitedLog(logging.getLogger("transport.worker")).counted
 
 
 class Shard:
@@ -82,8 +80,7 @@ class Counters(Mapping[str, int]):
         """The status counts now (from any thread)."""
         a, b = self.loop.counts, self.io.counts
         out = {key: a[key] + b[key] for key in a}
-        for key, fn in self.read.items():
-            out[key] = fn()
+        out.update((key, fn()) for key, fn in self.read.items())
         return out
 
     def __getitem__(self, key: str) -> int:

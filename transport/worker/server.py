@@ -107,7 +107,7 @@ class WorkerServer:
 
     @property
     def pause_requests(self) -> int:
-        """How many times :meth:`pause` was called (see :class:`PauseGate`)."""
+        """How many times :meth:`pause` was called."""
         return self.gate.pause_requests
 
     @property
@@ -123,31 +123,26 @@ class WorkerServer:
     @property
     def version(self) -> int:
         """The engine's weight version (0 without an engine exposing one)."""
-        return int(getattr(self.engine, "version", 0))
+        return self._version()
 
-    def _version(self) -> int:  # the property's value, one call cheaper per request
+    def _version(self) -> int:
         return int(getattr(self.engine, "version", 0))
 
     def status(self) -> fm.WorkerStatus:
         """A snapshot of this worker's state and counters (callable from any thread)."""
-        running, waiting = self.gate.running, max(0, len(self._held) - self.gate.running)
         return fm.WorkerStatus(
             worker_id=self.worker_id, incarnation=self.incarnation, version=self.version,
-            paused=self.gate.paused, running=running, waiting=waiting,
-            counters=self.counters.snapshot(),
+            paused=self.gate.paused, running=self.gate.running,
+            waiting=max(0, len(self._held) - self.gate.running), counters=self.counters.snapshot(),
         )  # fmt: skip
 
     def _queue_depth(self) -> int:
         return max(0, len(self._held) - self.gate.running) + self.io.queued_submits()
 
     def _engine_waiting(self) -> int:
-        # A failing hook must not cost the pong.
-        load = self.engine_load
-        if load is None:
-            return 0
         try:
-            return max(0, int(load()))
-        except Exception:
+            return max(0, int(self.engine_load())) if self.engine_load is not None else 0
+        except Exception:  # a failing hook must not cost the pong
             return 0
 
     async def pause(self, timeout: float = 30.0) -> bool:
@@ -185,20 +180,18 @@ class WorkerServer:
             await self.close()
             raise
         self._bind_gauges()
-        self._sweeper = asyncio.get_running_loop().call_later(
-            cfg.client_timeout / 4, self._sweep_peers
-        )
+        self._sweep_peers()  # and every client_timeout / 4 s from now on
         self._bg_tasks = tasks = [asyncio.ensure_future(job(self)) for job in self.background]
-        if tasks:
-            await asyncio.sleep(0)
+        for _ in range(2 if tasks else 0):
             await asyncio.sleep(0)
         for task, job in zip(tasks, self.background, strict=True):
             # A worker must not report ready without what it was told to run.
             if task.done() and not task.cancelled() and (exc := task.exception()) is not None:
                 await self.close()
                 name = getattr(job, "__qualname__", repr(job))
-                why = f"{type(exc).__name__}: {exc}"
-                raise RuntimeError(f"background job {name} failed at start: {why}") from exc
+                raise RuntimeError(
+                    f"background job {name} failed at start: {type(exc).__name__}: {exc}"
+                ) from exc
         for task in tasks:
             task.add_done_callback(_log_failure)
         log.info("worker %s serving on %s", self.worker_id, ", ".join(self.endpoints))
@@ -227,13 +220,11 @@ class WorkerServer:
 
     async def close(self) -> None:
         """Stop serving: cancel requests and background jobs, close the socket."""
-        for task in self._bg_tasks:
+        tasks = self._bg_tasks + self.requests.tasks()
+        for task in tasks:
             task.cancel()
-        pending = self.requests.tasks()
-        for task in pending:
-            task.cancel()
-        if pending or self._bg_tasks:
-            await asyncio.wait(pending + self._bg_tasks, timeout=5)
+        if tasks:
+            await asyncio.wait(tasks, timeout=5)
         if self._sweeper is not None:
             self._sweeper.cancel()
         self.io.close()
