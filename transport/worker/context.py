@@ -173,23 +173,20 @@ def token_problem(req: LLMRequest, vocab_size: int) -> str | None:
     ``gconfig.stop_token_ids``), naming the field and such an id, or None."""
     ids = req.input_ids._a
     u = _UNSIGNED.get(ids.dtype)
+    bad: int | None
     if ids.size and int((ids if u is None else ids.view(u)).max()) >= vocab_size:
         lo = int(ids.min())
-        bad = lo if lo < 0 else int(ids.max())
-        return _out_of_vocab("input ids", "input_ids", bad, vocab_size)
-    stops = req.gconfig.stop_token_ids
-    if stops:
-        for t in stops:
-            if not 0 <= t < vocab_size:
-                return _out_of_vocab("stop token ids", "gconfig.stop_token_ids", t, vocab_size)
-    return None
-
-
-def _out_of_vocab(what: str, field: str, token: int, vocab_size: int) -> str:
+        what, field, bad = "input ids", "input_ids", lo if lo < 0 else int(ids.max())
+    else:
+        what, field = "stop token ids", "gconfig.stop_token_ids"
+        stops = req.gconfig.stop_token_ids
+        bad = next((t for t in stops if not 0 <= t < vocab_size), None) if stops else None
+        if bad is None:
+            return None
     # Worded as the reference and HF engines' own refusal ("input ids must lie in ...").
     return (
         f"{what} must lie in [0, {vocab_size}) (the engine's vocab_size={vocab_size}): "
-        f"{field} holds token id {token}"
+        f"{field} holds token id {bad}"
     )
 
 
@@ -211,21 +208,18 @@ class Resume:
         coro, out = self._coro, self._step
         self._step = None
         while True:
+            error: BaseException | None = None
             try:
                 yield out
             except GeneratorExit:
                 coro.close()
                 raise
             except BaseException as exc:
-                try:
-                    out = coro.throw(exc)
-                except StopIteration as stop:
-                    return stop.value  # type: ignore[no-any-return]
-            else:
-                try:
-                    out = coro.send(None)
-                except StopIteration as stop:
-                    return stop.value  # type: ignore[no-any-return]
+                error = exc
+            try:
+                out = coro.send(None) if error is None else coro.throw(error)
+            except StopIteration as stop:
+                return stop.value  # type: ignore[no-any-return]
 
 
 def first_step(
