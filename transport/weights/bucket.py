@@ -1,9 +1,5 @@
-"""Flat buckets: a state dict packed into a few large byte buffers, and back.
-
-A *plan* (:class:`~fastio.weight_msgs.WeightBucketInfo` list) depends only on names,
-shapes and dtypes, so both sides compute it (:func:`plan_buckets`); the checksums of
-every route live here too.
-"""
+"""Flat buckets: a state dict packed into a few large byte buffers, and back; the plan,
+dtype names and checksums of every route (``docs/weights.md``)."""
 
 from __future__ import annotations
 
@@ -51,8 +47,7 @@ __all__ = [
     "wire_tensor",
 ]
 
-#: Default bucket size: per-bucket overheads vanish, and a worker applies one bucket
-#: while the next is on the wire.
+#: Default bucket size.
 DEFAULT_BUCKET_BYTES = 256 << 20
 #: Byte alignment of every tensor inside a bucket.
 ALIGNMENT = 64
@@ -106,8 +101,8 @@ DEFAULT_CHECKSUM = CHECKSUM_ALGOS[0]
 
 
 class Hasher:
-    """Streaming checksum over several buffers (``update`` in order, then ``digest``);
-    ``algo``: ``"xxh3_64"`` (needs the ``xxhash`` package) or ``"crc32"``."""
+    """Streaming checksum (``update`` in order, then ``digest``): ``"xxh3_64"`` (needs
+    the ``xxhash`` package) or ``"crc32"``."""
 
     def __init__(self, algo: str = DEFAULT_CHECKSUM) -> None:
         if algo not in CHECKSUM_ALGOS:
@@ -117,14 +112,12 @@ class Hasher:
         self._xxh: Any = _xxhash.xxh3_64() if algo == "xxh3_64" else None
 
     def update(self, buf: Any) -> None:
-        """Feed one bytes-like object (a memoryview of a frame, an array, ...)."""
         if self._xxh is not None:
             self._xxh.update(buf)
         else:
             self._crc = zlib.crc32(buf, self._crc)
 
     def digest(self) -> int:
-        """The checksum of everything fed so far, as an unsigned int."""
         return int(self._xxh.intdigest()) if self._xxh is not None else self._crc
 
 
@@ -138,8 +131,7 @@ def checksum(buffers: Iterable[Any], algo: str = DEFAULT_CHECKSUM) -> int:
 
 # -- plans ---------------------------------------------------------------------------
 def named_tensors(source: Any) -> dict[str, torch.Tensor]:
-    """The tensors of an ``nn.Module`` (its state dict: detached views sharing storage
-    with the parameters), a mapping of name -> tensor, or ``(name, tensor)`` pairs."""
+    """``name -> tensor`` of an ``nn.Module`` (its state dict), a mapping or pairs."""
     if isinstance(source, torch.nn.Module):
         return dict(source.state_dict(keep_vars=False))
     if isinstance(source, Iterable):
@@ -150,10 +142,9 @@ def named_tensors(source: Any) -> dict[str, torch.Tensor]:
 def split_aliases(
     tensors: Mapping[str, torch.Tensor],
 ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """Separate tensors that are one memory under several names (tied weights): returns
-    ``(unique, aliases)``, the first name of each distinct tensor in order, and every
-    other name -> that first name. Aliases view the same bytes the same way (device,
-    address, dtype, shape, strides); tensors that merely overlap are distinct.
+    """Separate tensors that are one memory under several names (tied weights):
+    ``(unique, aliases)``, the first name of each in order and every other name -> it.
+    Aliases view the same bytes the same way; tensors that merely overlap are distinct.
 
     >>> w = torch.ones(2, 2)
     >>> split_aliases({"embed": w, "head": w, "b": torch.zeros(2)})[1]
@@ -182,10 +173,9 @@ def plan_spans(
     align: int,
     dtype: Callable[[str], torch.dtype] = dtype_from_name,
 ) -> Iterator[tuple[list[tuple[str, str, tuple[int, ...], int, int]], int]]:
-    """The one planner of every route: ``(name, dtype_name, shape)`` in order, grouped
-    into buckets of at most ``bucket_bytes`` (a larger tensor gets one of its own), each
-    tensor's offset a multiple of ``align``; yields each bucket's ``(name, dtype, shape,
-    offset, nbytes)`` entries and its length. ``dtype``: a name -> its torch dtype."""
+    """The one planner of every route: ``(name, dtype_name, shape)`` in order, in buckets
+    of at most ``bucket_bytes`` (a larger tensor alone), offsets multiples of ``align``;
+    yields each bucket's ``(name, dtype, shape, offset, nbytes)`` entries and length."""
     cur: list[tuple[str, str, tuple[int, ...], int, int]] = []
     size = 0
     seen: set[str] = set()
@@ -207,9 +197,8 @@ def plan_spans(
 def plan_buckets(
     specs: Iterable[tuple[str, str, Sequence[int]]], bucket_bytes: int = DEFAULT_BUCKET_BYTES
 ) -> list[WeightBucketInfo]:
-    """Lay tensors, given as ``(name, dtype_name, shape)`` in wire order, out in flat
-    buckets of at most ``bucket_bytes`` (a larger tensor gets one of its own); each with
-    ``checksum=0`` and ``shm_offset`` as if the buckets lay back to back in one segment.
+    """:func:`plan_spans` as :class:`WeightBucketInfo` (``checksum=0``, ``shm_offset``
+    as if the buckets lay back to back in one segment).
 
     >>> plan = plan_buckets([("w", "float32", (4, 4)), ("b", "bfloat16", (4,))], 1 << 20)
     >>> [(t.name, t.offset, t.nbytes) for t in plan[0].tensors]
@@ -232,8 +221,7 @@ _SUM64_WEIGHTS: dict[tuple[int, Any], torch.Tensor] = {}
 
 def sum64(payload: torch.Tensor) -> torch.Tensor:
     """``sum64`` of a bucket (1-D ``uint8``, a multiple of 512 bytes, 8-byte aligned): a
-    0-d int64 tensor computed on ``payload``'s device, no host synchronisation (the ipc
-    route's checksum; ``docs/weights.md``)."""
+    0-d int64 tensor on ``payload``'s device, no host synchronisation."""
     if payload.device.type == "cpu":
         # numpy, single-threaded: torch's intra-op threads spin on a busy trainer host
         words = payload.numpy().view(np.int64).reshape(-1, SUM64_ROW // 8)
@@ -251,7 +239,6 @@ def sum64(payload: torch.Tensor) -> torch.Tensor:
 
 # -- packing and applying ----------------------------------------------------------
 def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
-    """A 1-D uint8 view of a contiguous tensor's memory."""
     return t.reshape(-1).view(torch.uint8)
 
 
@@ -274,9 +261,8 @@ def pack_bucket(
 
 
 def copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """Copy between two 1-D uint8 tensors of equal size: CPU to CPU by ``numpy.copyto``
-    (one memcpy, GIL released; torch's ``copy_`` splits large copies over intra-op
-    threads that spin on busy cores)."""
+    """Copy between two 1-D uint8 tensors of equal size (CPU to CPU by ``numpy.copyto``:
+    one memcpy, GIL released, no spinning intra-op threads)."""
     if dst.device.type == "cpu" and src.device.type == "cpu":
         np.copyto(dst.numpy(), src.numpy())
     else:
@@ -284,8 +270,8 @@ def copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
 
 
 def copy_tensor(dst: torch.Tensor, t: torch.Tensor, *, sync: bool = True) -> bool:
-    """Copy tensor ``t`` into the uint8 region ``dst`` (C order); returns whether it
-    was a CUDA copy (non-blocking; synchronised here when ``sync``)."""
+    """Copy ``t`` into the uint8 region ``dst`` (C order); whether it was a CUDA copy
+    (non-blocking; synchronised here when ``sync``)."""
     if t.device.type == "cuda":
         dst.copy_(_flat_bytes(t.contiguous()), non_blocking=True)
         if sync:
@@ -301,8 +287,8 @@ def copy_tensor(dst: torch.Tensor, t: torch.Tensor, *, sync: bool = True) -> boo
 def _copy_span(
     dst: np.ndarray[Any, Any], arrs: list[np.ndarray[Any, Any]], starts: list[int], offset: int
 ) -> None:
-    """Copy bytes ``[offset, offset + dst.size)`` of a bucket held in the chunks ``arrs``
-    (chunk ``k`` starts at byte ``starts[k]``) into ``dst``."""
+    """Copy bytes ``[offset, offset + dst.size)`` of the chunks ``arrs`` (starting at
+    ``starts``) into ``dst``."""
     k = bisect.bisect_right(starts, offset) - 1
     pos = 0
     while pos < dst.size:
@@ -318,8 +304,7 @@ def _copy_span(
 def _chunk_spans(
     chunks: Sequence[torch.Tensor], lo: int, hi: int
 ) -> Iterator[tuple[torch.Tensor, int, int]]:
-    """The parts of bytes ``[lo, hi)`` of a bucket split into ``chunks``: (part, its
-    offset from ``lo``, its offset in its chunk)."""
+    """Bytes ``[lo, hi)`` of ``chunks``: (part, offset from ``lo``, offset in its chunk)."""
     base = 0
     for c in chunks:
         n = c.numel()
@@ -332,8 +317,8 @@ def _chunk_spans(
 
 
 def wire_tensor(e: WeightTensor, chunks: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Tensor ``e`` of a bucket held in ``chunks`` (1-D uint8 chunks in order), typed and
-    shaped: a view when it lies in one chunk at an aligned offset, else a copy."""
+    """Tensor ``e`` of a bucket held in ``chunks`` (1-D uint8): a view when it lies in
+    one chunk at an aligned offset, else a copy."""
     dt = dtype_from_name(e.dtype)
     if e.nbytes == 0:
         return torch.empty(e.shape, dtype=dt)
@@ -348,8 +333,7 @@ def wire_tensor(e: WeightTensor, chunks: Sequence[torch.Tensor]) -> torch.Tensor
 
 
 def default_copy_threads() -> int:
-    """Copy threads per worker by default: one per 4 cores this process may use, 1 to 4
-    (memory-bound copies gain little more, and every worker on the host copies at once)."""
+    """Copy threads per worker by default: one per 4 usable cores, 1 to 4."""
     return max(1, min(4, len(os.sched_getaffinity(0)) // 4))
 
 
@@ -380,11 +364,9 @@ class BucketApplier:
         chunks: Sequence[torch.Tensor],
         dests: Mapping[str, Sequence[str]] | None = None,
     ) -> None:
-        """Copy every tensor of bucket ``info`` from ``chunks`` (1-D uint8 CPU tensors
-        whose concatenation is the bucket) into its targets: ``dests`` maps a travelling
-        name to target names (:class:`transport.weights.binding.Binding`; default: its
-        own). Unknown names are skipped, another dtype gets the cast value, targets that
-        are one memory are written once."""
+        """Copy every tensor of bucket ``info`` from ``chunks`` (1-D uint8, the bucket in
+        order) into its targets; ``dests``: travelling name -> target names (default: its
+        own). Unknown names are skipped, other dtypes cast, tied targets written once."""
         with torch.no_grad():
             # CPU targets: copied at the end, on copy_threads threads.
             arrs: list[np.ndarray[Any, Any]] = []
@@ -426,8 +408,8 @@ class BucketApplier:
         arrs: list[np.ndarray[Any, Any]],
         starts: list[int],
     ) -> None:
-        """Run the plain CPU copies inline, or in slices of at least ``_THREAD_PIECE``
-        bytes over ``copy_threads`` threads (``np.copyto`` releases the GIL)."""
+        """The plain CPU copies, in slices of at least ``_THREAD_PIECE`` bytes over
+        ``copy_threads`` threads (``np.copyto`` releases the GIL)."""
         total = sum(d.size for d, _ in jobs)
         threads = min(self.copy_threads, total // _THREAD_PIECE)
         share = -(-total // max(threads, 1))

@@ -1,8 +1,6 @@
-"""The shm route: a version staged in a shared-memory segment under ``/dev/shm``, mapped
-read-only by the workers on its host (:class:`ShmReader`). Plain ``MAP_SHARED`` files,
-not :mod:`multiprocessing.shared_memory` (whose resource tracker unlinks a segment when
-any attaching process exits); the creator's ``flock`` marks a live segment, so
-:func:`cleanup_stale` removes exactly those whose owner died."""
+"""The shm route: a version staged in a file under ``/dev/shm``, mapped read-only by the
+workers on its host (:class:`ShmReader`); the creator's ``flock`` marks a live segment
+(``docs/weights.md``, "Shared memory")."""
 
 from __future__ import annotations
 
@@ -21,7 +19,7 @@ import torch
 from fastio.versions import VERSION_1
 from fastio.weight_msgs import WeightBucket
 from transport.weights.routes import Receiver, Replies, Tracker
-from transport.weights.routes.receive import part_of, take
+from transport.weights.routes.zmq import part_of, take
 
 __all__ = [
     "NOTICE_BYTES",
@@ -39,11 +37,8 @@ __all__ = [
 #: Where segments live (tmpfs on Linux).
 SHM_DIR = Path("/dev/shm")
 _PREFIX = "fastio-w-"
-#: Files younger than this are left alone by :func:`cleanup_stale`: their creator may
-#: be between ``open`` and ``flock``.
-_GRACE_S = 10.0
-#: Same-host workers get a "bytes ready" notice at most every this many packed bytes
-#: (while they are still in the last-level cache for the worker to hash).
+_GRACE_S = 10.0  # younger files may be between open and flock: left alone
+#: Same-host workers get a "bytes ready" notice at most every this many packed bytes.
 NOTICE_BYTES = 8 << 20
 #: Mappings a worker keeps between versions (the publisher's pool alternates two).
 KEEP_MAPPINGS = 2
@@ -51,8 +46,7 @@ KEEP_MAPPINGS = 2
 
 def host_id() -> str:
     """``boot-id/shm-device:inode``: equal for two processes only on the same running
-    kernel with the same ``/dev/shm`` (host names do not enter it: containers sharing
-    ``/dev/shm`` are local to each other, one with a private ``/dev/shm`` is not)."""
+    kernel with the same ``/dev/shm``."""
     try:
         boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
     except OSError:
@@ -71,8 +65,8 @@ def available() -> bool:
 
 
 class ShmSegment:
-    """A mapped file in ``/dev/shm``, viewed as a 1-D ``uint8`` tensor (:attr:`tensor`):
-    :meth:`create` (publisher) or :meth:`open` (subscriber, read-only)."""
+    """A mapped file in ``/dev/shm`` as a 1-D ``uint8`` :attr:`tensor`: :meth:`create`
+    (publisher) or :meth:`open` (subscriber, read-only)."""
 
     def __init__(self, name: str, mm: mmap.mmap, size: int, owner: bool, lock_fd: int = -1) -> None:
         self.name = name
@@ -91,8 +85,8 @@ class ShmSegment:
 
     @classmethod
     def create(cls, size: int) -> ShmSegment:
-        """Create and map a new segment of ``size`` bytes, reserved up front: a full
-        ``/dev/shm`` raises ``OSError`` (``ENOSPC``) here, not ``SIGBUS`` on a write."""
+        """A new segment of ``size`` bytes, reserved up front (a full ``/dev/shm``
+        raises ``OSError`` here, not ``SIGBUS`` on a write)."""
         name = f"{_PREFIX}{secrets.token_hex(8)}"
         path = SHM_DIR / name
         fd = _create_locked(path, os.O_RDWR)
@@ -110,7 +104,7 @@ class ShmSegment:
 
     @classmethod
     def open(cls, name: str) -> ShmSegment:
-        """Map an existing segment read-only (``OSError`` if it cannot be opened)."""
+        """Map an existing segment read-only (``OSError`` if it cannot be)."""
         if "/" in name or not name.startswith(_PREFIX):
             raise OSError(errno.EINVAL, f"not a fastio segment name: {name!r}")
         fd = os.open(SHM_DIR / name, os.O_RDONLY)
@@ -123,12 +117,11 @@ class ShmSegment:
         return cls(name, mm, size, owner=False)
 
     def unlink(self) -> None:
-        """Remove the name; mappings (ours and readers') stay valid until closed."""
         with contextlib.suppress(FileNotFoundError):
             (SHM_DIR / self.name).unlink()
 
     def close(self) -> None:
-        """Drop the mapping (the owner also unlinks). Views handed out must be gone."""
+        """Drop the mapping (the owner also unlinks)."""
         if self.owner:
             self.unlink()
         if self._lock_fd >= 0:
@@ -142,7 +135,6 @@ class ShmSegment:
 
 
 def _create_locked(path: Path, mode: int) -> int:
-    """Create ``path`` exclusively, holding the owner's lock while the file is live."""
     fd = os.open(path, os.O_CREAT | os.O_EXCL | mode, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -162,7 +154,6 @@ class Probe:
         os.write(self._fd, self.token.encode())
 
     def close(self) -> None:
-        """Unlink the probe and drop its lock."""
         with contextlib.suppress(OSError):
             (SHM_DIR / self.name).unlink()
         if self._fd >= 0:
@@ -171,7 +162,7 @@ class Probe:
 
 
 def write_probe() -> Probe:
-    """Create a probe file holding a random token (:class:`Probe`: ``name``, ``token``)."""
+    """A probe file holding a random token (:class:`Probe`)."""
     return Probe()
 
 
@@ -186,8 +177,8 @@ def read_probe(name: str, token: str) -> bool:
 
 
 def cleanup_stale() -> int:
-    """Unlink this module's segments and probes in ``/dev/shm`` whose owner is gone
-    (its ``flock`` can be taken); how many were removed."""
+    """Unlink the segments and probes whose owner is gone (its ``flock`` can be taken);
+    how many were removed."""
     removed = 0
     try:
         entries = list(SHM_DIR.iterdir())
@@ -218,15 +209,13 @@ def cleanup_stale() -> int:
 
 class ShmReader:
     """The worker's side: its mappings of the publisher's segments, and the "bytes
-    ready" notices answering a ``Fetch(shm=true)``."""
+    ready" notices."""
 
     def __init__(self) -> None:
         self.segments: dict[str, ShmSegment] = {}
 
     def open(self, name: str) -> ShmSegment:
-        """Map ``name``, or reuse its mapping (the publisher packs the same segments
-        again); only the most recent ``KEEP_MAPPINGS`` stay, an older one may pin an
-        unlinked segment."""
+        """Map ``name``, or reuse its mapping; the most recent ``KEEP_MAPPINGS`` stay."""
         seg = self.segments.pop(name, None)
         if seg is None:
             seg = ShmSegment.open(name)
@@ -236,14 +225,12 @@ class ShmReader:
         return seg
 
     def close(self) -> None:
-        """Unmap every kept segment (a new or silent publisher, closing)."""
         for seg in self.segments.values():
             seg.close()
         self.segments.clear()
 
     def receive(self, f: Receiver, msg: WeightBucket | None) -> None:
-        """A notice: bytes of bucket ``msg.index`` are packed in the segment; hash them
-        in place (``f`` checks the bucket on the last)."""
+        """A notice: bytes of bucket ``msg.index`` are packed; hashed in place."""
         up = f.update
         assert msg is not None and up is not None and up.seg is not None
         i, t = msg.index, time.monotonic()
@@ -271,8 +258,8 @@ class _Done:
 
 
 class NoticeSender:
-    """The trainer side: "bytes ready" notices (``WeightBucket`` without chunks) through
-    ``out.reply``, at most one per :data:`NOTICE_BYTES` packed."""
+    """The trainer side: "bytes ready" notices (``WeightBucket`` without chunks), at most
+    one per :data:`NOTICE_BYTES` packed."""
 
     def __init__(self, out: Replies) -> None:
         self.out = out
@@ -284,4 +271,4 @@ class NoticeSender:
         return _Done() if self.out.reply(ident, VERSION_1.encode(msg)) is not False else None
 
     def close(self) -> None:
-        """Nothing of its own (the segments are the staging's)."""
+        """Nothing of its own."""

@@ -1,6 +1,6 @@
 """The tcp route's data link: bucket bytes on a plain TCP stream beside the sockets
-(wire: ``docs/PROTOCOL.md``, "Data link"). Trainer side: :class:`LinkSender`; worker
-side: :class:`LinkClient`."""
+(``docs/PROTOCOL.md``, "Data link"). Trainer side :class:`LinkSender`, worker side
+:class:`LinkClient`."""
 
 from __future__ import annotations
 
@@ -23,8 +23,7 @@ import zmq
 
 from fastio.weight_msgs import WeightBucket
 from transport.weights.routes import Receiver
-from transport.weights.routes.receive import begin, take
-from transport.weights.routes.zmq import stream_span
+from transport.weights.routes.zmq import begin, stream_span, take
 
 __all__ = [
     "PIECE",
@@ -41,11 +40,10 @@ __all__ = [
 
 log = logging.getLogger("transport.weights.datalink")
 
-#: Worker -> publisher, once: magic, protocol, id length, token length; id, token.
+#: Worker -> publisher, once (then the id and the token).
 HELLO = struct.Struct("<4sBHH")
 HELLO_MAGIC = b"FIOL"
-#: Publisher -> worker, per chunk: magic, version, bucket, offset, byte count, bucket
-#: checksum (last chunk only, else 0), last flag; then the bytes.
+#: Publisher -> worker, per chunk (then the bytes).
 PIECE = struct.Struct("<4sqIQQQ?")
 PIECE_MAGIC = b"FIOP"
 PROTOCOL = 1
@@ -91,7 +89,7 @@ def _blocking(sock: socket.socket, timeout: float) -> None:
 
 @dataclass(slots=True)
 class Sent:
-    """A queued chunk: :attr:`done` once sent or dropped (its buffer is free again)."""
+    """A queued chunk: :attr:`done` once sent or dropped."""
 
     done: bool = False
 
@@ -133,7 +131,7 @@ class DataSender:
         return sent
 
     def close(self) -> None:
-        """Close the connection; queued chunks are dropped (their trackers done)."""
+        """Close the connection; queued chunks are dropped (done)."""
         with self._cv:
             if self.broken:
                 return
@@ -174,9 +172,9 @@ class DataSender:
 
 
 class DataListener:
-    """Accepts data connections on ``endpoint``'s host and ``port`` (0: a free one) that
-    present :func:`worker_token` of ``secret``; ``admit(worker_id, socket)`` takes one
-    or not (and owes the worker the answer byte ``1`` before any chunk)."""
+    """Accepts data connections on ``endpoint``'s host and ``port`` (0: any) presenting
+    :func:`worker_token` of ``secret``; ``admit(worker_id, socket)`` takes one or not
+    (and owes the worker the answer byte ``1`` before any chunk)."""
 
     def __init__(
         self,
@@ -287,7 +285,7 @@ def connect(endpoint: str, port: int, worker_id: str, token: bytes, timeout: flo
 
 
 class DataReceiver:
-    """The worker's end of the link: chunk headers, and bytes into the caller's buffers
+    """The worker's end: chunk headers, and bytes into the caller's buffers
     (:class:`DataLinkError` on a stall of ``timeout`` s, the end or a bad header)."""
 
     def __init__(self, sock: socket.socket, timeout: float) -> None:
@@ -304,7 +302,6 @@ class DataReceiver:
         self.sock.close()
 
     def header(self) -> Piece:
-        """The next chunk's header."""
         self.fill(self._head_view)
         magic, version, index, offset, nbytes, checksum, last = PIECE.unpack(self._head)
         if magic != PIECE_MAGIC:
@@ -312,7 +309,7 @@ class DataReceiver:
         return Piece(version, index, offset, nbytes, checksum, last)
 
     def fill(self, buf: Any) -> None:
-        """Receive exactly ``len(buf)`` bytes into ``buf`` (a writable buffer)."""
+        """Receive exactly ``len(buf)`` bytes into ``buf``."""
         view = buf if isinstance(buf, memoryview) else memoryview(buf).cast("B")
         n = view.nbytes
         got = 0
@@ -349,7 +346,7 @@ LINK_RETRY_S = 60.0  # before a link that could not be opened is tried again
 
 class LinkClient:
     """The worker's side: the link offered in the Welcome, opened for a TCP version
-    within ``min(fetch_timeout, 2 s)``; no chunk over ``max_message_size`` is read."""
+    within ``min(fetch_timeout, 2 s)``; no chunk over ``max_message_size`` read."""
 
     def __init__(
         self,
@@ -370,13 +367,12 @@ class LinkClient:
         self.retry_at = 0.0
 
     def new_offer(self, offer: tuple[int, bytes] | None) -> None:
-        """A new publisher's offer: ``(port, token)`` or ``None``."""
         self.close()
         self.retry_at = 0.0
         self.offer = offer
 
     def open(self) -> None:
-        """Connect the data link the publisher offers, if not open (a TCP version)."""
+        """Connect the offered link, if not open."""
         if self.link is not None or self.offer is None or self.poller is None:
             return
         if time.monotonic() < self.retry_at:
@@ -437,8 +433,7 @@ class LinkClient:
 
 
 class LinkSender:
-    """The trainer side: a :class:`DataListener` and a :class:`DataSender` per worker
-    admitted; ``OSError`` when it cannot listen."""
+    """The trainer side: a :class:`DataListener`, a :class:`DataSender` per worker."""
 
     span = staticmethod(stream_span)
 

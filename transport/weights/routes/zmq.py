@@ -1,20 +1,24 @@
 """The frames route: bucket bytes as ``WeightBucket`` messages on the control sockets,
-the fallback of ``tcp`` and ``shm``. Trainer side: :class:`FrameSender`; worker side:
-:class:`FrameReceiver`."""
+the fallback of ``tcp`` and ``shm`` (trainer side :class:`FrameSender`, worker side
+:class:`FrameReceiver`); and the hash-then-copy step the worker sides of shm, tcp and
+zmq share (:func:`begin`, :func:`take`)."""
 
 from __future__ import annotations
 
 import time
-from typing import cast
+import warnings
+from typing import Any, cast
 
 import numpy as np
+import torch
 
 from fastio.versions import VERSION_1
 from fastio.weight_msgs import WeightBucket
 from transport.weights.routes import Receiver, Replies, Tracker
-from transport.weights.routes.receive import begin, take
+from transport.weights.routes.inflight import InFlight, Partial
+from transport.weights.streaming import BLOCK
 
-__all__ = ["FrameReceiver", "FrameSender", "stream_span"]
+__all__ = ["FrameReceiver", "FrameSender", "begin", "part_of", "stream_span", "take"]
 
 
 def stream_span(start: int, ready: int, total: int, complete: bool, step: int) -> int | None:
@@ -67,3 +71,68 @@ class FrameReceiver:
 
     def close(self) -> None:
         """Nothing held between chunks."""
+
+
+def part_of(f: Receiver, up: InFlight, i: int) -> Partial:
+    """Bucket ``i``'s :class:`Partial`, begun on its first bytes."""
+    part = up.partial.get(i)
+    if part is None:
+        part = up.partial[i] = f.partial(up, i)
+    return part
+
+
+def begin(f: Receiver, up: InFlight, i: int, offset: int, n: int, t: float) -> Partial | None:
+    """Bucket ``i``'s :class:`Partial` for a chunk of ``n`` bytes at ``offset``; None
+    when the chunk is not to be taken: left over from an earlier answer (counted), or the
+    lock refused its first write (the version failed)."""
+    part = part_of(f, up, i)
+    if offset != part.size:
+        f.core.count("stale_pieces")
+        return None
+    up.sched.progress(i, t)  # the fetch timeout counts from the last chunk
+    if part.stream is not None and n and not f.hold(up):
+        return None
+    return part
+
+
+def take(part: Partial, src: Any, n: int, stage: np.ndarray[Any, Any] | None, keep: bool) -> None:
+    """Hash the next ``n`` bytes of a bucket into the weights (``part.stream``),
+    ``stage`` (atomic) or ``part.chunks`` (when ``keep``); ``src``: a 1-D ``uint8`` array
+    or a :class:`~.tcp.DataReceiver` that reads straight into the destination."""
+    stream = part.stream
+    mem = isinstance(src, np.ndarray)
+    if stream is not None and (mem or stream.rest):
+        data = src if mem else _read(src, n)
+        stream.feed(data)
+        if keep and stream.rest:  # tensors that need their bytes whole keep the chunk
+            part.chunks.append(_u8(data))
+    elif stream is not None:
+        stream.take(n, src.fill, src.scratch(BLOCK))
+    elif stage is not None:
+        dst = stage[part.size : part.size + n]
+        for a in range(0, n, BLOCK):
+            blk = dst[a : a + BLOCK]
+            if mem:
+                np.copyto(blk, src[a : a + BLOCK])
+            else:
+                src.fill(blk)
+            part.hasher.update(blk)
+    else:
+        data = src if mem else _read(src, n)
+        part.hasher.update(data)
+        if keep:
+            part.chunks.append(_u8(data))
+    part.size += n
+
+
+def _read(src: Any, n: int) -> np.ndarray[Any, Any]:
+    data = np.empty(n, dtype=np.uint8)
+    src.fill(data)
+    return data
+
+
+def _u8(arr: np.ndarray[Any, Any]) -> torch.Tensor:
+    """A uint8 tensor over received bytes, no copy (a read-only one is only read)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(arr)
