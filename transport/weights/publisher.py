@@ -236,16 +236,14 @@ class WeightPublisher:
             if st is None or st.announce is None:
                 raise KeyError(f"version {version} was not published by this publisher")
             led = st.ledger
-            if workers is not None:
-                led.expected = set(workers)
-            while not (led.answered() and led.expected):
+            self.core.expect(led, workers)
+            while not led.settled():
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
                 self._cond.wait(min(left, 0.5))
-            res = led.result(time.monotonic())  # held even if retired meanwhile
-            if res.failed and not led.failure_counted:
-                led.failure_counted = True
+            res, first_failure = self.core.outcome(led, time.monotonic())
+            if first_failure:
                 metrics.PUBLISHER_FAILURES.inc()
         metrics.PUBLISHER_PHASE_SECONDS.labels(phase="wait").observe(res.elapsed_s)
         return res

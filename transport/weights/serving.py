@@ -228,7 +228,9 @@ class Serving:
 
     def _advance_all(self) -> None:
         with self.cond:
-            work = [(st, snd) for st in self.store.versions.values() for snd in st.active]
+            work = [
+                (st, a) for st in self.store.versions.values() for a in st.ledger.answering.values()
+            ]
         for st, snd in work:
             self._advance(st, snd)
 
@@ -309,44 +311,35 @@ class Serving:
     def _serve_fetch(self, ident: bytes, wid: str, msg: WeightFetch) -> None:
         with self.cond:
             st = self.store.versions.get(msg.version)
-            latest = self.store.latest.version if self.store.latest else -1
-        why = f"version {msg.version} is not available (latest is {latest})"
-        if st is None or st.announce is None:
-            return self._refuse(ident, msg, why, latest)
-        if st.unstaged and not self.stage_late(st):
-            if st.ipc_packing:  # answered once the slots hold it whole
-                self.core.count("fetches_deferred")
-                key = (wid, msg.version, msg.index)
-                with self.cond:
-                    self.parked = [
-                        p for p in self.parked if (p[1], p[2].version, p[2].index) != key
-                    ]
-                    self.parked.append((ident, wid, msg))
-                return
-            why = f"version {msg.version} is no longer held (latest is {latest})"
-            return self._refuse(ident, msg, why, latest)
-        if not 0 <= msg.index < len(st.announce.buckets):
-            return self._refuse(
-                ident, msg, f"no bucket {msg.index} in version {msg.version}", latest
-            )
-        if msg.shm and st.seg is None:
-            return self._refuse(ident, msg, "no shared memory for this version", -1)
+        if st is not None and st.unstaged:
+            self.stage_late(st)  # from the ipc slots, while they hold it
         snd = Send(ident, msg)
+        with self.cond:  # the look-up again: a version may be retired meanwhile
+            st = self.store.versions.get(msg.version)
+            latest = self.store.latest.version if self.store.latest else -1
+            if st is None or st.announce is None:
+                act, why, named = self.core.on_fetch(wid, msg, None, latest=latest)
+            else:
+                act, why, named = self.core.on_fetch(
+                    wid, msg, st.ledger, latest=latest, buckets=len(st.announce.buckets),
+                    staged=not st.unstaged, packing=st.ipc_packing, shared=st.seg is not None,
+                )  # fmt: skip
+            if act == "park":
+                key = (wid, msg.version, msg.index)
+                self.parked = [p for p in self.parked if (p[1], p[2].version, p[2].index) != key]
+                self.parked.append((ident, wid, msg))
+            elif act == "send" and st is not None:
+                old = self.core.answering(st.ledger, (wid, msg.index), snd)
+                if old is not None:
+                    old.cancelled = True
+        if act == "refuse":
+            self._refuse(ident, msg, why, named)
+        elif act == "send" and st is not None:
+            self._advance(st, snd)
+
+    def _ended(self, st: Staged, snd: Send) -> None:
         with self.cond:
-            # Again under the lock: it may have been retired since the look-up.
-            held = self.store.versions.get(msg.version) is st and not (msg.shm and st.seg is None)
-            if held:
-                # A Fetch asked again ends the earlier answer of that bucket.
-                for old in st.active:
-                    if old.wid == snd.wid and old.fetch.index == msg.index:
-                        old.cancelled = True
-                st.active = [a for a in st.active if not a.cancelled]
-                st.active.append(snd)
-                if msg.shm:  # it reads the segment until it answers (the buffer rule)
-                    st.ledger.readers.add(self.core.reader(wid, msg))
-        if not held:
-            return self._refuse(ident, msg, f"version {msg.version} is no longer held", latest)
-        self._advance(st, snd)
+            self.core.answer_ended(st.ledger, (snd.wid, snd.fetch.index), snd)
 
     def _refuse(self, ident: bytes, msg: WeightFetch, reason: str, latest: int) -> None:
         self.reply(ident, self.encoder.encode(WeightError(msg.version, msg.index, reason, latest)))
@@ -388,9 +381,7 @@ class Serving:
                     tracker = self._link_send(snd, msg)
                     if tracker is None and snd.linked:  # closed mid-bucket: the worker asks again
                         self.core.count("sends_ended_by_link")
-                        with self.cond:
-                            if snd in st.active:
-                                st.active.remove(snd)
+                        self._ended(st, snd)
                         return
                     snd.linked = tracker is not None
                 if tracker is None:  # no data link: ZeroMQ frames
@@ -403,9 +394,7 @@ class Serving:
             last = last or not ok
             snd.cursor = end
             if last:
-                with self.cond:
-                    if snd in st.active:
-                        st.active.remove(snd)
+                self._ended(st, snd)
                 if ok:
                     self.core.count("buckets_sent")
                     self.core.count("bytes_sent", 0 if snd.shm else info.nbytes)

@@ -88,7 +88,6 @@ class Staged:
         self.trackers: list[Tracker] = []
         self.packed = 0  # bytes packed so far
         self.buckets_done = 0  # buckets packed, their checksum known
-        self.active: list[Send] = []  # Fetches being answered as packing progresses
         self.job: Iterator[None] | None = None  # the packing still to do
         self.error: BaseException | None = None
         self.unstaged = False  # published to ipc workers only: no buffer yet
@@ -187,9 +186,9 @@ class VersionStore:
             for v, st in sorted(self.versions.items()):
                 if seg is not None:
                     break
-                if st is self.latest or not st.sends_done() or st.active:
-                    continue
-                if not st.ledger.answered():
+                if not self.core.reusable(
+                    st.ledger, latest=st is self.latest, sending=not st.sends_done()
+                ):
                     continue
                 if st.seg is None and st.buf.numel() >= total:
                     self.forget(v)
@@ -262,7 +261,7 @@ class VersionStore:
             st = self.versions[v]
             if excess <= 0:
                 break
-            if st is not self.latest and st.sends_done() and st.ledger.answered():
+            if self.core.reusable(st.ledger, latest=st is self.latest, sending=not st.sends_done()):
                 self._recycle(st)
                 self.forget(v)
                 excess -= 1

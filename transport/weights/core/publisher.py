@@ -7,13 +7,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any, Literal
 
 from fastio.weight_msgs import WeightAck, WeightFetch, WeightHello
 from transport.counting import Counts
 from transport.weights.core.process import process_alive, process_start_time
 from transport.weights.results import SubscriberInfo, UpdateResult
 
-__all__ = ["PublisherCore", "Reader", "VersionLedger"]
+__all__ = ["FetchAction", "PublisherCore", "Reader", "VersionLedger"]
 
 #: A process that may read a segment: ``(worker_id, pid, start_time, visible)``;
 #: ``visible`` is its start time when this host can see that pid, else 0.
@@ -21,6 +22,10 @@ Reader = tuple[str, int, int, int]
 
 #: How many dropped versions keep their final result for :meth:`PublisherCore.result`.
 KEEP_RESULTS = 64
+
+#: What to do with a Fetch: ``("send", "", latest)``, ``("park", "", latest)`` (until the
+#: ipc slots hold the version whole) or ``("refuse", why, the latest version to name)``.
+FetchAction = tuple[Literal["send", "park", "refuse"], str, int]
 
 
 @dataclass(slots=True, eq=False)
@@ -34,11 +39,17 @@ class VersionLedger:
     acks: dict[str, WeightAck] = field(default_factory=dict)
     lost: dict[str, str] = field(default_factory=dict)
     readers: set[Reader] = field(default_factory=set)
+    #: The answers being sent, by ``(worker id, bucket)`` (the driver's objects).
+    answering: dict[tuple[str, int], Any] = field(default_factory=dict)
     failure_counted: bool = False  # in the metrics
 
     def answered(self) -> bool:
         """Every expected worker acked the version or was lost."""
         return all(w in self.acks or w in self.lost for w in self.expected)
+
+    def settled(self) -> bool:
+        """Someone is expected and every one answered (what :meth:`wait` waits for)."""
+        return bool(self.expected) and self.answered()
 
     def result(self, now: float) -> UpdateResult:
         """Where this version stands: applied, failed (with why), missing."""
@@ -109,6 +120,70 @@ class PublisherCore:
         led.expected = self.alive()
         self.versions[led.version] = led
         self.latest = led
+
+    def expect(self, led: VersionLedger, workers: Iterable[str] | None) -> None:
+        """Who must answer ``led``: ``workers`` (``None``: those alive at its announcement
+        and any that answered since)."""
+        if workers is not None:
+            led.expected = set(workers)
+
+    def outcome(self, led: VersionLedger, now: float) -> tuple[UpdateResult, bool]:
+        """``led``'s result, and whether it is the first look at its failure (counted
+        once in the metrics)."""
+        res = led.result(now)
+        first = bool(res.failed) and not led.failure_counted
+        led.failure_counted = led.failure_counted or first
+        return res, first
+
+    def on_fetch(
+        self,
+        wid: str,
+        msg: WeightFetch,
+        led: VersionLedger | None,
+        *,
+        latest: int,
+        buckets: int = 0,
+        staged: bool = True,
+        packing: bool = False,
+        shared: bool = False,
+    ) -> FetchAction:
+        """The fetch rule, for ``led`` (``None``: not held): ``buckets`` in it, whether it
+        is ``staged`` (an ipc-only version is not until needed), still ``packing`` into
+        the ipc slots, ``shared`` (has a segment). Sent through shared memory, ``wid``'s
+        process reads the buffer until it answers (the buffer rule)."""
+        v = msg.version
+        if led is None:
+            return "refuse", f"version {v} is not available (latest is {latest})", latest
+        if not staged and packing:
+            self.count("fetches_deferred")
+            return "park", "", latest
+        if not staged:
+            return "refuse", f"version {v} is no longer held (latest is {latest})", latest
+        if not 0 <= msg.index < buckets:
+            return "refuse", f"no bucket {msg.index} in version {v}", latest
+        if msg.shm and not shared:
+            return "refuse", "no shared memory for this version", -1
+        if msg.shm:
+            led.readers.add(self.reader(wid, msg))
+        return "send", "", latest
+
+    def answering(self, led: VersionLedger, key: tuple[str, int], answer: Any) -> Any:
+        """``answer`` to worker ``key[0]``'s Fetch of bucket ``key[1]`` starts; returns the
+        earlier answer of that bucket to that worker, which it ends (two streams of one
+        bucket would mix), or ``None``."""
+        old = led.answering.get(key)
+        led.answering[key] = answer
+        return old
+
+    def answer_ended(self, led: VersionLedger, key: tuple[str, int], answer: Any) -> None:
+        if led.answering.get(key) is answer:
+            del led.answering[key]
+
+    def reusable(self, led: VersionLedger, *, latest: bool, sending: bool) -> bool:
+        """The buffer rule, first half: ``led``'s buffer may be taken from it (not the
+        ``latest``, no send still reading it, every expected worker answered); a segment
+        is rewritten only once :meth:`readers_done` too."""
+        return not latest and not sending and not led.answering and led.answered()
 
     def drop(self, version: int, now: float = 0.0) -> None:
         """Forget a retired version; its result stays readable a while (see

@@ -180,6 +180,78 @@ def test_a_reader_this_host_cannot_see_is_never_taken_for_gone() -> None:
     assert not c.readers_done(c.versions[1])
 
 
+def test_who_must_answer_is_the_callers_list_when_given() -> None:
+    c = core()
+    c.on_hello("a", hello("a"), 0.0)
+    led = announce(c, 1)
+    assert not led.settled()
+    c.expect(led, None)  # the workers alive at the announcement
+    assert led.expected == {"a"}
+    c.expect(led, ["a", "b"])
+    c.on_ack("a", ack("a", 1), 0.1)
+    assert not led.settled()  # "b" never answered
+    c.expect(led, ["a"])
+    assert led.settled()
+
+
+def test_a_failure_is_counted_once() -> None:
+    c = core()
+    c.on_hello("a", hello("a"), 0.0)
+    led = announce(c, 1)
+    c.on_ack("a", ack("a", 1, ok=False), 0.1)
+    assert [c.outcome(led, 0.2)[1] for _ in range(3)] == [True, False, False]
+
+
+def test_the_fetch_rule_refuses_parks_or_answers_as_a_reader() -> None:
+    c = core()
+    c.on_hello("w", hello("w"), 0.0)
+    led = announce(c, 1)
+    f = WeightFetch(1, 0, True)
+    assert c.on_fetch("w", f, None, latest=2) == (
+        "refuse", "version 1 is not available (latest is 2)", 2
+    )  # fmt: skip
+    assert c.on_fetch("w", f, led, latest=1, staged=False, packing=True)[0] == "park"
+    assert c.counters.get("fetches_deferred") == 1
+    assert c.on_fetch("w", f, led, latest=1, staged=False)[1].endswith(
+        "no longer held (latest is 1)"
+    )
+    assert c.on_fetch("w", WeightFetch(1, 3, False), led, latest=1, buckets=3)[1] == (
+        "no bucket 3 in version 1"
+    )
+    assert c.on_fetch("w", f, led, latest=1, buckets=1) == (
+        "refuse", "no shared memory for this version", -1
+    )  # fmt: skip
+    assert c.readers_done(led)
+    assert c.on_fetch("w", f, led, latest=1, buckets=1, shared=True) == ("send", "", 1)
+    assert not c.readers_done(led)  # it reads the segment until it answers
+
+
+def test_a_fetch_asked_again_ends_the_earlier_answer_of_that_bucket() -> None:
+    c = core()
+    led = announce(c, 1)
+    first, second, other = object(), object(), object()
+    assert c.answering(led, ("w", 0), first) is None
+    assert c.answering(led, ("w", 1), other) is None
+    assert c.answering(led, ("w", 0), second) is first
+    c.answer_ended(led, ("w", 0), first)  # the ended one's end frees nothing
+    assert led.answering == {("w", 0): second, ("w", 1): other}
+    c.answer_ended(led, ("w", 0), second)
+    assert list(led.answering) == [("w", 1)]
+
+
+def test_the_buffer_rule_a_buffer_is_taken_only_when_no_one_needs_it() -> None:
+    c = core()
+    c.on_hello("w", hello("w"), 0.0)
+    led = announce(c, 1)
+    assert not c.reusable(led, latest=False, sending=False)  # "w" has not answered
+    c.on_ack("w", ack("w", 1), 0.1)
+    assert c.reusable(led, latest=False, sending=False)
+    assert not c.reusable(led, latest=True, sending=False)
+    assert not c.reusable(led, latest=False, sending=True)
+    c.answering(led, ("late", 0), object())
+    assert not c.reusable(led, latest=False, sending=False)
+
+
 # -- subscriber --------------------------------------------------------------------------
 def test_notices_from_an_unknown_publisher_ask_for_a_hello() -> None:
     s = SubscriberCore()
