@@ -1,17 +1,20 @@
-"""Extension values of the wire format (``docs/PROTOCOL.md``): dtype and ext-code
-tables and payload helpers of the encoder, the decoder and the JSON hook."""
+"""The wire format's extension values (``docs/PROTOCOL.md``): dtype and ext-code tables
+and payload helpers of the codec, and :func:`diagnose`: why a message was rejected,
+checked in the protocol's order, with field paths (``LLMRequest.gconfig.top_p``)."""
 
 from __future__ import annotations
 
+import re
 import struct
 import sys
 from typing import Any
 
 import msgspec
+import msgspec.inspect as mi
 import numpy as np
 
-from fastio.errors import EncodeError
-from fastio.protocol import DTYPE_NAMES, ExtCode
+from fastio.errors import DecodeError, EncodeError, FrameError, MessageTooLarge, UnsupportedVersion
+from fastio.protocol import DTYPE_NAMES, MIN_PROTOCOL_VERSION, PROTOCOL_VERSION, ExtCode
 
 if sys.byteorder != "little":  # pragma: no cover - no big-endian hosts in CI
     raise ImportError("fastio supports little-endian hosts only")
@@ -106,3 +109,179 @@ def normalise_dtype(arr: np.ndarray[Any, Any]) -> tuple[np.ndarray[Any, Any], st
         f"unsupported array dtype {dt}; supported: {sorted(NP_DTYPES)} "
         "(and bfloat16 as a torch tensor)"
     )
+
+
+raw_list = msgspec.msgpack.Decoder(list[msgspec.Raw])
+int_decoder = msgspec.msgpack.Decoder(int)
+_any_decoder = msgspec.msgpack.Decoder(ext_hook=lambda code, data: None)
+
+
+class Rejected(Exception):
+    """Raised on the decode hot path for a message :func:`diagnose` explains."""
+
+
+def buffer(frame: Any) -> memoryview:
+    """A 1-D unsigned-byte memoryview of one frame (no copy)."""
+    buf = getattr(frame, "buffer", None)  # zmq.Frame
+    if not isinstance(buf, memoryview):
+        try:
+            buf = memoryview(frame)
+        except TypeError as exc:
+            raise FrameError(f"frame of type {type(frame).__name__} is not bytes-like") from exc
+    if not buf.c_contiguous:
+        raise FrameError("frame is not a contiguous buffer")
+    if buf.format != "B" or buf.ndim != 1:
+        buf = buf.cast("B") if buf.nbytes else EMPTY
+    return buf
+
+
+def header_ints(h: memoryview) -> tuple[int, int]:
+    """``(version, n_buffers)`` of header ``h``; FrameError unless ``[int, int, body]``."""
+    try:
+        parts = raw_list.decode(h)
+    except msgspec.DecodeError as exc:
+        raise FrameError(f"malformed header: {exc}") from exc
+    except RecursionError:
+        raise FrameError("malformed header: nested too deeply") from None
+    if len(parts) != 3:
+        raise FrameError(
+            f"malformed header: expected [version, n_buffers, body], got {len(parts)} items"
+        )
+    try:
+        return int_decoder.decode(parts[0]), int_decoder.decode(parts[1])
+    except msgspec.DecodeError as exc:
+        raise FrameError(f"malformed header: version and n_buffers must be ints: {exc}") from exc
+
+
+def _n_buffers(h: memoryview) -> int:
+    """The buffer count of header ``h`` after checking its protocol version."""
+    if len(h) > 3 and h[0] == 0x93 and h[2] < 0x80 and h[1] < 0x80:
+        version, n_buffers = h[1], h[2]  # both fixints: what our encoder writes
+    else:
+        version, n_buffers = header_ints(h)
+    if not MIN_PROTOCOL_VERSION <= version <= PROTOCOL_VERSION:
+        raise UnsupportedVersion(
+            f"unsupported protocol version {version}; this decoder reads versions "
+            f"{MIN_PROTOCOL_VERSION}-{PROTOCOL_VERSION}"
+        )
+    return n_buffers
+
+
+def diagnose(tp: Any, limit: int | None, frames: Any, exc: Exception) -> DecodeError:
+    """The error for ``frames`` that failed to decode into ``tp`` with ``exc``: the frame
+    list, each frame, the size ``limit``, the header, the frame count, then the body."""
+    tf = type(frames)
+    if (tf is not list and tf is not tuple) or not frames:
+        return FrameError("expected a non-empty list of frames [header, *buffers]")
+    try:
+        total = sum(buffer(f).nbytes for f in frames)
+        if limit is not None and total > limit:
+            return MessageTooLarge(f"message of {total} bytes exceeds the limit of {limit} bytes")
+        n_buffers = _n_buffers(buffer(frames[0]))
+        if n_buffers != len(frames) - 1:
+            raise FrameError(
+                f"wrong frame count: header announces {n_buffers} buffers, got {len(frames) - 1}"
+            )
+    except DecodeError as err:
+        return err
+    if isinstance(exc, DecodeError):
+        return exc
+    if isinstance(exc, Rejected):  # pragma: no cover - the header checks above caught it
+        return FrameError("malformed header")
+    if isinstance(exc, msgspec.DecodeError):
+        return DecodeError(f"invalid message body: {_body_error(tp, frames[0], exc)}")
+    return DecodeError(f"invalid message body: {type(exc).__name__}: {exc}")
+
+
+def frame_error(what: str, k: int, frames: Any) -> DecodeError:
+    return DecodeError(
+        f"{what} refers to frame {k}, but the message has "
+        + (f"frames 1..{len(frames) - 1}" if len(frames) > 1 else "no buffer frames")
+    )
+
+
+def token_error(code: int, payload: memoryview, frames: Any) -> DecodeError:
+    """What is wrong with a token-array extension value that failed to decode."""
+    dtype: Any = TOKEN_DTYPES[code]
+    if code < FRAME:
+        return DecodeError(
+            f"token array of {dtype.name} needs a multiple of {dtype.itemsize} bytes of "
+            f"data, got {len(payload)}"
+        )
+    if code < REF:
+        if len(payload) != FRAME_REF.size:
+            return DecodeError(f"token array frame reference must be 8 bytes, got {len(payload)}")
+        k, count = FRAME_REF.unpack(payload)
+    else:
+        if len(payload) != 1:
+            return DecodeError(
+                f"compact token array frame reference must be 1 byte, got {len(payload)}"
+            )
+        k, count = payload[0], -1
+    if not 0 < k < len(frames):
+        return frame_error("token array", k, frames)
+    try:
+        got = buffer(frames[k]).nbytes
+    except DecodeError as err:  # not bytes-like, not contiguous
+        return err
+    if count < 0:
+        return DecodeError(
+            f"token array of {dtype.name} in frame {k} needs a multiple of {dtype.itemsize} "
+            f"bytes of data, got {got}"
+        )
+    return DecodeError(
+        f"token array {dtype.name}[{count}] needs {count * dtype.itemsize} bytes of data, got {got}"
+    )
+
+
+_PATH = re.compile(r" - at `\$((?:\[\d+\])*)(.*)`$")
+_INDEX = re.compile(r"\[(\d+)\]")
+
+
+def _body_error(tp: Any, header: Any, exc: Exception) -> str:
+    """msgspec's message with the path relative to the body and its field names, e.g.
+    ``Expected `int` >= 1 - at `$[3][2]` (LLMRequest.gconfig.max_new_tokens)``."""
+    text = str(exc)
+    m = _PATH.search(text)
+    if m is None:
+        return text
+    idx = [int(i) for i in _INDEX.findall(m.group(1))]
+    if not idx or idx[0] != 2:
+        return text
+    idx = idx[1:]
+    rest = m.group(2)
+    where = "$" + "".join(f"[{i}]" for i in idx) + rest
+    try:
+        names = _field_names(tp, _any_decoder.decode(buffer(header))[2], idx)
+    except Exception:  # naming is best effort: the path above is exact
+        names = ""
+    return text[: m.start()] + f" - at `{where}`" + (f" ({names}{rest})" if names else "")
+
+
+def _field_names(tp: Any, value: Any, idx: list[int]) -> str:
+    """Dotted field names along ``idx`` in the raw decoded ``value`` of type ``tp``."""
+    info: Any = mi.type_info(tp)
+    parts: list[str] = []
+    for i in idx:
+        while isinstance(info, mi.UnionType):  # pick the Struct the tag names
+            tag = value[0] if isinstance(value, list) and value else None
+            structs = [t for t in info.types if isinstance(t, mi.StructType) and t.tag == tag]
+            if not structs:
+                return ".".join(parts)
+            info = structs[0]
+        if isinstance(info, mi.StructType):
+            if not parts:
+                parts.append(info.cls.__name__)
+            if i == 0:
+                parts.append("(tag)")
+                return ".".join(parts)
+            field = info.fields[i - 1]
+            parts.append(field.name)
+            info = field.type
+        elif isinstance(info, (mi.ListType, mi.TupleType, mi.VarTupleType)):
+            parts[-1:] = [f"{parts[-1] if parts else ''}[{i}]"]
+            info = info.item_type if not isinstance(info, mi.TupleType) else info.item_types[i]
+        else:
+            return ".".join(parts)
+        value = value[i] if isinstance(value, list) and i < len(value) else None
+    return ".".join(parts)

@@ -13,7 +13,6 @@ import msgspec
 import numpy as np
 
 from fastio import _ext
-from fastio._diagnose import _frame_error, _Rejected, _token_error, diagnose
 from fastio._optional import install_hint
 from fastio.errors import DecodeError
 from fastio.protocol import DEFAULT_MAX_MESSAGE_SIZE, MIN_PROTOCOL_VERSION, PROTOCOL_VERSION
@@ -127,7 +126,7 @@ class Decoder:
                             return wrap(arr)
             except (ValueError, TypeError, IndexError, BufferError, struct.error):
                 pass
-            raise _token_error(code, payload, state[0])
+            raise _ext.token_error(code, payload, state[0])
 
         return ext_hook
 
@@ -146,7 +145,7 @@ class Decoder:
         limit = None if self._trusted else self._max_message_size
         pop, push, new_state = self._idle.pop, self._idle.append, self._new_state
         tp = self.type
-        rejected = _Rejected
+        rejected = _ext.Rejected
 
         def decode(frames: Sequence[Any]) -> Any:
             try:
@@ -182,7 +181,7 @@ class Decoder:
                     raise rejected
                 return msg[2]
             except Exception as exc:  # boundary: nothing else may escape for bad input
-                raise diagnose(tp, limit, frames, exc) from exc
+                raise _ext.diagnose(tp, limit, frames, exc) from exc
 
         return decode
 
@@ -270,7 +269,7 @@ def _data(slot: int | bytearray, nbytes: int, what: Any, frames: Any) -> Any:
     ``what()`` names it in errors."""
     if type(slot) is int:
         if not 0 < slot < len(frames):
-            raise _frame_error(what(), slot, frames)
+            raise _ext.frame_error(what(), slot, frames)
         data: Any = frames[slot]
         got = data.nbytes if type(data) is memoryview else len(data)
     else:

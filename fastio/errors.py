@@ -1,19 +1,5 @@
-"""Exceptions raised by :mod:`fastio`.
-
-Exception tree::
-
-    FastioError                      root of everything fastio raises
-    ├── EncodeError(ValueError)      an object cannot be put on the wire
-    ├── DecodeError(ValueError)      a frame list is not a valid fastio message
-    │   ├── MessageTooLarge          the frames exceed the decoder's size limit
-    │   └── FrameError               not a fastio message at all: the frame list, the
-    │       │                        header or the frame count is wrong
-    │       └── UnsupportedVersion   the header's protocol version is not one it reads
-    └── IncompatiblePeer(ValueError) a peer states versions this side cannot serve
-
-Errors from lower layers (msgspec, numpy, PIL) are translated once, at the codec
-boundary, with ``raise ... from exc`` so the original cause stays attached.
-"""
+"""Exceptions raised by :mod:`fastio` (the tree: ``docs/troubleshooting.md``). Errors from
+msgspec, numpy or PIL are translated at the codec boundary, ``from`` the original."""
 
 from __future__ import annotations
 
@@ -45,8 +31,7 @@ class MessageTooLarge(DecodeError):
 
 
 class FrameError(DecodeError):
-    """The frames are not a fastio message at all (frame list, header or frame count);
-    nothing of the body was read."""
+    """Not a fastio message at all (frame list, header or frame count): no body read."""
 
 
 class UnsupportedVersion(FrameError):
@@ -54,5 +39,4 @@ class UnsupportedVersion(FrameError):
 
 
 class IncompatiblePeer(FastioError, ValueError):
-    """A peer states protocol versions or token encodings this side cannot serve; the
-    message names both sides' versions."""
+    """A peer states protocol versions or token encodings this side cannot serve."""

@@ -9,9 +9,7 @@ from typing import Any, Literal, Union
 
 import msgspec
 
-from fastio._diagnose import _header_decoder as _raw_list
-from fastio._diagnose import _header_ints
-from fastio._diagnose import _int_decoder as _int
+from fastio import _ext
 from fastio.io_struct import LLMRequest, VLMRequest, WireStruct
 from fastio.protocol import MsgKind
 from fastio.tokens import TokenArray
@@ -164,11 +162,11 @@ def peek(frames: list[Any]) -> tuple[int | None, int | None, int | None]:
     decode (for the error reply's id); ``None`` for unknown parts."""
     version = kind = first = None
     try:
-        parts = _raw_list.decode(_buf(frames[0]))
-        version = _int.decode(parts[0])
-        body = _raw_list.decode(parts[2])
-        kind = _int.decode(body[0])
-        first = _int.decode(body[1])
+        parts = _ext.raw_list.decode(_buf(frames[0]))
+        version = _ext.int_decoder.decode(parts[0])
+        body = _ext.raw_list.decode(parts[2])
+        kind = _ext.int_decoder.decode(body[0])
+        first = _ext.int_decoder.decode(body[1])
     except Exception:
         pass
     return version, kind, first
@@ -179,7 +177,7 @@ def _n_buffers(frame: Any) -> int | None:
     if len(buf) >= 3 and buf[0] == 0x93 and buf[1] < 0x80 and buf[2] < 0x80:
         return int(buf[2])
     try:
-        n = _header_ints(buf)[1]
+        n = _ext.header_ints(buf)[1]
     except Exception:
         return None
     return n if n >= 0 else None
