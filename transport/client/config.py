@@ -8,14 +8,7 @@ from typing import Any
 import msgspec
 
 from fastio.tokens import TokenArray
-from transport.options import (
-    NonNegative,
-    NonNegativeSeconds,
-    Port,
-    Positive,
-    Seconds,
-    configure,
-)
+from transport.options import NonNegative, NonNegativeSeconds, Port, Positive, Seconds, configure
 from transport.sockets import DEFAULT_HWM, DEFAULT_MAX_MESSAGE_SIZE, CurveConfig
 
 __all__ = ["ChunkCallback", "ClientConfig", "client_config"]
@@ -40,12 +33,10 @@ class ClientConfig(msgspec.Struct, forbid_unknown_fields=True):
         Default per-request timeout in seconds.
     max_in_flight_per_worker:
         Requests on one worker at once (keep it below the worker's ``max_pending``).
-    max_resends:
-        Times a request may be re-sent after its worker died or lost it.
-    max_worker_deaths:
-        Times a request may be re-sent after a worker died while running it (also
-        counted in ``max_resends``); the next such death fails it with
-        :class:`~transport.errors.PoisonRequest`. 0: none.
+    max_resends, max_worker_deaths:
+        Times a request may be re-sent after its worker died or lost it, and of those,
+        after a worker died running it (the next such death fails it with
+        :class:`~transport.errors.PoisonRequest`).
     resend_backoff, resend_backoff_max:
         The ``k``-th re-send waits ``min(resend_backoff * 2**(k-1), resend_backoff_max)``
         s times a random factor in [0.5, 1].
@@ -56,8 +47,8 @@ class ClientConfig(msgspec.Struct, forbid_unknown_fields=True):
     sticky_cache_size:
         rid -> worker assignments kept (when full, the older half goes).
     metrics_port:
-        Serve Prometheus metrics on ``127.0.0.1`` at this port (0: any), with the latency
-        histogram (the ``metrics`` extra). ``None``: no endpoint.
+        Serve Prometheus metrics (and the latency histogram) on ``127.0.0.1`` at this
+        port (0: any; ``None``: no endpoint).
     """
 
     heartbeat_interval: Seconds = 1.0
