@@ -196,7 +196,7 @@ class HFEngine:
                 except Exception as exc:  # out of memory, say: the batch's cache is lost
                     failed = [s for s in (*self._batch.seqs, *new) if not s.reason]
                     log.exception("engine step failed; failing %d sequences", len(failed))
-                    self._fail(failed, exc)
+                    self._post([], failed, exc)
                     self._batch = KVBatch()
                     emitted = [e for e in emitted if e[0].reason]
             self._post(emitted, done)
@@ -206,20 +206,16 @@ class HFEngine:
             left = [s for s in (*self._batch.seqs, *self._incoming) if not s.reason]
             self._incoming.clear()
         self._batch = KVBatch()
-        self._fail(left, RuntimeError("the engine is closed"))
+        self._post([], left, RuntimeError("the engine is closed"))
 
-    def _fail(self, seqs: list[_Seq], exc: BaseException) -> None:
-        for s in seqs:
-            with contextlib.suppress(RuntimeError):  # a loop that closed meanwhile
-                s.fut.get_loop().call_soon_threadsafe(_set_exception, s.fut, exc)
-
-    def _post(self, emitted: _Emitted, done: list[_Seq]) -> None:
-        """Hand a step's tokens and finished sequences to their loops, one callback each."""
+    def _post(self, emitted: _Emitted, done: list[_Seq], exc: BaseException | None = None) -> None:
+        """Hand a step's tokens and ended sequences (failed with ``exc`` if given) to
+        their loops, one callback each."""
         for loop in {s.fut.get_loop() for s, *_ in emitted} | {s.fut.get_loop() for s in done}:
             em = [e for e in emitted if e[0].fut.get_loop() is loop]
             dn = [s for s in done if s.fut.get_loop() is loop]
             with contextlib.suppress(RuntimeError):  # a loop that closed meanwhile
-                loop.call_soon_threadsafe(_deliver, em, dn)
+                loop.call_soon_threadsafe(_deliver, em, dn, exc)
 
     def _leaves(self, s: _Seq, done: list[_Seq]) -> bool:
         """End ``s`` if it was cancelled or its worker paused; whether it did."""
@@ -309,22 +305,20 @@ class HFEngine:
                 done.append(s)
 
 
-def _deliver(emitted: _Emitted, done: list[_Seq]) -> None:
+def _deliver(emitted: _Emitted, done: list[_Seq], exc: BaseException | None) -> None:
     """In the loop: stream a step's tokens, then finish the sequences that ended."""
     for s, tok, lp, ver in emitted:
         if s.ctx is not None and not s.cancelled:
             s.ctx.emit(tok, lp, ver)
     for s in done:
-        if not s.fut.done():
-            if s.reason == "cancelled":
-                s.fut.cancel()
-            else:
-                s.fut.set_result(s.response())
-
-
-def _set_exception(fut: asyncio.Future[Any], exc: BaseException) -> None:
-    if not fut.done():
-        fut.set_exception(RuntimeError(f"{type(exc).__name__}: {exc}"))
+        if s.fut.done():
+            continue
+        if exc is not None:
+            s.fut.set_exception(RuntimeError(f"{type(exc).__name__}: {exc}"))
+        elif s.reason == "cancelled":
+            s.fut.cancel()
+        else:
+            s.fut.set_result(s.response())
 
 
 # -- construction from the command line --------------------------------------------------

@@ -21,26 +21,19 @@ T = TypeVar("T")
 __all__ = ["MODEL_SIZES", "KVBatch", "build_model", "load_pretrained", "model_config"]
 
 
+_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+           "num_key_value_heads", "intermediate_size")  # fmt: skip
 #: Size name -> config fields of the random-weight models (about 0.1M, 4M, 40M, 100M
 #: parameters; vocabularies of 256, 4096 and 32000 tokens).
 MODEL_SIZES: dict[str, dict[str, int]] = {
-    "tiny": dict(
-        vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, intermediate_size=176,
-    ),
-    "small": dict(
-        vocab_size=4096, hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, intermediate_size=704,
-    ),
-    "medium": dict(
-        vocab_size=32000, hidden_size=512, num_hidden_layers=4, num_attention_heads=8,
-        num_key_value_heads=4, intermediate_size=1408,
-    ),
-    "large": dict(
-        vocab_size=32000, hidden_size=1024, num_hidden_layers=4, num_attention_heads=16,
-        num_key_value_heads=4, intermediate_size=2816,
-    ),
-}  # fmt: skip
+    size: dict(zip(_FIELDS, values, strict=True))
+    for size, values in {
+        "tiny": (256, 64, 2, 4, 2, 176),
+        "small": (4096, 256, 4, 4, 2, 704),
+        "medium": (32000, 512, 4, 8, 4, 1408),
+        "large": (32000, 1024, 4, 16, 4, 2816),
+    }.items()
+}
 
 _ARCHS = ("llama", "qwen2")
 

@@ -1,6 +1,5 @@
 """The demo's child processes: starting, watching and stopping them, and the generation
-workers under supervision (a worker that dies is reported and started again on its
-address; ``--chaos`` kills one on purpose)."""
+workers under supervision (restarted on their address when they die)."""
 
 from __future__ import annotations
 
@@ -12,6 +11,7 @@ import json
 import os
 import select
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -33,12 +33,9 @@ READY_TIMEOUT = 300.0
 
 
 def watch_parent(grace: float = 10.0) -> None:
-    """In a child: end this process when the demo process is gone.
-
-    Its stdin is a pipe whose only writer is the demo process (which never writes), so
-    a read returns end-of-file exactly when that process exits, however it exits: then
-    SIGTERM, and SIGKILL ``grace`` seconds later.
-    """
+    """In a child: SIGTERM this process when the demo process is gone, SIGKILL ``grace``
+    seconds later. Its stdin is a pipe whose only writer is the demo process (which never
+    writes): a read returns end-of-file exactly when that process exits, however it does."""
 
     def watch() -> None:
         with contextlib.suppress(OSError):
@@ -89,12 +86,15 @@ class Child:
 
     def ready(self, timeout: float) -> Any:
         """The child's one-line JSON ``{"ready": ...}`` on stdout, waiting up to
-        ``timeout`` s (None: not yet; ``RuntimeError`` when it exited before)."""
+        ``timeout`` s: None if not yet (or dead, with ``timeout`` 0), ``RuntimeError``
+        if it exited before, with ``timeout`` > 0 a ``RuntimeError`` too if not yet."""
         assert self.proc.stdout is not None
         fd = self.proc.stdout.fileno()
         deadline = time.monotonic() + timeout
         while b"\n" not in self.buf:
             if not select.select([fd], [], [], max(0.0, deadline - time.monotonic()))[0]:
+                if timeout:
+                    raise RuntimeError(f"{self.name} was not ready after {timeout:.0f} s")
                 return None
             chunk = os.read(fd, 4096)
             if not chunk:
@@ -106,12 +106,6 @@ class Child:
                 )
             self.buf += chunk
         return json.loads(self.buf.split(b"\n", 1)[0])
-
-    def wait_ready(self, timeout: float) -> Any:
-        ready = self.ready(timeout)
-        if ready is None:
-            raise RuntimeError(f"{self.name} was not ready after {timeout:.0f} s")
-        return ready
 
 
 def stop_all(procs: Sequence[subprocess.Popen[bytes]], timeout: float) -> None:
@@ -134,8 +128,6 @@ def stop_all(procs: Sequence[subprocess.Popen[bytes]], timeout: float) -> None:
 
 
 def free_port() -> int:
-    import socket
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -213,27 +205,25 @@ class _Worker(Child):
     chaos: bool = False
     down: bool = False
 
+    def up(self, ready: dict[str, Any]) -> str:
+        """Take the address of a ``ready`` line; the words that announce it."""
+        self.address, port = ready["ready"][0], ready.get("metrics")
+        return self.address + (f", metrics http://127.0.0.1:{port}/metrics" if port else "")
+
 
 def _how(code: int) -> str:
-    if code < 0:
-        with contextlib.suppress(ValueError):
-            return signal.Signals(-code).name
-        return f"signal {-code}"
-    return f"exit status {code}"
-
-
-def _metrics(ready: dict[str, object]) -> str:
-    port = ready.get("metrics")
-    return f", metrics http://127.0.0.1:{port}/metrics" if port else ""
+    if code > 0:
+        return f"exit status {code}"
+    with contextlib.suppress(ValueError):
+        return signal.Signals(-code).name
+    return f"signal {-code}"
 
 
 class WorkerPool:
-    """The workers of one demo run.
-
-    ``say`` prints a line for the person watching; :attr:`events` records each death and
-    return (for the summary); :attr:`crashed` names the workers that failed by
-    themselves (a nonzero exit status, not a signal): that fails the run.
-    """
+    """The workers of one demo run: ``say`` prints a line for the person watching;
+    :attr:`events` records each death and return (for the summary); :attr:`crashed`
+    names the workers that failed by themselves (a nonzero exit status, not a signal),
+    which fails the run."""
 
     def __init__(self, c: DemoConfig, tmp: Path, say: Callable[[str], None]) -> None:
         self._config, self._tmp, self._say = c, tmp, say
@@ -254,9 +244,7 @@ class WorkerPool:
                 _Worker(f"worker{i}", tmp / f"worker{i}.log", worker_cmd(c, i, bind))
             )
         for w in self.workers:
-            ready = w.wait_ready(READY_TIMEOUT)
-            w.address = ready["ready"][0]
-            self._say(f"{w.name}: {w.address}{_metrics(ready)}")
+            self._say(f"{w.name}: {w.up(w.ready(READY_TIMEOUT))}")
 
     def kill(self, i: int, at: float) -> None:
         """``--chaos``: SIGKILL worker ``i`` (no goodbye: its sockets just vanish)."""
@@ -270,10 +258,9 @@ class WorkerPool:
         """Note deaths and returns (call it often; it never blocks)."""
         for i, w in enumerate(self.workers):
             code = None if w.down else w.proc.poll()
-            if w.down or (code is None and w.starting_since is None):
-                continue
             if code is None:
-                self._read_ready(w, at, now)
+                if w.starting_since is not None and not w.down:
+                    self._read_ready(w, at, now)
                 continue
             how = _how(code)
             tail = "" if w.starting_since is None else " while starting again"
@@ -301,7 +288,7 @@ class WorkerPool:
         if ready is not None:
             w.starting_since = None
             self.events.append(WorkerEvent(w.name, at, "back", f"restart {w.restarts}"))
-            self._say(f"[{at:5.1f} s] {w.name} is back on {ready['ready'][0]}{_metrics(ready)}")
+            self._say(f"[{at:5.1f} s] {w.name} is back on {w.up(ready)}")
         elif now - w.starting_since > READY_TIMEOUT:
             self.crashed.append(f"{w.name} (not ready {READY_TIMEOUT:.0f} s after a restart)")
             w.restarts = MAX_RESTARTS

@@ -44,9 +44,11 @@ def _make_keys(tmp: Path) -> str:
     return str(keys)
 
 
-def _child(role: str, c: DemoConfig, tmp: Path, name: str) -> Child:
-    args = ["-m", "transport.demo", "--role", role, "--config", msgspec.json.encode(c).decode()]
-    return Child(name, tmp / f"{name}.log", args)
+def _child(role: str, c: DemoConfig, tmp: Path, name: str, index: int = 0) -> Child:
+    config = msgspec.json.encode(msgspec.structs.replace(c, index=index)).decode()
+    return Child(
+        name, tmp / f"{name}.log", ["-m", "transport.demo", "--role", role, "--config", config]
+    )
 
 
 def _run(c: DemoConfig, tmp: Path) -> bool:
@@ -56,16 +58,10 @@ def _run(c: DemoConfig, tmp: Path) -> bool:
     bind_all(pull, f"ipc://{tmp}/report")
     # Known before anything starts: the workers connect to it before the trainer binds.
     publisher = f"ipc://{tmp}/weights" if c.transport == "ipc" else f"tcp://127.0.0.1:{free_port()}"
-    c = msgspec.structs.replace(
-        c,
-        report=f"ipc://{tmp}/report",
-        publisher=publisher,
-        keys=_make_keys(tmp) if c.auth else None,
-    )
-    stop = StopSignals()
-    pool = WorkerPool(c, tmp, display.print)
+    keys = _make_keys(tmp) if c.auth else None
+    c = msgspec.structs.replace(c, report=f"ipc://{tmp}/report", publisher=publisher, keys=keys)
+    stop, pool, st = StopSignals(), WorkerPool(c, tmp, display.print), RunState()
     children: list[Child] = []
-    st = RunState()
     try:
         model = c.model_path or f"{c.engine} {c.model_size}"
         display.print(
@@ -75,13 +71,11 @@ def _run(c: DemoConfig, tmp: Path) -> bool:
         pool.start()
         c = msgspec.structs.replace(c, addresses=pool.addresses)
         children.append(_child("trainer", c, tmp, "trainer"))
-        children[0].wait_ready(300)
+        children[0].ready(300)
         for i in range(c.clients):
-            children.append(
-                _child("client", msgspec.structs.replace(c, index=i), tmp, f"client{i}")
-            )
+            children.append(_child("client", c, tmp, f"client{i}", index=i))
         for ch in children[1:]:
-            ch.wait_ready(120)
+            ch.ready(120)
         st.started = time.perf_counter()
         end = st.started + c.duration
         # --chaos: one worker killed (and restarted) once the run is well under way.
@@ -101,19 +95,17 @@ def _run(c: DemoConfig, tmp: Path) -> bool:
             st.events, st.crashed = pool.events, pool.crashed
             display.update(st)
 
-        early = False
+        dead: list[str] = []
         with display:
-            while not stop.seen and time.perf_counter() < end:
+            while not stop.seen and not dead and time.perf_counter() < end:
                 if chaos_at is not None and time.perf_counter() >= chaos_at:
                     chaos_at = None
                     pool.kill(victim, time.perf_counter() - st.started)
                 step()
                 dead = [ch.name for ch in children if ch.proc.poll() is not None]
-                if dead:
-                    display.print(f"{dead[0]} exited early; see {tmp}/{dead[0]}.log")
-                    early = True
-                    break
-            if not early and not stop.seen and pool.starting():
+            if dead:
+                display.print(f"{dead[0]} exited early; see {tmp}/{dead[0]}.log")
+            elif not stop.seen and pool.starting():
                 # The final check is over every worker: wait for one restarting now.
                 at = time.perf_counter() - st.started
                 display.print(f"[{at:5.1f} s] waiting for {', '.join(pool.starting())} to be back")
@@ -126,7 +118,7 @@ def _run(c: DemoConfig, tmp: Path) -> bool:
         stop_all([children[0].proc], 60)
         drain(500)
         display.summary(st, elapsed)
-        problem = verdict(st, early)
+        problem = verdict(st, early=bool(dead))
         if problem:
             print(f"FAILED: {problem}", file=sys.stderr, flush=True)
         return not problem

@@ -8,11 +8,13 @@ import os
 import re
 import typing
 from collections.abc import Sequence
-from typing import Annotated, Any, Literal, NoReturn
+from typing import Annotated, Literal, NoReturn
 
 import msgspec
+from msgspec import Meta
 
 from fastio._optional import install_hint
+from transport.options import configure
 
 __all__ = ["REFERENCE_SIZES", "SIZES", "SIZE_DEFAULTS", "DemoConfig", "UserError", "parse_config"]
 
@@ -38,62 +40,57 @@ SIZE_DEFAULTS: dict[str, tuple[int, float]] = {
 }
 
 
-def _flag(help: str, **constraints: Any) -> msgspec.Meta:
-    return msgspec.Meta(description=help, **constraints)
+#: Field -> help text: the fields that are flags of ``python -m transport.demo``.
+HELP = {
+    "workers": "generation worker processes",
+    "clients": "rollout client processes",
+    "engine": "hf: a transformers causal LM; reference: a tiny GRU",
+    "model_size": "size of the randomly initialised model",
+    "model_path": "--engine hf: a local from_pretrained directory",
+    "device": "the workers' torch device (default: cuda when present)",
+    "concurrency": "requests in flight per client (default: 32, 16, 8, 4 for tiny..large)",
+    "duration": "seconds to run",
+    "update_every": "seconds between weight updates (default: 5, 5, 10, 15 for tiny..large)",
+    "max_new_tokens": "each request asks for 8 to this many tokens",
+    "prompt_len": "each prompt has 8 to this many tokens",
+    "token_interval": "simulated extra seconds per token (or step)",
+    "transport": "how the processes connect",
+    "auth": "CurveZMQ encryption + client authentication",
+    "seed": "the models' weights",
+    "chaos": "kill one worker with SIGKILL at 40%% of --duration; it is restarted "
+    "and the run must still answer every request once",
+    "progress_every": "seconds between progress lines when the output is not a terminal",
+    "keep_logs": "keep the run's directory (kept anyway when it fails)",
+}
 
 
 class DemoConfig(msgspec.Struct, kw_only=True):
-    """One demo run: a field with a description is a flag of ``python -m transport.demo``;
-    the others tell a child role where it reports and whom it talks to."""
+    """One demo run: the fields of :data:`HELP` are its flags; the others tell a child
+    role where it reports and whom it talks to."""
 
-    workers: Annotated[int, _flag("generation worker processes", ge=1)] = 2
-    clients: Annotated[int, _flag("rollout client processes", ge=1)] = 2
-    engine: Annotated[
-        Literal["hf", "reference"], _flag("hf: a transformers causal LM; reference: a tiny GRU")
-    ] = "hf"
-    model_size: Annotated[Size, _flag("size of the randomly initialised model")] = "small"
-    model_path: Annotated[str | None, _flag("--engine hf: a local from_pretrained directory")] = (
-        None
-    )
-    device: Annotated[
-        str | None, _flag("the workers' torch device (default: cuda when present)")
-    ] = None
-    concurrency: Annotated[
-        int, _flag("requests in flight per client (default: 32, 16, 8, 4 for tiny..large)", ge=1)
-    ] = 16
-    duration: Annotated[float, _flag("seconds to run", gt=0)] = 30.0
-    update_every: Annotated[
-        float, _flag("seconds between weight updates (default: 5, 5, 10, 15 for tiny..large)", gt=0)
-    ] = 5.0
-    max_new_tokens: Annotated[int, _flag("each request asks for 8 to this many tokens", ge=1)] = 32
-    prompt_len: Annotated[int, _flag("each prompt has 8 to this many tokens", ge=8)] = 32
-    token_interval: Annotated[float, _flag("simulated extra seconds per token (or step)", ge=0)] = (
-        0.0
-    )
-    transport: Annotated[Literal["tcp", "ipc"], _flag("how the processes connect")] = "tcp"
-    auth: Annotated[bool, _flag("CurveZMQ encryption + client authentication")] = False
-    seed: Annotated[int, _flag("the models' weights")] = 0
-    chaos: Annotated[
-        bool,
-        _flag(
-            "kill one worker with SIGKILL at 40%% of --duration; it is restarted "
-            "and the run must still answer every request once"
-        ),
-    ] = False
-    progress_every: Annotated[
-        float, _flag("seconds between progress lines when the output is not a terminal", ge=0)
-    ] = 5.0
-    keep_logs: Annotated[bool, _flag("keep the run's directory (kept anyway when it fails)")] = (
-        False
-    )
+    workers: Annotated[int, Meta(ge=1)] = 2
+    clients: Annotated[int, Meta(ge=1)] = 2
+    engine: Literal["hf", "reference"] = "hf"
+    model_size: Size = "small"
+    model_path: str | None = None
+    device: str | None = None
+    concurrency: Annotated[int, Meta(ge=1)] = 16
+    duration: Annotated[float, Meta(gt=0)] = 30.0
+    update_every: Annotated[float, Meta(gt=0)] = 5.0
+    max_new_tokens: Annotated[int, Meta(ge=1)] = 32
+    prompt_len: Annotated[int, Meta(ge=8)] = 32
+    token_interval: Annotated[float, Meta(ge=0)] = 0.0
+    transport: Literal["tcp", "ipc"] = "tcp"
+    auth: bool = False
+    seed: int = 0
+    chaos: bool = False
+    progress_every: Annotated[float, Meta(ge=0)] = 5.0
+    keep_logs: bool = False
     report: str = ""
     addresses: list[str] = msgspec.field(default_factory=list)
     publisher: str = ""
     keys: str | None = None
     index: int = 0
-
-
-_KINDS = {"int": "an integer", "float": "a number"}
 
 
 class UserError(Exception):
@@ -105,36 +102,24 @@ class _Parser(argparse.ArgumentParser):
         raise UserError(message)
 
 
-def _flags() -> dict[str, tuple[Any, msgspec.Meta]]:
-    """Field name -> (its type, its Meta) for each field that is a flag."""
-    out = {}
-    for f in msgspec.structs.fields(DemoConfig):
-        meta = next(
-            (m for m in getattr(f.type, "__metadata__", ()) if isinstance(m, msgspec.Meta)), None
-        )
-        if meta is not None and meta.description:
-            out[f.name] = (typing.get_args(f.type)[0], meta)
-    return out
-
-
 def parser() -> argparse.ArgumentParser:
-    """The demo's argument parser, one flag per described :class:`DemoConfig` field; the
-    values stay strings, converted and checked by :func:`parse_config`."""
+    """The demo's argument parser, one flag per field of :data:`HELP`; the values stay
+    strings, converted and checked by :func:`parse_config`."""
     p = _Parser(
         prog="python -m transport.demo",
         description="The whole system on one machine, in one command.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    defaults = DemoConfig()
-    for name, (tp, meta) in _flags().items():
-        flag, default = "--" + name.replace("_", "-"), getattr(defaults, name)
+    defaults, types = DemoConfig(), typing.get_type_hints(DemoConfig)
+    for name, help in HELP.items():
+        flag, default, tp = "--" + name.replace("_", "-"), getattr(defaults, name), types[name]
         if tp is bool:
-            p.add_argument(flag, action="store_true", help=meta.description)
+            p.add_argument(flag, action="store_true", help=help)
         elif name in ("concurrency", "update_every"):  # defaults that depend on the size
-            p.add_argument(flag, help=meta.description)
+            p.add_argument(flag, help=help)
         else:
             choices = typing.get_args(tp) if typing.get_origin(tp) is Literal else None
-            p.add_argument(flag, default=default, choices=choices, help=meta.description)
+            p.add_argument(flag, default=default, choices=choices, help=help)
     # Internal: a child role and its DemoConfig as JSON.
     p.add_argument("--role", choices=("orchestrator", "client", "trainer"),
                    default="orchestrator", help=argparse.SUPPRESS)  # fmt: skip
@@ -158,16 +143,12 @@ def parse_config(argv: Sequence[str]) -> tuple[str, DemoConfig]:
     given.setdefault("concurrency", concurrency)
     given.setdefault("update_every", update_every)
     try:
-        c = msgspec.convert(given, DemoConfig, strict=False)
-    except msgspec.ValidationError as exc:
-        m = re.fullmatch(r"Expected `(\w+)`(?: (>=?) (\S+))?.* - at `\$\.(\w+)`", str(exc))
+        c = configure(DemoConfig, None, given, "demo option")
+    except ValueError as exc:  # "demo option NAME=VALUE: expected ...": named by its flag
+        m = re.fullmatch(r"demo option (\w+)=.*?: (expected .*)", str(exc))
         if m is None:
             raise UserError(str(exc)) from None
-        flag, value = "--" + m[4].replace("_", "-"), given[m[4]]
-        if m[2]:
-            bound = "at least" if m[2] == ">=" else "more than"
-            raise UserError(f"{flag} must be {bound} {m[3]} (got {value})") from None
-        raise UserError(f"{flag} {value!r}: expected {_KINDS.get(m[1], m[1])}") from None
+        raise UserError(f"--{m[1].replace('_', '-')} {given[m[1]]}: {m[2]}") from None
     if c.chaos and c.workers < 2:
         raise UserError("--chaos needs --workers 2 or more (someone must serve meanwhile)")
     if c.model_path:

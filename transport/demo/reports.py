@@ -16,14 +16,14 @@ from transport.sockets import make_socket
 
 class ClientReport(msgspec.Struct, tag="client"):
     """Figures of one rollout client process: counters are cumulative, the sample lists
-    hold only what is new since the previous report (so reports stay small)."""
+    (latencies, ttfts, itls) hold only what is new since the previous report.
+    ``unfinished``: in flight when the client was told to stop (cut, not failed);
+    ``stale``: late answers dropped (a re-sent request answered twice)."""
 
     client: int
-    #: Requests handed to the client (``agenerate`` calls started).
     sent: int = 0
     done: int = 0
     failed: int = 0
-    #: Requests still in flight when the client was told to stop (cut, not failed).
     unfinished: int = 0
     tokens: int = 0
     latencies: list[float] = msgspec.field(default_factory=list)
@@ -33,62 +33,58 @@ class ClientReport(msgspec.Struct, tag="client"):
     multi_version: int = 0
     resent: int = 0
     died: int = 0
-    #: Late answers the client dropped (a re-sent request answered twice).
     stale: int = 0
     final: bool = False
 
 
 class UpdateReport(msgspec.Struct, tag="update"):
-    """One weight update done by the trainer."""
+    """One weight update by the trainer. ``failed``: workers up that did not apply it
+    (what the run promised); ``skipped``: down when it began (they catch up when back);
+    ``lost``: died during it (gone, or another incarnation after it)."""
 
     version: int
     seconds: float
     ok: bool = True
-    #: Workers that were up and did not apply the version: what the run promised.
     failed: dict[str, str] = msgspec.field(default_factory=dict)
     loss: float = 0.0
     nbytes: int = 0
-    #: Workers down when the update began: left out (they catch up when back).
     skipped: list[str] = msgspec.field(default_factory=list)
-    #: Workers that died during the update (gone or another incarnation after it).
     lost: list[str] = msgspec.field(default_factory=list)
 
 
 class FinalCheck(msgspec.Struct, tag="final"):
-    """The trainer's end-of-run check of the weights of every worker alive then."""
+    """The trainer's end-of-run check: ``workers``, worker id -> its weights' digest for
+    each that answered; ``equal``: every one holds the trainer's (and there is one at
+    least); ``down``: the workers that did not answer (dead, or restarting)."""
 
     version: int
     trainer_digest: str
-    #: Worker id -> its weights' digest, for each worker that answered at the end.
     workers: dict[str, str]
-    #: Every answering worker holds the trainer's weights (and there is one at least).
     equal: bool
-    #: Worker addresses that did not answer at the end (dead, or restarting).
     down: list[str] = msgspec.field(default_factory=list)
 
 
 class WorkerEvent(msgspec.Struct):
-    """A worker's death or return ``at`` seconds into the run, as the demo process saw it
-    (``kind`` "died" or "back"; ``detail``: how it died or which restart it is)."""
+    """A worker's death or return ``at`` seconds into the run (``kind`` "died" or "back";
+    ``detail``: how it died or which restart it is; ``chaos``: killed by --chaos)."""
 
     worker: str
     at: float
     kind: str
     detail: str = ""
-    chaos: bool = False  # killed by --chaos
+    chaos: bool = False
 
 
 Report = ClientReport | UpdateReport | FinalCheck
 REPORT_ENCODER = msgspec.msgpack.Encoder()
 REPORT_DECODER = msgspec.msgpack.Decoder(Report)
+_SAMPLES = ("latencies", "ttfts", "itls")
 
 
 @dataclass
 class RunState:
     clients: dict[int, ClientReport] = field(default_factory=dict)
-    latencies: list[float] = field(default_factory=list)
-    ttfts: list[float] = field(default_factory=list)
-    itls: list[float] = field(default_factory=list)
+    samples: dict[str, list[float]] = field(default_factory=lambda: {k: [] for k in _SAMPLES})
     updates: list[UpdateReport] = field(default_factory=list)
     final: FinalCheck | None = None
     started: float = field(default_factory=time.perf_counter)
@@ -102,13 +98,16 @@ class RunState:
         """Fold one child's report into the run's state."""
         if isinstance(msg, ClientReport):
             self.clients[msg.client] = msg
-            self.latencies += msg.latencies
-            self.ttfts += msg.ttfts
-            self.itls += msg.itls
+            for k in _SAMPLES:
+                self.samples[k] += getattr(msg, k)
         elif isinstance(msg, UpdateReport):
             self.updates.append(msg)
         else:
             self.final = msg
+
+    @property
+    def version(self) -> int:
+        return self.updates[-1].version if self.updates else 0
 
 
 class ReportSender:
@@ -125,47 +124,42 @@ class ReportSender:
     def send(self, rep: Report) -> None:
         self.push.send(REPORT_ENCODER.encode(rep))
         if isinstance(rep, ClientReport):  # the sample lists carry only what is new
-            rep.latencies.clear()
-            rep.ttfts.clear()
-            rep.itls.clear()
+            for k in _SAMPLES:
+                getattr(rep, k).clear()
 
     def close(self) -> None:
         self.push.close()
         self.zctx.term()
 
 
-def _pct(values: list[float], q: float) -> float:
-    return float(np.percentile(values, q)) if values else float("nan")
+def _ms(values: list[float], *qs: float, digits: int = 0) -> str:
+    pct = [float(np.percentile(values, q)) if values else float("nan") for q in qs]
+    return " / ".join(f"{p * 1e3:.{digits}f}" for p in pct) + " ms"
 
 
 def summary_rows(st: RunState, elapsed: float) -> list[tuple[str, str]]:
-    done, toks = st.total("done"), st.total("tokens")
-    lat, ttft, itl = st.latencies, st.ttfts, st.itls
+    done, secs, s = st.total("done"), max(elapsed, 1e-9), st.samples
     rows = [
         ("elapsed", f"{elapsed:.1f} s"),
         ("requests done / failed", f"{done} / {st.total('failed')}"),
         ("requests sent / cut at stop", f"{st.total('sent')} / {st.total('unfinished')}"),
-        ("requests/s", f"{done / max(elapsed, 1e-9):.1f}"),
-        ("tokens/s", f"{toks / max(elapsed, 1e-9):.0f}"),
-        (
-            "latency p50 / p90 / p99",
-            f"{_pct(lat, 50) * 1e3:.0f} / {_pct(lat, 90) * 1e3:.0f} / {_pct(lat, 99) * 1e3:.0f} ms",
-        ),
-        ("ttft p50 / p99", f"{_pct(ttft, 50) * 1e3:.1f} / {_pct(ttft, 99) * 1e3:.1f} ms"),
-        ("itl mean p50", f"{_pct(itl, 50) * 1e3:.2f} ms"),
+        ("requests/s", f"{done / secs:.1f}"),
+        ("tokens/s", f"{st.total('tokens') / secs:.0f}"),
+        ("latency p50 / p90 / p99", _ms(s["latencies"], 50, 90, 99)),
+        ("ttft p50 / p99", _ms(s["ttfts"], 50, 99, digits=1)),
+        ("itl mean p50", _ms(s["itls"], 50, digits=2)),
         ("interrupted (resumed) chunks", str(st.total("interrupted"))),
         ("responses spanning >1 weight version", str(st.total("multi_version"))),
         ("re-sent after worker loss", str(st.total("resent"))),
         ("late duplicate answers dropped", str(st.total("stale"))),
         ("workers declared dead (sum over clients)", str(st.total("died"))),
     ]
-    deaths = [e for e in st.events if e.kind == "died"]
-    backs = [e for e in st.events if e.kind == "back"]
-    rows.append(("workers lost / restarted", f"{len(deaths)} / {len(backs)}"))
+    deaths = sum(e.kind == "died" for e in st.events)
+    rows.append(("workers lost / restarted", f"{deaths} / {len(st.events) - deaths}"))
     for e in st.events:
         how = f"{e.detail}{' (--chaos)' if e.chaos else ''}"
         rows.append((f"  {e.worker} {e.kind}", f"at {e.at:.1f} s: {how}"))
-    rows.append(("weight version", str(st.updates[-1].version if st.updates else 0)))
+    rows.append(("weight version", str(st.version)))
     if st.updates:
         mib = st.updates[-1].nbytes / 2**20
         rows.append(("weight update (pause+publish+apply+resume)", f"{mib:.1f} MiB per version"))
@@ -173,18 +167,11 @@ def summary_rows(st: RunState, elapsed: float) -> list[tuple[str, str]]:
         notes = [f"FAILED {u.failed}"] if u.failed else []
         notes += [f"lost {', '.join(u.lost)}"] if u.lost else []
         notes += [f"without {', '.join(u.skipped)} (down)"] if u.skipped else []
-        rows.append(
-            (f"  v{u.version}", f"{u.seconds * 1e3:.0f} ms" + "".join(f"; {n}" for n in notes))
-        )
-    if st.final is not None:
-        down = f", down: {', '.join(st.final.down)}" if st.final.down else ""
-        rows.append(
-            (
-                "workers' weights == trainer's",
-                ("yes" if st.final.equal else "NO")
-                + f" (v{st.final.version}, {len(st.final.workers)} workers alive{down})",
-            )
-        )
+        rows.append((f"  v{u.version}", "; ".join([f"{u.seconds * 1e3:.0f} ms", *notes])))
+    if (f := st.final) is not None:
+        down = f", down: {', '.join(f.down)}" if f.down else ""
+        alive = f" (v{f.version}, {len(f.workers)} workers alive{down})"
+        rows.append(("workers' weights == trainer's", ("yes" if f.equal else "NO") + alive))
     return rows
 
 
@@ -221,13 +208,11 @@ def verdict(st: RunState, early: bool) -> str:
 
 class Display:
     """rich when it is installed, plain lines otherwise; a live table on a terminal, a
-    progress line every few seconds elsewhere (a log, CI)."""
+    progress line every ``interval`` seconds elsewhere (a log, CI)."""
 
     def __init__(self, live: bool, interval: float = 5.0) -> None:
         try:
             import rich.console
-            import rich.live
-            import rich.table
 
             self.console: Any = rich.console.Console()
         except ImportError:
@@ -249,8 +234,7 @@ class Display:
             return "\n".join([title, *(f"{k:<{width}} │ {v}" for k, v in rows)])
         from rich.table import Table
 
-        t = Table(title=title, show_header=True)
-        t.add_column("metric")
+        t = Table("metric", title=title)
         t.add_column("value", justify="right")
         for k, v in rows:
             t.add_row(k, v)
@@ -279,14 +263,13 @@ class Display:
         if now < self._next:
             return
         self._next = now + self.interval
-        done = st.total("done")
+        done, secs = st.total("done"), max(elapsed, 1e-9)
         # Each client declares a dead worker on its own: count the workers instead.
         dead = len({e.worker for e in st.events if e.kind == "died"})
         self.print(
-            f"[{elapsed:5.0f} s] done {done} ({done / max(elapsed, 1e-9):.1f}/s), "
-            f"failed {st.total('failed')}, {st.total('tokens') / max(elapsed, 1e-9):.0f} tok/s, "
-            f"version {st.updates[-1].version if st.updates else 0}, "
-            f"re-sent {st.total('resent')}, workers dead {dead}, "
+            f"[{elapsed:5.0f} s] done {done} ({done / secs:.1f}/s), "
+            f"failed {st.total('failed')}, {st.total('tokens') / secs:.0f} tok/s, "
+            f"version {st.version}, re-sent {st.total('resent')}, workers dead {dead}, "
             f"restarted {sum(e.kind == 'back' for e in st.events)}"
         )
 

@@ -20,11 +20,10 @@ from transport.demo.reports import ClientReport, FinalCheck, ReportSender, Updat
 
 __all__ = ["client_role", "trainer_model", "trainer_role"]
 
-#: Seconds for the workers to apply a version (the publisher sees a dead worker's
-#: process end within a heartbeat: it is not waited for this long).
+#: Seconds for the workers to apply a version (a dead one is seen within a heartbeat).
 UPDATE_TIMEOUT = 20.0
-#: Seconds for the pause and the resume: the others stand paused while a worker killed
-#: just before its pause is waited for, and a live one pauses between two steps.
+#: Seconds for the pause and the resume (the others stand paused while a worker killed
+#: just before its pause is waited for).
 CONTROL_TIMEOUT = 6.0
 #: Seconds the final check waits for every worker to be alive and caught up.
 CATCH_UP_TIMEOUT = 20.0
@@ -57,7 +56,7 @@ def vocab_of(c: DemoConfig) -> int:
 
 
 async def client_role(c: DemoConfig) -> None:
-    """A rollout client process: ``concurrency`` request loops, reports every 0.5 s."""
+    """A rollout client process: ``concurrency`` request loops, a report every 0.5 s."""
     from fastio import GenerationHyperparameters, LLMRequest, TokenArray
     from transport import ClientConfig, FabricClient
 
@@ -148,20 +147,14 @@ def trainer_model(c: DemoConfig) -> tuple[Any, int, Any]:
 
 
 def _alive(c: DemoConfig, pub: Any) -> dict[str, Any]:
-    """Worker address -> the publisher's view of its subscriber, for each one alive (the
-    publisher sees a same-host worker's process end within a heartbeat)."""
-    infos = pub.workers()
-    out = {}
-    for i, address in enumerate(c.addresses):
-        info = infos.get(f"worker{i}")  # the demo's --worker-id of the i-th address
-        if info is not None and info.alive:
-            out[address] = info
-    return out
+    """Worker address -> the publisher's view of its subscriber, for each one alive."""
+    infos = pub.workers()  # by the demo's --worker-id of the i-th address: worker{i}
+    ids = {address: infos.get(f"worker{i}") for i, address in enumerate(c.addresses)}
+    return {address: info for address, info in ids.items() if info is not None and info.alive}
 
 
 class _ShortControl:
-    """The controller for :func:`update_weights`, with :data:`CONTROL_TIMEOUT` for pause
-    and resume instead of the update's own timeout."""
+    """``ctl`` for :func:`update_weights`, with :data:`CONTROL_TIMEOUT` to pause and resume."""
 
     def __init__(self, ctl: Any) -> None:
         self.ctl = ctl
@@ -173,6 +166,10 @@ class _ShortControl:
         return self.ctl.resume(CONTROL_TIMEOUT, strict=strict)
 
 
+def _missing(c: DemoConfig, alive: dict[str, Any]) -> list[str]:
+    return [f"worker{i}" for i, address in enumerate(c.addresses) if address not in alive]
+
+
 def _update(c: DemoConfig, ctl: Any, pub: Any, model: Any, version: int) -> UpdateReport:
     """One update over the workers alive now; one that dies during it is reported lost,
     not failed (the run promised nothing for a dead worker)."""
@@ -180,7 +177,7 @@ def _update(c: DemoConfig, ctl: Any, pub: Any, model: Any, version: int) -> Upda
 
     t0 = time.perf_counter()
     before = _alive(c, pub)
-    skipped = [f"worker{i}" for i, w in enumerate(c.addresses) if w not in before]
+    skipped = _missing(c, before)
     if not before:
         # Published all the same: a worker that comes back catches up to it.
         pub.publish(model, version)
@@ -231,7 +228,7 @@ def _final_check(c: DemoConfig, pub: Any, model: Any, version: int) -> FinalChec
         trainer_digest=f"{want:016x}",
         workers={w: f"{d:016x}" if d is not None else "behind" for w, d in digests.items()},
         equal=equal,
-        down=[f"worker{i}" for i, w in enumerate(c.addresses) if w not in live],
+        down=_missing(c, live),
     )
 
 
