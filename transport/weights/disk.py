@@ -49,7 +49,6 @@ def _root(where: WeightUpdateMeta | str | os.PathLike[str]) -> Path:
 
 
 def _dirname(version: int) -> str:
-    """The directory of ``version`` under the root."""
     return f"v{version:08d}"
 
 
@@ -67,13 +66,8 @@ def save_weights(
 ) -> Path:
     """Write ``state`` (module, state dict or ``(name, tensor)`` pairs) as ``version``
     under ``where`` (a ``type="disk"`` :class:`WeightUpdateMeta` or a directory) and make
-    it the latest, atomically; keep the newest ``keep`` versions. Returns its file.
-
-    Raises
-    ------
-    ValueError
-        ``version`` is not newer than the latest on disk.
-    """
+    it the latest, atomically; keep the newest ``keep`` versions. Returns its file;
+    ``ValueError`` when ``version`` is not newer than the latest on disk."""
     root = _root(where)
     root.mkdir(parents=True, exist_ok=True)
     current = latest_version(root)
@@ -192,17 +186,10 @@ def load_weights(
 ) -> int:
     """Copy the latest (or the given) version into ``target`` in place; returns it.
 
-    Tied weights stored once are applied to every name; ``dtype`` and ``rename`` work
-    as for :class:`transport.weights.WeightSubscriber`. A version deleted by the
-    writer's clean-up while this looked is followed to the new marker.
-
-    Raises
-    ------
-    WeightMismatchError
-        Names, shapes or dtypes differ from ``target`` (nothing was written).
-    WeightUpdateError
-        No version on disk, or an unreadable file.
-    """
+    Tied weights are applied to every name; ``dtype`` and ``rename`` as for
+    :class:`transport.weights.WeightSubscriber`. Raises :class:`WeightMismatchError`
+    (names, shapes or dtypes differ; nothing written) or :class:`WeightUpdateError` (no
+    version on disk, an unreadable file)."""
     root = _root(where)
     targets = named_tensors(target)
     for _ in range(5):  # lost a race with the writer's clean-up: follow the new marker

@@ -35,29 +35,12 @@ log = logging.getLogger("transport.weights.disk_follow")
 
 
 class DiskFollower:
-    """Keeps ``server.engine`` at the newest version under ``root``, loaded while the
-    worker is paused (``docs/weights.md``, "Disk").
-
-    Parameters
-    ----------
-    server:
-        A :class:`transport.WorkerServer` whose engine has ``version`` and the hook or
-        a ``model``.
-    root:
-        The directory :func:`~transport.weights.disk.save_weights` writes into.
-    poll:
-        Seconds between two looks at the marker.
-    pause_timeout:
-        Seconds a load waits for generations to stop (then it is tried at the next look).
-    strict:
-        Every parameter of the model must be in the file (the in-place copy only).
-
-    Attributes
-    ----------
-    refused:
-        The last version that failed to load: logged, not retried (a newer one is); the
-        worker keeps its weights and its version.
-    """
+    """Keeps ``server.engine`` (a :class:`transport.WorkerServer`'s, with ``version``
+    and ``load_weights_from_disk`` or a ``model``) at the newest version under ``root``,
+    loaded while the worker is paused (``docs/weights.md``, "Disk"): a look at the marker
+    every ``poll`` seconds, a load waiting ``pause_timeout`` for generations to stop;
+    ``strict``: every parameter must be in the file. :attr:`refused` is the last version
+    that failed to load (not retried; the worker keeps its weights)."""
 
     def __init__(
         self,
@@ -112,8 +95,8 @@ class DiskFollower:
         )
 
     async def load(self, version: int) -> bool:
-        """Load ``version`` (or, by copy, a newer one written meanwhile) while the
-        worker is paused; True when the engine serves it."""
+        """Load ``version`` (or a newer one written meanwhile) while the worker is
+        paused; True when the engine serves it."""
         s = self.server
         if not await self.gate.acquire():
             msg = "worker %s: generations still running %.1f s after pausing for version %d from disk; trying again"
@@ -154,14 +137,8 @@ async def follow(server: Any, opts: dict[str, str]) -> None:
 
     Options (``--plugin-opt key=value``, :class:`DiskOptions`): ``disk_root``
     (required), ``disk_poll`` (0.05 s), ``disk_pause_timeout`` (30 s), ``disk_strict``
-    (1); other keys are left to other plugins.
-
-    Raises
-    ------
-    ValueError
-        A missing root, an unknown ``disk_`` key or a malformed value.
-    TypeError
-        An engine that cannot load weights.
+    (1); other keys are left to other plugins. ``ValueError``: a missing root, an unknown
+    ``disk_`` key or a malformed value; ``TypeError``: an engine that cannot load weights.
     """
     o = parse_options(opts, DiskOptions, "disk plugin option", prefix="disk_")
     follower = DiskFollower(
@@ -173,14 +150,8 @@ async def follow(server: Any, opts: dict[str, str]) -> None:
 def wait_for_version(
     controller: FabricController, version: int, timeout: float, poll: float = 0.02
 ) -> dict[str, int]:
-    """Block until every worker of ``controller`` reports ``version`` or newer;
-    returns worker address -> version reported.
-
-    Raises
-    ------
-    WeightUpdateError
-        Not every worker reports it within ``timeout`` (the message lists each one's).
-    """
+    """Block until every worker of ``controller`` reports ``version`` or newer; worker
+    address -> version reported (:class:`WeightUpdateError` after ``timeout``)."""
     deadline = time.monotonic() + timeout
     addresses = controller.addresses
     while True:
@@ -209,16 +180,11 @@ def update_weights_on_disk(
     *,
     keep: int = 2,
 ) -> dict[str, int]:
-    """Pause the workers of ``controller``, write ``version`` once under ``where``
-    (as :func:`~transport.weights.disk.save_weights`), wait up to ``timeout`` until every
-    worker reports it, resume them; returns worker address -> version after the resume.
-
-    Raises
-    ------
-    transport.ControlError
-        A worker could not be paused or resumed.
-    transport.weights.WeightUpdateError
-        Not every worker reported the version in time (they are resumed either way).
+    """Pause the workers of ``controller``, write ``version`` under ``where`` (as
+    :func:`~transport.weights.disk.save_weights`), wait up to ``timeout`` until every
+    worker reports it, resume them; worker address -> version after the resume. Raises
+    :class:`transport.ControlError` (a worker could not be paused or resumed) or
+    :class:`~transport.weights.WeightUpdateError` (not reported in time; resumed anyway).
     """
     controller.pause(timeout)
     try:

@@ -1,6 +1,6 @@
-"""Process-group route: weights broadcast in a torch.distributed group, bucket by bucket
-(``docs/PROTOCOL.md``, "Process-group path"): NCCL on GPUs (one device per rank,
-:func:`assign_devices`), gloo on CPU; both sides compute the same plan."""
+"""Process-group route: weights broadcast bucket by bucket in a torch.distributed group,
+NCCL on GPUs (one device per rank), gloo on CPU (``docs/PROTOCOL.md``, "Process-group
+path")."""
 
 from __future__ import annotations
 
@@ -26,7 +26,6 @@ from transport.weights.binding import Binding, DtypeSpec, parse_dtype_spec
 from transport.weights.bucket import (
     DEFAULT_BUCKET_BYTES,
     BucketApplier,
-    copy_tensor,
     dtype_name,
     named_tensors,
     pack_bucket,
@@ -56,7 +55,7 @@ _ADVICE = (
 
 class DeviceConflictError(WeightUpdateError, ValueError):
     """The NCCL group cannot give every rank its own CUDA device (raised on every rank
-    at setup, before NCCL is touched); the message names the ranks and the device."""
+    at setup, before NCCL is touched)."""
 
 
 def _names(ranks: Sequence[int]) -> str:
@@ -68,16 +67,10 @@ def assign_devices(
     hosts: Sequence[str], device_counts: Sequence[int], requested: Sequence[int | None]
 ) -> list[int]:
     """The CUDA device of every rank of an NCCL group: ``requested[r]`` where given, else
-    rank ``r``'s local rank (its position among the ranks on ``hosts[r]``) counted over
-    the devices no rank of that host asked for. Pure: every rank gets the same answer.
+    rank ``r``'s local rank among the devices no rank of its host asked for (the same
+    answer on every rank); :class:`DeviceConflictError` when two ranks of one host share
+    a device or a host lacks the one asked for.
 
-    Raises
-    ------
-    DeviceConflictError
-        Two ranks of one host on one device, or a rank whose device its host lacks.
-
-    Examples
-    --------
     >>> assign_devices(["a", "a", "b"], [2, 2, 1], [None, None, None])
     [0, 1, 0]
     """
@@ -122,7 +115,7 @@ def _alloc(meta: WeightUpdateMeta) -> AllocationMode:
 
 
 def world_size(meta: WeightUpdateMeta) -> int:
-    """``gen_world_size + 1`` (the trainer is one extra rank)."""
+    """``gen_world_size + 1`` (the trainer is rank 0)."""
     return _alloc(meta).gen_world_size + 1
 
 
@@ -152,28 +145,20 @@ class WeightGroup:
 
     Parameters
     ----------
-    meta:
-        ``type="nccl"`` metadata: address, port, group name, allocation mode, parameters.
-    rank:
-        :func:`trainer_rank` or a :func:`worker_rank`.
+    meta, rank:
+        ``type="nccl"`` metadata; :func:`trainer_rank` or a :func:`worker_rank`.
     backend:
-        ``"gloo"`` or ``"nccl"``; default NCCL where CUDA is available, else gloo.
+        ``"gloo"`` or ``"nccl"`` (default: NCCL where CUDA is available).
     bucket_bytes:
-        Bucket size; the same on every rank (it shapes the plan).
-    timeout:
-        Seconds a collective may wait for the others.
-    join_timeout:
-        Seconds forming the group may take; default ``min(timeout, 60)``.
+        Bucket size, the same on every rank (it shapes the plan).
+    timeout, join_timeout:
+        Seconds a collective, and forming the group (default ``min(timeout, 60)``), may take.
     device:
-        NCCL only: this rank's CUDA device (default: its local rank, :func:`assign_devices`).
+        NCCL only: this rank's CUDA device (default: :func:`assign_devices`).
 
-    Attributes
-    ----------
-    last_timings:
-        Per-bucket timings of the last :meth:`send` or :meth:`recv` (seconds).
+    :attr:`last_timings` holds the per-bucket timings of the last :meth:`send` or
+    :meth:`recv` (seconds).
 
-    Examples
-    --------
     >>> meta = WeightUpdateMeta.from_param_specs(alloc, param_specs(model))  # doctest: +SKIP
     >>> WeightGroup(meta, trainer_rank()).send(model)  # trainer   # doctest: +SKIP
     >>> WeightGroup(meta, worker_rank(meta, 0)).recv(model)  # worker  # doctest: +SKIP
@@ -281,12 +266,7 @@ class WeightGroup:
                 works[k % 2].wait()
             buf = self._buffer(k % 2, info.nbytes)
             ta = time.monotonic()
-            if self.device.type == "cpu":
-                pack_bucket(info, tensors, buf)
-            else:  # pragma: no cover - needs GPUs; NCCL's stream waits for these copies
-                for e in info.tensors:
-                    dst = buf[e.offset : e.offset + e.nbytes]
-                    copy_tensor(dst, tensors[e.name].detach(), sync=False)
+            pack_bucket(info, tensors, buf)  # on a GPU: NCCL's stream waits for the copies
             works[k % 2] = self._bcast(buf)
             self.last_timings.append({"pack_s": time.monotonic() - ta, "start_s": ta - t0})
         for w in works:
@@ -298,26 +278,12 @@ class WeightGroup:
     ) -> None:
         """Workers: receive a version into ``target`` (module or name -> tensor).
 
-        Parameters
-        ----------
-        atomic:
-            Receive every bucket into one staging buffer (kept) before copying anything:
-            a broadcast that fails half-way leaves the weights untouched. ``False``
-            copies each bucket as it lands (two bucket buffers); a failure leaves a mix.
-        strict:
-            Every target must be in the plan.
-        dtype:
-            As for :class:`transport.weights.WeightSubscriber` (``None``: the trainer's
-            dtypes; a dtype, name -> dtype or ``"auto"``): casts bit-identical to
-            ``tensor.to(dtype)`` on the trainer.
-
-        Raises
-        ------
-        WeightMismatchError
-            Before any collective, when the specs do not fit ``target``.
-        WeightUpdateError
-            When a broadcast fails.
-        """
+        ``atomic``: every bucket lands in one staging buffer before anything is copied (a
+        broadcast failing half-way leaves the weights untouched; ``False``: each bucket
+        is copied as it lands). ``strict``: every target must be in the plan. ``dtype``:
+        as for :class:`transport.weights.WeightSubscriber`. Raises
+        :class:`WeightMismatchError` before any collective when the specs do not fit,
+        :class:`WeightUpdateError` when a broadcast fails."""
         if self.rank == 0:
             raise RuntimeError("rank 0 sends")
         targets = named_tensors(target)
@@ -367,8 +333,7 @@ class WeightGroup:
         work: Any,
         t0: float,
     ) -> None:
-        """Wait for bucket ``info`` and copy it into the targets (the binding checked
-        names, shapes and dtypes; ``copy_`` casts where it asked for another dtype)."""
+        """Wait for bucket ``info`` and copy it into the targets."""
         work.wait()
         ta = time.monotonic()
         if buf.device.type == "cpu":
