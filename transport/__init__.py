@@ -1,22 +1,10 @@
 """transport: the ZeroMQ fabric of the fastio stack.
 
-``transport`` knows sockets, processes and time; it moves :mod:`fastio` frames and reads
-only the fabric envelope (:mod:`fastio.fabric_msgs`). Rooms:
-
-- :mod:`transport.sockets`: socket options, HWMs, size limits, CURVE, the asyncio pump
-- :mod:`transport.worker`: the generation worker (ROUTER) hosting a generate handler
-- :mod:`transport.client`: the rollout client (a DEALER per worker)
-- :mod:`transport.control`: pause / resume / abort / health of all workers
-- :mod:`transport.engines`: the public engine interface (:class:`Engine`), the registry
-  of ``--engine`` names, the SGLang and vLLM bridges
-- :mod:`transport.engine`: a reference engine (tiny torch LM on CPU)
-- :mod:`transport.addresses`: host names checked, wildcard hosts made reachable
-- :mod:`transport.collector`: the cyclic GC's setting for processes with many requests
-
-The rooms are imported on first use: ``import transport`` loads only the errors, and
-the base install (no torch) serves the client, the controller and the echo worker.
-
-The wire protocol is specified in ``docs/PROTOCOL.md`` (section "Fabric").
+The rooms (:mod:`transport.sockets`, :mod:`transport.worker`, :mod:`transport.client`,
+:mod:`transport.control`, :mod:`transport.engines`, :mod:`transport.weights`, ...) are
+imported on first use: ``import transport`` loads only the errors, and the base install
+(no torch) serves the client, the controller and the echo worker. The wire protocol:
+``docs/PROTOCOL.md``.
 """
 
 from typing import TYPE_CHECKING, Any
@@ -50,29 +38,20 @@ if TYPE_CHECKING:
     from transport.sockets import CurveConfig
     from transport.worker import RequestContext, WorkerConfig, WorkerServer, echo_handler
 
-# Imported on first use, so that ``import transport.weights.bucket`` (or any one room)
-# loads neither the client nor the worker; the engine needs torch, which a rollout
-# client does not; and ``python -m transport.worker`` must not find its module
-# imported by the package.
-_LAZY = {
-    "ClientConfig": "transport.client",
-    "ControllerConfig": "transport.control",
-    "CurveConfig": "transport.sockets",
-    "Engine": "transport.engines",
-    "FabricClient": "transport.client",
-    "FabricController": "transport.control",
-    "GenerateFuture": "transport.client",
-    "GenerationContext": "transport.engines",
-    "ReferenceEngine": "transport.engine",
-    "RequestContext": "transport.worker",
-    "SyncFabricClient": "transport.client",
-    "TinyLM": "transport.engine",
-    "WorkerConfig": "transport.worker",
-    "WorkerInfo": "transport.client",
-    "WorkerServer": "transport.worker",
-    "echo_handler": "transport.worker",
-    "tune_gc": "transport.collector",
-}
+# Imported on first use: one room loads no other, and ``python -m transport.worker``
+# must not find its module imported by the package.
+_MODULES = {
+    "transport.client": (
+        "ClientConfig", "FabricClient", "GenerateFuture", "SyncFabricClient", "WorkerInfo"
+    ),
+    "transport.collector": ("tune_gc",),
+    "transport.control": ("ControllerConfig", "FabricController"),
+    "transport.engine": ("ReferenceEngine", "TinyLM"),
+    "transport.engines": ("Engine", "GenerationContext"),
+    "transport.sockets": ("CurveConfig",),
+    "transport.worker": ("RequestContext", "WorkerConfig", "WorkerServer", "echo_handler"),
+}  # fmt: skip
+_LAZY = {name: module for module, names in _MODULES.items() for name in names}
 
 __all__ = [
     "BadAddress",

@@ -20,12 +20,10 @@ def tcp_host(address: str) -> tuple[str, int] | None:
     >>> tcp_host("tcp://trainer:5600"), tcp_host("tcp://127.0.0.1:5600"), tcp_host("ipc://x")
     (('trainer', 5600), None, None)
     """
-    if not address.startswith("tcp://"):
+    host, sep, port = address.removeprefix("tcp://").rpartition(":")
+    if not address.startswith("tcp://") or not sep or not port.isdigit():
         return None
-    host, sep, port = address[len("tcp://") :].rpartition(":")
-    if not sep or not host or not port.isdigit() or host in _WILDCARDS:
-        return None
-    if host.startswith("[") or ";" in host:
+    if not host or host in _WILDCARDS or host.startswith("[") or ";" in host:
         return None
     try:
         ipaddress.ip_address(host)
@@ -40,13 +38,12 @@ def resolve_problem(address: str) -> str:
     hp = tcp_host(address)
     if hp is None:
         return ""
-    host, port = hp
     try:
-        socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        socket.getaddrinfo(*hp, type=socket.SOCK_STREAM)
     except socket.gaierror as exc:
-        return f"cannot resolve host {host!r} ({exc.strerror or exc})"
+        return f"cannot resolve host {hp[0]!r} ({exc.strerror or exc})"
     except OSError:  # anything else from the resolver is not a verdict on the name
-        return ""
+        pass
     return ""
 
 
@@ -57,8 +54,7 @@ def warn_if_unresolvable(address: str, log: logging.Logger, what: str) -> None:
         return
 
     def check() -> None:
-        problem = resolve_problem(address)
-        if problem:
+        if problem := resolve_problem(address):
             log.warning("%s %s: %s; retrying until it does", what, address, problem)
 
     threading.Thread(target=check, name="fastio-resolve", daemon=True).start()
@@ -76,9 +72,7 @@ def with_reachable_host(advertised: str, reached: str) -> str:
     if not (advertised.startswith("tcp://") and reached.startswith("tcp://")):
         return advertised
     host, sep, port = advertised[len("tcp://") :].rpartition(":")
-    if not sep or host not in _WILDCARDS:
-        return advertised
     reached_host = reached[len("tcp://") :].rpartition(":")[0]
-    if not reached_host or reached_host in _WILDCARDS:
+    if not sep or host not in _WILDCARDS or not reached_host or reached_host in _WILDCARDS:
         return advertised
     return f"tcp://{reached_host}:{port}"

@@ -1,7 +1,5 @@
-"""One way to count: :class:`Counts`, the event counts every part of fastio keeps (the
-client, each thread of a worker, the weights' publisher and subscriber cores), read by
-``status()``, health replies and ``stats``, and exported to Prometheus (``docs/metrics.md``).
-"""
+"""The event counts every part of fastio keeps, read by ``status()``, health replies and
+``stats``, and exported to Prometheus (``docs/metrics.md``)."""
 
 from __future__ import annotations
 
@@ -13,12 +11,11 @@ __all__ = ["Counts"]
 
 
 class Counts(dict[str, int]):
-    """Named event counts, written by one thread: a ``dict`` of name -> total in which a
-    name not counted yet reads 0.
+    """Named event counts written by one thread: a dict in which a name not counted yet
+    reads 0.
 
-    ``exported`` maps names to Prometheus counters (no-ops without the ``metrics``
-    extra): :meth:`add` increments them at once, or, for a part that counts on a hot
-    path with ``c[name] += 1``, :meth:`export` adds what changed since its last call.
+    ``exported`` maps names to Prometheus counters: :meth:`add` increments them at once;
+    a part counting on a hot path with ``c[name] += 1`` calls :meth:`export` instead.
 
     >>> c = Counts(["sent"])
     >>> c.add("sent"), c["lost"], c.snapshot()
@@ -37,7 +34,7 @@ class Counts(dict[str, int]):
         return 0
 
     def add(self, name: str, n: int = 1) -> int:
-        """Count ``n`` more ``name`` events (and its Prometheus counter); returns the total."""
+        """Count ``n`` more ``name`` events; returns the total."""
         total = self[name] = self[name] + n
         metric = self.exported.get(name)
         if metric is not None:
@@ -51,7 +48,7 @@ class Counts(dict[str, int]):
 
     def export(self) -> None:
         """Add to each exported counter what was counted since the last export (from any
-        thread: two scrapes at once add a change once)."""
+        thread)."""
         with self._lock:
             for name, metric in self.exported.items():
                 delta = self[name] - self._sent.get(name, 0)

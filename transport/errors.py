@@ -1,24 +1,4 @@
-"""Exceptions raised by :mod:`transport`.
-
-Exception tree::
-
-    fastio.FastioError
-    └── TransportError                    root of everything transport raises
-        ├── RequestTimeout(TimeoutError)  a request's time limit passed (it was
-        │                                 cancelled on its worker)
-        ├── RemoteError                   a worker answered with an Error reply
-        │   ├── RequestAborted            a controller aborted the request
-        │   └── PoisonRequest             its workers kept dying while running it
-        ├── NoWorkers(RuntimeError)       no worker is configured
-        │   └── NoWorkerAvailable         none has been alive for ``connect_timeout``
-        │       └── IncompatibleWorkers   every worker speaks protocol versions or
-        │                                 token encodings this client cannot serve
-        ├── BadAddress(ValueError)        a worker address that cannot be used
-        ├── ClientClosed(RuntimeError)    the client was closed while a request waited
-        └── ControlError                  a control operation failed on some workers
-
-    RuntimeError
-    └── ResumeRefused                     an ``on_resume`` callback refuses a resume
+"""Exceptions raised by :mod:`transport` (the tree: ``docs/troubleshooting.md``).
 
 A ``fastio.DecodeError`` never reaches a caller: at the socket boundary it becomes an
 Error reply or a counted, logged drop.
@@ -44,7 +24,6 @@ __all__ = [
     "TransportError",
 ]
 
-
 #: Why a request with no prompt tokens is refused, by the client and by a worker.
 EMPTY_PROMPT = "empty prompt: LLMRequest.input_ids has no tokens (a prompt needs at least one)"
 
@@ -54,7 +33,7 @@ class TransportError(FastioError):
 
 
 class RequestTimeout(TransportError, TimeoutError):
-    """The request did not finish within its timeout."""
+    """The request did not finish within its timeout (it was cancelled on its worker)."""
 
 
 class RemoteError(TransportError):
@@ -72,10 +51,8 @@ class RequestAborted(RemoteError):
 
 
 class PoisonRequest(RemoteError):
-    """The request was running on ``max_worker_deaths + 1`` workers that each died while
-    it ran (:class:`~transport.ClientConfig`), so it is taken for what kills them and
-    not sent to another: ``rid``, and ``workers``, the addresses of those workers in the
-    order they died (``worker``: the last)."""
+    """The request's ``max_worker_deaths + 1`` workers each died while running it, so it
+    is not sent to another: ``rid``, and ``workers`` in the order they died."""
 
     def __init__(self, message: str, *, rid: str, workers: tuple[str, ...]) -> None:
         super().__init__(message, worker=workers[-1] if workers else "")
@@ -89,7 +66,7 @@ class NoWorkers(TransportError, RuntimeError):
 
 class NoWorkerAvailable(NoWorkers):
     """No worker has answered a ping for the client's ``connect_timeout``; ``seen``:
-    worker address -> what the client saw there (no answer, refused CURVE, last pong)."""
+    worker address -> what the client saw there."""
 
     def __init__(self, message: str, seen: dict[str, str]) -> None:
         super().__init__(message)
@@ -98,12 +75,11 @@ class NoWorkerAvailable(NoWorkers):
 
 class IncompatibleWorkers(NoWorkerAvailable):
     """Every worker answered, and none speaks a protocol version (or token encoding)
-    this client can use; ``seen`` names each one's versions and this client's."""
+    this client can use; ``seen`` names each one's versions."""
 
 
 class BadAddress(TransportError, ValueError):
-    """A worker address the client cannot connect to (no scheme, a bad port, an
-    unsupported transport)."""
+    """A worker address the client cannot connect to."""
 
 
 class ClientClosed(TransportError, RuntimeError):
@@ -111,8 +87,8 @@ class ClientClosed(TransportError, RuntimeError):
 
 
 class ControlError(TransportError):
-    """A control operation did not succeed on every worker: ``failed`` (address -> why)
-    and ``statuses`` (address -> :class:`fastio.fabric_msgs.WorkerStatus`) of the rest."""
+    """A control operation failed on some workers: ``failed`` (address -> why) and
+    ``statuses`` (address -> :class:`fastio.fabric_msgs.WorkerStatus`) of the rest."""
 
     def __init__(self, message: str, failed: dict[str, str], statuses: dict[str, object]) -> None:
         super().__init__(message)
@@ -121,5 +97,5 @@ class ControlError(TransportError):
 
 
 class ResumeRefused(RuntimeError):
-    """Raised by an ``on_resume`` callback to refuse a resume (e.g. mixed weights): the
-    worker stays paused and answers ``ok=False`` with this error."""
+    """Raised by an ``on_resume`` callback to refuse a resume: the worker stays paused
+    and answers ``ok=False`` with this error."""

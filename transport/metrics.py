@@ -1,10 +1,9 @@
-"""Prometheus metrics of the fabric and the weight path (optional extra ``metrics``).
+"""Prometheus metrics of the fabric and the weight path (optional extra ``metrics``;
+every series: ``docs/metrics.md``).
 
-Without ``prometheus-client`` every metric is a no-op (``ENABLED`` says which), so
-instrumented code never branches on it. A process shows the series of the roles
-:func:`expose` names (without ``*_created`` twins); counts kept as plain ints are added
-when scraped, by :func:`on_scrape` hooks. :func:`start_http_server` serves
-``GET /metrics``. Every series: ``docs/metrics.md``.
+Without ``prometheus-client`` every metric is a no-op (``ENABLED`` says which). A process
+shows the series of the roles :func:`expose` names; :func:`on_scrape` hooks add counts kept
+as plain ints; :func:`start_http_server` serves ``GET /metrics``.
 
 >>> from transport import metrics
 >>> metrics.CLIENT_RESENDS.inc()  # counts, or does nothing without prometheus-client
@@ -12,6 +11,7 @@ when scraped, by :func:`on_scrape` hooks. :func:`start_http_server` serves
 
 from __future__ import annotations
 
+import functools
 import socket
 import threading
 from collections.abc import Callable
@@ -65,26 +65,19 @@ _MEMBERS: dict[str, list[Any]] = {role: [] for role in ROLES}
 _HOOKS: dict[str, list[Callable[[], None]]] = {role: [] for role in ROLES}
 
 
-def _member(kind: str, name: str, *args: Any, **kwargs: Any) -> Any:
+def _metric(kind: str, name: str, doc: str, labels: tuple[str, ...] = (), **kw: Any) -> Any:
     if not _prom:
         return _Noop()
-    metric = getattr(_prom, kind)(name, *args, registry=None, **kwargs)
+    if kind == "Histogram":
+        kw.setdefault("buckets", _LATENCY_BUCKETS)
+    metric = getattr(_prom, kind)(name, doc, labels, registry=None, **kw)
     _MEMBERS[name.split("_")[1]].append(metric)  # fastio_<role>_<what>
     return metric
 
 
-def _counter(name: str, doc: str, labels: tuple[str, ...] = ()) -> Any:
-    return _member("Counter", name, doc, labels)
-
-
-def _gauge(name: str, doc: str) -> Any:
-    return _member("Gauge", name, doc)
-
-
-def _histogram(
-    name: str, doc: str, buckets: tuple[float, ...] = _LATENCY_BUCKETS, labels: tuple[str, ...] = ()
-) -> Any:
-    return _member("Histogram", name, doc, labels, buckets=buckets)
+_counter = functools.partial(_metric, "Counter")
+_gauge = functools.partial(_metric, "Gauge")
+_histogram = functools.partial(_metric, "Histogram")
 
 
 # --- worker ---------------------------------------------------------------------------
@@ -109,7 +102,9 @@ WORKER_INFLIGHT = _gauge("fastio_worker_in_flight", "Requests whose handler is r
 WORKER_QUEUE_DEPTH = _gauge("fastio_worker_queue_depth", "Requests waiting for a slot")
 WORKER_TTFT = _histogram("fastio_worker_ttft_seconds", "Time from Submit to the first token")
 WORKER_ITL = _histogram(
-    "fastio_worker_inter_token_seconds", "Mean time between tokens per request", _TOKEN_BUCKETS
+    "fastio_worker_inter_token_seconds",
+    "Mean time between tokens per request",
+    buckets=_TOKEN_BUCKETS,
 )
 WORKER_E2E = _histogram("fastio_worker_e2e_seconds", "Time from Submit to the Result")
 WORKER_PAUSES = _counter("fastio_worker_pauses", "Pauses (weight updates, controller)")
@@ -125,14 +120,14 @@ CLIENT_LATENCY = _histogram("fastio_client_latency_seconds", "agenerate: call to
 PUBLISHER_PHASE_SECONDS = _histogram(
     "fastio_publisher_phase_seconds",
     "Weight update time per phase (pack, send, wait, total)",
-    labels=("phase",),
+    ("phase",),
 )
 PUBLISHER_BYTES = _counter("fastio_publisher_bytes", "Weight bytes published", ("path",))
 PUBLISHER_FAILURES = _counter("fastio_publisher_failures", "Versions some worker failed")
 SUBSCRIBER_PHASE_SECONDS = _histogram(
     "fastio_subscriber_phase_seconds",
     "Weight apply time per phase (receive, verify, apply, total)",
-    labels=("phase",),
+    ("phase",),
 )
 SUBSCRIBER_BYTES = _counter("fastio_subscriber_bytes", "Weight bytes applied", ("path",))
 SUBSCRIBER_FAILURES = _counter("fastio_subscriber_failures", "Versions refused or failed")
@@ -160,8 +155,9 @@ def on_scrape(role: str, hook: Callable[[], None]) -> Callable[[], None]:
     return lambda: hooks.remove(hook) if hook in hooks else None
 
 
+_lock = threading.Lock()
 _exposed: set[str] = set()
-_exposed_lock = threading.Lock()
+_servers: dict[int, ThreadingHTTPServer] = {}  # bound port -> server
 
 
 def expose(*roles: str) -> None:
@@ -175,28 +171,16 @@ def expose(*roles: str) -> None:
             raise ValueError(f"unknown metrics role {role!r}; expected one of {ROLES}")
     if _prom is None:
         return
-    with _exposed_lock:
-        for role in roles:
-            if role not in _exposed:
-                _prom.REGISTRY.register(_Role(role))
-                _exposed.add(role)
-
-
-_servers: dict[int, ThreadingHTTPServer] = {}  # bound port -> server, for stop_http_server
-_servers_lock = threading.Lock()
+    with _lock:
+        for role in set(roles) - _exposed:
+            _prom.REGISTRY.register(_Role(role))
+            _exposed.add(role)
 
 
 def start_http_server(port: int, addr: str = "127.0.0.1") -> int:
-    """Serve ``GET /metrics`` on ``addr:port`` (``0``: a free port; loopback unless
-    told otherwise) from a daemon thread; return the bound port.
-
-    Raises
-    ------
-    ImportError
-        prometheus-client is not installed (the message names ``fastio[metrics]``).
-    OSError
-        The port cannot be bound (the message names the address and port).
-    """
+    """Serve ``GET /metrics`` on ``addr:port`` (``0``: a free port) from a daemon thread;
+    returns the bound port. An ``ImportError`` names ``fastio[metrics]`` if
+    prometheus-client is missing; an ``OSError`` names the address if it cannot bind."""
     from fastio._optional import require
 
     require("prometheus_client", "metrics", "the metrics endpoint")
@@ -215,18 +199,16 @@ def start_http_server(port: int, addr: str = "127.0.0.1") -> int:
     except OSError as exc:
         raise OSError(exc.errno, f"cannot serve metrics on {addr}:{port}: {exc.strerror}") from exc
     bound = int(server.server_address[1])
-    with _servers_lock:
+    with _lock:
         _servers[bound] = server
-    threading.Thread(
-        target=server.serve_forever, name=f"fastio-metrics-{bound}", daemon=True
-    ).start()
+    name = f"fastio-metrics-{bound}"
+    threading.Thread(target=server.serve_forever, name=name, daemon=True).start()
     return bound
 
 
 def stop_http_server(port: int) -> None:
-    """Stop the endpoint :func:`start_http_server` started on ``port`` (unknown ports
-    are ignored)."""
-    with _servers_lock:
+    """Stop the endpoint :func:`start_http_server` started on ``port`` (if any)."""
+    with _lock:
         server = _servers.pop(port, None)
     if server is not None:
         server.shutdown()

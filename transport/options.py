@@ -1,10 +1,8 @@
 """The one normaliser of config Structs, and the constraint aliases they share.
 
-A role, a plugin or an engine declares its settings once, as a :class:`msgspec.Struct`
-with defaults and constraints. :func:`configure` applies keyword arguments to a config,
-:func:`parse_options` reads ``key=value`` strings (``--plugin-opt``, ``--engine-opt``);
-both report a bad key or value as one line that names it. :func:`resolve_entry` finds
-``module:attribute``.
+:func:`configure` applies keyword arguments to a config Struct, :func:`parse_options`
+reads ``key=value`` strings (``--plugin-opt``, ``--engine-opt``); both report a bad key
+or value as one line that names it. :func:`resolve_entry` finds ``module:attribute``.
 """
 
 from __future__ import annotations
@@ -59,18 +57,11 @@ _KINDS = {
 def parse_options(opts: Mapping[str, Any], type_: type[T], what: str, *, prefix: str = "") -> T:
     """``opts`` (strings, or values of the field types) as a ``type_`` instance.
 
-    Strings become the fields' types (``"1"``, ``"0.5"``, ``"on"``); an empty value
-    means the default. ``type_`` is a Struct with ``kw_only=True`` (and
-    ``forbid_unknown_fields=True`` to refuse unknown keys); ``what`` names an option in
-    messages (``"weights plugin option"``); only keys starting with ``prefix`` are read.
+    Strings become the fields' types (``"1"``, ``"0.5"``, ``"on"``); an empty value means
+    the default; only keys starting with ``prefix`` are read. ``type_`` is a Struct with
+    ``kw_only=True`` (and ``forbid_unknown_fields=True`` to refuse unknown keys); ``what``
+    names an option in the ``ValueError`` (``"weights plugin option"``).
 
-    Raises
-    ------
-    ValueError
-        One line naming the key: unknown, missing, or a bad value, with what was expected.
-
-    Examples
-    --------
     >>> class Opts(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     ...     poll: float = 0.05
     >>> parse_options({"poll": "0.5"}, Opts, "plugin option").poll
@@ -95,21 +86,14 @@ def _convert(given: Mapping[str, Any], type_: type[T], what: str) -> T:
 
 
 class UnknownOption(TypeError, ValueError):
-    """A key the config Struct does not have: a ``TypeError`` as for an unknown keyword
-    argument, and a ``ValueError`` as for any bad option."""
+    """A key the config Struct does not have (a ``TypeError`` and a ``ValueError``)."""
 
 
 def configure(type_: type[T], config: T | None, settings: Mapping[str, Any], what: str) -> T:
     """``config`` (default: ``type_()``) with ``settings`` (field name -> value, strings
-    allowed) applied and checked, as one new ``type_``.
-
-    Raises
-    ------
-    TypeError
-        ``config`` is not a ``type_``, or a key is unknown (:class:`UnknownOption`).
-    ValueError
-        A bad value, named as by :func:`parse_options`.
-    """
+    allowed) applied and checked, as a new ``type_``. A ``TypeError`` if ``config`` is not
+    a ``type_`` or a key is unknown (:class:`UnknownOption`), a ``ValueError`` for a bad
+    value."""
     if config is not None and not isinstance(config, type_):
         raise TypeError(f"config must be a {type_.__name__}, got {type(config).__name__}")
     known = type_.__struct_fields__
@@ -121,8 +105,8 @@ def configure(type_: type[T], config: T | None, settings: Mapping[str, Any], wha
 
 
 def resolve_entry(spec: str, what: str) -> Any:
-    """The object ``spec`` (``module:attribute``) names; a ``ValueError`` starting with
-    ``what`` and ``spec`` when it is malformed, not importable or has no such attribute."""
+    """The object ``spec`` (``module:attribute``) names, or a ``ValueError`` naming
+    ``what`` and ``spec``."""
     module, _, name = spec.partition(":")
     if not module or not name:
         raise ValueError(f"{what} {spec!r}: expected module:name")

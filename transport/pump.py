@@ -1,10 +1,5 @@
-"""The pump that ties a non-blocking ZeroMQ socket to asyncio, and its frame I/O.
-
-:class:`SocketPump` is the loop model of the fabric's sockets: the client's DEALERs run
-on the caller's asyncio loop, a worker's ROUTER on its socket thread's loop; the weight
-routes and the controller poll blocking sockets in threads of their own. Sockets are
-made by :mod:`transport.sockets`.
-"""
+"""The pump that ties a non-blocking ZeroMQ socket to asyncio (the loop model of the
+fabric's sockets: ``docs/concepts.md``)."""
 
 from __future__ import annotations
 
@@ -30,19 +25,22 @@ log = logging.getLogger("transport.sockets")
 DEFAULT_PEER_QUEUE_LIMIT = 64 << 20
 
 # Retry interval of messages that met EAGAIN, doubled while nothing gets through.
-_RETRY_MIN_S = 0.002
-_RETRY_MAX_S = 0.1
-
+_RETRY_MIN_S, _RETRY_MAX_S = 0.002, 0.1
 # A send this soon after the previous one *ended* starts a coalescing burst.
 _BURST_GAP_S = 100e-6
 _perf_counter = time.perf_counter
-
-# A joined message is sent at this size, and a larger message never joined: ZeroMQ
-# delivers a message whole, so its receiver would idle until all of it arrived.
+# A joined message is sent at this size, and a larger one never joined (ZeroMQ delivers
+# a message whole: its receiver would idle until all of it arrived).
 _JOIN_LIMIT = 256 << 10
-# Marks "no message to this destination in the burst yet" in SocketPump._pending, and
-# "none at all" in SocketPump._first.
+# In SocketPump._pending: no message to this destination in the burst yet; as
+# SocketPump._first: none at all.
 _FIRST: Any = object()
+
+
+class _Queue(deque[list[Any]]):
+    """Messages to one destination that met EAGAIN, and their bytes."""
+
+    size = 0
 
 
 class _Joined:
@@ -53,40 +51,27 @@ class _Joined:
     def __init__(self, frames: list[Any]) -> None:
         self.frames = frames  # the ROUTER identity, then finished parts
         self.small: list[bytes] = []  # a run of small single-frame messages
-        self.n = 0
-        self.size = 0  # bytes of the messages joined
+        self.n = self.size = 0
 
-    def close_batch(self) -> None:
-        small = self.small
-        self.frames.append(small[0] if len(small) == 1 else pack_batch(small))
-        self.small = []
-
-    def done(self) -> list[Any]:
-        if self.small:
-            self.close_batch()
+    def close_batch(self) -> list[Any]:  # the frames, the run of small ones as one frame
+        if small := self.small:
+            self.frames.append(small[0] if len(small) == 1 else pack_batch(small))
+            self.small = []
         return self.frames
 
 
 class SocketPump:
     """Ties a non-blocking ZeroMQ socket to the running asyncio loop.
 
-    Incoming messages (lists of ``zmq.Frame``) go to ``on_recv`` in batches from a
-    reader callback on the socket's FD. :meth:`send` never blocks: at the HWM a message
-    waits in an ordered queue per destination (``router=True``: per peer, frame 0),
-    retried on wake-ups and a timer, so a peer that stops reading holds only its own
-    messages. A peer queued past ``peer_queue_limit`` bytes is dropped (queue
-    discarded, ``on_drop(peer)``, :attr:`dropped` counted) until one send gets through.
-
-    Coalescing: in a burst (a batch of incoming messages, or sends back to back until
-    the next drain), the first message to each destination goes at once and later ones
-    are joined into one ZeroMQ message (PROTOCOL.md), sent at the burst's end or at
-    256 KiB; with ``batch_frames``, runs of small single-frame messages travel as one
-    batch frame (:func:`fastio.fabric_msgs.split`).
-
-    The FD is edge-triggered and our own sends can consume its readiness, so
-    ``ZMQ_EVENTS`` is asked after a send outside a batch and before every receive in
-    one. ``defer_check`` (a requester): a batch woken by the FD handles its first
-    message and leaves the rest to a drain behind what that message woke.
+    Incoming messages (lists of ``zmq.Frame``) go to ``on_recv`` in batches of up to
+    ``batch``. :meth:`send` never blocks: at the HWM a message waits in an ordered queue
+    per destination (``router=True``: per peer, frame 0), retried on a timer; a peer
+    queued past ``peer_queue_limit`` bytes is dropped (``on_drop(peer)``, counted in
+    :attr:`dropped`) until a send to it gets through. ``on_undeliverable`` gets a message
+    to a peer that has gone. In a burst, messages after the first to a destination are
+    joined into one ZeroMQ message (up to ``coalesce``; with ``batch_frames`` small ones
+    share a batch frame: ``docs/PROTOCOL.md``). ``defer_check`` (a requester): a batch
+    woken by the FD handles one message and leaves the rest to a drain behind it.
     """
 
     def __init__(
@@ -104,30 +89,27 @@ class SocketPump:
         defer_check: bool = False,
     ) -> None:
         self.sock = sock
-        self.defer_check = defer_check
         self.on_recv = on_recv
         self.on_undeliverable = on_undeliverable
         self.on_drop = on_drop
-        self.peer_queue_limit = peer_queue_limit
         self.batch = batch
+        self.router = router
+        self.coalesce = coalesce
+        self.batch_frames = batch_frames
+        self.peer_queue_limit = peer_queue_limit
+        self.defer_check = defer_check
         self.loop = asyncio.get_running_loop()
-        # Per destination (None for a DEALER): messages that met EAGAIN, and bytes.
-        self._queues: dict[Any, deque[list[Any]]] = {}
-        self._queued_bytes: dict[Any, int] = {}
+        self._queues: dict[Any, _Queue] = {}  # per destination (None for a DEALER)
         self._dropped: set[Any] = set()
         #: Peers dropped for not reading (a count of drops, for status and metrics).
         self.dropped = 0
         #: Messages discarded (to dropped peers, or not handed to libzmq at close).
         self.discarded = 0
-        self.router = router
-        self.coalesce = coalesce
         self._burst = False
         self._last_send = 0.0
         self._in_batch = False
-        self.batch_frames = batch_frames
-        # The first destination of this burst (its first message went at once; a burst
-        # to one destination needs no dict), and per other destination of this burst:
-        # messages being joined (None: none yet).
+        # The burst's first destination (no dict for a burst to one), and per other one
+        # the messages being joined (None: its first went at once).
         self._first: Any = _FIRST
         self._pending: dict[Any, _Joined | None] = {}
         self._scheduled = False
@@ -135,8 +117,8 @@ class SocketPump:
         self._retry_s = _RETRY_MIN_S
         self._closed = False
         self._fd: int = sock.getsockopt(zmq.FD)  # type: ignore[assignment]
-        self._pollin = [(sock, POLLIN)]  # zmq_poll's argument
-        # Almost always an arrival: the first receive goes without asking (readable=True).
+        self._pollin = [(sock, POLLIN)]
+        # Almost always an arrival: the first receive goes without asking.
         self.loop.add_reader(self._fd, self._drain, True)
         self._schedule()
 
@@ -146,8 +128,8 @@ class SocketPump:
         return [m for q in self._queues.values() for m in q]
 
     def poke(self) -> None:
-        """Look for input at the end of this loop iteration: call it after using
-        :attr:`sock` directly (a send can consume the edge of ZeroMQ's FD)."""
+        """Look for input at the end of this loop iteration (call it after using
+        :attr:`sock` directly)."""
         self._schedule()
 
     def drain_now(self) -> None:
@@ -174,15 +156,13 @@ class SocketPump:
             for i in range(self.batch):
                 if i and readable and self.defer_check:
                     break  # the rest in a drain behind what the first message woke
-                # Cheaper than an empty recv, and sees input whose edge our sends took.
+                # Cheaper than an empty recv; sees input whose FD edge our sends took.
                 if (i or not readable) and not zmq_poll(pollin, 0):
                     return
                 try:
                     frames = recv_frames(sock)
-                except zmq.Again:
-                    return
-                except zmq.ZMQError as exc:  # pragma: no cover - socket closed under us
-                    if exc.errno == zmq.ENOTSOCK:
+                except zmq.ZMQError as exc:  # nothing there, or closed under us
+                    if exc.errno in (zmq.EAGAIN, zmq.ENOTSOCK):
                         return
                     raise
                 try:
@@ -191,8 +171,7 @@ class SocketPump:
                     log.exception("error handling an incoming message")
                 if self._closed:
                     return
-            # More may be waiting: let other callbacks run, then continue.
-            self._schedule()
+            self._schedule()  # more may be waiting: after the other callbacks
         finally:
             self._in_batch = False
             if self._burst and not self._closed:  # the burst ends with the batch
@@ -201,22 +180,19 @@ class SocketPump:
                     self._send_pending()
 
     def send(self, frames: list[Any]) -> None:
-        """Send one message without blocking (coalesced within a burst, queued at the
-        HWM)."""
+        """Send one message without blocking (joined in a burst, queued at the HWM)."""
         if not self._burst:
             if self._closed:
                 return
-            if self._in_batch:  # a burst, ended by the batch; its first message goes now
+            in_batch = self._in_batch  # a burst, ended by the batch
+            if in_batch or _perf_counter() - self._last_send < _BURST_GAP_S:
                 self._burst = True
                 self._first = frames[0] if self.router else None
-                self._send_now(frames)
-                return
-            if _perf_counter() - self._last_send < _BURST_GAP_S:  # ended by a drain
-                self._burst = True
-                self._first = frames[0] if self.router else None
-                self._schedule()
+                if not in_batch:
+                    self._schedule()  # ended by a drain
             self._send_now(frames)
-            self._last_send = _perf_counter()
+            if not in_batch:
+                self._last_send = _perf_counter()
             return
         router = self.router
         key = frames[0] if router else None
@@ -230,37 +206,32 @@ class SocketPump:
                     self._last_send = _perf_counter()
                 return
             joined = None
-        body = len(frames) - 1 if router else len(frames)
         last = frames[-1]
-        if body == 1 and type(last) is bytes:
+        small = False
+        if (len(frames) - 1 if router else len(frames)) == 1 and type(last) is bytes:
             size = len(last)
-            if self.batch_frames and size <= MAX_BATCHED_FRAME:
-                if joined is None:
-                    joined = pending[key] = _Joined([key] if router else [])
-                joined.small.append(last)
-                self._joined(key, joined, size)
-                return
+            small = self.batch_frames and size <= MAX_BATCHED_FRAME
         else:
             size = nbytes(frames)
         if size >= _JOIN_LIMIT:  # never joined; what waits for it goes first
             if joined is not None:
                 pending[key] = None
-                self._send_now(joined.done())
+                self._send_now(joined.close_batch())
             self._send_now(frames)
             return
         if joined is None:
             joined = pending[key] = _Joined([key] if router else [])
-        if joined.small:
-            joined.close_batch()
-        joined.frames.extend(frames[1:] if router else frames)
-        self._joined(key, joined, size)
-
-    def _joined(self, key: Any, joined: _Joined, size: int) -> None:
+        if small:
+            joined.small.append(last)
+        else:
+            if joined.small:
+                joined.close_batch()
+            joined.frames.extend(frames[1:] if router else frames)
         joined.n += 1
         joined.size += size
         if joined.n >= self.coalesce or joined.size >= _JOIN_LIMIT:
-            self._pending[key] = None
-            self._send_now(joined.done())
+            pending[key] = None
+            self._send_now(joined.close_batch())
 
     def send_many(self, messages: list[list[Any]]) -> None:
         """Send several messages as one burst (coalesced per destination)."""
@@ -278,19 +249,16 @@ class SocketPump:
             self._send_pending()
 
     def _send_pending(self) -> None:
-        if self._pending:
-            pending = self._pending
-            self._pending = {}
-            for joined in pending.values():
-                if joined is not None:
-                    self._send_now(joined.done())
+        pending, self._pending = self._pending, {}
+        for joined in pending.values():
+            if joined is not None:
+                self._send_now(joined.close_batch())
 
     def _send_now(self, frames: list[Any]) -> None:
         if self._queues:
             key = frames[0] if self.router else None
             if key in self._queues:  # behind messages waiting for it: keep the order
                 self._enqueue(key, frames)
-                self._arm_timer()
                 return
         try:
             send_frames(self.sock, frames)
@@ -300,13 +268,12 @@ class SocketPump:
                 self.discarded += 1  # dropped and still not reading: not queued again
             else:
                 self._enqueue(key, frames)
-                self._arm_timer()
         except zmq.ZMQError as exc:
             self._undeliverable(frames, exc)
         else:
             if self._dropped:  # only a ROUTER drops
                 self._dropped.discard(frames[0])  # it reads again
-        # The send may have taken the FD's edge: look now.
+        # The send may have taken the FD's edge (it is edge-triggered): look now.
         if not (self._in_batch or self._scheduled or self._closed) and zmq_poll(self._pollin, 0):
             self._schedule()
 
@@ -316,7 +283,7 @@ class SocketPump:
         if self.on_undeliverable is not None:  # a peer that has gone
             self.on_undeliverable(frames)
 
-    def _send_or_report(self, frames: list[Any]) -> None:
+    def _send_or_report(self, frames: list[Any]) -> None:  # raises zmq.Again
         try:
             send_frames(self.sock, frames)
         except zmq.Again:
@@ -327,18 +294,15 @@ class SocketPump:
     def _enqueue(self, key: Any, frames: list[Any]) -> None:
         q = self._queues.get(key)
         if q is None:
-            q = self._queues[key] = deque()
-            self._queued_bytes[key] = 0
+            q = self._queues[key] = _Queue()
         q.append(frames)
-        size = self._queued_bytes[key] + nbytes(frames)
-        self._queued_bytes[key] = size
-        if self.router and size > self.peer_queue_limit:
+        q.size += nbytes(frames)
+        if self.router and q.size > self.peer_queue_limit:
             self._drop(key)
+        self._arm_timer()
 
     def _drop(self, key: Any) -> None:
-        q = self._queues.pop(key, None)
-        self._queued_bytes.pop(key, None)
-        n = len(q) if q is not None else 0
+        n = len(self._queues.pop(key, ()))
         self.discarded += n
         self.dropped += 1
         self._dropped.add(key)
@@ -350,20 +314,16 @@ class SocketPump:
             except Exception:  # a bug there must not stop the pump
                 log.exception("on_drop failed")
 
-    def _flush(self) -> None:
-        # Each destination until its pipe is full: one that does not read holds no one.
+    def _flush(self) -> None:  # each destination until its pipe is full
         for key, q in list(self._queues.items()):
             while q:
-                frames = q[0]
                 try:
-                    self._send_or_report(frames)
+                    self._send_or_report(q[0])
                 except zmq.Again:
                     break
-                q.popleft()
-                self._queued_bytes[key] -= nbytes(frames)
+                q.size -= nbytes(q.popleft())
             if not q and self._queues.get(key) is q:
                 del self._queues[key]
-                del self._queued_bytes[key]
         if self._queues:
             self._arm_timer()
 
@@ -390,48 +350,38 @@ class SocketPump:
         n += sum(j is not None for j in self._pending.values())
         self._retry_s = _RETRY_MIN_S
         self._queues.clear()
-        self._queued_bytes.clear()
         self._pending.clear()
         return n
 
     def close(self) -> None:
-        """Hand what the pump holds to libzmq (best effort, non-blocking, in order; what
-        cannot go is counted in :attr:`discarded`), detach from the loop, close (linger 0).
-        """
+        """Hand what the pump holds to libzmq (in order, without blocking; what cannot go
+        is counted in :attr:`discarded`), then close the socket (linger 0)."""
         if self._closed:
             return
         self._burst = False
-        if self._queues or self._pending:
-            try:
-                self._flush_for_close()
-            except Exception:  # a closed socket, a failing on_undeliverable: nothing to do
-                log.debug("flush at close failed", exc_info=True)
+        try:  # queues first (older); joined messages behind a stuck queue are discarded
+            if self._queues:
+                self._flush()
+            pending, self._pending = self._pending, {}
+            for key, joined in pending.items():
+                if joined is None:
+                    continue
+                if key in self._queues:
+                    self.discarded += 1
+                    continue
+                try:
+                    self._send_or_report(joined.close_batch())
+                except zmq.ZMQError:  # a full pipe, a closed socket
+                    self.discarded += 1
+                except Exception:  # a bug in on_undeliverable must not stop the close
+                    log.exception("on_undeliverable failed")
+            self.discarded += sum(len(q) for q in self._queues.values())
+        except Exception:  # a closed socket, a failing on_undeliverable: nothing to do
+            log.debug("flush at close failed", exc_info=True)
+        self._queues.clear()
         self._closed = True
         if self._timer is not None:
             self._timer.cancel()
         with contextlib.suppress(Exception):  # the loop may be closed already
             self.loop.remove_reader(self._fd)
         self.sock.close(linger=0)
-
-    def _flush_for_close(self) -> None:
-        # Queues first (older); joined messages behind a stuck queue are discarded too.
-        if self._queues:
-            self._flush()
-        pending = self._pending
-        self._pending = {}
-        for key, joined in pending.items():
-            if joined is None:
-                continue
-            if key in self._queues:
-                self.discarded += 1
-                continue
-            try:
-                self._send_or_report(joined.done())
-            except zmq.ZMQError:  # a full pipe, a closed socket
-                self.discarded += 1
-            except Exception:  # a bug in on_undeliverable must not stop the close
-                log.exception("on_undeliverable failed")
-        for q in self._queues.values():
-            self.discarded += len(q)
-        self._queues.clear()
-        self._queued_bytes.clear()

@@ -10,12 +10,11 @@ __all__ = ["RateLimitedLog"]
 
 
 class RateLimitedLog:
-    """A logger's warnings, rate-limited in one of two ways.
+    """A logger's warnings, rate-limited.
 
-    :meth:`warning` logs the first of each kind in full, counts the later ones, and logs
-    a summary line at most once per ``interval`` seconds while they keep coming.
-    :meth:`counted` logs the ``n``-th occurrence of something already counted elsewhere
-    (a status count) if it is one of the first ten or a power of two.
+    :meth:`warning` logs the first of each kind in full and then one summary line per
+    ``interval`` seconds; :meth:`counted` logs the first ten occurrences and each power
+    of two.
     """
 
     def __init__(self, logger: logging.Logger, interval: float = 30.0) -> None:
@@ -40,7 +39,6 @@ class RateLimitedLog:
         self._suppressed[kind] = n
 
     def counted(self, n: int, fmt: str, *args: Any) -> None:
-        """Log ``fmt % args`` with ``(occurrence n)`` if ``n`` is at most ten or a power
-        of two."""
+        """Log ``fmt % args (occurrence n)`` if ``n`` is at most ten or a power of two."""
         if n <= 10 or (n & (n - 1)) == 0:
             self.logger.warning(fmt + " (occurrence %d)", *args, n)

@@ -1,38 +1,20 @@
-"""Every socket of the fabric and the weights is made here, so its options are chosen
-once; this module also re-exports the pump and the CURVE helpers.
-
-``ZMQ_MAXMSGSIZE``
-    Per *frame*: a larger frame disconnects its peer before it is buffered. A larger
-    multi-frame *total* is refused by the decoder only after libzmq buffered it, so
-    only trusted peers should reach a worker (loopback, or CURVE with
-    ``authorized_clients_dir``).
-High-water marks
-    Worker ROUTERs set ``ZMQ_ROUTER_MANDATORY``: at the HWM a send raises ``EAGAIN``
-    and the message waits in the pump's queue (never silently dropped); a send to a
-    gone peer raises ``EHOSTUNREACH`` (counted undeliverable). DEALERs too block into
-    the pump's queue.
-``ZMQ_IMMEDIATE`` on DEALERs
-    Nothing is queued in libzmq for a worker whose connection is down: the pump retries,
-    so a restarted worker gets it; the client drops the queue of a worker it declares
-    dead, and a new incarnation makes it re-send: never a duplicate answer.
-Routing ids and ``ZMQ_ROUTER_HANDOVER``
-    A client's DEALERs keep one routing id across reconnects, which worker ROUTERs let
-    it take over: answers reach a client whose connection reset.
-``linger``
-    0 at close; :meth:`SocketPump.close` still hands libzmq what the pump holds.
-``copy_threshold`` of ROUTERs and DEALERs
-    :data:`transport.zmqio.COPY_BELOW`: smaller frames are copied at send, larger ones
-    lent to libzmq (pyzmq's default threshold elsewhere, e.g. the weights' publisher).
-"""
+"""Every socket of the fabric and the weights is made here, so that its options are
+chosen once (each option and why: ``docs/PROTOCOL.md``, "Socket options"); CurveZMQ
+keys and the worker's ZAP handler; re-exports the pump and the frame I/O."""
 
 from __future__ import annotations
 
+import logging
+import threading
 from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import zmq
+import zmq.auth
+from zmq.auth.thread import ThreadAuthenticator
 
-from transport.curve import CurveConfig, WorkerAuthenticator, apply_curve_client, apply_curve_server
 from transport.pump import DEFAULT_PEER_QUEUE_LIMIT, SocketPump
 from transport.zmqio import COPY_BELOW, recv_frames, send_frames, tune_allocator, tune_malloc
 
@@ -57,11 +39,95 @@ __all__ = [
     "tune_malloc",
 ]
 
+log = logging.getLogger("transport.sockets")
+
 #: High-water mark (messages): reached only when a peer stops reading.
 DEFAULT_HWM = 100_000
 
 #: Default limit of one message (all frames) on the fabric: 1 GiB.
 DEFAULT_MAX_MESSAGE_SIZE = 1 << 30
+
+
+@dataclass(frozen=True)
+class CurveConfig:
+    """CurveZMQ keys, as certificate files written by ``zmq.auth.create_certificates``.
+
+    Parameters
+    ----------
+    secret_key_file:
+        This side's ``.key_secret`` certificate (holds its public and secret key).
+    server_public_key_file:
+        Client and controller side: the worker's ``.key`` (public) certificate.
+    authorized_clients_dir:
+        Worker side: a directory of client ``.key`` certificates that may connect.
+        ``None`` encrypts but admits any client that knows the server key.
+
+    Examples
+    --------
+    >>> import zmq.auth, tempfile
+    >>> pub, sec = zmq.auth.create_certificates(tempfile.mkdtemp(), "worker")
+    >>> worker_side = CurveConfig(secret_key_file=sec)
+    """
+
+    secret_key_file: str
+    server_public_key_file: str | None = None
+    authorized_clients_dir: str | None = None
+
+
+def _own_keys(curve: CurveConfig) -> tuple[bytes, bytes]:
+    pub, sec = zmq.auth.load_certificate(curve.secret_key_file)
+    if sec is None:
+        raise ValueError(f"{curve.secret_key_file} holds no secret key")
+    return pub, sec
+
+
+def apply_curve_server(sock: zmq.Socket[Any], curve: CurveConfig | None) -> None:
+    """Make ``sock`` a CURVE server (nothing when ``curve`` is ``None``); before binding."""
+    if curve is not None:
+        sock.curve_publickey, sock.curve_secretkey = _own_keys(curve)
+        sock.curve_server = True
+
+
+def apply_curve_client(sock: zmq.Socket[Any], curve: CurveConfig | None) -> None:
+    """Make ``sock`` a CURVE client of ``curve``'s server (nothing when ``None``); before
+    connecting."""
+    if curve is None:
+        return
+    if curve.server_public_key_file is None:
+        raise ValueError("CurveConfig.server_public_key_file is needed to connect")
+    sock.curve_publickey, sock.curve_secretkey = _own_keys(curve)
+    sock.curve_serverkey = zmq.auth.load_certificate(curve.server_public_key_file)[0]
+
+
+class WorkerAuthenticator:
+    """A worker's ZAP handler (``zmq.auth``'s thread; start it before binding): admits
+    the keys of ``authorized_clients_dir`` (any when ``None``), counts refusals."""
+
+    def __init__(self, zctx: zmq.Context[Any], curve: CurveConfig) -> None:
+        self.denied = 0
+        self._lock = threading.Lock()
+        self._allowed: set[bytes] | None = None
+        if curve.authorized_clients_dir is not None:
+            d = Path(curve.authorized_clients_dir)
+            if not d.is_dir():
+                raise ValueError(f"authorized_clients_dir {d} is not a directory")
+            self._allowed = set(zmq.auth.load_certificates(str(d)))
+        self._auth = ThreadAuthenticator(zctx, log=logging.getLogger("transport.auth"))
+        self._auth.start()
+        self._auth.configure_curve_callback(domain="*", credentials_provider=self)
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        """``zmq.auth``'s credentials-provider hook: is ``key`` (z85 public key) admitted?"""
+        if self._allowed is None or key in self._allowed:
+            return True
+        with self._lock:
+            self.denied += 1
+        log.warning("refused CURVE client key %s (not in authorized_clients_dir)", key[:12])
+        return False
+
+    def stop(self) -> None:
+        """Stop the authenticator thread."""
+        self._auth.stop()
 
 
 def make_socket(
@@ -140,7 +206,7 @@ def make_monitor(sock: zmq.Socket[Any], events: int) -> zmq.Socket[Any]:
 
 
 def make_router(
-    ctx: zmq.Context[Any],
+    zctx: zmq.Context[Any],
     bind: str | list[str],
     *,
     hwm: int = DEFAULT_HWM,
@@ -148,12 +214,10 @@ def make_router(
     curve: CurveConfig | None = None,
 ) -> tuple[zmq.Socket[Any], list[str]]:
     """A worker's ROUTER, bound to each address; returns it and the bound endpoints."""
-    # TCP keepalive catches half-open connections on real networks.
-    options: dict[int, int | bytes] = {
-        zmq.ROUTER_MANDATORY: 1, zmq.ROUTER_HANDOVER: 1, zmq.TCP_KEEPALIVE: 1
-    }  # fmt: skip
+    options: dict[int, int | bytes] = {zmq.ROUTER_MANDATORY: 1, zmq.ROUTER_HANDOVER: 1}
+    options[zmq.TCP_KEEPALIVE] = 1  # catches half-open connections
     sock = make_socket(
-        ctx, zmq.ROUTER, hwm=hwm, max_message_size=max_message_size, curve=curve,
+        zctx, zmq.ROUTER, hwm=hwm, max_message_size=max_message_size, curve=curve,
         curve_server=True, options=options,
     )  # fmt: skip
     sock.copy_threshold = COPY_BELOW
@@ -161,7 +225,7 @@ def make_router(
 
 
 def make_dealer(
-    ctx: zmq.Context[Any],
+    zctx: zmq.Context[Any],
     address: str,
     *,
     hwm: int = DEFAULT_HWM,
@@ -180,7 +244,7 @@ def make_dealer(
         zmq.TCP_KEEPALIVE: 1,
     })  # fmt: skip
     sock = make_socket(
-        ctx, zmq.DEALER, hwm=hwm, max_message_size=max_message_size, curve=curve,
+        zctx, zmq.DEALER, hwm=hwm, max_message_size=max_message_size, curve=curve,
         options=options,
     )  # fmt: skip
     sock.copy_threshold = COPY_BELOW

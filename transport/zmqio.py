@@ -1,4 +1,4 @@
-"""Frame I/O at the cost of the C calls, and the opt-in allocator settings for large messages."""
+"""Frame I/O at the cost of the C calls, and the opt-in allocator settings."""
 
 from __future__ import annotations
 
@@ -33,20 +33,17 @@ _recv: Callable[..., Any] = getattr(_backend_socket, "recv", None) or zmq.Socket
 #: ``zmq_poll([(sock, POLLIN)], 0)``: does input wait (re-arms the FD)?
 zmq_poll: Callable[..., list[Any]] = zmq.zmq_poll
 
-#: Frames under this many bytes are copied into libzmq's memory when sent, larger ones
-#: lent (the ``copy_threshold`` of the fabric's ROUTERs and DEALERs, set in
-#: :mod:`transport.sockets`): libzmq hands a lent buffer back through pyzmq's garbage-collector thread, a thread
-#: wake-up and a GIL hand-off per frame, which cost more than copying a smaller one.
+#: The ``copy_threshold`` of the fabric's ROUTERs and DEALERs: smaller frames are copied
+#: at send, larger ones lent (a lent buffer comes back through pyzmq's garbage-collector
+#: thread, which costs more than copying a smaller one).
 COPY_BELOW = 256 << 10
 _Frame = zmq.Frame
 _ndarray = np.ndarray
 
 
 def send_frames(sock: zmq.Socket[Any], frames: list[Any]) -> None:
-    """``sock.send_multipart(frames, zmq.NOBLOCK, copy=False)``, cheaper; as atomic
-    (``zmq.Again``/``EHOSTUNREACH`` only for the first frame). An array over a whole
-    received ``zmq.Frame`` (a decoded token array sent on) goes as that frame: libzmq
-    shares its memory, neither copied nor lent."""
+    """``sock.send_multipart(frames, zmq.NOBLOCK, copy=False)``, cheaper and as atomic.
+    An array over a whole received ``zmq.Frame`` goes as that frame (shared, not copied)."""
     last = len(frames) - 1
     for i in range(last + 1):
         f = frames[i]
@@ -86,8 +83,7 @@ def nbytes(frames: list[Any]) -> int:
     return n
 
 
-_M_TRIM_THRESHOLD = -1  # glibc's mallopt parameters
-_M_MMAP_THRESHOLD = -3
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
 #: Defaults of :func:`tune_malloc`: messages up to 32 MiB from the heap, and up to
 #: 256 MiB of freed heap kept mapped.
 MMAP_THRESHOLD = 32 << 20
@@ -96,9 +92,8 @@ TRIM_THRESHOLD = 256 << 20
 
 def tune_malloc(mmap_threshold: int = MMAP_THRESHOLD, trim_threshold: int = TRIM_THRESHOLD) -> bool:
     """Opt in, process-wide: keep freed message memory mapped, so that large received
-    messages reuse pages instead of faulting in fresh zeroed ones. glibc only; returns
-    whether both thresholds took. Nothing in fastio calls it unless asked (the weights
-    subscriber's ``tune_malloc=True``); ``FASTIO_TUNE_MALLOC=0`` makes it a no-op."""
+    messages reuse pages (``docs/deploy.md``). glibc only; returns whether both
+    thresholds took; ``FASTIO_TUNE_MALLOC=0`` makes it a no-op."""
     if os.environ.get("FASTIO_TUNE_MALLOC", "1") == "0":
         return False
     try:
@@ -107,9 +102,8 @@ def tune_malloc(mmap_threshold: int = MMAP_THRESHOLD, trim_threshold: int = TRIM
         return False
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     # The mmap threshold first: setting either one turns glibc's dynamic one off.
-    return bool(mallopt(_M_MMAP_THRESHOLD, mmap_threshold)) and bool(
-        mallopt(_M_TRIM_THRESHOLD, trim_threshold)
-    )
+    mmap_ok = mallopt(_M_MMAP_THRESHOLD, mmap_threshold)
+    return bool(mmap_ok and mallopt(_M_TRIM_THRESHOLD, trim_threshold))
 
 
 def tune_allocator(
@@ -121,6 +115,6 @@ def tune_allocator(
 
 
 def set_malloc(mmap_threshold: int, trim_threshold: int) -> bool:
-    """Deprecated alias of :func:`tune_malloc` (which also reads ``FASTIO_TUNE_MALLOC``)."""
+    """Deprecated alias of :func:`tune_malloc`."""
     warnings.warn("set_malloc is deprecated: use tune_malloc", DeprecationWarning, 2)
     return tune_malloc(mmap_threshold, trim_threshold)
