@@ -49,15 +49,9 @@ _NO_TOKENS: list[Any] = []
 
 
 class RequestContext:
-    """What a handler knows about its request besides the request itself.
-
-    Attributes
-    ----------
-    id:
-        The submission id (scoped to the client connection).
-    deadline:
-        ``time.monotonic()`` by which the client wants the answer (``inf``: none).
-    """
+    """What a handler knows about its request besides the request itself: ``id`` (the
+    submission id, scoped to the client connection) and ``deadline`` (the
+    ``time.monotonic()`` by which the client wants the answer; ``inf``: none)."""
 
     __slots__ = (
         "_first", "_lp", "_owner", "_seq", "_t0", "_tok", "_ver", "deadline", "id", "peer",

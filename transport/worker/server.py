@@ -160,14 +160,8 @@ class WorkerServer:
 
     async def start(self) -> list[str]:
         """Bind, start serving and the background jobs; returns the bound endpoints.
-
-        Raises
-        ------
-        zmq.ZMQError
-            An address cannot be bound.
-        RuntimeError
-            A background job failed as it started (the server is closed again).
-        """
+        Raises ``zmq.ZMQError`` if an address cannot be bound, ``RuntimeError`` if a
+        background job failed as it started (the server is closed again)."""
         cfg = self.config
         self._zctx = zmq.Context()
         if cfg.curve is not None:
