@@ -152,17 +152,12 @@ CLIENT_TO_WORKER = Union[Submit, Cancel, Heartbeat, Control, Error]  # noqa: UP0
 WORKER_TO_CLIENT = Union[Result, Stream, Heartbeat, ControlReply, Error]  # noqa: UP007
 
 
-def _buf(frame: Any) -> Any:
-    buf = getattr(frame, "buffer", None)
-    return frame if buf is None else buf
-
-
 def peek(frames: list[Any]) -> tuple[int | None, int | None, int | None]:
     """Best-effort ``(protocol_version, kind, first_field)`` of a message that failed to
     decode (for the error reply's id); ``None`` for unknown parts."""
     version = kind = first = None
     try:
-        parts = _ext.raw_list.decode(_buf(frames[0]))
+        parts = _ext.raw_list.decode(getattr(frames[0], "buffer", frames[0]))
         version = _ext.int_decoder.decode(parts[0])
         body = _ext.raw_list.decode(parts[2])
         kind = _ext.int_decoder.decode(body[0])
@@ -173,7 +168,7 @@ def peek(frames: list[Any]) -> tuple[int | None, int | None, int | None]:
 
 
 def _n_buffers(frame: Any) -> int | None:
-    buf = _buf(frame)
+    buf = getattr(frame, "buffer", frame)
     if len(buf) >= 3 and buf[0] == 0x93 and buf[1] < 0x80 and buf[2] < 0x80:
         return int(buf[2])
     try:
@@ -205,14 +200,14 @@ def split(frames: list[Any]) -> list[list[Any]]:
     message, for the decoder to reject."""
     if len(frames) == 1:
         f = frames[0]
-        buf = getattr(f, "buffer", f)  # _buf, inline: the hot path
+        buf = getattr(f, "buffer", f)  # zmq.Frame
         if not len(buf) or buf[0] != BATCH_MARKER:
             return [frames]
     out: list[list[Any]] = []
     i, total = 0, len(frames)
     while i < total:
         f = frames[i]
-        buf = _buf(f)
+        buf = getattr(f, "buffer", f)
         if len(buf) and buf[0] == BATCH_MARKER:
             try:
                 items = _batch_dec.decode(memoryview(buf)[1:])

@@ -1,10 +1,6 @@
 """The seed's types (AReaL's ``io_struct``) as msgspec Structs: requests and responses
-here, metadata types from :mod:`fastio.meta`, the base from :mod:`fastio.structs`.
-
-Token fields are :class:`~fastio.tokens.TokenArray` (how values convert: ``docs/PROTOCOL.md``,
-"Structs"). Constraints are checked on construction, naming the field and the rule, and on
-decode or ``msgspec.convert``; ``msgspec.structs.replace`` checks nothing (use ``gconfig.new``).
-"""
+here, metadata from :mod:`fastio.meta`. Token fields are :class:`~fastio.tokens.TokenArray`;
+constraints are checked on construction and decode (``docs/PROTOCOL.md``, "Structs")."""
 
 from __future__ import annotations
 
@@ -136,12 +132,14 @@ def _checked(name: str, value: Any, info: Any) -> Any:
         if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
             raise TypeError(f"{name} must be a float, got {type(value).__name__} {value!r}")
         value = float(value)
-    if info.ge is not None and not value >= info.ge:
-        raise ValueError(f"{name} must be >= {info.ge}, got {value!r}")
-    if info.gt is not None and not value > info.gt:
-        raise ValueError(f"{name} must be > {info.gt}, got {value!r}")
-    if info.le is not None and not value <= info.le:
-        raise ValueError(f"{name} must be <= {info.le}, got {value!r}")
+    rules = (
+        (info.ge, operator.ge, ">="),
+        (info.gt, operator.gt, ">"),
+        (info.le, operator.le, "<="),
+    )
+    for bound, holds, rule in rules:
+        if bound is not None and not holds(value, bound):
+            raise ValueError(f"{name} must be {rule} {bound}, got {value!r}")
     return value
 
 

@@ -1,8 +1,5 @@
-"""Wire messages of the ``ipc`` weight route (tags 60-63): a trainer shares persistent
-buckets of its own memory (CUDA IPC, or torch's CPU shared storage) with the workers on
-its host. Handles are plain msgpack fields, no pickle. Flow and fields:
-``docs/PROTOCOL.md``, "The ipc path".
-"""
+"""Wire messages of the ``ipc`` weight route (tags 60-63): a trainer shares buckets of its
+memory with the workers on its host (no pickle). ``docs/PROTOCOL.md``, "The ipc path"."""
 
 from __future__ import annotations
 

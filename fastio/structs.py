@@ -36,15 +36,10 @@ def message_types() -> tuple[type[WireStruct], ...]:
         cls = stack.pop()
         stack.extend(cls.__subclasses__())
         tag = cls.__struct_config__.tag
-        if (
-            isinstance(tag, int)
-            and not isinstance(tag, bool)
-            and cls.__module__.split(".", 1)[0] == "fastio"
-        ):
-            other = found.get(tag)
-            if other is not None and other is not cls:
+        if isinstance(tag, int) and not isinstance(tag, bool) and cls.__module__[:7] == "fastio.":
+            other = found.setdefault(tag, cls)
+            if other is not cls:
                 raise TypeError(f"{cls.__qualname__} and {other.__qualname__} share tag {tag}")
-            found[tag] = cls
     return tuple(found[k] for k in sorted(found))
 
 

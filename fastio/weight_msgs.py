@@ -1,8 +1,5 @@
-"""Wire messages of weight updates from a trainer to generation workers (tags 40-59).
-
-Sockets, flows and every field's meaning: ``docs/PROTOCOL.md``, "Weight updates". The
-transport lives in :mod:`transport.weights`; this module only says what travels.
-"""
+"""Wire messages of weight updates from a trainer to generation workers (tags 40-59);
+sockets, flows and every field's meaning: ``docs/PROTOCOL.md``, "Weight updates"."""
 
 from __future__ import annotations
 
