@@ -1,10 +1,5 @@
-"""Settings of the weight publisher and subscriber, as constrained Structs.
-
-``config=PublisherConfig(...)`` and the keyword arguments (``bucket_bytes=...``) are
-the same thing, converted once by :func:`make_config` (:func:`transport.options.configure`,
-the one normaliser), which names a bad key or value.
-Objects (a lock, callbacks, a ZeroMQ context, CURVE keys, a loader) stay keywords.
-"""
+"""Settings of the weight publisher and subscriber, as constrained Structs (also taken
+as keyword arguments: :func:`make_config`)."""
 
 from __future__ import annotations
 
@@ -18,8 +13,7 @@ from transport.weights.bucket import DEFAULT_BUCKET_BYTES, Hasher
 
 __all__ = ["PublisherConfig", "Route", "SubscriberConfig", "make_config"]
 
-#: How a version's bytes reach a worker: ``"ipc"`` (the trainer's memory, CUDA IPC or
-#: torch shared storage), ``"shm"`` (a shared-memory segment) or ``"tcp"``.
+#: How a version's bytes reach a worker (``docs/weights.md``, "The routes").
 Route = Literal["ipc", "shm", "tcp"]
 
 
@@ -30,8 +24,7 @@ class PublisherConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     pub_endpoint: str | None = None
     #: Upper bound of a flat bucket (a larger tensor gets a bucket of its own).
     bucket_bytes: Positive = DEFAULT_BUCKET_BYTES
-    #: Size of the chunks a bucket travels in over TCP (same-host workers get a "bytes ready" notice
-    #: every 8 MiB or every chunk, whichever is larger).
+    #: Size of the chunks a bucket travels in over TCP.
     chunk_bytes: Positive = 4 << 20
     #: Stage versions in ``/dev/shm`` for same-host workers (``None``: when available).
     shm: bool | None = None
@@ -43,13 +36,12 @@ class PublisherConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     worker_timeout: Seconds = 10.0
     #: Recent versions that keep their buffer when no one needs them any more.
     keep_versions: Positive = 2
-    #: Send TCP workers' bytes on a plain TCP connection per worker (``None``: for a ``tcp://``
-    #: endpoint without CURVE; the link is not encrypted).
+    #: Send TCP workers' bytes on a plain (unencrypted) TCP connection per worker (``None``: for
+    #: a ``tcp://`` endpoint without CURVE).
     data_link: bool | None = None
     #: The data link's port (0: a free one, told in the Welcome).
     data_port: Port = 0
-    #: When same-host workers take the ``ipc`` route: ``"auto"`` (CUDA tensors), ``"cpu"`` (CPU
-    #: tensors too) or ``"off"``.
+    #: When same-host workers take ``ipc``: ``"auto"`` (CUDA tensors), ``"cpu"`` or ``"off"``.
     ipc: Literal["auto", "cpu", "off"] = "auto"
     #: Persistent buckets of the ``ipc`` route (2: double buffering; ``None``: all).
     ipc_slots: Positive | None = 2
@@ -63,17 +55,14 @@ class PublisherConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 class SubscriberConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Settings of a :class:`~transport.weights.WeightSubscriber`."""
 
-    #: Unique id of this worker (default: a random one); a restarted worker may reuse it and counts
-    #: as the same worker.
+    #: Unique id of this worker (default: a random one; a restarted worker may reuse it).
     worker_id: str | None = None
     #: The version the weights hold now (``-1``: none).
     version: Annotated[int, Meta(ge=-1)] = -1
     #: Read same-host versions from shared memory when the handshake shows it works.
     shm: bool = True
-    #: ``True``: the previous weights stay whole until a version is verified entirely; ``False``:
-    #: verify and copy in one pass (the weights mixed meanwhile, and after a version failing midway
-    #: until one completes: version ``-1`` reported); ``None``: ``False`` under a lock that
-    #: ``refuses_mixed`` without a loader, else ``True``.
+    #: ``True``: verify first; ``False``: one pass (``docs/weights.md``); ``None``: ``False`` under
+    #: a lock that ``refuses_mixed`` without a loader, else ``True``.
     atomic: bool | None = None
     #: Buckets asked ahead over TCP.
     window: Positive = 2
@@ -93,12 +82,10 @@ class SubscriberConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     max_message_size: Positive = 1 << 30
     #: Process-wide, on glibc: keep freed memory for the next version.
     tune_malloc: bool = False
-    #: ``None``: ``ipc`` when offered and the worker copies into its target as is, else ``shm`` or
-    #: ``tcp``; ``"shm"``: never ``ipc``; ``"tcp"``: neither; ``"ipc"``: as ``None``, an error where
-    #: ``ipc`` cannot be (keyword ``path``).
+    #: Force a route (``None``: chosen; ``"shm"``: never ``ipc``; ``"ipc"``: an error where it
+    #: cannot be); keyword ``path`` too.
     route: Route | None = None
-    #: Threads that copy a verified version into CPU parameters (default: one per 4 cores, at most
-    #: 4).
+    #: Threads that copy a version into CPU parameters (default: one per 4 cores, at most 4).
     copy_threads: Positive | None = None
     #: Over TCP, take the publisher's data link when offered.
     data_link: bool = True
@@ -108,10 +95,9 @@ C = TypeVar("C", PublisherConfig, SubscriberConfig)
 
 
 def make_config(cls: type[C], config: C | None, settings: dict[str, Any]) -> C:
-    """``config`` (default: ``cls()``) with ``settings`` (keyword arguments) applied
-    (``path`` is ``route``'s other name); an unknown keyword is a ``TypeError``, a bad
-    value a ``ValueError``, each naming it."""
-    alias = "path" in settings  # the route's other keyword
+    """``config`` (default: ``cls()``) with ``settings`` applied (``path``: ``route``); an
+    unknown keyword is a ``TypeError``, a bad value a ``ValueError``, each naming it."""
+    alias = "path" in settings
     if alias:
         settings["route"] = settings.pop("path")
     what = "publisher setting" if cls is PublisherConfig else "subscriber setting"

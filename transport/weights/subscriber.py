@@ -44,7 +44,7 @@ __all__ = ["PATHS", "WeightSubscriber"]
 
 log = logging.getLogger("transport.weights.subscriber")
 
-#: What the DEALER and SUB accept: the weight messages and the ipc path's Offer and Ready.
+#: What the DEALER and SUB accept: the weight messages and the ipc route's Offer and Ready.
 _FROM_PUBLISHER = Union[wm.PUBLISHER_TO_SUBSCRIBER, IpcOffer, IpcReady]  # noqa: UP007
 
 

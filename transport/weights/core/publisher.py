@@ -1,7 +1,5 @@
-"""The publisher's protocol core: who is a worker, who must answer a version, who
-may still read its buffer (the rules of ``docs/PROTOCOL.md``, "Weight updates", stranger
-Acks and the buffer rule included). No sockets, no threads, no clock: the caller passes
-``now``."""
+"""The publisher's protocol core: who is a worker, who must answer a version, how a
+Fetch is answered, who may still read a buffer. No sockets, threads or clock."""
 
 from __future__ import annotations
 
@@ -52,7 +50,6 @@ class VersionLedger:
         return bool(self.expected) and self.answered()
 
     def result(self, now: float) -> UpdateResult:
-        """Where this version stands: applied, failed (with why), missing."""
         res = UpdateResult(self.version)
         for w in sorted(self.expected | set(self.acks)):
             ack = self.acks.get(w)
@@ -71,7 +68,6 @@ class VersionLedger:
         return res
 
     def answer(self, wid: str, ack: WeightAck, reader: tuple[str, int, int], now: float) -> None:
-        """``wid`` answered (process ``reader`` reads this buffer no more)."""
         self.readers = {r for r in self.readers if r[:3] != reader}
         self.acks[wid] = ack
         self.expected.add(wid)
@@ -83,10 +79,8 @@ class VersionLedger:
 
 
 class PublisherCore:
-    """The publisher's state machine over workers and versions: ``host_id`` is this host
-    (a Hello from it names a process this host may see), ``worker_timeout`` the silence
-    after which a worker is lost; ``alive`` and ``start_time_of`` look a process up
-    (``/proc`` by default)."""
+    """The publisher's state machine over workers and versions (``host_id``: this host;
+    ``alive`` and ``start_time_of`` look a process up, in ``/proc`` by default)."""
 
     def __init__(
         self,
@@ -102,7 +96,6 @@ class PublisherCore:
         self._start_time_of = start_time_of
         self.workers: dict[str, SubscriberInfo] = {}
         self.versions: dict[int, VersionLedger] = {}
-        #: Final results of dropped versions, oldest first (at most KEEP_RESULTS).
         self.retired: dict[int, UpdateResult] = {}
         self.latest: VersionLedger | None = None
         self.counters = Counts()
@@ -115,21 +108,19 @@ class PublisherCore:
         return {w for w, i in self.workers.items() if i.alive}
 
     def announce(self, led: VersionLedger, now: float) -> None:
-        """``led`` is the new latest version: every live worker is expected to answer it."""
+        """``led`` is the new latest version: every live worker must answer it."""
         led.announced_at = now
         led.expected = self.alive()
         self.versions[led.version] = led
         self.latest = led
 
     def expect(self, led: VersionLedger, workers: Iterable[str] | None) -> None:
-        """Who must answer ``led``: ``workers`` (``None``: those alive at its announcement
-        and any that answered since)."""
+        """Who must answer ``led``: ``workers`` (``None``: as announced)."""
         if workers is not None:
             led.expected = set(workers)
 
     def outcome(self, led: VersionLedger, now: float) -> tuple[UpdateResult, bool]:
-        """``led``'s result, and whether it is the first look at its failure (counted
-        once in the metrics)."""
+        """``led``'s result, and whether this is the first look at its failure."""
         res = led.result(now)
         first = bool(res.failed) and not led.failure_counted
         led.failure_counted = led.failure_counted or first
@@ -147,10 +138,9 @@ class PublisherCore:
         packing: bool = False,
         shared: bool = False,
     ) -> FetchAction:
-        """The fetch rule, for ``led`` (``None``: not held): ``buckets`` in it, whether it
-        is ``staged`` (an ipc-only version is not until needed), still ``packing`` into
-        the ipc slots, ``shared`` (has a segment). Sent through shared memory, ``wid``'s
-        process reads the buffer until it answers (the buffer rule)."""
+        """The fetch rule for ``led`` (``None``: not held; ``staged``: it has a buffer,
+        ``packing``: into the ipc slots, ``shared``: a segment); by shm, ``wid``'s process
+        reads the buffer until it answers."""
         v = msg.version
         if led is None:
             return "refuse", f"version {v} is not available (latest is {latest})", latest
@@ -168,9 +158,7 @@ class PublisherCore:
         return "send", "", latest
 
     def answering(self, led: VersionLedger, key: tuple[str, int], answer: Any) -> Any:
-        """``answer`` to worker ``key[0]``'s Fetch of bucket ``key[1]`` starts; returns the
-        earlier answer of that bucket to that worker, which it ends (two streams of one
-        bucket would mix), or ``None``."""
+        """``answer`` to ``(worker, bucket)`` starts; returns the earlier one it ends."""
         old = led.answering.get(key)
         led.answering[key] = answer
         return old
@@ -180,14 +168,12 @@ class PublisherCore:
             del led.answering[key]
 
     def reusable(self, led: VersionLedger, *, latest: bool, sending: bool) -> bool:
-        """The buffer rule, first half: ``led``'s buffer may be taken from it (not the
-        ``latest``, no send still reading it, every expected worker answered); a segment
-        is rewritten only once :meth:`readers_done` too."""
+        """The buffer rule: whether ``led``'s buffer may be taken (a segment rewritten only
+        once :meth:`readers_done` too)."""
         return not latest and not sending and not led.answering and led.answered()
 
     def drop(self, version: int, now: float = 0.0) -> None:
-        """Forget a retired version; its result stays readable a while (see
-        :meth:`result`)."""
+        """Forget a retired version (its result stays a while: :meth:`result`)."""
         led = self.versions.pop(version, None)
         if led is None:
             return
@@ -198,8 +184,7 @@ class PublisherCore:
             del self.retired[next(iter(self.retired))]
 
     def touch(self, wid: str, now: float, *, hello: bool = False) -> SubscriberInfo:
-        """A message from ``wid``: a Hello makes it a worker; anything from a worker
-        keeps it alive (and brings a lost one back, expected again)."""
+        """A message from ``wid``: a Hello makes it a worker; any keeps a worker alive."""
         info = self.workers.get(wid)
         if info is None:
             if not hello:
@@ -213,8 +198,7 @@ class PublisherCore:
         return info
 
     def on_hello(self, wid: str, msg: WeightHello, now: float) -> VersionLedger | None:
-        """Record a Hello; returns the latest version when the worker is behind it (the
-        Welcome then carries its Announce, the snapshot)."""
+        """Record a Hello; the latest version when the worker is behind it (the snapshot)."""
         info = self.touch(wid, now, hello=True)
         process = (msg.host_id, msg.pid, msg.start_time)
         if (info.host_id, info.pid, info.hello_start_time) != process:
@@ -255,8 +239,7 @@ class PublisherCore:
         return True
 
     def reader(self, wid: str, msg: WeightFetch | WeightAck) -> Reader:
-        """The process behind a Fetch or Ack: the one it names, else the one of the
-        worker's last Hello."""
+        """The process behind a Fetch or Ack (named, else the one of the last Hello)."""
         info = self.workers.get(wid)
         if info is not None and (
             not msg.pid or (msg.pid, msg.start_time) == (info.pid, info.hello_start_time)
@@ -268,7 +251,7 @@ class PublisherCore:
         return wid, 0, 0, 0
 
     def gone(self, reader: Reader) -> bool:
-        """Whether a reader process is known to be gone (never when not visible here)."""
+        """Whether a reader process is known to be gone."""
         _, pid, _, visible = reader
         return visible > 0 and not self._alive(pid, visible)
 
@@ -278,8 +261,8 @@ class PublisherCore:
         return not led.readers
 
     def tick(self, now: float, gone: Iterable[str] = ()) -> list[tuple[str, str]]:
-        """Declare lost the workers in ``gone`` (their process ended, seen by the ipc
-        path) and those silent or whose process is gone; returns ``(id, reason)``."""
+        """Declare lost the workers in ``gone`` (seen by the ipc route) and those silent
+        or whose process is gone; returns ``(id, reason)``."""
         lost: list[tuple[str, str]] = []
         dead = "worker lost: its process is gone"
         for w in gone:
@@ -306,8 +289,7 @@ class PublisherCore:
         return lost
 
     def result(self, version: int, now: float) -> UpdateResult:
-        """Where ``version`` stands: applied, failed (with why), missing; a retired
-        version's final result while it is among the last :data:`KEEP_RESULTS`."""
+        """Where ``version`` stands (retired: among the last :data:`KEEP_RESULTS`)."""
         led = self.versions.get(version)
         if led is not None:
             return led.result(now)

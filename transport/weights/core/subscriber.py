@@ -1,6 +1,5 @@
 """The subscriber's protocol core: which version to try, what to fetch next, what to
-report, the pause lease (``docs/PROTOCOL.md``, "Weight updates", steps 3-9). No sockets,
-no threads, no clock: the caller passes ``now``."""
+report, the pause lease. No sockets, threads or clock."""
 
 from __future__ import annotations
 
@@ -15,8 +14,7 @@ MIXED = "weights are mixed (atomic=False): not serving until a version completes
 
 
 def choose_atomic(atomic: bool | None, refuses_mixed: bool, loader: bool) -> bool:
-    """One pass or verify first: one pass (``False``) only where mixed weights are never
-    served (a lock that ``refuses_mixed``) and no loader needs whole versions."""
+    """One pass (``False``) only under a lock that ``refuses_mixed`` and without a loader."""
     if atomic is None:
         return loader or not refuses_mixed
     if loader and not atomic:
@@ -25,8 +23,7 @@ def choose_atomic(atomic: bool | None, refuses_mixed: bool, loader: bool) -> boo
 
 
 class SubscriberCore:
-    """The subscriber's state machine over publishers and versions: the weights hold
-    ``version`` at start (``-1``: none); ``retries`` attempts per version."""
+    """The subscriber's state machine (``version`` at start; ``retries`` per version)."""
 
     def __init__(self, version: int = -1, retries: int = 3) -> None:
         self.version = version
@@ -44,8 +41,7 @@ class SubscriberCore:
 
     @property
     def consistent(self) -> bool:
-        """The weights hold one complete version (False from a version's first write until
-        one completes: no Ack reports it, no resume is allowed)."""
+        """The weights hold one complete version."""
         return self._consistent
 
     def mark_mixed(self) -> None:
@@ -60,9 +56,8 @@ class SubscriberCore:
     def notice(
         self, publisher_id: str, is_welcome: bool, now: float
     ) -> Literal["handshake", "hello", "handle"]:
-        """A Welcome, Announce or Heartbeat arrived: ``"handshake"`` (a Welcome from a
-        new publisher instance: start over with it), ``"hello"`` (a notice from one not
-        shaken hands with: ask it for its state) or ``"handle"``."""
+        """A Welcome, Announce or Heartbeat: ``"handshake"`` (a new publisher instance),
+        ``"hello"`` (one not shaken hands with: ask its state) or ``"handle"``."""
         if publisher_id != self.publisher_id and not is_welcome:
             return "hello"
         self.last_heard = now
@@ -91,8 +86,7 @@ class SubscriberCore:
         return bool(self.last_heard) and now - self.last_heard > timeout
 
     def consider(self, publisher_id: str, version: int, in_flight: int | None) -> tuple[bool, bool]:
-        """An Announce of ``version``: ``(supersede, attempt)``, whether to abandon the
-        version in flight, and whether to try this one."""
+        """An Announce: ``(supersede, attempt)`` the version in flight, and this one."""
         if (version <= self.version and self._consistent) or (
             in_flight is not None and in_flight >= version
         ):
@@ -130,18 +124,14 @@ class SubscriberCore:
 
 
 class FetchSchedule:
-    """Which buckets of one version to ask for, and when to ask again.
-
-    Buckets are asked in order, ``window`` at a time; a bucket that fails its check or
-    stays unanswered for ``fetch_timeout`` is asked again, ``retries`` times at most.
-    """
+    """Which buckets of one version to ask for (in order, ``window`` at a time), and
+    when to ask again (``retries`` times at most)."""
 
     def __init__(self, version: int, n_buckets: int, window: int, retries: int) -> None:
         self.version = version
         self.window = max(1, window)
         self.retries = max(1, retries)
         self.todo = list(range(n_buckets - 1, -1, -1))  # pop() gives bucket 0 first
-        #: Bucket -> time of its Fetch or its last chunk.
         self.outstanding: dict[int, float] = {}
         self.attempts: dict[int, int] = {}
 
@@ -195,9 +185,8 @@ class FetchSchedule:
 
 
 class PauseLease:
-    """A pause is a lease held by a live trainer (the worker plugin's rule): a worker
-    paused by someone else (not its own copy) whose publisher is silent for ``lease``
-    seconds resumes; never while its weights are mixed."""
+    """A pause is a lease held by a live trainer: a worker paused (not by its own copy)
+    whose publisher is silent for ``lease`` seconds resumes, unless its weights are mixed."""
 
     def __init__(self, lease: float) -> None:
         self.lease = lease
