@@ -1,12 +1,7 @@
-"""Routes: where a version's bytes travel between a trainer and a worker.
-
-Every route carries the same buckets under the same control messages; only where the
-bytes live differs (``docs/weights.md``, "Route interface"). Each module holds both sides
-of its route: :mod:`~.shm`, :mod:`~.tcp`, :mod:`~.zmq`, and :mod:`~.ipc` (worker side in
-:mod:`~.ipc_worker`). The trainer side of shm, tcp and zmq is a :class:`Sender`, the
-worker side an :class:`Inbound` that calls back a :class:`Receiver`; no route imports a
-driver.
-"""
+"""Routes: where a version's bytes travel between a trainer and a worker
+(``docs/weights.md``, "Route interface"): :mod:`~.shm`, :mod:`~.tcp`, :mod:`~.zmq` and
+:mod:`~.ipc`. The trainer side of shm, tcp and zmq is a :class:`Sender`, the worker side
+an :class:`Inbound` that calls back a :class:`Receiver`."""
 
 from __future__ import annotations
 
@@ -31,8 +26,8 @@ class Tracker(Protocol):
 
 
 class Replies(Protocol):
-    """The trainer's control socket: ``reply`` sends frames to one worker without
-    blocking (its tracker with ``track``; None or False when not queued)."""
+    """The trainer's control socket: ``reply`` queues frames to one worker (its tracker
+    with ``track``; None or False when not queued)."""
 
     def reply(self, ident: bytes, frames: list[object], track: bool = False) -> object: ...
 
@@ -41,8 +36,8 @@ class Sender(Protocol):
     """A route's trainer side: the chunks of one bucket to one worker, zero-copy."""
 
     def span(self, start: int, ready: int, total: int, complete: bool, step: int) -> int | None:
-        """Where the chunk from ``start`` ends, ``ready`` bytes of ``total`` packed
-        (``complete``: all); None when it must wait for more."""
+        """Where the chunk from ``start`` ends, ``ready`` bytes of ``total`` packed;
+        None when it must wait for more."""
         ...
 
     def send(self, ident: bytes, wid: str, msg: WeightBucket) -> Tracker | None:
@@ -88,7 +83,7 @@ class Inbound(Protocol):
 
     def receive(self, f: Receiver, msg: WeightBucket | None) -> None:
         """One chunk: ``msg`` from the control socket, or (``None``) read from the
-        route's own connection; each bucket's end is reported to ``f``."""
+        route's own connection."""
         ...
 
     def close(self) -> None: ...

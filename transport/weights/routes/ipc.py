@@ -169,16 +169,11 @@ class IpcExporter:
         w = self.workers.get(ack.worker_id)
         if w is None:
             return
-        if ack.bucket == -2:  # it unmapped the slots itself: nothing to release for it
-            self.drop_worker(ack.worker_id, dead=False)
-            return
-        if ack.bucket < 0:
-            if ack.ok:
-                w.opened = True
-            else:
-                self.drop_worker(ack.worker_id, dead=False)
-            return
-        if 0 <= ack.slot < self.n_slots:
+        if ack.bucket == -2 or (ack.bucket < 0 and not ack.ok):
+            self.drop_worker(ack.worker_id, dead=False)  # unmapped, or could not open
+        elif ack.bucket < 0:
+            w.opened = True
+        elif 0 <= ack.slot < self.n_slots:
             self.pending[ack.slot].discard(ack.worker_id)
 
     def drop_worker(self, worker_id: str, *, dead: bool) -> None:
@@ -189,10 +184,9 @@ class IpcExporter:
             return
         for p in self.pending:
             p.discard(worker_id)
-        if not (dead and w.opened):
-            return
-        for k, h in enumerate(w.exports):
-            release_slot(self._slots[k], h)
+        if dead and w.opened:
+            for k, h in enumerate(w.exports):
+                release_slot(self._slots[k], h)
 
     def reap(self) -> list[str]:
         """Drop every worker whose process is gone; their ids."""
