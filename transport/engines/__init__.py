@@ -1,8 +1,6 @@
-"""Engines: the interface a worker serves (:mod:`.api`), the registry of ``--engine``
-names (:mod:`.registry`), the built-in factories (:mod:`.builtin`) and the bridges to
-running SGLang / vLLM servers (:mod:`.sglang`, :mod:`.vllm`; extras ``fastio[sglang]`` /
-``fastio[vllm]``, imported only when named). See ``docs/engines.md``.
-"""
+"""Engines: the interface a worker serves (:mod:`.api`), the ``--engine`` names
+(:mod:`.registry`, :mod:`.builtin`) and the bridges to SGLang and vLLM (:mod:`.sglang`,
+:mod:`.vllm`: extras ``fastio[sglang]`` / ``fastio[vllm]``, imported only when named)."""
 
 from transport.engines.api import (
     BoundHooks,

@@ -35,23 +35,16 @@ class EngineUnavailable(RuntimeError):
 @runtime_checkable
 class GenerationContext(Protocol):
     """What a worker tells an engine about one request (:class:`~transport.RequestContext`
-    implements it).
-
-    Attributes
-    ----------
-    id:
-        The submission id (unique per client connection, not across clients).
-    deadline:
-        ``time.monotonic()`` by which the client wants the answer (``inf``: none).
-    """
+    implements it): ``id``, the submission id (unique per client connection);
+    ``deadline``, the ``time.monotonic()`` by which the client wants the answer (``inf``:
+    none)."""
 
     id: int
     deadline: float
 
     @property
     def interrupted(self) -> bool:
-        """True once the worker is pausing: return the output so far with
-        ``stop_reason="interrupt"``."""
+        """True once the worker is pausing: return the output so far (``"interrupt"``)."""
         ...
 
     @property
@@ -66,13 +59,8 @@ class GenerationContext(Protocol):
 
 @runtime_checkable
 class Engine(Protocol):
-    """A generation engine served by a worker (see the module docstring).
-
-    Attributes
-    ----------
-    version:
-        Weight version stamped on every token generated now; a weight update sets it
-        once the new weights are in place.
+    """A generation engine served by a worker; ``version`` is the weight version stamped
+    on every token generated now (a weight update sets it once the new weights are in).
 
     Examples
     --------
@@ -107,8 +95,8 @@ class Engine(Protocol):
 
 
 class EngineHooks(Protocol):
-    """The optional hooks of an :class:`Engine`, found by name (none is required; when
-    each is called: ``docs/engines.md#the-interface``)."""
+    """The optional hooks of an :class:`Engine`, found by name (when each is called:
+    ``docs/engines.md#the-interface``)."""
 
     async def start(self, worker: Any) -> None:
         """The worker (a :class:`~transport.WorkerServer`) serves; raising fails its start."""
@@ -139,8 +127,7 @@ class EngineHooks(Protocol):
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class BoundHooks:
-    """An engine's optional hooks (:class:`EngineHooks`) as a worker takes them, from
-    :func:`engine_hooks`; the worker wires them into its own state."""
+    """An engine's optional hooks as a worker takes them (:func:`engine_hooks`)."""
 
     on_pause: tuple[Callable[[], Any], ...] = ()
     on_resume: tuple[Callable[[], Any], ...] = ()
@@ -155,18 +142,18 @@ def engine_hooks(engine: Any) -> BoundHooks:
     """The optional hooks ``engine`` has, found by name (``None``: no engine, no hooks)."""
     if engine is None:
         return BoundHooks()
-    pause, resume = (getattr(engine, n, None) for n in ("pause_generation", "continue_generation"))
-    depth = getattr(engine, "queue_depth", None)
+    pause, resume, depth = (
+        getattr(engine, n, None) for n in ("pause_generation", "continue_generation", "queue_depth")
+    )
     start, close = getattr(engine, "start", None), getattr(engine, "close", None)
     lifetime = None
     if inspect.iscoroutinefunction(start) or inspect.iscoroutinefunction(close):
 
         async def engine_lifetime(worker: Any) -> None:
-            # Started with the server (a failure fails its start), cancelled at its close.
             if inspect.iscoroutinefunction(start):
-                await start(worker)
+                await start(worker)  # a failure fails the server's start
             try:
-                await asyncio.Event().wait()
+                await asyncio.Event().wait()  # cancelled at the server's close
             finally:
                 if inspect.iscoroutinefunction(close):
                     with contextlib.suppress(Exception):
@@ -174,12 +161,11 @@ def engine_hooks(engine: Any) -> BoundHooks:
 
         engine_lifetime.__qualname__ = f"{type(engine).__name__}.start"
         lifetime = engine_lifetime
+    keeps = hasattr(engine, "pauses_in_place")
     return BoundHooks(
         on_pause=(pause,) if callable(pause) else (),
         on_resume=(resume,) if callable(resume) else (),
-        keeps_in_place=(
-            (lambda: bool(engine.pauses_in_place)) if hasattr(engine, "pauses_in_place") else None
-        ),
+        keeps_in_place=(lambda: bool(engine.pauses_in_place)) if keeps else None,
         queue_depth=depth if callable(depth) else None,
         lifetime=lifetime,
     )

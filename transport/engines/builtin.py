@@ -12,8 +12,7 @@ __all__ = ["ReferenceOptions", "echo", "hf", "reference"]
 
 
 class ReferenceOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """``--engine-opt`` keys of the reference engine (:class:`~transport.ReferenceEngine`
-    keyword arguments; unset: its defaults)."""
+    """``--engine-opt`` keys of :class:`~transport.ReferenceEngine` (unset: its defaults)."""
 
     vocab_size: int | None = None
     hidden: int | None = None

@@ -1,6 +1,6 @@
 """What every engine that streams from vLLM or SGLang shares, over HTTP or in the worker:
-the requests in flight (:class:`Flight`), their ids, the servers' version labels and
-sampling parameters."""
+the requests in flight (:class:`Flight`, :class:`Flights`), their ids, the servers'
+version labels and sampling parameters."""
 
 from __future__ import annotations
 
@@ -10,10 +10,12 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
+
 from fastio import LLMRequest, LLMResponse, TokenArray
 from transport.engines.api import GenerationContext
 
-__all__ = ["Flight", "VersionLabels", "request_ids", "sampling_common"]
+__all__ = ["Flight", "Flights", "VersionLabels", "request_ids", "sampling_common"]
 
 # GenerationHyperparameters.top_k at or above this means "no top-k" (the servers' -1).
 _NO_TOP_K = 1 << 30
@@ -43,7 +45,7 @@ def request_ids() -> Iterator[str]:
 
 
 class VersionLabels:
-    """A server's weight-version labels and fastio's versions: labels are ``str(version)``;
+    """A server's weight-version labels as fastio's versions: labels are ``str(version)``;
     any other (``default``: the weights the server started on) is :attr:`base`."""
 
     def __init__(self, base: int = 0) -> None:
@@ -60,11 +62,9 @@ class VersionLabels:
         return self.base
 
     def stamp(self, versions: list[int], spans: Any) -> Any:
-        """``versions`` (one per output token) as an int32 array, each span of vLLM's
-        ``weight_versions`` (``{version, start, end}`` mappings or objects) set to its
-        label's version."""
-        import numpy as np
-
+        """``versions`` (one per output token) as an int32 array, each of vLLM's
+        ``weight_versions`` spans (``{version, start, end}`` mappings or objects) set to
+        its label's version."""
         out = np.array(versions, dtype=np.int32)
         for span in spans or ():
             if not isinstance(span, dict):  # vLLM's WeightVersionSpan
@@ -102,8 +102,6 @@ class Flight:
     ) -> LLMResponse:
         """The :class:`~fastio.LLMResponse` of the output so far; its versions from the
         server's spans where it sent them (read with ``labels``)."""
-        import numpy as np
-
         vers = np.array(self.vers, dtype=np.int32)
         if self.spans and labels is not None:
             vers = labels.stamp(self.vers, self.spans)
@@ -114,3 +112,44 @@ class Flight:
             output_versions=TokenArray(vers),
             stop_reason=stop,  # type: ignore[arg-type]  # one of four
         )
+
+
+class Flights:
+    """An engine's requests in flight: :attr:`version`, :attr:`labels`, ids, and how many
+    have no token yet (:meth:`queue_depth`)."""
+
+    def __init__(self) -> None:
+        #: Weight version stamped on new tokens.
+        self.version = 0
+        #: The server's version labels as fastio versions.
+        self.labels = VersionLabels()
+        self.flights: dict[str, Flight] = {}
+        self._waiting = 0  # flights without a token (read from the socket thread)
+        self._rids = request_ids()
+
+    def queue_depth(self) -> int:
+        """Requests sent to the server that have no token yet (queued or in prefill)."""
+        return self._waiting
+
+    def new_rid(self) -> str:
+        """A request id unique to this process's life (servers key aborts by it)."""
+        return next(self._rids)
+
+    def begin(self, ctx: GenerationContext) -> Flight:
+        """A new flight for ``ctx``, waiting for its first token."""
+        flight = Flight(self.new_rid(), ctx)
+        self.flights[flight.rid] = flight
+        self._waiting += 1
+        return flight
+
+    def got(self, flight: Flight, tokens: int) -> None:
+        """``flight`` received ``tokens`` more."""
+        if tokens and not flight.first:
+            flight.first = True
+            self._waiting -= 1
+
+    def end(self, flight: Flight) -> None:
+        """``flight`` ended."""
+        if not flight.first:
+            self._waiting -= 1
+        self.flights.pop(flight.rid, None)

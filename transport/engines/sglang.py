@@ -16,8 +16,9 @@ from typing import Any, Literal
 from fastio import GenerationHyperparameters, LLMRequest, LLMResponse
 from transport.engines.api import GenerationContext
 from transport.engines.flight import Flight, sampling_common
-from transport.engines.http import BridgeOptions, HTTPBridge, Seconds, ServerRejected
+from transport.engines.http import BridgeOptions, HTTPBridge, ServerRejected
 from transport.engines.sglang_disk import DONE, write_version
+from transport.options import Seconds
 
 __all__ = ["DONE", "SGLangEngine", "SGLangOptions", "factory", "sampling_params", "write_version"]
 
@@ -25,7 +26,7 @@ log = logging.getLogger("transport.engines")
 
 
 class SGLangOptions(BridgeOptions):
-    """The options of :class:`SGLangEngine`: those of :class:`BridgeOptions`, and
+    """Those of :class:`BridgeOptions`, and
 
     Attributes
     ----------
@@ -74,8 +75,6 @@ class SGLangEngine(HTTPBridge):
         self._kept = False  # the server is paused in place (or retracted) by us
         self._flush_due = False  # a version was loaded without flushing the cache
 
-    # -- the server ----------------------------------------------------------------------
-
     def probe(self, timeout: float = 5.0) -> None:
         """The server's weight version (``/model_info``), where it has one."""
         with contextlib.suppress(Exception):  # no /model_info: numbers still count
@@ -83,23 +82,12 @@ class SGLangEngine(HTTPBridge):
             self.version = self.labels.start(info.get("weight_version"))
 
     async def close(self) -> None:
-        """As the base; a server this bridge holds paused is let go first (SGLang ends
-        an aborted request only at its next step, and nothing else would resume it)."""
+        """As the base; a server this bridge holds paused is let go first (SGLang ends an
+        aborted request only at its next step, and nothing else would resume it)."""
         if self._kept:
             self._kept = False
             await self._continue(timeout=2.0)
         await super().close()
-
-    @property
-    def base_version(self) -> int:
-        """The version a label that is not a number stands for (the server's at start)."""
-        return self.labels.base
-
-    def version_of(self, label: Any) -> int:
-        """The fastio version of SGLang's ``weight_version`` label."""
-        return self.labels.version(label)
-
-    # -- requests ------------------------------------------------------------------------
 
     async def request(self, req: LLMRequest, rid: str) -> tuple[str, Any]:
         """``/generate``, streamed, with the sampled tokens' logprobs."""
@@ -130,7 +118,7 @@ class SGLangEngine(HTTPBridge):
         # only the new tokens; with nothing seen yet both read the same.)
         new = items[seen:] if seen and meta.get("completion_tokens") == len(items) else items
         label = meta.get("weight_version")
-        version = self.version if label is None else self.version_of(label)
+        version = self.version if label is None else self.labels.version(label)
         for item in new:
             flight.add(int(item[1]), item[0], version)
         flight.finish = meta.get("finish_reason")
@@ -138,15 +126,13 @@ class SGLangEngine(HTTPBridge):
 
     def abort(self, flight: Flight) -> None:
         """``POST /abort_request`` for ``flight``'s rid, in the background."""
-        self.spawn(self._abort(flight.rid))
+        self.spawn(self._post_quietly("/abort_request", {"rid": flight.rid}))
 
-    async def _abort(self, rid: str) -> None:
+    async def _post_quietly(self, path: str, body: Any) -> None:
         try:
-            await self.post_json("/abort_request", {"rid": rid})
+            await self.post_json(path, body)
         except Exception as exc:  # the server may be gone; the watchdog deals with it
-            log.debug("abort of %s failed: %r", rid, exc)
-
-    # -- pause ---------------------------------------------------------------------------
+            log.debug("SGLang %s %s failed: %r", path, body, exc)
 
     @property
     def pauses_in_place(self) -> bool:  # type: ignore[override]
@@ -186,8 +172,7 @@ class SGLangEngine(HTTPBridge):
             super().interrupt(flight)
 
     def _hold(self, kept: bool) -> None:
-        """Hold the server's requests frozen, or let them go: no stall timeout on their
-        streams while held (a frozen stream is silent as long as the pause lasts)."""
+        # No stall timeout on the streams while held: a frozen stream is silent.
         self._kept = kept
         for flight in self.flights.values():
             with contextlib.suppress(AttributeError):
@@ -196,7 +181,7 @@ class SGLangEngine(HTTPBridge):
                 proto.start_timeout()
 
     async def _server_pause(self, mode: str) -> bool:
-        """``/pause_generation`` in ``mode`` where the server has it (asked once)."""
+        # /pause_generation where the server has it (asked once): whether it paused.
         if self.has_pause is False:
             return False
         try:
@@ -210,7 +195,6 @@ class SGLangEngine(HTTPBridge):
         return True
 
     async def _continue(self, timeout: float | None = None) -> Exception | None:
-        """``/continue_generation``; its error, if any, returned."""
         try:
             await self.post_json("/continue_generation", {}, timeout=timeout)
         except Exception as exc:
@@ -218,8 +202,7 @@ class SGLangEngine(HTTPBridge):
         return None
 
     async def _flush(self) -> None:
-        """``/flush_cache`` (SGLang answers 400 while it holds requests: asked again
-        once none of this bridge's is left)."""
+        # SGLang answers 400 while it holds requests: asked again once none of ours is left.
         if not self._flush_due:
             return
         try:
@@ -229,8 +212,6 @@ class SGLangEngine(HTTPBridge):
             if exc.status in (404, 405):
                 self._flush_due = False  # no such route: nothing to ask again
             log.debug("SGLang /flush_cache: %r", exc)
-
-    # -- weights -------------------------------------------------------------------------
 
     def load_weights(self, weights: Iterable[tuple[str, Any]], version: int | None = None) -> None:
         """Write one verified version under :attr:`weights_dir` (once for the workers that
@@ -298,7 +279,6 @@ class SGLangEngine(HTTPBridge):
             self.version = version
 
     async def _has_loaded(self, path: str, version: int) -> bool:
-        """``/model_info`` says the server serves ``version`` from ``path``."""
         try:
             info = await self.get_json("/model_info")
         except Exception:

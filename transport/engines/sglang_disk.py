@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import mmap
 import os
 import re
 import secrets
@@ -21,8 +22,7 @@ __all__ = ["DONE", "write_version"]
 DONE = "fastio-version.json"
 _WEIGHTS = "model.safetensors"
 _VERSION_DIR = re.compile(r"^\.?v(\d{8})-[0-9a-f]+(\.lock)?$")
-# How often a worker looks again at a version another worker is writing.
-_LOCK_POLL_S = 0.02
+_LOCK_POLL_S = 0.02  # how often a worker looks again at a version another one writes
 
 
 def write_version(
@@ -94,16 +94,12 @@ def _fingerprint(weights: Sequence[tuple[str, Any]]) -> str:
 
 
 def _crc32(path: Path) -> int:
-    crc = 0
-    with open(path, "rb") as f:
-        while block := f.read(16 << 20):
-            crc = zlib.crc32(block, crc)
-    return crc
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+        return zlib.crc32(mm)
 
 
 def _intact(final: Path, version: int, fp: str) -> bool:
-    """``final`` is a complete version directory of these weights (:data:`DONE` agrees)."""
-    try:
+    try:  # a complete version directory of these weights (DONE agrees)
         done = json.loads((final / DONE).read_text())
         f = final / _WEIGHTS
         ok = done.get("version") == version and done.get("fingerprint") == fp
@@ -128,8 +124,7 @@ def _write(
         d = f.parent
         if prepare is not None:
             prepare(d)
-        done = {"version": version, "fingerprint": fp, "size": f.stat().st_size}
-        done["crc32"] = _crc32(f)
+        done = {"version": version, "fingerprint": fp, "size": f.stat().st_size, "crc32": _crc32(f)}
         (d / DONE).write_text(json.dumps(done))
         fsync_path(d / DONE)
         fsync_path(d)
@@ -142,7 +137,7 @@ def _write(
 
 
 def _forget_old(root: Path, version: int) -> None:
-    """Remove the version directories (and lock files) older than ``version - 1``."""
+    # The version directories (and lock files) older than version - 1 go.
     for p in root.iterdir():
         m = _VERSION_DIR.match(p.name)
         if m is None or int(m.group(1)) >= version - 1:

@@ -5,18 +5,20 @@ vLLM and how to start the server: ``docs/engines.md#vllm``.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
-import os
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any, Literal
 
 from fastio import LLMRequest
 from transport.engines.api import EngineUnavailable
 from transport.engines.flight import Flight, sampling_common
-from transport.engines.http import BridgeOptions, HTTPBridge, Seconds
-from transport.engines.vllm_staging import PROTOCOL, UpdateState
+from transport.engines.http import BridgeOptions, HTTPBridge
+from transport.engines.vllm_staging import PROTOCOL, UpdateState, WeightSync
+from transport.options import Seconds
 
 __all__ = ["WEIGHTS_REFUSED", "VLLMEngine", "VLLMOptions", "factory"]
 
@@ -72,9 +74,7 @@ class VLLMEngine(HTTPBridge):
         self.routes: set[str] | None = None
         #: The vocabulary size from the model's config.json, where the worker can read it.
         self.vocab_size: int | None = None
-        self.state = UpdateState(_HTTPSync(self), f" at {url}")
-
-    # -- what the server has ------------------------------------------------------------
+        self.state = UpdateState(_http_sync(self), f" at {url}")
 
     def probe(self, timeout: float = 5.0) -> None:
         """Read the server's routes, model name, weight version and vocabulary (blocking)."""
@@ -89,13 +89,9 @@ class VLLMEngine(HTTPBridge):
             raise EngineUnavailable(f"{self.url}/v1/models names no model: {exc}") from exc
         if self.served_model is None:
             self.served_model = str(model["id"])
-        config = os.path.join(str(model.get("root") or ""), "config.json")
-        try:
-            with open(config, "rb") as f:
-                vocab = json.loads(f.read()).get("vocab_size")
-            self.vocab_size = int(vocab) if vocab else None
-        except (OSError, ValueError, TypeError):
-            self.vocab_size = None  # not on this host: the server checks
+        config = Path(str(model.get("root") or ""), "config.json")
+        with contextlib.suppress(OSError, ValueError, TypeError):  # else the server checks
+            self.vocab_size = int(json.loads(config.read_bytes()).get("vocab_size")) or None
         if "/weight_info" in self.routes:
             self.version = self.labels.start(get("/weight_info").get("weight_version"))
         if self.options.route == "generate" and _GENERATE not in self.routes:
@@ -116,34 +112,24 @@ class VLLMEngine(HTTPBridge):
             return None
         return WEIGHTS_REFUSED.format(url=self.url)
 
-    # -- requests -----------------------------------------------------------------------
-
     async def request(self, req: LLMRequest, rid: str) -> tuple[str, Any]:
         """The native route's body, or ``/v1/completions``'s, streamed with logprobs."""
         g = req.gconfig
         if g.n_samples != 1:
-            raise ValueError(
-                f"n_samples={g.n_samples}: the vLLM bridge streams one sample per "
-                "request; send n requests (or use the group helpers of the client)"
-            )
+            msg = "the vLLM bridge streams one sample per request; send n requests"
+            raise ValueError(f"n_samples={g.n_samples}: {msg} (or the client's group helpers)")
         # JSON wants a list: the one conversion of the prompt on this path.
         prompt = req.input_ids.array.tolist()
+        sp = {**sampling_common(g, "max_tokens", "min_tokens"), "logprobs": 0}
         if self.native:
-            sp = sampling_common(g, "max_tokens", "min_tokens")
-            sp["logprobs"] = 0
             body = {"request_id": rid, "token_ids": prompt, "sampling_params": sp, "stream": True}
             if self.served_model is not None:
                 body["model"] = self.served_model
             return _GENERATE, body
         return "/v1/completions", {
-            "model": self.served_model,
-            "prompt": prompt,
-            **sampling_common(g, "max_tokens", "min_tokens"),
-            "logprobs": 0,
-            "return_tokens_as_token_ids": True,
-            "include_stop_str_in_output": True,
-            "stream": True,
-        }
+            "model": self.served_model, "prompt": prompt, **sp, "stream": True,
+            "return_tokens_as_token_ids": True, "include_stop_str_in_output": True,
+        }  # fmt: skip
 
     def take(self, chunk: Any, flight: Flight) -> int:
         """Emit the tokens of each streamed choice; keep the final chunk's version spans."""
@@ -180,8 +166,6 @@ class VLLMEngine(HTTPBridge):
         except (EngineUnavailable, RuntimeError) as exc:
             log.warning("vLLM /abort_requests %s: %s", rid, exc)
 
-    # -- pause ---------------------------------------------------------------------------
-
     @property
     def pauses_in_place(self) -> bool:  # type: ignore[override]
         """The server is paused in place by this bridge (requests frozen, not ended)."""
@@ -201,8 +185,6 @@ class VLLMEngine(HTTPBridge):
         """``/resume`` a server this bridge paused, unless a failed load left it mixed."""
         await self.state.resume()
 
-    # -- weights -------------------------------------------------------------------------
-
     def load_weights(self, weights: Iterable[tuple[str, Any]], version: int | None = None) -> None:
         """Stage one verified version in shared memory and have vLLM's workers load it."""
         if (why := self.no_weights_reason) is not None:
@@ -213,40 +195,30 @@ class VLLMEngine(HTTPBridge):
         self.state.load_pairs(weights, version, self.options.shm_dir, run)
 
 
-class _HTTPSync:
+def _http_sync(b: VLLMEngine) -> WeightSync:
     """:class:`~transport.engines.vllm_staging.WeightSync` over the server's RL routes."""
+    post = b.post_json
 
-    def __init__(self, bridge: VLLMEngine) -> None:
-        self.b = bridge
+    async def label() -> str:
+        return str((await b.get_json("/weight_info")).get("weight_version"))
 
-    async def init_transfer(self) -> None:
-        await self.b.post_json(
+    return WeightSync(
+        init_transfer=lambda: post(
             "/init_weight_transfer_engine", {"init_info": {"protocol": PROTOCOL}}
-        )
-
-    async def pause_in_place(self) -> None:
-        await self.b.post_json("/pause?mode=keep", {})
-
-    async def resume(self) -> None:
-        await self.b.post_json("/resume", {})
-
-    async def start_update(self) -> None:
-        await self.b.post_json("/start_weight_update", {})
-
-    async def update(self, update_info: dict[str, Any]) -> None:
-        t = self.b.options.weight_timeout
-        await self.b.post_json("/update_weights", {"update_info": update_info}, timeout=t)
-
-    async def finish_update(self, label: str) -> None:
-        await self.b.post_json("/finish_weight_update", {"weight_version": label})
-
-    async def label(self) -> str:
-        return str((await self.b.get_json("/weight_info")).get("weight_version"))
+        ),
+        pause_in_place=lambda: post("/pause?mode=keep", {}),
+        resume=lambda: post("/resume", {}),
+        start_update=lambda: post("/start_weight_update", {}),
+        update=lambda info: post(
+            "/update_weights", {"update_info": info}, timeout=b.options.weight_timeout
+        ),
+        finish_update=lambda v: post("/finish_weight_update", {"weight_version": v}),
+        label=label,
+    )
 
 
 def _token_id(name: str) -> int:
-    # return_tokens_as_token_ids: each token is written "token_id:<id>".
-    head, _, tail = str(name).rpartition(":")
+    head, _, tail = str(name).rpartition(":")  # return_tokens_as_token_ids: "token_id:<id>"
     if head != "token_id":
         raise ValueError(f"vLLM returned token {name!r}, not token_id:<id>")
     return int(tail)

@@ -1,9 +1,7 @@
-"""fastio as a vLLM weight-transfer backend (``--weight-transfer-config '{"backend": "fastio"}'``).
-
-Runs inside vLLM's worker processes (one per rank); :func:`register` is the
-``vllm.general_plugins`` entry point of the ``fastio`` distribution. It loads a version
-that :mod:`transport.engines.vllm_staging` staged, whole or not at all; the steps and the
-rules: ``docs/engines.md#vllm``.
+"""fastio as a vLLM weight-transfer backend (``--weight-transfer-config '{"backend": "fastio"}'``),
+in vLLM's worker processes: it loads a version :mod:`transport.engines.vllm_staging` staged,
+whole or not at all (``docs/engines.md#vllm``); :func:`register` is the
+``vllm.general_plugins`` entry point of the ``fastio`` distribution.
 """
 
 from __future__ import annotations
@@ -66,8 +64,7 @@ class FastioUpdateInfo(WeightTransferUpdateInfo):  # type: ignore[misc]
 
 
 def _empty_layers(model: torch.nn.Module) -> list[str]:
-    """Layers still waiting for weights after a load (vLLM's reload would put their old
-    weights back)."""
+    # Layers still waiting for weights after a load (vLLM's reload puts their old ones back).
     from vllm.model_executor.layers.attention import is_deferred_attention_layer
     from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
 
@@ -146,4 +143,4 @@ class FastioWeightTransferEngine(WeightTransferEngine[FastioInitInfo, FastioUpda
             )
 
     def shutdown(self) -> None:
-        """Nothing held between updates."""
+        """Nothing is held between updates."""

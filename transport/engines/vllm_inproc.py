@@ -8,33 +8,31 @@ from __future__ import annotations
 import argparse
 import asyncio
 import ctypes
-import logging
 import os
 import signal
 from collections.abc import Iterable
 from typing import Any
 
+import msgspec
+
 from fastio import LLMRequest, LLMResponse
 from transport.engines.api import GenerationContext
-from transport.engines.flight import Flight, VersionLabels, request_ids, sampling_common
-from transport.engines.vllm_staging import PROTOCOL, UpdateState
+from transport.engines.flight import Flights, sampling_common
+from transport.engines.vllm_staging import PROTOCOL, UpdateState, WeightSync
+from transport.options import parse_options
 
 __all__ = ["PARENT_ENV", "AsyncLLMEngine", "die_with_parent", "engine_args", "factory"]
 
-log = logging.getLogger("transport.engines")
 _PR_SET_PDEATHSIG = 1
 #: The worker's pid, in its environment: vLLM processes it starts die with their parent.
 PARENT_ENV = "FASTIO_VLLM_DIE_WITH_PARENT"
 
 
-def _prctl() -> Any:
-    try:
-        return ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):  # not Linux: vLLM's own shutdown only
-        return None
-
-
-_PRCTL = _prctl()  # resolved before any fork: a forked child only calls it
+_PRCTL: Any
+try:  # resolved before any fork: a forked child only calls it
+    _PRCTL = ctypes.CDLL(None, use_errno=True).prctl
+except (OSError, AttributeError):  # not Linux: vLLM's own shutdown only
+    _PRCTL = None
 
 
 def die_with_parent() -> None:
@@ -79,32 +77,26 @@ def engine_args(opts: dict[str, str]) -> Any:
 
 
 def _truth(key: str, value: str) -> bool:
-    v = value.strip().lower()
-    if v in ("1", "true", "yes", "on", ""):
-        return True
-    if v in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"vLLM engine option {key}={value!r}: expected 1/0 or true/false")
+    name = key.replace("-", "_")
+    flag = msgspec.defstruct("Flag", [(name, bool, True)], kw_only=True)
+    return bool(getattr(parse_options({name: value}, flag, "vLLM engine option"), name))
 
 
-class AsyncLLMEngine:
+class AsyncLLMEngine(Flights):
     """A :class:`~transport.Engine` running vLLM's ``AsyncLLM`` in the worker (module
     docstring). ``args``: vLLM's ``AsyncEngineArgs``."""
 
     def __init__(self, args: Any) -> None:
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        super().__init__()
         # vLLM's processes (engine core, its workers) die with this one: forked ones
         # through this hook, spawned ones through the plugin's register().
         os.environ[PARENT_ENV] = str(os.getpid())
         os.register_at_fork(after_in_child=die_with_parent)
         self.llm = AsyncLLM.from_engine_args(args)
-        self.version = 0
-        self.labels = VersionLabels()
         self.vocab_size: int | None = self.llm.model_config.get_vocab_size()
-        self._rids = request_ids()
-        self._waiting = 0
-        self.state = UpdateState(_LLMSync(self.llm))
+        self.state = UpdateState(_llm_sync(self.llm))
         self._loop: asyncio.AbstractEventLoop | None = None
 
     @property
@@ -120,10 +112,6 @@ class AsyncLLMEngine:
     async def close(self) -> None:
         """Shut vLLM's engine down (its processes exit)."""
         self.llm.shutdown()
-
-    def queue_depth(self) -> int:
-        """Requests given to vLLM that have no token yet."""
-        return self._waiting
 
     async def generate(self, req: LLMRequest, ctx: GenerationContext) -> LLMResponse:
         """Generate through ``AsyncLLM.generate``: delta outputs streamed token by token
@@ -144,27 +132,22 @@ class AsyncLLMEngine:
             if getattr(ctx, "stream", True)
             else RequestOutputKind.FINAL_ONLY,
         )
-        rid = next(self._rids)
         # vLLM's prompt is a list: the one conversion of the prompt on this path.
         prompt = TokensPrompt(prompt_token_ids=req.input_ids.array.tolist())
-        flight = Flight(rid, ctx)
-        self._waiting += 1
+        flight = self.begin(ctx)
         try:
-            async for out in self.llm.generate(prompt, params, rid):
+            async for out in self.llm.generate(prompt, params, flight.rid):
                 version = self.version
                 for c in out.outputs:
                     lps = c.logprobs or ()
                     for k, tok in enumerate(c.token_ids):
                         lp = lps[k][tok].logprob if k < len(lps) else None
                         flight.add(tok, lp, version)
-                    if c.token_ids and not flight.first:
-                        flight.first = True
-                        self._waiting -= 1
+                    self.got(flight, len(c.token_ids))
                     flight.finish = c.finish_reason or flight.finish
                     flight.spans = c.weight_versions or flight.spans
         finally:
-            if not flight.first:
-                self._waiting -= 1
+            self.end(flight)
         stop = {"length": "length", "abort": "abort"}.get(str(flight.finish), "stop")
         return flight.result(req, stop, self.labels)
 
@@ -182,45 +165,33 @@ class AsyncLLMEngine:
         if self._loop is None:
             raise RuntimeError("the vLLM engine has not started")
         v = self.version + 1 if version is None else version
-        loop = self._loop
-        shm_dir = os.environ.get("FASTIO_SHM_DIR", "/dev/shm")
+        loop, shm_dir = self._loop, os.environ.get("FASTIO_SHM_DIR", "/dev/shm")
         self.state.load_pairs(
             weights, v, shm_dir, lambda c: asyncio.run_coroutine_threadsafe(c, loop).result()
         )
 
 
-class _LLMSync:
+def _llm_sync(llm: Any) -> WeightSync:
     """:class:`~transport.engines.vllm_staging.WeightSync` over ``AsyncLLM``."""
+    from vllm.distributed.weight_transfer.base import (
+        WeightTransferInitRequest,
+        WeightTransferUpdateRequest,
+    )
 
-    def __init__(self, llm: Any) -> None:
-        self.llm = llm
+    async def label() -> str:
+        return str(await llm.get_weight_version())
 
-    async def init_transfer(self) -> None:
-        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
-
-        await self.llm.init_weight_transfer_engine(
+    return WeightSync(
+        init_transfer=lambda: llm.init_weight_transfer_engine(
             WeightTransferInitRequest(init_info={"protocol": PROTOCOL})
-        )
-
-    async def pause_in_place(self) -> None:
-        await self.llm.pause_generation(mode="keep", clear_cache=False)
-
-    async def resume(self) -> None:
-        await self.llm.resume_generation()
-
-    async def start_update(self) -> None:
-        await self.llm.start_weight_update()
-
-    async def update(self, update_info: dict[str, Any]) -> None:
-        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
-
-        await self.llm.update_weights(WeightTransferUpdateRequest(update_info=update_info))
-
-    async def finish_update(self, label: str) -> None:
-        await self.llm.finish_weight_update(label)
-
-    async def label(self) -> str:
-        return str(await self.llm.get_weight_version())
+        ),
+        pause_in_place=lambda: llm.pause_generation(mode="keep", clear_cache=False),
+        resume=llm.resume_generation,
+        start_update=llm.start_weight_update,
+        update=lambda info: llm.update_weights(WeightTransferUpdateRequest(update_info=info)),
+        finish_update=llm.finish_weight_update,
+        label=label,
+    )
 
 
 def factory(opts: dict[str, str]) -> AsyncLLMEngine:

@@ -1,39 +1,29 @@
-"""A verified weight version laid out in one shared-memory file for vLLM's worker process
-(:func:`stage`, :func:`open_staged`), and the rules that drive its load (:class:`UpdateState`;
+"""A verified weight version staged in one shared-memory file for vLLM's worker processes
+(:func:`stage`, :func:`open_staged`) and the rules that drive its load (:class:`UpdateState`;
 ``docs/engines.md#vllm``). No vLLM import here: the bridge's process has no vLLM.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import mmap
 import os
-from collections.abc import Callable, Coroutine, Iterable, Iterator
+import sys
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
-from fastio._optional import require
-from transport.engines.flight import VersionLabels
+from transport.weights.bucket import ALIGNMENT, Hasher, plan_spans
 
-__all__ = [
-    "PROTOCOL",
-    "StagedCorrupt",
-    "StagedVersion",
-    "UpdateState",
-    "VersionLabels",
-    "WeightSync",
-    "drive_update",
-    "open_staged",
-    "stage",
-]
+__all__ = ["PROTOCOL", "StagedCorrupt", "UpdateState", "WeightSync", "open_staged", "stage"]
 
 #: The layout's version, in ``update_info["protocol"]``; a backend refuses another.
 PROTOCOL = 1
 log = logging.getLogger("transport.engines")
-_ALIGN = 64
 
 
 class StagedCorrupt(ValueError):
@@ -41,65 +31,48 @@ class StagedCorrupt(ValueError):
     was loaded)."""
 
 
-@dataclass
-class StagedVersion:
-    """One staged version: its file and the ``update_info`` that names it."""
-
-    path: str
-    update_info: dict[str, Any]
-
-    def close(self) -> None:
-        """Remove the file (the backend holds no mapping after its update returns)."""
-        with suppress(FileNotFoundError):
-            os.unlink(self.path)
-
-
 def _digest(buf: Any) -> str:
-    return str(require("xxhash", "weights", "the xxh3_64 checksum").xxh3_64_hexdigest(buf))
+    h = Hasher("xxh3_64")
+    h.update(buf)
+    return f"{h.digest():016x}"
 
 
 def _view(mm: Any, dtype: torch.dtype, shape: list[int], offset: int) -> torch.Tensor:
-    n = 1
-    for d in shape:
-        n *= d
-    if n == 0:
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes == 0:
         return torch.empty(shape, dtype=dtype)
-    nbytes = n * torch.empty((), dtype=dtype).element_size()
     raw = torch.frombuffer(mm, dtype=torch.uint8, count=nbytes, offset=offset)
     return raw.view(dtype).view(shape)
 
 
 def stage(
     pairs: Iterable[tuple[str, torch.Tensor]], version: int, directory: str = "/dev/shm"
-) -> StagedVersion:
-    """Write ``pairs`` (CPU or CUDA tensors) into a new file under ``directory`` (one
-    copy each) and return it with its ``update_info``."""
+) -> dict[str, Any]:
+    """Copy ``pairs`` (CPU or CUDA tensors) into a new file under ``directory``, each at a
+    multiple of 64 bytes; returns its ``update_info`` (``path``: the file, the caller's to
+    remove)."""
     items = [(name, t.detach()) for name, t in pairs]
-    layout: list[list[Any]] = []
-    size = 0
-    for name, t in items:
-        size = -(-size // _ALIGN) * _ALIGN
-        layout.append([name, str(t.dtype).removeprefix("torch."), list(t.shape), size])
-        size += t.numel() * t.element_size()
+    specs = [(name, str(t.dtype).removeprefix("torch."), t.shape) for name, t in items]
+    spans = plan_spans(specs, sys.maxsize, ALIGNMENT, lambda d: getattr(torch, d))
+    entries, size = next(spans, ([], 0))
     path = os.path.join(directory, f"fastio-vllm-{os.getpid()}-v{version}-{os.urandom(4).hex()}")
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         os.ftruncate(fd, max(size, 1))
         with mmap.mmap(fd, max(size, 1)) as mm:
-            for (_, t), (_, _, shape, off) in zip(items, layout, strict=True):
-                if t.numel():
-                    _view(mm, t.dtype, shape, off).copy_(t)
+            for (_, t), (_, _, shape, off, _) in zip(items, entries, strict=True):
+                _view(mm, t.dtype, list(shape), off).copy_(t)
             digest = _digest(memoryview(mm)[:size])
     except BaseException:
         os.unlink(path)
         raise
     finally:
         os.close(fd)
-    info = {
+    layout = [[name, dtype, list(shape), off] for name, dtype, shape, off, _ in entries]
+    return {
         "protocol": PROTOCOL, "version": version, "path": path, "size": size,
         "xxh3_64": digest, "tensors": layout,
     }  # fmt: skip
-    return StagedVersion(path, info)
 
 
 @contextmanager
@@ -129,43 +102,19 @@ def open_staged(info: dict[str, Any]) -> Iterator[list[tuple[str, torch.Tensor]]
             mm.close()
 
 
-class WeightSync(Protocol):
-    """vLLM's weight-sync surface as fastio drives it: its HTTP routes (the bridge) or
-    ``AsyncLLM``'s methods (vLLM in the worker)."""
+@dataclass(frozen=True, slots=True)
+class WeightSync:
+    """vLLM's weight-sync calls as fastio drives them: the server's RL routes (the
+    bridge) or ``AsyncLLM``'s methods (vLLM in the worker)."""
 
-    async def init_transfer(self) -> None:
-        """``init_weight_transfer_engine`` with fastio's init info."""
-
-    async def pause_in_place(self) -> None:
-        """``pause_generation(mode="keep")``."""
-
-    async def resume(self) -> None:
-        """``resume_generation``."""
-
-    async def start_update(self) -> None:
-        """``start_weight_update``."""
-
-    async def update(self, update_info: dict[str, Any]) -> None:
-        """``update_weights`` with one staged version."""
-
-    async def finish_update(self, label: str) -> None:
-        """``finish_weight_update`` labelled ``label``."""
-
-    async def label(self) -> str:
-        """The weight version vLLM reports."""
-
-
-async def drive_update(sync: WeightSync, info: dict[str, Any], version: int, paused: bool) -> None:
-    """Load one staged version: pause in place unless ``paused`` (never an update while
-    vLLM generates), start, update, finish labelled ``version``; raises unless vLLM then
-    reports that label."""
-    if not paused:
-        await sync.pause_in_place()
-    await sync.start_update()
-    await sync.update(info)
-    await sync.finish_update(str(version))
-    if (label := await sync.label()) != str(version):
-        raise RuntimeError(f"vLLM reports weight version {label!r} after loading {version}")
+    init_transfer: Callable[[], Awaitable[Any]]
+    pause_in_place: Callable[[], Awaitable[Any]]
+    resume: Callable[[], Awaitable[Any]]
+    start_update: Callable[[], Awaitable[Any]]
+    update: Callable[[dict[str, Any]], Awaitable[Any]]
+    finish_update: Callable[[str], Awaitable[Any]]
+    #: The weight version vLLM reports.
+    label: Callable[[], Awaitable[str]]
 
 
 class UpdateState:
@@ -177,7 +126,7 @@ class UpdateState:
     def __init__(self, sync: WeightSync, where: str = "") -> None:
         self.sync = sync
         self.where = where
-        self._kept = False  # paused in place by fastio (requests frozen, not ended)
+        self._kept = False
         self._mixed = False
         self._ready = False  # init_weight_transfer_engine done
 
@@ -214,14 +163,22 @@ class UpdateState:
         return True
 
     async def load(self, info: dict[str, Any], version: int) -> None:
-        """:func:`drive_update` once the transfer is initialised; the engine stays paused
-        in place after it, and :attr:`mixed` says whether the load failed."""
+        """Load one staged version: pause in place unless :attr:`kept`, start, update,
+        finish labelled ``version``; raises (and :attr:`mixed`) unless vLLM then reports
+        that label. The engine stays paused after it."""
+        sync = self.sync
         if not self._ready:
-            await self.sync.init_transfer()
+            await sync.init_transfer()
             self._ready = True
         paused, self._kept = self._kept, True
         try:
-            await drive_update(self.sync, info, version, paused)
+            if not paused:
+                await sync.pause_in_place()
+            await sync.start_update()
+            await sync.update(info)
+            await sync.finish_update(str(version))
+            if (label := await sync.label()) != str(version):
+                raise RuntimeError(f"vLLM reports weight version {label!r} after loading {version}")
         except BaseException:
             self._mixed = True
             raise
@@ -236,8 +193,9 @@ class UpdateState:
     ) -> None:
         """Stage ``pairs`` under ``directory``, :meth:`load` them through ``run`` (which
         runs the coroutine on the engine's loop and waits), and remove the staged file."""
-        staged = stage(pairs, version, directory)
+        info = stage(pairs, version, directory)
         try:
-            run(self.load(staged.update_info, version))
+            run(self.load(info, version))
         finally:
-            staged.close()
+            with suppress(FileNotFoundError):
+                os.unlink(info["path"])

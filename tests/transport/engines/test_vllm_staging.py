@@ -11,11 +11,11 @@ from typing import Any
 import pytest
 import torch
 
+from transport.engines.flight import VersionLabels
 from transport.engines.vllm_staging import (
     StagedCorrupt,
     UpdateState,
-    VersionLabels,
-    drive_update,
+    WeightSync,
     open_staged,
     stage,
 )
@@ -35,10 +35,9 @@ def _state() -> dict[str, torch.Tensor]:
 
 def test_a_staged_version_reads_back_bit_for_bit(tmp_path: Path) -> None:
     state = _state()
-    staged = stage(state.items(), 4, str(tmp_path))
+    info = stage(state.items(), 4, str(tmp_path))
     try:
-        info = staged.update_info
-        assert info["version"] == 4 and os.path.exists(staged.path)
+        assert info["version"] == 4 and os.path.exists(info["path"])
         assert all(off % 64 == 0 for _, _, _, off in info["tensors"])
         with open_staged(info) as pairs:
             got = dict(pairs)
@@ -47,9 +46,7 @@ def test_a_staged_version_reads_back_bit_for_bit(tmp_path: Path) -> None:
                 assert got[name].dtype == t.dtype and got[name].shape == t.shape
                 assert torch.equal(got[name], t), name
     finally:
-        staged.close()
-    assert not os.path.exists(staged.path)
-    staged.close()  # twice: nothing left to remove
+        os.unlink(info["path"])
 
 
 def _flip(path: str, offset: int) -> None:
@@ -61,19 +58,18 @@ def _flip(path: str, offset: int) -> None:
 
 
 def test_a_corrupt_or_short_file_is_refused_before_anything_loads(tmp_path: Path) -> None:
-    staged = stage(_state().items(), 1, str(tmp_path))
+    info = stage(_state().items(), 1, str(tmp_path))
     try:
-        info = staged.update_info
-        _flip(staged.path, info["tensors"][1][3] + 3)
+        _flip(info["path"], info["tensors"][1][3] + 3)
         with pytest.raises(StagedCorrupt, match="xxh3_64"), open_staged(info):
             pytest.fail("a corrupt file must not be opened")
-        os.truncate(staged.path, info["size"] // 2)
+        os.truncate(info["path"], info["size"] // 2)
         with pytest.raises(StagedCorrupt, match="bytes"), open_staged(info):
             pytest.fail("a short file must not be opened")
         with pytest.raises(StagedCorrupt, match="protocol"), open_staged({**info, "protocol": 99}):
             pytest.fail("another layout must not be read")
     finally:
-        staged.close()
+        os.unlink(info["path"])
 
 
 def test_labels_map_vllms_spans_to_fastio_versions() -> None:
@@ -85,7 +81,7 @@ def test_labels_map_vllms_spans_to_fastio_versions() -> None:
 
 
 class _Sync:
-    """A WeightSync that records the calls (and can fail one)."""
+    """The steps of a WeightSync (:meth:`sync`), recording the calls (and failing one)."""
 
     def __init__(self, fail: str = "", label: str | None = None) -> None:
         self.calls: list[str] = []
@@ -119,34 +115,50 @@ class _Sync:
     async def label(self) -> str:
         return str(self._label)
 
+    def sync(self) -> WeightSync:
+        return WeightSync(
+            self.init_transfer, self.pause_in_place, self.resume, self.start_update,
+            self.update, self.finish_update, self.label,
+        )  # fmt: skip
+
+
+def _load(s: _Sync, version: int, paused: bool) -> UpdateState:
+    st = UpdateState(s.sync())
+    if paused:
+        asyncio.run(st.pause())
+        s.calls.clear()
+    asyncio.run(st.load({}, version))
+    return st
+
 
 def test_an_update_is_paused_started_loaded_finished_and_confirmed() -> None:
     s = _Sync()
-    asyncio.run(drive_update(s, {}, 5, paused=False))
-    assert s.calls == ["pause", "start", "update", "finish:5"]
+    _load(s, 5, paused=False)
+    assert s.calls == ["init", "pause", "start", "update", "finish:5"]
     s = _Sync()
-    asyncio.run(drive_update(s, {}, 6, paused=True))
-    assert s.calls == ["start", "update", "finish:6"]  # never an update without a pause
+    _load(s, 6, paused=True)
+    assert s.calls == ["init", "start", "update", "finish:6"]  # never an update without a pause
     s = _Sync(fail="update")
     with pytest.raises(RuntimeError, match="update refused"):
-        asyncio.run(drive_update(s, {}, 7, paused=True))
-    assert s.calls == ["start", "update"]  # never finished: vLLM's label stays
+        _load(s, 7, paused=True)
+    assert s.calls == ["init", "start", "update"]  # never finished: vLLM's label stays
     s = _Sync(label="4")  # vLLM reports another version after the finish
     with pytest.raises(RuntimeError, match="reports weight version '4'"):
-        asyncio.run(drive_update(s, {}, 8, paused=True))
+        _load(s, 8, paused=True)
 
 
 def test_a_failed_pause_keeps_nothing_and_the_engine_is_not_resumed() -> None:
-    st = UpdateState(_Sync(fail="pause"))
+    s = _Sync(fail="pause")
+    st = UpdateState(s.sync())
     with pytest.raises(RuntimeError, match="pause refused"):
         asyncio.run(st.pause())
     assert not st.kept  # the bridge interrupts its flights instead
-    assert asyncio.run(st.resume()) is False and "resume" not in st.sync.calls  # type: ignore[attr-defined]
+    assert asyncio.run(st.resume()) is False and "resume" not in s.calls
 
 
 def test_mixed_weights_keep_the_engine_paused_until_a_whole_version_lands() -> None:
     sync = _Sync(fail="update")
-    st = UpdateState(sync)
+    st = UpdateState(sync.sync())
     asyncio.run(st.pause())
     with pytest.raises(RuntimeError):
         asyncio.run(st.load({}, 1))
@@ -171,7 +183,7 @@ def test_a_load_of_pairs_stages_loads_and_removes_the_file(tmp_path: Path) -> No
             await super().update(update_info)
 
     sync = Recording()
-    st = UpdateState(sync)
+    st = UpdateState(sync.sync())
     st.load_pairs(_state().items(), 3, str(tmp_path), asyncio.run)
     assert sync.calls == ["init", "pause", "start", "update", "finish:3"]  # paused first
     assert st.kept and not st.mixed
