@@ -54,35 +54,13 @@ _MODULES = {
 _LAZY = {name: module for module, names in _MODULES.items() for name in names}
 
 __all__ = [
-    "BadAddress",
-    "ClientClosed",
-    "ClientConfig",
-    "ControlError",
-    "ControllerConfig",
-    "CurveConfig",
-    "Engine",
-    "FabricClient",
-    "FabricController",
-    "GenerateFuture",
-    "GenerationContext",
-    "IncompatibleWorkers",
-    "NoWorkerAvailable",
-    "NoWorkers",
-    "PoisonRequest",
-    "ReferenceEngine",
-    "RemoteError",
-    "RequestAborted",
-    "RequestContext",
-    "RequestTimeout",
-    "SyncFabricClient",
-    "TinyLM",
-    "TransportError",
-    "WorkerConfig",
-    "WorkerInfo",
-    "WorkerServer",
-    "echo_handler",
+    "BadAddress", "ClientClosed", "ClientConfig", "ControlError", "ControllerConfig", "CurveConfig",
+    "Engine", "FabricClient", "FabricController", "GenerateFuture", "GenerationContext",
+    "IncompatibleWorkers", "NoWorkerAvailable", "NoWorkers", "PoisonRequest", "ReferenceEngine",
+    "RemoteError", "RequestAborted", "RequestContext", "RequestTimeout", "SyncFabricClient",
+    "TinyLM", "TransportError", "WorkerConfig", "WorkerInfo", "WorkerServer", "echo_handler",
     "tune_gc",
-]
+]  # fmt: skip
 
 
 def __getattr__(name: str) -> Any:

@@ -9,20 +9,10 @@ from __future__ import annotations
 from fastio.errors import FastioError
 
 __all__ = [
-    "EMPTY_PROMPT",
-    "BadAddress",
-    "ClientClosed",
-    "ControlError",
-    "IncompatibleWorkers",
-    "NoWorkerAvailable",
-    "NoWorkers",
-    "PoisonRequest",
-    "RemoteError",
-    "RequestAborted",
-    "RequestTimeout",
-    "ResumeRefused",
-    "TransportError",
-]
+    "EMPTY_PROMPT", "BadAddress", "ClientClosed", "ControlError", "IncompatibleWorkers",
+    "NoWorkerAvailable", "NoWorkers", "PoisonRequest", "RemoteError", "RequestAborted",
+    "RequestTimeout", "ResumeRefused", "TransportError",
+]  # fmt: skip
 
 #: Why a request with no prompt tokens is refused, by the client and by a worker.
 EMPTY_PROMPT = "empty prompt: LLMRequest.input_ids has no tokens (a prompt needs at least one)"

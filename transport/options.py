@@ -17,17 +17,9 @@ import msgspec
 from msgspec import Meta
 
 __all__ = [
-    "NonEmptyStr",
-    "NonNegative",
-    "NonNegativeSeconds",
-    "Port",
-    "Positive",
-    "Seconds",
-    "UnknownOption",
-    "configure",
-    "parse_options",
-    "resolve_entry",
-]
+    "NonEmptyStr", "NonNegative", "NonNegativeSeconds", "Port", "Positive", "Seconds",
+    "UnknownOption", "configure", "parse_options", "resolve_entry",
+]  # fmt: skip
 
 T = TypeVar("T", bound=msgspec.Struct)
 

@@ -105,17 +105,14 @@ class SocketPump:
         self.dropped = 0
         #: Messages discarded (to dropped peers, or not handed to libzmq at close).
         self.discarded = 0
-        self._burst = False
+        self._burst = self._in_batch = self._scheduled = self._closed = False
         self._last_send = 0.0
-        self._in_batch = False
         # The burst's first destination (no dict for a burst to one), and per other one
         # the messages being joined (None: its first went at once).
         self._first: Any = _FIRST
         self._pending: dict[Any, _Joined | None] = {}
-        self._scheduled = False
         self._timer: asyncio.TimerHandle | None = None
         self._retry_s = _RETRY_MIN_S
-        self._closed = False
         self._fd: int = sock.getsockopt(zmq.FD)  # type: ignore[assignment]
         self._pollin = [(sock, POLLIN)]
         # Almost always an arrival: the first receive goes without asking.
@@ -283,14 +280,6 @@ class SocketPump:
         if self.on_undeliverable is not None:  # a peer that has gone
             self.on_undeliverable(frames)
 
-    def _send_or_report(self, frames: list[Any]) -> None:  # raises zmq.Again
-        try:
-            send_frames(self.sock, frames)
-        except zmq.Again:
-            raise
-        except zmq.ZMQError as exc:
-            self._undeliverable(frames, exc)
-
     def _enqueue(self, key: Any, frames: list[Any]) -> None:
         q = self._queues.get(key)
         if q is None:
@@ -318,9 +307,11 @@ class SocketPump:
         for key, q in list(self._queues.items()):
             while q:
                 try:
-                    self._send_or_report(q[0])
+                    send_frames(self.sock, q[0])
                 except zmq.Again:
                     break
+                except zmq.ZMQError as exc:
+                    self._undeliverable(q[0], exc)
                 q.size -= nbytes(q.popleft())
             if not q and self._queues.get(key) is q:
                 del self._queues[key]
@@ -369,12 +360,17 @@ class SocketPump:
                 if key in self._queues:
                     self.discarded += 1
                     continue
+                frames = joined.close_batch()
                 try:
-                    self._send_or_report(joined.close_batch())
-                except zmq.ZMQError:  # a full pipe, a closed socket
-                    self.discarded += 1
-                except Exception:  # a bug in on_undeliverable must not stop the close
-                    log.exception("on_undeliverable failed")
+                    send_frames(self.sock, frames)
+                except zmq.ZMQError as exc:  # a full pipe, a closed socket, a gone peer
+                    if exc.errno != errno.EHOSTUNREACH:
+                        self.discarded += 1
+                    elif self.on_undeliverable is not None:
+                        try:
+                            self.on_undeliverable(frames)
+                        except Exception:  # a bug there must not stop the close
+                            log.exception("on_undeliverable failed")
             self.discarded += sum(len(q) for q in self._queues.values())
         except Exception:  # a closed socket, a failing on_undeliverable: nothing to do
             log.debug("flush at close failed", exc_info=True)

@@ -19,25 +19,11 @@ from transport.pump import DEFAULT_PEER_QUEUE_LIMIT, SocketPump
 from transport.zmqio import COPY_BELOW, recv_frames, send_frames, tune_allocator, tune_malloc
 
 __all__ = [
-    "DEFAULT_HWM",
-    "DEFAULT_MAX_MESSAGE_SIZE",
-    "DEFAULT_PEER_QUEUE_LIMIT",
-    "CurveConfig",
-    "SocketPump",
-    "WorkerAuthenticator",
-    "apply_curve_client",
-    "apply_curve_server",
-    "bind_all",
-    "make_dealer",
-    "make_monitor",
-    "make_pair",
-    "make_router",
-    "make_socket",
-    "recv_frames",
-    "send_frames",
-    "tune_allocator",
-    "tune_malloc",
-]
+    "DEFAULT_HWM", "DEFAULT_MAX_MESSAGE_SIZE", "DEFAULT_PEER_QUEUE_LIMIT", "CurveConfig",
+    "SocketPump", "WorkerAuthenticator", "apply_curve_client", "apply_curve_server", "bind_all",
+    "make_dealer", "make_monitor", "make_pair", "make_router", "make_socket", "recv_frames",
+    "send_frames", "tune_allocator", "tune_malloc",
+]  # fmt: skip
 
 log = logging.getLogger("transport.sockets")
 
@@ -50,20 +36,12 @@ DEFAULT_MAX_MESSAGE_SIZE = 1 << 30
 
 @dataclass(frozen=True)
 class CurveConfig:
-    """CurveZMQ keys, as certificate files written by ``zmq.auth.create_certificates``.
+    """CurveZMQ keys, as certificate files written by ``zmq.auth.create_certificates``:
+    ``secret_key_file``, this side's ``.key_secret`` certificate; ``server_public_key_file``
+    (client and controller side), the worker's ``.key`` certificate;
+    ``authorized_clients_dir`` (worker side), a directory of the client ``.key``
+    certificates it admits (``None``: any client that knows the server key).
 
-    Parameters
-    ----------
-    secret_key_file:
-        This side's ``.key_secret`` certificate (holds its public and secret key).
-    server_public_key_file:
-        Client and controller side: the worker's ``.key`` (public) certificate.
-    authorized_clients_dir:
-        Worker side: a directory of client ``.key`` certificates that may connect.
-        ``None`` encrypts but admits any client that knows the server key.
-
-    Examples
-    --------
     >>> import zmq.auth, tempfile
     >>> pub, sec = zmq.auth.create_certificates(tempfile.mkdtemp(), "worker")
     >>> worker_side = CurveConfig(secret_key_file=sec)

@@ -12,14 +12,8 @@ import numpy as np
 import zmq
 
 __all__ = [
-    "COPY_BELOW",
-    "POLLIN",
-    "nbytes",
-    "recv_frames",
-    "send_frames",
-    "tune_malloc",
-    "zmq_poll",
-]
+    "COPY_BELOW", "POLLIN", "nbytes", "recv_frames", "send_frames", "tune_malloc", "zmq_poll",
+]  # fmt: skip
 
 # Plain ints: ``zmq.POLLIN`` and friends are enums whose ``&`` runs Python code.
 POLLIN = int(zmq.POLLIN)
