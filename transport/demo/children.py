@@ -3,7 +3,6 @@ workers under supervision (restarted on their address when they die)."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
 import importlib.util
@@ -127,6 +126,12 @@ def stop_all(procs: Sequence[subprocess.Popen[bytes]], timeout: float) -> None:
                     f.close()
 
 
+def _signal_name(num: int) -> str:
+    with contextlib.suppress(ValueError):
+        return signal.Signals(num).name
+    return f"signal {num}"
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -143,14 +148,6 @@ class StopSignals:
 
     def _on_signal(self, *_: Any) -> None:
         self.seen = True
-
-
-def stop_event() -> asyncio.Event:
-    """An event set by SIGINT or SIGTERM (in a role that runs a loop)."""
-    stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
-    return stop
 
 
 def hf_worker_args(
@@ -211,14 +208,6 @@ class _Worker(Child):
         return self.address + (f", metrics http://127.0.0.1:{port}/metrics" if port else "")
 
 
-def _how(code: int) -> str:
-    if code > 0:
-        return f"exit status {code}"
-    with contextlib.suppress(ValueError):
-        return signal.Signals(-code).name
-    return f"signal {-code}"
-
-
 class WorkerPool:
     """The workers of one demo run: ``say`` prints a line for the person watching;
     :attr:`events` records each death and return (for the summary); :attr:`crashed`
@@ -262,7 +251,7 @@ class WorkerPool:
                 if w.starting_since is not None and not w.down:
                     self._read_ready(w, at, now)
                 continue
-            how = _how(code)
+            how = f"exit status {code}" if code > 0 else _signal_name(-code)
             tail = "" if w.starting_since is None else " while starting again"
             self.events.append(WorkerEvent(w.name, at, "died", how, w.chaos))
             w.chaos = False

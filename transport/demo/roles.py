@@ -4,7 +4,6 @@ steps, weight updates that go on when a worker dies, the end-of-run weight check
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import random
@@ -12,9 +11,7 @@ import sys
 import time
 from typing import Any
 
-import numpy as np
-
-from transport.demo.children import StopSignals, stop_event
+from transport.demo.children import StopSignals
 from transport.demo.config import REFERENCE_SIZES, DemoConfig
 from transport.demo.reports import ClientReport, FinalCheck, ReportSender, UpdateReport
 
@@ -57,10 +54,10 @@ def vocab_of(c: DemoConfig) -> int:
 
 async def client_role(c: DemoConfig) -> None:
     """A rollout client process: ``concurrency`` request loops, a report every 0.5 s."""
-    from fastio import GenerationHyperparameters, LLMRequest, TokenArray
+    from fastio import GenerationHyperparameters, LLMRequest
     from transport import ClientConfig, FabricClient
 
-    stop = stop_event()
+    stop = StopSignals()
     reports = ReportSender(c.report)
     rep = ClientReport(client=c.index)
     rng = random.Random(c.index)
@@ -74,12 +71,10 @@ async def client_role(c: DemoConfig) -> None:
     async with FabricClient(c.addresses, config) as client:
 
         async def one_loop() -> None:
-            while not stop.is_set():
+            while not stop.seen:
                 n = rng.randint(8, c.prompt_len)
                 req = LLMRequest(
-                    input_ids=TokenArray(
-                        np.asarray([rng.randrange(vocab) for _ in range(n)], np.int32)
-                    ),
+                    input_ids=[rng.randrange(vocab) for _ in range(n)],
                     gconfig=GenerationHyperparameters(
                         max_new_tokens=rng.randint(min(8, c.max_new_tokens), c.max_new_tokens),
                         temperature=1.0,
@@ -95,9 +90,7 @@ async def client_role(c: DemoConfig) -> None:
                 except Exception as exc:
                     rep.failed += 1
                     print(f"request failed: {type(exc).__name__}: {exc}", file=sys.stderr)
-                    # With no worker alive it fails at once: wait instead of spinning.
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(stop.wait(), 1.0)
+                    await asyncio.sleep(1.0)  # with no worker alive it fails at once
                     continue
                 rep.done += 1
                 rep.tokens += resp.output_len
@@ -115,9 +108,8 @@ async def client_role(c: DemoConfig) -> None:
             rep.stale = client.stats.get("stale", 0)
 
         tasks = [asyncio.ensure_future(one_loop()) for _ in range(c.concurrency)]
-        while not stop.is_set():
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), 0.5)
+        while not stop.seen:  # its signal handler runs between the loop's steps
+            await asyncio.sleep(0.5)
             counters()
             reports.send(rep)
         for t in tasks:
@@ -258,13 +250,11 @@ def trainer_role(c: DemoConfig) -> None:
         except TimeoutError:
             if time.monotonic() > joined_by:
                 raise
-    version = 0
-    next_update = time.monotonic() + c.update_every
+    version, next_update = 0, time.monotonic() + c.update_every
     while not stop.seen:
-        while not stop.seen and time.monotonic() < next_update:
+        if time.monotonic() < next_update:
             time.sleep(min(0.05, max(0.0, next_update - time.monotonic())))
-        if stop.seen:
-            break
+            continue
         # A real step on a small synthetic next-token batch: the weights really change.
         x = torch.randint(0, vocab, (2, 17))
         logits = logits_of(x[:, :-1])
