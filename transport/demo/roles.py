@@ -54,7 +54,7 @@ def vocab_of(c: DemoConfig) -> int:
 
 async def client_role(c: DemoConfig) -> None:
     """A rollout client process: ``concurrency`` request loops, a report every 0.5 s."""
-    from fastio import GenerationHyperparameters, LLMRequest
+    from fastio import GenerationHyperparameters, LLMRequest, TokenArray
     from transport import ClientConfig, FabricClient
 
     stop = StopSignals()
@@ -74,7 +74,7 @@ async def client_role(c: DemoConfig) -> None:
             while not stop.seen:
                 n = rng.randint(8, c.prompt_len)
                 req = LLMRequest(
-                    input_ids=[rng.randrange(vocab) for _ in range(n)],
+                    input_ids=TokenArray([rng.randrange(vocab) for _ in range(n)], "int32"),
                     gconfig=GenerationHyperparameters(
                         max_new_tokens=rng.randint(min(8, c.max_new_tokens), c.max_new_tokens),
                         temperature=1.0,
