@@ -1,11 +1,6 @@
-"""Weight updates from a trainer to generation workers (``docs/weights.md``).
-
-:class:`WeightPublisher` / :class:`WeightSubscriber` publish versions over ZeroMQ, by
-route ``ipc``, ``shm`` or ``tcp``; :func:`update_weights` pauses generation, publishes,
-waits and resumes; :mod:`transport.weights.disk` and :mod:`transport.weights.dist` are
-the other two ways. Names are imported on first use (``transport.weights.bucket`` stays
-light).
-"""
+"""Weight updates from a trainer to generation workers (``docs/weights.md``):
+:class:`WeightPublisher`, :class:`WeightSubscriber`, :func:`update_weights`; names are
+imported on first use."""
 
 import importlib
 from typing import TYPE_CHECKING, Any

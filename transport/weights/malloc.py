@@ -11,7 +11,5 @@ __all__ = ["tune_malloc"]
 
 @functools.cache
 def tune_malloc() -> None:
-    """glibc only, process-wide: serve allocations up to 32 MiB from the heap and trim
-    it only above 1 GiB free, so that a version's freed chunks are reused by the next
-    one instead of faulting in fresh zeroed pages (``tune_malloc=True``)."""
+    """glibc, process-wide: keep a version's freed chunks for the next (``tune_malloc=True``)."""
     _tune(32 << 20, 1 << 30)

@@ -17,9 +17,8 @@ __all__ = ["check_manifest", "state_digest"]
 def check_manifest(
     buckets: Sequence[WeightBucketInfo], targets: Mapping[str, torch.Tensor], *, strict: bool = True
 ) -> None:
-    """Check an update against the worker's tensors before touching any of them:
-    :class:`~transport.weights.errors.WeightMismatchError` names unknown names, shape or
-    dtype mismatches, bad offsets and (``strict``) parameters the update leaves out."""
+    """Check an update against the worker's tensors before touching any;
+    :class:`~transport.weights.errors.WeightMismatchError` names every problem."""
     from transport.weights.binding import Binding  # imports torch: on first use
 
     Binding(buckets, targets, strict=strict)

@@ -250,7 +250,7 @@ class VersionStore:
         for seg in self._free:
             seg.close()
         self.versions.clear()
-        self.core.versions.clear()
+        self.core.close()
         self._free.clear()
         self.latest = None
 

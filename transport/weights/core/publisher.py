@@ -183,6 +183,11 @@ class PublisherCore:
         while len(self.retired) > KEEP_RESULTS:
             del self.retired[next(iter(self.retired))]
 
+    def close(self) -> None:
+        """The publisher closes: it holds no version any more."""
+        self.versions.clear()
+        self.latest = None
+
     def touch(self, wid: str, now: float, *, hello: bool = False) -> SubscriberInfo:
         """A message from ``wid``: a Hello makes it a worker; any keeps a worker alive."""
         info = self.workers.get(wid)
