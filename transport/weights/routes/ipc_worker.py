@@ -47,11 +47,9 @@ log = logging.getLogger("transport.weights.subscriber")
 class IpcImporter:
     """The worker's slots (sans-I/O): opens the trainer's offer once and copies each
     version into ``targets`` (a module or ``name -> tensor`` mapping on one device).
-
-    ``atomic``: never a mixed version (``False``: copy each bucket as it lands);
-    ``verify``: check each bucket's checksum. :attr:`version` is the last version fully
-    copied (``-1``: none), :attr:`serving` ``False`` while ``targets`` hold a partial one.
-    """
+    ``atomic``: never a mixed version; ``verify``: check each bucket's checksum;
+    :attr:`version`: the last version fully copied, :attr:`serving` ``False`` while
+    ``targets`` hold a partial one."""
 
     def __init__(
         self,
@@ -89,7 +87,6 @@ class IpcImporter:
         return IpcHello(self.worker_id, os.getpid(), start, dev, self.version)
 
     def trainer_alive(self) -> bool:
-        """Whether the trainer whose offer this worker opened still runs."""
         return self.offer is not None and process_alive(self.offer.pid, self.offer.start_time)
 
     def _ack(
@@ -180,22 +177,15 @@ class IpcImporter:
         if self._failed:
             held, self._held = self._held, []
             return [self._ack(h, False, self._failed) for h in [*held, r]]
-        stats = {"verify_s": t1 - t0}
         buckets = cast("list[WeightBucketInfo]", self.offer.buckets)
-        if self.atomic and len(buckets) <= len(self._slots):
-            # The whole version fits in the slots: verify all, then copy, no staging.
+        whole = self.atomic and len(buckets) <= len(self._slots)
+        if whole:  # the version fits in the slots: verify all, then copy, no staging
             self._held.append(r)
             if not last:
                 return []
-            t2 = time.perf_counter()
             for h in self._held:
                 self.applier.apply(buckets[h.bucket], [self._slots[h.slot]])
-            sync_slot(slot, self.device)
-            done, self._held = self._held, []
-            self._complete(r.version)
-            stats["copy_s"] = time.perf_counter() - t2
-            return [self._ack(h, True, stats=stats) for h in done]
-        if self.atomic:
+        elif self.atomic:
             st = self._staging
             if st is None or st.numel() < self._starts[-1]:
                 st = self._staging = torch.empty(
@@ -212,8 +202,9 @@ class IpcImporter:
         sync_slot(slot, self.device)
         if last:
             self._complete(r.version)
-        stats["copy_s"] = time.perf_counter() - t1
-        return [self._ack(r, True, stats=stats)]
+        done, self._held = (self._held if whole else [r]), []
+        stats = {"verify_s": t1 - t0, "copy_s": time.perf_counter() - t1}
+        return [self._ack(h, True, stats=stats) for h in done]
 
     def _complete(self, version: int) -> None:
         self.version = version
@@ -221,7 +212,7 @@ class IpcImporter:
         self._partial = None
 
     def refuse(self, r: IpcReady, why: str) -> list[IpcAck]:
-        """Refuse the version ``r`` belongs to: the acks of every slot held for it."""
+        """The refusing acks of every slot held for ``r``'s version."""
         held = [*self._held, r]
         self.abandon()
         return [self._ack(h, False, why) for h in held]
@@ -233,7 +224,6 @@ class IpcImporter:
         self._failed = ""
 
     def close_slots(self) -> None:
-        """Unmap the trainer's slots (a new offer reopens)."""
         self._slots.clear()
         self._events.clear()
         self.offer = None
@@ -316,8 +306,7 @@ class IpcReceiver:
         self.send(self.importer.hello())
 
     def reset(self, pub_host: str | None = None) -> None:
-        """Drop the slots and the version half-read; a new publisher (``pub_host``) also
-        forgets the old one's versions."""
+        """Drop the slots and the version half-read (a new publisher: its versions too)."""
         if self.importer is not None:
             self.importer.abandon()
             self.importer.close_slots()
@@ -329,7 +318,7 @@ class IpcReceiver:
             self._failed.clear()
 
     def close(self) -> bool:
-        """Unmap the trainer's slots; whether a goodbye was sent."""
+        """Unmap the slots; whether a goodbye was sent."""
         imp, self.importer = self.importer, None
         if imp is None:
             return False
@@ -340,7 +329,6 @@ class IpcReceiver:
         return bye is not None
 
     def on_offer(self, offer: IpcOffer) -> None:
-        """Open the slots of this publisher's offer, or note why they cannot be."""
         imp = self.importer
         if imp is None or offer.publisher_id != self.core.publisher_id:
             return
@@ -407,8 +395,7 @@ class IpcReceiver:
         self._after(acks, before)
 
     def _after(self, acks: list[IpcAck], before: int) -> None:
-        """Send the slot acks, then report the version (applied, or fetched again by
-        shm/tcp when it failed here)."""
+        """Send the acks, then report the version (applied, or to shm/tcp if it failed)."""
         imp = self.importer
         assert imp is not None
         for a in acks:

@@ -72,9 +72,7 @@ class Piece(NamedTuple):
 
 
 def _host_of(endpoint: str) -> tuple[str, socket.AddressFamily]:
-    host = endpoint[len("tcp://") :].rsplit(":", 1)[0]
-    if host.startswith("[") and host.endswith("]"):
-        return host[1:-1], socket.AF_INET6
+    host = endpoint[len("tcp://") :].rsplit(":", 1)[0].strip("[]")
     return host, socket.AF_INET6 if ":" in host else socket.AF_INET
 
 
@@ -207,11 +205,7 @@ class DataListener:
         while not self._closed.is_set():
             try:
                 conn, _ = self._sock.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                if self._closed.is_set():
-                    return
+            except OSError:  # the accept timeout (a look at _closed), or closing
                 continue
             # Each handshake on a bounded thread of its own: a dawdler delays no one.
             if not self._slots.acquire(blocking=False):
