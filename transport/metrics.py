@@ -59,10 +59,26 @@ ROLES = ("worker", "client", "publisher", "subscriber")
 #: Values of the ``finished_reason`` label (``"abort"``: also ABORTED errors).
 FINISHED_REASONS = ("stop", "length", "interrupt", "abort")
 
-# role -> its metrics, created outside any registry; expose() registers them.
-_MEMBERS: dict[str, list[Any]] = {role: [] for role in ROLES}
-# role -> what brings its plain-int counts into its metrics before a scrape.
-_HOOKS: dict[str, list[Callable[[], None]]] = {role: [] for role in ROLES}
+
+class _Role:
+    """One role's series (created outside any registry: expose() registers the role), and
+    what brings its plain-int counts into them before a scrape."""
+
+    def __init__(self) -> None:
+        self.metrics: list[Any] = []
+        self.hooks: list[Callable[[], None]] = []
+        self.exposed = False
+
+    def collect(self) -> Any:
+        for hook in list(self.hooks):
+            hook()
+        for metric in self.metrics:
+            for family in metric.collect():  # no *_created twins
+                family.samples = [s for s in family.samples if not s.name.endswith("_created")]
+                yield family
+
+
+_ROLES = {role: _Role() for role in ROLES}
 
 
 def _metric(kind: str, name: str, doc: str, labels: tuple[str, ...] = (), **kw: Any) -> Any:
@@ -71,7 +87,7 @@ def _metric(kind: str, name: str, doc: str, labels: tuple[str, ...] = (), **kw: 
     if kind == "Histogram":
         kw.setdefault("buckets", _LATENCY_BUCKETS)
     metric = getattr(_prom, kind)(name, doc, labels, registry=None, **kw)
-    _MEMBERS[name.split("_")[1]].append(metric)  # fastio_<role>_<what>
+    _ROLES[name.split("_")[1]].metrics.append(metric)  # fastio_<role>_<what>
     return metric
 
 
@@ -133,30 +149,14 @@ SUBSCRIBER_BYTES = _counter("fastio_subscriber_bytes", "Weight bytes applied", (
 SUBSCRIBER_FAILURES = _counter("fastio_subscriber_failures", "Versions refused or failed")
 
 
-class _Role:
-    """The collector of one role's series."""
-
-    def __init__(self, role: str) -> None:
-        self.role = role
-
-    def collect(self) -> Any:
-        for hook in list(_HOOKS[self.role]):
-            hook()
-        for metric in _MEMBERS[self.role]:
-            for family in metric.collect():  # no *_created twins
-                family.samples = [s for s in family.samples if not s.name.endswith("_created")]
-                yield family
-
-
 def on_scrape(role: str, hook: Callable[[], None]) -> Callable[[], None]:
     """Call ``hook`` before each scrape of ``role``'s series; returns what removes it."""
-    hooks = _HOOKS[role]
+    hooks = _ROLES[role].hooks
     hooks.append(hook)
     return lambda: hooks.remove(hook) if hook in hooks else None
 
 
 _lock = threading.Lock()
-_exposed: set[str] = set()
 _servers: dict[int, ThreadingHTTPServer] = {}  # bound port -> server
 
 
@@ -167,14 +167,13 @@ def expose(*roles: str) -> None:
     >>> expose("worker", "subscriber")
     """
     for role in roles:
-        if role not in _MEMBERS:
+        if role not in _ROLES:
             raise ValueError(f"unknown metrics role {role!r}; expected one of {ROLES}")
-    if _prom is None:
-        return
     with _lock:
-        for role in set(roles) - _exposed:
-            _prom.REGISTRY.register(_Role(role))
-            _exposed.add(role)
+        for role in roles:
+            if _prom is not None and not _ROLES[role].exposed:
+                _prom.REGISTRY.register(_ROLES[role])
+                _ROLES[role].exposed = True
 
 
 def start_http_server(port: int, addr: str = "127.0.0.1") -> int:

@@ -51,8 +51,6 @@ def send_frames(sock: zmq.Socket[Any], frames: list[Any]) -> None:
 def recv_frames(sock: zmq.Socket[Any]) -> list[zmq.Frame]:
     """``sock.recv_multipart(zmq.NOBLOCK, copy=False)``, cheaper; ``zmq.Again`` when empty."""
     frame: zmq.Frame = _recv(sock, _NOBLOCK, False)
-    if not frame.more:
-        return [frame]
     parts = [frame]
     while frame.more:
         frame = _recv(sock, _NOBLOCK, False)
