@@ -146,15 +146,12 @@ class FabricInferenceEngine(RemoteInfEngine):  # type: ignore[misc]
         )
         return to_model_response(req, resp, ModelResponse)
 
-    def _expected(self, meta: Any) -> int:
-        if meta.version is not None:
-            return int(meta.version)
-        # No version in the meta: any version newer than every worker reports now.
-        statuses = _ready(self.controller).health(strict=True)
-        return max(s.version for s in statuses.values()) + 1
-
     def _await_version(self, meta: Any, route: str) -> concurrent.futures.Future[None]:
-        ctl, version = _ready(self.controller), self._expected(meta)
+        ctl = _ready(self.controller)
+        if meta.version is not None:
+            version = int(meta.version)
+        else:  # any version newer than every worker reports now
+            version = max(s.version for s in ctl.health(strict=True).values()) + 1
 
         def wait() -> None:
             seen = wait_for_version(ctl, version, self.weights_timeout)

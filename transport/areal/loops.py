@@ -26,7 +26,7 @@ class _Bound:
 
     loop: asyncio.AbstractEventLoop
     client: FabricClient
-    watch: AsyncGenerator[None, None] | None = None
+    watch: AsyncGenerator[None, None] = dataclasses.field(init=False)
 
 
 class LoopClients:
@@ -66,9 +66,6 @@ class LoopClients:
         b = self._by_loop.get(loop)  # one dict read per request: no lock
         if b is not None:
             return b.client
-        return await self._bind(loop)
-
-    async def _bind(self, loop: asyncio.AbstractEventLoop) -> FabricClient:
         with self._lock:
             if self._closed:
                 raise RuntimeError("the engine is not initialized (call initialize first)")
@@ -89,19 +86,14 @@ class LoopClients:
     async def _watch(self, b: _Bound) -> AsyncGenerator[None, None]:
         try:
             yield
-        finally:
-            self._release(b)
-
-    def _release(self, b: _Bound) -> None:
-        """Close ``b``'s client here and now."""
-        with self._lock:
-            if self._by_loop.get(b.loop) is b:
-                del self._by_loop[b.loop]
-        _drive(b.client.close(), "closing a fabric client")
+        finally:  # close b's client here and now
+            with self._lock:
+                if self._by_loop.get(b.loop) is b:
+                    del self._by_loop[b.loop]
+            _drive(b.client.close(), "closing a fabric client")
 
     def _end(self, b: _Bound) -> None:
         """Close ``b``'s generator (so its client): on its loop if that runs elsewhere."""
-        assert b.watch is not None
         loop = b.loop
         if loop.is_running() and not _runs_here(loop):
             try:
