@@ -50,31 +50,23 @@ class ServerRejected(RuntimeError):
 
 
 class BridgeOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """The options of every bridge (``--engine-opt`` keys, :class:`HTTPBridge` keywords).
-
-    Attributes
-    ----------
-    url:
-        The server's base URL (``http://127.0.0.1:30000``).
-    check:
-        Probe ``/health`` when the worker starts (:meth:`HTTPBridge.from_opts`).
-    request_timeout, stall_timeout:
-        Seconds to connect and get headers; without a byte of a streamed answer.
-    health_interval, health_timeout, health_failures:
-        ``GET /health`` every ``health_interval`` s (0: off); ``health_failures``
-        failures in a row (or no answer in ``health_timeout`` s) close the worker.
-    keepalive:
-        Seconds an idle connection is kept (below the servers' 5).
-    """
+    """The options of every bridge (``--engine-opt`` keys, :class:`HTTPBridge` keywords)."""
 
     url: str
+    """The server's base URL (``http://127.0.0.1:30000``)."""
     check: bool = True
+    """Probe ``/health`` when the worker starts (:meth:`HTTPBridge.from_opts`)."""
     request_timeout: Seconds = 30.0
+    """Seconds to connect and get headers."""
     stall_timeout: Seconds = 300.0
+    """Seconds without a byte of a streamed answer."""
     health_interval: NonNegativeSeconds = 2.0
+    """``GET /health`` every so many seconds (0: off)."""
     health_timeout: Seconds = 5.0
     health_failures: Positive = 3
+    """Failed probes in a row (or none answered in ``health_timeout`` s) that close the worker."""
     keepalive: Seconds = 2.0
+    """Seconds an idle connection is kept (below the servers' 5)."""
 
 
 async def raise_for_status(resp: Any, what: str) -> None:

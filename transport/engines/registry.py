@@ -1,9 +1,6 @@
-"""Engines by name: what ``--engine NAME`` of the worker CLI resolves.
-
-Each name maps to a ``module:factory`` resolved on use (naming an engine imports only its
-module); any other ``module:factory`` works unregistered. A factory reads the
-``--engine-opt`` strings with :func:`engine_options` and returns an engine or a handler.
-"""
+"""Engines by name: what ``--engine NAME`` of the worker CLI resolves. Each name maps to a
+``module:factory`` imported on use (any other ``module:factory`` works unregistered); a
+factory reads the ``--engine-opt`` strings (:func:`engine_options`), returns an engine."""
 
 from __future__ import annotations
 
@@ -54,8 +51,7 @@ def resolve_engine(name: str) -> Factory:
 
 def engine_options(opts: Mapping[str, str], type_: type[T], engine: str) -> T:
     """An engine factory's ``--engine-opt`` strings as its options Struct ``type_``
-    (:func:`transport.options.parse_options`); ``ValueError`` naming a bad key or value.
-    """
+    (:func:`transport.options.parse_options`); ``ValueError`` naming a bad key or value."""
     known = sorted(f.encode_name for f in msgspec.structs.fields(type_))
     unknown = sorted(set(opts) - set(known))
     if unknown:

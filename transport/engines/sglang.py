@@ -13,8 +13,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Literal
 
-from fastio import GenerationHyperparameters, LLMRequest, LLMResponse
-from transport.engines.api import GenerationContext
+from fastio import GenerationHyperparameters, LLMRequest
 from transport.engines.flight import Flight, sampling_common
 from transport.engines.http import BridgeOptions, HTTPBridge, ServerRejected
 from transport.engines.sglang_disk import DONE, write_version
@@ -26,26 +25,18 @@ log = logging.getLogger("transport.engines")
 
 
 class SGLangOptions(BridgeOptions):
-    """Those of :class:`BridgeOptions`, and
-
-    Attributes
-    ----------
-    weights_dir:
-        Where received versions are written, readable by the server (default: a new
-        temporary directory); workers that share it write each version once.
-    model_config:
-        A model directory whose non-weight files are linked into each version written.
-    reload_timeout:
-        Seconds the server may take to load a version (or another worker to write it).
-    pause_mode:
-        ``in_place`` (default) or ``retract`` (requests kept in SGLang, streams open),
-        ``abort`` (each request interrupted, the client re-sends the rest).
-    """
+    """The options of :class:`SGLangEngine`: those of :class:`BridgeOptions`, and these."""
 
     weights_dir: str | None = None
+    """Where received versions are written, readable by the server (default: a new
+    temporary directory); workers that share it write each version once."""
     model_config: str | None = None
+    """A model directory whose non-weight files are linked into each version written."""
     reload_timeout: Seconds = 600.0
+    """Seconds the server may take to load a version (or another worker to write it)."""
     pause_mode: Literal["in_place", "retract", "abort"] = "in_place"
+    """``in_place`` or ``retract``: requests kept in SGLang, streams open; ``abort``: each
+    request interrupted, the client re-sends the rest."""
 
 
 def sampling_params(g: GenerationHyperparameters) -> dict[str, Any]:
@@ -100,13 +91,14 @@ class SGLangEngine(HTTPBridge):
             "rid": rid,
         }
 
-    async def generate(self, req: LLMRequest, ctx: GenerationContext) -> LLMResponse:
-        """As the base; a flush a load under frozen requests could not do follows it."""
-        try:
-            return await super().generate(req, ctx)
-        finally:
-            if self._flush_due and not self.flights:
-                self.spawn(self._flush())
+    def end(self, flight: Flight) -> None:
+        """As the base; after the last one, the flush a load under frozen requests put off."""
+        super().end(flight)
+        self._flush_when_idle()
+
+    def _flush_when_idle(self) -> None:
+        if self._flush_due and not self.flights:
+            self.spawn(self._flush())
 
     def take(self, chunk: Any, flight: Flight) -> int:
         """Emit the tokens of one chunk that are new (``[logprob, token_id, text]``),
@@ -163,8 +155,7 @@ class SGLangEngine(HTTPBridge):
         if (exc := await self._continue()) is not None:  # the watchdog sees a server gone
             log.error("SGLang /continue_generation failed: %r", exc)
         self._hold(False)  # not before: until the resume, a chunk must interrupt nothing
-        if self._flush_due and not self.flights:
-            self.spawn(self._flush())
+        self._flush_when_idle()
 
     def interrupt(self, flight: Flight) -> None:
         """As the base, except while the server holds the requests frozen."""

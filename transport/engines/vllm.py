@@ -34,27 +34,20 @@ _GENERATE = "/inference/v1/generate"
 
 
 class VLLMOptions(BridgeOptions):
-    """Those of :class:`BridgeOptions`, and
-
-    Attributes
-    ----------
-    model:
-        The served model name sent with each request (default: the first of ``/v1/models``).
-    route:
-        ``auto``: ``/inference/v1/generate`` where the server has it, else
-        ``/v1/completions``; or one of ``generate``, ``completions``.
-    pause:
-        ``keep``: freeze requests in place where the server has ``/pause`` (KV cache
-        kept); ``abort``: close their streams, the client re-sends the rest.
-    shm_dir, weight_timeout:
-        Where a version is staged for vLLM's workers (same host); seconds to load one.
-    """
+    """The options of :class:`VLLMEngine`: those of :class:`BridgeOptions`, and these."""
 
     model: str | None = None
+    """The served model name sent with each request (default: the first of ``/v1/models``)."""
     route: Literal["auto", "generate", "completions"] = "auto"
+    """``auto``: ``/inference/v1/generate`` where the server has it, else
+    ``/v1/completions``; or one of ``generate``, ``completions``."""
     pause: Literal["keep", "abort"] = "keep"
+    """``keep``: freeze requests in place where the server has ``/pause`` (KV cache kept);
+    ``abort``: close their streams, the client re-sends the rest."""
     shm_dir: str = "/dev/shm"
+    """Where a version is staged for vLLM's workers (on the same host)."""
     weight_timeout: Seconds = 600.0
+    """Seconds vLLM may take to load a version."""
 
 
 class VLLMEngine(HTTPBridge):
