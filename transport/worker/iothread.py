@@ -146,6 +146,7 @@ class SocketThread:
         self.config = server.config
         self.counts = server.counters.io
         self.held = server._held  # the held requests by (peer, id)
+        self._dispatch = server._dispatch
         self.threaded = threaded
         self.lost = LostReplies()
         self.endpoints: list[str] = []
@@ -270,7 +271,7 @@ class SocketThread:
         self._post(frames)
 
     def _take_inbox(self, inbox: deque[tuple[float, bytes, Any]]) -> None:
-        dispatch = self.server._dispatch
+        dispatch = self._dispatch
         while inbox:
             _, peer, msg = inbox.popleft()
             if type(msg) is fm.Submit:
@@ -290,7 +291,7 @@ class SocketThread:
 
     def _to_engine(self, peer: bytes, msg: Any) -> None:
         if not self.threaded:
-            self.server._dispatch(peer, msg)
+            self._dispatch(peer, msg)
             return
         if type(msg) is fm.Submit:
             self._submits_in += 1
