@@ -208,8 +208,8 @@ class Encoder:
         if _ext.is_tensor(obj) or _ext.is_pil_image(obj):
             if frames is _NO_FRAMES:  # converted before the size is known
                 raise _NeedsFrames
-            write = self._tensor_ext if _ext.is_tensor(obj) else self._image_ext
-            return write(obj, frames)
+            code, meta, raw = _tensor(obj) if _ext.is_tensor(obj) else _image(obj)
+            return _ext.Ext(code, _ext.meta_encode((*meta, self._slot(raw, frames))))
         name = getattr(obj, "name_or_path", None)
         if isinstance(name, str):  # tokenizers and processors: never live objects
             return name
@@ -252,39 +252,33 @@ class Encoder:
             arr = np.ascontiguousarray(arr)  # one copy: the wire form is C order
         return _ext.Ext(code, _ext.meta_encode((name, arr.shape, self._slot(arr, frames))))
 
-    def _tensor_ext(self, t: Any, frames: list[Any]) -> msgspec.msgpack.Ext:
-        if not _ext.torch_names:
-            _ext.torch_tables()
-        name = _ext.torch_names.get(t.dtype)
-        if name is None:
-            raise EncodeError(
-                f"unsupported tensor dtype {t.dtype}; supported: {sorted(_ext.torch_dtypes)}"
-            )
-        if t.requires_grad:
-            t = t.detach()
-        if not t.is_cpu:
-            t = t.cpu()  # device memory cannot be a frame: one copy through host memory
-        if not t.is_contiguous():
-            t = t.contiguous()
-        shape = tuple(t.shape)
-        if name in _ext.NP_DTYPES:
-            raw = t.numpy()
-        else:  # bfloat16 has no numpy dtype: its bytes (view() needs >= 1 dim)
-            import torch
 
-            raw = t.reshape(-1).view(torch.uint8).numpy()
-        return _ext.Ext(_ext.EXT_TENSOR, _ext.meta_encode((name, shape, self._slot(raw, frames))))
-
-    def _image_ext(self, img: Any, frames: list[Any]) -> msgspec.msgpack.Ext:
-        if img.mode not in _ext.IMAGE_MODES:  # palette, bilevel: as decoded pixels
-            if img.mode == "1":
-                img = img.convert("L")
-            elif img.mode == "P" and "transparency" not in img.info:
-                img = img.convert("RGB")
-            else:
-                img = img.convert("RGBA" if img.mode in ("P", "PA", "La", "RGBa") else "RGB")
-        data = np.frombuffer(img.tobytes(), np.uint8)  # PIL has no pixel buffer: one copy
-        w, h = img.size
-        return _ext.Ext(
-            _ext.EXT_IMAGE, _ext.meta_encode((img.mode, w, h, self._slot(data, frames)))
+def _tensor(t: Any) -> tuple[int, tuple[Any, ...], np.ndarray[Any, Any]]:
+    """A tensor's ext code, descriptor ``(dtype, shape)`` and bytes on the host."""
+    if not _ext.torch_names:
+        _ext.torch_tables()
+    name = _ext.torch_names.get(t.dtype)
+    if name is None:
+        raise EncodeError(
+            f"unsupported tensor dtype {t.dtype}; supported: {sorted(_ext.torch_dtypes)}"
         )
+    # Device memory cannot be a frame: one copy through host memory.
+    t = t.detach().cpu().contiguous()
+    if name in _ext.NP_DTYPES:
+        return _ext.EXT_TENSOR, (name, tuple(t.shape)), t.numpy()
+    import torch  # bfloat16 has no numpy dtype: its bytes (view() needs >= 1 dim)
+
+    return _ext.EXT_TENSOR, (name, tuple(t.shape)), t.reshape(-1).view(torch.uint8).numpy()
+
+
+def _image(img: Any) -> tuple[int, tuple[Any, ...], np.ndarray[Any, Any]]:
+    """An image's ext code, descriptor ``(mode, width, height)`` and pixels."""
+    if img.mode not in _ext.IMAGE_MODES:  # palette, bilevel: as decoded pixels
+        if img.mode == "1":
+            img = img.convert("L")
+        elif img.mode == "P" and "transparency" not in img.info:
+            img = img.convert("RGB")
+        else:
+            img = img.convert("RGBA" if img.mode in ("P", "PA", "La", "RGBa") else "RGB")
+    data = np.frombuffer(img.tobytes(), np.uint8)  # PIL has no pixel buffer: one copy
+    return _ext.EXT_IMAGE, (img.mode, *img.size), data
