@@ -15,20 +15,6 @@ from transport.weights.binding import Binding
 from transport.weights.bucket import SUM64_ROW, dtype_name, named_tensors, plan_spans
 from transport.weights.errors import WeightUpdateError
 
-__all__ = [
-    "DEFAULT_IPC_BUCKET_BYTES",
-    "IpcRefused",
-    "check_layout",
-    "detached",
-    "export_cuda",
-    "layout_of",
-    "new_slot",
-    "open_slot",
-    "plan_layout",
-    "release_slot",
-    "sync_slot",
-]
-
 #: Default bound of one bucket (and so of one slot).
 DEFAULT_IPC_BUCKET_BYTES = 512 << 20
 # Typed loosely: torch's private sharing API has no annotations.

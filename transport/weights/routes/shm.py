@@ -180,28 +180,18 @@ def cleanup_stale() -> int:
     """Unlink the segments and probes whose owner is gone (its ``flock`` can be taken);
     how many were removed."""
     removed = 0
-    try:
-        entries = list(SHM_DIR.iterdir())
-    except OSError:
-        return 0
     now = time.time()
-    for p in entries:
-        if not p.name.startswith(_PREFIX):
-            continue
+    for p in SHM_DIR.glob(f"{_PREFIX}*"):
         try:
             fd = os.open(p, os.O_RDONLY | os.O_NOFOLLOW)
         except OSError:
             continue
         try:
-            if now - os.fstat(fd).st_mtime < _GRACE_S:
-                continue
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError:
-                continue  # the owner holds it: live
-            with contextlib.suppress(OSError):
-                p.unlink()
-                removed += 1
+            with contextlib.suppress(OSError):  # the owner holds its flock: live
+                if now - os.fstat(fd).st_mtime >= _GRACE_S:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    p.unlink()
+                    removed += 1
         finally:
             os.close(fd)
     return removed

@@ -247,19 +247,17 @@ class DataListener:
 
 
 def _recv_exact(conn: socket.socket, n: int, deadline: float) -> bytes:
-    buf = bytearray(n)
-    view = memoryview(buf)
-    got = 0
-    while got < n:
+    data = b""
+    while len(data) < n:
         left = deadline - time.monotonic()
         if left <= 0:
             raise TimeoutError("handshake too slow")
         conn.settimeout(left)
-        k = conn.recv_into(view[got:])
-        if k == 0:
+        part = conn.recv(n - len(data))
+        if not part:
             raise ConnectionError("closed during the handshake")
-        got += k
-    return bytes(buf)
+        data += part
+    return data
 
 
 def connect(endpoint: str, port: int, worker_id: str, token: bytes, timeout: float) -> DataReceiver:
