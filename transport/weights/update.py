@@ -310,17 +310,20 @@ async def _pause_lease(
 
 #: The plugin's options taken from :class:`SubscriberConfig` -> its field (the keyword).
 _FROM_CONFIG = {
-    "shm": "shm", "digest": "report_digest", "strict": "strict", "path": "route",
-    "atomic": "atomic", "data_link": "data_link", "publisher_timeout": "publisher_timeout",
+    "shm": "shm", "path": "route", "atomic": "atomic", "data_link": "data_link",
+    "digest": "report_digest", "strict": "strict", "publisher_timeout": "publisher_timeout",
 }  # fmt: skip
 _ALWAYS = ("shm", "digest", "strict")  # passed with the config's default; others if given
 _CONFIG = {f.name: f for f in msgspec.structs.fields(SubscriberConfig)}
 
-#: The worker plugin's options, ``--plugin-opt weights_<field>=value`` (``None``: the
-#: default of :func:`attach_subscriber`): the seven of ``_FROM_CONFIG`` as in
-#: :class:`SubscriberConfig`, ``endpoint`` (required), ``dtype``, ``rename`` (a JSON object
-#: or ``module:name``), ``loader`` (``module:function``, called as ``function(model,
-#: weights)``), ``pause_timeout``, ``pause_lease``, ``curve_secret`` and ``curve_server``.
+_PLUGIN_DOC = """The worker plugin's options, ``--plugin-opt weights_<field>=value``
+(``None``: the default): ``endpoint`` (required); ``shm``, ``path`` (``route``),
+``atomic``, ``data_link``, ``digest`` (``report_digest``), ``strict`` and
+``publisher_timeout`` as in :class:`~transport.weights.config.SubscriberConfig`;
+``dtype``; ``rename`` (a JSON object or ``module:name``); ``loader``
+(``module:function``, called as ``function(model, weights)``); ``pause_timeout`` and
+``pause_lease`` as in :func:`attach_subscriber`; ``curve_secret``, ``curve_server``."""
+
 PluginOptions = msgspec.defstruct(
     "PluginOptions",
     [
@@ -340,6 +343,7 @@ PluginOptions = msgspec.defstruct(
     forbid_unknown_fields=True,
     rename=lambda n: f"weights_{n}",
     module=__name__,
+    namespace={"__doc__": _PLUGIN_DOC},
 )
 
 #: Options of the worker plugin (``--plugin-opt key=value``), see :func:`subscribe`.
@@ -382,7 +386,7 @@ def subscriber_options(opts: dict[str, str], model: Any) -> dict[str, Any]:
 
 async def subscribe(server: Any, opts: dict[str, str]) -> None:
     """Worker plugin: follow the publisher at ``opts["weights_endpoint"]`` (options:
-    :data:`PluginOptions`); ``ValueError`` at start for a bad or unknown option."""
+    :class:`PluginOptions`); ``ValueError`` at start for a bad or unknown option."""
     kw = subscriber_options(opts, getattr(server.engine, "model", None))
     sub = attach_subscriber(server, opts["weights_endpoint"], asyncio.get_running_loop(), **kw)
     try:
