@@ -136,10 +136,7 @@ class Serving:
                     self.cond.notify_all()
 
         with self.cond:
-            st.buf, st.seg = fresh.buf, fresh.seg
-            st.announce.shm_name = st.seg.name if st.seg is not None else ""
-            st.unstaged = False
-            st.job = reading()
+            st.stage(fresh, reading())
         self.core.count("versions_staged_late")
         return True
 

@@ -99,6 +99,14 @@ class Staged:
             self._view, self._view_of = self.buf.numpy(), self.buf
         return self._view
 
+    def stage(self, fresh: Staged, job: Iterator[None]) -> None:
+        """Staged late: take ``fresh``'s buffer, packed by ``job``."""
+        assert self.announce is not None
+        self.buf, self.seg = fresh.buf, fresh.seg
+        self.announce.shm_name = self.seg.name if self.seg is not None else ""
+        self.unstaged = False
+        self.job = job
+
     def sends_done(self) -> bool:
         self.trackers = [t for t in self.trackers if not t.done]
         return not self.trackers
