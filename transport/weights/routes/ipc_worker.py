@@ -403,15 +403,10 @@ class IpcReceiver:
         bad = next((a for a in acks if not a.ok), None)
         if imp.version != before:
             assert imp.offer is not None
-            stats = UpdateStats(
-                version=imp.version,
-                via="ipc",
-                bytes=sum(b.nbytes for b in imp.offer.buckets),
-                total_s=time.monotonic() - self._t0,
-            )
-            for a in acks:
-                stats.verify_s += a.stats.get("verify_s", 0.0)
-                stats.apply_s = max(stats.apply_s, a.stats.get("copy_s", 0.0))
+            stats = UpdateStats(imp.version, "ipc", sum(b.nbytes for b in imp.offer.buckets))
+            stats.total_s = time.monotonic() - self._t0
+            stats.verify_s = sum(a.stats.get("verify_s", 0.0) for a in acks)
+            stats.apply_s = max((a.stats.get("copy_s", 0.0) for a in acks), default=0.0)
             self.core.count("ipc_versions_applied")
             metrics.SUBSCRIBER_PHASE_SECONDS.labels(phase="total").observe(stats.total_s)
             if self._deferred is not None and self._deferred.version <= imp.version:
@@ -419,17 +414,14 @@ class IpcReceiver:
             self.reporter.applied(stats)
         elif bad is not None and bad.version not in self._failed:
             self._fall_back(bad.version, f"failed on the ipc path ({bad.error})")
-            ann = self._deferred
-            up = self.fetcher.update
-            if bad.version <= self.core.version or (
-                up is not None and up.ann.version == bad.version
-            ):
-                pass  # applied already, or being fetched by shm/tcp (opened mid-version)
-            elif ann is not None and ann.version == bad.version:
-                self._deferred = None
-                self.fetcher.consider(ann)
-            else:
-                self.fetcher.fail(bad.version, bad.error, "ipc")
+            ann, up = self._deferred, self.fetcher.update
+            # Not when applied already, or fetched by shm/tcp (opened mid-version).
+            if bad.version > self.core.version and (up is None or up.ann.version != bad.version):
+                if ann is not None and ann.version == bad.version:
+                    self._deferred = None
+                    self.fetcher.consider(ann)
+                else:
+                    self.fetcher.fail(bad.version, bad.error, "ipc")
 
     def _fall_back(self, version: int, why: str) -> None:
         self._failed.add(version)

@@ -150,8 +150,7 @@ class DataSender:
     def _run(self) -> None:
         while True:
             with self._cv:
-                while not self._queue and not self.broken:
-                    self._cv.wait()
+                self._cv.wait_for(lambda: self._queue or self.broken)
                 if self.broken:
                     return
                 # Out of the queue while sent: close() drops only what is queued.
@@ -163,10 +162,10 @@ class DataSender:
             except Exception as exc:  # timeout, reset, closed: the link is done
                 if not self.broken:
                     log.info("weight data link to %s closed: %s", self.worker_id, exc)
-                sent.done = True
                 self.close()
                 return
-            sent.done = True
+            finally:
+                sent.done = True
 
 
 class DataListener:
