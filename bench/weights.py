@@ -824,10 +824,11 @@ def _pinned_staging(state: dict[str, torch.Tensor], reps: int) -> dict[str, Any]
     import mmap
 
     from bench import pinned
-    from transport.weights.routes.ipc_tensors import _dtype_name, plan_layout
+    from transport.weights.bucket import dtype_name
+    from transport.weights.routes.ipc import plan_layout
 
     layout = plan_layout(
-        ((k, _dtype_name(t.dtype), tuple(t.shape)) for k, t in state.items()), 256 * _MIB
+        ((k, dtype_name(t.dtype), tuple(t.shape)) for k, t in state.items()), 256 * _MIB
     )
     total = sum(b.nbytes for b in layout)
     path = f"/dev/shm/fastio-bench-pinned-{os.getpid()}"

@@ -20,7 +20,6 @@ DEFAULT_IPC_BUCKET_BYTES = 512 << 20
 # Typed loosely: torch's private sharing API has no annotations.
 _cuda: Any = torch.cuda
 _Storage: Any = torch.UntypedStorage
-_dtype_name = dtype_name  # the name bench/ imports
 
 
 class IpcRefused(WeightUpdateError):
