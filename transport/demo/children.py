@@ -47,11 +47,24 @@ def watch_parent(grace: float = 10.0) -> None:
     threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
 
 
+def stop_signals() -> threading.Event:
+    """An event set by SIGINT or SIGTERM (a blocking role looks at it between steps)."""
+    stop = threading.Event()
+    for s in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(s, lambda *_: stop.set())
+    return stop
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def log_tail(path: Path) -> str:
     with contextlib.suppress(OSError):
-        lines = [ln for ln in path.read_text(errors="replace").splitlines() if ln.strip()]
-        if lines:
-            return lines[-1].strip()
+        lines = [ln.strip() for ln in path.read_text(errors="replace").splitlines()]
+        return next(ln for ln in reversed(lines) if ln)
     return "(no output)"
 
 
@@ -73,9 +86,9 @@ class Child:
         """Start the process (again)."""
         self.buf = b""
         # The run's directory marks every child's environment: grep FASTIO_DEMO_RUN.
-        env = {**os.environ, "FASTIO_DEMO_RUN": str(self.log.parent)}
         root = str(Path(__file__).resolve().parents[2])
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+        path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+        env = {**os.environ, "FASTIO_DEMO_RUN": str(self.log.parent), "PYTHONPATH": path}
         with open(self.log, "wb") as log:
             # stdin: the parent-death pipe (watch_parent), whose write end only we hold.
             self.proc = subprocess.Popen(
@@ -85,8 +98,8 @@ class Child:
 
     def ready(self, timeout: float) -> Any:
         """The child's one-line JSON ``{"ready": ...}`` on stdout, waiting up to
-        ``timeout`` s: None if not yet (or dead, with ``timeout`` 0), ``RuntimeError``
-        if it exited before, with ``timeout`` > 0 a ``RuntimeError`` too if not yet."""
+        ``timeout`` s. With ``timeout`` 0: None if not there yet (or the child is dead);
+        otherwise a ``RuntimeError`` if it is not there in time or the child exited."""
         assert self.proc.stdout is not None
         fd = self.proc.stdout.fileno()
         deadline = time.monotonic() + timeout
@@ -99,10 +112,8 @@ class Child:
             if not chunk:
                 if not timeout:
                     return None  # the caller sees it dead
-                code = self.proc.wait()
-                raise RuntimeError(
-                    f"{self.name} exited ({code}) before it was ready: {log_tail(self.log)}"
-                )
+                code, tail = self.proc.wait(), log_tail(self.log)
+                raise RuntimeError(f"{self.name} exited ({code}) before it was ready: {tail}")
             self.buf += chunk
         return json.loads(self.buf.split(b"\n", 1)[0])
 
@@ -110,9 +121,7 @@ class Child:
 def stop_all(procs: Sequence[subprocess.Popen[bytes]], timeout: float) -> None:
     """SIGTERM each, SIGKILL what is left after ``timeout`` s, close our pipe ends."""
     for p in procs:
-        if p.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                p.send_signal(signal.SIGTERM)
+        p.send_signal(signal.SIGTERM)  # nothing if it has exited
     deadline = time.monotonic() + timeout
     for p in procs:
         try:
@@ -122,32 +131,7 @@ def stop_all(procs: Sequence[subprocess.Popen[bytes]], timeout: float) -> None:
             p.wait()
         for f in (p.stdin, p.stdout):
             if f is not None:
-                with contextlib.suppress(OSError):
-                    f.close()
-
-
-def _signal_name(num: int) -> str:
-    with contextlib.suppress(ValueError):
-        return signal.Signals(num).name
-    return f"signal {num}"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class StopSignals:
-    """Notes SIGINT and SIGTERM (a blocking role polls ``seen`` between steps)."""
-
-    def __init__(self) -> None:
-        self.seen = False
-        signal.signal(signal.SIGINT, self._on_signal)
-        signal.signal(signal.SIGTERM, self._on_signal)
-
-    def _on_signal(self, *_: Any) -> None:
-        self.seen = True
+                f.close()
 
 
 def hf_worker_args(
@@ -160,10 +144,8 @@ def hf_worker_args(
     """Worker command-line arguments that serve :mod:`transport.hf_engine` (``opts``:
     further :func:`transport.hf_engine.create_engine` options)."""
     args = ["--engine", "hf", "--model-size", model_size, "--seed", str(seed)]
-    if model_path:
-        args += ["--model-path", model_path]
-    if device:
-        args += ["--device", device]
+    args += ["--model-path", model_path] if model_path else []
+    args += ["--device", device] if device else []
     for k, v in opts.items():
         args += ["--engine-opt", f"{k}={v}"]
     return args
@@ -172,8 +154,7 @@ def hf_worker_args(
 def worker_cmd(c: DemoConfig, i: int, bind: str) -> list[str]:
     """The command of the demo's worker ``i`` bound at ``bind``."""
     cmd = ["-m", "transport.demo", "--role", "run", "transport.worker", "--bind", bind,
-           "--worker-id", f"worker{i}",
-           "--plugin", "transport.weights.update:subscribe",
+           "--worker-id", f"worker{i}", "--plugin", "transport.weights.update:subscribe",
            "--plugin-opt", f"weights_endpoint={c.publisher}", "--plugin-opt", "weights_digest=1"]  # fmt: skip
     if c.engine == "reference":
         vocab, hidden, layers = REFERENCE_SIZES[c.model_size]
@@ -186,11 +167,10 @@ def worker_cmd(c: DemoConfig, i: int, bind: str) -> list[str]:
     if importlib.util.find_spec("prometheus_client"):
         cmd += ["--metrics-port", "0"]
     if c.keys:
-        cmd += [
-            "--plugin-opt", f"weights_curve_secret={c.keys}/worker.key_secret",
-            "--plugin-opt", f"weights_curve_server={c.keys}/trainer.key",
-            "--curve-secret", f"{c.keys}/worker.key_secret", "--curve-clients", f"{c.keys}/clients",
-        ]  # fmt: skip
+        cmd += ["--plugin-opt", f"weights_curve_secret={c.keys}/worker.key_secret",
+                "--plugin-opt", f"weights_curve_server={c.keys}/trainer.key",
+                "--curve-secret", f"{c.keys}/worker.key_secret",
+                "--curve-clients", f"{c.keys}/clients"]  # fmt: skip
     return cmd
 
 
@@ -198,9 +178,9 @@ def worker_cmd(c: DemoConfig, i: int, bind: str) -> list[str]:
 class _Worker(Child):
     address: str = ""
     restarts: int = 0
-    starting_since: float | None = None  # None: up, or down for good
-    chaos: bool = False
-    down: bool = False
+    since: float | None = None  # starting again since (seconds into the run)
+    down: bool = False  # left down for good
+    chaos: bool = False  # killed by --chaos
 
     def up(self, ready: dict[str, Any]) -> str:
         """Take the address of a ``ready`` line; the words that announce it."""
@@ -220,72 +200,71 @@ class WorkerPool:
         self.events: list[WorkerEvent] = []
         self.crashed: list[str] = []
 
-    @property
-    def addresses(self) -> list[str]:
-        return [w.address for w in self.workers]
-
-    def start(self) -> None:
-        """Start every worker and wait for each to be ready (``RuntimeError`` if not)."""
+    def start(self) -> list[str]:
+        """Start every worker, wait for each to be ready (``RuntimeError`` if one is not);
+        their addresses."""
         c, tmp = self._config, self._tmp
         for i in range(c.workers):
             bind = f"ipc://{tmp}/worker{i}" if c.transport == "ipc" else "tcp://127.0.0.1:0"
-            self.workers.append(
-                _Worker(f"worker{i}", tmp / f"worker{i}.log", worker_cmd(c, i, bind))
-            )
+            log = tmp / f"worker{i}.log"
+            self.workers.append(_Worker(f"worker{i}", log, worker_cmd(c, i, bind)))
         for w in self.workers:
             self._say(f"{w.name}: {w.up(w.ready(READY_TIMEOUT))}")
+        return [w.address for w in self.workers]
 
     def kill(self, i: int, at: float) -> None:
         """``--chaos``: SIGKILL worker ``i`` (no goodbye: its sockets just vanish)."""
         w = self.workers[i]
         w.chaos = True
         self._say(f"[{at:5.1f} s] chaos: killing {w.name} (pid {w.proc.pid}) with SIGKILL")
-        with contextlib.suppress(ProcessLookupError):
-            w.proc.send_signal(signal.SIGKILL)
+        w.proc.kill()
 
-    def check(self, at: float, now: float) -> None:
-        """Note deaths and returns (call it often; it never blocks)."""
+    def check(self, at: float) -> None:
+        """Note deaths and returns ``at`` seconds into the run (call it often; it never
+        blocks)."""
         for i, w in enumerate(self.workers):
             code = None if w.down else w.proc.poll()
+            if code is None and w.since is not None:
+                if (ready := w.ready(0)) is not None:
+                    w.since = None
+                    self.events.append(WorkerEvent(w.name, at, "back", f"restart {w.restarts}"))
+                    self._say(f"[{at:5.1f} s] {w.name} is back on {w.up(ready)}")
+                elif at - w.since > READY_TIMEOUT:
+                    self.crashed.append(
+                        f"{w.name} (not ready {READY_TIMEOUT:.0f} s after a restart)"
+                    )
+                    w.restarts = MAX_RESTARTS
+                    w.proc.kill()  # seen dead at the next check, and left down
             if code is None:
-                if w.starting_since is not None and not w.down:
-                    self._read_ready(w, at, now)
                 continue
             how = f"exit status {code}" if code > 0 else _signal_name(-code)
-            tail = "" if w.starting_since is None else " while starting again"
+            said = f"[{at:5.1f} s] {w.name} died ({how})"
+            said += "" if w.since is None else " while starting again"
             self.events.append(WorkerEvent(w.name, at, "died", how, w.chaos))
             w.chaos = False
             if code > 0:
                 self.crashed.append(f"{w.name} ({how}: {log_tail(w.log)})")
             if w.restarts >= MAX_RESTARTS:
-                w.down, w.starting_since = True, None
-                self._say(f"[{at:5.1f} s] {w.name} died ({how}){tail}; left down, see {w.log}")
+                w.down, w.since = True, None
+                self._say(f"{said}; left down, see {w.log}")
                 continue
             w.restarts += 1
             w.log = self._tmp / f"worker{i}.restart{w.restarts}.log"
-            self._say(
-                f"[{at:5.1f} s] {w.name} died ({how}){tail}; its clients re-send its requests;"
-                f" restarting it on {w.address} (log {w.log.name})"
-            )
+            self._say(f"{said}; its clients re-send its requests; restarting it on "
+                      f"{w.address} (log {w.log.name})")  # fmt: skip
             stop_all([w.proc], 0)  # closes our ends of its pipes
-            w.args, w.starting_since = worker_cmd(self._config, i, w.address), now
+            w.args, w.since = worker_cmd(self._config, i, w.address), at
             w.start()
-
-    def _read_ready(self, w: _Worker, at: float, now: float) -> None:
-        assert w.starting_since is not None
-        ready = w.ready(0)
-        if ready is not None:
-            w.starting_since = None
-            self.events.append(WorkerEvent(w.name, at, "back", f"restart {w.restarts}"))
-            self._say(f"[{at:5.1f} s] {w.name} is back on {w.up(ready)}")
-        elif now - w.starting_since > READY_TIMEOUT:
-            self.crashed.append(f"{w.name} (not ready {READY_TIMEOUT:.0f} s after a restart)")
-            w.restarts = MAX_RESTARTS
-            w.proc.kill()  # seen dead at the next check, and left down
 
     def starting(self) -> list[str]:
         """The workers starting again now."""
-        return [w.name for w in self.workers if w.starting_since is not None and not w.down]
+        return [w.name for w in self.workers if w.since is not None]
 
     def procs(self) -> list[subprocess.Popen[bytes]]:
         return [w.proc for w in self.workers]
+
+
+def _signal_name(num: int) -> str:
+    with contextlib.suppress(ValueError):
+        return signal.Signals(num).name
+    return f"signal {num}"

@@ -17,10 +17,10 @@ import zmq
 
 from transport.demo.children import (
     Child,
-    StopSignals,
     WorkerPool,
     free_port,
     stop_all,
+    stop_signals,
     watch_parent,
 )
 from transport.demo.config import DemoConfig, UserError, parse_config
@@ -46,13 +46,12 @@ def _make_keys(tmp: Path) -> str:
 
 def _child(role: str, c: DemoConfig, tmp: Path, name: str, index: int = 0) -> Child:
     config = msgspec.json.encode(msgspec.structs.replace(c, index=index)).decode()
-    return Child(
-        name, tmp / f"{name}.log", ["-m", "transport.demo", "--role", role, "--config", config]
-    )
+    args = ["-m", "transport.demo", "--role", role, "--config", config]
+    return Child(name, tmp / f"{name}.log", args)
 
 
 def _run(c: DemoConfig, tmp: Path) -> bool:
-    display = Display(live=sys.stdout.isatty(), interval=c.progress_every)
+    display, st = Display(live=sys.stdout.isatty(), interval=c.progress_every), RunState()
     zctx = zmq.Context()
     pull = make_socket(zctx, zmq.PULL, hwm=None, max_message_size=None)
     bind_all(pull, f"ipc://{tmp}/report")
@@ -60,26 +59,23 @@ def _run(c: DemoConfig, tmp: Path) -> bool:
     publisher = f"ipc://{tmp}/weights" if c.transport == "ipc" else f"tcp://127.0.0.1:{free_port()}"
     keys = _make_keys(tmp) if c.auth else None
     c = msgspec.structs.replace(c, report=f"ipc://{tmp}/report", publisher=publisher, keys=keys)
-    stop, pool, st = StopSignals(), WorkerPool(c, tmp, display.print), RunState()
+    stop, pool = stop_signals(), WorkerPool(c, tmp, display.print)
     children: list[Child] = []
     try:
-        model = c.model_path or f"{c.engine} {c.model_size}"
         display.print(
             f"fastio demo: {c.workers} workers, {c.clients} clients x {c.concurrency} in flight, "
-            f"model {model}, {c.transport}, auth {'on' if c.auth else 'off'}; logs in {tmp} "
+            f"model {c.model_path or f'{c.engine} {c.model_size}'}, {c.transport}, "
+            f"auth {'on' if c.auth else 'off'}; logs in {tmp} "
         )
-        pool.start()
-        c = msgspec.structs.replace(c, addresses=pool.addresses)
+        c = msgspec.structs.replace(c, addresses=pool.start())
         children.append(_child("trainer", c, tmp, "trainer"))
-        children[0].ready(300)
-        for i in range(c.clients):
-            children.append(_child("client", c, tmp, f"client{i}", index=i))
+        c = msgspec.structs.replace(c, vocab=children[0].ready(300)["vocab"])
+        children += [_child("client", c, tmp, f"client{i}", index=i) for i in range(c.clients)]
         for ch in children[1:]:
             ch.ready(120)
         st.started = time.perf_counter()
-        end = st.started + c.duration
         # --chaos: one worker killed (and restarted) once the run is well under way.
-        chaos_at = st.started + 0.4 * c.duration if c.chaos else None
+        chaos_at = 0.4 * c.duration if c.chaos else None
         victim = random.Random(c.seed).randrange(c.workers)
         poller = zmq.Poller()
         poller.register(pull, zmq.POLLIN)
@@ -89,27 +85,26 @@ def _run(c: DemoConfig, tmp: Path) -> bool:
                 wait_ms = 0
                 st.take(REPORT_DECODER.decode(pull.recv()))
 
-        def step() -> None:
+        def step() -> float:
             drain(250)
-            pool.check(time.perf_counter() - st.started, time.monotonic())
+            pool.check(at := time.perf_counter() - st.started)
             st.events, st.crashed = pool.events, pool.crashed
             display.update(st)
+            return at
 
         dead: list[str] = []
         with display:
-            while not stop.seen and not dead and time.perf_counter() < end:
-                if chaos_at is not None and time.perf_counter() >= chaos_at:
+            while not stop.is_set() and not dead and (at := step()) < c.duration:
+                if chaos_at is not None and at >= chaos_at:
                     chaos_at = None
-                    pool.kill(victim, time.perf_counter() - st.started)
-                step()
+                    pool.kill(victim, at)
                 dead = [ch.name for ch in children if ch.proc.poll() is not None]
             if dead:
                 display.print(f"{dead[0]} exited early; see {tmp}/{dead[0]}.log")
-            elif not stop.seen and pool.starting():
+            elif not stop.is_set() and pool.starting():
                 # The final check is over every worker: wait for one restarting now.
-                at = time.perf_counter() - st.started
                 display.print(f"[{at:5.1f} s] waiting for {', '.join(pool.starting())} to be back")
-                while not stop.seen and pool.starting():
+                while not stop.is_set() and pool.starting():
                     step()
         elapsed = time.perf_counter() - st.started
         # Orderly stop: clients (final reports), then the trainer (final weight check).
@@ -145,28 +140,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UserError as exc:
         print(f"python -m transport.demo: error: {exc}", file=sys.stderr, flush=True)
         return 2
-    if role == "client":
-        from transport.demo.roles import client_role
+    if role != "orchestrator":
+        from transport.demo.roles import client_role, trainer_role
 
         watch_parent()
-        asyncio.run(client_role(c))
-    elif role == "trainer":
-        import torch
+        if role == "client":
+            asyncio.run(client_role(c))
+        else:
+            import torch
 
-        from transport.demo.roles import trainer_role
-
-        watch_parent()
-        torch.set_num_threads(1)
-        trainer_role(c)
-    else:
-        tmp = Path(tempfile.mkdtemp(prefix="fastio-demo-"))
-        ok = False
-        try:
-            ok = _run(c, tmp)
-        finally:
-            if ok and not c.keep_logs:
-                shutil.rmtree(tmp, ignore_errors=True)
-            else:
-                print(f"logs kept in {tmp}", file=sys.stderr, flush=True)
-        return 0 if ok else 1
-    return 0
+            torch.set_num_threads(1)
+            trainer_role(c)
+        return 0
+    tmp = Path(tempfile.mkdtemp(prefix="fastio-demo-"))
+    ok = False
+    try:
+        ok = _run(c, tmp)
+    finally:
+        if ok and not c.keep_logs:
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            print(f"logs kept in {tmp}", file=sys.stderr, flush=True)
+    return 0 if ok else 1

@@ -39,7 +39,6 @@ SIZE_DEFAULTS: dict[str, tuple[int, float]] = {
     "large": (4, 15.0),
 }
 
-
 #: Field -> help text: the fields that are flags of ``python -m transport.demo``.
 HELP = {
     "workers": "generation worker processes",
@@ -66,7 +65,7 @@ HELP = {
 
 class DemoConfig(msgspec.Struct, kw_only=True):
     """One demo run: the fields of :data:`HELP` are its flags; the others tell a child
-    role where it reports and whom it talks to."""
+    role where it reports, whom it talks to and the model's vocabulary size."""
 
     workers: Annotated[int, Meta(ge=1)] = 2
     clients: Annotated[int, Meta(ge=1)] = 2
@@ -91,6 +90,7 @@ class DemoConfig(msgspec.Struct, kw_only=True):
     publisher: str = ""
     keys: str | None = None
     index: int = 0
+    vocab: int = 0
 
 
 class UserError(Exception):
@@ -112,14 +112,14 @@ def parser() -> argparse.ArgumentParser:
     )
     defaults, types = DemoConfig(), typing.get_type_hints(DemoConfig)
     for name, help in HELP.items():
-        flag, default, tp = "--" + name.replace("_", "-"), getattr(defaults, name), types[name]
+        flag, tp = "--" + name.replace("_", "-"), types[name]
         if tp is bool:
             p.add_argument(flag, action="store_true", help=help)
         elif name in ("concurrency", "update_every"):  # defaults that depend on the size
             p.add_argument(flag, help=help)
         else:
             choices = typing.get_args(tp) if typing.get_origin(tp) is Literal else None
-            p.add_argument(flag, default=default, choices=choices, help=help)
+            p.add_argument(flag, default=getattr(defaults, name), choices=choices, help=help)
     # Internal: a child role and its DemoConfig as JSON.
     p.add_argument("--role", choices=("orchestrator", "client", "trainer"),
                    default="orchestrator", help=argparse.SUPPRESS)  # fmt: skip
@@ -128,20 +128,14 @@ def parser() -> argparse.ArgumentParser:
 
 
 def parse_config(argv: Sequence[str]) -> tuple[str, DemoConfig]:
-    """The role and the :class:`DemoConfig` of a command line.
-
-    Raises
-    ------
-    UserError
-        One line naming the flag: a bad value, or flags that do not go together.
-    """
+    """The role and the :class:`DemoConfig` of a command line; a :class:`UserError`
+    (one line naming the flag) for a bad value or flags that do not go together."""
     args = parser().parse_args(argv)
     if args.role != "orchestrator":
         return args.role, msgspec.json.decode(args.config, type=DemoConfig)
     given = {k: v for k, v in vars(args).items() if v is not None and k not in ("role", "config")}
-    concurrency, update_every = SIZE_DEFAULTS[args.model_size]
-    given.setdefault("concurrency", concurrency)
-    given.setdefault("update_every", update_every)
+    given.setdefault("concurrency", SIZE_DEFAULTS[args.model_size][0])
+    given.setdefault("update_every", SIZE_DEFAULTS[args.model_size][1])
     try:
         c = configure(DemoConfig, None, given, "demo option")
     except ValueError as exc:  # "demo option NAME=VALUE: expected ...": named by its flag
@@ -151,11 +145,12 @@ def parse_config(argv: Sequence[str]) -> tuple[str, DemoConfig]:
         raise UserError(f"--{m[1].replace('_', '-')} {given[m[1]]}: {m[2]}") from None
     if c.chaos and c.workers < 2:
         raise UserError("--chaos needs --workers 2 or more (someone must serve meanwhile)")
-    if c.model_path:
-        if c.engine != "hf":
-            raise UserError("--model-path needs --engine hf")
-        if not os.path.isfile(os.path.join(c.model_path, "config.json")):
-            raise UserError(f"--model-path {c.model_path}: no config.json there")
+    if c.model_path and c.engine != "hf":
+        raise UserError("--model-path needs --engine hf")
+    if c.model_path and not os.path.isfile(os.path.join(c.model_path, "config.json")):
+        raise UserError(f"--model-path {c.model_path}: no config.json there")
     if c.engine == "hf" and importlib.util.find_spec("transformers") is None:
         raise UserError(f"--engine hf needs transformers: {install_hint('hf')}")
+    if importlib.util.find_spec("rich") is None:
+        raise UserError(f"the demo needs rich: {install_hint('demo')}")
     return "orchestrator", c

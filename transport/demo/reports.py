@@ -180,58 +180,41 @@ def verdict(st: RunState, early: bool) -> str:
     update not applied by a worker up through it, the weights of the workers alive at
     the end not the trainer's, or a worker that failed by itself (one killed by a signal
     breaks no promise: its requests are re-sent and it catches up when restarted)."""
-    if early:
-        return "a client or the trainer exited early"
-    if st.crashed:
-        return f"worker(s) failed by themselves: {', '.join(st.crashed)}"
-    if st.total("done") == 0:
-        return "no request completed"
-    unreported = sorted(c for c, r in st.clients.items() if not r.final)
-    if unreported:
-        return f"client(s) {unreported} sent no final report"
-    if st.total("failed"):
-        return f"{st.total('failed')} request(s) failed"
+    failed, unreported = st.total("failed"), sorted(c for c, r in st.clients.items() if not r.final)
     unaccounted = st.total("sent") - st.total("done") - st.total("unfinished")
-    if unaccounted:
-        return f"{unaccounted} request(s) neither answered nor in flight at the stop"
-    failed = [u.version for u in st.updates if not u.ok]
-    if failed:
-        return f"weight update(s) failed: versions {failed}"
-    if st.final is None:
-        return "the trainer did not report its final weight check"
-    if not st.final.equal:
-        if not st.final.workers:
-            return "no worker was alive at the end"
-        return "the workers' weights differ from the trainer's"
-    return ""
+    bad_updates, f = [u.version for u in st.updates if not u.ok], st.final
+    reasons = [
+        (early, "a client or the trainer exited early"),
+        (st.crashed, f"worker(s) failed by themselves: {', '.join(st.crashed)}"),
+        (st.total("done") == 0, "no request completed"),
+        (unreported, f"client(s) {unreported} sent no final report"),
+        (failed, f"{failed} request(s) failed"),
+        (unaccounted, f"{unaccounted} request(s) neither answered nor in flight at the stop"),
+        (bad_updates, f"weight update(s) failed: versions {bad_updates}"),
+        (f is None, "the trainer did not report its final weight check"),
+        (f and not f.equal and not f.workers, "no worker was alive at the end"),
+        (f and not f.equal, "the workers' weights differ from the trainer's"),
+    ]
+    return next((why for bad, why in reasons if bad), "")
 
 
 class Display:
-    """rich when it is installed, plain lines otherwise; a live table on a terminal, a
-    progress line every ``interval`` seconds elsewhere (a log, CI)."""
+    """A live table on a terminal, a progress line every ``interval`` seconds elsewhere
+    (a log, CI)."""
 
     def __init__(self, live: bool, interval: float = 5.0) -> None:
-        try:
-            import rich.console
+        from rich.console import Console
+        from rich.live import Live
 
-            self.console: Any = rich.console.Console()
-        except ImportError:
-            self.console = None
-        self.live = live and self.console is not None
-        self.interval = interval
-        self._next = time.monotonic() + interval
-        self._live: Any = None
+        self.console = Console()
+        self.live = Live(console=self.console, refresh_per_second=4, transient=True)
+        self.live_on, self.interval, self._next = live, interval, 0.0
 
     def print(self, text: str) -> None:
-        if self.console is not None:
-            self.console.print(text, markup=False, highlight=False, soft_wrap=True)
-        else:
-            print(text, flush=True)
+        self.console.print(text, markup=False, highlight=False, soft_wrap=True)
 
-    def table(self, rows: list[tuple[str, str]], title: str) -> Any:
-        if self.console is None:
-            width = max(len(k) for k, _ in rows)
-            return "\n".join([title, *(f"{k:<{width}} │ {v}" for k, v in rows)])
+    @staticmethod
+    def table(rows: list[tuple[str, str]], title: str) -> Any:
         from rich.table import Table
 
         t = Table("metric", title=title)
@@ -242,22 +225,17 @@ class Display:
 
     def __enter__(self) -> Display:
         self._next = time.monotonic() + self.interval
-        if self.live:
-            from rich.live import Live
-
-            self._live = Live(console=self.console, refresh_per_second=4, transient=True)
-            self._live.__enter__()
+        if self.live_on:
+            self.live.start()
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        if self._live is not None:
-            self._live.__exit__(*exc)
-            self._live = None
+        self.live.stop()
 
     def update(self, st: RunState) -> None:
         elapsed = time.perf_counter() - st.started
-        if self._live is not None:
-            self._live.update(self.table(summary_rows(st, elapsed), "running (Ctrl-C stops)"))
+        if self.live_on:
+            self.live.update(self.table(summary_rows(st, elapsed), "running (Ctrl-C stops)"))
             return
         now = time.monotonic()
         if now < self._next:
@@ -274,8 +252,4 @@ class Display:
         )
 
     def summary(self, st: RunState, elapsed: float) -> None:
-        t = self.table(summary_rows(st, elapsed), "fastio demo summary")
-        if self.console is not None:
-            self.console.print(t)
-        else:
-            print(t, flush=True)
+        self.console.print(self.table(summary_rows(st, elapsed), "fastio demo summary"))

@@ -9,9 +9,10 @@ import os
 import random
 import sys
 import time
+from types import SimpleNamespace
 from typing import Any
 
-from transport.demo.children import StopSignals
+from transport.demo.children import stop_signals
 from transport.demo.config import REFERENCE_SIZES, DemoConfig
 from transport.demo.reports import ClientReport, FinalCheck, ReportSender, UpdateReport
 
@@ -27,29 +28,17 @@ CATCH_UP_TIMEOUT = 20.0
 
 
 def _curve(keys: str | None, secret: str, **files: str) -> Any:
+    """The CurveConfig of one role from the run's key files (None without ``--auth``)."""
     if not keys:
         return None
     from transport import CurveConfig
 
-    return CurveConfig(
-        secret_key_file=os.path.join(keys, secret),
-        **{k: os.path.join(keys, v) for k, v in files.items()},
-    )
+    files = {k: os.path.join(keys, v) for k, v in files.items()}
+    return CurveConfig(secret_key_file=os.path.join(keys, secret), **files)
 
 
-def curve_for_client(keys: str | None) -> Any:
+def _client_curve(keys: str | None) -> Any:
     return _curve(keys, "client.key_secret", server_public_key_file="worker.key")
-
-
-def vocab_of(c: DemoConfig) -> int:
-    if c.engine == "reference":
-        return REFERENCE_SIZES[c.model_size][0]
-    if c.model_path:
-        with open(os.path.join(c.model_path, "config.json")) as f:
-            return int(json.load(f)["vocab_size"])
-    from transport.hf_engine import MODEL_SIZES
-
-    return MODEL_SIZES[c.model_size]["vocab_size"]
 
 
 async def client_role(c: DemoConfig) -> None:
@@ -57,24 +46,19 @@ async def client_role(c: DemoConfig) -> None:
     from fastio import GenerationHyperparameters, LLMRequest, TokenArray
     from transport import ClientConfig, FabricClient
 
-    stop = StopSignals()
-    reports = ReportSender(c.report)
-    rep = ClientReport(client=c.index)
+    stop, reports, rep = stop_signals(), ReportSender(c.report), ClientReport(client=c.index)
     rng = random.Random(c.index)
-    vocab = vocab_of(c)
     # Failover within about two seconds of a worker's death, while the run still watches.
-    config = ClientConfig(
-        curve=curve_for_client(c.keys), heartbeat_interval=0.5, heartbeat_liveness=4
-    )
+    config = ClientConfig(curve=_client_curve(c.keys), heartbeat_interval=0.5, heartbeat_liveness=4)
     print(json.dumps({"ready": True}), flush=True)
 
     async with FabricClient(c.addresses, config) as client:
 
         async def one_loop() -> None:
-            while not stop.seen:
+            while not stop.is_set():
                 n = rng.randint(8, c.prompt_len)
                 req = LLMRequest(
-                    input_ids=TokenArray([rng.randrange(vocab) for _ in range(n)], "int32"),
+                    input_ids=TokenArray([rng.randrange(c.vocab) for _ in range(n)], "int32"),
                     gconfig=GenerationHyperparameters(
                         max_new_tokens=rng.randint(min(8, c.max_new_tokens), c.max_new_tokens),
                         temperature=1.0,
@@ -98,17 +82,15 @@ async def client_role(c: DemoConfig) -> None:
                 rep.ttfts.append(resp.ttft)
                 if len(resp.itl):
                     rep.itls.append(float(resp.itl.array.mean()))
-                if len(set(resp.output_versions.array.tolist())) > 1:
-                    rep.multi_version += 1
+                rep.multi_version += len(set(resp.output_versions.array.tolist())) > 1
 
         def counters() -> None:
-            rep.interrupted = client.stats.get("interrupted", 0)
-            rep.resent = client.stats.get("resent", 0)
-            rep.died = client.stats.get("workers_died", 0)
-            rep.stale = client.stats.get("stale", 0)
+            stats = client.stats
+            rep.interrupted, rep.resent = stats.get("interrupted", 0), stats.get("resent", 0)
+            rep.died, rep.stale = stats.get("workers_died", 0), stats.get("stale", 0)
 
         tasks = [asyncio.ensure_future(one_loop()) for _ in range(c.concurrency)]
-        while not stop.seen:  # its signal handler runs between the loop's steps
+        while not stop.is_set():  # its signal handler runs between the loop's steps
             await asyncio.sleep(0.5)
             counters()
             reports.send(rep)
@@ -145,19 +127,6 @@ def _alive(c: DemoConfig, pub: Any) -> dict[str, Any]:
     return {address: info for address, info in ids.items() if info is not None and info.alive}
 
 
-class _ShortControl:
-    """``ctl`` for :func:`update_weights`, with :data:`CONTROL_TIMEOUT` to pause and resume."""
-
-    def __init__(self, ctl: Any) -> None:
-        self.ctl = ctl
-
-    def pause(self, timeout: float | None = None, *, strict: bool = True) -> Any:
-        return self.ctl.pause(CONTROL_TIMEOUT, strict=strict)
-
-    def resume(self, timeout: float | None = None, *, strict: bool = True) -> Any:
-        return self.ctl.resume(CONTROL_TIMEOUT, strict=strict)
-
-
 def _missing(c: DemoConfig, alive: dict[str, Any]) -> list[str]:
     return [f"worker{i}" for i, address in enumerate(c.addresses) if address not in alive]
 
@@ -179,12 +148,15 @@ def _update(c: DemoConfig, ctl: Any, pub: Any, model: Any, version: int) -> Upda
             ctl.remove_worker(address)
     for address in before:
         ctl.add_worker(address)
-    res = update_weights(
-        _ShortControl(ctl), pub, model, version, timeout=UPDATE_TIMEOUT, strict=False
+    # The pause and the resume within CONTROL_TIMEOUT, the apply within UPDATE_TIMEOUT.
+    short = SimpleNamespace(
+        pause=lambda *_, **kw: ctl.pause(CONTROL_TIMEOUT, **kw),
+        resume=lambda *_, **kw: ctl.resume(CONTROL_TIMEOUT, **kw),
     )
+    res = update_weights(short, pub, model, version, timeout=UPDATE_TIMEOUT, strict=False)
     problems = {**res.failed, **dict.fromkeys(res.missing, "no answer"), **res.resume_failed}
     lost = []
-    if problems:
+    if problems:  # a worker gone, or another incarnation, since the update began: lost
         after = _alive(c, pub)
         for address, info in before.items():
             now = after.get(address)
@@ -207,10 +179,7 @@ def _final_check(c: DemoConfig, pub: Any, model: Any, version: int) -> FinalChec
     deadline = time.monotonic() + CATCH_UP_TIMEOUT
     while True:
         live = _alive(c, pub)
-        digests = {
-            info.worker_id: info.digest if info.version == version else None
-            for info in live.values()
-        }
+        digests = {i.worker_id: i.digest if i.version == version else None for i in live.values()}
         equal = bool(live) and all(d == want for d in digests.values())
         if (equal and len(live) == len(c.addresses)) or time.monotonic() > deadline:
             break
@@ -225,25 +194,26 @@ def _final_check(c: DemoConfig, pub: Any, model: Any, version: int) -> FinalChec
 
 
 def trainer_role(c: DemoConfig) -> None:
-    """The trainer process: a step and an update every ``update_every`` s until stopped."""
+    """The trainer process: a step and an update every ``update_every`` s until stopped.
+    Its ready line carries the model's vocabulary size (for the clients' prompts)."""
     import torch
 
     from transport import FabricController
     from transport.weights import WeightPublisher
 
-    stop = StopSignals()
+    stop = stop_signals()
     torch.manual_seed(1234)
     model, vocab, logits_of = trainer_model(c)
     model.train()
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     nbytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     reports = ReportSender(c.report)
-    ctl = FabricController(c.addresses, curve=curve_for_client(c.keys), timeout=UPDATE_TIMEOUT)
+    ctl = FabricController(c.addresses, curve=_client_curve(c.keys), timeout=UPDATE_TIMEOUT)
     curve = _curve(c.keys, "trainer.key_secret", authorized_clients_dir="workers")
     pub = WeightPublisher(c.publisher, curve=curve)
-    print(json.dumps({"ready": pub.endpoint}), flush=True)
+    print(json.dumps({"ready": pub.endpoint, "vocab": vocab}), flush=True)
     joined_by = time.monotonic() + 120
-    while not stop.seen:  # every worker's subscriber, staying responsive to a stop
+    while not stop.is_set():  # every worker's subscriber, staying responsive to a stop
         try:
             pub.wait_for_workers(len(c.addresses), timeout=0.25)
             break
@@ -251,10 +221,7 @@ def trainer_role(c: DemoConfig) -> None:
             if time.monotonic() > joined_by:
                 raise
     version, next_update = 0, time.monotonic() + c.update_every
-    while not stop.seen:
-        if time.monotonic() < next_update:
-            time.sleep(min(0.05, max(0.0, next_update - time.monotonic())))
-            continue
+    while not stop.wait(max(0.0, next_update - time.monotonic())):
         # A real step on a small synthetic next-token batch: the weights really change.
         x = torch.randint(0, vocab, (2, 17))
         logits = logits_of(x[:, :-1])
