@@ -3,18 +3,9 @@
 
 from __future__ import annotations
 
-from transport.demo.children import hf_worker_args
-from transport.demo.cli import main
+from transport.demo.cli import hf_worker_args, main
 from transport.demo.config import REFERENCE_SIZES, SIZES, DemoConfig
 from transport.demo.reports import ClientReport, FinalCheck, UpdateReport
 
-__all__ = [
-    "REFERENCE_SIZES",
-    "SIZES",
-    "ClientReport",
-    "DemoConfig",
-    "FinalCheck",
-    "UpdateReport",
-    "hf_worker_args",
-    "main",
-]
+__all__ = ["REFERENCE_SIZES", "SIZES", "ClientReport", "DemoConfig", "FinalCheck",
+           "UpdateReport", "hf_worker_args", "main"]  # fmt: skip

@@ -1,7 +1,5 @@
 """``python -m transport.demo``."""
 
-import sys
-
 from transport.demo.cli import main
 
-sys.exit(main())
+raise SystemExit(main())

@@ -1,33 +1,255 @@
-"""``python -m transport.demo``: the orchestrator and the entry point."""
+"""``python -m transport.demo``: the entry point, the orchestrator, and its child
+processes (started, watched, stopped; the generation workers restarted on their address
+when they die)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
+import importlib.util
+import json
+import os
 import random
 import runpy
+import select
 import shutil
+import signal
+import socket
+import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import zmq
 
-from transport.demo.children import (
-    Child,
-    WorkerPool,
-    free_port,
-    stop_all,
-    stop_signals,
-    watch_parent,
-)
-from transport.demo.config import DemoConfig, UserError, parse_config
-from transport.demo.reports import REPORT_DECODER, Display, RunState, verdict
+from transport.demo.config import REFERENCE_SIZES, DemoConfig, UserError, parse_config
+from transport.demo.reports import REPORT_DECODER, Display, RunState, WorkerEvent, verdict
+from transport.demo.roles import client_role, stop_signals, trainer_role, watch_parent
 from transport.sockets import bind_all, make_socket
 
-__all__ = ["DemoConfig", "UserError", "main"]
+__all__ = ["MAX_RESTARTS", "Child", "DemoConfig", "UserError", "WorkerPool", "hf_worker_args",
+           "main", "watch_parent"]  # fmt: skip
+
+#: Restarts of one worker before it is left down (one that keeps dying as it starts is
+#: broken, not unlucky).
+MAX_RESTARTS = 3
+#: Seconds a (re)started worker has to say it is ready (a model to load, on busy cores).
+READY_TIMEOUT = 300.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def log_tail(path: Path) -> str:
+    lines = path.read_text(errors="replace").splitlines()
+    return next((ln.strip() for ln in reversed(lines) if ln.strip()), "(no output)")
+
+
+@dataclasses.dataclass(eq=False)
+class Child:
+    """One child process: ``python ARGS`` logging to ``log``, in its own session (a
+    terminal's Ctrl-C reaches only the demo process, which stops the children in order)."""
+
+    name: str
+    log: Path
+    args: list[str]
+    proc: subprocess.Popen[bytes] = dataclasses.field(init=False)
+    buf: bytes = b""
+
+    def __post_init__(self) -> None:
+        self.start()
+
+    def start(self) -> None:
+        """Start the process (again)."""
+        self.buf = b""
+        # The run's directory marks every child's environment: grep FASTIO_DEMO_RUN.
+        root = str(Path(__file__).resolve().parents[2])
+        path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+        env = {**os.environ, "FASTIO_DEMO_RUN": str(self.log.parent), "PYTHONPATH": path}
+        with open(self.log, "wb") as log:
+            # stdin: the parent-death pipe (watch_parent), whose write end only we hold.
+            self.proc = subprocess.Popen(
+                [sys.executable, *self.args], env=env, stdout=subprocess.PIPE, stderr=log,
+                stdin=subprocess.PIPE, start_new_session=True,
+            )  # fmt: skip
+
+    def ready(self, timeout: float) -> Any:
+        """The child's one-line JSON ``{"ready": ...}`` on stdout, waiting up to
+        ``timeout`` s. With ``timeout`` 0: None if not there yet (or the child is dead);
+        otherwise a ``RuntimeError`` if it is not there in time or the child exited."""
+        assert self.proc.stdout is not None
+        fd = self.proc.stdout.fileno()
+        deadline = time.monotonic() + timeout
+        while b"\n" not in self.buf:
+            if not select.select([fd], [], [], max(0.0, deadline - time.monotonic()))[0]:
+                if timeout:
+                    raise RuntimeError(f"{self.name} was not ready after {timeout:.0f} s")
+                return None
+            chunk = os.read(fd, 4096)
+            if not chunk:
+                if not timeout:
+                    return None  # the caller sees it dead
+                code, tail = self.proc.wait(), log_tail(self.log)
+                raise RuntimeError(f"{self.name} exited ({code}) before it was ready: {tail}")
+            self.buf += chunk
+        return json.loads(self.buf.split(b"\n", 1)[0])
+
+
+def stop_all(procs: Sequence[subprocess.Popen[bytes]], timeout: float) -> None:
+    """SIGTERM each, SIGKILL what is left after ``timeout`` s, close our pipe ends."""
+    for p in procs:
+        p.send_signal(signal.SIGTERM)  # nothing if it has exited
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        try:
+            p.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+        for f in (p.stdin, p.stdout):
+            if f is not None:
+                f.close()
+
+
+def hf_worker_args(
+    model_size: str = "small",
+    model_path: str | None = None,
+    device: str | None = None,
+    seed: int = 0,
+    **opts: Any,
+) -> list[str]:
+    """Worker command-line arguments that serve :mod:`transport.hf_engine` (``opts``:
+    further :func:`transport.hf_engine.create_engine` options)."""
+    args = ["--engine", "hf", "--model-size", model_size, "--seed", str(seed)]
+    args += ["--model-path", model_path] if model_path else []
+    args += ["--device", device] if device else []
+    for k, v in opts.items():
+        args += ["--engine-opt", f"{k}={v}"]
+    return args
+
+
+def worker_cmd(c: DemoConfig, i: int, bind: str) -> list[str]:
+    """The command of the demo's worker ``i`` bound at ``bind``."""
+    cmd = ["-m", "transport.demo", "--role", "run", "transport.worker", "--bind", bind,
+           "--worker-id", f"worker{i}", "--plugin", "transport.weights.update:subscribe",
+           "--plugin-opt", f"weights_endpoint={c.publisher}", "--plugin-opt", "weights_digest=1"]  # fmt: skip
+    if c.engine == "reference":
+        vocab, hidden, layers = REFERENCE_SIZES[c.model_size]
+        cmd += ["--engine", "reference", "--seed", str(c.seed), "--vocab-size", str(vocab),
+                "--hidden", str(hidden), "--layers", str(layers),
+                "--token-interval", str(c.token_interval)]  # fmt: skip
+    else:
+        opts = {"token_interval": c.token_interval} if c.token_interval else {}
+        cmd += hf_worker_args(c.model_size, c.model_path, c.device, c.seed, **opts)
+    if importlib.util.find_spec("prometheus_client"):
+        cmd += ["--metrics-port", "0"]
+    if c.keys:
+        cmd += ["--plugin-opt", f"weights_curve_secret={c.keys}/worker.key_secret",
+                "--plugin-opt", f"weights_curve_server={c.keys}/trainer.key",
+                "--curve-secret", f"{c.keys}/worker.key_secret",
+                "--curve-clients", f"{c.keys}/clients"]  # fmt: skip
+    return cmd
+
+
+@dataclasses.dataclass(eq=False)
+class _Worker(Child):
+    address: str = ""
+    restarts: int = 0
+    since: float | None = None  # starting again since (seconds into the run)
+    down: bool = False  # left down for good
+    chaos: bool = False  # killed by --chaos
+
+    def up(self, ready: dict[str, Any]) -> str:
+        """Take the address of a ``ready`` line; the words that announce it."""
+        self.address, port = ready["ready"][0], ready.get("metrics")
+        return self.address + (f", metrics http://127.0.0.1:{port}/metrics" if port else "")
+
+
+class WorkerPool:
+    """The workers of one demo run: ``say`` prints a line for the person watching;
+    :attr:`events` records each death and return (for the summary); :attr:`crashed`
+    names the workers that failed by themselves (a nonzero exit status, not a signal),
+    which fails the run."""
+
+    def __init__(self, c: DemoConfig, tmp: Path, say: Callable[[str], None]) -> None:
+        self._config, self._tmp, self._say = c, tmp, say
+        self.workers: list[_Worker] = []
+        self.events: list[WorkerEvent] = []
+        self.crashed: list[str] = []
+
+    def start(self) -> list[str]:
+        """Start every worker, wait for each to be ready (``RuntimeError`` if one is not);
+        their addresses."""
+        c, tmp = self._config, self._tmp
+        for i in range(c.workers):
+            bind = f"ipc://{tmp}/worker{i}" if c.transport == "ipc" else "tcp://127.0.0.1:0"
+            log = tmp / f"worker{i}.log"
+            self.workers.append(_Worker(f"worker{i}", log, worker_cmd(c, i, bind)))
+        for w in self.workers:
+            self._say(f"{w.name}: {w.up(w.ready(READY_TIMEOUT))}")
+        return [w.address for w in self.workers]
+
+    def kill(self, i: int, at: float) -> None:
+        """``--chaos``: SIGKILL worker ``i`` (no goodbye: its sockets just vanish)."""
+        w = self.workers[i]
+        w.chaos = True
+        self._say(f"[{at:5.1f} s] chaos: killing {w.name} (pid {w.proc.pid}) with SIGKILL")
+        w.proc.kill()
+
+    def check(self, at: float) -> None:
+        """Note deaths and returns ``at`` seconds into the run (call it often; it never
+        blocks)."""
+        for i, w in enumerate(self.workers):
+            code = None if w.down else w.proc.poll()
+            if code is None and w.since is not None:
+                if (ready := w.ready(0)) is not None:
+                    w.since = None
+                    self.events.append(WorkerEvent(w.name, at, "back", f"restart {w.restarts}"))
+                    self._say(f"[{at:5.1f} s] {w.name} is back on {w.up(ready)}")
+                elif at - w.since > READY_TIMEOUT:
+                    self.crashed.append(
+                        f"{w.name} (not ready {READY_TIMEOUT:.0f} s after a restart)"
+                    )
+                    w.restarts = MAX_RESTARTS
+                    w.proc.kill()  # seen dead at the next check, and left down
+            if code is None:
+                continue
+            how = f"exit status {code}" if code > 0 else _signal_name(-code)
+            said = f"[{at:5.1f} s] {w.name} died ({how})"
+            said += "" if w.since is None else " while starting again"
+            self.events.append(WorkerEvent(w.name, at, "died", how, w.chaos))
+            w.chaos = False
+            if code > 0:
+                self.crashed.append(f"{w.name} ({how}: {log_tail(w.log)})")
+            if w.restarts >= MAX_RESTARTS:
+                w.down, w.since = True, None
+                self._say(f"{said}; left down, see {w.log}")
+                continue
+            w.restarts += 1
+            w.log = self._tmp / f"worker{i}.restart{w.restarts}.log"
+            self._say(f"{said}; its clients re-send its requests; restarting it on "
+                      f"{w.address} (log {w.log.name})")  # fmt: skip
+            stop_all([w.proc], 0)  # closes our ends of its pipes
+            w.args, w.since = worker_cmd(self._config, i, w.address), at
+            w.start()
+
+    def starting(self) -> list[str]:
+        """The workers starting again now."""
+        return [w.name for w in self.workers if w.since is not None]
+
+
+def _signal_name(num: int) -> str:
+    with contextlib.suppress(ValueError):
+        return signal.Signals(num).name
+    return f"signal {num}"
 
 
 def _make_keys(tmp: Path) -> str:
@@ -51,7 +273,7 @@ def _child(role: str, c: DemoConfig, tmp: Path, name: str, index: int = 0) -> Ch
 
 
 def _run(c: DemoConfig, tmp: Path) -> bool:
-    display, st = Display(live=sys.stdout.isatty(), interval=c.progress_every), RunState()
+    display = Display(live=sys.stdout.isatty(), interval=c.progress_every)
     zctx = zmq.Context()
     pull = make_socket(zctx, zmq.PULL, hwm=None, max_message_size=None)
     bind_all(pull, f"ipc://{tmp}/report")
@@ -60,6 +282,7 @@ def _run(c: DemoConfig, tmp: Path) -> bool:
     keys = _make_keys(tmp) if c.auth else None
     c = msgspec.structs.replace(c, report=f"ipc://{tmp}/report", publisher=publisher, keys=keys)
     stop, pool = stop_signals(), WorkerPool(c, tmp, display.print)
+    st = RunState(events=pool.events, crashed=pool.crashed)  # the pool's lists, shared
     children: list[Child] = []
     try:
         display.print(
@@ -77,18 +300,15 @@ def _run(c: DemoConfig, tmp: Path) -> bool:
         # --chaos: one worker killed (and restarted) once the run is well under way.
         chaos_at = 0.4 * c.duration if c.chaos else None
         victim = random.Random(c.seed).randrange(c.workers)
-        poller = zmq.Poller()
-        poller.register(pull, zmq.POLLIN)
 
         def drain(wait_ms: int) -> None:
-            while poller.poll(wait_ms):
+            while pull.poll(wait_ms):
                 wait_ms = 0
                 st.take(REPORT_DECODER.decode(pull.recv()))
 
         def step() -> float:
             drain(250)
             pool.check(at := time.perf_counter() - st.started)
-            st.events, st.crashed = pool.events, pool.crashed
             display.update(st)
             return at
 
@@ -121,9 +341,8 @@ def _run(c: DemoConfig, tmp: Path) -> bool:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return False
     finally:
-        stop_all([*(ch.proc for ch in children), *pool.procs()], 15)
-        pull.close()
-        zctx.term()
+        stop_all([*(ch.proc for ch in children), *(w.proc for w in pool.workers)], 15)
+        zctx.destroy()  # and the report socket
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -141,15 +360,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"python -m transport.demo: error: {exc}", file=sys.stderr, flush=True)
         return 2
     if role != "orchestrator":
-        from transport.demo.roles import client_role, trainer_role
-
         watch_parent()
         if role == "client":
             asyncio.run(client_role(c))
         else:
-            import torch
-
-            torch.set_num_threads(1)
             trainer_role(c)
         return 0
     tmp = Path(tempfile.mkdtemp(prefix="fastio-demo-"))

@@ -24,20 +24,15 @@ SIZES: tuple[str, ...] = typing.get_args(Size)
 
 #: name -> (vocab_size, hidden, layers) of the reference engine's TinyLM.
 REFERENCE_SIZES: dict[str, tuple[int, int, int]] = {
-    "tiny": (256, 64, 2),
-    "small": (4096, 256, 2),
-    "medium": (32000, 512, 2),
+    "tiny": (256, 64, 2), "small": (4096, 256, 2), "medium": (32000, 512, 2),
     "large": (32000, 1024, 4),
-}
+}  # fmt: skip
 
 #: Size -> (requests in flight per client, seconds between weight updates): every update
 #: makes the interrupted requests prefill again, so a larger model gets fewer of both.
 SIZE_DEFAULTS: dict[str, tuple[int, float]] = {
-    "tiny": (32, 5.0),
-    "small": (16, 5.0),
-    "medium": (8, 10.0),
-    "large": (4, 15.0),
-}
+    "tiny": (32, 5.0), "small": (16, 5.0), "medium": (8, 10.0), "large": (4, 15.0),
+}  # fmt: skip
 
 #: Field -> help text: the fields that are flags of ``python -m transport.demo``.
 HELP = {
@@ -102,9 +97,10 @@ class _Parser(argparse.ArgumentParser):
         raise UserError(message)
 
 
-def parser() -> argparse.ArgumentParser:
-    """The demo's argument parser, one flag per field of :data:`HELP`; the values stay
-    strings, converted and checked by :func:`parse_config`."""
+def parse_config(argv: Sequence[str]) -> tuple[str, DemoConfig]:
+    """The role and the :class:`DemoConfig` of a command line; a :class:`UserError`
+    (one line naming the flag) for a bad value or flags that do not go together.
+    Each field of :data:`HELP` is a flag; the values, strings, are checked here."""
     p = _Parser(
         prog="python -m transport.demo",
         description="The whole system on one machine, in one command.",
@@ -124,13 +120,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--role", choices=("orchestrator", "client", "trainer"),
                    default="orchestrator", help=argparse.SUPPRESS)  # fmt: skip
     p.add_argument("--config", help=argparse.SUPPRESS)
-    return p
-
-
-def parse_config(argv: Sequence[str]) -> tuple[str, DemoConfig]:
-    """The role and the :class:`DemoConfig` of a command line; a :class:`UserError`
-    (one line naming the flag) for a bad value or flags that do not go together."""
-    args = parser().parse_args(argv)
+    args = p.parse_args(argv)
     if args.role != "orchestrator":
         return args.role, msgspec.json.decode(args.config, type=DemoConfig)
     given = {k: v for k, v in vars(args).items() if v is not None and k not in ("role", "config")}

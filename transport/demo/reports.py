@@ -76,7 +76,6 @@ class WorkerEvent(msgspec.Struct):
 
 
 Report = ClientReport | UpdateReport | FinalCheck
-REPORT_ENCODER = msgspec.msgpack.Encoder()
 REPORT_DECODER = msgspec.msgpack.Decoder(Report)
 _SAMPLES = ("latencies", "ttfts", "itls")
 
@@ -115,21 +114,17 @@ class ReportSender:
 
     def __init__(self, address: str) -> None:
         self.zctx = zmq.Context()
-        # Linger: the last report still reaches the demo process after close().
-        self.push = make_socket(
-            self.zctx, zmq.PUSH, hwm=None, max_message_size=None, options={zmq.LINGER: 2000}
-        )
+        self.push = make_socket(self.zctx, zmq.PUSH, hwm=None, max_message_size=None)
         self.push.connect(address)
 
     def send(self, rep: Report) -> None:
-        self.push.send(REPORT_ENCODER.encode(rep))
+        self.push.send(msgspec.msgpack.encode(rep))
         if isinstance(rep, ClientReport):  # the sample lists carry only what is new
             for k in _SAMPLES:
                 getattr(rep, k).clear()
 
     def close(self) -> None:
-        self.push.close()
-        self.zctx.term()
+        self.zctx.destroy(linger=2000)  # the last report still reaches the demo process
 
 
 def _ms(values: list[float], *qs: float, digits: int = 0) -> str:

@@ -4,19 +4,21 @@ steps, weight updates that go on when a worker dies, the end-of-run weight check
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import random
+import signal
 import sys
+import threading
 import time
 from types import SimpleNamespace
 from typing import Any
 
-from transport.demo.children import stop_signals
 from transport.demo.config import REFERENCE_SIZES, DemoConfig
 from transport.demo.reports import ClientReport, FinalCheck, ReportSender, UpdateReport
 
-__all__ = ["client_role", "trainer_model", "trainer_role"]
+__all__ = ["client_role", "stop_signals", "trainer_model", "trainer_role", "watch_parent"]
 
 #: Seconds for the workers to apply a version (a dead one is seen within a heartbeat).
 UPDATE_TIMEOUT = 20.0
@@ -27,18 +29,44 @@ CONTROL_TIMEOUT = 6.0
 CATCH_UP_TIMEOUT = 20.0
 
 
-def _curve(keys: str | None, secret: str, **files: str) -> Any:
-    """The CurveConfig of one role from the run's key files (None without ``--auth``)."""
+def watch_parent(grace: float = 10.0) -> None:
+    """In a child: SIGTERM this process when the demo process is gone, SIGKILL ``grace``
+    seconds later. Its stdin is a pipe whose only writer is the demo process (which never
+    writes): a read returns end-of-file exactly when that process exits, however it does."""
+
+    def watch() -> None:
+        with contextlib.suppress(OSError):
+            while os.read(0, 4096):
+                pass
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(grace)  # the orderly stop's allowance
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
+
+
+def stop_signals() -> threading.Event:
+    """An event set by SIGINT or SIGTERM (a blocking role looks at it between steps)."""
+    stop = threading.Event()
+    for s in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(s, lambda *_: stop.set())
+    return stop
+
+
+#: Role -> the files of its CurveConfig, in the run's keys directory.
+_CURVE_FILES = {
+    "client": {"secret_key_file": "client.key_secret", "server_public_key_file": "worker.key"},
+    "trainer": {"secret_key_file": "trainer.key_secret", "authorized_clients_dir": "workers"},
+}
+
+
+def _curve(keys: str | None, role: str) -> Any:
+    """The CurveConfig of ``role`` (None without ``--auth``)."""
     if not keys:
         return None
     from transport import CurveConfig
 
-    files = {k: os.path.join(keys, v) for k, v in files.items()}
-    return CurveConfig(secret_key_file=os.path.join(keys, secret), **files)
-
-
-def _client_curve(keys: str | None) -> Any:
-    return _curve(keys, "client.key_secret", server_public_key_file="worker.key")
+    return CurveConfig(**{k: os.path.join(keys, v) for k, v in _CURVE_FILES[role].items()})
 
 
 async def client_role(c: DemoConfig) -> None:
@@ -49,7 +77,9 @@ async def client_role(c: DemoConfig) -> None:
     stop, reports, rep = stop_signals(), ReportSender(c.report), ClientReport(client=c.index)
     rng = random.Random(c.index)
     # Failover within about two seconds of a worker's death, while the run still watches.
-    config = ClientConfig(curve=_client_curve(c.keys), heartbeat_interval=0.5, heartbeat_liveness=4)
+    config = ClientConfig(
+        curve=_curve(c.keys, "client"), heartbeat_interval=0.5, heartbeat_liveness=4
+    )
     print(json.dumps({"ready": True}), flush=True)
 
     async with FabricClient(c.addresses, config) as client:
@@ -143,9 +173,8 @@ def _update(c: DemoConfig, ctl: Any, pub: Any, model: Any, version: int) -> Upda
         # Published all the same: a worker that comes back catches up to it.
         pub.publish(model, version)
         return UpdateReport(version=version, seconds=time.perf_counter() - t0, skipped=skipped)
-    for address in ctl.addresses:
-        if address not in before:
-            ctl.remove_worker(address)
+    for address in set(ctl.addresses) - before.keys():
+        ctl.remove_worker(address)
     for address in before:
         ctl.add_worker(address)
     # The pause and the resume within CONTROL_TIMEOUT, the apply within UPDATE_TIMEOUT.
@@ -202,26 +231,22 @@ def trainer_role(c: DemoConfig) -> None:
     from transport.weights import WeightPublisher
 
     stop = stop_signals()
+    torch.set_num_threads(1)
     torch.manual_seed(1234)
     model, vocab, logits_of = trainer_model(c)
     model.train()
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     nbytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     reports = ReportSender(c.report)
-    ctl = FabricController(c.addresses, curve=_client_curve(c.keys), timeout=UPDATE_TIMEOUT)
-    curve = _curve(c.keys, "trainer.key_secret", authorized_clients_dir="workers")
-    pub = WeightPublisher(c.publisher, curve=curve)
+    ctl = FabricController(c.addresses, curve=_curve(c.keys, "client"), timeout=UPDATE_TIMEOUT)
+    pub = WeightPublisher(c.publisher, curve=_curve(c.keys, "trainer"))
     print(json.dumps({"ready": pub.endpoint, "vocab": vocab}), flush=True)
-    joined_by = time.monotonic() + 120
-    while not stop.is_set():  # every worker's subscriber, staying responsive to a stop
-        try:
-            pub.wait_for_workers(len(c.addresses), timeout=0.25)
-            break
-        except TimeoutError:
-            if time.monotonic() > joined_by:
-                raise
-    version, next_update = 0, time.monotonic() + c.update_every
-    while not stop.wait(max(0.0, next_update - time.monotonic())):
+    joined_by = time.monotonic() + 120  # every worker's subscriber, responsive to a stop
+    while len(_alive(c, pub)) < len(c.addresses) and not stop.wait(0.25):
+        if time.monotonic() > joined_by:
+            raise TimeoutError(f"{len(_alive(c, pub))} of {len(c.addresses)} subscribers joined")
+    version = 0
+    while not stop.wait(c.update_every):
         # A real step on a small synthetic next-token batch: the weights really change.
         x = torch.randint(0, vocab, (2, 17))
         logits = logits_of(x[:, :-1])
@@ -234,7 +259,6 @@ def trainer_role(c: DemoConfig) -> None:
         rep = _update(c, ctl, pub, model, version)
         rep.loss, rep.nbytes = loss.item(), nbytes
         reports.send(rep)
-        next_update = time.monotonic() + c.update_every
     reports.send(_final_check(c, pub, model, version))
     ctl.close()
     pub.close()
