@@ -35,24 +35,8 @@ def _run_dir(output: str) -> str:
 
 
 def _wait_for_run_dir(p: subprocess.Popen[str], timeout: float) -> str:
-    """Read the demo's output (never blocking past ``timeout``) until it names its run
-    directory."""
-    assert p.stdout is not None
-    fd = p.stdout.fileno()
-    seen = b""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
-        if not ready:
-            break
-        chunk = os.read(fd, 4096)
-        if not chunk:
-            break
-        seen += chunk
-        m = re.search(r"logs in\s+(/\S+)\s", seen.decode(errors="replace"))
-        if m:
-            return m.group(1)
-    raise AssertionError(f"the demo did not start within {timeout} s: {seen!r}")
+    """Read the demo's output until it names its run directory."""
+    return _run_dir(_read_until(p, r"logs in\s+/\S+\s", timeout))
 
 
 def _children_of(run_dir: str) -> list[int]:

@@ -5,7 +5,6 @@ when they die)."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import importlib.util
 import json
@@ -40,6 +39,7 @@ __all__ = ["MAX_RESTARTS", "Child", "DemoConfig", "UserError", "WorkerPool", "hf
 MAX_RESTARTS = 3
 #: Seconds a (re)started worker has to say it is ready (a model to load, on busy cores).
 READY_TIMEOUT = 300.0
+_SIGNALS = {s.value: s.name for s in signal.Signals}  # 9 -> "SIGKILL"
 
 
 def free_port() -> int:
@@ -114,9 +114,8 @@ def stop_all(procs: Sequence[subprocess.Popen[bytes]], timeout: float) -> None:
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait()
-        for f in (p.stdin, p.stdout):
-            if f is not None:
-                f.close()
+        for f in filter(None, (p.stdin, p.stdout)):
+            f.close()
 
 
 def hf_worker_args(
@@ -222,7 +221,7 @@ class WorkerPool:
                     w.proc.kill()  # seen dead at the next check, and left down
             if code is None:
                 continue
-            how = f"exit status {code}" if code > 0 else _signal_name(-code)
+            how = f"exit status {code}" if code > 0 else _SIGNALS.get(-code, f"signal {-code}")
             said = f"[{at:5.1f} s] {w.name} died ({how})"
             said += "" if w.since is None else " while starting again"
             self.events.append(WorkerEvent(w.name, at, "died", how, w.chaos))
@@ -244,12 +243,6 @@ class WorkerPool:
     def starting(self) -> list[str]:
         """The workers starting again now."""
         return [w.name for w in self.workers if w.since is not None]
-
-
-def _signal_name(num: int) -> str:
-    with contextlib.suppress(ValueError):
-        return signal.Signals(num).name
-    return f"signal {num}"
 
 
 def _make_keys(tmp: Path) -> str:
