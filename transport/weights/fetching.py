@@ -59,7 +59,12 @@ class VersionFetcher:
         self.lock = lock
         self.applier = BucketApplier(reporter.targets, copy_threads=config.copy_threads)
         self.loader = loader
-        self.loader_takes_version = loader is not None and _takes_version(loader)
+        try:
+            self.loader_takes_version = loader is not None and (
+                "version" in inspect.signature(loader).parameters
+            )
+        except (TypeError, ValueError):  # no signature to read
+            self.loader_takes_version = False
         self.on_progress = on_progress
         self.keepalive = keepalive
         self.update: InFlight | None = None
@@ -154,18 +159,16 @@ class VersionFetcher:
         info = up.ann.buckets[i]
         if not ok or part.size != info.nbytes or part.hasher.digest() != checksum:
             self.core.count("checksum_failures")
+            v = up.ann.version
             if up.seg is not None:  # the segment is the snapshot: asked again, the same bytes
-                v = up.ann.version
                 self.fail(
                     v, f"bucket {i} of version {v} fails its checksum in shared memory", "shm"
                 )
-                return
-            error = up.sched.again(i)
-            if error is not None:
-                self.fail(up.ann.version, error)
-                return
-            self.core.count("refetches")
-            self.pump()
+            elif (error := up.sched.again(i)) is not None:
+                self.fail(v, error)
+            else:
+                self.core.count("refetches")
+                self.pump()
             return
         up.sched.done(i)
         up.stats.buckets[i].update(recv_s=t - up.t0, verify_s=part.verify_s)
@@ -295,11 +298,8 @@ class VersionFetcher:
             self.unhold(up)  # after a failure marked the weights mixed: the lock sees it
         parts.clear()  # drop the frames now, not at the next update
         stats.total_s = time.monotonic() - up.t0
-        for phase, secs in zip(
-            ("receive", "verify", "apply", "total"),
-            (stats.fetch_s, stats.verify_s, stats.apply_s, stats.total_s),
-            strict=True,
-        ):
+        phases = {"receive": stats.fetch_s, "verify": stats.verify_s, "apply": stats.apply_s}
+        for phase, secs in {**phases, "total": stats.total_s}.items():
             metrics.SUBSCRIBER_PHASE_SECONDS.labels(phase=phase).observe(secs)
         self.reporter.applied(stats, sum(b.nbytes for b in ann.buckets))
 
@@ -323,10 +323,3 @@ class VersionFetcher:
         """End the version in flight (superseded, the subscriber closing)."""
         if self.update is not None:
             self.fail(self.update.ann.version, why)
-
-
-def _takes_version(fn: Callable[..., Any]) -> bool:
-    try:
-        return "version" in inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return False

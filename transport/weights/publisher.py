@@ -105,12 +105,9 @@ class WeightPublisher:
             self._zctx, zmq.PUB, hwm=None, max_message_size=None, curve=curve,
             curve_server=True, options=pub_opts,
         )  # fmt: skip
-        cfg_pub = cfg.pub_endpoint  # default: next to the ROUTER (a free port, or ".pub")
-        if not cfg_pub and self.endpoint.startswith("tcp://"):
-            cfg_pub = f"tcp://{self.endpoint[6:].rsplit(':', 1)[0]}:*"
-        elif not cfg_pub:
-            cfg_pub = self.endpoint + ".pub"
-        self.pub_endpoint: str = bind_all(pub, cfg_pub)[0]
+        tcp = self.endpoint.startswith("tcp://")  # the PUB next to the ROUTER by default
+        next_to = self.endpoint.rsplit(":", 1)[0] + ":*" if tcp else self.endpoint + ".pub"
+        self.pub_endpoint: str = bind_all(pub, cfg.pub_endpoint or next_to)[0]
         self.ipc = IpcOffering(
             cfg.ipc, cfg.ipc_slots, cfg.ipc_timeout, core=self.core, cond=self._cond,
             encoder=VERSION_1, wake=self._wake, publisher_id=self.publisher_id,
@@ -121,10 +118,8 @@ class WeightPublisher:
             self.publisher_id, self.host_id, self.pub_endpoint, 0,
             probe.name if probe else "", probe.token if probe else "",
         )  # fmt: skip
-        link = self.endpoint.startswith("tcp://") and (
-            cfg.data_link or (cfg.data_link is None and curve is None)
-        )
-        self.serving = Serving(cfg, self.store, self.ipc, router, pub, welcome, link=bool(link))
+        link = tcp and (cfg.data_link or (cfg.data_link is None and curve is None))
+        self.serving = Serving(cfg, self.store, self.ipc, router, pub, welcome, link=link)
         self._thread = threading.Thread(
             target=self.serving.run, name=f"weights-publisher-{self.publisher_id}", daemon=True
         )
@@ -188,25 +183,18 @@ class WeightPublisher:
             self.core.count("versions_not_staged")
         else:
             staged = self.store.acquire(version, total)
-        staged.announce = WeightAnnounce(
-            publisher_id=self.publisher_id,
-            seq=0,  # assigned by the serving thread, which owns the sequence
-            version=version,
-            checksum_algo=self.config.checksum,
-            total_bytes=total,
-            buckets=plan,
-            shm_name=staged.seg.name if staged.seg is not None else "",
-            aliases=aliases,
-        )
+        staged.announce = WeightAnnounce(  # seq: the serving thread's, which owns it
+            self.publisher_id, 0, version, self.config.checksum, total, plan,
+            staged.seg.name if staged.seg is not None else "", aliases,
+        )  # fmt: skip
         if not lazy:  # packed by the serving thread between its sends
             staged.job = pack_steps(staged, tensors, self.config.chunk_bytes, self._cond)
         with self._cond:
             self.serving.pending.append(staged)
         self._wake()
         with self._cond:
-            while (
-                staged in self.serving.pending or staged.job is not None
-            ) and not self.serving.closed:
+            srv = self.serving
+            while (staged in srv.pending or staged.job is not None) and not srv.closed:
                 self._cond.wait(1.0)
             if staged.error is not None:
                 raise staged.error

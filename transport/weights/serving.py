@@ -36,12 +36,9 @@ from transport.weights.routes import zmq as zmq_route
 from transport.weights.routes.ipc import IpcOffering
 from transport.weights.staging import Send, Staged, VersionStore, pack_steps
 
-__all__ = ["SHM_NOTICE_BYTES", "Serving"]
+__all__ = ["Serving"]
 
 log = logging.getLogger("transport.weights.publisher")
-
-#: Same-host workers get a "bytes ready" notice at most every this many packed bytes.
-SHM_NOTICE_BYTES = shm.NOTICE_BYTES
 
 #: What the ROUTER accepts: the weight messages and the ipc route's Hello and Ack.
 _FROM_SUBSCRIBER = Union[SUBSCRIBER_TO_PUBLISHER, IpcHello, IpcAck]  # noqa: UP007
@@ -189,19 +186,17 @@ class Serving:
     def _pack_step(self) -> bool:
         """Run one step of the version being packed; False when none is."""
         with self.cond:  # the latest, or an older version staged late
-            jobs = [v for v in self.store.versions.values() if v.job is not None]
-            latest = self.store.latest
-            st = latest if latest is not None and latest.job is not None else next(iter(jobs), None)
+            versions = (self.store.latest, *self.store.versions.values())
+            st = next((v for v in versions if v is not None and v.job is not None), None)
         if st is None or st.job is None:
             return False
-        done = True
+        done = False
         try:
             next(st.job)
-            done = False
-        except StopIteration:
-            pass
-        except Exception as exc:  # reported to the publish() caller
-            st.error = exc
+        except Exception as exc:  # StopIteration: packed; else reported to publish()
+            done = True
+            if not isinstance(exc, StopIteration):
+                st.error = exc
         if done:
             with self.cond:
                 st.job = None
@@ -330,16 +325,13 @@ class Serving:
                 if old is not None:
                     old.cancelled = True
         if act == "refuse":
-            self._refuse(ident, msg, why, named)
+            self.reply(ident, self.encoder.encode(WeightError(msg.version, msg.index, why, named)))
         elif act == "send" and st is not None:
             self._advance(st, snd)
 
     def _ended(self, st: Staged, snd: Send) -> None:
         with self.cond:
             self.core.answer_ended(st.ledger, (snd.wid, snd.fetch.index), snd)
-
-    def _refuse(self, ident: bytes, msg: WeightFetch, reason: str, latest: int) -> None:
-        self.reply(ident, self.encoder.encode(WeightError(msg.version, msg.index, reason, latest)))
 
     def _link_send(self, snd: Send, msg: WeightBucket) -> Tracker | None:
         """Queue ``msg`` (one chunk) on the worker's data link; None without one."""
@@ -355,24 +347,19 @@ class Serving:
         with self.cond:
             ready = min(max(st.packed - info.shm_offset, 0), info.nbytes)
             complete = info.index < st.buckets_done
-            checksum = info.checksum
-        step = self.config.chunk_bytes
-        v, k = snd.fetch.version, snd.fetch.index
+        v, k, n = snd.fetch.version, snd.fetch.index, info.nbytes
         span = self.notices.span if snd.shm else self.frames.span
-        while True:
-            start = snd.cursor
-            end = span(start, ready, info.nbytes, complete, step)
-            if end is None:
-                break
-            last = complete and end == info.nbytes
+        while (end := span(snd.cursor, ready, n, complete, self.config.chunk_bytes)) is not None:
+            start, last = snd.cursor, complete and end == n
             if end == start and not last:
-                break
+                return
+            checksum = info.checksum if last else 0
             if snd.shm:
-                msg = WeightBucket(v, k, start, checksum if last else 0, last, [], end - start)
+                msg = WeightBucket(v, k, start, checksum, last, [], end - start)
                 ok = self.notices.send(snd.ident, snd.wid, msg) is not None
             else:
                 chunk = st.view()[info.shm_offset + start : info.shm_offset + end]
-                msg = WeightBucket(v, k, start, checksum if last else 0, last, [chunk])
+                msg = WeightBucket(v, k, start, checksum, last, [chunk])
                 tracker = None
                 if snd.fetch.data and snd.linked is not False:
                     tracker = self._link_send(snd, msg)
@@ -387,15 +374,11 @@ class Serving:
                 if tracker is not None:
                     with self.cond:
                         st.trackers.append(tracker)
-            # Not queued (HWM or peer gone): the worker times out and asks again.
-            last = last or not ok
             snd.cursor = end
-            if last:
+            if last or not ok:  # not queued (HWM or peer gone): the worker asks again
                 self._ended(st, snd)
                 if ok:
                     self.core.count("buckets_sent")
-                    self.core.count("bytes_sent", 0 if snd.shm else info.nbytes)
-                    metrics.PUBLISHER_BYTES.labels(path="shm" if snd.shm else "tcp").inc(
-                        info.nbytes
-                    )
+                    self.core.count("bytes_sent", 0 if snd.shm else n)
+                    metrics.PUBLISHER_BYTES.labels(path="shm" if snd.shm else "tcp").inc(n)
                 return

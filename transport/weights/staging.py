@@ -184,8 +184,7 @@ class VersionStore:
 
     def add(self, st: Staged) -> None:
         """``st`` was announced: the latest version."""
-        self.versions[st.version] = st
-        self.latest = st
+        self.versions[st.version] = self.latest = st
 
     def acquire(self, version: int, total: int) -> Staged:
         """A buffer for a new version: a free or reusable one that fits, else a new one."""
@@ -251,12 +250,9 @@ class VersionStore:
     def close(self) -> None:
         """Free every buffer (the publisher is closing; lock held)."""
         self.closed = True
-        for st in self.versions.values():
-            seg = st.take_segment()
+        for seg in [st.take_segment() for st in self.versions.values()] + self._free:
             if seg is not None:
                 seg.close()
-        for seg in self._free:
-            seg.close()
         self.versions.clear()
         self.core.close()
         self._free.clear()

@@ -16,6 +16,8 @@ import msgspec
 from fastio.weight_msgs import WeightAck  # noqa: F401  (names FabricUpdateResult's inherited fields)
 from transport.errors import ControlError, ResumeRefused
 from transport.options import NonEmptyStr, NonNegativeSeconds, Seconds, parse_options, resolve_entry
+from transport.sockets import CurveConfig
+from transport.weights.binding import parse_dtype_spec
 from transport.weights.config import SubscriberConfig
 from transport.weights.core.subscriber import PauseLease
 from transport.weights.errors import UpdateIncomplete, WeightUpdateError
@@ -163,11 +165,6 @@ class PausedWhileCopying:
         """The guarded subscriber's weights hold no complete version."""
         return self._sub is not None and not self._sub.consistent
 
-    def keepalive(self) -> None:
-        """Called while waiting on the loop: the subscriber's Hello when one is due."""
-        if self._sub is not None:
-            self._sub.keepalive()
-
     async def hold_resume(self) -> None:
         """``server.on_resume``: wait for a copy; :class:`ResumeRefused` while mixed."""
         await self._free.wait()
@@ -209,6 +206,11 @@ class PausedWhileCopying:
         if mine is not None and s.paused and s.pause_requests == mine:
             await s.resume()
 
+    def keepalive(self) -> None:
+        """Called while waiting on the loop: the subscriber's Hello when one is due."""
+        if self._sub is not None:
+            self._sub.keepalive()
+
     @property
     def copying(self) -> bool:
         """Whether a copy holds the lock now."""
@@ -225,8 +227,7 @@ class PausedWhileCopying:
                 if time.monotonic() >= deadline:
                     fut.cancel()
                     raise
-                # Waiting for generations to stop can outlast worker_timeout.
-                self.keepalive()
+                self.keepalive()  # waiting for generations can outlast worker_timeout
 
     def __enter__(self) -> None:
         if not self._call(self.acquire()):
@@ -301,10 +302,8 @@ async def _pause_lease(
             log.warning(
                 "worker %s paused for %.1f s with no word from the weight publisher (the "
                 "trainer is gone?): resuming on version %d, the last complete one",
-                server.worker_id,
-                quiet,
-                sub.version,
-            )
+                server.worker_id, quiet, sub.version,
+            )  # fmt: skip
             await server.resume()
 
 
@@ -353,9 +352,6 @@ PLUGIN_OPTIONS = frozenset(PluginOptions.__struct_encode_fields__)
 def subscriber_options(opts: dict[str, str], model: Any) -> dict[str, Any]:
     """The keyword arguments of :func:`attach_subscriber` (but the endpoint) from the
     plugin's options; ``ValueError`` naming a bad or unknown one."""
-    from transport.sockets import CurveConfig
-    from transport.weights.binding import parse_dtype_spec
-
     o = msgspec.structs.asdict(parse_options(opts, PluginOptions, "weights plugin option"))
     kw: dict[str, Any] = {"report_digest" if k == "digest" else k: o[k] for k in _ALWAYS}
     passed = [k for k in _FROM_CONFIG if k not in _ALWAYS] + ["pause_timeout", "pause_lease"]
