@@ -59,7 +59,6 @@ class FabricInferenceEngine(RemoteInfEngine):  # type: ignore[misc]
         on_chunk: ChunkObserver | None = None,
     ) -> None:
         super().__init__(config, backend=None)
-        self._workflow_executor: WorkflowExecutor | None = None
         self.client_config = client_config
         self.weights_timeout = weights_timeout
         self.on_chunk = on_chunk
@@ -79,10 +78,10 @@ class FabricInferenceEngine(RemoteInfEngine):  # type: ignore[misc]
         ``config.setup_timeout``) and start AReaL's workflow executor."""
         self.engine_id = engine_id or uuid.uuid4().hex
         self.logger = areal_logging.getLogger(f"[FabricInferenceEngine {self.engine_id}]")
-        if addr:
-            addresses = addr if isinstance(addr, list) else [addr]
-        else:
-            addresses = [a for a in os.getenv("AREAL_LLM_SERVER_ADDRS", "").split(",") if a]
+        given = ([addr] if isinstance(addr, str) else addr) or os.getenv(
+            "AREAL_LLM_SERVER_ADDRS", ""
+        ).split(",")
+        addresses = [a for a in given if a]
         if not addresses:
             raise RuntimeError(
                 "No configured fastio workers. Pass their addresses to initialize(addr=...) "
@@ -110,10 +109,8 @@ class FabricInferenceEngine(RemoteInfEngine):  # type: ignore[misc]
 
     def destroy(self) -> None:
         """Stop the executor, close the clients and the controller."""
-        self._initialized = False
-        if self._workflow_executor is not None:
-            self._workflow_executor.destroy()
-            self._workflow_executor = None
+        super().destroy()  # the workflow executor
+        self._workflow_executor = None
         if self._updates is not None:
             # A wait in progress ends by its own timeout; queued ones are dropped.
             self._updates.shutdown(wait=True, cancel_futures=True)

@@ -4,7 +4,7 @@ with its loop (``docs/areal.md#use``)."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
+import contextlib
 import logging
 import threading
 from collections.abc import AsyncGenerator, Awaitable, Sequence
@@ -19,14 +19,8 @@ __all__ = ["LoopClients"]
 
 log = logging.getLogger("transport.areal")
 
-
-@dataclasses.dataclass(slots=True, eq=False)
-class _Bound:
-    """A loop's client and the async generator whose shutdown closes it."""
-
-    loop: asyncio.AbstractEventLoop
-    client: FabricClient
-    watch: AsyncGenerator[None, None] = dataclasses.field(init=False)
+#: A loop's client and the async generator whose shutdown (the loop's) closes it.
+_Bound = tuple[FabricClient, AsyncGenerator[None, None]]
 
 
 class LoopClients:
@@ -57,53 +51,50 @@ class LoopClients:
     def snapshot(self) -> dict[asyncio.AbstractEventLoop, FabricClient]:
         """The clients now open, by loop."""
         with self._lock:
-            return {loop: b.client for loop, b in self._by_loop.items()}
+            return {loop: client for loop, (client, _) in self._by_loop.items()}
 
     async def get(self) -> FabricClient:
         """The running loop's client (made on its first request); ``RuntimeError``
         after :meth:`close`."""
         loop = asyncio.get_running_loop()
-        b = self._by_loop.get(loop)  # one dict read per request: no lock
-        if b is not None:
-            return b.client
+        bound = self._by_loop.get(loop)  # one dict read per request: no lock
+        if bound is not None:
+            return bound[0]
         with self._lock:
             if self._closed:
                 raise RuntimeError("the engine is not initialized (call initialize first)")
-            stale = [b for b in self._by_loop.values() if b.loop.is_closed()]
-            for b in stale:
-                del self._by_loop[b.loop]
-            b = _Bound(loop, FabricClient(self.addresses, self.config))
-            b.client.counters.observe_latency = self._observe_latency
-            b.watch = self._watch(b)
-            self._by_loop[loop] = b
-        for old in stale:
-            self._end(old)
+            stale = [(old, b) for old, b in self._by_loop.items() if old.is_closed()]
+            for old, _ in stale:
+                del self._by_loop[old]
+            client = FabricClient(self.addresses, self.config)
+            client.counters.observe_latency = self._observe_latency
+            watch = self._watch(loop, client)
+            self._by_loop[loop] = (client, watch)
+        for old, (_, old_watch) in stale:
+            self._end(old, old_watch)
         # The first step registers the generator with this loop (its shutdown of async
         # generators closes the client) and stops at its yield: nothing is awaited.
-        await b.watch.__anext__()
-        return await b.client.start()  # its sockets open now, on this loop
+        await watch.__anext__()
+        return await client.start()  # its sockets open now, on this loop
 
-    async def _watch(self, b: _Bound) -> AsyncGenerator[None, None]:
+    async def _watch(
+        self, loop: asyncio.AbstractEventLoop, client: FabricClient
+    ) -> AsyncGenerator[None, None]:
         try:
             yield
-        finally:  # close b's client here and now
+        finally:  # close the client here and now
             with self._lock:
-                if self._by_loop.get(b.loop) is b:
-                    del self._by_loop[b.loop]
-            _drive(b.client.close(), "closing a fabric client")
+                if self._by_loop.get(loop, (None,))[0] is client:
+                    del self._by_loop[loop]
+            _drive(client.close(), "closing a fabric client")
 
-    def _end(self, b: _Bound) -> None:
-        """Close ``b``'s generator (so its client): on its loop if that runs elsewhere."""
-        loop = b.loop
+    def _end(self, loop: asyncio.AbstractEventLoop, watch: AsyncGenerator[None, None]) -> None:
+        """Close ``watch`` (so its client): on its loop if that runs elsewhere."""
         if loop.is_running() and not _runs_here(loop):
-            try:
-                fut = asyncio.run_coroutine_threadsafe(_aclose(b.watch), loop)
-            except RuntimeError:  # closed meanwhile: finished here below
-                pass
-            else:
+            with contextlib.suppress(RuntimeError):  # closed meanwhile: finished here below
+                fut = asyncio.run_coroutine_threadsafe(_aclose(watch), loop)
                 try:
-                    fut.result(self.close_timeout)
-                    return
+                    return fut.result(self.close_timeout)
                 except Exception:  # timed out, or the loop stopped first
                     fut.cancel()
                 if loop.is_running():
@@ -113,16 +104,16 @@ class LoopClients:
                         self.close_timeout,
                     )
                     return
-        _drive(b.watch.aclose(), "closing a fabric client's loop watch")
+        _drive(watch.aclose(), "closing a fabric client's loop watch")
 
     def close(self) -> None:
         """Close every client (requests still pending fail with ``ClientClosed``); no
         client is made after this."""
         with self._lock:
             self._closed = True
-            bound = list(self._by_loop.values())
-        for b in bound:
-            self._end(b)
+            bound = list(self._by_loop.items())
+        for loop, (_, watch) in bound:
+            self._end(loop, watch)
         if self.metrics_port is not None:
             metrics.stop_http_server(self.metrics_port)
             self.metrics_port = None
