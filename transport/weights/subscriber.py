@@ -25,7 +25,7 @@ import fastio
 from fastio import weight_msgs as wm
 from fastio.ipc_msgs import IpcOffer, IpcReady
 from fastio.versions import VERSION_1
-from transport import metrics
+from transport import metrics, zmqio
 from transport.addresses import warn_if_unresolvable, with_reachable_host
 from transport.ratelog import RateLimitedLog
 from transport.sockets import CurveConfig, make_dealer, make_socket
@@ -34,7 +34,6 @@ from transport.weights.bucket import named_tensors
 from transport.weights.config import SubscriberConfig, make_config
 from transport.weights.core.subscriber import SubscriberCore
 from transport.weights.fetching import VersionFetcher
-from transport.weights.malloc import tune_malloc
 from transport.weights.reporting import Reporter
 from transport.weights.results import UpdateStats
 from transport.weights.routes import shm as _shm
@@ -102,8 +101,8 @@ class WeightSubscriber:
             raise ValueError("a WeightSubscriber needs a target, a loader or both")
         if curve is not None and curve.server_public_key_file is None:
             raise ValueError("CurveConfig.server_public_key_file is needed to subscribe")
-        if cfg.tune_malloc:
-            tune_malloc()
+        if cfg.tune_malloc:  # process-wide: a version's freed chunks kept for the next
+            zmqio.tune_malloc(32 << 20, 1 << 30)
         self.endpoint = endpoint
         self.curve = curve
         self.worker_id = cfg.worker_id or f"w-{os.getpid()}-{uuid.uuid4().hex[:8]}"
