@@ -4,6 +4,7 @@ checked in the protocol's order, with field paths (``LLMRequest.gconfig.top_p``)
 
 from __future__ import annotations
 
+import functools
 import re
 import struct
 import sys
@@ -70,20 +71,19 @@ IMAGE_MODES = {
     **{"RGBA": 4, "CMYK": 4, "I": 4, "F": 4},
 }
 
-# torch is optional and slow to import: its tables are built on first use.
-torch_names: dict[Any, str] = {}  # torch.dtype -> wire name
-torch_dtypes: dict[str, tuple[Any, int]] = {}  # wire name -> (torch.dtype, itemsize)
 
-
-def torch_tables() -> None:
+@functools.cache
+def torch_tables() -> tuple[dict[Any, str], dict[str, tuple[Any, int]]]:
+    """``(torch dtype -> wire name, wire name -> (torch dtype, itemsize))``, built on
+    first use: torch is optional and slow to import."""
     import torch
 
+    dtypes = {}
     for name in DTYPE_NAMES:
         dt = getattr(torch, name, None)
-        if name in ("uint16", "uint32", "uint64") or dt is None:  # lack most kernels
-            continue
-        torch_dtypes[name] = (dt, torch.empty((), dtype=dt).element_size())
-        torch_names[dt] = name
+        if dt is not None and name not in ("uint16", "uint32", "uint64"):  # few kernels
+            dtypes[name] = (dt, torch.empty((), dtype=dt).element_size())
+    return {dt: name for name, (dt, _) in dtypes.items()}, dtypes
 
 
 def is_tensor(obj: Any) -> bool:

@@ -228,11 +228,10 @@ class Decoder:
                 f"a torch tensor {name}{list(shape)} arrived and torch is not installed: "
                 f"{install_hint('torch')}"
             ) from exc
-        if not _ext.torch_dtypes:
-            _ext.torch_tables()
-        entry = _ext.torch_dtypes.get(name)
+        dtypes = _ext.torch_tables()[1]
+        entry = dtypes.get(name)
         if entry is None:
-            raise DecodeError(f"unknown tensor dtype {name!r}; known: {sorted(_ext.torch_dtypes)}")
+            raise DecodeError(f"unknown tensor dtype {name!r}; known: {sorted(dtypes)}")
         dtype, itemsize = entry
         data = _data(slot, count * itemsize, lambda: f"tensor {name}{list(shape)}", frames)
         if memoryview(data).readonly:

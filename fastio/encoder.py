@@ -255,20 +255,17 @@ class Encoder:
 
 def _tensor(t: Any) -> tuple[int, tuple[Any, ...], np.ndarray[Any, Any]]:
     """A tensor's ext code, descriptor ``(dtype, shape)`` and bytes on the host."""
-    if not _ext.torch_names:
-        _ext.torch_tables()
-    name = _ext.torch_names.get(t.dtype)
-    if name is None:
-        raise EncodeError(
-            f"unsupported tensor dtype {t.dtype}; supported: {sorted(_ext.torch_dtypes)}"
-        )
-    # Device memory cannot be a frame: one copy through host memory.
-    t = t.detach().cpu().contiguous()
-    if name in _ext.NP_DTYPES:
-        return _ext.EXT_TENSOR, (name, tuple(t.shape)), t.numpy()
-    import torch  # bfloat16 has no numpy dtype: its bytes (view() needs >= 1 dim)
+    import torch  # imported already: ``t`` is a tensor
 
-    return _ext.EXT_TENSOR, (name, tuple(t.shape)), t.reshape(-1).view(torch.uint8).numpy()
+    names, dtypes = _ext.torch_tables()
+    name = names.get(t.dtype)
+    if name is None:
+        raise EncodeError(f"unsupported tensor dtype {t.dtype}; supported: {sorted(dtypes)}")
+    # Device memory cannot be a frame: one copy through host memory. bfloat16 has no
+    # numpy dtype: its bytes (view() needs >= 1 dim).
+    t = t.detach().cpu().contiguous()
+    data = t.numpy() if name in _ext.NP_DTYPES else t.reshape(-1).view(torch.uint8).numpy()
+    return _ext.EXT_TENSOR, (name, tuple(t.shape)), data
 
 
 def _image(img: Any) -> tuple[int, tuple[Any, ...], np.ndarray[Any, Any]]:

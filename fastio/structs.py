@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import numpy as np
 
+from fastio.protocol import DTYPE_NAMES
 from fastio.tokens import TokenArray
 
 __all__ = ["WireStruct", "message_types"]
@@ -63,10 +64,8 @@ else:
 
 _TA = TokenArray
 # The fast path of the token-field checks; other equal dtypes take the full check.
-_INT_DTYPES = frozenset(
-    np.dtype(n) for n in ("int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64")
-)
-_NUM_DTYPES = _INT_DTYPES | {np.dtype(n) for n in ("float16", "float32", "float64")}
+_NUM_DTYPES = frozenset(np.dtype(n) for n in DTYPE_NAMES if n not in ("bool", "bfloat16"))
+_INT_DTYPES = frozenset(d for d in _NUM_DTYPES if d.kind in "iu")
 
 
 def _tokens(value: Any, dtype: Any, field: str) -> TokenArray:
@@ -75,41 +74,40 @@ def _tokens(value: Any, dtype: Any, field: str) -> TokenArray:
     wider; floats among ids, and bool arrays, raise."""
     target = np.dtype(dtype)
     ints = target.kind in "iu"
-    t = value if isinstance(value, TokenArray) else _convert(value, target, field, ints)
-    if t.dtype.kind not in ("iu" if ints else "fiu"):
-        what = "integers" if ints else "numbers"
-        raise TypeError(f"{field} holds {what}, got an array of {t.dtype}")
-    return t
-
-
-def _convert(value: Any, target: np.dtype[Any], field: str, ints: bool) -> TokenArray:
-    if isinstance(value, np.ndarray) or type(value).__module__ == "torch":
-        return TokenArray(value)
-    if not isinstance(value, (list, tuple, range)):
+    if isinstance(value, TokenArray):
+        t = value
+    elif isinstance(value, np.ndarray) or type(value).__module__ == "torch":
+        t = TokenArray(value)
+    elif not isinstance(value, (list, tuple, range)):
         raise TypeError(
             f"{field} takes a list, tuple, numpy array or TokenArray of numbers, "
             f"got {type(value).__name__}"
         )
-    if len(value) == 0:
+    elif len(value) == 0:
         return TokenArray.wrap(np.empty(0, target))
-    try:
-        arr = np.asarray(value)
-    except ValueError as exc:  # ragged nesting
-        raise ValueError(f"{field} must be a flat sequence of numbers") from exc
-    kind = arr.dtype.kind
-    if kind == "O" and arr.ndim == 1 and all(type(x) is int for x in value):
-        raise OverflowError(
-            f"{field}: integers beyond 64 bits cannot be stored or sent (int64, and uint64 "
-            "for values in [2**63, 2**64), are the widest)"
-        )
-    if kind not in "biuf":
-        raise TypeError(f"{field} holds numbers, got {arr.dtype} values")
-    if arr.ndim != 1:
-        raise ValueError(f"{field} must be a flat sequence of numbers, got shape {arr.shape}")
-    if ints and kind == "f":
-        raise TypeError(f"{field} holds integers, got floats")
-    if ints and kind in "iu":
-        info = np.iinfo(target)
-        if arr.min() < info.min or arr.max() > info.max:  # keep numpy's wider dtype
-            target = arr.dtype
-    return TokenArray.wrap(arr.astype(target, copy=False), owned=True)
+    else:
+        try:
+            arr = np.asarray(value)
+        except ValueError as exc:  # ragged nesting
+            raise ValueError(f"{field} must be a flat sequence of numbers") from exc
+        kind = arr.dtype.kind
+        if kind == "O" and arr.ndim == 1 and all(type(x) is int for x in value):
+            raise OverflowError(
+                f"{field}: integers beyond 64 bits cannot be stored or sent (int64, and "
+                "uint64 for values in [2**63, 2**64), are the widest)"
+            )
+        if kind not in "biuf":
+            raise TypeError(f"{field} holds numbers, got {arr.dtype} values")
+        if arr.ndim != 1:
+            raise ValueError(f"{field} must be a flat sequence of numbers, got shape {arr.shape}")
+        if ints and kind == "f":
+            raise TypeError(f"{field} holds integers, got floats")
+        if ints and kind in "iu":
+            info = np.iinfo(target)
+            if arr.min() < info.min or arr.max() > info.max:  # keep numpy's wider dtype
+                target = arr.dtype
+        return TokenArray.wrap(arr.astype(target, copy=False), owned=True)
+    if t.dtype.kind not in ("iu" if ints else "fiu"):
+        what = "integers" if ints else "numbers"
+        raise TypeError(f"{field} holds {what}, got an array of {t.dtype}")
+    return t
