@@ -43,15 +43,9 @@ if TYPE_CHECKING:
     from transport.engines.api import GenerationContext
 
 __all__ = [
-    "MODEL_SIZES",
-    "HFEngine",
-    "HFOptions",
-    "build_model",
-    "create_engine",
-    "factory",
-    "load_pretrained",
-    "model_config",
-]
+    "MODEL_SIZES", "HFEngine", "HFOptions", "build_model", "create_engine", "factory",
+    "load_pretrained", "model_config",
+]  # fmt: skip
 
 log = logging.getLogger("transport.hf_engine")
 
@@ -148,7 +142,7 @@ class HFEngine:
             )
         fut = asyncio.get_running_loop().create_future()
         seq = _Seq.of(req, self._seeds, prompt=ids, ctx=ctx, fut=fut)
-        if seq.g.max_new_tokens <= 0:
+        if seq.g.max_new_tokens <= 0:  # set after the checks of its constructor
             seq.reason = "length"
             return seq.response()
         with self._wake:
@@ -192,7 +186,13 @@ class HFEngine:
             done: list[_Seq] = []
             with self.step_lock, torch.inference_mode():
                 try:
-                    self._step(new, emitted, done)
+                    self._retire(done)
+                    admit = [s for s in new if not self._leaves(s, done)]
+                    if admit:
+                        self._prefill(admit, emitted, done)
+                        self._retire(done)
+                    if self._batch.seqs:
+                        self._decode(emitted, done)
                 except Exception as exc:  # out of memory, say: the batch's cache is lost
                     failed = [s for s in (*self._batch.seqs, *new) if not s.reason]
                     log.exception("engine step failed; failing %d sequences", len(failed))
@@ -230,20 +230,8 @@ class HFEngine:
 
     def _retire(self, done: list[_Seq]) -> None:
         """Drop every sequence that is finished, cancelled or interrupted."""
-        rows = []
-        for i, s in enumerate(self._batch.seqs):
-            if not s.reason and not self._leaves(s, done):
-                rows.append(i)
-        self._batch.keep(rows)
-
-    def _step(self, new: list[_Seq], emitted: _Emitted, done: list[_Seq]) -> None:
-        self._retire(done)
-        admit = [s for s in new if not self._leaves(s, done)]
-        if admit:
-            self._prefill(admit, emitted, done)
-            self._retire(done)
-        if self._batch.seqs:
-            self._decode(emitted, done)
+        b = self._batch
+        b.keep([i for i, s in enumerate(b.seqs) if not s.reason and not self._leaves(s, done)])
 
     def _forward(
         self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, cache: Any
@@ -256,10 +244,8 @@ class HFEngine:
             kwargs[self._keep_kw] = 1
         out = self.model(**kwargs)  # under _run's inference_mode
         self.stats["forwards"] += 1
-        new_cache = getattr(out, self._cache_kw, None)
-        if new_cache is None:
-            new_cache = out.past_key_values
-        return out.logits[:, -1, :], new_cache
+        cache = getattr(out, self._cache_kw, None)
+        return out.logits[:, -1, :], out.past_key_values if cache is None else cache
 
     def _prefill(self, seqs: list[_Seq], emitted: _Emitted, done: list[_Seq]) -> None:
         width = max(len(s.prompt) for s in seqs)

@@ -6,10 +6,6 @@ from transport.areal.engine import FabricInferenceEngine
 from transport.areal.weights import disk_root, save_for_rollout, wait_for_version
 
 __all__ = [
-    "FabricInferenceEngine",
-    "disk_root",
-    "save_for_rollout",
-    "to_llm_request",
-    "to_model_response",
-    "wait_for_version",
-]
+    "FabricInferenceEngine", "disk_root", "save_for_rollout", "to_llm_request",
+    "to_model_response", "wait_for_version",
+]  # fmt: skip

@@ -14,13 +14,6 @@ from transport.engines.api import (
 from transport.engines.registry import ENGINES, register_engine, resolve_engine
 
 __all__ = [
-    "ENGINES",
-    "BoundHooks",
-    "Engine",
-    "EngineHooks",
-    "EngineUnavailable",
-    "GenerationContext",
-    "engine_hooks",
-    "register_engine",
-    "resolve_engine",
-]
+    "ENGINES", "BoundHooks", "Engine", "EngineHooks", "EngineUnavailable", "GenerationContext",
+    "engine_hooks", "register_engine", "resolve_engine",
+]  # fmt: skip

@@ -19,13 +19,9 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = [
-    "BoundHooks",
-    "Engine",
-    "EngineHooks",
-    "EngineUnavailable",
-    "GenerationContext",
+    "BoundHooks", "Engine", "EngineHooks", "EngineUnavailable", "GenerationContext",
     "engine_hooks",
-]
+]  # fmt: skip
 
 
 class EngineUnavailable(RuntimeError):

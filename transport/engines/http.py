@@ -21,17 +21,9 @@ from transport.engines.registry import engine_options
 from transport.options import NonNegativeSeconds, Positive, Seconds
 
 __all__ = [
-    "JSON_HEADERS",
-    "BridgeOptions",
-    "Flight",
-    "HTTPBridge",
-    "ServerRejected",
-    "VersionLabels",
-    "raise_for_status",
-    "request_ids",
-    "sampling_common",
-    "sse_events",
-]
+    "JSON_HEADERS", "BridgeOptions", "Flight", "HTTPBridge", "ServerRejected", "VersionLabels",
+    "raise_for_status", "request_ids", "sampling_common", "sse_events",
+]  # fmt: skip
 
 log = logging.getLogger("transport.engines")
 
