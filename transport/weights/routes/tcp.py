@@ -51,6 +51,7 @@ _MAX_ID = 1024
 _MAX_TOKEN = 64
 HANDSHAKE_TIMEOUT = 2.0  # seconds to complete a HELLO (and get its answer)
 _MAX_HANDSHAKES = 64  # under way at once; more connections are closed
+LINK_RETRY_S = 60.0  # before a link that could not be opened is tried again
 
 
 def worker_token(secret: bytes, worker_id: str) -> bytes:
@@ -79,10 +80,20 @@ def _host_of(endpoint: str) -> tuple[str, socket.AddressFamily]:
 def _blocking(sock: socket.socket, timeout: float) -> None:
     # SO_*TIMEO, not settimeout: a whole chunk moves in one system call.
     sock.settimeout(None)
-    sec = int(timeout)
-    tv = struct.pack("ll", sec, int((timeout - sec) * 1e6))
+    tv = struct.pack("ll", int(timeout), int(timeout % 1 * 1e6))
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+
+
+def _recv_exact(conn: socket.socket, n: int, deadline: float) -> bytes:
+    data = b""
+    while len(data) < n:
+        conn.settimeout(max(deadline - time.monotonic(), 1e-6))  # TimeoutError past it
+        part = conn.recv(n - len(data))
+        if not part:
+            raise ConnectionError("closed during the handshake")
+        data += part
+    return data
 
 
 @dataclass(slots=True)
@@ -93,8 +104,8 @@ class Sent:
 
 
 class DataSender:
-    """One worker's data connection, written by a thread of its own; closed after
-    ``timeout`` seconds without progress."""
+    """One worker's data connection, written by a thread of its own (``first``: bytes
+    it writes before any chunk); closed after ``timeout`` seconds without progress."""
 
     def __init__(
         self,
@@ -108,9 +119,7 @@ class DataSender:
         self.worker_id = worker_id
         self.broken = False
         self._on_close = on_close
-        self._queue: deque[tuple[bytes, Any, Sent]] = deque()
-        if first:  # one writer per socket: this thread writes it before any chunk
-            self._queue.append((first, None, Sent()))
+        self._queue: deque[tuple[bytes, Any, Sent]] = deque([(first, None, Sent())])
         self._cv = threading.Condition()
         _blocking(sock, timeout)
         self._thread = threading.Thread(
@@ -134,8 +143,7 @@ class DataSender:
             if self.broken:
                 return
             self.broken = True
-            dropped = list(self._queue)
-            self._queue.clear()
+            dropped, self._queue = self._queue, deque()
             self._cv.notify()
         for _, _, sent in dropped:
             sent.done = True
@@ -207,62 +215,41 @@ class DataListener:
             except OSError:  # the accept timeout (a look at _closed), or closing
                 continue
             # Each handshake on a bounded thread of its own: a dawdler delays no one.
-            if not self._slots.acquire(blocking=False):
+            if self._slots.acquire(blocking=False):
+                threading.Thread(
+                    target=self._hello, args=(conn,), name="weights-data-hello", daemon=True
+                ).start()
+            else:
                 self.rejected += 1
                 conn.close()
-                continue
-            threading.Thread(
-                target=self._admit_one, args=(conn,), name="weights-data-hello", daemon=True
-            ).start()
 
-    def _admit_one(self, conn: socket.socket) -> None:
+    def _hello(self, conn: socket.socket) -> None:
+        deadline = time.monotonic() + HANDSHAKE_TIMEOUT
         try:
-            try:
-                wid = self._handshake(conn, time.monotonic() + HANDSHAKE_TIMEOUT)
-            except (OSError, ValueError) as exc:
-                self.rejected += 1
-                log.warning("weight data link: refused a connection: %s", exc)
-                conn.close()
-                return
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            magic, proto, n_id, n_token = HELLO.unpack(_recv_exact(conn, HELLO.size, deadline))
+            if magic != HELLO_MAGIC or proto != PROTOCOL:
+                raise ValueError(f"not a fastio data link hello ({magic!r}, protocol {proto})")
+            if n_id > _MAX_ID or n_token > _MAX_TOKEN:
+                raise ValueError("hello too long")
+            body = _recv_exact(conn, n_id + n_token, deadline)
+            wid = body[:n_id].decode("utf-8")
+            if not hmac.compare_digest(body[n_id:], worker_token(self._secret, wid)):
+                raise ValueError(f"wrong token for {wid!r}")
             if self._closed.is_set() or not self._admit(wid, conn):
                 self.rejected += 1
                 conn.close()
+        except (OSError, ValueError) as exc:
+            self.rejected += 1
+            log.warning("weight data link: refused a connection: %s", exc)
+            conn.close()
         finally:
             self._slots.release()
-
-    def _handshake(self, conn: socket.socket, deadline: float) -> str:
-        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        head = _recv_exact(conn, HELLO.size, deadline)
-        magic, proto, n_id, n_token = HELLO.unpack(head)
-        if magic != HELLO_MAGIC or proto != PROTOCOL:
-            raise ValueError(f"not a fastio data link hello ({magic!r}, protocol {proto})")
-        if n_id > _MAX_ID or n_token > _MAX_TOKEN:
-            raise ValueError("hello too long")
-        body = _recv_exact(conn, n_id + n_token, deadline)
-        wid = body[:n_id].decode("utf-8")
-        if not hmac.compare_digest(body[n_id:], worker_token(self._secret, wid)):
-            raise ValueError(f"wrong token for {wid!r}")
-        return wid
-
-
-def _recv_exact(conn: socket.socket, n: int, deadline: float) -> bytes:
-    data = b""
-    while len(data) < n:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError("handshake too slow")
-        conn.settimeout(left)
-        part = conn.recv(n - len(data))
-        if not part:
-            raise ConnectionError("closed during the handshake")
-        data += part
-    return data
 
 
 def connect(endpoint: str, port: int, worker_id: str, token: bytes, timeout: float) -> DataReceiver:
     """Open the data link to the publisher at ``endpoint``'s host, ``port``."""
-    host, _ = _host_of(endpoint)
-    sock = socket.create_connection((host, port), timeout=timeout)
+    sock = socket.create_connection((_host_of(endpoint)[0], port), timeout=timeout)
     try:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         wid = worker_id.encode("utf-8")
@@ -284,8 +271,7 @@ class DataReceiver:
         self.fd = sock.fileno()  # registered with the subscriber's zmq.Poller
         _blocking(sock, timeout)
         self._head = bytearray(PIECE.size)
-        self._head_view = memoryview(self._head)
-        self._scratch: np.ndarray[Any, Any] | None = None
+        self._scratch = np.empty(256 << 10, dtype=np.uint8)
 
     def close(self) -> None:
         with contextlib.suppress(OSError):
@@ -293,46 +279,36 @@ class DataReceiver:
         self.sock.close()
 
     def header(self) -> Piece:
-        self.fill(self._head_view)
-        magic, version, index, offset, nbytes, checksum, last = PIECE.unpack(self._head)
+        self.fill(self._head)
+        magic, *fields = PIECE.unpack(self._head)
         if magic != PIECE_MAGIC:
             raise DataLinkError(f"bad piece header {bytes(self._head[:4])!r}")
-        return Piece(version, index, offset, nbytes, checksum, last)
+        return Piece(*fields)
 
     def fill(self, buf: Any) -> None:
         """Receive exactly ``len(buf)`` bytes into ``buf``."""
-        view = buf if isinstance(buf, memoryview) else memoryview(buf).cast("B")
-        n = view.nbytes
+        view = memoryview(buf).cast("B")
         got = 0
-        sock = self.sock
-        try:
-            while got < n:
-                k = sock.recv_into(view[got:] if got else view, n - got, socket.MSG_WAITALL)
-                if k == 0:
-                    raise DataLinkError("the publisher closed the data link")
-                got += k
-        except (BlockingIOError, TimeoutError) as exc:
-            raise DataLinkError("the data link stalled") from exc
-        except DataLinkError:
-            raise
-        except OSError as exc:
-            raise DataLinkError(f"data link: {exc}") from exc
+        while got < view.nbytes:
+            try:
+                k = self.sock.recv_into(view[got:], view.nbytes - got, socket.MSG_WAITALL)
+            except (BlockingIOError, TimeoutError) as exc:
+                raise DataLinkError("the data link stalled") from exc
+            except OSError as exc:
+                raise DataLinkError(f"data link: {exc}") from exc
+            if k == 0:
+                raise DataLinkError("the publisher closed the data link")
+            got += k
 
     def scratch(self, n: int) -> np.ndarray[Any, Any]:
         """A reusable receive buffer of at least ``n`` bytes (its first ``n``)."""
-        if self._scratch is None or self._scratch.size < n:
-            self._scratch = np.empty(max(n, 256 << 10), dtype=np.uint8)
+        if self._scratch.size < n:
+            self._scratch = np.empty(n, dtype=np.uint8)
         return self._scratch[:n]
 
     def discard(self, n: int) -> None:  # a chunk nobody wants any more
-        step = 1 << 20
-        while n > 0:
-            k = min(n, step)
-            self.fill(self.scratch(k))
-            n -= k
-
-
-LINK_RETRY_S = 60.0  # before a link that could not be opened is tried again
+        for a in range(0, n, 1 << 20):
+            self.fill(self.scratch(min(n - a, 1 << 20)))
 
 
 class LinkClient:
@@ -364,7 +340,7 @@ class LinkClient:
 
     def open(self) -> None:
         """Connect the offered link, if not open."""
-        if self.link is not None or self.offer is None or self.poller is None:
+        if self.link or self.offer is None or self.poller is None:
             return
         if time.monotonic() < self.retry_at:
             return
@@ -398,20 +374,18 @@ class LinkClient:
             if p.nbytes > self.max_message_size:
                 # Never read gigabytes away on the word of a header.
                 raise DataLinkError(f"a chunk of {p.nbytes} bytes (larger than allowed)")
-            up = f.update
+            up, i, t = f.update, p.bucket, time.monotonic()
             if (
                 up is None
                 or up.seg is not None
                 or p.version != up.ann.version
-                or p.bucket not in up.sched.outstanding
+                or i not in up.sched.outstanding
             ):
                 self.count("stale_pieces")
                 link.discard(p.nbytes)
                 return
-            i = p.bucket
             if p.offset + p.nbytes > up.ann.buckets[i].nbytes:
                 raise DataLinkError(f"a chunk beyond the end of bucket {i}")
-            t = time.monotonic()
             part = begin(f, up, i, p.offset, p.nbytes, t)
             if part is None:  # left over from an earlier answer, or the lock refused
                 link.discard(p.nbytes)
@@ -450,10 +424,10 @@ class LinkSender:
             return None
         (chunk,) = msg.chunks
         n = memoryview(chunk).nbytes
-        head = PIECE.pack(
-            PIECE_MAGIC, msg.version, msg.index, msg.offset, n, msg.checksum, msg.last
+        sent = sender.send(
+            PIECE.pack(PIECE_MAGIC, msg.version, msg.index, msg.offset, n, msg.checksum, msg.last),
+            chunk,
         )
-        sent = sender.send(head, chunk)
         if sent is not None:
             self.count("data_link_pieces")
         return sent
