@@ -186,8 +186,6 @@ def diagnose(tp: Any, limit: int | None, frames: Any, exc: Exception) -> DecodeE
         return err
     if isinstance(exc, DecodeError):
         return exc
-    if isinstance(exc, Rejected):  # pragma: no cover - the header checks above caught it
-        return FrameError("malformed header")
     if isinstance(exc, msgspec.DecodeError):
         return DecodeError(f"invalid message body: {_body_error(tp, frames[0], exc)}")
     return DecodeError(f"invalid message body: {type(exc).__name__}: {exc}")

@@ -23,7 +23,6 @@ __all__ = ["Decoder"]
 
 #: The header's version as the decoders' msgspec types check it: any version read.
 _VERSION: Any = Literal.__getitem__(tuple(range(MIN_PROTOCOL_VERSION, PROTOCOL_VERSION + 1)))
-_NO_BUFFERS = (None,)
 
 
 class Decoder:
@@ -65,8 +64,6 @@ class Decoder:
         self.device = None if device is None or str(device) == "cpu" else device
         self._max_message_size = max_message_size
         self._trusted = bool(trusted)
-        # One frame (all arrays inline): one stateless msgspec call.
-        self._decode_one = self._msgspec_decoder(Literal[0], [_NO_BUFFERS])
         # Per-call states not in use; the first built here: a bad type fails now.
         self._idle: list[list[Any]] = [self._new_state()]
         # The hot path, a closure; the instance attribute shadows the method.
@@ -139,7 +136,8 @@ class Decoder:
         return state
 
     def _make_decode(self) -> Any:
-        decode_one = self._decode_one
+        # One frame (all arrays inline): one stateless msgspec call.
+        decode_one = self._msgspec_decoder(Literal[0], [(None,)])
         header_limit = sys.maxsize if self._trusted else self._max_message_size
         small_limit = min(header_limit, (1 << 30) - 1)
         limit = None if self._trusted else self._max_message_size

@@ -95,14 +95,11 @@ class GenerationHyperparameters(
             setattr(obj, field.name, _checked(field.name, getattr(obj, field.name), field.type))
 
     def new(self, **kwargs: Any) -> GenerationHyperparameters:
-        """A copy with the given fields changed (unknown names raise ``TypeError``)."""
-        values = {f: getattr(self, f) for f in self.__struct_fields__}
-        values["stop_token_ids"] = list(self.stop_token_ids)
-        unknown = set(kwargs) - set(values)
-        if unknown:
-            raise TypeError(f"GenerationHyperparameters has no field(s) {sorted(unknown)}")
-        values.update(kwargs)
-        return GenerationHyperparameters(**values)
+        """A copy with the given fields changed and checked (an unknown name raises
+        ``TypeError``)."""
+        new = msgspec.structs.replace(self, **{"stop_token_ids": [*self.stop_token_ids], **kwargs})
+        self._check_new(new)
+        return new
 
 
 _GCONFIG_FIELDS = mi.type_info(GenerationHyperparameters).fields  # type: ignore[attr-defined]

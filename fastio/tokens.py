@@ -268,14 +268,9 @@ class TokenArray(Sequence[Any]):
 
     def pop(self, index: SupportsIndex = -1) -> Any:
         """Remove and return the element at ``index`` (default last)."""
-        if not len(self):
-            raise IndexError("pop from empty TokenArray")
-        i = operator.index(index)
-        if not -len(self) <= i < len(self):
-            raise IndexError("pop index out of range")
+        i = self._position(index, "pop")
         value = self._a[i].item()
-        # A new array: views of the old prefix must never see later appends.
-        self._set_private(np.delete(self._a, i))
+        self._set_private(np.delete(self._a, i))  # new: views never see later appends
         return value
 
     def clear(self) -> None:
@@ -319,7 +314,7 @@ class TokenArray(Sequence[Any]):
                     f"to extended slice of size {n_slot}"
                 )
         else:
-            index = self._assignment_index(index)
+            index = self._position(index, "assignment")
             values = _weak([_number(value)], self._a.dtype)
         # Private writable memory of the joined dtype (copied once if shared).
         a, dtype = self._a, _joined(self._a.dtype, values.dtype)
@@ -328,14 +323,14 @@ class TokenArray(Sequence[Any]):
             self._set_private(a)
         a[index] = values if isinstance(index, slice) else values[0]
 
-    def _assignment_index(self, index: Any) -> int:
+    def _position(self, index: Any, op: str) -> int:
         i = _index(index)
         if not -len(self) <= i < len(self):
-            raise IndexError("TokenArray assignment index out of range")
+            raise IndexError(f"TokenArray {op} index out of range")
         return i
 
     def __delitem__(self, index: Any) -> None:
-        i = index if isinstance(index, slice) else self._assignment_index(index)
+        i = index if isinstance(index, slice) else self._position(index, "assignment")
         self._set_private(np.delete(self._a, i))
 
     # Operations whose list and array meanings disagree: refused.
