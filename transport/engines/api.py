@@ -56,32 +56,8 @@ class GenerationContext(Protocol):
 @runtime_checkable
 class Engine(Protocol):
     """A generation engine served by a worker; ``version`` is the weight version stamped
-    on every token generated now (a weight update sets it once the new weights are in).
-
-    Examples
-    --------
-    >>> import numpy as np
-    >>> from fastio import LLMResponse, TokenArray
-    >>> class Countdown:
-    ...     version = 0
-    ...     async def generate(self, req, ctx):
-    ...         toks = []
-    ...         for t in range(req.gconfig.max_new_tokens, 0, -1):
-    ...             if ctx.interrupted:
-    ...                 break
-    ...             ctx.emit(t, 0.0, self.version)
-    ...             toks.append(t)
-    ...         n = len(toks)
-    ...         return LLMResponse(
-    ...             input_tokens=req.input_ids,
-    ...             output_tokens=TokenArray(np.array(toks, np.int32)),
-    ...             output_logprobs=TokenArray(np.zeros(n, np.float32)),
-    ...             output_versions=TokenArray(np.full(n, self.version, np.int32)),
-    ...             stop_reason="interrupt" if ctx.interrupted else "length",
-    ...         )
-    >>> isinstance(Countdown(), Engine)
-    True
-    """
+    on every token generated now (a weight update sets it once the new weights are in); an
+    example: ``docs/engines.md#a-complete-example``."""
 
     version: int
 

@@ -102,9 +102,7 @@ class Flight:
     ) -> LLMResponse:
         """The :class:`~fastio.LLMResponse` of the output so far; its versions from the
         server's spans where it sent them (read with ``labels``)."""
-        vers = np.array(self.vers, dtype=np.int32)
-        if self.spans and labels is not None:
-            vers = labels.stamp(self.vers, self.spans)
+        vers = (labels or VersionLabels()).stamp(self.vers, self.spans)
         return LLMResponse(
             input_tokens=req.input_ids,
             output_tokens=TokenArray(np.array(self.toks, dtype=np.int32)),

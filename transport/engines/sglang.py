@@ -234,9 +234,12 @@ class SGLangEngine(HTTPBridge):
         says so); :class:`~transport.weights.WeightUpdateError` when it does not."""
         from transport.weights.errors import WeightUpdateError
 
-        if version is not None and await self._has_loaded(path, version):
-            self.version = version
-            return
+        if version is not None:
+            with contextlib.suppress(Exception):
+                info = await self.get_json("/model_info")
+                if info.get("model_path") == path and info.get("weight_version") == str(version):
+                    self.version = version
+                    return
         body: dict[str, Any] = {"model_path": path}
         if version is not None:
             body["weight_version"] = str(version)
@@ -268,14 +271,6 @@ class SGLangEngine(HTTPBridge):
                 await self._flush()
         if version is not None:
             self.version = version
-
-    async def _has_loaded(self, path: str, version: int) -> bool:
-        try:
-            info = await self.get_json("/model_info")
-        except Exception:
-            return False
-        ok = isinstance(info, dict) and info.get("model_path") == path
-        return ok and info.get("weight_version") == str(version)
 
 
 #: ``--engine sglang``: an :class:`SGLangEngine` from the ``--engine-opt`` strings.
