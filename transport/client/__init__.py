@@ -2,8 +2,7 @@
 the caller's loop (:class:`SyncFabricClient`: in a thread of its own); its parts are in
 docs/concepts.md ("How the objects are built")."""
 
-from transport.client.config import ClientConfig
 from transport.client.fabric import FabricClient, SyncFabricClient
-from transport.client.workers import GenerateFuture, WorkerInfo
+from transport.client.workers import ClientConfig, GenerateFuture, WorkerInfo
 
 __all__ = ["ClientConfig", "FabricClient", "GenerateFuture", "SyncFabricClient", "WorkerInfo"]

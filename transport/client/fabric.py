@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import threading
 import time
 import uuid
@@ -21,15 +22,16 @@ from fastio.protocol import MsgKind
 from transport import metrics
 from transport.addresses import resolve_problem, tcp_host
 from transport.client.calls import Counters, absorb_result, drop_times, on_stream
-from transport.client.config import ChunkCallback, ClientConfig, client_config
-from transport.client.liveness import Liveness
-from transport.client.scheduling import Scheduler
+from transport.client.scheduling import Liveness, Scheduler
 from transport.client.workers import (
     Call,
+    ChunkCallback,
+    ClientConfig,
     GenerateFuture,
     Worker,
     WorkerInfo,
     check_address,
+    client_config,
     install_task_factory,
     log,
 )
@@ -70,7 +72,7 @@ class FabricClient:
         self.counters = Counters(observe_latency=config.metrics_port is not None)
         self._sched = Scheduler(config, self.counters)
         self._stats = self.counters.stats
-        self._cancelled = self._sched.cancelled  # bound once, not per call
+        self._cancelled = functools.partial(self._sched.timed_out, t=None)  # bound once
         self._live = Liveness(config, self._sched)
         self._dec = Decoder(fm.WORKER_TO_CLIENT, max_message_size=config.max_message_size)
         # One routing id on every DEALER: answers and LOST reports reach it after a reconnect.

@@ -252,7 +252,7 @@ def test_resends_back_off_exponentially(scripted: Any) -> None:
 
 
 def test_resend_delay_is_exponential_jittered_and_bounded() -> None:
-    from transport.client.liveness import resend_delay
+    from transport.client.scheduling import resend_delay
 
     assert resend_delay(1, 0.1, 5.0, rand=1.0) == pytest.approx(0.1)
     assert resend_delay(1, 0.1, 5.0, rand=0.0) == pytest.approx(0.05)
