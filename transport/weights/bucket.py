@@ -284,50 +284,33 @@ def copy_tensor(dst: torch.Tensor, t: torch.Tensor, *, sync: bool = True) -> boo
     return False
 
 
-def _copy_span(
-    dst: np.ndarray[Any, Any], arrs: list[np.ndarray[Any, Any]], starts: list[int], offset: int
-) -> None:
-    """Copy bytes ``[offset, offset + dst.size)`` of the chunks ``arrs`` (starting at
-    ``starts``) into ``dst``."""
-    k = bisect.bisect_right(starts, offset) - 1
-    pos = 0
-    while pos < dst.size:
-        if k >= len(arrs):
+def _spans(chunks: Sequence[Any], starts: list[int], lo: int, hi: int) -> Iterator[tuple[Any, int]]:
+    """Bytes ``[lo, hi)`` of the 1-D ``chunks`` (chunk ``k`` from byte ``starts[k]``):
+    each part and its offset from ``lo``."""
+    k, pos = bisect.bisect_right(starts, lo) - 1, lo
+    while pos < hi:
+        if k >= len(chunks):
             raise ValueError("bucket chunks end before the tensor does")
-        a = offset + pos - starts[k]
-        take = min(dst.size - pos, arrs[k].size - a)
-        np.copyto(dst[pos : pos + take], arrs[k][a : a + take])
-        pos += take
+        part = chunks[k][pos - starts[k] : hi - starts[k]]
+        yield part, pos - lo
+        pos += len(part)
         k += 1
 
 
-def _chunk_spans(
-    chunks: Sequence[torch.Tensor], lo: int, hi: int
-) -> Iterator[tuple[torch.Tensor, int, int]]:
-    """Bytes ``[lo, hi)`` of ``chunks``: (part, offset from ``lo``, offset in its chunk)."""
-    base = 0
-    for c in chunks:
-        n = c.numel()
-        a, b = max(lo, base), min(hi, base + n)
-        if a < b:
-            yield c[a - base : b - base], a - lo, a - base
-        base += n
-        if base >= hi:
-            break
+def _starts(chunks: Sequence[Any]) -> list[int]:
+    return list(itertools.accumulate((len(c) for c in chunks), initial=0))
 
 
 def wire_tensor(e: WeightTensor, chunks: Sequence[torch.Tensor]) -> torch.Tensor:
     """Tensor ``e`` of a bucket held in ``chunks`` (1-D uint8): a view when it lies in
     one chunk at an aligned offset, else a copy."""
     dt = dtype_from_name(e.dtype)
-    if e.nbytes == 0:
-        return torch.empty(e.shape, dtype=dt)
-    parts = list(_chunk_spans(chunks, e.offset, e.offset + e.nbytes))
-    if len(parts) == 1 and parts[0][0].numel() == e.nbytes and parts[0][2] % dt.itemsize == 0:
-        raw = parts[0][0]
+    parts = list(_spans(chunks, _starts(chunks), e.offset, e.offset + e.nbytes))
+    if len(parts) == 1 and parts[0][0].storage_offset() % dt.itemsize == 0:
+        raw: torch.Tensor = parts[0][0]
     else:
         raw = torch.empty(e.nbytes, dtype=torch.uint8)
-        for part, rel, _ in parts:
+        for part, rel in parts:
             raw[rel : rel + part.numel()].copy_(part)
     return raw.view(dt).view(e.shape)
 
@@ -367,40 +350,29 @@ class BucketApplier:
         """Copy every tensor of bucket ``info`` from ``chunks`` (1-D uint8, the bucket in
         order) into its targets; ``dests``: travelling name -> target names (default: its
         own). Unknown names are skipped, other dtypes cast, tied targets written once."""
+        starts = _starts(chunks)
+        plain: list[tuple[np.ndarray[Any, Any], int]] = []  # CPU: at the end, on threads
         with torch.no_grad():
-            # CPU targets: copied at the end, on copy_threads threads.
-            arrs: list[np.ndarray[Any, Any]] = []
-            plain: list[tuple[np.ndarray[Any, Any], int]] = []
             for e in info.tensors:
-                if e.nbytes == 0:
-                    continue
                 written: set[tuple[Any, ...]] = set()
                 for name in (e.name,) if dests is None else dests.get(e.name, ()):
                     dst = self.targets.get(name)
-                    if dst is None:
+                    if dst is None or e.nbytes == 0:
                         continue
                     key = (dst.device, dst.data_ptr(), dst.dtype, tuple(dst.shape), dst.stride())
                     if key in written:
                         continue  # tied on this side too: one copy
                     written.add(key)
-                    spans = _chunk_spans(chunks, e.offset, e.offset + e.nbytes)
-                    if dtype_name(dst.dtype) != e.dtype:
-                        dst.copy_(wire_tensor(e, chunks))
-                    elif dst.device.type == "cpu" and dst.is_contiguous():
-                        arrs = arrs or [c.numpy() for c in chunks]
+                    if dtype_name(dst.dtype) != e.dtype or not dst.is_contiguous():
+                        dst.copy_(wire_tensor(e, chunks))  # a cast, or one strided copy
+                    elif dst.device.type == "cpu":
                         plain.append((_flat_bytes(dst).numpy(), e.offset))
-                    elif dst.is_contiguous():
-                        dflat = _flat_bytes(dst)
-                        for part, rel, _ in spans:
-                            self._copy(dflat[rel : rel + part.numel()], part)
-                    else:  # rare: assemble, then one strided copy
-                        tmp = torch.empty(e.nbytes, dtype=torch.uint8)
-                        for part, rel, _ in spans:
-                            copy_bytes(tmp[rel : rel + part.numel()], part)
-                        dst.copy_(tmp.view(dst.dtype).view(dst.shape))
-            if plain:
-                starts = list(itertools.accumulate((a.size for a in arrs), initial=0))
-                self._copy_plain(plain, arrs, starts)
+                    else:
+                        flat = _flat_bytes(dst)
+                        for part, rel in _spans(chunks, starts, e.offset, e.offset + e.nbytes):
+                            self._copy(flat[rel : rel + part.numel()], part)
+        if plain:
+            self._copy_plain(plain, [c.numpy() for c in chunks], starts)
 
     def _copy_plain(
         self,
@@ -408,36 +380,29 @@ class BucketApplier:
         arrs: list[np.ndarray[Any, Any]],
         starts: list[int],
     ) -> None:
-        """The plain CPU copies, in slices of at least ``_THREAD_PIECE`` bytes over
+        """The plain CPU copies, in pieces of ``_THREAD_PIECE`` bytes over
         ``copy_threads`` threads (``np.copyto`` releases the GIL)."""
-        total = sum(d.size for d, _ in jobs)
-        threads = min(self.copy_threads, total // _THREAD_PIECE)
-        share = -(-total // max(threads, 1))
-        groups: list[list[tuple[np.ndarray[Any, Any], int]]] = [[] for _ in range(max(threads, 1))]
-        g = filled = 0
-        for dst, off in jobs:
-            pos = 0
-            while pos < dst.size:
-                take = min(dst.size - pos, share - filled)
-                groups[g].append((dst[pos : pos + take], off + pos))
-                pos += take
-                filled += take
-                if filled >= share and g < len(groups) - 1:
-                    g, filled = g + 1, 0
 
-        def run(group: list[tuple[np.ndarray[Any, Any], int]]) -> None:
-            for d, o in group:
-                _copy_span(d, arrs, starts, o)
+        def run(dst: np.ndarray[Any, Any], off: int) -> None:
+            for part, rel in _spans(arrs, starts, off, off + dst.size):
+                np.copyto(dst[rel : rel + part.size], part)
 
-        if threads > 1 and self._pool is None:
+        step = _THREAD_PIECE
+        if self.copy_threads < 2 or sum(d.size for d, _ in jobs) < 2 * step:
+            for d, off in jobs:
+                run(d, off)
+            return
+        if self._pool is None:
             self._pool = ThreadPoolExecutor(self.copy_threads, thread_name_prefix="weights-copy")
-        futures = [self._pool.submit(run, grp) for grp in groups[1:] if grp] if self._pool else []
-        try:
-            run(groups[0])
-        finally:
-            # Every copy has stopped before this returns or raises: none may still
-            # read the source (or write a target) once the version is answered.
-            wait(futures)
+        pool = self._pool
+        futures = [
+            pool.submit(run, d[a : a + step], off + a)
+            for d, off in jobs
+            for a in range(0, d.size, step)
+        ]
+        # Every copy has stopped before this returns or raises: none may still read the
+        # source (or write a target) once the version is answered.
+        wait(futures)
         for f in futures:
             f.result()  # surfaces a failed copy
 
