@@ -38,11 +38,9 @@ class Sender(Protocol):
     def span(self, start: int, ready: int, total: int, complete: bool, step: int) -> int | None:
         """Where the chunk from ``start`` ends, ``ready`` bytes of ``total`` packed;
         None when it must wait for more."""
-        ...
 
     def send(self, ident: bytes, wid: str, msg: WeightBucket) -> Tracker | None:
         """Queue one chunk to worker ``wid``; None when it was not queued."""
-        ...
 
     def close(self) -> None: ...
 
@@ -84,6 +82,5 @@ class Inbound(Protocol):
     def receive(self, f: Receiver, msg: WeightBucket | None) -> None:
         """One chunk: ``msg`` from the control socket, or (``None``) read from the
         route's own connection."""
-        ...
 
     def close(self) -> None: ...

@@ -93,11 +93,9 @@ class ShmSegment:
         try:
             if size:
                 os.posix_fallocate(fd, 0, size)
-            flags, prot = mmap.MAP_SHARED | mmap.MAP_POPULATE, mmap.PROT_READ | mmap.PROT_WRITE
-            mm = mmap.mmap(fd, max(size, 1), flags=flags, prot=prot)
+            mm = _map(fd, size, mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
-            with contextlib.suppress(OSError):
-                path.unlink()
+            path.unlink(missing_ok=True)
             os.close(fd)
             raise
         return cls(name, mm, size, owner=True, lock_fd=fd)
@@ -105,25 +103,19 @@ class ShmSegment:
     @classmethod
     def open(cls, name: str) -> ShmSegment:
         """Map an existing segment read-only (``OSError`` if it cannot be)."""
-        if "/" in name or not name.startswith(_PREFIX):
+        if not _ours(name):
             raise OSError(errno.EINVAL, f"not a fastio segment name: {name!r}")
         fd = os.open(SHM_DIR / name, os.O_RDONLY)
         try:
             size = os.fstat(fd).st_size
-            flags = mmap.MAP_SHARED | mmap.MAP_POPULATE
-            mm = mmap.mmap(fd, max(size, 1), flags=flags, prot=mmap.PROT_READ)
+            return cls(name, _map(fd, size, mmap.PROT_READ), size, owner=False)
         finally:
             os.close(fd)
-        return cls(name, mm, size, owner=False)
-
-    def unlink(self) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            (SHM_DIR / self.name).unlink()
 
     def close(self) -> None:
         """Drop the mapping (the owner also unlinks)."""
         if self.owner:
-            self.unlink()
+            (SHM_DIR / self.name).unlink(missing_ok=True)
         if self._lock_fd >= 0:
             os.close(self._lock_fd)
             self._lock_fd = -1
@@ -132,6 +124,14 @@ class ShmSegment:
         if mm is not None:
             with contextlib.suppress(BufferError):  # a view still lives: GC unmaps later
                 mm.close()
+
+
+def _map(fd: int, size: int, prot: int) -> mmap.mmap:
+    return mmap.mmap(fd, max(size, 1), flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, prot=prot)
+
+
+def _ours(name: str) -> bool:
+    return "/" not in name and name.startswith(_PREFIX)
 
 
 def _create_locked(path: Path, mode: int) -> int:
@@ -161,14 +161,13 @@ class Probe:
             self._fd = -1
 
 
-def write_probe() -> Probe:
-    """A probe file holding a random token (:class:`Probe`)."""
-    return Probe()
+#: A probe file holding a random token (:class:`Probe`).
+write_probe = Probe
 
 
 def read_probe(name: str, token: str) -> bool:
     """Whether the probe ``name`` can be read here and holds ``token``."""
-    if not name or "/" in name or not name.startswith(_PREFIX):
+    if not _ours(name):
         return False
     try:
         return (SHM_DIR / name).read_bytes()[:64] == token.encode()

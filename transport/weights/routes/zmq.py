@@ -100,35 +100,29 @@ def take(part: Partial, src: Any, n: int, stage: np.ndarray[Any, Any] | None, ke
     ``stage`` (atomic) or ``part.chunks`` (when ``keep``); ``src``: a 1-D ``uint8`` array
     or a :class:`~.tcp.DataReceiver` that reads straight into the destination."""
     stream = part.stream
-    mem = isinstance(src, np.ndarray)
-    if stream is not None and (mem or stream.rest):
-        data = src if mem else _read(src, n)
-        stream.feed(data)
-        if keep and stream.rest:  # tensors that need their bytes whole keep the chunk
-            part.chunks.append(_u8(data))
-    elif stream is not None:
+    if stream is not None and not stream.rest and not isinstance(src, np.ndarray):
         stream.take(n, src.fill, src.scratch(BLOCK))
-    elif stage is not None:
+    elif stream is None and stage is not None:
         dst = stage[part.size : part.size + n]
         for a in range(0, n, BLOCK):
             blk = dst[a : a + BLOCK]
-            if mem:
+            if isinstance(src, np.ndarray):
                 np.copyto(blk, src[a : a + BLOCK])
             else:
                 src.fill(blk)
             part.hasher.update(blk)
     else:
-        data = src if mem else _read(src, n)
-        part.hasher.update(data)
-        if keep:
+        data = src
+        if not isinstance(src, np.ndarray):
+            data = np.empty(n, dtype=np.uint8)
+            src.fill(data)
+        if stream is None:
+            part.hasher.update(data)
+        else:
+            stream.feed(data)
+        if keep and (stream is None or stream.rest):  # a tensor needing its bytes whole
             part.chunks.append(_u8(data))
     part.size += n
-
-
-def _read(src: Any, n: int) -> np.ndarray[Any, Any]:
-    data = np.empty(n, dtype=np.uint8)
-    src.fill(data)
-    return data
 
 
 def _u8(arr: np.ndarray[Any, Any]) -> torch.Tensor:
