@@ -192,6 +192,7 @@ def load_weights(
     version on disk, an unreadable file)."""
     root = _root(where)
     targets = named_tensors(target)
+    spec = parse_dtype_spec(dtype)
     for _ in range(5):  # lost a race with the writer's clean-up: follow the new marker
         m = (version, _dirname(version)) if version is not None else _marker(root)
         if m is None:
@@ -206,17 +207,16 @@ def load_weights(
             continue
         try:
             info, start, aliases = _parse(mm, path)
-            spec = parse_dtype_spec(dtype)
             binding = Binding(
                 [info], targets, aliases=aliases, rename=rename, dtype=spec, strict=strict
             )
-            data = torch.empty(0, dtype=torch.uint8)
-            if info.nbytes:
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore", UserWarning)  # read-only mapping, only read
-                    data = torch.frombuffer(mm, dtype=torch.uint8, offset=start)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)  # read-only mapping, only read
+                data = (
+                    [torch.frombuffer(mm, dtype=torch.uint8, offset=start)] if info.nbytes else []
+                )
             applier = BucketApplier(targets)
-            applier.apply(info, [data], binding.dests)
+            applier.apply(info, data, binding.dests)
             applier.finish()
             del data
         finally:

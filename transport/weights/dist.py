@@ -74,20 +74,18 @@ def assign_devices(
     >>> assign_devices(["a", "a", "b"], [2, 2, 1], [None, None, None])
     [0, 1, 0]
     """
-    if not len(hosts) == len(device_counts) == len(requested):
+    n = len(hosts)
+    if not n == len(device_counts) == len(requested):
         raise ValueError("hosts, device_counts and requested need one entry per rank")
-    by_host: dict[str, list[int]] = {}
-    for rank, host in enumerate(hosts):
-        by_host.setdefault(host, []).append(rank)
     out: list[int] = []
     for rank, (host, count, req) in enumerate(zip(hosts, device_counts, requested, strict=True)):
+        mates = [r for r in range(n) if hosts[r] == host]
         if req is None:
-            taken = {requested[r] for r in by_host[host]}
-            free = [d for d in range(count) if d not in taken]
-            k = [r for r in by_host[host] if requested[r] is None].index(rank)
+            free = [d for d in range(count) if d not in {requested[r] for r in mates}]
+            k = [r for r in mates if requested[r] is None].index(rank)
             if k >= len(free):
                 raise DeviceConflictError(
-                    f"ranks {_names(by_host[host])} are on host {host!r}, which has "
+                    f"ranks {_names(mates)} are on host {host!r}, which has "
                     f"{count} CUDA device(s) ({len(free)} not asked for by a rank); {_ADVICE}"
                 )
             req = free[k]
@@ -97,10 +95,8 @@ def assign_devices(
                 f"device(s); {_ADVICE}"
             )
         out.append(req)
-    owners: dict[tuple[str, int], list[int]] = {}
-    for rank, (host, dev) in enumerate(zip(hosts, out, strict=True)):
-        owners.setdefault((host, dev), []).append(rank)
-    for (host, dev), ranks in owners.items():
+    for host, dev in zip(hosts, out, strict=True):
+        ranks = [r for r in range(n) if (hosts[r], out[r]) == (host, dev)]
         if len(ranks) > 1:
             raise DeviceConflictError(
                 f"ranks {_names(ranks)} are all on cuda:{dev} of host {host!r}; {_ADVICE}"
@@ -221,8 +217,7 @@ class WeightGroup:
                 f"rank {rank}: the weight group at {where} did not form within {join} s: {exc}"
             ) from exc
         store.set_timeout(td)  # formed: later store operations wait as long as a collective
-        self._bufs: list[torch.Tensor] = []
-        self._staging: torch.Tensor | None = None
+        self._bufs = [torch.empty(0, dtype=torch.uint8, device=self.device)] * 3  # 2: staging
         self.last_timings: list[dict[str, float]] = []
 
     def _exchange_devices(self, device: int | None) -> int:
@@ -241,8 +236,6 @@ class WeightGroup:
         return assign_devices(hosts, counts, requested)[self.rank]
 
     def _buffer(self, i: int, nbytes: int) -> torch.Tensor:
-        while len(self._bufs) <= i:
-            self._bufs.append(torch.empty(0, dtype=torch.uint8, device=self.device))
         if self._bufs[i].numel() < nbytes:
             self._bufs[i] = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         return self._bufs[i][:nbytes]
@@ -299,59 +292,46 @@ class WeightGroup:
             raise
         applier = BucketApplier(targets)
         self.last_timings = []
-        if atomic:
-            total = self.plan[-1].shm_offset + self.plan[-1].nbytes if self.plan else 0
-            if self._staging is None or self._staging.numel() < total:
-                self._staging = torch.empty(total, dtype=torch.uint8, device=self.device)
+
+        def land(info: WeightBucketInfo, buf: torch.Tensor, work: Any) -> None:
+            work.wait()
+            ta = time.monotonic()
+            if buf.device.type == "cpu":
+                applier.apply(info, [buf], binding.dests)
+            else:  # pragma: no cover - needs GPUs: device-to-device copies
+                with torch.no_grad():
+                    for e in info.tensors:
+                        src = wire_tensor(e, [buf])
+                        for name in binding.dests.get(e.name, ()) if e.nbytes else ():
+                            applier.targets[name].copy_(src, non_blocking=True)
+            self.last_timings.append({"recv_s": ta - t0, "apply_s": time.monotonic() - ta})
+
+        if atomic and self.plan:
+            staging = self._buffer(2, self.plan[-1].shm_offset + self.plan[-1].nbytes)
         t0 = time.monotonic()
         landing: list[tuple[WeightBucketInfo, torch.Tensor, Any]] = []
         try:
             for k, info in enumerate(self.plan):
                 if atomic:
-                    assert self._staging is not None
-                    buf = self._staging[info.shm_offset : info.shm_offset + info.nbytes]
+                    buf = staging[info.shm_offset : info.shm_offset + info.nbytes]
                 else:
                     buf = self._buffer(k % 2, info.nbytes)
                 landing.append((info, buf, self._bcast(buf)))
                 if not atomic and k >= 1:  # frees bucket k-1's buffer for bucket k+1
-                    self._land(applier, binding, *landing[k - 1], t0)
+                    land(*landing[k - 1])
             if atomic:  # every bucket is here before the first copy
                 for _, _, work in landing:
                     work.wait()
             for item in landing if atomic else landing[-1:]:
-                self._land(applier, binding, *item, t0)
+                land(*item)
             applier.finish()
         except RuntimeError as exc:
             raise WeightUpdateError(f"process-group weight broadcast failed: {exc}") from exc
 
-    def _land(
-        self,
-        applier: BucketApplier,
-        binding: Binding,
-        info: WeightBucketInfo,
-        buf: torch.Tensor,
-        work: Any,
-        t0: float,
-    ) -> None:
-        """Wait for bucket ``info`` and copy it into the targets."""
-        work.wait()
-        ta = time.monotonic()
-        if buf.device.type == "cpu":
-            applier.apply(info, [buf], binding.dests)
-        else:  # pragma: no cover - needs GPUs: device-to-device copies
-            with torch.no_grad():
-                for e in info.tensors:
-                    if e.nbytes:
-                        src = wire_tensor(e, [buf])
-                        for name in binding.dests.get(e.name, ()):
-                            applier.targets[name].copy_(src, non_blocking=True)
-        self.last_timings.append({"recv_s": ta - t0, "apply_s": time.monotonic() - ta})
-
     def close(self) -> None:
         """Leave the group (drops the process group and the store)."""
         self.pg = None
-        self._bufs.clear()
-        self._staging = None
+        self._bufs = [torch.empty(0, dtype=torch.uint8)] * 3
 
     def __enter__(self) -> WeightGroup:
         return self
