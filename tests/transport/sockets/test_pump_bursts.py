@@ -13,6 +13,7 @@ import fastio
 from fastio import LLMRequest, TokenArray
 from fastio import fabric_msgs as fm
 from tests.transport.conftest import await_for
+from tests.transport.sockets.test_sockets import burst_to_router
 from transport.sockets import SocketPump
 
 
@@ -72,36 +73,9 @@ def test_large_messages_are_not_joined_and_joined_ones_are_bounded() -> None:
     # A burst of large messages (1 MiB token arrays): each its own ZeroMQ message, so
     # the receiver starts on the first while the rest are on the wire. A burst of
     # medium ones (64 KiB) is joined, but into messages of bounded size.
-    ctx = zmq.Context()
-    router = ctx.socket(zmq.ROUTER)
-    router.setsockopt(zmq.LINGER, 0)
-    port = router.bind_to_random_port("tcp://127.0.0.1")
-    zmq_messages: list[list[zmq.Frame]] = []
-    got: list[list[Any]] = []
     sizes = [1 << 18] * 5 + [1 << 14] * 40  # tokens: 1 MiB each, then 64 KiB each
-
-    async def main() -> None:
-        dealer = ctx.socket(zmq.DEALER)
-        dealer.connect(f"tcp://127.0.0.1:{port}")
-        pump = SocketPump(dealer, lambda frames: None, batch_frames=True)
-        pump.send_many([_submit(i, n) for i, n in enumerate(sizes)])
-
-        def drained() -> bool:
-            while router.poll(0):
-                m = router.recv_multipart(copy=False)
-                zmq_messages.append(m)
-                got.extend(fm.split(m[1:]))
-            return len(got) >= len(sizes)
-
-        await await_for(drained, what="every message arrived")
-        pump.close()
-
-    try:
-        asyncio.run(main())
-    finally:
-        router.close(0)
-        ctx.term()
-    decoded = [fastio.decode(m, type=fm.CLIENT_TO_WORKER) for m in got]
+    messages = [_submit(i, n) for i, n in enumerate(sizes)]
+    zmq_messages, decoded = burst_to_router(messages, SocketPump.send_many)
     assert [d.id for d in decoded] == list(range(len(sizes)))
     assert all(np.all(d.request.input_ids.array == d.id) for d in decoded)
     per_message = [sum(len(f) for f in m[1:]) for m in zmq_messages]

@@ -7,6 +7,7 @@ import asyncio
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -34,40 +35,51 @@ def _messages() -> list[list[Any]]:
     return out
 
 
-def test_coalesced_burst_keeps_order_and_batches_small_messages() -> None:
+def burst_to_router(
+    messages: list[list[Any]], send: Callable[[SocketPump, list[list[Any]]], None]
+) -> tuple[list[list[zmq.Frame]], list[Any]]:
+    """``send(pump, messages)`` from a DEALER's pump (``batch_frames``) to a ROUTER:
+    the ZeroMQ messages the ROUTER received, and the fastio messages decoded from them."""
     ctx = zmq.Context()
     router = ctx.socket(zmq.ROUTER)
     router.setsockopt(zmq.LINGER, 0)
     port = router.bind_to_random_port("tcp://127.0.0.1")
-    got: list[list[Any]] = []
     zmq_messages: list[list[zmq.Frame]] = []
+    got: list[list[Any]] = []
 
     async def main() -> None:
         dealer = ctx.socket(zmq.DEALER)
         dealer.connect(f"tcp://127.0.0.1:{port}")
-        back = SocketPump(dealer, lambda frames: None, batch_frames=True)
-        msgs = _messages()
-        # One burst: the first goes at once, the rest are joined at the end of the loop
-        # iteration (sends back to back start a burst).
-        for frames in msgs:
-            back.send(frames)
+        pump = SocketPump(dealer, lambda frames: None, batch_frames=True)
+        send(pump, messages)
 
         def drained() -> bool:
             while router.poll(0):
                 m = router.recv_multipart(copy=False)
                 zmq_messages.append(m)
                 got.extend(fm.split(m[1:]))
-            return len(got) >= len(msgs)
+            return len(got) >= len(messages)
 
         await await_for(drained, what="every message arrived")
-        back.close()
+        pump.close()
 
     try:
         asyncio.run(main())
     finally:
         router.close(0)
         ctx.term()
-    decoded = [fastio.decode(m, type=fm.CLIENT_TO_WORKER) for m in got]
+    return zmq_messages, [fastio.decode(m, type=fm.CLIENT_TO_WORKER) for m in got]
+
+
+def _send_each(pump: SocketPump, messages: list[list[Any]]) -> None:
+    for frames in messages:  # back to back: the first goes at once, the rest are joined
+        pump.send(frames)
+
+
+def test_coalesced_burst_keeps_order_and_batches_small_messages() -> None:
+    # One burst: the first goes at once, the rest are joined at the end of the loop
+    # iteration (sends back to back start a burst).
+    zmq_messages, decoded = burst_to_router(_messages(), _send_each)
     assert [d.id for d in decoded] == list(range(300))
     for d in decoded:
         assert np.all(d.request.input_ids.array == d.id)
@@ -122,38 +134,12 @@ def test_slow_sends_back_to_back_still_coalesce(monkeypatch: Any) -> None:
 
     monkeypatch.setattr(sockets, "_perf_counter", lambda: clock[0])
     monkeypatch.setattr(sockets, "send_frames", slow_send)
-    ctx = zmq.Context()
-    router = ctx.socket(zmq.ROUTER)
-    router.setsockopt(zmq.LINGER, 0)
-    port = router.bind_to_random_port("tcp://127.0.0.1")
-    zmq_messages: list[list[zmq.Frame]] = []
-    got: list[list[Any]] = []
+    clock[0] = 1.0  # long after any earlier send
     n = 50
-
-    async def main() -> None:
-        dealer = ctx.socket(zmq.DEALER)
-        dealer.connect(f"tcp://127.0.0.1:{port}")
-        pump = SocketPump(dealer, lambda frames: None, batch_frames=True)
-        clock[0] = 1.0  # long after any earlier send
-        for i in range(n):
-            pump.send(fastio.encode(fm.Cancel(id=i)))
-
-        def drained() -> bool:
-            while router.poll(0):
-                m = router.recv_multipart(copy=False)
-                zmq_messages.append(m)
-                got.extend(fm.split(m[1:]))
-            return len(got) >= n
-
-        await await_for(drained, what="every message arrived")
-        pump.close()
-
-    try:
-        asyncio.run(main())
-    finally:
-        router.close(0)
-        ctx.term()
-    assert [fastio.decode(m, type=fm.CLIENT_TO_WORKER).id for m in got] == list(range(n))
+    zmq_messages, decoded = burst_to_router(
+        [fastio.encode(fm.Cancel(id=i)) for i in range(n)], _send_each
+    )
+    assert [d.id for d in decoded] == list(range(n))
     # The first two go at once (the second starts the burst), the rest as one message.
     assert len(zmq_messages) <= 3
 
