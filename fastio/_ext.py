@@ -137,6 +137,8 @@ def buffer(frame: Any) -> memoryview:
 
 def header_ints(h: memoryview) -> tuple[int, int]:
     """``(version, n_buffers)`` of header ``h``; FrameError unless ``[int, int, body]``."""
+    if len(h) > 3 and h[0] == 0x93 and h[1] < 0x80 and h[2] < 0x80:
+        return h[1], h[2]  # both fixints: what our encoder writes
     try:
         parts = raw_list.decode(h)
     except msgspec.DecodeError as exc:
@@ -153,20 +155,6 @@ def header_ints(h: memoryview) -> tuple[int, int]:
         raise FrameError(f"malformed header: version and n_buffers must be ints: {exc}") from exc
 
 
-def _n_buffers(h: memoryview) -> int:
-    """The buffer count of header ``h`` after checking its protocol version."""
-    if len(h) > 3 and h[0] == 0x93 and h[2] < 0x80 and h[1] < 0x80:
-        version, n_buffers = h[1], h[2]  # both fixints: what our encoder writes
-    else:
-        version, n_buffers = header_ints(h)
-    if not MIN_PROTOCOL_VERSION <= version <= PROTOCOL_VERSION:
-        raise UnsupportedVersion(
-            f"unsupported protocol version {version}; this decoder reads versions "
-            f"{MIN_PROTOCOL_VERSION}-{PROTOCOL_VERSION}"
-        )
-    return n_buffers
-
-
 def diagnose(tp: Any, limit: int | None, frames: Any, exc: Exception) -> DecodeError:
     """The error for ``frames`` that failed to decode into ``tp`` with ``exc``: the frame
     list, each frame, the size ``limit``, the header, the frame count, then the body."""
@@ -177,7 +165,12 @@ def diagnose(tp: Any, limit: int | None, frames: Any, exc: Exception) -> DecodeE
         total = sum(buffer(f).nbytes for f in frames)
         if limit is not None and total > limit:
             return MessageTooLarge(f"message of {total} bytes exceeds the limit of {limit} bytes")
-        n_buffers = _n_buffers(buffer(frames[0]))
+        version, n_buffers = header_ints(buffer(frames[0]))
+        if not MIN_PROTOCOL_VERSION <= version <= PROTOCOL_VERSION:
+            raise UnsupportedVersion(
+                f"unsupported protocol version {version}; this decoder reads versions "
+                f"{MIN_PROTOCOL_VERSION}-{PROTOCOL_VERSION}"
+            )
         if n_buffers != len(frames) - 1:
             raise FrameError(
                 f"wrong frame count: header announces {n_buffers} buffers, got {len(frames) - 1}"

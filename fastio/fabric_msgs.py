@@ -168,11 +168,8 @@ def peek(frames: list[Any]) -> tuple[int | None, int | None, int | None]:
 
 
 def _n_buffers(frame: Any) -> int | None:
-    buf = getattr(frame, "buffer", frame)
-    if len(buf) >= 3 and buf[0] == 0x93 and buf[1] < 0x80 and buf[2] < 0x80:
-        return int(buf[2])
     try:
-        n = _ext.header_ints(buf)[1]
+        n = _ext.header_ints(getattr(frame, "buffer", frame))[1]
     except Exception:
         return None
     return n if n >= 0 else None

@@ -77,7 +77,7 @@ class SGLangEngine(HTTPBridge):
         aborted request only at its next step, and nothing else would resume it)."""
         if self._kept:
             self._kept = False
-            await self._continue(timeout=2.0)
+            await self._post_quietly("/continue_generation", {}, 2.0)
         await super().close()
 
     async def request(self, req: LLMRequest, rid: str) -> tuple[str, Any]:
@@ -120,11 +120,16 @@ class SGLangEngine(HTTPBridge):
         """``POST /abort_request`` for ``flight``'s rid, in the background."""
         self.spawn(self._post_quietly("/abort_request", {"rid": flight.rid}))
 
-    async def _post_quietly(self, path: str, body: Any) -> None:
+    async def _post_quietly(
+        self, path: str, body: Any, timeout: float | None = None
+    ) -> Exception | None:
+        # The error instead of raising it (the server may be gone: the watchdog sees it).
         try:
-            await self.post_json(path, body)
-        except Exception as exc:  # the server may be gone; the watchdog deals with it
+            await self.post_json(path, body, timeout=timeout)
+        except Exception as exc:
             log.debug("SGLang %s %s failed: %r", path, body, exc)
+            return exc
+        return None
 
     @property
     def pauses_in_place(self) -> bool:  # type: ignore[override]
@@ -152,7 +157,7 @@ class SGLangEngine(HTTPBridge):
         """``/continue_generation`` for a server this bridge paused (the streams go on)."""
         if not self._kept:
             return
-        if (exc := await self._continue()) is not None:  # the watchdog sees a server gone
+        if (exc := await self._post_quietly("/continue_generation", {})) is not None:
             log.error("SGLang /continue_generation failed: %r", exc)
         self._hold(False)  # not before: until the resume, a chunk must interrupt nothing
         self._flush_when_idle()
@@ -184,13 +189,6 @@ class SGLangEngine(HTTPBridge):
             raise
         self.has_pause = True
         return True
-
-    async def _continue(self, timeout: float | None = None) -> Exception | None:
-        try:
-            await self.post_json("/continue_generation", {}, timeout=timeout)
-        except Exception as exc:
-            return exc
-        return None
 
     async def _flush(self) -> None:
         # SGLang answers 400 while it holds requests: asked again once none of ours is left.
@@ -258,7 +256,7 @@ class SGLangEngine(HTTPBridge):
         except RuntimeError as exc:
             raise WeightUpdateError(f"SGLang did not load {path}: {exc}") from exc
         finally:  # after a failed load, the load's error is the one to report
-            if paused and (err := await self._continue()) is not None:
+            if paused and (err := await self._post_quietly("/continue_generation", {})):
                 if not failed:
                     raise err
                 log.error("SGLang /continue_generation after a failed load failed: %r", err)

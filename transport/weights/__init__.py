@@ -6,6 +6,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the names as type checkers see them; at run time, on first use
+    from transport.weights.binding import check_manifest, state_digest
     from transport.weights.bucket import (
         DEFAULT_BUCKET_BYTES,
         BucketApplier,
@@ -13,7 +14,6 @@ if TYPE_CHECKING:  # the names as type checkers see them; at run time, on first 
         plan_buckets,
     )
     from transport.weights.errors import UpdateIncomplete, WeightMismatchError, WeightUpdateError
-    from transport.weights.manifest import check_manifest, state_digest
     from transport.weights.publisher import WeightPublisher
     from transport.weights.results import SubscriberInfo, UpdateResult, UpdateStats
     from transport.weights.subscriber import WeightSubscriber
@@ -25,9 +25,9 @@ if TYPE_CHECKING:  # the names as type checkers see them; at run time, on first 
     )
 
 _MODULES = {
+    "binding": ("check_manifest", "state_digest"),
     "bucket": ("BucketApplier", "DEFAULT_BUCKET_BYTES", "pack_bucket", "plan_buckets"),
     "errors": ("UpdateIncomplete", "WeightMismatchError", "WeightUpdateError"),
-    "manifest": ("check_manifest", "state_digest"),
     "publisher": ("WeightPublisher",),
     "results": ("SubscriberInfo", "UpdateResult", "UpdateStats"),
     "subscriber": ("WeightSubscriber",),

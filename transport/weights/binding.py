@@ -1,15 +1,24 @@
 """How a version's tensors land on one worker: names, aliases and dtypes, bound before a
-byte is fetched (``docs/PROTOCOL.md``, "Names, aliases and dtypes")."""
+byte is fetched (``docs/PROTOCOL.md``, "Names, aliases and dtypes"); the digest that
+trainer and workers compare."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Union
 
 import torch
 
 from fastio.weight_msgs import WeightBucketInfo, WeightTensor
-from transport.weights.bucket import _numel, dtype_from_name, dtype_name, wire_tensor
+from transport.weights.bucket import (
+    DEFAULT_CHECKSUM,
+    Hasher,
+    _flat_bytes,
+    _numel,
+    dtype_from_name,
+    dtype_name,
+    wire_tensor,
+)
 from transport.weights.errors import WeightMismatchError
 
 __all__ = [
@@ -18,8 +27,10 @@ __all__ = [
     "DtypeSpec",
     "Rename",
     "advertised_dtype",
+    "check_manifest",
     "parse_dtype",
     "parse_dtype_spec",
+    "state_digest",
 ]
 
 #: Dtypes converted into one another on request.
@@ -191,3 +202,21 @@ class Binding:
                 for en in dests:
                     want = self.wanted[en]
                     yield en, (t if t.dtype == want else t.to(want))
+
+
+def check_manifest(
+    buckets: Sequence[WeightBucketInfo], targets: Mapping[str, torch.Tensor], *, strict: bool = True
+) -> None:
+    """Check an update against the worker's tensors before touching any;
+    :class:`~transport.weights.errors.WeightMismatchError` names every problem."""
+    Binding(buckets, targets, strict=strict)
+
+
+def state_digest(tensors: Mapping[str, torch.Tensor], names: Iterable[str] | None = None) -> int:
+    """A checksum of the tensors' bytes in ``names`` order (default: sorted names), for
+    trainer and workers to compare; CUDA tensors are copied to the host for it."""
+    h = Hasher(DEFAULT_CHECKSUM)
+    for n in sorted(tensors) if names is None else names:
+        h.update(n.encode())
+        h.update(_flat_bytes(tensors[n].detach().cpu().contiguous()).numpy())
+    return h.digest()

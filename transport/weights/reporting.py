@@ -13,9 +13,9 @@ import torch
 
 from fastio.weight_msgs import WeightAck
 from transport import metrics
+from transport.weights.binding import state_digest
 from transport.weights.core.process import process_start_time
 from transport.weights.core.subscriber import SubscriberCore
-from transport.weights.manifest import state_digest
 from transport.weights.results import UpdateStats
 
 __all__ = ["Reporter"]

@@ -7,6 +7,7 @@ import asyncio
 import collections
 import contextlib
 import functools
+import inspect
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -94,7 +95,8 @@ class PauseGate:
             self._counts.counts["pauses"] += 1
             self.paused = True
             for cb in self.on_pause:
-                await _maybe_await(cb())
+                if inspect.isawaitable(out := cb()):
+                    await out
         if self.running == 0 or self.keeps_in_place():
             return True
         idle: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -110,14 +112,10 @@ class PauseGate:
         (from an ``on_resume`` callback) when the worker must stay paused."""
         if self.paused:
             for cb in self.on_resume:
-                await _maybe_await(cb())
+                if inspect.isawaitable(out := cb()):
+                    await out
             self.paused = False
             self._wake(len(self._waiting))
-
-
-async def _maybe_await(x: Any) -> None:
-    if asyncio.iscoroutine(x) or isinstance(x, asyncio.Future):
-        await x
 
 
 class Held:

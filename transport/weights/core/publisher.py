@@ -234,8 +234,7 @@ class PublisherCore:
         info = self.touch(wid, now)
         led = self.versions.get(msg.version)
         if led is not None:
-            wid_, pid, start, _ = self.reader(wid, msg)
-            led.answer(wid, msg, (wid_, pid, start), now)
+            led.answer(wid, msg, self.reader(wid, msg)[:3], now)
         info.version = msg.current_version
         if msg.via:
             info.path = msg.via

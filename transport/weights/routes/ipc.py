@@ -1,9 +1,11 @@
-"""The ``ipc`` route: persistent buckets ("slots") of the trainer's own memory, opened
-once by every worker on its host and packed again for every version (``docs/PROTOCOL.md``,
-"The ipc path"). The buckets are planned, packed and checked as on every route
-(:mod:`~transport.weights.bucket`); only where they live is the route's own. Trainer
-side: :class:`IpcOffering` over :class:`IpcExporter`; worker side (re-exported here):
-:mod:`~transport.weights.routes.ipc_worker`."""
+"""The ``ipc`` route: persistent buckets ("slots") of the trainer's own memory (torch shared
+storage or CUDA memory, handed over as :class:`~fastio.ipc_msgs.IpcHandle`, no pickle),
+opened once by every worker on its host and packed again for every version
+(``docs/PROTOCOL.md``, "The ipc path"). Buckets are planned, packed, checked and applied
+as on every route (:mod:`~transport.weights.bucket`); slot reuse and the fallback's
+choice of version are decided in :mod:`~transport.weights.core.ipc`. Trainer side:
+:class:`IpcExporter` (sans-I/O) under :class:`IpcOffering`; worker side (re-exported
+here): :mod:`~transport.weights.routes.ipc_worker`."""
 
 from __future__ import annotations
 
@@ -11,8 +13,8 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import KW_ONLY, dataclass, field
 from functools import partial
 from typing import Any, cast
 
@@ -22,32 +24,31 @@ import fastio
 from fastio.ipc_msgs import (
     TRAILER_BYTES,
     IpcAck,
+    IpcBucket,
     IpcHandle,
     IpcHello,
     IpcOffer,
     IpcReady,
     IpcSlot,
+    IpcTensor,
 )
 from fastio.weight_msgs import WeightBucketInfo, WeightTensor
 from transport import metrics
-from transport.weights.bucket import pack_bucket, wire_tensor
+from transport.weights.bucket import SUM64_ROW, dtype_name, pack_bucket, plan_spans, wire_tensor
 from transport.weights.bucket import sum64 as checksum
+from transport.weights.core.ipc import SlotLedger
 from transport.weights.core.process import process_alive, process_start_time
 from transport.weights.core.publisher import PublisherCore
 from transport.weights.errors import WeightUpdateError
-from transport.weights.routes.ipc_tensors import (
-    DEFAULT_IPC_BUCKET_BYTES,
+from transport.weights.routes.ipc_worker import (
+    PATHS,
+    IpcImporter,
+    IpcReceiver,
     IpcRefused,
-    _cuda,
     check_layout,
     detached,
-    export_cuda,
-    layout_of,
-    new_slot,
-    plan_layout,
-    release_slot,
+    ipc_eligible,
 )
-from transport.weights.routes.ipc_worker import PATHS, IpcImporter, IpcReceiver, ipc_eligible
 
 __all__ = [
     "DEFAULT_IPC_BUCKET_BYTES",
@@ -63,10 +64,78 @@ __all__ = [
     "plan_layout",
 ]
 
+#: Default bound of one bucket (and so of one slot).
+DEFAULT_IPC_BUCKET_BYTES = 512 << 20
 #: Values of ``WeightPublisher(ipc=...)``.
 IPC_MODES = ("auto", "cpu", "off")
+# Typed loosely: torch's private sharing API has no annotations.
+_cuda: Any = torch.cuda
+_Storage: Any = torch.UntypedStorage
 
 
+def plan_layout(
+    specs: Iterable[tuple[str, str, tuple[int, ...]]], bucket_bytes: int
+) -> list[IpcBucket]:
+    """:func:`~transport.weights.bucket.plan_spans` of ``(name, dtype name, shape)``:
+    tensors back to back, each bucket's length rounded up to 512 bytes (``sum64``)."""
+    return [
+        IpcBucket(i, -(-size // SUM64_ROW) * SUM64_ROW, [IpcTensor(*e) for e in entries])
+        for i, (entries, size) in enumerate(plan_spans(specs, bucket_bytes, 1))
+    ]
+
+
+def _layout(tensors: Mapping[str, torch.Tensor], bucket_bytes: int) -> list[IpcBucket]:
+    return plan_layout(
+        ((k, dtype_name(t.dtype), tuple(t.shape)) for k, t in tensors.items()), bucket_bytes
+    )
+
+
+def _until(
+    done: Callable[[], bool], deadline: float, wait: Callable[[float], object], step: float = 0.2
+) -> bool:
+    """Call ``wait`` (``step`` seconds at most) until ``done()``; False at the deadline."""
+    while not done():
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        wait(min(left, step))
+    return True
+
+
+# -- where the bytes live: slots other processes open ----------------------------------
+def _new_slot(nbytes: int, device: torch.device) -> tuple[torch.Tensor, Any, IpcHandle | None]:
+    """A zeroed slot: the tensor, its CUDA interprocess event and, on CPU, its handle
+    (one for every worker)."""
+    if device.type == "cuda":  # pragma: no cover - CUDA
+        t = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+        return t, _cuda.Event(interprocess=True, blocking=False), None
+    st = torch.UntypedStorage._new_using_filename_cpu(nbytes)
+    t = torch.empty(0, dtype=torch.uint8).set_(st, 0, (nbytes,), (1,)).zero_()
+    manager, name, size = st._share_filename_cpu_()
+    return t, None, IpcHandle("cpu", -1, name, size, manager=manager)
+
+
+def _export_cuda(slot: torch.Tensor, event: Any) -> IpcHandle:  # pragma: no cover - CUDA
+    # One export (one producer-side reference counter) per worker and slot, so each
+    # worker's release is matched and a dead one's is done by the trainer.
+    (dev, handle, size, off, rc, rc_off, ev, ev_sync) = _Storage._share_cuda_(
+        slot.untyped_storage()
+    )
+    return IpcHandle(
+        "cuda", int(dev), bytes(handle), int(size), int(off), bytes(rc), int(rc_off),
+        bytes(ev or b""), bool(ev_sync), bytes(event.ipc_handle()),
+    )  # fmt: skip
+
+
+def _release_slot(slot: torch.Tensor, h: IpcHandle) -> None:
+    """Release the references a dead worker's opening of ``h`` took."""
+    if h.kind == "cpu":
+        slot.untyped_storage()._shared_decref()
+    else:  # pragma: no cover - CUDA
+        _Storage._release_ipc_counter(h.ref_counter_handle, h.ref_counter_offset, device=h.device)
+
+
+# -- trainer side ----------------------------------------------------------------------
 @dataclass
 class _Worker:
     hello: IpcHello
@@ -93,27 +162,16 @@ class IpcExporter:
         tensors = detached(state)
         if not tensors:
             raise ValueError("nothing to share: the state has no tensors")
-        self.layout = layout_of(tensors, bucket_bytes)
+        self.layout = _layout(tensors, bucket_bytes)
         self.device = next(iter(tensors.values())).device
         self.verify = verify
         self.publisher_id = publisher_id or uuid.uuid4().hex[:12]
         n = len(self.layout) if slots is None else max(1, min(slots, len(self.layout)))
         self.capacity = max(b.nbytes for b in self.layout)
-        self._slots: list[torch.Tensor] = []
-        self._events: list[Any] = []
-        self._cpu_handles: list[IpcHandle | None] = []
-        for _ in range(n):
-            slot, event, handle = new_slot(self.capacity + TRAILER_BYTES, self.device)
-            self._slots.append(slot)
-            self._cpu_handles.append(handle)
-            if event is not None:  # pragma: no cover - CUDA
-                self._events.append(event)
-        #: Workers that may still read each slot (sent its last IpcReady, not acked).
-        self.pending: list[set[str]] = [set() for _ in range(n)]
+        self._slots = [_new_slot(self.capacity + TRAILER_BYTES, self.device) for _ in range(n)]
+        self.ledger = SlotLedger(n, len(self.layout))
         self.workers: dict[str, _Worker] = {}
         self._start_time = process_start_time(os.getpid()) or 0
-        #: The version the slots hold whole (one slot per bucket), else ``-1``.
-        self.held = -1
         #: Readers of :meth:`snapshot` views still at work: :meth:`publish` waits for them.
         self.snapshot_reads = 0
         self.closed = False
@@ -148,12 +206,9 @@ class IpcExporter:
             self.drop_worker(
                 hello.worker_id, dead=not process_alive(old.hello.pid, old.hello.start_time)
             )
-        w = _Worker(hello)
-        w.exports = [  # CUDA: one export (reference counter) per worker, released alone
-            h or export_cuda(self._slots[k], self._events[k])
-            for k, h in enumerate(self._cpu_handles)
-        ]
-        self.workers[hello.worker_id] = w
+        w = self.workers[hello.worker_id] = _Worker(hello)
+        # CUDA: one export (reference counter) per worker, released alone.
+        w.exports = [h or _export_cuda(s, ev) for s, ev, h in self._slots]
         return IpcOffer(
             self.publisher_id,
             os.getpid(),
@@ -173,8 +228,8 @@ class IpcExporter:
             self.drop_worker(ack.worker_id, dead=False)  # unmapped, or could not open
         elif ack.bucket < 0:
             w.opened = True
-        elif 0 <= ack.slot < self.n_slots:
-            self.pending[ack.slot].discard(ack.worker_id)
+        else:
+            self.ledger.released(ack.slot, ack.worker_id)
 
     def drop_worker(self, worker_id: str, *, dead: bool) -> None:
         """Forget a worker: no slot waits for it any more. ``dead``: its process is gone,
@@ -182,11 +237,10 @@ class IpcExporter:
         w = self.workers.pop(worker_id, None)
         if w is None:
             return
-        for p in self.pending:
-            p.discard(worker_id)
+        self.ledger.drop(worker_id)
         if dead and w.opened:
-            for k, h in enumerate(w.exports):
-                release_slot(self._slots[k], h)
+            for (slot, _, _), h in zip(self._slots, w.exports, strict=False):
+                _release_slot(slot, h)
 
     def reap(self) -> list[str]:
         """Drop every worker whose process is gone; their ids."""
@@ -198,9 +252,9 @@ class IpcExporter:
         return gone
 
     def _free(self, k: int) -> bool:
-        if self.pending[k]:
+        if self.ledger.readers[k]:
             self.reap()
-        return not self.pending[k]
+        return not self.ledger.readers[k]
 
     def publish(
         self,
@@ -221,37 +275,36 @@ class IpcExporter:
         deadline = time.monotonic() + timeout
         if not _until(lambda: not self.snapshot_reads, deadline, wait):
             raise WeightUpdateError("the slots are still read for a snapshot")
-        self.held = -1
-        n = len(self.layout)
+        self.ledger.packing()
         for b in self.layout:
-            k = b.index % self.n_slots
+            k = self.ledger.slot(b.index)
             if not _until(partial(self._free, k), deadline, wait):
                 raise WeightUpdateError(
-                    f"slot {k} is still read by {sorted(self.pending[k])}: not packed again "
-                    "(a worker that may read it neither acked nor died in time)"
+                    f"slot {k} is still read by {sorted(self.ledger.readers[k])}: not packed "
+                    "again (a worker that may read it neither acked nor died in time)"
                 )
-            slot = self._slots[k]
+            slot, event, _ = self._slots[k]
             pack_bucket(cast("WeightBucketInfo", b), tensors, slot)
             trailer = slot[self.capacity : self.capacity + TRAILER_BYTES].view(torch.int64)
             trailer[0] = checksum(slot[: b.nbytes]) if self.verify else 0
             trailer[1].fill_(version)
-            if self._events:  # pragma: no cover - CUDA
-                self._events[k].record()
-            msg = IpcReady(version, b.index, k, n)
-            for wid, w in list(self.workers.items()):
-                if w.opened:
-                    self.pending[k].add(wid)
-                    send(wid, msg)
-        self.held = version if self.n_slots >= n else -1
+            if event is not None:  # pragma: no cover - CUDA
+                event.record()
+            msg = IpcReady(version, b.index, k, len(self.layout))
+            readers = [wid for wid, w in self.workers.items() if w.opened]
+            self.ledger.packed(k, readers)
+            for wid in readers:
+                send(wid, msg)
+        self.ledger.done(version)
 
     def snapshot(self, version: int) -> dict[str, torch.Tensor] | None:
         """Typed views of every tensor of ``version`` while the slots hold it whole (else
         ``None``), valid until the next :meth:`publish`, which waits while
         :attr:`snapshot_reads` (raised by the reader) is not zero."""
-        if self.held != version or self.closed:
+        if not self.ledger.holds(version) or self.closed:
             return None
         return {
-            e.name: wire_tensor(cast("WeightTensor", e), [self._slots[b.index]])
+            e.name: wire_tensor(cast("WeightTensor", e), [self._slots[b.index][0]])
             for b in self.layout
             for e in b.tensors
         }
@@ -261,58 +314,31 @@ class IpcExporter:
         self.reap()
         self.closed = True
         self._slots.clear()
-        self._events.clear()
-        self._cpu_handles.clear()
         if self.device.type == "cuda":  # pragma: no cover - CUDA
             _cuda.ipc_collect()  # frees blocks whose readers have all let go
 
 
-def _until(
-    done: Callable[[], bool], deadline: float, wait: Callable[[float], object], step: float = 0.2
-) -> bool:
-    """Call ``wait`` (``step`` seconds at most) until ``done()``; False at the deadline."""
-    while not done():
-        left = deadline - time.monotonic()
-        if left <= 0:
-            return False
-        wait(min(left, step))
-    return True
-
-
+@dataclass(eq=False)
 class IpcOffering:
     """The publisher's ``ipc`` route: its slots (new ones when the layout changes) and
     the workers that asked for them; notices go to :attr:`outbox` and ``wake`` the
     serving thread that sends them."""
 
-    def __init__(
-        self,
-        mode: str,
-        slots: int | None,
-        timeout: float,
-        *,
-        core: PublisherCore,
-        cond: threading.Condition,
-        encoder: fastio.Encoder,
-        wake: Callable[[], None],
-        publisher_id: str,
-        bucket_bytes: int,
-    ) -> None:
-        if mode not in IPC_MODES:
-            raise ValueError(f"ipc must be one of {IPC_MODES}, not {mode!r}")
-        self.mode = mode
-        self.slots = slots
-        self.timeout = timeout
-        self.core = core
-        self.cond = cond
-        self.encoder = encoder
-        self.wake = wake
-        self.publisher_id = publisher_id
-        self.bucket_bytes = bucket_bytes
-        self.exporter: IpcExporter | None = None
-        #: The last IpcHello of each worker that asked (offered again on a new layout).
-        self.hellos: dict[str, IpcHello] = {}
-        #: Notices for the serving thread to send: (worker identity, frames).
-        self.outbox: list[tuple[bytes, list[Any]]] = []
+    mode: str
+    slots: int | None
+    timeout: float
+    _: KW_ONLY
+    core: PublisherCore
+    cond: threading.Condition
+    encoder: fastio.Encoder
+    wake: Callable[[], None]
+    publisher_id: str
+    bucket_bytes: int
+    exporter: IpcExporter | None = None
+    #: The last IpcHello of each worker that asked (offered again on a new layout).
+    hellos: dict[str, IpcHello] = field(default_factory=dict)
+    #: Notices for the serving thread to send: (worker identity, frames).
+    outbox: list[tuple[bytes, list[Any]]] = field(default_factory=list)
 
     def wanted(self, tensors: dict[str, torch.Tensor]) -> bool:
         """Whether a version of ``tensors`` takes the route."""
@@ -320,11 +346,14 @@ class IpcOffering:
             return False
         return self.mode == "cpu" or any(t.is_cuda for t in tensors.values())
 
+    def _opened(self, wid: str) -> bool:
+        w = self.exporter.workers.get(wid) if self.exporter is not None else None
+        return w is not None and w.opened
+
     def reader(self, wid: str) -> bool:
         """Whether worker ``wid`` has the slots open (it reads versions there)."""
         with self.cond:
-            w = self.exporter.workers.get(wid) if self.exporter is not None else None
-            return w is not None and w.opened
+            return self._opened(wid)
 
     def only(self) -> bool:
         """Whether every live worker reads the next version here and the slots hold a
@@ -333,7 +362,7 @@ class IpcOffering:
             exp = self.exporter
             if exp is None or exp.n_slots < len(exp.layout):
                 return False
-            return all(w in exp.workers and exp.workers[w].opened for w in self.core.alive())
+            return all(self._opened(w) for w in self.core.alive())
 
     def handle(self, wid: str, msg: IpcHello | IpcAck, now: float) -> IpcOffer | None:
         """An ``IpcHello`` (offer the slots, or keep it for the first version that takes
@@ -343,11 +372,10 @@ class IpcOffering:
             return None
         offer = None
         with self.cond:
-            info = self.core.workers.get(wid)
-            if info is not None:
-                info.last_seen = now
+            known = wid in self.core.workers
+            self.core.touch(wid, now)
             if isinstance(msg, IpcHello):
-                if info is None:
+                if not known:
                     return None  # a WeightHello comes first
                 self.hellos[wid] = msg
                 if self.exporter is not None:
@@ -370,7 +398,7 @@ class IpcOffering:
     def prepare(self, tensors: dict[str, torch.Tensor], closed: Callable[[], bool]) -> None:
         """Slots for this layout (new ones when it changed), offered to every worker
         that asked; those still opening them get a moment to."""
-        layout = layout_of(tensors, self.bucket_bytes)
+        layout = _layout(tensors, self.bucket_bytes)
         with self.cond:
             if self.exporter is None or self.exporter.layout != layout:
                 if self.exporter is not None:

@@ -143,7 +143,7 @@ def test_a_corrupt_bucket_is_refused_and_the_worker_keeps_its_version() -> None:
 
     def corrupting(_: str, r: IpcReady) -> None:
         if r.bucket == 1:
-            exp._slots[r.slot][3] ^= 0xFF  # the bytes a worker reads are not what was packed
+            exp._slots[r.slot][0][3] ^= 0xFF  # the bytes a worker reads are not what was packed
         acks.extend(imp.on_ready(r))
 
     outcomes = IpcOutcomes(exp)
@@ -209,7 +209,7 @@ def test_refusals() -> None:
 
 # -- real processes over ZeroMQ --------------------------------------------------------
 def _shm_files(exp: IpcExporter) -> list[str]:
-    return [f"/dev/shm{h.handle.decode()}" for h in exp._cpu_handles]
+    return [f"/dev/shm{h.handle.decode()}" for _, _, h in exp._slots if h is not None]
 
 
 def trainer_main(cmds: Any, out: Any, slots: int | None) -> None:
