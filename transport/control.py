@@ -4,6 +4,7 @@ synchronous core on the caller's thread (``async`` twins run it in a thread)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import threading
 import time
@@ -108,13 +109,12 @@ class FabricController:
         statuses: Statuses = {}
         failed: dict[str, str] = {}
         with self._lock:
-            # Socket -> (address, seq), before and after its request is sent.
-            unsent: dict[zmq.Socket[Any], tuple[str, int]] = {}
-            waiting: dict[zmq.Socket[Any], tuple[str, int]] = {}
-            for address, sock in self._socks.items():
+            for sock in self._socks.values():
                 while sock.poll(0):  # answers to earlier, timed-out operations
                     sock.recv_multipart(copy=False)
-                unsent[sock] = (address, next(self._seq))
+            # Socket -> (address, seq), before and after its request is sent.
+            unsent = {sock: (address, next(self._seq)) for address, sock in self._socks.items()}
+            waiting: dict[zmq.Socket[Any], tuple[str, int]] = {}
             while (unsent or waiting) and (left := deadline - time.monotonic()) > 0:
                 # ZMQ_IMMEDIATE DEALERs send only on a live connection: POLLOUT first.
                 poller = zmq.Poller()
@@ -125,26 +125,23 @@ class FabricController:
                 for sock, ev in poller.poll(int(left * 1000) + 1):
                     if ev & zmq.POLLOUT and sock in unsent:
                         msg = fm.Control(seq=unsent[sock][1], op=op, timeout=op_t)
-                        try:
+                        with contextlib.suppress(zmq.Again):
                             frames = versions.VERSION_1.encode(msg)
                             sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
-                        except zmq.Again:
-                            continue
-                        waiting[sock] = unsent.pop(sock)
+                            waiting[sock] = unsent.pop(sock)
                     elif ev & zmq.POLLIN and sock in waiting:
                         address, seq = waiting[sock]
                         for frames in fm.split(sock.recv_multipart(copy=False)):
                             try:
                                 reply = self._dec.decode(frames)
                             except DecodeError as exc:
-                                failed[address] = f"malformed reply: {exc}"
+                                reply = fm.ControlReply(seq, False, f"malformed reply: {exc}")
+                            if type(reply) is not fm.ControlReply or reply.seq != seq:
+                                continue  # a stale reply
+                            if reply.ok:
+                                statuses[address] = reply.status
                             else:
-                                if type(reply) is not fm.ControlReply or reply.seq != seq:
-                                    continue  # a stale reply
-                                if reply.ok:
-                                    statuses[address] = reply.status
-                                else:
-                                    failed[address] = reply.error
+                                failed[address] = reply.error
                             waiting.pop(sock, None)
             failed.update({a: f"not reachable within {t} s" for a, _ in unsent.values()})
             failed.update({a: f"no answer within {t} s" for a, _ in waiting.values()})

@@ -63,6 +63,11 @@ class Shard:
             self.outcomes["rejected"] += 1
         return self.counts["bad_messages"]
 
+    def error(self, id: int, code: fm.ErrorCode, text: str) -> fm.Error:
+        """An Error reply to send, counted by its code."""
+        self.errors[code.name] += 1
+        return fm.Error(id=id, code=int(code), message=text)
+
 
 class Counters(Mapping[str, int]):
     """Every count of one worker, and a read-only mapping of its status counts: the

@@ -378,26 +378,22 @@ class SocketThread:
         text = f"worker {self.server.worker_id} cannot serve this client: {why}"
         log_counted(counts["incompatible_peers"], "client %r refused: %s", peer, text)
         self.encoders.pop(peer, None)
-        self._send_error(peer, -1, fm.ErrorCode.UNSUPPORTED_VERSION, text)
+        self._send(peer, self.counts.error(-1, fm.ErrorCode.UNSUPPORTED_VERSION, text))
 
     def _report_lost(self, peer: bytes) -> None:
         assert self._pump is not None
         ids, replies = self.lost.pop(peer)
         # Undeliverable again (the peer left at once): noted again by _on_undeliverable.
+        text = "the worker gave up this submission; re-send it"
         for id in ids:
-            text = "the worker gave up this submission; re-send it"
-            self._send_error(peer, id, fm.ErrorCode.LOST, text)
+            self._send(peer, self.counts.error(id, fm.ErrorCode.LOST, text))
         for reply in replies:
             self._pump.send([peer, *reply])
-
-    def _send_error(self, peer: bytes, id: int, code: fm.ErrorCode, text: str) -> None:
-        self.counts.errors[code.name] += 1
-        self._send(peer, fm.Error(id=id, code=int(code), message=text))
 
     def _bad(self, peer: bytes, id: int, code: fm.ErrorCode, text: str) -> None:
         n = self.counts.bad(rejected=code == fm.ErrorCode.BAD_REQUEST)
         log_counted(n, "bad message from %r: %s", peer, text)
-        self._send_error(peer, id, code, text)
+        self._send(peer, self.counts.error(id, code, text))
 
     def _bad_decode(self, peer: bytes, body: list[Any], exc: DecodeError) -> None:
         _, kind, first = fm.peek(body)

@@ -62,11 +62,10 @@ class PauseGate:
 
     async def enter(self) -> None:
         """Take a slot once one is free and the worker is not paused."""
-        while self.paused or self.running >= self.max_running:  # woken: look again
+        while not self.try_enter():  # woken: look again
             gate: asyncio.Future[None] = asyncio.get_running_loop().create_future()
             self._waiting.append(gate)
             await gate
-        self.running += 1
 
     def leave(self) -> None:
         """Free a slot."""
@@ -123,10 +122,12 @@ class Held:
 
     __slots__ = ("aborted", "ctx", "ran", "started", "sub", "task")
 
-    def __init__(self, ctx: RequestContext, sub: fm.Submit) -> None:
+    def __init__(
+        self, ctx: RequestContext, sub: fm.Submit, started: Awaitable[LLMResponse] | None
+    ) -> None:
         self.ctx = ctx
         self.sub = sub
-        self.started: Awaitable[LLMResponse] | None = None  # its eagerly started handler
+        self.started = started  # its eagerly started handler
         self.task: asyncio.Task[None] | None = None
         self.ran = False  # the task's body started
         self.aborted = False  # ended by a controller's abort
@@ -198,8 +199,7 @@ class Requests:
         return ids
 
     def _send_error(self, peer: bytes, id: int, code: fm.ErrorCode, text: str) -> None:
-        self.counts.errors[code.name] += 1
-        self._send(peer, fm.Error(id=id, code=int(code), message=text))
+        self._send(peer, self.counts.error(id, code, text))
 
     def _refuse(self, peer: bytes, sub: fm.Submit, code: fm.ErrorCode, text: str) -> None:
         counts = self.counts
@@ -247,8 +247,7 @@ class Requests:
             if started is None:  # answered at once: no task, no entry
                 self._ended(ctx, sub, resp, err)
                 return
-        req = Held(ctx, sub)
-        req.started = started
+        req = Held(ctx, sub, started)
         req.task = task = asyncio.ensure_future(self._run(req))
         task.add_done_callback(functools.partial(self._reap, req))
         self.held[key] = req
