@@ -118,10 +118,8 @@ class FabricController:
             while (unsent or waiting) and (left := deadline - time.monotonic()) > 0:
                 # ZMQ_IMMEDIATE DEALERs send only on a live connection: POLLOUT first.
                 poller = zmq.Poller()
-                for sock in unsent:
-                    poller.register(sock, zmq.POLLOUT)
-                for sock in waiting:
-                    poller.register(sock, zmq.POLLIN)
+                for sock in (*unsent, *waiting):
+                    poller.register(sock, zmq.POLLOUT if sock in unsent else zmq.POLLIN)
                 for sock, ev in poller.poll(int(left * 1000) + 1):
                     if ev & zmq.POLLOUT and sock in unsent:
                         msg = fm.Control(seq=unsent[sock][1], op=op, timeout=op_t)

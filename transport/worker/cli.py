@@ -23,6 +23,7 @@ from typing import Any, NoReturn
 import zmq
 
 from transport.engines.registry import ENGINES, resolve_engine
+from transport.metrics import start_http_server
 from transport.options import resolve_entry
 from transport.sockets import CurveConfig
 from transport.worker.config import WorkerConfig, checked_config
@@ -129,11 +130,9 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--plugin", action="append", default=[],
         help="module:function(server, plugin_opts), a background job in the worker's loop",
     )  # fmt: skip
-    for flag, help in (
-        ("--engine-opt", "option for the engine factory (repeatable)"),
-        ("--plugin-opt", "option passed to plugins (repeatable)"),
-    ):
-        add(flag, action="append", default=[], type=_key_value, metavar="KEY=VALUE", help=help)
+    kv: dict[str, Any] = dict(action="append", default=[], type=_key_value, metavar="KEY=VALUE")
+    add("--engine-opt", help="option for the engine factory (repeatable)", **kv)
+    add("--plugin-opt", help="option passed to plugins (repeatable)", **kv)
     add(
         "--metrics-port", type=int, default=None,
         help="serve Prometheus /metrics on 127.0.0.1 at this port (0 picks one) and record "
@@ -217,8 +216,6 @@ async def _amain(args: argparse.Namespace) -> None:
         raise UserError(str(exc), code=1) from exc
     ready: dict[str, Any] = {"ready": endpoints, "pid": os.getpid(), "worker_id": server.worker_id}
     if args.metrics_port is not None:
-        from transport.metrics import start_http_server
-
         try:
             ready["metrics"] = start_http_server(args.metrics_port)
         except (ImportError, OSError) as exc:
