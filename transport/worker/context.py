@@ -17,14 +17,9 @@ from fastio.tokens import TokenArray
 from transport import metrics
 
 __all__ = [
-    "InvalidHandlerOutput",
-    "RequestContext",
-    "Resume",
-    "abandon",
-    "first_step",
-    "output_problem",
-    "token_problem",
-]
+    "InvalidHandlerOutput", "RequestContext", "Resume", "abandon", "first_step",
+    "output_problem", "token_problem",
+]  # fmt: skip
 
 
 class _Gate(Protocol):
@@ -38,9 +33,7 @@ class Owner(Protocol):
 
     @property
     def gate(self) -> _Gate: ...
-
     def version(self) -> int: ...
-
     def flush_soon(self, ctx: RequestContext) -> None: ...
 
 
