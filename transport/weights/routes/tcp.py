@@ -25,18 +25,8 @@ from fastio.weight_msgs import WeightBucket
 from transport.weights.routes import Receiver
 from transport.weights.routes.zmq import begin, stream_span, take
 
-__all__ = [
-    "PIECE",
-    "DataLinkError",
-    "DataListener",
-    "DataReceiver",
-    "DataSender",
-    "LinkClient",
-    "LinkSender",
-    "Piece",
-    "connect",
-    "worker_token",
-]
+__all__ = ["PIECE", "DataLinkError", "DataListener", "DataReceiver", "DataSender", "LinkClient",
+           "LinkSender", "Piece", "connect", "worker_token"]  # fmt: skip
 
 log = logging.getLogger("transport.weights.datalink")
 
@@ -83,6 +73,12 @@ def _blocking(sock: socket.socket, timeout: float) -> None:
     tv = struct.pack("ll", int(timeout), int(timeout % 1 * 1e6))
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+
+
+def _shut(sock: socket.socket) -> None:
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
+    sock.close()
 
 
 def _recv_exact(conn: socket.socket, n: int, deadline: float) -> bytes:
@@ -147,9 +143,7 @@ class DataSender:
             self._cv.notify()
         for _, _, sent in dropped:
             sent.done = True
-        with contextlib.suppress(OSError):
-            self.sock.shutdown(socket.SHUT_RDWR)
-        self.sock.close()
+        _shut(self.sock)
         self._on_close(self)
 
     def join(self, timeout: float) -> None:
@@ -274,9 +268,7 @@ class DataReceiver:
         self._scratch = np.empty(256 << 10, dtype=np.uint8)
 
     def close(self) -> None:
-        with contextlib.suppress(OSError):
-            self.sock.shutdown(socket.SHUT_RDWR)
-        self.sock.close()
+        _shut(self.sock)
 
     def header(self) -> Piece:
         self.fill(self._head)
