@@ -15,7 +15,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -303,27 +303,20 @@ class DataReceiver:
             self.fill(self.scratch(min(n - a, 1 << 20)))
 
 
+@dataclass(eq=False)
 class LinkClient:
     """The worker's side: the link offered in the Welcome, opened for a TCP version
     within ``min(fetch_timeout, 2 s)``; no chunk over ``max_message_size`` read."""
 
-    def __init__(
-        self,
-        endpoint: str,
-        worker_id: str,
-        fetch_timeout: float,
-        max_message_size: int,
-        count: Callable[[str], None],
-    ) -> None:
-        self.endpoint = endpoint
-        self.worker_id = worker_id
-        self.fetch_timeout = fetch_timeout
-        self.max_message_size = max_message_size
-        self.count = count
-        self.poller: zmq.Poller | None = None
-        self.link: DataReceiver | None = None
-        self.offer: tuple[int, bytes] | None = None
-        self.retry_at = 0.0
+    endpoint: str
+    worker_id: str
+    fetch_timeout: float
+    max_message_size: int
+    count: Callable[[str], None]
+    poller: zmq.Poller | None = field(default=None, init=False)
+    link: DataReceiver | None = field(default=None, init=False)
+    offer: tuple[int, bytes] | None = field(default=None, init=False)
+    retry_at: float = field(default=0.0, init=False)
 
     def new_offer(self, offer: tuple[int, bytes] | None) -> None:
         self.close()
