@@ -22,14 +22,8 @@ from transport.weights.update import PausedWhileCopying
 if TYPE_CHECKING:
     from transport.control import FabricController
 
-__all__ = [
-    "DISK_OPTIONS",
-    "DiskFollower",
-    "DiskOptions",
-    "follow",
-    "update_weights_on_disk",
-    "wait_for_version",
-]
+__all__ = ["DISK_OPTIONS", "DiskFollower", "DiskOptions", "follow", "update_weights_on_disk",
+           "wait_for_version"]  # fmt: skip
 
 log = logging.getLogger("transport.weights.disk_follow")
 

@@ -37,15 +37,8 @@ from transport.weights.errors import WeightMismatchError, WeightUpdateError
 # Typed loosely: the c10d classes are not re-exported in torch's stubs.
 tdist: Any = _tdist
 
-__all__ = [
-    "DeviceConflictError",
-    "WeightGroup",
-    "assign_devices",
-    "param_specs",
-    "trainer_rank",
-    "worker_rank",
-    "world_size",
-]
+__all__ = ["DeviceConflictError", "WeightGroup", "assign_devices", "param_specs", "trainer_rank",
+           "worker_rank", "world_size"]  # fmt: skip
 
 _ADVICE = (
     "NCCL needs one device per rank: give each rank its own GPU (WeightGroup(device=...)), "

@@ -1,11 +1,7 @@
-"""The ``ipc`` route: persistent buckets ("slots") of the trainer's own memory (torch shared
-storage or CUDA memory, handed over as :class:`~fastio.ipc_msgs.IpcHandle`, no pickle),
-opened once by every worker on its host and packed again for every version
-(``docs/PROTOCOL.md``, "The ipc path"). Buckets are planned, packed, checked and applied
-as on every route (:mod:`~transport.weights.bucket`); slot reuse and the fallback's
-choice of version are decided in :mod:`~transport.weights.core.ipc`. Trainer side:
-:class:`IpcExporter` (sans-I/O) under :class:`IpcOffering`; worker side (re-exported
-here): :mod:`~transport.weights.routes.ipc_worker`."""
+"""The ``ipc`` route: persistent buckets ("slots") of the trainer's memory, opened once by
+every worker on its host and packed again for every version (``docs/PROTOCOL.md``, "The
+ipc path"). Trainer side: :class:`IpcExporter` (sans-I/O) under :class:`IpcOffering`;
+worker side (re-exported here): :mod:`~transport.weights.routes.ipc_worker`."""
 
 from __future__ import annotations
 
@@ -45,32 +41,20 @@ from transport.weights.routes.ipc_worker import (
     IpcImporter,
     IpcReceiver,
     IpcRefused,
+    _cuda,
+    _Storage,
     check_layout,
     detached,
     ipc_eligible,
 )
 
-__all__ = [
-    "DEFAULT_IPC_BUCKET_BYTES",
-    "IPC_MODES",
-    "PATHS",
-    "IpcExporter",
-    "IpcImporter",
-    "IpcOffering",
-    "IpcReceiver",
-    "IpcRefused",
-    "checksum",
-    "ipc_eligible",
-    "plan_layout",
-]
+__all__ = ["DEFAULT_IPC_BUCKET_BYTES", "IPC_MODES", "PATHS", "IpcExporter", "IpcImporter",
+           "IpcOffering", "IpcReceiver", "IpcRefused", "checksum", "ipc_eligible", "plan_layout"]  # fmt: skip
 
 #: Default bound of one bucket (and so of one slot).
 DEFAULT_IPC_BUCKET_BYTES = 512 << 20
 #: Values of ``WeightPublisher(ipc=...)``.
 IPC_MODES = ("auto", "cpu", "off")
-# Typed loosely: torch's private sharing API has no annotations.
-_cuda: Any = torch.cuda
-_Storage: Any = torch.UntypedStorage
 
 
 def plan_layout(
@@ -102,7 +86,6 @@ def _until(
     return True
 
 
-# -- where the bytes live: slots other processes open ----------------------------------
 def _new_slot(nbytes: int, device: torch.device) -> tuple[torch.Tensor, Any, IpcHandle | None]:
     """A zeroed slot: the tensor, its CUDA interprocess event and, on CPU, its handle
     (one for every worker)."""
@@ -135,7 +118,6 @@ def _release_slot(slot: torch.Tensor, h: IpcHandle) -> None:
         _Storage._release_ipc_counter(h.ref_counter_handle, h.ref_counter_offset, device=h.device)
 
 
-# -- trainer side ----------------------------------------------------------------------
 @dataclass
 class _Worker:
     hello: IpcHello
@@ -207,7 +189,6 @@ class IpcExporter:
                 hello.worker_id, dead=not process_alive(old.hello.pid, old.hello.start_time)
             )
         w = self.workers[hello.worker_id] = _Worker(hello)
-        # CUDA: one export (reference counter) per worker, released alone.
         w.exports = [h or _export_cuda(s, ev) for s, ev, h in self._slots]
         return IpcOffer(
             self.publisher_id,

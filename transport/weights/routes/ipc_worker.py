@@ -125,9 +125,8 @@ class IpcImporter:
     def _ack(
         self, r: IpcReady, ok: bool, error: str = "", stats: dict[str, float] | None = None
     ) -> IpcAck:
-        return IpcAck(
-            self.worker_id, r.version, r.bucket, r.slot, ok, self.version, error, stats or {}
-        )
+        v = self.version
+        return IpcAck(self.worker_id, r.version, r.bucket, r.slot, ok, v, error, stats or {})
 
     def _opened(self, error: str = "") -> IpcAck:  # bucket -1: the slots opened, or not
         return self._ack(IpcReady(-1, -1, -1, 0), not error, error)
@@ -416,9 +415,8 @@ class IpcReceiver:
 
     def _fell_back(self, version: int, why: str) -> None:
         self.core.count("ipc_fallbacks")
-        log.warning(
-            "worker %s: version %d %s; fetching it by shm/tcp", self.worker_id, version, why
-        )
+        msg = "worker %s: version %d %s; fetching it by shm/tcp"
+        log.warning(msg, self.worker_id, version, why)
 
     def check_timeouts(self, now: float) -> None:
         """Fall back to shm/tcp for a version the route does not deliver (opened after

@@ -11,28 +11,18 @@ import mmap
 import os
 import secrets
 import time
-import warnings
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from fastio.versions import VERSION_1
 from fastio.weight_msgs import WeightBucket
-from transport.weights.routes import Receiver, Replies, Tracker
-from transport.weights.routes.zmq import part_of, take
+from transport.weights.routes import Receiver, Tracker
+from transport.weights.routes.zmq import FrameSender, _u8, part_of, take
 
-__all__ = [
-    "NOTICE_BYTES",
-    "SHM_DIR",
-    "NoticeSender",
-    "Probe",
-    "ShmReader",
-    "ShmSegment",
-    "cleanup_stale",
-    "host_id",
-    "read_probe",
-    "write_probe",
-]
+__all__ = ["NOTICE_BYTES", "SHM_DIR", "NoticeSender", "Probe", "ShmReader", "ShmSegment",
+           "cleanup_stale", "host_id", "read_probe", "write_probe"]  # fmt: skip
 
 #: Where segments live (tmpfs on Linux).
 SHM_DIR = Path("/dev/shm")
@@ -74,23 +64,17 @@ class ShmSegment:
         self.owner = owner
         self._lock_fd = lock_fd  # the owner's flock: the segment is live
         self._mm: mmap.mmap | None = mm
-        with warnings.catch_warnings():
-            # A read-only mapping yields a read-only tensor: it is only ever read.
-            warnings.simplefilter("ignore", UserWarning)
-            self.tensor = (
-                torch.frombuffer(mm, dtype=torch.uint8)
-                if size
-                else torch.empty(0, dtype=torch.uint8)
-            )
+        self.tensor = _u8(np.frombuffer(mm, dtype=np.uint8)[:size])
 
     @classmethod
-    def create(cls, size: int) -> ShmSegment:
-        """A new segment of ``size`` bytes, reserved up front (a full ``/dev/shm``
-        raises ``OSError`` here, not ``SIGBUS`` on a write)."""
-        name = f"{_PREFIX}{secrets.token_hex(8)}"
+    def create(cls, size: int, kind: str = "") -> ShmSegment:
+        """A new segment of ``size`` bytes (``kind``: a name prefix), reserved up front (a
+        full ``/dev/shm`` raises ``OSError`` here, not ``SIGBUS`` on a write)."""
+        name = f"{_PREFIX}{kind}{secrets.token_hex(8)}"
         path = SHM_DIR / name
-        fd = _create_locked(path, os.O_RDWR)
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             if size:
                 os.posix_fallocate(fd, 0, size)
             mm = _map(fd, size, mmap.PROT_READ | mmap.PROT_WRITE)
@@ -134,31 +118,17 @@ def _ours(name: str) -> bool:
     return "/" not in name and name.startswith(_PREFIX)
 
 
-def _create_locked(path: Path, mode: int) -> int:
-    fd = os.open(path, os.O_CREAT | os.O_EXCL | mode, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
 class Probe:
     """A probe file holding a random :attr:`token`, owned (locked) while this lives."""
 
     def __init__(self) -> None:
         self.token = secrets.token_hex(16)
-        self.name = f"{_PREFIX}probe-{secrets.token_hex(6)}"
-        self._fd = _create_locked(SHM_DIR / self.name, os.O_WRONLY)
-        os.write(self._fd, self.token.encode())
+        self._seg = ShmSegment.create(len(self.token), "probe-")
+        self._seg.tensor.copy_(torch.frombuffer(bytearray(self.token.encode()), dtype=torch.uint8))
+        self.name = self._seg.name
 
     def close(self) -> None:
-        with contextlib.suppress(OSError):
-            (SHM_DIR / self.name).unlink()
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
+        self._seg.close()
 
 
 #: A probe file holding a random token (:class:`Probe`).
@@ -246,18 +216,12 @@ class _Done:
     done = True  # a notice reads nothing of the buffer once queued
 
 
-class NoticeSender:
+class NoticeSender(FrameSender):
     """The trainer side: "bytes ready" notices (``WeightBucket`` without chunks), at most
     one per :data:`NOTICE_BYTES` packed."""
-
-    def __init__(self, out: Replies) -> None:
-        self.out = out
 
     def span(self, start: int, ready: int, total: int, complete: bool, step: int) -> int | None:
         return ready if complete or ready - start >= max(step, NOTICE_BYTES) else None
 
     def send(self, ident: bytes, wid: str, msg: WeightBucket) -> Tracker | None:
         return _Done() if self.out.reply(ident, VERSION_1.encode(msg)) is not False else None
-
-    def close(self) -> None:
-        """Nothing of its own."""

@@ -15,7 +15,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -25,18 +25,8 @@ from fastio.weight_msgs import WeightBucket
 from transport.weights.routes import Receiver
 from transport.weights.routes.zmq import begin, stream_span, take
 
-__all__ = [
-    "PIECE",
-    "DataLinkError",
-    "DataListener",
-    "DataReceiver",
-    "DataSender",
-    "LinkClient",
-    "LinkSender",
-    "Piece",
-    "connect",
-    "worker_token",
-]
+__all__ = ["PIECE", "DataLinkError", "DataListener", "DataReceiver", "DataSender", "LinkClient",
+           "LinkSender", "Piece", "connect", "worker_token"]  # fmt: skip
 
 log = logging.getLogger("transport.weights.datalink")
 
@@ -83,6 +73,12 @@ def _blocking(sock: socket.socket, timeout: float) -> None:
     tv = struct.pack("ll", int(timeout), int(timeout % 1 * 1e6))
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+
+
+def _shut(sock: socket.socket) -> None:
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
+    sock.close()
 
 
 def _recv_exact(conn: socket.socket, n: int, deadline: float) -> bytes:
@@ -147,9 +143,7 @@ class DataSender:
             self._cv.notify()
         for _, _, sent in dropped:
             sent.done = True
-        with contextlib.suppress(OSError):
-            self.sock.shutdown(socket.SHUT_RDWR)
-        self.sock.close()
+        _shut(self.sock)
         self._on_close(self)
 
     def join(self, timeout: float) -> None:
@@ -274,9 +268,7 @@ class DataReceiver:
         self._scratch = np.empty(256 << 10, dtype=np.uint8)
 
     def close(self) -> None:
-        with contextlib.suppress(OSError):
-            self.sock.shutdown(socket.SHUT_RDWR)
-        self.sock.close()
+        _shut(self.sock)
 
     def header(self) -> Piece:
         self.fill(self._head)
@@ -311,27 +303,20 @@ class DataReceiver:
             self.fill(self.scratch(min(n - a, 1 << 20)))
 
 
+@dataclass(eq=False)
 class LinkClient:
     """The worker's side: the link offered in the Welcome, opened for a TCP version
     within ``min(fetch_timeout, 2 s)``; no chunk over ``max_message_size`` read."""
 
-    def __init__(
-        self,
-        endpoint: str,
-        worker_id: str,
-        fetch_timeout: float,
-        max_message_size: int,
-        count: Callable[[str], None],
-    ) -> None:
-        self.endpoint = endpoint
-        self.worker_id = worker_id
-        self.fetch_timeout = fetch_timeout
-        self.max_message_size = max_message_size
-        self.count = count
-        self.poller: zmq.Poller | None = None
-        self.link: DataReceiver | None = None
-        self.offer: tuple[int, bytes] | None = None
-        self.retry_at = 0.0
+    endpoint: str
+    worker_id: str
+    fetch_timeout: float
+    max_message_size: int
+    count: Callable[[str], None]
+    poller: zmq.Poller | None = field(default=None, init=False)
+    link: DataReceiver | None = field(default=None, init=False)
+    offer: tuple[int, bytes] | None = field(default=None, init=False)
+    retry_at: float = field(default=0.0, init=False)
 
     def new_offer(self, offer: tuple[int, bytes] | None) -> None:
         self.close()
