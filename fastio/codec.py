@@ -16,16 +16,9 @@ from fastio.jsonhook import enc_hook
 from fastio.structs import WireStruct, message_types
 
 __all__ = [
-    "MESSAGE_TYPES",
-    "Decoder",
-    "Encoder",
-    "Frame",
-    "Message",
-    "decode",
-    "enc_hook",
-    "encode",
+    "MESSAGE_TYPES", "Decoder", "Encoder", "Frame", "Message", "decode", "enc_hook", "encode",
     "message_types",
-]
+]  # fmt: skip
 
 #: The seed's message types (:mod:`fastio.io_struct`), in tag order.
 MESSAGE_TYPES: tuple[type[WireStruct], ...] = tuple(

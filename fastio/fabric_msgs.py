@@ -15,25 +15,10 @@ from fastio.protocol import MsgKind
 from fastio.tokens import TokenArray
 
 __all__ = [
-    "BATCH_MARKER",
-    "CLIENT_TO_WORKER",
-    "MAX_BATCHED_FRAME",
-    "WORKER_TO_CLIENT",
-    "Cancel",
-    "Control",
-    "ControlOp",
-    "ControlReply",
-    "Error",
-    "ErrorCode",
-    "Heartbeat",
-    "Result",
-    "Stream",
-    "Submit",
-    "WorkerStatus",
-    "pack_batch",
-    "peek",
-    "split",
-]
+    "BATCH_MARKER", "CLIENT_TO_WORKER", "MAX_BATCHED_FRAME", "WORKER_TO_CLIENT", "Cancel",
+    "Control", "ControlOp", "ControlReply", "Error", "ErrorCode", "Heartbeat", "Result", "Stream",
+    "Submit", "WorkerStatus", "pack_batch", "peek", "split",
+]  # fmt: skip
 
 
 class ErrorCode(enum.IntEnum):

@@ -37,22 +37,10 @@ from fastio.structs import (
 from fastio.tokens import TokenArray
 
 __all__ = [
-    "MAX_NEW_TOKENS",
-    "AllocationMode",
-    "AllocationType",
-    "FinetuneSpec",
-    "GenerationHyperparameters",
-    "LLMRequest",
-    "LLMResponse",
-    "ParamSpec",
-    "RolloutStat",
-    "SaveLoadMeta",
-    "SaverConfig",
-    "VLMRequest",
-    "VLMResponse",
-    "WeightUpdateMeta",
-    "WireStruct",
-]
+    "MAX_NEW_TOKENS", "AllocationMode", "AllocationType", "FinetuneSpec",
+    "GenerationHyperparameters", "LLMRequest", "LLMResponse", "ParamSpec", "RolloutStat",
+    "SaveLoadMeta", "SaverConfig", "VLMRequest", "VLMResponse", "WeightUpdateMeta", "WireStruct",
+]  # fmt: skip
 
 #: Upper bound of ``max_new_tokens``: above any context length, below typos (``10**12``).
 MAX_NEW_TOKENS = 1 << 24

@@ -18,15 +18,9 @@ from fastio.protocol import MsgKind
 from fastio.structs import WireStruct
 
 __all__ = [
-    "AllocationMode",
-    "AllocationType",
-    "FinetuneSpec",
-    "ParamSpec",
-    "RolloutStat",
-    "SaveLoadMeta",
-    "SaverConfig",
-    "WeightUpdateMeta",
-]
+    "AllocationMode", "AllocationType", "FinetuneSpec", "ParamSpec", "RolloutStat", "SaveLoadMeta",
+    "SaverConfig", "WeightUpdateMeta",
+]  # fmt: skip
 
 
 class FinetuneSpec(WireStruct, tag=int(MsgKind.FINETUNE_SPEC)):
