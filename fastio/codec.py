@@ -1,8 +1,5 @@
-"""Multi-frame msgpack codec: a message becomes ``[header, *buffers]`` and back.
-
-``docs/PROTOCOL.md`` is the specification; the zero-copy, trust and threading rules are
-in ``docs/concepts.md``, "The codec".
-"""
+"""Multi-frame msgpack codec: a message becomes ``[header, *buffers]`` and back
+(``docs/PROTOCOL.md``; zero-copy, trust, threads: ``docs/concepts.md``, "The codec")."""
 
 from __future__ import annotations
 
@@ -46,10 +43,8 @@ def encode(obj: Any) -> list[Any]:
 
 
 def decode(frames: Sequence[Frame], type: Any = None) -> Any:
-    """Decode frames into ``type`` (``None``: whichever fastio message arrived).
-
-    Raises :class:`~fastio.DecodeError` for any malformed input.
-    """
+    """Decode frames into ``type`` (``None``: whichever fastio message arrived); any
+    malformed input raises :class:`~fastio.DecodeError`."""
     # type=None's union grows as message modules are imported.
     key = (None, structs._registry_generation) if type is None else type
     dec = _default_decoders.get(key)

@@ -58,10 +58,6 @@ def _empty_floats() -> TokenArray:
     return TokenArray.wrap(np.empty(0, np.float64))
 
 
-def _new_rid() -> str:
-    return str(uuid.uuid4())
-
-
 class GenerationHyperparameters(
     WireStruct, tag=int(MsgKind.GENERATION_HYPERPARAMETERS), metaclass=_CheckedMeta
 ):
@@ -155,13 +151,10 @@ def _gconfig(value: Any) -> GenerationHyperparameters:
 
 
 class LLMRequest(WireStruct, tag=int(MsgKind.LLM_REQUEST), metaclass=_CheckedMeta):
-    """A generation request: prompt token ids and sampling parameters.
+    """A generation request: prompt token ids and sampling parameters (``rid``: a fresh
+    uuid4 by default; requests sharing a rid go to the same worker, for KV-cache reuse)."""
 
-    ``rid`` defaults to a fresh uuid4 string; requests sharing a rid are routed to the
-    same worker (KV-cache reuse).
-    """
-
-    rid: str = msgspec.field(default_factory=_new_rid)
+    rid: str = msgspec.field(default_factory=lambda: str(uuid.uuid4()))
     input_ids: _Tokens = msgspec.field(default_factory=_empty_ids)
     gconfig: GenerationHyperparameters = msgspec.field(default_factory=_default_gconfig)
     metadata: dict[str, Any] = msgspec.field(default_factory=dict)

@@ -94,11 +94,8 @@ class _Size:
 
 
 class AllocationMode(WireStruct, tag=int(MsgKind.ALLOCATION_MODE)):
-    """Decoupled generation/training allocation, such as ``"sglang.d4p1t1+d2p2t1"``.
-
-    ``parallel_strat["gen"]`` and ``parallel_strat["*"]`` hold the generation and the
-    training sizes, each keyed by ``"d"``, ``"p"`` and ``"t"``.
-    """
+    """Decoupled generation/training allocation, such as ``"sglang.d4p1t1+d2p2t1"``:
+    ``parallel_strat["gen"]`` and ``["*"]`` hold the sizes, keyed by ``"d"``, ``"p"``, ``"t"``."""
 
     type_: AllocationType
     parallel_strat: dict[str, dict[str, int]]
