@@ -209,14 +209,8 @@ class WeightUpdateMeta(WireStruct, tag=int(MsgKind.WEIGHT_UPDATE_META)):
     def from_disk(cls, saver_config: SaverConfig) -> WeightUpdateMeta:
         """Disk path ``{fileroot}/checkpoints/{user}/{experiment}/{trial}/default/weight_update``;
         creates ``.../default`` as the seed does, not ``weight_update``."""
-        root = os.path.join(
-            saver_config.fileroot,
-            "checkpoints",
-            getpass.getuser(),
-            saver_config.experiment_name,
-            saver_config.trial_name,
-            "default",
-        )
+        root = os.path.join(saver_config.fileroot, "checkpoints", getpass.getuser())
+        root = os.path.join(root, saver_config.experiment_name, saver_config.trial_name, "default")
         os.makedirs(root, exist_ok=True)
         return cls(type="disk", path=os.path.join(root, "weight_update"))
 

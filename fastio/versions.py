@@ -1,13 +1,6 @@
-"""What a peer reads, and what to write to it (``docs/PROTOCOL.md``, "Versions").
-
-:func:`encoder_for` turns the versions a peer's :class:`~fastio.fabric_msgs.Heartbeat`
-states into the :class:`~fastio.Encoder` for that peer, or raises
-:class:`~fastio.IncompatiblePeer`; a peer not heard from yet gets :data:`VERSION_1`.
-
->>> from fastio import fabric_msgs as fm
->>> encoder_for(fm.Heartbeat(**STATED)).version
-2
-"""
+"""What a peer reads, and what to write to it (``docs/PROTOCOL.md``, "Versions"):
+:func:`encoder_for` a peer's :class:`~fastio.fabric_msgs.Heartbeat` (or
+:class:`~fastio.IncompatiblePeer`); :data:`VERSION_1` for a peer not heard from yet."""
 
 from __future__ import annotations
 
