@@ -198,11 +198,7 @@ class LLMResponse(WireStruct, tag=int(MsgKind.LLM_RESPONSE)):
         a, b, c = self.input_tokens, self.output_tokens, self.output_logprobs
         d, e = self.output_versions, self.itl
         if (
-            type(a) is _TA
-            and type(b) is _TA
-            and type(c) is _TA
-            and type(d) is _TA
-            and type(e) is _TA
+            type(a) is type(b) is type(c) is type(d) is type(e) is _TA
             and a._a.dtype in _INT_DTYPES
             and b._a.dtype in _INT_DTYPES
             and d._a.dtype in _INT_DTYPES
