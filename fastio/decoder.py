@@ -121,8 +121,7 @@ class Decoder:
         return ext_hook
 
     def _new_state(self) -> list[Any]:
-        """A per-call state ``[frames, decode, decode_two]`` (``decode_two`` checks that
-        a two-frame message announces one buffer)."""
+        """A per-call state ``[frames, decode, decode_two]`` (``decode_two``: one buffer)."""
         state: list[Any] = [None, None, None]
         state[1] = self._msgspec_decoder(int, state)
         state[2] = self._msgspec_decoder(Literal[1], state)
@@ -255,8 +254,7 @@ class Decoder:
 
 
 def _data(slot: int | bytearray, nbytes: int, what: Any, frames: Any) -> Any:
-    """The bytes of frame ``slot``, or inline data (a private bytearray from msgspec);
-    ``what()`` names it in errors."""
+    """The bytes of frame ``slot`` or the inline bytearray; ``what()`` names it in errors."""
     if type(slot) is int:
         if not 0 < slot < len(frames):
             raise _ext.frame_error(what(), slot, frames)

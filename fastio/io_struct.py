@@ -79,8 +79,7 @@ class GenerationHyperparameters(
             setattr(obj, field.name, _checked(field.name, getattr(obj, field.name), field.type))
 
     def new(self, **kwargs: Any) -> GenerationHyperparameters:
-        """A copy with the given fields changed and checked (an unknown name raises
-        ``TypeError``)."""
+        """A copy with the given fields changed and checked (unknown names: ``TypeError``)."""
         new = msgspec.structs.replace(self, **{"stop_token_ids": [*self.stop_token_ids], **kwargs})
         self._check_new(new)
         return new
@@ -124,11 +123,6 @@ def _checked(name: str, value: Any, info: Any) -> Any:
     return value
 
 
-def _default_gconfig() -> GenerationHyperparameters:
-    # The defaults are valid: no construction checks.
-    return msgspec.StructMeta.__call__(GenerationHyperparameters)  # type: ignore[no-any-return]
-
-
 def _gconfig(value: Any) -> GenerationHyperparameters:
     """The seed's ``GenerationHyperparameters`` (a dataclass) or a mapping of its
     fields, converted; anything else is a ``TypeError`` here, not a worker's error."""
@@ -156,7 +150,10 @@ class LLMRequest(WireStruct, tag=int(MsgKind.LLM_REQUEST), metaclass=_CheckedMet
 
     rid: str = msgspec.field(default_factory=lambda: str(uuid.uuid4()))
     input_ids: _Tokens = msgspec.field(default_factory=_empty_ids)
-    gconfig: GenerationHyperparameters = msgspec.field(default_factory=_default_gconfig)
+    # The default is valid: no construction checks.
+    gconfig: GenerationHyperparameters = msgspec.field(
+        default_factory=lambda: msgspec.StructMeta.__call__(GenerationHyperparameters)
+    )
     metadata: dict[str, Any] = msgspec.field(default_factory=dict)
     model_id: str | None = None
 

@@ -186,12 +186,6 @@ def _host_ip() -> str:
         ) from exc
 
 
-def _free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
 class WeightUpdateMeta(WireStruct, tag=int(MsgKind.WEIGHT_UPDATE_META)):
     """How new weights reach the generation workers: ``type="disk"``, a safetensors
     checkpoint at ``path``; ``type="nccl"``, a torch.distributed broadcast (world size
@@ -226,11 +220,15 @@ class WeightUpdateMeta(WireStruct, tag=int(MsgKind.WEIGHT_UPDATE_META)):
         """Process-group update of the given parameters; ``master_address`` defaults to
         this host's resolved name (else :class:`OSError`), ``master_port`` to a free port."""
         address = master_address or _host_ip()
+        if master_port is None:  # a free one
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                s.bind(("127.0.0.1", 0))
+                master_port = int(s.getsockname()[1])
         return cls(
             type="nccl",
             alloc_mode=allocation_mode,
             nccl_master_address=address,
-            nccl_master_port=master_port if master_port is not None else _free_port(),
+            nccl_master_port=master_port,
             nccl_param_specs=list(param_specs),
             nccl_group_name=nccl_group_name,
         )

@@ -75,8 +75,7 @@ def _pick(
 
 
 def encoder_for(hb: Any) -> Encoder:
-    """The (shared) encoder for a peer, from the versions its Heartbeat states (raises
-    as :func:`pick`)."""
+    """The shared encoder for a peer, from its Heartbeat's versions (raises as :func:`pick`)."""
     return _encoder(*pick(hb.protocol, hb.protocol_min, hb.token_encodings))
 
 
