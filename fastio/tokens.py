@@ -330,7 +330,6 @@ class TokenArray(Sequence[Any]):
         i = index if isinstance(index, slice) else self._position(index, "assignment")
         self._set_private(np.delete(self._a, i))
 
-    # Operations whose list and array meanings disagree: refused.
     __mul__ = __rmul__ = __imul__ = _refused("*")
     __sub__ = __rsub__ = _refused("-")
     __truediv__ = _refused("/")
