@@ -74,8 +74,7 @@ IMAGE_MODES = {
 
 @functools.cache
 def torch_tables() -> tuple[dict[Any, str], dict[str, tuple[Any, int]]]:
-    """``(torch dtype -> wire name, wire name -> (torch dtype, itemsize))``, built on
-    first use: torch is optional and slow to import."""
+    """``(torch dtype -> wire name, wire name -> (torch dtype, itemsize))``, on first use."""
     import torch
 
     dtypes = {}

@@ -1,8 +1,5 @@
-"""Multi-frame msgpack codec: a message becomes ``[header, *buffers]`` and back.
-
-``docs/PROTOCOL.md`` is the specification; the zero-copy, trust and threading rules are
-in ``docs/concepts.md``, "The codec".
-"""
+"""Multi-frame msgpack codec: a message becomes ``[header, *buffers]`` and back
+(``docs/PROTOCOL.md``; zero-copy, trust, threads: ``docs/concepts.md``, "The codec")."""
 
 from __future__ import annotations
 
@@ -16,16 +13,9 @@ from fastio.jsonhook import enc_hook
 from fastio.structs import WireStruct, message_types
 
 __all__ = [
-    "MESSAGE_TYPES",
-    "Decoder",
-    "Encoder",
-    "Frame",
-    "Message",
-    "decode",
-    "enc_hook",
-    "encode",
+    "MESSAGE_TYPES", "Decoder", "Encoder", "Frame", "Message", "decode", "enc_hook", "encode",
     "message_types",
-]
+]  # fmt: skip
 
 #: The seed's message types (:mod:`fastio.io_struct`), in tag order.
 MESSAGE_TYPES: tuple[type[WireStruct], ...] = tuple(
@@ -53,10 +43,8 @@ def encode(obj: Any) -> list[Any]:
 
 
 def decode(frames: Sequence[Frame], type: Any = None) -> Any:
-    """Decode frames into ``type`` (``None``: whichever fastio message arrived).
-
-    Raises :class:`~fastio.DecodeError` for any malformed input.
-    """
+    """Decode frames into ``type`` (``None``: whichever fastio message arrived); any
+    malformed input raises :class:`~fastio.DecodeError`."""
     # type=None's union grows as message modules are imported.
     key = (None, structs._registry_generation) if type is None else type
     dec = _default_decoders.get(key)

@@ -1,5 +1,5 @@
-""":class:`Decoder`: frames ``[header, *buffers]`` into typed objects (see
-:mod:`fastio.codec` for the zero-copy contract, the trust rules and threading)."""
+""":class:`Decoder`: frames ``[header, *buffers]`` into typed objects (zero-copy, trust and
+threads: ``docs/concepts.md``, "The codec")."""
 
 from __future__ import annotations
 
@@ -80,13 +80,8 @@ class Decoder:
         return self._trusted
 
     def decode(self, frames: Sequence[Any]) -> Any:
-        """Decode a frame list (bytes, memoryview, bytearray or ``zmq.Frame`` items).
-
-        Raises
-        ------
-        DecodeError
-            Saying what is wrong (a field's path and rule); nothing else for bad input.
-        """
+        """Decode a frame list (bytes, memoryview, bytearray or ``zmq.Frame`` items); bad
+        input raises :class:`~fastio.DecodeError` (saying what is wrong), nothing else."""
         return self._decode(frames)
 
     def _msgspec_decoder(self, n_buffers: Any, state: list[Any]) -> Any:
@@ -98,8 +93,7 @@ class Decoder:
         ).decode
 
     def _hook(self, state: list[Any]) -> Any:
-        """The ``ext_hook`` of one msgspec decoder; ``state[0]`` is the frame list of the
-        call holding the state."""
+        """The ``ext_hook`` of one msgspec decoder; ``state[0]``: its call's frame list."""
         dtypes, ref, frame, unpack = _ext.TOKEN_DTYPES, _ext.REF, _ext.FRAME, _ext.FRAME_REF.unpack
         frombuffer, wrap, other = np.frombuffer, TokenArray.wrap, self._ext_hook
 
@@ -107,7 +101,6 @@ class Decoder:
             dtype = dtypes[code]
             if dtype is None:
                 return other(code, payload, state[0])
-            # Bad values reach the raise.
             try:
                 if code >= ref:  # in frame k, one byte: the frame is the array
                     (k,) = payload  # ValueError unless exactly one byte
@@ -128,8 +121,7 @@ class Decoder:
         return ext_hook
 
     def _new_state(self) -> list[Any]:
-        """A per-call state ``[frames, decode, decode_two]``; ``decode_two``'s type
-        says one buffer, so msgspec checks the count of two-frame messages."""
+        """A per-call state ``[frames, decode, decode_two]`` (``decode_two``: one buffer)."""
         state: list[Any] = [None, None, None]
         state[1] = self._msgspec_decoder(int, state)
         state[2] = self._msgspec_decoder(Literal[1], state)
@@ -262,8 +254,7 @@ class Decoder:
 
 
 def _data(slot: int | bytearray, nbytes: int, what: Any, frames: Any) -> Any:
-    """The bytes of frame ``slot``, or inline data (a private bytearray from msgspec);
-    ``what()`` names it in errors."""
+    """The bytes of frame ``slot`` or the inline bytearray; ``what()`` names it in errors."""
     if type(slot) is int:
         if not 0 < slot < len(frames):
             raise _ext.frame_error(what(), slot, frames)

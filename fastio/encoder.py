@@ -1,5 +1,5 @@
-""":class:`Encoder`: a message into frames ``[header, *buffers]`` (see :mod:`fastio.codec`
-for the zero-copy contract and the threading rules)."""
+""":class:`Encoder`: a message into frames ``[header, *buffers]`` (zero-copy and threads:
+``docs/concepts.md``, "The codec")."""
 
 from __future__ import annotations
 
@@ -103,20 +103,13 @@ class Encoder:
         return self._tokens
 
     def encode(self, obj: Any) -> list[Any]:
-        """Encode ``obj`` into ``[header, *buffers]``: ``bytes``, then the caller's
-        memory (token arrays' numpy arrays, byte memoryviews of other arrays; keep them
-        unmodified until sent). Send with ``socket.send_multipart(frames, copy=False)``.
-
-        Raises
-        ------
-        EncodeError
-            For objects fastio cannot put on the wire (unsupported types or dtypes).
-        """
+        """Encode ``obj`` into ``[header, *buffers]``: ``bytes``, then the caller's memory
+        (keep it unmodified until sent, e.g. ``send_multipart(frames, copy=False)``);
+        :class:`~fastio.EncodeError` for what fastio cannot put on the wire."""
         return self._encode(obj)  # type: ignore[no-any-return]
 
     def _hook(self, state: list[Any]) -> Any:
-        """The ``enc_hook`` of one msgspec encoder; ``state[1]`` is the frame list of the
-        call holding the state."""
+        """The ``enc_hook`` of one msgspec encoder; ``state[1]``: its call's frame list."""
         threshold = self._threshold
         # Other token encodings miss this table: _tokens_ext writes them.
         codes = _ext.INLINE_CODE if self._tokens is TokenEncoding.REF else {}
@@ -124,7 +117,6 @@ class Encoder:
         other = self._enc_hook
 
         def hook(obj: Any) -> Any:
-            # The hot path: the array itself is the inline payload or the frame.
             if type(obj) is TokenArray:
                 arr = obj._a
                 code = codes.get(arr.dtype)
@@ -144,8 +136,7 @@ class Encoder:
         return hook
 
     def _new_state(self) -> list[Any]:
-        """A per-call state ``[encode, frames, n_guess]``; ``n_guess`` is the buffer
-        count of this state's last message."""
+        """A per-call state ``[encode, frames, buffer count of its last message]``."""
         state: list[Any] = [None, None, 0]
         state[0] = msgspec.msgpack.Encoder(enc_hook=self._hook(state)).encode
         return state
@@ -217,8 +208,7 @@ class Encoder:
         raise EncodeError(f"fastio cannot encode objects of type {tp.__module__}.{tp.__qualname__}")
 
     def _tokens_ext(self, arr: np.ndarray[Any, Any], frames: list[Any]) -> msgspec.msgpack.Ext:
-        """Token arrays off the hot path: dtypes to normalise, strided views, the older
-        encodings."""
+        """Token arrays off the hot path: other dtypes, strided views, older encodings."""
         tokens = self._tokens
         if tokens is TokenEncoding.TOKENS:
             return self._array_ext(arr, _ext.EXT_TOKENS, frames)

@@ -4,14 +4,9 @@ msgspec, numpy or PIL are translated at the codec boundary, ``from`` the origina
 from __future__ import annotations
 
 __all__ = [
-    "DecodeError",
-    "EncodeError",
-    "FastioError",
-    "FrameError",
-    "IncompatiblePeer",
-    "MessageTooLarge",
-    "UnsupportedVersion",
-]
+    "DecodeError", "EncodeError", "FastioError", "FrameError", "IncompatiblePeer",
+    "MessageTooLarge", "UnsupportedVersion",
+]  # fmt: skip
 
 
 class FastioError(Exception):

@@ -15,25 +15,10 @@ from fastio.protocol import MsgKind
 from fastio.tokens import TokenArray
 
 __all__ = [
-    "BATCH_MARKER",
-    "CLIENT_TO_WORKER",
-    "MAX_BATCHED_FRAME",
-    "WORKER_TO_CLIENT",
-    "Cancel",
-    "Control",
-    "ControlOp",
-    "ControlReply",
-    "Error",
-    "ErrorCode",
-    "Heartbeat",
-    "Result",
-    "Stream",
-    "Submit",
-    "WorkerStatus",
-    "pack_batch",
-    "peek",
-    "split",
-]
+    "BATCH_MARKER", "CLIENT_TO_WORKER", "MAX_BATCHED_FRAME", "WORKER_TO_CLIENT", "Cancel",
+    "Control", "ControlOp", "ControlReply", "Error", "ErrorCode", "Heartbeat", "Result", "Stream",
+    "Submit", "WorkerStatus", "pack_batch", "peek", "split",
+]  # fmt: skip
 
 
 class ErrorCode(enum.IntEnum):
@@ -167,14 +152,6 @@ def peek(frames: list[Any]) -> tuple[int | None, int | None, int | None]:
     return version, kind, first
 
 
-def _n_buffers(frame: Any) -> int | None:
-    try:
-        n = _ext.header_ints(getattr(frame, "buffer", frame))[1]
-    except Exception:
-        return None
-    return n if n >= 0 else None
-
-
 #: First byte of a batch frame: msgpack's never-used ``0xc1`` (no header starts so).
 BATCH_MARKER = 0xC1
 #: Single-frame messages up to this size are joined into batch frames (a copy).
@@ -214,8 +191,11 @@ def split(frames: list[Any]) -> list[list[Any]]:
                 out.extend([h] for h in items)
             i += 1
             continue
-        n = _n_buffers(f)
-        if n is None:
+        try:
+            n = _ext.header_ints(buf)[1]
+        except Exception:
+            n = -1
+        if n < 0:
             out.append(frames[i:])
             break
         out.append(frames[i : i + 1 + n])

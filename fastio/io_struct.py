@@ -37,22 +37,10 @@ from fastio.structs import (
 from fastio.tokens import TokenArray
 
 __all__ = [
-    "MAX_NEW_TOKENS",
-    "AllocationMode",
-    "AllocationType",
-    "FinetuneSpec",
-    "GenerationHyperparameters",
-    "LLMRequest",
-    "LLMResponse",
-    "ParamSpec",
-    "RolloutStat",
-    "SaveLoadMeta",
-    "SaverConfig",
-    "VLMRequest",
-    "VLMResponse",
-    "WeightUpdateMeta",
-    "WireStruct",
-]
+    "MAX_NEW_TOKENS", "AllocationMode", "AllocationType", "FinetuneSpec",
+    "GenerationHyperparameters", "LLMRequest", "LLMResponse", "ParamSpec", "RolloutStat",
+    "SaveLoadMeta", "SaverConfig", "VLMRequest", "VLMResponse", "WeightUpdateMeta", "WireStruct",
+]  # fmt: skip
 
 #: Upper bound of ``max_new_tokens``: above any context length, below typos (``10**12``).
 MAX_NEW_TOKENS = 1 << 24
@@ -68,10 +56,6 @@ def _empty_ids() -> TokenArray:
 
 def _empty_floats() -> TokenArray:
     return TokenArray.wrap(np.empty(0, np.float64))
-
-
-def _new_rid() -> str:
-    return str(uuid.uuid4())
 
 
 class GenerationHyperparameters(
@@ -95,8 +79,7 @@ class GenerationHyperparameters(
             setattr(obj, field.name, _checked(field.name, getattr(obj, field.name), field.type))
 
     def new(self, **kwargs: Any) -> GenerationHyperparameters:
-        """A copy with the given fields changed and checked (an unknown name raises
-        ``TypeError``)."""
+        """A copy with the given fields changed and checked (unknown names: ``TypeError``)."""
         new = msgspec.structs.replace(self, **{"stop_token_ids": [*self.stop_token_ids], **kwargs})
         self._check_new(new)
         return new
@@ -140,11 +123,6 @@ def _checked(name: str, value: Any, info: Any) -> Any:
     return value
 
 
-def _default_gconfig() -> GenerationHyperparameters:
-    # The defaults are valid: no construction checks.
-    return msgspec.StructMeta.__call__(GenerationHyperparameters)  # type: ignore[no-any-return]
-
-
 def _gconfig(value: Any) -> GenerationHyperparameters:
     """The seed's ``GenerationHyperparameters`` (a dataclass) or a mapping of its
     fields, converted; anything else is a ``TypeError`` here, not a worker's error."""
@@ -167,15 +145,15 @@ def _gconfig(value: Any) -> GenerationHyperparameters:
 
 
 class LLMRequest(WireStruct, tag=int(MsgKind.LLM_REQUEST), metaclass=_CheckedMeta):
-    """A generation request: prompt token ids and sampling parameters.
+    """A generation request: prompt token ids and sampling parameters (``rid``: a fresh
+    uuid4 by default; requests sharing a rid go to the same worker, for KV-cache reuse)."""
 
-    ``rid`` defaults to a fresh uuid4 string; requests sharing a rid are routed to the
-    same worker (KV-cache reuse).
-    """
-
-    rid: str = msgspec.field(default_factory=_new_rid)
+    rid: str = msgspec.field(default_factory=lambda: str(uuid.uuid4()))
     input_ids: _Tokens = msgspec.field(default_factory=_empty_ids)
-    gconfig: GenerationHyperparameters = msgspec.field(default_factory=_default_gconfig)
+    # The default is valid: no construction checks.
+    gconfig: GenerationHyperparameters = msgspec.field(
+        default_factory=lambda: msgspec.StructMeta.__call__(GenerationHyperparameters)
+    )
     metadata: dict[str, Any] = msgspec.field(default_factory=dict)
     model_id: str | None = None
 
@@ -217,11 +195,7 @@ class LLMResponse(WireStruct, tag=int(MsgKind.LLM_RESPONSE)):
         a, b, c = self.input_tokens, self.output_tokens, self.output_logprobs
         d, e = self.output_versions, self.itl
         if (
-            type(a) is _TA
-            and type(b) is _TA
-            and type(c) is _TA
-            and type(d) is _TA
-            and type(e) is _TA
+            type(a) is type(b) is type(c) is type(d) is type(e) is _TA
             and a._a.dtype in _INT_DTYPES
             and b._a.dtype in _INT_DTYPES
             and d._a.dtype in _INT_DTYPES

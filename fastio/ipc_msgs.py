@@ -9,16 +9,9 @@ from fastio.io_struct import WireStruct
 from fastio.protocol import MsgKind
 
 __all__ = [
-    "IPC_TAGS",
-    "IpcAck",
-    "IpcBucket",
-    "IpcHandle",
-    "IpcHello",
-    "IpcOffer",
-    "IpcReady",
-    "IpcSlot",
+    "IPC_TAGS", "IpcAck", "IpcBucket", "IpcHandle", "IpcHello", "IpcOffer", "IpcReady", "IpcSlot",
     "IpcTensor",
-]
+]  # fmt: skip
 
 #: Struct tags of the ipc messages (60-63 of ``fastio.protocol.MsgKind``).
 IPC_TAGS = {

@@ -18,15 +18,9 @@ from fastio.protocol import MsgKind
 from fastio.structs import WireStruct
 
 __all__ = [
-    "AllocationMode",
-    "AllocationType",
-    "FinetuneSpec",
-    "ParamSpec",
-    "RolloutStat",
-    "SaveLoadMeta",
-    "SaverConfig",
-    "WeightUpdateMeta",
-]
+    "AllocationMode", "AllocationType", "FinetuneSpec", "ParamSpec", "RolloutStat", "SaveLoadMeta",
+    "SaverConfig", "WeightUpdateMeta",
+]  # fmt: skip
 
 
 class FinetuneSpec(WireStruct, tag=int(MsgKind.FINETUNE_SPEC)):
@@ -100,11 +94,8 @@ class _Size:
 
 
 class AllocationMode(WireStruct, tag=int(MsgKind.ALLOCATION_MODE)):
-    """Decoupled generation/training allocation, such as ``"sglang.d4p1t1+d2p2t1"``.
-
-    ``parallel_strat["gen"]`` and ``parallel_strat["*"]`` hold the generation and the
-    training sizes, each keyed by ``"d"``, ``"p"`` and ``"t"``.
-    """
+    """Decoupled generation/training allocation, such as ``"sglang.d4p1t1+d2p2t1"``:
+    ``parallel_strat["gen"]`` and ``["*"]`` hold the sizes, keyed by ``"d"``, ``"p"``, ``"t"``."""
 
     type_: AllocationType
     parallel_strat: dict[str, dict[str, int]]
@@ -195,12 +186,6 @@ def _host_ip() -> str:
         ) from exc
 
 
-def _free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
 class WeightUpdateMeta(WireStruct, tag=int(MsgKind.WEIGHT_UPDATE_META)):
     """How new weights reach the generation workers: ``type="disk"``, a safetensors
     checkpoint at ``path``; ``type="nccl"``, a torch.distributed broadcast (world size
@@ -218,14 +203,8 @@ class WeightUpdateMeta(WireStruct, tag=int(MsgKind.WEIGHT_UPDATE_META)):
     def from_disk(cls, saver_config: SaverConfig) -> WeightUpdateMeta:
         """Disk path ``{fileroot}/checkpoints/{user}/{experiment}/{trial}/default/weight_update``;
         creates ``.../default`` as the seed does, not ``weight_update``."""
-        root = os.path.join(
-            saver_config.fileroot,
-            "checkpoints",
-            getpass.getuser(),
-            saver_config.experiment_name,
-            saver_config.trial_name,
-            "default",
-        )
+        root = os.path.join(saver_config.fileroot, "checkpoints", getpass.getuser())
+        root = os.path.join(root, saver_config.experiment_name, saver_config.trial_name, "default")
         os.makedirs(root, exist_ok=True)
         return cls(type="disk", path=os.path.join(root, "weight_update"))
 
@@ -241,11 +220,15 @@ class WeightUpdateMeta(WireStruct, tag=int(MsgKind.WEIGHT_UPDATE_META)):
         """Process-group update of the given parameters; ``master_address`` defaults to
         this host's resolved name (else :class:`OSError`), ``master_port`` to a free port."""
         address = master_address or _host_ip()
+        if master_port is None:  # a free one
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                s.bind(("127.0.0.1", 0))
+                master_port = int(s.getsockname()[1])
         return cls(
             type="nccl",
             alloc_mode=allocation_mode,
             nccl_master_address=address,
-            nccl_master_port=master_port if master_port is not None else _free_port(),
+            nccl_master_port=master_port,
             nccl_param_specs=list(param_specs),
             nccl_group_name=nccl_group_name,
         )

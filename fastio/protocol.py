@@ -5,16 +5,9 @@ from __future__ import annotations
 import enum
 
 __all__ = [
-    "DEFAULT_INLINE_THRESHOLD",
-    "DEFAULT_MAX_MESSAGE_SIZE",
-    "DTYPE_NAMES",
-    "MIN_PROTOCOL_VERSION",
-    "PROTOCOL_VERSION",
-    "READS",
-    "ExtCode",
-    "MsgKind",
-    "TokenEncoding",
-]
+    "DEFAULT_INLINE_THRESHOLD", "DEFAULT_MAX_MESSAGE_SIZE", "DTYPE_NAMES", "MIN_PROTOCOL_VERSION",
+    "PROTOCOL_VERSION", "READS", "ExtCode", "MsgKind", "TokenEncoding",
+]  # fmt: skip
 
 #: The version written by default and the newest read. Bump it for any change an older
 #: peer cannot read (appending a field with a default is not one; docs/PROTOCOL.md).

@@ -45,8 +45,7 @@ def message_types() -> tuple[type[WireStruct], ...]:
 
 
 class _CheckedMeta(msgspec.StructMeta):
-    """``cls(...)`` runs ``cls._check_new(obj)`` after msgspec's ``__init__``; decoding
-    does not (msgspec checks typed fields itself)."""
+    """``cls(...)`` runs ``cls._check_new(obj)`` after ``__init__`` (decoding does not)."""
 
     _check_new: Any
 

@@ -34,8 +34,7 @@ def _refused(op: str) -> Any:
 
 
 def _weak(values: Sequence[Any], like: np.dtype[Any]) -> npt.NDArray[Any]:
-    """Python numbers as an array, in ``like``'s dtype when every value fits (NEP 50),
-    else widened instead of truncated."""
+    """Python numbers as an array in ``like``'s dtype when all fit (NEP 50), else wider."""
     if len(values) == 0:
         return np.empty(0, like)
     arr = _numbers(values, None)
@@ -78,10 +77,9 @@ class TokenArray(Sequence[Any]):
     __slots__ = ("_a", "_buf", "_excl")
 
     _a: npt.NDArray[Any]
-    #: Over-allocated private buffer that ``_a`` is a prefix of, or None.
+    #: Over-allocated private buffer that ``_a`` is a prefix of (unset after :meth:`wrap`).
     _buf: npt.NDArray[Any] | None
-    #: No view of ``_a`` exists elsewhere: assignment may write in place. :meth:`wrap`
-    #: leaves ``_buf`` and ``_excl`` unset (read with defaults None and False).
+    #: No other view of ``_a``: assignment may write in place (unset: False).
     _excl: bool
 
     def __init__(self, data: Any = (), dtype: npt.DTypeLike | None = None) -> None:
@@ -218,8 +216,7 @@ class TokenArray(Sequence[Any]):
     __hash__ = None  # type: ignore[assignment]  # mutable, like list
 
     def _values(self, values: Any, op: str, iterables: bool = False) -> npt.NDArray[Any]:
-        """``values`` as an array to join with this one; any iterable of numbers when
-        ``iterables`` (``extend``, slice assignment), else only list-likes (``+``)."""
+        """``values`` as an array to join with this one (any iterable when ``iterables``)."""
         if isinstance(values, TokenArray):
             return values._a
         if isinstance(values, np.ndarray):
@@ -333,7 +330,6 @@ class TokenArray(Sequence[Any]):
         i = index if isinstance(index, slice) else self._position(index, "assignment")
         self._set_private(np.delete(self._a, i))
 
-    # Operations whose list and array meanings disagree: refused.
     __mul__ = __rmul__ = __imul__ = _refused("*")
     __sub__ = __rsub__ = _refused("-")
     __truediv__ = _refused("/")

@@ -1,13 +1,6 @@
-"""What a peer reads, and what to write to it (``docs/PROTOCOL.md``, "Versions").
-
-:func:`encoder_for` turns the versions a peer's :class:`~fastio.fabric_msgs.Heartbeat`
-states into the :class:`~fastio.Encoder` for that peer, or raises
-:class:`~fastio.IncompatiblePeer`; a peer not heard from yet gets :data:`VERSION_1`.
-
->>> from fastio import fabric_msgs as fm
->>> encoder_for(fm.Heartbeat(**STATED)).version
-2
-"""
+"""What a peer reads, and what to write to it (``docs/PROTOCOL.md``, "Versions"):
+:func:`encoder_for` a peer's :class:`~fastio.fabric_msgs.Heartbeat` (or
+:class:`~fastio.IncompatiblePeer`); :data:`VERSION_1` for a peer not heard from yet."""
 
 from __future__ import annotations
 
@@ -82,8 +75,7 @@ def _pick(
 
 
 def encoder_for(hb: Any) -> Encoder:
-    """The (shared) encoder for a peer, from the versions its Heartbeat states (raises
-    as :func:`pick`)."""
+    """The shared encoder for a peer, from its Heartbeat's versions (raises as :func:`pick`)."""
     return _encoder(*pick(hb.protocol, hb.protocol_min, hb.token_encodings))
 
 

@@ -11,19 +11,10 @@ from fastio.io_struct import WireStruct
 from fastio.protocol import MsgKind
 
 __all__ = [
-    "PUBLISHER_TO_SUBSCRIBER",
-    "SUBSCRIBER_TO_PUBLISHER",
-    "WeightAck",
-    "WeightAnnounce",
-    "WeightBucket",
-    "WeightBucketInfo",
-    "WeightError",
-    "WeightFetch",
-    "WeightHeartbeat",
-    "WeightHello",
-    "WeightTensor",
-    "WeightWelcome",
-]
+    "PUBLISHER_TO_SUBSCRIBER", "SUBSCRIBER_TO_PUBLISHER", "WeightAck", "WeightAnnounce",
+    "WeightBucket", "WeightBucketInfo", "WeightError", "WeightFetch", "WeightHeartbeat",
+    "WeightHello", "WeightTensor", "WeightWelcome",
+]  # fmt: skip
 
 
 class WeightTensor(msgspec.Struct, array_like=True, frozen=True, gc=False):
