@@ -120,17 +120,6 @@ class SGLangEngine(HTTPBridge):
         """``POST /abort_request`` for ``flight``'s rid, in the background."""
         self.spawn(self._post_quietly("/abort_request", {"rid": flight.rid}))
 
-    async def _post_quietly(
-        self, path: str, body: Any, timeout: float | None = None
-    ) -> Exception | None:
-        # The error instead of raising it (the server may be gone: the watchdog sees it).
-        try:
-            await self.post_json(path, body, timeout=timeout)
-        except Exception as exc:
-            log.debug("SGLang %s %s failed: %r", path, body, exc)
-            return exc
-        return None
-
     @property
     def pauses_in_place(self) -> bool:  # type: ignore[override]
         """The server is paused by this bridge with its requests frozen (``in_place`` or
