@@ -13,14 +13,10 @@ GC_THRESHOLD = 50_000
 
 
 def tune_gc(threshold: int = GC_THRESHOLD, *, freeze: bool = False) -> bool:
-    """Make the cyclic collector's passes rarer, process-wide; returns whether anything
-    changed.
-
-    Raises the first threshold of :func:`gc.set_threshold` to at least ``threshold`` (a
-    zero one stays zero); ``freeze`` also calls :func:`gc.freeze`. fastio never calls it:
-    a program embedding a :class:`~transport.FabricClient` calls it once it has started.
-    ``FASTIO_TUNE_GC=0`` in the environment makes it a no-op.
-    """
+    """Make the cyclic collector's passes rarer, process-wide (fastio never calls it): the
+    first threshold of :func:`gc.set_threshold` raised to at least ``threshold`` (a zero one
+    stays zero), and :func:`gc.freeze` with ``freeze``; a no-op under ``FASTIO_TUNE_GC=0``.
+    Returns whether anything changed."""
     if os.environ.get("FASTIO_TUNE_GC", "1") == "0":
         return False
     first, second, third = gc.get_threshold()

@@ -1,8 +1,5 @@
-"""Exceptions raised by :mod:`transport` (the tree: ``docs/troubleshooting.md``).
-
-A ``fastio.DecodeError`` never reaches a caller: at the socket boundary it becomes an
-Error reply or a counted, logged drop.
-"""
+"""Exceptions raised by :mod:`transport` (the tree: ``docs/troubleshooting.md``; a
+``fastio.DecodeError`` never reaches a caller: it becomes an Error reply or a logged drop)."""
 
 from __future__ import annotations
 

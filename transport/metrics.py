@@ -1,9 +1,6 @@
-"""Prometheus metrics of the fabric and the weight path (optional extra ``metrics``;
-every series: ``docs/metrics.md``).
-
-Without ``prometheus-client`` every metric is a no-op (``ENABLED`` says which). A process
-shows the series of the roles :func:`expose` names; :func:`on_scrape` hooks add counts kept
-as plain ints; :func:`start_http_server` serves ``GET /metrics``.
+"""Prometheus metrics of the fabric and the weight path (optional extra ``metrics``, else
+no-ops: :data:`ENABLED`); a process shows the series of the roles :func:`expose` names
+(every series: ``docs/metrics.md``).
 
 >>> from transport import metrics
 >>> metrics.CLIENT_RESENDS.inc()  # counts, or does nothing without prometheus-client
@@ -81,13 +78,14 @@ class _Role:
 _ROLES = {role: _Role() for role in ROLES}
 
 
-def _metric(kind: str, name: str, doc: str, labels: tuple[str, ...] = (), **kw: Any) -> Any:
+def _metric(kind: str, what: str, doc: str, *labels: str, **kw: Any) -> Any:
+    # The series fastio_<role>_<what>, shown by its role once exposed.
     if not _prom:
         return _Noop()
     if kind == "Histogram":
         kw.setdefault("buckets", _LATENCY_BUCKETS)
-    metric = getattr(_prom, kind)(name, doc, labels, registry=None, **kw)
-    _ROLES[name.split("_")[1]].metrics.append(metric)  # fastio_<role>_<what>
+    metric = getattr(_prom, kind)(f"fastio_{what}", doc, labels, registry=None, **kw)
+    _ROLES[what.split("_")[0]].metrics.append(metric)
     return metric
 
 
@@ -95,58 +93,49 @@ _counter = functools.partial(_metric, "Counter")
 _gauge = functools.partial(_metric, "Gauge")
 _histogram = functools.partial(_metric, "Histogram")
 
-
-# --- worker ---------------------------------------------------------------------------
+# outcome: ok | error | cancelled | rejected
 WORKER_REQUESTS = _counter(
-    "fastio_worker_requests", "Requests finished by this worker, by outcome", ("outcome",)
-)  # outcome: ok | error | cancelled | rejected
-WORKER_ERRORS = _counter("fastio_worker_errors", "Error replies sent, by code", ("code",))
+    "worker_requests", "Requests finished by this worker, by outcome", "outcome"
+)
+WORKER_ERRORS = _counter("worker_errors", "Error replies sent, by code", "code")
 WORKER_FINISHED = _counter(
-    "fastio_worker_finished_requests",
+    "worker_finished_requests",
     "Requests finished, by finish reason (stop, length, interrupt, abort)",
-    ("finished_reason",),
+    "finished_reason",
 )
 for _reason in FINISHED_REASONS:  # every reason shows, at 0 before its first count
     WORKER_FINISHED.labels(_reason)
 WORKER_PROMPT_TOKENS = _counter(
-    "fastio_worker_prompt_tokens", "Prompt tokens of the requests answered with a Result"
+    "worker_prompt_tokens", "Prompt tokens of the requests answered with a Result"
 )
 WORKER_GENERATION_TOKENS = _counter(
-    "fastio_worker_generation_tokens", "Tokens generated in the Results sent"
+    "worker_generation_tokens", "Tokens generated in the Results sent"
 )
-WORKER_INFLIGHT = _gauge("fastio_worker_in_flight", "Requests whose handler is running")
-WORKER_QUEUE_DEPTH = _gauge("fastio_worker_queue_depth", "Requests waiting for a slot")
-WORKER_TTFT = _histogram("fastio_worker_ttft_seconds", "Time from Submit to the first token")
+WORKER_INFLIGHT = _gauge("worker_in_flight", "Requests whose handler is running")
+WORKER_QUEUE_DEPTH = _gauge("worker_queue_depth", "Requests waiting for a slot")
+WORKER_TTFT = _histogram("worker_ttft_seconds", "Time from Submit to the first token")
 WORKER_ITL = _histogram(
-    "fastio_worker_inter_token_seconds",
-    "Mean time between tokens per request",
-    buckets=_TOKEN_BUCKETS,
+    "worker_inter_token_seconds", "Mean time between tokens per request", buckets=_TOKEN_BUCKETS
 )
-WORKER_E2E = _histogram("fastio_worker_e2e_seconds", "Time from Submit to the Result")
-WORKER_PAUSES = _counter("fastio_worker_pauses", "Pauses (weight updates, controller)")
-WORKER_WEIGHT_VERSION = _gauge("fastio_worker_weight_version", "Weight version the engine serves")
-WORKER_PAUSED = _gauge("fastio_worker_paused", "1 while generation is paused, else 0")
-
-# --- client ---------------------------------------------------------------------------
-CLIENT_RESENDS = _counter("fastio_client_resends", "Requests re-sent to another worker")
-CLIENT_WORKER_DEATHS = _counter("fastio_client_worker_deaths", "Workers declared dead")
-CLIENT_LATENCY = _histogram("fastio_client_latency_seconds", "agenerate: call to response")
-
-# --- weights --------------------------------------------------------------------------
+WORKER_E2E = _histogram("worker_e2e_seconds", "Time from Submit to the Result")
+WORKER_PAUSES = _counter("worker_pauses", "Pauses (weight updates, controller)")
+WORKER_WEIGHT_VERSION = _gauge("worker_weight_version", "Weight version the engine serves")
+WORKER_PAUSED = _gauge("worker_paused", "1 while generation is paused, else 0")
+CLIENT_RESENDS = _counter("client_resends", "Requests re-sent to another worker")
+CLIENT_WORKER_DEATHS = _counter("client_worker_deaths", "Workers declared dead")
+CLIENT_LATENCY = _histogram("client_latency_seconds", "agenerate: call to response")
 PUBLISHER_PHASE_SECONDS = _histogram(
-    "fastio_publisher_phase_seconds",
-    "Weight update time per phase (pack, send, wait, total)",
-    ("phase",),
+    "publisher_phase_seconds", "Weight update time per phase (pack, send, wait, total)", "phase"
 )
-PUBLISHER_BYTES = _counter("fastio_publisher_bytes", "Weight bytes published", ("path",))
-PUBLISHER_FAILURES = _counter("fastio_publisher_failures", "Versions some worker failed")
+PUBLISHER_BYTES = _counter("publisher_bytes", "Weight bytes published", "path")
+PUBLISHER_FAILURES = _counter("publisher_failures", "Versions some worker failed")
 SUBSCRIBER_PHASE_SECONDS = _histogram(
-    "fastio_subscriber_phase_seconds",
+    "subscriber_phase_seconds",
     "Weight apply time per phase (receive, verify, apply, total)",
-    ("phase",),
+    "phase",
 )
-SUBSCRIBER_BYTES = _counter("fastio_subscriber_bytes", "Weight bytes applied", ("path",))
-SUBSCRIBER_FAILURES = _counter("fastio_subscriber_failures", "Versions refused or failed")
+SUBSCRIBER_BYTES = _counter("subscriber_bytes", "Weight bytes applied", "path")
+SUBSCRIBER_FAILURES = _counter("subscriber_failures", "Versions refused or failed")
 
 
 def on_scrape(role: str, hook: Callable[[], None]) -> Callable[[], None]:

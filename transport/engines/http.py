@@ -163,6 +163,17 @@ class HTTPBridge(Flights, abc.ABC):
         :class:`EngineUnavailable` for a server that cannot be reached."""
         return await self._call("POST", path, msgspec.json.encode(body), timeout)
 
+    async def _post_quietly(
+        self, path: str, body: Any, timeout: float | None = None
+    ) -> Exception | None:
+        # The error instead of raising it (the server may be gone: the watchdog sees it).
+        try:
+            await self.post_json(path, body, timeout=timeout)
+        except Exception as exc:
+            log.debug("%s %s %s failed: %r", self.name, path, body, exc)
+            return exc
+        return None
+
     async def _call(self, method: str, path: str, data: Any, timeout: float | None) -> Any:
         aiohttp = self.aiohttp
         total = aiohttp.ClientTimeout(total=timeout or self.options.request_timeout)

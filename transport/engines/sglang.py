@@ -120,17 +120,6 @@ class SGLangEngine(HTTPBridge):
         """``POST /abort_request`` for ``flight``'s rid, in the background."""
         self.spawn(self._post_quietly("/abort_request", {"rid": flight.rid}))
 
-    async def _post_quietly(
-        self, path: str, body: Any, timeout: float | None = None
-    ) -> Exception | None:
-        # The error instead of raising it (the server may be gone: the watchdog sees it).
-        try:
-            await self.post_json(path, body, timeout=timeout)
-        except Exception as exc:
-            log.debug("SGLang %s %s failed: %r", path, body, exc)
-            return exc
-        return None
-
     @property
     def pauses_in_place(self) -> bool:  # type: ignore[override]
         """The server is paused by this bridge with its requests frozen (``in_place`` or
@@ -191,16 +180,12 @@ class SGLangEngine(HTTPBridge):
         return True
 
     async def _flush(self) -> None:
-        # SGLang answers 400 while it holds requests: asked again once none of ours is left.
-        if not self._flush_due:
-            return
-        try:
-            await self.post_json("/flush_cache", {})
-            self._flush_due = False
-        except ServerRejected as exc:
-            if exc.status in (404, 405):
-                self._flush_due = False  # no such route: nothing to ask again
-            log.debug("SGLang /flush_cache: %r", exc)
+        # SGLang answers 400 while it holds requests: asked again once none of ours is left
+        # (404, 405: no such route, nothing to ask again).
+        if self._flush_due:
+            exc = await self._post_quietly("/flush_cache", {})
+            if exc is None or getattr(exc, "status", None) in (404, 405):
+                self._flush_due = False
 
     def load_weights(self, weights: Iterable[tuple[str, Any]], version: int | None = None) -> None:
         """Write one verified version under :attr:`weights_dir` (once for the workers that

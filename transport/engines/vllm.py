@@ -151,13 +151,7 @@ class VLLMEngine(HTTPBridge):
         if flight.response is not None:
             flight.response.close()
         if self.state.kept:
-            self.spawn(self._abort_by_id(flight.rid))
-
-    async def _abort_by_id(self, rid: str) -> None:
-        try:
-            await self.post_json("/abort_requests", {"request_ids": [rid]})
-        except (EngineUnavailable, RuntimeError) as exc:
-            log.warning("vLLM /abort_requests %s: %s", rid, exc)
+            self.spawn(self._post_quietly("/abort_requests", {"request_ids": [flight.rid]}))
 
     @property
     def pauses_in_place(self) -> bool:  # type: ignore[override]

@@ -126,40 +126,32 @@ class UpdateState:
     def __init__(self, sync: WeightSync, where: str = "") -> None:
         self.sync = sync
         self.where = where
-        self._kept = False
-        self._mixed = False
+        #: The engine is paused in place by fastio (its requests frozen, not ended).
+        self.kept = False
+        #: The last load failed after vLLM started it.
+        self.mixed = False
         self._ready = False  # init_weight_transfer_engine done
-
-    @property
-    def kept(self) -> bool:
-        """The engine is paused in place by fastio (its requests frozen, not ended)."""
-        return self._kept
-
-    @property
-    def mixed(self) -> bool:
-        """The last load failed after vLLM started it."""
-        return self._mixed
 
     async def pause(self) -> None:
         """Pause in place; :attr:`kept` from the moment it is asked (streams are read on,
         not interrupted) until it failed or the engine resumed."""
-        self._kept = True
+        self.kept = True
         try:
             await self.sync.pause_in_place()
         except BaseException:
-            self._kept = False
+            self.kept = False
             raise
 
     async def resume(self) -> bool:
         """Resume an engine fastio paused, unless its weights are mixed; returns whether
         it resumed."""
-        if not self._kept:
+        if not self.kept:
             return False
-        if self._mixed:
+        if self.mixed:
             log.error("vLLM%s stays paused: its weights are mixed (a load failed)", self.where)
             return False
         await self.sync.resume()
-        self._kept = False
+        self.kept = False
         return True
 
     async def load(self, info: dict[str, Any], version: int) -> None:
@@ -170,7 +162,7 @@ class UpdateState:
         if not self._ready:
             await sync.init_transfer()
             self._ready = True
-        paused, self._kept = self._kept, True
+        paused, self.kept = self.kept, True
         try:
             if not paused:
                 await sync.pause_in_place()
@@ -180,9 +172,9 @@ class UpdateState:
             if (label := await sync.label()) != str(version):
                 raise RuntimeError(f"vLLM reports weight version {label!r} after loading {version}")
         except BaseException:
-            self._mixed = True
+            self.mixed = True
             raise
-        self._mixed = False
+        self.mixed = False
 
     def load_pairs(
         self,
