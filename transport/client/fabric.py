@@ -1,7 +1,5 @@
-"""The rollout client: :class:`FabricClient` on the caller's loop owns
-:class:`Counters`, :class:`Scheduler` (where a call goes, how it ends) and
-:class:`Liveness` (heartbeats, deaths, re-sends) and routes what the workers send to them;
-:class:`SyncFabricClient` runs one in a thread of its own."""
+"""The rollout client: :class:`FabricClient`, on the caller's loop, routes what the workers
+send to its ``Scheduler`` and ``Liveness``; :class:`SyncFabricClient` runs one in a thread."""
 
 from __future__ import annotations
 
