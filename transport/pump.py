@@ -317,16 +317,13 @@ class SocketPump:
 
     def _on_timer(self) -> None:
         self._timer = None
-        if self._queues:
-            before = sum(len(q) for q in self._queues.values())
-            self._flush()
+        before = sum(len(q) for q in self._queues.values())
+        if before:
+            self._flush()  # re-arms the timer while anything is left
             self._schedule()
-            if self._queues:  # a peer that is down is retried less often
-                stuck = sum(len(q) for q in self._queues.values()) >= before
-                self._retry_s = min(self._retry_s * 2, _RETRY_MAX_S) if stuck else _RETRY_MIN_S
-                self._arm_timer()
-                return
-        self._retry_s = _RETRY_MIN_S
+        stuck = sum(len(q) for q in self._queues.values()) >= before > 0
+        # A peer that is down is retried less often.
+        self._retry_s = min(self._retry_s * 2, _RETRY_MAX_S) if stuck else _RETRY_MIN_S
 
     def discard_queued(self) -> int:
         """Drop every message not sent yet; returns how many."""
