@@ -32,8 +32,7 @@ _perf_counter = time.perf_counter
 # A joined message is sent at this size, and a larger one never joined (ZeroMQ delivers
 # a message whole: its receiver would idle until all of it arrived).
 _JOIN_LIMIT = 256 << 10
-# In SocketPump._pending: no message to this destination in the burst yet; as
-# SocketPump._first: none at all.
+# In SocketPump._pending: no message to this destination in the burst yet.
 _FIRST: Any = object()
 
 
@@ -107,9 +106,7 @@ class SocketPump:
         self.discarded = 0
         self._burst = self._in_batch = self._scheduled = self._closed = False
         self._last_send = 0.0
-        # The burst's first destination (no dict for a burst to one), and per other one
-        # the messages being joined (None: its first went at once).
-        self._first: Any = _FIRST
+        # Per destination of the burst, the messages being joined (None: its first went).
         self._pending: dict[Any, _Joined | None] = {}
         self._timer: asyncio.TimerHandle | None = None
         self._retry_s = _RETRY_MIN_S
@@ -173,8 +170,7 @@ class SocketPump:
             self._in_batch = False
             if self._burst and not self._closed:  # the burst ends with the batch
                 self._burst = False
-                if self._pending:
-                    self._send_pending()
+                self._send_pending()
 
     def send(self, frames: list[Any]) -> None:
         """Send one message without blocking (joined in a burst, queued at the HWM)."""
@@ -184,7 +180,7 @@ class SocketPump:
             in_batch = self._in_batch  # a burst, ended by the batch
             if in_batch or _perf_counter() - self._last_send < _BURST_GAP_S:
                 self._burst = True
-                self._first = frames[0] if self.router else None
+                self._pending[frames[0] if self.router else None] = None
                 if not in_batch:
                     self._schedule()  # ended by a drain
             self._send_now(frames)
@@ -195,14 +191,12 @@ class SocketPump:
         key = frames[0] if router else None
         pending = self._pending
         joined = pending.get(key, _FIRST)
-        if joined is _FIRST:
-            if key != self._first:  # goes at once: a lone reply never waits for its batch
-                pending[key] = None
-                self._send_now(frames)
-                if not self._in_batch:
-                    self._last_send = _perf_counter()
-                return
-            joined = None
+        if joined is _FIRST:  # goes at once: a lone reply never waits for its batch
+            pending[key] = None
+            self._send_now(frames)
+            if not self._in_batch:
+                self._last_send = _perf_counter()
+            return
         last = frames[-1]
         small = False
         if (len(frames) - 1 if router else len(frames)) == 1 and type(last) is bytes:
@@ -237,7 +231,6 @@ class SocketPump:
                 self.send(frames)
             return
         self._burst = True
-        self._first = _FIRST
         try:
             for frames in messages:
                 self.send(frames)
@@ -324,16 +317,13 @@ class SocketPump:
 
     def _on_timer(self) -> None:
         self._timer = None
-        if self._queues:
-            before = sum(len(q) for q in self._queues.values())
-            self._flush()
+        before = sum(len(q) for q in self._queues.values())
+        if before:
+            self._flush()  # re-arms the timer while anything is left
             self._schedule()
-            if self._queues:  # a peer that is down is retried less often
-                stuck = sum(len(q) for q in self._queues.values()) >= before
-                self._retry_s = min(self._retry_s * 2, _RETRY_MAX_S) if stuck else _RETRY_MIN_S
-                self._arm_timer()
-                return
-        self._retry_s = _RETRY_MIN_S
+        stuck = sum(len(q) for q in self._queues.values()) >= before > 0
+        # A peer that is down is retried less often.
+        self._retry_s = min(self._retry_s * 2, _RETRY_MAX_S) if stuck else _RETRY_MIN_S
 
     def discard_queued(self) -> int:
         """Drop every message not sent yet; returns how many."""

@@ -78,17 +78,15 @@ class FabricInferenceEngine(RemoteInfEngine):  # type: ignore[misc]
         ``config.setup_timeout``) and start AReaL's workflow executor."""
         self.engine_id = engine_id or uuid.uuid4().hex
         self.logger = areal_logging.getLogger(f"[FabricInferenceEngine {self.engine_id}]")
-        given = ([addr] if isinstance(addr, str) else addr) or os.getenv(
-            "AREAL_LLM_SERVER_ADDRS", ""
-        ).split(",")
-        addresses = [a for a in given if a]
-        if not addresses:
+        given = [addr] if isinstance(addr, str) else addr
+        given = given or os.getenv("AREAL_LLM_SERVER_ADDRS", "").split(",")
+        # AReaL passes servers as host:port; the fabric takes ZeroMQ addresses.
+        self.addresses = [a if "://" in a else f"tcp://{a}" for a in given if a]
+        if not self.addresses:
             raise RuntimeError(
                 "No configured fastio workers. Pass their addresses to initialize(addr=...) "
                 "or set AREAL_LLM_SERVER_ADDRS."
             )
-        # AReaL passes servers as host:port; the fabric takes ZeroMQ addresses.
-        self.addresses = [a if "://" in a else f"tcp://{a}" for a in addresses]
         timeout = float(self.config.setup_timeout)
         self.controller = FabricController(self.addresses, timeout=min(60.0, timeout))
         try:

@@ -1,7 +1,5 @@
-"""The rollout client: :class:`FabricClient` on the caller's loop owns
-:class:`Counters`, :class:`Scheduler` (where a call goes, how it ends) and
-:class:`Liveness` (heartbeats, deaths, re-sends) and routes what the workers send to them;
-:class:`SyncFabricClient` runs one in a thread of its own."""
+"""The rollout client: :class:`FabricClient`, on the caller's loop, routes what the workers
+send to its ``Scheduler`` and ``Liveness``; :class:`SyncFabricClient` runs one in a thread."""
 
 from __future__ import annotations
 
@@ -31,11 +29,11 @@ from transport.client.workers import (
     Worker,
     WorkerInfo,
     check_address,
-    client_config,
     install_task_factory,
     log,
 )
 from transport.errors import EMPTY_PROMPT, ClientClosed, NoWorkers, RemoteError, RequestAborted
+from transport.options import configure
 from transport.ratelog import RateLimitedLog
 
 __all__ = ["FabricClient", "SyncFabricClient"]
@@ -67,7 +65,7 @@ class FabricClient:
     def __init__(
         self, workers: Sequence[str] = (), config: ClientConfig | None = None, **options: Any
     ) -> None:
-        self.config = config = client_config(config, options)
+        self.config = config = configure(ClientConfig, config, options, "client option")
         self._initial = [check_address(a) for a in workers]
         self.counters = Counters(observe_latency=config.metrics_port is not None)
         self._sched = Scheduler(config, self.counters)

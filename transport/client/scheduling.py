@@ -1,7 +1,5 @@
-"""Where each call goes (its rid's worker, else the least-loaded live one, else the
-client's queue: docs/concepts.md, "Choosing a worker") and how it ends; which workers are
-alive: heartbeats, deaths, re-sends, the wait for first answers, failing fast when none is
-there (docs/concepts.md: heartbeats, failover, a poison request)."""
+"""Where each call goes and how it ends (:class:`Scheduler`: docs/concepts.md, "Choosing a
+worker"); which workers are alive (:class:`Liveness`: heartbeats, failover, re-sends)."""
 
 from __future__ import annotations
 

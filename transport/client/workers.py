@@ -9,7 +9,7 @@ import contextlib
 import logging
 import re
 import time
-from collections.abc import Callable, Coroutine, Generator, Mapping
+from collections.abc import Callable, Coroutine, Generator
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,7 +21,7 @@ from fastio import Encoder, LLMRequest, LLMResponse, versions
 from fastio import fabric_msgs as fm
 from fastio.tokens import TokenArray
 from transport.errors import BadAddress
-from transport.options import NonNegative, NonNegativeSeconds, Port, Positive, Seconds, configure
+from transport.options import NonNegative, NonNegativeSeconds, Port, Positive, Seconds
 from transport.sockets import (
     DEFAULT_HWM,
     DEFAULT_MAX_MESSAGE_SIZE,
@@ -33,7 +33,7 @@ from transport.sockets import (
 
 __all__ = [
     "Call", "ChunkCallback", "ClientConfig", "GenerateFuture", "Worker", "WorkerInfo",
-    "check_address", "client_config",
+    "check_address",
 ]  # fmt: skip
 
 #: ``on_chunk(tokens, logprobs, versions)``: output tokens not delivered before.
@@ -89,12 +89,6 @@ class ClientConfig(msgspec.Struct, forbid_unknown_fields=True):
     curve: CurveConfig | None = None
     sticky_cache_size: NonNegative = 100_000
     metrics_port: Port | None = None
-
-
-def client_config(config: ClientConfig | None, options: Mapping[str, Any]) -> ClientConfig:
-    """``config`` (default: all defaults) with ``options`` (field name -> value) applied
-    and checked (:func:`transport.options.configure`); ``ValueError`` names a bad option."""
-    return configure(ClientConfig, config, options, "client option")
 
 
 log = logging.getLogger("transport.client")
@@ -191,7 +185,7 @@ class Worker:
         self.limit = self._max_limit = config.max_in_flight_per_worker
         self.cool_until = 0.0
         self.others = 0  # its requests from other clients, by a current pong
-        self.load_current = self.connected = self.handshake_ok = False
+        self.load_current = self.connected = False
         self.connect_retries = 0
         self.handshake_failed: list[str] = []
         self.unresolved = ""  # why its host name does not resolve
@@ -304,9 +298,7 @@ class Worker:
                 what = f"{name} {ev['value']}" if e == zmq.EVENT_HANDSHAKE_FAILED_AUTH else name
                 if len(self.handshake_failed) < 100:
                     self.handshake_failed.append(what)
-            elif e == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                self.handshake_ok = True
-            elif e == zmq.EVENT_CONNECTED:
+            elif e in (zmq.EVENT_CONNECTED, zmq.EVENT_HANDSHAKE_SUCCEEDED):
                 self.connected = True
             elif e == zmq.EVENT_CONNECT_RETRIED:
                 self.connect_retries += 1
@@ -332,7 +324,7 @@ class Worker:
                 f"never answered: it refused the {mech} handshake "
                 f"({self.handshake_failed[-1]}; {n}{'+' if n >= 100 else ''} times)"
             )
-        if self.handshake_ok or self.connected:
+        if self.connected:
             return "never answered: connected, but no pong came back"
         if self.unresolved:
             return f"never answered: {self.unresolved}"
