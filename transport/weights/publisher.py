@@ -135,7 +135,7 @@ class WeightPublisher:
     def latest_version(self) -> int:
         """The latest published version (``-1`` before the first)."""
         with self._cond:
-            return self.store.latest.version if self.store.latest else -1
+            return self.core.latest_version
 
     def workers(self) -> dict[str, SubscriberInfo]:
         """A snapshot of the known workers, by id."""
@@ -163,11 +163,7 @@ class WeightPublisher:
         with self._cond:
             if self.serving.closed:
                 raise RuntimeError("publisher is closed")
-            latest = self.store.latest
-            if latest is not None and version <= latest.version:
-                raise ValueError(
-                    f"version {version} is not newer than the latest ({latest.version})"
-                )
+            self.core.check_newer(version)
         ipc = self.ipc.wanted(everything)
         if ipc:  # slots first: a worker that opens them defers the Announce below
             self.ipc.prepare(everything, lambda: self.serving.closed)
@@ -218,12 +214,11 @@ class WeightPublisher:
         for workers' failures (``result.ok``)."""
         deadline = time.monotonic() + timeout
         with self._cond:
-            st = self.store.versions.get(version)
-            if st is None and version in self.core.retired:
+            led = self.core.versions.get(version)
+            if led is None and version in self.core.retired:
                 return self.core.retired[version]
-            if st is None or st.announce is None:
+            if led is None:
                 raise KeyError(f"version {version} was not published by this publisher")
-            led = st.ledger
             self.core.expect(led, workers)
             while not led.settled():
                 left = deadline - time.monotonic()

@@ -231,7 +231,7 @@ class Serving:
             gone = self.ipc.reap()  # an ipc worker whose process is gone frees its slots
             for w, reason in self.core.tick(now, gone):
                 log.warning("weight subscriber %s %s", w, reason)
-            latest = self.store.latest.version if self.store.latest else -1
+            latest = self.core.latest_version
             self.store.retire()
             self.cond.notify_all()
         hb = WeightHeartbeat(self.welcome.publisher_id, self.seq, latest)
@@ -308,7 +308,7 @@ class Serving:
         snd = Send(ident, msg)
         with self.cond:  # the look-up again: a version may be retired meanwhile
             st = self.store.versions.get(msg.version)
-            latest = self.store.latest.version if self.store.latest else -1
+            latest = self.core.latest_version
             if st is None or st.announce is None:
                 act, why, named = self.core.on_fetch(wid, msg, None, latest=latest)
             else:

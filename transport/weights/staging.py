@@ -190,13 +190,8 @@ class VersionStore:
         """A buffer for a new version: a free or reusable one that fits, else a new one."""
         with self.cond:
             seg = self._take_free(total)
-            for v, st in sorted(self.versions.items()):
-                if seg is not None:
-                    break
-                if not self.core.reusable(
-                    st.ledger, latest=st is self.latest, sending=not st.sends_done()
-                ):
-                    continue
+            for v in self.core.takeable(self._sending) if seg is None else []:
+                st = self.versions[v]
                 if st.seg is None and st.buf.numel() >= total:
                     self.forget(v)
                     buf = st.buf
@@ -206,7 +201,8 @@ class VersionStore:
                 if st.seg is not None and self.core.readers_done(st.ledger):
                     self.forget(v)
                     self._recycle(st)
-                    seg = self._take_free(total)
+                    if (seg := self._take_free(total)) is not None:
+                        break
         if seg is not None:
             self.core.count("buffers_reused")
             return Staged(version, seg.tensor[:total], seg)
@@ -225,9 +221,13 @@ class VersionStore:
     def _take_free(self, total: int) -> _shm.ShmSegment | None:
         """A pooled segment that fits ``total`` without wasting more than half."""
         for i, seg in enumerate(self._free):
-            if total <= seg.size <= 2 * total or (total == 0 and seg.size == 0):
+            if self.core.fits(total, seg.size):
                 return self._free.pop(i)
         return None
+
+    def _sending(self, version: int) -> bool:
+        """Bytes of ``version``'s buffer are still queued."""
+        return not self.versions[version].sends_done()
 
     def forget(self, version: int) -> None:
         """Drop a version from the store and the core (lock held)."""
@@ -260,12 +260,6 @@ class VersionStore:
 
     def retire(self) -> None:
         """Free buffers of old versions that no one can still need (lock held)."""
-        excess = len(self.versions) - self.keep_versions
-        for v in sorted(self.versions):
-            st = self.versions[v]
-            if excess <= 0:
-                break
-            if self.core.reusable(st.ledger, latest=st is self.latest, sending=not st.sends_done()):
-                self._recycle(st)
-                self.forget(v)
-                excess -= 1
+        for v in self.core.takeable(self._sending, self.keep_versions):
+            self._recycle(self.versions[v])
+            self.forget(v)

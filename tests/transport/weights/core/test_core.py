@@ -243,13 +243,44 @@ def test_the_buffer_rule_a_buffer_is_taken_only_when_no_one_needs_it() -> None:
     c = core()
     c.on_hello("w", hello("w"), 0.0)
     led = announce(c, 1)
-    assert not c.reusable(led, latest=False, sending=False)  # "w" has not answered
     c.on_ack("w", ack("w", 1), 0.1)
-    assert c.reusable(led, latest=False, sending=False)
-    assert not c.reusable(led, latest=True, sending=False)
-    assert not c.reusable(led, latest=False, sending=True)
+    assert not c.reusable(led, sending=False)  # the latest
+    led2 = announce(c, 2)
+    announce(c, 3)
+    assert not c.reusable(led2, sending=False)  # "w" has not answered
+    assert c.reusable(led, sending=False)
+    assert not c.reusable(led, sending=True)
     c.answering(led, ("late", 0), object())
-    assert not c.reusable(led, latest=False, sending=False)
+    assert not c.reusable(led, sending=False)
+
+
+def test_the_oldest_takeable_buffers_beyond_those_kept_are_taken() -> None:
+    c = core()
+    c.on_hello("w", hello("w"), 0.0)
+    for v in (1, 2, 3, 4):
+        announce(c, v)
+    for v in (1, 3, 4):
+        c.on_ack("w", ack("w", v), 0.1)
+    assert c.takeable(lambda v: False) == [1, 3]  # 2 unanswered, 4 the latest
+    assert c.takeable(lambda v: v == 1) == [3]  # bytes of 1 still queued
+    assert c.takeable(lambda v: False, keep=3) == [1]
+    assert c.takeable(lambda v: False, keep=4) == []
+    # A pooled segment is taken when it fits without wasting half of it.
+    assert PublisherCore.fits(100, 100) and PublisherCore.fits(100, 200)
+    assert not PublisherCore.fits(100, 99) and not PublisherCore.fits(100, 201)
+    assert PublisherCore.fits(0, 0) and not PublisherCore.fits(0, 1)
+
+
+def test_a_version_must_be_newer_than_the_latest() -> None:
+    c = core()
+    assert c.latest_version == -1
+    c.check_newer(0)
+    announce(c, 3)
+    assert c.latest_version == 3
+    c.check_newer(4)
+    for v in (2, 3):
+        with pytest.raises(ValueError, match=rf"version {v} is not newer than the latest \(3\)"):
+            c.check_newer(v)
 
 
 # -- subscriber --------------------------------------------------------------------------
