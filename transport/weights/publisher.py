@@ -110,7 +110,7 @@ class WeightPublisher:
         self.pub_endpoint: str = bind_all(pub, cfg.pub_endpoint or next_to)[0]
         self.ipc = IpcOffering(
             cfg.ipc, cfg.ipc_slots, cfg.ipc_timeout, core=self.core, cond=self._cond,
-            encoder=VERSION_1, wake=self._wake, publisher_id=self.publisher_id,
+            encoder=VERSION_1, wake=lambda: self.serving.wake(), publisher_id=self.publisher_id,
             bucket_bytes=cfg.bucket_bytes,
         )  # fmt: skip
         probe = self._probe
@@ -187,7 +187,7 @@ class WeightPublisher:
             staged.job = pack_steps(staged, tensors, self.config.chunk_bytes, self._cond)
         with self._cond:
             self.serving.pending.append(staged)
-        self._wake()
+        self.serving.wake()
         with self._cond:
             srv = self.serving
             while (staged in srv.pending or staged.job is not None) and not srv.closed:
@@ -202,7 +202,7 @@ class WeightPublisher:
             finally:
                 with self._cond:
                     staged.ipc_packing = False
-                self._wake()  # fetches parked meanwhile are answered now
+                self.serving.wake()  # fetches parked meanwhile are answered now
         metrics.PUBLISHER_PHASE_SECONDS.labels(phase="pack").observe(time.monotonic() - t0)
         return staged.announce
 
@@ -254,7 +254,7 @@ class WeightPublisher:
                 return
             self.serving.closed = True
             self._cond.notify_all()
-        self._wake()
+        self.serving.wake()
         self._thread.join(5.0)
         self.serving.close()
         if self._auth is not None:
@@ -272,6 +272,3 @@ class WeightPublisher:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    def _wake(self) -> None:
-        self.serving.wake()

@@ -86,8 +86,8 @@ class Serving:
         self._decoder = fastio.Decoder(_FROM_SUBSCRIBER, max_message_size=8 << 20)
         self._rlog = RateLimitedLog(log)
         self.pending: list[Staged] = []
-        # Fetches of a version still being packed into the ipc slots (answered after).
-        self.parked: list[tuple[bytes, str, WeightFetch]] = []
+        # Fetches of a version still packed into the ipc slots, by (worker, version, bucket).
+        self.parked: dict[tuple[str, int, int], tuple[bytes, str, WeightFetch]] = {}
         self.seq = 0
         self.closed = False
 
@@ -104,17 +104,15 @@ class Serving:
             sock.close(linger=0)
 
     # -- serving thread ----------------------------------------------------------------
-    def stage_late(self, st: Staged) -> bool:
-        """Stage a version published to ``ipc`` workers only, from the slots; False when
-        they no longer hold it."""
+    def stage_late(self, st: Staged) -> None:
+        """Stage a version published to ``ipc`` workers only, from the slots while they
+        hold it."""
         assert st.announce is not None
         with self.cond:
-            if not st.unstaged:
-                return True
             exp = self.ipc.exporter
-            src = exp.snapshot(st.version) if exp is not None else None
+            src = exp.snapshot(st.version) if exp is not None and st.unstaged else None
             if exp is None or src is None:
-                return False
+                return
             exp.snapshot_reads += 1
         try:
             fresh = self.store.acquire(st.version, st.announce.total_bytes)
@@ -122,11 +120,10 @@ class Serving:
             with self.cond:
                 exp.snapshot_reads -= 1
             raise
-        job = pack_steps(st, src, self.config.chunk_bytes, self.cond)
 
         def reading() -> Iterator[None]:
             try:
-                yield from job
+                yield from pack_steps(st, src, self.config.chunk_bytes, self.cond)
             finally:
                 with self.cond:
                     exp.snapshot_reads -= 1
@@ -135,7 +132,6 @@ class Serving:
         with self.cond:
             st.stage(fresh, reading())
         self.core.count("versions_staged_late")
-        return True
 
     def run(self) -> None:
         """The loop (the publisher's thread)."""
@@ -164,11 +160,11 @@ class Serving:
                         return
                     pending, self.pending = self.pending, []
                     outbox, self.ipc.outbox = self.ipc.outbox, []
-                    parked, self.parked = self.parked, []
+                    parked, self.parked = self.parked, {}
                 for ident, out in outbox:
                     self.reply(ident, out)
-                for ident, wid, fetch in parked:
-                    self._serve_fetch(ident, wid, fetch)
+                for args in parked.values():
+                    self._serve_fetch(*args)
                 for st in pending:
                     self._announce(st)
                 self._advance_all()
@@ -185,9 +181,10 @@ class Serving:
 
     def _pack_step(self) -> bool:
         """Run one step of the version being packed; False when none is."""
-        with self.cond:  # the latest, or an older version staged late
-            versions = (self.store.latest, *self.store.versions.values())
-            st = next((v for v in versions if v is not None and v.job is not None), None)
+        with self.cond:  # the latest first, then older versions staged late
+            st = next(
+                (v for v in reversed(self.store.versions.values()) if v.job is not None), None
+            )
         if st is None or st.job is None:
             return False
         done = False
@@ -317,9 +314,7 @@ class Serving:
                     staged=not st.unstaged, packing=st.ipc_packing, shared=st.seg is not None,
                 )  # fmt: skip
             if act == "park":
-                key = (wid, msg.version, msg.index)
-                self.parked = [p for p in self.parked if (p[1], p[2].version, p[2].index) != key]
-                self.parked.append((ident, wid, msg))
+                self.parked[(wid, msg.version, msg.index)] = (ident, wid, msg)
             elif act == "send" and st is not None:
                 old = self.core.answering(st.ledger, (wid, msg.index), snd)
                 if old is not None:

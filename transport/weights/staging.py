@@ -168,7 +168,8 @@ def pack_steps(
 
 
 class VersionStore:
-    """The staged versions, the latest, and the pool of free segments (under ``cond``)."""
+    """The staged versions, in the order announced, and the pool of free segments (under
+    ``cond``)."""
 
     def __init__(
         self, core: PublisherCore, cond: threading.Condition, use_shm: bool, keep_versions: int
@@ -178,13 +179,12 @@ class VersionStore:
         self.use_shm = use_shm
         self.keep_versions = keep_versions
         self.versions: dict[int, Staged] = {}
-        self.latest: Staged | None = None
         self.closed = False
         self._free: list[_shm.ShmSegment] = []
 
     def add(self, st: Staged) -> None:
         """``st`` was announced: the latest version."""
-        self.versions[st.version] = self.latest = st
+        self.versions[st.version] = st
 
     def acquire(self, version: int, total: int) -> Staged:
         """A buffer for a new version: a free or reusable one that fits, else a new one."""
@@ -256,7 +256,6 @@ class VersionStore:
         self.versions.clear()
         self.core.close()
         self._free.clear()
-        self.latest = None
 
     def retire(self) -> None:
         """Free buffers of old versions that no one can still need (lock held)."""
