@@ -305,12 +305,11 @@ class Serving:
         snd = Send(ident, msg)
         with self.cond:  # the look-up again: a version may be retired meanwhile
             st = self.store.versions.get(msg.version)
-            latest = self.core.latest_version
             if st is None or st.announce is None:
-                act, why, named = self.core.on_fetch(wid, msg, None, latest=latest)
+                act, why, named = self.core.on_fetch(wid, msg, None)
             else:
                 act, why, named = self.core.on_fetch(
-                    wid, msg, st.ledger, latest=latest, buckets=len(st.announce.buckets),
+                    wid, msg, st.ledger, buckets=len(st.announce.buckets),
                     staged=not st.unstaged, packing=st.ipc_packing, shared=st.seg is not None,
                 )  # fmt: skip
             if act == "park":

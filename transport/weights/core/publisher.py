@@ -146,7 +146,6 @@ class PublisherCore:
         msg: WeightFetch,
         led: VersionLedger | None,
         *,
-        latest: int,
         buckets: int = 0,
         staged: bool = True,
         packing: bool = False,
@@ -155,7 +154,7 @@ class PublisherCore:
         """The fetch rule for ``led`` (``None``: not held; ``staged``: it has a buffer,
         ``packing``: into the ipc slots, ``shared``: a segment); by shm, ``wid``'s process
         reads the buffer until it answers."""
-        v = msg.version
+        v, latest = msg.version, self.latest_version
         if led is None:
             return "refuse", f"version {v} is not available (latest is {latest})", latest
         if not staged and packing:

@@ -207,22 +207,20 @@ def test_the_fetch_rule_refuses_parks_or_answers_as_a_reader() -> None:
     c.on_hello("w", hello("w"), 0.0)
     led = announce(c, 1)
     f = WeightFetch(1, 0, True)
-    assert c.on_fetch("w", f, None, latest=2) == (
-        "refuse", "version 1 is not available (latest is 2)", 2
+    assert c.on_fetch("w", WeightFetch(0, 0, True), None) == (
+        "refuse", "version 0 is not available (latest is 1)", 1
     )  # fmt: skip
-    assert c.on_fetch("w", f, led, latest=1, staged=False, packing=True)[0] == "park"
+    assert c.on_fetch("w", f, led, staged=False, packing=True)[0] == "park"
     assert c.counters.get("fetches_deferred") == 1
-    assert c.on_fetch("w", f, led, latest=1, staged=False)[1].endswith(
-        "no longer held (latest is 1)"
-    )
-    assert c.on_fetch("w", WeightFetch(1, 3, False), led, latest=1, buckets=3)[1] == (
+    assert c.on_fetch("w", f, led, staged=False)[1].endswith("no longer held (latest is 1)")
+    assert c.on_fetch("w", WeightFetch(1, 3, False), led, buckets=3)[1] == (
         "no bucket 3 in version 1"
     )
-    assert c.on_fetch("w", f, led, latest=1, buckets=1) == (
+    assert c.on_fetch("w", f, led, buckets=1) == (
         "refuse", "no shared memory for this version", -1
     )  # fmt: skip
     assert c.readers_done(led)
-    assert c.on_fetch("w", f, led, latest=1, buckets=1, shared=True) == ("send", "", 1)
+    assert c.on_fetch("w", f, led, buckets=1, shared=True) == ("send", "", 1)
     assert not c.readers_done(led)  # it reads the segment until it answers
 
 
