@@ -144,14 +144,10 @@ class WeightPublisher:
 
     def wait_for_workers(self, n: int, timeout: float) -> list[str]:
         """Wait until ``n`` live workers said Hello; their ids (else ``TimeoutError``)."""
-        deadline = time.monotonic() + timeout
         with self._cond:
-            while len(alive := sorted(self.core.alive())) < n:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError(f"{len(alive)} of {n} weight subscribers connected")
-                self._cond.wait(left)
-            return alive
+            if not self._cond.wait_for(lambda: len(self.core.alive()) >= n, timeout):
+                raise TimeoutError(f"{len(self.core.alive())} of {n} weight subscribers connected")
+            return sorted(self.core.alive())
 
     def publish(self, state: Any, version: int) -> WeightAnnounce:
         """Stage ``state`` (an ``nn.Module``, a state dict or ``(name, tensor)`` pairs) as

@@ -144,11 +144,9 @@ class Serving:
             if now >= next_hb:
                 self._heartbeat(now)
                 next_hb = now + self.config.heartbeat_interval
-            packing = self._pack_step()
+            wait_ms = 0 if self._pack_step() else max(0, int((next_hb - now) * 1000)) + 1
             try:
-                events = dict(
-                    poller.poll(0 if packing else max(0, int((next_hb - now) * 1000)) + 1)
-                )
+                events = dict(poller.poll(wait_ms))
             except zmq.ZMQError:
                 break
             if self._wake_r in events:
@@ -187,13 +185,12 @@ class Serving:
             )
         if st is None or st.job is None:
             return False
-        done = False
         try:
             next(st.job)
+            done = False
         except Exception as exc:  # StopIteration: packed; else reported to publish()
             done = True
-            if not isinstance(exc, StopIteration):
-                st.error = exc
+            st.error = None if isinstance(exc, StopIteration) else exc
         if done:
             with self.cond:
                 st.job = None
@@ -284,12 +281,10 @@ class Serving:
             # Behind an ipc-only version: staged now, so the snapshot names its segment.
             if behind is not None and not self.ipc.reader(wid):
                 self.stage_late(behind)
+            ann = behind.announce if behind else None
             token = self.link.token(wid) if self.link is not None else b""
             welcome = msgspec.structs.replace(
-                self.welcome,
-                seq=self.seq,
-                announce=behind.announce if behind else None,
-                data_token=token,
+                self.welcome, seq=self.seq, announce=ann, data_token=token
             )
             self.reply(ident, self.encoder.encode(welcome))
         elif isinstance(msg, WeightFetch):
@@ -352,7 +347,7 @@ class Serving:
                 msg = WeightBucket(v, k, start, checksum, last, [], end - start)
                 ok = self.notices.send(snd.ident, snd.wid, msg) is not None
             else:
-                chunk = st.view()[info.shm_offset + start : info.shm_offset + end]
+                chunk = st.np[info.shm_offset + start : info.shm_offset + end]
                 msg = WeightBucket(v, k, start, checksum, last, [chunk])
                 tracker = None
                 if snd.fetch.data and snd.linked is not False:

@@ -79,10 +79,8 @@ class Staged:
 
     def __init__(self, version: int, buf: torch.Tensor, seg: _shm.ShmSegment | None) -> None:
         self.version = version
-        self.buf = buf
-        self.seg = seg
-        self._view: np.ndarray[Any, Any] | None = None
-        self._view_of: torch.Tensor | None = None
+        self.buf, self.seg = buf, seg
+        self.np: np.ndarray[Any, Any] = buf.numpy()  # cheaper to slice than the tensor
         self.announce: WeightAnnounce | None = None
         self.ledger = VersionLedger(version)
         self.trackers: list[Tracker] = []
@@ -93,16 +91,10 @@ class Staged:
         self.unstaged = False  # published to ipc workers only: no buffer yet
         self.ipc_packing = False  # being packed into the ipc slots
 
-    def view(self) -> np.ndarray[Any, Any]:
-        """The buffer as a numpy array (cheaper to slice than a tensor)."""
-        if self._view is None or self._view_of is not self.buf:
-            self._view, self._view_of = self.buf.numpy(), self.buf
-        return self._view
-
     def stage(self, fresh: Staged, job: Iterator[None]) -> None:
         """Staged late: take ``fresh``'s buffer, packed by ``job``."""
         assert self.announce is not None
-        self.buf, self.seg = fresh.buf, fresh.seg
+        self.buf, self.seg, self.np = fresh.buf, fresh.seg, fresh.np
         self.announce.shm_name = self.seg.name if self.seg is not None else ""
         self.unstaged = False
         self.job = job
@@ -115,7 +107,7 @@ class Staged:
         """Detach the buffer from this version (which can no longer be served)."""
         seg, self.seg = self.seg, None
         self.buf = torch.empty(0, dtype=torch.uint8)
-        self._view = self._view_of = None
+        self.np = self.buf.numpy()
         return seg
 
 

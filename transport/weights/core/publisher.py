@@ -294,17 +294,12 @@ class PublisherCore:
         """Declare lost the workers in ``gone`` (seen by the ipc route) and those silent
         or whose process is gone; returns ``(id, reason)``."""
         lost: list[tuple[str, str]] = []
-        dead = "worker lost: its process is gone"
-        for w in gone:
-            info = self.workers.get(w)
-            if info is not None and info.alive:
-                lost.append((w, dead))
-                info.alive = False
+        seen_gone = set(gone)
         for w, info in self.workers.items():
             if not info.alive:
                 continue
-            if info.start_time and not self._alive(info.pid, info.start_time):
-                reason = dead
+            if w in seen_gone or (info.start_time and not self._alive(info.pid, info.start_time)):
+                reason = "worker lost: its process is gone"
             elif now - info.last_seen > self.worker_timeout:
                 reason = f"worker lost: no message for {now - info.last_seen:.1f} s"
             else:
