@@ -164,8 +164,8 @@ class WeightPublisher:
         if ipc:  # slots first: a worker that opens them defers the Announce below
             self.ipc.prepare(everything, lambda: self.serving.closed)
         with self._cond:
-            wanted = {i.dtype for i in self.core.workers.values() if i.alive}
-        plan = plan_version(tensors, wanted, self.config.bucket_bytes)
+            dtype = self.core.wanted_dtype()
+        plan = plan_version(tensors, dtype, self.config.bucket_bytes)
         total = plan[-1].shm_offset + plan[-1].nbytes if plan else 0
         # Only ipc workers: the slots are the snapshot, staged late if someone needs it.
         lazy = ipc and self.ipc.only()

@@ -36,11 +36,11 @@ PACK_BLOCK = 512 << 10
 
 
 def plan_version(
-    tensors: Mapping[str, torch.Tensor], wanted: set[str], bucket_bytes: int
+    tensors: Mapping[str, torch.Tensor], dtype: str, bucket_bytes: int
 ) -> list[WeightBucketInfo]:
-    """The buckets of a version: cast while packing to the floating dtype every live
-    worker asked for (``wanted``; ``""``: none) where it is narrower."""
-    cast = parse_dtype(wanted.pop()) if len(wanted) == 1 and "" not in wanted else None
+    """The buckets of a version: floating tensors cast while packing to ``dtype`` (``""``:
+    none) where it is narrower."""
+    cast = parse_dtype(dtype) if dtype else None
     wire: dict[str, torch.dtype] = {}
     for n, t in tensors.items():
         narrower = cast is not None and cast.itemsize < t.dtype.itemsize

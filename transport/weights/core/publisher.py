@@ -121,6 +121,11 @@ class PublisherCore:
         """Ids of the live workers."""
         return {w for w, i in self.workers.items() if i.alive}
 
+    def wanted_dtype(self) -> str:
+        """The floating dtype every live worker asked for (``""``: none, or not one)."""
+        wanted = {i.dtype for i in self.workers.values() if i.alive}
+        return wanted.pop() if len(wanted) == 1 else ""
+
     def announce(self, led: VersionLedger, now: float) -> None:
         """``led`` is the new latest version: every live worker must answer it."""
         led.announced_at = now

@@ -269,6 +269,19 @@ def test_the_oldest_takeable_buffers_beyond_those_kept_are_taken() -> None:
     assert PublisherCore.fits(0, 0) and not PublisherCore.fits(0, 1)
 
 
+def test_a_version_is_cast_to_the_dtype_every_live_worker_asked_for() -> None:
+    c = core()
+    assert c.wanted_dtype() == ""  # no worker
+    c.on_hello("a", WeightHello("a", HOST, 100, -1, None, "bfloat16", 7), 0.0)
+    assert c.wanted_dtype() == "bfloat16"
+    c.on_hello("b", hello("b"), 0.0)  # asks for none
+    assert c.wanted_dtype() == ""
+    c.tick(0.0, gone=["b"])
+    assert c.wanted_dtype() == "bfloat16"  # only the live ones count
+    c.on_hello("b", WeightHello("b", HOST, 101, -1, None, "float16", 8), 0.0)
+    assert c.wanted_dtype() == ""  # not one dtype
+
+
 def test_a_version_must_be_newer_than_the_latest() -> None:
     c = core()
     assert c.latest_version == -1
