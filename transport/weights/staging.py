@@ -206,9 +206,8 @@ class VersionStore:
                     "cannot stage %d bytes in /dev/shm (%s); using private memory", total, exc
                 )
         self.core.count("buffers_created")
-        if seg is not None:
-            return Staged(version, seg.tensor, seg)
-        return Staged(version, torch.empty(total, dtype=torch.uint8), None)
+        buf = seg.tensor if seg is not None else torch.empty(total, dtype=torch.uint8)
+        return Staged(version, buf, seg)
 
     def _take_free(self, total: int) -> _shm.ShmSegment | None:
         """A pooled segment that fits ``total`` without wasting more than half."""
