@@ -110,7 +110,7 @@ class WeightPublisher:
         self.pub_endpoint: str = bind_all(pub, cfg.pub_endpoint or next_to)[0]
         self.ipc = IpcOffering(
             cfg.ipc, cfg.ipc_slots, cfg.ipc_timeout, core=self.core, cond=self._cond,
-            encoder=VERSION_1, wake=self._wake, publisher_id=self.publisher_id,
+            encoder=VERSION_1, wake=lambda: self.serving.wake(), publisher_id=self.publisher_id,
             bucket_bytes=cfg.bucket_bytes,
         )  # fmt: skip
         probe = self._probe
@@ -135,7 +135,7 @@ class WeightPublisher:
     def latest_version(self) -> int:
         """The latest published version (``-1`` before the first)."""
         with self._cond:
-            return self.store.latest.version if self.store.latest else -1
+            return self.core.latest_version
 
     def workers(self) -> dict[str, SubscriberInfo]:
         """A snapshot of the known workers, by id."""
@@ -144,14 +144,10 @@ class WeightPublisher:
 
     def wait_for_workers(self, n: int, timeout: float) -> list[str]:
         """Wait until ``n`` live workers said Hello; their ids (else ``TimeoutError``)."""
-        deadline = time.monotonic() + timeout
         with self._cond:
-            while len(alive := sorted(self.core.alive())) < n:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError(f"{len(alive)} of {n} weight subscribers connected")
-                self._cond.wait(left)
-            return alive
+            if not self._cond.wait_for(lambda: len(self.core.alive()) >= n, timeout):
+                raise TimeoutError(f"{len(self.core.alive())} of {n} weight subscribers connected")
+            return sorted(self.core.alive())
 
     def publish(self, state: Any, version: int) -> WeightAnnounce:
         """Stage ``state`` (an ``nn.Module``, a state dict or ``(name, tensor)`` pairs) as
@@ -163,17 +159,13 @@ class WeightPublisher:
         with self._cond:
             if self.serving.closed:
                 raise RuntimeError("publisher is closed")
-            latest = self.store.latest
-            if latest is not None and version <= latest.version:
-                raise ValueError(
-                    f"version {version} is not newer than the latest ({latest.version})"
-                )
+            self.core.check_newer(version)
         ipc = self.ipc.wanted(everything)
         if ipc:  # slots first: a worker that opens them defers the Announce below
             self.ipc.prepare(everything, lambda: self.serving.closed)
         with self._cond:
-            wanted = {i.dtype for i in self.core.workers.values() if i.alive}
-        plan = plan_version(tensors, wanted, self.config.bucket_bytes)
+            dtype = self.core.wanted_dtype()
+        plan = plan_version(tensors, dtype, self.config.bucket_bytes)
         total = plan[-1].shm_offset + plan[-1].nbytes if plan else 0
         # Only ipc workers: the slots are the snapshot, staged late if someone needs it.
         lazy = ipc and self.ipc.only()
@@ -191,7 +183,7 @@ class WeightPublisher:
             staged.job = pack_steps(staged, tensors, self.config.chunk_bytes, self._cond)
         with self._cond:
             self.serving.pending.append(staged)
-        self._wake()
+        self.serving.wake()
         with self._cond:
             srv = self.serving
             while (staged in srv.pending or staged.job is not None) and not srv.closed:
@@ -206,7 +198,7 @@ class WeightPublisher:
             finally:
                 with self._cond:
                     staged.ipc_packing = False
-                self._wake()  # fetches parked meanwhile are answered now
+                self.serving.wake()  # fetches parked meanwhile are answered now
         metrics.PUBLISHER_PHASE_SECONDS.labels(phase="pack").observe(time.monotonic() - t0)
         return staged.announce
 
@@ -218,12 +210,11 @@ class WeightPublisher:
         for workers' failures (``result.ok``)."""
         deadline = time.monotonic() + timeout
         with self._cond:
-            st = self.store.versions.get(version)
-            if st is None and version in self.core.retired:
+            led = self.core.versions.get(version)
+            if led is None and version in self.core.retired:
                 return self.core.retired[version]
-            if st is None or st.announce is None:
+            if led is None:
                 raise KeyError(f"version {version} was not published by this publisher")
-            led = st.ledger
             self.core.expect(led, workers)
             while not led.settled():
                 left = deadline - time.monotonic()
@@ -259,7 +250,7 @@ class WeightPublisher:
                 return
             self.serving.closed = True
             self._cond.notify_all()
-        self._wake()
+        self.serving.wake()
         self._thread.join(5.0)
         self.serving.close()
         if self._auth is not None:
@@ -277,6 +268,3 @@ class WeightPublisher:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    def _wake(self) -> None:
-        self.serving.wake()

@@ -86,8 +86,8 @@ class Serving:
         self._decoder = fastio.Decoder(_FROM_SUBSCRIBER, max_message_size=8 << 20)
         self._rlog = RateLimitedLog(log)
         self.pending: list[Staged] = []
-        # Fetches of a version still being packed into the ipc slots (answered after).
-        self.parked: list[tuple[bytes, str, WeightFetch]] = []
+        # Fetches of a version still packed into the ipc slots, by (worker, version, bucket).
+        self.parked: dict[tuple[str, int, int], tuple[bytes, str, WeightFetch]] = {}
         self.seq = 0
         self.closed = False
 
@@ -104,17 +104,15 @@ class Serving:
             sock.close(linger=0)
 
     # -- serving thread ----------------------------------------------------------------
-    def stage_late(self, st: Staged) -> bool:
-        """Stage a version published to ``ipc`` workers only, from the slots; False when
-        they no longer hold it."""
+    def stage_late(self, st: Staged) -> None:
+        """Stage a version published to ``ipc`` workers only, from the slots while they
+        hold it."""
         assert st.announce is not None
         with self.cond:
-            if not st.unstaged:
-                return True
             exp = self.ipc.exporter
-            src = exp.snapshot(st.version) if exp is not None else None
+            src = exp.snapshot(st.version) if exp is not None and st.unstaged else None
             if exp is None or src is None:
-                return False
+                return
             exp.snapshot_reads += 1
         try:
             fresh = self.store.acquire(st.version, st.announce.total_bytes)
@@ -122,11 +120,10 @@ class Serving:
             with self.cond:
                 exp.snapshot_reads -= 1
             raise
-        job = pack_steps(st, src, self.config.chunk_bytes, self.cond)
 
         def reading() -> Iterator[None]:
             try:
-                yield from job
+                yield from pack_steps(st, src, self.config.chunk_bytes, self.cond)
             finally:
                 with self.cond:
                     exp.snapshot_reads -= 1
@@ -135,7 +132,6 @@ class Serving:
         with self.cond:
             st.stage(fresh, reading())
         self.core.count("versions_staged_late")
-        return True
 
     def run(self) -> None:
         """The loop (the publisher's thread)."""
@@ -148,11 +144,9 @@ class Serving:
             if now >= next_hb:
                 self._heartbeat(now)
                 next_hb = now + self.config.heartbeat_interval
-            packing = self._pack_step()
+            wait_ms = 0 if self._pack_step() else max(0, int((next_hb - now) * 1000)) + 1
             try:
-                events = dict(
-                    poller.poll(0 if packing else max(0, int((next_hb - now) * 1000)) + 1)
-                )
+                events = dict(poller.poll(wait_ms))
             except zmq.ZMQError:
                 break
             if self._wake_r in events:
@@ -164,11 +158,11 @@ class Serving:
                         return
                     pending, self.pending = self.pending, []
                     outbox, self.ipc.outbox = self.ipc.outbox, []
-                    parked, self.parked = self.parked, []
+                    parked, self.parked = self.parked, {}
                 for ident, out in outbox:
                     self.reply(ident, out)
-                for ident, wid, fetch in parked:
-                    self._serve_fetch(ident, wid, fetch)
+                for args in parked.values():
+                    self._serve_fetch(*args)
                 for st in pending:
                     self._announce(st)
                 self._advance_all()
@@ -185,18 +179,18 @@ class Serving:
 
     def _pack_step(self) -> bool:
         """Run one step of the version being packed; False when none is."""
-        with self.cond:  # the latest, or an older version staged late
-            versions = (self.store.latest, *self.store.versions.values())
-            st = next((v for v in versions if v is not None and v.job is not None), None)
+        with self.cond:  # the latest first, then older versions staged late
+            st = next(
+                (v for v in reversed(self.store.versions.values()) if v.job is not None), None
+            )
         if st is None or st.job is None:
             return False
-        done = False
         try:
             next(st.job)
+            done = False
         except Exception as exc:  # StopIteration: packed; else reported to publish()
             done = True
-            if not isinstance(exc, StopIteration):
-                st.error = exc
+            st.error = None if isinstance(exc, StopIteration) else exc
         if done:
             with self.cond:
                 st.job = None
@@ -231,7 +225,7 @@ class Serving:
             gone = self.ipc.reap()  # an ipc worker whose process is gone frees its slots
             for w, reason in self.core.tick(now, gone):
                 log.warning("weight subscriber %s %s", w, reason)
-            latest = self.store.latest.version if self.store.latest else -1
+            latest = self.core.latest_version
             self.store.retire()
             self.cond.notify_all()
         hb = WeightHeartbeat(self.welcome.publisher_id, self.seq, latest)
@@ -287,12 +281,10 @@ class Serving:
             # Behind an ipc-only version: staged now, so the snapshot names its segment.
             if behind is not None and not self.ipc.reader(wid):
                 self.stage_late(behind)
+            ann = behind.announce if behind else None
             token = self.link.token(wid) if self.link is not None else b""
             welcome = msgspec.structs.replace(
-                self.welcome,
-                seq=self.seq,
-                announce=behind.announce if behind else None,
-                data_token=token,
+                self.welcome, seq=self.seq, announce=ann, data_token=token
             )
             self.reply(ident, self.encoder.encode(welcome))
         elif isinstance(msg, WeightFetch):
@@ -308,18 +300,15 @@ class Serving:
         snd = Send(ident, msg)
         with self.cond:  # the look-up again: a version may be retired meanwhile
             st = self.store.versions.get(msg.version)
-            latest = self.store.latest.version if self.store.latest else -1
             if st is None or st.announce is None:
-                act, why, named = self.core.on_fetch(wid, msg, None, latest=latest)
+                act, why, named = self.core.on_fetch(wid, msg, None)
             else:
                 act, why, named = self.core.on_fetch(
-                    wid, msg, st.ledger, latest=latest, buckets=len(st.announce.buckets),
+                    wid, msg, st.ledger, buckets=len(st.announce.buckets),
                     staged=not st.unstaged, packing=st.ipc_packing, shared=st.seg is not None,
                 )  # fmt: skip
             if act == "park":
-                key = (wid, msg.version, msg.index)
-                self.parked = [p for p in self.parked if (p[1], p[2].version, p[2].index) != key]
-                self.parked.append((ident, wid, msg))
+                self.parked[(wid, msg.version, msg.index)] = (ident, wid, msg)
             elif act == "send" and st is not None:
                 old = self.core.answering(st.ledger, (wid, msg.index), snd)
                 if old is not None:
@@ -358,7 +347,7 @@ class Serving:
                 msg = WeightBucket(v, k, start, checksum, last, [], end - start)
                 ok = self.notices.send(snd.ident, snd.wid, msg) is not None
             else:
-                chunk = st.view()[info.shm_offset + start : info.shm_offset + end]
+                chunk = st.np[info.shm_offset + start : info.shm_offset + end]
                 msg = WeightBucket(v, k, start, checksum, last, [chunk])
                 tracker = None
                 if snd.fetch.data and snd.linked is not False:

@@ -36,11 +36,11 @@ PACK_BLOCK = 512 << 10
 
 
 def plan_version(
-    tensors: Mapping[str, torch.Tensor], wanted: set[str], bucket_bytes: int
+    tensors: Mapping[str, torch.Tensor], dtype: str, bucket_bytes: int
 ) -> list[WeightBucketInfo]:
-    """The buckets of a version: cast while packing to the floating dtype every live
-    worker asked for (``wanted``; ``""``: none) where it is narrower."""
-    cast = parse_dtype(wanted.pop()) if len(wanted) == 1 and "" not in wanted else None
+    """The buckets of a version: floating tensors cast while packing to ``dtype`` (``""``:
+    none) where it is narrower."""
+    cast = parse_dtype(dtype) if dtype else None
     wire: dict[str, torch.dtype] = {}
     for n, t in tensors.items():
         narrower = cast is not None and cast.itemsize < t.dtype.itemsize
@@ -79,10 +79,8 @@ class Staged:
 
     def __init__(self, version: int, buf: torch.Tensor, seg: _shm.ShmSegment | None) -> None:
         self.version = version
-        self.buf = buf
-        self.seg = seg
-        self._view: np.ndarray[Any, Any] | None = None
-        self._view_of: torch.Tensor | None = None
+        self.buf, self.seg = buf, seg
+        self.np: np.ndarray[Any, Any] = buf.numpy()  # cheaper to slice than the tensor
         self.announce: WeightAnnounce | None = None
         self.ledger = VersionLedger(version)
         self.trackers: list[Tracker] = []
@@ -93,16 +91,10 @@ class Staged:
         self.unstaged = False  # published to ipc workers only: no buffer yet
         self.ipc_packing = False  # being packed into the ipc slots
 
-    def view(self) -> np.ndarray[Any, Any]:
-        """The buffer as a numpy array (cheaper to slice than a tensor)."""
-        if self._view is None or self._view_of is not self.buf:
-            self._view, self._view_of = self.buf.numpy(), self.buf
-        return self._view
-
     def stage(self, fresh: Staged, job: Iterator[None]) -> None:
         """Staged late: take ``fresh``'s buffer, packed by ``job``."""
         assert self.announce is not None
-        self.buf, self.seg = fresh.buf, fresh.seg
+        self.buf, self.seg, self.np = fresh.buf, fresh.seg, fresh.np
         self.announce.shm_name = self.seg.name if self.seg is not None else ""
         self.unstaged = False
         self.job = job
@@ -115,7 +107,7 @@ class Staged:
         """Detach the buffer from this version (which can no longer be served)."""
         seg, self.seg = self.seg, None
         self.buf = torch.empty(0, dtype=torch.uint8)
-        self._view = self._view_of = None
+        self.np = self.buf.numpy()
         return seg
 
 
@@ -168,7 +160,8 @@ def pack_steps(
 
 
 class VersionStore:
-    """The staged versions, the latest, and the pool of free segments (under ``cond``)."""
+    """The staged versions, in the order announced, and the pool of free segments (under
+    ``cond``)."""
 
     def __init__(
         self, core: PublisherCore, cond: threading.Condition, use_shm: bool, keep_versions: int
@@ -178,25 +171,19 @@ class VersionStore:
         self.use_shm = use_shm
         self.keep_versions = keep_versions
         self.versions: dict[int, Staged] = {}
-        self.latest: Staged | None = None
         self.closed = False
         self._free: list[_shm.ShmSegment] = []
 
     def add(self, st: Staged) -> None:
         """``st`` was announced: the latest version."""
-        self.versions[st.version] = self.latest = st
+        self.versions[st.version] = st
 
     def acquire(self, version: int, total: int) -> Staged:
         """A buffer for a new version: a free or reusable one that fits, else a new one."""
         with self.cond:
             seg = self._take_free(total)
-            for v, st in sorted(self.versions.items()):
-                if seg is not None:
-                    break
-                if not self.core.reusable(
-                    st.ledger, latest=st is self.latest, sending=not st.sends_done()
-                ):
-                    continue
+            for v in self.core.takeable(self._sending) if seg is None else []:
+                st = self.versions[v]
                 if st.seg is None and st.buf.numel() >= total:
                     self.forget(v)
                     buf = st.buf
@@ -206,7 +193,8 @@ class VersionStore:
                 if st.seg is not None and self.core.readers_done(st.ledger):
                     self.forget(v)
                     self._recycle(st)
-                    seg = self._take_free(total)
+                    if (seg := self._take_free(total)) is not None:
+                        break
         if seg is not None:
             self.core.count("buffers_reused")
             return Staged(version, seg.tensor[:total], seg)
@@ -218,16 +206,19 @@ class VersionStore:
                     "cannot stage %d bytes in /dev/shm (%s); using private memory", total, exc
                 )
         self.core.count("buffers_created")
-        if seg is not None:
-            return Staged(version, seg.tensor, seg)
-        return Staged(version, torch.empty(total, dtype=torch.uint8), None)
+        buf = seg.tensor if seg is not None else torch.empty(total, dtype=torch.uint8)
+        return Staged(version, buf, seg)
 
     def _take_free(self, total: int) -> _shm.ShmSegment | None:
         """A pooled segment that fits ``total`` without wasting more than half."""
         for i, seg in enumerate(self._free):
-            if total <= seg.size <= 2 * total or (total == 0 and seg.size == 0):
+            if self.core.fits(total, seg.size):
                 return self._free.pop(i)
         return None
+
+    def _sending(self, version: int) -> bool:
+        """Bytes of ``version``'s buffer are still queued."""
+        return not self.versions[version].sends_done()
 
     def forget(self, version: int) -> None:
         """Drop a version from the store and the core (lock held)."""
@@ -256,16 +247,9 @@ class VersionStore:
         self.versions.clear()
         self.core.close()
         self._free.clear()
-        self.latest = None
 
     def retire(self) -> None:
         """Free buffers of old versions that no one can still need (lock held)."""
-        excess = len(self.versions) - self.keep_versions
-        for v in sorted(self.versions):
-            st = self.versions[v]
-            if excess <= 0:
-                break
-            if self.core.reusable(st.ledger, latest=st is self.latest, sending=not st.sends_done()):
-                self._recycle(st)
-                self.forget(v)
-                excess -= 1
+        for v in self.core.takeable(self._sending, self.keep_versions):
+            self._recycle(self.versions[v])
+            self.forget(v)

@@ -68,10 +68,14 @@ class VersionLedger:
         return res
 
     def answer(self, wid: str, ack: WeightAck, reader: tuple[str, int, int], now: float) -> None:
-        self.readers = {r for r in self.readers if r[:3] != reader}
+        self.forget_reader(reader)
         self.acks[wid] = ack
         self.expected.add(wid)
         self.check_done(now)
+
+    def forget_reader(self, reader: tuple[str, int, int]) -> None:
+        """``(worker id, pid, start time)`` reads the buffer no more."""
+        self.readers = {r for r in self.readers if r[:3] != reader}
 
     def check_done(self, now: float) -> None:
         if not self.done_at and self.expected and self.answered():
@@ -103,9 +107,24 @@ class PublisherCore:
     def count(self, key: str, n: int = 1) -> None:
         self.counters.add(key, n)
 
+    @property
+    def latest_version(self) -> int:
+        """The latest announced version (``-1`` before the first)."""
+        return self.latest.version if self.latest is not None else -1
+
+    def check_newer(self, version: int) -> None:
+        """A version to publish must be newer than any before (else ``ValueError``)."""
+        if version <= (latest := self.latest_version):
+            raise ValueError(f"version {version} is not newer than the latest ({latest})")
+
     def alive(self) -> set[str]:
         """Ids of the live workers."""
         return {w for w, i in self.workers.items() if i.alive}
+
+    def wanted_dtype(self) -> str:
+        """The floating dtype every live worker asked for (``""``: none, or not one)."""
+        wanted = {i.dtype for i in self.workers.values() if i.alive}
+        return wanted.pop() if len(wanted) == 1 else ""
 
     def announce(self, led: VersionLedger, now: float) -> None:
         """``led`` is the new latest version: every live worker must answer it."""
@@ -132,7 +151,6 @@ class PublisherCore:
         msg: WeightFetch,
         led: VersionLedger | None,
         *,
-        latest: int,
         buckets: int = 0,
         staged: bool = True,
         packing: bool = False,
@@ -141,7 +159,7 @@ class PublisherCore:
         """The fetch rule for ``led`` (``None``: not held; ``staged``: it has a buffer,
         ``packing``: into the ipc slots, ``shared``: a segment); by shm, ``wid``'s process
         reads the buffer until it answers."""
-        v = msg.version
+        v, latest = msg.version, self.latest_version
         if led is None:
             return "refuse", f"version {v} is not available (latest is {latest})", latest
         if not staged and packing:
@@ -167,10 +185,23 @@ class PublisherCore:
         if led.answering.get(key) is answer:
             del led.answering[key]
 
-    def reusable(self, led: VersionLedger, *, latest: bool, sending: bool) -> bool:
-        """The buffer rule: whether ``led``'s buffer may be taken (a segment rewritten only
-        once :meth:`readers_done` too)."""
-        return not latest and not sending and not led.answering and led.answered()
+    def reusable(self, led: VersionLedger, *, sending: bool) -> bool:
+        """The buffer rule: whether ``led``'s buffer may be taken (``sending``: bytes of it
+        still queued; a segment rewritten only once :meth:`readers_done` too)."""
+        return led is not self.latest and not sending and not led.answering and led.answered()
+
+    def takeable(self, sending: Callable[[int], bool], keep: int = 0) -> list[int]:
+        """The versions whose buffers may be taken, oldest first (``sending(version)``: see
+        :meth:`reusable`); with ``keep``, only as many as are held beyond ``keep``."""
+        free = [
+            v for v, led in sorted(self.versions.items()) if self.reusable(led, sending=sending(v))
+        ]
+        return free[: max(len(self.versions) - keep, 0)]
+
+    @staticmethod
+    def fits(total: int, size: int) -> bool:
+        """Whether a pooled segment of ``size`` bytes takes ``total`` without wasting half."""
+        return total <= size <= 2 * total or total == size == 0
 
     def drop(self, version: int, now: float = 0.0) -> None:
         """Forget a retired version (its result stays a while: :meth:`result`)."""
@@ -223,7 +254,7 @@ class PublisherCore:
                 ack = WeightAck(wid, led.version, True, msg.version, "", msg.digest, info.path)
                 led.answer(wid, ack, (wid, msg.pid, msg.start_time), now)
             else:
-                led.readers = {r for r in led.readers if r[:3] != (wid, msg.pid, msg.start_time)}
+                led.forget_reader((wid, msg.pid, msg.start_time))
         return latest if latest is not None and msg.version < latest.version else None
 
     def on_ack(self, wid: str, msg: WeightAck, now: float) -> bool:
@@ -268,17 +299,12 @@ class PublisherCore:
         """Declare lost the workers in ``gone`` (seen by the ipc route) and those silent
         or whose process is gone; returns ``(id, reason)``."""
         lost: list[tuple[str, str]] = []
-        dead = "worker lost: its process is gone"
-        for w in gone:
-            info = self.workers.get(w)
-            if info is not None and info.alive:
-                lost.append((w, dead))
-                info.alive = False
+        seen_gone = set(gone)
         for w, info in self.workers.items():
             if not info.alive:
                 continue
-            if info.start_time and not self._alive(info.pid, info.start_time):
-                reason = dead
+            if w in seen_gone or (info.start_time and not self._alive(info.pid, info.start_time)):
+                reason = "worker lost: its process is gone"
             elif now - info.last_seen > self.worker_timeout:
                 reason = f"worker lost: no message for {now - info.last_seen:.1f} s"
             else:

@@ -207,22 +207,20 @@ def test_the_fetch_rule_refuses_parks_or_answers_as_a_reader() -> None:
     c.on_hello("w", hello("w"), 0.0)
     led = announce(c, 1)
     f = WeightFetch(1, 0, True)
-    assert c.on_fetch("w", f, None, latest=2) == (
-        "refuse", "version 1 is not available (latest is 2)", 2
+    assert c.on_fetch("w", WeightFetch(0, 0, True), None) == (
+        "refuse", "version 0 is not available (latest is 1)", 1
     )  # fmt: skip
-    assert c.on_fetch("w", f, led, latest=1, staged=False, packing=True)[0] == "park"
+    assert c.on_fetch("w", f, led, staged=False, packing=True)[0] == "park"
     assert c.counters.get("fetches_deferred") == 1
-    assert c.on_fetch("w", f, led, latest=1, staged=False)[1].endswith(
-        "no longer held (latest is 1)"
-    )
-    assert c.on_fetch("w", WeightFetch(1, 3, False), led, latest=1, buckets=3)[1] == (
+    assert c.on_fetch("w", f, led, staged=False)[1].endswith("no longer held (latest is 1)")
+    assert c.on_fetch("w", WeightFetch(1, 3, False), led, buckets=3)[1] == (
         "no bucket 3 in version 1"
     )
-    assert c.on_fetch("w", f, led, latest=1, buckets=1) == (
+    assert c.on_fetch("w", f, led, buckets=1) == (
         "refuse", "no shared memory for this version", -1
     )  # fmt: skip
     assert c.readers_done(led)
-    assert c.on_fetch("w", f, led, latest=1, buckets=1, shared=True) == ("send", "", 1)
+    assert c.on_fetch("w", f, led, buckets=1, shared=True) == ("send", "", 1)
     assert not c.readers_done(led)  # it reads the segment until it answers
 
 
@@ -243,13 +241,57 @@ def test_the_buffer_rule_a_buffer_is_taken_only_when_no_one_needs_it() -> None:
     c = core()
     c.on_hello("w", hello("w"), 0.0)
     led = announce(c, 1)
-    assert not c.reusable(led, latest=False, sending=False)  # "w" has not answered
     c.on_ack("w", ack("w", 1), 0.1)
-    assert c.reusable(led, latest=False, sending=False)
-    assert not c.reusable(led, latest=True, sending=False)
-    assert not c.reusable(led, latest=False, sending=True)
+    assert not c.reusable(led, sending=False)  # the latest
+    led2 = announce(c, 2)
+    announce(c, 3)
+    assert not c.reusable(led2, sending=False)  # "w" has not answered
+    assert c.reusable(led, sending=False)
+    assert not c.reusable(led, sending=True)
     c.answering(led, ("late", 0), object())
-    assert not c.reusable(led, latest=False, sending=False)
+    assert not c.reusable(led, sending=False)
+
+
+def test_the_oldest_takeable_buffers_beyond_those_kept_are_taken() -> None:
+    c = core()
+    c.on_hello("w", hello("w"), 0.0)
+    for v in (1, 2, 3, 4):
+        announce(c, v)
+    for v in (1, 3, 4):
+        c.on_ack("w", ack("w", v), 0.1)
+    assert c.takeable(lambda v: False) == [1, 3]  # 2 unanswered, 4 the latest
+    assert c.takeable(lambda v: v == 1) == [3]  # bytes of 1 still queued
+    assert c.takeable(lambda v: False, keep=3) == [1]
+    assert c.takeable(lambda v: False, keep=4) == []
+    # A pooled segment is taken when it fits without wasting half of it.
+    assert PublisherCore.fits(100, 100) and PublisherCore.fits(100, 200)
+    assert not PublisherCore.fits(100, 99) and not PublisherCore.fits(100, 201)
+    assert PublisherCore.fits(0, 0) and not PublisherCore.fits(0, 1)
+
+
+def test_a_version_is_cast_to_the_dtype_every_live_worker_asked_for() -> None:
+    c = core()
+    assert c.wanted_dtype() == ""  # no worker
+    c.on_hello("a", WeightHello("a", HOST, 100, -1, None, "bfloat16", 7), 0.0)
+    assert c.wanted_dtype() == "bfloat16"
+    c.on_hello("b", hello("b"), 0.0)  # asks for none
+    assert c.wanted_dtype() == ""
+    c.tick(0.0, gone=["b"])
+    assert c.wanted_dtype() == "bfloat16"  # only the live ones count
+    c.on_hello("b", WeightHello("b", HOST, 101, -1, None, "float16", 8), 0.0)
+    assert c.wanted_dtype() == ""  # not one dtype
+
+
+def test_a_version_must_be_newer_than_the_latest() -> None:
+    c = core()
+    assert c.latest_version == -1
+    c.check_newer(0)
+    announce(c, 3)
+    assert c.latest_version == 3
+    c.check_newer(4)
+    for v in (2, 3):
+        with pytest.raises(ValueError, match=rf"version {v} is not newer than the latest \(3\)"):
+            c.check_newer(v)
 
 
 # -- subscriber --------------------------------------------------------------------------
