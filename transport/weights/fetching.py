@@ -281,11 +281,9 @@ class VersionFetcher:
                 return
             if self.loader is not None:
                 ta = time.monotonic()
+                kw = {"version": ann.version} if self.loader_takes_version else {}
                 try:
-                    if self.loader_takes_version:
-                        self.loader(up.binding.named_tensors(parts), version=ann.version)  # type: ignore[call-arg]
-                    else:
-                        self.loader(up.binding.named_tensors(parts))
+                    self.loader(up.binding.named_tensors(parts), **kw)
                 except Exception as exc:
                     self.core.mark_mixed()
                     self.core.count("loader_failures")
@@ -314,8 +312,8 @@ class VersionFetcher:
         up = self.update
         if up is not None and up.ann.version == version:
             self.update = None
-            if up.wrote:
-                self.core.wrote()
+            if up.wrote:  # before the lock is left: its release sees the weights mixed
+                self.core.mark_mixed()
             self.unhold(up)
         self.reporter.failed(version, error, route)
 

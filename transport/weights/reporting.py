@@ -53,7 +53,7 @@ class Reporter:
 
     def mixing(self) -> None:
         """A version's first write: no complete version (nor digest) until it ends."""
-        self.core.wrote()
+        self.core.mark_mixed()
         self.digest = None
 
     def now_at(self, version: int) -> None:
@@ -84,7 +84,7 @@ class Reporter:
 
     def failed(self, version: int, error: str, route: str) -> None:
         """Report ``version`` failed."""
-        reported = self.core.failed(error, False)
+        reported = self.core.failed(error)
         if reported != error and self.report_digest:  # the weights were left mixed
             self.digest = state_digest(self.targets)
         self.last_error = reported

@@ -125,7 +125,3 @@ class BucketStream:
                 break
             k += 1
         self._k = k
-
-    def digest(self) -> int:
-        """The checksum of the bytes fed."""
-        return self.hasher.digest()

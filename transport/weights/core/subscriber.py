@@ -45,7 +45,8 @@ class SubscriberCore:
         return self._consistent
 
     def mark_mixed(self) -> None:
-        """A copy or a load failed part-way: the weights hold no complete version."""
+        """A version's first write, or a copy or load that failed part-way: the weights
+        hold no complete version until one is applied."""
         self._consistent = False
 
     @property
@@ -102,10 +103,6 @@ class SubscriberCore:
         """A version that cannot fit this model: never tried again."""
         self._given_up.add((publisher_id, version))
 
-    def wrote(self) -> None:
-        """A version's first write: the weights hold no complete version until it ends."""
-        self._consistent = False
-
     def applied(self, version: int) -> None:
         """The weights are now all of ``version``."""
         self.version = version
@@ -113,10 +110,8 @@ class SubscriberCore:
         self._attempts = {k: n for k, n in self._attempts.items() if k[1] > version}
         self._given_up = {k for k in self._given_up if k[1] > version}
 
-    def failed(self, error: str, wrote: bool) -> str:
-        """A version failed (``wrote``: after its first write); the error to report."""
-        if wrote:
-            self._consistent = False
+    def failed(self, error: str) -> str:
+        """A version failed: the error to report (naming mixed weights if they are)."""
         if not self._consistent and "weights are mixed" not in error:
             error += f"; {MIXED}"
         self.count("versions_failed")

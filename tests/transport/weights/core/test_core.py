@@ -288,9 +288,9 @@ def test_versions_are_tried_when_newer_at_most_retries_times() -> None:
 def test_never_a_mixed_version_reported() -> None:
     s = SubscriberCore(version=1)
     assert s.consider("p", 2, None) == (False, True)
-    s.wrote()  # one pass: the first write
+    s.mark_mixed()  # one pass: the first write
     assert s.reported_version == -1
-    error = s.failed("publisher silent", wrote=True)
+    error = s.failed("publisher silent")
     assert MIXED in error and s.reported_version == -1 and s.version == 1
     # The same version, fetched again, is tried though it is not newer: mixed weights.
     assert s.consider("p", 1, None) == (False, True)
@@ -311,7 +311,7 @@ def test_a_failed_copy_or_load_marks_the_weights_mixed_until_a_version_lands() -
 
 def test_a_version_failing_before_its_first_write_keeps_the_weights() -> None:
     s = SubscriberCore(version=1)
-    error = s.failed("bucket 0 failed its checksum", wrote=False)
+    error = s.failed("bucket 0 failed its checksum")
     assert error == "bucket 0 failed its checksum" and s.reported_version == 1
     assert s.counters["versions_failed"] == 1
 
