@@ -120,11 +120,15 @@ class SubscriberCore:
 
 class FetchSchedule:
     """Which buckets of one version to ask for (in order, ``window`` at a time), and
-    when to ask again (``retries`` times at most)."""
+    when to ask again (``retries`` times at most); ``shm``: all at once, and a bad
+    checksum is final (the segment would give the same bytes again)."""
 
-    def __init__(self, version: int, n_buckets: int, window: int, retries: int) -> None:
+    def __init__(
+        self, version: int, n_buckets: int, window: int, retries: int, *, shm: bool = False
+    ) -> None:
         self.version = version
-        self.window = max(1, window)
+        self.shm = shm
+        self.window = max(1, n_buckets if shm else window)
         self.retries = max(1, retries)
         self.todo = list(range(n_buckets - 1, -1, -1))  # pop() gives bucket 0 first
         self.outstanding: dict[int, float] = {}
@@ -150,6 +154,8 @@ class FetchSchedule:
     def again(self, i: int) -> str | None:
         """Bucket ``i`` failed its check: ``None`` (asked again) or why the version fails."""
         self.outstanding.pop(i, None)
+        if self.shm:
+            return f"bucket {i} of version {self.version} fails its checksum in shared memory"
         n = self.attempts.get(i, 0)
         if n >= self.retries:
             return f"bucket {i} of version {self.version} failed its checksum {n} times"

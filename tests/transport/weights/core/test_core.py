@@ -336,6 +336,12 @@ def test_fetches_keep_a_window_and_retry_a_bad_bucket() -> None:
     assert f.again(1) == "bucket 1 of version 7 failed its checksum 2 times"
 
 
+def test_shm_fetches_all_at_once_and_a_bad_checksum_is_final() -> None:
+    f = FetchSchedule(2, 3, window=1, retries=3, shm=True)
+    assert f.due(0.0) == [0, 1, 2]
+    assert f.again(1) == "bucket 1 of version 2 fails its checksum in shared memory"
+
+
 def test_fetches_time_out_then_fail() -> None:
     f = FetchSchedule(3, 2, window=2, retries=2)
     f.due(0.0)
