@@ -109,7 +109,7 @@ class Binding:
                     wire[e.name] = (e, None)
                     continue
                 wire[e.name] = (e, dt)
-                want = _numel(e.shape) * torch.empty((), dtype=dt).element_size()
+                want = _numel(e.shape) * dt.itemsize
                 if e.nbytes != want or e.offset < end or e.offset + e.nbytes > b.nbytes:
                     problems.append(f"bad layout for {e.name!r} in bucket {b.index}")
                 end = e.offset + e.nbytes
@@ -156,8 +156,7 @@ class Binding:
     ) -> None:
         wanted = wire
         if isinstance(spec, Mapping):
-            if en in spec:
-                wanted = parse_dtype(spec[en])
+            wanted = parse_dtype(spec.get(en, wire))
         elif isinstance(spec, str) and spec == "auto":
             if t is not None and t.dtype in FLOAT_DTYPES and wire in FLOAT_DTYPES:
                 wanted = t.dtype
