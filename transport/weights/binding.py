@@ -22,16 +22,9 @@ from transport.weights.bucket import (
 from transport.weights.errors import WeightMismatchError
 
 __all__ = [
-    "FLOAT_DTYPES",
-    "Binding",
-    "DtypeSpec",
-    "Rename",
-    "advertised_dtype",
-    "check_manifest",
-    "parse_dtype",
-    "parse_dtype_spec",
-    "state_digest",
-]
+    "FLOAT_DTYPES", "Binding", "DtypeSpec", "Rename", "advertised_dtype", "check_manifest",
+    "parse_dtype", "parse_dtype_spec", "state_digest",
+]  # fmt: skip
 
 #: Dtypes converted into one another on request.
 FLOAT_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})

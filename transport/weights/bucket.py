@@ -25,27 +25,11 @@ else:  # torch is imported by the first function that needs it, not by this impo
     torch = lazy("torch", "weights", "weight buckets", globals())
 
 __all__ = [
-    "ALIGNMENT",
-    "CHECKSUM_ALGOS",
-    "DEFAULT_BUCKET_BYTES",
-    "DEFAULT_CHECKSUM",
-    "SUM64_ROW",
-    "BucketApplier",
-    "Hasher",
-    "checksum",
-    "copy_bytes",
-    "copy_tensor",
-    "default_copy_threads",
-    "dtype_from_name",
-    "dtype_name",
-    "named_tensors",
-    "pack_bucket",
-    "plan_buckets",
-    "plan_spans",
-    "split_aliases",
-    "sum64",
-    "wire_tensor",
-]
+    "ALIGNMENT", "CHECKSUM_ALGOS", "DEFAULT_BUCKET_BYTES", "DEFAULT_CHECKSUM", "SUM64_ROW",
+    "BucketApplier", "Hasher", "checksum", "copy_bytes", "copy_tensor", "default_copy_threads",
+    "dtype_from_name", "dtype_name", "named_tensors", "pack_bucket", "plan_buckets",
+    "plan_spans", "split_aliases", "sum64", "wire_tensor",
+]  # fmt: skip
 
 #: Default bucket size.
 DEFAULT_BUCKET_BYTES = 256 << 20
