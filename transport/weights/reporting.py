@@ -44,10 +44,8 @@ class Reporter:
         self.on_applied = on_applied
         self.cond = threading.Condition()
         self.digest: int | None = state_digest(targets) if report_digest else None
-        #: Error text of the last failed version ("" if none).
-        self.last_error = ""
-        #: Timings of the last applied version.
-        self.last_stats = UpdateStats()
+        self.last_error = ""  # of the last failed version
+        self.last_stats = UpdateStats()  # of the last applied version
         self.pid = os.getpid()
         self.start_time = process_start_time(self.pid) or 0
 
