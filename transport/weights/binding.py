@@ -22,16 +22,9 @@ from transport.weights.bucket import (
 from transport.weights.errors import WeightMismatchError
 
 __all__ = [
-    "FLOAT_DTYPES",
-    "Binding",
-    "DtypeSpec",
-    "Rename",
-    "advertised_dtype",
-    "check_manifest",
-    "parse_dtype",
-    "parse_dtype_spec",
-    "state_digest",
-]
+    "FLOAT_DTYPES", "Binding", "DtypeSpec", "Rename", "advertised_dtype", "check_manifest",
+    "parse_dtype", "parse_dtype_spec", "state_digest",
+]  # fmt: skip
 
 #: Dtypes converted into one another on request.
 FLOAT_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
@@ -109,7 +102,7 @@ class Binding:
                     wire[e.name] = (e, None)
                     continue
                 wire[e.name] = (e, dt)
-                want = _numel(e.shape) * torch.empty((), dtype=dt).element_size()
+                want = _numel(e.shape) * dt.itemsize
                 if e.nbytes != want or e.offset < end or e.offset + e.nbytes > b.nbytes:
                     problems.append(f"bad layout for {e.name!r} in bucket {b.index}")
                 end = e.offset + e.nbytes
@@ -156,8 +149,7 @@ class Binding:
     ) -> None:
         wanted = wire
         if isinstance(spec, Mapping):
-            if en in spec:
-                wanted = parse_dtype(spec[en])
+            wanted = parse_dtype(spec.get(en, wire))
         elif isinstance(spec, str) and spec == "auto":
             if t is not None and t.dtype in FLOAT_DTYPES and wire in FLOAT_DTYPES:
                 wanted = t.dtype

@@ -25,27 +25,11 @@ else:  # torch is imported by the first function that needs it, not by this impo
     torch = lazy("torch", "weights", "weight buckets", globals())
 
 __all__ = [
-    "ALIGNMENT",
-    "CHECKSUM_ALGOS",
-    "DEFAULT_BUCKET_BYTES",
-    "DEFAULT_CHECKSUM",
-    "SUM64_ROW",
-    "BucketApplier",
-    "Hasher",
-    "checksum",
-    "copy_bytes",
-    "copy_tensor",
-    "default_copy_threads",
-    "dtype_from_name",
-    "dtype_name",
-    "named_tensors",
-    "pack_bucket",
-    "plan_buckets",
-    "plan_spans",
-    "split_aliases",
-    "sum64",
-    "wire_tensor",
-]
+    "ALIGNMENT", "CHECKSUM_ALGOS", "DEFAULT_BUCKET_BYTES", "DEFAULT_CHECKSUM", "SUM64_ROW",
+    "BucketApplier", "Hasher", "checksum", "copy_bytes", "copy_tensor", "default_copy_threads",
+    "dtype_from_name", "dtype_name", "named_tensors", "pack_bucket", "plan_buckets",
+    "plan_spans", "split_aliases", "sum64", "wire_tensor",
+]  # fmt: skip
 
 #: Default bucket size.
 DEFAULT_BUCKET_BYTES = 256 << 20
@@ -161,6 +145,22 @@ def split_aliases(
         else:
             aliases[name] = first[key]
     return unique, aliases
+
+
+def _targets_of(
+    e: WeightTensor,
+    targets: Mapping[str, torch.Tensor],
+    dests: Mapping[str, Sequence[str]] | None,
+) -> Iterable[torch.Tensor]:
+    """The targets of tensor ``e`` (``dests``: travelling name -> target names, default
+    its own; unknown names skipped), tied ones once; none if ``e`` is empty."""
+    found: dict[tuple[Any, ...], torch.Tensor] = {}
+    for name in (e.name,) if dests is None else dests.get(e.name, ()):
+        dst = targets.get(name)
+        if dst is not None and e.nbytes:
+            key = (dst.device, dst.data_ptr(), dst.dtype, tuple(dst.shape), dst.stride())
+            found.setdefault(key, dst)
+    return found.values()
 
 
 def _align(n: int) -> int:
@@ -354,15 +354,7 @@ class BucketApplier:
         plain: list[tuple[np.ndarray[Any, Any], int]] = []  # CPU: at the end, on threads
         with torch.no_grad():
             for e in info.tensors:
-                written: set[tuple[Any, ...]] = set()
-                for name in (e.name,) if dests is None else dests.get(e.name, ()):
-                    dst = self.targets.get(name)
-                    if dst is None or e.nbytes == 0:
-                        continue
-                    key = (dst.device, dst.data_ptr(), dst.dtype, tuple(dst.shape), dst.stride())
-                    if key in written:
-                        continue  # tied on this side too: one copy
-                    written.add(key)
+                for dst in _targets_of(e, self.targets, dests):
                     if dtype_name(dst.dtype) != e.dtype or not dst.is_contiguous():
                         dst.copy_(wire_tensor(e, chunks))  # a cast, or one strided copy
                     elif dst.device.type == "cpu":

@@ -108,9 +108,9 @@ class VersionFetcher:
             except OSError as exc:
                 log.info("shared memory %s unusable (%s); fetching over TCP", ann.shm_name, exc)
                 self.core.count("shm_fallbacks")
-        n = len(ann.buckets)
-        window = n if seg is not None else self.config.window
-        up = InFlight(ann, seg, binding, FetchSchedule(ann.version, n, window, self.config.retries))
+        n, cfg = len(ann.buckets), self.config
+        sched = FetchSchedule(ann.version, n, cfg.window, cfg.retries, shm=seg is not None)
+        up = InFlight(ann, seg, binding, sched)
         if seg is None:
             self.tcp.open()
         if seg is None and self.atomic:  # one staging buffer, kept between versions
@@ -159,13 +159,8 @@ class VersionFetcher:
         info = up.ann.buckets[i]
         if not ok or part.size != info.nbytes or part.hasher.digest() != checksum:
             self.core.count("checksum_failures")
-            v = up.ann.version
-            if up.seg is not None:  # the segment is the snapshot: asked again, the same bytes
-                self.fail(
-                    v, f"bucket {i} of version {v} fails its checksum in shared memory", "shm"
-                )
-            elif (error := up.sched.again(i)) is not None:
-                self.fail(v, error)
+            if (error := up.sched.again(i)) is not None:
+                self.fail(up.ann.version, error, "tcp" if up.seg is None else "shm")
             else:
                 self.core.count("refetches")
                 self.pump()
@@ -281,11 +276,9 @@ class VersionFetcher:
                 return
             if self.loader is not None:
                 ta = time.monotonic()
+                kw = {"version": ann.version} if self.loader_takes_version else {}
                 try:
-                    if self.loader_takes_version:
-                        self.loader(up.binding.named_tensors(parts), version=ann.version)  # type: ignore[call-arg]
-                    else:
-                        self.loader(up.binding.named_tensors(parts))
+                    self.loader(up.binding.named_tensors(parts), **kw)
                 except Exception as exc:
                     self.core.mark_mixed()
                     self.core.count("loader_failures")
@@ -314,8 +307,8 @@ class VersionFetcher:
         up = self.update
         if up is not None and up.ann.version == version:
             self.update = None
-            if up.wrote:
-                self.core.wrote()
+            if up.wrote:  # before the lock is left: its release sees the weights mixed
+                self.core.mark_mixed()
             self.unhold(up)
         self.reporter.failed(version, error, route)
 

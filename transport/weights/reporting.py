@@ -44,16 +44,14 @@ class Reporter:
         self.on_applied = on_applied
         self.cond = threading.Condition()
         self.digest: int | None = state_digest(targets) if report_digest else None
-        #: Error text of the last failed version ("" if none).
-        self.last_error = ""
-        #: Timings of the last applied version.
-        self.last_stats = UpdateStats()
+        self.last_error = ""  # of the last failed version
+        self.last_stats = UpdateStats()  # of the last applied version
         self.pid = os.getpid()
         self.start_time = process_start_time(self.pid) or 0
 
     def mixing(self) -> None:
         """A version's first write: no complete version (nor digest) until it ends."""
-        self.core.wrote()
+        self.core.mark_mixed()
         self.digest = None
 
     def now_at(self, version: int) -> None:
@@ -84,7 +82,7 @@ class Reporter:
 
     def failed(self, version: int, error: str, route: str) -> None:
         """Report ``version`` failed."""
-        reported = self.core.failed(error, False)
+        reported = self.core.failed(error)
         if reported != error and self.report_digest:  # the weights were left mixed
             self.digest = state_digest(self.targets)
         self.last_error = reported

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from fastio.weight_msgs import WeightBucketInfo, WeightTensor
-from transport.weights.bucket import Hasher, _flat_bytes, dtype_name
+from transport.weights.bucket import Hasher, _flat_bytes, _targets_of, dtype_name
 
 __all__ = ["BLOCK", "BucketStream"]
 
@@ -41,20 +41,9 @@ class BucketStream:
         self._spans: list[tuple[int, int, list[np.ndarray[Any, Any]]]] = []
         self.rest: list[WeightTensor] = []
         for e in sorted(info.tensors, key=lambda t: t.offset):
-            if e.nbytes == 0:
-                continue
-            names = (e.name,) if dests is None else dests.get(e.name, ())
             outs: list[np.ndarray[Any, Any]] = []
-            seen: set[tuple[Any, ...]] = set()
             other = False
-            for name in names:
-                dst = targets.get(name)
-                if dst is None:
-                    continue
-                key = (dst.device, dst.data_ptr(), dst.dtype, tuple(dst.shape), dst.stride())
-                if key in seen:
-                    continue
-                seen.add(key)
+            for dst in _targets_of(e, targets, dests):
                 if (
                     dst.device.type == "cpu"
                     and dst.is_contiguous()
@@ -125,7 +114,3 @@ class BucketStream:
                 break
             k += 1
         self._k = k
-
-    def digest(self) -> int:
-        """The checksum of the bytes fed."""
-        return self.hasher.digest()

@@ -26,16 +26,9 @@ from transport.weights.results import UpdateResult
 from transport.weights.subscriber import WeightSubscriber
 
 __all__ = [
-    "PLUGIN_OPTIONS",
-    "FabricUpdateResult",
-    "PausedWhileCopying",
-    "PluginOptions",
-    "attach_subscriber",
-    "aupdate_weights",
-    "subscribe",
-    "subscriber_options",
-    "update_weights",
-]
+    "PLUGIN_OPTIONS", "FabricUpdateResult", "PausedWhileCopying", "PluginOptions",
+    "attach_subscriber", "aupdate_weights", "subscribe", "subscriber_options", "update_weights",
+]  # fmt: skip
 
 log = logging.getLogger("transport.weights.update")
 

@@ -45,7 +45,8 @@ class SubscriberCore:
         return self._consistent
 
     def mark_mixed(self) -> None:
-        """A copy or a load failed part-way: the weights hold no complete version."""
+        """A version's first write, or a copy or load that failed part-way: the weights
+        hold no complete version until one is applied."""
         self._consistent = False
 
     @property
@@ -102,10 +103,6 @@ class SubscriberCore:
         """A version that cannot fit this model: never tried again."""
         self._given_up.add((publisher_id, version))
 
-    def wrote(self) -> None:
-        """A version's first write: the weights hold no complete version until it ends."""
-        self._consistent = False
-
     def applied(self, version: int) -> None:
         """The weights are now all of ``version``."""
         self.version = version
@@ -113,10 +110,8 @@ class SubscriberCore:
         self._attempts = {k: n for k, n in self._attempts.items() if k[1] > version}
         self._given_up = {k for k in self._given_up if k[1] > version}
 
-    def failed(self, error: str, wrote: bool) -> str:
-        """A version failed (``wrote``: after its first write); the error to report."""
-        if wrote:
-            self._consistent = False
+    def failed(self, error: str) -> str:
+        """A version failed: the error to report (naming mixed weights if they are)."""
         if not self._consistent and "weights are mixed" not in error:
             error += f"; {MIXED}"
         self.count("versions_failed")
@@ -125,11 +120,15 @@ class SubscriberCore:
 
 class FetchSchedule:
     """Which buckets of one version to ask for (in order, ``window`` at a time), and
-    when to ask again (``retries`` times at most)."""
+    when to ask again (``retries`` times at most); ``shm``: all at once, and a bad
+    checksum is final (the segment would give the same bytes again)."""
 
-    def __init__(self, version: int, n_buckets: int, window: int, retries: int) -> None:
+    def __init__(
+        self, version: int, n_buckets: int, window: int, retries: int, *, shm: bool = False
+    ) -> None:
         self.version = version
-        self.window = max(1, window)
+        self.shm = shm
+        self.window = max(1, n_buckets if shm else window)
         self.retries = max(1, retries)
         self.todo = list(range(n_buckets - 1, -1, -1))  # pop() gives bucket 0 first
         self.outstanding: dict[int, float] = {}
@@ -155,6 +154,8 @@ class FetchSchedule:
     def again(self, i: int) -> str | None:
         """Bucket ``i`` failed its check: ``None`` (asked again) or why the version fails."""
         self.outstanding.pop(i, None)
+        if self.shm:
+            return f"bucket {i} of version {self.version} fails its checksum in shared memory"
         n = self.attempts.get(i, 0)
         if n >= self.retries:
             return f"bucket {i} of version {self.version} failed its checksum {n} times"

@@ -330,9 +330,9 @@ def test_versions_are_tried_when_newer_at_most_retries_times() -> None:
 def test_never_a_mixed_version_reported() -> None:
     s = SubscriberCore(version=1)
     assert s.consider("p", 2, None) == (False, True)
-    s.wrote()  # one pass: the first write
+    s.mark_mixed()  # one pass: the first write
     assert s.reported_version == -1
-    error = s.failed("publisher silent", wrote=True)
+    error = s.failed("publisher silent")
     assert MIXED in error and s.reported_version == -1 and s.version == 1
     # The same version, fetched again, is tried though it is not newer: mixed weights.
     assert s.consider("p", 1, None) == (False, True)
@@ -353,7 +353,7 @@ def test_a_failed_copy_or_load_marks_the_weights_mixed_until_a_version_lands() -
 
 def test_a_version_failing_before_its_first_write_keeps_the_weights() -> None:
     s = SubscriberCore(version=1)
-    error = s.failed("bucket 0 failed its checksum", wrote=False)
+    error = s.failed("bucket 0 failed its checksum")
     assert error == "bucket 0 failed its checksum" and s.reported_version == 1
     assert s.counters["versions_failed"] == 1
 
@@ -376,6 +376,12 @@ def test_fetches_keep_a_window_and_retry_a_bad_bucket() -> None:
     assert f.due(0.2) == [1]  # a bucket asked again goes first
     assert f.attempts[1] == 2
     assert f.again(1) == "bucket 1 of version 7 failed its checksum 2 times"
+
+
+def test_shm_fetches_all_at_once_and_a_bad_checksum_is_final() -> None:
+    f = FetchSchedule(2, 3, window=1, retries=3, shm=True)
+    assert f.due(0.0) == [0, 1, 2]
+    assert f.again(1) == "bucket 1 of version 2 fails its checksum in shared memory"
 
 
 def test_fetches_time_out_then_fail() -> None:
