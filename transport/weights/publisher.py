@@ -7,6 +7,7 @@ import secrets
 import threading
 import time
 from collections.abc import Iterable
+from functools import partial
 from typing import Any
 
 try:
@@ -96,25 +97,10 @@ class WeightPublisher:
         if self._own_zctx:  # the ROUTER on I/O threads 1.._ROUTER_IO_THREADS, the PUB on 0
             router_opts[zmq.AFFINITY] = ((1 << _ROUTER_IO_THREADS) - 1) << 1
             pub_opts[zmq.AFFINITY] = 1
-        router = make_socket(
-            self._zctx,
-            zmq.ROUTER,
-            hwm=10_000,
-            max_message_size=4 << 20,
-            curve=curve,
-            curve_server=True,
-            options=router_opts,
-        )
+        server = partial(make_socket, self._zctx, curve=curve, curve_server=True)
+        router = server(zmq.ROUTER, hwm=10_000, max_message_size=4 << 20, options=router_opts)
         self.endpoint: str = bind_all(router, endpoint)[0]
-        pub = make_socket(
-            self._zctx,
-            zmq.PUB,
-            hwm=None,
-            max_message_size=None,
-            curve=curve,
-            curve_server=True,
-            options=pub_opts,
-        )
+        pub = server(zmq.PUB, hwm=None, max_message_size=None, options=pub_opts)
         tcp = self.endpoint.startswith("tcp://")  # the PUB next to the ROUTER by default
         next_to = self.endpoint.rsplit(":", 1)[0] + ":*" if tcp else self.endpoint + ".pub"
         self.pub_endpoint: str = bind_all(pub, cfg.pub_endpoint or next_to)[0]
@@ -129,15 +115,8 @@ class WeightPublisher:
             publisher_id=self.publisher_id,
             bucket_bytes=cfg.bucket_bytes,
         )
-        probe = self._probe
-        welcome = WeightWelcome(
-            self.publisher_id,
-            self.host_id,
-            self.pub_endpoint,
-            0,
-            probe.name if probe else "",
-            probe.token if probe else "",
-        )
+        shm = (self._probe.name, self._probe.token) if self._probe else ("", "")
+        welcome = WeightWelcome(self.publisher_id, self.host_id, self.pub_endpoint, 0, *shm)
         link = tcp and (cfg.data_link or (cfg.data_link is None and curve is None))
         self.serving = Serving(cfg, self.store, self.ipc, router, pub, welcome, link=link)
         self._thread = threading.Thread(
@@ -194,15 +173,9 @@ class WeightPublisher:
             self.core.count("versions_not_staged")
         else:
             staged = self.store.acquire(version, total)
+        shm_name = staged.seg.name if staged.seg is not None else ""
         announce = WeightAnnounce(  # seq: the serving thread's, which owns it
-            self.publisher_id,
-            0,
-            version,
-            self.config.checksum,
-            total,
-            plan,
-            staged.seg.name if staged.seg is not None else "",
-            aliases,
+            self.publisher_id, 0, version, self.config.checksum, total, plan, shm_name, aliases
         )
         # Packed by the serving thread between its sends.
         staged.prepare(announce, tensors, self.config.chunk_bytes, self._cond)
