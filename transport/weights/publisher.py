@@ -205,11 +205,9 @@ class WeightPublisher:
         for workers' failures (``result.ok``)."""
         deadline = time.monotonic() + timeout
         with self._cond:
-            led = self.core.versions.get(version)
-            if led is None and version in self.core.retired:
-                return self.core.retired[version]
-            if led is None:
-                raise KeyError(f"version {version} was not published by this publisher")
+            led = self.core.lookup(version)
+            if isinstance(led, UpdateResult):  # retired: its final result
+                return led
             self.core.expect(led, workers)
             while not led.settled():
                 left = deadline - time.monotonic()
