@@ -7,10 +7,11 @@ import secrets
 import threading
 import time
 from collections.abc import Iterable
+from functools import partial
 from typing import Any
 
 try:
-    import torch
+    import torch  # noqa: F401  (only the check that the extra is installed)
 except ImportError as exc:  # name the extra that brings torch
     from fastio._optional import missing
 
@@ -29,7 +30,7 @@ from transport.weights.results import SubscriberInfo, UpdateResult
 from transport.weights.routes import shm as _shm
 from transport.weights.routes.ipc import IPC_MODES, IpcOffering
 from transport.weights.serving import Serving
-from transport.weights.staging import Staged, VersionStore, pack_steps, plan_version
+from transport.weights.staging import Staged, VersionStore, plan_version
 
 __all__ = ["IPC_MODES", "WeightPublisher"]
 
@@ -96,28 +97,26 @@ class WeightPublisher:
         if self._own_zctx:  # the ROUTER on I/O threads 1.._ROUTER_IO_THREADS, the PUB on 0
             router_opts[zmq.AFFINITY] = ((1 << _ROUTER_IO_THREADS) - 1) << 1
             pub_opts[zmq.AFFINITY] = 1
-        router = make_socket(
-            self._zctx, zmq.ROUTER, hwm=10_000, max_message_size=4 << 20, curve=curve,
-            curve_server=True, options=router_opts,
-        )  # fmt: skip
+        server = partial(make_socket, self._zctx, curve=curve, curve_server=True)
+        router = server(zmq.ROUTER, hwm=10_000, max_message_size=4 << 20, options=router_opts)
         self.endpoint: str = bind_all(router, endpoint)[0]
-        pub = make_socket(
-            self._zctx, zmq.PUB, hwm=None, max_message_size=None, curve=curve,
-            curve_server=True, options=pub_opts,
-        )  # fmt: skip
+        pub = server(zmq.PUB, hwm=None, max_message_size=None, options=pub_opts)
         tcp = self.endpoint.startswith("tcp://")  # the PUB next to the ROUTER by default
         next_to = self.endpoint.rsplit(":", 1)[0] + ":*" if tcp else self.endpoint + ".pub"
         self.pub_endpoint: str = bind_all(pub, cfg.pub_endpoint or next_to)[0]
         self.ipc = IpcOffering(
-            cfg.ipc, cfg.ipc_slots, cfg.ipc_timeout, core=self.core, cond=self._cond,
-            encoder=VERSION_1, wake=lambda: self.serving.wake(), publisher_id=self.publisher_id,
+            cfg.ipc,
+            cfg.ipc_slots,
+            cfg.ipc_timeout,
+            core=self.core,
+            cond=self._cond,
+            encoder=VERSION_1,
+            wake=lambda: self.serving.wake(),
+            publisher_id=self.publisher_id,
             bucket_bytes=cfg.bucket_bytes,
-        )  # fmt: skip
-        probe = self._probe
-        welcome = WeightWelcome(
-            self.publisher_id, self.host_id, self.pub_endpoint, 0,
-            probe.name if probe else "", probe.token if probe else "",
-        )  # fmt: skip
+        )
+        shm = (self._probe.name, self._probe.token) if self._probe else ("", "")
+        welcome = WeightWelcome(self.publisher_id, self.host_id, self.pub_endpoint, 0, *shm)
         link = tcp and (cfg.data_link or (cfg.data_link is None and curve is None))
         self.serving = Serving(cfg, self.store, self.ipc, router, pub, welcome, link=link)
         self._thread = threading.Thread(
@@ -170,23 +169,19 @@ class WeightPublisher:
         # Only ipc workers: the slots are the snapshot, staged late if someone needs it.
         lazy = ipc and self.ipc.only()
         if lazy:
-            staged = Staged(version, torch.empty(0, dtype=torch.uint8), None)
-            staged.unstaged = staged.ipc_packing = True
+            staged = Staged.ipc_only(version)
             self.core.count("versions_not_staged")
         else:
             staged = self.store.acquire(version, total)
-        staged.announce = WeightAnnounce(  # seq: the serving thread's, which owns it
-            self.publisher_id, 0, version, self.config.checksum, total, plan,
-            staged.seg.name if staged.seg is not None else "", aliases,
-        )  # fmt: skip
-        if not lazy:  # packed by the serving thread between its sends
-            staged.job = pack_steps(staged, tensors, self.config.chunk_bytes, self._cond)
+        shm_name = staged.seg.name if staged.seg is not None else ""
+        announce = WeightAnnounce(  # seq: the serving thread's, which owns it
+            self.publisher_id, 0, version, self.config.checksum, total, plan, shm_name, aliases
+        )
+        # Packed by the serving thread between its sends.
+        staged.prepare(announce, tensors, self.config.chunk_bytes, self._cond)
+        self.serving.submit(staged)
         with self._cond:
-            self.serving.pending.append(staged)
-        self.serving.wake()
-        with self._cond:
-            srv = self.serving
-            while (staged in srv.pending or staged.job is not None) and not srv.closed:
+            while self.serving.submitted(staged):
                 self._cond.wait(1.0)
             if staged.error is not None:
                 raise staged.error
@@ -197,10 +192,10 @@ class WeightPublisher:
                 self.ipc.publish(everything, version)
             finally:
                 with self._cond:
-                    staged.ipc_packing = False
+                    staged.slots_packed()
                 self.serving.wake()  # fetches parked meanwhile are answered now
         metrics.PUBLISHER_PHASE_SECONDS.labels(phase="pack").observe(time.monotonic() - t0)
-        return staged.announce
+        return announce
 
     def wait(
         self, version: int, timeout: float, *, workers: Iterable[str] | None = None
@@ -210,11 +205,9 @@ class WeightPublisher:
         for workers' failures (``result.ok``)."""
         deadline = time.monotonic() + timeout
         with self._cond:
-            led = self.core.versions.get(version)
-            if led is None and version in self.core.retired:
-                return self.core.retired[version]
-            if led is None:
-                raise KeyError(f"version {version} was not published by this publisher")
+            led = self.core.lookup(version)
+            if isinstance(led, UpdateResult):  # retired: its final result
+                return led
             self.core.expect(led, workers)
             while not led.settled():
                 left = deadline - time.monotonic()
@@ -245,12 +238,8 @@ class WeightPublisher:
 
     def close(self) -> None:
         """Stop serving, close the sockets and free every staged buffer."""
-        with self._cond:
-            if self.serving.closed:
-                return
-            self.serving.closed = True
-            self._cond.notify_all()
-        self.serving.wake()
+        if not self.serving.stop():
+            return
         self._thread.join(5.0)
         self.serving.close()
         if self._auth is not None:

@@ -96,6 +96,26 @@ class Serving:
         with self._wake_lock, contextlib.suppress(zmq.ZMQError):
             self._wake_w.send(b"", zmq.NOBLOCK)
 
+    def submit(self, st: Staged) -> None:
+        """Hand a staged version to the loop, which announces it (from any thread)."""
+        with self.cond:
+            self.pending.append(st)
+        self.wake()
+
+    def submitted(self, st: Staged) -> bool:
+        """Whether ``st`` waits to be announced or packed (lock held)."""
+        return (st in self.pending or st.job is not None) and not self.closed
+
+    def stop(self) -> bool:
+        """Tell the loop to stop (from any thread); False when it was told already."""
+        with self.cond:
+            if self.closed:
+                return False
+            self.closed = True
+            self.cond.notify_all()
+        self.wake()
+        return True
+
     def close(self) -> None:
         """Close the data link and the sockets (the loop has stopped)."""
         if self.link is not None:
@@ -108,30 +128,19 @@ class Serving:
         """Stage a version published to ``ipc`` workers only, from the slots while they
         hold it."""
         assert st.announce is not None
-        with self.cond:
-            exp = self.ipc.exporter
-            src = exp.snapshot(st.version) if exp is not None and st.unstaged else None
-            if exp is None or src is None:
+        with contextlib.ExitStack() as held:
+            src = held.enter_context(self.ipc.snapshot(st.version)) if st.unstaged else None
+            if src is None:
                 return
-            exp.snapshot_reads += 1
-        try:
             fresh = self.store.acquire(st.version, st.announce.total_bytes)
-        except BaseException:
             with self.cond:
-                exp.snapshot_reads -= 1
-            raise
-
-        def reading() -> Iterator[None]:
-            try:
-                yield from pack_steps(st, src, self.config.chunk_bytes, self.cond)
-            finally:
-                with self.cond:
-                    exp.snapshot_reads -= 1
-                    self.cond.notify_all()
-
-        with self.cond:
-            st.stage(fresh, reading())
+                st.stage(fresh, self._read(st, src, held.pop_all()))
         self.core.count("versions_staged_late")
+
+    def _read(self, st: Staged, src: dict[str, Any], held: contextlib.ExitStack) -> Iterator[None]:
+        """Pack ``st`` from the snapshot ``src``, which ``held`` lets go of at the end."""
+        with held:
+            yield from pack_steps(st, src, self.config.chunk_bytes, self.cond)
 
     def run(self) -> None:
         """The loop (the publisher's thread)."""
@@ -157,7 +166,7 @@ class Serving:
                     if self.closed:
                         return
                     pending, self.pending = self.pending, []
-                    outbox, self.ipc.outbox = self.ipc.outbox, []
+                    outbox = self.ipc.take_outbox()
                     parked, self.parked = self.parked, {}
                 for ident, out in outbox:
                     self.reply(ident, out)
@@ -183,20 +192,11 @@ class Serving:
             st = next(
                 (v for v in reversed(self.store.versions.values()) if v.job is not None), None
             )
-        if st is None or st.job is None:
+        if st is None:
             return False
-        try:
-            next(st.job)
-            done = False
-        except Exception as exc:  # StopIteration: packed; else reported to publish()
-            done = True
-            st.error = None if isinstance(exc, StopIteration) else exc
-        if done:
-            with self.cond:
-                st.job = None
-                self.cond.notify_all()
+        more = st.pack_step(self.cond)
         self._advance_all()
-        return not done
+        return more
 
     def _announce(self, st: Staged) -> None:
         assert st.announce is not None
@@ -304,9 +304,14 @@ class Serving:
                 act, why, named = self.core.on_fetch(wid, msg, None)
             else:
                 act, why, named = self.core.on_fetch(
-                    wid, msg, st.ledger, buckets=len(st.announce.buckets),
-                    staged=not st.unstaged, packing=st.ipc_packing, shared=st.seg is not None,
-                )  # fmt: skip
+                    wid,
+                    msg,
+                    st.ledger,
+                    buckets=len(st.announce.buckets),
+                    staged=not st.unstaged,
+                    packing=st.ipc_packing,
+                    shared=st.seg is not None,
+                )
             if act == "park":
                 self.parked[(wid, msg.version, msg.index)] = (ident, wid, msg)
             elif act == "send" and st is not None:

@@ -91,6 +91,43 @@ class Staged:
         self.unstaged = False  # published to ipc workers only: no buffer yet
         self.ipc_packing = False  # being packed into the ipc slots
 
+    @classmethod
+    def ipc_only(cls, version: int) -> Staged:
+        """A version published to ipc workers only: no buffer until staged late."""
+        st = cls(version, torch.empty(0, dtype=torch.uint8), None)
+        st.unstaged = st.ipc_packing = True
+        return st
+
+    def prepare(
+        self,
+        announce: WeightAnnounce,
+        tensors: Mapping[str, torch.Tensor],
+        chunk_bytes: int,
+        cond: threading.Condition,
+    ) -> None:
+        """Its manifest, and its packing (:meth:`pack_step`) when it has a buffer."""
+        self.announce = announce
+        if not self.unstaged:
+            self.job = pack_steps(self, tensors, chunk_bytes, cond)
+
+    def pack_step(self, cond: threading.Condition) -> bool:
+        """Run one step of the packing; False once it ended (if it failed: :attr:`error`)."""
+        if self.job is None:
+            return False
+        try:
+            next(self.job)
+            return True
+        except Exception as exc:  # StopIteration: packed; else reported to publish()
+            with cond:
+                self.error = None if isinstance(exc, StopIteration) else exc
+                self.job = None
+                cond.notify_all()
+            return False
+
+    def slots_packed(self) -> None:
+        """The ipc slots hold it whole: parked Fetches may be answered (lock held)."""
+        self.ipc_packing = False
+
     def stage(self, fresh: Staged, job: Iterator[None]) -> None:
         """Staged late: take ``fresh``'s buffer, packed by ``job``."""
         assert self.announce is not None

@@ -318,12 +318,20 @@ class PublisherCore:
                     led.check_done(now)
         return lost
 
-    def result(self, version: int, now: float) -> UpdateResult:
-        """Where ``version`` stands (retired: among the last :data:`KEEP_RESULTS`)."""
+    def lookup(self, version: int) -> VersionLedger | UpdateResult:
+        """``version``'s ledger, or its final result once retired (among the last
+        :data:`KEEP_RESULTS`; else ``KeyError``)."""
         led = self.versions.get(version)
         if led is not None:
-            return led.result(now)
+            return led
+        if version not in self.retired:
+            raise KeyError(f"version {version} was not published by this publisher")
         return self.retired[version]
+
+    def result(self, version: int, now: float) -> UpdateResult:
+        """Where ``version`` stands (see :meth:`lookup`)."""
+        led = self.lookup(version)
+        return led.result(now) if isinstance(led, VersionLedger) else led
 
     def _visible_start(self, hello: WeightHello) -> int:
         """The Hello's start time when this host sees that process, else 0."""

@@ -5,11 +5,12 @@ worker side (re-exported here): :mod:`~transport.weights.routes.ipc_worker`."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import KW_ONLY, dataclass, field
 from functools import partial
 from typing import Any, cast
@@ -105,9 +106,17 @@ def _export_cuda(slot: torch.Tensor, event: Any) -> IpcHandle:  # pragma: no cov
         slot.untyped_storage()
     )
     return IpcHandle(
-        "cuda", int(dev), bytes(handle), int(size), int(off), bytes(rc), int(rc_off),
-        bytes(ev or b""), bool(ev_sync), bytes(event.ipc_handle()),
-    )  # fmt: skip
+        "cuda",
+        int(dev),
+        bytes(handle),
+        int(size),
+        int(off),
+        bytes(rc),
+        int(rc_off),
+        bytes(ev or b""),
+        bool(ev_sync),
+        bytes(event.ipc_handle()),
+    )
 
 
 def _release_slot(slot: torch.Tensor, h: IpcHandle) -> None:
@@ -281,7 +290,8 @@ class IpcExporter:
     def snapshot(self, version: int) -> dict[str, torch.Tensor] | None:
         """Typed views of every tensor of ``version`` while the slots hold it whole (else
         ``None``), valid until the next :meth:`publish`, which waits while
-        :attr:`snapshot_reads` (raised by the reader) is not zero."""
+        :attr:`snapshot_reads` (raised by the reader: :meth:`IpcOffering.snapshot`) is
+        not zero."""
         if not self.ledger.holds(version) or self.closed:
             return None
         return {
@@ -372,6 +382,30 @@ class IpcOffering:
         """Release the slots of dead workers; their ids (call with the lock held)."""
         return self.exporter.reap() if self.exporter is not None else []
 
+    @contextlib.contextmanager
+    def snapshot(self, version: int) -> Iterator[dict[str, torch.Tensor] | None]:
+        """The slots' views of ``version`` (``None``: not held whole), which the next
+        :meth:`publish` leaves alone until the block ends."""
+        with self.cond:
+            exp = self.exporter
+            src = exp.snapshot(version) if exp is not None else None
+            if exp is not None and src is not None:
+                exp.snapshot_reads += 1
+        if exp is None or src is None:
+            yield None
+            return
+        try:
+            yield src
+        finally:
+            with self.cond:
+                exp.snapshot_reads -= 1
+                self.cond.notify_all()
+
+    def take_outbox(self) -> list[tuple[bytes, list[Any]]]:
+        """The notices queued for the serving thread to send, taken (lock held)."""
+        out, self.outbox = self.outbox, []
+        return out
+
     def _queue(self, wid: str, msg: Any) -> None:
         self.outbox.append((wid.encode(), self.encoder.encode(msg)))
         self.wake()
@@ -385,9 +419,11 @@ class IpcOffering:
                 if self.exporter is not None:
                     self.exporter.close()
                 self.exporter = IpcExporter(
-                    tensors, bucket_bytes=self.bucket_bytes, slots=self.slots,
+                    tensors,
+                    bucket_bytes=self.bucket_bytes,
+                    slots=self.slots,
                     publisher_id=self.publisher_id,
-                )  # fmt: skip
+                )
                 alive = self.core.alive()
                 for wid, hello in self.hellos.items():
                     if wid in alive:

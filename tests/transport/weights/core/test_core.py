@@ -95,9 +95,12 @@ def test_a_dropped_version_keeps_its_final_result_for_a_while() -> None:
     for v in range(2, KEEP_RESULTS + 2):
         announce(c, v)
         c.drop(v)
-    with pytest.raises(KeyError):
+    with pytest.raises(KeyError, match="version 1 was not published by this publisher"):
         c.result(1, 9.0)  # the oldest result goes once more than KEEP_RESULTS are kept
     assert c.result(KEEP_RESULTS + 1, 9.0).missing == ["w"]
+    assert c.lookup(KEEP_RESULTS + 1) is c.retired[KEEP_RESULTS + 1]
+    led = announce(c, KEEP_RESULTS + 2)
+    assert c.lookup(KEEP_RESULTS + 2) is led  # held: its ledger
 
 
 def test_a_hello_at_the_version_counts_as_its_lost_ack() -> None:

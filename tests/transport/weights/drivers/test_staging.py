@@ -1,0 +1,91 @@
+"""The trainer side's owners: a staged version packs itself step by step, and the ipc
+route's snapshot holds the slots while it is read."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from fastio.versions import VERSION_1
+from fastio.weight_msgs import WeightAnnounce
+from tests.transport.weights.helpers import make_state
+from transport.weights.core.publisher import PublisherCore
+from transport.weights.errors import WeightUpdateError
+from transport.weights.routes.ipc import IpcOffering
+from transport.weights.staging import Staged, plan_version
+
+BUCKET = 8 << 10
+
+
+def _staged(packed: dict[str, torch.Tensor], cond: threading.Condition) -> Staged:
+    """Version 1 of the helpers' state, packed from ``packed``."""
+    plan = plan_version(make_state(1), "", BUCKET)
+    total = plan[-1].shm_offset + plan[-1].nbytes
+    st = Staged(1, torch.empty(total, dtype=torch.uint8), None)
+    ann = WeightAnnounce("p", 0, 1, "xxh3_64", total, plan)
+    st.prepare(ann, packed, 4 << 10, cond)
+    return st
+
+
+def test_a_staged_version_packs_step_by_step_then_ends() -> None:
+    cond = threading.Condition()
+    st = _staged(make_state(1), cond)
+    assert st.announce is not None and st.job is not None
+    steps = 1
+    while st.pack_step(cond):
+        steps += 1
+    assert steps > len(st.announce.buckets)  # yields inside buckets too (chunk_bytes)
+    assert st.job is None and st.error is None and not st.pack_step(cond)
+    assert st.buckets_done == len(st.announce.buckets) and st.packed == st.buf.numel()
+    assert all(b.checksum for b in st.announce.buckets)
+
+
+def test_a_failed_packing_is_kept_for_publish() -> None:
+    cond = threading.Condition()
+    st = _staged({}, cond)  # every name missing
+    assert not st.pack_step(cond)
+    assert st.job is None and isinstance(st.error, KeyError)
+
+
+def test_an_ipc_only_version_has_no_buffer_and_no_packing() -> None:
+    st = Staged.ipc_only(3)
+    ann = WeightAnnounce("p", 0, 3, "xxh3_64", 0, [])
+    st.prepare(ann, make_state(1), 4 << 10, threading.Condition())
+    assert st.unstaged and st.ipc_packing and st.job is None and st.buf.numel() == 0
+    st.slots_packed()
+    assert not st.ipc_packing and st.unstaged
+
+
+def test_a_snapshot_holds_the_slots_until_its_block_ends() -> None:
+    cond = threading.Condition()
+    ipc = IpcOffering(
+        "cpu",
+        None,
+        0.3,
+        core=PublisherCore("host", 5.0),
+        cond=cond,
+        encoder=VERSION_1,
+        wake=lambda: None,
+        publisher_id="p",
+        bucket_bytes=BUCKET,
+    )
+    state = make_state(1)
+    with ipc.snapshot(1) as src:
+        assert src is None  # no slots yet
+    ipc.prepare(state, lambda: True)
+    ipc.publish(state, 1)
+    exp = ipc.exporter
+    assert exp is not None
+    with pytest.raises(RuntimeError, match="reader failed"), ipc.snapshot(1) as src:
+        assert src is not None and exp.snapshot_reads == 1
+        assert all(torch.equal(src[k], state[k]) for k in state)
+        with pytest.raises(WeightUpdateError, match="still read for a snapshot"):
+            ipc.publish(make_state(2), 2)  # waits for the reader, in vain
+        raise RuntimeError("reader failed")
+    assert exp.snapshot_reads == 0  # let go, even on an error
+    with ipc.snapshot(2) as src:
+        assert src is None  # not packed: the slots hold no version 2
+    ipc.publish(make_state(2), 2)
+    ipc.close()
