@@ -382,9 +382,9 @@ class Call:
     """One ``agenerate`` call, across re-sends and resumptions."""
 
     __slots__ = (
-        "backoff", "chunks", "deadline", "delivered", "died_on", "done", "fut", "interrupts",
-        "on_chunk", "orig", "out_lp", "out_tok", "out_ver", "resends", "seg_streamed",
-        "segment", "sub_id", "t0", "timeout", "timer", "times", "worker",
+        "backoff", "chunks", "deadline", "delivered", "died_on", "done", "fut", "on_chunk",
+        "orig", "out_lp", "out_tok", "out_ver", "resends", "seg_streamed", "segment",
+        "sub_id", "t0", "timeout", "timer", "times", "worker",
     )  # fmt: skip
 
     def __init__(
@@ -410,7 +410,7 @@ class Call:
         self.chunks: list[tuple[TokenArray, TokenArray, TokenArray]] | tuple[()] = ()
         self.seg_streamed = 0  # positions the current attempt streamed
         self.delivered = 0  # output positions handed to on_chunk
-        self.resends = self.interrupts = 0
+        self.resends = 0
         self.died_on: tuple[str, ...] = ()  # the workers that died while running it
         self.done = False
 
