@@ -181,7 +181,6 @@ class Worker:
         self.pong = fm.Heartbeat()  # the last one, received at pong_at
         self.pong_at = self.last_seen = self.died_at = 0.0
         self.missed = 0  # heartbeat ticks without a message from it
-        # Lowered at an OVERLOADED answer (it serves others too), raised by one per answer.
         self.limit = self._max_limit = config.max_in_flight_per_worker
         self.cool_until = 0.0
         self.others = 0  # its requests from other clients, by a current pong
@@ -197,8 +196,8 @@ class Worker:
         self._on_message(self, frames)
 
     def tick(self, prev: float, ticks: int, seconds: float) -> bool:
-        """A heartbeat tick (the last at ``prev``): read what came; if alive, count a miss and
-        forget a stale load; True when it was silent for ``ticks`` ticks and ``seconds``."""
+        """A heartbeat tick (the last at ``prev``): read what came; alive: count a miss, forget
+        a stale load, True if silent ``ticks`` ticks and ``seconds``; else: read the monitor."""
         self.pump.drain_now()  # our loop may lag the socket: read before judging
         if not self.alive:
             self.poll_monitor()
@@ -285,7 +284,7 @@ class Worker:
         return None
 
     def overloaded(self) -> bool:
-        """It answered OVERLOADED; True when it runs none of ours (it cools for 10 ms)."""
+        """It answered OVERLOADED: take no more than ours there; True if none (it cools 10 ms)."""
         self.limit = max(1, len(self.inflight))
         if not self.inflight:
             self.cool_until = time.monotonic() + 0.01
