@@ -164,7 +164,6 @@ def absorb_result(call: Call, res: fm.Result) -> LLMResponse | None:
         if stop == "interrupt":
             next_stop = _next_segment(call)
             if next_stop is None:
-                call.interrupts += 1
                 return None
             stop = next_stop
     return _finish(call, toks, lps, vers, stop, now)

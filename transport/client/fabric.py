@@ -238,7 +238,7 @@ class FabricClient:
             return
         tp = type(msg)
         if tp is fm.Result:
-            call = w.inflight.pop(msg.id, None)
+            call = w.answered(msg.id)
             if call is None:
                 self.counters.add("stale")
                 return
@@ -249,7 +249,6 @@ class FabricClient:
                 else:
                     self.counters.add("interrupted")
                     self._sched.enqueue(call, front=True)
-            w.answered()
             if w.sticky_queue or w.draining or self._sched.queue:
                 self._sched.slot_freed(w)
         elif tp is fm.Stream:
@@ -272,7 +271,7 @@ class FabricClient:
         )
         _, kind, first = fm.peek(frames)
         sub_id = first if kind == MsgKind.FABRIC_RESULT and first is not None else -1
-        call = w.inflight.pop(sub_id, None)
+        call = w.end(sub_id)
         code = int(fm.ErrorCode.BAD_RESPONSE)
         w.send(fm.Error(id=sub_id if call is not None else -1, code=code, message=str(exc)))
         if call is not None:
@@ -281,7 +280,7 @@ class FabricClient:
             self._sched.slot_freed(w)
 
     def _on_error(self, w: Worker, err: fm.Error) -> None:
-        call = w.inflight.pop(err.id, None)
+        call = w.end(err.id)
         if call is None:
             if err.code != fm.ErrorCode.LOST:  # LOST of a call already ended: stale
                 log.warning("worker %s reports error %d: %s", w.address, err.code, err.message)

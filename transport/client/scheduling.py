@@ -136,7 +136,7 @@ class Scheduler:
             home = self._home(call)
             if home is not None and len(home.inflight) >= home.limit:
                 q.popleft()  # wait at its busy worker, not in front of the others
-                home.sticky_queue.append(call)
+                home.queue_sticky(call)
                 continue
             target = self._target(call)
             if target is None:
@@ -157,22 +157,18 @@ class Scheduler:
         call.sub_id = sub_id
         call.seg_streamed = 0
         call.chunks = ()
-        w.inflight[sub_id] = call
         rid = call.orig.rid
         if self.sticky.get(rid) != w.address:
             if len(self.sticky) >= self.config.sticky_cache_size:  # forget the older half
                 items = itertools.islice(self.sticky.items(), len(self.sticky) // 2, None)
                 self.sticky = dict(items)
             self.sticky[rid] = w.address
-        w.pump.send(frames)
+        w.begin(sub_id, call, frames)
 
     def slot_freed(self, w: Worker) -> None:
         """A call on ``w`` ended: send what waits for it, or for any worker."""
-        sq = w.sticky_queue
-        while sq and len(w.inflight) < w.limit and w.alive and not w.draining:
-            call = sq.popleft()
-            if not call.done:
-                self._send(w, call)
+        while (call := w.next_sticky()) is not None:
+            self._send(w, call)
         if w.draining:
             self.maybe_drop(w)
         if self.queue:
@@ -204,8 +200,7 @@ class Scheduler:
         self.counters.add("cancelled" if t is None else "timeouts")
         self.settle(call)
         w = call.worker
-        if w is not None and w.inflight.pop(call.sub_id, None) is not None:
-            w.send(fm.Cancel(id=call.sub_id))
+        if w is not None and w.cancel(call.sub_id):
             call.worker = None
             self.slot_freed(w)
         if t is not None and not call.fut.done():
@@ -312,14 +307,11 @@ class Liveness:
         expired = [c for c in self.sched.unfinished() if c.deadline <= now and c.timer is None]
         for call in expired:  # calls with no timer of their own
             self.sched.timed_out(call, call.timeout)
+        n = cfg.heartbeat_liveness
         for w in list(self.sched.order):
-            w.pump.drain_now()  # our loop may lag the socket: read before judging
-            if w.alive:  # counted in our ticks: a late tick of a busy loop is no death
-                n = cfg.heartbeat_liveness
-                if w.tick(prev, n, cfg.heartbeat_interval * n):
-                    self.worker_died(w, f"no pong for {now - w.last_seen:.2f} s")
-            else:
-                w.poll_monitor()
+            # Counted in our ticks: a late tick of a busy loop is no death.
+            if w.tick(prev, n, cfg.heartbeat_interval * n):
+                self.worker_died(w, f"no pong for {now - w.last_seen:.2f} s")
             w.ping()
         if self.no_worker_expired():
             self._warn_none()

@@ -181,7 +181,6 @@ class Worker:
         self.pong = fm.Heartbeat()  # the last one, received at pong_at
         self.pong_at = self.last_seen = self.died_at = 0.0
         self.missed = 0  # heartbeat ticks without a message from it
-        # Lowered at an OVERLOADED answer (it serves others too), raised by one per answer.
         self.limit = self._max_limit = config.max_in_flight_per_worker
         self.cool_until = 0.0
         self.others = 0  # its requests from other clients, by a current pong
@@ -197,8 +196,12 @@ class Worker:
         self._on_message(self, frames)
 
     def tick(self, prev: float, ticks: int, seconds: float) -> bool:
-        """A heartbeat tick (the last at ``prev``): count a miss, forget a stale load;
-        True when it was silent for ``ticks`` ticks and ``seconds``: it is dead."""
+        """A heartbeat tick (the last at ``prev``): read what came; alive: count a miss, forget
+        a stale load, True if silent ``ticks`` ticks and ``seconds``; else: read the monitor."""
+        self.pump.drain_now()  # our loop may lag the socket: read before judging
+        if not self.alive:
+            self.poll_monitor()
+            return False
         self.missed = self.missed + 1 if self.last_seen < prev else 0
         if self.load_current and self.pong_at < prev:
             self.load_current = False  # go by this client's own count
@@ -244,12 +247,44 @@ class Worker:
         self.sticky_queue.clear()
         return calls
 
-    def answered(self) -> None:
-        """A call ended there: one more may go to it (up to the configured limit)."""
-        self.limit = min(self.limit + 1, self._max_limit)
+    def begin(self, sub_id: int, call: Call, frames: list[Any]) -> None:
+        """``call`` runs here as ``sub_id``: send its ``frames`` (its encoded Submit)."""
+        self.inflight[sub_id] = call
+        self.pump.send(frames)
+
+    def end(self, sub_id: int) -> Call | None:
+        """The call running here as ``sub_id`` ended (None: none does, it is stale)."""
+        return self.inflight.pop(sub_id, None)
+
+    def answered(self, sub_id: int) -> Call | None:
+        """A result for ``sub_id``: :meth:`end`, and one more may go here (up to the limit)."""
+        call = self.inflight.pop(sub_id, None)
+        if call is not None:
+            self.limit = min(self.limit + 1, self._max_limit)
+        return call
+
+    def cancel(self, sub_id: int) -> bool:
+        """:meth:`end` ``sub_id`` and cancel it on the worker; False if it was not running."""
+        if self.inflight.pop(sub_id, None) is None:
+            return False
+        self.send(fm.Cancel(id=sub_id))
+        return True
+
+    def queue_sticky(self, call: Call) -> None:
+        """``call`` waits for a slot here (its rid's worker), not in the shared queue."""
+        self.sticky_queue.append(call)
+
+    def next_sticky(self) -> Call | None:
+        """The next call waiting here while this worker can take it (None: none or no room)."""
+        sq = self.sticky_queue
+        while sq and len(self.inflight) < self.limit and self.alive and not self.draining:
+            call = sq.popleft()
+            if not call.done:
+                return call
+        return None
 
     def overloaded(self) -> bool:
-        """It answered OVERLOADED; True when it runs none of ours (it cools for 10 ms)."""
+        """It answered OVERLOADED: take no more than ours there; True if none (it cools 10 ms)."""
         self.limit = max(1, len(self.inflight))
         if not self.inflight:
             self.cool_until = time.monotonic() + 0.01
@@ -346,9 +381,9 @@ class Call:
     """One ``agenerate`` call, across re-sends and resumptions."""
 
     __slots__ = (
-        "backoff", "chunks", "deadline", "delivered", "died_on", "done", "fut", "interrupts",
-        "on_chunk", "orig", "out_lp", "out_tok", "out_ver", "resends", "seg_streamed",
-        "segment", "sub_id", "t0", "timeout", "timer", "times", "worker",
+        "backoff", "chunks", "deadline", "delivered", "died_on", "done", "fut", "on_chunk",
+        "orig", "out_lp", "out_tok", "out_ver", "resends", "seg_streamed", "segment",
+        "sub_id", "t0", "timeout", "timer", "times", "worker",
     )  # fmt: skip
 
     def __init__(
@@ -374,7 +409,7 @@ class Call:
         self.chunks: list[tuple[TokenArray, TokenArray, TokenArray]] | tuple[()] = ()
         self.seg_streamed = 0  # positions the current attempt streamed
         self.delivered = 0  # output positions handed to on_chunk
-        self.resends = self.interrupts = 0
+        self.resends = 0
         self.died_on: tuple[str, ...] = ()  # the workers that died while running it
         self.done = False
 

@@ -263,10 +263,10 @@ def test_resend_delay_is_exponential_jittered_and_bounded() -> None:
 
 
 def test_a_worker_keeps_its_own_liveness_state() -> None:
-    """Misses, deaths, the load of other clients and the in-flight limit, as a Worker's
-    own methods keep them (no worker process, no traffic)."""
+    """Misses, deaths, the load of other clients, the in-flight limit and the calls there,
+    as a Worker's own methods keep them (no worker process, no traffic)."""
     from fastio import versions
-    from transport.client.workers import Worker
+    from transport.client.workers import Call, GenerateFuture, Worker
 
     async def main() -> None:
         ctx: zmq.Context[Any] = zmq.Context()
@@ -281,9 +281,26 @@ def test_a_worker_keeps_its_own_liveness_state() -> None:
             assert w.tick(prev=1.0, ticks=2, seconds=0.0)  # two: dead
             assert w.mark_dead() and not w.alive and w.died_at > 0 and not w.mark_dead()
             assert w.overloaded() and w.limit == 1 and not w.warm()  # none of ours: cool
-            for limit in (2, 3, 3):
-                w.answered()
+            calls = [Call(LLMRequest(input_ids=[1]), GenerateFuture(), None, 1.0) for _ in range(4)]
+            for i, call in enumerate(calls[:3]):
+                w.begin(i, call, [b"submit"])  # the scheduler keeps to the limit, not begin()
+            for i, limit in enumerate((2, 3, 3)):
+                assert w.answered(i) is calls[i]
                 assert w.limit == limit  # back up one per answer, to the configured limit
+            assert w.answered(0) is None and w.end(0) is None and not w.cancel(0)  # stale
+            assert w.limit == 3 and not w.inflight
+            w.begin(7, calls[3], [b"submit"])
+            assert w.cancel(7) and not w.inflight
+            calls[2].done = True
+            for call in (calls[2], calls[3], calls[1]):
+                w.queue_sticky(call)
+            assert w.next_sticky() is None  # dead: sends it nothing
+            assert w.record_pong(hb, versions.VERSION_1)
+            assert w.next_sticky() is calls[3]  # the done one skipped
+            w.begin(8, calls[3], [b"submit"])
+            assert not w.overloaded() and w.limit == 1  # one of ours runs: full, not cooling
+            assert w.next_sticky() is None and len(w.sticky_queue) == 1
+            assert w.end(8) is calls[3] and w.next_sticky() is calls[1]
             assert w.drain() == [] and w.draining and w.drain(False) == [] and not w.draining
         finally:
             w.close()
