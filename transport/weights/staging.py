@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import numpy as np
@@ -25,6 +26,9 @@ from transport.weights.bucket import (
 from transport.weights.core.publisher import PublisherCore, VersionLedger
 from transport.weights.routes import Tracker
 from transport.weights.routes import shm as _shm
+
+if TYPE_CHECKING:
+    from transport.weights.routes.ipc import IpcOffering
 
 __all__ = ["Send", "Staged", "VersionStore", "pack_steps", "plan_version"]
 
@@ -196,6 +200,18 @@ def pack_steps(
         yield
 
 
+def _read(
+    st: Staged,
+    src: Mapping[str, torch.Tensor],
+    chunk_bytes: int,
+    cond: threading.Condition,
+    held: contextlib.ExitStack,
+) -> Iterator[None]:
+    """Pack ``st`` from the snapshot ``src``, which ``held`` lets go of at the end."""
+    with held:
+        yield from pack_steps(st, src, chunk_bytes, cond)
+
+
 class VersionStore:
     """The staged versions, in the order announced, and the pool of free segments (under
     ``cond``)."""
@@ -245,6 +261,19 @@ class VersionStore:
         self.core.count("buffers_created")
         buf = seg.tensor if seg is not None else torch.empty(total, dtype=torch.uint8)
         return Staged(version, buf, seg)
+
+    def stage_late(self, st: Staged, ipc: IpcOffering, chunk_bytes: int) -> None:
+        """Stage a version published to ``ipc`` workers only, from the slots while they
+        hold it."""
+        assert st.announce is not None
+        with contextlib.ExitStack() as held:
+            src = held.enter_context(ipc.snapshot(st.version)) if st.unstaged else None
+            if src is None:
+                return
+            fresh = self.acquire(st.version, st.announce.total_bytes)
+            with self.cond:
+                st.stage(fresh, _read(st, src, chunk_bytes, self.cond, held.pop_all()))
+        self.core.count("versions_staged_late")
 
     def _take_free(self, total: int) -> _shm.ShmSegment | None:
         """A pooled segment that fits ``total`` without wasting more than half."""
