@@ -8,7 +8,6 @@ import errno
 import logging
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any, Union
 
 import msgspec
@@ -34,7 +33,7 @@ from transport.weights.config import PublisherConfig
 from transport.weights.routes import Tracker, shm, tcp
 from transport.weights.routes import zmq as zmq_route
 from transport.weights.routes.ipc import IpcOffering
-from transport.weights.staging import Send, Staged, VersionStore, pack_steps
+from transport.weights.staging import Send, Staged, VersionStore
 
 __all__ = ["Serving"]
 
@@ -124,24 +123,6 @@ class Serving:
             sock.close(linger=0)
 
     # -- serving thread ----------------------------------------------------------------
-    def stage_late(self, st: Staged) -> None:
-        """Stage a version published to ``ipc`` workers only, from the slots while they
-        hold it."""
-        assert st.announce is not None
-        with contextlib.ExitStack() as held:
-            src = held.enter_context(self.ipc.snapshot(st.version)) if st.unstaged else None
-            if src is None:
-                return
-            fresh = self.store.acquire(st.version, st.announce.total_bytes)
-            with self.cond:
-                st.stage(fresh, self._read(st, src, held.pop_all()))
-        self.core.count("versions_staged_late")
-
-    def _read(self, st: Staged, src: dict[str, Any], held: contextlib.ExitStack) -> Iterator[None]:
-        """Pack ``st`` from the snapshot ``src``, which ``held`` lets go of at the end."""
-        with held:
-            yield from pack_steps(st, src, self.config.chunk_bytes, self.cond)
-
     def run(self) -> None:
         """The loop (the publisher's thread)."""
         poller = zmq.Poller()
@@ -280,7 +261,7 @@ class Serving:
         if isinstance(msg, WeightHello):
             # Behind an ipc-only version: staged now, so the snapshot names its segment.
             if behind is not None and not self.ipc.reader(wid):
-                self.stage_late(behind)
+                self.store.stage_late(behind, self.ipc, self.config.chunk_bytes)
             ann = behind.announce if behind else None
             token = self.link.token(wid) if self.link is not None else b""
             welcome = msgspec.structs.replace(
@@ -296,7 +277,7 @@ class Serving:
         with self.cond:
             st = self.store.versions.get(msg.version)
         if st is not None and st.unstaged:
-            self.stage_late(st)  # from the ipc slots, while they hold it
+            self.store.stage_late(st, self.ipc, self.config.chunk_bytes)
         snd = Send(ident, msg)
         with self.cond:  # the look-up again: a version may be retired meanwhile
             st = self.store.versions.get(msg.version)

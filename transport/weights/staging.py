@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import Iterator, Mapping
-from typing import Any
+from collections.abc import Generator, Mapping
+from inspect import GEN_RUNNING, getgeneratorstate
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import numpy as np
@@ -25,6 +27,9 @@ from transport.weights.bucket import (
 from transport.weights.core.publisher import PublisherCore, VersionLedger
 from transport.weights.routes import Tracker
 from transport.weights.routes import shm as _shm
+
+if TYPE_CHECKING:
+    from transport.weights.routes.ipc import IpcOffering
 
 __all__ = ["Send", "Staged", "VersionStore", "pack_steps", "plan_version"]
 
@@ -86,7 +91,7 @@ class Staged:
         self.trackers: list[Tracker] = []
         self.packed = 0  # bytes packed so far
         self.buckets_done = 0  # buckets packed, their checksum known
-        self.job: Iterator[None] | None = None  # the packing still to do
+        self.job: Generator[None, None, None] | None = None  # the packing still to do
         self.error: BaseException | None = None
         self.unstaged = False  # published to ipc workers only: no buffer yet
         self.ipc_packing = False  # being packed into the ipc slots
@@ -128,13 +133,20 @@ class Staged:
         """The ipc slots hold it whole: parked Fetches may be answered (lock held)."""
         self.ipc_packing = False
 
-    def stage(self, fresh: Staged, job: Iterator[None]) -> None:
+    def stage(self, fresh: Staged, job: Generator[None, None, None]) -> None:
         """Staged late: take ``fresh``'s buffer, packed by ``job``."""
         assert self.announce is not None
         self.buf, self.seg, self.np = fresh.buf, fresh.seg, fresh.np
         self.announce.shm_name = self.seg.name if self.seg is not None else ""
         self.unstaged = False
         self.job = job
+
+    def end_job(self) -> None:
+        """Drop the packing still to do (a late staging lets go of the ipc slots); not
+        while it runs (a serving thread that did not stop)."""
+        if self.job is not None and getgeneratorstate(self.job) != GEN_RUNNING:
+            self.job.close()
+            self.job = None
 
     def sends_done(self) -> bool:
         self.trackers = [t for t in self.trackers if not t.done]
@@ -150,7 +162,7 @@ class Staged:
 
 def pack_steps(
     st: Staged, tensors: Mapping[str, torch.Tensor], chunk_bytes: int, cond: threading.Condition
-) -> Iterator[None]:
+) -> Generator[None, None, None]:
     """Pack and hash ``st.announce``'s buckets, yielding every ``chunk_bytes``."""
     assert st.announce is not None
     told = 0
@@ -196,6 +208,20 @@ def pack_steps(
         yield
 
 
+def _read(
+    st: Staged,
+    src: Mapping[str, torch.Tensor],
+    chunk_bytes: int,
+    cond: threading.Condition,
+    held: contextlib.ExitStack,
+) -> Generator[None, None, None]:
+    """Pack ``st`` from the snapshot ``src``, which ``held`` lets go of at the end; its
+    first step only enters the hold, so that ``close()`` lets go of an unpacked one."""
+    with held:
+        yield
+        yield from pack_steps(st, src, chunk_bytes, cond)
+
+
 class VersionStore:
     """The staged versions, in the order announced, and the pool of free segments (under
     ``cond``)."""
@@ -219,7 +245,7 @@ class VersionStore:
         """A buffer for a new version: a free or reusable one that fits, else a new one."""
         with self.cond:
             seg = self._take_free(total)
-            for v in self.core.takeable(self._sending) if seg is None else []:
+            for v in self.core.takeable(self._busy) if seg is None else []:
                 st = self.versions[v]
                 if st.seg is None and st.buf.numel() >= total:
                     self.forget(v)
@@ -246,6 +272,21 @@ class VersionStore:
         buf = seg.tensor if seg is not None else torch.empty(total, dtype=torch.uint8)
         return Staged(version, buf, seg)
 
+    def stage_late(self, st: Staged, ipc: IpcOffering, chunk_bytes: int) -> None:
+        """Stage a version published to ``ipc`` workers only, from the slots while they
+        hold it."""
+        assert st.announce is not None
+        with contextlib.ExitStack() as held:
+            src = held.enter_context(ipc.snapshot(st.version)) if st.unstaged else None
+            if src is None:
+                return
+            fresh = self.acquire(st.version, st.announce.total_bytes)
+            job = _read(st, src, chunk_bytes, self.cond, held.pop_all())
+            next(job)
+            with self.cond:
+                st.stage(fresh, job)
+        self.core.count("versions_staged_late")
+
     def _take_free(self, total: int) -> _shm.ShmSegment | None:
         """A pooled segment that fits ``total`` without wasting more than half."""
         for i, seg in enumerate(self._free):
@@ -253,9 +294,11 @@ class VersionStore:
                 return self._free.pop(i)
         return None
 
-    def _sending(self, version: int) -> bool:
-        """Bytes of ``version``'s buffer are still queued."""
-        return not self.versions[version].sends_done()
+    def _busy(self, version: int) -> bool:
+        """``version``'s buffer is still packed (a late staging holds the ipc slots until
+        it ends) or bytes of it are still queued."""
+        st = self.versions[version]
+        return st.job is not None or not st.sends_done()
 
     def forget(self, version: int) -> None:
         """Drop a version from the store and the core (lock held)."""
@@ -278,6 +321,8 @@ class VersionStore:
     def close(self) -> None:
         """Free every buffer (the publisher is closing; lock held)."""
         self.closed = True
+        for st in self.versions.values():
+            st.end_job()
         for seg in [st.take_segment() for st in self.versions.values()] + self._free:
             if seg is not None:
                 seg.close()
@@ -287,6 +332,6 @@ class VersionStore:
 
     def retire(self) -> None:
         """Free buffers of old versions that no one can still need (lock held)."""
-        for v in self.core.takeable(self._sending, self.keep_versions):
+        for v in self.core.takeable(self._busy, self.keep_versions):
             self._recycle(self.versions[v])
             self.forget(v)

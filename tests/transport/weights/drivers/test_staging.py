@@ -14,7 +14,7 @@ from tests.transport.weights.helpers import make_state
 from transport.weights.core.publisher import PublisherCore
 from transport.weights.errors import WeightUpdateError
 from transport.weights.routes.ipc import IpcOffering
-from transport.weights.staging import Staged, plan_version
+from transport.weights.staging import Staged, VersionStore, plan_version
 
 BUCKET = 8 << 10
 
@@ -58,19 +58,24 @@ def test_an_ipc_only_version_has_no_buffer_and_no_packing() -> None:
     assert not st.ipc_packing and st.unstaged
 
 
-def test_a_snapshot_holds_the_slots_until_its_block_ends() -> None:
-    cond = threading.Condition()
-    ipc = IpcOffering(
+def _offering(cond: threading.Condition, core: PublisherCore) -> IpcOffering:
+    """An ipc route of ``cpu`` slots, no worker, a publish waiting 0.3 s at most."""
+    return IpcOffering(
         "cpu",
         None,
         0.3,
-        core=PublisherCore("host", 5.0),
+        core=core,
         cond=cond,
         encoder=VERSION_1,
         wake=lambda: None,
         publisher_id="p",
         bucket_bytes=BUCKET,
     )
+
+
+def test_a_snapshot_holds_the_slots_until_its_block_ends() -> None:
+    cond = threading.Condition()
+    ipc = _offering(cond, PublisherCore("host", 5.0))
     state = make_state(1)
     with ipc.snapshot(1) as src:
         assert src is None  # no slots yet
@@ -88,4 +93,64 @@ def test_a_snapshot_holds_the_slots_until_its_block_ends() -> None:
     with ipc.snapshot(2) as src:
         assert src is None  # not packed: the slots hold no version 2
     ipc.publish(make_state(2), 2)
+    ipc.close()
+
+
+def _ipc_only(store: VersionStore, version: int) -> Staged:
+    """``version`` of the helpers' state, published to ipc workers only: announced."""
+    plan = plan_version(make_state(version), "", BUCKET)
+    total = plan[-1].shm_offset + plan[-1].nbytes
+    st = Staged.ipc_only(version)
+    ann = WeightAnnounce("p", 0, version, "xxh3_64", total, plan)
+    st.prepare(ann, make_state(version), 4 << 10, store.cond)
+    with store.cond:
+        store.core.announce(st.ledger, 0.0)
+        store.add(st)
+    return st
+
+
+def test_a_version_staged_late_holds_the_snapshot_until_packed_even_if_retired() -> None:
+    """A late staging (a Fetch of a version ipc workers alone read) holds the slots
+    until its packing ends; a newer version does not retire it before that (it did,
+    its packing never run: the slots stayed held and every later publish failed)."""
+    cond = threading.Condition()
+    core = PublisherCore("host", 5.0)
+    store = VersionStore(core, cond, use_shm=False, keep_versions=1)
+    ipc = _offering(cond, core)
+    ipc.prepare(make_state(1), lambda: True)
+    ipc.publish(make_state(1), 1)
+    exp = ipc.exporter
+    assert exp is not None
+    st = _ipc_only(store, 1)
+    store.stage_late(st, ipc, 4 << 10)
+    assert exp.snapshot_reads == 1 and not st.unstaged and st.job is not None
+    _ipc_only(store, 2)  # the newer version: 1 is retired once nothing needs it
+    with cond:
+        store.retire()
+    while any(v.pack_step(cond) for v in list(store.versions.values())):
+        pass  # the serving loop's steps
+    assert exp.snapshot_reads == 0 and st.error is None
+    assert st.buckets_done == len(plan_version(make_state(1), "", BUCKET))
+    with cond:
+        store.retire()
+    assert list(store.versions) == [2]
+    ipc.publish(make_state(2), 2)  # the slots are free
+    ipc.close()
+
+
+def test_closing_the_store_lets_go_of_a_late_staging_not_yet_packed() -> None:
+    cond = threading.Condition()
+    core = PublisherCore("host", 5.0)
+    store = VersionStore(core, cond, use_shm=False, keep_versions=1)
+    ipc = _offering(cond, core)
+    ipc.prepare(make_state(1), lambda: True)
+    ipc.publish(make_state(1), 1)
+    exp = ipc.exporter
+    assert exp is not None
+    st = _ipc_only(store, 1)
+    store.stage_late(st, ipc, 4 << 10)
+    assert exp.snapshot_reads == 1
+    with cond:
+        store.close()
+    assert exp.snapshot_reads == 0 and st.job is None
     ipc.close()
