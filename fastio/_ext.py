@@ -135,7 +135,9 @@ def buffer(frame: Any) -> memoryview:
 
 
 def header_ints(h: memoryview) -> tuple[int, int]:
-    """``(version, n_buffers)`` of header ``h``; FrameError unless ``[int, int, body]``."""
+    """``(version, n_buffers)`` of header ``h``: read off the first three bytes when both
+    are fixints (the body is checked where it is decoded), else FrameError unless
+    ``[int, int, body]``."""
     if len(h) > 3 and h[0] == 0x93 and h[1] < 0x80 and h[2] < 0x80:
         return h[1], h[2]  # both fixints: what our encoder writes
     try:

@@ -191,10 +191,13 @@ def split(frames: list[Any]) -> list[list[Any]]:
                 out.extend([h] for h in items)
             i += 1
             continue
-        try:
-            n = _ext.header_ints(buf)[1]
-        except Exception:
-            n = -1
+        if len(buf) >= 3 and buf[0] == 0x93 and buf[1] < 0x80 and buf[2] < 0x80:
+            n = buf[2]  # both fixints (a header without its body still says its count)
+        else:
+            try:
+                n = _ext.header_ints(buf)[1]
+            except Exception:
+                n = -1
         if n < 0:
             out.append(frames[i:])
             break

@@ -180,12 +180,17 @@ class SGLangEngine(HTTPBridge):
         return True
 
     async def _flush(self) -> None:
-        # SGLang answers 400 while it holds requests: asked again once none of ours is left
-        # (404, 405: no such route, nothing to ask again).
-        if self._flush_due:
-            exc = await self._post_quietly("/flush_cache", {})
-            if exc is None or getattr(exc, "status", None) in (404, 405):
-                self._flush_due = False
+        # SGLang answers 400 while it holds requests: asked again once none of ours is left.
+        # A server that cannot be reached fails the load (its cache holds the old weights).
+        if not self._flush_due:
+            return
+        try:
+            await self.post_json("/flush_cache", {})
+            self._flush_due = False
+        except ServerRejected as exc:
+            if exc.status in (404, 405):
+                self._flush_due = False  # no such route: nothing to ask again
+            log.debug("SGLang /flush_cache: %r", exc)
 
     def load_weights(self, weights: Iterable[tuple[str, Any]], version: int | None = None) -> None:
         """Write one verified version under :attr:`weights_dir` (once for the workers that

@@ -151,7 +151,11 @@ class VLLMEngine(HTTPBridge):
         if flight.response is not None:
             flight.response.close()
         if self.state.kept:
-            self.spawn(self._post_quietly("/abort_requests", {"request_ids": [flight.rid]}))
+            self.spawn(
+                self._post_quietly(
+                    "/abort_requests", {"request_ids": [flight.rid]}, level=logging.WARNING
+                )
+            )
 
     @property
     def pauses_in_place(self) -> bool:  # type: ignore[override]

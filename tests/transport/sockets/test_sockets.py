@@ -116,6 +116,14 @@ def test_split_batches_in_order_and_rejects_bad_ones() -> None:
         assert "header" in str(exc)
     else:
         raise AssertionError("a bad batch frame decoded")
+    # A header without its body still says its frame count: the messages behind it stay
+    # their own (each gets its own answer), the bad one alone is rejected.
+    cancel = fastio.encode(fm.Cancel(id=7))
+    parts = fm.split([b"\x93\x02\x01", b"x", *cancel])
+    assert parts == [[b"\x93\x02\x01", b"x"], cancel]
+    with pytest.raises(fastio.DecodeError):
+        fastio.decode(parts[0])
+    assert fastio.decode(parts[1]) == fm.Cancel(id=7)
 
 
 def test_slow_sends_back_to_back_still_coalesce(monkeypatch: Any) -> None:

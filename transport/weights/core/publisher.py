@@ -233,6 +233,14 @@ class PublisherCore:
                 led.lost.pop(wid, None)
         return info
 
+    def seen(self, wid: str, now: float) -> bool:
+        """A route's message from ``wid`` (an ipc notice): whether it is a worker; its
+        silence timer restarts, a worker lost stays lost (only weights messages revive)."""
+        info = self.workers.get(wid)
+        if info is not None:
+            info.last_seen = now
+        return info is not None
+
     def on_hello(self, wid: str, msg: WeightHello, now: float) -> VersionLedger | None:
         """Record a Hello; the latest version when the worker is behind it (the snapshot)."""
         info = self.touch(wid, now, hello=True)

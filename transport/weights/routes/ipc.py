@@ -197,8 +197,9 @@ class IpcExporter:
             self.drop_worker(
                 hello.worker_id, dead=not process_alive(old.hello.pid, old.hello.start_time)
             )
-        w = self.workers[hello.worker_id] = _Worker(hello)
+        w = _Worker(hello)
         w.exports = [h or _export_cuda(s, ev) for s, ev, h in self._slots]
+        self.workers[hello.worker_id] = w  # once its exports exist (they may fail)
         return IpcOffer(
             self.publisher_id,
             os.getpid(),
@@ -331,6 +332,10 @@ class IpcOffering:
     #: Notices for the serving thread to send: (worker identity, frames).
     outbox: list[tuple[bytes, list[Any]]] = field(default_factory=list)
 
+    def __post_init__(self) -> None:
+        if self.mode not in IPC_MODES:
+            raise ValueError(f"ipc must be one of {IPC_MODES}, not {self.mode!r}")
+
     def wanted(self, tensors: dict[str, torch.Tensor]) -> bool:
         """Whether a version of ``tensors`` takes the route."""
         if self.mode == "off" or not tensors:
@@ -363,8 +368,7 @@ class IpcOffering:
             return None
         offer = None
         with self.cond:
-            known = wid in self.core.workers
-            self.core.touch(wid, now)
+            known = self.core.seen(wid, now)
             if isinstance(msg, IpcHello):
                 if not known:
                     return None  # a WeightHello comes first

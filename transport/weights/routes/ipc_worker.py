@@ -252,7 +252,9 @@ class IpcImporter:
 def ipc_eligible(path: str | None, target: Any, loader: Any, dtype: Any, rename: Any) -> bool:
     """Whether a subscriber built with these parameters (``path``: one of :data:`PATHS`
     or ``None``) may take the ``ipc`` route; ``ValueError`` for ``path="ipc"`` that
-    cannot."""
+    cannot or an unknown ``path``."""
+    if path is not None and path not in PATHS:
+        raise ValueError(f"path must be None or one of {PATHS}, not {path!r}")
     eligible = path in (None, "ipc") and target is not None
     eligible = eligible and loader is None and dtype is None and rename is None
     if path == "ipc" and not eligible:

@@ -136,6 +136,18 @@ def test_silent_and_dead_workers_are_lost_and_come_back() -> None:
     assert c.workers["silent"].alive and "silent" not in c.versions[1].lost
 
 
+def test_a_route_notice_restarts_the_silence_timer_but_revives_no_lost_worker() -> None:
+    c = core(timeout=10.0)
+    c.on_hello("w", hello("w"), 0.0)
+    announce(c, 1, now=0.0)
+    assert c.seen("w", 5.0) and not c.seen("stranger", 5.0)
+    assert c.tick(11.0) == []  # heard from at 5.0: not silent yet
+    assert [w for w, _ in c.tick(16.0)] == ["w"]
+    assert c.versions[1].settled()
+    assert c.seen("w", 17.0)  # an ipc goodbye, say: still lost, the version settled
+    assert not c.workers["w"].alive and c.versions[1].settled()
+
+
 def test_gone_from_the_ipc_path_is_lost_at_once() -> None:
     c = core()
     c.on_hello("w", hello("w"), 0.0)

@@ -8,8 +8,9 @@ import threading
 import pytest
 import torch
 
+from fastio.ipc_msgs import IpcAck
 from fastio.versions import VERSION_1
-from fastio.weight_msgs import WeightAnnounce
+from fastio.weight_msgs import WeightAnnounce, WeightHello
 from tests.transport.weights.helpers import make_state
 from transport.weights.core.publisher import PublisherCore
 from transport.weights.errors import WeightUpdateError
@@ -71,6 +72,31 @@ def _offering(cond: threading.Condition, core: PublisherCore) -> IpcOffering:
         publisher_id="p",
         bucket_bytes=BUCKET,
     )
+
+
+def test_an_unknown_ipc_mode_is_refused() -> None:
+    with pytest.raises(ValueError, match="ipc must be one of"):
+        IpcOffering(
+            "bogus",
+            None,
+            0.3,
+            core=PublisherCore("host", 5.0),
+            cond=threading.Condition(),
+            encoder=VERSION_1,
+            wake=lambda: None,
+            publisher_id="p",
+            bucket_bytes=BUCKET,
+        )
+
+
+def test_an_ipc_notice_from_a_lost_worker_leaves_it_lost() -> None:
+    cond = threading.Condition()
+    core = PublisherCore("host", 5.0)
+    core.on_hello("w", WeightHello("w", "host", 100), 0.0)
+    ipc = _offering(cond, core)
+    assert [w for w, _ in core.tick(6.0)] == ["w"]
+    assert ipc.handle("w", IpcAck("w", -1, -2, -1, True), 7.0) is None  # its goodbye
+    assert not core.workers["w"].alive and core.workers["w"].last_seen == 7.0
 
 
 def test_a_snapshot_holds_the_slots_until_its_block_ends() -> None:

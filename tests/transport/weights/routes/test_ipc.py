@@ -31,6 +31,7 @@ from transport.weights.routes.ipc import (
     checksum,
     plan_layout,
 )
+from transport.weights.routes.ipc_worker import ipc_eligible
 
 BUCKET = 8 << 10  # several buckets of the state below, so two slots are reused in turn
 
@@ -535,3 +536,14 @@ def test_cpu_checksum_is_the_device_formula_bit_for_bit() -> None:
         words = payload.view(torch.int64).view(-1, 64).sum(dim=1)
         ref = (words * torch.arange(1, words.numel() + 1, dtype=torch.int64)).sum()
         assert int(checksum(payload)) == int(ref)
+
+
+def test_ipc_eligibility_refuses_an_unknown_route_and_an_ipc_it_cannot_take() -> None:
+    target = {"w": torch.zeros(2)}
+    assert ipc_eligible(None, target, None, None, None)
+    assert not ipc_eligible("tcp", target, None, None, None)
+    assert not ipc_eligible(None, target, None, "bfloat16", None)
+    with pytest.raises(ValueError, match="path must be None or one of"):
+        ipc_eligible("bogus", target, None, None, None)
+    with pytest.raises(ValueError, match="copies into `target` as is"):
+        ipc_eligible("ipc", target, print, None, None)
