@@ -59,10 +59,10 @@ def test_an_ipc_only_version_has_no_buffer_and_no_packing() -> None:
     assert not st.ipc_packing and st.unstaged
 
 
-def _offering(cond: threading.Condition, core: PublisherCore) -> IpcOffering:
+def _offering(cond: threading.Condition, core: PublisherCore, mode: str = "cpu") -> IpcOffering:
     """An ipc route of ``cpu`` slots, no worker, a publish waiting 0.3 s at most."""
     return IpcOffering(
-        "cpu",
+        mode,
         None,
         0.3,
         core=core,
@@ -76,17 +76,7 @@ def _offering(cond: threading.Condition, core: PublisherCore) -> IpcOffering:
 
 def test_an_unknown_ipc_mode_is_refused() -> None:
     with pytest.raises(ValueError, match="ipc must be one of"):
-        IpcOffering(
-            "bogus",
-            None,
-            0.3,
-            core=PublisherCore("host", 5.0),
-            cond=threading.Condition(),
-            encoder=VERSION_1,
-            wake=lambda: None,
-            publisher_id="p",
-            bucket_bytes=BUCKET,
-        )
+        _offering(threading.Condition(), PublisherCore("host", 5.0), "bogus")
 
 
 def test_an_ipc_notice_from_a_lost_worker_leaves_it_lost() -> None:
@@ -135,20 +125,26 @@ def _ipc_only(store: VersionStore, version: int) -> Staged:
     return st
 
 
-def test_a_version_staged_late_holds_the_snapshot_until_packed_even_if_retired() -> None:
-    """A late staging (a Fetch of a version ipc workers alone read) holds the slots
-    until its packing ends; a newer version does not retire it before that (it did,
-    its packing never run: the slots stayed held and every later publish failed)."""
+def _staged_late() -> tuple[threading.Condition, VersionStore, IpcOffering, Staged]:
+    """Version 1 published on cpu slots, then staged late from them (ipc workers only)."""
     cond = threading.Condition()
     core = PublisherCore("host", 5.0)
     store = VersionStore(core, cond, use_shm=False, keep_versions=1)
     ipc = _offering(cond, core)
     ipc.prepare(make_state(1), lambda: True)
     ipc.publish(make_state(1), 1)
-    exp = ipc.exporter
-    assert exp is not None
     st = _ipc_only(store, 1)
     store.stage_late(st, ipc, 4 << 10)
+    return cond, store, ipc, st
+
+
+def test_a_version_staged_late_holds_the_snapshot_until_packed_even_if_retired() -> None:
+    """A late staging (a Fetch of a version ipc workers alone read) holds the slots
+    until its packing ends; a newer version does not retire it before that (it did,
+    its packing never run: the slots stayed held and every later publish failed)."""
+    cond, store, ipc, st = _staged_late()
+    exp = ipc.exporter
+    assert exp is not None
     assert exp.snapshot_reads == 1 and not st.unstaged and st.job is not None
     _ipc_only(store, 2)  # the newer version: 1 is retired once nothing needs it
     with cond:
@@ -165,16 +161,9 @@ def test_a_version_staged_late_holds_the_snapshot_until_packed_even_if_retired()
 
 
 def test_closing_the_store_lets_go_of_a_late_staging_not_yet_packed() -> None:
-    cond = threading.Condition()
-    core = PublisherCore("host", 5.0)
-    store = VersionStore(core, cond, use_shm=False, keep_versions=1)
-    ipc = _offering(cond, core)
-    ipc.prepare(make_state(1), lambda: True)
-    ipc.publish(make_state(1), 1)
+    cond, store, ipc, st = _staged_late()
     exp = ipc.exporter
     assert exp is not None
-    st = _ipc_only(store, 1)
-    store.stage_late(st, ipc, 4 << 10)
     assert exp.snapshot_reads == 1
     with cond:
         store.close()
