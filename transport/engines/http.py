@@ -164,13 +164,13 @@ class HTTPBridge(Flights, abc.ABC):
         return await self._call("POST", path, msgspec.json.encode(body), timeout)
 
     async def _post_quietly(
-        self, path: str, body: Any, timeout: float | None = None, level: int = logging.DEBUG
+        self, path: str, body: Any, timeout: float | None = None
     ) -> Exception | None:
         # The error instead of raising it (the server may be gone: the watchdog sees it).
         try:
             await self.post_json(path, body, timeout=timeout)
         except Exception as exc:
-            log.log(level, "%s %s %s failed: %r", self.name, path, body, exc)
+            log.debug("%s %s %s failed: %r", self.name, path, body, exc)
             return exc
         return None
 

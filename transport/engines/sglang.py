@@ -98,7 +98,14 @@ class SGLangEngine(HTTPBridge):
 
     def _flush_when_idle(self) -> None:
         if self._flush_due and not self.flights:
-            self.spawn(self._flush())
+            self.spawn(self._flush_quietly())
+
+    async def _flush_quietly(self) -> None:
+        # In the background: a server that cannot be reached is asked again when idle.
+        try:
+            await self._flush()
+        except RuntimeError as exc:
+            log.warning("SGLang /flush_cache failed (asked again when idle): %r", exc)
 
     def take(self, chunk: Any, flight: Flight) -> int:
         """Emit the tokens of one chunk that are new (``[logprob, token_id, text]``),
@@ -256,7 +263,12 @@ class SGLangEngine(HTTPBridge):
         if "flush_cache" in body:
             self._flush_due = True
             if not self.flights:
-                await self._flush()
+                try:
+                    await self._flush()
+                except RuntimeError as exc:  # the load's requests would read stale KV
+                    raise WeightUpdateError(
+                        f"SGLang loaded {path}, but /flush_cache failed: {exc}"
+                    ) from exc
         if version is not None:
             self.version = version
 

@@ -19,10 +19,12 @@ from transport.engines.flight import Flight, sampling_common
 from transport.engines.http import BridgeOptions, HTTPBridge
 from transport.engines.vllm_staging import PROTOCOL, UpdateState, WeightSync
 from transport.options import Seconds
+from transport.ratelog import RateLimitedLog
 
 __all__ = ["WEIGHTS_REFUSED", "VLLMEngine", "VLLMOptions", "factory"]
 
 log = logging.getLogger("transport.engines")
+_warn = RateLimitedLog(log)
 
 #: Why a vLLM server without the RL routes takes no weights.
 WEIGHTS_REFUSED = (
@@ -151,11 +153,12 @@ class VLLMEngine(HTTPBridge):
         if flight.response is not None:
             flight.response.close()
         if self.state.kept:
-            self.spawn(
-                self._post_quietly(
-                    "/abort_requests", {"request_ids": [flight.rid]}, level=logging.WARNING
-                )
-            )
+            self.spawn(self._abort_by_id(flight.rid))
+
+    async def _abort_by_id(self, rid: str) -> None:
+        # A frozen request vLLM could not drop keeps its slot: worth a (rate-limited) warning.
+        if (exc := await self._post_quietly("/abort_requests", {"request_ids": [rid]})) is not None:
+            _warn.warning("failed abort", "vLLM /abort_requests for %s failed: %r", rid, exc)
 
     @property
     def pauses_in_place(self) -> bool:  # type: ignore[override]

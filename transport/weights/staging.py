@@ -117,10 +117,11 @@ class Staged:
 
     def pack_step(self, cond: threading.Condition) -> bool:
         """Run one step of the packing; False once it ended (if it failed: :attr:`error`)."""
-        if self.job is None:
+        job = self.job  # read once: end_job may drop it meanwhile
+        if job is None:
             return False
         try:
-            next(self.job)
+            next(job)
             return True
         except Exception as exc:  # StopIteration: packed; else reported to publish()
             with cond:
@@ -144,9 +145,11 @@ class Staged:
     def end_job(self) -> None:
         """Drop the packing still to do (a late staging lets go of the ipc slots); not
         while it runs (a serving thread that did not stop)."""
-        if self.job is not None and getgeneratorstate(self.job) != GEN_RUNNING:
-            self.job.close()
-            self.job = None
+        job = self.job
+        if job is not None and getgeneratorstate(job) != GEN_RUNNING:
+            with contextlib.suppress(ValueError):  # it started running just now
+                job.close()
+                self.job = None
 
     def sends_done(self) -> bool:
         self.trackers = [t for t in self.trackers if not t.done]

@@ -184,3 +184,25 @@ def test_one_error_mapping_carries_the_status_and_the_servers_text() -> None:
     assert ServerRejected("broken stream").status is None
     assert stream_error({"error": {"message": "too long"}}) == "too long"
     assert stream_error({"error": "bad"}) == "bad" and stream_error({"choices": []}) is None
+
+
+def test_a_failed_abort_by_id_warns_once_then_counts(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # While paused in place, a frozen request vLLM could not drop keeps its slot: a
+    # warning, but one per kind and interval however many flights were aborted.
+    from transport.engines import vllm
+    from transport.ratelog import RateLimitedLog
+
+    monkeypatch.setattr(vllm, "_warn", RateLimitedLog(vllm.log))  # none logged before
+    eng = vllm.VLLMEngine("http://127.0.0.1:1", request_timeout=2.0)
+
+    async def main() -> None:
+        for rid in ("r1", "r2", "r3"):
+            await eng._abort_by_id(rid)
+        await eng.close()
+
+    with caplog.at_level(logging.WARNING, logger="transport.engines"):
+        asyncio.run(main())
+    lines = [r.getMessage() for r in caplog.records if "abort_requests" in r.getMessage()]
+    assert len(lines) == 1 and "for r1 failed" in lines[0], lines

@@ -4,6 +4,8 @@ processes, a real FabricClient and controller, the server in its own process."""
 from __future__ import annotations
 
 import asyncio
+import logging
+import socket
 from collections.abc import Callable
 from pathlib import Path
 
@@ -351,3 +353,29 @@ def test_a_worker_idle_longer_than_the_servers_keepalive_serves_the_next_request
     for prompt, r in zip(([1], [2]), resps, strict=True):
         assert r.output_tokens.tolist() == reference_output(SEED, prompt, 6)  # type: ignore[attr-defined]
     assert server.stats()["generate"] == 2
+
+
+def test_a_deferred_flush_to_a_server_gone_is_logged_and_asked_again(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # In the background (after the last held request): no unretrieved task error, the
+    # flush stays due for the next idle moment.
+    from transport.engines.sglang import SGLangEngine
+
+    with socket.socket() as s:  # a port no one listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    eng = SGLangEngine(f"http://127.0.0.1:{port}", health_interval=0, request_timeout=2.0)
+    unhandled: list[dict[str, object]] = []
+
+    async def main() -> None:
+        asyncio.get_running_loop().set_exception_handler(lambda _l, c: unhandled.append(c))
+        eng._flush_due = True
+        eng._flush_when_idle()
+        await await_for(lambda: not eng._aux, what="the background flush")
+        await eng.close()
+
+    with caplog.at_level(logging.WARNING, logger="transport.engines"):
+        asyncio.run(main())
+    assert eng._flush_due and not unhandled
+    assert "/flush_cache failed (asked again when idle)" in caplog.text

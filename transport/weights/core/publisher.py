@@ -187,7 +187,8 @@ class PublisherCore:
 
     def reusable(self, led: VersionLedger, *, sending: bool) -> bool:
         """The buffer rule: whether ``led``'s buffer may be taken (``sending``: bytes of it
-        still queued; a segment rewritten only once :meth:`readers_done` too)."""
+        still queued or still being packed; a segment rewritten only once
+        :meth:`readers_done` too)."""
         return led is not self.latest and not sending and not led.answering and led.answered()
 
     def takeable(self, sending: Callable[[int], bool], keep: int = 0) -> list[int]:
