@@ -7,6 +7,7 @@ q/k/v as ``model.load_weights`` does; and the worker plugin's options from the C
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -316,3 +317,42 @@ def test_the_plugin_takes_dtype_rename_loader_and_strict(
 
 def strip_trainer(name: str) -> str:
     return name.removeprefix("trainer.")
+
+
+def _versioned(seen: list[Any]) -> dict[str, Any]:
+    """Loaders of each shape a user writes: ``version`` positional, keyword-only, none,
+    and a partial; each records what it was given."""
+
+    def positional(weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        seen.append((len(list(weights)), version))
+
+    def keyword(weights: Iterable[tuple[str, torch.Tensor]], *, version: int = -1) -> None:
+        seen.append((len(list(weights)), version))
+
+    def plain(weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        seen.append((len(list(weights)), None))
+
+    def bound(tag: str, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        seen.append((len(list(weights)), (tag, version)))
+
+    return {
+        "positional": (positional, 5),
+        "keyword": (keyword, 5),
+        "plain": (plain, None),
+        "partial": (functools.partial(bound, "p"), ("p", 5)),
+    }
+
+
+@pytest.mark.parametrize("kind", ["positional", "keyword", "plain", "partial"])
+def test_a_loader_that_takes_version_gets_it_once(
+    kind: str, ctx: Any, closing: Callable[[Any], Any]
+) -> None:
+    seen: list[Any] = []
+    loader, expected = _versioned(seen)[kind]
+    pub = closing(WeightPublisher(context=ctx, heartbeat_interval=0.1))
+    sub = closing(WeightSubscriber(pub.endpoint, zeroed(make_lm()), context=ctx, loader=loader))
+    sub.start()
+    pub.wait_for_workers(1, 30)
+    assert pub.publish_and_wait(make_lm(seed=6), 5, timeout=30).ok
+    assert sub.version == 5
+    assert len(seen) == 1 and seen[0][0] > 0 and seen[0][1] == expected, seen
