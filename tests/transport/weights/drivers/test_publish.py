@@ -409,6 +409,35 @@ def test_a_later_bucket_failing_leaves_the_worker_refusing_to_serve(pair: Pair, 
     wait_for(lambda: pub.workers()[sub.worker_id].version == 3, 10, "the Hello saying so")
 
 
+def test_the_lock_is_released_only_once_the_weights_are_marked_mixed(pair: Pair) -> None:
+    """Under a lock that refuses mixed weights, the engine behind it may serve again the
+    moment the lock is released: by then the worker must already say they are mixed."""
+    seen: list[bool] = []  # the worker's consistency at each release of its lock
+    subs: list[WeightSubscriber] = []
+
+    class RecordingLock:
+        refuses_mixed = True
+
+        def __enter__(self) -> None:
+            pass
+
+        def __exit__(self, *exc: object) -> None:
+            seen.append(subs[0].consistent)
+
+    def corrupt(worker: str, version: int, index: int) -> str | None:
+        return "corrupt" if version == 2 and index == 2 else None
+
+    pub = pair.publisher(bucket_bytes=4096, shm=False, fault=corrupt)
+    subs.append(
+        pair.subscriber(zeros_like(make_state(0)), retries=1, shm=False, lock=RecordingLock())
+    )
+    pub.wait_for_workers(1, 10)
+    assert pub.publish_and_wait(make_state(1), 1, timeout=20).ok and seen == [True]
+    res = pub.wait(pub.publish(make_state(2), 2).version, 20)
+    assert "weights are mixed" in res.failed[subs[0].worker_id]
+    assert seen == [True, False], seen  # released after buckets 0 and 1 landed: mixed
+
+
 def test_corrupted_shared_memory_is_detected(pair: Pair) -> None:
     if not wshm.available():
         pytest.skip("no /dev/shm")
