@@ -28,8 +28,7 @@ log = logging.getLogger("vllm.fastio")
 
 
 def register() -> None:
-    """``vllm.general_plugins`` entry point: register the ``fastio`` backend (runs in
-    vLLM's API server, engine core and workers: cheap, and idempotent)."""
+    """``vllm.general_plugins`` entry point: register the ``fastio`` backend (idempotent)."""
     import os
 
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
@@ -102,7 +101,7 @@ class FastioWeightTransferEngine(WeightTransferEngine[FastioInitInfo, FastioUpda
         self.loaded = None
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
-        """Verify and load one whole staged version (no accelerator sync without one)."""
+        """Verify and load one whole staged version."""
         self.receive_weights(self.parse_update_info(update_info))
         if torch.accelerator.is_available():
             torch.accelerator.synchronize()
