@@ -214,7 +214,6 @@ class HFEngine:
                 loop.call_soon_threadsafe(_deliver, em, dn, exc)
 
     def _leaves(self, s: _Seq, done: list[_Seq]) -> bool:
-        # End s if it was cancelled or its worker paused; whether it did.
         if s.cancelled:
             s.reason = "cancelled"
         elif s.ctx is not None and s.ctx.interrupted:

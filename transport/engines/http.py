@@ -171,15 +171,12 @@ class HTTPBridge(Flights, abc.ABC):
             async with self.session().request(
                 method, self.url + path, data=data, headers=JSON_HEADERS, timeout=total
             ) as resp:
+                await raise_for_status(resp, f"{self.name} {path}")
                 raw = await resp.read()
                 try:
-                    answer = msgspec.json.decode(raw) if raw else None
-                except msgspec.DecodeError:  # a plain-text error page
-                    answer = raw.decode(errors="replace")
-                if resp.status >= 400:
-                    msg = f"{self.name} {path} answered {resp.status}: {answer}"
-                    raise ServerRejected(msg, resp.status)
-                return answer
+                    return msgspec.json.decode(raw) if raw else None
+                except msgspec.DecodeError:  # a plain-text answer
+                    return raw.decode(errors="replace")
         except (aiohttp.ClientConnectionError, TimeoutError) as exc:
             raise EngineUnavailable(f"{self.name} server {self.url}{path}: {exc!r}") from exc
 
@@ -255,7 +252,6 @@ class HTTPBridge(Flights, abc.ABC):
                     if fresh or flight.response is not None or self._closed_by_us(flight):
                         break
             if not flight.finish and not self._closed_by_us(flight):
-                # No finish reason: the server is gone if /health says so.
                 what = f"the stream of {flight.rid} broke ({broken or 'no finish_reason'})"
                 if not await self.healthy():
                     await self.server_gone(f"{what} and /health fails")

@@ -158,7 +158,6 @@ class SGLangEngine(HTTPBridge):
                 proto.start_timeout()
 
     async def _server_pause(self, mode: str) -> bool:
-        # /pause_generation where the server has it (asked once): whether it paused.
         if self.has_pause is False:
             return False
         try:

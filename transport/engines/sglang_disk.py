@@ -132,7 +132,6 @@ def _write(
 
 
 def _forget_old(root: Path, version: int) -> None:
-    # The version directories (and lock files) older than version - 1 go.
     for p in root.iterdir():
         m = _VERSION_DIR.match(p.name)
         if m is None or int(m.group(1)) >= version - 1:

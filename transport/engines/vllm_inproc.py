@@ -119,7 +119,6 @@ class AsyncLLMEngine(Flights):
             **sampling_common(g, "max_tokens", "min_tokens"),
             logprobs=0,
             detokenize=False,
-            # Streamed: each step's new tokens; else only the end (no per-step outputs).
             output_kind=RequestOutputKind.DELTA
             if getattr(ctx, "stream", True)
             else RequestOutputKind.FINAL_ONLY,
