@@ -1,7 +1,5 @@
-"""The public engine interface: what a generation worker asks of an engine (:class:`Engine`,
-its optional :class:`EngineHooks`; a plain coroutine ``handler(req, ctx)`` is accepted too).
-The rules: ``docs/engines.md#the-interface``.
-"""
+"""What a worker asks of an engine (:class:`Engine`, its optional :class:`EngineHooks`; or a
+coroutine ``handler(req, ctx)``). The rules: ``docs/engines.md#the-interface``."""
 
 from __future__ import annotations
 

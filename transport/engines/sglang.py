@@ -1,7 +1,5 @@
-"""``--engine sglang``: a worker fronting a running SGLang server over its native HTTP API
-(``--engine-opt url=http://127.0.0.1:30000``); how requests, pauses and weights map onto
-SGLang: ``docs/engines.md#the-sglang-and-vllm-bridges``.
-"""
+"""``--engine sglang``: a worker in front of an SGLang server (``--engine-opt url=...``); how
+it maps onto SGLang: ``docs/engines.md#the-sglang-and-vllm-bridges``."""
 
 from __future__ import annotations
 

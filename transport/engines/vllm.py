@@ -1,7 +1,5 @@
-"""``--engine vllm``: a worker fronting a running vLLM server on vLLM's native RL API
-(``--engine-opt url=http://127.0.0.1:8000``); how requests, pauses and weights map onto
-vLLM and how to start the server: ``docs/engines.md#vllm``.
-"""
+"""``--engine vllm``: a worker in front of a vLLM server on its RL API (``--engine-opt url=...``);
+how it maps onto vLLM and how to start the server: ``docs/engines.md#vllm``."""
 
 from __future__ import annotations
 

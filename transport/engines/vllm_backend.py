@@ -1,8 +1,6 @@
-"""fastio as a vLLM weight-transfer backend (``--weight-transfer-config '{"backend": "fastio"}'``),
-in vLLM's worker processes: it loads a version :mod:`transport.engines.vllm_staging` staged,
-whole or not at all (``docs/engines.md#vllm``); :func:`register` is the
-``vllm.general_plugins`` entry point of the ``fastio`` distribution.
-"""
+"""fastio as a vLLM weight-transfer backend, in vLLM's workers: it loads a version
+:mod:`.vllm_staging` staged, whole or not at all (``docs/engines.md#vllm``); :func:`register`
+is the ``vllm.general_plugins`` entry point of the ``fastio`` distribution."""
 
 from __future__ import annotations
 

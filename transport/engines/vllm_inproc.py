@@ -1,7 +1,5 @@
-"""``--engine vllm --engine-opt model=PATH``: vLLM's ``AsyncLLM`` inside the worker; the
-other ``--engine-opt`` keys are vLLM's engine arguments (:func:`engine_args`). The contract
-is the bridge's: ``docs/engines.md#vllm-in-the-worker``.
-"""
+"""``--engine vllm --engine-opt model=PATH``: vLLM's ``AsyncLLM`` in the worker, the other keys
+vLLM's engine arguments (:func:`engine_args`); ``docs/engines.md#vllm-in-the-worker``."""
 
 from __future__ import annotations
 

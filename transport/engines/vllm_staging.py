@@ -1,7 +1,6 @@
-"""A verified weight version staged in one shared-memory file for vLLM's worker processes
-(:func:`stage`, :func:`open_staged`) and the rules that drive its load (:class:`UpdateState`;
-``docs/engines.md#vllm``). No vLLM import here: the bridge's process has no vLLM.
-"""
+"""A verified version staged in one shared-memory file for vLLM's workers (:func:`stage`,
+:func:`open_staged`) and the rules of its load (:class:`UpdateState`). No vLLM import here:
+the bridge's process has no vLLM (``docs/engines.md#vllm``)."""
 
 from __future__ import annotations
 
