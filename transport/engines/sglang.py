@@ -203,10 +203,9 @@ class SGLangEngine(HTTPBridge):
         if self.options.model_config is None:
             return
         for f in Path(self.options.model_config).iterdir():
-            if f.is_file() and f.suffix not in (".safetensors", ".bin", ".pt"):
-                dest = path / f.name
-                if not dest.exists():
-                    os.symlink(f.resolve(), dest)
+            weights = f.suffix in (".safetensors", ".bin", ".pt")
+            if f.is_file() and not weights and not (path / f.name).exists():
+                os.symlink(f.resolve(), path / f.name)
 
     async def load_weights_from_disk(self, path: str, version: int | None = None) -> None:
         """Have the server load the model at ``path`` labelled ``str(version)`` and set
