@@ -73,17 +73,15 @@ class ReferenceEngine:
         model: nn.Module | None = None,
     ) -> None:
         self.seed = seed
-        self.model: nn.Module = (
-            model if model is not None else TinyLM(vocab_size, hidden, layers, seed)
-        )
+        self.model = model if model is not None else TinyLM(vocab_size, hidden, layers, seed)
         self.vocab_size = int(getattr(self.model, "vocab_size", vocab_size))
         self.version = 0
         self.token_interval = token_interval
         self._seeds = RequestSeeds(seed)
 
     async def generate(self, req: LLMRequest, ctx: GenerationContext | None = None) -> LLMResponse:
-        """Generate after ``req.input_ids``, streaming through ``ctx``; ``ValueError`` for
-        token ids outside the vocabulary."""
+        """Generate after ``req.input_ids``, streaming through ``ctx``; ``ValueError`` for ids
+        outside the vocabulary."""
         ids = prompt_ids(req, self.vocab_size, 0)
         seq = Generation.of(req, self._seeds)
         # Grad mode is thread state and other coroutines run at each await: no

@@ -128,11 +128,9 @@ class HFEngine:
         self._thread = threading.Thread(target=self._run, name="hf-engine", daemon=True)
         self._thread.start()
 
-    # -- the loop's side ----------------------------------------------------------------
     async def generate(self, req: LLMRequest, ctx: GenerationContext | None = None) -> LLMResponse:
-        """Generate after ``req.input_ids``, streaming through ``ctx``; ``ValueError`` for
-        ids outside the vocabulary or a prompt as long as the context, ``RuntimeError``
-        once closed or when the forward failed."""
+        """Generate after ``req.input_ids``, streaming through ``ctx``; ``ValueError`` for a
+        bad prompt, ``RuntimeError`` once closed or when the forward failed."""
         if self._closing:
             raise RuntimeError("the engine is closed")
         ids = prompt_ids(req, self.vocab_size, self._start_token)
@@ -172,7 +170,6 @@ class HFEngine:
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout)
 
-    # -- the engine thread --------------------------------------------------------------
     def _run(self) -> None:
         while True:
             with self._wake:
@@ -209,8 +206,7 @@ class HFEngine:
         self._post([], left, RuntimeError("the engine is closed"))
 
     def _post(self, emitted: _Emitted, done: list[_Seq], exc: BaseException | None = None) -> None:
-        """Hand a step's tokens and ended sequences (failed with ``exc`` if given) to
-        their loops, one callback each."""
+        # A step's tokens and ended sequences (failed with exc) to their loops, one call each.
         for loop in {s.fut.get_loop() for s, *_ in emitted} | {s.fut.get_loop() for s in done}:
             em = [e for e in emitted if e[0].fut.get_loop() is loop]
             dn = [s for s in done if s.fut.get_loop() is loop]
@@ -218,7 +214,6 @@ class HFEngine:
                 loop.call_soon_threadsafe(_deliver, em, dn, exc)
 
     def _leaves(self, s: _Seq, done: list[_Seq]) -> bool:
-        """End ``s`` if it was cancelled or its worker paused; whether it did."""
         if s.cancelled:
             s.reason = "cancelled"
         elif s.ctx is not None and s.ctx.interrupted:
@@ -229,8 +224,7 @@ class HFEngine:
         return True
 
     def _retire(self, done: list[_Seq]) -> None:
-        """Drop every sequence that is finished, cancelled or interrupted."""
-        b = self._batch
+        b = self._batch  # drop every sequence finished, cancelled or interrupted
         b.keep([i for i, s in enumerate(b.seqs) if not s.reason and not self._leaves(s, done)])
 
     def _forward(
@@ -280,7 +274,6 @@ class HFEngine:
     def _sample(
         self, seqs: list[_Seq], logits: torch.Tensor, emitted: _Emitted, done: list[_Seq]
     ) -> None:
-        """One token for each row of ``logits`` (rows in ``seqs`` order)."""
         toks, lps = sample_rows(logits.float(), seqs)
         version = self.version
         self.stats["tokens"] += len(seqs)
@@ -292,7 +285,6 @@ class HFEngine:
 
 
 def _deliver(emitted: _Emitted, done: list[_Seq], exc: BaseException | None) -> None:
-    """In the loop: stream a step's tokens, then finish the sequences that ended."""
     for s, tok, lp, ver in emitted:
         if s.ctx is not None and not s.cancelled:
             s.ctx.emit(tok, lp, ver)
@@ -307,7 +299,6 @@ def _deliver(emitted: _Emitted, done: list[_Seq], exc: BaseException | None) -> 
             s.fut.set_result(s.response())
 
 
-# -- construction from the command line --------------------------------------------------
 class HFOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """:func:`create_engine`'s options (``--engine-opt``): :class:`HFEngine`'s, the model's
     ``arch`` (``llama``/``qwen2``), ``dtype``, ``max_len`` and torch's ``threads``."""

@@ -100,7 +100,6 @@ def load_pretrained(path: str, dtype: torch.dtype = torch.float32) -> nn.Module:
     return model.eval()
 
 
-# -- the KV cache, whatever the transformers version calls its parts -------------------
 def _kv(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
     if hasattr(cache, "layers"):  # transformers >= 4.56
         return [(layer.keys, layer.values) for layer in cache.layers]
@@ -165,8 +164,8 @@ class KVBatch(Generic[T]):
 
 
 def weight_left_linear(mod: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """``mod(x)`` computed as ``(weight @ x.T).T``, which streams the row-major weight once
-    (faster with MKL for a decode step's few rows; ``python -m bench.hf_engine``)."""
+    """``mod(x)`` as ``(weight @ x.T).T``: the row-major weight streamed once (faster with MKL
+    for a decode step's few rows; ``python -m bench.hf_engine``)."""
     rows = x.reshape(-1, x.shape[-1])
     y = torch.mm(mod.weight, rows.t()).t()
     if mod.bias is not None:

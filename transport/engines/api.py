@@ -1,7 +1,5 @@
-"""The public engine interface: what a generation worker asks of an engine (:class:`Engine`,
-its optional :class:`EngineHooks`; a plain coroutine ``handler(req, ctx)`` is accepted too).
-The rules: ``docs/engines.md#the-interface``.
-"""
+"""What a worker asks of an engine (:class:`Engine`, its optional :class:`EngineHooks`; or a
+coroutine ``handler(req, ctx)``). The rules: ``docs/engines.md#the-interface``."""
 
 from __future__ import annotations
 
@@ -30,10 +28,9 @@ class EngineUnavailable(RuntimeError):
 
 @runtime_checkable
 class GenerationContext(Protocol):
-    """What a worker tells an engine about one request (:class:`~transport.RequestContext`
-    implements it): ``id``, the submission id (unique per client connection);
-    ``deadline``, the ``time.monotonic()`` by which the client wants the answer (``inf``:
-    none)."""
+    """What a worker tells an engine about one request (a :class:`~transport.RequestContext`):
+    ``id``, the submission id (unique per client connection); ``deadline``, the
+    ``time.monotonic()`` by which the client wants the answer (``inf``: none)."""
 
     id: int
     deadline: float
@@ -55,9 +52,8 @@ class GenerationContext(Protocol):
 
 @runtime_checkable
 class Engine(Protocol):
-    """A generation engine served by a worker; ``version`` is the weight version stamped
-    on every token generated now (a weight update sets it once the new weights are in); an
-    example: ``docs/engines.md#a-complete-example``."""
+    """A generation engine served by a worker; ``version``: the weight version stamped on
+    each token generated now (example: ``docs/engines.md#a-complete-example``)."""
 
     version: int
 
@@ -67,8 +63,7 @@ class Engine(Protocol):
 
 
 class EngineHooks(Protocol):
-    """The optional hooks of an :class:`Engine`, found by name (when each is called:
-    ``docs/engines.md#the-interface``)."""
+    """The optional hooks of an :class:`Engine`, by name (``docs/engines.md#the-interface``)."""
 
     async def start(self, worker: Any) -> None:
         """The worker (a :class:`~transport.WorkerServer`) serves; raising fails its start."""
@@ -103,8 +98,7 @@ class BoundHooks:
 
     on_pause: tuple[Callable[[], Any], ...] = ()
     on_resume: tuple[Callable[[], Any], ...] = ()
-    #: ``pauses_in_place`` read on each pause (None: the engine never freezes requests).
-    keeps_in_place: Callable[[], bool] | None = None
+    keeps_in_place: Callable[[], bool] | None = None  # None: never freezes requests
     queue_depth: Callable[[], int] | None = None
     #: A background job: ``start(worker)``, then ``close()`` when the worker cancels it.
     lifetime: Callable[[Any], Awaitable[None]] | None = None

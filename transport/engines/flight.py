@@ -22,8 +22,7 @@ _NO_TOP_K = 1 << 30
 
 
 def sampling_common(g: Any, max_key: str, min_key: str) -> dict[str, Any]:
-    """The sampling parameters both servers take from a
-    :class:`~fastio.GenerationHyperparameters` (limits named ``max_key``, ``min_key``)."""
+    """The servers' common sampling parameters of ``g`` (limits named ``max_key``, ``min_key``)."""
     sp: dict[str, Any] = {
         max_key: g.max_new_tokens,
         "temperature": 0.0 if g.greedy else g.temperature,
@@ -62,9 +61,8 @@ class VersionLabels:
         return self.base
 
     def stamp(self, versions: list[int], spans: Any) -> Any:
-        """``versions`` (one per output token) as an int32 array, each of vLLM's
-        ``weight_versions`` spans (``{version, start, end}`` mappings or objects) set to
-        its label's version."""
+        """``versions`` (one per token) as int32, each of vLLM's ``weight_versions`` spans
+        (``{version, start, end}`` mappings or objects) set to its label's version."""
         out = np.array(versions, dtype=np.int32)
         for span in spans or ():
             if not isinstance(span, dict):  # vLLM's WeightVersionSpan
@@ -97,12 +95,9 @@ class Flight:
         self.vers.append(version)
         self.ctx.emit(token, lp, version)
 
-    def result(
-        self, req: LLMRequest, stop: str, labels: VersionLabels | None = None
-    ) -> LLMResponse:
-        """The :class:`~fastio.LLMResponse` of the output so far; its versions from the
-        server's spans where it sent them (read with ``labels``)."""
-        vers = (labels or VersionLabels()).stamp(self.vers, self.spans)
+    def result(self, req: LLMRequest, stop: str, labels: VersionLabels) -> LLMResponse:
+        """The :class:`~fastio.LLMResponse` so far, versions from the server's spans if any."""
+        vers = labels.stamp(self.vers, self.spans)
         return LLMResponse(
             input_tokens=req.input_ids,
             output_tokens=TokenArray(np.array(self.toks, dtype=np.int32)),
@@ -117,10 +112,8 @@ class Flights:
     have no token yet (:meth:`queue_depth`)."""
 
     def __init__(self) -> None:
-        #: Weight version stamped on new tokens.
-        self.version = 0
-        #: The server's version labels as fastio versions.
-        self.labels = VersionLabels()
+        self.version = 0  # stamped on new tokens
+        self.labels = VersionLabels()  # the server's version labels as fastio versions
         self.flights: dict[str, Flight] = {}
         self._waiting = 0  # flights without a token (read from the socket thread)
         self._rids = request_ids()

@@ -28,7 +28,6 @@ __all__ = [
 log = logging.getLogger("transport.engines")
 
 _CLOSE_WAIT_S = 2.0  # how long a close waits for the aborts of the requests it ends
-#: Headers of a JSON request body.
 JSON_HEADERS = {"Content-Type": "application/json"}
 
 
@@ -69,8 +68,7 @@ async def raise_for_status(resp: Any, what: str) -> None:
 
 
 def stream_error(chunk: Any) -> str | None:
-    """The message of an error event in a stream (``{"error": {"message": ...}}``, as
-    vLLM sends after a 200 for a request it rejects), else None."""
+    """A stream's error event's message (vLLM's ``{"error": {"message": ...}}``), or None."""
     err = chunk.get("error") if isinstance(chunk, dict) else None
     if isinstance(err, dict):
         return str(err.get("message") or err)
@@ -78,8 +76,7 @@ def stream_error(chunk: Any) -> str | None:
 
 
 async def sse_events(content: Any) -> AsyncIterator[Any]:
-    """Decoded JSON of each ``data:`` line of a server-sent event stream (``content``:
-    an aiohttp StreamReader), until ``data: [DONE]`` or the end of the body."""
+    """The decoded ``data:`` lines of an aiohttp StreamReader's SSE, until ``[DONE]``."""
     async for raw in content:
         line = raw.strip()
         if not line.startswith(b"data:"):
@@ -95,15 +92,12 @@ class HTTPBridge(Flights, abc.ABC):
     """Base of the server bridges (:meth:`request`, :meth:`take`, :meth:`abort` to write);
     ``url`` and the other fields of :attr:`Options` (``ValueError`` naming a bad one)."""
 
-    #: Name in messages, the extra that installs what it needs, the options Struct.
     name = "http"
     extra = "sglang"
     Options: ClassVar[type[BridgeOptions]] = BridgeOptions
     options: BridgeOptions
-    #: An interrupt closes the stream (the server aborts a request whose client left).
-    closes_to_interrupt = False
-    #: A pause froze the server's requests in place: streams stay open (:class:`EngineHooks`).
-    pauses_in_place = False
+    closes_to_interrupt = False  # the server aborts a request whose stream is closed
+    pauses_in_place = False  # a pause froze the server's requests: streams stay open
 
     def __init__(self, url: str, **options: Any) -> None:
         if not url.startswith(("http://", "https://")):
@@ -124,8 +118,7 @@ class HTTPBridge(Flights, abc.ABC):
 
     @classmethod
     def from_opts(cls, opts: dict[str, str]) -> Self:
-        """The bridge the ``--engine-opt`` strings describe (:attr:`Options`); probes
-        the server first unless ``check=0``."""
+        """The bridge of the ``--engine-opt`` strings; probes the server unless ``check=0``."""
         if not opts.get("url"):
             raise ValueError("needs --engine-opt url=http://host:port")
         engine = cls(**msgspec.structs.asdict(engine_options(opts, cls.Options, cls.name.lower())))
@@ -134,8 +127,7 @@ class HTTPBridge(Flights, abc.ABC):
         return engine
 
     def check_reachable(self, timeout: float = 5.0) -> None:
-        """``GET /health`` once, then :meth:`probe`, blocking (a worker pointed at nothing
-        fails at start)."""
+        """``GET /health`` then :meth:`probe`, blocking: :class:`EngineUnavailable` if not."""
         try:  # an error status raises urllib's HTTPError, an OSError
             urllib.request.urlopen(self.url + "/health", timeout=timeout).close()
         except OSError as exc:
@@ -148,14 +140,12 @@ class HTTPBridge(Flights, abc.ABC):
         """Read what the server has, blocking (by the factory, else at :meth:`start`)."""
 
     def fetch_json(self, path: str, timeout: float = 5.0) -> Any:
-        """``GET path`` blocking (before the loop runs), its decoded JSON; ``OSError`` or
-        ``ValueError`` when it cannot be read."""
+        """``GET path``'s JSON, blocking (before the loop runs); ``OSError``/``ValueError``."""
         with urllib.request.urlopen(self.url + path, timeout=timeout) as resp:
             return msgspec.json.decode(resp.read())
 
     async def get_json(self, path: str) -> Any:
-        """``GET path`` on the bridge's session, its decoded JSON (errors as
-        :meth:`post_json`)."""
+        """``GET path``'s decoded JSON (errors as :meth:`post_json`)."""
         return await self._call("GET", path, None, None)
 
     async def post_json(self, path: str, body: Any, timeout: float | None = None) -> Any:
@@ -181,15 +171,12 @@ class HTTPBridge(Flights, abc.ABC):
             async with self.session().request(
                 method, self.url + path, data=data, headers=JSON_HEADERS, timeout=total
             ) as resp:
+                await raise_for_status(resp, f"{self.name} {path}")
                 raw = await resp.read()
                 try:
-                    answer = msgspec.json.decode(raw) if raw else None
-                except msgspec.DecodeError:  # a plain-text error page
-                    answer = raw.decode(errors="replace")
-                if resp.status >= 400:
-                    msg = f"{self.name} {path} answered {resp.status}: {answer}"
-                    raise ServerRejected(msg, resp.status)
-                return answer
+                    return msgspec.json.decode(raw) if raw else None
+                except msgspec.DecodeError:  # a plain-text answer
+                    return raw.decode(errors="replace")
         except (aiohttp.ClientConnectionError, TimeoutError) as exc:
             raise EngineUnavailable(f"{self.name} server {self.url}{path}: {exc!r}") from exc
 
@@ -219,7 +206,7 @@ class HTTPBridge(Flights, abc.ABC):
             self._watchdog = asyncio.ensure_future(self._watch())
 
     async def close(self) -> None:
-        """Stop the watchdog; close the session once the ended requests' aborts are sent."""
+        """Close the session once the ended requests' aborts are sent."""
         if self._watchdog is not None:
             self._watchdog.cancel()
         if self.flights:
@@ -243,9 +230,7 @@ class HTTPBridge(Flights, abc.ABC):
 
     async def generate(self, req: LLMRequest, ctx: GenerationContext) -> LLMResponse:
         """Forward ``req`` to the server and stream the answer through ``ctx``."""
-        # The worker runs a handler's first step outside any task (its eager start);
-        # aiohttp's timeouts need one: continue in the request's task.
-        await asyncio.sleep(0)
+        await asyncio.sleep(0)  # out of the worker's eager start: aiohttp's timeouts need a task
         flight = self.begin(ctx)
         try:
             path, body = await self.request(req, flight.rid)
@@ -267,7 +252,6 @@ class HTTPBridge(Flights, abc.ABC):
                     if fresh or flight.response is not None or self._closed_by_us(flight):
                         break
             if not flight.finish and not self._closed_by_us(flight):
-                # No finish reason: the server is gone if /health says so.
                 what = f"the stream of {flight.rid} broke ({broken or 'no finish_reason'})"
                 if not await self.healthy():
                     await self.server_gone(f"{what} and /health fails")
@@ -294,13 +278,12 @@ class HTTPBridge(Flights, abc.ABC):
         return flight.result(req, stop, self.labels)
 
     def end(self, flight: Flight) -> None:
-        """As :meth:`Flights.end`; the last one wakes a close waiting for it."""
         super().end(flight)
         if not self.flights and self._idle is not None:
             self._idle.set()
 
     async def healthy(self) -> bool:
-        """``GET /health`` answers 200 within ``health_timeout`` s, on a fresh connection."""
+        """``GET /health`` answers 200 within ``health_timeout`` s (a fresh connection)."""
         ah = self.aiohttp
         try:
             async with self.session().get(
@@ -339,12 +322,10 @@ class HTTPBridge(Flights, abc.ABC):
 
     @abc.abstractmethod
     def take(self, chunk: Any, flight: Flight) -> int:
-        """Add the new tokens of one streamed chunk to ``flight`` (:meth:`Flight.add`), set
-        ``flight.finish`` when it ends the stream; returns how many."""
+        """Add one chunk's new tokens (:meth:`Flight.add`), set ``flight.finish``; how many."""
 
     def interrupt(self, flight: Flight) -> None:
-        """Make the server end ``flight`` soon with its output so far (pause): :meth:`abort`
-        it, again at its first chunk when the server may not have known it yet."""
+        """End ``flight`` soon with its output so far (:meth:`abort`; again at its first chunk)."""
         flight.blind_abort = not flight.first
         flight.interrupted = True
         self.abort(flight)
@@ -354,7 +335,7 @@ class HTTPBridge(Flights, abc.ABC):
         """Stop the server's work on ``flight``, cancelled (an abort, a client gone)."""
 
     def run_in_loop(self, coro: Any, timeout: float) -> Any:
-        """Run ``coro`` on the worker's loop from another thread and wait for its result."""
+        """Run ``coro`` on the worker's loop from another thread; its result."""
         if self._loop is None:
             coro.close()
             raise EngineUnavailable(f"the {self.name} bridge has not started")
@@ -370,8 +351,7 @@ class HTTPBridge(Flights, abc.ABC):
         task.add_done_callback(self._aux.discard)
 
     async def server_gone(self, why: str) -> None:
-        """The server cannot serve: close the worker, never answer this request (the close
-        cancels its task; the clients re-send it elsewhere)."""
+        """Close the worker and never answer (the clients re-send the request elsewhere)."""
         self._server_failed(why)
         await asyncio.Event().wait()
 

@@ -1,7 +1,5 @@
-"""``--engine sglang``: a worker fronting a running SGLang server over its native HTTP API
-(``--engine-opt url=http://127.0.0.1:30000``); how requests, pauses and weights map onto
-SGLang: ``docs/engines.md#the-sglang-and-vllm-bridges``.
-"""
+"""``--engine sglang``: a worker in front of an SGLang server (``--engine-opt url=...``); how
+it maps onto SGLang: ``docs/engines.md#the-sglang-and-vllm-bridges``."""
 
 from __future__ import annotations
 
@@ -28,28 +26,25 @@ class SGLangOptions(BridgeOptions):
     """The options of :class:`SGLangEngine`: those of :class:`BridgeOptions`, and these."""
 
     weights_dir: str | None = None
-    """Where received versions are written, readable by the server (default: a new
-    temporary directory); workers that share it write each version once."""
+    """Where versions are written for the server (default: a temporary directory)."""
     model_config: str | None = None
     """A model directory whose non-weight files are linked into each version written."""
     reload_timeout: Seconds = 600.0
     """Seconds the server may take to load a version (or another worker to write it)."""
     pause_mode: Literal["in_place", "retract", "abort"] = "in_place"
-    """``in_place`` or ``retract``: requests kept in SGLang, streams open; ``abort``: each
-    request interrupted, the client re-sends the rest."""
+    """``in_place``/``retract``: requests kept in SGLang; ``abort``: each one interrupted."""
 
 
 def sampling_params(g: GenerationHyperparameters) -> dict[str, Any]:
-    """SGLang's ``sampling_params`` for ``g`` (stop tokens kept in the output, as the
-    fabric's engines do)."""
+    """SGLang's ``sampling_params`` for ``g`` (stop tokens kept in the output)."""
     sp = sampling_common(g, "max_new_tokens", "min_new_tokens")
     sp["no_stop_trim"] = True
     return sp
 
 
 class SGLangEngine(HTTPBridge):
-    """An :class:`~transport.Engine` that forwards to an SGLang server (module docstring);
-    ``url`` and the keywords of :class:`SGLangOptions`."""
+    """An :class:`~transport.Engine` in front of an SGLang server; ``url`` and the keywords
+    of :class:`SGLangOptions`."""
 
     name = "SGLang"
     extra = "sglang"
@@ -61,8 +56,7 @@ class SGLangEngine(HTTPBridge):
         self.weights_dir = Path(
             self.options.weights_dir or tempfile.mkdtemp(prefix="fastio-sglang-")
         )
-        #: Whether the server has /pause_generation (None: not asked yet).
-        self.has_pause: bool | None = None
+        self.has_pause: bool | None = None  # the server has /pause_generation (None: not asked)
         self._kept = False  # the server is paused in place (or retracted) by us
         self._flush_due = False  # a version was loaded without flushing the cache
 
@@ -73,8 +67,7 @@ class SGLangEngine(HTTPBridge):
             self.version = self.labels.start(info.get("weight_version"))
 
     async def close(self) -> None:
-        """As the base; a server this bridge holds paused is let go first (SGLang ends an
-        aborted request only at its next step, and nothing else would resume it)."""
+        """As the base; a server this bridge holds paused is resumed first (nothing else would)."""
         if self._kept:
             self._kept = False
             await self._post_quietly("/continue_generation", {}, 2.0)
@@ -98,18 +91,10 @@ class SGLangEngine(HTTPBridge):
 
     def _flush_when_idle(self) -> None:
         if self._flush_due and not self.flights:
-            self.spawn(self._flush_quietly())
-
-    async def _flush_quietly(self) -> None:
-        # In the background: a server that cannot be reached is asked again when idle.
-        try:
-            await self._flush()
-        except RuntimeError as exc:
-            log.warning("SGLang /flush_cache failed (asked again when idle): %r", exc)
+            self.spawn(self._flush(quiet=True))
 
     def take(self, chunk: Any, flight: Flight) -> int:
-        """Emit the tokens of one chunk that are new (``[logprob, token_id, text]``),
-        stamped with the version of the chunk's ``weight_version``."""
+        """Emit a chunk's new ``[logprob, token_id, text]``, at its ``weight_version``."""
         meta = chunk.get("meta_info") or {}
         items = meta.get("output_token_logprobs") or ()
         seen = len(flight.toks)
@@ -129,16 +114,14 @@ class SGLangEngine(HTTPBridge):
 
     @property
     def pauses_in_place(self) -> bool:  # type: ignore[override]
-        """The server is paused by this bridge with its requests frozen (``in_place`` or
-        ``retract``): their streams stay open and continue after the resume."""
+        """This bridge paused the server with its requests frozen (their streams stay open)."""
         return self._kept
 
     def _keeps(self) -> bool:
         return self.options.pause_mode != "abort" and self.has_pause is not False
 
     async def pause_generation(self) -> None:  # type: ignore[override]
-        """``/pause_generation`` in ``pause_mode`` where it keeps the requests (their
-        streams wait, without a stall timeout); else interrupt every request."""
+        """``/pause_generation`` in ``pause_mode`` where it keeps them, else interrupt each."""
         if self._keeps():
             self._hold(True)  # from the start: a chunk arriving meanwhile interrupts nothing
             try:
@@ -173,7 +156,6 @@ class SGLangEngine(HTTPBridge):
                 proto.start_timeout()
 
     async def _server_pause(self, mode: str) -> bool:
-        # /pause_generation where the server has it (asked once): whether it paused.
         if self.has_pause is False:
             return False
         try:
@@ -186,9 +168,10 @@ class SGLangEngine(HTTPBridge):
         self.has_pause = True
         return True
 
-    async def _flush(self) -> None:
+    async def _flush(self, quiet: bool = False) -> None:
         # SGLang answers 400 while it holds requests: asked again once none of ours is left.
-        # A server that cannot be reached fails the load (its cache holds the old weights).
+        # A server that cannot be reached fails the load (its cache holds the old weights);
+        # in the background (quiet), it is asked again when idle.
         if not self._flush_due:
             return
         try:
@@ -198,11 +181,14 @@ class SGLangEngine(HTTPBridge):
             if exc.status in (404, 405):
                 self._flush_due = False  # no such route: nothing to ask again
             log.debug("SGLang /flush_cache: %r", exc)
+        except RuntimeError as exc:
+            if not quiet:
+                raise
+            log.warning("SGLang /flush_cache failed (asked again when idle): %r", exc)
 
     def load_weights(self, weights: Iterable[tuple[str, Any]], version: int | None = None) -> None:
-        """Write one verified version under :attr:`weights_dir` (once for the workers that
-        share it) and have the server load it (on the weight subscriber's thread, the
-        worker paused); raises when the server does not confirm the load."""
+        """Write one verified version under :attr:`weights_dir` (once per directory) and have
+        the server load it; raises when the server does not confirm the load."""
         if version is None:
             version = self.version + 1
         path = write_version(
@@ -217,16 +203,13 @@ class SGLangEngine(HTTPBridge):
         if self.options.model_config is None:
             return
         for f in Path(self.options.model_config).iterdir():
-            if f.is_file() and f.suffix not in (".safetensors", ".bin", ".pt"):
-                dest = path / f.name
-                if not dest.exists():
-                    os.symlink(f.resolve(), dest)
+            weights = f.suffix in (".safetensors", ".bin", ".pt")
+            if f.is_file() and not weights and not (path / f.name).exists():
+                os.symlink(f.resolve(), path / f.name)
 
     async def load_weights_from_disk(self, path: str, version: int | None = None) -> None:
-        """Have the server load the model at ``path`` (``/update_weights_from_disk``,
-        labelled ``str(version)``), under the frozen requests or bracketed by a pause, and
-        set :attr:`version` once it confirms (not asked again when ``/model_info`` already
-        says so); :class:`~transport.weights.WeightUpdateError` when it does not."""
+        """Have the server load the model at ``path`` labelled ``str(version)`` and set
+        :attr:`version` once it confirms; :class:`~transport.weights.WeightUpdateError` if not."""
         from transport.weights.errors import WeightUpdateError
 
         if version is not None:

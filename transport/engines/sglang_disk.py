@@ -72,8 +72,7 @@ def write_version(
 
 
 def _fingerprint(weights: Sequence[tuple[str, Any]]) -> str:
-    """A short hash of the names, dtypes, shapes and 64 values of each tensor."""
-    import hashlib
+    import hashlib  # of the names, dtypes, shapes and 64 values of each tensor
 
     import torch
 
@@ -133,7 +132,6 @@ def _write(
 
 
 def _forget_old(root: Path, version: int) -> None:
-    # The version directories (and lock files) older than version - 1 go.
     for p in root.iterdir():
         m = _VERSION_DIR.match(p.name)
         if m is None or int(m.group(1)) >= version - 1:

@@ -1,7 +1,5 @@
-"""``--engine vllm``: a worker fronting a running vLLM server on vLLM's native RL API
-(``--engine-opt url=http://127.0.0.1:8000``); how requests, pauses and weights map onto
-vLLM and how to start the server: ``docs/engines.md#vllm``.
-"""
+"""``--engine vllm``: a worker in front of a vLLM server on its RL API (``--engine-opt url=...``);
+how it maps onto vLLM and how to start the server: ``docs/engines.md#vllm``."""
 
 from __future__ import annotations
 
@@ -41,11 +39,9 @@ class VLLMOptions(BridgeOptions):
     model: str | None = None
     """The served model name sent with each request (default: the first of ``/v1/models``)."""
     route: Literal["auto", "generate", "completions"] = "auto"
-    """``auto``: ``/inference/v1/generate`` where the server has it, else
-    ``/v1/completions``; or one of ``generate``, ``completions``."""
+    """``auto``: ``/inference/v1/generate`` where the server has it, else ``/v1/completions``."""
     pause: Literal["keep", "abort"] = "keep"
-    """``keep``: freeze requests in place where the server has ``/pause`` (KV cache kept);
-    ``abort``: close their streams, the client re-sends the rest."""
+    """``keep``: freeze requests in place where the server has ``/pause``; ``abort``: end them."""
     shm_dir: str = "/dev/shm"
     """Where a version is staged for vLLM's workers (on the same host)."""
     weight_timeout: Seconds = 600.0
@@ -53,8 +49,8 @@ class VLLMOptions(BridgeOptions):
 
 
 class VLLMEngine(HTTPBridge):
-    """An :class:`~transport.Engine` that forwards to a vLLM server; ``url`` and the keywords
-    of :class:`VLLMOptions` (``model`` is kept as :attr:`served_model`)."""
+    """An :class:`~transport.Engine` in front of a vLLM server; ``url`` and the keywords of
+    :class:`VLLMOptions` (``model`` is kept as :attr:`served_model`)."""
 
     name = "vLLM"
     extra = "vllm"
@@ -65,10 +61,8 @@ class VLLMEngine(HTTPBridge):
     def __init__(self, url: str, **options: Any) -> None:
         super().__init__(url, **options)
         self.served_model = self.options.model
-        #: The server's routes (None: not read yet).
-        self.routes: set[str] | None = None
-        #: The vocabulary size from the model's config.json, where the worker can read it.
-        self.vocab_size: int | None = None
+        self.routes: set[str] | None = None  # the server's routes (None: not read yet)
+        self.vocab_size: int | None = None  # from the model's config.json, where readable
         self.state = UpdateState(_http_sync(self), f" at {url}")
 
     def probe(self, timeout: float = 5.0) -> None:
@@ -108,7 +102,7 @@ class VLLMEngine(HTTPBridge):
         return WEIGHTS_REFUSED.format(url=self.url)
 
     async def request(self, req: LLMRequest, rid: str) -> tuple[str, Any]:
-        """The native route's body, or ``/v1/completions``'s, streamed with logprobs."""
+        """The native route's streamed body, or ``/v1/completions``'s, with logprobs."""
         g = req.gconfig
         if g.n_samples != 1:
             msg = "the vLLM bridge streams one sample per request; send n requests"
@@ -128,8 +122,7 @@ class VLLMEngine(HTTPBridge):
 
     def take(self, chunk: Any, flight: Flight) -> int:
         """Emit the tokens of each streamed choice; keep the final chunk's version spans."""
-        n = 0
-        version = self.version
+        n, version = 0, self.version
         for choice in chunk.get("choices") or ():
             lp = choice.get("logprobs") or {}
             ids = choice.get("token_ids")
@@ -162,7 +155,7 @@ class VLLMEngine(HTTPBridge):
 
     @property
     def pauses_in_place(self) -> bool:  # type: ignore[override]
-        """The server is paused in place by this bridge (requests frozen, not ended)."""
+        """This bridge paused the server in place (requests frozen, not ended)."""
         return self.state.kept
 
     async def pause_generation(self) -> None:  # type: ignore[override]
@@ -190,8 +183,7 @@ class VLLMEngine(HTTPBridge):
 
 
 def _http_sync(b: VLLMEngine) -> WeightSync:
-    """:class:`~transport.engines.vllm_staging.WeightSync` over the server's RL routes."""
-    post = b.post_json
+    post = b.post_json  # the server's RL routes
 
     async def label() -> str:
         return str((await b.get_json("/weight_info")).get("weight_version"))
@@ -219,9 +211,8 @@ def _token_id(name: str) -> int:
 
 
 def factory(opts: dict[str, str]) -> Any:
-    """``--engine vllm``: with ``url``, a :class:`VLLMEngine` in front of that server;
-    with ``model`` (a path, no ``url``), vLLM in this worker
-    (:mod:`transport.engines.vllm_inproc`)."""
+    """``--engine vllm``: with ``url``, a :class:`VLLMEngine` in front of that server; with
+    ``model`` (a path, no ``url``), vLLM in this worker (:mod:`.vllm_inproc`)."""
     if not opts.get("url") and opts.get("model"):
         from transport.engines.vllm_inproc import factory as in_worker
 

@@ -1,8 +1,6 @@
-"""fastio as a vLLM weight-transfer backend (``--weight-transfer-config '{"backend": "fastio"}'``),
-in vLLM's worker processes: it loads a version :mod:`transport.engines.vllm_staging` staged,
-whole or not at all (``docs/engines.md#vllm``); :func:`register` is the
-``vllm.general_plugins`` entry point of the ``fastio`` distribution.
-"""
+"""fastio as a vLLM weight-transfer backend, in vLLM's workers: it loads a version
+:mod:`.vllm_staging` staged, whole or not at all (``docs/engines.md#vllm``); :func:`register`
+is the ``vllm.general_plugins`` entry point of the ``fastio`` distribution."""
 
 from __future__ import annotations
 
@@ -28,8 +26,7 @@ log = logging.getLogger("vllm.fastio")
 
 
 def register() -> None:
-    """``vllm.general_plugins`` entry point: register the ``fastio`` backend (runs in
-    vLLM's API server, engine core and workers: cheap, and idempotent)."""
+    """``vllm.general_plugins`` entry point: register the ``fastio`` backend (idempotent)."""
     import os
 
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
@@ -102,7 +99,7 @@ class FastioWeightTransferEngine(WeightTransferEngine[FastioInitInfo, FastioUpda
         self.loaded = None
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
-        """Verify and load one whole staged version (no accelerator sync without one)."""
+        """Verify and load one whole staged version."""
         self.receive_weights(self.parse_update_info(update_info))
         if torch.accelerator.is_available():
             torch.accelerator.synchronize()

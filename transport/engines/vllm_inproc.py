@@ -1,7 +1,5 @@
-"""``--engine vllm --engine-opt model=PATH``: vLLM's ``AsyncLLM`` inside the worker; the
-other ``--engine-opt`` keys are vLLM's engine arguments (:func:`engine_args`). The contract
-is the bridge's: ``docs/engines.md#vllm-in-the-worker``.
-"""
+"""``--engine vllm --engine-opt model=PATH``: vLLM's ``AsyncLLM`` in the worker, the other keys
+vLLM's engine arguments (:func:`engine_args`); ``docs/engines.md#vllm-in-the-worker``."""
 
 from __future__ import annotations
 
@@ -23,7 +21,6 @@ from transport.options import parse_options
 
 __all__ = ["PARENT_ENV", "AsyncLLMEngine", "die_with_parent", "engine_args", "factory"]
 
-_PR_SET_PDEATHSIG = 1
 #: The worker's pid, in its environment: vLLM processes it starts die with their parent.
 PARENT_ENV = "FASTIO_VLLM_DIE_WITH_PARENT"
 
@@ -36,11 +33,10 @@ except (OSError, AttributeError):  # not Linux: vLLM's own shutdown only
 
 
 def die_with_parent() -> None:
-    """Have the kernel SIGKILL this process when its parent dies (Linux); exit now if
-    the parent is already gone."""
+    """SIGKILL this process when its parent dies (Linux); exit now if it is already gone."""
     if _PRCTL is None:
         return
-    _PRCTL(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    _PRCTL(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
     if os.getppid() == 1:
         os._exit(1)
 
@@ -57,12 +53,13 @@ def engine_args(opts: dict[str, str]) -> Any:
     opts = {"weight_transfer_config": '{"backend": "fastio"}', **opts}
     argv: list[str] = []
     for key, value in opts.items():
-        action = actions.get(key.replace("-", "_"))
+        action = actions.get(dest := key.replace("-", "_"))
         if action is None or not action.option_strings:
             raise ValueError(f"unknown vLLM engine option {key!r} (vLLM's engine arguments)")
         flag = next(s for s in action.option_strings if s.startswith("--"))
         if action.nargs == 0 or isinstance(action, argparse.BooleanOptionalAction):
-            on = _truth(key, value)
+            one = msgspec.defstruct("Flag", [(dest, bool, True)], kw_only=True)
+            on = getattr(parse_options({dest: value}, one, "vLLM engine option"), dest)
             if isinstance(action, argparse.BooleanOptionalAction):
                 argv.append(flag if on else "--no-" + flag[2:])
             elif on:
@@ -76,15 +73,9 @@ def engine_args(opts: dict[str, str]) -> Any:
     return AsyncEngineArgs.from_cli_args(ns)
 
 
-def _truth(key: str, value: str) -> bool:
-    name = key.replace("-", "_")
-    flag = msgspec.defstruct("Flag", [(name, bool, True)], kw_only=True)
-    return bool(getattr(parse_options({name: value}, flag, "vLLM engine option"), name))
-
-
 class AsyncLLMEngine(Flights):
-    """A :class:`~transport.Engine` running vLLM's ``AsyncLLM`` in the worker (module
-    docstring). ``args``: vLLM's ``AsyncEngineArgs``."""
+    """A :class:`~transport.Engine` running vLLM's ``AsyncLLM`` in the worker; ``args``:
+    vLLM's ``AsyncEngineArgs``."""
 
     def __init__(self, args: Any) -> None:
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -114,8 +105,7 @@ class AsyncLLMEngine(Flights):
         self.llm.shutdown()
 
     async def generate(self, req: LLMRequest, ctx: GenerationContext) -> LLMResponse:
-        """Generate through ``AsyncLLM.generate``: delta outputs streamed token by token
-        when the client streams, else vLLM's final output only."""
+        """Generate through ``AsyncLLM.generate``, streamed token by token if the client streams."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
@@ -127,7 +117,6 @@ class AsyncLLMEngine(Flights):
             **sampling_common(g, "max_tokens", "min_tokens"),
             logprobs=0,
             detokenize=False,
-            # Streamed: each step's new tokens; else only the end (no per-step outputs).
             output_kind=RequestOutputKind.DELTA
             if getattr(ctx, "stream", True)
             else RequestOutputKind.FINAL_ONLY,
@@ -160,8 +149,7 @@ class AsyncLLMEngine(Flights):
         await self.state.resume()
 
     def load_weights(self, weights: Iterable[tuple[str, Any]], version: int | None = None) -> None:
-        """Stage one verified version in shared memory and load it into vLLM's workers
-        (called on the weight subscriber's thread while the worker is paused)."""
+        """Stage one verified version in shared memory and load it into vLLM's workers."""
         if self._loop is None:
             raise RuntimeError("the vLLM engine has not started")
         v = self.version + 1 if version is None else version
@@ -172,7 +160,6 @@ class AsyncLLMEngine(Flights):
 
 
 def _llm_sync(llm: Any) -> WeightSync:
-    """:class:`~transport.engines.vllm_staging.WeightSync` over ``AsyncLLM``."""
     from vllm.distributed.weight_transfer.base import (
         WeightTransferInitRequest,
         WeightTransferUpdateRequest,

@@ -1,7 +1,6 @@
-"""A verified weight version staged in one shared-memory file for vLLM's worker processes
-(:func:`stage`, :func:`open_staged`) and the rules that drive its load (:class:`UpdateState`;
-``docs/engines.md#vllm``). No vLLM import here: the bridge's process has no vLLM.
-"""
+"""A verified version staged in one shared-memory file for vLLM's workers (:func:`stage`,
+:func:`open_staged`) and the rules of its load (:class:`UpdateState`). No vLLM import here:
+the bridge's process has no vLLM (``docs/engines.md#vllm``)."""
 
 from __future__ import annotations
 
@@ -27,8 +26,7 @@ log = logging.getLogger("transport.engines")
 
 
 class StagedCorrupt(ValueError):
-    """A staged file whose size or hash is not what its ``update_info`` says (nothing
-    was loaded)."""
+    """A staged file's size or hash is not its ``update_info``'s (nothing was loaded)."""
 
 
 def _digest(buf: Any) -> str:
@@ -49,8 +47,7 @@ def stage(
     pairs: Iterable[tuple[str, torch.Tensor]], version: int, directory: str = "/dev/shm"
 ) -> dict[str, Any]:
     """Copy ``pairs`` (CPU or CUDA tensors) into a new file under ``directory``, each at a
-    multiple of 64 bytes; returns its ``update_info`` (``path``: the file, the caller's to
-    remove)."""
+    multiple of 64 bytes; its ``update_info`` (``path``: the file, the caller's to remove)."""
     items = [(name, t.detach()) for name, t in pairs]
     specs = [(name, str(t.dtype).removeprefix("torch."), t.shape) for name, t in items]
     spans = plan_spans(specs, sys.maxsize, ALIGNMENT, lambda d: getattr(torch, d))
@@ -77,8 +74,8 @@ def stage(
 
 @contextmanager
 def open_staged(info: dict[str, Any]) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """The ``(name, tensor)`` views of a staged file, after its size and hash were
-    checked (:class:`StagedCorrupt` otherwise); valid inside the ``with``."""
+    """A staged file's ``(name, tensor)`` views, valid in the ``with``, once its size and hash
+    were checked (:class:`StagedCorrupt` otherwise)."""
     if info.get("protocol") != PROTOCOL:
         raise StagedCorrupt(f"staged layout protocol {info.get('protocol')!r}, expected {PROTOCOL}")
     path, size = str(info["path"]), int(info["size"])
@@ -104,8 +101,7 @@ def open_staged(info: dict[str, Any]) -> Iterator[list[tuple[str, torch.Tensor]]
 
 @dataclass(frozen=True, slots=True)
 class WeightSync:
-    """vLLM's weight-sync calls as fastio drives them: the server's RL routes (the
-    bridge) or ``AsyncLLM``'s methods (vLLM in the worker)."""
+    """vLLM's weight-sync calls: the server's RL routes (the bridge) or ``AsyncLLM``'s."""
 
     init_transfer: Callable[[], Awaitable[Any]]
     pause_in_place: Callable[[], Awaitable[Any]]
@@ -113,8 +109,7 @@ class WeightSync:
     start_update: Callable[[], Awaitable[Any]]
     update: Callable[[dict[str, Any]], Awaitable[Any]]
     finish_update: Callable[[str], Awaitable[Any]]
-    #: The weight version vLLM reports.
-    label: Callable[[], Awaitable[str]]
+    label: Callable[[], Awaitable[str]]  # the weight version vLLM reports
 
 
 class UpdateState:
@@ -126,15 +121,12 @@ class UpdateState:
     def __init__(self, sync: WeightSync, where: str = "") -> None:
         self.sync = sync
         self.where = where
-        #: The engine is paused in place by fastio (its requests frozen, not ended).
-        self.kept = False
-        #: The last load failed after vLLM started it.
-        self.mixed = False
+        self.kept = False  # paused in place by fastio (its requests frozen, not ended)
+        self.mixed = False  # the last load failed after vLLM started it
         self._ready = False  # init_weight_transfer_engine done
 
     async def pause(self) -> None:
-        """Pause in place; :attr:`kept` from the moment it is asked (streams are read on,
-        not interrupted) until it failed or the engine resumed."""
+        """Pause in place; :attr:`kept` from the moment it is asked until it failed or resumed."""
         self.kept = True
         try:
             await self.sync.pause_in_place()
@@ -143,8 +135,7 @@ class UpdateState:
             raise
 
     async def resume(self) -> bool:
-        """Resume an engine fastio paused, unless its weights are mixed; returns whether
-        it resumed."""
+        """Resume an engine fastio paused, unless its weights are mixed; whether it resumed."""
         if not self.kept:
             return False
         if self.mixed:
@@ -155,9 +146,8 @@ class UpdateState:
         return True
 
     async def load(self, info: dict[str, Any], version: int) -> None:
-        """Load one staged version: pause in place unless :attr:`kept`, start, update,
-        finish labelled ``version``; raises (and :attr:`mixed`) unless vLLM then reports
-        that label. The engine stays paused after it."""
+        """Pause in place (unless :attr:`kept`), start, update, finish labelled ``version``;
+        raises (and :attr:`mixed`) unless vLLM then reports it. vLLM stays paused."""
         sync = self.sync
         if not self._ready:
             await sync.init_transfer()
@@ -183,8 +173,8 @@ class UpdateState:
         directory: str,
         run: Callable[[Coroutine[Any, Any, None]], object],
     ) -> None:
-        """Stage ``pairs`` under ``directory``, :meth:`load` them through ``run`` (which
-        runs the coroutine on the engine's loop and waits), and remove the staged file."""
+        """Stage ``pairs`` under ``directory``, :meth:`load` them through ``run`` (on the
+        engine's loop, waiting), remove the staged file."""
         info = stage(pairs, version, directory)
         try:
             run(self.load(info, version))

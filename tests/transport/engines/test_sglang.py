@@ -379,3 +379,21 @@ def test_a_deferred_flush_to_a_server_gone_is_logged_and_asked_again(
         asyncio.run(main())
     assert eng._flush_due and not unhandled
     assert "/flush_cache failed (asked again when idle)" in caplog.text
+
+
+def test_a_version_links_the_model_config_s_files_but_no_weights(tmp_path: Path) -> None:
+    from transport.engines.sglang import SGLangEngine
+
+    config = tmp_path / "model"
+    config.mkdir()
+    for name in ("config.json", "tokenizer.json", "model.safetensors", "old.bin"):
+        (config / name).write_text(name)
+    (config / "sub").mkdir()
+    version = tmp_path / "v1"
+    version.mkdir()
+    (version / "tokenizer.json").write_text("its own")
+    eng = SGLangEngine("http://127.0.0.1:1", model_config=str(config), weights_dir=str(tmp_path))
+    eng._link_config(version)
+    assert sorted(p.name for p in version.iterdir()) == ["config.json", "tokenizer.json"]
+    assert (version / "config.json").is_symlink()
+    assert (version / "tokenizer.json").read_text() == "its own"  # an existing file stays
