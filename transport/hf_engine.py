@@ -129,8 +129,9 @@ class HFEngine:
         self._thread.start()
 
     async def generate(self, req: LLMRequest, ctx: GenerationContext | None = None) -> LLMResponse:
-        """Generate after ``req.input_ids``, streaming through ``ctx``; ``ValueError`` for a
-        bad prompt, ``RuntimeError`` once closed or when the forward failed."""
+        """Generate after ``req.input_ids``, streaming through ``ctx``; ``ValueError`` for
+        ids outside the vocabulary or a prompt as long as the context, ``RuntimeError``
+        once closed or when the forward failed."""
         if self._closing:
             raise RuntimeError("the engine is closed")
         ids = prompt_ids(req, self.vocab_size, self._start_token)
@@ -224,7 +225,7 @@ class HFEngine:
         return True
 
     def _retire(self, done: list[_Seq]) -> None:
-        b = self._batch  # drop every sequence finished, cancelled or interrupted
+        b = self._batch
         b.keep([i for i, s in enumerate(b.seqs) if not s.reason and not self._leaves(s, done)])
 
     def _forward(

@@ -72,7 +72,7 @@ def write_version(
 
 
 def _fingerprint(weights: Sequence[tuple[str, Any]]) -> str:
-    import hashlib  # of the names, dtypes, shapes and 64 values of each tensor
+    import hashlib
 
     import torch
 

@@ -122,7 +122,8 @@ class VLLMEngine(HTTPBridge):
 
     def take(self, chunk: Any, flight: Flight) -> int:
         """Emit the tokens of each streamed choice; keep the final chunk's version spans."""
-        n, version = 0, self.version
+        n = 0
+        version = self.version
         for choice in chunk.get("choices") or ():
             lp = choice.get("logprobs") or {}
             ids = choice.get("token_ids")
@@ -183,7 +184,7 @@ class VLLMEngine(HTTPBridge):
 
 
 def _http_sync(b: VLLMEngine) -> WeightSync:
-    post = b.post_json  # the server's RL routes
+    post = b.post_json
 
     async def label() -> str:
         return str((await b.get_json("/weight_info")).get("weight_version"))
