@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from fastio.weight_msgs import WeightAck, WeightFetch, WeightHello
+from fastio.weight_msgs import WeightAck, WeightAnnounce, WeightFetch, WeightHello
 from transport.counting import Counts
 from transport.weights.core.process import process_alive, process_start_time
 from transport.weights.results import SubscriberInfo, UpdateResult
@@ -28,9 +28,11 @@ FetchAction = tuple[Literal["send", "park", "refuse"], str, int]
 
 @dataclass(slots=True, eq=False)
 class VersionLedger:
-    """Who must answer one version, who did, and who may still read its buffer."""
+    """Who must answer one version, who did, who may still read its buffer, and its
+    manifest (``shm_name``: a segment holds it)."""
 
     version: int
+    announce: WeightAnnounce | None = None
     announced_at: float = 0.0
     done_at: float = 0.0
     expected: set[str] = field(default_factory=set)
@@ -40,6 +42,8 @@ class VersionLedger:
     #: The answers being sent, by ``(worker id, bucket)`` (the driver's objects).
     answering: dict[tuple[str, int], Any] = field(default_factory=dict)
     failure_counted: bool = False  # in the metrics
+    unstaged: bool = False  # published to ipc workers only: no buffer yet
+    ipc_packing: bool = False  # being packed into the ipc slots
 
     def answered(self) -> bool:
         """Every expected worker acked the version or was lost."""
@@ -145,31 +149,20 @@ class PublisherCore:
         led.failure_counted = led.failure_counted or first
         return res, first
 
-    def on_fetch(
-        self,
-        wid: str,
-        msg: WeightFetch,
-        led: VersionLedger | None,
-        *,
-        buckets: int = 0,
-        staged: bool = True,
-        packing: bool = False,
-        shared: bool = False,
-    ) -> FetchAction:
-        """The fetch rule for ``led`` (``None``: not held; ``staged``: it has a buffer,
-        ``packing``: into the ipc slots, ``shared``: a segment); by shm, ``wid``'s process
+    def on_fetch(self, wid: str, msg: WeightFetch, led: VersionLedger | None) -> FetchAction:
+        """The fetch rule for ``led`` (``None``: not held); by shm, ``wid``'s process
         reads the buffer until it answers."""
         v, latest = msg.version, self.latest_version
-        if led is None:
+        if led is None or led.announce is None:
             return "refuse", f"version {v} is not available (latest is {latest})", latest
-        if not staged and packing:
+        if led.unstaged and led.ipc_packing:
             self.count("fetches_deferred")
             return "park", "", latest
-        if not staged:
+        if led.unstaged:
             return "refuse", f"version {v} is no longer held (latest is {latest})", latest
-        if not 0 <= msg.index < buckets:
+        if not 0 <= msg.index < len(led.announce.buckets):
             return "refuse", f"no bucket {msg.index} in version {v}", latest
-        if msg.shm and not shared:
+        if msg.shm and not led.announce.shm_name:
             return "refuse", "no shared memory for this version", -1
         if msg.shm:
             led.readers.add(self.reader(wid, msg))
