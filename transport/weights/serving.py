@@ -303,42 +303,37 @@ class Serving:
         assert st.announce is not None
         if snd.cancelled:
             return
-        info = st.announce.buckets[snd.fetch.index]
+        info, shm = st.announce.buckets[snd.fetch.index], snd.fetch.shm
         with self.cond:
             ready = min(max(st.packed - info.shm_offset, 0), info.nbytes)
             complete = info.index < st.buckets_done
-        v, k, n = snd.fetch.version, snd.fetch.index, info.nbytes
-        span = self.notices.span if snd.fetch.shm else self.frames.span
-        while (end := span(snd.cursor, ready, n, complete, self.config.chunk_bytes)) is not None:
+        v, k, n, step = snd.fetch.version, snd.fetch.index, info.nbytes, self.config.chunk_bytes
+        route = self.notices if shm else self.frames
+        while (end := route.span(snd.cursor, ready, n, complete, step)) is not None:
             start, last = snd.cursor, complete and end == n
             if end == start and not last:
                 return
+            chunks = [] if shm else [st.np[info.shm_offset + start : info.shm_offset + end]]
             checksum = info.checksum if last else 0
-            if snd.fetch.shm:
-                msg = WeightBucket(v, k, start, checksum, last, [], end - start)
-                ok = self.notices.send(snd.ident, snd.wid, msg) is not None
-            else:
-                chunk = st.np[info.shm_offset + start : info.shm_offset + end]
-                msg = WeightBucket(v, k, start, checksum, last, [chunk])
-                tracker = None
-                if snd.fetch.data and snd.linked is not False:
-                    tracker = self._link_send(snd, msg)
-                    if tracker is None and snd.linked:  # closed mid-bucket: the worker asks again
-                        self.core.count("sends_ended_by_link")
-                        self._ended(st, snd)
-                        return
-                    snd.linked = tracker is not None
-                if tracker is None:  # no data link: ZeroMQ frames
-                    tracker = self.frames.send(snd.ident, snd.wid, msg)
-                ok = tracker is not None
-                if tracker is not None:
-                    with self.cond:
-                        st.trackers.append(tracker)
+            msg = WeightBucket(v, k, start, checksum, last, chunks, end - start if shm else 0)
+            tracker = None
+            if snd.fetch.data and not shm and snd.linked is not False:
+                tracker = self._link_send(snd, msg)
+                if tracker is None and snd.linked:  # closed mid-bucket: the worker asks again
+                    self.core.count("sends_ended_by_link")
+                    self._ended(st, snd)
+                    return
+                snd.linked = tracker is not None
+            if tracker is None:  # no data link: ZeroMQ frames (or the notice)
+                tracker = route.send(snd.ident, snd.wid, msg)
+            if tracker is not None:
+                with self.cond:
+                    st.trackers.append(tracker)
             snd.cursor = end
-            if last or not ok:  # not queued (HWM or peer gone): the worker asks again
+            if last or tracker is None:  # not queued (HWM or peer gone): the worker asks again
                 self._ended(st, snd)
-                if ok:
+                if tracker is not None:
                     self.core.count("buckets_sent")
-                    self.core.count("bytes_sent", 0 if snd.fetch.shm else n)
-                    metrics.PUBLISHER_BYTES.labels(path="shm" if snd.fetch.shm else "tcp").inc(n)
+                    self.core.count("bytes_sent", 0 if shm else n)
+                    metrics.PUBLISHER_BYTES.labels(path="shm" if shm else "tcp").inc(n)
                 return
