@@ -96,14 +96,13 @@ class Serving:
             self._wake_w.send(b"", zmq.NOBLOCK)
 
     def submit(self, st: Staged) -> None:
-        """Hand a staged version to the loop, which announces it (from any thread)."""
+        """Hand a staged version to the loop, which announces and packs it; returns once
+        it did or stopped (from any thread)."""
         with self.cond:
             self.pending.append(st)
-        self.wake()
-
-    def submitted(self, st: Staged) -> bool:
-        """Whether ``st`` waits to be announced or packed (lock held)."""
-        return (st in self.pending or st.job is not None) and not self.closed
+            self.wake()
+            while (st in self.pending or st.job is not None) and not self.closed:
+                self.cond.wait(1.0)
 
     def stop(self) -> bool:
         """Tell the loop to stop (from any thread); False when it was told already."""

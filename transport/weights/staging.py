@@ -46,11 +46,11 @@ def plan_version(
 ) -> list[WeightBucketInfo]:
     """The buckets of a version: floating tensors cast while packing to ``dtype`` (``""``:
     none) where it is narrower."""
-    cast = parse_dtype(dtype) if dtype else None
+    to = parse_dtype(dtype) if dtype else None
     wire: dict[str, torch.dtype] = {}
     for n, t in tensors.items():
-        narrower = cast is not None and cast.itemsize < t.dtype.itemsize
-        wire[n] = cast if cast is not None and narrower and t.dtype in FLOAT_DTYPES else t.dtype
+        narrower = to is not None and to.itemsize < t.dtype.itemsize
+        wire[n] = to if to is not None and narrower and t.dtype in FLOAT_DTYPES else t.dtype
     plan = plan_buckets(
         ((n, dtype_name(wire[n]), tuple(t.shape)) for n, t in tensors.items()), bucket_bytes
     )
@@ -282,10 +282,8 @@ class VersionStore:
         self.core.count("versions_staged_late")
 
     def _take_free(self, total: int) -> _shm.ShmSegment | None:
-        for i, seg in enumerate(self._free):
-            if self.core.fits(total, seg.size):
-                return self._free.pop(i)
-        return None
+        i = next((i for i, seg in enumerate(self._free) if self.core.fits(total, seg.size)), -1)
+        return self._free.pop(i) if i >= 0 else None
 
     def _busy(self, version: int) -> bool:
         """``version``'s buffer is still packed (a late staging holds the ipc slots until
