@@ -167,8 +167,7 @@ class WeightPublisher:
         plan = plan_version(tensors, dtype, self.config.bucket_bytes)
         total = plan[-1].shm_offset + plan[-1].nbytes if plan else 0
         # Only ipc workers: the slots are the snapshot, staged late if someone needs it.
-        lazy = ipc and self.ipc.only()
-        if lazy:
+        if ipc and self.ipc.only():
             staged = Staged.ipc_only(version)
             self.core.count("versions_not_staged")
         else:
@@ -177,12 +176,9 @@ class WeightPublisher:
         announce = WeightAnnounce(  # seq: the serving thread's, which owns it
             self.publisher_id, 0, version, self.config.checksum, total, plan, shm_name, aliases
         )
-        # Packed by the serving thread between its sends.
         staged.prepare(announce, tensors, self.config.chunk_bytes, self._cond)
-        self.serving.submit(staged)
+        self.serving.submit(staged)  # packed by the serving thread between its sends
         with self._cond:
-            while self.serving.submitted(staged):
-                self._cond.wait(1.0)
             if staged.error is not None:
                 raise staged.error
             if self.serving.closed:
@@ -203,17 +199,12 @@ class WeightPublisher:
         """Wait until every expected worker answered ``version`` (``workers``: the ids,
         default those alive at the announcement), or ``timeout`` passed; never raises
         for workers' failures (``result.ok``)."""
-        deadline = time.monotonic() + timeout
         with self._cond:
             led = self.core.lookup(version)
             if isinstance(led, UpdateResult):  # retired: its final result
                 return led
             self.core.expect(led, workers)
-            while not led.settled():
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                self._cond.wait(min(left, 0.5))
+            self._cond.wait_for(led.settled, timeout)
             res, first_failure = self.core.outcome(led, time.monotonic())
             if first_failure:
                 metrics.PUBLISHER_FAILURES.inc()

@@ -8,7 +8,7 @@ import errno
 import logging
 import threading
 import time
-from typing import Any, Union
+from typing import Any, Union, cast
 
 import msgspec
 import zmq
@@ -96,14 +96,13 @@ class Serving:
             self._wake_w.send(b"", zmq.NOBLOCK)
 
     def submit(self, st: Staged) -> None:
-        """Hand a staged version to the loop, which announces it (from any thread)."""
+        """Hand a staged version to the loop, which announces and packs it; returns once
+        it did or stopped (from any thread)."""
         with self.cond:
             self.pending.append(st)
-        self.wake()
-
-    def submitted(self, st: Staged) -> bool:
-        """Whether ``st`` waits to be announced or packed (lock held)."""
-        return (st in self.pending or st.job is not None) and not self.closed
+            self.wake()
+            while (st in self.pending or st.job is not None) and not self.closed:
+                self.cond.wait(1.0)
 
     def stop(self) -> bool:
         """Tell the loop to stop (from any thread); False when it was told already."""
@@ -184,20 +183,17 @@ class Serving:
         with self.cond:
             self.seq += 1
             st.announce.seq = self.seq
-            self.core.announce(st.ledger, time.monotonic())
-            self.store.add(st)
+            self.core.announce(st, time.monotonic())
             self.store.retire()
             self.cond.notify_all()
         frames = self.encoder.encode(st.announce)
         self.pub.send_multipart(frames, copy=False)
-        for w in sorted(st.ledger.expected):
+        for w in sorted(st.expected):
             self.reply(w.encode(), frames)
 
     def _advance_all(self) -> None:
         with self.cond:
-            work = [
-                (st, a) for st in self.store.versions.values() for a in st.ledger.answering.values()
-            ]
+            work = [(st, a) for st in self.store.versions.values() for a in st.answering.values()]
         for st, snd in work:
             self._advance(st, snd)
 
@@ -247,8 +243,7 @@ class Serving:
         behind: Staged | None = None
         with self.cond:
             if isinstance(msg, WeightHello):
-                led = self.core.on_hello(wid, msg, now)
-                behind = self.store.versions.get(led.version) if led is not None else None
+                behind = cast("Staged | None", self.core.on_hello(wid, msg, now))
             elif isinstance(msg, WeightAck):
                 if not self.core.on_ack(wid, msg, now):
                     self._rlog.warning(
@@ -278,25 +273,14 @@ class Serving:
             st = self.store.versions.get(msg.version)
         if st is not None and st.unstaged:
             self.store.stage_late(st, self.ipc, self.config.chunk_bytes)
-        snd = Send(ident, msg)
+        snd = Send(ident, wid, msg)
         with self.cond:  # the look-up again: a version may be retired meanwhile
             st = self.store.versions.get(msg.version)
-            if st is None or st.announce is None:
-                act, why, named = self.core.on_fetch(wid, msg, None)
-            else:
-                act, why, named = self.core.on_fetch(
-                    wid,
-                    msg,
-                    st.ledger,
-                    buckets=len(st.announce.buckets),
-                    staged=not st.unstaged,
-                    packing=st.ipc_packing,
-                    shared=st.seg is not None,
-                )
+            act, why, named = self.core.on_fetch(wid, msg, st)
             if act == "park":
                 self.parked[(wid, msg.version, msg.index)] = (ident, wid, msg)
             elif act == "send" and st is not None:
-                old = self.core.answering(st.ledger, (wid, msg.index), snd)
+                old = self.core.answering(st, (wid, msg.index), snd)
                 if old is not None:
                     old.cancelled = True
         if act == "refuse":
@@ -306,7 +290,7 @@ class Serving:
 
     def _ended(self, st: Staged, snd: Send) -> None:
         with self.cond:
-            self.core.answer_ended(st.ledger, (snd.wid, snd.fetch.index), snd)
+            self.core.answer_ended(st, (snd.wid, snd.fetch.index), snd)
 
     def _link_send(self, snd: Send, msg: WeightBucket) -> Tracker | None:
         """Queue ``msg`` (one chunk) on the worker's data link; None without one."""
@@ -318,42 +302,37 @@ class Serving:
         assert st.announce is not None
         if snd.cancelled:
             return
-        info = st.announce.buckets[snd.fetch.index]
+        info, shm = st.announce.buckets[snd.fetch.index], snd.fetch.shm
         with self.cond:
             ready = min(max(st.packed - info.shm_offset, 0), info.nbytes)
             complete = info.index < st.buckets_done
-        v, k, n = snd.fetch.version, snd.fetch.index, info.nbytes
-        span = self.notices.span if snd.shm else self.frames.span
-        while (end := span(snd.cursor, ready, n, complete, self.config.chunk_bytes)) is not None:
+        v, k, n, step = snd.fetch.version, snd.fetch.index, info.nbytes, self.config.chunk_bytes
+        route = self.notices if shm else self.frames
+        while (end := route.span(snd.cursor, ready, n, complete, step)) is not None:
             start, last = snd.cursor, complete and end == n
             if end == start and not last:
                 return
+            chunks = [] if shm else [st.np[info.shm_offset + start : info.shm_offset + end]]
             checksum = info.checksum if last else 0
-            if snd.shm:
-                msg = WeightBucket(v, k, start, checksum, last, [], end - start)
-                ok = self.notices.send(snd.ident, snd.wid, msg) is not None
-            else:
-                chunk = st.np[info.shm_offset + start : info.shm_offset + end]
-                msg = WeightBucket(v, k, start, checksum, last, [chunk])
-                tracker = None
-                if snd.fetch.data and snd.linked is not False:
-                    tracker = self._link_send(snd, msg)
-                    if tracker is None and snd.linked:  # closed mid-bucket: the worker asks again
-                        self.core.count("sends_ended_by_link")
-                        self._ended(st, snd)
-                        return
-                    snd.linked = tracker is not None
-                if tracker is None:  # no data link: ZeroMQ frames
-                    tracker = self.frames.send(snd.ident, snd.wid, msg)
-                ok = tracker is not None
-                if tracker is not None:
-                    with self.cond:
-                        st.trackers.append(tracker)
+            msg = WeightBucket(v, k, start, checksum, last, chunks, end - start if shm else 0)
+            tracker = None
+            if snd.fetch.data and not shm and snd.linked is not False:
+                tracker = self._link_send(snd, msg)
+                if tracker is None and snd.linked:  # closed mid-bucket: the worker asks again
+                    self.core.count("sends_ended_by_link")
+                    self._ended(st, snd)
+                    return
+                snd.linked = tracker is not None
+            if tracker is None:  # no data link: ZeroMQ frames (or the notice)
+                tracker = route.send(snd.ident, snd.wid, msg)
+            if tracker is not None:
+                with self.cond:
+                    st.trackers.append(tracker)
             snd.cursor = end
-            if last or not ok:  # not queued (HWM or peer gone): the worker asks again
+            if last or tracker is None:  # not queued (HWM or peer gone): the worker asks again
                 self._ended(st, snd)
-                if ok:
+                if tracker is not None:
                     self.core.count("buckets_sent")
-                    self.core.count("bytes_sent", 0 if snd.shm else n)
-                    metrics.PUBLISHER_BYTES.labels(path="shm" if snd.shm else "tcp").inc(n)
+                    self.core.count("bytes_sent", 0 if shm else n)
+                    metrics.PUBLISHER_BYTES.labels(path="shm" if shm else "tcp").inc(n)
                 return

@@ -7,8 +7,9 @@ import logging
 import threading
 import time
 from collections.abc import Generator, Mapping
+from dataclasses import dataclass
 from inspect import GEN_RUNNING, getgeneratorstate
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import msgspec
 import numpy as np
@@ -45,11 +46,11 @@ def plan_version(
 ) -> list[WeightBucketInfo]:
     """The buckets of a version: floating tensors cast while packing to ``dtype`` (``""``:
     none) where it is narrower."""
-    cast = parse_dtype(dtype) if dtype else None
+    to = parse_dtype(dtype) if dtype else None
     wire: dict[str, torch.dtype] = {}
     for n, t in tensors.items():
-        narrower = cast is not None and cast.itemsize < t.dtype.itemsize
-        wire[n] = cast if cast is not None and narrower and t.dtype in FLOAT_DTYPES else t.dtype
+        narrower = to is not None and to.itemsize < t.dtype.itemsize
+        wire[n] = to if to is not None and narrower and t.dtype in FLOAT_DTYPES else t.dtype
     plan = plan_buckets(
         ((n, dtype_name(wire[n]), tuple(t.shape)) for n, t in tensors.items()), bucket_bytes
     )
@@ -63,38 +64,31 @@ def plan_version(
     return plan
 
 
+@dataclass(eq=False, slots=True)
 class Send:
     """One Fetch being answered: the next chunk's start; whether it took the data link
     (fixed at its first chunk); whether a later Fetch superseded it."""
 
-    __slots__ = ("cancelled", "cursor", "fetch", "ident", "linked", "shm", "wid")
-
-    def __init__(self, ident: bytes, fetch: WeightFetch) -> None:
-        self.ident = ident
-        self.wid = ident.decode("utf-8", "replace")
-        self.fetch = fetch
-        self.shm = fetch.shm
-        self.cursor = 0
-        self.linked: bool | None = None
-        self.cancelled = False
+    ident: bytes
+    wid: str
+    fetch: WeightFetch
+    cursor: int = 0
+    linked: bool | None = None
+    cancelled: bool = False
 
 
-class Staged:
-    """One version's buffer, manifest and bookkeeping."""
+class Staged(VersionLedger):
+    """One version: its :class:`VersionLedger`, buffer, manifest and packing."""
 
     def __init__(self, version: int, buf: torch.Tensor, seg: _shm.ShmSegment | None) -> None:
-        self.version = version
+        super().__init__(version)
         self.buf, self.seg = buf, seg
         self.np: np.ndarray[Any, Any] = buf.numpy()  # cheaper to slice than the tensor
-        self.announce: WeightAnnounce | None = None
-        self.ledger = VersionLedger(version)
         self.trackers: list[Tracker] = []
         self.packed = 0  # bytes packed so far
         self.buckets_done = 0  # buckets packed, their checksum known
         self.job: Generator[None, None, None] | None = None  # the packing still to do
         self.error: BaseException | None = None
-        self.unstaged = False  # published to ipc workers only: no buffer yet
-        self.ipc_packing = False  # being packed into the ipc slots
 
     @classmethod
     def ipc_only(cls, version: int) -> Staged:
@@ -226,8 +220,8 @@ def _read(
 
 
 class VersionStore:
-    """The staged versions, in the order announced, and the pool of free segments (under
-    ``cond``)."""
+    """The staged versions (the core's, in the order announced) and the pool of free
+    segments (under ``cond``)."""
 
     def __init__(
         self, core: PublisherCore, cond: threading.Condition, use_shm: bool, keep_versions: int
@@ -236,13 +230,12 @@ class VersionStore:
         self.cond = cond
         self.use_shm = use_shm
         self.keep_versions = keep_versions
-        self.versions: dict[int, Staged] = {}
         self.closed = False
         self._free: list[_shm.ShmSegment] = []
 
-    def add(self, st: Staged) -> None:
-        """``st`` was announced: the latest version."""
-        self.versions[st.version] = st
+    @property
+    def versions(self) -> dict[int, Staged]:
+        return cast("dict[int, Staged]", self.core.versions)  # every one announced is staged
 
     def acquire(self, version: int, total: int) -> Staged:
         """A buffer for a new version: a free or reusable one that fits, else a new one."""
@@ -251,14 +244,12 @@ class VersionStore:
             for v in self.core.takeable(self._busy) if seg is None else []:
                 st = self.versions[v]
                 if st.seg is None and st.buf.numel() >= total:
-                    self.forget(v)
                     buf = st.buf
-                    st.take_segment()
+                    self._retire(st)
                     self.core.count("buffers_reused")
                     return Staged(version, buf, None)
-                if st.seg is not None and self.core.readers_done(st.ledger):
-                    self.forget(v)
-                    self._recycle(st)
+                if st.seg is not None and self.core.readers_done(st):
+                    self._retire(st)
                     if (seg := self._take_free(total)) is not None:
                         break
         if seg is not None:
@@ -291,11 +282,8 @@ class VersionStore:
         self.core.count("versions_staged_late")
 
     def _take_free(self, total: int) -> _shm.ShmSegment | None:
-        """A pooled segment that fits ``total`` without wasting more than half."""
-        for i, seg in enumerate(self._free):
-            if self.core.fits(total, seg.size):
-                return self._free.pop(i)
-        return None
+        i = next((i for i, seg in enumerate(self._free) if self.core.fits(total, seg.size)), -1)
+        return self._free.pop(i) if i >= 0 else None
 
     def _busy(self, version: int) -> bool:
         """``version``'s buffer is still packed (a late staging holds the ipc slots until
@@ -303,14 +291,11 @@ class VersionStore:
         st = self.versions[version]
         return st.job is not None or not st.sends_done()
 
-    def forget(self, version: int) -> None:
-        """Drop a version from the store and the core (lock held)."""
-        del self.versions[version]
-        self.core.drop(version, time.monotonic())
-
-    def _recycle(self, st: Staged) -> None:
-        """Take ``st``'s buffer: to the pool if no one may read it, else unlinked."""
-        reusable = self.core.readers_done(st.ledger)
+    def _retire(self, st: Staged) -> None:
+        """Drop ``st`` and take its buffer: to the pool if no one may read it, else
+        unlinked (lock held)."""
+        self.core.drop(st.version, time.monotonic())
+        reusable = self.core.readers_done(st)
         seg = st.take_segment()
         if seg is None:
             return
@@ -329,12 +314,10 @@ class VersionStore:
         for seg in [st.take_segment() for st in self.versions.values()] + self._free:
             if seg is not None:
                 seg.close()
-        self.versions.clear()
         self.core.close()
         self._free.clear()
 
     def retire(self) -> None:
         """Free buffers of old versions that no one can still need (lock held)."""
         for v in self.core.takeable(self._busy, self.keep_versions):
-            self._recycle(self.versions[v])
-            self.forget(v)
+            self._retire(self.versions[v])

@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from fastio.weight_msgs import WeightAck, WeightFetch, WeightHello
+from fastio.weight_msgs import WeightAck, WeightAnnounce, WeightFetch, WeightHello
 from transport.counting import Counts
 from transport.weights.core.process import process_alive, process_start_time
 from transport.weights.results import SubscriberInfo, UpdateResult
@@ -28,9 +28,11 @@ FetchAction = tuple[Literal["send", "park", "refuse"], str, int]
 
 @dataclass(slots=True, eq=False)
 class VersionLedger:
-    """Who must answer one version, who did, and who may still read its buffer."""
+    """Who must answer one version, who did, who may still read its buffer, and its
+    manifest (``shm_name``: a segment holds it)."""
 
     version: int
+    announce: WeightAnnounce | None = None
     announced_at: float = 0.0
     done_at: float = 0.0
     expected: set[str] = field(default_factory=set)
@@ -40,6 +42,8 @@ class VersionLedger:
     #: The answers being sent, by ``(worker id, bucket)`` (the driver's objects).
     answering: dict[tuple[str, int], Any] = field(default_factory=dict)
     failure_counted: bool = False  # in the metrics
+    unstaged: bool = False  # published to ipc workers only: no buffer yet
+    ipc_packing: bool = False  # being packed into the ipc slots
 
     def answered(self) -> bool:
         """Every expected worker acked the version or was lost."""
@@ -78,7 +82,7 @@ class VersionLedger:
         self.readers = {r for r in self.readers if r[:3] != reader}
 
     def check_done(self, now: float) -> None:
-        if not self.done_at and self.expected and self.answered():
+        if not self.done_at and self.settled():
             self.done_at = now
 
 
@@ -145,31 +149,20 @@ class PublisherCore:
         led.failure_counted = led.failure_counted or first
         return res, first
 
-    def on_fetch(
-        self,
-        wid: str,
-        msg: WeightFetch,
-        led: VersionLedger | None,
-        *,
-        buckets: int = 0,
-        staged: bool = True,
-        packing: bool = False,
-        shared: bool = False,
-    ) -> FetchAction:
-        """The fetch rule for ``led`` (``None``: not held; ``staged``: it has a buffer,
-        ``packing``: into the ipc slots, ``shared``: a segment); by shm, ``wid``'s process
+    def on_fetch(self, wid: str, msg: WeightFetch, led: VersionLedger | None) -> FetchAction:
+        """The fetch rule for ``led`` (``None``: not held); by shm, ``wid``'s process
         reads the buffer until it answers."""
         v, latest = msg.version, self.latest_version
-        if led is None:
+        if led is None or led.announce is None:
             return "refuse", f"version {v} is not available (latest is {latest})", latest
-        if not staged and packing:
+        if led.unstaged and led.ipc_packing:
             self.count("fetches_deferred")
             return "park", "", latest
-        if not staged:
+        if led.unstaged:
             return "refuse", f"version {v} is no longer held (latest is {latest})", latest
-        if not 0 <= msg.index < buckets:
+        if not 0 <= msg.index < len(led.announce.buckets):
             return "refuse", f"no bucket {msg.index} in version {v}", latest
-        if msg.shm and not shared:
+        if msg.shm and not led.announce.shm_name:
             return "refuse", "no shared memory for this version", -1
         if msg.shm:
             led.readers.add(self.reader(wid, msg))
@@ -177,8 +170,7 @@ class PublisherCore:
 
     def answering(self, led: VersionLedger, key: tuple[str, int], answer: Any) -> Any:
         """``answer`` to ``(worker, bucket)`` starts; returns the earlier one it ends."""
-        old = led.answering.get(key)
-        led.answering[key] = answer
+        old, led.answering[key] = led.answering.get(key), answer
         return old
 
     def answer_ended(self, led: VersionLedger, key: tuple[str, int], answer: Any) -> None:
@@ -247,8 +239,11 @@ class PublisherCore:
         info = self.touch(wid, now, hello=True)
         process = (msg.host_id, msg.pid, msg.start_time)
         if (info.host_id, info.pid, info.hello_start_time) != process:
-            # Another process (a restart may even reuse the pid): its own start time.
-            info.start_time = self._visible_start(msg)
+            # Another process (a restart may even reuse the pid): its own start time, kept
+            # only when this host sees that process (else 0: never taken for gone).
+            here = msg.host_id == self.host_id and msg.pid > 0 and msg.start_time > 0
+            seen = here and self._start_time_of(msg.pid) == msg.start_time
+            info.start_time = msg.start_time if seen else 0
             info.hello_start_time = msg.start_time
         info.host_id, info.pid = msg.host_id, msg.pid
         info.version, info.digest, info.dtype = msg.version, msg.digest, msg.dtype
@@ -294,14 +289,10 @@ class PublisherCore:
             return wid, msg.pid, msg.start_time, msg.start_time if seen == msg.start_time else 0
         return wid, 0, 0, 0
 
-    def gone(self, reader: Reader) -> bool:
-        """Whether a reader process is known to be gone."""
-        _, pid, _, visible = reader
-        return visible > 0 and not self._alive(pid, visible)
-
     def readers_done(self, led: VersionLedger) -> bool:
-        """The buffer rule: whether no process may still read ``led``'s buffer."""
-        led.readers = {r for r in led.readers if not self.gone(r)}
+        """The buffer rule: whether no process may still read ``led``'s buffer (one this
+        host sees is gone once it ended)."""
+        led.readers = {r for r in led.readers if r[3] <= 0 or self._alive(r[1], r[3])}
         return not led.readers
 
     def tick(self, now: float, gone: Iterable[str] = ()) -> list[tuple[str, str]]:
@@ -330,20 +321,12 @@ class PublisherCore:
     def lookup(self, version: int) -> VersionLedger | UpdateResult:
         """``version``'s ledger, or its final result once retired (among the last
         :data:`KEEP_RESULTS`; else ``KeyError``)."""
-        led = self.versions.get(version)
-        if led is not None:
-            return led
-        if version not in self.retired:
+        found = self.versions.get(version) or self.retired.get(version)
+        if found is None:
             raise KeyError(f"version {version} was not published by this publisher")
-        return self.retired[version]
+        return found
 
     def result(self, version: int, now: float) -> UpdateResult:
         """Where ``version`` stands (see :meth:`lookup`)."""
         led = self.lookup(version)
         return led.result(now) if isinstance(led, VersionLedger) else led
-
-    def _visible_start(self, hello: WeightHello) -> int:
-        """The Hello's start time when this host sees that process, else 0."""
-        if hello.host_id != self.host_id or hello.pid <= 0 or hello.start_time <= 0:
-            return 0
-        return hello.start_time if self._start_time_of(hello.pid) == hello.start_time else 0

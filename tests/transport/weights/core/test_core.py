@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from fastio.weight_msgs import WeightAck, WeightFetch, WeightHello
-from transport.weights.core.publisher import PublisherCore
+from fastio.weight_msgs import WeightAck, WeightAnnounce, WeightBucketInfo, WeightFetch, WeightHello
+from transport.weights.core.publisher import PublisherCore, VersionLedger
 from transport.weights.core.subscriber import (
     MIXED,
     FetchSchedule,
@@ -47,9 +47,7 @@ def core(procs: Procs | None = None, timeout: float = 10.0) -> PublisherCore:
     return PublisherCore(HOST, timeout, alive=p.alive, start_time_of=p.start_time)
 
 
-def announce(c: PublisherCore, version: int, now: float = 0.0) -> object:
-    from transport.weights.core.publisher import VersionLedger
-
+def announce(c: PublisherCore, version: int, now: float = 0.0) -> VersionLedger:
     led = VersionLedger(version)
     c.announce(led, now)
     return led
@@ -225,17 +223,19 @@ def test_the_fetch_rule_refuses_parks_or_answers_as_a_reader() -> None:
     assert c.on_fetch("w", WeightFetch(0, 0, True), None) == (
         "refuse", "version 0 is not available (latest is 1)", 1
     )  # fmt: skip
-    assert c.on_fetch("w", f, led, staged=False, packing=True)[0] == "park"
+    assert c.on_fetch("w", f, led)[1] == "version 1 is not available (latest is 1)"  # no manifest
+    led.announce = WeightAnnounce("p", 0, 1, "xxh3_64", 8, [WeightBucketInfo(0, 8, 0, [])])
+    led.unstaged = led.ipc_packing = True  # ipc workers only, still packed into the slots
+    assert c.on_fetch("w", f, led)[0] == "park"
     assert c.counters.get("fetches_deferred") == 1
-    assert c.on_fetch("w", f, led, staged=False)[1].endswith("no longer held (latest is 1)")
-    assert c.on_fetch("w", WeightFetch(1, 3, False), led, buckets=3)[1] == (
-        "no bucket 3 in version 1"
-    )
-    assert c.on_fetch("w", f, led, buckets=1) == (
-        "refuse", "no shared memory for this version", -1
-    )  # fmt: skip
+    led.ipc_packing = False
+    assert c.on_fetch("w", f, led)[1].endswith("no longer held (latest is 1)")
+    led.unstaged = False
+    assert c.on_fetch("w", WeightFetch(1, 1, False), led)[1] == "no bucket 1 in version 1"
+    assert c.on_fetch("w", f, led) == ("refuse", "no shared memory for this version", -1)
     assert c.readers_done(led)
-    assert c.on_fetch("w", f, led, buckets=1, shared=True) == ("send", "", 1)
+    led.announce.shm_name = "segment"
+    assert c.on_fetch("w", f, led) == ("send", "", 1)
     assert not c.readers_done(led)  # it reads the segment until it answers
 
 

@@ -121,11 +121,11 @@ def test_a_fetch_never_reads_a_version_whose_segment_was_recycled(
         """Holds the serving thread between the Fetch's look-up and its registration
         until publish() has taken its buffer."""
 
-        def __init__(self, ident: bytes, fetch: WeightFetch) -> None:
+        def __init__(self, ident: bytes, wid: str, fetch: WeightFetch) -> None:
             if ident == b"late-reader":
                 in_window.set()
                 assert recycled.wait(30)
-            super().__init__(ident, fetch)
+            super().__init__(ident, wid, fetch)
 
     def acquire(version: int, total: int) -> Any:
         try:

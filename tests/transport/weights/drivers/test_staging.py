@@ -120,8 +120,7 @@ def _ipc_only(store: VersionStore, version: int) -> Staged:
     ann = WeightAnnounce("p", 0, version, "xxh3_64", total, plan)
     st.prepare(ann, make_state(version), 4 << 10, store.cond)
     with store.cond:
-        store.core.announce(st.ledger, 0.0)
-        store.add(st)
+        store.core.announce(st, 0.0)
     return st
 
 
