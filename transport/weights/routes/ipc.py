@@ -118,8 +118,8 @@ def _release_slot(slot: torch.Tensor, h: IpcHandle) -> None:
 @dataclass
 class _Worker:
     hello: IpcHello
+    exports: list[IpcHandle]
     opened: bool = False
-    exports: list[IpcHandle] = field(default_factory=list)
     offered_at: float = field(default_factory=time.monotonic)
 
 
@@ -181,9 +181,8 @@ class IpcExporter:
             self.drop_worker(
                 hello.worker_id, dead=not process_alive(old.hello.pid, old.hello.start_time)
             )
-        w = _Worker(hello)
-        w.exports = [h or _export_cuda(s, ev) for s, ev, h in self._slots]
-        self.workers[hello.worker_id] = w  # once its exports exist (they may fail)
+        exports = [h or _export_cuda(s, ev) for s, ev, h in self._slots]
+        self.workers[hello.worker_id] = w = _Worker(hello, exports)  # once they exist (may fail)
         return IpcOffer(
             self.publisher_id,
             os.getpid(),

@@ -305,9 +305,7 @@ class IpcReceiver:
     def close(self) -> bool:
         """Unmap the slots; whether a goodbye was sent."""
         imp, self.importer = self.importer, None
-        if imp is None:
-            return False
-        bye = imp.release()
+        bye = imp.release() if imp is not None else None
         if bye is not None:
             self.send(bye)
         return bye is not None
