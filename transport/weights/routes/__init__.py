@@ -8,12 +8,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    import torch
-
     from fastio.weight_msgs import WeightAnnounce, WeightBucket
     from transport.weights.core.subscriber import SubscriberCore
     from transport.weights.routes.inflight import InFlight, Partial
-    from transport.weights.streaming import BucketStream
 
 __all__ = ["Inbound", "Receiver", "Replies", "Sender", "Tracker"]
 
@@ -61,10 +58,6 @@ class Receiver(Protocol):
 
     def chunk_done(
         self, up: InFlight, i: int, part: Partial, t: float, ok: bool, last: bool, checksum: int
-    ) -> None: ...
-
-    def landed(
-        self, up: InFlight, i: int, chunks: list[torch.Tensor], stream: BucketStream | None
     ) -> None: ...
 
     def fail(self, version: int, error: str, route: str = "tcp") -> None: ...

@@ -31,6 +31,7 @@ from fastio.ipc_msgs import (
 )
 from fastio.weight_msgs import WeightBucketInfo, WeightTensor
 from transport import metrics
+from transport.weights.binding import Binding
 from transport.weights.bucket import SUM64_ROW, dtype_name, pack_bucket, plan_spans, wire_tensor
 from transport.weights.bucket import sum64 as checksum
 from transport.weights.core.ipc import SlotLedger
@@ -44,7 +45,6 @@ from transport.weights.routes.ipc_worker import (
     IpcRefused,
     _cuda,
     _Storage,
-    check_layout,
     detached,
     ipc_eligible,
 )
@@ -78,7 +78,7 @@ def _layout(tensors: Mapping[str, torch.Tensor], bucket_bytes: int) -> list[IpcB
 def _until(
     done: Callable[[], bool], deadline: float, wait: Callable[[float], object], step: float = 0.2
 ) -> bool:
-    """Call ``wait`` (``step`` seconds at most) until ``done()``; False at the deadline."""
+    """``wait`` (``step`` s at most each) until ``done()``; False at the deadline."""
     while not done():
         left = deadline - time.monotonic()
         if left <= 0:
@@ -88,8 +88,7 @@ def _until(
 
 
 def _new_slot(nbytes: int, device: torch.device) -> tuple[torch.Tensor, Any, IpcHandle | None]:
-    """A zeroed slot: the tensor, its CUDA interprocess event and, on CPU, its handle
-    (one for every worker)."""
+    """A zeroed slot: the tensor, its CUDA event, on CPU its handle (one for all)."""
     if device.type == "cuda":  # pragma: no cover - CUDA
         t = torch.zeros(nbytes, dtype=torch.uint8, device=device)
         return t, _cuda.Event(interprocess=True, blocking=False), None
@@ -102,21 +101,10 @@ def _new_slot(nbytes: int, device: torch.device) -> tuple[torch.Tensor, Any, Ipc
 def _export_cuda(slot: torch.Tensor, event: Any) -> IpcHandle:  # pragma: no cover - CUDA
     # One export (one producer-side reference counter) per worker and slot, so each
     # worker's release is matched and a dead one's is done by the trainer.
-    (dev, handle, size, off, rc, rc_off, ev, ev_sync) = _Storage._share_cuda_(
-        slot.untyped_storage()
-    )
-    return IpcHandle(
-        "cuda",
-        int(dev),
-        bytes(handle),
-        int(size),
-        int(off),
-        bytes(rc),
-        int(rc_off),
-        bytes(ev or b""),
-        bool(ev_sync),
-        bytes(event.ipc_handle()),
-    )
+    # torch's ints, bytes and bool as the Struct has them (the event handle may be None).
+    dev, handle, size, off, rc, rc_off, ev, sync = _Storage._share_cuda_(slot.untyped_storage())
+    slot_event = bytes(event.ipc_handle())
+    return IpcHandle("cuda", dev, handle, size, off, rc, rc_off, ev or b"", sync, slot_event)
 
 
 def _release_slot(slot: torch.Tensor, h: IpcHandle) -> None:
@@ -130,16 +118,15 @@ def _release_slot(slot: torch.Tensor, h: IpcHandle) -> None:
 @dataclass
 class _Worker:
     hello: IpcHello
+    exports: list[IpcHandle]
     opened: bool = False
-    exports: list[IpcHandle] = field(default_factory=list)
     offered_at: float = field(default_factory=time.monotonic)
 
 
 class IpcExporter:
-    """The trainer's slots for one layout (sans-I/O): offered to workers, packed per
-    version, gated by their acks. ``state`` (a module or ``name -> tensor`` mapping)
-    gives the layout and the slots' device; ``slots``: 2 (double buffering) or ``None``
-    (one per bucket); ``verify``: write each bucket's :func:`checksum`."""
+    """The trainer's slots for one layout (sans-I/O), offered to workers and packed per
+    version. ``state`` (a module or ``name -> tensor`` mapping): the layout and device;
+    ``slots``: 2 (double buffering) or ``None`` (one per bucket); ``verify``: checksums."""
 
     def __init__(
         self,
@@ -169,13 +156,10 @@ class IpcExporter:
 
     @property
     def n_slots(self) -> int:
-        """Persistent buckets held."""
         return len(self._slots)
 
     def offer(self, hello: IpcHello) -> IpcOffer:
-        """Register a worker and export every slot for it, or refuse (an offer with an
-        ``error``): a process this trainer cannot see (another host or pid namespace),
-        a CUDA worker without access to the slots' device."""
+        """Export every slot to a worker, or refuse it (an offer with an ``error``)."""
         if self.closed:
             raise WeightUpdateError("exporter closed")
         why = ""
@@ -197,9 +181,8 @@ class IpcExporter:
             self.drop_worker(
                 hello.worker_id, dead=not process_alive(old.hello.pid, old.hello.start_time)
             )
-        w = _Worker(hello)
-        w.exports = [h or _export_cuda(s, ev) for s, ev, h in self._slots]
-        self.workers[hello.worker_id] = w  # once its exports exist (they may fail)
+        exports = [h or _export_cuda(s, ev) for s, ev, h in self._slots]
+        self.workers[hello.worker_id] = w = _Worker(hello, exports)  # once they exist (may fail)
         return IpcOffer(
             self.publisher_id,
             os.getpid(),
@@ -210,8 +193,7 @@ class IpcExporter:
         )
 
     def handle_ack(self, ack: IpcAck) -> None:
-        """Account one :class:`IpcAck` (unknown workers are ignored): a slot it
-        released, the slots it opened or let go."""
+        """One :class:`IpcAck`: a slot released, the slots opened or let go."""
         w = self.workers.get(ack.worker_id)
         if w is None:
             return
@@ -223,8 +205,7 @@ class IpcExporter:
             self.ledger.released(ack.slot, ack.worker_id)
 
     def drop_worker(self, worker_id: str, *, dead: bool) -> None:
-        """Forget a worker: no slot waits for it any more. ``dead``: its process is gone,
-        so the trainer also releases the references its opening took (no leak)."""
+        """Forget a worker (``dead``: also release the references its opening took)."""
         w = self.workers.pop(worker_id, None)
         if w is None:
             return
@@ -256,13 +237,11 @@ class IpcExporter:
         wait: Callable[[float], object],
         timeout: float = 60.0,
     ) -> None:
-        """Pack ``state`` as ``version`` bucket by bucket, ``send`` an :class:`IpcReady`
-        to every opened worker after each. ``wait(seconds)`` blocks while a slot is still
-        read, handing each :class:`IpcAck` to :meth:`handle_ack`. Raises
-        :class:`WeightMismatchError` (not the layout) or :class:`WeightUpdateError` (a
-        slot stayed in use by a live worker for ``timeout`` seconds)."""
+        """Pack ``state`` as ``version``, ``send`` an :class:`IpcReady` to every opened
+        worker per bucket; ``wait(seconds)`` blocks (acks handled) while a slot is read.
+        :class:`WeightUpdateError` when a live reader holds a slot for ``timeout`` s."""
         tensors = detached(state)
-        check_layout(self.layout, tensors)
+        Binding(cast("list[WeightBucketInfo]", self.layout), tensors, strict=True)
         deadline = time.monotonic() + timeout
         if not _until(lambda: not self.snapshot_reads, deadline, wait):
             raise WeightUpdateError("the slots are still read for a snapshot")
@@ -289,10 +268,8 @@ class IpcExporter:
         self.ledger.done(version)
 
     def snapshot(self, version: int) -> dict[str, torch.Tensor] | None:
-        """Typed views of every tensor of ``version`` while the slots hold it whole (else
-        ``None``), valid until the next :meth:`publish`, which waits while
-        :attr:`snapshot_reads` (raised by the reader: :meth:`IpcOffering.snapshot`) is
-        not zero."""
+        """Views of ``version``'s tensors while the slots hold it whole, else ``None``
+        (valid until :meth:`publish`, which waits while :attr:`snapshot_reads`)."""
         if not self.ledger.holds(version) or self.closed:
             return None
         return {
@@ -312,9 +289,8 @@ class IpcExporter:
 
 @dataclass(eq=False)
 class IpcOffering:
-    """The publisher's ``ipc`` route: its slots (new ones when the layout changes) and
-    the workers that asked for them; notices go to :attr:`outbox` and ``wake`` the
-    serving thread that sends them."""
+    """The publisher's ``ipc`` route: the slots of the current layout and the workers
+    that asked; notices go to :attr:`outbox` and ``wake`` the serving thread."""
 
     mode: str
     slots: int | None
@@ -338,31 +314,27 @@ class IpcOffering:
 
     def wanted(self, tensors: dict[str, torch.Tensor]) -> bool:
         """Whether a version of ``tensors`` takes the route."""
-        if self.mode == "off" or not tensors:
-            return False
-        return self.mode == "cpu" or any(t.is_cuda for t in tensors.values())
+        cuda = any(t.is_cuda for t in tensors.values())
+        return self.mode != "off" and bool(tensors) and (self.mode == "cpu" or cuda)
 
     def _opened(self, wid: str) -> bool:
         w = self.exporter.workers.get(wid) if self.exporter is not None else None
         return w is not None and w.opened
 
     def reader(self, wid: str) -> bool:
-        """Whether worker ``wid`` has the slots open (it reads versions there)."""
+        """Whether worker ``wid`` has the slots open."""
         with self.cond:
             return self._opened(wid)
 
     def only(self) -> bool:
-        """Whether every live worker reads the next version here and the slots hold a
-        whole version (a snapshot to stage from later)."""
+        """Whether every live worker reads here and the slots hold a whole version."""
         with self.cond:
             exp = self.exporter
-            if exp is None or exp.n_slots < len(exp.layout):
-                return False
-            return all(self._opened(w) for w in self.core.alive())
+            whole = exp is not None and exp.n_slots >= len(exp.layout)
+            return whole and all(self._opened(w) for w in self.core.alive())
 
     def handle(self, wid: str, msg: IpcHello | IpcAck, now: float) -> IpcOffer | None:
-        """An ``IpcHello`` (offer the slots, or keep it for the first version that takes
-        the route) or ``IpcAck`` (a slot released); the offer to send, if any."""
+        """An ``IpcHello`` (kept, and offered the slots) or ``IpcAck``; the offer to send."""
         if msg.worker_id != wid:  # only a peer's own id counts
             self.core.count("ipc_foreign_ids")
             return None
@@ -383,30 +355,28 @@ class IpcOffering:
         return offer
 
     def reap(self) -> list[str]:
-        """Release the slots of dead workers; their ids (call with the lock held)."""
+        """Release the slots of dead workers; their ids (lock held)."""
         return self.exporter.reap() if self.exporter is not None else []
 
     @contextlib.contextmanager
     def snapshot(self, version: int) -> Iterator[dict[str, torch.Tensor] | None]:
-        """The slots' views of ``version`` (``None``: not held whole), which the next
-        :meth:`publish` leaves alone until the block ends."""
+        """The slots' views of ``version`` (``None``: not held whole), left alone by
+        :meth:`publish` until the block ends."""
         with self.cond:
             exp = self.exporter
             src = exp.snapshot(version) if exp is not None else None
             if exp is not None and src is not None:
                 exp.snapshot_reads += 1
-        if exp is None or src is None:
-            yield None
-            return
         try:
             yield src
         finally:
-            with self.cond:
-                exp.snapshot_reads -= 1
-                self.cond.notify_all()
+            if exp is not None and src is not None:
+                with self.cond:
+                    exp.snapshot_reads -= 1
+                    self.cond.notify_all()
 
     def take_outbox(self) -> list[tuple[bytes, list[Any]]]:
-        """The notices queued for the serving thread to send, taken (lock held)."""
+        """The notices queued for the serving thread, taken (lock held)."""
         out, self.outbox = self.outbox, []
         return out
 
@@ -415,8 +385,8 @@ class IpcOffering:
         self.wake()
 
     def prepare(self, tensors: dict[str, torch.Tensor], closed: Callable[[], bool]) -> None:
-        """Slots for this layout (new ones when it changed), offered to every worker
-        that asked; those still opening them get a moment to."""
+        """Slots for this layout (new ones when it changed) offered to every worker that
+        asked; those still opening them get a moment to."""
         layout = _layout(tensors, self.bucket_bytes)
         with self.cond:
             if self.exporter is None or self.exporter.layout != layout:
@@ -445,8 +415,7 @@ class IpcOffering:
             _until(settled, time.monotonic() + grace, self.cond.wait, 0.1)
 
     def publish(self, tensors: dict[str, torch.Tensor], version: int) -> None:
-        """Pack ``version`` into the slots and queue its IpcReady notices (under the
-        lock, released while a slot is still read)."""
+        """Pack ``version`` into the slots, queue its IpcReady notices (lock held)."""
         with self.cond:
             exp = self.exporter
             assert exp is not None
@@ -458,7 +427,6 @@ class IpcOffering:
         self.core.count("ipc_versions")
 
     def close(self) -> None:
-        """Close the slots (the publisher is closing)."""
         with self.cond:
             exp, self.exporter = self.exporter, None
         if exp is not None:

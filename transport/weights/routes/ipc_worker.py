@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import KW_ONLY, dataclass, field
 from itertools import accumulate
 from typing import Any, cast
@@ -18,7 +18,6 @@ import torch
 from fastio.ipc_msgs import (
     TRAILER_BYTES,
     IpcAck,
-    IpcBucket,
     IpcHandle,
     IpcHello,
     IpcOffer,
@@ -57,11 +56,6 @@ def detached(state: Any) -> dict[str, torch.Tensor]:
     return {k: v.detach() for k, v in named_tensors(state).items()}
 
 
-def check_layout(buckets: list[IpcBucket], tensors: Mapping[str, torch.Tensor]) -> None:
-    """The layout check of every route (:class:`~transport.weights.binding.Binding`)."""
-    Binding(cast("list[WeightBucketInfo]", buckets), tensors, strict=True)
-
-
 def _open_slot(h: IpcHandle) -> tuple[torch.Tensor, Any]:
     """Map the slot of ``h``: the tensor and its CUDA event (``None`` on CPU)."""
     if h.kind == "cpu":
@@ -83,9 +77,7 @@ def _open_slot(h: IpcHandle) -> tuple[torch.Tensor, Any]:
 class IpcImporter:
     """The worker's slots (sans-I/O): opens the trainer's offer once and copies each
     version into ``targets`` (a module or ``name -> tensor`` mapping on one device).
-    ``atomic``: never a mixed version; ``verify``: check each bucket's checksum;
-    :attr:`version`: the last version fully copied, :attr:`serving` ``False`` while
-    ``targets`` hold a partial one."""
+    ``atomic``: never a mixed version; ``verify``: check the checksums."""
 
     def __init__(
         self,
@@ -132,10 +124,8 @@ class IpcImporter:
         return self._ack(IpcReady(-1, -1, -1, 0), not error, error)
 
     def open(self, offer: IpcOffer) -> IpcAck:
-        """Open every slot of ``offer`` (a new offer replaces the old one); the
-        :class:`IpcAck` (``bucket=-1``) to send, ``ok=False`` with the reason when the
-        layout does not match or a slot cannot be opened. :class:`IpcRefused`: the offer
-        is a refusal, or the trainer's process is not visible from here."""
+        """Open every slot of ``offer``; the :class:`IpcAck` (``bucket=-1``) to send,
+        ``ok=False`` with why. :class:`IpcRefused`: refused, or the trainer is not seen."""
         if offer.error:
             raise IpcRefused(offer.error)
         if not process_alive(offer.pid, offer.start_time):
@@ -145,7 +135,7 @@ class IpcImporter:
             )
         self.close()  # a version of a previous offer (trainer) never completes now
         try:
-            check_layout(offer.buckets, self.targets)
+            Binding(cast("list[WeightBucketInfo]", offer.buckets), self.targets, strict=True)
         except WeightMismatchError as exc:
             return self._opened(str(exc))
         try:
@@ -237,8 +227,7 @@ class IpcImporter:
         self._partial, self._expect, self._held, self._failed = None, 0, [], ""
 
     def release(self) -> IpcAck | None:
-        """:meth:`close`; the goodbye :class:`IpcAck` (``bucket=-2``) to send, or ``None``
-        when nothing was open."""
+        """:meth:`close`; the goodbye :class:`IpcAck` (``bucket=-2``) if a slot was open."""
         bye = self._ack(IpcReady(-1, -2, -1, 0), True) if self.offer is not None else None
         self.close()
         return bye
@@ -250,9 +239,8 @@ class IpcImporter:
 
 
 def ipc_eligible(path: str | None, target: Any, loader: Any, dtype: Any, rename: Any) -> bool:
-    """Whether a subscriber built with these parameters (``path``: one of :data:`PATHS`
-    or ``None``) may take the ``ipc`` route; ``ValueError`` for ``path="ipc"`` that
-    cannot or an unknown ``path``."""
+    """Whether a subscriber with these parameters may take the ``ipc`` route;
+    ``ValueError`` for an unknown ``path`` or a ``path="ipc"`` that cannot."""
     if path is not None and path not in PATHS:
         raise ValueError(f"path must be None or one of {PATHS}, not {path!r}")
     eligible = path in (None, "ipc") and target is not None
@@ -264,10 +252,8 @@ def ipc_eligible(path: str | None, target: Any, loader: Any, dtype: Any, rename:
 
 @dataclass(eq=False)
 class IpcReceiver:
-    """The ``ipc`` route of a :class:`~transport.weights.WeightSubscriber` (its thread):
-    acks each slot and version; ``fetcher`` (shm/tcp) takes a version that fails here or
-    makes no progress for ``publisher_timeout`` seconds
-    (:class:`~transport.weights.core.ipc.IpcFallback` decides which)."""
+    """The ``ipc`` route of a :class:`~transport.weights.WeightSubscriber` (its thread);
+    ``fetcher`` (shm/tcp) takes a version that fails here or stalls (``IpcFallback``)."""
 
     core: SubscriberCore
     reporter: Reporter
@@ -291,8 +277,7 @@ class IpcReceiver:
     _t0: float = field(default=0.0, init=False)  # when the version's first IpcReady came
 
     def hello(self, *, up_to_date: bool) -> None:
-        """Ask this publisher for its slots, once, when this worker could take them and
-        holds the latest version."""
+        """Ask this publisher for its slots, once, if eligible and up to date."""
         if (
             not self.eligible
             or self._asked == self.core.publisher_id
@@ -320,9 +305,7 @@ class IpcReceiver:
     def close(self) -> bool:
         """Unmap the slots; whether a goodbye was sent."""
         imp, self.importer = self.importer, None
-        if imp is None:
-            return False
-        bye = imp.release()
+        bye = imp.release() if imp is not None else None
         if bye is not None:
             self.send(bye)
         return bye is not None
@@ -421,8 +404,7 @@ class IpcReceiver:
         log.warning(msg, self.worker_id, version, why)
 
     def check_timeouts(self, now: float) -> None:
-        """Fall back to shm/tcp for a version the route does not deliver (opened after
-        the version began, or the trainer gave up on a slot); drop the slots of a
+        """Fall back to shm/tcp for a version ipc does not deliver; drop the slots of a
         trainer that is gone."""
         ann = self.fallback.overdue(self.core.version, now, self.publisher_timeout)
         if ann is not None:

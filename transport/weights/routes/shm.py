@@ -19,7 +19,7 @@ import torch
 from fastio.versions import VERSION_1
 from fastio.weight_msgs import WeightBucket
 from transport.weights.routes import Receiver, Tracker
-from transport.weights.routes.zmq import FrameSender, _u8, part_of, take
+from transport.weights.routes.zmq import FrameSender, _u8, begin, part_of, take
 
 __all__ = ["NOTICE_BYTES", "SHM_DIR", "NoticeSender", "Probe", "ShmReader", "ShmSegment",
            "cleanup_stale", "host_id", "read_probe", "write_probe"]  # fmt: skip
@@ -167,8 +167,7 @@ def cleanup_stale() -> int:
 
 
 class ShmReader:
-    """The worker's side: its mappings of the publisher's segments, and the "bytes
-    ready" notices."""
+    """The worker's side: its mappings of the publisher's segments and the notices."""
 
     def __init__(self) -> None:
         self.segments: dict[str, ShmSegment] = {}
@@ -194,19 +193,18 @@ class ShmReader:
         assert msg is not None and up is not None and up.seg is not None
         i, t = msg.index, time.monotonic()
         info = up.ann.buckets[i]
-        part = part_of(f, up, i)
-        up.sched.progress(i, t)
         lo = info.shm_offset + msg.offset
         if (
             msg.chunks
-            or msg.offset != part.size
+            or msg.offset != part_of(f, up, i).size
             or msg.nbytes < 0
             or msg.offset + msg.nbytes > info.nbytes
             or info.shm_offset + info.nbytes > up.seg.size
         ):
             f.fail(up.ann.version, f"bad shared-memory notice for bucket {i}", "shm")
             return
-        if part.stream is not None and msg.nbytes and not f.hold(up):
+        part = begin(f, up, i, msg.offset, msg.nbytes, t)
+        if part is None:  # the lock refused its first write
             return
         take(part, up.seg.tensor[lo : lo + msg.nbytes].numpy(), msg.nbytes, None, keep=False)
         f.chunk_done(up, i, part, t, True, msg.last, msg.checksum)

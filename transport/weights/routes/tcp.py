@@ -94,9 +94,7 @@ def _recv_exact(conn: socket.socket, n: int, deadline: float) -> bytes:
 
 @dataclass(slots=True)
 class Sent:
-    """A queued chunk: :attr:`done` once sent or dropped."""
-
-    done: bool = False
+    done: bool = False  # a queued chunk: sent or dropped
 
 
 class DataSender:
@@ -172,8 +170,8 @@ class DataSender:
 
 class DataListener:
     """Accepts data connections on ``endpoint``'s host and ``port`` (0: any) presenting
-    :func:`worker_token` of ``secret``; ``admit(worker_id, socket)`` takes one or not
-    (and owes the worker the answer byte ``1`` before any chunk)."""
+    :func:`worker_token` of ``secret``; ``admit(worker_id, socket)`` takes one or not (and
+    owes the answer byte ``1`` before any chunk)."""
 
     def __init__(
         self,
@@ -257,7 +255,7 @@ def connect(endpoint: str, port: int, worker_id: str, token: bytes, timeout: flo
 
 
 class DataReceiver:
-    """The worker's end: chunk headers, and bytes into the caller's buffers
+    """The worker's end: chunk headers, bytes into the caller's buffers
     (:class:`DataLinkError` on a stall of ``timeout`` s, the end or a bad header)."""
 
     def __init__(self, sock: socket.socket, timeout: float) -> None:
