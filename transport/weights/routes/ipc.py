@@ -101,10 +101,21 @@ def _new_slot(nbytes: int, device: torch.device) -> tuple[torch.Tensor, Any, Ipc
 def _export_cuda(slot: torch.Tensor, event: Any) -> IpcHandle:  # pragma: no cover - CUDA
     # One export (one producer-side reference counter) per worker and slot, so each
     # worker's release is matched and a dead one's is done by the trainer.
-    # torch's ints, bytes and bool as the Struct has them (the event handle may be None).
-    dev, handle, size, off, rc, rc_off, ev, sync = _Storage._share_cuda_(slot.untyped_storage())
-    slot_event = bytes(event.ipc_handle())
-    return IpcHandle("cuda", dev, handle, size, off, rc, rc_off, ev or b"", sync, slot_event)
+    (dev, handle, size, off, rc, rc_off, ev, ev_sync) = _Storage._share_cuda_(
+        slot.untyped_storage()
+    )
+    return IpcHandle(
+        "cuda",
+        int(dev),
+        bytes(handle),
+        int(size),
+        int(off),
+        bytes(rc),
+        int(rc_off),
+        bytes(ev or b""),
+        bool(ev_sync),
+        bytes(event.ipc_handle()),
+    )
 
 
 def _release_slot(slot: torch.Tensor, h: IpcHandle) -> None:
