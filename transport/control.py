@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import threading
 import time
@@ -38,10 +39,11 @@ class ControllerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
 
 
 def _in_thread(op: Callable[_P, Statuses]) -> Callable[_P, Coroutine[Any, Any, Statuses]]:
+    @functools.wraps(op)  # its signature, for help() and inspect
     async def run(*args: _P.args, **kwargs: _P.kwargs) -> Statuses:
         return await asyncio.to_thread(op, *args, **kwargs)
 
-    run.__name__ = f"a{op.__name__}"
+    run.__name__, run.__qualname__ = f"a{op.__name__}", f"FabricController.a{op.__name__}"
     run.__doc__ = f":meth:`{op.__name__}` without blocking the event loop."
     return run
 

@@ -31,6 +31,7 @@ __all__ = [
     "plan_spans", "split_aliases", "sum64", "wire_tensor",
 ]  # fmt: skip
 
+#: Default bucket size.
 DEFAULT_BUCKET_BYTES = 256 << 20
 #: Byte alignment of every tensor inside a bucket.
 ALIGNMENT = 64
