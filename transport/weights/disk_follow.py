@@ -167,12 +167,11 @@ def update_weights_on_disk(
     *,
     keep: int = 2,
 ) -> dict[str, int]:
-    """Pause the workers of ``controller``, write ``version`` under ``where`` (as
-    :func:`~transport.weights.disk.save_weights`), wait up to ``timeout`` until every
-    worker reports it, resume them; worker address -> version after the resume. Raises
-    :class:`transport.ControlError` (a worker could not be paused or resumed) or
-    :class:`~transport.weights.WeightUpdateError` (not reported in time; resumed anyway).
-    """
+    """Pause the workers, write ``version`` under ``where`` (as
+    :func:`~transport.weights.disk.save_weights`), wait up to ``timeout`` until every worker
+    reports it, resume them; worker address -> version after the resume. Raises
+    :class:`transport.ControlError` (pause or resume failed) or
+    :class:`~transport.weights.WeightUpdateError` (not reported in time; resumed anyway)."""
     controller.pause(timeout)
     try:
         save_weights(where, state, version, keep=keep)

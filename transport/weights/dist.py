@@ -251,14 +251,12 @@ class WeightGroup:
     def recv(
         self, target: Any, *, atomic: bool = True, strict: bool = True, dtype: DtypeSpec = None
     ) -> None:
-        """Workers: receive a version into ``target`` (module or name -> tensor).
-
-        ``atomic``: every bucket lands in one staging buffer before anything is copied (a
-        broadcast failing half-way leaves the weights untouched; ``False``: each bucket
-        is copied as it lands). ``strict``: every target must be in the plan. ``dtype``:
-        as for :class:`transport.weights.WeightSubscriber`. Raises
-        :class:`WeightMismatchError` before any collective when the specs do not fit,
-        :class:`WeightUpdateError` when a broadcast fails."""
+        """Workers: receive a version into ``target`` (module or name -> tensor); ``atomic``:
+        every bucket lands before anything is copied (``False``: each as it lands);
+        ``strict``: every target must be in the plan; ``dtype``: as for
+        :class:`transport.weights.WeightSubscriber`. :class:`WeightMismatchError` before
+        any collective when the specs do not fit, :class:`WeightUpdateError` when a
+        broadcast fails."""
         if self.rank == 0:
             raise RuntimeError("rank 0 sends")
         targets = named_tensors(target)
