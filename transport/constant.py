@@ -20,8 +20,6 @@ _arrays: dict[tuple[Any, Any], npt.NDArray[Any]] = {}
 def constant(n: int, dtype: Any, value: Any = 0) -> npt.NDArray[Any]:
     """``n`` elements equal to ``value``: a read-only C-contiguous view (thread-safe).
 
-    Examples
-    --------
     >>> a = constant(3, np.float64)
     >>> a.tolist(), a.flags.writeable
     ([0.0, 0.0, 0.0], False)

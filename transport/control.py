@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import threading
 import time
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any, ParamSpec
 
 import msgspec
 import zmq
@@ -24,22 +25,27 @@ __all__ = ["ControllerConfig", "FabricController"]
 
 #: Worker address -> its status after an operation.
 Statuses = dict[str, fm.WorkerStatus]
+_P = ParamSpec("_P")
 
 
 class ControllerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """Settings of a :class:`FabricController`.
-
-    Parameters
-    ----------
-    timeout:
-        Default seconds to wait for each operation's answers.
-    max_message_size, curve:
-        See :mod:`transport.sockets` (``curve``: the workers' keys when they require them).
-    """
+    """Settings of a :class:`FabricController`: ``timeout``, the default seconds to wait
+    for each operation's answers; ``max_message_size`` and ``curve`` (the workers' keys
+    when they require them) as in :mod:`transport.sockets`."""
 
     timeout: Seconds = 60.0
     max_message_size: Positive = DEFAULT_MAX_MESSAGE_SIZE
     curve: CurveConfig | None = None
+
+
+def _in_thread(op: Callable[_P, Statuses]) -> Callable[_P, Coroutine[Any, Any, Statuses]]:
+    @functools.wraps(op)  # its signature, for help() and inspect
+    async def run(*args: _P.args, **kwargs: _P.kwargs) -> Statuses:
+        return await asyncio.to_thread(op, *args, **kwargs)
+
+    run.__name__, run.__qualname__ = f"a{op.__name__}", f"FabricController.a{op.__name__}"
+    run.__doc__ = f":meth:`{op.__name__}` without blocking the event loop."
+    return run
 
 
 class FabricController:
@@ -48,8 +54,6 @@ class FabricController:
     ``config`` and keyword arguments (the fields of :class:`ControllerConfig`) are the
     same settings; a bad one is named by a ``ValueError`` (``TypeError`` if unknown).
 
-    Examples
-    --------
     >>> with FabricController(["tcp://127.0.0.1:5555"], timeout=30) as ctl:  # doctest: +SKIP
     ...     ctl.pause()  # then publish weights
     ...     ctl.resume()
@@ -164,21 +168,10 @@ class FabricController:
         """Status of every worker that answers in time (missing ones are not healthy)."""
         return self.request("health", timeout=timeout, strict=strict)
 
-    async def apause(self, timeout: float | None = None, *, strict: bool = True) -> Statuses:
-        """:meth:`pause` without blocking the event loop."""
-        return await asyncio.to_thread(self.pause, timeout, strict=strict)
-
-    async def aresume(self, timeout: float | None = None, *, strict: bool = True) -> Statuses:
-        """:meth:`resume` without blocking the event loop."""
-        return await asyncio.to_thread(self.resume, timeout, strict=strict)
-
-    async def aabort(self, timeout: float | None = None, *, strict: bool = True) -> Statuses:
-        """:meth:`abort` without blocking the event loop."""
-        return await asyncio.to_thread(self.abort, timeout, strict=strict)
-
-    async def ahealth(self, timeout: float | None = None, *, strict: bool = False) -> Statuses:
-        """:meth:`health` without blocking the event loop."""
-        return await asyncio.to_thread(self.health, timeout, strict=strict)
+    apause = _in_thread(pause)
+    aresume = _in_thread(resume)
+    aabort = _in_thread(abort)
+    ahealth = _in_thread(health)
 
     def close(self) -> None:
         """Close the sockets (linger 0)."""

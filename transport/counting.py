@@ -11,11 +11,9 @@ __all__ = ["Counts"]
 
 
 class Counts(dict[str, int]):
-    """Named event counts written by one thread: a dict in which a name not counted yet
-    reads 0.
-
-    ``exported`` maps names to Prometheus counters: :meth:`add` increments them at once;
-    a part counting on a hot path with ``c[name] += 1`` calls :meth:`export` instead.
+    """Named event counts written by one thread (a dict; a name not counted yet reads 0).
+    ``exported`` maps names to Prometheus counters: :meth:`add` increments them at once; a
+    part counting on a hot path with ``c[name] += 1`` calls :meth:`export` instead.
 
     >>> c = Counts(["sent"])
     >>> c.add("sent"), c["lost"], c.snapshot()
@@ -47,8 +45,7 @@ class Counts(dict[str, int]):
         return dict(self)
 
     def export(self) -> None:
-        """Add to each exported counter what was counted since the last export (from any
-        thread)."""
+        """Add to each exported counter what was counted since the last export (any thread)."""
         with self._lock:
             for name, metric in self.exported.items():
                 delta = self[name] - self._sent.get(name, 0)

@@ -58,8 +58,7 @@ FINISHED_REASONS = ("stop", "length", "interrupt", "abort")
 
 
 class _Role:
-    """One role's series (created outside any registry: expose() registers the role), and
-    what brings its plain-int counts into them before a scrape."""
+    """One role's series (outside any registry until expose()) and its scrape hooks."""
 
     def __init__(self) -> None:
         self.metrics: list[Any] = []

@@ -1,9 +1,6 @@
-"""The one normaliser of config Structs, and the constraint aliases they share.
-
-:func:`configure` applies keyword arguments to a config Struct, :func:`parse_options`
-reads ``key=value`` strings (``--plugin-opt``, ``--engine-opt``); both report a bad key
-or value as one line that names it. :func:`resolve_entry` finds ``module:attribute``.
-"""
+"""The one normaliser of config Structs (:func:`configure`, :func:`parse_options`: a bad
+key or value is one line that names it), the constraint aliases they share, and
+:func:`resolve_entry`."""
 
 from __future__ import annotations
 

@@ -60,18 +60,15 @@ class _Joined:
 
 
 class SocketPump:
-    """Ties a non-blocking ZeroMQ socket to the running asyncio loop.
-
-    Incoming messages (lists of ``zmq.Frame``) go to ``on_recv`` in batches of up to
-    ``batch``. :meth:`send` never blocks: at the HWM a message waits in an ordered queue
-    per destination (``router=True``: per peer, frame 0), retried on a timer; a peer
-    queued past ``peer_queue_limit`` bytes is dropped (``on_drop(peer)``, counted in
-    :attr:`dropped`) until a send to it gets through. ``on_undeliverable`` gets a message
-    to a peer that has gone. In a burst, messages after the first to a destination are
-    joined into one ZeroMQ message (up to ``coalesce``; with ``batch_frames`` small ones
-    share a batch frame: ``docs/PROTOCOL.md``). ``defer_check`` (a requester): a batch
-    woken by the FD handles one message and leaves the rest to a drain behind it.
-    """
+    """Ties a non-blocking ZeroMQ socket to the running asyncio loop: incoming messages
+    (lists of ``zmq.Frame``) go to ``on_recv`` in batches of up to ``batch``; :meth:`send`
+    never blocks: at the HWM a message waits in an ordered queue per destination (per peer
+    with ``router``), retried on a timer; a peer queued past ``peer_queue_limit`` bytes is
+    dropped (``on_drop(peer)``, counted in :attr:`dropped`) until a send to it gets
+    through; ``on_undeliverable`` gets a message to a peer that has gone. In a burst,
+    messages after the first to a destination are joined (up to ``coalesce``; with
+    ``batch_frames`` small ones share a batch frame: ``docs/PROTOCOL.md``).
+    ``defer_check`` (a requester): a batch woken by the FD handles one, a drain the rest."""
 
     def __init__(
         self,

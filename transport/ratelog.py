@@ -10,12 +10,9 @@ __all__ = ["RateLimitedLog"]
 
 
 class RateLimitedLog:
-    """A logger's warnings, rate-limited.
-
-    :meth:`warning` logs the first of each kind in full and then one summary line per
-    ``interval`` seconds; :meth:`counted` logs the first ten occurrences and each power
-    of two.
-    """
+    """A logger's warnings, rate-limited: :meth:`warning` logs the first of each kind in
+    full, then one summary line per ``interval`` seconds; :meth:`counted` logs the first
+    ten occurrences and each power of two."""
 
     def __init__(self, logger: logging.Logger, interval: float = 30.0) -> None:
         self.logger = logger

@@ -1,6 +1,5 @@
-"""Every socket of the fabric and the weights is made here, so that its options are
-chosen once (each option and why: ``docs/PROTOCOL.md``, "Socket options"); CurveZMQ
-keys and the worker's ZAP handler; re-exports the pump and the frame I/O."""
+"""Every socket of the fabric and the weights is made here, its options chosen once (each
+and why: ``docs/PROTOCOL.md``, "Socket options"); CurveZMQ keys and the worker's ZAP handler."""
 
 from __future__ import annotations
 
@@ -28,7 +27,6 @@ log = logging.getLogger("transport.sockets")
 
 #: High-water mark (messages): reached only when a peer stops reading.
 DEFAULT_HWM = 100_000
-
 #: Default limit of one message (all frames) on the fabric: 1 GiB.
 DEFAULT_MAX_MESSAGE_SIZE = 1 << 30
 
@@ -59,15 +57,14 @@ def _own_keys(curve: CurveConfig) -> tuple[bytes, bytes]:
 
 
 def apply_curve_server(sock: zmq.Socket[Any], curve: CurveConfig | None) -> None:
-    """Make ``sock`` a CURVE server (nothing when ``curve`` is ``None``); before binding."""
+    """Make ``sock`` a CURVE server (nothing when ``curve`` is ``None``)."""
     if curve is not None:
         sock.curve_publickey, sock.curve_secretkey = _own_keys(curve)
         sock.curve_server = True
 
 
 def apply_curve_client(sock: zmq.Socket[Any], curve: CurveConfig | None) -> None:
-    """Make ``sock`` a CURVE client of ``curve``'s server (nothing when ``None``); before
-    connecting."""
+    """Make ``sock`` a CURVE client of ``curve``'s server (nothing when ``None``)."""
     if curve is None:
         return
     if curve.server_public_key_file is None:
@@ -93,7 +90,7 @@ class WorkerAuthenticator:
         self._auth.configure_curve_callback(domain="*", credentials_provider=self)
 
     def callback(self, domain: str, key: bytes) -> bool:
-        """``zmq.auth``'s credentials-provider hook: is ``key`` (z85 public key) admitted?"""
+        """``zmq.auth``'s hook: is ``key`` (z85 public key) admitted?"""
         if self._allowed is None or key in self._allowed:
             return True
         self.denied += 1
@@ -121,8 +118,6 @@ def make_socket(
     frame; ``None``: no limit); ``curve`` keys, as the server (binds) with
     ``curve_server``; further ``options`` are set in order before any bind or connect.
 
-    Examples
-    --------
     >>> zctx = zmq.Context()
     >>> sub = make_socket(zctx, zmq.SUB, options={zmq.SUBSCRIBE: b""})
     >>> sub.linger
@@ -163,8 +158,7 @@ def bind_all(sock: zmq.Socket[Any], addresses: str | list[str]) -> list[str]:
 
 
 def make_pair(zctx: zmq.Context[Any], address: str) -> tuple[zmq.Socket[Any], zmq.Socket[Any]]:
-    """A PAIR bound at ``address`` (``inproc://``) and a PAIR connected to it: a wake-up
-    line into a thread that polls sockets. Returns ``(reader, writer)``."""
+    """``(reader, writer)``: PAIRs bound and connected at ``address`` (``inproc://``)."""
     reader = make_socket(zctx, zmq.PAIR, hwm=None, max_message_size=None)
     bind_all(reader, address)
     writer = make_socket(zctx, zmq.PAIR, hwm=None, max_message_size=None)
@@ -173,8 +167,7 @@ def make_pair(zctx: zmq.Context[Any], address: str) -> tuple[zmq.Socket[Any], zm
 
 
 def make_monitor(sock: zmq.Socket[Any], events: int) -> zmq.Socket[Any]:
-    """A PAIR receiving ``sock``'s monitor events (a ``zmq.EVENT_*`` mask), linger 0;
-    close it before ``sock``."""
+    """A PAIR receiving ``sock``'s monitor events (``zmq.EVENT_*`` mask); close it first."""
     mon: zmq.Socket[Any] = sock.get_monitor_socket(events)
     mon.setsockopt(zmq.LINGER, 0)
     return mon

@@ -35,10 +35,8 @@ class FabricInferenceEngine(RemoteInfEngine):  # type: ignore[misc]
     """AReaL's ``InferenceEngine`` over the fastio fabric. ``config``: AReaL's
     ``InferenceEngineConfig``; ``client_config``: the fabric clients'; ``weights_timeout``:
     seconds a weight update's future waits for every worker; ``on_chunk(rid, tokens,
-    logprobs, versions)``: sees the output as it arrives, on the awaiting loop.
-
-    The workflow calls (``submit``, ``wait``, ``wait_for_task``, ``rollout_batch``,
-    ``prepare_batch``, ``pause``, ``resume``, the version) are AReaL's ``RemoteInfEngine``'s.
+    logprobs, versions)``: sees the output as it arrives, on the awaiting loop. How each
+    method maps (the workflow calls are ``RemoteInfEngine``'s): ``docs/areal.md``.
 
     >>> engine = FabricInferenceEngine(InferenceEngineConfig(backend="fastio:d1"))  # doctest: +SKIP
     >>> engine.initialize(addr=["tcp://127.0.0.1:5555"])  # doctest: +SKIP
@@ -73,9 +71,8 @@ class FabricInferenceEngine(RemoteInfEngine):  # type: ignore[misc]
         addr: str | list[str] | None = None,
         train_data_parallel_size: int | None = None,
     ) -> None:
-        """Connect to the workers at ``addr`` (ZeroMQ addresses or ``host:port``; default
-        ``$AREAL_LLM_SERVER_ADDRS``, comma-separated), wait until each answers (up to
-        ``config.setup_timeout``) and start AReaL's workflow executor."""
+        """Connect to the workers at ``addr`` (default ``$AREAL_LLM_SERVER_ADDRS``), wait
+        until each answers and start AReaL's workflow executor."""
         self.engine_id = engine_id or uuid.uuid4().hex
         self.logger = areal_logging.getLogger(f"[FabricInferenceEngine {self.engine_id}]")
         given = [addr] if isinstance(addr, str) else addr
@@ -127,9 +124,7 @@ class FabricInferenceEngine(RemoteInfEngine):  # type: ignore[misc]
         return {} if self._clients is None else self._clients.snapshot()
 
     async def agenerate(self, req: Any) -> Any:
-        """AReaL's ``ModelResponse`` for its ``ModelRequest``, from some worker, on any
-        event loop in any thread (through that loop's client); cancelling the awaiting
-        task cancels the request on its worker."""
+        """AReaL's ``ModelResponse`` for its ``ModelRequest``, on any event loop."""
         clients = _ready(self._clients)
         llm_req = to_llm_request(req)
         client = await clients.get()
@@ -157,32 +152,28 @@ class FabricInferenceEngine(RemoteInfEngine):  # type: ignore[misc]
         return _ready(self._updates).submit(wait)
 
     def update_weights_from_disk(self, meta: Any) -> concurrent.futures.Future[None]:
-        """Wait until every worker loaded ``meta.version`` from fastio's disk route (the
-        trainer's :func:`transport.areal.save_for_rollout`; may be called before it)."""
+        """A future done once every worker loaded ``meta.version`` from the disk route."""
         disk_root(meta)  # a clear error now for a meta that is not a disk one
         return self._await_version(meta, "disk")
 
     def init_weights_update_group(
         self, meta: Any, xccl_group_ranks: list[int] | None = None
     ) -> concurrent.futures.Future[Any]:
-        """Nothing to set up (each worker's subscriber connected to the trainer's
-        publisher when it started): the future checks that every worker answers."""
+        """Nothing to set up: the future checks that every worker answers."""
         return _ready(self._updates).submit(_ready(self.controller).request, "health", strict=True)
 
     def update_weights_from_distributed(
         self, meta: Any, param_specs: list[Any]
     ) -> concurrent.futures.Future[None]:
-        """Wait until every worker applied ``meta.version``, published by the trainer's
-        :class:`~transport.weights.WeightPublisher` (``param_specs``: not needed)."""
+        """A future done once every worker applied ``meta.version`` from the publisher."""
         return self._await_version(meta, "publisher")
 
     def pause_generation(self) -> None:
-        """Pause every worker; returns once none generates (interrupted requests are
-        re-submitted by their clients and wait until :meth:`continue_generation`)."""
+        """Pause every worker; returns once none generates."""
         _ready(self.controller).pause()
 
     def continue_generation(self) -> None:
-        """Resume every worker (waiting and interrupted requests go on)."""
+        """Resume every worker."""
         _ready(self.controller).resume()
 
     def export_stats(self) -> dict[str, float]:

@@ -24,16 +24,12 @@ def disk_root(meta: Any) -> Path:
     if getattr(meta, "type", None) != "disk" or not getattr(meta, "path", None):
         raise ValueError("a disk weight update needs WeightUpdateMeta(type='disk', path=...)")
     path = Path(os.fspath(meta.path))
-    if _VERSIONED.fullmatch(path.name):
-        return path.parent / "weight_update"
-    return path
+    return path.parent / "weight_update" if _VERSIONED.fullmatch(path.name) else path
 
 
 def save_for_rollout(meta: Any, state: Any, version: int | None = None, *, keep: int = 2) -> Path:
     """Trainer side of the disk route: write ``state`` as ``version`` (default
-    ``meta.version``) under :func:`disk_root` of ``meta``, atomically.
-
-    Returns the version's file."""
+    ``meta.version``) under :func:`disk_root` of ``meta``, atomically; returns its file."""
     v = meta.version if version is None else version
     if v is None:
         raise ValueError("no version: pass version= or use meta.with_version(v)")

@@ -85,8 +85,7 @@ DEFAULT_CHECKSUM = CHECKSUM_ALGOS[0]
 
 
 class Hasher:
-    """Streaming checksum (``update`` in order, then ``digest``): ``"xxh3_64"`` (needs
-    the ``xxhash`` package) or ``"crc32"``."""
+    """Streaming checksum (``update`` in order, then ``digest``): ``"xxh3_64"`` or ``"crc32"``."""
 
     def __init__(self, algo: str = DEFAULT_CHECKSUM) -> None:
         if algo not in CHECKSUM_ALGOS:
@@ -152,8 +151,7 @@ def _targets_of(
     targets: Mapping[str, torch.Tensor],
     dests: Mapping[str, Sequence[str]] | None,
 ) -> Iterable[torch.Tensor]:
-    """The targets of tensor ``e`` (``dests``: travelling name -> target names, default
-    its own; unknown names skipped), tied ones once; none if ``e`` is empty."""
+    """The targets of ``e`` (through ``dests``, default its own name), tied ones once."""
     found: dict[tuple[Any, ...], torch.Tensor] = {}
     for name in (e.name,) if dests is None else dests.get(e.name, ()):
         dst = targets.get(name)
@@ -216,7 +214,11 @@ def plan_buckets(
 
 #: Bytes per ``sum64`` row; a bucket it checks is a multiple of it.
 SUM64_ROW = 512
-_SUM64_WEIGHTS: dict[tuple[int, Any], torch.Tensor] = {}
+
+
+@functools.cache
+def _sum64_weights(n: int, device: Any) -> torch.Tensor:
+    return torch.arange(1, n + 1, dtype=torch.int64, device=device)
 
 
 def sum64(payload: torch.Tensor) -> torch.Tensor:
@@ -229,12 +231,7 @@ def sum64(payload: torch.Tensor) -> torch.Tensor:
         weights = np.arange(1, rows_np.size + 1, dtype=np.int64)
         return torch.tensor(int((rows_np * weights).sum(dtype=np.int64)), dtype=torch.int64)
     rows = payload.view(torch.int64).view(-1, SUM64_ROW // 8).sum(dim=1)
-    key = (rows.numel(), rows.device)
-    w = _SUM64_WEIGHTS.get(key)
-    if w is None:
-        w = torch.arange(1, rows.numel() + 1, dtype=torch.int64, device=rows.device)
-        _SUM64_WEIGHTS[key] = w
-    return (rows * w).sum()
+    return (rows * _sum64_weights(rows.numel(), rows.device)).sum()
 
 
 # -- packing and applying ----------------------------------------------------------
@@ -245,9 +242,8 @@ def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
 def pack_bucket(
     info: WeightBucketInfo, tensors: Mapping[str, torch.Tensor], out: torch.Tensor
 ) -> None:
-    """Copy the bucket's tensors into ``out`` (a uint8 tensor of at least
-    ``info.nbytes``), the padding zeroed so the checksum is deterministic; CUDA tensors
-    are copied non-blocking, synchronised once at the end when ``out`` is on the CPU."""
+    """Copy the bucket's tensors into ``out`` (uint8, at least ``info.nbytes``), the
+    padding zeroed so the checksum is deterministic."""
     pos = 0
     cuda = False
     for e in info.tensors:
@@ -270,8 +266,7 @@ def copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
 
 
 def copy_tensor(dst: torch.Tensor, t: torch.Tensor, *, sync: bool = True) -> bool:
-    """Copy ``t`` into the uint8 region ``dst`` (C order); whether it was a CUDA copy
-    (non-blocking; synchronised here when ``sync``)."""
+    """Copy ``t`` into the uint8 region ``dst``; whether it was a (non-blocking) CUDA copy."""
     if t.device.type == "cuda":
         dst.copy_(_flat_bytes(t.contiguous()), non_blocking=True)
         if sync:
@@ -285,8 +280,7 @@ def copy_tensor(dst: torch.Tensor, t: torch.Tensor, *, sync: bool = True) -> boo
 
 
 def _spans(chunks: Sequence[Any], starts: list[int], lo: int, hi: int) -> Iterator[tuple[Any, int]]:
-    """Bytes ``[lo, hi)`` of the 1-D ``chunks`` (chunk ``k`` from byte ``starts[k]``):
-    each part and its offset from ``lo``."""
+    """Bytes ``[lo, hi)`` of ``chunks`` (chunk k from ``starts[k]``): (part, offset from lo)."""
     k, pos = bisect.bisect_right(starts, lo) - 1, lo
     while pos < hi:
         if k >= len(chunks):
@@ -302,8 +296,7 @@ def _starts(chunks: Sequence[Any]) -> list[int]:
 
 
 def wire_tensor(e: WeightTensor, chunks: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Tensor ``e`` of a bucket held in ``chunks`` (1-D uint8): a view when it lies in
-    one chunk at an aligned offset, else a copy."""
+    """Tensor ``e`` of a bucket in ``chunks`` (1-D uint8): a view where it can, else a copy."""
     dt = dtype_from_name(e.dtype)
     parts = list(_spans(chunks, _starts(chunks), e.offset, e.offset + e.nbytes))
     if len(parts) == 1 and parts[0][0].storage_offset() % dt.itemsize == 0:
@@ -372,8 +365,7 @@ class BucketApplier:
         arrs: list[np.ndarray[Any, Any]],
         starts: list[int],
     ) -> None:
-        """The plain CPU copies, in pieces of ``_THREAD_PIECE`` bytes over
-        ``copy_threads`` threads (``np.copyto`` releases the GIL)."""
+        """The plain CPU copies, in pieces over threads (``np.copyto`` releases the GIL)."""
 
         def run(dst: np.ndarray[Any, Any], off: int) -> None:
             for part, rel in _spans(arrs, starts, off, off + dst.size):
@@ -384,9 +376,7 @@ class BucketApplier:
             for d, off in jobs:
                 run(d, off)
             return
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(self.copy_threads, thread_name_prefix="weights-copy")
-        pool = self._pool
+        pool = self._pool = self._pool or ThreadPoolExecutor(self.copy_threads, "weights-copy")
         futures = [
             pool.submit(run, d[a : a + step], off + a)
             for d, off in jobs

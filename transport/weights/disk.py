@@ -127,8 +127,7 @@ def _gc(root: Path, keep: int) -> None:
                     shutil.rmtree(p, ignore_errors=True)
 
 
-def _marker(root: Path) -> tuple[int, str] | None:
-    """The latest version and its directory, from the marker."""
+def _marker(root: Path) -> tuple[int, str] | None:  # the latest version and its directory
     try:
         data = json.loads((root / MARKER).read_text())
     except FileNotFoundError:
@@ -154,25 +153,20 @@ def _parse(mm: mmap.mmap, path: Path) -> tuple[WeightBucketInfo, int, dict[str, 
         header = json.loads(bytes(mm[8 : 8 + n]))
     except (struct.error, ValueError) as exc:
         raise WeightUpdateError(f"{path}: not a safetensors file ({exc})") from exc
-    tensors = []
-    size = len(mm) - 8 - n
-    aliases: dict[str, str] = {}
     try:
-        raw = (header.get("__metadata__") or {}).get("fastio_aliases")
-        if raw:
-            aliases = {str(k): str(v) for k, v in json.loads(raw).items()}
-    except (AttributeError, ValueError) as exc:
+        raw = (header.pop("__metadata__", None) or {}).get("fastio_aliases") or "{}"
+        aliases = {str(k): str(v) for k, v in json.loads(raw).items()}
+    except (AttributeError, TypeError, ValueError) as exc:
         raise WeightUpdateError(f"{path}: bad fastio_aliases metadata ({exc})") from exc
+    tensors = []
     for name, spec in header.items():
-        if name == "__metadata__":
-            continue
         dt = _ST_DTYPES.get(spec.get("dtype"))
         if dt is None:
             raise WeightMismatchError(f"{path}: unsupported dtype {spec.get('dtype')} of {name!r}")
         a, b = spec["data_offsets"]
         tensors.append(WeightTensor(name, dt, tuple(spec["shape"]), int(a), int(b) - int(a)))
     tensors.sort(key=lambda t: t.offset)
-    return WeightBucketInfo(0, size, 0, tensors), 8 + n, aliases
+    return WeightBucketInfo(0, len(mm) - 8 - n, 0, tensors), 8 + n, aliases
 
 
 def load_weights(

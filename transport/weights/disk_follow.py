@@ -8,13 +8,12 @@ import asyncio
 import logging
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
-from msgspec import Meta
 
 from transport.errors import ControlError
-from transport.options import parse_options
+from transport.options import NonEmptyStr, Seconds, parse_options
 from transport.weights.disk import _dirname, latest_version, load_weights, save_weights
 from transport.weights.errors import WeightUpdateError
 from transport.weights.update import PausedWhileCopying
@@ -29,12 +28,10 @@ log = logging.getLogger("transport.weights.disk_follow")
 
 
 class DiskFollower:
-    """Keeps ``server.engine`` (a :class:`transport.WorkerServer`'s, with ``version``
-    and ``load_weights_from_disk`` or a ``model``) at the newest version under ``root``,
-    loaded while the worker is paused (``docs/weights.md``, "Disk"): a look at the marker
-    every ``poll`` seconds, a load waiting ``pause_timeout`` for generations to stop;
-    ``strict``: every parameter must be in the file. :attr:`refused` is the last version
-    that failed to load (not retried; the worker keeps its weights)."""
+    """Keeps ``server.engine`` (with ``version`` and ``load_weights_from_disk`` or a
+    ``model``) at the newest version under ``root``, loaded while the worker is paused
+    (``docs/weights.md``, "Disk"); options as :class:`DiskOptions`. :attr:`refused` is
+    the last version that failed to load (not retried; the worker keeps its weights)."""
 
     def __init__(
         self,
@@ -78,16 +75,6 @@ class DiskFollower:
                 await self.load(v)
             await asyncio.sleep(self.poll)  # the polling period, not a synchronisation
 
-    async def _load(self, version: int) -> int:
-        """Have the engine load ``version``; the version it serves after."""
-        if self.hook is not None:
-            await self.hook(str(self.root / _dirname(version)), version)
-            return version
-        # The newest version, not ``version``: a clean-up meanwhile does not fail it.
-        return await asyncio.to_thread(
-            load_weights, self.root, self.engine.model, strict=self.strict
-        )
-
     async def load(self, version: int) -> bool:
         """Load ``version`` (or a newer one written meanwhile) while the worker is
         paused; True when the engine serves it."""
@@ -97,7 +84,13 @@ class DiskFollower:
             log.warning(msg, s.worker_id, self.pause_timeout, version)
             return False
         try:
-            self.engine.version = await self._load(version)
+            if self.hook is not None:
+                await self.hook(str(self.root / _dirname(version)), version)
+                self.engine.version = version
+            else:  # the newest version, not ``version``: a clean-up meanwhile does not fail it
+                self.engine.version = await asyncio.to_thread(
+                    load_weights, self.root, self.engine.model, strict=self.strict
+                )
         except Exception as exc:  # the engine's own loader may raise anything
             self.refused = version
             msg = "worker %s: version %d from %s refused, keeping version %d: %s"
@@ -116,9 +109,9 @@ class DiskOptions(
 ):
     """The plugin's options, ``--plugin-opt disk_<field>=value`` (see :func:`follow`)."""
 
-    root: Annotated[str, Meta(min_length=1)]
-    poll: Annotated[float, Meta(gt=0)] = 0.05
-    pause_timeout: Annotated[float, Meta(gt=0)] = 30.0
+    root: NonEmptyStr
+    poll: Seconds = 0.05
+    pause_timeout: Seconds = 30.0
     strict: bool = True
 
 
@@ -174,12 +167,11 @@ def update_weights_on_disk(
     *,
     keep: int = 2,
 ) -> dict[str, int]:
-    """Pause the workers of ``controller``, write ``version`` under ``where`` (as
-    :func:`~transport.weights.disk.save_weights`), wait up to ``timeout`` until every
-    worker reports it, resume them; worker address -> version after the resume. Raises
-    :class:`transport.ControlError` (a worker could not be paused or resumed) or
-    :class:`~transport.weights.WeightUpdateError` (not reported in time; resumed anyway).
-    """
+    """Pause the workers, write ``version`` under ``where`` (as
+    :func:`~transport.weights.disk.save_weights`), wait up to ``timeout`` until every worker
+    reports it, resume them; worker address -> version after the resume. Raises
+    :class:`transport.ControlError` (pause or resume failed) or
+    :class:`~transport.weights.WeightUpdateError` (not reported in time; resumed anyway)."""
     controller.pause(timeout)
     try:
         save_weights(where, state, version, keep=keep)

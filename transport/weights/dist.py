@@ -47,8 +47,7 @@ _ADVICE = (
 
 
 class DeviceConflictError(WeightUpdateError, ValueError):
-    """The NCCL group cannot give every rank its own CUDA device (raised on every rank
-    at setup, before NCCL is touched)."""
+    """The NCCL group cannot give every rank its own CUDA device (raised on every rank)."""
 
 
 def _names(ranks: Sequence[int]) -> str:
@@ -130,23 +129,13 @@ def param_specs(state: Any) -> list[ParamSpec]:
 
 
 class WeightGroup:
-    """One member of the weight-update process group.
-
-    Parameters
-    ----------
-    meta, rank:
-        ``type="nccl"`` metadata; :func:`trainer_rank` or a :func:`worker_rank`.
-    backend:
-        ``"gloo"`` or ``"nccl"`` (default: NCCL where CUDA is available).
-    bucket_bytes:
-        Bucket size, the same on every rank (it shapes the plan).
-    timeout, join_timeout:
-        Seconds a collective, and forming the group (default ``min(timeout, 60)``), may take.
-    device:
-        NCCL only: this rank's CUDA device (default: :func:`assign_devices`).
-
-    :attr:`last_timings` holds the per-bucket timings of the last :meth:`send` or
-    :meth:`recv` (seconds).
+    """One member of the weight-update process group: ``meta`` (``type="nccl"``), ``rank``
+    (:func:`trainer_rank` or a :func:`worker_rank`), ``backend`` (``"gloo"`` or ``"nccl"``,
+    default NCCL where CUDA is available), ``bucket_bytes`` (the same on every rank: it
+    shapes the plan), ``timeout`` and ``join_timeout`` (seconds a collective, and forming
+    the group, default ``min(timeout, 60)``, may take), ``device`` (NCCL only: this rank's
+    CUDA device, default :func:`assign_devices`). :attr:`last_timings`: the per-bucket
+    timings of the last :meth:`send` or :meth:`recv` (seconds).
 
     >>> meta = WeightUpdateMeta.from_param_specs(alloc, param_specs(model))  # doctest: +SKIP
     >>> WeightGroup(meta, trainer_rank()).send(model)  # trainer   # doctest: +SKIP
@@ -262,14 +251,12 @@ class WeightGroup:
     def recv(
         self, target: Any, *, atomic: bool = True, strict: bool = True, dtype: DtypeSpec = None
     ) -> None:
-        """Workers: receive a version into ``target`` (module or name -> tensor).
-
-        ``atomic``: every bucket lands in one staging buffer before anything is copied (a
-        broadcast failing half-way leaves the weights untouched; ``False``: each bucket
-        is copied as it lands). ``strict``: every target must be in the plan. ``dtype``:
-        as for :class:`transport.weights.WeightSubscriber`. Raises
-        :class:`WeightMismatchError` before any collective when the specs do not fit,
-        :class:`WeightUpdateError` when a broadcast fails."""
+        """Workers: receive a version into ``target`` (module or name -> tensor); ``atomic``:
+        every bucket lands before anything is copied (``False``: each as it lands);
+        ``strict``: every target must be in the plan; ``dtype``: as for
+        :class:`transport.weights.WeightSubscriber`. :class:`WeightMismatchError` before
+        any collective when the specs do not fit, :class:`WeightUpdateError` when a
+        broadcast fails."""
         if self.rank == 0:
             raise RuntimeError("rank 0 sends")
         targets = named_tensors(target)
@@ -322,7 +309,7 @@ class WeightGroup:
             raise WeightUpdateError(f"process-group weight broadcast failed: {exc}") from exc
 
     def close(self) -> None:
-        """Leave the group (drops the process group and the store)."""
+        """Leave the group."""
         self.pg = None
         self._bufs = [torch.empty(0, dtype=torch.uint8)] * 3
 
