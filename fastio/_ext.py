@@ -135,11 +135,9 @@ def buffer(frame: Any) -> memoryview:
 
 
 def header_ints(h: memoryview) -> tuple[int, int]:
-    """``(version, n_buffers)`` of header ``h``: read off the first three bytes when both
-    are fixints (the body is checked where it is decoded), else FrameError unless
-    ``[int, int, body]``."""
+    """``(version, n_buffers)`` of header ``h``; FrameError unless ``[int, int, body]``."""
     if len(h) > 3 and h[0] == 0x93 and h[1] < 0x80 and h[2] < 0x80:
-        return h[1], h[2]  # both fixints: what our encoder writes
+        return h[1], h[2]  # both fixints, as our encoder writes (the body is checked later)
     try:
         parts = raw_list.decode(h)
     except msgspec.DecodeError as exc:
@@ -195,32 +193,25 @@ def frame_error(what: str, k: int, frames: Any) -> DecodeError:
 def token_error(code: int, payload: memoryview, frames: Any) -> DecodeError:
     """What is wrong with a token-array extension value that failed to decode."""
     dtype: Any = TOKEN_DTYPES[code]
+    whole = f"needs a multiple of {dtype.itemsize} bytes of data"
     if code < FRAME:
+        return DecodeError(f"token array of {dtype.name} {whole}, got {len(payload)}")
+    compact = code >= REF
+    size = 1 if compact else FRAME_REF.size
+    if len(payload) != size:
+        what = "compact token array frame reference" if compact else "token array frame reference"
         return DecodeError(
-            f"token array of {dtype.name} needs a multiple of {dtype.itemsize} bytes of "
-            f"data, got {len(payload)}"
+            f"{what} must be {size} byte{'s' if size > 1 else ''}, got {len(payload)}"
         )
-    if code < REF:
-        if len(payload) != FRAME_REF.size:
-            return DecodeError(f"token array frame reference must be 8 bytes, got {len(payload)}")
-        k, count = FRAME_REF.unpack(payload)
-    else:
-        if len(payload) != 1:
-            return DecodeError(
-                f"compact token array frame reference must be 1 byte, got {len(payload)}"
-            )
-        k, count = payload[0], -1
+    k, count = (payload[0], -1) if compact else FRAME_REF.unpack(payload)
     if not 0 < k < len(frames):
         return frame_error("token array", k, frames)
     try:
         got = buffer(frames[k]).nbytes
     except DecodeError as err:  # not bytes-like, not contiguous
         return err
-    if count < 0:
-        return DecodeError(
-            f"token array of {dtype.name} in frame {k} needs a multiple of {dtype.itemsize} "
-            f"bytes of data, got {got}"
-        )
+    if compact:
+        return DecodeError(f"token array of {dtype.name} in frame {k} {whole}, got {got}")
     return DecodeError(
         f"token array {dtype.name}[{count}] needs {count * dtype.itemsize} bytes of data, got {got}"
     )
