@@ -136,8 +136,7 @@ class TokenArray(Sequence[Any]):
     def tolist(self) -> list[Any]:
         """A new Python list with the elements as Python scalars; ``copy()`` too, as
         ``list.copy`` (for an independent ``TokenArray`` use ``t[:]``)."""
-        out: list[Any] = self._a.tolist()
-        return out
+        return self._a.tolist()  # type: ignore[no-any-return]
 
     copy = tolist
 
@@ -145,8 +144,7 @@ class TokenArray(Sequence[Any]):
         """A CPU ``torch.Tensor`` sharing memory (a read-only array is copied)."""
         import torch
 
-        a = self._a
-        self._excl = False
+        a = self.array
         return torch.from_numpy(a if a.flags.writeable else a.copy())
 
     def __array__(
@@ -156,10 +154,7 @@ class TokenArray(Sequence[Any]):
             if copy is False:
                 raise ValueError("TokenArray: a dtype conversion needs a copy")
             return self._a.astype(dtype)
-        if copy:
-            return self._a.copy()
-        self._excl = False
-        return self._a
+        return self._a.copy() if copy else self.array
 
     def __len__(self) -> int:
         return int(self._a.shape[0])
