@@ -20,13 +20,8 @@ from fastio.protocol import DTYPE_NAMES, MIN_PROTOCOL_VERSION, PROTOCOL_VERSION,
 if sys.byteorder != "little":  # pragma: no cover - no big-endian hosts in CI
     raise ImportError("fastio supports little-endian hosts only")
 
-EXT_NDARRAY = int(ExtCode.NDARRAY)
-EXT_TENSOR = int(ExtCode.TENSOR)
-EXT_IMAGE = int(ExtCode.IMAGE)
-EXT_TOKENS = int(ExtCode.TOKENS)
-INLINE = int(ExtCode.TOKENS_INLINE)
-FRAME = int(ExtCode.TOKENS_FRAME)
-REF = int(ExtCode.TOKENS_REF)
+# Plain ints, in ExtCode's order: the hooks compare them on every extension value.
+EXT_NDARRAY, EXT_TENSOR, EXT_IMAGE, EXT_TOKENS, INLINE, FRAME, REF = map(int, ExtCode)
 
 # Wire dtype name -> numpy's own dtype instance (bfloat16 only as a tensor).
 NP_DTYPES: dict[str, np.dtype[Any]] = {
