@@ -85,6 +85,6 @@ def _tokens(value: Any, dtype: Any, field: str) -> TokenArray:
         )
     ints = target.kind in "iu"
     if t.dtype.kind not in ("iu" if ints else "fiu"):
-        got = "floats" if t.dtype.kind == "f" else f"an array of {t.dtype}"
+        got = "floats" if isinstance(value, (list, tuple, range)) else f"an array of {t.dtype}"
         raise TypeError(f"{field} holds {'integers' if ints else 'numbers'}, got {got}")
     return t
