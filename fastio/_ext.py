@@ -152,8 +152,7 @@ def header_ints(h: memoryview) -> tuple[int, int]:
 def diagnose(tp: Any, limit: int | None, frames: Any, exc: Exception) -> DecodeError:
     """The error for ``frames`` that failed to decode into ``tp`` with ``exc``: the frame
     list, each frame, the size ``limit``, the header, the frame count, then the body."""
-    tf = type(frames)
-    if (tf is not list and tf is not tuple) or not frames:
+    if type(frames) not in (list, tuple) or not frames:
         return FrameError("expected a non-empty list of frames [header, *buffers]")
     try:
         total = sum(buffer(f).nbytes for f in frames)
@@ -221,14 +220,11 @@ def _body_error(tp: Any, header: Any, exc: Exception) -> str:
     ``Expected `int` >= 1 - at `$[3][2]` (LLMRequest.gconfig.max_new_tokens)``."""
     text = str(exc)
     m = _PATH.search(text)
-    if m is None:
+    if m is None or not m.group(1).startswith("[2]"):  # not inside the body
         return text
-    idx = [int(i) for i in _INDEX.findall(m.group(1))]
-    if not idx or idx[0] != 2:
-        return text
-    idx = idx[1:]
+    idx = [int(i) for i in _INDEX.findall(m.group(1))][1:]
     rest = m.group(2)
-    where = "$" + "".join(f"[{i}]" for i in idx) + rest
+    where = "$" + m.group(1)[3:] + rest
     try:
         names = _field_names(tp, _any_decoder.decode(buffer(header))[2], idx)
     except Exception:  # naming is best effort: the path above is exact
