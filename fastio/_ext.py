@@ -20,13 +20,8 @@ from fastio.protocol import DTYPE_NAMES, MIN_PROTOCOL_VERSION, PROTOCOL_VERSION,
 if sys.byteorder != "little":  # pragma: no cover - no big-endian hosts in CI
     raise ImportError("fastio supports little-endian hosts only")
 
-EXT_NDARRAY = int(ExtCode.NDARRAY)
-EXT_TENSOR = int(ExtCode.TENSOR)
-EXT_IMAGE = int(ExtCode.IMAGE)
-EXT_TOKENS = int(ExtCode.TOKENS)
-INLINE = int(ExtCode.TOKENS_INLINE)
-FRAME = int(ExtCode.TOKENS_FRAME)
-REF = int(ExtCode.TOKENS_REF)
+# Plain ints, in ExtCode's order: the hooks compare them on every extension value.
+EXT_NDARRAY, EXT_TENSOR, EXT_IMAGE, EXT_TOKENS, INLINE, FRAME, REF = map(int, ExtCode)
 
 # Wire dtype name -> numpy's own dtype instance (bfloat16 only as a tensor).
 NP_DTYPES: dict[str, np.dtype[Any]] = {
@@ -135,11 +130,9 @@ def buffer(frame: Any) -> memoryview:
 
 
 def header_ints(h: memoryview) -> tuple[int, int]:
-    """``(version, n_buffers)`` of header ``h``: read off the first three bytes when both
-    are fixints (the body is checked where it is decoded), else FrameError unless
-    ``[int, int, body]``."""
+    """``(version, n_buffers)`` of header ``h``; FrameError unless ``[int, int, body]``."""
     if len(h) > 3 and h[0] == 0x93 and h[1] < 0x80 and h[2] < 0x80:
-        return h[1], h[2]  # both fixints: what our encoder writes
+        return h[1], h[2]  # both fixints, as our encoder writes (the body is checked later)
     try:
         parts = raw_list.decode(h)
     except msgspec.DecodeError as exc:
@@ -159,8 +152,7 @@ def header_ints(h: memoryview) -> tuple[int, int]:
 def diagnose(tp: Any, limit: int | None, frames: Any, exc: Exception) -> DecodeError:
     """The error for ``frames`` that failed to decode into ``tp`` with ``exc``: the frame
     list, each frame, the size ``limit``, the header, the frame count, then the body."""
-    tf = type(frames)
-    if (tf is not list and tf is not tuple) or not frames:
+    if type(frames) not in (list, tuple) or not frames:
         return FrameError("expected a non-empty list of frames [header, *buffers]")
     try:
         total = sum(buffer(f).nbytes for f in frames)
@@ -195,32 +187,25 @@ def frame_error(what: str, k: int, frames: Any) -> DecodeError:
 def token_error(code: int, payload: memoryview, frames: Any) -> DecodeError:
     """What is wrong with a token-array extension value that failed to decode."""
     dtype: Any = TOKEN_DTYPES[code]
+    whole = f"needs a multiple of {dtype.itemsize} bytes of data"
     if code < FRAME:
+        return DecodeError(f"token array of {dtype.name} {whole}, got {len(payload)}")
+    compact = code >= REF
+    size = 1 if compact else FRAME_REF.size
+    if len(payload) != size:
+        what = "compact token array frame reference" if compact else "token array frame reference"
         return DecodeError(
-            f"token array of {dtype.name} needs a multiple of {dtype.itemsize} bytes of "
-            f"data, got {len(payload)}"
+            f"{what} must be {size} byte{'s' if size > 1 else ''}, got {len(payload)}"
         )
-    if code < REF:
-        if len(payload) != FRAME_REF.size:
-            return DecodeError(f"token array frame reference must be 8 bytes, got {len(payload)}")
-        k, count = FRAME_REF.unpack(payload)
-    else:
-        if len(payload) != 1:
-            return DecodeError(
-                f"compact token array frame reference must be 1 byte, got {len(payload)}"
-            )
-        k, count = payload[0], -1
+    k, count = (payload[0], -1) if compact else FRAME_REF.unpack(payload)
     if not 0 < k < len(frames):
         return frame_error("token array", k, frames)
     try:
         got = buffer(frames[k]).nbytes
     except DecodeError as err:  # not bytes-like, not contiguous
         return err
-    if count < 0:
-        return DecodeError(
-            f"token array of {dtype.name} in frame {k} needs a multiple of {dtype.itemsize} "
-            f"bytes of data, got {got}"
-        )
+    if compact:
+        return DecodeError(f"token array of {dtype.name} in frame {k} {whole}, got {got}")
     return DecodeError(
         f"token array {dtype.name}[{count}] needs {count * dtype.itemsize} bytes of data, got {got}"
     )
@@ -235,14 +220,11 @@ def _body_error(tp: Any, header: Any, exc: Exception) -> str:
     ``Expected `int` >= 1 - at `$[3][2]` (LLMRequest.gconfig.max_new_tokens)``."""
     text = str(exc)
     m = _PATH.search(text)
-    if m is None:
+    if m is None or not m.group(1).startswith("[2]"):  # not inside the body
         return text
-    idx = [int(i) for i in _INDEX.findall(m.group(1))]
-    if not idx or idx[0] != 2:
-        return text
-    idx = idx[1:]
+    idx = [int(i) for i in _INDEX.findall(m.group(1))][1:]
     rest = m.group(2)
-    where = "$" + "".join(f"[{i}]" for i in idx) + rest
+    where = "$" + m.group(1)[3:] + rest
     try:
         names = _field_names(tp, _any_decoder.decode(buffer(header))[2], idx)
     except Exception:  # naming is best effort: the path above is exact

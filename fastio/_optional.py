@@ -30,7 +30,10 @@ def require(module: str, extra: str, purpose: str = "") -> ModuleType:
         raise missing(module, extra, purpose) from exc
 
 
-class _Lazy(ModuleType):
+class lazy(ModuleType):
+    """A module imported (or its extra named) on first attribute access, replacing
+    itself in ``namespace``: ``torch = lazy("torch", "torch", "buckets", globals())``."""
+
     def __init__(self, module: str, extra: str, purpose: str, namespace: dict[str, Any]) -> None:
         super().__init__(module)
         self._spec = (module, extra, purpose, namespace)
@@ -44,9 +47,3 @@ class _Lazy(ModuleType):
             if value is self:
                 namespace[key] = real
         return getattr(real, attr)
-
-
-def lazy(module: str, extra: str, purpose: str, namespace: dict[str, Any]) -> Any:
-    """A module imported (or its extra named) on first attribute access, replacing
-    itself in ``namespace``: ``torch = lazy("torch", "torch", "buckets", globals())``."""
-    return _Lazy(module, extra, purpose, namespace)

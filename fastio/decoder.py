@@ -121,10 +121,9 @@ class Decoder:
         return ext_hook
 
     def _new_state(self) -> list[Any]:
-        """A per-call state ``[frames, decode, decode_two]`` (``decode_two``: one buffer)."""
-        state: list[Any] = [None, None, None]
+        """A per-call state ``[frames, decode]``."""
+        state: list[Any] = [None, None]
         state[1] = self._msgspec_decoder(int, state)
-        state[2] = self._msgspec_decoder(Literal[1], state)
         return state
 
     def _make_decode(self) -> Any:
@@ -163,7 +162,7 @@ class Decoder:
                     state = new_state()
                 state[0] = frames
                 try:
-                    msg = state[2 if count == 2 else 1](frames[0])
+                    msg = state[1](frames[0])
                 finally:
                     state[0] = None
                     push(state)

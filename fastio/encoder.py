@@ -111,9 +111,10 @@ class Encoder:
     def _hook(self, state: list[Any]) -> Any:
         """The ``enc_hook`` of one msgspec encoder; ``state[1]``: its call's frame list."""
         threshold = self._threshold
-        # Other token encodings miss this table: _tokens_ext writes them.
-        codes = _ext.INLINE_CODE if self._tokens is TokenEncoding.REF else {}
-        ext, pack, refs, make_ref = _ext.Ext, _ext.FRAME_REF.pack, _ext.REFS, _ext.ref
+        # TOKENS misses this table; COMPACT misses the 1-byte references (8-byte ones).
+        codes = {} if self._tokens is TokenEncoding.TOKENS else _ext.INLINE_CODE
+        refs = _ext.REFS if self._tokens is TokenEncoding.REF else [()] * len(_ext.REFS)
+        ext, pack, make_ref = _ext.Ext, _ext.FRAME_REF.pack, _ext.ref
         other = self._enc_hook
 
         def hook(obj: Any) -> Any:
@@ -128,10 +129,10 @@ class Encoder:
                     k = len(frames) - 1
                     try:
                         ref = refs[code][k]
-                    except IndexError:  # frame 256 and on: the 8-byte reference
+                    except IndexError:  # frame 256 and on, or COMPACT: the 8-byte reference
                         return ext(code + 16, pack(k, len(arr)))
                     return ref if ref is not None else make_ref(code, k)
-            return other(obj, state[1])
+            return other(obj, state[1], hook)
 
         return hook
 
@@ -189,9 +190,15 @@ class Encoder:
 
         return encode
 
-    def _enc_hook(self, obj: Any, frames: list[Any]) -> Any:
+    def _enc_hook(self, obj: Any, frames: list[Any], hook: Any) -> Any:
         if isinstance(obj, TokenArray):
-            return self._tokens_ext(obj._a, frames)
+            arr = obj._a
+            if self._tokens is TokenEncoding.TOKENS:
+                return self._array_ext(arr, _ext.EXT_TOKENS, frames)
+            if arr.dtype not in _ext.INLINE_CODE:
+                arr, _ = _ext.normalise_dtype(arr)
+            # One copy of a strided view (the wire form is packed), then the fast path.
+            return hook(TokenArray.wrap(np.ascontiguousarray(arr)))
         if isinstance(obj, np.ndarray):
             return self._array_ext(np.asarray(obj), _ext.EXT_NDARRAY, frames)
         if isinstance(obj, np.generic):
@@ -206,23 +213,6 @@ class Encoder:
             return name
         tp = type(obj)
         raise EncodeError(f"fastio cannot encode objects of type {tp.__module__}.{tp.__qualname__}")
-
-    def _tokens_ext(self, arr: np.ndarray[Any, Any], frames: list[Any]) -> msgspec.msgpack.Ext:
-        """Token arrays off the hot path: other dtypes, strided views, older encodings."""
-        tokens = self._tokens
-        if tokens is TokenEncoding.TOKENS:
-            return self._array_ext(arr, _ext.EXT_TOKENS, frames)
-        if arr.dtype not in _ext.INLINE_CODE:
-            arr, _ = _ext.normalise_dtype(arr)
-        arr = np.ascontiguousarray(arr)  # one copy: the wire form is packed
-        code = _ext.INLINE_CODE[arr.dtype]
-        if arr.nbytes < self._threshold:
-            return _ext.Ext(code, arr.tobytes())
-        frames.append(arr.data.cast("B"))
-        k = len(frames) - 1
-        if k > 255 or tokens is TokenEncoding.COMPACT:
-            return _ext.Ext(code + 16, _ext.FRAME_REF.pack(k, arr.shape[0]))
-        return _ext.REFS[code][k] or _ext.ref(code, k)  # type: ignore[no-any-return]
 
     def _slot(self, arr: np.ndarray[Any, Any], frames: list[Any]) -> int | bytes:
         """Inline bytes for a small C-contiguous array, else the index of its frame."""

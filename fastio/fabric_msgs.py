@@ -184,11 +184,9 @@ def split(frames: list[Any]) -> list[list[Any]]:
         buf = getattr(f, "buffer", f)
         if len(buf) and buf[0] == BATCH_MARKER:
             try:
-                items = _batch_dec.decode(memoryview(buf)[1:])
+                out.extend([h] for h in _batch_dec.decode(memoryview(buf)[1:]))
             except msgspec.DecodeError:
                 out.append([f])  # not a batch: one bad message
-            else:
-                out.extend([h] for h in items)
             i += 1
             continue
         if len(buf) >= 3 and buf[0] == 0x93 and buf[1] < 0x80 and buf[2] < 0x80:

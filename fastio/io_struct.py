@@ -104,14 +104,13 @@ def _checked(name: str, value: Any, info: Any) -> Any:
         for i, v in enumerate(value):
             value[i] = _checked(f"{name}[{i}]", v, info.item_type)
         return value
-    if isinstance(info, mi.IntType):
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-            raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-        value = operator.index(value)
-    else:
-        if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
-            raise TypeError(f"{name} must be a float, got {type(value).__name__} {value!r}")
-        value = float(value)
+    is_int = isinstance(info, mi.IntType)
+    kinds = (int, np.integer) if is_int else (int, float, np.integer, np.floating)
+    fits = isinstance(value, kinds) and not isinstance(value, bool)  # value stays Any
+    if not fits:
+        what = "an int" if is_int else "a float"
+        raise TypeError(f"{name} must be {what}, got {type(value).__name__} {value!r}")
+    value = operator.index(value) if is_int else float(value)
     rules = (
         (info.ge, operator.ge, ">="),
         (info.gt, operator.gt, ">"),

@@ -13,14 +13,6 @@ __all__ = [
     "IpcTensor",
 ]  # fmt: skip
 
-#: Struct tags of the ipc messages (60-63 of ``fastio.protocol.MsgKind``).
-IPC_TAGS = {
-    "IpcHello": int(MsgKind.IPC_HELLO),
-    "IpcOffer": int(MsgKind.IPC_OFFER),
-    "IpcReady": int(MsgKind.IPC_READY),
-    "IpcAck": int(MsgKind.IPC_ACK),
-}
-
 #: Bytes after a slot's payload: its checksum and version, two little-endian int64.
 TRAILER_BYTES = 16
 
@@ -68,7 +60,7 @@ class IpcBucket(msgspec.Struct, array_like=True, frozen=True, gc=False):
     tensors: list[IpcTensor]
 
 
-class IpcHello(WireStruct, tag=IPC_TAGS["IpcHello"]):
+class IpcHello(WireStruct, tag=int(MsgKind.IPC_HELLO)):
     """Worker -> trainer: I can take the ipc path."""
 
     worker_id: str
@@ -78,7 +70,7 @@ class IpcHello(WireStruct, tag=IPC_TAGS["IpcHello"]):
     version: int = -1
 
 
-class IpcOffer(WireStruct, tag=IPC_TAGS["IpcOffer"]):
+class IpcOffer(WireStruct, tag=int(MsgKind.IPC_OFFER)):
     """Trainer -> worker, once: every slot's handle and the layout (``error``: refused)."""
 
     publisher_id: str
@@ -90,7 +82,7 @@ class IpcOffer(WireStruct, tag=IPC_TAGS["IpcOffer"]):
     error: str = ""
 
 
-class IpcReady(WireStruct, tag=IPC_TAGS["IpcReady"]):
+class IpcReady(WireStruct, tag=int(MsgKind.IPC_READY)):
     """Trainer -> worker: bucket ``bucket`` of ``version`` is packed in slot ``slot``."""
 
     version: int
@@ -99,7 +91,7 @@ class IpcReady(WireStruct, tag=IPC_TAGS["IpcReady"]):
     n_buckets: int
 
 
-class IpcAck(WireStruct, tag=IPC_TAGS["IpcAck"]):
+class IpcAck(WireStruct, tag=int(MsgKind.IPC_ACK)):
     """Worker -> trainer: done with ``slot`` (``bucket=-1``: the offer's answer, ``-2``: leaving)."""
 
     worker_id: str
@@ -110,3 +102,7 @@ class IpcAck(WireStruct, tag=IPC_TAGS["IpcAck"]):
     current_version: int = -1
     error: str = ""
     stats: dict[str, float] = msgspec.field(default_factory=dict)
+
+
+#: Struct tags of the ipc messages (60-63 of ``fastio.protocol.MsgKind``).
+IPC_TAGS = {t.__name__: t.__struct_config__.tag for t in (IpcHello, IpcOffer, IpcReady, IpcAck)}

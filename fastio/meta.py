@@ -174,18 +174,6 @@ class _HasParamSpecs(Protocol):
     def get_param_specs(self) -> list[ParamSpec]: ...
 
 
-def _host_ip() -> str:
-    # As AReaL: no 127.0.0.1 fallback, which other hosts' workers could not reach.
-    name = socket.gethostname()
-    try:
-        return socket.gethostbyname(name)
-    except OSError as exc:
-        raise OSError(
-            f"cannot find this host's address: its name {name!r} does not resolve "
-            f"({getattr(exc, 'strerror', None) or exc}); pass master_address="
-        ) from exc
-
-
 class WeightUpdateMeta(WireStruct, tag=int(MsgKind.WEIGHT_UPDATE_META)):
     """How new weights reach the generation workers: ``type="disk"``, a safetensors
     checkpoint at ``path``; ``type="nccl"``, a torch.distributed broadcast (world size
@@ -219,7 +207,15 @@ class WeightUpdateMeta(WireStruct, tag=int(MsgKind.WEIGHT_UPDATE_META)):
     ) -> WeightUpdateMeta:
         """Process-group update of the given parameters; ``master_address`` defaults to
         this host's resolved name (else :class:`OSError`), ``master_port`` to a free port."""
-        address = master_address or _host_ip()
+        if not master_address:  # as AReaL: no 127.0.0.1, which other hosts could not reach
+            name = socket.gethostname()
+            try:
+                master_address = socket.gethostbyname(name)
+            except OSError as exc:
+                raise OSError(
+                    f"cannot find this host's address: its name {name!r} does not resolve "
+                    f"({getattr(exc, 'strerror', None) or exc}); pass master_address="
+                ) from exc
         if master_port is None:  # a free one
             with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
                 s.bind(("127.0.0.1", 0))
@@ -227,7 +223,7 @@ class WeightUpdateMeta(WireStruct, tag=int(MsgKind.WEIGHT_UPDATE_META)):
         return cls(
             type="nccl",
             alloc_mode=allocation_mode,
-            nccl_master_address=address,
+            nccl_master_address=master_address,
             nccl_master_port=master_port,
             nccl_param_specs=list(param_specs),
             nccl_group_name=nccl_group_name,

@@ -9,7 +9,7 @@ import msgspec
 import numpy as np
 
 from fastio.protocol import DTYPE_NAMES
-from fastio.tokens import TokenArray
+from fastio.tokens import TokenArray, _weak
 
 __all__ = ["WireStruct", "message_types"]
 
@@ -72,41 +72,19 @@ def _tokens(value: Any, dtype: Any, field: str) -> TokenArray:
     versions, ``float64`` for logprobs and latencies) when every value fits exactly, else
     wider; floats among ids, and bool arrays, raise."""
     target = np.dtype(dtype)
-    ints = target.kind in "iu"
     if isinstance(value, TokenArray):
         t = value
     elif isinstance(value, np.ndarray) or type(value).__module__ == "torch":
         t = TokenArray(value)
-    elif not isinstance(value, (list, tuple, range)):
+    elif isinstance(value, (list, tuple, range)):
+        t = TokenArray.wrap(_weak(value, target, field), owned=True)
+    else:
         raise TypeError(
             f"{field} takes a list, tuple, numpy array or TokenArray of numbers, "
             f"got {type(value).__name__}"
         )
-    elif len(value) == 0:
-        return TokenArray.wrap(np.empty(0, target))
-    else:
-        try:
-            arr = np.asarray(value)
-        except ValueError as exc:  # ragged nesting
-            raise ValueError(f"{field} must be a flat sequence of numbers") from exc
-        kind = arr.dtype.kind
-        if kind == "O" and arr.ndim == 1 and all(type(x) is int for x in value):
-            raise OverflowError(
-                f"{field}: integers beyond 64 bits cannot be stored or sent (int64, and "
-                "uint64 for values in [2**63, 2**64), are the widest)"
-            )
-        if kind not in "biuf":
-            raise TypeError(f"{field} holds numbers, got {arr.dtype} values")
-        if arr.ndim != 1:
-            raise ValueError(f"{field} must be a flat sequence of numbers, got shape {arr.shape}")
-        if ints and kind == "f":
-            raise TypeError(f"{field} holds integers, got floats")
-        if ints and kind in "iu":
-            info = np.iinfo(target)
-            if arr.min() < info.min or arr.max() > info.max:  # keep numpy's wider dtype
-                target = arr.dtype
-        return TokenArray.wrap(arr.astype(target, copy=False), owned=True)
+    ints = target.kind in "iu"
     if t.dtype.kind not in ("iu" if ints else "fiu"):
-        what = "integers" if ints else "numbers"
-        raise TypeError(f"{field} holds {what}, got an array of {t.dtype}")
+        got = "floats" if isinstance(value, (list, tuple, range)) else f"an array of {t.dtype}"
+        raise TypeError(f"{field} holds {'integers' if ints else 'numbers'}, got {got}")
     return t

@@ -3,6 +3,7 @@ copy-on-write and lifetime: ``docs/concepts.md``, "The codec")."""
 
 from __future__ import annotations
 
+import functools
 import operator
 from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, SupportsIndex, overload
@@ -33,14 +34,16 @@ def _refused(op: str) -> Any:
     return refuse
 
 
-def _weak(values: Sequence[Any], like: np.dtype[Any]) -> npt.NDArray[Any]:
-    """Python numbers as an array in ``like``'s dtype when all fit (NEP 50), else wider."""
+def _weak(values: Sequence[Any], like: np.dtype[Any], what: str = "TokenArray") -> npt.NDArray[Any]:
+    """Python numbers as a 1-D array in ``like``'s dtype when all fit (NEP 50), else wider."""
     if len(values) == 0:
         return np.empty(0, like)
-    arr = _numbers(values, None)
+    arr = _numbers(values, None, what)
     kind, target = arr.dtype.kind, like.kind
     if kind not in _NUMERIC_KINDS:
-        raise TypeError(f"TokenArray holds numbers only, got {arr.dtype} values")
+        raise TypeError(f"{what} holds numbers, got {arr.dtype} values")
+    if arr.ndim != 1:
+        raise ValueError(f"{what} must be a flat sequence of numbers, got shape {arr.shape}")
     if kind == "b" or kind == target == "f":
         return arr.astype(like, copy=False)
     if kind in "iu" and target in "iu":
@@ -133,8 +136,7 @@ class TokenArray(Sequence[Any]):
     def tolist(self) -> list[Any]:
         """A new Python list with the elements as Python scalars; ``copy()`` too, as
         ``list.copy`` (for an independent ``TokenArray`` use ``t[:]``)."""
-        out: list[Any] = self._a.tolist()
-        return out
+        return self._a.tolist()  # type: ignore[no-any-return]
 
     copy = tolist
 
@@ -142,8 +144,7 @@ class TokenArray(Sequence[Any]):
         """A CPU ``torch.Tensor`` sharing memory (a read-only array is copied)."""
         import torch
 
-        a = self._a
-        self._excl = False
+        a = self.array
         return torch.from_numpy(a if a.flags.writeable else a.copy())
 
     def __array__(
@@ -153,10 +154,7 @@ class TokenArray(Sequence[Any]):
             if copy is False:
                 raise ValueError("TokenArray: a dtype conversion needs a copy")
             return self._a.astype(dtype)
-        if copy:
-            return self._a.copy()
-        self._excl = False
-        return self._a
+        return self._a.copy() if copy else self.array
 
     def __len__(self) -> int:
         return int(self._a.shape[0])
@@ -356,10 +354,7 @@ def _index(index: Any) -> int:
 
 def _concat(*parts: npt.NDArray[Any]) -> npt.NDArray[Any]:
     """The parts joined; an empty part takes no part in the dtype (as ``[] + list``)."""
-    dtypes = [p.dtype for p in parts if p.shape[0]] or [parts[-1].dtype]
-    dtype = dtypes[0]
-    for d in dtypes[1:]:
-        dtype = _joined(dtype, d)
+    dtype = functools.reduce(_joined, [p.dtype for p in parts if p.shape[0]] or [parts[-1].dtype])
     return np.concatenate(parts, dtype=dtype, casting="unsafe")
 
 
@@ -376,15 +371,17 @@ def _joined(a: np.dtype[Any], b: np.dtype[Any]) -> np.dtype[Any]:
     return out
 
 
-def _numbers(data: Sequence[Any], dtype: npt.DTypeLike | None) -> npt.NDArray[Any]:
+def _numbers(
+    data: Sequence[Any], dtype: npt.DTypeLike | None, what: str = "TokenArray"
+) -> npt.NDArray[Any]:
     """``np.asarray`` of Python numbers, with a clear error for ints beyond 64 bits."""
     try:
         arr = np.asarray(data, dtype=dtype)
-    except OverflowError as exc:
-        raise OverflowError(f"TokenArray: {exc}") from exc
+    except (OverflowError, ValueError) as exc:  # ValueError: ragged nesting
+        raise type(exc)(f"{what}: {exc}") from exc
     if arr.dtype.kind == "O" and any(type(x) is int for x in data):
         raise OverflowError(
-            "TokenArray holds integers of at most 64 bits (int64, or uint64 for values in "
+            f"{what} holds integers of at most 64 bits (int64, or uint64 for values in "
             "[2**63, 2**64)): no numpy dtype holds larger ones and the wire cannot carry them"
         )
     return arr

@@ -76,9 +76,8 @@ def _pick(
 
 def encoder_for(hb: Any) -> Encoder:
     """The shared encoder for a peer, from its Heartbeat's versions (raises as :func:`pick`)."""
-    return _encoder(*pick(hb.protocol, hb.protocol_min, hb.token_encodings))
+    version, tokens = pick(hb.protocol, hb.protocol_min, hb.token_encodings)
+    return _encoder(version=version, tokens=tokens)
 
 
-@functools.cache
-def _encoder(version: int, tokens: TokenEncoding) -> Encoder:
-    return Encoder(version=version, tokens=tokens)
+_encoder = functools.cache(Encoder)
