@@ -29,8 +29,8 @@ from fastio import fabric_msgs as fm
 from fastio.protocol import MsgKind
 from transport.sockets import SocketPump, make_monitor, make_router
 from transport.worker.config import WorkerConfig
-from transport.worker.counters import Counters, log_counted
-from transport.worker.requests import PauseGate
+from transport.worker.counters import Counters
+from transport.worker.requests import PauseGate, Requests
 
 __all__ = ["DROPPED", "LOST_TTL_S", "LostReplies", "SocketThread"]
 
@@ -76,15 +76,17 @@ class LostReplies:
         lost, replies = [], []
         for msg in fm.split(frames[1:]):
             _, kind, first = fm.peek(msg)
-            if first is not None and first >= 0 and kind == MsgKind.FABRIC_RESULT:
+            if first is None or first < 0:
+                continue
+            if kind == MsgKind.FABRIC_RESULT:
                 lost.append(first)
-            elif first is not None and first >= 0 and kind == MsgKind.FABRIC_ERROR:
+            elif kind == MsgKind.FABRIC_ERROR:
                 replies.append([bytes(f) for f in msg])  # the encoder's buffers are not ours
         self.note(peer, lost, replies)
         return peer
 
     def pop(self, peer: bytes) -> tuple[list[int], list[list[Any]]]:
-        """Take what was recorded for ``peer`` (to report it)."""
+        """Take what was recorded for ``peer``."""
         with self._lock:
             _, ids, replies = self._table.pop(peer, (0.0, [], []))
         return ids, replies
@@ -127,7 +129,7 @@ class _Server(Protocol):
     gate: PauseGate
     worker_id: str
     incarnation: str
-    _held: dict[tuple[bytes, int], Any]
+    requests: Requests
 
     def status(self) -> fm.WorkerStatus: ...
     def _version(self) -> int: ...
@@ -145,7 +147,6 @@ class SocketThread:
         self.server = server
         self.config = server.config
         self.counts = server.counters.io
-        self.held = server._held  # the held requests by (peer, id)
         self._dispatch = server._dispatch
         self.threaded = threaded
         self.lost = LostReplies()
@@ -171,6 +172,7 @@ class SocketThread:
 
     async def start(self, zctx: zmq.Context[Any]) -> list[str]:
         """Bind and serve; returns the bound endpoints (or raises what binding raised)."""
+        self.held = self.server.requests.held  # by (peer, id); built after this thread
         self._inbox.loop = asyncio.get_running_loop()
         if not self.threaded:
             self._loop = self._inbox.loop
@@ -209,10 +211,14 @@ class SocketThread:
             zctx, cfg.bind, hwm=cfg.hwm, max_message_size=cfg.max_message_size, curve=cfg.curve
         )
         self._pump = SocketPump(
-            sock, self._on_message, on_undeliverable=self._on_undeliverable,
-            on_drop=self._on_drop, peer_queue_limit=cfg.peer_queue_limit, router=True,
+            sock,
+            self._on_message,
+            on_undeliverable=self._on_undeliverable,
+            on_drop=self._on_drop,
+            peer_queue_limit=cfg.peer_queue_limit,
+            router=True,
             batch_frames=True,
-        )  # fmt: skip
+        )
         if cfg.curve is not None:
             # A peer without CURVE, or with another server key, fails the handshake
             # before any authenticator sees it: only a socket monitor can tell.
@@ -313,20 +319,16 @@ class SocketThread:
             self._bad_decode(peer, body, exc)
             return
         tp = type(msg)
-        counts = self.counts.counts
         if tp is fm.Submit:
             self._to_engine(peer, msg)
         elif tp is fm.Heartbeat:
             self._pong(peer, msg)
         elif tp is fm.Control and msg.op == "health":  # as live as a pong
-            counts["control"] += 1
+            self.counts.counts["control"] += 1
             self._send(peer, fm.ControlReply(seq=msg.seq, ok=True, status=self.server.status()))
         elif tp is fm.Error:
-            counts["error_replies_received"] += 1
-            log_counted(
-                counts["error_replies_received"], "client %r reports error %s on id %s: %s",
-                peer, msg.code, msg.id, msg.message,
-            )  # fmt: skip
+            text = "client %r reports error %s on id %s: %s"
+            self.counts.note("error_replies_received", text, peer, msg.code, msg.id, msg.message)
         else:  # a Cancel, or a Control op that is the engine's
             if tp is fm.Cancel and (peer, msg.id) in self.held:
                 self._doomed.add((peer, msg.id))
@@ -354,16 +356,19 @@ class SocketThread:
             running = max(0, running - max(0, doomed - max(0, held - running)))
             held = max(0, held - doomed)
         queued = self.queued_submits()
-        self._send(
-            peer,
-            fm.Heartbeat(
-                sent_at=msg.sent_at, worker_id=server.worker_id, incarnation=server.incarnation,
-                in_flight=held + queued, paused=gate.paused, version=server._version(),
-                running=running,
-                waiting=max(0, held - running) + queued + server._engine_waiting(),
-                engine_lag=self.engine_lag(), **versions.STATED,
-            ),
-        )  # fmt: skip
+        pong = fm.Heartbeat(
+            sent_at=msg.sent_at,
+            worker_id=server.worker_id,
+            incarnation=server.incarnation,
+            in_flight=held + queued,
+            paused=gate.paused,
+            version=server._version(),
+            running=running,
+            waiting=max(0, held - running) + queued + server._engine_waiting(),
+            engine_lag=self.engine_lag(),
+            **versions.STATED,
+        )
+        self._send(peer, pong)
 
     def _refuse(self, peer: bytes, why: str) -> None:
         # Versions this worker cannot serve: one Error naming both sides' versions (at
@@ -373,10 +378,8 @@ class SocketThread:
         if len(self._refused) >= _MAX_PEERS:
             self._refused.clear()
         self._refused[peer] = why
-        counts = self.counts.counts
-        counts["incompatible_peers"] += 1
         text = f"worker {self.server.worker_id} cannot serve this client: {why}"
-        log_counted(counts["incompatible_peers"], "client %r refused: %s", peer, text)
+        self.counts.note("incompatible_peers", "client %r refused: %s", peer, text)
         self.encoders.pop(peer, None)
         self._send(peer, self.counts.error(-1, fm.ErrorCode.UNSUPPORTED_VERSION, text))
 
@@ -391,9 +394,7 @@ class SocketThread:
             self._pump.send([peer, *reply])
 
     def _bad(self, peer: bytes, id: int, code: fm.ErrorCode, text: str) -> None:
-        n = self.counts.bad(rejected=code == fm.ErrorCode.BAD_REQUEST)
-        log_counted(n, "bad message from %r: %s", peer, text)
-        self._send(peer, self.counts.error(id, code, text))
+        self._send(peer, self.counts.bad(peer, id, code, text))
 
     def _bad_decode(self, peer: bytes, body: list[Any], exc: DecodeError) -> None:
         _, kind, first = fm.peek(body)
@@ -415,10 +416,8 @@ class SocketThread:
 
     def _on_undeliverable(self, frames: list[Any]) -> None:
         # Its requests keep running; what is lost is reported when it is heard again.
-        counts = self.counts.counts
-        counts["undeliverable"] += 1
         peer = self.lost.note_undeliverable(frames)
-        log_counted(counts["undeliverable"], "client %r unreachable: a reply is dropped", peer)
+        self.counts.note("undeliverable", "client %r unreachable: a reply is dropped", peer)
 
     def _on_drop(self, peer: Any) -> None:  # it stopped reading: cancel its requests
         self.counts.counts["dropped_peers"] += 1
@@ -426,8 +425,5 @@ class SocketThread:
 
     def _on_monitor(self, frames: list[zmq.Frame]) -> None:
         event = parse_monitor_message([f.bytes for f in frames])
-        counts = self.counts.counts
-        counts["handshake_failed"] += 1
-        name = zmq.Event(event["event"]).name
-        text = "refused a peer at the CURVE handshake (%s on %s)"
-        log_counted(counts["handshake_failed"], text, name, event["endpoint"])
+        name, text = zmq.Event(event["event"]).name, "refused a peer at the CURVE handshake"
+        self.counts.note("handshake_failed", text + " (%s on %s)", name, event["endpoint"])

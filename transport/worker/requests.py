@@ -25,7 +25,7 @@ from transport.worker.context import (
     output_problem,
     token_problem,
 )
-from transport.worker.counters import Shard, log_counted
+from transport.worker.counters import Shard
 
 __all__ = ["Held", "PauseGate", "Requests", "ResumeRefused"]
 
@@ -39,6 +39,7 @@ class PauseGate:
 
     def __init__(self, max_running: int, counts: Shard) -> None:
         self.max_running = max_running
+        self.counts = counts  # the engine loop's, also the requests'
         self.paused = False
         self.running = 0  # handlers running now
         #: Calls of :meth:`pause`: an in-process pauser sees whether another followed.
@@ -49,7 +50,6 @@ class PauseGate:
         #: go on after the resume, as vLLM's ``pause?mode=keep``): a pause then
         #: completes without waiting for them.
         self.keeps_in_place: Callable[[], bool] = lambda: False
-        self._counts = counts
         self._waiting: collections.deque[asyncio.Future[None]] = collections.deque()
         self._idle: list[asyncio.Future[None]] = []  # pause() calls waiting for running == 0
 
@@ -75,8 +75,7 @@ class PauseGate:
             for fut in idle:
                 if not fut.done():
                     fut.set_result(None)
-        if self._waiting:
-            self._wake(1)
+        self._wake(1)
 
     def _wake(self, n: int) -> None:
         while n > 0 and self._waiting:
@@ -91,11 +90,9 @@ class PauseGate:
         frozen), False if some still run after ``timeout`` s."""
         self.pause_requests += 1
         if not self.paused:
-            self._counts.counts["pauses"] += 1
+            self.counts.counts["pauses"] += 1
             self.paused = True
-            for cb in self.on_pause:
-                if inspect.isawaitable(out := cb()):
-                    await out
+            await _call_all(self.on_pause)
         if self.running == 0 or self.keeps_in_place():
             return True
         idle: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -110,11 +107,15 @@ class PauseGate:
         """Let generation continue (waiting requests start). :class:`ResumeRefused`
         (from an ``on_resume`` callback) when the worker must stay paused."""
         if self.paused:
-            for cb in self.on_resume:
-                if inspect.isawaitable(out := cb()):
-                    await out
+            await _call_all(self.on_resume)
             self.paused = False
             self._wake(len(self._waiting))
+
+
+async def _call_all(callbacks: list[Callable[[], Any]]) -> None:
+    for cb in callbacks:
+        if inspect.isawaitable(out := cb()):
+            await out
 
 
 class Held:
@@ -136,24 +137,22 @@ class Held:
 class Requests:
     """The submissions of one worker, held in ``held`` by ``(peer, id)`` until answered:
     each runs ``handler`` in a slot of ``gate``, is answered through ``send(peer, msg)``
-    and counted in ``counts``. ``engine`` (or None) is read for its ``vocab_size``."""
+    and counted in ``gate.counts``. ``engine`` (or None) is read for its ``vocab_size``."""
 
     def __init__(
         self,
-        held: dict[tuple[bytes, int], Held],
         handler: Callable[[LLMRequest, RequestContext], Any],
         engine: Any,
         config: WorkerConfig,
-        counts: Shard,
         gate: PauseGate,
         send: Callable[[bytes, Any], None],
         version: Callable[[], int],
     ) -> None:
-        self.held = held
+        self.held: dict[tuple[bytes, int], Held] = {}
         self.handler = handler
         self.engine = engine
         self.config = config
-        self.counts = counts
+        self.counts = gate.counts
         self.gate = gate
         self._send = send
         self.version = version  # read by the contexts
@@ -201,18 +200,31 @@ class Requests:
     def _send_error(self, peer: bytes, id: int, code: fm.ErrorCode, text: str) -> None:
         self._send(peer, self.counts.error(id, code, text))
 
-    def _refuse(self, peer: bytes, sub: fm.Submit, code: fm.ErrorCode, text: str) -> None:
-        counts = self.counts
-        if code == fm.ErrorCode.BAD_REQUEST:
-            log_counted(counts.bad(), "bad message from %r: %s", peer, text)
-        elif code == fm.ErrorCode.OVERLOADED:
-            counts.counts["overloaded"] += 1
-            counts.outcomes["rejected"] += 1
-        else:  # answered as the engine's own refusal would be
-            counts.counts["errors"] += 1
-            counts.outcomes["error"] += 1
-            log.warning("request %s refused by the engine: %s", sub.request.rid, text)
+    def _failed(self, peer: bytes, sub: fm.Submit, code: fm.ErrorCode, text: str) -> None:
+        # An engine's refusal (or a handler's error, a timeout) is an ``error`` outcome.
+        self.counts.counts["errors"] += 1
+        self.counts.outcomes["error"] += 1
         self._send_error(peer, sub.id, code, text)
+
+    def _refuse(self, peer: bytes, sub: fm.Submit) -> bool:
+        # Whether ``sub`` is refused before it runs (its Error sent).
+        if sub.id < 0 or not len(sub.request.input_ids):
+            text = f"Submit.id must be >= 0, got {sub.id}" if sub.id < 0 else EMPTY_PROMPT
+            self._send(peer, self.counts.bad(peer, sub.id, fm.ErrorCode.BAD_REQUEST, text))
+            return True
+        vocab = getattr(self.engine, "vocab_size", None)  # an id past it may kill the engine
+        if isinstance(vocab, int) and vocab > 0 and type(vocab) is not bool:
+            problem = token_problem(sub.request, vocab)
+            if problem is not None:
+                log.warning("request %s refused by the engine: %s", sub.request.rid, problem)
+                self._failed(peer, sub, fm.ErrorCode.HANDLER_ERROR, problem)
+                return True
+        if len(self.held) < self.config.max_pending:
+            return False
+        self.counts.counts["overloaded"] += 1
+        self.counts.outcomes["rejected"] += 1
+        self._send_error(peer, sub.id, fm.ErrorCode.OVERLOADED, "worker holds too many requests")
+        return True
 
     def submit(self, peer: bytes, sub: fm.Submit) -> None:
         """Admit ``sub`` (or refuse it with an Error) and start it."""
@@ -221,22 +233,7 @@ class Requests:
         if key in self.held:  # a re-send of one in flight: its one answer answers both
             self.counts.counts["duplicates"] += 1
             return
-        if sub.id < 0:
-            self._refuse(
-                peer, sub, fm.ErrorCode.BAD_REQUEST, f"Submit.id must be >= 0, got {sub.id}"
-            )
-            return
-        if not len(sub.request.input_ids):
-            self._refuse(peer, sub, fm.ErrorCode.BAD_REQUEST, EMPTY_PROMPT)
-            return
-        vocab = getattr(self.engine, "vocab_size", None)  # an id past it may kill the engine
-        if isinstance(vocab, int) and vocab > 0 and type(vocab) is not bool:
-            problem = token_problem(sub.request, vocab)
-            if problem is not None:
-                self._refuse(peer, sub, fm.ErrorCode.HANDLER_ERROR, problem)
-                return
-        if len(self.held) >= self.config.max_pending:
-            self._refuse(peer, sub, fm.ErrorCode.OVERLOADED, "worker holds too many requests")
+        if self._refuse(peer, sub):
             return
         timeout = sub.timeout
         deadline = time.monotonic() + timeout if timeout > 0 else float("inf")
@@ -257,23 +254,31 @@ class Requests:
         req.ran = True
         resp: LLMResponse | None = None
         err: BaseException | None = None
-        running = req.started is not None
+        aw: Any = req.started
+        running = aw is not None
         try:
-            if req.started is not None:
-                resp = await req.started
-            else:
+            if aw is None:
                 await self.gate.enter()
                 running = True
-                sub = req.sub
-                aw = self.handler(sub.request, req.ctx)
-                if not hasattr(aw, "__await__"):  # a sync handler's answer
-                    resp = aw
-                elif sub.timeout > 0:
-                    resp = await asyncio.wait_for(aw, sub.timeout)
-                else:
-                    resp = await aw
+                aw = self.handler(req.sub.request, req.ctx)
+            if not hasattr(aw, "__await__"):  # a sync handler's answer
+                resp = aw
+            elif req.sub.timeout > 0:  # never after an eager start
+                resp = await asyncio.wait_for(aw, req.sub.timeout)
+            else:
+                resp = await aw
         except (Exception, asyncio.CancelledError) as exc:
             err = exc
+        self._end(req, running, resp, err)
+
+    def _reap(self, req: Held, _: object) -> None:
+        # A task cancelled before its first step (a Cancel in its Submit's batch) never
+        # ran _run: do what it would have, or the request would hold its slot forever.
+        if not req.ran:
+            abandon(req.started)
+            self._end(req, req.started is not None, None, asyncio.CancelledError())
+
+    def _end(self, req: Held, running: bool, resp: Any, err: BaseException | None) -> None:
         if running:
             self._ended(req.ctx, req.sub, resp, err, req.aborted)
         else:  # cancelled while waiting for a slot: it never ran
@@ -281,51 +286,33 @@ class Requests:
             if isinstance(err, asyncio.CancelledError):
                 self._cancelled(req.ctx, req.aborted)
 
-    def _reap(self, req: Held, _: object) -> None:
-        # A task cancelled before its first step (a Cancel in its Submit's batch) never
-        # ran _run: do what it would have, or the request would hold its slot forever.
-        if req.ran:
-            return
-        abandon(req.started)
-        if req.started is not None:
-            self._ended(req.ctx, req.sub, None, asyncio.CancelledError(), req.aborted)
-        else:
-            self.held.pop((req.ctx.peer, req.ctx.id), None)
-            self._cancelled(req.ctx, req.aborted)
-
     def _ended(
-        self, ctx: RequestContext, sub: fm.Submit, resp: LLMResponse | None,
-        err: BaseException | None, aborted: bool = False,
-    ) -> None:  # fmt: skip
+        self, ctx: RequestContext, sub: fm.Submit, resp: Any, err: Any, aborted: bool = False
+    ) -> None:
         # A handler holding a slot returned ``resp`` or raised ``err``: reply, free the slot.
         peer, id = ctx.peer, ctx.id
-        counts = self.counts
         try:
             if err is None:
                 # Checked here: the client could only say BAD_RESPONSE, not why.
                 problem = output_problem(resp)
                 if problem is None:
-                    assert resp is not None
                     self._result(ctx, sub, resp)
                     return
                 err = InvalidHandlerOutput(problem)
             if isinstance(err, asyncio.CancelledError):
                 self._cancelled(ctx, aborted)
-                return
-            counts.counts["errors"] += 1
-            counts.outcomes["error"] += 1
-            if isinstance(err, TimeoutError):
+            elif isinstance(err, TimeoutError):
                 text = f"worker time limit {sub.timeout} s passed"
-                self._send_error(peer, id, fm.ErrorCode.TIMEOUT, text)
-                return
-            why = f"{type(err).__name__}: {err}"
-            if isinstance(err, ValueError):  # the engine refused the input: no traceback
-                log.warning("request %s refused by the engine: %s", sub.request.rid, why)
+                self._failed(peer, sub, fm.ErrorCode.TIMEOUT, text)
             else:
-                log.error("handler failed on request %s", sub.request.rid, exc_info=err)
-            self._send_error(peer, id, fm.ErrorCode.HANDLER_ERROR, why)
+                why = f"{type(err).__name__}: {err}"
+                if isinstance(err, ValueError):  # the engine refused the input: no traceback
+                    log.warning("request %s refused by the engine: %s", sub.request.rid, why)
+                else:
+                    log.error("handler failed on request %s", sub.request.rid, exc_info=err)
+                self._failed(peer, sub, fm.ErrorCode.HANDLER_ERROR, why)
         except Exception:  # a reply that cannot be built must not leak the slot
-            counts.counts["errors"] += 1
+            self.counts.counts["errors"] += 1
             log.exception("cannot send the reply to request %s", sub.request.rid)
             with contextlib.suppress(Exception):
                 self._send_error(peer, id, fm.ErrorCode.HANDLER_ERROR, "invalid handler output")

@@ -10,7 +10,7 @@ from fastio import LLMRequest, LLMResponse
 from fastio import fabric_msgs as fm
 from transport.worker.config import WorkerConfig
 from transport.worker.counters import Shard
-from transport.worker.requests import Held, PauseGate, Requests
+from transport.worker.requests import PauseGate, Requests
 
 PEER = b"client"
 
@@ -25,14 +25,10 @@ def _answer(req: LLMRequest) -> LLMResponse:
 
 def _table(handler: Any, **config: Any) -> tuple[Requests, list[Any], Shard, PauseGate]:
     sent: list[Any] = []
-    counts = Shard()
-    gate = PauseGate(config.pop("max_concurrency", 4), counts)
-    held: dict[tuple[bytes, int], Held] = {}
-    table = Requests(
-        held, handler, None, WorkerConfig(**config), counts, gate,
-        lambda peer, msg: sent.append((peer, msg)), lambda: 3,
-    )  # fmt: skip
-    return table, sent, counts, gate
+    gate = PauseGate(config.pop("max_concurrency", 4), Shard())
+    send = lambda peer, msg: sent.append((peer, msg))  # noqa: E731
+    table = Requests(handler, None, WorkerConfig(**config), gate, send, lambda: 3)
+    return table, sent, gate.counts, gate
 
 
 def _submit(id: int, ids: list[int] | None = None, **kw: Any) -> fm.Submit:
