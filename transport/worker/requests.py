@@ -1,5 +1,5 @@
 """The requests a worker holds (admitted, run in a slot of the :class:`PauseGate`,
-answered once) and the gate itself; all on the engine's loop."""
+answered once), their contexts and the gate itself; all on the engine's loop."""
 
 from __future__ import annotations
 
@@ -13,13 +13,16 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import numpy as np
+
 from fastio import LLMRequest, LLMResponse
 from fastio import fabric_msgs as fm
+from fastio.tokens import TokenArray
+from transport import metrics
 from transport.errors import EMPTY_PROMPT, ResumeRefused
 from transport.worker.config import WorkerConfig
 from transport.worker.context import (
     InvalidHandlerOutput,
-    RequestContext,
     abandon,
     first_step,
     output_problem,
@@ -27,9 +30,85 @@ from transport.worker.context import (
 )
 from transport.worker.counters import Shard
 
-__all__ = ["Held", "PauseGate", "Requests", "ResumeRefused"]
+__all__ = ["Held", "PauseGate", "RequestContext", "Requests", "ResumeRefused"]
 
 log = logging.getLogger("transport.worker")
+
+
+# Shared by every context with nothing to send (never appended to: emit() replaces it).
+_NO_TOKENS: list[Any] = []
+
+
+class RequestContext:
+    """What a handler knows about its request besides the request itself: ``id`` (the
+    submission id, scoped to the client connection) and ``deadline`` (the
+    ``time.monotonic()`` by which the client wants the answer; ``inf``: none)."""
+
+    __slots__ = ("_buf", "_first", "_owner", "_seq", "_t0", "deadline", "id", "peer", "stream")
+
+    def __init__(
+        self, owner: Requests, peer: bytes, id: int, stream: bool, deadline: float
+    ) -> None:
+        self._owner = owner
+        self.peer = peer
+        self.id = id
+        self.stream = stream
+        self.deadline = deadline
+        self._seq = 0
+        # (token, logprob, version) emitted and not sent yet: a list of its own once one is.
+        self._buf: list[tuple[int, float, int]] = _NO_TOKENS
+        self._t0 = time.monotonic() if owner.latency_metrics else 0.0
+        self._first = 0.0  # when the first token was emitted (0: none yet)
+
+    @property
+    def interrupted(self) -> bool:
+        """True once the worker is pausing: return the output so far with
+        ``stop_reason="interrupt"`` at the next step."""
+        return self._owner.gate.paused
+
+    @property
+    def version(self) -> int:
+        """The weight version the worker serves now (its engine's ``version``)."""
+        return self._owner.version()
+
+    def emit(self, token: int, logprob: float = 0.0, version: int = 0) -> None:
+        """Stream one generated token (from the worker's loop); those of one loop
+        iteration travel in one Stream message. A no-op when no stream was asked for."""
+        if not self._first:
+            self._first = time.monotonic()
+            if self._owner.latency_metrics:
+                metrics.WORKER_TTFT.observe(self._first - self._t0)
+        if not self.stream:
+            return
+        if not self._buf:
+            self._buf = []
+            self._owner.flush_soon(self)
+        self._buf.append((token, logprob, version))
+
+    def take_stream(self) -> fm.Stream | None:
+        """The tokens emitted and not sent yet, as one Stream (None: none)."""
+        if not self._buf:
+            return None
+        tok, lp, ver = zip(*self._buf, strict=True)
+        self._buf = _NO_TOKENS
+        self._seq += 1
+        return fm.Stream(
+            id=self.id,
+            seq=self._seq - 1,
+            output_tokens=TokenArray(np.array(tok, dtype=np.int32)),
+            output_logprobs=TokenArray(np.array(lp, dtype=np.float32)),
+            output_versions=TokenArray(np.array(ver, dtype=np.int32)),
+        )
+
+    def finished(self, n_tokens: int) -> None:
+        """Record the latency histograms of this request's Result of ``n_tokens``."""
+        now = time.monotonic()
+        metrics.WORKER_E2E.observe(now - self._t0)
+        if not self._first:  # nothing streamed: the first token left with the Result
+            if n_tokens:
+                metrics.WORKER_TTFT.observe(now - self._t0)
+        elif n_tokens > 1:
+            metrics.WORKER_ITL.observe((now - self._first) / (n_tokens - 1))
 
 
 class PauseGate:
@@ -51,7 +130,7 @@ class PauseGate:
         #: completes without waiting for them.
         self.keeps_in_place: Callable[[], bool] = lambda: False
         self._waiting: collections.deque[asyncio.Future[None]] = collections.deque()
-        self._idle: list[asyncio.Future[None]] = []  # pause() calls waiting for running == 0
+        self._idle: asyncio.Event | None = None  # set once running == 0 (pause() waits)
 
     def try_enter(self) -> bool:
         """Take a slot if one is free and the worker is not paused."""
@@ -70,11 +149,9 @@ class PauseGate:
     def leave(self) -> None:
         """Free a slot."""
         self.running -= 1
-        if self.running == 0 and self._idle:
-            idle, self._idle = self._idle, []
-            for fut in idle:
-                if not fut.done():
-                    fut.set_result(None)
+        if self.running == 0 and self._idle is not None:
+            self._idle.set()  # the pause() calls waiting for it
+            self._idle = None
         self._wake(1)
 
     def _wake(self, n: int) -> None:
@@ -95,10 +172,10 @@ class PauseGate:
             await _call_all(self.on_pause)
         if self.running == 0 or self.keeps_in_place():
             return True
-        idle: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._idle.append(idle)
+        if self._idle is None:
+            self._idle = asyncio.Event()
         try:
-            await asyncio.wait_for(idle, timeout)
+            await asyncio.wait_for(self._idle.wait(), timeout)
         except TimeoutError:
             return self.running == 0
         return True
@@ -146,7 +223,6 @@ class Requests:
         config: WorkerConfig,
         gate: PauseGate,
         send: Callable[[bytes, Any], None],
-        version: Callable[[], int],
     ) -> None:
         self.held: dict[tuple[bytes, int], Held] = {}
         self.handler = handler
@@ -155,9 +231,12 @@ class Requests:
         self.counts = gate.counts
         self.gate = gate
         self._send = send
-        self.version = version  # read by the contexts
         self.latency_metrics = config.latency_metrics
         self._flushing: list[RequestContext] = []  # contexts with tokens to stream
+
+    def version(self) -> int:
+        """The engine's weight version (0 without an engine exposing one)."""
+        return int(getattr(self.engine, "version", 0))
 
     def flush_soon(self, ctx: RequestContext) -> None:
         """Send ``ctx``'s emitted tokens at the end of this loop iteration."""

@@ -20,10 +20,10 @@ from transport.engines.api import BoundHooks, Engine, engine_hooks
 from transport.errors import ResumeRefused
 from transport.sockets import WorkerAuthenticator
 from transport.worker.config import WorkerConfig, checked_config
-from transport.worker.context import InvalidHandlerOutput, RequestContext
+from transport.worker.context import InvalidHandlerOutput
 from transport.worker.counters import Counters
 from transport.worker.iothread import DROPPED, SocketThread
-from transport.worker.requests import PauseGate, Requests
+from transport.worker.requests import PauseGate, RequestContext, Requests
 
 __all__ = ["Background", "Handler", "InvalidHandlerOutput", "WorkerServer"]
 
@@ -83,9 +83,7 @@ class WorkerServer:
         self.lost = self.io.lost
         self.counters.read["lost"] = lambda: self.lost.count
         self.counters.read["discarded"] = self.io.discarded
-        self.requests = Requests(
-            self.handler, self.engine, cfg, self.gate, self.io.send, self._version
-        )
+        self.requests = Requests(self.handler, self.engine, cfg, self.gate, self.io.send)
         self._zctx: zmq.Context[Any] | None = None
         self._auth: WorkerAuthenticator | None = None
         self._bg_tasks: list[asyncio.Task[Any]] = []
@@ -128,10 +126,7 @@ class WorkerServer:
     @property
     def version(self) -> int:
         """The engine's weight version (0 without an engine exposing one)."""
-        return self._version()
-
-    def _version(self) -> int:
-        return int(getattr(self.engine, "version", 0))
+        return self.requests.version()
 
     def status(self) -> fm.WorkerStatus:
         """A snapshot of this worker's state and counters (callable from any thread)."""
@@ -182,7 +177,17 @@ class WorkerServer:
         except BaseException:
             await self.close()
             raise
-        self._bind_gauges()
+        # Read when scraped, never written per request (one server per process).
+        metrics.expose("worker")
+        self._unexport = metrics.on_scrape("worker", self.counters.export)
+        for gauge, fn in (
+            (metrics.WORKER_INFLIGHT, lambda: self.gate.running),
+            (metrics.WORKER_QUEUE_DEPTH, lambda: self._waiting() + self.io.queued_submits()),
+            (metrics.WORKER_WEIGHT_VERSION, lambda: self.version),
+            (metrics.WORKER_PAUSED, lambda: int(self.gate.paused)),
+        ):
+            if (set_function := getattr(gauge, "set_function", None)) is not None:
+                set_function(fn)
         self._sweep_peers()  # and every client_timeout / 4 s from now on
         self._bg_tasks = tasks = [asyncio.ensure_future(job(self)) for job in self.background]
         for _ in range(2 if tasks else 0):
@@ -199,20 +204,6 @@ class WorkerServer:
             task.add_done_callback(_log_failure)
         log.info("worker %s serving on %s", self.worker_id, ", ".join(self.endpoints))
         return self.endpoints
-
-    def _bind_gauges(self) -> None:
-        # Read when scraped, never written per request (one server per process).
-        metrics.expose("worker")
-        self._unexport = metrics.on_scrape("worker", self.counters.export)
-        for gauge, fn in (
-            (metrics.WORKER_INFLIGHT, lambda: self.gate.running),
-            (metrics.WORKER_QUEUE_DEPTH, lambda: self._waiting() + self.io.queued_submits()),
-            (metrics.WORKER_WEIGHT_VERSION, lambda: self.version),
-            (metrics.WORKER_PAUSED, lambda: int(self.gate.paused)),
-        ):
-            set_function = getattr(gauge, "set_function", None)
-            if set_function is not None:
-                set_function(fn)
 
     async def serve_forever(self) -> None:
         """Serve until :meth:`close` is called (from a signal handler, say)."""

@@ -4,6 +4,7 @@ socket or a thread: admission, one answer per submission, slots freed on every e
 from __future__ import annotations
 
 import asyncio
+import types
 from typing import Any
 
 from fastio import LLMRequest, LLMResponse
@@ -27,7 +28,8 @@ def _table(handler: Any, **config: Any) -> tuple[Requests, list[Any], Shard, Pau
     sent: list[Any] = []
     gate = PauseGate(config.pop("max_concurrency", 4), Shard())
     send = lambda peer, msg: sent.append((peer, msg))  # noqa: E731
-    table = Requests(handler, None, WorkerConfig(**config), gate, send, lambda: 3)
+    engine = types.SimpleNamespace(version=3)  # no vocab_size: no token check
+    table = Requests(handler, engine, WorkerConfig(**config), gate, send)
     return table, sent, gate.counts, gate
 
 
