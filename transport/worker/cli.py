@@ -222,6 +222,16 @@ async def _amain(args: argparse.Namespace) -> None:
     await server.serve_forever()
 
 
+def _use_loop(kind: str) -> None:
+    """Make every loop of this process (the engine's, the socket thread's) ``kind``."""
+    if kind == "uvloop":
+        try:
+            import uvloop
+        except ImportError as exc:
+            raise UserError("--loop uvloop needs uvloop: pip install 'fastio[uvloop]'") from exc
+        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """Entry point of ``python -m transport.worker`` (see ``--help``)."""
     args = _parse_args(argv)
@@ -236,12 +246,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
             torch.set_num_threads(1)  # one generation thread per worker: workers share cores
     try:
-        if args.loop == "uvloop":  # every loop of this process: the engine's, the socket's
-            try:
-                import uvloop
-            except ImportError as exc:
-                raise UserError("--loop uvloop needs uvloop: pip install 'fastio[uvloop]'") from exc
-            asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+        _use_loop(args.loop)
         asyncio.run(_amain(args))
     except UserError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr, flush=True)

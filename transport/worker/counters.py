@@ -14,7 +14,7 @@ from transport import metrics
 from transport.counting import Counts
 from transport.ratelog import RateLimitedLog
 
-__all__ = ["STATUS_KEYS", "Counters", "Shard", "log_counted"]
+__all__ = ["STATUS_KEYS", "Counters", "Shard"]
 
 #: The counts of ``WorkerStatus.counters`` that the worker's threads keep.
 STATUS_KEYS = (
@@ -26,9 +26,8 @@ STATUS_KEYS = (
 OUTCOMES = ("ok", "error", "cancelled", "rejected")
 
 
-#: ``log_counted(n, fmt, *args)``: the ``n``-th occurrence logged if one of the first
-#: ten or a power of two (hostile input must not flood the log).
-log_counted = RateLimitedLog(logging.getLogger("transport.worker")).counted
+# Hostile input must not flood the log.
+_log = RateLimitedLog(logging.getLogger("transport.worker"))
 
 
 class Shard:
@@ -57,9 +56,9 @@ class Shard:
         self.generation_tokens += generation_tokens
 
     def note(self, key: str, fmt: str, *args: Any) -> None:
-        """Count one ``key`` and log ``fmt % args`` (rate-limited: :data:`log_counted`)."""
+        """Count one ``key`` and log ``fmt % args`` (its first ten and each power of two)."""
         self.counts[key] += 1
-        log_counted(self.counts[key], fmt, *args)
+        _log.counted(self.counts[key], fmt, *args)
 
     def bad(self, peer: bytes, id: int, code: fm.ErrorCode, text: str) -> fm.Error:
         """The Error reply to a bad message from ``peer``, counted and logged."""
