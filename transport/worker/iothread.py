@@ -22,7 +22,7 @@ from fastio.protocol import MsgKind
 from transport.sockets import SocketPump, make_monitor, make_router
 from transport.worker.config import WorkerConfig
 from transport.worker.counters import Counters
-from transport.worker.requests import PauseGate, Requests
+from transport.worker.requests import Requests
 
 __all__ = ["DROPPED", "LOST_TTL_S", "LostReplies", "SocketThread"]
 
@@ -100,7 +100,6 @@ class _Server(Protocol):
 
     config: WorkerConfig
     counters: Counters
-    gate: PauseGate
     worker_id: str
     incarnation: str
     requests: Requests
@@ -315,7 +314,7 @@ class SocketThread:
         self._report_lost(peer)
         # What a new request would wait behind: Submits held or queued, less those a
         # Cancel on its way will end (off the waiting ones first).
-        server, gate = self.server, self.server.gate
+        server, gate = self.server, self.server.requests.gate
         running, held, doomed = gate.running, len(self.held), self._doomed_held()
         if doomed:
             running = max(0, running - max(0, doomed - max(0, held - running)))

@@ -57,7 +57,7 @@ class RequestContext:
         self._seq = 0
         # (token, logprob, version) emitted and not sent yet: a list of its own once one is.
         self._buf: list[tuple[int, float, int]] = _NO_TOKENS
-        self._t0 = time.monotonic() if owner.latency_metrics else 0.0
+        self._t0 = time.monotonic() if owner.config.latency_metrics else 0.0
         self._first = 0.0  # when the first token was emitted (0: none yet)
 
     @property
@@ -76,7 +76,7 @@ class RequestContext:
         iteration travel in one Stream message. A no-op when no stream was asked for."""
         if not self._first:
             self._first = time.monotonic()
-            if self._owner.latency_metrics:
+            if self._owner.config.latency_metrics:
                 metrics.WORKER_TTFT.observe(self._first - self._t0)
         if not self.stream:
             return
@@ -90,15 +90,16 @@ class RequestContext:
         if not self._buf:
             return None
         tok, lp, ver = zip(*self._buf, strict=True)
-        self._buf = _NO_TOKENS
-        self._seq += 1
-        return fm.Stream(
+        msg = fm.Stream(
             id=self.id,
-            seq=self._seq - 1,
+            seq=self._seq,
             output_tokens=TokenArray(np.array(tok, dtype=np.int32)),
             output_logprobs=TokenArray(np.array(lp, dtype=np.float32)),
             output_versions=TokenArray(np.array(ver, dtype=np.int32)),
         )
+        self._seq += 1
+        self._buf = _NO_TOKENS
+        return msg
 
     def finished(self, n_tokens: int) -> None:
         """Record the latency histograms of this request's Result of ``n_tokens``."""
@@ -231,7 +232,6 @@ class Requests:
         self.counts = gate.counts
         self.gate = gate
         self._send = send
-        self.latency_metrics = config.latency_metrics
         self._flushing: list[RequestContext] = []  # contexts with tokens to stream
 
     def version(self) -> int:
@@ -416,7 +416,7 @@ class Requests:
                 stop_reason=resp.stop_reason,
             ),
         )
-        if self.latency_metrics:
+        if self.config.latency_metrics:
             ctx.finished(n)
 
     def _cancelled(self, ctx: RequestContext, aborted: bool) -> None:
