@@ -141,12 +141,4 @@ def attach_engine(server: Any, engine: Any) -> None:
     """Deprecated: a :class:`~transport.WorkerServer` wires its engine's hooks itself."""
     msg = "attach_engine is deprecated: WorkerServer(engine) wires the hooks (engine_hooks)"
     warnings.warn(msg, DeprecationWarning, stacklevel=2)
-    hooks = engine_hooks(engine)
-    server.on_pause.extend(hooks.on_pause)
-    server.on_resume.extend(hooks.on_resume)
-    if hooks.keeps_in_place is not None:
-        server.gate.keeps_in_place = hooks.keeps_in_place
-    if hooks.queue_depth is not None:
-        server.engine_load = hooks.queue_depth
-    if hooks.lifetime is not None:
-        server.background.insert(0, hooks.lifetime)
+    server.add_hooks(engine_hooks(engine))

@@ -9,8 +9,8 @@ counters, the lost replies and the request contexts. Run one as a process::
 
 from transport.worker.cli import main
 from transport.worker.config import WorkerConfig
-from transport.worker.context import RequestContext
 from transport.worker.echo import echo_handler
+from transport.worker.requests import RequestContext
 from transport.worker.server import Handler, InvalidHandlerOutput, WorkerServer
 
 __all__ = [

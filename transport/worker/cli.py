@@ -53,6 +53,21 @@ _REFERENCE_FLAGS = {
     "token_interval": ("0.0", "reference: simulated s per token"),
 }
 
+#: The help of the flags whose text is longer than their line.
+_HELP = {
+    "engine": "the engine: the reference TinyLM, an echo, a transformers causal LM, a bridge to "
+    "a running SGLang or vLLM server (--engine-opt url=http://...), or module:factory "
+    "(factory(engine_opts) returns a handler or an engine)",
+    "model_size": "--engine hf: the size of the randomly initialised model",
+    "inline": "serve the socket on the engine's loop (on: only for engines that never block; "
+    "auto: as the engine says, the echo does) instead of a thread of its own",
+    "loop": "event loop of the engine's loop and the socket thread (uvloop: pip install "
+    "'fastio[uvloop]')",
+    "plugin": "module:function(server, plugin_opts), a background job in the worker's loop",
+    "metrics_port": "serve Prometheus /metrics on 127.0.0.1 at this port (0 picks one) and "
+    "record the latency histograms; off if unset",
+}
+
 
 class UserError(Exception):
     """An error the user can fix: printed as one line, exit status ``code``."""
@@ -95,17 +110,10 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     add = p.add_argument
     add("--bind", action="append", required=True, help="address to bind (repeatable)")
-    add(
-        "--engine", default="reference", type=_engine_spec,
-        metavar="{" + ",".join(ENGINES) + ",module:factory}",
-        help="the engine: the reference TinyLM, an echo, a transformers causal LM, a "
-        "bridge to a running SGLang or vLLM server (--engine-opt url=http://...), or "
-        "module:factory (factory(engine_opts) returns a handler or an engine)",
-    )  # fmt: skip
-    add(
-        "--model-size", default="small", choices=("tiny", "small", "medium", "large"),
-        help="--engine hf: the size of the randomly initialised model",
-    )  # fmt: skip
+    engines = "{" + ",".join(ENGINES) + ",module:factory}"
+    add("--engine", default="reference", type=_engine_spec, metavar=engines, help=_HELP["engine"])
+    sizes = ("tiny", "small", "medium", "large")
+    add("--model-size", default="small", choices=sizes, help=_HELP["model_size"])
     add("--model-path", help="--engine hf: a local from_pretrained directory")
     add("--device", help="--engine hf: torch device (default: cuda when present)")
     add("--seed", default="0", help="weights seed of reference / hf")
@@ -114,30 +122,15 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     defaults = WorkerConfig()
     for name, help in _CONFIG_FLAGS.items():
         add(_flag(name), default=getattr(defaults, name), help=help)
-    add(
-        "--inline", default="auto", choices=("auto", "on", "off"),
-        help="serve the socket on the engine's loop (on: only for engines that never block; "
-        "auto: as the engine says, the echo does) instead of a thread of its own",
-    )  # fmt: skip
-    add(
-        "--loop", default="asyncio", choices=("asyncio", "uvloop"),
-        help="event loop of the engine's loop and the socket thread (uvloop: pip install "
-        "'fastio[uvloop]')",
-    )  # fmt: skip
+    add("--inline", default="auto", choices=("auto", "on", "off"), help=_HELP["inline"])
+    add("--loop", default="asyncio", choices=("asyncio", "uvloop"), help=_HELP["loop"])
     add("--curve-secret", help="this worker's .key_secret certificate (enables CURVE)")
     add("--curve-clients", help="directory of authorized client .key certificates")
-    add(
-        "--plugin", action="append", default=[],
-        help="module:function(server, plugin_opts), a background job in the worker's loop",
-    )  # fmt: skip
+    add("--plugin", action="append", default=[], help=_HELP["plugin"])
     kv: dict[str, Any] = dict(action="append", default=[], type=_key_value, metavar="KEY=VALUE")
     add("--engine-opt", help="option for the engine factory (repeatable)", **kv)
     add("--plugin-opt", help="option passed to plugins (repeatable)", **kv)
-    add(
-        "--metrics-port", type=int, default=None,
-        help="serve Prometheus /metrics on 127.0.0.1 at this port (0 picks one) and record "
-        "the latency histograms; off if unset",
-    )  # fmt: skip
+    add("--metrics-port", type=int, default=None, help=_HELP["metrics_port"])
     levels = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
     add("--log-level", default="WARNING", type=str.upper, choices=levels, help="any case")
     args = p.parse_args(argv)
@@ -150,11 +143,9 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def _config(args: argparse.Namespace) -> WorkerConfig:
     """The WorkerConfig the flags describe; a bad value is named by its flag."""
     given: dict[str, Any] = {name: getattr(args, name) for name in _CONFIG_FLAGS}
-    given.update(
-        bind=args.bind, extra=dict(args.plugin_opt),
-        inline={"auto": None, "on": True, "off": False}[args.inline],
-        latency_metrics=args.metrics_port is not None,
-    )  # fmt: skip
+    given.update(bind=args.bind, extra=dict(args.plugin_opt))
+    given["inline"] = {"auto": None, "on": True, "off": False}[args.inline]
+    given["latency_metrics"] = args.metrics_port is not None
     if args.curve_secret:
         given["curve"] = CurveConfig(
             secret_key_file=args.curve_secret, authorized_clients_dir=args.curve_clients

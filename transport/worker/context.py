@@ -1,121 +1,19 @@
-"""A handler's :class:`RequestContext`, its eager start (:func:`first_step`) and the
-checks of its answer. All on the engine's loop."""
+"""Around a handler's call: its eager start (:func:`first_step`) and the checks of its
+input and its answer. All on the engine's loop."""
 
 from __future__ import annotations
 
 import asyncio
-import time
 import types
 from collections.abc import Awaitable, Callable, Coroutine, Generator
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
 from fastio import LLMRequest, LLMResponse
-from fastio import fabric_msgs as fm
 from fastio.tokens import TokenArray
-from transport import metrics
 
-__all__ = [
-    "InvalidHandlerOutput", "RequestContext", "Resume", "abandon", "first_step",
-    "output_problem", "token_problem",
-]  # fmt: skip
-
-
-class _Gate(Protocol):
-    paused: bool
-
-
-class Owner(Protocol):
-    """What a context reads of the :class:`~transport.worker.requests.Requests` holding it."""
-
-    latency_metrics: bool
-
-    @property
-    def gate(self) -> _Gate: ...
-    def version(self) -> int: ...
-    def flush_soon(self, ctx: RequestContext) -> None: ...
-
-
-# Shared by every context with nothing to send (never appended to: emit() replaces it).
-_NO_TOKENS: list[Any] = []
-
-
-class RequestContext:
-    """What a handler knows about its request besides the request itself: ``id`` (the
-    submission id, scoped to the client connection) and ``deadline`` (the
-    ``time.monotonic()`` by which the client wants the answer; ``inf``: none)."""
-
-    __slots__ = (
-        "_first", "_lp", "_owner", "_seq", "_t0", "_tok", "_ver", "deadline", "id", "peer",
-        "stream",
-    )  # fmt: skip
-
-    def __init__(self, owner: Owner, peer: bytes, id: int, stream: bool, deadline: float) -> None:
-        self._owner = owner
-        self.peer = peer
-        self.id = id
-        self.stream = stream
-        self.deadline = deadline
-        self._seq = 0
-        # Emitted and not sent yet: lists of their own once a token is emitted.
-        self._tok: list[int] = _NO_TOKENS
-        self._lp: list[float] = _NO_TOKENS
-        self._ver: list[int] = _NO_TOKENS
-        self._t0 = time.monotonic() if owner.latency_metrics else 0.0
-        self._first = 0.0  # when the first token was emitted (0: none yet)
-
-    @property
-    def interrupted(self) -> bool:
-        """True once the worker is pausing: return the output so far with
-        ``stop_reason="interrupt"`` at the next step."""
-        return self._owner.gate.paused
-
-    @property
-    def version(self) -> int:
-        """The weight version the worker serves now (its engine's ``version``)."""
-        return self._owner.version()
-
-    def emit(self, token: int, logprob: float = 0.0, version: int = 0) -> None:
-        """Stream one generated token (from the worker's loop); those of one loop
-        iteration travel in one Stream message. A no-op when no stream was asked for."""
-        if not self._first:
-            self._first = time.monotonic()
-            if self._owner.latency_metrics:
-                metrics.WORKER_TTFT.observe(self._first - self._t0)
-        if not self.stream:
-            return
-        if not self._tok:
-            self._tok, self._lp, self._ver = [], [], []
-            self._owner.flush_soon(self)
-        self._tok.append(token)
-        self._lp.append(logprob)
-        self._ver.append(version)
-
-    def take_stream(self) -> fm.Stream | None:
-        """The tokens emitted and not sent yet, as one Stream (None: none)."""
-        if not self._tok:
-            return None
-        msg = fm.Stream(
-            id=self.id,
-            seq=self._seq,
-            output_tokens=TokenArray(np.array(self._tok, dtype=np.int32)),
-            output_logprobs=TokenArray(np.array(self._lp, dtype=np.float32)),
-            output_versions=TokenArray(np.array(self._ver, dtype=np.int32)),
-        )
-        self._seq += 1
-        self._tok = self._lp = self._ver = _NO_TOKENS
-        return msg
-
-    def finished(self, n_tokens: int) -> None:
-        """Record the latency histograms of this request's Result of ``n_tokens``."""
-        now = time.monotonic()
-        metrics.WORKER_E2E.observe(now - self._t0)
-        if not self._first:  # nothing streamed: the first token left with the Result
-            if n_tokens:
-                metrics.WORKER_TTFT.observe(now - self._t0)
-        elif n_tokens > 1:
-            metrics.WORKER_ITL.observe((now - self._first) / (n_tokens - 1))
+__all__ = ["InvalidHandlerOutput", "abandon", "first_step", "output_problem", "token_problem"]
 
 
 class InvalidHandlerOutput(ValueError):

@@ -14,21 +14,20 @@ from transport import metrics
 from transport.counting import Counts
 from transport.ratelog import RateLimitedLog
 
-__all__ = ["STATUS_KEYS", "Counters", "Shard", "log_counted"]
+__all__ = ["STATUS_KEYS", "Counters", "Shard"]
 
 #: The counts of ``WorkerStatus.counters`` that the worker's threads keep.
 STATUS_KEYS = (
-    "received", "completed", "cancelled", "interrupted", "aborted", "errors", "duplicates",
-    "bad_messages", "overloaded", "undeliverable", "dead_peers", "error_replies_received",
-    "control", "handshake_failed", "dropped_peers", "incompatible_peers", "pauses",
-)  # fmt: skip
+    *("received", "completed", "cancelled", "interrupted", "aborted", "errors", "duplicates"),
+    *("bad_messages", "overloaded", "undeliverable", "dead_peers", "error_replies_received"),
+    *("control", "handshake_failed", "dropped_peers", "incompatible_peers", "pauses"),
+)
 #: Values of the ``outcome`` label of ``fastio_worker_requests_total``.
 OUTCOMES = ("ok", "error", "cancelled", "rejected")
 
 
-#: ``log_counted(n, fmt, *args)``: the ``n``-th occurrence logged if one of the first
-#: ten or a power of two (hostile input must not flood the log).
-log_counted = RateLimitedLog(logging.getLogger("transport.worker")).counted
+# Hostile input must not flood the log.
+_log = RateLimitedLog(logging.getLogger("transport.worker"))
 
 
 class Shard:
@@ -56,12 +55,17 @@ class Shard:
         self.prompt_tokens += prompt_tokens
         self.generation_tokens += generation_tokens
 
-    def bad(self, rejected: bool = True) -> int:
-        """A bad message (a request ``rejected`` before it ran); returns how many so far."""
-        self.counts["bad_messages"] += 1
-        if rejected:
+    def note(self, key: str, fmt: str, *args: Any) -> None:
+        """Count one ``key`` and log ``fmt % args`` (its first ten and each power of two)."""
+        self.counts[key] += 1
+        _log.counted(self.counts[key], fmt, *args)
+
+    def bad(self, peer: bytes, id: int, code: fm.ErrorCode, text: str) -> fm.Error:
+        """The Error reply to a bad message from ``peer``, counted and logged."""
+        if code == fm.ErrorCode.BAD_REQUEST:  # a request rejected before it ran
             self.outcomes["rejected"] += 1
-        return self.counts["bad_messages"]
+        self.note("bad_messages", "bad message from %r: %s", peer, text)
+        return self.error(id, code, text)
 
     def error(self, id: int, code: fm.ErrorCode, text: str) -> fm.Error:
         """An Error reply to send, counted by its code."""

@@ -10,27 +10,19 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from typing import Any, Protocol
 
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from fastio import (
-    DecodeError,
-    Decoder,
-    Encoder,
-    FrameError,
-    IncompatiblePeer,
-    MessageTooLarge,
-    UnsupportedVersion,
-    versions,
-)
+from fastio import Decoder, Encoder, errors, versions
 from fastio import fabric_msgs as fm
 from fastio.protocol import MsgKind
 from transport.sockets import SocketPump, make_monitor, make_router
 from transport.worker.config import WorkerConfig
-from transport.worker.counters import Counters, log_counted
-from transport.worker.requests import PauseGate
+from transport.worker.counters import Counters
+from transport.worker.requests import Requests
 
 __all__ = ["DROPPED", "LOST_TTL_S", "LostReplies", "SocketThread"]
 
@@ -57,9 +49,6 @@ class LostReplies:
         #: Ids and replies recorded since the start (the worker's ``lost`` counter).
         self.count = 0
 
-    def __contains__(self, peer: object) -> bool:
-        return peer in self._table
-
     def note(self, peer: bytes, ids: Sequence[int], replies: Sequence[list[Any]] = ()) -> None:
         """Record ``ids`` given up and ``replies`` undelivered for ``peer``."""
         if ids or replies:
@@ -69,25 +58,12 @@ class LostReplies:
                 entry[1].extend(ids)
                 entry[2].extend(replies)
 
-    def note_undeliverable(self, frames: list[Any]) -> bytes:
-        """Record what an undeliverable ``[peer, *body]`` carried: its Results' ids (to
-        be generated again) and copies of its Errors; returns the peer."""
-        peer = bytes(frames[0])
-        lost, replies = [], []
-        for msg in fm.split(frames[1:]):
-            _, kind, first = fm.peek(msg)
-            if first is not None and first >= 0 and kind == MsgKind.FABRIC_RESULT:
-                lost.append(first)
-            elif first is not None and first >= 0 and kind == MsgKind.FABRIC_ERROR:
-                replies.append([bytes(f) for f in msg])  # the encoder's buffers are not ours
-        self.note(peer, lost, replies)
-        return peer
-
-    def pop(self, peer: bytes) -> tuple[list[int], list[list[Any]]]:
-        """Take what was recorded for ``peer`` (to report it)."""
+    def pop(self, peer: bytes) -> tuple[float, list[int], list[list[Any]]] | None:
+        """Take what was recorded for ``peer`` (None: nothing)."""
+        if peer not in self._table:  # at every ping: no lock for a peer that lost nothing
+            return None
         with self._lock:
-            _, ids, replies = self._table.pop(peer, (0.0, [], []))
-        return ids, replies
+            return self._table.pop(peer, None)
 
     def expire(self) -> None:
         """Forget peers recorded more than ``ttl`` seconds ago (not coming back)."""
@@ -124,13 +100,11 @@ class _Server(Protocol):
 
     config: WorkerConfig
     counters: Counters
-    gate: PauseGate
     worker_id: str
     incarnation: str
-    _held: dict[tuple[bytes, int], Any]
+    requests: Requests
 
     def status(self) -> fm.WorkerStatus: ...
-    def _version(self) -> int: ...
     def _engine_waiting(self) -> int: ...
     def _dispatch(self, peer: bytes, msg: Any) -> None: ...
 
@@ -145,7 +119,6 @@ class SocketThread:
         self.server = server
         self.config = server.config
         self.counts = server.counters.io
-        self.held = server._held  # the held requests by (peer, id)
         self._dispatch = server._dispatch
         self.threaded = threaded
         self.lost = LostReplies()
@@ -163,42 +136,39 @@ class SocketThread:
         self._doomed: set[tuple[bytes, int]] = set()  # held, their Cancel on its way
         self._outbox = _Handoff(self._send_out)
         self._post: Callable[[list[Any]], None] = self._outbox.put
-        self._loop: asyncio.AbstractEventLoop | None = None
         self._pump: SocketPump | None = None
         self._monitor: SocketPump | None = None
         self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
 
     async def start(self, zctx: zmq.Context[Any]) -> list[str]:
         """Bind and serve; returns the bound endpoints (or raises what binding raised)."""
+        self.held = self.server.requests.held  # by (peer, id); built after this thread
         self._inbox.loop = asyncio.get_running_loop()
         if not self.threaded:
-            self._loop = self._inbox.loop
             await self._setup(zctx)
             assert self._pump is not None
             self._post = self._pump.send
             return self.endpoints
-        ready = threading.Event()
+        ready: Future[None] = Future()
         self._thread = threading.Thread(
             target=self._run, args=(zctx, ready), name="fastio-worker-io", daemon=True
         )
         self._thread.start()
-        ready.wait()
-        if self._error is not None:
+        try:
+            await asyncio.wrap_future(ready)
+        except BaseException:
             self._thread.join(5)
-            raise self._error
+            raise
         return self.endpoints
 
-    def _run(self, zctx: zmq.Context[Any], ready: threading.Event) -> None:
-        loop = self._loop = self._outbox.loop = asyncio.new_event_loop()
+    def _run(self, zctx: zmq.Context[Any], ready: Future[None]) -> None:
+        loop = self._outbox.loop = asyncio.new_event_loop()
         try:
-            try:
-                loop.run_until_complete(self._setup(zctx))
-            except BaseException as exc:
-                self._error = exc
-                return
-            finally:
-                ready.set()
+            loop.run_until_complete(self._setup(zctx))
+        except BaseException as exc:
+            ready.set_exception(exc)
+        else:
+            ready.set_result(None)
             loop.run_forever()
         finally:
             loop.close()
@@ -209,10 +179,14 @@ class SocketThread:
             zctx, cfg.bind, hwm=cfg.hwm, max_message_size=cfg.max_message_size, curve=cfg.curve
         )
         self._pump = SocketPump(
-            sock, self._on_message, on_undeliverable=self._on_undeliverable,
-            on_drop=self._on_drop, peer_queue_limit=cfg.peer_queue_limit, router=True,
+            sock,
+            self._on_message,
+            on_undeliverable=self._on_undeliverable,
+            on_drop=self._on_drop,
+            peer_queue_limit=cfg.peer_queue_limit,
+            router=True,
             batch_frames=True,
-        )  # fmt: skip
+        )
         if cfg.curve is not None:
             # A peer without CURVE, or with another server key, fails the handshake
             # before any authenticator sees it: only a socket monitor can tell.
@@ -222,24 +196,21 @@ class SocketThread:
 
     def close(self) -> None:
         """Send what is queued, close the socket, stop the thread."""
+        loop, thread = self._outbox.loop, self._thread
         if not self.threaded:
-            if self._pump is not None:
-                self._stop()
-            return
-        loop, thread = self._loop, self._thread
-        if loop is None or thread is None or not thread.is_alive():
-            return
-        with contextlib.suppress(RuntimeError):  # its loop is closed already
-            loop.call_soon_threadsafe(self._stop)
-        thread.join(10)
+            self._stop()
+        elif loop is not None and thread is not None and thread.is_alive():
+            with contextlib.suppress(RuntimeError):  # its loop is closed already
+                loop.call_soon_threadsafe(self._stop)
+            thread.join(10)
 
     def _stop(self) -> None:
         self._outbox.take()
         for pump in (self._monitor, self._pump):
             if pump is not None:
                 pump.close()
-        if self.threaded and self._loop is not None:
-            self._loop.stop()
+        if self.threaded:
+            asyncio.get_running_loop().stop()
 
     def engine_lag(self) -> float:
         """Seconds the oldest message not yet taken by the engine's loop has waited."""
@@ -309,24 +280,20 @@ class SocketThread:
             return
         try:
             msg = self._dec.decode(body)
-        except DecodeError as exc:
+        except errors.DecodeError as exc:
             self._bad_decode(peer, body, exc)
             return
         tp = type(msg)
-        counts = self.counts.counts
         if tp is fm.Submit:
             self._to_engine(peer, msg)
         elif tp is fm.Heartbeat:
             self._pong(peer, msg)
         elif tp is fm.Control and msg.op == "health":  # as live as a pong
-            counts["control"] += 1
+            self.counts.counts["control"] += 1
             self._send(peer, fm.ControlReply(seq=msg.seq, ok=True, status=self.server.status()))
         elif tp is fm.Error:
-            counts["error_replies_received"] += 1
-            log_counted(
-                counts["error_replies_received"], "client %r reports error %s on id %s: %s",
-                peer, msg.code, msg.id, msg.message,
-            )  # fmt: skip
+            text = "client %r reports error %s on id %s: %s"
+            self.counts.note("error_replies_received", text, peer, msg.code, msg.id, msg.message)
         else:  # a Cancel, or a Control op that is the engine's
             if tp is fm.Cancel and (peer, msg.id) in self.held:
                 self._doomed.add((peer, msg.id))
@@ -337,33 +304,35 @@ class SocketThread:
     def _pong(self, peer: bytes, msg: fm.Heartbeat) -> None:
         try:
             enc = versions.encoder_for(msg)
-        except IncompatiblePeer as exc:
+        except errors.IncompatiblePeer as exc:
             self._refuse(peer, str(exc))
             return
         if self.encoders.get(peer) is not enc:
             if len(self.encoders) >= _MAX_PEERS:
                 self.encoders.clear()
             self.encoders[peer] = enc
-        if peer in self.lost:
-            self._report_lost(peer)
+        self._report_lost(peer)
         # What a new request would wait behind: Submits held or queued, less those a
         # Cancel on its way will end (off the waiting ones first).
-        server, gate = self.server, self.server.gate
+        server, gate = self.server, self.server.requests.gate
         running, held, doomed = gate.running, len(self.held), self._doomed_held()
         if doomed:
             running = max(0, running - max(0, doomed - max(0, held - running)))
             held = max(0, held - doomed)
         queued = self.queued_submits()
-        self._send(
-            peer,
-            fm.Heartbeat(
-                sent_at=msg.sent_at, worker_id=server.worker_id, incarnation=server.incarnation,
-                in_flight=held + queued, paused=gate.paused, version=server._version(),
-                running=running,
-                waiting=max(0, held - running) + queued + server._engine_waiting(),
-                engine_lag=self.engine_lag(), **versions.STATED,
-            ),
-        )  # fmt: skip
+        pong = fm.Heartbeat(
+            sent_at=msg.sent_at,
+            worker_id=server.worker_id,
+            incarnation=server.incarnation,
+            in_flight=held + queued,
+            paused=gate.paused,
+            version=server.requests.version(),
+            running=running,
+            waiting=max(0, held - running) + queued + server._engine_waiting(),
+            engine_lag=self.engine_lag(),
+            **versions.STATED,
+        )
+        self._send(peer, pong)
 
     def _refuse(self, peer: bytes, why: str) -> None:
         # Versions this worker cannot serve: one Error naming both sides' versions (at
@@ -373,37 +342,34 @@ class SocketThread:
         if len(self._refused) >= _MAX_PEERS:
             self._refused.clear()
         self._refused[peer] = why
-        counts = self.counts.counts
-        counts["incompatible_peers"] += 1
         text = f"worker {self.server.worker_id} cannot serve this client: {why}"
-        log_counted(counts["incompatible_peers"], "client %r refused: %s", peer, text)
+        self.counts.note("incompatible_peers", "client %r refused: %s", peer, text)
         self.encoders.pop(peer, None)
         self._send(peer, self.counts.error(-1, fm.ErrorCode.UNSUPPORTED_VERSION, text))
 
     def _report_lost(self, peer: bytes) -> None:
+        if (lost := self.lost.pop(peer)) is None:
+            return
         assert self._pump is not None
-        ids, replies = self.lost.pop(peer)
         # Undeliverable again (the peer left at once): noted again by _on_undeliverable.
         text = "the worker gave up this submission; re-send it"
-        for id in ids:
+        for id in lost[1]:
             self._send(peer, self.counts.error(id, fm.ErrorCode.LOST, text))
-        for reply in replies:
+        for reply in lost[2]:
             self._pump.send([peer, *reply])
 
     def _bad(self, peer: bytes, id: int, code: fm.ErrorCode, text: str) -> None:
-        n = self.counts.bad(rejected=code == fm.ErrorCode.BAD_REQUEST)
-        log_counted(n, "bad message from %r: %s", peer, text)
-        self._send(peer, self.counts.error(id, code, text))
+        self._send(peer, self.counts.bad(peer, id, code, text))
 
-    def _bad_decode(self, peer: bytes, body: list[Any], exc: DecodeError) -> None:
+    def _bad_decode(self, peer: bytes, body: list[Any], exc: errors.DecodeError) -> None:
         _, kind, first = fm.peek(body)
         submit = kind == MsgKind.FABRIC_SUBMIT and first is not None
         code, id, text = fm.ErrorCode.BAD_MESSAGE, -1, str(exc)
-        if isinstance(exc, MessageTooLarge):
+        if isinstance(exc, errors.MessageTooLarge):
             code, id = fm.ErrorCode.TOO_LARGE, first if first is not None else -1
-        elif isinstance(exc, UnsupportedVersion):
+        elif isinstance(exc, errors.UnsupportedVersion):
             code = fm.ErrorCode.UNSUPPORTED_VERSION
-        elif isinstance(exc, FrameError):
+        elif isinstance(exc, errors.FrameError):
             # Not a fastio message (header, frame count): attributed to the Submit when
             # its id can be read, so that its caller hears of it.
             id = first if submit and first is not None else -1
@@ -414,11 +380,19 @@ class SocketThread:
         self._bad(peer, id, code, text)
 
     def _on_undeliverable(self, frames: list[Any]) -> None:
-        # Its requests keep running; what is lost is reported when it is heard again.
-        counts = self.counts.counts
-        counts["undeliverable"] += 1
-        peer = self.lost.note_undeliverable(frames)
-        log_counted(counts["undeliverable"], "client %r unreachable: a reply is dropped", peer)
+        # Its requests keep running; its Results' ids (to generate again) and copies of
+        # its Errors are reported when it is heard again.
+        peer, lost, replies = bytes(frames[0]), [], []
+        for msg in fm.split(frames[1:]):
+            _, kind, first = fm.peek(msg)
+            if first is None or first < 0:
+                continue
+            if kind == MsgKind.FABRIC_RESULT:
+                lost.append(first)
+            elif kind == MsgKind.FABRIC_ERROR:
+                replies.append([bytes(f) for f in msg])  # the encoder's buffers are not ours
+        self.lost.note(peer, lost, replies)
+        self.counts.note("undeliverable", "client %r unreachable: a reply is dropped", peer)
 
     def _on_drop(self, peer: Any) -> None:  # it stopped reading: cancel its requests
         self.counts.counts["dropped_peers"] += 1
@@ -426,8 +400,5 @@ class SocketThread:
 
     def _on_monitor(self, frames: list[zmq.Frame]) -> None:
         event = parse_monitor_message([f.bytes for f in frames])
-        counts = self.counts.counts
-        counts["handshake_failed"] += 1
-        name = zmq.Event(event["event"]).name
-        text = "refused a peer at the CURVE handshake (%s on %s)"
-        log_counted(counts["handshake_failed"], text, name, event["endpoint"])
+        name, text = zmq.Event(event["event"]).name, "refused a peer at the CURVE handshake"
+        self.counts.note("handshake_failed", text + " (%s on %s)", name, event["endpoint"])

@@ -16,14 +16,14 @@ import zmq
 from fastio import LLMRequest, LLMResponse
 from fastio import fabric_msgs as fm
 from transport import metrics
-from transport.engines.api import Engine, engine_hooks
+from transport.engines.api import BoundHooks, Engine, engine_hooks
 from transport.errors import ResumeRefused
 from transport.sockets import WorkerAuthenticator
 from transport.worker.config import WorkerConfig, checked_config
-from transport.worker.context import InvalidHandlerOutput, RequestContext
+from transport.worker.context import InvalidHandlerOutput
 from transport.worker.counters import Counters
 from transport.worker.iothread import DROPPED, SocketThread
-from transport.worker.requests import Held, PauseGate, Requests
+from transport.worker.requests import PauseGate, RequestContext, Requests
 
 __all__ = ["Background", "Handler", "InvalidHandlerOutput", "WorkerServer"]
 
@@ -71,27 +71,19 @@ class WorkerServer:
         self.handler: Handler = handler if gen is None else gen  # type: ignore[assignment]
         self.worker_id = cfg.worker_id or f"{socket.gethostname()}:{os.getpid()}"
         self.incarnation = uuid.uuid4().hex[:16]
-        hooks = engine_hooks(self.engine)  # its optional hooks (transport.engines.api)
-        self.background = [hooks.lifetime, *background] if hooks.lifetime else list(background)
+        self.background = list(background)
         #: The engine's ``queue_depth()``, added to pongs' ``waiting``.
-        self.engine_load: Callable[[], int] | None = hooks.queue_depth
+        self.engine_load: Callable[[], int] | None = None
         self.endpoints: list[str] = []
         self.counters = Counters()
         self.gate = PauseGate(cfg.max_concurrency, self.counters.loop)
-        self.gate.on_pause.extend(hooks.on_pause)
-        self.gate.on_resume.extend(hooks.on_resume)
-        if hooks.keeps_in_place is not None:
-            self.gate.keeps_in_place = hooks.keeps_in_place
-        self._held: dict[tuple[bytes, int], Held] = {}
+        self.add_hooks(engine_hooks(self.engine))
         inline = cfg.inline if cfg.inline is not None else bool(getattr(self.handler, "inline", 0))
         self.io = SocketThread(self, threaded=not inline)
         self.lost = self.io.lost
         self.counters.read["lost"] = lambda: self.lost.count
         self.counters.read["discarded"] = self.io.discarded
-        self.requests = Requests(
-            self._held, self.handler, self.engine, cfg, self.counters.loop, self.gate,
-            self.io.send, self._version,
-        )  # fmt: skip
+        self.requests = Requests(self.handler, self.engine, cfg, self.gate, self.io.send)
         self._zctx: zmq.Context[Any] | None = None
         self._auth: WorkerAuthenticator | None = None
         self._bg_tasks: list[asyncio.Task[Any]] = []
@@ -99,6 +91,17 @@ class WorkerServer:
         self._sweeper: asyncio.TimerHandle | None = None
         self._closed: asyncio.Event | None = None
         self._unexport: Callable[[], None] | None = None
+
+    def add_hooks(self, hooks: BoundHooks) -> None:
+        """Take an engine's optional hooks (:func:`~transport.engines.api.engine_hooks`)."""
+        self.gate.on_pause.extend(hooks.on_pause)
+        self.gate.on_resume.extend(hooks.on_resume)
+        if hooks.keeps_in_place is not None:
+            self.gate.keeps_in_place = hooks.keeps_in_place
+        if hooks.queue_depth is not None:
+            self.engine_load = hooks.queue_depth
+        if hooks.lifetime is not None:
+            self.background.insert(0, hooks.lifetime)
 
     @property
     def paused(self) -> bool:
@@ -123,21 +126,22 @@ class WorkerServer:
     @property
     def version(self) -> int:
         """The engine's weight version (0 without an engine exposing one)."""
-        return self._version()
-
-    def _version(self) -> int:
-        return int(getattr(self.engine, "version", 0))
+        return self.requests.version()
 
     def status(self) -> fm.WorkerStatus:
         """A snapshot of this worker's state and counters (callable from any thread)."""
         return fm.WorkerStatus(
-            worker_id=self.worker_id, incarnation=self.incarnation, version=self.version,
-            paused=self.gate.paused, running=self.gate.running,
-            waiting=max(0, len(self._held) - self.gate.running), counters=self.counters.snapshot(),
-        )  # fmt: skip
+            worker_id=self.worker_id,
+            incarnation=self.incarnation,
+            version=self.version,
+            paused=self.gate.paused,
+            running=self.gate.running,
+            waiting=self._waiting(),
+            counters=self.counters.snapshot(),
+        )
 
-    def _queue_depth(self) -> int:
-        return max(0, len(self._held) - self.gate.running) + self.io.queued_submits()
+    def _waiting(self) -> int:
+        return max(0, len(self.requests.held) - self.gate.running)
 
     def _engine_waiting(self) -> int:
         try:
@@ -173,7 +177,17 @@ class WorkerServer:
         except BaseException:
             await self.close()
             raise
-        self._bind_gauges()
+        # Read when scraped, never written per request (one server per process).
+        metrics.expose("worker")
+        self._unexport = metrics.on_scrape("worker", self.counters.export)
+        for gauge, fn in (
+            (metrics.WORKER_INFLIGHT, lambda: self.gate.running),
+            (metrics.WORKER_QUEUE_DEPTH, lambda: self._waiting() + self.io.queued_submits()),
+            (metrics.WORKER_WEIGHT_VERSION, lambda: self.version),
+            (metrics.WORKER_PAUSED, lambda: int(self.gate.paused)),
+        ):
+            if (set_function := getattr(gauge, "set_function", None)) is not None:
+                set_function(fn)
         self._sweep_peers()  # and every client_timeout / 4 s from now on
         self._bg_tasks = tasks = [asyncio.ensure_future(job(self)) for job in self.background]
         for _ in range(2 if tasks else 0):
@@ -190,20 +204,6 @@ class WorkerServer:
             task.add_done_callback(_log_failure)
         log.info("worker %s serving on %s", self.worker_id, ", ".join(self.endpoints))
         return self.endpoints
-
-    def _bind_gauges(self) -> None:
-        # Read when scraped, never written per request (one server per process).
-        metrics.expose("worker")
-        self._unexport = metrics.on_scrape("worker", self.counters.export)
-        for gauge, fn in (
-            (metrics.WORKER_INFLIGHT, lambda: self.gate.running),
-            (metrics.WORKER_QUEUE_DEPTH, self._queue_depth),
-            (metrics.WORKER_WEIGHT_VERSION, lambda: self.version),
-            (metrics.WORKER_PAUSED, lambda: int(self.gate.paused)),
-        ):
-            set_function = getattr(gauge, "set_function", None)
-            if set_function is not None:
-                set_function(fn)
 
     async def serve_forever(self) -> None:
         """Serve until :meth:`close` is called (from a signal handler, say)."""
@@ -263,7 +263,7 @@ class WorkerServer:
             self.abort_all()
         elif msg.op != "health":
             ok, error = False, f"unknown control op {msg.op!r}"
-            self.counters.loop.bad(rejected=False)
+            self.counters.loop.counts["bad_messages"] += 1
         self.io.send(peer, fm.ControlReply(seq=msg.seq, ok=ok, error=error, status=self.status()))
 
     def _sweep_peers(self) -> None:

@@ -4,13 +4,14 @@ socket or a thread: admission, one answer per submission, slots freed on every e
 from __future__ import annotations
 
 import asyncio
+import types
 from typing import Any
 
 from fastio import LLMRequest, LLMResponse
 from fastio import fabric_msgs as fm
 from transport.worker.config import WorkerConfig
 from transport.worker.counters import Shard
-from transport.worker.requests import Held, PauseGate, Requests
+from transport.worker.requests import PauseGate, Requests
 
 PEER = b"client"
 
@@ -25,14 +26,11 @@ def _answer(req: LLMRequest) -> LLMResponse:
 
 def _table(handler: Any, **config: Any) -> tuple[Requests, list[Any], Shard, PauseGate]:
     sent: list[Any] = []
-    counts = Shard()
-    gate = PauseGate(config.pop("max_concurrency", 4), counts)
-    held: dict[tuple[bytes, int], Held] = {}
-    table = Requests(
-        held, handler, None, WorkerConfig(**config), counts, gate,
-        lambda peer, msg: sent.append((peer, msg)), lambda: 3,
-    )  # fmt: skip
-    return table, sent, counts, gate
+    gate = PauseGate(config.pop("max_concurrency", 4), Shard())
+    send = lambda peer, msg: sent.append((peer, msg))  # noqa: E731
+    engine = types.SimpleNamespace(version=3)  # no vocab_size: no token check
+    table = Requests(handler, engine, WorkerConfig(**config), gate, send)
+    return table, sent, gate.counts, gate
 
 
 def _submit(id: int, ids: list[int] | None = None, **kw: Any) -> fm.Submit:
