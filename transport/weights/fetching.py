@@ -27,7 +27,7 @@ from transport.weights.routes.tcp import LinkClient
 from transport.weights.routes.zmq import FrameReceiver
 from transport.weights.streaming import BucketStream
 
-__all__ = ["InFlight", "Partial", "VersionFetcher"]
+__all__ = ["VersionFetcher"]
 
 log = logging.getLogger("transport.weights.subscriber")
 
@@ -148,8 +148,8 @@ class VersionFetcher:
     def chunk_done(
         self, up: InFlight, i: int, part: Partial, t: float, ok: bool, last: bool, checksum: int
     ) -> None:
-        """A chunk of bucket ``i`` was taken (``ok``: in order and in bounds); at the last
-        (or a bad) one, check the bucket: keep it, fetch it again, or fail."""
+        """A chunk of bucket ``i`` taken (``ok``: in order, in bounds); at the last (or a bad)
+        one, the bucket is kept, fetched again, or fails its version."""
         dt = time.monotonic() - t
         up.stats.verify_s += dt
         part.verify_s += dt
@@ -195,8 +195,7 @@ class VersionFetcher:
         return Partial(stream.hasher, stream)
 
     def hold(self, up: InFlight, *, writing: bool = True) -> bool:
-        """Enter the lock for ``up`` once (``writing``: its first write follows); False
-        when the lock refused (the version failed)."""
+        """Enter the lock for ``up`` once (``writing``: a write follows); False: refused."""
         if not up.locked:
             try:
                 self.lock.__enter__()
@@ -212,7 +211,7 @@ class VersionFetcher:
     def landed(
         self, up: InFlight, i: int, chunks: list[torch.Tensor], stream: BucketStream | None
     ) -> None:
-        """Bucket ``i`` is verified: keep it, or (one pass) apply what its stream could not."""
+        """Bucket ``i`` verified: kept, or (one pass) the rest its stream could not apply."""
         if self.on_progress is not None:
             self.on_progress(up.ann.version, i)
         if stream is None:
@@ -260,32 +259,29 @@ class VersionFetcher:
         ann, stats = up.ann, up.stats
         if not self.hold(up, writing=False):
             return
+        loading = False
         try:  # the lock's body
             try:
                 for b, chunks in parts:
-                    up.wrote = True
                     ta = time.monotonic()
                     self.applier.apply(b, chunks, up.binding.dests)
                     stats.buckets[b.index]["apply_s"] = dt = time.monotonic() - ta
                     stats.apply_s += dt
                     self.keepalive()
                 self.applier.finish()
-            except Exception as exc:  # a copy failed half-way: the weights are mixed
-                self.core.mark_mixed()
-                self.fail(ann.version, f"applying failed, weights are mixed: {exc!r}")
-                return
-            if self.loader is not None:
-                ta = time.monotonic()
-                kw = {"version": ann.version} if self.loader_takes_version else {}
-                try:
+                if self.loader is not None:
+                    loading, ta = True, time.monotonic()
+                    kw = {"version": ann.version} if self.loader_takes_version else {}
                     self.loader(up.binding.named_tensors(parts), **kw)
-                except Exception as exc:
-                    self.core.mark_mixed()
+                    stats.apply_s += time.monotonic() - ta
+            except Exception as exc:  # a copy or the load failed part-way: the weights are mixed
+                self.core.mark_mixed()
+                why = f"applying failed, weights are mixed: {exc!r}"
+                if loading:
                     self.core.count("loader_failures")
                     why = f"the loader raised {exc!r}; the engine's weights may be mixed"
-                    self.fail(ann.version, why)
-                    return
-                stats.apply_s += time.monotonic() - ta
+                self.fail(ann.version, why)
+                return
             self.reporter.now_at(ann.version)
         finally:
             self.unhold(up)  # after a failure marked the weights mixed: the lock sees it

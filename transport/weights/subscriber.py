@@ -50,30 +50,17 @@ _FROM_PUBLISHER = Union[wm.PUBLISHER_TO_SUBSCRIBER, IpcOffer, IpcReady]  # noqa:
 class WeightSubscriber:
     """Keeps a model's weights at the latest version a :class:`WeightPublisher` serves.
 
-    Parameters
-    ----------
-    endpoint:
-        The publisher's ROUTER address.
-    target:
-        An ``nn.Module`` or a mapping of name -> tensor, updated in place (``None`` with
-        a ``loader``).
-    config, **settings:
-        A :class:`~transport.weights.config.SubscriberConfig`, or its fields as keywords
-        (``path=`` is ``route``).
-    lock:
-        Held while the weights are written (e.g. the engine's forward lock).
-    on_applied, on_progress:
-        Called with each version applied (before its Ack), and with ``(version,
-        bucket_index)`` per bucket verified.
-    dtype, rename:
-        The dtypes wanted, and trainer name -> engine name (:mod:`.binding`).
-    loader:
-        Called under ``lock`` with the ``(engine name, tensor)`` pairs of each version.
-    context, curve:
-        ZeroMQ context (default: the global one); CurveZMQ keys.
+    ``endpoint``: the publisher's ROUTER address; ``target``: an ``nn.Module`` or a mapping
+    of name -> tensor, updated in place (``None`` with a ``loader``); ``config``: a
+    :class:`~transport.weights.config.SubscriberConfig`, or its fields as keywords
+    (``path=`` is ``route``); ``lock``: held while the weights are written (e.g. the
+    engine's forward lock); ``on_applied``, ``on_progress``: called with each version
+    applied (before its Ack), and with ``(version, bucket_index)`` per bucket verified;
+    ``dtype``, ``rename``: the dtypes wanted, and trainer name -> engine name
+    (:mod:`.binding`); ``loader``: called under ``lock`` with the ``(engine name,
+    tensor)`` pairs of each version; ``context``, ``curve``: ZeroMQ context (default: the
+    global one), CurveZMQ keys.
 
-    Examples
-    --------
     >>> sub = WeightSubscriber("tcp://127.0.0.1:5555", model).start()  # doctest: +SKIP
     >>> sub.wait_version(1, timeout=30)  # doctest: +SKIP
     True
