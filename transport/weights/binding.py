@@ -1,6 +1,5 @@
-"""How a version's tensors land on one worker: names, aliases and dtypes, bound before a
-byte is fetched (``docs/PROTOCOL.md``, "Names, aliases and dtypes"); the digest that
-trainer and workers compare."""
+"""How a version's tensors land on one worker, bound before a byte is fetched
+(``docs/PROTOCOL.md``, "Names, aliases and dtypes"); the digest trainer and workers compare."""
 
 from __future__ import annotations
 

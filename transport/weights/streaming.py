@@ -73,9 +73,8 @@ class BucketStream:
     def take(
         self, n: int, fill: Callable[[np.ndarray[Any, Any]], None], scratch: np.ndarray[Any, Any]
     ) -> None:
-        """The next ``n`` bytes, received by ``fill`` (which fills the array it is given):
-        straight into a plain tensor, else via ``scratch`` (:data:`BLOCK` bytes) and
-        :meth:`feed`."""
+        """The next ``n`` bytes, which ``fill`` writes into the array it is given: a plain
+        tensor's bytes, else ``scratch`` (:data:`BLOCK` bytes) then :meth:`feed`."""
         end = self.size + n
         spans = self._spans
         while self.size < end:

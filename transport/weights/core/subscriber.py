@@ -45,8 +45,7 @@ class SubscriberCore:
         return self._consistent
 
     def mark_mixed(self) -> None:
-        """A version's first write, or a copy or load that failed part-way: the weights
-        hold no complete version until one is applied."""
+        """A first write, or a copy or load failed part-way: no complete version until one is."""
         self._consistent = False
 
     @property
@@ -119,9 +118,8 @@ class SubscriberCore:
 
 
 class FetchSchedule:
-    """Which buckets of one version to ask for (in order, ``window`` at a time), and
-    when to ask again (``retries`` times at most); ``shm``: all at once, and a bad
-    checksum is final (the segment would give the same bytes again)."""
+    """Which buckets of a version to ask for (in order, ``window`` at a time) and when again
+    (``retries`` at most); ``shm``: all at once, a bad checksum final (same bytes again)."""
 
     def __init__(
         self, version: int, n_buckets: int, window: int, retries: int, *, shm: bool = False
