@@ -8,6 +8,7 @@ import itertools
 import logging
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
 import numpy as np
@@ -32,49 +33,42 @@ __all__ = ["VersionFetcher"]
 log = logging.getLogger("transport.weights.subscriber")
 
 
+@dataclass(eq=False)
 class VersionFetcher:
     """Fetches, verifies and commits shm/tcp versions for a
     :class:`~transport.weights.WeightSubscriber`; ``bind``: a manifest -> its
     :class:`~transport.weights.binding.Binding`."""
 
-    def __init__(
-        self,
-        core: SubscriberCore,
-        reporter: Reporter,
-        config: SubscriberConfig,
-        bind: Callable[..., Binding],
-        *,
-        lock: Any,
-        loader: Callable[[Iterable[tuple[str, torch.Tensor]]], Any] | None,
-        on_progress: Callable[[int, int], None] | None,
-        keepalive: Callable[[], None],
-        endpoint: str,
-    ) -> None:
-        self.core = core
-        self.reporter = reporter
-        self.config = config
-        self.bind = bind
-        refuses_mixed = getattr(lock, "refuses_mixed", False)
-        self.atomic = choose_atomic(config.atomic, refuses_mixed, loader is not None)
-        self.lock = lock
-        self.applier = BucketApplier(reporter.targets, copy_threads=config.copy_threads)
-        self.loader = loader
+    core: SubscriberCore
+    reporter: Reporter
+    config: SubscriberConfig
+    bind: Callable[..., Binding]
+    _: KW_ONLY
+    lock: Any
+    loader: Callable[[Iterable[tuple[str, torch.Tensor]]], Any] | None
+    on_progress: Callable[[int, int], None] | None
+    keepalive: Callable[[], None]
+    endpoint: str
+    update: InFlight | None = field(default=None, init=False)
+    shm_ok: bool = field(default=False, init=False)
+    shm: ShmReader = field(default_factory=ShmReader, init=False)
+    frames: FrameReceiver = field(default_factory=FrameReceiver, init=False)
+    _staging: np.ndarray[Any, Any] | None = field(default=None, init=False)
+
+    def __post_init__(self) -> None:
+        cfg, loader = self.config, self.loader
+        refuses_mixed = getattr(self.lock, "refuses_mixed", False)
+        self.atomic = choose_atomic(cfg.atomic, refuses_mixed, loader is not None)
+        self.applier = BucketApplier(self.reporter.targets, copy_threads=cfg.copy_threads)
         try:
             self.loader_takes_version = loader is not None and (
                 "version" in inspect.signature(loader).parameters
             )
         except (TypeError, ValueError):  # no signature to read
             self.loader_takes_version = False
-        self.on_progress = on_progress
-        self.keepalive = keepalive
-        self.update: InFlight | None = None
-        self.shm_ok = False
-        self._staging: np.ndarray[Any, Any] | None = None
-        self.shm = ShmReader()
-        self.frames = FrameReceiver()
         self.tcp = LinkClient(
-            endpoint, reporter.worker_id, config.fetch_timeout, config.max_message_size,
-            core.count,
+            self.endpoint, self.reporter.worker_id, cfg.fetch_timeout, cfg.max_message_size,
+            self.core.count,
         )  # fmt: skip
 
     def new_publisher(self, shm_ok: bool, link_offer: tuple[int, bytes] | None) -> None:
