@@ -32,7 +32,7 @@ from transport.sockets import CurveConfig, make_dealer, make_socket
 from transport.weights.binding import Binding, DtypeSpec, Rename, advertised_dtype, parse_dtype_spec
 from transport.weights.bucket import named_tensors
 from transport.weights.config import SubscriberConfig, make_config
-from transport.weights.core.subscriber import SubscriberCore
+from transport.weights.core.subscriber import Notice, SubscriberCore
 from transport.weights.fetching import VersionFetcher
 from transport.weights.reporting import Reporter
 from transport.weights.results import UpdateStats
@@ -45,6 +45,11 @@ log = logging.getLogger("transport.weights.subscriber")
 
 #: What the DEALER and SUB accept: the weight messages and the ipc route's Offer and Ready.
 _FROM_PUBLISHER = Union[wm.PUBLISHER_TO_SUBSCRIBER, IpcOffer, IpcReady]  # noqa: UP007
+_NOTICES: dict[type, Notice] = {
+    wm.WeightWelcome: "welcome",
+    wm.WeightHeartbeat: "heartbeat",
+    wm.WeightAnnounce: "announce",
+}
 
 
 class WeightSubscriber:
@@ -302,24 +307,18 @@ class WeightSubscriber:
         )  # fmt: skip
 
     def _dispatch(self, msg: Any) -> None:
-        if isinstance(msg, (wm.WeightWelcome, wm.WeightHeartbeat, wm.WeightAnnounce)):
-            welcome = isinstance(msg, wm.WeightWelcome)
-            step = self.core.notice(msg.publisher_id, welcome, time.monotonic())
-            if step == "hello":  # a publisher not shaken hands with (restarted)
+        if (kind := _NOTICES.get(type(msg))) is not None:
+            step = self.core.notice(msg.publisher_id, kind, msg.seq, time.monotonic())
+            if step == "hello":  # a publisher not shaken hands with (restarted), a lost Announce
                 self._hello()
                 return
             if step == "handshake":
-                assert isinstance(msg, wm.WeightWelcome)
                 self._new_publisher(msg)
         if isinstance(msg, wm.WeightWelcome):
             if msg.announce is not None:
                 self.ipc.consider(msg.announce)
             self.ipc.hello(up_to_date=msg.announce is None)
-        elif isinstance(msg, wm.WeightHeartbeat):
-            if self.core.on_heartbeat(msg.seq):
-                self._hello()  # an Announce was lost: ask for the snapshot
         elif isinstance(msg, wm.WeightAnnounce):
-            self.core.on_announce(msg.seq)
             self.ipc.consider(msg)
         elif isinstance(msg, wm.WeightBucket):
             self.fetcher.on_bucket(msg)
@@ -338,7 +337,6 @@ class WeightSubscriber:
 
     def _new_publisher(self, w: wm.WeightWelcome) -> None:
         self.fetcher.abandon("the publisher was restarted mid-update")
-        self.core.shake_hands(w.publisher_id, w.seq)
         self.fetcher.new_publisher(
             self.shm and w.host_id == self._host and _shm.read_probe(w.shm_probe, w.shm_token),
             (w.data_port, w.data_token) if self.config.data_link and w.data_port > 0 else None,
