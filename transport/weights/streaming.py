@@ -44,11 +44,8 @@ class BucketStream:
             outs: list[np.ndarray[Any, Any]] = []
             other = False
             for dst in _targets_of(e, targets, dests):
-                if (
-                    dst.device.type == "cpu"
-                    and dst.is_contiguous()
-                    and dtype_name(dst.dtype) == e.dtype
-                ):
+                plain = dst.device.type == "cpu" and dst.is_contiguous()
+                if plain and dtype_name(dst.dtype) == e.dtype:
                     outs.append(_flat_bytes(dst).numpy())
                 else:
                     other = True

@@ -68,7 +68,6 @@ def update_weights(
     t0 = time.monotonic()
     not_paused: dict[str, str] = {}
     resumed: dict[str, Any] | None = None
-    resume_failed: dict[str, str] = {}
     try:
         try:
             paused = controller.pause(timeout)
