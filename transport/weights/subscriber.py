@@ -219,7 +219,6 @@ class WeightSubscriber:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # -- the thread --------------------------------------------------------------------
     def _run(self) -> None:
         # IMMEDIATE (make_dealer): a restarted publisher gets no stale Fetches.
         self._dealer = make_dealer(
