@@ -1,6 +1,5 @@
-"""How a version's tensors land on one worker: names, aliases and dtypes, bound before a
-byte is fetched (``docs/PROTOCOL.md``, "Names, aliases and dtypes"); the digest that
-trainer and workers compare."""
+"""How a version's tensors land on one worker, bound before a byte is fetched
+(``docs/PROTOCOL.md``, "Names, aliases and dtypes"); the digest trainer and workers compare."""
 
 from __future__ import annotations
 
@@ -127,8 +126,28 @@ class Binding:
                 covered[en] = tname
                 self.dests[wname].append(en)
                 e, wdt = wire[wname]
-                if wdt is not None:
-                    self._check(en, e, wdt, targets.get(en), dtype, loader, problems)
+                if wdt is None:  # an unknown dtype, already named
+                    continue
+                t = targets.get(en)
+                wanted = _wanted(dtype, en, e, wdt, t)
+                if isinstance(wanted, str):
+                    problems.append(wanted)
+                    continue
+                self.wanted[en] = wanted
+                if t is None:
+                    if not loader:
+                        problems.append(f"{en!r} is not a parameter of this worker's model")
+                    continue
+                if tuple(t.shape) != tuple(e.shape):
+                    problems.append(
+                        f"shape mismatch for {en!r}: model has {list(t.shape)}, "
+                        f"update has {list(e.shape)}"
+                    )
+                if t.dtype != wanted:
+                    problems.append(
+                        f"dtype mismatch for {en!r}: model has {dtype_name(t.dtype)}, "
+                        f"update has {dtype_name(wanted)}"
+                    )
         missing = [n for n in targets if n not in covered] if strict else []
         if missing:
             more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
@@ -136,49 +155,6 @@ class Binding:
         if problems:
             more = f" (and {len(problems) - 8} more)" if len(problems) > 8 else ""
             raise WeightMismatchError("; ".join(problems[:8]) + more)
-
-    def _check(
-        self,
-        en: str,
-        e: WeightTensor,
-        wire: torch.dtype,
-        t: torch.Tensor | None,
-        spec: DtypeSpec,
-        loader: bool,
-        problems: list[str],
-    ) -> None:
-        wanted = wire
-        if isinstance(spec, Mapping):
-            wanted = parse_dtype(spec.get(en, wire))
-        elif isinstance(spec, str) and spec == "auto":
-            if t is not None and t.dtype in FLOAT_DTYPES and wire in FLOAT_DTYPES:
-                wanted = t.dtype
-        elif spec is not None and wire in FLOAT_DTYPES:
-            wanted = parse_dtype(spec)
-        if wanted != wire:
-            if wire not in FLOAT_DTYPES or wanted not in FLOAT_DTYPES:
-                problems.append(f"cannot convert {en!r} from {e.dtype} to {dtype_name(wanted)}")
-                return
-            if e.src_dtype:  # a cast of a cast is not what tensor.to(wanted) gives
-                problems.append(
-                    f"{en!r} travels as {e.dtype}, cast by the trainer from {e.src_dtype} for "
-                    f"the other workers; this worker wants {dtype_name(wanted)}"
-                )
-                return
-        self.wanted[en] = wanted
-        if t is None:
-            if not loader:
-                problems.append(f"{en!r} is not a parameter of this worker's model")
-            return
-        if tuple(t.shape) != tuple(e.shape):
-            problems.append(
-                f"shape mismatch for {en!r}: model has {list(t.shape)}, update has {list(e.shape)}"
-            )
-        if t.dtype != wanted:
-            problems.append(
-                f"dtype mismatch for {en!r}: model has {dtype_name(t.dtype)}, "
-                f"update has {dtype_name(wanted)}"
-            )
 
     def named_tensors(
         self, buckets: Sequence[tuple[WeightBucketInfo, Sequence[torch.Tensor]]]
@@ -194,6 +170,28 @@ class Binding:
                 for en in dests:
                     want = self.wanted[en]
                     yield en, (t if t.dtype == want else t.to(want))
+
+
+def _wanted(
+    spec: DtypeSpec, en: str, e: WeightTensor, wire: torch.dtype, t: torch.Tensor | None
+) -> torch.dtype | str:
+    """The dtype ``en`` is delivered in (of its wire dtype ``wire``), or why it cannot be."""
+    wanted = wire
+    if isinstance(spec, Mapping):
+        wanted = parse_dtype(spec.get(en, wire))
+    elif isinstance(spec, str) and spec == "auto":
+        if t is not None and t.dtype in FLOAT_DTYPES and wire in FLOAT_DTYPES:
+            wanted = t.dtype
+    elif spec is not None and wire in FLOAT_DTYPES:
+        wanted = parse_dtype(spec)
+    if wanted != wire and (wire not in FLOAT_DTYPES or wanted not in FLOAT_DTYPES):
+        return f"cannot convert {en!r} from {e.dtype} to {dtype_name(wanted)}"
+    if wanted != wire and e.src_dtype:  # a cast of a cast is not what tensor.to(wanted) gives
+        return (
+            f"{en!r} travels as {e.dtype}, cast by the trainer from {e.src_dtype} for "
+            f"the other workers; this worker wants {dtype_name(wanted)}"
+        )
+    return wanted
 
 
 def check_manifest(

@@ -6,7 +6,5 @@ from transport.weights.routes.tcp import *  # noqa: F403
 from transport.weights.routes.tcp import __all__ as __all__
 
 warnings.warn(
-    "transport.weights.datalink is deprecated: import transport.weights.routes.tcp",
-    DeprecationWarning,
-    stacklevel=2,
+    f"{__name__} is deprecated: import transport.weights.routes.tcp", DeprecationWarning, 2
 )

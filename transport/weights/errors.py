@@ -34,18 +34,10 @@ class UpdateIncomplete(WeightUpdateError, TimeoutError):
 
 # Deprecated, never raised (a failed version is in UpdateResult.failed): served by
 # __getattr__ with a warning.
-class ChecksumError(WeightUpdateError, ValueError):
-    """Deprecated, never raised."""
-
-
-class VersionUnavailable(WeightUpdateError):
-    """Deprecated, never raised."""
-
-
 _DEPRECATED: dict[str, type[WeightUpdateError]] = {
-    c.__name__: c for c in (ChecksumError, VersionUnavailable)
+    n: type(n, (WeightUpdateError, *more), {"__doc__": "Deprecated, never raised."})
+    for n, more in (("ChecksumError", (ValueError,)), ("VersionUnavailable", ()))
 }
-del ChecksumError, VersionUnavailable
 
 
 def deprecated(name: str, stacklevel: int = 3) -> type[WeightUpdateError]:

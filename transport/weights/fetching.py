@@ -8,6 +8,7 @@ import itertools
 import logging
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
 import numpy as np
@@ -27,54 +28,47 @@ from transport.weights.routes.tcp import LinkClient
 from transport.weights.routes.zmq import FrameReceiver
 from transport.weights.streaming import BucketStream
 
-__all__ = ["InFlight", "Partial", "VersionFetcher"]
+__all__ = ["VersionFetcher"]
 
 log = logging.getLogger("transport.weights.subscriber")
 
 
+@dataclass(eq=False)
 class VersionFetcher:
     """Fetches, verifies and commits shm/tcp versions for a
     :class:`~transport.weights.WeightSubscriber`; ``bind``: a manifest -> its
     :class:`~transport.weights.binding.Binding`."""
 
-    def __init__(
-        self,
-        core: SubscriberCore,
-        reporter: Reporter,
-        config: SubscriberConfig,
-        bind: Callable[..., Binding],
-        *,
-        lock: Any,
-        loader: Callable[[Iterable[tuple[str, torch.Tensor]]], Any] | None,
-        on_progress: Callable[[int, int], None] | None,
-        keepalive: Callable[[], None],
-        endpoint: str,
-    ) -> None:
-        self.core = core
-        self.reporter = reporter
-        self.config = config
-        self.bind = bind
-        refuses_mixed = getattr(lock, "refuses_mixed", False)
-        self.atomic = choose_atomic(config.atomic, refuses_mixed, loader is not None)
-        self.lock = lock
-        self.applier = BucketApplier(reporter.targets, copy_threads=config.copy_threads)
-        self.loader = loader
+    core: SubscriberCore
+    reporter: Reporter
+    config: SubscriberConfig
+    bind: Callable[..., Binding]
+    _: KW_ONLY
+    lock: Any
+    loader: Callable[[Iterable[tuple[str, torch.Tensor]]], Any] | None
+    on_progress: Callable[[int, int], None] | None
+    keepalive: Callable[[], None]
+    endpoint: str
+    update: InFlight | None = field(default=None, init=False)
+    shm_ok: bool = field(default=False, init=False)
+    shm: ShmReader = field(default_factory=ShmReader, init=False)
+    frames: FrameReceiver = field(default_factory=FrameReceiver, init=False)
+    _staging: np.ndarray[Any, Any] | None = field(default=None, init=False)
+
+    def __post_init__(self) -> None:
+        cfg, loader = self.config, self.loader
+        refuses_mixed = getattr(self.lock, "refuses_mixed", False)
+        self.atomic = choose_atomic(cfg.atomic, refuses_mixed, loader is not None)
+        self.applier = BucketApplier(self.reporter.targets, copy_threads=cfg.copy_threads)
         try:
             self.loader_takes_version = loader is not None and (
                 "version" in inspect.signature(loader).parameters
             )
         except (TypeError, ValueError):  # no signature to read
             self.loader_takes_version = False
-        self.on_progress = on_progress
-        self.keepalive = keepalive
-        self.update: InFlight | None = None
-        self.shm_ok = False
-        self._staging: np.ndarray[Any, Any] | None = None
-        self.shm = ShmReader()
-        self.frames = FrameReceiver()
         self.tcp = LinkClient(
-            endpoint, reporter.worker_id, config.fetch_timeout, config.max_message_size,
-            core.count,
+            self.endpoint, self.reporter.worker_id, cfg.fetch_timeout, cfg.max_message_size,
+            self.core.count,
         )  # fmt: skip
 
     def new_publisher(self, shm_ok: bool, link_offer: tuple[int, bytes] | None) -> None:
@@ -148,8 +142,8 @@ class VersionFetcher:
     def chunk_done(
         self, up: InFlight, i: int, part: Partial, t: float, ok: bool, last: bool, checksum: int
     ) -> None:
-        """A chunk of bucket ``i`` was taken (``ok``: in order and in bounds); at the last
-        (or a bad) one, check the bucket: keep it, fetch it again, or fail."""
+        """A chunk of bucket ``i`` taken (``ok``: in order, in bounds); at the last (or a bad)
+        one, the bucket is kept, fetched again, or fails its version."""
         dt = time.monotonic() - t
         up.stats.verify_s += dt
         part.verify_s += dt
@@ -195,8 +189,7 @@ class VersionFetcher:
         return Partial(stream.hasher, stream)
 
     def hold(self, up: InFlight, *, writing: bool = True) -> bool:
-        """Enter the lock for ``up`` once (``writing``: its first write follows); False
-        when the lock refused (the version failed)."""
+        """Enter the lock for ``up`` once (``writing``: a write follows); False: refused."""
         if not up.locked:
             try:
                 self.lock.__enter__()
@@ -212,7 +205,7 @@ class VersionFetcher:
     def landed(
         self, up: InFlight, i: int, chunks: list[torch.Tensor], stream: BucketStream | None
     ) -> None:
-        """Bucket ``i`` is verified: keep it, or (one pass) apply what its stream could not."""
+        """Bucket ``i`` verified: kept, or (one pass) the rest its stream could not apply."""
         if self.on_progress is not None:
             self.on_progress(up.ann.version, i)
         if stream is None:
@@ -260,32 +253,29 @@ class VersionFetcher:
         ann, stats = up.ann, up.stats
         if not self.hold(up, writing=False):
             return
+        loading = False
         try:  # the lock's body
             try:
                 for b, chunks in parts:
-                    up.wrote = True
                     ta = time.monotonic()
                     self.applier.apply(b, chunks, up.binding.dests)
                     stats.buckets[b.index]["apply_s"] = dt = time.monotonic() - ta
                     stats.apply_s += dt
                     self.keepalive()
                 self.applier.finish()
-            except Exception as exc:  # a copy failed half-way: the weights are mixed
-                self.core.mark_mixed()
-                self.fail(ann.version, f"applying failed, weights are mixed: {exc!r}")
-                return
-            if self.loader is not None:
-                ta = time.monotonic()
-                kw = {"version": ann.version} if self.loader_takes_version else {}
-                try:
+                if self.loader is not None:
+                    loading, ta = True, time.monotonic()
+                    kw = {"version": ann.version} if self.loader_takes_version else {}
                     self.loader(up.binding.named_tensors(parts), **kw)
-                except Exception as exc:
-                    self.core.mark_mixed()
+                    stats.apply_s += time.monotonic() - ta
+            except Exception as exc:  # a copy or the load failed part-way: the weights are mixed
+                self.core.mark_mixed()
+                why = f"applying failed, weights are mixed: {exc!r}"
+                if loading:
                     self.core.count("loader_failures")
                     why = f"the loader raised {exc!r}; the engine's weights may be mixed"
-                    self.fail(ann.version, why)
-                    return
-                stats.apply_s += time.monotonic() - ta
+                self.fail(ann.version, why)
+                return
             self.reporter.now_at(ann.version)
         finally:
             self.unhold(up)  # after a failure marked the weights mixed: the lock sees it

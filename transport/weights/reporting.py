@@ -7,6 +7,7 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Mapping
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
 import torch
@@ -23,30 +24,25 @@ __all__ = ["Reporter"]
 log = logging.getLogger("transport.weights.subscriber")
 
 
+@dataclass(eq=False)
 class Reporter:
     """Version switches and Acks of one worker; ``send`` sends to the publisher."""
 
-    def __init__(
-        self,
-        core: SubscriberCore,
-        worker_id: str,
-        targets: Mapping[str, torch.Tensor],
-        send: Callable[[Any], None],
-        *,
-        report_digest: bool,
-        on_applied: Callable[[int], None] | None,
-    ) -> None:
-        self.core = core
-        self.worker_id = worker_id
-        self.targets = targets
-        self.send = send
-        self.report_digest = report_digest
-        self.on_applied = on_applied
-        self.cond = threading.Condition()
-        self.digest: int | None = state_digest(targets) if report_digest else None
-        self.last_error = ""  # of the last failed version
-        self.last_stats = UpdateStats()  # of the last applied version
-        self.pid = os.getpid()
+    core: SubscriberCore
+    worker_id: str
+    targets: Mapping[str, torch.Tensor]
+    send: Callable[[Any], None]
+    _: KW_ONLY
+    report_digest: bool
+    on_applied: Callable[[int], None] | None
+    cond: threading.Condition = field(default_factory=threading.Condition, init=False)
+    digest: int | None = field(default=None, init=False)
+    last_error: str = field(default="", init=False)  # of the last failed version
+    last_stats: UpdateStats = field(default_factory=UpdateStats, init=False)  # the last applied
+    pid: int = field(default_factory=os.getpid, init=False)
+
+    def __post_init__(self) -> None:
+        self.digest = state_digest(self.targets) if self.report_digest else None
         self.start_time = process_start_time(self.pid) or 0
 
     def mixing(self) -> None:

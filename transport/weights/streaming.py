@@ -44,11 +44,8 @@ class BucketStream:
             outs: list[np.ndarray[Any, Any]] = []
             other = False
             for dst in _targets_of(e, targets, dests):
-                if (
-                    dst.device.type == "cpu"
-                    and dst.is_contiguous()
-                    and dtype_name(dst.dtype) == e.dtype
-                ):
+                plain = dst.device.type == "cpu" and dst.is_contiguous()
+                if plain and dtype_name(dst.dtype) == e.dtype:
                     outs.append(_flat_bytes(dst).numpy())
                 else:
                     other = True
@@ -73,9 +70,8 @@ class BucketStream:
     def take(
         self, n: int, fill: Callable[[np.ndarray[Any, Any]], None], scratch: np.ndarray[Any, Any]
     ) -> None:
-        """The next ``n`` bytes, received by ``fill`` (which fills the array it is given):
-        straight into a plain tensor, else via ``scratch`` (:data:`BLOCK` bytes) and
-        :meth:`feed`."""
+        """The next ``n`` bytes, which ``fill`` writes into the array it is given: a plain
+        tensor's bytes, else ``scratch`` (:data:`BLOCK` bytes) then :meth:`feed`."""
         end = self.size + n
         spans = self._spans
         while self.size < end:

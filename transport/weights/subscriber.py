@@ -32,7 +32,7 @@ from transport.sockets import CurveConfig, make_dealer, make_socket
 from transport.weights.binding import Binding, DtypeSpec, Rename, advertised_dtype, parse_dtype_spec
 from transport.weights.bucket import named_tensors
 from transport.weights.config import SubscriberConfig, make_config
-from transport.weights.core.subscriber import SubscriberCore
+from transport.weights.core.subscriber import Notice, SubscriberCore
 from transport.weights.fetching import VersionFetcher
 from transport.weights.reporting import Reporter
 from transport.weights.results import UpdateStats
@@ -45,35 +45,27 @@ log = logging.getLogger("transport.weights.subscriber")
 
 #: What the DEALER and SUB accept: the weight messages and the ipc route's Offer and Ready.
 _FROM_PUBLISHER = Union[wm.PUBLISHER_TO_SUBSCRIBER, IpcOffer, IpcReady]  # noqa: UP007
+_NOTICES: dict[type, Notice] = {
+    wm.WeightWelcome: "welcome",
+    wm.WeightHeartbeat: "heartbeat",
+    wm.WeightAnnounce: "announce",
+}
 
 
 class WeightSubscriber:
     """Keeps a model's weights at the latest version a :class:`WeightPublisher` serves.
 
-    Parameters
-    ----------
-    endpoint:
-        The publisher's ROUTER address.
-    target:
-        An ``nn.Module`` or a mapping of name -> tensor, updated in place (``None`` with
-        a ``loader``).
-    config, **settings:
-        A :class:`~transport.weights.config.SubscriberConfig`, or its fields as keywords
-        (``path=`` is ``route``).
-    lock:
-        Held while the weights are written (e.g. the engine's forward lock).
-    on_applied, on_progress:
-        Called with each version applied (before its Ack), and with ``(version,
-        bucket_index)`` per bucket verified.
-    dtype, rename:
-        The dtypes wanted, and trainer name -> engine name (:mod:`.binding`).
-    loader:
-        Called under ``lock`` with the ``(engine name, tensor)`` pairs of each version.
-    context, curve:
-        ZeroMQ context (default: the global one); CurveZMQ keys.
+    ``endpoint``: the publisher's ROUTER address; ``target``: an ``nn.Module`` or a mapping
+    of name -> tensor, updated in place (``None`` with a ``loader``); ``config``: a
+    :class:`~transport.weights.config.SubscriberConfig`, or its fields as keywords
+    (``path=`` is ``route``); ``lock``: held while the weights are written (e.g. the
+    engine's forward lock); ``on_applied``, ``on_progress``: called with each version
+    applied (before its Ack), and with ``(version, bucket_index)`` per bucket verified;
+    ``dtype``, ``rename``: the dtypes wanted, and trainer name -> engine name
+    (:mod:`.binding`); ``loader``: called under ``lock`` with the ``(engine name,
+    tensor)`` pairs of each version; ``context``, ``curve``: ZeroMQ context (default: the
+    global one), CurveZMQ keys.
 
-    Examples
-    --------
     >>> sub = WeightSubscriber("tcp://127.0.0.1:5555", model).start()  # doctest: +SKIP
     >>> sub.wait_version(1, timeout=30)  # doctest: +SKIP
     True
@@ -227,7 +219,6 @@ class WeightSubscriber:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # -- the thread --------------------------------------------------------------------
     def _run(self) -> None:
         # IMMEDIATE (make_dealer): a restarted publisher gets no stale Fetches.
         self._dealer = make_dealer(
@@ -315,24 +306,18 @@ class WeightSubscriber:
         )  # fmt: skip
 
     def _dispatch(self, msg: Any) -> None:
-        if isinstance(msg, (wm.WeightWelcome, wm.WeightHeartbeat, wm.WeightAnnounce)):
-            welcome = isinstance(msg, wm.WeightWelcome)
-            step = self.core.notice(msg.publisher_id, welcome, time.monotonic())
-            if step == "hello":  # a publisher not shaken hands with (restarted)
+        if (kind := _NOTICES.get(type(msg))) is not None:
+            step = self.core.notice(msg.publisher_id, kind, msg.seq, time.monotonic())
+            if step == "hello":  # a publisher not shaken hands with (restarted), a lost Announce
                 self._hello()
                 return
             if step == "handshake":
-                assert isinstance(msg, wm.WeightWelcome)
                 self._new_publisher(msg)
         if isinstance(msg, wm.WeightWelcome):
             if msg.announce is not None:
                 self.ipc.consider(msg.announce)
             self.ipc.hello(up_to_date=msg.announce is None)
-        elif isinstance(msg, wm.WeightHeartbeat):
-            if self.core.on_heartbeat(msg.seq):
-                self._hello()  # an Announce was lost: ask for the snapshot
         elif isinstance(msg, wm.WeightAnnounce):
-            self.core.on_announce(msg.seq)
             self.ipc.consider(msg)
         elif isinstance(msg, wm.WeightBucket):
             self.fetcher.on_bucket(msg)
@@ -351,7 +336,6 @@ class WeightSubscriber:
 
     def _new_publisher(self, w: wm.WeightWelcome) -> None:
         self.fetcher.abandon("the publisher was restarted mid-update")
-        self.core.shake_hands(w.publisher_id, w.seq)
         self.fetcher.new_publisher(
             self.shm and w.host_id == self._host and _shm.read_probe(w.shm_probe, w.shm_token),
             (w.data_port, w.data_token) if self.config.data_link and w.data_port > 0 else None,

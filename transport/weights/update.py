@@ -68,7 +68,6 @@ def update_weights(
     t0 = time.monotonic()
     not_paused: dict[str, str] = {}
     resumed: dict[str, Any] | None = None
-    resume_failed: dict[str, str] = {}
     try:
         try:
             paused = controller.pause(timeout)
@@ -209,6 +208,26 @@ class PausedWhileCopying:
         """Whether a copy holds the lock now."""
         return not self._free.is_set()
 
+    async def lease(self, lease: float) -> None:
+        """Resume a worker left paused by a trainer that is gone (:class:`PauseLease`)."""
+        rule, sub = PauseLease(lease), self._sub
+        while not sub.closed:
+            await asyncio.sleep(min(1.0, lease / 4))
+            quiet = rule.tick(
+                time.monotonic(),
+                paused=self.server.paused,
+                copying=self.copying,
+                mixed=self.mixed(),
+                last_heard=sub.last_heard,
+            )
+            if quiet is not None:
+                log.warning(
+                    "worker %s paused for %.1f s with no word from the weight publisher (the "
+                    "trainer is gone?): resuming on version %d, the last complete one",
+                    self.server.worker_id, quiet, sub.version,
+                )  # fmt: skip
+                await self.server.resume()
+
     def _call(self, coro: Any) -> Any:
         assert self.loop is not None, "with PausedWhileCopying needs the server's loop"
         fut = asyncio.run_coroutine_threadsafe(coro, self.loop)
@@ -273,31 +292,8 @@ def attach_subscriber(
     lock.guard(sub)
     sub.start()
     if pause_lease > 0:
-        asyncio.run_coroutine_threadsafe(_pause_lease(server, sub, lock, pause_lease), loop)
+        asyncio.run_coroutine_threadsafe(lock.lease(pause_lease), loop)
     return sub
-
-
-async def _pause_lease(
-    server: Any, sub: WeightSubscriber, lock: PausedWhileCopying, lease: float
-) -> None:
-    """Resume a worker left paused by a trainer that is gone."""
-    rule = PauseLease(lease)
-    while not sub.closed:
-        await asyncio.sleep(min(1.0, lease / 4))
-        quiet = rule.tick(
-            time.monotonic(),
-            paused=server.paused,
-            copying=lock.copying,
-            mixed=lock.mixed(),
-            last_heard=sub.last_heard,
-        )
-        if quiet is not None:
-            log.warning(
-                "worker %s paused for %.1f s with no word from the weight publisher (the "
-                "trainer is gone?): resuming on version %d, the last complete one",
-                server.worker_id, quiet, sub.version,
-            )  # fmt: skip
-            await server.resume()
 
 
 #: The plugin's options taken from :class:`SubscriberConfig` -> its field (the keyword).
@@ -308,13 +304,9 @@ _FROM_CONFIG = {
 _ALWAYS = ("shm", "digest", "strict")  # passed with the config's default; others if given
 _CONFIG = {f.name: f for f in msgspec.structs.fields(SubscriberConfig)}
 
-_PLUGIN_DOC = """The worker plugin's options, ``--plugin-opt weights_<field>=value``
-(``None``: the default): ``endpoint`` (required); ``shm``, ``path`` (``route``),
-``atomic``, ``data_link``, ``digest`` (``report_digest``), ``strict`` and
-``publisher_timeout`` as in :class:`~transport.weights.config.SubscriberConfig`;
-``dtype``; ``rename`` (a JSON object or ``module:name``); ``loader``
-(``module:function``, called as ``function(model, weights)``); ``pause_timeout`` and
-``pause_lease`` as in :func:`attach_subscriber`; ``curve_secret``, ``curve_server``."""
+_PLUGIN_DOC = """The worker plugin's options, ``--plugin-opt weights_<field>=value`` (the
+table in ``docs/weights.md``, "On a worker"); those of
+:class:`~transport.weights.config.SubscriberConfig` keep its types and defaults."""
 
 PluginOptions = msgspec.defstruct(
     "PluginOptions",

@@ -7,7 +7,10 @@ from typing import Literal
 
 from transport.counting import Counts
 
-__all__ = ["MIXED", "FetchSchedule", "PauseLease", "SubscriberCore", "choose_atomic"]
+__all__ = ["MIXED", "FetchSchedule", "Notice", "PauseLease", "SubscriberCore", "choose_atomic"]
+
+#: The notices of a publisher's state, numbered in one sequence.
+Notice = Literal["welcome", "heartbeat", "announce"]
 
 #: Added to the error of a version that left the weights mixed.
 MIXED = "weights are mixed (atomic=False): not serving until a version completes"
@@ -45,8 +48,7 @@ class SubscriberCore:
         return self._consistent
 
     def mark_mixed(self) -> None:
-        """A version's first write, or a copy or load that failed part-way: the weights
-        hold no complete version until one is applied."""
+        """A first write, or a copy or load failed part-way: no complete version until one is."""
         self._consistent = False
 
     @property
@@ -55,32 +57,23 @@ class SubscriberCore:
         return self.version if self._consistent else -1
 
     def notice(
-        self, publisher_id: str, is_welcome: bool, now: float
+        self, publisher_id: str, kind: Notice, seq: int, now: float
     ) -> Literal["handshake", "hello", "handle"]:
-        """A Welcome, Announce or Heartbeat: ``"handshake"`` (a new publisher instance),
-        ``"hello"`` (one not shaken hands with: ask its state) or ``"handle"``."""
-        if publisher_id != self.publisher_id and not is_welcome:
-            return "hello"
+        """A Welcome, Heartbeat or Announce numbered ``seq``: ``"handshake"`` (a new publisher
+        instance, whose numbers start at ``seq``), ``"hello"`` (one not shaken hands with, or
+        a Heartbeat past a lost Announce: ask its state) or ``"handle"``."""
+        if publisher_id != self.publisher_id:
+            if kind != "welcome":
+                return "hello"
+            self.publisher_id, self.last_seq, self.last_heard = publisher_id, seq, now
+            return "handshake"
         self.last_heard = now
-        return "handle" if publisher_id == self.publisher_id else "handshake"
-
-    def shake_hands(self, publisher_id: str, seq: int) -> None:
-        """A new publisher instance: sequence numbers restart."""
-        self.publisher_id = publisher_id
+        if kind == "welcome" or seq <= self.last_seq:
+            return "handle"
+        if kind == "heartbeat" or seq > self.last_seq + 1:
+            self.count("gaps")  # an Announce skipping numbers is itself the latest state
         self.last_seq = seq
-
-    def on_heartbeat(self, seq: int) -> bool:
-        """Whether a Hello is due at once: an Announce was lost."""
-        if seq <= self.last_seq:
-            return False
-        self.count("gaps")
-        self.last_seq = seq
-        return True
-
-    def on_announce(self, seq: int) -> None:
-        if seq > self.last_seq + 1:
-            self.count("gaps")  # counted; the Announce is itself the latest state
-        self.last_seq = max(self.last_seq, seq)
+        return "hello" if kind == "heartbeat" else "handle"
 
     def silent(self, now: float, timeout: float) -> bool:
         """No word from the publisher for ``timeout`` seconds (after a first one)."""
@@ -119,9 +112,8 @@ class SubscriberCore:
 
 
 class FetchSchedule:
-    """Which buckets of one version to ask for (in order, ``window`` at a time), and
-    when to ask again (``retries`` times at most); ``shm``: all at once, and a bad
-    checksum is final (the segment would give the same bytes again)."""
+    """Which buckets of a version to ask for (in order, ``window`` at a time) and when again
+    (``retries`` at most); ``shm``: all at once, a bad checksum final (same bytes again)."""
 
     def __init__(
         self, version: int, n_buckets: int, window: int, retries: int, *, shm: bool = False

@@ -312,21 +312,25 @@ def test_a_version_must_be_newer_than_the_latest() -> None:
 # -- subscriber --------------------------------------------------------------------------
 def test_notices_from_an_unknown_publisher_ask_for_a_hello() -> None:
     s = SubscriberCore()
-    assert s.notice("p1", False, 1.0) == "hello"
+    assert s.notice("p1", "heartbeat", 5, 1.0) == s.notice("p1", "announce", 5, 1.0) == "hello"
     assert s.last_heard == 0.0
-    assert s.notice("p1", True, 2.0) == "handshake"
-    s.shake_hands("p1", 5)
-    assert s.notice("p1", False, 3.0) == "handle" and s.last_heard == 3.0
-    assert s.notice("p2", True, 4.0) == "handshake"  # restarted: start over
+    assert s.notice("p1", "welcome", 5, 2.0) == "handshake"
+    assert (s.publisher_id, s.last_seq) == ("p1", 5)
+    assert s.notice("p1", "announce", 6, 3.0) == "handle" and s.last_heard == 3.0
+    assert s.notice("p1", "welcome", 6, 3.5) == "handle"  # the same instance: no new handshake
+    assert s.notice("p2", "welcome", 1, 4.0) == "handshake" and s.last_seq == 1  # restarted
 
 
 def test_a_heartbeat_ahead_means_a_lost_announce() -> None:
     s = SubscriberCore()
-    s.shake_hands("p", 1)
-    assert not s.on_heartbeat(1)
-    assert s.on_heartbeat(2) and s.counters["gaps"] == 1
-    s.on_announce(5)  # skips numbers: counted, nothing to repair
-    assert s.counters["gaps"] == 2 and s.last_seq == 5 and not s.on_heartbeat(5)
+    s.notice("p", "welcome", 1, 1.0)
+    assert s.notice("p", "heartbeat", 1, 2.0) == "handle"
+    assert s.notice("p", "heartbeat", 2, 2.0) == "hello" and s.counters["gaps"] == 1
+    # An Announce that skips numbers: counted, nothing to repair; an old one changes nothing.
+    assert s.notice("p", "announce", 5, 3.0) == "handle"
+    assert s.counters["gaps"] == 2 and s.last_seq == 5
+    assert s.notice("p", "announce", 4, 3.0) == "handle" and s.last_seq == 5
+    assert s.notice("p", "heartbeat", 5, 3.0) == "handle" and s.counters["gaps"] == 2
 
 
 def test_versions_are_tried_when_newer_at_most_retries_times() -> None:
