@@ -174,8 +174,8 @@ class Call:
         return None
 
     def lost(self, died_on: str = "") -> LLMResponse | None:
-        """The current attempt was lost (``died_on``: that worker died running it): keep
-        what it streamed (the re-send goes on from there); the response if that is all."""
+        """The current attempt was lost (``died_on``: its worker died): keep what it streamed;
+        the response if that is all."""
         self.resends += 1
         if died_on:
             self.died_on += (died_on,)
@@ -221,8 +221,7 @@ class Call:
     def _response(
         self, out: Chunk, stop: Any, now: float, itl: TokenArray | None = None
     ) -> LLMResponse:
-        """The caller's response: the output around the caller's own prompt, timed by
-        :attr:`times` (``itl``: given)."""
+        """The caller's response: the output around the caller's own prompt."""
         times, orig, cls, images = self.times, self.orig, LLMResponse, _NO_IMAGES
         if itl is None:
             itl = (

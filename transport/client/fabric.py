@@ -142,8 +142,7 @@ class FabricClient:
     def workers(self) -> list[WorkerInfo]:
         """A snapshot of every worker's state as this client sees it."""
         now = time.monotonic()
-        curve = self.config.curve is not None
-        return [w.info(now, curve) for w in self._sched.order]
+        return [w.info(now) for w in self._sched.order]
 
     @property
     def pending(self) -> int:
@@ -170,15 +169,10 @@ class FabricClient:
             ``(tokens, logprobs, versions)`` as output arrives: each position once, in
             order, also across re-sends and interrupts.
 
-        Errors are raised where the result is awaited, never by the call:
-        :class:`~transport.errors.RequestTimeout` (then cancelled on its worker, as when
-        the future is), :class:`RemoteError` (the worker failed it, never re-sent;
-        :class:`RequestAborted`: a controller aborted it;
-        :class:`~transport.errors.PoisonRequest`: too many died running it),
-        :class:`~transport.errors.NoWorkerAvailable` (none alive for
-        ``config.connect_timeout``; says what was seen where),
-        :class:`~transport.errors.NoWorkers` (none configured), ``ValueError`` (empty
-        ``req.input_ids``).
+        Errors are raised where the result is awaited, never by the call (all of them:
+        docs/troubleshooting.md): :class:`~transport.errors.RequestTimeout` (then cancelled
+        on its worker, as when the future is), :class:`RemoteError` and its kinds (never
+        re-sent), :class:`~transport.errors.NoWorkerAvailable`, ``ValueError`` (no prompt).
         """
         try:
             loop = asyncio.get_running_loop()
@@ -289,7 +283,7 @@ class SyncFabricClient:
 
     def generate(self, req: LLMRequest, *, timeout: float | None = None) -> LLMResponse:
         """Blocking :meth:`FabricClient.agenerate`."""
-        return self._run(_in_loop(self.client, req, timeout, None))
+        return self.submit(req, timeout=timeout).result()
 
     def submit(
         self, req: LLMRequest, *, timeout: float | None = None

@@ -37,8 +37,7 @@ def resend_delay(k: int, base: float, cap: float, rand: float | None = None) -> 
 
 
 class Scheduler:
-    """The workers in use, which are alive, the calls waiting for one, where each goes and
-    how it ends (re-sent when its worker dies)."""
+    """The workers, which are alive, the calls waiting for one, where each goes, how it ends."""
 
     _loop: asyncio.AbstractEventLoop  # set by start()
 
@@ -107,8 +106,7 @@ class Scheduler:
             self.dispatch()
 
     def check_ready(self) -> None:
-        """Raise what a new call fails with at once: no worker configured, or none alive
-        for ``connect_timeout`` (or none this client can use)."""
+        """Raise what a new call fails with at once (NoWorkers, NoWorkerAvailable)."""
         if not self.workers:
             raise NoWorkers("no generation worker configured; add_worker() first")
         if not self.n_alive and ((expired := self._expired()) or self._all_incompatible()):
@@ -138,8 +136,7 @@ class Scheduler:
         self.queue.extendleft(call for call in reversed(calls) if not call.done)
 
     def _place(self, call: Call) -> bool:
-        """Send ``call`` to its rid's worker while that one lives (or let it wait there while
-        it is full), else to the least loaded; False if none can take it now."""
+        """Send ``call`` to its rid's worker (or wait there), else the least loaded; False: none."""
         addr = self.sticky.get(call.orig.rid)
         home = self.workers.get(addr) if addr is not None else None
         if home is not None and home.alive and not home.draining:
@@ -368,8 +365,7 @@ class Scheduler:
         self.dispatch()
 
     def worker_died(self, w: Worker, why: str, crashed: bool = True) -> None:
-        """``w`` is dead (or unusable): re-send its calls elsewhere; ``crashed`` counts
-        against the calls it was running (``max_worker_deaths``)."""
+        """``w`` is dead (or unusable): re-send its calls; ``crashed``: a death of theirs."""
         self.counters.add("workers_died")
         if w.mark_dead():
             self.n_alive -= 1
@@ -389,8 +385,7 @@ class Scheduler:
         self.watch_for_none()
 
     def _lose(self, call: Call, w: Worker, why: str, code: int = 0, died: bool = False) -> None:
-        """The current attempt of ``call`` is lost (``died``: ``w`` died running it): re-send
-        the rest after a back-off, or fail it past the limits."""
+        """``call``'s attempt is lost: re-send the rest after a back-off, or fail it past the limits."""
         out = call.lost(w.address if died else "")
         if out is not None:  # the streamed tokens were the whole answer
             self.complete(call, out)
@@ -426,22 +421,18 @@ class Scheduler:
         return not self.n_alive and time.monotonic() - self.alive_at >= self.config.connect_timeout
 
     def watch_for_none(self) -> None:
-        """With calls waiting and no live worker, end the wait at ``connect_timeout``."""
+        """With calls waiting and no live worker, fail them at ``connect_timeout``."""
         if self.n_alive or "none" in self._timers or self._closed:
             return
         if self.queue or self.backing_off:
             left = self.alive_at + self.config.connect_timeout - time.monotonic()
-            self._later("none", max(left, 0.0), self._check_none)
-
-    def _check_none(self) -> None:
-        if self._expired() and not self._closed:
-            self._fail_waiting(self._no_worker_error(warn=True))
-        else:
-            self.watch_for_none()
+            if left > 0:
+                self._later("none", left, self.watch_for_none)
+            else:
+                self._fail_waiting(self._no_worker_error(warn=True))
 
     def refused_by(self, w: Worker, why: str) -> None:
-        """``w`` speaks no version this client reads: send it nothing; fail what waits
-        if no worker is left."""
+        """``w`` speaks no version this client reads: fail what waits if no worker is left."""
         if w.mark_incompatible(why):
             log.error("%s", why)
         if w.alive or w.inflight or w.sticky_queue:
@@ -459,10 +450,9 @@ class Scheduler:
         return bool(self.order) and all(w.incompatible for w in self.order)
 
     def _no_worker_error(self, incompatible: bool = False, warn: bool = False) -> NoWorkerAvailable:
-        """No worker alive for ``connect_timeout`` (``incompatible``: none this client can
-        use), and what was seen where; ``warn``: logged once per stretch without one."""
-        now, curve = time.monotonic(), self.config.curve is not None and not incompatible
-        seen = {w.address: w.seen(now, curve) for w in self.order}
+        """What no live (or usable) worker fails calls with; ``warn``: logged once per stretch."""
+        now = time.monotonic()
+        seen = {w.address: w.seen(now) for w in self.order}
         where = "; ".join(f"{a}: {s}" for a, s in seen.items()) or "no worker configured"
         if incompatible:
             return IncompatibleWorkers(f"no generation worker this client can use ({where})", seen)

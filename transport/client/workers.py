@@ -157,6 +157,7 @@ class Worker:
         on_message: Callable[[Worker, list[zmq.Frame]], None],
     ) -> None:
         self.address = address
+        self.curve = config.curve is not None
         try:
             sock = make_dealer(
                 zctx, address, hwm=config.hwm, max_message_size=config.max_message_size,
@@ -334,7 +335,7 @@ class Worker:
             self.monitor = None
         self.pump.close()
 
-    def seen(self, now: float, curve: bool) -> str:
+    def seen(self, now: float) -> str:
         """One line on what was seen at this address."""
         if self.incompatible:
             return f"incompatible: {self.incompatible}"
@@ -344,7 +345,7 @@ class Worker:
         self.poll_monitor()
         if self.handshake_failed:
             n = len(self.handshake_failed)
-            mech = "CURVE" if curve else "ZMTP (it may expect CURVE)"
+            mech = "CURVE" if self.curve else "ZMTP (it may expect CURVE)"
             return (
                 f"never answered: it refused the {mech} handshake "
                 f"({self.handshake_failed[-1]}; {n}{'+' if n >= 100 else ''} times)"
@@ -357,11 +358,11 @@ class Worker:
             return f"never answered: no connection ({self.connect_retries} attempts refused)"
         return "never answered: no connection"
 
-    def info(self, now: float, curve: bool) -> WorkerInfo:
+    def info(self, now: float) -> WorkerInfo:
         p = self.pong
         return WorkerInfo(
             self.address, self.alive, self.draining, len(self.inflight), p.worker_id,
             p.incarnation, p.version, p.paused,
             now - self.last_seen if self.last_seen else float("inf"),
-            p.running, p.waiting, p.engine_lag, self.seen(now, curve), self.load_current,
+            p.running, p.waiting, p.engine_lag, self.seen(now), self.load_current,
         )  # fmt: skip
