@@ -181,11 +181,8 @@ class Call:
             self.died_on += (died_on,)
         chunks, self.chunks, self.seg_streamed = self.chunks, (), 0
         if chunks:  # a rare path (a lost attempt): one more copy is no matter
-            self._append(
-                tuple(
-                    TokenArray.wrap(np.concatenate([c[i].array for c in chunks])) for i in range(3)
-                )
-            )
+            cols = zip(*chunks, strict=True)  # the tokens, the logprobs, the versions
+            self._append(tuple(TokenArray.wrap(np.concatenate([t.array for t in c])) for c in cols))
         self._drop_times(self.base)
         if self.out is None or (stop := self._next_segment()) is None:
             return None
@@ -224,9 +221,7 @@ class Call:
         """The caller's response: the output around the caller's own prompt."""
         times, orig, cls, images = self.times, self.orig, LLMResponse, _NO_IMAGES
         if itl is None:
-            itl = (
-                TokenArray(np.diff(np.asarray(times, dtype=np.float64))) if times else _zero_itl(0)
-            )
+            itl = TokenArray(np.diff(np.asarray(times, np.float64))) if times else _zero_itl(0)
         if isinstance(orig, VLMRequest):
             cls, images = VLMResponse, {"input_images": list(orig.image_data or [])}
         toks, lps, vers = out

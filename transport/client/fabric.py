@@ -71,7 +71,6 @@ class FabricClient:
         self._identity = b"fc-" + uuid.uuid4().hex.encode()
         self._zctx: zmq.Context[Any] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._closed = False
         #: Port of the metrics endpoint once started (``config.metrics_port``).
         self.metrics_port: int | None = None
 
@@ -88,7 +87,7 @@ class FabricClient:
     def _start(self) -> None:
         if self._loop is not None:
             return
-        if self._closed:
+        if self._sched.closed:
             raise ClientClosed("the client is closed")
         self._loop = asyncio.get_running_loop()
         install_task_factory(self._loop)
@@ -108,9 +107,8 @@ class FabricClient:
 
     async def close(self) -> None:
         """Fail pending requests with :class:`ClientClosed` and close the sockets."""
-        if self._closed:
+        if self._sched.closed:
             return
-        self._closed = True
         self._sched.close()
         if self._zctx is not None:
             self._zctx.term()

@@ -55,7 +55,7 @@ class Scheduler:
         self.alive_at = 0.0  # last moment a worker was alive: connect_timeout runs from it
         self._ids = itertools.count(1)
         self._rr = 0
-        self._closed = False
+        self.closed = False
         self._last_tick = 0.0
         self._first_back = 0.0  # when the first came back after all had died
         self._warned_none = False  # said once per stretch without a live worker
@@ -68,7 +68,7 @@ class Scheduler:
 
     def close(self) -> None:
         """Close every worker; the calls not done fail with :class:`ClientClosed`."""
-        self._closed = True
+        self.closed = True
         for timer in self._timers.values():
             timer.cancel()
         calls = list(self.unfinished())
@@ -280,7 +280,7 @@ class Scheduler:
 
     def _probe(self, w: Worker, delay: float) -> None:
         # Until it first answers: pings at growing intervals up to interval / 4.
-        if w.alive or w.last_seen or self._closed or w.address not in self.workers:
+        if w.alive or w.last_seen or self.closed or w.address not in self.workers:
             return
         if self.held:
             self.gate_check()  # a refused connection ends the wait for this one
@@ -336,7 +336,7 @@ class Scheduler:
 
     def gate_check(self) -> None:
         """Release the held calls once no worker that may be up is still awaited."""
-        if not self.held or not self.n_alive or self._closed:
+        if not self.held or not self.n_alive or self.closed:
             return  # nothing to send to yet: checked again when one answers
         cfg = self.config
         grace = min(cfg.heartbeat_interval, cfg.connect_timeout)
@@ -413,7 +413,7 @@ class Scheduler:
     def _resend_now(self, call: Call) -> None:
         call.backoff = None
         self.backing_off.discard(call)
-        if not call.done and not self._closed:
+        if not call.done and not self.closed:
             self.enqueue(call, front=True)
             self.watch_for_none()
 
@@ -422,7 +422,7 @@ class Scheduler:
 
     def watch_for_none(self) -> None:
         """With calls waiting and no live worker, fail them at ``connect_timeout``."""
-        if self.n_alive or "none" in self._timers or self._closed:
+        if self.n_alive or "none" in self._timers or self.closed:
             return
         if self.queue or self.backing_off:
             left = self.alive_at + self.config.connect_timeout - time.monotonic()
