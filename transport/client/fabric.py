@@ -1,5 +1,5 @@
 """The rollout client: :class:`FabricClient`, on the caller's loop, routes what the workers
-send to its ``Scheduler`` and ``Liveness``; :class:`SyncFabricClient` runs one in a thread."""
+send to its ``Scheduler``; :class:`SyncFabricClient` runs one in a thread."""
 
 from __future__ import annotations
 
@@ -19,20 +19,16 @@ from fastio import fabric_msgs as fm
 from fastio.protocol import MsgKind
 from transport import metrics
 from transport.addresses import resolve_problem, tcp_host
-from transport.client.calls import Counters, absorb_result, drop_times, on_stream
-from transport.client.scheduling import Liveness, Scheduler
-from transport.client.workers import (
+from transport.client.calls import (
     Call,
     ChunkCallback,
-    ClientConfig,
+    Counters,
     GenerateFuture,
-    Worker,
-    WorkerInfo,
-    check_address,
     install_task_factory,
-    log,
 )
-from transport.errors import EMPTY_PROMPT, ClientClosed, NoWorkers, RemoteError, RequestAborted
+from transport.client.scheduling import Scheduler
+from transport.client.workers import ClientConfig, Worker, WorkerInfo, check_address, log
+from transport.errors import EMPTY_PROMPT, ClientClosed, RemoteError
 from transport.options import configure
 from transport.ratelog import RateLimitedLog
 
@@ -69,15 +65,12 @@ class FabricClient:
         self._initial = [check_address(a) for a in workers]
         self.counters = Counters(observe_latency=config.metrics_port is not None)
         self._sched = Scheduler(config, self.counters)
-        self._stats = self.counters.stats
         self._cancelled = functools.partial(self._sched.timed_out, t=None)  # bound once
-        self._live = Liveness(config, self._sched)
         self._dec = Decoder(fm.WORKER_TO_CLIENT, max_message_size=config.max_message_size)
         # One routing id on every DEALER: answers and LOST reports reach it after a reconnect.
         self._identity = b"fc-" + uuid.uuid4().hex.encode()
         self._zctx: zmq.Context[Any] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._closed = False
         #: Port of the metrics endpoint once started (``config.metrics_port``).
         self.metrics_port: int | None = None
 
@@ -94,7 +87,7 @@ class FabricClient:
     def _start(self) -> None:
         if self._loop is not None:
             return
-        if self._closed:
+        if self._sched.closed:
             raise ClientClosed("the client is closed")
         self._loop = asyncio.get_running_loop()
         install_task_factory(self._loop)
@@ -102,7 +95,7 @@ class FabricClient:
         metrics.expose("client")
         if self.config.metrics_port is not None:
             self.metrics_port = metrics.start_http_server(self.config.metrics_port)
-        self._live.start(self._loop)
+        self._sched.start(self._loop)
         for address in self._initial:
             self.add_worker(address)
 
@@ -114,12 +107,9 @@ class FabricClient:
 
     async def close(self) -> None:
         """Fail pending requests with :class:`ClientClosed` and close the sockets."""
-        if self._closed:
+        if self._sched.closed:
             return
-        self._closed = True
-        self._live.close()
-        for call in self._sched.close():
-            self._sched.fail(call, ClientClosed("the client was closed"))
+        self._sched.close()
         if self._zctx is not None:
             self._zctx.term()
 
@@ -140,21 +130,17 @@ class FabricClient:
         if tcp_host(address) is not None:  # a host name: say so if it does not resolve
             lookup = self._loop.run_in_executor(None, resolve_problem, address)
             lookup.add_done_callback(w.resolved)
-        self._live.watch(w)
 
     def remove_worker(self, address: str) -> None:
         """Stop sending to ``address``; its in-flight requests finish there first (or are
         re-sent if it dies), then its socket closes."""
-        if self._sched.drain(address):
-            self._live.gate_check()  # its first answer is no longer awaited
-            self._sched.dispatch()
+        self._sched.drain(address)
 
     @property
     def workers(self) -> list[WorkerInfo]:
         """A snapshot of every worker's state as this client sees it."""
         now = time.monotonic()
-        curve = self.config.curve is not None
-        return [w.info(now, curve) for w in self._sched.order]
+        return [w.info(now) for w in self._sched.order]
 
     @property
     def pending(self) -> int:
@@ -181,15 +167,10 @@ class FabricClient:
             ``(tokens, logprobs, versions)`` as output arrives: each position once, in
             order, also across re-sends and interrupts.
 
-        Errors are raised where the result is awaited, never by the call:
-        :class:`~transport.errors.RequestTimeout` (then cancelled on its worker, as when
-        the future is), :class:`RemoteError` (the worker failed it, never re-sent;
-        :class:`RequestAborted`: a controller aborted it;
-        :class:`~transport.errors.PoisonRequest`: too many died running it),
-        :class:`~transport.errors.NoWorkerAvailable` (none alive for
-        ``config.connect_timeout``; says what was seen where),
-        :class:`~transport.errors.NoWorkers` (none configured), ``ValueError`` (empty
-        ``req.input_ids``).
+        Errors are raised where the result is awaited, never by the call (all of them:
+        docs/troubleshooting.md): :class:`~transport.errors.RequestTimeout` (then cancelled
+        on its worker, as when the future is), :class:`RemoteError` and its kinds (never
+        re-sent), :class:`~transport.errors.NoWorkerAvailable`, ``ValueError`` (no prompt).
         """
         try:
             loop = asyncio.get_running_loop()
@@ -199,71 +180,53 @@ class FabricClient:
         if not len(req.input_ids):
             fut.set_exception(ValueError(EMPTY_PROMPT))
             return fut
-        live = self._live
-        if loop is not self._loop or not live.n_alive or not self._sched.workers:
+        sched = self._sched
+        if loop is not self._loop or not sched.n_alive or not sched.workers:
             try:
                 self._start()
                 if loop is not self._loop:
                     raise RuntimeError("this FabricClient belongs to another event loop")
-                if not self._sched.workers:
-                    raise NoWorkers("no generation worker configured; add_worker() first")
-                if not live.n_alive and (live.no_worker_expired() or live.all_incompatible()):
-                    self.counters.add("no_worker")
-                    raise live.no_worker_error(incompatible=not live.no_worker_expired())
+                sched.check_ready()
             except Exception as exc:
                 fut.set_exception(exc)
                 return fut
-        config = self.config
-        t = config.request_timeout if timeout is None else timeout
-        call = Call(req, fut, on_chunk, t)
+        call = Call(req, fut, on_chunk, self.config.request_timeout if timeout is None else timeout)
         fut.bind(call, self._cancelled)
-        # Longer timeouts are checked on each heartbeat tick: no timer per request.
-        if t < 30 * config.heartbeat_interval:
-            call.timer = loop.call_later(t, self._sched.timed_out, call, t)
-        self._stats["submitted"] += 1  # not exported: Counters.add's checks not needed
-        self._sched.enqueue(call)
-        if not live.n_alive:
-            live.watch_for_none()
+        sched.submit(call)
         return fut
 
     def _on_message(self, w: Worker, frames: list[zmq.Frame]) -> None:
-        for msg in fm.split(frames):
-            self._on_one(w, msg)
-
-    def _on_one(self, w: Worker, frames: list[zmq.Frame]) -> None:
-        try:
-            msg = self._dec.decode(frames)
-        except DecodeError as exc:
-            self._bad_message(w, frames, exc)
-            return
-        tp = type(msg)
-        if tp is fm.Result:
-            call = w.answered(msg.id)
-            if call is None:
-                self.counters.add("stale")
-                return
-            if not call.done:
-                out = absorb_result(call, msg)
-                if out is not None:
-                    self._sched.complete(call, out)
-                else:
-                    self.counters.add("interrupted")
-                    self._sched.enqueue(call, front=True)
-            if w.sticky_queue or w.draining or self._sched.queue:
-                self._sched.slot_freed(w)
-        elif tp is fm.Stream:
-            call = w.inflight.get(msg.id)
-            if call is not None:
-                on_stream(call, msg)
-        elif tp is fm.Heartbeat:
-            self._live.on_pong(w, msg)
-        elif tp is fm.Error:
-            if msg.code == fm.ErrorCode.UNSUPPORTED_VERSION and msg.id == -1 and not w.alive:
-                self._live.refused_by(w, f"worker {w.address} refused this client: {msg.message}")
-                return
-            self._on_error(w, msg)
-        else:
-            self.counters.add("bad_messages")
+        sched = self._sched
+        for one in fm.split(frames):
+            try:
+                msg = self._dec.decode(one)
+            except DecodeError as exc:
+                self._bad_message(w, one, exc)
+                continue
+            tp = type(msg)
+            if tp is fm.Result:
+                call = w.answered(msg.id)
+                if call is None:
+                    self.counters.add("stale")
+                    continue
+                if not call.done:
+                    out = call.absorb(msg)
+                    if out is not None:
+                        sched.complete(call, out)
+                    else:
+                        self.counters.add("interrupted")
+                        sched.enqueue(call, front=True)
+                if w.sticky_queue or w.draining or sched.queue:
+                    sched.slot_freed(w)
+            elif tp is fm.Stream:
+                if (call := w.inflight.get(msg.id)) is not None:
+                    call.on_stream(msg)
+            elif tp is fm.Heartbeat:
+                sched.on_pong(w, msg)
+            elif tp is fm.Error:
+                sched.on_error(w, msg)
+            else:
+                self.counters.add("bad_messages")
 
     def _bad_message(self, w: Worker, frames: list[zmq.Frame], exc: DecodeError) -> None:
         _rlog.counted(
@@ -278,30 +241,6 @@ class FabricClient:
             why = f"malformed response from {w.address}: {exc}"
             self._sched.fail(call, RemoteError(why, code=code, worker=w.address))
             self._sched.slot_freed(w)
-
-    def _on_error(self, w: Worker, err: fm.Error) -> None:
-        call = w.end(err.id)
-        if call is None:
-            if err.code != fm.ErrorCode.LOST:  # LOST of a call already ended: stale
-                log.warning("worker %s reports error %d: %s", w.address, err.code, err.message)
-            return
-        call.worker = None
-        if err.code == fm.ErrorCode.OVERLOADED:
-            self.counters.add("overloaded")
-            call.chunks = ()
-            drop_times(call, call.base)
-            if w.overloaded():  # full with other clients' work: back off, do not spin
-                assert self._loop is not None
-                self._loop.call_later(0.011, self._sched.dispatch)
-            self._sched.requeue([call])
-        elif err.code == fm.ErrorCode.ABORTED:
-            self._sched.fail(call, RequestAborted(err.message, code=err.code, worker=w.address))
-        elif err.code == fm.ErrorCode.LOST:  # the worker gave it up: re-send it
-            self._live.lose_attempt(call, w, "the worker lost it", code=err.code)
-        else:
-            why = f"worker {w.address}: {err.message}"
-            self._sched.fail(call, RemoteError(why, code=err.code, worker=w.address))
-        self._sched.slot_freed(w)
 
 
 async def _in_loop(
@@ -342,7 +281,7 @@ class SyncFabricClient:
 
     def generate(self, req: LLMRequest, *, timeout: float | None = None) -> LLMResponse:
         """Blocking :meth:`FabricClient.agenerate`."""
-        return self._run(_in_loop(self.client, req, timeout, None))
+        return self.submit(req, timeout=timeout).result()
 
     def submit(
         self, req: LLMRequest, *, timeout: float | None = None

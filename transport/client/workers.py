@@ -1,5 +1,4 @@
-"""The client's settings and table entries: :class:`ClientConfig`, a :class:`Worker` per
-address, a :class:`Call` per ``agenerate`` call, and the :class:`GenerateFuture` it answers."""
+"""The client's settings (:class:`ClientConfig`) and a :class:`Worker` per address."""
 
 from __future__ import annotations
 
@@ -9,7 +8,7 @@ import contextlib
 import logging
 import re
 import time
-from collections.abc import Callable, Coroutine, Generator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,9 +16,9 @@ import msgspec
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from fastio import Encoder, LLMRequest, LLMResponse, versions
+from fastio import Encoder, versions
 from fastio import fabric_msgs as fm
-from fastio.tokens import TokenArray
+from transport.client.calls import Call
 from transport.errors import BadAddress
 from transport.options import NonNegative, NonNegativeSeconds, Port, Positive, Seconds
 from transport.sockets import (
@@ -31,13 +30,7 @@ from transport.sockets import (
     make_monitor,
 )
 
-__all__ = [
-    "Call", "ChunkCallback", "ClientConfig", "GenerateFuture", "Worker", "WorkerInfo",
-    "check_address",
-]  # fmt: skip
-
-#: ``on_chunk(tokens, logprobs, versions)``: output tokens not delivered before.
-ChunkCallback = Callable[[TokenArray, TokenArray, TokenArray], None]
+__all__ = ["ClientConfig", "Worker", "WorkerInfo", "check_address"]
 
 
 class ClientConfig(msgspec.Struct, forbid_unknown_fields=True):
@@ -164,6 +157,7 @@ class Worker:
         on_message: Callable[[Worker, list[zmq.Frame]], None],
     ) -> None:
         self.address = address
+        self.curve = config.curve is not None
         try:
             sock = make_dealer(
                 zctx, address, hwm=config.hwm, max_message_size=config.max_message_size,
@@ -196,8 +190,7 @@ class Worker:
         self._on_message(self, frames)
 
     def tick(self, prev: float, ticks: int, seconds: float) -> bool:
-        """A heartbeat tick (the last at ``prev``): read what came; alive: count a miss, forget
-        a stale load, True if silent ``ticks`` ticks and ``seconds``; else: read the monitor."""
+        """A heartbeat tick (the last at ``prev``); True if silent ``ticks`` ticks and ``seconds``."""
         self.pump.drain_now()  # our loop may lag the socket: read before judging
         if not self.alive:
             self.poll_monitor()
@@ -270,8 +263,7 @@ class Worker:
         self.send(fm.Cancel(id=sub_id))
         return True
 
-    def queue_sticky(self, call: Call) -> None:
-        """``call`` waits for a slot here (its rid's worker), not in the shared queue."""
+    def queue_sticky(self, call: Call) -> None:  # it waits for a slot here, its rid's worker
         self.sticky_queue.append(call)
 
     def next_sticky(self) -> Call | None:
@@ -320,8 +312,7 @@ class Worker:
     def ping(self) -> None:
         self.send_quiet(fm.Heartbeat(sent_at=time.time(), **versions.STATED))
 
-    def poll_monitor(self) -> None:
-        """Read the socket monitor's events (non-blocking)."""
+    def poll_monitor(self) -> None:  # non-blocking
         while self.monitor is not None:
             try:
                 ev = recv_monitor_message(self.monitor, zmq.NOBLOCK)
@@ -344,7 +335,7 @@ class Worker:
             self.monitor = None
         self.pump.close()
 
-    def seen(self, now: float, curve: bool) -> str:
+    def seen(self, now: float) -> str:
         """One line on what was seen at this address."""
         if self.incompatible:
             return f"incompatible: {self.incompatible}"
@@ -354,7 +345,7 @@ class Worker:
         self.poll_monitor()
         if self.handshake_failed:
             n = len(self.handshake_failed)
-            mech = "CURVE" if curve else "ZMTP (it may expect CURVE)"
+            mech = "CURVE" if self.curve else "ZMTP (it may expect CURVE)"
             return (
                 f"never answered: it refused the {mech} handshake "
                 f"({self.handshake_failed[-1]}; {n}{'+' if n >= 100 else ''} times)"
@@ -367,133 +358,11 @@ class Worker:
             return f"never answered: no connection ({self.connect_retries} attempts refused)"
         return "never answered: no connection"
 
-    def info(self, now: float, curve: bool) -> WorkerInfo:
+    def info(self, now: float) -> WorkerInfo:
         p = self.pong
         return WorkerInfo(
             self.address, self.alive, self.draining, len(self.inflight), p.worker_id,
             p.incarnation, p.version, p.paused,
             now - self.last_seen if self.last_seen else float("inf"),
-            p.running, p.waiting, p.engine_lag, self.seen(now, curve), self.load_current,
+            p.running, p.waiting, p.engine_lag, self.seen(now), self.load_current,
         )  # fmt: skip
-
-
-class Call:
-    """One ``agenerate`` call, across re-sends and resumptions."""
-
-    __slots__ = (
-        "backoff", "chunks", "deadline", "delivered", "died_on", "done", "fut", "on_chunk",
-        "orig", "out_lp", "out_tok", "out_ver", "resends", "seg_streamed", "segment",
-        "sub_id", "t0", "timeout", "timer", "times", "worker",
-    )  # fmt: skip
-
-    def __init__(
-        self, req: LLMRequest, fut: GenerateFuture, on_chunk: ChunkCallback | None, timeout: float
-    ) -> None:
-        self.orig = self.segment = req  # segment: what the current attempt asks for
-        self.fut = fut
-        self.on_chunk = on_chunk
-        self.t0 = time.perf_counter()
-        self.timer: asyncio.TimerHandle | None = None
-        self.backoff: asyncio.TimerHandle | None = None  # a re-send waiting its turn
-        self.deadline = time.monotonic() + timeout
-        self.timeout = timeout
-        self.worker: Worker | None = None
-        self.sub_id = -1
-        # Output of the finished segments (None until one ends with more to come).
-        self.out_tok: TokenArray | None = None
-        self.out_lp: TokenArray | None = None
-        self.out_ver: TokenArray | None = None
-        # Arrival time of each output position, and the current attempt's streamed chunks:
-        # the shared empty tuple until the first (no list each for the GC to walk).
-        self.times: list[float] | tuple[()] = ()
-        self.chunks: list[tuple[TokenArray, TokenArray, TokenArray]] | tuple[()] = ()
-        self.seg_streamed = 0  # positions the current attempt streamed
-        self.delivered = 0  # output positions handed to on_chunk
-        self.resends = 0
-        self.died_on: tuple[str, ...] = ()  # the workers that died while running it
-        self.done = False
-
-    @property
-    def base(self) -> int:
-        """Output position where the current attempt's tokens start."""
-        return len(self.out_tok) if self.out_tok is not None else 0
-
-
-class GenerateFuture(asyncio.Future[LLMResponse]):
-    """The pending result of :meth:`FabricClient.agenerate`: an :class:`asyncio.Future`
-    (``create_task`` takes it through the client's task factory). Cancelling it cancels
-    the request on its worker."""
-
-    # No __init__ of its own (asyncio's C one alone is cheaper): see bind().
-    __slots__ = ("_call", "_canceller")
-    _call: Call | None
-    _canceller: Callable[[Call], None]
-
-    def cancel(self, msg: Any | None = None) -> bool:
-        """Cancel the future and the request behind it."""
-        if not super().cancel(msg):
-            return False
-        call = getattr(self, "_call", None)
-        self._call = None
-        if call is not None:
-            self._canceller(call)
-        return True
-
-    def bind(self, call: Call, canceller: Callable[[Call], None]) -> None:
-        """Cancelling calls ``canceller(call)`` until :meth:`unbind`."""
-        self._call = call
-        self._canceller = canceller
-
-    def unbind(self) -> None:
-        """The call ended: drop the reference (the call holds the future too)."""
-        self._call = None
-
-
-class _Awaiting(Coroutine[Any, Any, LLMResponse]):
-    """``return await fut`` as an object: a task cancelled (or closed) before its first
-    step still cancels the request."""
-
-    __slots__ = ("_fut",)
-
-    def __init__(self, fut: GenerateFuture) -> None:
-        self._fut = fut
-
-    def send(self, value: Any) -> Any:
-        if self._fut.done():
-            raise StopIteration(self._fut.result())
-        self._fut._asyncio_future_blocking = True
-        return self._fut
-
-    def throw(self, typ: Any, val: Any = None, tb: Any = None) -> Any:
-        exc = typ if isinstance(typ, BaseException) else (typ() if val is None else val)
-        if isinstance(exc, asyncio.CancelledError):
-            self._fut.cancel()
-        raise exc
-
-    def close(self) -> None:
-        self._fut.cancel()
-
-    def __await__(self) -> Generator[Any, None, LLMResponse]:
-        return self._fut.__await__()
-
-
-def install_task_factory(loop: asyncio.AbstractEventLoop) -> None:
-    """Let ``loop.create_task`` take a :class:`GenerateFuture`, as a task awaiting it
-    (other coroutines go to the factory set before). Installing twice is a no-op."""
-    prev: Callable[..., asyncio.Future[Any]] | None = loop.get_task_factory()
-    if getattr(prev, "_fastio_generate", False):
-        return
-
-    def factory(
-        loop: asyncio.AbstractEventLoop,
-        coro: Coroutine[Any, Any, Any] | Generator[Any, None, Any],
-        **kwargs: Any,
-    ) -> asyncio.Future[Any]:
-        if isinstance(coro, GenerateFuture):
-            coro = _Awaiting(coro)
-        if prev is not None:
-            return prev(loop, coro, **kwargs)
-        return asyncio.Task(coro, loop=loop, **kwargs)
-
-    factory._fastio_generate = True  # type: ignore[attr-defined]
-    loop.set_task_factory(factory)

@@ -8,7 +8,7 @@ import asyncio
 
 from fastio import LLMRequest, LLMResponse
 from transport import ClientConfig, FabricClient, GenerateFuture, WorkerConfig, WorkerServer
-from transport.client.workers import ChunkCallback
+from transport.client.calls import ChunkCallback
 from transport.worker import echo_handler
 
 

@@ -266,7 +266,8 @@ def test_a_worker_keeps_its_own_liveness_state() -> None:
     """Misses, deaths, the load of other clients, the in-flight limit and the calls there,
     as a Worker's own methods keep them (no worker process, no traffic)."""
     from fastio import versions
-    from transport.client.workers import Call, GenerateFuture, Worker
+    from transport.client.calls import Call, GenerateFuture
+    from transport.client.workers import Worker
 
     async def main() -> None:
         ctx: zmq.Context[Any] = zmq.Context()
