@@ -182,6 +182,8 @@ class WeightPublisher:
             if staged.error is not None:
                 raise staged.error
             if self.serving.closed:
+                if self.store.closed:  # closed before it took this version's buffer
+                    self.store.close([staged])
                 raise RuntimeError("publisher closed while publishing")
         if ipc:  # after the Announce (ipc workers' fallback), so their Acks find it
             try:
@@ -204,7 +206,8 @@ class WeightPublisher:
             if isinstance(led, UpdateResult):  # retired: its final result
                 return led
             self.core.expect(led, workers)
-            self._cond.wait_for(led.settled, timeout)
+            self._cond.notify_all()  # fewer expected may settle it for another waiter
+            self._cond.wait_for(lambda: led.settled() or self.serving.closed, timeout)
             res, first_failure = self.core.outcome(led, time.monotonic())
             if first_failure:
                 metrics.PUBLISHER_FAILURES.inc()
@@ -238,7 +241,7 @@ class WeightPublisher:
         if self._own_zctx:
             self._zctx.term()
         with self._cond:
-            self.store.close()
+            self.store.close(self.serving.pending)
         self.ipc.close()
         if self._probe is not None:
             self._probe.close()

@@ -6,7 +6,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Generator, Mapping
+from collections.abc import Generator, Iterable, Mapping
 from dataclasses import dataclass
 from inspect import GEN_RUNNING, getgeneratorstate
 from typing import TYPE_CHECKING, Any, cast
@@ -306,12 +306,14 @@ class VersionStore:
             self.core.count("segments_abandoned")
         seg.close()
 
-    def close(self) -> None:
-        """Free every buffer (the publisher is closing; lock held)."""
+    def close(self, unannounced: Iterable[Staged] = ()) -> None:
+        """Free every buffer, ``unannounced`` versions' too (the publisher is closing and
+        its serving thread has stopped; lock held). Again later: frees ``unannounced``."""
         self.closed = True
-        for st in self.versions.values():
+        held = [*self.versions.values(), *unannounced]
+        for st in held:
             st.end_job()
-        for seg in [st.take_segment() for st in self.versions.values()] + self._free:
+        for seg in [st.take_segment() for st in held] + self._free:
             if seg is not None:
                 seg.close()
         self.core.close()

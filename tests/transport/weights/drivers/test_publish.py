@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import threading
 import time
 import zlib
 from collections.abc import Iterator
@@ -25,6 +26,7 @@ import fastio
 import transport.weights as tw
 from fastio.weight_msgs import (
     PUBLISHER_TO_SUBSCRIBER,
+    WeightAck,
     WeightAnnounce,
     WeightBucket,
     WeightError,
@@ -741,3 +743,85 @@ def test_cuda_tensors_on_both_sides(pair: Pair, shm: bool) -> None:
     pub.publish_and_wait(src, 1, timeout=30)
     assert all(torch.equal(t[k], src[k]) for k in src)
     assert all(v.is_cuda for v in t.values())
+
+
+# -- wait(): woken by what settles it, not by the heartbeat ---------------------------
+def _raw_worker(ctx: Any, pub: WeightPublisher, wid: str) -> zmq.Socket[Any]:
+    """A worker that says Hello and then only what the test makes it send."""
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.setsockopt(zmq.ROUTING_ID, wid.encode())
+    s.connect(pub.endpoint)
+    s.send_multipart(fastio.Encoder().encode(WeightHello(wid, "elsewhere", 1)))
+    return s
+
+
+def _waiting(pub: WeightPublisher, n: int) -> bool:
+    return len(pub._cond._waiters) >= n  # type: ignore[attr-defined]  # threads in wait()
+
+
+def _wait_in_thread(pub: WeightPublisher, version: int, out: list[Any]) -> threading.Thread:
+    t = threading.Thread(target=lambda: out.append(pub.wait(version, timeout=60)))
+    t.start()
+    wait_for(lambda: _waiting(pub, 1), what="wait() blocked")
+    return t
+
+
+def test_a_narrower_wait_wakes_one_waiting_as_announced(pair: Pair, ctx: Any) -> None:
+    # Heartbeats (which notify every waiter) 60 s apart: only the narrowing may wake it.
+    pub = pair.publisher(shm=False, ipc="off", heartbeat_interval=60, worker_timeout=120)
+    socks = [_raw_worker(ctx, pub, w) for w in ("w0", "w1")]
+    try:
+        pub.wait_for_workers(2, 10)
+        pub.publish(make_state(1), 1)
+        socks[0].send_multipart(fastio.Encoder().encode(WeightAck("w0", 1, True, 1)))
+        wait_for(lambda: "w0" in pub.core.versions[1].acks, what="w0's Ack")
+        out: list[Any] = []
+        waiter = _wait_in_thread(pub, 1, out)  # as announced: w0 and w1
+        assert sorted(pub.wait(1, timeout=5, workers=["w0"]).applied) == ["w0"]
+        waiter.join(10)
+        assert not waiter.is_alive() and out[0].ok, "the first waiter slept on"
+    finally:
+        for s in socks:
+            s.close(linger=0)
+
+
+def test_close_ends_a_wait_in_progress(pair: Pair, ctx: Any) -> None:
+    pub = pair.publisher(shm=False, ipc="off", heartbeat_interval=60, worker_timeout=120)
+    sock = _raw_worker(ctx, pub, "w0")
+    try:
+        pub.wait_for_workers(1, 10)
+        pub.publish(make_state(1), 1)
+        out: list[Any] = []
+        waiter = _wait_in_thread(pub, 1, out)
+        pub.close()
+        waiter.join(10)
+        assert not waiter.is_alive(), "wait() slept through close()"
+        assert out[0].missing == ["w0"]
+    finally:
+        sock.close(linger=0)
+
+
+@pytest.mark.skipif(not wshm.available(), reason="needs /dev/shm")
+def test_a_version_not_yet_announced_at_close_frees_its_segment(
+    pair: Pair, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pub = pair.publisher(shm=True, ipc="off", heartbeat_interval=60)
+    monkeypatch.setattr(pub.serving, "wake", lambda: None)  # the loop never takes it
+    errors: list[BaseException] = []
+
+    def publish() -> None:
+        try:
+            pub.publish(make_state(1), 1)
+        except RuntimeError as exc:
+            errors.append(exc)
+
+    t = threading.Thread(target=publish)
+    t.start()
+    pending = wait_for(lambda: list(pub.serving.pending), what="the version queued")
+    seg = pending[0].seg
+    assert seg is not None and (wshm.SHM_DIR / seg.name).exists()
+    pub.close()
+    t.join(10)
+    assert not t.is_alive() and "closed while publishing" in str(errors[0])
+    assert not (wshm.SHM_DIR / seg.name).exists()
