@@ -157,11 +157,16 @@ class SocketThread:
         try:
             await asyncio.wrap_future(ready)
         except BaseException:
-            self._thread.join(5)
+            try:  # cancelled while binding: the bind ends first, then close() stops it
+                ready.result(30)
+            except BaseException:
+                self._thread.join(5)  # the bind failed: the thread ends
             raise
         return self.endpoints
 
     def _run(self, zctx: zmq.Context[Any], ready: Future[None]) -> None:
+        if not ready.set_running_or_notify_cancel():  # start() cancelled before this ran
+            return
         loop = self._outbox.loop = asyncio.new_event_loop()
         try:
             loop.run_until_complete(self._setup(zctx))
