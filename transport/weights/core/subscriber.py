@@ -68,7 +68,10 @@ class SubscriberCore:
             self.publisher_id, self.last_seq, self.last_heard = publisher_id, seq, now
             return "handshake"
         self.last_heard = now
-        if kind == "welcome" or seq <= self.last_seq:
+        if kind == "welcome":  # the state as of seq: an Announce up to it was not lost
+            self.last_seq = max(self.last_seq, seq)
+            return "handle"
+        if seq <= self.last_seq:
             return "handle"
         if kind == "heartbeat" or seq > self.last_seq + 1:
             self.count("gaps")  # an Announce skipping numbers is itself the latest state

@@ -333,6 +333,16 @@ def test_a_heartbeat_ahead_means_a_lost_announce() -> None:
     assert s.notice("p", "heartbeat", 5, 3.0) == "handle" and s.counters["gaps"] == 2
 
 
+def test_a_welcome_holds_the_state_up_to_its_seq() -> None:
+    s = SubscriberCore()
+    s.notice("p", "welcome", 1, 1.0)
+    # A Hello's Welcome brought Announce 3 (lost on PUB, or sent before SUB joined).
+    assert s.notice("p", "welcome", 3, 2.0) == "handle" and s.last_seq == 3
+    assert s.notice("p", "heartbeat", 3, 2.5) == "handle" and s.counters["gaps"] == 0
+    assert s.notice("p", "announce", 3, 2.6) == "handle"  # the PUB copy, late: still handled
+    assert s.notice("p", "welcome", 2, 3.0) == "handle" and s.last_seq == 3  # an older one
+
+
 def test_versions_are_tried_when_newer_at_most_retries_times() -> None:
     s = SubscriberCore(version=2, retries=2)
     assert s.consider("p", 2, None) == (False, False)
