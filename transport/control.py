@@ -41,7 +41,8 @@ class ControllerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
 def _in_thread(op: Callable[_P, Statuses]) -> Callable[_P, Coroutine[Any, Any, Statuses]]:
     @functools.wraps(op)  # its signature, for help() and inspect
     async def run(*args: _P.args, **kwargs: _P.kwargs) -> Statuses:
-        return await asyncio.to_thread(op, *args, **kwargs)
+        # Looked up at call time: a subclass's or a patched method is the one run.
+        return await asyncio.to_thread(getattr(args[0], op.__name__), *args[1:], **kwargs)
 
     run.__name__, run.__qualname__ = f"a{op.__name__}", f"FabricController.a{op.__name__}"
     run.__doc__ = f":meth:`{op.__name__}` without blocking the event loop."

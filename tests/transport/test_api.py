@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 
 import numpy as np
@@ -75,3 +76,22 @@ def test_peek_names_what_it_can() -> None:
     assert fm.peek(frames) == (fastio.PROTOCOL_VERSION, MsgKind.FABRIC_SUBMIT, 77)
     assert fm.peek([b"garbage"]) == (None, None, None)
     assert fm.peek([b"\x93\x01\x00\xa3abc"]) == (1, None, None)
+
+
+def test_the_controllers_async_methods_run_what_the_object_has() -> None:
+    calls: list[tuple[str, object]] = []
+
+    class Logged(transport.FabricController):
+        def pause(self, timeout: float | None = None, **kw: object) -> dict[str, object]:
+            calls.append(("pause", timeout))
+            return {}
+
+    async def main(ctl: transport.FabricController) -> None:
+        assert await ctl.apause(timeout=3) == {}
+        assert await ctl.ahealth() == {"patched": 1}
+
+    with Logged(["tcp://127.0.0.1:9"], timeout=1) as ctl:
+        ctl.health = lambda *a, **k: {"patched": 1}  # type: ignore[method-assign]
+        asyncio.run(main(ctl))
+    assert calls == [("pause", 3)]
+    assert inspect.signature(Logged.apause) == inspect.signature(transport.FabricController.pause)
