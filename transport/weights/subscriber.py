@@ -312,7 +312,11 @@ class WeightSubscriber:
                 self._hello()
                 return
             if step == "handshake":
-                self._new_publisher(msg)
+                try:
+                    self._new_publisher(msg)
+                except Exception:
+                    self.core.forget_publisher()  # the next Welcome shakes hands again
+                    raise
         if isinstance(msg, wm.WeightWelcome):
             if msg.announce is not None:
                 self.ipc.consider(msg.announce)

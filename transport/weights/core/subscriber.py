@@ -78,6 +78,10 @@ class SubscriberCore:
         self.last_seq = seq
         return "hello" if kind == "heartbeat" else "handle"
 
+    def forget_publisher(self) -> None:
+        """The handshake with the publisher failed part-way: the next Welcome is new."""
+        self.publisher_id = ""
+
     def silent(self, now: float, timeout: float) -> bool:
         """No word from the publisher for ``timeout`` seconds (after a first one)."""
         return bool(self.last_heard) and now - self.last_heard > timeout

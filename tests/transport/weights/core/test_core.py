@@ -333,6 +333,14 @@ def test_a_heartbeat_ahead_means_a_lost_announce() -> None:
     assert s.notice("p", "heartbeat", 5, 3.0) == "handle" and s.counters["gaps"] == 2
 
 
+def test_a_handshake_that_failed_is_shaken_again() -> None:
+    s = SubscriberCore()
+    assert s.notice("p", "welcome", 1, 1.0) == "handshake"
+    s.forget_publisher()  # the driver's setup raised
+    assert s.notice("p", "heartbeat", 1, 1.5) == "hello"
+    assert s.notice("p", "welcome", 1, 2.0) == "handshake"
+
+
 def test_a_welcome_holds_the_state_up_to_its_seq() -> None:
     s = SubscriberCore()
     s.notice("p", "welcome", 1, 1.0)
