@@ -21,6 +21,8 @@ from fastio.tokens import TokenArray
 
 __all__ = ["Decoder"]
 
+_VIEWS = (np.ndarray, memoryview)  # frames whose len() is not their size in bytes
+
 #: The header's version as the decoders' msgspec types check it: any version read.
 _VERSION: Any = Literal.__getitem__(tuple(range(MIN_PROTOCOL_VERSION, PROTOCOL_VERSION + 1)))
 
@@ -147,13 +149,14 @@ class Decoder:
                         raise rejected
                     return decode_one(header)[2]
                 if count == 2:
-                    size = len(frames[0]) + len(frames[1])
+                    f = frames[1]  # an encoder's array frame, in-process: len() counts items
+                    size = len(frames[0]) + (f.nbytes if type(f) in _VIEWS else len(f))
                     if size > small_limit and size > header_limit:
                         raise rejected
-                elif limit is not None:  # len(): bytes of every frame type read
+                elif limit is not None:
                     total = 0
                     for f in frames:
-                        total += len(f)
+                        total += f.nbytes if type(f) in _VIEWS else len(f)
                     if total > limit:
                         raise rejected
                 try:

@@ -377,9 +377,11 @@ def _numbers(
     """``np.asarray`` of Python numbers, with a clear error for ints beyond 64 bits."""
     try:
         arr = np.asarray(data, dtype=dtype)
-    except (OverflowError, ValueError) as exc:  # ValueError: ragged nesting
-        raise type(exc)(f"{what}: {exc}") from exc
-    if arr.dtype.kind == "O" and any(type(x) is int for x in data):
+    except OverflowError as exc:
+        raise OverflowError(f"{what}: {exc}") from exc
+    except ValueError as exc:  # ragged nesting, text
+        raise ValueError(f"{what} must be a flat sequence of numbers") from exc
+    if arr.dtype.kind == "O" and all(isinstance(x, int) for x in data):
         raise OverflowError(
             f"{what} holds integers of at most 64 bits (int64, or uint64 for values in "
             "[2**63, 2**64)): no numpy dtype holds larger ones and the wire cannot carry them"

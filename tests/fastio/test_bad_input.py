@@ -13,7 +13,8 @@ import pytest
 import torch  # noqa: F401 - imported up front: the allocation checks must not see it
 
 import fastio
-from fastio import DecodeError, Decoder, LLMRequest, LLMResponse, MessageTooLarge
+from fastio import DecodeError, Decoder, LLMRequest, LLMResponse, MessageTooLarge, TokenArray
+from fastio.protocol import TokenEncoding
 
 MiB = 1 << 20
 
@@ -288,6 +289,21 @@ def test_message_size_limit() -> None:
     assert Decoder(LLMResponse, max_message_size=total).decode(big).output_len == 10_000
 
 
+@pytest.mark.parametrize("tokens", [None, TokenEncoding.COMPACT], ids=["default", "compact"])
+def test_the_size_limit_counts_bytes_of_an_encoders_own_frames(tokens: Any) -> None:
+    # In-process, frames are the arrays themselves: their len() counts items, not bytes.
+    enc = fastio.Encoder(tokens=tokens)
+    for msg in (
+        LLMResponse(output_tokens=np.zeros(10_000, np.int32)),  # two frames
+        LLMResponse(output_tokens=np.zeros(10_000, np.int32), output_logprobs=np.zeros(10_000)),
+    ):
+        frames = enc.encode(msg)
+        total = sum(memoryview(f).nbytes for f in frames)
+        with pytest.raises(MessageTooLarge):
+            Decoder(LLMResponse, max_message_size=total - 1).decode(frames)
+        assert Decoder(LLMResponse, max_message_size=total).decode(frames).output_len == 10_000
+
+
 def test_frame_objects_that_are_not_contiguous() -> None:
     strided = memoryview(np.arange(16, dtype=np.uint8)[::2])
     expect([GOOD[0], strided, GOOD[2]], "not a contiguous buffer")
@@ -317,6 +333,11 @@ def test_token_fields_with_wrong_contents() -> None:
     expect([header(resp_body(["a", "b"]))], "output_tokens holds numbers")
     expect([header(resp_body([1.5]))], "output_tokens holds integers, got floats")
     expect([header(resp_body([[1], [2]]))], "output_tokens must be a flat sequence")
+    # An int beside a non-number is no overflow; text beside bytes no unicode error.
+    expect([header(resp_body([1, None]))], "output_tokens holds numbers, got object values")
+    expect([header(resp_body([b"\xff", "a"]))], "output_tokens must be a flat sequence")
+    with pytest.raises(OverflowError, match="at most 64 bits"):
+        TokenArray([2**70, 1])
     assert Decoder(LLMResponse).decode([header(resp_body([2**40]))]).output_tokens == [2**40]
     expect([header(resp_body({"a": 1}))], "output_tokens takes a list")
     expect([header(resp_body(ext(3, ["L", 1, 1, b"\x00"])))], "output_tokens takes a list")
