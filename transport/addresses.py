@@ -5,12 +5,55 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import re
 import socket
 import threading
 
-__all__ = ["resolve_problem", "tcp_host", "warn_if_unresolvable", "with_reachable_host"]
+from transport.errors import BadAddress
+
+__all__ = [
+    "check_address", "resolve_problem", "tcp_host", "warn_if_unresolvable", "with_reachable_host",
+]  # fmt: skip
 
 _WILDCARDS = frozenset({"*", "0.0.0.0", "::", "[::]"})
+_SCHEMES = ("tcp", "ipc", "inproc")
+_ADDRESS = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://(.*)", re.DOTALL)
+
+
+def check_address(address: str, *, bind: bool = False) -> str:
+    """``address`` if a peer can connect to it (``bind``: a socket can bind it, port 0 or
+    ``*`` and host ``*`` allowed), else :class:`~transport.errors.BadAddress` saying why.
+
+    >>> check_address("tcp://127.0.0.1:0", bind=True)
+    'tcp://127.0.0.1:0'
+    """
+    what = "bind address" if bind else "worker address"
+    if not isinstance(address, str):
+        raise BadAddress(f"{what} must be a str, got {type(address).__name__}")
+    m = _ADDRESS.fullmatch(address)
+    scheme, rest = m.groups() if m is not None else ("", "")
+    host, sep, port = rest.rpartition(":")
+    lowest = 0 if bind else 1
+    why = ""
+    if m is None:
+        why = " has no scheme: expected tcp://host:port, ipc://path or inproc://name"
+    elif scheme not in _SCHEMES:
+        why = f": transport {scheme!r} is not supported (use one of {', '.join(_SCHEMES)})"
+    elif not rest:
+        why = f" names no endpoint after {scheme}://"
+    elif scheme == "tcp" and (not sep or not host):
+        why = " needs a port: tcp://host:port"
+    elif scheme == "tcp" and host == "*" and not bind:
+        why = ": '*' binds, a client needs a host"
+    elif (
+        scheme == "tcp"
+        and not (bind and port == "*")
+        and not (port.isdigit() and lowest <= int(port) < 65536)
+    ):
+        why = f": port {port!r} is not a number in {lowest}-65535"
+    if why:
+        raise BadAddress(f"{what} {address!r}{why}")
+    return address
 
 
 def tcp_host(address: str) -> tuple[str, int] | None:

@@ -17,6 +17,7 @@ import zmq
 
 from fastio import DecodeError, Decoder, versions
 from fastio import fabric_msgs as fm
+from transport.addresses import check_address
 from transport.errors import ControlError
 from transport.options import Positive, Seconds, configure
 from transport.sockets import DEFAULT_MAX_MESSAGE_SIZE, CurveConfig, make_dealer
@@ -83,6 +84,7 @@ class FabricController:
         cfg = self.config
         with self._lock:
             if address not in self._socks:
+                check_address(address)
                 self._socks[address] = make_dealer(
                     self._zctx, address, max_message_size=cfg.max_message_size, curve=cfg.curve
                 )

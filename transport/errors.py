@@ -66,7 +66,8 @@ class IncompatibleWorkers(NoWorkerAvailable):
 
 
 class BadAddress(TransportError, ValueError):
-    """A worker address the client cannot connect to."""
+    """An address that cannot be connected to (a worker's, for a client or controller) or
+    bound."""
 
 
 class ClientClosed(TransportError, RuntimeError):

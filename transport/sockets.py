@@ -13,13 +13,14 @@ import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
+from transport.addresses import check_address
 from transport.pump import DEFAULT_PEER_QUEUE_LIMIT, SocketPump
 from transport.zmqio import COPY_BELOW, recv_frames, send_frames, tune_allocator, tune_malloc
 
 __all__ = [
-    "DEFAULT_HWM", "DEFAULT_MAX_MESSAGE_SIZE", "DEFAULT_PEER_QUEUE_LIMIT", "CurveConfig",
-    "SocketPump", "WorkerAuthenticator", "apply_curve_client", "apply_curve_server", "bind_all",
-    "make_dealer", "make_monitor", "make_pair", "make_router", "make_socket", "recv_frames",
+    "DEFAULT_HWM", "DEFAULT_MAX_MESSAGE_SIZE", "DEFAULT_PEER_QUEUE_LIMIT", "FRAME_CAP",
+    "CurveConfig", "SocketPump", "WorkerAuthenticator", "apply_curve_client",
+    "apply_curve_server", "bind_all", "make_dealer", "make_monitor", "make_pair", "make_router", "make_socket", "recv_frames",
     "send_frames", "tune_allocator", "tune_malloc",
 ]  # fmt: skip
 
@@ -102,6 +103,12 @@ class WorkerAuthenticator:
         self._auth.stop()
 
 
+#: libzmq drops a frame over this many times a socket's ``max_message_size`` (silently, with
+#: the connection); a larger message under it reaches the decoder, which answers it
+#: ``TOO_LARGE`` / :class:`fastio.MessageTooLarge`.
+FRAME_CAP = 2
+
+
 def make_socket(
     zctx: zmq.Context[Any],
     kind: int,
@@ -114,8 +121,10 @@ def make_socket(
 ) -> zmq.Socket[Any]:
     """A socket of ``kind`` (``zmq.PUB``, ``zmq.SUB``, ``zmq.PUSH``, ...) with linger 0.
 
-    ``hwm`` (``None``: libzmq's) and ``max_message_size`` (``ZMQ_MAXMSGSIZE``, per
-    frame; ``None``: no limit); ``curve`` keys, as the server (binds) with
+    ``hwm`` (``None``: libzmq's) and ``max_message_size`` (the decoder's limit: libzmq
+    drops a frame over :data:`FRAME_CAP` times it, with its connection, and the decoder
+    answers a message under that it refuses; ``None``: no limit); ``curve`` keys, as the
+    server (binds) with
     ``curve_server``; further ``options`` are set in order before any bind or connect.
 
     >>> zctx = zmq.Context()
@@ -131,7 +140,7 @@ def make_socket(
             sock.setsockopt(zmq.SNDHWM, hwm)
             sock.setsockopt(zmq.RCVHWM, hwm)
         if max_message_size is not None:
-            sock.setsockopt(zmq.MAXMSGSIZE, max_message_size)
+            sock.setsockopt(zmq.MAXMSGSIZE, min(FRAME_CAP * max_message_size, 2**63 - 1))
         for option, value in (options or {}).items():
             sock.setsockopt(option, value)
         (apply_curve_server if curve_server else apply_curve_client)(sock, curve)
@@ -143,10 +152,12 @@ def make_socket(
 
 def bind_all(sock: zmq.Socket[Any], addresses: str | list[str]) -> list[str]:
     """Bind ``sock`` to each address; returns the bound endpoints (``tcp://host:0``
-    binds a free port and reports which). Closes the socket if a bind fails."""
+    binds a free port and reports which). Closes the socket if a bind fails (``BadAddress``
+    for an address that cannot be bound)."""
     endpoints = []
     try:
         for address in [addresses] if isinstance(addresses, str) else addresses:
+            check_address(address, bind=True)
             if address.startswith("tcp://") and address.endswith(":0"):
                 address = address[:-2] + ":*"
             sock.bind(address)
@@ -197,7 +208,7 @@ def make_dealer(
     address: str,
     *,
     hwm: int = DEFAULT_HWM,
-    max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE,
+    max_message_size: int | None = DEFAULT_MAX_MESSAGE_SIZE,
     curve: CurveConfig | None = None,
     reconnect_ivl_ms: int = 100,
     routing_id: bytes | None = None,

@@ -6,7 +6,6 @@ import asyncio
 import collections
 import contextlib
 import logging
-import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,6 +17,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from fastio import Encoder, versions
 from fastio import fabric_msgs as fm
+from transport.addresses import check_address
 from transport.client.calls import Call
 from transport.errors import BadAddress
 from transport.options import NonNegative, NonNegativeSeconds, Port, Positive, Seconds
@@ -94,33 +94,6 @@ _HANDSHAKE_FAILED = (
 # Watched, to say why a worker was never heard from.
 _MONITOR_EVENTS = sum(_HANDSHAKE_FAILED) | zmq.EVENT_CONNECTED | zmq.EVENT_CONNECT_RETRIED
 _MONITOR_EVENTS |= zmq.EVENT_HANDSHAKE_SUCCEEDED
-_SCHEMES = ("tcp", "ipc", "inproc")
-_ADDRESS = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://(.*)", re.DOTALL)
-
-
-def check_address(address: str) -> str:
-    """``address`` if a client can connect to it, else :class:`BadAddress` saying why."""
-    if not isinstance(address, str):
-        raise BadAddress(f"worker address must be a str, got {type(address).__name__}")
-    m = _ADDRESS.fullmatch(address)
-    scheme, rest = m.groups() if m is not None else ("", "")
-    host, sep, port = rest.rpartition(":")
-    why = ""
-    if m is None:
-        why = " has no scheme: expected tcp://host:port, ipc://path or inproc://name"
-    elif scheme not in _SCHEMES:
-        why = f": transport {scheme!r} is not supported (use one of {', '.join(_SCHEMES)})"
-    elif not rest:
-        why = f" names no endpoint after {scheme}://"
-    elif scheme == "tcp" and (not sep or not host):
-        why = " needs a port: tcp://host:port"
-    elif scheme == "tcp" and host == "*":
-        why = ": '*' binds, a client needs a host"
-    elif scheme == "tcp" and not (port.isdigit() and 0 < int(port) < 65536):
-        why = f": port {port!r} is not a number in 1-65535"
-    if why:
-        raise BadAddress(f"worker address {address!r}{why}")
-    return address
 
 
 @dataclass
@@ -159,10 +132,16 @@ class Worker:
         self.address = address
         self.curve = config.curve is not None
         try:
+            # No frame cap: a reply over max_message_size fails its call (the decoder's
+            # MessageTooLarge) instead of dropping the connection of a healthy worker.
             sock = make_dealer(
-                zctx, address, hwm=config.hwm, max_message_size=config.max_message_size,
-                curve=config.curve, routing_id=identity,
-            )  # fmt: skip
+                zctx,
+                address,
+                hwm=config.hwm,
+                max_message_size=None,
+                curve=config.curve,
+                routing_id=identity,
+            )
         except zmq.ZMQError as exc:
             raise BadAddress(f"cannot connect to worker address {address!r}: {exc}") from exc
         self.monitor: zmq.Socket[Any] | None = make_monitor(sock, _MONITOR_EVENTS)

@@ -32,7 +32,7 @@ def reference(opts: dict[str, str]) -> Any:
 def echo(opts: dict[str, str]) -> Any:
     """The echo handler (:func:`~transport.echo_handler`); no options."""
     if opts:
-        raise ValueError("--engine echo takes no --engine-opt")
+        raise ValueError(f"the echo engine takes no options, got {sorted(opts)}")
     from transport.worker.echo import echo_handler
 
     return echo_handler

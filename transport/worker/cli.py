@@ -23,6 +23,7 @@ from typing import Any, NoReturn
 import zmq
 
 from transport.engines.registry import ENGINES, resolve_engine
+from transport.errors import BadAddress
 from transport.metrics import start_http_server
 from transport.options import resolve_entry
 from transport.sockets import CurveConfig
@@ -102,11 +103,19 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    # A default only where the help does not say it, and there is one.
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if "default" in (action.help or "") or action.default in (None, "", []):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = _Parser(
         prog=PROG,
         description="A generation worker: a ZeroMQ ROUTER serving a generate engine.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_Help,
     )
     add = p.add_argument
     add("--bind", action="append", required=True, help="address to bind (repeatable)")
@@ -201,6 +210,8 @@ async def _amain(args: argparse.Namespace) -> None:
         endpoints = await server.start()
     except zmq.ZMQError as exc:
         raise UserError(f"cannot bind {', '.join(args.bind)}: {exc}") from exc
+    except BadAddress as exc:
+        raise UserError(str(exc)) from exc
     except (OSError, ValueError) as exc:  # CURVE certificates
         raise UserError(f"{type(exc).__name__}: {exc}") from exc
     except RuntimeError as exc:  # a plugin failed as it started

@@ -21,10 +21,15 @@ from transport import (
     ClientConfig,
     CurveConfig,
     FabricClient,
+    FabricController,
     NoWorkerAvailable,
     SyncFabricClient,
     TransportError,
+    WorkerConfig,
+    WorkerServer,
+    echo_handler,
 )
+from transport.addresses import check_address
 
 QUICK = ClientConfig(heartbeat_interval=0.05, connect_timeout=0.5, request_timeout=60)
 
@@ -136,6 +141,8 @@ def test_bad_addresses_are_rejected_up_front(address: str, why: str) -> None:
     asyncio.run(main())
     with pytest.raises(BadAddress, match=why):
         SyncFabricClient([address])
+    with pytest.raises(BadAddress, match=why):
+        FabricController([address])
 
 
 def test_metrics_endpoint_counts_the_client(spawn: Callable[..., WorkerProc]) -> None:
@@ -155,3 +162,24 @@ def test_metrics_endpoint_counts_the_client(spawn: Callable[..., WorkerProc]) ->
     text = asyncio.run(main())
     assert "fastio_client_latency_seconds_count" in text
     assert "fastio_client_resends_total" in text and "fastio_client_worker_deaths_total" in text
+
+
+@pytest.mark.parametrize(
+    ("address", "why"),
+    [
+        ("127.0.0.1:5555", "has no scheme"),
+        ("tcp://127.0.0.1:99999", "not a number in 0-65535"),
+        ("udp://127.0.0.1:5555", "transport 'udp' is not supported"),
+    ],
+)
+def test_bad_bind_addresses_are_rejected_before_binding(address: str, why: str) -> None:
+    from transport.weights import WeightPublisher  # the weights extra
+
+    with pytest.raises(BadAddress, match=f"bind address {address!r}.*{why}"):
+        WeightPublisher(address)
+    server = WorkerServer(echo_handler, WorkerConfig(bind=address))
+    with pytest.raises(BadAddress, match=why):
+        asyncio.run(server.start())
+    # Port 0 or *, and host *, bind.
+    assert check_address("tcp://*:0", bind=True) == "tcp://*:0"
+    assert check_address("tcp://127.0.0.1:*", bind=True) == "tcp://127.0.0.1:*"

@@ -330,3 +330,26 @@ def test_error_reply_sent_while_disconnected_is_replayed(
 
 def engine_of_faults() -> str:
     return "tests.transport.recovery_plugins:faulty_engine"
+
+
+def test_messages_over_the_size_limit_fail_their_call_not_the_worker(
+    spawn: Callable[..., WorkerProc],
+) -> None:
+    # 100 kB limits on both sides: a 120 kB request is refused TOO_LARGE (libzmq's cap is
+    # twice the limit, so the worker's decoder sees it); a reply over the client's limit
+    # fails its call. The worker keeps serving and the client keeps it alive.
+    w = spawn("--bind", "tcp://127.0.0.1:0", "--engine", "echo", "--max-message-size", "100000")
+
+    async def main() -> None:
+        cfg = ClientConfig(heartbeat_interval=0.2, max_message_size=100_000)
+        async with FabricClient([w.address], cfg) as client:
+            with pytest.raises(RemoteError, match="exceeds the limit") as big:
+                await client.agenerate(req(list(range(30_000))), timeout=20)
+            assert big.value.code == fm.ErrorCode.TOO_LARGE
+            # 10,000 tokens in (40 kB), out with their logprobs and versions (over 100 kB).
+            with pytest.raises(RemoteError, match="exceeds the limit of 100000 bytes"):
+                await client.agenerate(req(list(range(10_000))), timeout=20)
+            assert (await client.agenerate(req([1, 2, 3]), timeout=20)).output_tokens == [1, 2, 3]
+            assert client.counters["workers_died"] == 0
+
+    asyncio.run(main())

@@ -14,7 +14,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 import transport
 from transport import sockets
-from transport.sockets import make_monitor, make_pair
+from transport.sockets import FRAME_CAP, make_monitor, make_pair
 
 PACKAGE = Path(transport.__file__).parent
 #: Calls that make a ZeroMQ socket (``ctx.socket``, ``zmq.Socket(...)``,
@@ -123,7 +123,7 @@ def test_weight_sockets_keep_their_options(monkeypatch: Any) -> None:
     # the PUB keeps libzmq's receive HWM and no size limit (it receives subscriptions).
     assert router == {
         zmq.TYPE: zmq.ROUTER, zmq.LINGER: 0, zmq.SNDHWM: 10_000, zmq.RCVHWM: 10_000,
-        zmq.MAXMSGSIZE: 4 << 20, zmq.AFFINITY: 0b110,
+        zmq.MAXMSGSIZE: FRAME_CAP * 4 << 20, zmq.AFFINITY: 0b110,
     }  # fmt: skip
     assert pub_sock == {
         zmq.TYPE: zmq.PUB, zmq.LINGER: 0, zmq.SNDHWM: 10_000, zmq.RCVHWM: 1000,
@@ -131,5 +131,5 @@ def test_weight_sockets_keep_their_options(monkeypatch: Any) -> None:
     }  # fmt: skip
     assert sub_made == [
         {zmq.TYPE: zmq.SUB, zmq.LINGER: 0, zmq.SNDHWM: 1000, zmq.RCVHWM: 1000,
-         zmq.MAXMSGSIZE: 64 << 20, zmq.AFFINITY: 0}
+         zmq.MAXMSGSIZE: FRAME_CAP * 64 << 20, zmq.AFFINITY: 0}
     ]  # fmt: skip

@@ -34,7 +34,7 @@ def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]
         (["--bind", "tcp://127.0.0.1:0", "--engine", "vllm", "--engine-opt", "url=http://127.0.0.1:1"], 2, "cannot reach the vLLM server at http://127.0.0.1:1"),
         (["--bind", "tcp://127.0.0.1:0", "--engine", "sglang", "--engine-opt", "url=http://127.0.0.1:1", "--engine-opt", "colour=red"], 2, "unknown option(s) ['colour']"),
         (["--bind", "tcp://127.0.0.1:0", "--engine-opt", "novalue"], 2, "expected key=value"),
-        (["--bind", "127.0.0.1:5555", "--engine", "echo"], 2, "cannot bind 127.0.0.1:5555"),
+        (["--bind", "127.0.0.1:5555", "--engine", "echo"], 2, "bind address '127.0.0.1:5555' has no scheme"),
         (["--bind", "tcp://127.0.0.1:0", "--engine", "no_such_mod:f"], 2, "cannot import"),
         (["--bind", "tcp://127.0.0.1:0", "--engine", "echo", "--engine-opt", "a=1"], 2, "echo"),
         (["--bind", "tcp://127.0.0.1:0", "--engine-opt", "depth=3"], 2, "reference engine takes"),
