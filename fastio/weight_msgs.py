@@ -40,7 +40,9 @@ class WeightBucketInfo(msgspec.Struct, array_like=True, gc=False):
 
 
 class WeightHello(WireStruct, tag=int(MsgKind.WEIGHT_HELLO)):
-    """Subscriber -> publisher: handshake, repeated as a heartbeat (``version -1``: none)."""
+    """Subscriber -> publisher: handshake, repeated as a heartbeat (``version -1``: none;
+    ``source``: the ``publisher_id`` that version came from, ``""`` for initial weights or
+    a peer that does not say)."""
 
     worker_id: str
     host_id: str
@@ -49,6 +51,7 @@ class WeightHello(WireStruct, tag=int(MsgKind.WEIGHT_HELLO)):
     digest: int | None = None
     dtype: str = ""
     start_time: int = 0
+    source: str = ""
 
 
 class WeightAnnounce(WireStruct, tag=int(MsgKind.WEIGHT_ANNOUNCE)):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgpack
 import msgspec
 import numpy as np
 import pytest
@@ -15,6 +16,7 @@ import pytest
 import fastio
 from fastio import Decoder, Encoder, GenerationHyperparameters, LLMRequest, LLMResponse, TokenArray
 from fastio.protocol import MsgKind
+from fastio.weight_msgs import WeightHello
 
 RESP_TAG = int(MsgKind.LLM_RESPONSE)
 REQ_TAG = int(MsgKind.LLM_REQUEST)
@@ -128,3 +130,28 @@ def test_test_types_stay_out_of_the_union() -> None:
     # collide with a real wire tag.
     assert NewerResponse not in fastio.codec.message_types()
     assert type(fastio.decode(fastio.encode(LLMResponse()))) is LLMResponse
+
+
+class OldHello(msgspec.Struct, array_like=True, tag_field="__kind__", tag=40):
+    """WeightHello of the releases before its ``source`` field."""
+
+    worker_id: str
+    host_id: str
+    pid: int
+    version: int = -1
+    digest: int | None = None
+    dtype: str = ""
+    start_time: int = 0
+
+
+def test_weight_hello_bytes_before_and_after_its_source_field() -> None:
+    assert int(MsgKind.WEIGHT_HELLO) == 40
+    # The body an older subscriber sends, literally: read today as a Hello without a source.
+    old = msgpack.packb([40, "w0", "host", 12, 5, None, "", 99])
+    assert msgspec.msgpack.decode(old, type=WeightHello) == WeightHello(
+        "w0", "host", 12, 5, None, "", 99, source=""
+    )
+    # Today's Hello in an older publisher: the trailing field is ignored.
+    new = msgspec.msgpack.encode(WeightHello("w0", "host", 12, 5, None, "", 99, source="p1"))
+    assert new == b"\x99" + old[1:] + msgpack.packb("p1")  # an array of 9, not 8: appended
+    assert msgspec.msgpack.decode(new, type=OldHello) == OldHello("w0", "host", 12, 5, None, "", 99)

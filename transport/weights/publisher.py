@@ -75,7 +75,7 @@ class WeightPublisher:
         self.publisher_id = secrets.token_hex(8)
         self.host_id = _shm.host_id()
         metrics.expose("publisher")
-        self.core = PublisherCore(self.host_id, cfg.worker_timeout)
+        self.core = PublisherCore(self.host_id, cfg.worker_timeout, publisher_id=self.publisher_id)
         self.counters = self.core.counters
         self._cond = threading.Condition()
         self._probe: _shm.Probe | None = None

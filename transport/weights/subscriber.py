@@ -301,7 +301,7 @@ class WeightSubscriber:
         self._send(
             wm.WeightHello(
                 self.worker_id, self._host, r.pid, self.core.reported_version, r.digest,
-                self._hello_dtype, r.start_time,
+                self._hello_dtype, r.start_time, self.core.source,
             )
         )  # fmt: skip
 

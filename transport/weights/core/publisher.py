@@ -95,11 +95,13 @@ class PublisherCore:
         host_id: str,
         worker_timeout: float,
         *,
+        publisher_id: str = "",
         alive: Callable[[int, int], bool] = process_alive,
         start_time_of: Callable[[int], int | None] = process_start_time,
     ) -> None:
         self.host_id = host_id
         self.worker_timeout = worker_timeout
+        self.publisher_id = publisher_id
         self._alive = alive
         self._start_time_of = start_time_of
         self.workers: dict[str, SubscriberInfo] = {}
@@ -247,11 +249,13 @@ class PublisherCore:
             info.hello_start_time = msg.start_time
         info.host_id, info.pid = msg.host_id, msg.pid
         info.version, info.digest, info.dtype = msg.version, msg.digest, msg.dtype
+        # A version from another publisher instance (a restarted trainer's) is none of ours.
+        held = msg.version if msg.source in ("", self.publisher_id) else -1
         latest = self.latest
-        if latest is not None and msg.version < latest.version and wid not in latest.acks:
+        if latest is not None and held < latest.version and wid not in latest.acks:
             latest.expected.add(wid)
         for led in self.versions.values():
-            if led.version > msg.version:
+            if led.version > held:
                 continue
             # A Hello at version >= v means v was applied even if its Ack was lost.
             if wid in led.expected and wid not in led.acks:
@@ -259,7 +263,7 @@ class PublisherCore:
                 led.answer(wid, ack, (wid, msg.pid, msg.start_time), now)
             else:
                 led.forget_reader((wid, msg.pid, msg.start_time))
-        return latest if latest is not None and msg.version < latest.version else None
+        return latest if latest is not None and held < latest.version else None
 
     def on_ack(self, wid: str, msg: WeightAck, now: float) -> bool:
         """Record an Ack; False (ignored, counted) when ``wid`` never said Hello."""

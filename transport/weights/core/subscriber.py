@@ -33,6 +33,7 @@ class SubscriberCore:
         self.retries = max(1, retries)
         self._consistent = True
         self.publisher_id = ""
+        self.source = ""  # the publisher instance ``version`` came from ("": the initial one)
         self.last_seq = 0
         self.last_heard = 0.0
         self.counters = Counts()
@@ -87,10 +88,10 @@ class SubscriberCore:
         return bool(self.last_heard) and now - self.last_heard > timeout
 
     def consider(self, publisher_id: str, version: int, in_flight: int | None) -> tuple[bool, bool]:
-        """An Announce: ``(supersede, attempt)`` the version in flight, and this one."""
-        if (version <= self.version and self._consistent) or (
-            in_flight is not None and in_flight >= version
-        ):
+        """An Announce: ``(supersede, attempt)`` the version in flight, and this one (an
+        older or equal one too when the weights came from another publisher instance)."""
+        held = self._consistent and self.source in ("", publisher_id)
+        if (held and version <= self.version) or (in_flight is not None and in_flight >= version):
             return False, False
         key = (publisher_id, version)
         if key not in self._given_up:
@@ -104,8 +105,9 @@ class SubscriberCore:
         self._given_up.add((publisher_id, version))
 
     def applied(self, version: int) -> None:
-        """The weights are now all of ``version``."""
+        """The weights are now all of ``version``, from the publisher followed now."""
         self.version = version
+        self.source = self.publisher_id
         self._consistent = True
         self._attempts = {k: n for k, n in self._attempts.items() if k[1] > version}
         self._given_up = {k for k in self._given_up if k[1] > version}

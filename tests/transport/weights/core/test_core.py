@@ -4,6 +4,7 @@ reports and when a buffer may be reused, driven by messages and a fake clock."""
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from fastio.weight_msgs import WeightAck, WeightAnnounce, WeightBucketInfo, WeightFetch, WeightHello
@@ -107,6 +108,22 @@ def test_a_hello_at_the_version_counts_as_its_lost_ack() -> None:
     announce(c, 1)
     assert c.on_hello("w", hello("w", version=1), 0.5) is None
     assert c.result(1, 1.0).ok
+
+
+def test_a_version_from_another_publisher_instance_is_none_of_ours() -> None:
+    c = PublisherCore(HOST, 10.0, publisher_id="p2")
+    c.on_hello("w", hello("w", version=0), 0.0)
+    announce(c, 1)
+    # The worker holds version 5 of the trainer before the restart ("p1"): no ack of 1,
+    # and the snapshot (version 1) is its to fetch.
+    led = c.on_hello("w", msgspec.structs.replace(hello("w", version=5), source="p1"), 0.5)
+    assert led is not None and led.version == 1 and c.result(1, 1.0).missing == ["w"]
+    for source in ("p2", ""):  # ours, or a peer that does not say: the version counts
+        c2 = PublisherCore(HOST, 10.0, publisher_id="p2")
+        c2.on_hello("w", hello("w", version=0), 0.0)
+        announce(c2, 1)
+        assert c2.on_hello("w", msgspec.structs.replace(hello("w", 5), source=source), 0.5) is None
+        assert c2.result(1, 1.0).ok
 
 
 def test_a_worker_behind_gets_the_snapshot_and_is_expected() -> None:
@@ -349,6 +366,18 @@ def test_a_welcome_holds_the_state_up_to_its_seq() -> None:
     assert s.notice("p", "heartbeat", 3, 2.5) == "handle" and s.counters["gaps"] == 0
     assert s.notice("p", "announce", 3, 2.6) == "handle"  # the PUB copy, late: still handled
     assert s.notice("p", "welcome", 2, 3.0) == "handle" and s.last_seq == 3  # an older one
+
+
+def test_versions_of_another_publisher_instance_are_tried_whatever_their_number() -> None:
+    s = SubscriberCore(version=3)  # initial weights: trusted against any publisher
+    assert s.consider("p1", 3, None) == (False, False)
+    s.notice("p1", "welcome", 1, 0.0)
+    s.applied(5)
+    assert s.source == "p1" and s.consider("p1", 4, None) == (False, False)
+    s.notice("p2", "welcome", 1, 1.0)  # the trainer restarted from an earlier checkpoint
+    assert s.consider("p2", 2, None) == (False, True) and s.consider("p2", 5, None)[1]
+    s.applied(2)
+    assert (s.version, s.source) == (2, "p2") and s.consider("p2", 2, None) == (False, False)
 
 
 def test_versions_are_tried_when_newer_at_most_retries_times() -> None:

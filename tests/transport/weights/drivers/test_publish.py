@@ -34,6 +34,7 @@ from fastio.weight_msgs import (
     WeightHello,
     WeightWelcome,
 )
+from tests.helpers import free_port
 from tests.transport.conftest import wait_for
 from tests.transport.weights.helpers import equal, make_state, plan_for, zeros_like
 from transport.weights import (
@@ -825,3 +826,32 @@ def test_a_version_not_yet_announced_at_close_frees_its_segment(
     t.join(10)
     assert not t.is_alive() and "closed while publishing" in str(errors[0])
     assert not (wshm.SHM_DIR / seg.name).exists()
+
+
+@pytest.mark.parametrize("again", [1, 5], ids=["older", "same-number"])
+def test_a_restarted_publisher_s_versions_are_applied_whatever_their_number(
+    ctx: Any, again: int
+) -> None:
+    # The trainer restarted (a new publisher on the same endpoint) from an earlier
+    # checkpoint: its version `again` is not above what the worker holds, yet it is
+    # other weights. The worker applies it, and no Hello of the old version acks it.
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    old, new = {"w": torch.full((64, 64), 5.0)}, {"w": torch.full((64, 64), 1.0)}
+    target = {"w": torch.zeros(64, 64)}
+    # Each publisher on a context of its own: its close() ends the listener at once.
+    pub = WeightPublisher(endpoint, shm=False, heartbeat_interval=0.1)
+    sub = WeightSubscriber(
+        endpoint, target, report_digest=True, context=ctx, heartbeat_interval=0.1
+    ).start()
+    try:
+        pub.wait_for_workers(1, 20)
+        assert pub.publish_and_wait(old, 5, timeout=20).ok
+        pub.close()
+        pub = WeightPublisher(endpoint, shm=False, heartbeat_interval=0.1)
+        pub.wait_for_workers(1, 20)
+        res = pub.publish_and_wait(new, again, timeout=20)
+        assert res.applied[sub.worker_id].digest == state_digest(new)
+        assert sub.version == again and equal(target, new)
+    finally:
+        sub.close()
+        pub.close()
