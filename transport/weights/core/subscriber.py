@@ -69,10 +69,9 @@ class SubscriberCore:
             self.publisher_id, self.last_seq, self.last_heard = publisher_id, seq, now
             return "handshake"
         self.last_heard = now
-        if kind == "welcome":  # the state as of seq: an Announce up to it was not lost
-            self.last_seq = max(self.last_seq, seq)
-            return "handle"
-        if seq <= self.last_seq:
+        # A Welcome leaves last_seq: an Announce lost on PUB is still counted at the next
+        # Heartbeat when a Welcome brought its state first (at the cost of one Hello).
+        if kind == "welcome" or seq <= self.last_seq:
             return "handle"
         if kind == "heartbeat" or seq > self.last_seq + 1:
             self.count("gaps")  # an Announce skipping numbers is itself the latest state

@@ -358,16 +358,6 @@ def test_a_handshake_that_failed_is_shaken_again() -> None:
     assert s.notice("p", "welcome", 1, 2.0) == "handshake"
 
 
-def test_a_welcome_holds_the_state_up_to_its_seq() -> None:
-    s = SubscriberCore()
-    s.notice("p", "welcome", 1, 1.0)
-    # A Hello's Welcome brought Announce 3 (lost on PUB, or sent before SUB joined).
-    assert s.notice("p", "welcome", 3, 2.0) == "handle" and s.last_seq == 3
-    assert s.notice("p", "heartbeat", 3, 2.5) == "handle" and s.counters["gaps"] == 0
-    assert s.notice("p", "announce", 3, 2.6) == "handle"  # the PUB copy, late: still handled
-    assert s.notice("p", "welcome", 2, 3.0) == "handle" and s.last_seq == 3  # an older one
-
-
 def test_versions_of_another_publisher_instance_are_tried_whatever_their_number() -> None:
     s = SubscriberCore(version=3)  # initial weights: trusted against any publisher
     assert s.consider("p1", 3, None) == (False, False)
