@@ -24,6 +24,7 @@ from transport.options import NonNegative, NonNegativeSeconds, Port, Positive, S
 from transport.sockets import (
     DEFAULT_HWM,
     DEFAULT_MAX_MESSAGE_SIZE,
+    FRAME_CAP,
     CurveConfig,
     SocketPump,
     make_dealer,
@@ -132,16 +133,13 @@ class Worker:
         self.address = address
         self.curve = config.curve is not None
         try:
-            # No frame cap: a reply over max_message_size fails its call (the decoder's
-            # MessageTooLarge) instead of dropping the connection of a healthy worker.
+            # libzmq's cap at least the default's: a reply over max_message_size fails its
+            # call (the decoder's MessageTooLarge), not the connection of a healthy worker.
+            cap = max(config.max_message_size, DEFAULT_MAX_MESSAGE_SIZE // FRAME_CAP)
             sock = make_dealer(
-                zctx,
-                address,
-                hwm=config.hwm,
-                max_message_size=None,
-                curve=config.curve,
+                zctx, address, hwm=config.hwm, max_message_size=cap, curve=config.curve,
                 routing_id=identity,
-            )
+            )  # fmt: skip
         except zmq.ZMQError as exc:
             raise BadAddress(f"cannot connect to worker address {address!r}: {exc}") from exc
         self.monitor: zmq.Socket[Any] | None = make_monitor(sock, _MONITOR_EVENTS)

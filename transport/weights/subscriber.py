@@ -352,5 +352,5 @@ class WeightSubscriber:
             if self._pub_endpoint:
                 with contextlib.suppress(zmq.ZMQError):
                     self._sub.disconnect(self._pub_endpoint)
+            self._sub.connect(pub_endpoint)  # first: a failed one is tried at the next handshake
             self._pub_endpoint = pub_endpoint
-            self._sub.connect(pub_endpoint)

@@ -53,6 +53,12 @@ class SubscriberCore:
         self._consistent = False
 
     @property
+    def held_version(self) -> int:
+        """``version`` as the publisher followed now counts it: ``-1`` when it came from
+        another publisher instance (a restarted trainer's versions are all new to it)."""
+        return self.version if self.source in ("", self.publisher_id) else -1
+
+    @property
     def reported_version(self) -> int:
         """The version reported in Hellos and Acks: ``-1`` while the weights are mixed."""
         return self.version if self._consistent else -1
@@ -89,8 +95,10 @@ class SubscriberCore:
     def consider(self, publisher_id: str, version: int, in_flight: int | None) -> tuple[bool, bool]:
         """An Announce: ``(supersede, attempt)`` the version in flight, and this one (an
         older or equal one too when the weights came from another publisher instance)."""
-        held = self._consistent and self.source in ("", publisher_id)
-        if (held and version <= self.version) or (in_flight is not None and in_flight >= version):
+        held = self.version if self.source in ("", publisher_id) else -1
+        if (self._consistent and version <= held) or (
+            in_flight is not None and in_flight >= version
+        ):
             return False, False
         key = (publisher_id, version)
         if key not in self._given_up:

@@ -288,7 +288,7 @@ class IpcReceiver:
             return
         if self.importer is None:
             self.importer = IpcImporter(self.targets, worker_id=self.worker_id, atomic=self.atomic)
-        self.importer.version = self.core.version
+        self.importer.version = self.core.held_version
         self._asked = self.core.publisher_id
         self.send(self.importer.hello())
 
@@ -314,7 +314,7 @@ class IpcReceiver:
         imp = self.importer
         if imp is None or offer.publisher_id != self.core.publisher_id:
             return
-        imp.version = self.core.version
+        imp.version = self.core.held_version
         try:
             ack = imp.open(offer)
             self.send(ack)
@@ -328,7 +328,7 @@ class IpcReceiver:
 
     def consider(self, ann: WeightAnnounce) -> None:
         """An Announce: kept as the fallback while the slots are open, else fetched."""
-        if not (self.opened and self.fallback.keep(ann, self.core.version, time.monotonic())):
+        if not (self.opened and self.fallback.keep(ann, self.core.held_version, time.monotonic())):
             self.fetcher.consider(ann)
 
     def on_ready(self, r: IpcReady) -> None:
@@ -388,7 +388,7 @@ class IpcReceiver:
             return
         up = self.fetcher.update
         fetching = up.ann.version if up is not None else None
-        act = self.fallback.on_failure(bad.version, self.core.version, fetching)
+        act = self.fallback.on_failure(bad.version, self.core.held_version, fetching)
         if act is None:
             return
         self._fell_back(bad.version, f"failed on the ipc path ({bad.error})")
@@ -406,7 +406,7 @@ class IpcReceiver:
     def check_timeouts(self, now: float) -> None:
         """Fall back to shm/tcp for a version ipc does not deliver; drop the slots of a
         trainer that is gone."""
-        ann = self.fallback.overdue(self.core.version, now, self.publisher_timeout)
+        ann = self.fallback.overdue(self.core.held_version, now, self.publisher_timeout)
         if ann is not None:
             self._fell_back(ann.version, f"did not come by ipc in {self.publisher_timeout:.1f} s")
             self.fetcher.consider(ann)

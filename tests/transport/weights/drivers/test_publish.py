@@ -828,9 +828,10 @@ def test_a_version_not_yet_announced_at_close_frees_its_segment(
     assert not (wshm.SHM_DIR / seg.name).exists()
 
 
+@pytest.mark.parametrize("ipc", ["off", "cpu"], ids=["tcp", "ipc"])
 @pytest.mark.parametrize("again", [1, 5], ids=["older", "same-number"])
 def test_a_restarted_publisher_s_versions_are_applied_whatever_their_number(
-    ctx: Any, again: int
+    ctx: Any, again: int, ipc: str
 ) -> None:
     # The trainer restarted (a new publisher on the same endpoint) from an earlier
     # checkpoint: its version `again` is not above what the worker holds, yet it is
@@ -839,7 +840,7 @@ def test_a_restarted_publisher_s_versions_are_applied_whatever_their_number(
     old, new = {"w": torch.full((64, 64), 5.0)}, {"w": torch.full((64, 64), 1.0)}
     target = {"w": torch.zeros(64, 64)}
     # Each publisher on a context of its own: its close() ends the listener at once.
-    pub = WeightPublisher(endpoint, shm=False, heartbeat_interval=0.1)
+    pub = WeightPublisher(endpoint, shm=False, ipc=ipc, heartbeat_interval=0.1)
     sub = WeightSubscriber(
         endpoint, target, report_digest=True, context=ctx, heartbeat_interval=0.1
     ).start()
@@ -847,11 +848,35 @@ def test_a_restarted_publisher_s_versions_are_applied_whatever_their_number(
         pub.wait_for_workers(1, 20)
         assert pub.publish_and_wait(old, 5, timeout=20).ok
         pub.close()
-        pub = WeightPublisher(endpoint, shm=False, heartbeat_interval=0.1)
+        pub = WeightPublisher(endpoint, shm=False, ipc=ipc, heartbeat_interval=0.1)
         pub.wait_for_workers(1, 20)
+        if ipc != "off":  # the slots asked for (offered with the version): it goes by ipc
+            wait_for(lambda: len(pub.ipc.hellos) >= 1, 20, "the worker's IpcHello")
         res = pub.publish_and_wait(new, again, timeout=20)
         assert res.applied[sub.worker_id].digest == state_digest(new)
+        assert res.paths[sub.worker_id] == ("tcp" if ipc == "off" else "ipc")
         assert sub.version == again and equal(target, new)
     finally:
         sub.close()
         pub.close()
+
+
+def test_a_handshake_that_failed_part_way_is_tried_again(
+    pair: Pair, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = zmq.Socket.connect
+    sub_connects: list[str] = []
+
+    def connect(sock: zmq.Socket[Any], endpoint: str) -> Any:
+        if sock.type == zmq.SUB:
+            sub_connects.append(endpoint)
+            if len(sub_connects) == 1:  # the first one to the PUB fails
+                raise zmq.ZMQError(zmq.EINVAL)
+        return real(sock, endpoint)
+
+    monkeypatch.setattr(zmq.Socket, "connect", connect)
+    pub = pair.publisher(shm=False)
+    sub = pair.subscriber(zeros_like(make_state(0)))
+    wait_for(lambda: len(sub_connects) >= 2, 10, "the handshake tried again")
+    assert sub_connects == [pub.pub_endpoint] * 2 and sub.counters["internal_errors"] == 1
+    assert pub.publish_and_wait(make_state(1), 1, timeout=20).ok
