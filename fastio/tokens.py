@@ -381,7 +381,7 @@ def _numbers(
         raise OverflowError(f"{what}: {exc}") from exc
     except ValueError as exc:  # ragged nesting, text
         raise ValueError(f"{what} must be a flat sequence of numbers") from exc
-    if arr.dtype.kind == "O" and all(isinstance(x, int) for x in data):
+    if arr.dtype.kind == "O" and all(isinstance(x, (int, np.integer)) for x in data):
         raise OverflowError(
             f"{what} holds integers of at most 64 bits (int64, or uint64 for values in "
             "[2**63, 2**64)): no numpy dtype holds larger ones and the wire cannot carry them"
