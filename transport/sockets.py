@@ -20,8 +20,8 @@ from transport.zmqio import COPY_BELOW, recv_frames, send_frames, tune_allocator
 __all__ = [
     "DEFAULT_HWM", "DEFAULT_MAX_MESSAGE_SIZE", "DEFAULT_PEER_QUEUE_LIMIT", "FRAME_CAP",
     "CurveConfig", "SocketPump", "WorkerAuthenticator", "apply_curve_client",
-    "apply_curve_server", "bind_all", "make_dealer", "make_monitor", "make_pair", "make_router", "make_socket", "recv_frames",
-    "send_frames", "tune_allocator", "tune_malloc",
+    "apply_curve_server", "bind_all", "make_dealer", "make_monitor", "make_pair", "make_router",
+    "make_socket", "recv_frames", "send_frames", "tune_allocator", "tune_malloc",
 ]  # fmt: skip
 
 log = logging.getLogger("transport.sockets")
